@@ -1,0 +1,202 @@
+"""Tensor statistics: which tensors get stats, and the batched reduction that computes them.
+
+The hot path never reduces a tensor itself: hooks only call :func:`classify` (attribute reads,
+no kernel) and queue the tensor in a :class:`PendingStats`. Once per batch, :meth:`PendingStats.resolve`
+reduces every queued tensor on its own device, stacks the results and copies them to the host
+in one transfer per device: that is the batch's single host synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["TensorStats", "PendingStats", "classify", "dtype_max"]
+
+# Tensors above this many elements are reduced in slices, so that the temporary |x| never
+# needs more memory than one slice (an LLM's logits can be gigabytes).
+_SLICE_ELEMENTS = 1 << 24
+
+_NATIVE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class TensorStats:
+    """abs min / abs max / NaN / Inf of one tensor, filled in when its batch is resolved."""
+
+    __slots__ = ("abs_min", "abs_max", "nan", "inf", "note")
+
+    def __init__(self) -> None:
+        self.abs_min: float = math.nan
+        self.abs_max: float = math.nan
+        self.nan: bool = False
+        self.inf: bool = False
+        # "" once resolved; "pending" until then; otherwise why there are no stats.
+        self.note: str = "pending"
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.nan or self.inf
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return (f"TensorStats(abs_min={self.abs_min:.3g}, abs_max={self.abs_max:.3g}, "
+                f"nan={self.nan}, inf={self.inf}, note={self.note!r})")
+
+
+def classify(tensor: torch.Tensor) -> str:
+    """Return "" when ``tensor`` gets stats, else the contract's note saying why not.
+
+    Only reads metadata, so it is safe on meta, sparse and fake tensors and costs no kernel.
+    """
+    if tensor.layout is not torch.strided:
+        return "sparse"
+    if tensor.is_meta:
+        return "meta"
+    if getattr(tensor, "is_nested", False):
+        return "nested"
+    dtype = tensor.dtype
+    if dtype.is_floating_point:
+        return "empty" if tensor.numel() == 0 else ""
+    if dtype.is_complex:
+        return "complex"
+    if dtype is torch.bool:
+        return "bool"
+    if tensor.is_quantized:
+        return "quantized"
+    return "int"
+
+
+def dtype_max(dtype: torch.dtype | str) -> float:
+    """Largest finite value of a floating dtype (65504 for float16); inf for unknown names."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""), None)  # type: ignore[assignment]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return float(torch.finfo(dtype).max)
+    return math.inf
+
+
+def _abs_min_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Device tensor [abs_min, abs_max] in float64; NaN propagates into both."""
+    flat = tensor.detach()
+    if flat.dtype not in _NATIVE_FLOATS:  # float8 and friends: reductions need a real float
+        flat = flat.float()
+    if flat.numel() <= _SLICE_ELEMENTS:
+        low, high = torch.aminmax(flat.abs())
+        return torch.stack((low, high)).double()
+    flat = flat.reshape(-1)
+    parts = [torch.stack(torch.aminmax(part.abs())) for part in flat.split(_SLICE_ELEMENTS)]
+    stacked = torch.stack(parts).double()
+    # max/min propagate NaN, so a NaN in any slice still reaches the result.
+    return torch.stack((stacked[:, 0].min(), stacked[:, 1].max()))
+
+
+class PendingStats:
+    """Tensors queued during a batch, with the :class:`TensorStats` each one will fill.
+
+    A tensor seen twice in the same version (a module's input that is the previous module's
+    output) is queued once and its stats object shared: ``id`` plus ``_version`` identify it,
+    and holding the reference keeps the ``id`` from being reused until the batch resolves.
+    """
+
+    __slots__ = ("tensors", "versions", "stats", "reduced", "_index")
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        self.stats: list[TensorStats] = []
+        # Device results of tensors reduced early (before an in-place module overwrites them).
+        self.reduced: dict[int, torch.Tensor] = {}
+        self._index: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def add(self, tensor: torch.Tensor) -> TensorStats:
+        """Queue ``tensor`` (already classified as measurable) and return its stats object."""
+        version = tensor._version
+        position = self._index.get(id(tensor))
+        if position is not None and self.versions[position] == version \
+                and self.tensors[position] is tensor:
+            return self.stats[position]
+        stats = TensorStats()
+        self._index[id(tensor)] = len(self.tensors)
+        self.tensors.append(tensor)
+        self.versions.append(version)
+        self.stats.append(stats)
+        return stats
+
+    def reduce_now(self, tensor: torch.Tensor) -> TensorStats:
+        """Queue ``tensor`` and reduce it on its device right away, without a host sync.
+
+        Used just before a module that writes into its input (``inplace=True``), so the
+        stats describe the values as they were, not as they will be.
+        """
+        stats = self.add(tensor)
+        position = self._index[id(tensor)]
+        if position not in self.reduced:
+            with torch.no_grad():
+                try:
+                    self.reduced[position] = _abs_min_max(tensor)
+                except Exception:  # resolve() will report it
+                    pass
+        return stats
+
+    def resolve(self) -> None:
+        """Reduce every queued tensor and fill its stats; one host copy per device. Never raises."""
+        if not self.tensors:
+            return
+        tensors, versions, stats, reduced = self.tensors, self.versions, self.stats, self.reduced
+        self.tensors, self.versions, self.stats, self.reduced, self._index = [], [], [], {}, {}
+        by_device: dict[torch.device, list[int]] = {}
+        for position, tensor in enumerate(tensors):
+            by_device.setdefault(tensor.device, []).append(position)
+        with torch.no_grad():
+            for positions in by_device.values():
+                _resolve_group(tensors, versions, stats, reduced, positions)
+
+
+def _resolve_group(tensors: list[torch.Tensor], versions: list[int], stats: list[TensorStats],
+                   reduced: dict[int, torch.Tensor], positions: list[int]) -> None:
+    results: list[torch.Tensor | None] = []
+    for position in positions:
+        early = reduced.get(position)
+        if early is not None:
+            results.append(early)
+            versions[position] = tensors[position]._version  # measured before the change
+            continue
+        try:
+            results.append(_abs_min_max(tensors[position]))
+        except Exception as error:  # an exotic tensor subclass: report, never crash the forward
+            results.append(None)
+            stats[position].note = f"unsupported ({type(error).__name__})"
+    measured = [r for r in results if r is not None]
+    values = torch.stack(measured).tolist() if measured else []  # the one host sync
+    value_iter = iter(values)
+    nan_positions: list[int] = []
+    for position, result in zip(positions, results):
+        if result is None:
+            continue
+        low, high = next(value_iter)
+        cell = stats[position]
+        cell.abs_min, cell.abs_max = low, high
+        cell.nan = high != high
+        cell.inf = high == math.inf
+        cell.note = "" if tensors[position]._version == versions[position] else "changed in place later"
+        if cell.nan and position not in reduced:
+            nan_positions.append(position)
+    # A NaN hides any Inf from max(); only batches that hold a NaN pay for this second look.
+    if nan_positions:
+        flags = torch.stack([torch.isinf(tensors[p].detach()).any() for p in nan_positions]).tolist()
+        for position, has_inf in zip(nan_positions, flags):
+            stats[position].inf = bool(has_inf)
+
+
+def stats_now(value: Any) -> TensorStats | None:
+    """Measure one tensor immediately (slow path: replay, tests, ``detect_overflow``)."""
+    if not isinstance(value, torch.Tensor) or classify(value):
+        return None
+    pending = PendingStats()
+    cell = pending.add(value)
+    pending.resolve()
+    return cell

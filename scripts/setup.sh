@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install nanwidget with its test tools on a fresh machine (CPU build of torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q torch==2.13.0 || "$PY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.2"
+fi
+"$PY" -m pip install -q -e ".[dev,bench]"
+# Chromium for the real-browser test (Debian package; Playwright drives it).
+if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) \
+    || echo "setup: chromium not installed; the browser test will be skipped"
+fi
