@@ -193,6 +193,7 @@ class NanWatch:
                                    "watched by another NanWatch; close() that one first")
         self.module_names = [name for name, _ in modules]
         self.module_types = [type(m).__name__ for _, m in modules]
+        self._name_index = {name: i for i, name in enumerate(self.module_names)}
         self._history = History(self.module_names, self.module_types, rank=self.rank)
         try:
             for index, (name, module) in enumerate(modules):
@@ -328,13 +329,18 @@ class NanWatch:
                 entries.append(self._leaf_entry(role, leaf))
         self.record_frame(info, "forward", entries)
 
-    def record_frame(self, info: _ModuleInfo, phase: str, entries: list[Entry]) -> Frame:
-        """Append a frame for ``info``'s module (caller holds the lock). Used by extensions too."""
+    def record_frame(self, info: _ModuleInfo, phase: str, entries: list[Entry],
+                     batch: int | None = None) -> Frame:
+        """Append a frame for ``info``'s module (caller holds the lock). Used by extensions too.
+
+        ``batch`` overrides the current batch number, e.g. for backward frames that arrive
+        after the root forward already advanced the count.
+        """
         key = info.index if phase == "forward" else ~info.index
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
-        frame = Frame(self.rank, self.batch, self._frame_counter, info.name, info.type_name,
-                      call, phase, entries)
+        frame = Frame(self.rank, self.batch if batch is None else batch, self._frame_counter,
+                      info.name, info.type_name, call, phase, entries)
         self._frame_counter += 1
         self._batch_frames.append(frame)
         return frame
@@ -357,21 +363,24 @@ class NanWatch:
         self.rank = current_rank()
         event: NanEvent | None = None
         history = self._history
+        name_index = self._name_index
+        trace_batches = self.trace_batches
         for position, frame in enumerate(frames):
-            bad = None
+            bad = False
+            forward = frame.phase == "forward"
             for entry in frame.entries:
                 stats = entry[1]
                 if stats is None:
                     continue
                 if stats.nan or stats.inf:
                     bad = True
-                if frame.phase == "forward" and entry[0].startswith("output"):
-                    history.record(batch, self._module_index(frame), stats.abs_max, stats.abs_min,
-                                   stats.nan or stats.inf)
+                if forward and entry[0].startswith("output"):
+                    history.record(frame.batch, name_index[frame.module], stats.abs_max,
+                                   stats.abs_min, stats.nan or stats.inf)
             if bad and event is None:
                 event = self._make_event(frames, position)
-        if batch in self.trace_batches:
-            self._trace_frames.setdefault(batch, []).extend(frames)
+            if frame.batch in trace_batches:
+                self._trace_frames.setdefault(frame.batch, []).append(frame)
         self._ring.extend(frames)
         if event is not None:
             if len(self._events) < MAX_EVENTS:
@@ -386,16 +395,6 @@ class NanWatch:
             self._frame_counter = 0
         return event
 
-    def _module_index(self, frame: Frame) -> int:
-        return self._name_index[frame.module]
-
-    @property
-    def _name_index(self) -> dict[str, int]:
-        index = getattr(self, "_name_index_cache", None)
-        if index is None:
-            index = {name: i for i, name in enumerate(self.module_names)}
-            self._name_index_cache = index
-        return index
 
     def _make_event(self, frames: list[Frame], position: int) -> NanEvent:
         frame = frames[position]
