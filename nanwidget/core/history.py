@@ -4,7 +4,7 @@ The last ``full_batches`` batches are kept at full resolution; older batches are
 windows (max of abs_max, min of abs_min, any non-finite) whose range is recorded in ``batch`` /
 ``batch_end``. When the windows themselves grow past ``max_windows``, neighbours merge and the
 windows double in width. Nothing is dropped silently; memory stays bounded forever:
-a 200-module model costs about 9 bytes x 200 x (10,000 + 1,000) = 20 MB.
+a 200-module model costs about 17 bytes x 200 x (10,100 + 1,000) = 38 MB.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ class _Rows:
         initial = min(capacity, 64)
         self.batch = np.zeros(initial, dtype=np.int64)
         self.batch_end = np.zeros(initial, dtype=np.int64)
-        self.abs_max = np.full((initial, n_modules), -np.inf, dtype=np.float32)
-        self.abs_min = np.full((initial, n_modules), np.inf, dtype=np.float32)
+        self.abs_max = np.full((initial, n_modules), -np.inf, dtype=np.float64)
+        self.abs_min = np.full((initial, n_modules), np.inf, dtype=np.float64)
         self.flags = np.zeros((initial, n_modules), dtype=np.uint8)
 
     def _grow(self) -> None:
@@ -41,8 +41,8 @@ class _Rows:
         extra = new - len(self.batch)
         self.batch = np.concatenate([self.batch, np.zeros(extra, np.int64)])
         self.batch_end = np.concatenate([self.batch_end, np.zeros(extra, np.int64)])
-        self.abs_max = np.concatenate([self.abs_max, np.full((extra, self.n_modules), -np.inf, np.float32)])
-        self.abs_min = np.concatenate([self.abs_min, np.full((extra, self.n_modules), np.inf, np.float32)])
+        self.abs_max = np.concatenate([self.abs_max, np.full((extra, self.n_modules), -np.inf, np.float64)])
+        self.abs_min = np.concatenate([self.abs_min, np.full((extra, self.n_modules), np.inf, np.float64)])
         self.flags = np.concatenate([self.flags, np.zeros((extra, self.n_modules), np.uint8)])
 
     def append(self, batch: int, batch_end: int, abs_max: np.ndarray, abs_min: np.ndarray,
@@ -79,12 +79,12 @@ class History:
         self.max_windows = max_windows
         self.window = window
         n = len(modules)
-        self._full = _Rows(n, full_batches)
+        self._full = _Rows(n, full_batches + window)
         self._windows = _Rows(n, max_windows + 1)
         # The batch being accumulated (several root calls may share one batch).
         self._current_batch: int | None = None
-        self._cur_max = np.full(n, -np.inf, np.float32)
-        self._cur_min = np.full(n, np.inf, np.float32)
+        self._cur_max = np.full(n, -np.inf, np.float64)
+        self._cur_min = np.full(n, np.inf, np.float64)
         self._cur_flags = np.zeros(n, np.uint8)
 
     def record(self, batch: int, module_index: int, abs_max: float, abs_min: float,
@@ -105,7 +105,7 @@ class History:
         """Close the batch being accumulated (called when a new batch starts or on read)."""
         if self._current_batch is None:
             return
-        if self._full.size == self.full_batches:
+        if self._full.size >= self.full_batches + self.window:
             self._merge_oldest()
         b = self._current_batch
         self._full.append(b, b, self._cur_max, self._cur_min, self._cur_flags)
@@ -115,17 +115,11 @@ class History:
         self._cur_flags.fill(0)
 
     def _merge_oldest(self) -> None:
-        batch, batch_end, abs_max, abs_min, flags = self._full.pop_front(1)
-        windows = self._windows
-        last = windows.size - 1
-        if last >= 0 and windows.batch_end[last] - windows.batch[last] + 1 < self.window:
-            windows.batch_end[last] = batch_end[0]
-            np.maximum(windows.abs_max[last], abs_max[0], out=windows.abs_max[last])
-            np.minimum(windows.abs_min[last], abs_min[0], out=windows.abs_min[last])
-            windows.flags[last] |= flags[0]
-        else:
-            windows.append(int(batch[0]), int(batch_end[0]), abs_max[0], abs_min[0], flags[0])
-        if windows.size > self.max_windows:
+        """Fold the oldest ``window`` full-resolution batches into one window (one memmove per window)."""
+        batch, batch_end, abs_max, abs_min, flags = self._full.pop_front(self.window)
+        self._windows.append(int(batch[0]), int(batch_end[-1]), abs_max.max(axis=0),
+                             abs_min.min(axis=0), np.bitwise_or.reduce(flags, axis=0))
+        if self._windows.size > self.max_windows:
             self._halve_windows()
 
     def _halve_windows(self) -> None:
@@ -149,6 +143,7 @@ class History:
         if leftover is not None:
             w.append(int(leftover[0]), int(leftover[1]), *leftover[2:])
         self.window *= 2
+        self._full.capacity = self.full_batches + self.window
 
     def nbytes(self) -> int:
         """Memory held by the history arrays."""

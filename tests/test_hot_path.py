@@ -1,0 +1,133 @@
+"""The hot path: no host synchronisation per module call, weights measured only when changed."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+
+# Every way a tensor's value reaches the host.
+_SYNC_METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy",
+                 "__repr__", "__format__")
+
+
+@contextmanager
+def count_syncs():
+    """Count host reads of tensor values; yields a dict that fills while the block runs."""
+    counts = {"total": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in _SYNC_METHODS}
+
+    def wrap(name, original):
+        def counted(self, *args, **kwargs):
+            counts["total"] += 1
+            counts[name] = counts.get(name, 0) + 1
+            return original(self, *args, **kwargs)
+        return counted
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, wrap(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _deep_mlp(depth: int) -> nn.Sequential:
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(16, 16), nn.GELU(), nn.LayerNorm(16)]
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("depth", [1, 4, 16])
+def test_one_host_sync_per_batch_whatever_the_number_of_modules(depth):
+    model = _deep_mlp(depth)
+    x = torch.randn(4, 16)
+    with nw.watch(model) as w:
+        model(x)  # first batch measures the weights too; still one sync
+        with count_syncs() as counts:
+            for _ in range(3):
+                model(x)
+        assert counts["total"] == 3, counts  # one per batch, for 3 to 48 modules
+        assert len(w.frames(batch=None)) > 0
+
+
+def test_no_sync_inside_module_hooks():
+    model = _deep_mlp(4)
+    syncs_inside_forward = []
+
+    class Probe(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            with count_syncs() as counts:
+                y = self.inner(x)  # every child's hook runs in here
+            syncs_inside_forward.append(counts["total"])
+            return y
+
+    probe = Probe(model)
+    with nw.watch(probe):
+        probe(torch.randn(2, 16))
+        probe(torch.randn(2, 16))
+    assert syncs_inside_forward == [0, 0]
+
+
+def test_weights_are_measured_only_when_their_version_changes():
+    model = nn.Linear(8, 8)
+    measured = []
+    from nanwidget.core import stats as stats_module
+    original = stats_module._abs_min_max
+
+    def spy(tensor):
+        measured.append(tensor.shape)
+        return original(tensor)
+
+    stats_module._abs_min_max = spy
+    try:
+        with nw.watch(model, max_frames=100) as w:
+            x = torch.randn(2, 8)
+            model(x)
+            first = len(measured)  # weight, bias, input, output
+            model(x)
+            second = len(measured) - first  # input and output only
+            with torch.no_grad():
+                model.weight.mul_(2.0)  # an optimizer step bumps the version
+            model(x)
+            third = len(measured) - first - second
+            frames = w.frames()
+    finally:
+        stats_module._abs_min_max = original
+    assert (first, second, third) == (4, 2, 3)
+    weights = frames[frames.role == "weight"].abs_max.tolist()
+    assert weights[0] == weights[1] and weights[2] == pytest.approx(2 * weights[0])
+
+
+def test_input_that_is_the_previous_output_is_reduced_once():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    measured = []
+    from nanwidget.core import stats as stats_module
+    original = stats_module._abs_min_max
+
+    def spy(tensor):
+        measured.append(tensor.data_ptr())
+        return original(tensor)
+
+    with nw.watch(model):
+        model(torch.randn(2, 8))
+        stats_module._abs_min_max = spy
+        try:
+            model(torch.randn(2, 8))
+        finally:
+            stats_module._abs_min_max = original
+    # x, linear0 out, tanh out, linear2 out: the root's input/output and each module's input
+    # are the same tensors as outputs already queued.
+    assert len(measured) == 4 and len(set(measured)) == 4

@@ -1,0 +1,166 @@
+"""Hooks: removed on every exit path, the user's own hooks untouched, misuse named clearly."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+from tests.conftest import TinyMLP, hook_count
+
+
+def test_close_removes_exactly_its_own_hooks_and_is_idempotent(tiny_mlp):
+    seen = []
+    user_handle = tiny_mlp.fc1.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    before = hook_count(tiny_mlp)
+    w = nw.watch(tiny_mlp)
+    assert hook_count(tiny_mlp) > before
+    w.close()
+    w.close()
+    assert hook_count(tiny_mlp) == before
+    tiny_mlp(torch.randn(2, 16))
+    assert seen == [torch.Size([2, 32])]
+    assert w.closed
+    user_handle.remove()
+
+
+def test_hooks_removed_when_the_block_raises(tiny_mlp):
+    with pytest.raises(ValueError, match="user error"):
+        with nw.watch(tiny_mlp):
+            tiny_mlp(torch.randn(2, 16))
+            raise ValueError("user error")
+    assert hook_count(tiny_mlp) == 0
+
+
+def test_hooks_removed_on_keyboard_interrupt_inside_forward(tiny_mlp):
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    handle = tiny_mlp.fc2.register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with nw.watch(tiny_mlp) as w:
+            tiny_mlp(torch.randn(2, 16))
+    handle.remove()
+    assert hook_count(tiny_mlp) == 0
+    # What was recorded before the interrupt is kept, not lost.
+    assert "fc1" in set(w.frames().module)
+
+
+def test_watch_survives_an_interrupted_forward_and_keeps_counting(tiny_mlp):
+    def interrupt_once(module, args, output, state={"done": False}):
+        if not state["done"]:
+            state["done"] = True
+            raise KeyboardInterrupt
+
+    handle = tiny_mlp.fc2.register_forward_hook(interrupt_once)
+    with nw.watch(tiny_mlp, max_frames=100) as w:
+        with pytest.raises(KeyboardInterrupt):
+            tiny_mlp(torch.randn(2, 16))
+        tiny_mlp(torch.randn(2, 16))
+        assert w.batch == 1
+        frames = w.frames()
+    handle.remove()
+    batch0 = frames[frames.batch == 0].drop_duplicates("frame")
+    # The interrupted call's fc1/act/fc2 frames, then the full second forward.
+    assert batch0.module.tolist()[-6:] == ["fc1", "act", "fc2", "act", "head", ""]
+
+
+def test_forward_that_raises_still_records_and_propagates_the_users_error():
+    class Fails(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            self.lin(x)
+            raise RuntimeError("shape mismatch in user code")
+
+    model = Fails()
+    with nw.watch(model) as w:
+        with pytest.raises(RuntimeError, match="shape mismatch in user code"):
+            model(torch.full((1, 2), float("nan")))
+        # The NaN seen before the failure is recorded; the user's error is what propagates.
+        assert w.event is not None and w.event.module == "lin"
+    assert hook_count(model) == 0
+
+
+def test_second_watch_on_the_same_model_fails_clearly(tiny_mlp):
+    with nw.watch(tiny_mlp):
+        with pytest.raises(RuntimeError, match="already watched by another NanWatch"):
+            nw.watch(tiny_mlp)
+        with pytest.raises(RuntimeError, match="already watched"):
+            nw.watch(tiny_mlp.fc1)
+    with nw.watch(tiny_mlp) as w:  # after close, watching again works
+        tiny_mlp(torch.randn(1, 16))
+        assert w.batch == 1
+
+
+@pytest.mark.parametrize("bad, message", [
+    (object(), "needs a torch.nn.Module"),
+    ("model", "needs a torch.nn.Module"),
+])
+def test_not_a_module_is_a_type_error(bad, message):
+    with pytest.raises(TypeError, match=message):
+        nw.watch(bad)
+
+
+def test_data_parallel_points_to_ddp(tiny_mlp):
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        nw.watch(nn.DataParallel(tiny_mlp))
+
+
+def test_compiled_and_scripted_models_are_refused_clearly(tiny_mlp):
+    compiled = torch.compile(tiny_mlp)
+    with pytest.raises(TypeError, match="torch.compile"):
+        nw.watch(compiled)
+    scripted = torch.jit.script(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="TorchScript"):
+        nw.watch(scripted)
+    assert hook_count(tiny_mlp) == 0
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_frames": 0}, "max_frames"),
+    ({"on_nan": "explode"}, "on_nan must be one of raise, warn, record"),
+    ({"abort_after": -1}, "abort_after"),
+    ({"keep_batches": -2}, "keep_batches"),
+    ({"grad_norm_warn": -1.0}, "grad_norm_warn"),
+    ({"trace_batches": ["x"]}, "trace_batches"),
+    ({"skip_types": [42]}, "skip_types"),
+])
+def test_bad_options_raise_one_clear_error_and_leave_no_hooks(tiny_mlp, options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        nw.watch(tiny_mlp, **options)
+    assert hook_count(tiny_mlp) == 0
+
+
+def test_concurrent_forwards_from_threads_do_not_crash_or_corrupt_frames():
+    models = [TinyMLP() for _ in range(2)]
+    watches = [nw.watch(m, on_nan="record", max_frames=10_000) for m in models]
+    errors = []
+
+    def run(model):
+        try:
+            for _ in range(25):
+                model(torch.randn(4, 16))
+        except Exception as error:  # pragma: no cover - the assertion below reports it
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in models for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for w in watches:
+        frames = w.frames()
+        w.close()
+        assert w.batch == 50
+        assert not frames[["nan", "inf"]].any().any()
+        assert (frames.note == "").all()
+        # Every frame is whole: a Linear frame has weight, bias, input and output.
+        linear = frames[frames.module_type == "Linear"].groupby(["batch", "frame"]).size()
+        assert set(linear) == {4}
+    assert not errors
