@@ -1,0 +1,11 @@
+"""Plots of recorded frames and history: functions taking DataFrames, returning Figures.
+
+The figures are made without pyplot (no global figure list, nothing to close, works with the
+Agg backend in scripts); in a notebook display one with ``display(fig)`` or save it with
+``fig.savefig(path)``.
+"""
+
+from .frames import plot_frames
+from .history import largest_modules, plot_history
+
+__all__ = ["plot_frames", "plot_history", "largest_modules"]
