@@ -64,6 +64,9 @@ class WatchExtension:
     def on_batch_start(self, watch: NanWatch, batch: int, args: tuple, kwargs: dict) -> None:
         """The root forward is about to run ``batch``."""
 
+    def before_resolve(self, watch: NanWatch) -> None:
+        """Frames are about to be resolved: fill any stats this extension measured itself."""
+
     def on_batch_end(self, watch: NanWatch, batch: int, frames: list[Frame],
                      event: NanEvent | None) -> None:
         """``frames`` of ``batch`` are resolved; ``event`` is its first NaN/Inf, if any."""
@@ -357,6 +360,8 @@ class NanWatch:
 
     def _resolve_locked(self, advance: bool) -> NanEvent | None:
         """Resolve pending stats and hand the batch's frames on. Caller holds the lock."""
+        for extension in self.extensions:
+            extension.before_resolve(self)
         self._pending.resolve()
         frames, self._batch_frames = self._batch_frames, []
         batch = self.batch

@@ -6,6 +6,7 @@ Agg backend in scripts); in a notebook display one with ``display(fig)`` or save
 """
 
 from .frames import plot_frames
+from .grads import plot_grad_norms
 from .history import largest_modules, plot_history
 
-__all__ = ["plot_frames", "plot_history", "largest_modules"]
+__all__ = ["plot_frames", "plot_history", "largest_modules", "plot_grad_norms"]

@@ -1,0 +1,394 @@
+"""Gradients: backward frames, refused hooks, gradient norms and the guarded training loop."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+from nanwidget.core import grads as grads_module
+from nanwidget.core.grads import GRAD_HISTORY_COLUMNS
+from tests.conftest import hook_count
+
+
+class Sqrt(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+class SqrtNet(nn.Module):
+    """fc -> ReLU -> sqrt -> head: ReLU's exact zeros make sqrt's gradient infinite, forward finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.act = nn.ReLU()
+        self.sqrt = Sqrt()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.sqrt(self.act(self.fc(x))))
+
+
+class ResidualAddInPlace(nn.Module):
+    """``h = fc(x); h += x``: writes into a submodule's output, which full backward hooks refuse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+        self.write_in_place_into_out = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h += x
+        y = self.out(h)
+        if self.write_in_place_into_out:  # a data-dependent branch the calibration never saw
+            y.mul_(1.0)
+        return y * 1.0
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+
+
+def test_nan_only_in_backward_is_an_event_naming_the_sqrt_module() -> None:
+    model = SqrtNet()
+    x = torch.randn(16, 4)
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        _step(model, x)  # batch 0 calibrates: no backward frames yet
+        assert w.events == []
+        _step(model, x)
+        frames = w.frames()
+    forward = frames[frames.phase == "forward"]
+    assert not forward[["nan", "inf"]].any().any()
+    assert len(w.events) == 1
+    event = w.events[0]
+    assert (event.batch, event.module, event.module_type) == (1, "sqrt", "Sqrt")
+    assert (event.role, event.kind, event.origin, event.is_backward) == (
+        "grad_input[0]", "inf", "grad", True)
+    backward = frames[frames.phase == "backward"]
+    assert set(backward.batch) == {1}
+    # Backward frames continue the numbering after the forward frames of their batch.
+    assert backward.frame.min() > forward[forward.batch == 1].frame.max()
+    assert set(backward.role) >= {"grad_output[0]", "grad_input[0]"}
+
+
+def test_backward_nan_raises_nan_detected_out_of_loss_backward() -> None:
+    model = SqrtNet()
+    x = torch.randn(16, 4)
+    with nw.watch(model, backward=True) as w:
+        _step(model, x)
+        loss = model(x).sum()
+        with pytest.raises(nw.NanDetected) as caught:
+            loss.backward()
+    assert caught.value.event.is_backward
+    assert caught.value.event.module == "sqrt"
+    assert "backward" in str(caught.value)
+    assert w.event is caught.value.event
+
+
+def test_backward_nan_with_on_nan_warn_warns_and_training_goes_on() -> None:
+    model = SqrtNet()
+    x = torch.randn(16, 4)
+    with nw.watch(model, backward=True, on_nan="warn") as w:
+        _step(model, x)
+        with pytest.warns(nw.NanWarning, match="grad_input"):
+            _step(model, x)
+        assert model.fc.weight.grad is not None
+    assert w.event.origin == "grad"
+
+
+def test_relu_inplace_module_is_skipped_with_one_warning_and_training_works() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        with pytest.warns(RuntimeWarning, match=r"'1' \(ReLU: inplace=True\)") as record:
+            for _ in range(3):
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+        refusal_warnings = [r for r in record if "refuses" in str(r.message)]
+        assert len(refusal_warnings) == 1
+        # The Linear before the in-place ReLU has its output written in place: skipped too.
+        assert "'0' (Linear: its output is modified in place" in str(refusal_warnings[0].message)
+        frames = w.frames()
+    hooked = set(frames[frames.phase == "backward"].module)
+    assert hooked == {"", "2"}
+    assert w.events == []
+
+
+def test_residual_add_in_place_is_found_by_calibration_and_training_works() -> None:
+    model = ResidualAddInPlace()
+    x = torch.randn(8, 4)
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        with pytest.warns(RuntimeWarning, match=r"'fc' \(Linear: its output is modified in place"):
+            _step(model, x)
+        for _ in range(2):
+            _step(model, x)
+        frames = w.frames()
+        assert set(frames[frames.phase == "backward"].module) == {"", "out"}
+        assert "fc" in w._extension("grads").skipped
+
+
+def test_in_place_write_missed_by_calibration_fails_one_forward_then_recalibrates() -> None:
+    model = ResidualAddInPlace()
+    x = torch.randn(8, 4)
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        with pytest.warns(RuntimeWarning):
+            _step(model, x)
+        model.write_in_place_into_out = True
+        with pytest.warns(RuntimeWarning, match="recalibrates"):
+            with pytest.raises(RuntimeError, match="BackwardHookFunction") as caught:
+                _step(model, x)
+        assert any("nanwidget" in note for note in getattr(caught.value, "__notes__", []))
+        with pytest.warns(RuntimeWarning, match=r"'out' \(Linear"):
+            _step(model, x)  # calibration again: 'out' is now skipped
+        _step(model, x)
+        frames = w.frames()
+        assert set(frames[(frames.phase == "backward") & (frames.batch == w.batch - 1)].module) == {""}
+    assert hook_count(model) == 0
+
+
+def test_hooks_all_removed_after_close_keeping_the_users_own() -> None:
+    model = SqrtNet()
+    model.head.register_full_backward_hook(lambda m, gi, go: None)
+    model.fc.register_forward_hook(lambda m, i, o: None)
+    before = hook_count(model)
+    w = nw.watch(model, backward=True, on_nan="record")
+    _step(model, torch.randn(4, 4))
+    assert hook_count(model) > before
+    w.close()
+    assert hook_count(model) == before
+    w.close()  # idempotent
+    assert hook_count(model) == before
+
+
+def test_backward_false_adds_no_backward_hooks_but_grad_norms_work() -> None:
+    model = SqrtNet()
+    with nw.watch(model, on_nan="record") as w:
+        _step(model, torch.randn(4, 4))
+        assert sum(len(m._backward_hooks) for m in model.modules()) == 0
+        assert w.check_grad_norms() is False
+        assert len(w.grad_history()) == 4
+    assert (w.frames().phase == "forward").all()
+
+
+def test_check_grad_norms_names_the_parameter_with_a_nonfinite_gradient() -> None:
+    model = SqrtNet()
+    with nw.watch(model, on_nan="record") as w:
+        _step(model, torch.randn(4, 4))
+        model.head.bias.grad[0] = float("nan")
+        model.fc.weight.grad[0, 0] = float("inf")
+        assert w.check_grad_norms() is True
+        events = w.grad_events
+    assert {(e.param, e.batch) for e in events} == {("head.bias", 0), ("fc.weight", 0)}
+    by_param = {e.param: e for e in events}
+    assert math.isnan(by_param["head.bias"].norm) and by_param["fc.weight"].norm == math.inf
+    assert by_param["fc.weight"].threshold is None
+    history = w.grad_history()
+    assert list(history.columns) == GRAD_HISTORY_COLUMNS
+    assert history.set_index("param").loc["fc.weight", "nonfinite"]
+
+
+def test_check_grad_norms_matches_torch_norms_and_flags_above_threshold() -> None:
+    model = SqrtNet()
+    with nw.watch(model, grad_norm_warn=1.0, on_nan="record") as w:
+        _step(model, torch.randn(8, 4) + 3)
+        assert w.check_grad_norms() is True
+        history = w.grad_history().set_index("param")
+        for name, parameter in model.named_parameters():
+            assert history.loc[name, "norm"] == pytest.approx(parameter.grad.norm().item(), rel=1e-5)
+        flagged = {e.param for e in w.grad_events}
+        expected = {n for n, p in model.named_parameters() if p.grad.norm().item() > 1.0}
+        assert flagged == expected and flagged
+        assert all(e.threshold == 1.0 for e in w.grad_events)
+
+
+def test_half_precision_gradients_do_not_overflow_their_norm() -> None:
+    layer = nn.Linear(4, 4).half()
+    with nw.watch(layer, on_nan="record") as w:
+        layer.weight.grad = torch.full_like(layer.weight, 60000.0)
+        assert w.check_grad_norms() is False
+        assert w.grad_history().set_index("param").loc["weight", "norm"] == pytest.approx(240000.0)
+
+
+def _diverging_regression() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    x = torch.randn(32, 4) * 3
+    y = x.sum(dim=1, keepdim=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    return model, optimizer, x, y
+
+
+def test_exploding_gradients_are_flagged_the_batch_before_the_forward_nan() -> None:
+    model, optimizer, x, y = _diverging_regression()
+    with nw.watch(model, grad_norm_warn=1e4, on_nan="record") as w:
+        for _ in range(200):
+            optimizer.zero_grad()
+            out = model(x)
+            if w.events:
+                break
+            nn.functional.mse_loss(out, y).backward()
+            w.check_grad_norms()
+            optimizer.step()
+    assert w.events, "the model should diverge within 200 steps"
+    nan_batch = w.events[0].batch
+    flagged_batches = {e.batch for e in w.grad_events}
+    assert nan_batch - 1 in flagged_batches
+    assert min(flagged_batches) < nan_batch
+    history = w.grad_history()
+    assert history.batch.max() == nan_batch - 1
+
+
+def test_grad_history_is_bounded_and_keeps_early_batches_merged(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grads_module, "GRAD_HISTORY_FULL_BATCHES", 10)
+    monkeypatch.setattr(grads_module, "GRAD_HISTORY_WINDOWS", 4)
+    monkeypatch.setattr(grads_module, "GRAD_HISTORY_WINDOW", 2)
+    model = nn.Linear(3, 1)
+    x = torch.randn(4, 3)
+    with nw.watch(model, on_nan="record") as w:
+        for step in range(80):
+            model.zero_grad()
+            (model(x).sum() * (step + 1)).backward()
+            w.check_grad_norms()
+        history = w.grad_history()
+    n_params = 2
+    assert len(history) <= (10 + 4 + 1) * n_params
+    assert history.batch.min() == 0 and history.batch_end.max() == 79
+    weight = history[history.param == "bias"].sort_values("batch")
+    # bias grad norm = 4 * (step + 1): a merged window keeps its largest norm.
+    first = weight.iloc[0]
+    assert first.batch_end > first.batch
+    assert first.norm == pytest.approx(4.0 * (first.batch_end + 1))
+    assert (weight.tail(10).batch == list(range(70, 80))).all()
+
+
+def test_guard_loop_on_a_diverging_model_returns_the_losses_and_the_event() -> None:
+    model, optimizer, x, y = _diverging_regression()
+    loader = [(x, y)] * 200
+    before = hook_count(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        losses, event = nw.train_with_nan_guard(model, loader, nn.functional.mse_loss, optimizer,
+                                                progress=False)
+    assert event is not None
+    assert 2 < len(losses) < 200
+    assert all(math.isfinite(v) for v in losses[:-1])
+    assert losses[0] > 0 and max(losses[:-1]) > losses[0] * 100  # it did diverge first
+    assert event.batch >= len(losses) - 1
+    assert hook_count(model) == before
+
+
+def test_guard_loop_skips_the_step_on_a_nonfinite_gradient_norm() -> None:
+    torch.manual_seed(0)
+    model = SqrtNet()
+    parameters_before = [p.detach().clone() for p in model.parameters()]
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output - target).pow(2).mean() + model.fc.weight.abs().sqrt().sum() * 0.0
+
+    model.fc.weight.data[0, 0] = 0.0  # sqrt'(0) = inf: a non-finite weight gradient
+    parameters_before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = [(torch.randn(8, 4), torch.randn(8, 1))] * 5
+    losses, event = nw.train_with_nan_guard(model, loader, loss_fn, optimizer, backward=False,
+                                            progress=False)
+    assert len(losses) == 1 and math.isfinite(losses[0])
+    assert (event.module, event.role, event.origin, event.is_backward) == ("fc", "weight", "grad", True)
+    assert event.kind == "nan"  # 0 * inf
+    for before, after in zip(parameters_before, model.parameters()):
+        assert torch.equal(before, after)
+
+
+def test_guard_loop_on_a_healthy_model_runs_max_batches_with_dict_batches() -> None:
+    class KeywordModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 1)
+
+        def forward(self, features: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return self.fc(features)
+
+    model = KeywordModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 4)
+    loader = [{"features": x, "target": x.sum(1, keepdim=True)}] * 10
+    losses, event = nw.train_with_nan_guard(
+        model, loader, lambda out, batch: nn.functional.mse_loss(out, batch["target"]), optimizer,
+        max_batches=6, progress=False)
+    assert event is None and len(losses) == 6
+    assert losses[-1] < losses[0]
+    assert hook_count(model) == 0
+
+
+def test_guard_loop_reports_a_nonfinite_loss() -> None:
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = [(torch.randn(4, 4), torch.randn(4, 1))] * 3
+    losses, event = nw.train_with_nan_guard(
+        model, loader, lambda out, target: (out - target).mean() / 0.0 * 0.0, optimizer,
+        progress=False)
+    assert len(losses) == 1 and math.isnan(losses[0])
+    assert (event.module, event.role, event.batch, event.origin) == ("<loss_fn>", "output", 0, "output")
+
+
+def test_guard_loop_rejects_on_nan_and_bad_batches_and_removes_hooks() -> None:
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(TypeError, match="on_nan"):
+        nw.train_with_nan_guard(model, [], nn.functional.mse_loss, optimizer, on_nan="raise")
+    with pytest.raises(TypeError, match="pairs or dicts"):
+        nw.train_with_nan_guard(model, [torch.randn(2, 4)], nn.functional.mse_loss, optimizer,
+                                progress=False)
+    assert hook_count(model) == 0
+
+
+def test_guard_loop_progress_line_on_stderr_without_tqdm(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import builtins
+    real_import = builtins.__import__
+
+    def no_tqdm(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("tqdm"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = [(torch.randn(4, 4), torch.randn(4, 1))] * 3
+    nw.train_with_nan_guard(model, loader, nn.functional.mse_loss, optimizer, progress=True)
+    assert "nanwidget: batch 1/3" in capsys.readouterr().err
+
+
+def test_plot_grad_norms_draws_one_line_per_parameter_and_marks_nonfinite() -> None:
+    from matplotlib.figure import Figure
+
+    from nanwidget.plots.grads import plot_grad_norms
+
+    model = nn.Linear(3, 1)
+    with nw.watch(model, grad_norm_warn=5.0, on_nan="record") as w:
+        for step in range(5):
+            model.zero_grad()
+            (model(torch.ones(2, 3)).sum() * (step + 1)).backward()
+            if step == 4:
+                model.bias.grad.fill_(float("inf"))
+            w.check_grad_norms()
+        history = w.grad_history()
+    figure = plot_grad_norms(history, threshold=5.0)
+    assert isinstance(figure, Figure)
+    axes = figure.axes[0]
+    labels = [line.get_label() for line in axes.get_lines()]
+    assert "weight" in labels and "bias" in labels
+    assert any("non-finite" in str(c.get_label()) for c in axes.collections)
+    empty = plot_grad_norms(pd.DataFrame(columns=GRAD_HISTORY_COLUMNS))
+    assert isinstance(empty, Figure)
