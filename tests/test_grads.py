@@ -14,6 +14,7 @@ import nanwidget as nw
 from nanwidget.core import grads as grads_module
 from nanwidget.core.grads import GRAD_HISTORY_COLUMNS
 from tests.conftest import hook_count
+from tests.test_hot_path import count_syncs
 
 
 class Sqrt(nn.Module):
@@ -157,6 +158,26 @@ def test_in_place_write_missed_by_calibration_fails_one_forward_then_recalibrate
     assert hook_count(model) == 0
 
 
+@pytest.mark.parametrize("depth", [1, 8])
+def test_backward_frames_cost_one_host_sync_per_backward_pass(depth: int) -> None:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(8, 8), nn.GELU()]
+    model = nn.Sequential(*layers)
+    x = torch.randn(4, 8)
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        _step(model, x)  # calibration
+        with count_syncs() as counts:
+            loss = model(x).sum()
+            loss.backward()
+        assert counts["total"] == 2, counts  # one for the forward, one for the backward
+        frames = w.frames()
+        assert (frames.phase == "backward").sum() > 0
+        with count_syncs() as counts:
+            w.check_grad_norms()
+        assert counts["total"] == 1, counts  # every parameter's norm in one copy
+
+
 def test_hooks_all_removed_after_close_keeping_the_users_own() -> None:
     model = SqrtNet()
     model.head.register_full_backward_hook(lambda m, gi, go: None)
@@ -261,8 +282,11 @@ def test_grad_history_is_bounded_and_keeps_early_batches_merged(monkeypatch: pyt
             (model(x).sum() * (step + 1)).backward()
             w.check_grad_norms()
         history = w.grad_history()
+        window = w._extension("grads").history.window  # doubles as the windows merge
     n_params = 2
-    assert len(history) <= (10 + 4 + 1) * n_params
+    # At most the full-resolution batches (plus one window about to be merged) and 4 windows.
+    assert len(history) <= (10 + window + 4) * n_params
+    assert len(history) < 80 * n_params / 2  # far fewer rows than batches x parameters
     assert history.batch.min() == 0 and history.batch_end.max() == 79
     weight = history[history.param == "bias"].sort_values("batch")
     # bias grad norm = 4 * (step + 1): a merged window keeps its largest norm.

@@ -65,8 +65,9 @@ __all__ = ["GradsExtension", "make_extension", "check_grad_norms", "grad_events"
 
 GRAD_HISTORY_COLUMNS = ["rank", "batch", "batch_end", "param", "norm", "nonfinite"]
 MAX_GRAD_EVENTS = 1_000
-# Gradient-norm history bounds: the last FULL batches one row each; older batches merged into
-# at most WINDOWS windows (the largest norm of the window is kept). 300 parameters cost ~7 MB.
+# Gradient-norm history bounds (core.history.History): the last FULL batches one row each (plus
+# the window about to be merged); older batches merged into at most WINDOWS windows that keep
+# the largest norm and whether any was non-finite. 300 parameters cost about 10 MB.
 GRAD_HISTORY_FULL_BATCHES = 2_000
 GRAD_HISTORY_WINDOWS = 500
 GRAD_HISTORY_WINDOW = 20

@@ -10,6 +10,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from .common import new_figure
+
 __all__ = ["plot_grad_norms"]
 
 
@@ -23,8 +25,7 @@ def plot_grad_norms(grad_history: pd.DataFrame, *, top: int = 8, threshold: floa
     watch's ``grad_norm_warn``) is drawn as a dashed line. Draws into ``ax`` when given.
     """
     if ax is None:
-        figure = Figure(figsize=(7, 3.5), layout="constrained")
-        ax = figure.add_subplot()
+        figure, ax = new_figure()
     else:
         figure = ax.figure
     if grad_history is None or len(grad_history) == 0:
