@@ -1,0 +1,511 @@
+"""Benchmark harness: step-time ratios of NaN-hunting tools against an unwatched baseline.
+
+Every row is one (model, mode) case; every column one *variant* of instrumentation. A round
+runs every variant once, in a freshly shuffled order, on the same model restored to the same
+weights and RNG state: attach the variant's hooks, run a few warm-up steps, time a block of
+``steps`` steps, remove the hooks and check that none is left behind. A variant's ratio is the
+median over rounds of its block time divided by the baseline's block time *of the same round*,
+so slow drifts of a shared machine cancel out instead of landing on one variant.
+
+Used by ``python -m nanwidget bench``; importable so notebooks can run it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import random
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MODELS", "MODES", "VARIANTS", "TARGETS", "BenchRow", "BenchResult", "run_benchmark",
+           "environment", "hook_count"]
+
+MODELS = ("mlp", "transformer", "gpt2")
+MODES = ("forward", "train")
+# Column order of the table; "dbg" and "anomaly" drop out when they cannot run.
+VARIANTS = ("baseline", "nanwidget", "isnan_hook", "debug_underflow", "anomaly")
+VARIANT_LABELS = {
+    "baseline": "baseline ms",
+    "nanwidget": "nanwidget",
+    "isnan_hook": "isnan hook",
+    "debug_underflow": "DebugUnderflowOverflow",
+    "anomaly": "detect_anomaly",
+}
+# Issue 2's targets for nanwidget's ratio, per (model, mode); forward rows share one.
+TARGETS = {("mlp", "train"): 1.25, ("transformer", "train"): 1.10, ("gpt2", "train"): 1.10}
+FORWARD_TARGET = 1.30
+# nanwidget's overhead (ratio - 1) may be at most this share of DebugUnderflowOverflow's.
+OVERHEAD_SHARE_TARGET = 0.25
+GPT2_INPUT = (4, 64)
+
+
+def target_ratio(model: str, mode: str) -> float:
+    """nanwidget's ratio target for one row."""
+    return FORWARD_TARGET if mode == "forward" else TARGETS[(model, mode)]
+
+
+# ---------------------------------------------------------------------------------------- cases
+@dataclass
+class Case:
+    """A model in one mode, with the closure that runs one step of it."""
+
+    model_name: str
+    mode: str
+    model: nn.Module
+    step: Callable[[], None]
+    state: dict[str, torch.Tensor]
+    description: str
+
+
+def _mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Tensor], str]:
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                          nn.Linear(256, 10))
+    x = torch.randn(64, 64)
+    y = torch.randint(0, 10, (64,))
+    return model, (x,), lambda out: nn.functional.cross_entropy(out, y), \
+        "MLP 64->256->256->10, batch 64, cross-entropy"
+
+
+def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Tensor], str]:
+    layer = nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=512, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+    x = torch.randn(8, 64, 128)
+    target = torch.randn(8, 64, 128)
+    return model, (x,), lambda out: nn.functional.mse_loss(out, target), \
+        "nn.TransformerEncoder 4 layers, d_model 128, nhead 4, ffn 512, batch 8x64, MSE"
+
+
+def _gpt2() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Tensor], str]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_layer=4, n_embd=128, n_head=4)
+    model = GPT2LMHeadModel(config)  # random weights, nothing downloaded
+    tokens = torch.randint(0, config.vocab_size, GPT2_INPUT)
+
+    def loss(out: Any) -> torch.Tensor:
+        logits = out.logits[:, :-1]
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           tokens[:, 1:].reshape(-1))
+
+    return model, (tokens,), loss, (f"GPT-2 (n_layer 4, n_embd 128, n_head 4, random weights), "
+                                    f"tokens {GPT2_INPUT[0]}x{GPT2_INPUT[1]}, LM loss")
+
+
+_BUILDERS = {"mlp": _mlp, "transformer": _transformer, "gpt2": _gpt2}
+
+
+def build_case(model_name: str, mode: str, device: str = "cpu", seed: int = 0) -> Case:
+    """Build the seeded model and the closure of one forward or train step."""
+    torch.manual_seed(seed)
+    model, inputs, loss_fn, description = _BUILDERS[model_name]()
+    model.to(device)
+    inputs = tuple(t.to(device) for t in inputs)
+    if mode == "forward":
+        model.eval()
+
+        def step() -> None:
+            with torch.no_grad():
+                model(*inputs)
+    elif mode == "train":
+        model.train()
+        # lr small enough that a few hundred steps on a fixed batch stay finite; weights are
+        # restored before every measured block anyway.
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(*inputs))
+            loss.backward()
+            optimizer.step()
+    else:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return Case(model_name, mode, model, step, state, description)
+
+
+# ------------------------------------------------------------------------------------- variants
+def hook_count(model: nn.Module) -> int:
+    """Hooks on any module of ``model`` plus global module hooks (all kinds)."""
+    from torch.nn.modules import module as module_mod
+    count = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+                + len(getattr(m, "_backward_pre_hooks", {})) for m in model.modules())
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks"):
+        count += len(getattr(module_mod, name, {}))
+    return count
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in an output: tensors, tuples, lists, dicts and ModelOutput-like objects."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):  # transformers' ModelOutput is an OrderedDict
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _isnan_recipe_hook(module: nn.Module, args: tuple, output: Any) -> None:
+    """The hook found in forum answers: two host syncs per floating-point output tensor."""
+    for tensor in _tensors(output):
+        if tensor.is_floating_point():
+            if torch.isnan(tensor).any() or torch.isinf(tensor).any():
+                raise RuntimeError(f"NaN/Inf in the output of {type(module).__name__}")
+
+
+@contextlib.contextmanager
+def _baseline(case: Case) -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
+def _nanwidget(case: Case) -> Iterator[None]:
+    import nanwidget as nw
+    with nw.watch(case.model, on_nan="record"):
+        yield
+
+
+@contextlib.contextmanager
+def _isnan_hook(case: Case) -> Iterator[None]:
+    handles = [m.register_forward_hook(_isnan_recipe_hook) for m in case.model.modules()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _capture_forward_hook_handles() -> Iterator[list[Any]]:
+    """Collect the handles of every ``register_forward_hook`` call made inside the block.
+
+    DebugUnderflowOverflow keeps no handles and has no way to remove its hooks; catching the
+    handles as it registers them lets the benchmark take them off again after its block.
+    """
+    original = nn.Module.register_forward_hook
+    handles: list[Any] = []
+
+    def recording(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        handle = original(self, *args, **kwargs)
+        handles.append(handle)
+        return handle
+
+    nn.Module.register_forward_hook = recording  # type: ignore[method-assign]
+    try:
+        yield handles
+    finally:
+        nn.Module.register_forward_hook = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _debug_underflow(case: Case) -> Iterator[None]:
+    from transformers.debug_utils import DebugUnderflowOverflow
+    with _capture_forward_hook_handles() as handles:
+        DebugUnderflowOverflow(case.model)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _anomaly(case: Case) -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Anomaly Detection has been enabled", UserWarning)
+        anomaly = torch.autograd.detect_anomaly(check_nan=True)
+    with anomaly:
+        yield
+
+
+def _transformers_available() -> bool:
+    try:
+        import transformers.debug_utils  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    attach: Callable[[Case], contextlib.AbstractContextManager[None]]
+    modes: tuple[str, ...] = MODES
+
+
+ALL_VARIANTS = {
+    "baseline": Variant("baseline", _baseline),
+    "nanwidget": Variant("nanwidget", _nanwidget),
+    "isnan_hook": Variant("isnan_hook", _isnan_hook),
+    "debug_underflow": Variant("debug_underflow", _debug_underflow),
+    # Anomaly mode only checks backward; under no_grad it would time the baseline again.
+    "anomaly": Variant("anomaly", _anomaly, modes=("train",)),
+}
+
+
+def available_variants() -> list[str]:
+    """Variant names that can run here (DebugUnderflowOverflow needs transformers)."""
+    names = list(VARIANTS)
+    if not _transformers_available():
+        names.remove("debug_underflow")
+    return names
+
+
+# --------------------------------------------------------------------------------------- running
+@dataclass
+class BenchRow:
+    """One (model, mode): baseline step time and every variant's ratio to it."""
+
+    model: str
+    mode: str
+    description: str
+    steps_per_block: int
+    rounds: int
+    baseline_ms: float
+    ratios: dict[str, float]  # variant -> median ratio; missing when not applicable
+    block_seconds: dict[str, list[float]] = field(default_factory=dict, repr=False)
+
+    @property
+    def target(self) -> float:
+        return target_ratio(self.model, self.mode)
+
+    @property
+    def overhead_share(self) -> float | None:
+        """nanwidget's overhead (ratio - 1) over DebugUnderflowOverflow's, or None."""
+        ours, theirs = self.ratios.get("nanwidget"), self.ratios.get("debug_underflow")
+        if ours is None or theirs is None or theirs <= 1.0:
+            return None
+        return (ours - 1.0) / (theirs - 1.0)
+
+    def verdict(self) -> str:
+        """PASS, or MISS with the target(s) missed."""
+        missed = []
+        ratio = self.ratios.get("nanwidget")
+        if ratio is None:
+            return "-"
+        if ratio > self.target:
+            missed.append(f"ratio>{self.target:.2f}")
+        share = self.overhead_share
+        if share is not None and share > OVERHEAD_SHARE_TARGET:
+            missed.append(f"share>{OVERHEAD_SHARE_TARGET:.2f}")
+        return "PASS" if not missed else "MISS (" + ", ".join(missed) + ")"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "mode": self.mode, "description": self.description,
+                "steps_per_block": self.steps_per_block, "rounds": self.rounds,
+                "baseline_ms": self.baseline_ms, "ratios": self.ratios,
+                "target": self.target, "overhead_share": self.overhead_share,
+                "verdict": self.verdict(), "block_seconds": self.block_seconds}
+
+
+def environment(device: str = "cpu") -> dict[str, Any]:
+    """What the numbers depend on: versions, threads, processor."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "device": device,
+        "mha_fastpath": "disabled (every variant runs the same MultiheadAttention path)",
+    }
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = "not installed (no DebugUnderflowOverflow column)"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _mha_fastpath_disabled() -> Iterator[None]:
+    """nn.TransformerEncoderLayer's eval fast path runs attention as one fused op, which
+    would let variants differ in the work done; switch it off for the whole run."""
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    before = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(before)
+
+
+class HookLeak(AssertionError):
+    """A variant left hooks or anomaly mode behind; its neighbours' numbers would be wrong."""
+
+
+def _measure(case: Case, variant: Variant, steps: int, warmup: int, seed: int,
+             device: str) -> float:
+    """Restore weights and RNG, attach the variant, warm up, time ``steps`` steps; seconds."""
+    hooks_before = hook_count(case.model)
+    with torch.no_grad():
+        case.model.load_state_dict(case.state)
+    torch.manual_seed(seed)
+    with variant.attach(case):
+        for _ in range(warmup):
+            case.step()
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            case.step()
+        _synchronize(device)
+        elapsed = time.perf_counter() - start
+    left = hook_count(case.model) - hooks_before
+    if left or torch.is_anomaly_enabled():
+        raise HookLeak(f"{variant.name} left {left} hook(s) on the {case.model_name} model"
+                       f"{' and anomaly mode on' if torch.is_anomaly_enabled() else ''}")
+    return elapsed
+
+
+def _steps_per_block(case: Case, block_seconds: float, warmup: int, seed: int, device: str) -> int:
+    """How many baseline steps fit in ``block_seconds`` (counted, not extrapolated from one
+    step, so that a slow first call or a scheduling hiccup does not set the block size)."""
+    with torch.no_grad():
+        case.model.load_state_dict(case.state)
+    torch.manual_seed(seed)
+    for _ in range(warmup):
+        case.step()
+    _synchronize(device)
+    steps, start = 0, time.perf_counter()
+    while True:
+        case.step()
+        steps += 1
+        if steps % 4 == 0 or steps < 4:
+            _synchronize(device)
+            if time.perf_counter() - start >= block_seconds:
+                return steps
+
+
+def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, *,
+                  rounds: int = 15, block_seconds: float = 0.1, warmup: int = 2, seed: int = 0,
+                  device: str = "cpu", variants: Sequence[str] | None = None,
+                  progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure every (model, mode) against every variant; see the module docstring."""
+    unknown = [m for m in models if m not in _BUILDERS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(variants) if variants is not None else available_variants()
+    if "baseline" not in names:
+        names.insert(0, "baseline")
+    if "gpt2" in models and not _transformers_available():
+        raise ValueError("the gpt2 model needs transformers (pip install 'nanwidget[bench]')")
+    order_rng = random.Random(seed)
+    rows: list[BenchRow] = []
+    with _mha_fastpath_disabled():
+        for model_name in models:
+            for mode in modes:
+                case = build_case(model_name, mode, device=device, seed=seed)
+                runnable = [ALL_VARIANTS[n] for n in names if mode in ALL_VARIANTS[n].modes]
+                steps = _steps_per_block(case, block_seconds, warmup, seed, device)
+                if progress:
+                    progress(f"{model_name}/{mode}: {len(runnable)} variants x {rounds} rounds, "
+                             f"{steps} steps per block")
+                times: dict[str, list[float]] = {v.name: [] for v in runnable}
+                for _ in range(rounds):
+                    order = list(runnable)
+                    order_rng.shuffle(order)
+                    for variant in order:
+                        times[variant.name].append(_measure(case, variant, steps, warmup, seed, device))
+                base = times["baseline"]
+                ratios = {name: statistics.median(t / b for t, b in zip(block, base))
+                          for name, block in times.items() if name != "baseline"}
+                rows.append(BenchRow(model_name, mode, case.description, steps, rounds,
+                                     statistics.median(base) / steps * 1e3, ratios, times))
+                del case
+    return BenchResult(rows, environment(device), names)
+
+
+# ---------------------------------------------------------------------------------------- tables
+@dataclass
+class BenchResult:
+    """Rows of a run plus the environment they were measured in."""
+
+    rows: list[BenchRow]
+    environment: dict[str, Any]
+    variants: list[str]
+
+    def columns(self) -> list[str]:
+        """Table header: case, baseline ms, one ratio per variant, share, verdict."""
+        ratio_columns = [VARIANT_LABELS[v] for v in self.variants if v != "baseline"]
+        share = ["nw/DUO overhead"] if "debug_underflow" in self.variants else []
+        return ["model/mode", "baseline ms", *ratio_columns, *share, "target", "nanwidget vs target"]
+
+    def table_cells(self) -> list[list[str]]:
+        cells = []
+        for row in self.rows:
+            line = [f"{row.model}/{row.mode}", f"{row.baseline_ms:.2f}"]
+            for variant in self.variants:
+                if variant == "baseline":
+                    continue
+                ratio = row.ratios.get(variant)
+                line.append("-" if ratio is None else f"{ratio:.2f}x")
+            if "debug_underflow" in self.variants:
+                share = row.overhead_share
+                line.append("-" if share is None else f"{share:.2f}")
+            line.append(f"<={row.target:.2f}x")
+            line.append(row.verdict())
+            cells.append(line)
+        return cells
+
+    def format_table(self, markdown: bool = False) -> str:
+        header, cells = self.columns(), self.table_cells()
+        if markdown:
+            lines = ["| " + " | ".join(header) + " |",
+                     "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+            lines += ["| " + " | ".join(line) + " |" for line in cells]
+            return "\n".join(lines)
+        widths = [max(len(header[i]), *(len(line[i]) for line in cells)) for i in range(len(header))]
+        def fmt(line: list[str]) -> str:
+            return "  ".join(v.ljust(w) if i == 0 else v.rjust(w)
+                             for i, (v, w) in enumerate(zip(line, widths)))
+        return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *map(fmt, cells)])
+
+    def format_environment(self) -> str:
+        env = self.environment
+        parts = [f"torch {env['torch']}", f"python {env['python']}",
+                 f"transformers {env['transformers']}", f"{env['threads']} torch threads",
+                 f"{env['cpu_count']} CPUs ({env['cpu']})", f"device {env['device']}"]
+        if "gpu" in env:
+            parts.append(env["gpu"])
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"environment": self.environment, "variants": self.variants,
+                "targets": {"forward": FORWARD_TARGET,
+                            **{f"{m}/{mode}": t for (m, mode), t in TARGETS.items()},
+                            "overhead_share": OVERHEAD_SHARE_TARGET},
+                "rows": [row.to_dict() for row in self.rows]}

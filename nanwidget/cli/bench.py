@@ -1,0 +1,89 @@
+"""``python -m nanwidget bench``: step-time ratios against the unwatched baseline and the peers.
+
+Columns: nanwidget's default watch (``on_nan="record"``), the forum recipe of a forward hook on
+every module checking ``isnan().any() or isinf().any()``, transformers' DebugUnderflowOverflow
+(when transformers is installed) and ``torch.autograd.detect_anomaly`` (train steps only: it
+checks nothing in a no-grad forward). The harness lives in :mod:`nanwidget.bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="mlp,transformer,gpt2",
+                        help="comma-separated: mlp, transformer, gpt2 (default: all three)")
+    parser.add_argument("--modes", default="forward,train",
+                        help="comma-separated: forward, train (default: both)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds per row; the ratio is their median (default 15, "
+                             "3 with --quick)")
+    parser.add_argument("--block-ms", type=float, default=None,
+                        help="length of one timed block of baseline steps in ms (default 100, "
+                             "20 with --quick)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each block")
+    parser.add_argument("--quick", action="store_true",
+                        help="few short rounds: checks that everything runs, numbers are rough")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N) first")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
+
+
+def _split(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    unknown = [item for item in items if item not in allowed]
+    if unknown or not items:
+        raise SystemExit(f"nanwidget bench: unknown {what} {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(allowed)}")
+    return items
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .. import bench
+
+    models = _split(args.models, bench.MODELS, "model")
+    modes = _split(args.modes, bench.MODES, "mode")
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 15)
+    block_ms = args.block_ms if args.block_ms is not None else (20.0 if args.quick else 100.0)
+    warmup = min(args.warmup, 1) if args.quick else args.warmup
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("nanwidget bench: --device cuda asked for, but torch sees no CUDA device")
+    if "gpt2" in models and not bench._transformers_available():
+        print("nanwidget bench: transformers is not installed; skipping gpt2 "
+              "(pip install 'nanwidget[bench]')", file=sys.stderr)
+        models.remove("gpt2")
+        if not models:
+            return 1
+
+    def progress(line: str) -> None:
+        print(f"  {line}", file=sys.stderr, flush=True)
+
+    print(f"nanwidget bench: {rounds} interleaved rounds, blocks of ~{block_ms:g} ms, "
+          f"{warmup} warm-up step(s); ratio = median over rounds of variant / baseline time",
+          file=sys.stderr, flush=True)
+    result = bench.run_benchmark(models, modes, rounds=rounds, block_seconds=block_ms / 1e3,
+                                 warmup=warmup, seed=args.seed, device=args.device,
+                                 progress=progress)
+    print(f"Environment: {result.format_environment()}")
+    print("MultiheadAttention fast path disabled so every variant runs the same kernels; "
+          f"GPT-2 input {bench.GPT2_INPUT[0]}x{bench.GPT2_INPUT[1]} tokens.")
+    print()
+    print(result.format_table(markdown=args.markdown))
+    print()
+    print(f"Targets (issue 2): nanwidget <= 1.10x on transformer/gpt2 train, <= 1.25x on mlp train, "
+          f"<= {bench.FORWARD_TARGET:.2f}x on every forward; nanwidget's overhead (ratio-1) at most "
+          f"{bench.OVERHEAD_SHARE_TARGET:.2f} of DebugUnderflowOverflow's (nw/DUO overhead column).")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result.to_dict(), handle, indent=2)
+        print(f"Measurements written to {args.json}")
+    return 0

@@ -1,0 +1,99 @@
+"""`python -m nanwidget bench`: the table's shape and the harness's hook hygiene (not timings)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from nanwidget import bench
+from nanwidget.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_quick_bench_on_mlp_prints_every_variant_for_both_modes(capsys, tmp_path):
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--models", "mlp", "--rounds", "2", "--block-ms", "5",
+                 "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "Environment: torch " + torch.__version__ in text
+    header = next(line for line in text.splitlines() if line.startswith("model/mode"))
+    for column in ("baseline ms", "nanwidget", "isnan hook", "DebugUnderflowOverflow",
+                   "detect_anomaly", "nw/DUO overhead", "nanwidget vs target"):
+        assert column in header
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.startswith("mlp/")}
+    assert set(rows) == {"mlp/forward", "mlp/train"}
+    # anomaly mode checks backward only: no number on the forward row, a ratio on the train row
+    assert rows["mlp/forward"][5] == "-"
+    assert rows["mlp/train"][5].endswith("x")
+    assert rows["mlp/train"][7] == "<=1.25x"
+    assert rows["mlp/train"][8] in ("PASS", "MISS")
+
+    data = json.loads(out_json.read_text())
+    assert [(r["model"], r["mode"]) for r in data["rows"]] == [("mlp", "forward"), ("mlp", "train")]
+    train = data["rows"][1]
+    assert set(train["ratios"]) == {"nanwidget", "isnan_hook", "debug_underflow", "anomaly"}
+    assert all(len(times) == 2 for times in train["block_seconds"].values())
+    assert data["environment"]["threads"] == torch.get_num_threads()
+
+
+def test_markdown_table_has_one_line_per_row_plus_header(capsys):
+    assert main(["bench", "--quick", "--models", "mlp", "--modes", "train", "--rounds", "1",
+                 "--block-ms", "2", "--markdown"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert len(lines) == 3
+    assert lines[0].startswith("| model/mode | baseline ms | nanwidget |")
+    assert set(lines[1]) <= set("|-:")
+    assert lines[2].startswith("| mlp/train |")
+
+
+def test_debug_underflow_hooks_are_taken_off_after_its_block():
+    case = bench.build_case("mlp", "forward")
+    with bench.ALL_VARIANTS["debug_underflow"].attach(case):
+        # one hook per module, as transformers registers them, and they do fire
+        assert bench.hook_count(case.model) == len(list(case.model.modules()))
+        case.step()
+    assert bench.hook_count(case.model) == 0
+    assert nn.Module.register_forward_hook.__name__ == "register_forward_hook"
+
+
+def test_a_variant_that_leaks_hooks_stops_the_benchmark():
+    case = bench.build_case("mlp", "train")
+
+    @contextlib.contextmanager
+    def leaky(case):
+        case.model[0].register_forward_hook(lambda *args: None)
+        yield
+
+    with pytest.raises(bench.HookLeak, match="left 1 hook"):
+        bench._measure(case, bench.Variant("leaky", leaky), steps=1, warmup=0, seed=0,
+                       device="cpu")
+
+
+def test_every_variant_leaves_the_model_and_anomaly_mode_as_it_found_them():
+    case = bench.build_case("mlp", "train")
+    for name in bench.available_variants():
+        bench._measure(case, bench.ALL_VARIANTS[name], steps=1, warmup=1, seed=0, device="cpu")
+        assert bench.hook_count(case.model) == 0, name
+        assert not torch.is_anomaly_enabled(), name
+
+
+def test_unknown_model_is_one_clear_error():
+    with pytest.raises(SystemExit, match="unknown model resnet"):
+        main(["bench", "--models", "resnet"])
+
+
+def test_overhead_share_and_verdict_follow_the_issue_targets():
+    row = bench.BenchRow("mlp", "train", "", 1, 1, 1.0,
+                         {"nanwidget": 1.2, "debug_underflow": 2.0})
+    assert row.overhead_share == pytest.approx(0.2)
+    assert row.verdict() == "PASS"
+    row.ratios["nanwidget"] = 1.3
+    assert row.verdict() == "MISS (ratio>1.25, share>0.25)"
+    forward = bench.BenchRow("gpt2", "forward", "", 1, 1, 1.0, {"nanwidget": 1.29})
+    assert forward.overhead_share is None and forward.verdict() == "PASS"
