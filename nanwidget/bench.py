@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 __all__ = ["MODELS", "MODES", "VARIANTS", "TARGETS", "BenchRow", "BenchResult", "run_benchmark",
+           "build_case", "available_variants", "transformers_available", "HookLeak",
            "environment", "hook_count"]
 
 MODELS = ("mlp", "transformer", "gpt2")
@@ -229,7 +230,7 @@ def _anomaly(case: Case) -> Iterator[None]:
         yield
 
 
-def _transformers_available() -> bool:
+def transformers_available() -> bool:
     try:
         import transformers.debug_utils  # noqa: F401
     except ImportError:
@@ -257,7 +258,7 @@ ALL_VARIANTS = {
 def available_variants() -> list[str]:
     """Variant names that can run here (DebugUnderflowOverflow needs transformers)."""
     names = list(VARIANTS)
-    if not _transformers_available():
+    if not transformers_available():
         names.remove("debug_underflow")
     return names
 
@@ -390,22 +391,25 @@ def _measure(case: Case, variant: Variant, steps: int, warmup: int, seed: int,
 
 
 def _steps_per_block(case: Case, block_seconds: float, warmup: int, seed: int, device: str) -> int:
-    """How many baseline steps fit in ``block_seconds`` (counted, not extrapolated from one
-    step, so that a slow first call or a scheduling hiccup does not set the block size)."""
+    """How many baseline steps make a block of about ``block_seconds``.
+
+    From the median of several single-step timings, so that one slow first call or a
+    scheduling hiccup on a shared machine does not set the block size.
+    """
     with torch.no_grad():
         case.model.load_state_dict(case.state)
     torch.manual_seed(seed)
     for _ in range(warmup):
         case.step()
-    _synchronize(device)
-    steps, start = 0, time.perf_counter()
-    while True:
+    single: list[float] = []
+    probe_start = time.perf_counter()
+    while len(single) < 3 or (len(single) < 15 and time.perf_counter() - probe_start < block_seconds):
+        _synchronize(device)
+        start = time.perf_counter()
         case.step()
-        steps += 1
-        if steps % 4 == 0 or steps < 4:
-            _synchronize(device)
-            if time.perf_counter() - start >= block_seconds:
-                return steps
+        _synchronize(device)
+        single.append(time.perf_counter() - start)
+    return max(1, round(block_seconds / max(statistics.median(single), 1e-7)))
 
 
 def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, *,
@@ -421,7 +425,7 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
     names = list(variants) if variants is not None else available_variants()
     if "baseline" not in names:
         names.insert(0, "baseline")
-    if "gpt2" in models and not _transformers_available():
+    if "gpt2" in models and not transformers_available():
         raise ValueError("the gpt2 model needs transformers (pip install 'nanwidget[bench]')")
     order_rng = random.Random(seed)
     rows: list[BenchRow] = []

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("nanwidget bench: --device cuda asked for, but torch sees no CUDA device")
-    if "gpt2" in models and not bench._transformers_available():
+    if "gpt2" in models and not bench.transformers_available():
         print("nanwidget bench: transformers is not installed; skipping gpt2 "
               "(pip install 'nanwidget[bench]')", file=sys.stderr)
         models.remove("gpt2")
