@@ -96,41 +96,15 @@ def _write_table(frame: Any, folder: Path, stem: str) -> Path:
     return path
 
 
-def _fallback_plot_frames(frames: Any, title: str) -> Any:
-    """Until nanwidget.plots lands: the largest abs max of each frame, log scale."""
-    from matplotlib.figure import Figure
-    figure = Figure(figsize=(7, 3.4))
-    figure.subplots_adjust(bottom=0.18)
-    ax = figure.add_subplot()
-    per_frame = frames.groupby(["batch", "frame"], sort=False)["abs_max"].max()
-    ax.semilogy(range(len(per_frame)), per_frame.to_numpy(), marker="o")
-    ax.set(title=title, xlabel="frame (buffer order)", ylabel="|x|")
-    return figure
-
-
-def _fallback_plot_history(history: Any, title: str) -> Any:
-    """Until nanwidget.plots lands: abs max per batch of every module, log scale."""
-    from matplotlib.figure import Figure
-    figure = Figure(figsize=(7, 3.4))
-    figure.subplots_adjust(bottom=0.18)
-    ax = figure.add_subplot()
-    for module, rows in history.groupby("module", sort=False):
-        ax.semilogy(rows["batch"], rows["abs_max"], marker=".", label=module or "<root>")
-    ax.set(title=title, xlabel="batch", ylabel="abs max of outputs")
-    ax.legend(fontsize="small")
-    return figure
-
-
 def _write_plots(frames: Any, history: Any, folder: Path) -> list[Path]:
-    try:
-        from ..plots import plot_frames, plot_history
-    except ImportError:
-        plot_frames = _fallback_plot_frames  # type: ignore[assignment]
-        plot_history = _fallback_plot_history  # type: ignore[assignment]
+    from ..plots import plot_frames, plot_history
 
     paths = []
-    for stem, figure in (("frames", plot_frames(frames, title="abs max / abs min of the last frames")),
-                         ("history", plot_history(history, title="abs max of outputs per batch"))):
+    every_module = int(history["module"].nunique())
+    figures = (("frames", plot_frames(frames, title="abs max / abs min of the last frames")),
+               ("history", plot_history(history, count=every_module, dtype="float32",
+                                        title="abs max of outputs per batch (float32 limit dashed)")))
+    for stem, figure in figures:
         path = folder / f"{stem}.png"
         figure.savefig(path, dpi=100)
         paths.append(path)
