@@ -75,6 +75,7 @@ GRAD_HISTORY_WINDOW = 20
 MAX_RUNTIME_REFUSALS = 2
 
 _REFUSAL_MARKER = "BackwardHookFunction"
+_RECENT_GRADS = 8  # gradients remembered to measure a tensor shared by two frames only once
 _OUTPUT_ONLY_WARNING = ("Full backward hook is firing when gradients are computed with respect "
                         "to module outputs")
 
@@ -107,6 +108,7 @@ class GradsExtension(WatchExtension):
         self._next_frame_index = 0
         # Backward frame stats measured on the device, filled at the end of the backward pass.
         self._pending: list[tuple[TensorStats, torch.Tensor]] = []
+        self._recent: dict[int, tuple[torch.Tensor, int, TensorStats]] = {}
         self._queued_task: int | None = None
         self._backward_batch: int | None = None
         self.skipped: dict[str, str] = {}  # module name -> why it has no backward hooks
@@ -290,6 +292,12 @@ class GradsExtension(WatchExtension):
         note = classify(grad)
         if note:
             return (role, None, grad.dtype, grad.shape, note)
+        # A module's grad_input is usually the very tensor its producer's hook sees next as
+        # grad_output: measure it once. Only a few recent gradients are held, never the pass.
+        recent = self._recent
+        seen = recent.get(id(grad))
+        if seen is not None and seen[0] is grad and seen[1] == grad._version:
+            return (role, seen[2], grad.dtype, grad.shape, "")
         stats = TensorStats()
         with torch.no_grad():
             try:
@@ -301,6 +309,9 @@ class GradsExtension(WatchExtension):
                 stats.note = f"unsupported ({type(error).__name__})"
                 return (role, stats, grad.dtype, grad.shape, stats.note)
         self._pending.append((stats, result))
+        if len(recent) >= _RECENT_GRADS:
+            del recent[next(iter(recent))]
+        recent[id(grad)] = (grad, grad._version, stats)
         return (role, stats, grad.dtype, grad.shape, "")
 
     def _frame_batch(self, watch: NanWatch) -> int:
@@ -350,6 +361,7 @@ class GradsExtension(WatchExtension):
     def before_resolve(self, watch: NanWatch) -> None:
         """Fill the backward stats measured so far: one host copy per device."""
         pending, self._pending = self._pending, []
+        self._recent.clear()
         if not pending:
             return
         by_device: dict[torch.device, list[int]] = {}
@@ -389,6 +401,7 @@ class GradsExtension(WatchExtension):
             self._control_handle.remove()
             self._control_handle = None
         self._pending.clear()
+        self._recent.clear()
 
     # ------------------------------------------------------------------ gradient norms
     def check(self, watch: NanWatch) -> bool:
