@@ -1,0 +1,201 @@
+"""%nanwatch / %%nanwatch: parse the options, call the WatchManager, display the result."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+from traitlets import CaselessStrEnum, Float, Int
+
+from ..core.events import AbortAfterBatch, NanDetected
+from .manager import LiveStatus, MagicUsageError, WatchManager, parse_batches, parse_class_names
+
+__all__ = ["NanwatchMagics", "NanInCell"]
+
+
+class NanInCell(NanDetected):
+    """A %%nanwatch cell stopped at a NaN/Inf; shown as one line, not a traceback."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"NanDetected: {self.event.summary()}",
+                "(the FrameBrowser above shows the frames; _nanwatch holds the watch)"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _batch_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a batch number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"batch numbers start at 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _as_argument_type(parse):  # type: ignore[no-untyped-def]
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
+@magics_class
+class NanwatchMagics(Magics):
+    """Holds one :class:`WatchManager`; ``%config NanwatchMagics.frames = 50`` sets defaults."""
+
+    frames = Int(21, help="frames kept in the ring buffer when -n is not given").tag(config=True)
+    on_nan = CaselessStrEnum(["raise", "warn", "record"], default_value="raise",
+                             help="what a watch does at a NaN/Inf when --on-nan is not given"
+                             ).tag(config=True)
+    refresh_seconds = Float(0.3, help="least time between two updates of a %%nanwatch cell's "
+                                      "live status line").tag(config=True)
+
+    def __init__(self, shell: Any = None, **kwargs: Any) -> None:
+        super().__init__(shell=shell, **kwargs)
+        self.manager = WatchManager()
+
+    @line_cell_magic
+    @magic_arguments()
+    @argument("model", nargs="?", help="variable name of the nn.Module (e.g. model or trainer.model)")
+    @argument("--off", action="store_true",
+              help="stop watching MODEL (every model %%nanwatch watches when MODEL is left out)")
+    @argument("-n", "--frames", type=_positive_int, default=None,
+              help="frames kept in the ring buffer (default 21; %%config NanwatchMagics.frames)")
+    @argument("--trace-batches", type=_as_argument_type(parse_batches), default=(),
+              help="batches whose every frame is kept, e.g. 1,3")
+    @argument("--abort-after", type=_batch_number, default=None,
+              help="stop once this batch has finished (raises AbortAfterBatch)")
+    @argument("--skip", type=_as_argument_type(parse_class_names), default=(),
+              help="module classes not hooked, e.g. Dropout,ReLU")
+    @argument("--backward", action="store_true", help="also record gradient frames")
+    @argument("--grad-norm", type=_positive_float, default=None,
+              help="flag parameters whose gradient norm exceeds this")
+    @argument("--on-nan", choices=["raise", "warn", "record"], default=None,
+              help="at a NaN/Inf: raise (stop), warn, or only record (default raise)")
+    @argument("--log-dir", default=None, help="directory to spool the records to")
+    def nanwatch(self, line: str, cell: str | None = None) -> Any:
+        """Watch a PyTorch model for the first NaN/Inf.
+
+        Line:  %nanwatch MODEL [options]  start watching; prints one status line.
+               %nanwatch --off [MODEL]    stop (all watches when MODEL is left out).
+               %nanwatch                  list what is watched.
+        Cell:  %%nanwatch MODEL [options] watch while the cell runs, with a live status line;
+               at a NaN/Inf the cell stops, the FrameBrowser opens at the event and one line
+               says where it happened. The watch stays in the variable _nanwatch.
+        """
+        args = parse_argstring(self.nanwatch, line)
+        try:
+            if args.off:
+                if cell is not None:
+                    raise MagicUsageError("--off is for the line magic: %nanwatch --off [MODEL]")
+                return self._stop(args.model)
+            if args.model is None:
+                if cell is not None:
+                    raise MagicUsageError("%%nanwatch needs a model: %%nanwatch MODEL [options]")
+                return self._list()
+            model = self.manager.lookup(self.shell.user_ns, args.model)
+            options = self._options(args)
+            if cell is None:
+                started, replaced = self.manager.start(args.model, model, options)
+                self.shell.user_ns["_nanwatch"] = started
+                print(("(restarted) " if replaced else "") + self.manager.describe(args.model, started))
+                return None
+            return self._run_cell(args.model, model, options, cell)
+        except MagicUsageError as error:
+            raise UsageError(str(error)) from None
+
+    # ------------------------------------------------------------------ translation
+    def _options(self, args: argparse.Namespace) -> dict[str, Any]:
+        return dict(max_frames=args.frames if args.frames is not None else self.frames,
+                    trace_batches=args.trace_batches, abort_after=args.abort_after,
+                    skip_types=args.skip, backward=args.backward, grad_norm_warn=args.grad_norm,
+                    on_nan=args.on_nan or self.on_nan, log_dir=args.log_dir)
+
+    def _stop(self, name: str | None) -> None:
+        stopped = self.manager.stop(name)
+        print(f"nanwidget: stopped watching {', '.join(stopped)}" if stopped
+              else "nanwidget: nothing was being watched")
+
+    def _list(self) -> None:
+        if not self.manager.watches:
+            print("nanwidget: not watching anything; start with %nanwatch MODEL")
+        for name, watched in self.manager.watches.items():
+            print(f"{name}: {watched!r}")
+
+    def _run_cell(self, name: str, model: Any, options: dict[str, Any], cell: str) -> Any:
+        watched = self.manager.make_watch(model, options)
+        self.shell.user_ns["_nanwatch"] = watched
+        handle = display({"text/plain": f"nanwatch {name}: starting"}, raw=True, display_id=True)
+
+        def emit(text: str) -> None:
+            if handle is not None:
+                handle.update({"text/plain": text}, raw=True)
+
+        live = LiveStatus(name, emit, interval=self.refresh_seconds)
+        watched.extensions.append(live)
+        try:
+            result = self._execute(cell)
+        except NanDetected as error:
+            watched.close()
+            live.finish("stopped at a NaN/Inf")
+            display(watched.browse())
+            raise NanInCell(error.event) from None
+        except AbortAfterBatch as error:
+            watched.close()
+            live.finish("stopped")
+            print(f"nanwidget: stopped after batch {error.batch}, as --abort-after asked")
+            return None
+        except BaseException:
+            watched.close()
+            live.finish("ended by an error")
+            raise
+        finally:
+            watched.close()
+        live.finish()
+        if watched.events:
+            print(f"nanwidget: {len(watched.events)} NaN/Inf event(s); first: "
+                  f"{watched.event.summary()}", file=sys.stderr)
+            display(watched.browse())
+        return result
+
+    def _execute(self, cell: str) -> Any:
+        """Run the cell in the user namespace; return the value of a final expression."""
+        shell = self.shell
+        source = shell.transform_cell(cell)
+        tree = ast.parse(source)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        namespace = shell.user_ns
+        exec(compile(tree, "<%%nanwatch cell>", "exec"), namespace)
+        if last is not None:
+            return eval(compile(last, "<%%nanwatch cell>", "eval"), namespace)
+        return None

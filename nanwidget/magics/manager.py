@@ -1,0 +1,230 @@
+"""The work behind %nanwatch, in plain classes: no IPython here, so it is testable alone.
+
+:class:`WatchManager` holds the watches started by ``%nanwatch`` by variable name;
+:class:`LiveStatus` rides along a ``%%nanwatch`` cell's watch and reports progress at most a
+few times a second. The magics only translate user input into these calls.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from ..core.events import NanEvent
+from ..core.frames import Frame
+from ..core.stats import dtype_max
+from ..core.watch import NanWatch, WatchExtension, watch
+
+__all__ = ["WatchManager", "LiveStatus", "MagicUsageError", "parse_batches", "parse_class_names",
+           "describe_magnitude"]
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class MagicUsageError(ValueError):
+    """Misuse of %nanwatch; the magic shows it as IPython's UsageError."""
+
+
+def parse_batches(text: str) -> tuple[int, ...]:
+    """"1,3" -> (1, 3). Raises ValueError with a sentence on anything else."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        batches = tuple(int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"expected batch numbers separated by commas (e.g. 1,3), got {text!r}") \
+            from None
+    if any(b < 0 for b in batches):
+        raise ValueError(f"batch numbers start at 0, got {text!r}")
+    return batches
+
+
+def parse_class_names(text: str) -> tuple[str, ...]:
+    """"Dropout,ReLU" -> ("Dropout", "ReLU")."""
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [n for n in names if not n.isidentifier()]
+    if bad or not names:
+        raise ValueError(f"expected module class names separated by commas (e.g. Dropout,ReLU), "
+                         f"got {text!r}")
+    return names
+
+
+def describe_magnitude(value: float, dtype: str) -> str:
+    """"3.2e+02 (float16: 2.3 decades below its max 65504)"."""
+    if not math.isfinite(value) or value <= 0:
+        return f"{value:.3g}"
+    limit = dtype_max(dtype) if dtype else math.inf
+    if not math.isfinite(limit):
+        return f"{value:.3g}" + (f" ({dtype})" if dtype else "")
+    decades = math.log10(limit / value)
+    return f"{value:.3g} ({dtype}: {decades:.1f} decades below its max {limit:.6g})"
+
+
+class LiveStatus(WatchExtension):
+    """Counts batches and tracks the largest finite output magnitude; reports, throttled.
+
+    ``emit(text)`` is called at most once per ``interval`` seconds (plus once at the end
+    through :meth:`finish`), never once per batch.
+    """
+
+    kind = "live-status"
+
+    def __init__(self, name: str, emit: Callable[[str], None], interval: float = 0.3,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.emit = emit
+        self.interval = interval
+        self.clock = clock
+        self.batches = 0
+        self.largest = 0.0
+        self.largest_dtype = ""
+        self.largest_module = ""
+        self.events = 0
+        self.emitted = 0
+        self._last = -math.inf
+
+    def on_batch_end(self, watch: NanWatch, batch: int, frames: list[Frame],
+                     event: NanEvent | None) -> None:
+        self.batches += 1
+        if event is not None:
+            self.events += 1
+        largest = self.largest
+        for frame in frames:
+            if frame.phase != "forward":
+                continue
+            for role, stats, dtype, _shape, _note in frame.entries:
+                # Reads the stats the watch already resolved; no tensor is touched here.
+                if stats is not None and role.startswith("output") and stats.abs_max > largest \
+                        and stats.abs_max != math.inf:
+                    largest = stats.abs_max
+                    self.largest_dtype = str(dtype).replace("torch.", "")
+                    self.largest_module = frame.module
+        self.largest = largest
+        now = self.clock()
+        if now - self._last >= self.interval:
+            self._last = now
+            self.emitted += 1
+            self.emit(self.line())
+
+    def line(self) -> str:
+        """One line: batches seen, largest |x| with its headroom, events."""
+        where = f" in {self.largest_module or '<root>'!r}" if self.largest else ""
+        size = describe_magnitude(self.largest, self.largest_dtype) if self.largest else "n/a"
+        events = f"{self.events} event{'s' if self.events != 1 else ''}"
+        return (f"nanwatch {self.name}: {self.batches} batch{'es' if self.batches != 1 else ''}"
+                f" seen · largest |x| {size}{where} · {events}")
+
+    def finish(self, outcome: str = "done") -> None:
+        """The last update: the same line, saying how the cell ended."""
+        self.emitted += 1
+        self.emit(self.line().replace(f"nanwatch {self.name}:", f"nanwatch {self.name} {outcome}:", 1))
+
+
+class WatchManager:
+    """The watches started by %nanwatch, by the variable name of their model."""
+
+    def __init__(self) -> None:
+        self.watches: dict[str, NanWatch] = {}
+
+    # ------------------------------------------------------------------ lookup
+    @staticmethod
+    def lookup(namespace: Mapping[str, Any], name: str) -> nn.Module:
+        """The nn.Module that ``name`` (a variable, or a dotted path like ``trainer.model``) names."""
+        if not name or not _NAME.match(name):
+            raise MagicUsageError(f"%nanwatch needs the variable name of a model, got {name!r}")
+        head, *rest = name.split(".")
+        if head not in namespace:
+            raise MagicUsageError(f"no variable named {head!r} in the notebook; define the model "
+                                  f"first, then %nanwatch {name}")
+        value = namespace[head]
+        for position, attribute in enumerate(rest):
+            try:
+                value = getattr(value, attribute)
+            except AttributeError:
+                path = ".".join([head, *rest[:position]])
+                raise MagicUsageError(f"{path} has no attribute {attribute!r}") from None
+        if not isinstance(value, nn.Module):
+            raise MagicUsageError(f"{name!r} is a {type(value).__name__}, not a torch.nn.Module; "
+                                  "%nanwatch watches a model")
+        return value
+
+    @staticmethod
+    def check_skip(model: nn.Module, names: tuple[str, ...]) -> None:
+        """Every --skip class name must be a class used in ``model`` (a typo skips nothing)."""
+        present = {type(m).__name__ for m in model.modules()}
+        unknown = [n for n in names if n not in present]
+        if unknown:
+            raise MagicUsageError(f"--skip {','.join(unknown)}: no module of that class in this model "
+                                  f"(its classes: {', '.join(sorted(present))})")
+
+    # ------------------------------------------------------------------ watches
+    def make_watch(self, model: nn.Module, options: dict[str, Any]) -> NanWatch:
+        """``nw.watch(model, **options)``; its errors become one usage sentence."""
+        if options.get("skip_types"):
+            self.check_skip(model, tuple(options["skip_types"]))
+        try:
+            return watch(model, **options)
+        except (TypeError, ValueError) as error:
+            raise MagicUsageError(str(error)) from None
+        except RuntimeError as error:
+            if "already watched" in str(error):
+                raise MagicUsageError(f"{error}. If %nanwatch started it: %nanwatch --off") from None
+            raise
+
+    def start(self, name: str, model: nn.Module, options: dict[str, Any]) -> tuple[NanWatch, bool]:
+        """Watch ``model`` under ``name``; a watch already held under that name is replaced.
+
+        Returns the watch and whether it replaced one.
+        """
+        previous = self.watches.pop(name, None)
+        if previous is not None:
+            previous.close()
+        try:
+            started = self.make_watch(model, options)
+        except MagicUsageError as error:
+            if previous is not None:
+                raise MagicUsageError(f"{error} (the earlier watch on {name} was stopped)") from None
+            raise
+        self.watches[name] = started
+        return started, previous is not None
+
+    def stop(self, name: str | None = None) -> list[str]:
+        """Close the watch on ``name`` (or all); returns the names stopped."""
+        if name is None:
+            names = list(self.watches)
+        elif name in self.watches:
+            names = [name]
+        else:
+            held = ", ".join(self.watches) or "none"
+            raise MagicUsageError(f"%nanwatch is not watching {name!r} (watching: {held})")
+        for key in names:
+            self.watches.pop(key).close()
+        return names
+
+    def close_all(self) -> int:
+        """Close every watch this manager holds and every other live NanWatch; returns the count."""
+        from ..core.watch import _WATCHED
+        closed = 0
+        for key in list(self.watches):
+            self.watches.pop(key).close()
+            closed += 1
+        # Watches made with nw.watch() in the notebook too: unloading removes every hook.
+        live = {id(w): w for w in list(_WATCHED.values()) if not w.closed}
+        for other in live.values():
+            other.close()
+            closed += 1
+        return closed
+
+    @staticmethod
+    def describe(name: str, watched: NanWatch) -> str:
+        """One status line for a started watch."""
+        trace = f", tracing batches {sorted(watched.trace_batches)}" if watched.trace_batches else ""
+        backward = ", backward too" if watched.backward else ""
+        return (f"nanwidget: watching {name} ({type(watched.model).__name__}, "
+                f"{len(watched.module_names)} modules hooked), keeping {watched.max_frames} frames"
+                f"{trace}{backward}, on NaN/Inf: {watched.on_nan}. Stop with %nanwatch --off {name}")
+

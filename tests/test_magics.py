@@ -1,0 +1,251 @@
+"""%nanwatch and %%nanwatch through a real IPython InteractiveShell."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+import nanwidget as nw
+from nanwidget.core.events import NanDetected
+from nanwidget.magics.manager import LiveStatus
+
+from conftest import TinyMLP, hook_count
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def ip():
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nanwidget")
+    shell.user_ns.update(torch=torch, nw=nw, model=TinyMLP())
+    yield shell
+    shell.run_line_magic("unload_ext", "nanwidget")
+    for name in ("model", "other", "trainer", "not_a_model", "_nanwatch", "w2", "torch", "nw"):
+        shell.user_ns.pop(name, None)
+
+
+def run(shell: InteractiveShell, code: str):
+    """Run a cell like a notebook would; re-raise what it raised so tests can assert on it."""
+    result = shell.run_cell(code)
+    if result.error_before_exec is not None:
+        raise result.error_before_exec
+    if result.error_in_exec is not None:
+        raise result.error_in_exec
+    return result.result
+
+
+PLANT_NAN = ("with torch.no_grad():\n"
+             "    model.fc2.weight[0, 0] = float('nan')\n")
+
+
+def test_line_magic_starts_a_watch_and_prints_one_status_line(ip):
+    model = ip.user_ns["model"]
+    with capture_output() as captured:
+        run(ip, "%nanwatch model -n 7")
+    lines = captured.stdout.strip().splitlines()
+    assert len(lines) == 1
+    assert "watching model (TinyMLP" in lines[0] and "keeping 7 frames" in lines[0]
+    assert hook_count(model) > 0
+    watch = ip.user_ns["_nanwatch"]
+    assert watch.max_frames == 7 and not watch.closed
+
+
+def test_line_watch_catches_a_nan_in_a_later_cell(ip):
+    run(ip, "%nanwatch model --on-nan record")
+    run(ip, "for _ in range(2):\n    model(torch.randn(2, 16))\n" + PLANT_NAN
+        + "model(torch.randn(2, 16))")
+    event = ip.user_ns["_nanwatch"].event
+    assert event is not None and event.module == "fc2" and event.batch == 2
+
+
+def test_every_option_reaches_the_watch(ip):
+    run(ip, "%nanwatch model -n 5 --trace-batches 1,3 --abort-after 7 --skip ReLU "
+            "--backward --grad-norm 2.5 --on-nan warn")
+    watch = ip.user_ns["_nanwatch"]
+    assert watch.max_frames == 5
+    assert watch.trace_batches == {1, 3}
+    assert watch.abort_after == 7
+    assert "act" not in watch.module_names and "fc1" in watch.module_names
+    assert watch.backward is True
+    assert watch.grad_norm_warn == 2.5
+    assert watch.on_nan == "warn"
+
+
+def test_off_stops_one_model_or_all(ip):
+    ip.user_ns["other"] = TinyMLP()
+    run(ip, "%nanwatch model")
+    run(ip, "%nanwatch other")
+    with capture_output() as captured:
+        run(ip, "%nanwatch --off model")
+    assert "stopped watching model" in captured.stdout
+    assert hook_count(ip.user_ns["model"]) == 0 and hook_count(ip.user_ns["other"]) > 0
+    run(ip, "%nanwatch --off")
+    assert hook_count(ip.user_ns["other"]) == 0
+
+
+def test_starting_again_replaces_the_watch_instead_of_doubling_hooks(ip):
+    run(ip, "%nanwatch model")
+    hooks = hook_count(ip.user_ns["model"])
+    with capture_output() as captured:
+        run(ip, "%nanwatch model -n 3")
+    assert captured.stdout.startswith("(restarted)")
+    assert hook_count(ip.user_ns["model"]) == hooks
+
+
+def test_dotted_names_reach_a_model_inside_an_object(ip):
+    run(ip, "class Trainer:\n    pass\ntrainer = Trainer()\ntrainer.model = model")
+    run(ip, "%nanwatch trainer.model")
+    assert hook_count(ip.user_ns["model"]) > 0
+
+
+@pytest.mark.parametrize("line, message", [
+    ("%nanwatch missing", "no variable named 'missing'"),
+    ("%nanwatch not_a_model", "'not_a_model' is a list, not a torch.nn.Module"),
+    ("%nanwatch model.nothing", "model has no attribute 'nothing'"),
+    ("%nanwatch model -n many", "expected a whole number, got 'many'"),
+    ("%nanwatch model -n 0", "must be at least 1"),
+    ("%nanwatch model --on-nan sometimes", "invalid choice: 'sometimes'"),
+    ("%nanwatch model --trace-batches 1,x", "batch numbers separated by commas"),
+    ("%nanwatch model --abort-after -2", "batch numbers start at 0"),
+    ("%nanwatch model --grad-norm -1", "positive finite number"),
+    ("%nanwatch model --skip Dropuot", "--skip Dropuot: no module of that class"),
+    ("%nanwatch --off model", "not watching 'model'"),
+    ("%nanwatch model --bogus", "unrecognized arguments: --bogus"),
+])
+def test_misuse_raises_usage_error_with_a_sentence(ip, line, message):
+    ip.user_ns["not_a_model"] = [1, 2]
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run(ip, line)
+    assert hook_count(ip.user_ns["model"]) == 0
+
+
+def test_cell_stops_at_nan_shows_browser_and_one_line_error(ip):
+    cell = ("%%nanwatch model\n"
+            "for _ in range(3):\n    model(torch.randn(2, 16))\n" + PLANT_NAN
+            + "model(torch.randn(2, 16))\nprint('not reached')\n")
+    with capture_output() as captured:
+        with pytest.raises(NanDetected) as raised:
+            run(ip, cell)
+    assert "not reached" not in captured.stdout
+    lines = raised.value._render_traceback_()
+    assert len(lines) <= 2 and lines[0].startswith("NanDetected: nan in batch 3 at module 'fc2'")
+    shown = [o.data.get("text/plain", "") for o in captured.outputs]
+    assert any(text.startswith("FrameBrowser(") for text in shown)
+    browser_outputs = [o for o in captured.outputs
+                       if "application/vnd.jupyter.widget-view+json" in o.data]
+    assert browser_outputs
+    assert hook_count(ip.user_ns["model"]) == 0
+    assert ip.user_ns["_nanwatch"].event.module == "fc2"
+
+
+def test_cell_traceback_is_short_in_the_shell_output(ip):
+    cell = "%%nanwatch model\n" + PLANT_NAN + "model(torch.randn(2, 16))\n"
+    with capture_output() as captured:
+        result = ip.run_cell(cell)
+    assert isinstance(result.error_in_exec, NanDetected)
+    text = captured.stdout + captured.stderr
+    assert "NanDetected: nan in batch 0 at module 'fc2'" in text
+    assert "Traceback" not in text and "_forward_hook" not in text
+
+
+def test_cell_without_nan_ends_with_a_summary_and_returns_its_value(ip):
+    cell = "%%nanwatch model\nfor _ in range(4):\n    model(torch.randn(2, 16))\n41 + 1\n"
+    with capture_output() as captured:
+        value = run(ip, cell)
+    assert value == 42
+    final = captured.outputs[-1].data["text/plain"]
+    assert final.startswith("nanwatch model done: 4 batches seen")
+    assert "largest |x|" in final and "float32" in final and "0 events" in final
+    assert hook_count(ip.user_ns["model"]) == 0
+
+
+def test_cell_removes_hooks_when_the_cell_fails_for_another_reason(ip):
+    with pytest.raises(ZeroDivisionError):
+        run(ip, "%%nanwatch model\nmodel(torch.randn(2, 16))\n1 / 0\n")
+    assert hook_count(ip.user_ns["model"]) == 0
+
+
+def test_cell_with_abort_after_stops_quietly(ip):
+    cell = "%%nanwatch model --abort-after 1\nfor _ in range(5):\n    model(torch.randn(2, 16))\n"
+    with capture_output() as captured:
+        run(ip, cell)
+    assert "stopped after batch 1" in captured.stdout
+    assert ip.user_ns["_nanwatch"].batch == 2
+
+
+def test_cell_in_record_mode_shows_events_and_browser(ip):
+    cell = ("%%nanwatch model --on-nan record\n" + PLANT_NAN
+            + "for _ in range(3):\n    model(torch.randn(2, 16))\n")
+    with capture_output() as captured:
+        run(ip, cell)
+    assert "3 NaN/Inf event(s)" in captured.stderr
+    assert any("application/vnd.jupyter.widget-view+json" in o.data for o in captured.outputs)
+
+
+def test_live_status_updates_are_throttled_not_one_per_batch(ip):
+    cell = "%%nanwatch model\nfor _ in range(60):\n    model(torch.randn(2, 16))\n"
+    ip.run_line_magic("config", "NanwatchMagics.refresh_seconds = 60.0")
+    try:
+        with capture_output() as captured:
+            run(ip, cell)
+    finally:
+        ip.run_line_magic("config", "NanwatchMagics.refresh_seconds = 0.3")
+    # One "starting" line, the first batch, the final summary: 60 batches, three outputs.
+    assert len(captured.outputs) == 3
+    assert "60 batches seen" in captured.outputs[-1].data["text/plain"]
+
+
+def test_live_status_reports_at_most_once_per_interval():
+    now = [0.0]
+    lines: list[str] = []
+    status = LiveStatus("m", lines.append, interval=0.25, clock=lambda: now[0])
+    model = TinyMLP()
+    with nw.watch(model) as watch:
+        watch.extensions.append(status)
+        for _ in range(20):
+            model(torch.randn(2, 16))
+            now[0] += 0.05  # 20 batches over one second
+    assert status.batches == 20
+    assert 4 <= len(lines) <= 5
+    assert "largest |x|" in lines[-1] and "decades below its max" in lines[-1]
+
+
+def test_config_sets_the_default_frames(ip):
+    run(ip, "%config NanwatchMagics.frames = 9")
+    run(ip, "%nanwatch model")
+    assert ip.user_ns["_nanwatch"].max_frames == 9
+    run(ip, "%config NanwatchMagics.frames = 21")
+
+
+def test_unload_removes_the_magic_and_every_watch_hook(ip):
+    run(ip, "%nanwatch model")
+    run(ip, "w2 = nw.watch(torch.nn.Linear(2, 2))")
+    w2 = ip.user_ns["w2"]
+    ip.run_line_magic("unload_ext", "nanwidget")
+    assert hook_count(ip.user_ns["model"]) == 0
+    assert w2.closed and hook_count(w2.model) == 0
+    with pytest.raises(UsageError, match="not found"):
+        run(ip, "%nanwatch model")
+    ip.run_line_magic("load_ext", "nanwidget")  # the fixture unloads again
+
+
+def test_help_lists_the_options(ip):
+    doc = ip.find_line_magic("nanwatch").__doc__
+    for option in ("-n FRAMES", "--trace-batches", "--abort-after", "--skip", "--backward",
+                   "--grad-norm", "--on-nan", "--log-dir", "--off"):
+        assert option in doc
+
+
+def test_core_and_plots_import_without_ipython():
+    code = ("import sys, nanwidget, nanwidget.core, nanwidget.plots\n"
+            "assert 'IPython' not in sys.modules, 'IPython imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120,
+                   env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
