@@ -117,7 +117,7 @@ def test_history_plot_draws_merged_windows_as_bars():
     assert spans == set(zip(windows["batch"], windows["batch_end"]))
 
 
-def test_plots_work_in_a_script_without_pyplot():
+def test_plots_work_in_a_script_without_pyplot_or_ipython():
     code = ("import sys, torch, nanwidget as nw\n"
             "from nanwidget.plots import plot_frames, plot_history\n"
             "m = torch.nn.Sequential(torch.nn.Linear(3, 3))\n"
@@ -125,7 +125,8 @@ def test_plots_work_in_a_script_without_pyplot():
             "m(torch.randn(2, 3))\n"
             "plot_frames(w.frames()).savefig(sys.argv[1])\n"
             "plot_history(w.history())\n"
-            "assert 'matplotlib.pyplot' not in sys.modules\n")
+            "assert 'matplotlib.pyplot' not in sys.modules\n"
+            "assert 'IPython' not in sys.modules, 'the core and plots must not need IPython'\n")
     out = ROOT / "artifacts"
     out.mkdir(exist_ok=True)
     target = out / "plot_frames_script.png"

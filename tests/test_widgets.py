@@ -62,6 +62,7 @@ def test_every_part_carries_its_contract_css_class(recorded):
         for child in getattr(widget, "children", ()):
             walk(child)
     walk(browser)
+    assert browser._view_name == "VBoxView"  # our own attributes must not shadow widget traits
     contract = {"nw-browser", "nw-status", "nw-prev", "nw-next", "nw-first-bad", "nw-frame",
                 "nw-frame-table", "nw-filter-layer", "nw-filter-type", "nw-filter-role",
                 "nw-only-bad", "nw-plot", "nw-batch", "nw-rerun", "nw-trace", "nw-export"}
@@ -76,15 +77,15 @@ def test_step_back_and_forward_with_buttons_and_slider(recorded):
     assert "<b>act</b> (ReLU)" in _head(browser)
     browser.next.click()
     assert "<b>fc2</b>" in _head(browser)
-    browser.frame.value = 0
-    assert f"step 1 of {browser.frame.max + 1}" in _head(browser)
+    browser.frame.value = 1  # the slider counts frames from 1
+    assert f"step 1 of {browser.frame.max}" in _head(browser)
     browser.prev.click()  # clamped at the first frame
-    assert browser.frame.value == 0
+    assert browser.frame.value == 1
 
 
 def test_jump_to_first_bad_frame_from_anywhere(recorded):
     browser = FrameBrowser(recorded, plots=False)
-    browser.frame.value = 0
+    browser.frame.value = 1
     assert "nw-nonfinite" not in browser.table.value
     browser.first_bad.click()
     assert "<b>fc2</b>" in _head(browser) and "nw-nonfinite" in browser.table.value
@@ -131,7 +132,7 @@ def test_type_role_and_only_bad_filters_narrow_the_table(recorded):
     browser.only_bad.value = True
     rows = browser.filtered_frames
     assert len(rows) and (rows["nan"] | rows["inf"]).all()
-    browser.frame.value = 0
+    browser.frame.value = 1
     assert "nw-nonfinite" in browser.table.value
 
 

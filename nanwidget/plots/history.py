@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import torch
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from .common import limit_lines, module_label, new_figure
 
@@ -75,6 +76,7 @@ def plot_history(history: pd.DataFrame, modules: Sequence[str] | None = None, *,
     if table["nonfinite"].astype(bool).any():
         first = float(table.loc[table["nonfinite"].astype(bool), "batch"].min())
         ax.axvline(first, color="red", linewidth=1, label=f"first NaN/Inf (batch {first:.0f})")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if dtype is not None:
         limit_lines(ax, [str(dtype).replace("torch.", "")], plotted)
     ax.legend(loc="lower left", fontsize=7)

@@ -71,7 +71,7 @@ class FrameBrowser(widgets.VBox):
         self.next = _classed(widgets.Button(description="forward ▶",
                                             tooltip="step one frame forward",
                                             layout=widgets.Layout(width="100px")), "nw-next")
-        self.frame = _classed(widgets.IntSlider(min=0, max=0, value=0, description="frame",
+        self.frame = _classed(widgets.IntSlider(min=1, max=1, value=1, description="frame",
                                                 continuous_update=True,
                                                 layout=widgets.Layout(width="360px")), "nw-frame")
         self.first_bad = _classed(widgets.Button(description="first NaN/Inf",
@@ -93,11 +93,15 @@ class FrameBrowser(widgets.VBox):
                                                   layout=widgets.Layout(width="130px")),
                                  "nw-only-bad")
         self.table = _classed(widgets.HTML(), "nw-frame-table")
-        self.frames_image = _classed(widgets.Image(format="png"), "nw-plot-frames")
-        self.history_image = _classed(widgets.Image(format="png"), "nw-plot-history")
+        plot_layout = dict(width="600px", height="auto")
+        self.frames_image = _classed(widgets.Image(format="png", layout=widgets.Layout(**plot_layout)),
+                                     "nw-plot-frames")
+        self.history_image = _classed(widgets.Image(format="png",
+                                                    layout=widgets.Layout(**plot_layout)),
+                                      "nw-plot-history")
         self.plot_note = widgets.HTML()
-        self.plot = _classed(widgets.VBox([self.frames_image, self.history_image, self.plot_note]),
-                             "nw-plot")
+        self.plot = _classed(widgets.HBox([self.frames_image, self.history_image, self.plot_note],
+                                          layout=widgets.Layout(flex_flow="row wrap")), "nw-plot")
         self.batch = _classed(widgets.Dropdown(options=[], description="batch",
                                                layout=widgets.Layout(width="200px")), "nw-batch")
         reason = source.no_replay_reason
@@ -138,7 +142,7 @@ class FrameBrowser(widgets.VBox):
     # ------------------------------------------------------------------ data
     def _load_view(self, name: str, keep_filters: bool = False) -> None:
         """Read the view's DataFrame and index it once; filters and steps reuse the index."""
-        self._view_name = name
+        self._view_label = name
         self.index = FrameIndex(self.source.views[name]())
         self.history = self.source.history() if self.source.history is not None else None
         self._updating = True
@@ -169,7 +173,7 @@ class FrameBrowser(widgets.VBox):
             self._updating = True
             self.view.options = list(self.source.views)
             self._updating = False
-        name = self._view_name if self._view_name in self.source.views else next(iter(self.source.views))
+        name = self._view_label if self._view_label in self.source.views else next(iter(self.source.views))
         self._load_view(name, keep_filters=True)
 
     def _source_object(self) -> Any:
@@ -195,7 +199,7 @@ class FrameBrowser(widgets.VBox):
         """Position of the frame shown, counted in the unfiltered view; None when none is."""
         if not len(self._visible):
             return None
-        return int(self._visible[self.frame.value])
+        return int(self._visible[self.frame.value - 1])
 
     # ------------------------------------------------------------------ filters and steps
     def _on_filter(self, change: dict) -> None:
@@ -218,8 +222,8 @@ class FrameBrowser(widgets.VBox):
             target = count - 1 if count else 0
         self._updating = True
         try:
-            self.frame.max = max(count - 1, 0)
-            self.frame.value = target
+            self.frame.max = max(count, 1)
+            self.frame.value = target + 1  # the slider counts from 1, as people do
             self.frame.disabled = count <= 1
         finally:
             self._updating = False
@@ -234,7 +238,7 @@ class FrameBrowser(widgets.VBox):
     def step(self, delta: int) -> None:
         """Move ``delta`` frames along the filtered frames (clamped at both ends)."""
         if len(self._visible):
-            self.frame.value = int(np.clip(self.frame.value + delta, 0, len(self._visible) - 1))
+            self.frame.value = int(np.clip(self.frame.value + delta, 1, len(self._visible)))
 
     def jump_to_first_bad(self) -> bool:
         """Show the first frame (under the filters) holding a NaN/Inf; False when there is none."""
@@ -242,7 +246,7 @@ class FrameBrowser(widgets.VBox):
         if not len(bad):
             self.status.value = self._status_text() + " · <b>no NaN/Inf frame under these filters</b>"
             return False
-        self.frame.value = int(bad[0])
+        self.frame.value = int(bad[0]) + 1
         return True
 
     # ------------------------------------------------------------------ rendering
@@ -251,8 +255,8 @@ class FrameBrowser(widgets.VBox):
             self.table.value = ("<i>No frames to show.</i>" if not self.index.n_frames
                                 else "<i>No frames match the filters.</i>")
             return
-        position = int(self._visible[self.frame.value])
-        self.table.value = self.index.frame_html(position, self._mask, self.frame.value,
+        position = int(self._visible[self.frame.value - 1])
+        self.table.value = self.index.frame_html(position, self._mask, self.frame.value - 1,
                                                  len(self._visible))
 
     def _status_text(self) -> str:
@@ -286,7 +290,7 @@ class FrameBrowser(widgets.VBox):
             return
         rows = self.filtered_frames
         self.frames_image.value = figure_png(plot_frames(
-            rows, title=f"abs max / abs min per frame ({self._view_name})"))
+            rows, title=f"abs max / abs min per frame ({self._view_label})"))
         history = self.history
         if history is None or history.empty:
             self.history_image.layout.display = "none"
@@ -334,7 +338,7 @@ class FrameBrowser(widgets.VBox):
             self.source.views[name] = lambda f=frames: f
             self._updating = True
             self.view.options = list(self.source.views)
-            self.view.value = self._view_name
+            self.view.value = self._view_label
             self._updating = False
         return trace
 
