@@ -1,0 +1,1 @@
+"""Small runnable examples used by the notebooks, the demo and the tests."""

@@ -1,0 +1,103 @@
+"""A two-rank DDP job whose rank 1 meets a bad batch: every rank stops at the same batch.
+
+Run it under torchrun (CPU and gloo are enough)::
+
+    torchrun --nproc_per_node 2 -m nanwidget.examples.ddp_nan --log-dir runs/ddp
+
+At batch ``--nan-batch`` rank ``--nan-rank`` receives a batch whose rows are all equal, so the
+model's ``norm`` layer (standardise by the batch's standard deviation) divides 0 by 0. That rank
+raises :class:`nanwidget.NanDetected` for its own event; thanks to the consensus stop the other
+ranks raise at the same batch with an event naming the rank that found it, instead of hanging in
+DDP's next gradient all-reduce. Each rank prints one ``RESULT {json}`` line; the recording in
+``--log-dir`` loads with ``nanwidget.load_run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import nanwidget as nw
+
+
+class Standardize(nn.Module):
+    """(x - mean) / std over the batch: a batch of identical rows gives 0 / 0 = NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(dim=0)) / x.std(dim=0)
+
+
+class ToyNet(nn.Module):
+    def __init__(self, features: int = 16, width: int = 32) -> None:
+        super().__init__()
+        self.norm = Standardize()
+        self.fc1 = nn.Linear(features, width)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(width, width)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.fc2(self.act(self.fc1(self.norm(x))))))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--log-dir", default=None, help="record to this directory")
+    parser.add_argument("--batches", type=int, default=8, help="training steps (default 8)")
+    parser.add_argument("--nan-rank", type=int, default=1, help="rank that gets the bad batch")
+    parser.add_argument("--nan-batch", type=int, default=3, help="batch that is bad (-1: none)")
+    parser.add_argument("--trace-batches", default="0", help="comma-separated trace batches")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds before a collective counts as hung (default 60)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    torch.manual_seed(0)  # same initial weights on every rank
+    model = ToyNet().to(device)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard
+    trace = [int(b) for b in args.trace_batches.split(",") if b.strip()]
+    result: dict = {"rank": rank, "world": world, "stopped_at": None}
+    with nw.watch(ddp, log_dir=args.log_dir, trace_batches=trace) as watch:
+        try:
+            for batch in range(args.batches):
+                x = torch.randn(8, 16, generator=data)
+                if rank == args.nan_rank and batch == args.nan_batch:
+                    x = x[:1].repeat(8, 1)  # eight identical rows: std 0
+                x, target = x.to(device), torch.randn(8, 4, generator=data).to(device)
+                loss = nn.functional.mse_loss(ddp(x), target)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                result["last_batch"] = batch
+        except nw.NanDetected as error:
+            event = error.event
+            result.update(stopped_at=watch.batch - 1, exception="NanDetected",
+                          event_batch=event.batch, event_rank=event.rank,
+                          module=event.module, origin=event.origin, message=str(error))
+        result["module_names"] = watch.module_names
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
