@@ -1,0 +1,175 @@
+"""DDP under torchrun (CPU, gloo, 127.0.0.1): consensus stop, merged recordings, distcheck."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import nanwidget as nw
+from nanwidget.core import distributed
+from nanwidget.core.distributed import RemoteNanEvent
+
+from conftest import TinyMLP, hook_count
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN_TIMEOUT = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _torchrun(args: list[str], nproc: int = 2, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(extra_env or {}))
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=TORCHRUN_TIMEOUT)
+
+
+def _results(output: str) -> dict[int, dict]:
+    results = [json.loads(line[len("RESULT "):]) for line in output.splitlines()
+               if line.startswith("RESULT ")]
+    return {r["rank"]: r for r in results}
+
+
+@pytest.fixture(scope="module")
+def ddp_nan_run(tmp_path_factory):
+    """One 2-rank DDP job: rank 1 gets a constant batch at batch 3, the norm layer divides 0/0."""
+    log_dir = tmp_path_factory.mktemp("ddp") / "log"
+    finished = _torchrun(["-m", "nanwidget.examples.ddp_nan", "--log-dir", str(log_dir),
+                          "--nan-rank", "1", "--nan-batch", "3", "--batches", "8"])
+    return finished, log_dir
+
+
+@pytest.mark.slow
+def test_nan_on_rank_1_stops_both_ranks_at_the_same_batch(ddp_nan_run):
+    finished, _ = ddp_nan_run
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    results = _results(finished.stdout)
+    assert sorted(results) == [0, 1]
+    for rank in (0, 1):
+        assert results[rank]["exception"] == "NanDetected"
+        assert results[rank]["stopped_at"] == 3 and results[rank]["last_batch"] == 2
+        assert (results[rank]["event_rank"], results[rank]["event_batch"]) == (1, 3)
+        assert (results[rank]["module"], results[rank]["origin"]) == ("norm", "output")
+    assert "found on rank 1; rank 0 stops with it" in results[0]["message"]
+    assert "on rank 1" in results[1]["message"] and "stops with it" not in results[1]["message"]
+    # DDP's wrapper is unwrapped: the user's names, no "module." prefix.
+    assert results[0]["module_names"] == ["", "norm", "fc1", "act", "fc2", "head"]
+
+
+@pytest.mark.slow
+def test_load_run_merges_both_ranks_and_finds_the_event_on_rank_1(ddp_nan_run):
+    _, log_dir = ddp_nan_run
+    run = nw.load_run(log_dir)
+    assert run.ranks == [0, 1] and run.world_size == 2
+    assert [(e.rank, e.batch, e.module, e.kind) for e in run.events] == [(1, 3, "norm", "nan")]
+    history = run.history()
+    assert set(history["rank"]) == {0, 1}
+    assert set(history.loc[history["rank"] == 0, "batch"]) == {0, 1, 2, 3}
+    bad = history[history["nonfinite"]]
+    assert set(bad["rank"]) == {1} and set(bad["batch"]) == {3}
+    trace = run.frames(batch=0)
+    assert set(trace["rank"]) == {0, 1} and "module.norm" not in set(trace["module"])
+    # The two ranks saw different shards, so their trace frames differ.
+    inputs = trace[(trace["module"] == "norm") & (trace["role"] == "input[0]")]
+    assert inputs["abs_max"].nunique() == 2
+
+
+@pytest.mark.slow
+def test_distcheck_prints_ok_for_both_ranks_in_turn():
+    finished = _torchrun(["-m", "nanwidget", "distcheck", "--timeout", "60"])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    host = socket.gethostname()
+    lines = [line for line in finished.stdout.splitlines() if "is OK" in line or "torch " in line]
+    assert lines[0].startswith(f"torch {torch.__version__}, CUDA ")
+    assert "NCCL" in lines[0] and "world size 2" in lines[0]
+    assert lines[1:] == [f"[{host}-0] is OK (global rank: 0/2)",
+                         f"[{host}-1] is OK (global rank: 1/2)"]
+
+
+def test_distcheck_names_the_step_that_hangs(tmp_path):
+    # A world of 2 with only one process started: the rendezvous never completes.
+    env = dict(os.environ, PYTHONPATH=str(REPO), RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    finished = subprocess.run([sys.executable, "-m", "nanwidget", "distcheck", "--timeout", "3"],
+                              capture_output=True, text=True, env=env, timeout=120)
+    assert finished.returncode != 0
+    assert "distcheck FAILED" in finished.stderr
+    assert "init_process_group(gloo)" in finished.stderr
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    """An in-process gloo group of world size 1 (enough to build a DDP wrapper)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_watching_ddp_records_the_users_module_names(single_rank_group):
+    model = TinyMLP()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    with nw.watch(ddp, trace_batches=[0]) as watch:
+        ddp(torch.randn(4, 16))
+        assert watch.module_names == ["", "fc1", "act", "fc2", "head"]
+        assert set(watch.frames(batch=0)["module"]) == {"", "fc1", "act", "fc2", "head"}
+        # World size 1: nothing to agree on, so no per-batch all-reduce rides along.
+        assert watch._extension("distributed") is None
+    assert hook_count(model) == 0 and hook_count(ddp) == 0
+
+
+def test_data_parallel_is_refused_with_a_pointer_to_ddp():
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        nw.watch(nn.DataParallel(TinyMLP()))
+
+
+def test_consensus_can_be_switched_off(tiny_mlp, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun, before init_process_group
+    with nw.watch(tiny_mlp) as watch:
+        assert watch._extension("distributed") is not None
+    monkeypatch.setenv("NANWIDGET_CONSENSUS", "0")
+    with nw.watch(tiny_mlp) as watch:
+        assert watch._extension("distributed") is None
+    monkeypatch.delenv("NANWIDGET_CONSENSUS")
+    distributed.set_consensus(False)
+    try:
+        with nw.watch(tiny_mlp) as watch:
+            assert watch._extension("distributed") is None
+    finally:
+        distributed.set_consensus(None)
+    assert distributed.consensus_enabled()
+
+
+def test_consensus_waits_for_nothing_without_a_process_group(tiny_mlp, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with nw.watch(tiny_mlp) as watch:
+        tiny_mlp(torch.randn(4, 16))  # no group initialised: the flag exchange is skipped
+        assert watch._extension("distributed").exchanges == 0
+
+
+def test_remote_event_names_the_rank_that_found_it():
+    event = RemoteNanEvent(batch=3, module="norm", module_type="Standardize", call=0,
+                           role="output", kind="nan", origin="output", rank=0, stopped_rank=1)
+    text = event.summary()
+    assert text.startswith("nan in batch 3 on rank 0 at module 'norm'")
+    assert text.endswith("(found on rank 0; rank 1 stops with it)")
+    assert str(nw.NanDetected(event)).count("rank 0") == 2

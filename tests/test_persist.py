@@ -1,0 +1,264 @@
+"""log_dir recording and load_run: round trips, crash safety, damaged directories, report CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+import nanwidget as nw
+from nanwidget.cli import main as cli_main
+from nanwidget.core import persist
+from nanwidget.core.persist import RunLoadError, load_run
+
+from conftest import TinyMLP
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _train_with_nan(model: torch.nn.Module, log_dir: Path, batches: int = 5, nan_batch: int = 3,
+                    **options) -> nw.NanWatch:
+    """Run ``batches`` forwards with a NaN input at ``nan_batch`` (recorded, not raised)."""
+    watch = nw.watch(model, log_dir=str(log_dir), on_nan="record", **options)
+    for batch in range(batches):
+        x = torch.randn(8, 16)
+        if batch == nan_batch:
+            x[0, 0] = float("nan")
+        model(x)
+    return watch
+
+
+def _sorted_history(table: pd.DataFrame) -> pd.DataFrame:
+    return table.sort_values(["rank", "batch", "module"]).reset_index(drop=True)
+
+
+def test_single_process_recording_round_trips_frames_history_and_events(tiny_mlp, tmp_path):
+    watch = _train_with_nan(tiny_mlp, tmp_path, trace_batches=[1])
+    watch.close()
+    run = load_run(tmp_path)
+
+    assert run.ranks == [0] and run.world_size == 1 and run.model_class == "TinyMLP"
+    assert run.module_names == watch.module_names
+    pd.testing.assert_frame_equal(_sorted_history(run.history()), _sorted_history(watch.history()))
+    pd.testing.assert_frame_equal(run.frames(batch=1), watch.frames(batch=1))
+    assert [(e.batch, e.module, e.role, e.kind, e.origin) for e in run.events] == \
+        [(e.batch, e.module, e.role, e.kind, e.origin) for e in watch.events]
+    pd.testing.assert_frame_equal(run.event.frames, watch.event.frames)
+    assert run.report() == watch.report()
+    assert "Detected inf/nan during batch_number=3" in run.report()
+    # The last frames held at close are kept too, so frames() reaches the final batch.
+    assert run.frames()["batch"].max() == 4
+    assert isinstance(run.frames().loc[0, "shape"], tuple)
+
+
+def test_recording_without_pyarrow_falls_back_to_json_tables(tiny_mlp, tmp_path, monkeypatch):
+    monkeypatch.setattr(persist, "_pq", None)
+    monkeypatch.setattr(persist, "_pa", None)
+    watch = _train_with_nan(tiny_mlp, tmp_path, trace_batches=[0])
+    watch.close()
+    files = sorted(p.name for p in (tmp_path / "rank-00000").iterdir())
+    assert not any(name.endswith(".parquet") for name in files)
+    assert "history-000000.json" in files and "event-000000.frames.json" in files
+
+    run = load_run(tmp_path)
+    pd.testing.assert_frame_equal(_sorted_history(run.history()), _sorted_history(watch.history()))
+    pd.testing.assert_frame_equal(run.frames(batch=0), watch.frames(batch=0))
+    pd.testing.assert_frame_equal(run.event.frames, watch.event.frames)
+
+
+def test_event_is_on_disk_as_soon_as_it_is_found(tiny_mlp, tmp_path):
+    watch = _train_with_nan(tiny_mlp, tmp_path, batches=4)
+    try:
+        run = load_run(tmp_path)  # the watch is still open: nothing closed, nothing at exit
+        assert [(e.batch, e.module) for e in run.events] == [(3, "fc1")]
+        assert set(run.history()["batch"]) == {0, 1, 2, 3}
+    finally:
+        watch.close()
+
+
+def test_chunks_are_flushed_every_n_batches(tiny_mlp, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANWIDGET_FLUSH_BATCHES", "2")
+    with nw.watch(tiny_mlp, log_dir=str(tmp_path)):
+        for _ in range(5):
+            tiny_mlp(torch.randn(4, 16))
+        chunks = sorted(p.name for p in (tmp_path / "rank-00000").glob("history-*"))
+        assert len(chunks) == 2  # batches 0-1 and 2-3; batch 4 waits for the next flush
+    assert set(load_run(tmp_path).history()["batch"]) == set(range(5))
+
+
+def test_one_batch_split_over_two_chunks_is_folded_back(tiny_mlp, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANWIDGET_FLUSH_BATCHES", "1")
+    with nw.watch(tiny_mlp, log_dir=str(tmp_path)) as watch:
+        watch.set_batch(0)
+        tiny_mlp(torch.randn(4, 16))
+        tiny_mlp(torch.randn(4, 16) * 100)  # same batch, second micro-batch, larger values
+        watch.step()
+    run = load_run(tmp_path)
+    pd.testing.assert_frame_equal(_sorted_history(run.history()), _sorted_history(watch.history()))
+
+
+def test_sigkilled_recording_leaves_a_directory_that_loads(tmp_path):
+    log_dir = tmp_path / "log"
+    env = dict(os.environ, PYTHONPATH=str(REPO), NANWIDGET_FLUSH_BATCHES="2")
+    process = subprocess.Popen([sys.executable, str(REPO / "tests/scripts/record_until_killed.py"),
+                                str(log_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        for line in process.stdout:
+            if line.strip() == "batch 12" or time.monotonic() > deadline:
+                break
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGKILL
+
+    run = load_run(log_dir)
+    batches = set(run.history()["batch"])
+    assert set(range(12)) <= batches  # only the unflushed tail of the run may be missing
+    assert [(e.batch, e.module, e.rank) for e in run.events] == [(3, "0", 0)]
+    assert set(run.frames(batch=1)["module"]) == {"", "0", "1", "2"}
+    manifest = json.loads((log_dir / "rank-00000" / "manifest.json").read_text())
+    assert "closed" not in manifest  # it really died without closing
+
+
+def test_leftover_temporary_files_are_ignored(tiny_mlp, tmp_path):
+    _train_with_nan(tiny_mlp, tmp_path).close()
+    (tmp_path / "rank-00000" / ".history-000009.parquet.123.tmp").write_bytes(b"PAR1 half")
+    assert len(load_run(tmp_path).events) == 1
+
+
+def _recorded_dir(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    _train_with_nan(TinyMLP(), tmp_path).close()
+    return tmp_path / "rank-00000"
+
+
+@pytest.mark.parametrize("damage, culprit", [
+    ("truncated parquet", "history-000000.parquet"),
+    ("manifest not json", "manifest.json"),
+    ("manifest from the future", "manifest.json"),
+    ("event frames missing", "event-000000.frames.parquet"),
+    ("event field wrong type", "event-000000.json"),
+    ("column of the wrong type", "history-000001.parquet"),
+])
+def test_damaged_recording_raises_run_load_error_naming_the_file(tmp_path, damage, culprit):
+    rank_dir = _recorded_dir(tmp_path)
+    if damage == "truncated parquet":
+        data = (rank_dir / culprit).read_bytes()
+        (rank_dir / culprit).write_bytes(data[: len(data) // 2])
+    elif damage == "manifest not json":
+        (rank_dir / culprit).write_text('{"format": "nanwidget-log", ')
+    elif damage == "manifest from the future":
+        manifest = json.loads((rank_dir / culprit).read_text())
+        manifest["version"] = 99
+        (rank_dir / culprit).write_text(json.dumps(manifest))
+    elif damage == "event frames missing":
+        (rank_dir / culprit).unlink()
+    elif damage == "event field wrong type":
+        meta = json.loads((rank_dir / culprit).read_text())
+        meta["batch"] = "three"
+        (rank_dir / culprit).write_text(json.dumps(meta))
+    elif damage == "column of the wrong type":
+        persist.write_table(rank_dir / "history-000001", {"batch": ["a"], "module": ["x"]})
+    with pytest.raises(RunLoadError, match=culprit.replace(".", r"\.")) as caught:
+        load_run(tmp_path)
+    assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty", "foreign", "file"])
+def test_foreign_or_empty_directory_raises_a_clear_error(tmp_path, layout):
+    target = tmp_path / "logs"
+    if layout == "empty":
+        target.mkdir()
+    elif layout == "foreign":
+        target.mkdir()
+        (target / "events.out.tfevents.1").write_bytes(b"\x00\x01")
+        (target / "rank-00000").mkdir()  # looks like ours, but no manifest
+    elif layout == "file":
+        target.write_text("not a directory")
+    with pytest.raises(RunLoadError, match="logs"):
+        load_run(target)
+
+
+def test_loading_never_unpickles_what_the_directory_holds(tmp_path):
+    rank_dir = _recorded_dir(tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (rank_dir / "history-000007.parquet").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(RunLoadError, match="history-000007.parquet"):
+        load_run(tmp_path)
+    assert not marker.exists()
+
+
+def test_second_watch_refuses_to_mix_two_runs_in_one_log_dir(tiny_mlp, tmp_path):
+    nw.watch(tiny_mlp, log_dir=str(tmp_path)).close()
+    with pytest.raises(FileExistsError, match="already holds a nanwidget recording"):
+        nw.watch(tiny_mlp, log_dir=str(tmp_path))
+    from conftest import hook_count
+    assert hook_count(tiny_mlp) == 0  # the failed watch left no hooks behind
+
+
+def test_grad_norms_are_written_when_the_grads_part_records_them(tiny_mlp, tmp_path, monkeypatch):
+    recorded = pd.DataFrame({"batch": [0, 0, 1], "param": ["fc1.weight", "fc1.bias", "fc1.weight"],
+                             "norm": [0.5, 0.25, float("inf")]})
+    fake = types.ModuleType("nanwidget.core.grads")
+    fake.make_extension = lambda watch: None
+    fake.grad_history = lambda watch: recorded
+    monkeypatch.setitem(sys.modules, "nanwidget.core.grads", fake)
+    monkeypatch.setattr(sys.modules["nanwidget.core"], "grads", fake, raising=False)
+    with nw.watch(tiny_mlp, log_dir=str(tmp_path)):
+        tiny_mlp(torch.randn(4, 16))
+    grads = load_run(tmp_path).grad_history()
+    assert grads[["batch", "param", "norm"]].to_dict("list") == recorded.to_dict("list")
+    assert set(grads["rank"]) == {0}
+
+
+def test_run_without_grad_norms_has_an_empty_grad_history(tiny_mlp, tmp_path):
+    nw.watch(tiny_mlp, log_dir=str(tmp_path)).close()
+    assert load_run(tmp_path).grad_history().empty
+
+
+def test_load_run_and_run_are_served_from_the_package(tmp_path, tiny_mlp):
+    nw.watch(tiny_mlp, log_dir=str(tmp_path)).close()
+    assert isinstance(nw.load_run(tmp_path), nw.Run)
+    assert nw.load_run is persist.load_run
+
+
+def test_report_command_prints_each_event(tiny_mlp, tmp_path, capsys):
+    _train_with_nan(tiny_mlp, tmp_path).close()
+    assert cli_main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 event(s)" in out
+    assert "=== event 1 of 1: rank 0, batch 3 ===" in out
+    assert "Detected inf/nan during batch_number=3" in out
+
+
+def test_report_command_on_a_run_without_events_says_so(tiny_mlp, tmp_path, capsys):
+    with nw.watch(tiny_mlp, log_dir=str(tmp_path)):
+        tiny_mlp(torch.randn(4, 16))
+    assert cli_main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "No NaN/Inf recorded." in out and "No inf/nan detected (batch_number=0)" in out
+
+
+def test_report_command_on_an_empty_directory_fails_clearly(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert "holds no nanwidget recording" in captured.err and captured.out == ""
