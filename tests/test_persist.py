@@ -262,3 +262,11 @@ def test_report_command_on_an_empty_directory_fails_clearly(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path)]) == 2
     captured = capsys.readouterr()
     assert "holds no nanwidget recording" in captured.err and captured.out == ""
+
+
+def test_browse_opens_the_frame_browser_on_a_loaded_run(tiny_mlp, tmp_path):
+    _train_with_nan(tiny_mlp, tmp_path).close()
+    browser = load_run(tmp_path).browse()
+    assert type(browser).__name__ == "FrameBrowser"
+    assert "nw-browser" in browser._dom_classes
+    assert "nan in batch 3 at module 'fc1'" in browser.status.value
