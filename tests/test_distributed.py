@@ -92,6 +92,19 @@ def test_load_run_merges_both_ranks_and_finds_the_event_on_rank_1(ddp_nan_run):
 
 
 @pytest.mark.slow
+def test_watch_on_rank_0_alone_turns_the_consensus_off_instead_of_hanging():
+    # Rank 0's flag all-reduce would otherwise pair with rank 1's gradient all-reduce.
+    finished = _torchrun(["-m", "nanwidget.examples.ddp_nan", "--watch-ranks", "0",
+                          "--nan-batch", "-1", "--batches", "4"],
+                         extra_env={"NANWIDGET_CONSENSUS_WAIT": "2"})
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    results = _results(finished.stdout)
+    assert [results[r]["last_batch"] for r in (0, 1)] == [3, 3]
+    assert "consensus stop is off for this watch" in finished.stderr
+    assert "ranks watching: [0] of 2" in finished.stderr
+
+
+@pytest.mark.slow
 def test_distcheck_prints_ok_for_both_ranks_in_turn():
     finished = _torchrun(["-m", "nanwidget", "distcheck", "--timeout", "60"])
     assert finished.returncode == 0, finished.stdout + finished.stderr

@@ -123,6 +123,7 @@ def test_sigkilled_recording_leaves_a_directory_that_loads(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+        process.stdout.close()
     assert process.returncode == -signal.SIGKILL
 
     run = load_run(log_dir)

@@ -12,12 +12,18 @@ model in training mode, with ``on_nan="raise"``. A validation pass that only ran
 (``model.eval()`` or ``torch.no_grad()``) therefore never waits for the other ranks.
 
 Switch it off with ``NANWIDGET_CONSENSUS=0`` in the environment or :func:`set_consensus`.
-Create the watch on every rank, after ``init_process_group``.
+Create the watch on every rank. Before the first exchange the ranks check, through the process
+group's key-value store (no collective), that every rank watches; when one does not within
+``NANWIDGET_CONSENSUS_WAIT`` seconds (default 30), all of them switch the consensus off with a
+warning, so a watch on rank 0 alone never pairs its flag with somebody else's collective.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +40,7 @@ __all__ = ["make_extension", "ConsensusExtension", "RemoteNanEvent", "set_consen
            "consensus_enabled"]
 
 _override: bool | None = None
+_serials = itertools.count()  # the nth watch of this process meets the nth watch of the others
 
 
 def set_consensus(enabled: bool | None) -> None:
@@ -81,7 +88,14 @@ class ConsensusExtension(WatchExtension):
 
     def __init__(self) -> None:
         self._flag: torch.Tensor | None = None
+        self._serial = next(_serials)
+        self._agreed: bool | None = None  # every rank watches: decided once, the same everywhere
         self.exchanges = 0  # flag all-reduces done (tests and benchmarks read it)
+
+    def _every_rank_watches(self) -> bool:
+        if self._agreed is None:
+            self._agreed = _handshake(self._serial)
+        return self._agreed
 
     def _flag_tensor(self) -> torch.Tensor:
         if self._flag is None:
@@ -99,6 +113,8 @@ class ConsensusExtension(WatchExtension):
         # Only forwards every rank runs together (DDP training steps) exchange the flag.
         if not (torch.is_grad_enabled() and watch.model.training):
             return event
+        if not self._every_rank_watches():
+            return event
         flag = self._flag_tensor()
         flag.fill_(1 if event is not None else 0)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -114,6 +130,41 @@ class ConsensusExtension(WatchExtension):
         first = min(found, key=lambda p: (p["batch"], p["rank"]))
         frames = pd.DataFrame(first.pop("frames"))
         return RemoteNanEvent(frames=frames, stopped_rank=dist.get_rank(), **first)
+
+
+def _handshake(serial: int) -> bool:
+    """Whether every rank runs this (nth) watch; the same answer on every rank that asks."""
+    dist = torch.distributed
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        store = _get_default_store()
+    except Exception:  # no store to ask: trust the documented use (a watch on every rank)
+        return True
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prefix = f"nanwidget/consensus/{serial}/"
+    store.set(f"{prefix}{rank}", "1")
+    keys = [f"{prefix}{r}" for r in range(world)]
+    try:
+        wait = float(os.environ.get("NANWIDGET_CONSENSUS_WAIT", "30"))
+    except ValueError:
+        wait = 30.0
+    deadline = time.monotonic() + wait
+    # Poll with check() rather than wait(): a timed-out wait leaves a reply pending on the socket.
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    proposal = "on" if store.check(keys) else "off"
+    # The first rank to decide decides for all, so a rank arriving late cannot disagree.
+    decision = store.compare_set(f"{prefix}decision", "", proposal)
+    agreed = (decision.decode() if isinstance(decision, bytes) else str(decision)) == "on"
+    if not agreed:
+        seen = [r for r in range(world) if store.check([f"{prefix}{r}"])]
+        warnings.warn(f"nanwidget: DDP consensus stop is off for this watch: not every rank "
+                      f"watched the model within {wait:g} s (ranks watching: {seen} of {world}). "
+                      "Watch the model on every rank, or set NANWIDGET_CONSENSUS=0 to skip this "
+                      "check", RuntimeWarning, stacklevel=2)
+    return agreed
 
 
 def make_extension(watch: NanWatch) -> ConsensusExtension | None:

@@ -15,6 +15,7 @@ DDP's next gradient all-reduce. Each rank prints one ``RESULT {json}`` line; the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nan-rank", type=int, default=1, help="rank that gets the bad batch")
     parser.add_argument("--nan-batch", type=int, default=3, help="batch that is bad (-1: none)")
     parser.add_argument("--trace-batches", default="0", help="comma-separated trace batches")
+    parser.add_argument("--watch-ranks", default="all",
+                        help="ranks that watch the model: 'all' (the right way) or e.g. '0'")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds before a collective counts as hung (default 60)")
     return parser.parse_args(argv)
@@ -76,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard
     trace = [int(b) for b in args.trace_batches.split(",") if b.strip()]
     result: dict = {"rank": rank, "world": world, "stopped_at": None}
-    with nw.watch(ddp, log_dir=args.log_dir, trace_batches=trace) as watch:
+    watching = args.watch_ranks == "all" or str(rank) in args.watch_ranks.split(",")
+    with (nw.watch(ddp, log_dir=args.log_dir, trace_batches=trace) if watching
+          else contextlib.nullcontext()) as watch:
         try:
             for batch in range(args.batches):
                 x = torch.randn(8, 16, generator=data)
@@ -90,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                 result["last_batch"] = batch
         except nw.NanDetected as error:
             event = error.event
-            result.update(stopped_at=watch.batch - 1, exception="NanDetected",
+            result.update(stopped_at=batch, exception="NanDetected",
                           event_batch=event.batch, event_rank=event.rank,
                           module=event.module, origin=event.origin, message=str(error))
-        result["module_names"] = watch.module_names
+        result["module_names"] = watch.module_names if watching else None
     print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
     return 0
