@@ -82,6 +82,8 @@ def test_load_run_merges_both_ranks_and_finds_the_event_on_rank_1(ddp_nan_run):
     history = run.history()
     assert set(history["rank"]) == {0, 1}
     assert set(history.loc[history["rank"] == 0, "batch"]) == {0, 1, 2, 3}
+    grads = run.grad_history()
+    assert set(grads["rank"]) == {0, 1} and set(grads["batch"]) == {0, 1, 2}
     bad = history[history["nonfinite"]]
     assert set(bad["rank"]) == {1} and set(bad["batch"]) == {3}
     trace = run.frames(batch=0)

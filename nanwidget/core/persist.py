@@ -302,6 +302,7 @@ class PersistExtension(WatchExtension):
         self._history: dict[tuple[int, str, str], list] = {}
         self._batches_pending = 0
         self._last_flush = time.monotonic()
+        self._last_grads_flush = self._last_flush
         self._grads_written_through = -1
         self._closed = False
         self.manifest = {
@@ -339,7 +340,7 @@ class PersistExtension(WatchExtension):
             self._batches_pending += 1
             if event is not None:
                 self._write_event(event)
-                self.flush(watch)
+                self.flush(watch, force=True)
             elif (self._batches_pending >= self.every_batches
                   or time.monotonic() - self._last_flush >= self.every_seconds):
                 self.flush(watch)
@@ -356,7 +357,7 @@ class PersistExtension(WatchExtension):
             held = [frame for frame in watch._ring if frame.batch not in watch.trace_batches]
             for frame in held:
                 self._frame_rows.extend(frame.rows())
-            self.flush(watch)
+            self.flush(watch, force=True)
             self.manifest.update({
                 "closed": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "batches": watch.batch, "events": self._events_written,
@@ -406,8 +407,12 @@ class PersistExtension(WatchExtension):
         _write_json(self.directory / f"event-{number:06d}.json", meta)
         self._events_written += 1
 
-    def flush(self, watch: NanWatch | None = None) -> None:
-        """Write what is pending as new chunk files (each written whole, then renamed)."""
+    def flush(self, watch: NanWatch | None = None, force: bool = False) -> None:
+        """Write what is pending as new chunk files (each written whole, then renamed).
+
+        Gradient norms are written when ``force`` is set (events, close) or at most every
+        ``every_seconds``.
+        """
         if self._history:
             keys = list(self._history)
             values = [self._history[k] for k in keys]
@@ -421,13 +426,16 @@ class PersistExtension(WatchExtension):
         if self._frame_rows:
             self._write_chunk("frames", _frames_columns(self._frame_rows), FRAME_KINDS)
             self._frame_rows = []
-        if watch is not None:
+        if watch is not None and (force or time.monotonic() - self._last_grads_flush
+                                  >= self.every_seconds):
+            # Reading the gradient history builds a table of all it holds: by time only.
             self._flush_grads(watch)
+            self._last_grads_flush = time.monotonic()
         self._batches_pending = 0
         self._last_flush = time.monotonic()
 
     def _flush_grads(self, watch: NanWatch) -> None:
-        """Gradient norms from nanwidget.core.grads, when that part exists and recorded any."""
+        """New rows of ``nanwidget.core.grads.grad_history(watch)``, when that part is present."""
         try:
             from . import grads
         except ImportError:

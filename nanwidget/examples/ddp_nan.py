@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                 loss = nn.functional.mse_loss(ddp(x), target)
                 optimizer.zero_grad()
                 loss.backward()
+                if watching:
+                    watch.check_grad_norms()  # recorded too: run.grad_history()
                 optimizer.step()
                 result["last_batch"] = batch
         except nw.NanDetected as error:
