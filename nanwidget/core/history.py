@@ -20,51 +20,78 @@ HISTORY_COLUMNS = ["rank", "batch", "batch_end", "module", "module_type", "abs_m
                    "nonfinite"]
 
 _SEEN, _NONFINITE = 1, 2
+_WRITE_EVERY = 64  # closed batches buffered before one vectorised write
 
 
 class _Rows:
-    """Growable 2-D arrays (rows x modules) of abs_max, abs_min and flags."""
+    """Ring of rows (rows x modules) of abs_max, abs_min and flags: popping the oldest rows
+    moves no memory, so merging windows stays cheap however large the history is."""
+
+    _ARRAYS = ("batch", "batch_end", "abs_max", "abs_min", "flags")
 
     def __init__(self, n_modules: int, capacity: int) -> None:
         self.capacity = capacity
         self.n_modules = n_modules
         self.size = 0
-        initial = min(capacity, 64)
-        self.batch = np.zeros(initial, dtype=np.int64)
-        self.batch_end = np.zeros(initial, dtype=np.int64)
-        self.abs_max = np.full((initial, n_modules), -np.inf, dtype=np.float64)
-        self.abs_min = np.full((initial, n_modules), np.inf, dtype=np.float64)
-        self.flags = np.zeros((initial, n_modules), dtype=np.uint8)
+        self.head = 0  # physical index of the oldest row
+        self._allocate(min(capacity, 64))
 
-    def _grow(self) -> None:
-        new = min(self.capacity, max(64, 2 * len(self.batch)))
-        extra = new - len(self.batch)
-        self.batch = np.concatenate([self.batch, np.zeros(extra, np.int64)])
-        self.batch_end = np.concatenate([self.batch_end, np.zeros(extra, np.int64)])
-        self.abs_max = np.concatenate([self.abs_max, np.full((extra, self.n_modules), -np.inf, np.float64)])
-        self.abs_min = np.concatenate([self.abs_min, np.full((extra, self.n_modules), np.inf, np.float64)])
-        self.flags = np.concatenate([self.flags, np.zeros((extra, self.n_modules), np.uint8)])
+    def _allocate(self, rows: int) -> None:
+        self.batch = np.zeros(rows, dtype=np.int64)
+        self.batch_end = np.zeros(rows, dtype=np.int64)
+        self.abs_max = np.full((rows, self.n_modules), -np.inf)
+        self.abs_min = np.full((rows, self.n_modules), np.inf)
+        self.flags = np.zeros((rows, self.n_modules), dtype=np.uint8)
+
+    def physical(self, logical: np.ndarray | range) -> np.ndarray:
+        return (self.head + np.asarray(logical, dtype=np.int64)) % len(self.batch)
+
+    def _grow(self, needed: int) -> None:
+        new = min(max(self.capacity, needed), max(64, 2 * len(self.batch), needed))
+        order = self.physical(range(self.size))
+        old = {name: getattr(self, name)[order] for name in self._ARRAYS}
+        self._allocate(new)
+        for name, values in old.items():
+            getattr(self, name)[: self.size] = values
+        self.head = 0
+
+    def reserve(self, count: int) -> np.ndarray:
+        """Add ``count`` empty rows at the end; return their physical indices."""
+        if self.size + count > len(self.batch):
+            self._grow(self.size + count)
+        rows = self.physical(range(self.size, self.size + count))
+        self.abs_max[rows] = -np.inf
+        self.abs_min[rows] = np.inf
+        self.flags[rows] = 0
+        self.size += count
+        return rows
 
     def append(self, batch: int, batch_end: int, abs_max: np.ndarray, abs_min: np.ndarray,
                flags: np.ndarray) -> None:
-        if self.size == len(self.batch):
-            self._grow()
-        row = self.size
+        row = self.reserve(1)[0]
         self.batch[row], self.batch_end[row] = batch, batch_end
         self.abs_max[row], self.abs_min[row], self.flags[row] = abs_max, abs_min, flags
-        self.size += 1
 
     def pop_front(self, count: int) -> tuple[np.ndarray, ...]:
         """Remove and return the oldest ``count`` rows."""
-        parts = tuple(a[:count].copy() for a in (self.batch, self.batch_end, self.abs_max,
-                                                 self.abs_min, self.flags))
-        for array in (self.batch, self.batch_end, self.abs_max, self.abs_min, self.flags):
-            array[: self.size - count] = array[count: self.size]
+        count = min(count, self.size)
+        rows = self.physical(range(count))
+        parts = tuple(getattr(self, name)[rows] for name in self._ARRAYS)
+        self.head = (self.head + count) % len(self.batch)
         self.size -= count
         return parts
 
+    def ordered(self) -> tuple[np.ndarray, ...]:
+        """Every row, oldest first."""
+        rows = self.physical(range(self.size))
+        return tuple(getattr(self, name)[rows] for name in self._ARRAYS)
+
+    def clear(self) -> None:
+        self.size = 0
+        self.head = 0
+
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.batch, self.batch_end, self.abs_max, self.abs_min, self.flags))
+        return sum(getattr(self, name).nbytes for name in self._ARRAYS)
 
 
 class History:
@@ -81,11 +108,12 @@ class History:
         n = len(modules)
         self._full = _Rows(n, full_batches + window)
         self._windows = _Rows(n, max_windows + 1)
-        # The batch being accumulated (several root calls may share one batch).
+        # The batch being accumulated (several root calls may share one batch), in plain
+        # Python floats: cheaper per output than numpy scalar updates; written out on commit.
         self._current_batch: int | None = None
-        self._cur_max = np.full(n, -np.inf, np.float64)
-        self._cur_min = np.full(n, np.inf, np.float64)
-        self._cur_flags = np.zeros(n, np.uint8)
+        self._current: dict[int, list] = {}
+        # Closed batches not yet written to the arrays (written in blocks).
+        self._closed_rows: list[tuple[int, dict[int, list]]] = []
 
     def record(self, batch: int, module_index: int, abs_max: float, abs_min: float,
                nonfinite: bool) -> None:
@@ -93,26 +121,55 @@ class History:
         if self._current_batch != batch:
             self.commit()
             self._current_batch = batch
-        if not math.isnan(abs_max):
-            if abs_max > self._cur_max[module_index]:
-                self._cur_max[module_index] = abs_max
-        if not math.isnan(abs_min):
-            if abs_min < self._cur_min[module_index]:
-                self._cur_min[module_index] = abs_min
-        self._cur_flags[module_index] |= _SEEN | (_NONFINITE if nonfinite else 0)
+        slot = self._current.get(module_index)
+        if slot is None:
+            # NaN compares False both ways, so a NaN never replaces a real max/min.
+            self._current[module_index] = [abs_max if abs_max == abs_max else -math.inf,
+                                           abs_min if abs_min == abs_min else math.inf, nonfinite]
+            return
+        if abs_max > slot[0]:
+            slot[0] = abs_max
+        if abs_min < slot[1]:
+            slot[1] = abs_min
+        if nonfinite:
+            slot[2] = True
 
     def commit(self) -> None:
         """Close the batch being accumulated (called when a new batch starts or on read)."""
         if self._current_batch is None:
             return
-        if self._full.size >= self.full_batches + self.window:
-            self._merge_oldest()
-        b = self._current_batch
-        self._full.append(b, b, self._cur_max, self._cur_min, self._cur_flags)
+        self._closed_rows.append((self._current_batch, self._current))
         self._current_batch = None
-        self._cur_max.fill(-np.inf)
-        self._cur_min.fill(np.inf)
-        self._cur_flags.fill(0)
+        self._current = {}
+        if len(self._closed_rows) >= _WRITE_EVERY:
+            self._write_closed_rows()
+
+    def _write_closed_rows(self) -> None:
+        """Move closed batches into the arrays: one vectorised assignment per block of batches."""
+        rows, self._closed_rows = self._closed_rows, []
+        block = max(1, self.full_batches)
+        for first in range(0, len(rows), block):
+            self._write_block(rows[first:first + block])
+
+    def _write_block(self, rows: list[tuple[int, dict[int, list]]]) -> None:
+        full = self._full
+        # len(rows) <= full_batches, so this only pops when more than a window is held.
+        while full.size + len(rows) > self.full_batches + self.window:
+            self._merge_oldest()
+        physical = full.reserve(len(rows))
+        row_index, module_index, abs_max, abs_min, flags = [], [], [], [], []
+        for row, (batch, current) in zip(physical.tolist(), rows):
+            full.batch[row] = full.batch_end[row] = batch
+            for module, (high, low, nonfinite) in current.items():
+                row_index.append(row)
+                module_index.append(module)
+                abs_max.append(high)
+                abs_min.append(low)
+                flags.append(_SEEN | (_NONFINITE if nonfinite else 0))
+        if row_index:
+            full.abs_max[row_index, module_index] = abs_max
+            full.abs_min[row_index, module_index] = abs_min
+            full.flags[row_index, module_index] = flags
 
     def _merge_oldest(self) -> None:
         """Fold the oldest ``window`` full-resolution batches into one window (one memmove per window)."""
@@ -125,46 +182,42 @@ class History:
     def _halve_windows(self) -> None:
         """Merge neighbouring windows pairwise: width doubles, count halves."""
         w = self._windows
-        n = w.size
+        batch, batch_end, abs_max, abs_min, flags = w.ordered()
+        n = len(batch)
         pairs = n // 2
         even, odd = np.arange(0, 2 * pairs, 2), np.arange(1, 2 * pairs, 2)
-        batch = w.batch[even].copy()
-        batch_end = w.batch_end[odd].copy()
-        abs_max = np.maximum(w.abs_max[even], w.abs_max[odd])
-        abs_min = np.minimum(w.abs_min[even], w.abs_min[odd])
-        flags = w.flags[even] | w.flags[odd]
-        leftover = None
-        if n % 2:
-            leftover = (w.batch[n - 1], w.batch_end[n - 1], w.abs_max[n - 1].copy(),
-                        w.abs_min[n - 1].copy(), w.flags[n - 1].copy())
-        w.size = 0
+        merged = (batch[even], batch_end[odd], np.maximum(abs_max[even], abs_max[odd]),
+                  np.minimum(abs_min[even], abs_min[odd]), flags[even] | flags[odd])
+        w.clear()
         for i in range(pairs):
-            w.append(int(batch[i]), int(batch_end[i]), abs_max[i], abs_min[i], flags[i])
-        if leftover is not None:
-            w.append(int(leftover[0]), int(leftover[1]), *leftover[2:])
+            w.append(int(merged[0][i]), int(merged[1][i]), merged[2][i], merged[3][i], merged[4][i])
+        if n % 2:  # an odd window out stays as it is
+            w.append(int(batch[-1]), int(batch_end[-1]), abs_max[-1], abs_min[-1], flags[-1])
         self.window *= 2
         self._full.capacity = self.full_batches + self.window
 
     def nbytes(self) -> int:
         """Memory held by the history arrays."""
+        self._write_closed_rows()
         return self._full.nbytes() + self._windows.nbytes()
 
     def __len__(self) -> int:
-        return self._full.size + self._windows.size + (self._current_batch is not None)
+        return (self._full.size + self._windows.size + len(self._closed_rows)
+                + (self._current_batch is not None))
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per (batch or window, module that ran in it)."""
         self.commit()
+        self._write_closed_rows()
         parts = []
         for rows in (self._windows, self._full):
-            size = rows.size
-            if size == 0:
+            if rows.size == 0:
                 continue
-            seen = (rows.flags[:size] & _SEEN).astype(bool)
-            row_index, module_index = np.nonzero(seen)
-            abs_max = rows.abs_max[:size][row_index, module_index].astype(np.float64)
-            abs_min = rows.abs_min[:size][row_index, module_index].astype(np.float64)
-            nonfinite = (rows.flags[:size][row_index, module_index] & _NONFINITE).astype(bool)
+            batches, batch_ends, all_max, all_min, all_flags = rows.ordered()
+            row_index, module_index = np.nonzero(all_flags & _SEEN)
+            abs_max = all_max[row_index, module_index].astype(np.float64)
+            abs_min = all_min[row_index, module_index].astype(np.float64)
+            nonfinite = (all_flags[row_index, module_index] & _NONFINITE).astype(bool)
             # A module whose outputs held only NaN never got a real max/min.
             abs_max[np.isneginf(abs_max)] = np.nan
             abs_min[np.isposinf(abs_min) & ~np.isposinf(abs_max)] = np.nan
@@ -172,8 +225,8 @@ class History:
             types = np.asarray(self.module_types, dtype=object)
             parts.append(pd.DataFrame({
                 "rank": self.rank,
-                "batch": rows.batch[:size][row_index],
-                "batch_end": rows.batch_end[:size][row_index],
+                "batch": batches[row_index],
+                "batch_end": batch_ends[row_index],
                 "module": names[module_index] if len(names) else [],
                 "module_type": types[module_index] if len(types) else [],
                 "abs_max": abs_max, "abs_min": abs_min, "nonfinite": nonfinite,

@@ -9,6 +9,7 @@ in one transfer per device: that is the batch's single host synchronisation.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -76,19 +77,19 @@ def dtype_max(dtype: torch.dtype | str) -> float:
     return math.inf
 
 
-def _abs_min_max(tensor: torch.Tensor) -> torch.Tensor:
-    """Device tensor [abs_min, abs_max] in float64; NaN propagates into both."""
-    flat = tensor.detach()
-    if flat.dtype not in _NATIVE_FLOATS:  # float8 and friends: reductions need a real float
-        flat = flat.float()
-    if flat.numel() <= _SLICE_ELEMENTS:
-        low, high = torch.aminmax(flat.abs())
-        return torch.stack((low, high)).double()
-    flat = flat.reshape(-1)
-    parts = [torch.stack(torch.aminmax(part.abs())) for part in flat.split(_SLICE_ELEMENTS)]
-    stacked = torch.stack(parts).double()
-    # max/min propagate NaN, so a NaN in any slice still reaches the result.
-    return torch.stack((stacked[:, 0].min(), stacked[:, 1].max()))
+def _abs_min_max(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device scalars (abs_min, abs_max); a NaN anywhere propagates into both.
+
+    Two kernels (abs, aminmax) and no host sync. Callers run it under ``torch.no_grad()``.
+    """
+    if tensor.dtype not in _NATIVE_FLOATS:  # float8 and friends: reductions need a real float
+        tensor = tensor.float()
+    if tensor.numel() <= _SLICE_ELEMENTS:
+        return torch.aminmax(tensor.abs())
+    parts = [torch.stack(torch.aminmax(part.abs())) for part in tensor.reshape(-1).split(_SLICE_ELEMENTS)]
+    stacked = torch.stack(parts)
+    # min/max propagate NaN, so a NaN in any slice still reaches the result.
+    return stacked[:, 0].min(), stacked[:, 1].max()
 
 
 class PendingStats:
@@ -106,7 +107,7 @@ class PendingStats:
         self.versions: list[int] = []
         self.stats: list[TensorStats] = []
         # Device results of tensors reduced early (before an in-place module overwrites them).
-        self.reduced: dict[int, torch.Tensor] = {}
+        self.reduced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._index: dict[int, int] = {}
 
     def __len__(self) -> int:
@@ -148,40 +149,49 @@ class PendingStats:
             return
         tensors, versions, stats, reduced = self.tensors, self.versions, self.stats, self.reduced
         self.tensors, self.versions, self.stats, self.reduced, self._index = [], [], [], {}, {}
-        by_device: dict[torch.device, list[int]] = {}
-        for position, tensor in enumerate(tensors):
-            by_device.setdefault(tensor.device, []).append(position)
         with torch.no_grad():
+            first_device = tensors[0].device
+            if all(t.device == first_device for t in tensors):
+                _resolve_group(tensors, versions, stats, reduced, range(len(tensors)))
+                return
+            by_device: dict[torch.device, list[int]] = {}
+            for position, tensor in enumerate(tensors):
+                by_device.setdefault(tensor.device, []).append(position)
             for positions in by_device.values():
                 _resolve_group(tensors, versions, stats, reduced, positions)
 
 
 def _resolve_group(tensors: list[torch.Tensor], versions: list[int], stats: list[TensorStats],
-                   reduced: dict[int, torch.Tensor], positions: list[int]) -> None:
-    results: list[torch.Tensor | None] = []
+                   reduced: dict[int, tuple[torch.Tensor, torch.Tensor]], positions: Iterable[int]) -> None:
+    measured: list[int] = []
+    lows: list[torch.Tensor] = []
+    highs: list[torch.Tensor] = []
     for position in positions:
-        early = reduced.get(position)
-        if early is not None:
-            results.append(early)
+        result = reduced.get(position) if reduced else None
+        if result is not None:
             versions[position] = tensors[position]._version  # measured before the change
-            continue
-        try:
-            results.append(_abs_min_max(tensors[position]))
-        except Exception as error:  # an exotic tensor subclass: report, never crash the forward
-            results.append(None)
-            stats[position].note = f"unsupported ({type(error).__name__})"
-    measured = [r for r in results if r is not None]
-    values = torch.stack(measured).tolist() if measured else []  # the one host sync
-    value_iter = iter(values)
+        else:
+            try:
+                result = _abs_min_max(tensors[position])
+            except Exception as error:  # an exotic tensor subclass: report, never crash the forward
+                stats[position].note = f"unsupported ({type(error).__name__})"
+                continue
+        measured.append(position)
+        lows.append(result[0])
+        highs.append(result[1])
+    if not measured:
+        return
+    # The one host sync: every low, then every high, promoted to one dtype (float64 stays exact).
+    values = torch.stack(lows + highs).tolist()
+    count = len(measured)
     nan_positions: list[int] = []
-    for position, result in zip(positions, results):
-        if result is None:
-            continue
-        low, high = next(value_iter)
+    inf = math.inf
+    for slot, position in enumerate(measured):
+        low, high = values[slot], values[count + slot]
         cell = stats[position]
         cell.abs_min, cell.abs_max = low, high
         cell.nan = high != high
-        cell.inf = high == math.inf
+        cell.inf = high == inf
         cell.note = "" if tensors[position]._version == versions[position] else "changed in place later"
         if cell.nan and position not in reduced:
             nan_positions.append(position)

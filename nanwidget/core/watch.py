@@ -178,7 +178,7 @@ class NanWatch:
         self._batch_frames: list[Frame] = []
         self._calls: dict[int, int] = {}
         self._frame_counter = 0
-        self._weight_cache: dict[int, tuple[torch.Tensor, int, TensorStats]] = {}
+        self._weight_cache: dict[int, tuple[torch.Tensor, int, Entry]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._infos: dict[int, _ModuleInfo] = {}
         self.extensions: list[WatchExtension] = []
@@ -308,13 +308,15 @@ class NanWatch:
                 if tensor is None:
                     continue
                 cached = cache.get(id(tensor))
-                # Weights change once per optimizer step at most: re-measure only then.
-                if cached is not None and cached[0] is tensor and cached[1] == tensor._version:
-                    entries.append((name, cached[2], tensor.dtype, tensor.shape, ""))
+                # Weights change once per optimizer step at most: re-measure only then,
+                # and reuse the whole entry (same stats object) until then.
+                if cached is not None and cached[0] is tensor and cached[1] == tensor._version \
+                        and cached[2][0] == name:
+                    entries.append(cached[2])
                     continue
                 entry = self._tensor_entry(name, tensor)
                 if entry[1] is not None:
-                    cache[id(tensor)] = (tensor, tensor._version, entry[1])
+                    cache[id(tensor)] = (tensor, tensor._version, entry)
                 entries.append(entry)
 
     def _record_forward(self, info: _ModuleInfo, args: tuple, kwargs: dict, output: Any) -> None:
@@ -368,23 +370,24 @@ class NanWatch:
         self.rank = current_rank()
         event: NanEvent | None = None
         history = self._history
+        record_history = history.record
         name_index = self._name_index
         trace_batches = self.trace_batches
         for position, frame in enumerate(frames):
             bad = False
             forward = frame.phase == "forward"
-            for entry in frame.entries:
-                stats = entry[1]
+            module_index = name_index[frame.module]
+            for role, stats, _, _, _ in frame.entries:
                 if stats is None:
                     continue
-                if stats.nan or stats.inf:
+                nonfinite = stats.nan or stats.inf
+                if nonfinite:
                     bad = True
-                if forward and entry[0].startswith("output"):
-                    history.record(frame.batch, name_index[frame.module], stats.abs_max,
-                                   stats.abs_min, stats.nan or stats.inf)
+                if forward and role[:6] == "output":
+                    record_history(frame.batch, module_index, stats.abs_max, stats.abs_min, nonfinite)
             if bad and event is None:
                 event = self._make_event(frames, position)
-            if frame.batch in trace_batches:
+            if trace_batches and frame.batch in trace_batches:
                 self._trace_frames.setdefault(frame.batch, []).append(frame)
         self._ring.extend(frames)
         if event is not None:
