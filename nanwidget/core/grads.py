@@ -303,7 +303,7 @@ class GradsExtension(WatchExtension):
             try:
                 detached = grad.detach()
                 # [abs_min, abs_max, has_inf] on the device; no host sync, gradient not kept.
-                result = torch.cat((_abs_min_max(detached),
+                result = torch.cat((torch.stack(_abs_min_max(detached)).double(),
                                     torch.isinf(detached).any().double().reshape(1)))
             except Exception as error:  # exotic tensor subclass: report, never break backward
                 stats.note = f"unsupported ({type(error).__name__})"
