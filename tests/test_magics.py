@@ -60,6 +60,24 @@ def test_line_watch_catches_a_nan_in_a_later_cell(ip):
     assert event is not None and event.module == "fc2" and event.batch == 2
 
 
+def test_nan_in_a_line_watched_cell_reads_as_one_line_and_a_browser(ip):
+    run(ip, "%nanwatch model")
+    cell = ("def train():\n    for _ in range(2):\n        model(torch.randn(2, 16))\n"
+            "    " + PLANT_NAN.replace("\n    ", "\n        ") + "    model(torch.randn(2, 16))\n"
+            "train()\n")
+    with capture_output() as captured:
+        result = ip.run_cell(cell)
+    assert isinstance(result.error_in_exec, NanDetected)
+    text = captured.stdout + captured.stderr
+    assert "NanDetected: nan in batch 2 at module 'fc2'" in text
+    assert "raised at" in text and "model(torch.randn(2, 16))" in text
+    assert "_forward_hook" not in text and "Traceback" not in text
+    assert any("application/vnd.jupyter.widget-view+json" in o.data for o in captured.outputs)
+    with capture_output() as captured:
+        ip.run_line_magic("tb", "")
+    assert "_forward_hook" in captured.stdout  # the full traceback is one %tb away
+
+
 def test_every_option_reaches_the_watch(ip):
     run(ip, "%nanwatch model -n 5 --trace-batches 1,3 --abort-after 7 --skip ReLU "
             "--backward --grad-norm 2.5 --on-nan warn")
@@ -228,6 +246,7 @@ def test_unload_removes_the_magic_and_every_watch_hook(ip):
     assert w2.closed and hook_count(w2.model) == 0
     with pytest.raises(UsageError, match="not found"):
         run(ip, "%nanwatch model")
+    assert ip.custom_exceptions == ()
     ip.run_line_magic("load_ext", "nanwidget")  # the fixture unloads again
 
 

@@ -117,6 +117,16 @@ def test_history_plot_draws_merged_windows_as_bars():
     assert spans == set(zip(windows["batch"], windows["batch_end"]))
 
 
+def test_returned_figures_display_as_png_in_ipython_without_pyplot():
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    model = TinyMLP()
+    with _record(model, batches=1, nan_at=None) as watch:
+        figure = plot_frames(watch.frames())
+    data, _ = shell.display_formatter.format(figure)
+    assert data["image/png"].startswith(b"\x89PNG")
+
+
 def test_plots_work_in_a_script_without_pyplot_or_ipython():
     code = ("import sys, torch, nanwidget as nw\n"
             "from nanwidget.plots import plot_frames, plot_history\n"

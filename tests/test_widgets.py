@@ -17,6 +17,7 @@ from nanwidget.widgets import FrameBrowser
 from conftest import TinyMLP
 
 HAS_REPLAY = importlib.util.find_spec("nanwidget.core.replay") is not None
+HAS_PERSIST = importlib.util.find_spec("nanwidget.core.persist") is not None
 
 
 def _watch_with_nan(model: nn.Module, *, nan_at: int = 3, batches: int = 4,
@@ -233,6 +234,34 @@ def test_refresh_reads_frames_the_live_watch_recorded_since(tiny_mlp):
         browser.refresh.click()
         assert browser.index.batches == [0, 1]
         assert "batches 0–1" in browser.status.value
+
+
+def test_gradient_frames_are_found_with_the_grads_filter(tiny_mlp):
+    with nw.watch(tiny_mlp, on_nan="record", backward=True, max_frames=30) as watch:
+        for batch in range(3):
+            output = tiny_mlp(torch.randn(4, 16))
+            if batch == 2:
+                output = output * float("inf")  # finite forward, infinite gradient
+            output.sum().backward()
+        browser = FrameBrowser(watch, plots=False)
+    assert "(backward)" in browser.status.value
+    assert "backward" in _head(browser) and "nw-nonfinite" in browser.table.value
+    browser.filter_role.value = "grads"
+    rows = browser.filtered_frames
+    assert len(rows) and set(rows["phase"]) == {"backward"}
+    assert all(role.startswith("grad_") for role in rows["role"])
+
+
+@pytest.mark.skipif(not HAS_PERSIST, reason="nanwidget.core.persist not merged yet")
+def test_loaded_run_opens_at_its_event(tmp_path):
+    model = TinyMLP()
+    watch = _watch_with_nan(model, log_dir=str(tmp_path / "run"))
+    watch.close()
+    run = nw.load_run(str(tmp_path / "run"))
+    browser = FrameBrowser(run, plots=False)
+    assert "<b>fc2</b>" in _head(browser)
+    assert "nan in batch 3 at module 'fc2'" in browser.status.value
+    assert browser.rerun.disabled and "loaded run" in browser.trace.value
 
 
 def test_watch_browse_gives_a_browser(recorded):

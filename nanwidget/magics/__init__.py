@@ -14,11 +14,17 @@ _MAGICS: dict[int, Any] = {}  # id(shell) -> the NanwatchMagics instance it hold
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register %nanwatch on ``ipython``; ``%config NanwatchMagics`` sets its defaults."""
-    from .magic import NanwatchMagics
+    from ..core.events import NanDetected
+    from .magic import NanwatchMagics, show_nan_detected
     if id(ipython) in _MAGICS:
         return
     magics = NanwatchMagics(shell=ipython, parent=ipython)
     ipython.register_magics(magics)
+    ipython._nanwidget_magics = magics
+    # NanDetected from any cell: one line and the browser. Only when no one else set a handler.
+    magics.owns_custom_exc = not ipython.custom_exceptions
+    if magics.owns_custom_exc:
+        ipython.set_custom_exc((NanDetected,), show_nan_detected)
     if magics not in ipython.configurables:
         ipython.configurables.append(magics)
     _MAGICS[id(ipython)] = magics
@@ -36,6 +42,11 @@ def unload_ipython_extension(ipython: Any) -> None:
         ipython.magics_manager.registry.pop(type(magics).__name__, None)
         if magics in ipython.configurables:
             ipython.configurables.remove(magics)
+        from ..core.events import NanDetected
+        if getattr(magics, "owns_custom_exc", False) and ipython.custom_exceptions == (NanDetected,):
+            ipython.set_custom_exc((), None)
+        if getattr(ipython, "_nanwidget_magics", None) is magics:
+            del ipython._nanwidget_magics
     else:
         from .manager import WatchManager
         WatchManager().close_all()

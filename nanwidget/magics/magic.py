@@ -16,7 +16,7 @@ from traitlets import CaselessStrEnum, Float, Int
 from ..core.events import AbortAfterBatch, NanDetected
 from .manager import LiveStatus, MagicUsageError, WatchManager, parse_batches, parse_class_names
 
-__all__ = ["NanwatchMagics", "NanInCell"]
+__all__ = ["NanwatchMagics", "NanInCell", "show_nan_detected"]
 
 
 class NanInCell(NanDetected):
@@ -25,6 +25,51 @@ class NanInCell(NanDetected):
     def _render_traceback_(self) -> list[str]:
         return [f"NanDetected: {self.event.summary()}",
                 "(the FrameBrowser above shows the frames; _nanwatch holds the watch)"]
+
+
+def _user_code_line(tb: Any) -> str:
+    """Where the user's code called into the model: the last frame outside torch and nanwidget."""
+    import os
+    import traceback
+
+    import torch
+
+    package_dirs = tuple(os.path.dirname(m.__file__) + os.sep
+                         for m in (torch, sys.modules["nanwidget"]))
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(package_dirs)
+              and "IPython" + os.sep not in f.filename]
+    if not frames:
+        return ""
+    last = frames[-1]
+    code = f": {last.line.strip()}" if last.line else ""
+    return f"  raised at {last.filename}:{last.lineno}{code}"
+
+
+def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
+                      tb_offset: int | None = None) -> None:
+    """IPython custom exception handler: NanDetected as one line and a FrameBrowser.
+
+    Registered while the extension is loaded, so a line-mode ``%nanwatch`` that raises in a
+    later cell reads the same as a ``%%nanwatch`` cell; ``%tb`` still shows the full traceback.
+    """
+    # What IPython records for any error, so that %tb and %debug find this one.
+    sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb
+    if isinstance(value, NanInCell):
+        lines = value._render_traceback_()  # its cell already showed the browser
+    else:
+        event = value.event  # type: ignore[attr-defined]
+        magics = getattr(shell, "_nanwidget_magics", None)
+        owner = None
+        if magics is not None:
+            owner = next((w for w in magics.manager.watches.values() if event in w._events), None)
+        from ..widgets import FrameBrowser
+        try:
+            display(owner.browse() if owner is not None else FrameBrowser(event))
+        except Exception:  # the message below still says what happened
+            pass
+        lines = [f"NanDetected: {event.summary()}", _user_code_line(tb),
+                 "(full traceback: %tb)"]
+    print("\n".join(line for line in lines if line), file=sys.stderr)
 
 
 def _positive_int(text: str) -> int:

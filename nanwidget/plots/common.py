@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 import numpy as np
@@ -25,7 +26,26 @@ def new_figure(width: float = 7.0, height: float = 3.4) -> tuple[Figure, Axes]:
     """
     figure = Figure(figsize=(width, height))
     figure.subplots_adjust(left=0.1, right=0.98, top=0.9, bottom=0.24)
+    _show_figures_in_notebooks()
     return figure, figure.add_subplot()
+
+
+def _show_figures_in_notebooks() -> None:
+    """Under IPython, display a returned Figure as PNG even when pyplot was never imported.
+
+    Jupyter only learns to draw Figures when pyplot loads its inline backend; our figures skip
+    pyplot, so without this a notebook would print "<Figure size ...>". An existing formatter
+    (the inline backend's) is left alone, and IPython is never imported from here.
+    """
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None:
+        return
+    formatter = shell.display_formatter.formatters["image/png"]
+    try:
+        formatter.lookup_by_type(Figure)
+    except KeyError:
+        formatter.for_type(Figure, figure_png)
 
 
 def figure_png(figure: Figure, dpi: int = 90) -> bytes:

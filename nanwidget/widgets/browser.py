@@ -360,7 +360,7 @@ class FrameBrowser(widgets.VBox):
         else:
             headline = "<b>no non-finite op in this trace</b>"
         report = html.escape(trace.report()) if callable(getattr(trace, "report", None)) else ""
-        self.trace.value = (f"<div class='nw-trace-head'>{headline}</div><pre style='max-height:"
+        self.trace.value = (f"<div class='nw-trace-head'>{headline}</div><pre style='line-height:1.3;max-height:"
                             f"320px;overflow:auto;font-size:11px'>{report}</pre>")
 
     def export_frames(self) -> Path:
