@@ -105,7 +105,11 @@ def _stop(server: subprocess.Popen) -> None:
 
 
 def test_frame_browser_works_in_a_real_browser(tmp_path):
+    from jupyter_client.kernelspec import find_kernel_specs
     from playwright.sync_api import expect, sync_playwright
+
+    assert "python3" in find_kernel_specs(), (
+        "Voila needs a python3 kernelspec; install one with: python -m ipykernel install --user")
 
     _notebook(tmp_path / "browser.ipynb")
     port = _free_port()

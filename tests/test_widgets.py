@@ -234,6 +234,12 @@ def test_refresh_reads_frames_the_live_watch_recorded_since(tiny_mlp):
         browser.refresh.click()
         assert browser.index.batches == [0, 1]
         assert "batches 0–1" in browser.status.value
+        with torch.no_grad():
+            tiny_mlp.fc2.weight[0, 0] = float("nan")
+        tiny_mlp(torch.randn(2, 16))
+        browser.refresh.click()  # the new event appears and its view opens
+        assert "nan in batch 2 at module 'fc2'" in browser.status.value
+        assert browser.view.options[0].startswith("event 1: nan at fc2, batch 2")
 
 
 def test_gradient_frames_are_found_with_the_grads_filter(tiny_mlp):

@@ -40,6 +40,7 @@ class FrameBrowser(widgets.VBox):
 
     def __init__(self, source: Any, *, export_dir: str | Path | None = None,
                  plots: bool = True) -> None:
+        self._origin = source
         self.source: BrowserSource = open_source(source)
         self.export_dir = Path(export_dir) if export_dir is not None else Path.cwd()
         self.show_plots = plots
@@ -61,11 +62,11 @@ class FrameBrowser(widgets.VBox):
         self.status = _classed(widgets.HTML(), "nw-status")
         self.view = _classed(widgets.Dropdown(options=list(source.views), description="frames",
                                               layout=widgets.Layout(width="420px")), "nw-view")
+        refresh_layout = widgets.Layout(width="100px",
+                                        display=None if source.refreshable else "none")
         self.refresh = _classed(widgets.Button(description="Refresh", icon="refresh",
                                                tooltip="read the frames again from the source",
-                                               layout=widgets.Layout(width="100px",
-                                                                     display=None if source.refreshable else "none")),
-                                "nw-refresh")
+                                               layout=refresh_layout), "nw-refresh")
         self.prev = _classed(widgets.Button(description="◀ back", tooltip="step one frame back",
                                             layout=widgets.Layout(width="90px")), "nw-prev")
         self.next = _classed(widgets.Button(description="forward ▶",
@@ -122,7 +123,7 @@ class FrameBrowser(widgets.VBox):
         self.frame.observe(self._on_frame, names="value")
         for control in (self.filter_layer, self.filter_type, self.filter_role, self.only_bad):
             control.observe(self._on_filter, names="value")
-        self.view.observe(lambda change: self._load_view(change["new"]), names="value")
+        self.view.observe(self._on_view, names="value")
         self.refresh.on_click(lambda _: self.reload())
         self.rerun.on_click(lambda _: self.rerun_batch())
         self.export.on_click(lambda _: self.export_frames())
@@ -165,19 +166,27 @@ class FrameBrowser(widgets.VBox):
             self._updating = False
         self._apply_filters(start=self._start_position())
 
+    def _on_view(self, change: dict) -> None:
+        if not self._updating and change["new"] is not None:
+            self._load_view(change["new"])
+
     def reload(self) -> None:
-        """Read the source again (a live watch moves on), keeping the filters."""
-        self.source = open_source(self._source_object()) if self._source_object() is not None \
-            else self.source
-        with self.view.hold_trait_notifications():
-            self._updating = True
-            self.view.options = list(self.source.views)
-            self._updating = False
-        name = self._view_label if self._view_label in self.source.views else next(iter(self.source.views))
+        """Read the source again (a live watch moves on: new frames, new events), keeping filters."""
+        if self.source.refreshable:
+            self.source = open_source(self._origin)
+        self._set_view_options()
+        name = self._view_label if self._view_label in self.source.views \
+            else next(iter(self.source.views))
         self._load_view(name, keep_filters=True)
 
-    def _source_object(self) -> Any:
-        return self.source.watch
+    def _set_view_options(self) -> None:
+        self._updating = True
+        try:
+            self.view.options = list(self.source.views)
+            if self._view_label in self.source.views:
+                self.view.value = self._view_label
+        finally:
+            self._updating = False
 
     def _start_position(self) -> int | None:
         """The event's own frame when this view holds it, else the first non-finite frame."""
@@ -336,10 +345,7 @@ class FrameBrowser(widgets.VBox):
         frames = getattr(trace, "frames", None)
         if isinstance(frames, pd.DataFrame) and not frames.empty:
             self.source.views[name] = lambda f=frames: f
-            self._updating = True
-            self.view.options = list(self.source.views)
-            self.view.value = self._view_label
-            self._updating = False
+            self._set_view_options()
         return trace
 
     def _replay_unavailable(self, reason: str) -> None:
