@@ -27,7 +27,8 @@ Entry = tuple[str, "TensorStats | None", Any, Any, str]
 class Frame:
     """One call of one module in one phase."""
 
-    __slots__ = ("rank", "batch", "index", "module", "module_type", "call", "phase", "entries")
+    __slots__ = ("rank", "batch", "index", "module", "module_type", "call", "phase", "entries",
+                 "first_output")
 
     def __init__(self, rank: int, batch: int, index: int, module: str, module_type: str,
                  call: int, phase: str, entries: list[Entry]) -> None:
@@ -39,6 +40,8 @@ class Frame:
         self.call = call
         self.phase = phase
         self.entries = entries
+        # Entries from here on are the outputs (forward frames); set by the recorder.
+        self.first_output = len(entries)
 
     def nonfinite_entries(self) -> list[Entry]:
         return [e for e in self.entries if e[1] is not None and (e[1].nan or e[1].inf)]

@@ -118,21 +118,27 @@ class History:
     def record(self, batch: int, module_index: int, abs_max: float, abs_min: float,
                nonfinite: bool) -> None:
         """Fold one output's stats into the row of ``batch``."""
-        if self._current_batch != batch:
-            self.commit()
-            self._current_batch = batch
-        slot = self._current.get(module_index)
-        if slot is None:
-            # NaN compares False both ways, so a NaN never replaces a real max/min.
-            self._current[module_index] = [abs_max if abs_max == abs_max else -math.inf,
-                                           abs_min if abs_min == abs_min else math.inf, nonfinite]
-            return
-        if abs_max > slot[0]:
-            slot[0] = abs_max
-        if abs_min < slot[1]:
-            slot[1] = abs_min
-        if nonfinite:
-            slot[2] = True
+        self.record_many([(batch, module_index, abs_max, abs_min, nonfinite)])
+
+    def record_many(self, rows: list[tuple[int, int, float, float, bool]]) -> None:
+        """:meth:`record` for (batch, module_index, abs_max, abs_min, nonfinite) rows."""
+        current = self._current
+        for batch, module_index, abs_max, abs_min, nonfinite in rows:
+            if self._current_batch != batch:
+                self.commit()
+                self._current_batch = batch
+                current = self._current
+            slot = current.get(module_index)
+            if slot is None:
+                current[module_index] = [abs_max if abs_max == abs_max else -math.inf,
+                                         abs_min if abs_min == abs_min else math.inf, nonfinite]
+                continue
+            if abs_max > slot[0]:
+                slot[0] = abs_max
+            if abs_min < slot[1]:
+                slot[1] = abs_min
+            if nonfinite:
+                slot[2] = True
 
     def commit(self) -> None:
         """Close the batch being accumulated (called when a new batch starts or on read)."""

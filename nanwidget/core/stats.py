@@ -100,7 +100,7 @@ class PendingStats:
     and holding the reference keeps the ``id`` from being reused until the batch resolves.
     """
 
-    __slots__ = ("tensors", "versions", "stats", "reduced", "_index")
+    __slots__ = ("tensors", "versions", "stats", "reduced", "_index", "_device", "_mixed_devices")
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -109,6 +109,8 @@ class PendingStats:
         # Device results of tensors reduced early (before an in-place module overwrites them).
         self.reduced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._index: dict[int, int] = {}
+        self._device: torch.device | None = None
+        self._mixed_devices = False
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -121,6 +123,10 @@ class PendingStats:
                 and self.tensors[position] is tensor:
             return self.stats[position]
         stats = TensorStats()
+        if not self.tensors:
+            self._device = tensor.device
+        elif not self._mixed_devices and tensor.device != self._device:
+            self._mixed_devices = True  # a model split across devices: one sync per device
         self._index[id(tensor)] = len(self.tensors)
         self.tensors.append(tensor)
         self.versions.append(version)
@@ -149,9 +155,9 @@ class PendingStats:
             return
         tensors, versions, stats, reduced = self.tensors, self.versions, self.stats, self.reduced
         self.tensors, self.versions, self.stats, self.reduced, self._index = [], [], [], {}, {}
+        mixed, self._mixed_devices = self._mixed_devices, False
         with torch.no_grad():
-            first_device = tensors[0].device
-            if all(t.device == first_device for t in tensors):
+            if not mixed:
                 _resolve_group(tensors, versions, stats, reduced, range(len(tensors)))
                 return
             by_device: dict[torch.device, list[int]] = {}

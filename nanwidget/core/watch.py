@@ -36,6 +36,7 @@ MAX_EVENTS = 100
 ON_NAN_CHOICES = ("raise", "warn", "record")
 
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 
 # Every module currently hooked by a live watch, so a second watch cannot double-record it.
@@ -80,7 +81,7 @@ class WatchExtension:
 
 
 class _ModuleInfo:
-    __slots__ = ("module", "name", "type_name", "index", "is_root", "pre_entries")
+    __slots__ = ("module", "name", "type_name", "index", "is_root", "pre_entries", "has_state")
 
     def __init__(self, module: nn.Module, name: str, index: int, is_root: bool) -> None:
         self.module = module
@@ -88,6 +89,8 @@ class _ModuleInfo:
         self.type_name = type(module).__name__
         self.index = index
         self.is_root = is_root
+        # Own parameters or buffers (lazy modules hold uninitialised ones from the start).
+        self.has_state = bool(module._parameters) or bool(module._buffers)
         # Input entries measured by the pre-hook of an in-place module (a stack: recursion).
         self.pre_entries: list[list[Entry]] = []
 
@@ -274,12 +277,19 @@ class NanWatch:
         return None
 
     def _tensor_entry(self, role: str, tensor: torch.Tensor, early: bool = False) -> Entry:
+        """Entry for one tensor: queued for stats when measurable, else with its note."""
+        dtype = tensor.dtype
+        # Fast path for the common case, in the order of the cheapest checks; classify() has
+        # the full rules and runs only for tensors that fail one of them.
+        if dtype.is_floating_point and tensor.layout is _STRIDED and not tensor.is_meta \
+                and not tensor.is_nested and tensor.numel():
+            stats = self._pending.reduce_now(tensor) if early else self._pending.add(tensor)
+            return (role, stats, dtype, tensor.shape, "")
         note = classify(tensor)
+        shape = None if note == "nested" else tensor.shape
         if note:
-            return (role, None, tensor.dtype, tensor.shape, note)
-        pending = self._pending
-        stats = pending.reduce_now(tensor) if early else pending.add(tensor)
-        return (role, stats, tensor.dtype, tensor.shape, "")
+            return (role, None, dtype, shape, note)
+        return (role, self._pending.add(tensor), dtype, shape, "")  # pragma: no cover - fast path
 
     def _leaf_entry(self, role: str, leaf: Any, early: bool = False) -> Entry:
         if isinstance(leaf, _Tensor):
@@ -289,10 +299,11 @@ class NanWatch:
         return (role, None, None, None, "not a tensor")
 
     def _input_entries(self, args: tuple, kwargs: dict, entries: list[Entry], early: bool = False) -> None:
+        tensor_entry = self._tensor_entry
         for position, value in enumerate(args):
             role = _INPUT_ROLES[position] if position < 16 else f"input[{position}]"
             if isinstance(value, _Tensor):
-                entries.append(self._tensor_entry(role, value, early))
+                entries.append(tensor_entry(role, value, early))
             else:
                 for leaf_role, leaf in iter_leaves(value, role):
                     entries.append(self._leaf_entry(leaf_role, leaf, early))
@@ -304,6 +315,8 @@ class NanWatch:
     def _weight_entries(self, module: nn.Module, entries: list[Entry]) -> None:
         cache = self._weight_cache
         for group in (module._parameters, module._buffers):
+            if not group:
+                continue
             for name, tensor in group.items():
                 if tensor is None:
                     continue
@@ -321,18 +334,21 @@ class NanWatch:
 
     def _record_forward(self, info: _ModuleInfo, args: tuple, kwargs: dict, output: Any) -> None:
         entries: list[Entry] = []
-        if info.module._parameters or info.module._buffers:
+        if info.has_state:
             self._weight_entries(info.module, entries)
         if info.pre_entries:
             entries.extend(info.pre_entries.pop())
+        elif len(args) == 1 and not kwargs and isinstance(args[0], _Tensor):
+            entries.append(self._tensor_entry("input[0]", args[0]))  # the usual single input
         else:
             self._input_entries(args, kwargs, entries)
+        first_output = len(entries)
         if isinstance(output, _Tensor):
             entries.append(self._tensor_entry("output", output))
         else:
             for role, leaf in iter_leaves(output, "output"):
                 entries.append(self._leaf_entry(role, leaf))
-        self.record_frame(info, "forward", entries)
+        self.record_frame(info, "forward", entries).first_output = first_output
 
     def record_frame(self, info: _ModuleInfo, phase: str, entries: list[Entry],
                      batch: int | None = None) -> Frame:
@@ -369,26 +385,28 @@ class NanWatch:
         batch = self.batch
         self.rank = current_rank()
         event: NanEvent | None = None
-        history = self._history
-        record_history = history.record
+        history_rows: list[tuple[int, int, float, float, bool]] = []
         name_index = self._name_index
         trace_batches = self.trace_batches
         for position, frame in enumerate(frames):
             bad = False
-            forward = frame.phase == "forward"
-            module_index = name_index[frame.module]
-            for role, stats, _, _, _ in frame.entries:
+            entries = frame.entries
+            first_output = frame.first_output if frame.phase == "forward" else len(entries)
+            for slot, entry in enumerate(entries):
+                stats = entry[1]
                 if stats is None:
                     continue
                 nonfinite = stats.nan or stats.inf
                 if nonfinite:
                     bad = True
-                if forward and role[:6] == "output":
-                    record_history(frame.batch, module_index, stats.abs_max, stats.abs_min, nonfinite)
+                if slot >= first_output:
+                    history_rows.append((frame.batch, name_index[frame.module], stats.abs_max,
+                                         stats.abs_min, nonfinite))
             if bad and event is None:
                 event = self._make_event(frames, position)
             if trace_batches and frame.batch in trace_batches:
                 self._trace_frames.setdefault(frame.batch, []).append(frame)
+        self._history.record_many(history_rows)
         self._ring.extend(frames)
         if event is not None:
             if len(self._events) < MAX_EVENTS:
