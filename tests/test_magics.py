@@ -78,9 +78,9 @@ def test_nan_in_a_line_watched_cell_reads_as_one_line_and_a_browser(ip):
     assert "_forward_hook" in captured.stdout  # the full traceback is one %tb away
 
 
-def test_every_option_reaches_the_watch(ip):
+def test_every_option_reaches_the_watch(ip, tmp_path):
     run(ip, "%nanwatch model -n 5 --trace-batches 1,3 --abort-after 7 --skip ReLU "
-            "--backward --grad-norm 2.5 --on-nan warn")
+            f"--backward --grad-norm 2.5 --on-nan warn --log-dir {tmp_path / 'run'}")
     watch = ip.user_ns["_nanwatch"]
     assert watch.max_frames == 5
     assert watch.trace_batches == {1, 3}
@@ -89,6 +89,7 @@ def test_every_option_reaches_the_watch(ip):
     assert watch.backward is True
     assert watch.grad_norm_warn == 2.5
     assert watch.on_nan == "warn"
+    assert watch.log_dir == str(tmp_path / "run")
 
 
 def test_off_stops_one_model_or_all(ip):

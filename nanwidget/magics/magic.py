@@ -211,7 +211,7 @@ class NanwatchMagics(Magics):
         except NanDetected as error:
             watched.close()
             live.finish("stopped at a NaN/Inf")
-            display(watched.browse())
+            self._show_browser(watched)
             raise NanInCell(error.event) from None
         except AbortAfterBatch as error:
             watched.close()
@@ -228,8 +228,16 @@ class NanwatchMagics(Magics):
         if watched.events:
             print(f"nanwidget: {len(watched.events)} NaN/Inf event(s); first: "
                   f"{watched.event.summary()}", file=sys.stderr)
-            display(watched.browse())
+            self._show_browser(watched)
         return result
+
+    @staticmethod
+    def _show_browser(watched: Any) -> None:
+        try:
+            display(watched.browse())
+        except Exception as error:  # the one-line message must still reach the user
+            print(f"nanwidget: could not show the FrameBrowser ({type(error).__name__}: {error}); "
+                  "_nanwatch.report() has the frames", file=sys.stderr)
 
     def _execute(self, cell: str) -> Any:
         """Run the cell in the user namespace; return the value of a final expression."""
@@ -240,7 +248,9 @@ class NanwatchMagics(Magics):
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
         namespace = shell.user_ns
-        exec(compile(tree, "<%%nanwatch cell>", "exec"), namespace)
+        # A file name IPython's line cache knows, so tracebacks show the cell's lines.
+        filename = shell.compile.cache(source)
+        exec(compile(tree, filename, "exec"), namespace)
         if last is not None:
-            return eval(compile(last, "<%%nanwatch cell>", "eval"), namespace)
+            return eval(compile(last, filename, "eval"), namespace)
         return None
