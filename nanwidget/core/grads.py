@@ -386,6 +386,8 @@ class GradsExtension(WatchExtension):
             self._install_probe(watch)
 
     def on_batch_end(self, watch: NanWatch, batch: int, frames: list, event: NanEvent | None) -> None:
+        if self.mode == "off":  # no backward frames to number: keep the per-batch path empty
+            return
         forward = [f for f in frames if f.phase == "forward"]
         if forward and self._last_forward_batch is not None \
                 and forward[-1].batch == self._last_forward_batch:

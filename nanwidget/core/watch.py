@@ -30,7 +30,8 @@ from .walk import iter_leaves
 if TYPE_CHECKING:  # pragma: no cover
     from .replay import Trace
 
-__all__ = ["NanWatch", "watch", "NanWarning", "WatchExtension", "MAX_EVENTS", "current_rank"]
+__all__ = ["NanWatch", "watch", "NanWarning", "WatchExtension", "MAX_EVENTS", "current_rank",
+           "live_watches"]
 
 MAX_EVENTS = 100
 ON_NAN_CHOICES = ("raise", "warn", "record")
@@ -45,6 +46,11 @@ _WATCHED: "weakref.WeakKeyDictionary[nn.Module, NanWatch]" = weakref.WeakKeyDict
 
 class NanWarning(RuntimeWarning):
     """Issued for each event when ``on_nan="warn"``."""
+
+
+def live_watches() -> list[NanWatch]:
+    """Every NanWatch that is still watching, in no particular order."""
+    return list({id(w): w for w in list(_WATCHED.values()) if not w.closed}.values())
 
 
 def current_rank() -> int:

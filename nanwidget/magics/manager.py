@@ -207,14 +207,13 @@ class WatchManager:
 
     def close_all(self) -> int:
         """Close every watch this manager holds and every other live NanWatch; returns the count."""
-        from ..core.watch import _WATCHED
+        from ..core.watch import live_watches
         closed = 0
         for key in list(self.watches):
             self.watches.pop(key).close()
             closed += 1
         # Watches made with nw.watch() in the notebook too: unloading removes every hook.
-        live = {id(w): w for w in list(_WATCHED.values()) if not w.closed}
-        for other in live.values():
+        for other in live_watches():
             other.close()
             closed += 1
         return closed
