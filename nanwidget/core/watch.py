@@ -9,11 +9,12 @@ distributed consensus) see the finished frames.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 import pandas as pd
@@ -179,6 +180,7 @@ class NanWatch:
         self._events: list[NanEvent] = []
         self._manual_batches = False
         self._closed = False
+        self._suspended = 0  # > 0 while suspended(): hooks record nothing (trace-mode replays)
         self._lock = threading.RLock()
         self._local = threading.local()
         self._ring = FrameBuffer(max_frames)
@@ -239,7 +241,7 @@ class NanWatch:
         local = self._local
         try:
             with self._lock:
-                if self._closed:
+                if self._closed or self._suspended:
                     return None
                 if getattr(local, "root_open", False):
                     # The previous forward never returned (KeyboardInterrupt skips the hooks):
@@ -254,7 +256,7 @@ class NanWatch:
 
     def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         info = self._infos.get(id(module))
-        if info is None or self._closed:
+        if info is None or self._closed or self._suspended:
             return None
         try:
             with self._lock:
@@ -267,7 +269,7 @@ class NanWatch:
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         info = self._infos.get(id(module))
-        if info is None or self._closed:
+        if info is None or self._closed or self._suspended:
             return None
         try:
             with self._lock:
@@ -596,6 +598,21 @@ class NanWatch:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """While inside, the hooks record nothing: batch count, ring, history and events stay put.
+
+        Trace-mode replays run the model under this so that re-running a batch is not counted
+        as a new one. Extensions that add hooks of their own should honour ``_suspended`` too.
+        """
+        with self._lock:
+            self._suspended += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._suspended -= 1
 
     def __enter__(self) -> NanWatch:
         return self
