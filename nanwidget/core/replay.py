@@ -169,7 +169,6 @@ class ReplayCapture(WatchExtension):
         self.event_batches: set[int] = set()
         self.replaying = False
         self.auto_replays = 0
-        self._last_snapshot: tuple[list, list[int], list] | None = None
 
     # -- hot path: every batch, under the watch's lock
     def on_batch_start(self, watch: NanWatch, batch: int, args: tuple, kwargs: dict) -> None:
@@ -213,7 +212,7 @@ class ReplayCapture(WatchExtension):
         capture.weights = weights
         capture.weight_versions = _versions(weights)
         if self.snapshot_weights:
-            capture.snapshot = self._snapshot(weights, capture.weight_versions)
+            capture.snapshot = self._snapshot(weights)
         if held is None:
             held = self.held[batch] = _HeldBatch(batch)
             self._evict()
@@ -239,25 +238,23 @@ class ReplayCapture(WatchExtension):
         for batch in recent[:max(0, len(recent) - self.keep)]:
             del self.held[batch]
 
-    def _snapshot(self, weights: list, versions: list[int]) -> list[torch.Tensor | None]:
-        """Copies of the weights, reusing the previous snapshot's copy of any unchanged tensor."""
-        previous = self._last_snapshot
+    def _snapshot(self, weights: list) -> list[torch.Tensor | None]:
+        """Copies of every parameter and buffer (tied ones once).
+
+        Every batch copies everything: version counters cannot tell whether a tensor changed
+        (BatchNorm's running statistics and writes through ``.data`` do not bump them).
+        """
         copies: dict[int, torch.Tensor] = {}
         snapshot: list[torch.Tensor | None] = []
         with torch.no_grad():
-            for i, tensor in enumerate(weights):
+            for tensor in weights:
                 if tensor is None:
                     snapshot.append(None)
-                    continue
-                if previous is not None and i < len(previous[0]) and previous[0][i] is tensor \
-                        and previous[1][i] == versions[i]:
-                    snapshot.append(previous[2][i])
                     continue
                 copy = copies.get(id(tensor))
                 if copy is None:
                     copy = copies[id(tensor)] = tensor.detach().clone()
                 snapshot.append(copy)
-        self._last_snapshot = (weights, versions, snapshot)
         return snapshot
 
     # -- outside the lock
@@ -345,13 +342,12 @@ def enable_weight_snapshots(watch: NanWatch, enabled: bool = True) -> None:
     """Snapshot parameters and buffers at the start of every held batch.
 
     Replays are then faithful even after optimizer steps (and BatchNorm running statistics start
-    where the batch started). Costs one copy of every tensor that changed since the previous
-    batch, per held batch: about ``keep_batches`` + 1 copies of the weights while training.
+    where the batch started). Costs a copy of the weights at the start of every batch (device
+    memory and bandwidth, no host sync), and about ``keep_batches`` + 1 copies held.
     """
     capture = _capture_of(watch)
     capture.snapshot_weights = bool(enabled)
     if not enabled:
-        capture._last_snapshot = None
         for held in capture.held.values():
             for forward in held.forwards:
                 forward.snapshot = None
@@ -559,7 +555,8 @@ class _Recorder:
         self.stack: list[tuple[str, str]] = []
         self.meter = _Meter()
         # Frame tensors, measured when the replay ends (as the watch does when a batch ends).
-        self.queued: dict[int, tuple[torch.Tensor, int, TensorStats]] = {}
+        self.queued: list[list] = []  # [tensor, version, stats, measured already]
+        self.queued_index: dict[int, int] = {}  # id -> position of its latest version
         # id -> (weakref, version, abs_min, abs_max) of finite op outputs: frames reuse them.
         self.op_stats: dict[int, tuple[Any, int, float, float]] = {}
         self.pre_entries: dict[int, list[list[Entry]]] = {}
@@ -569,8 +566,9 @@ class _Recorder:
         self.phase = "forward"
         self.paused = False
         self.to_tag: list[tuple[list[torch.Tensor], tuple[str, str, str]]] = []
-        self.first_bad: int | None = None
-        self.first_bad_tensors: list[dict] = []
+        # First op with a NaN in its output, and first with an Inf; each with its tensors described.
+        self.first_nan: tuple[int, list[dict]] | None = None
+        self.first_inf: tuple[int, list[dict]] | None = None
         self.shadows: _Shadows | None = None
 
     # -- module hooks
@@ -612,17 +610,19 @@ class _Recorder:
         note = classify(tensor)
         if note:
             return (role, None, tensor.dtype, tensor.shape, note)
-        if early:  # an in-place module is about to overwrite it: measure the values as they are
-            stats = TensorStats()
-            self._fill(stats, tensor)
-            stats.note = ""
-            return (role, stats, tensor.dtype, tensor.shape, "")
-        queued = self.queued.get(id(tensor))
-        if queued is not None and queued[0] is tensor and queued[1] == tensor._version:
-            return (role, queued[2], tensor.dtype, tensor.shape, "")
-        stats = TensorStats()
-        self.queued[id(tensor)] = (tensor, tensor._version, stats)
-        return (role, stats, tensor.dtype, tensor.shape, "")
+        # As the watch's PendingStats: one stats object per (tensor, version) within the batch.
+        position = self.queued_index.get(id(tensor))
+        queued = self.queued[position] if position is not None else None
+        if queued is None or queued[0] is not tensor or queued[1] != tensor._version:
+            queued = [tensor, tensor._version, TensorStats(), False]
+            self.queued_index[id(tensor)] = len(self.queued)
+            self.queued.append(queued)
+        if early and not queued[3]:
+            # An in-place module is about to overwrite it: measure the values as they are now.
+            self._fill(queued[2], tensor)
+            queued[2].note = queued[2].note if queued[2].note.startswith("unsupported") else ""
+            queued[3] = True
+        return (role, queued[2], tensor.dtype, tensor.shape, "")
 
     def _fill(self, stats: TensorStats, tensor: torch.Tensor) -> None:
         try:
@@ -639,9 +639,11 @@ class _Recorder:
 
     def resolve(self) -> None:
         """Measure the queued frame tensors, reusing what the op trace already measured."""
-        queued, self.queued = self.queued, {}
+        queued, self.queued, self.queued_index = self.queued, [], {}
         op_stats = self.op_stats
-        for tensor, version, stats in queued.values():
+        for tensor, version, stats, measured in queued:
+            if measured:
+                continue
             now = tensor._version
             known = op_stats.get(id(tensor))
             if known is not None and known[0]() is tensor and known[1] == now:
@@ -739,9 +741,10 @@ class _Recorder:
                           str(first.dtype).replace("torch.", "") if first is not None else "",
                           tuple(first.shape) if first is not None else (),
                           low, high, nan, inf, nan or inf, source))
-        if (nan or inf) and self.first_bad is None:
-            self.first_bad = index
-            self.first_bad_tensors = _describe_op_tensors(func, args, kwargs, measurable)
+        if nan and self.first_nan is None:
+            self.first_nan = (index, _describe_op_tensors(func, args, kwargs, measurable))
+        elif inf and self.first_inf is None:
+            self.first_inf = (index, _describe_op_tensors(func, args, kwargs, measurable))
 
 
 class _Meter:
@@ -870,7 +873,7 @@ class _Replay:
                 updated.append(slots.names[i])
             else:
                 changed.append(slots.names[i])
-        return changed, updated, False
+        return _with_running_stats(changed, slots), _with_running_stats(updated, slots), False
 
     def run(self) -> Trace:
         started = time.perf_counter()
@@ -909,11 +912,17 @@ class _Replay:
         ops = pd.DataFrame.from_records(recorder.rows, columns=OPS_COLUMNS).astype(
             {"index": "int64", "abs_min": "float64", "abs_max": "float64", "nan": "bool",
              "inf": "bool", "nonfinite": "bool"})
-        first_bad = ops.iloc[recorder.first_bad] if recorder.first_bad is not None else None
+        # A NaN is never intended; an Inf can be (masks filled with -inf), so the first NaN wins.
+        chosen = recorder.first_nan or recorder.first_inf
+        first_inf = None
+        if recorder.first_inf is not None and recorder.first_nan is not None \
+                and recorder.first_inf[0] < recorder.first_nan[0]:
+            first_inf = ops.iloc[recorder.first_inf[0]]
         return Trace(batch=held.batch, frames=frames_to_dataframe(recorder.frames), ops=ops,
-                     first_bad=first_bad,
-                     first_bad_tensors=pd.DataFrame(recorder.first_bad_tensors,
+                     first_bad=ops.iloc[chosen[0]] if chosen is not None else None,
+                     first_bad_tensors=pd.DataFrame(chosen[1] if chosen is not None else [],
                                                     columns=_TENSOR_COLUMNS),
+                     earlier_inf=first_inf,
                      weights_changed=bool(changed), changed_weights=changed,
                      buffers_updated=updated, snapshot_used=snapshot_used, loss=loss_value,
                      forwards=len(held.forwards), seconds=time.perf_counter() - started)
@@ -955,6 +964,20 @@ class _Replay:
         return float(loss.detach())
 
 
+def _with_running_stats(names: list[str], slots: _WeightSlots) -> list[str]:
+    """BatchNorm updates running_mean/var without bumping their version counters; its
+    num_batches_tracked does bump: name the statistics along with it."""
+    known = set(slots.names)
+    result = list(names)
+    for name in names:
+        if name == "num_batches_tracked" or name.endswith(".num_batches_tracked"):
+            prefix = name[: -len("num_batches_tracked")]
+            for sibling in ("running_mean", "running_var"):
+                if prefix + sibling in known and prefix + sibling not in result:
+                    result.append(prefix + sibling)
+    return result
+
+
 def _fresh(value: Any) -> Any:
     """A top-level tensor input as the replay passes it: same data, no side effects on the original."""
     if isinstance(value, _Tensor):
@@ -980,7 +1003,9 @@ class Trace:
     ``frames``: the contract's frame DataFrame (every module frame, no ring limit). ``ops``: one
     row per aten op (:data:`OPS_COLUMNS`; ops that only make views or uninitialised memory are
     left out; ``inf`` can be hidden by a NaN in the same output). ``first_bad``: the first op row
-    with a non-finite output, or None; ``first_bad_tensors``: signed ranges and non-finite counts
+    whose output holds a NaN, else the first whose output holds an Inf, else None (an Inf can be
+    intended, as in masks filled with -inf; ``earlier_inf`` is the first Inf op when one came
+    before the first NaN); ``first_bad_tensors``: signed ranges and non-finite counts
     of that op's inputs and outputs. ``weights_changed``: parameters or buffers changed since
     the batch ran, so the replay used today's values (``changed_weights`` names them).
     """
@@ -990,6 +1015,7 @@ class Trace:
     ops: pd.DataFrame
     first_bad: pd.Series | None = None
     first_bad_tensors: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=_TENSOR_COLUMNS))
+    earlier_inf: pd.Series | None = None
     weights_changed: bool = False
     changed_weights: list[str] = field(default_factory=list)
     buffers_updated: list[str] = field(default_factory=list)
@@ -1038,9 +1064,16 @@ class Trace:
                                 if row.min == row.min else "no finite values")
                 lines.append(f"  {row.role}: {row.dtype} {tuple(row.shape)}, {finite_range}, {state}")
             inputs = self.first_bad_tensors[self.first_bad_tensors["role"].str.startswith("input")]
-            if len(inputs) and (inputs["nan_count"] + inputs["inf_count"]).sum() > 0:
-                lines.append("  Its inputs already held non-finite values that no traced op made: "
-                             "they came from the batch's data or the weights.")
+            if len(inputs) and inputs["nan_count"].sum() > 0:
+                lines.append("  Its inputs already held NaN that no traced op made: it came from "
+                             "the batch's data or the weights.")
+            earlier = self.earlier_inf
+            if earlier is not None:
+                place = ("loss_fn" if earlier["phase"] == "loss"
+                         else f"module '{earlier['module'] or '<root>'}'")
+                lines.append(f"  Before it, op {earlier['op']} in {place} made an Inf at "
+                             f"{earlier['source'] or 'an unknown line'} (intended in masks filled "
+                             "with -inf; an Inf reaching exp, softmax or a subtraction makes NaN).")
         if self.snapshot_used:
             lines.append("Weights: replayed with the snapshot taken when the batch started.")
         elif self.weights_changed:

@@ -1,0 +1,428 @@
+"""Trace mode: replaying a held batch names the op and the line that made the NaN, and leaves
+the model, the RNG and the watch exactly as they were."""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+from nanwidget.core.replay import (BatchNotHeldError, InputModifiedError, ReplayError, Trace,
+                                   enable_weight_snapshots, held_batches, make_extension)
+
+
+def line_of(function, marker: str) -> str:
+    """``file:line`` of the line in ``function`` that contains ``marker``."""
+    lines, first = inspect.getsourcelines(function)
+    for offset, text in enumerate(lines):
+        if marker in text:
+            return f"{inspect.getsourcefile(function)}:{first + offset}"
+    raise AssertionError(f"{marker!r} not in {function.__qualname__}")
+
+
+class SqrtBetweenLayers(nn.Module):
+    """A functional op between two modules: hooks only see the NaN arrive at ``second``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 8)
+        self.second = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h = torch.sqrt(h - 5)  # negative -> NaN
+        return self.second(h)
+
+
+class NegativeLog(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.log(x - 10)  # every input here is far below 10 -> NaN
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad / (x - 10)
+
+
+class SquareWithBadGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.sqrt(-x.abs() - 1)  # finite forward, NaN gradient
+
+
+class WithFunction(nn.Module):
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.function = function
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.function.apply(self.inner(x)))
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.query = nn.Linear(width, width)
+        self.key = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.query(x) @ self.key(x).transpose(-1, -2)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)  # a fully masked row -> NaN
+        return weights @ x
+
+
+class AttentionModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = MaskedAttention()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, mask))
+
+
+class NormDropNet(nn.Module):
+    """BatchNorm and Dropout in train mode, an in-place ReLU and a frozen layer in eval mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.act = nn.ReLU(inplace=True)
+        self.drop = nn.Dropout(0.5)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen_bn = nn.BatchNorm1d(16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.act(self.bn(self.fc1(x))))
+        h = self.frozen_bn(self.frozen(h))
+        return self.head(torch.nn.functional.dropout(h, 0.3, self.training))
+
+
+def frame_values(frames):
+    return frames[["frame", "module", "call", "role", "abs_min", "abs_max", "nan", "inf",
+                   "note"]].reset_index(drop=True)
+
+
+# ------------------------------------------------------------------------------ finding the op
+def test_functional_op_between_modules_names_sqrt_and_its_line():
+    model = SqrtBetweenLayers()
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(5, 6))
+    event = w.event
+    assert (event.module, event.origin, event.role) == ("second", "input", "input[0]")
+    trace = w.replay(event.batch)
+    assert isinstance(trace, Trace)
+    first = trace.first_bad
+    assert first["op"] == "sqrt"
+    assert first["module"] == ""  # the root's own forward, between the two Linear layers
+    assert first["source"] == line_of(SqrtBetweenLayers.forward, "torch.sqrt")
+    # The ops before it were finite: the subtraction that made the negative numbers is listed.
+    before = trace.ops.iloc[:first["index"]]
+    assert "sub" in set(before["op"]) and not before["nonfinite"].any()
+    report = trace.report()
+    assert "First non-finite op: sqrt" in report
+    assert "h = torch.sqrt(h - 5)" in report  # the source line's text
+    assert "finite values from -" in report  # its input was finite but negative
+    assert "second Linear" in report  # followed by the frames
+
+
+def test_custom_autograd_function_forward_nan_points_into_the_function():
+    model = WithFunction(NegativeLog)
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(3, 4))
+    trace = w.replay(0)
+    assert trace.first_bad["op"] == "log" or trace.first_bad["op"] == "sub"
+    assert trace.first_bad["op"] == "log"
+    assert trace.first_bad["source"] == line_of(NegativeLog.forward, "torch.log")
+    assert trace.first_bad["phase"] == "forward"
+
+
+def test_custom_autograd_function_backward_nan_found_with_loss_fn():
+    model = WithFunction(SquareWithBadGradient)
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(3, 4))
+    assert w.event is None  # the forward is finite
+    assert w.replay(0).first_bad is None
+    trace = w.replay(0, loss_fn=lambda out: out.sum())
+    first = trace.first_bad
+    assert first["phase"] == "backward"
+    assert first["op"] == "sqrt"
+    assert first["source"] == line_of(SquareWithBadGradient.backward, "torch.sqrt")
+    assert set(trace.ops["phase"]) == {"forward", "loss", "backward"}
+    # Backward ops of ordinary modules are attributed to the module whose forward made them.
+    backward = trace.ops[trace.ops["phase"] == "backward"]
+    assert "out" in set(backward["module"])
+    assert trace.loss is not None
+
+
+def test_masked_softmax_with_a_fully_masked_row_is_named():
+    model = AttentionModel()
+    x = torch.randn(2, 5, 8)
+    mask = torch.ones(2, 5, 5, dtype=torch.bool)
+    mask[1, 3, :] = False  # query 3 of sample 1 may attend nothing
+    with nw.watch(model, on_nan="record") as w:
+        model(x, mask=mask)
+    assert w.event.module == "attn"
+    trace = w.replay(0)
+    first = trace.first_bad
+    assert "softmax" in first["op"]
+    assert first["module"] == "attn"
+    assert first["module_type"] == "MaskedAttention"
+    assert first["source"] == line_of(MaskedAttention.forward, "torch.softmax")
+    detail = trace.first_bad_tensors.set_index("role")
+    assert detail.loc["output", "nan_count"] == 5  # exactly the masked row
+    assert detail.loc["input self", "inf_count"] == 5
+
+
+# ------------------------------------------------------------------------------ restoring state
+def model_state(model: nn.Module) -> dict:
+    return {
+        "tensors": {k: v.clone() for k, v in model.state_dict(keep_vars=True).items()},
+        "objects": {k: v for k, v in model.state_dict(keep_vars=True).items()},
+        "versions": {k: v._version for k, v in model.state_dict(keep_vars=True).items()},
+        "grads": {k: (p.grad, None if p.grad is None else p.grad.clone(), p.grad._version
+                      if p.grad is not None else None) for k, p in model.named_parameters()},
+        "requires_grad": {k: p.requires_grad for k, p in model.named_parameters()},
+        "training": {k: m.training for k, m in model.named_modules()},
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_same_state(before: dict, after: dict) -> None:
+    for key, tensor in before["tensors"].items():
+        assert torch.equal(tensor, after["tensors"][key]), key
+        assert before["objects"][key] is after["objects"][key], key
+    assert before["versions"] == after["versions"]
+    for key, (grad, values, version) in before["grads"].items():
+        now_grad, now_values, now_version = after["grads"][key]
+        assert now_grad is grad, key
+        if grad is not None:
+            assert torch.equal(values, now_values) and version == now_version, key
+    assert before["requires_grad"] == after["requires_grad"]
+    assert before["training"] == after["training"]
+    assert torch.equal(before["rng"], after["rng"])
+
+
+def test_replay_restores_model_state_bit_for_bit():
+    model = NormDropNet().train()
+    model.frozen.requires_grad_(False)
+    model.frozen_bn.eval()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nw.watch(model, on_nan="record") as w:
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(8, 6)).square().mean().backward()
+            optimizer.step()
+        model.head.weight.grad = None  # mixed: some grads set, some None
+        before = model_state(model)
+        trace = w.replay(2, loss_fn=lambda out: out.square().mean())
+        assert trace.first_bad is None and len(trace.ops) > 20
+        assert_same_state(before, model_state(model))
+        # The replay ran in train mode and updated its own copy of the running statistics.
+        bn_ops = trace.ops[trace.ops["module"] == "bn"]
+        assert "native_batch_norm" in set(bn_ops["op"])
+        # Replaying from eval mode uses the flags of the batch, then puts eval back.
+        model.eval()
+        before = model_state(model)
+        w.replay(2)
+        assert_same_state(before, model_state(model))
+
+
+def test_replay_leaves_the_watch_recording_alone():
+    model = NormDropNet()
+    with nw.watch(model, on_nan="record", max_frames=5) as w:
+        for _ in range(3):
+            model(torch.randn(4, 6))
+        ring, history, batch = w.frames(), w.history(), w.batch
+        w.replay(1)
+        assert w.batch == batch
+        assert w.frames().equals(ring)
+        assert w.history().equals(history)
+        assert w.events == []
+        model(torch.randn(4, 6))  # recording goes on as before
+        assert w.batch == batch + 1
+
+
+def test_replay_reproduces_recorded_frames_with_the_same_dropout_masks():
+    model = NormDropNet().train()
+    x = torch.randn(8, 6)  # the same input every batch: only the dropout masks differ
+    with nw.watch(model, trace_batches=[1, 2], on_nan="record") as w:
+        for _ in range(3):
+            with torch.no_grad():
+                model(x)
+        recorded = w.frames(batch=1)
+        other = w.frames(batch=2)
+        trace = w.replay(1)
+    output = recorded[(recorded["module"] == "") & (recorded["role"] == "output")]
+    other_output = other[(other["module"] == "") & (other["role"] == "output")]
+    assert output["abs_max"].item() != other_output["abs_max"].item()  # masks do differ
+    replayed = frame_values(trace.frames)
+    # Weight rows match too except BatchNorm buffers, which batch 2 moved on since.
+    keep = ~recorded["role"].isin(["running_mean", "running_var", "num_batches_tracked"]).to_numpy()
+    assert replayed[keep].reset_index(drop=True).equals(frame_values(recorded)[keep].reset_index(drop=True))
+    assert trace.weights_changed  # batch 2 updated the running statistics after batch 1
+    assert "bn.running_mean" in trace.changed_weights
+
+
+def test_weight_snapshots_make_a_replay_after_optimizer_steps_faithful():
+    model = NormDropNet().train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with nw.watch(model, trace_batches=[1], on_nan="record") as w:
+        enable_weight_snapshots(w)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(8, 6)).square().mean().backward()
+            optimizer.step()
+        recorded = w.frames(batch=1)
+        before = model_state(model)
+        trace = w.replay(1)
+        assert_same_state(before, model_state(model))
+    assert trace.snapshot_used and not trace.weights_changed
+    assert frame_values(trace.frames).equals(frame_values(recorded))  # BatchNorm buffers included
+    assert "snapshot" in trace.report()
+
+
+def test_replay_after_optimizer_step_says_weights_changed():
+    model = SqrtBetweenLayers()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(2, 6) + 100).sum().backward()
+        assert not w.replay(0).weights_changed
+        optimizer.step()
+        trace = w.replay(0)
+    assert trace.weights_changed
+    assert "first.weight" in trace.changed_weights
+    assert "Weights changed since batch 0" in trace.report()
+    assert "enable_weight_snapshots" in trace.report()
+
+
+# ------------------------------------------------------------------------------ refusals
+def test_input_modified_in_place_is_refused():
+    model = SqrtBetweenLayers()
+    x = torch.randn(3, 6)
+    with nw.watch(model, on_nan="record") as w:
+        model(x)
+        x.add_(1.0)
+        with pytest.raises(InputModifiedError, match=r"input\[0\].*modified in place after"):
+            w.replay(0)
+
+
+def test_input_modified_by_the_forward_itself_is_refused_with_that_reason():
+    class ScalesItsInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.fc(x.mul_(2))
+
+    model = ScalesItsInput()
+    with nw.watch(model, on_nan="record") as w:
+        with torch.no_grad():
+            model(torch.randn(2, 3))
+        with pytest.raises(InputModifiedError, match="by the model's own forward"):
+            w.replay(0)
+
+
+def test_batch_not_held_lists_the_held_batches():
+    model = SqrtBetweenLayers()
+    with nw.watch(model, on_nan="record", keep_batches=2, trace_batches=[1]) as w:
+        for _ in range(5):
+            model(torch.randn(2, 6) + 100)  # finite: no event batches pinned
+        assert held_batches(w) == [1, 3, 4]
+        with pytest.raises(BatchNotHeldError, match=r"batch 0 is not held.*held batches: 1, 3, 4"):
+            w.replay(0)
+
+
+def test_event_batches_stay_held_beyond_keep_batches():
+    model = SqrtBetweenLayers()
+    with nw.watch(model, on_nan="record", keep_batches=1) as w:
+        model(torch.randn(2, 6))  # NaN: batch 0 is an event
+        for _ in range(3):
+            model(torch.randn(2, 6) + 100)
+        assert held_batches(w) == [0, 3]
+        assert w.replay(0).first_bad["op"] == "sqrt"
+
+
+def test_no_capture_when_nothing_is_kept():
+    model = SqrtBetweenLayers()
+    with nw.watch(model, keep_batches=0) as w:
+        assert w._extension("replay") is None
+        assert make_extension(w) is None
+        with pytest.raises(ReplayError, match="keep_batches=0"):
+            w.replay(0)
+
+
+def test_held_inputs_are_references_not_copies():
+    model = SqrtBetweenLayers()
+    x = torch.randn(2, 6) + 100
+    with nw.watch(model, on_nan="record") as w:
+        model(x)
+        held = w._extension("replay").held[0].forwards[0]
+    assert held.args[0] is x
+
+
+# ------------------------------------------------------------------------------ automatic mode
+def test_replay_on_nan_attaches_the_trace_and_the_message_names_op_and_line():
+    model = SqrtBetweenLayers()
+    with nw.watch(model, replay_on_nan=True) as w:
+        with pytest.raises(nw.NanDetected) as raised:
+            model(torch.randn(4, 6))
+    event = raised.value.event
+    assert isinstance(event.trace, Trace)
+    message = str(raised.value)
+    assert "first bad op sqrt at " + line_of(SqrtBetweenLayers.forward, "torch.sqrt") in message
+    assert event.trace.first_bad["op"] == "sqrt"
+    # The replay was not counted as a batch and made no event of its own.
+    assert w.batch == 1 and len(w.events) == 1
+    assert "First non-finite op: sqrt" in w.report()
+
+
+def test_replay_after_the_watch_was_closed_by_the_exception():
+    model = AttentionModel()
+    mask = torch.ones(1, 4, 4, dtype=torch.bool)
+    mask[0, 0] = False
+    with pytest.raises(nw.NanDetected):
+        with nw.watch(model) as w:
+            model(torch.randn(1, 4, 8), mask=mask)
+    assert w.closed
+    assert "softmax" in w.replay(w.event.batch).first_bad["op"]
+
+
+# ------------------------------------------------------------------------------ a real model
+def test_gpt2_replay_reproduces_frames_and_reports_its_time():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300,
+                                     n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    tokens = torch.randint(0, config.vocab_size, (2, 16))
+    with nw.watch(model, trace_batches=[0], on_nan="record") as w:
+        with torch.no_grad():
+            model(input_ids=tokens)
+        start = time.perf_counter()
+        trace = w.replay(0)
+        seconds = time.perf_counter() - start
+    print(f"\nGPT-2 2x32 replay: {seconds:.3f} s, {len(trace.ops)} ops")
+    assert trace.first_bad is None and not trace.ops["nonfinite"].any()
+    assert frame_values(trace.frames).equals(frame_values(w.frames(batch=0)))
+    sources = trace.ops["source"]
+    assert sources.str.contains("modeling_gpt2.py").any()
+    assert not sources.str.contains("/torch/").any()
