@@ -143,6 +143,8 @@ class GradsExtension(WatchExtension):
         probe = self._probe
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if watch._suspended:  # a trace-mode replay: not a forward to calibrate on
+                return
             try:
                 seen = [(a, a._version) for a in args if isinstance(a, torch.Tensor)]
                 probe.inputs.setdefault(id(module), []).append(seen)
@@ -150,7 +152,7 @@ class GradsExtension(WatchExtension):
                 watch._internal_error(error)
 
         def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._probe is not probe:  # finished earlier in this same hook round
+            if self._probe is not probe or watch._suspended:  # finished earlier in this round
                 return
             error = sys.exc_info()[1]
             try:
@@ -227,7 +229,8 @@ class GradsExtension(WatchExtension):
 
         def control_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             error = sys.exc_info()[1]
-            if error is None or self.mode != "active" or _REFUSAL_MARKER not in str(error):
+            if error is None or self.mode != "active" or _REFUSAL_MARKER not in str(error) \
+                    or watch._suspended:
                 return
             try:
                 with watch._lock:
@@ -269,7 +272,7 @@ class GradsExtension(WatchExtension):
         def backward_hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
             try:
                 with watch._lock:
-                    if watch._closed or self.mode != "active":
+                    if watch._closed or watch._suspended or self.mode != "active":
                         return None
                     entries: list[Entry] = []
                     for i, grad in enumerate(grad_output):

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .events import NanEvent
 from .frames import Entry, Frame, frames_to_dataframe
 from .report import format_frames
-from .stats import TensorStats, _abs_min_max, classify
+from .stats import TensorStats, classify
 from .walk import iter_leaves
 from .watch import NanWatch, WatchExtension
 
@@ -759,22 +759,27 @@ class _Meter:
 
     def __call__(self, tensor: torch.Tensor) -> tuple[float, float]:
         values = tensor.detach()
-        if values.dtype not in _NATIVE_FLOATS:
+        if values.dtype not in _NATIVE_FLOATS:  # float8 and friends: reductions need a real float
             values = values.float()
         count = values.numel()
-        if count > _SCRATCH_ELEMENTS or values.layout is not torch.strided:
-            low, high = _abs_min_max(values).tolist()
-            return low, high
+        with torch.no_grad():
+            if count <= _SCRATCH_ELEMENTS:
+                low, high = torch.aminmax(self._abs(values, count))
+                return tuple(torch.stack((low, high)).tolist())  # type: ignore[return-value]
+            parts = [torch.stack(torch.aminmax(self._abs(part, part.numel())))
+                     for part in values.reshape(-1).split(_SCRATCH_ELEMENTS)]
+            stacked = torch.stack(parts)  # min/max propagate a NaN from any slice
+            return tuple(torch.stack((stacked[:, 0].min(), stacked[:, 1].max())).tolist())  # type: ignore[return-value]
+
+    def _abs(self, values: torch.Tensor, count: int) -> torch.Tensor:
         key = (values.device, values.dtype)
         scratch = self.scratch.get(key)
         if scratch is None or scratch.numel() < count:
             scratch = self.scratch[key] = torch.empty(max(count, 1 << 16), dtype=values.dtype,
                                                       device=values.device)
-        with torch.no_grad():
-            target = scratch[:count].view(values.shape)
-            torch.abs(values, out=target)
-            low, high = torch.stack(torch.aminmax(target)).tolist()
-        return low, high
+        target = scratch[:count].view(values.shape)
+        torch.abs(values, out=target)
+        return target
 
 
 def _describe(role: str, tensor: torch.Tensor) -> dict:

@@ -325,8 +325,14 @@ class NanWatch:
         for group in (module._parameters, module._buffers):
             if not group:
                 continue
+            # Buffers are measured every call: BatchNorm updates its running statistics in
+            # place without bumping their version counters, so a cached entry would go stale.
+            cacheable = group is module._parameters
             for name, tensor in group.items():
                 if tensor is None:
+                    continue
+                if not cacheable:
+                    entries.append(self._tensor_entry(name, tensor))
                     continue
                 cached = cache.get(id(tensor))
                 # Weights change once per optimizer step at most: re-measure only then,
