@@ -3,8 +3,7 @@
     PYTHONPATH=. python scripts/replay_timing.py [--device cuda] [--steps 30]
 
 Prints: replay seconds (forward, and forward+backward), ops traced, whether the replay's
-frames equal the recorded ones, and the median step time with keep_batches=0 vs 4
-(interleaved runs, so machine noise hits both alike).
+frames equal the recorded ones, and what capturing batches for replay costs a normal step.
 """
 
 from __future__ import annotations
@@ -28,17 +27,28 @@ def build(device: str):
     return model, tokens
 
 
-def step_times(model, tokens, keep: int, steps: int) -> list[float]:
-    times = []
-    with nw.watch(model, keep_batches=keep, on_nan="record") as w:
-        for _ in range(steps):
+def capture_cost(model, tokens, steps: int) -> tuple[float, float, float]:
+    """Fastest step time without and with the replay capture, alternating step by step on one
+    watch (so that load on a shared machine hits both alike), and the capture's own time."""
+    off, on = [], []
+    with nw.watch(model, keep_batches=4, on_nan="record") as w:
+        capture = w._extension("replay")
+        for step in range(2 * steps):
+            with_capture = step % 2 == 1
+            w.extensions = [e for e in w.extensions if e is not capture] + ([capture] if with_capture else [])
             start = time.perf_counter()
             with torch.no_grad():
                 model(input_ids=tokens)
             if tokens.is_cuda:
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    return times
+            (on if with_capture else off).append(time.perf_counter() - start)
+        calls = 2000
+        start = time.perf_counter()
+        for batch in range(10_000, 10_000 + calls):
+            capture.on_batch_start(w, batch, (), {"input_ids": tokens})
+            capture.on_batch_end(w, batch, [], None)
+        own = (time.perf_counter() - start) / calls
+    return min(off), min(on), own
 
 
 def main() -> None:
@@ -66,17 +76,10 @@ def main() -> None:
                 .equals(recorded[["module", "role", "abs_min", "abs_max"]].reset_index(drop=True)))
         print(f"replayed frames equal recorded frames (dropout on): {same}")
 
-    for _ in range(2):  # warm-up
-        step_times(model, tokens, 0, 3)
-        step_times(model, tokens, 4, 3)
-    off, on = [], []
-    for _ in range(5):
-        off += step_times(model, tokens, 0, options.steps)
-        on += step_times(model, tokens, 4, options.steps)
-    print(f"step (no_grad forward) keep_batches=0: median {statistics.median(off) * 1e3:.2f} ms; "
-          f"keep_batches=4: median {statistics.median(on) * 1e3:.2f} ms "
-          f"({(statistics.median(on) / statistics.median(off) - 1) * 100:+.1f}%)")
-
+    off, on, own = capture_cost(model, tokens, options.steps)
+    print(f"step (no_grad forward, watched): fastest {off * 1e3:.2f} ms without capture, "
+          f"{on * 1e3:.2f} ms with keep_batches=4 ({(on / off - 1) * 100:+.1f}%, alternating steps); "
+          f"the capture itself: {own * 1e6:.1f} us per batch ({own / off * 100:.3f}% of a step)")
 
 if __name__ == "__main__":
     main()

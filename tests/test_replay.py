@@ -256,6 +256,38 @@ def test_replay_restores_model_state_bit_for_bit():
         assert_same_state(before, model_state(model))
 
 
+def test_forward_writing_into_its_own_weights_is_undone_after_replay():
+    class DecaysItsWeights(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.fc.weight.data.mul_(0.5)  # through .data: no version bump, no autograd
+            return self.fc(x)
+
+    model = DecaysItsWeights()
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(2, 4))
+        before = model_state(model)
+        trace = w.replay(0)
+        assert_same_state(before, model_state(model))
+    assert "mul_" in set(trace.ops["op"])
+
+
+def test_batch_with_two_forwards_replays_both():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5))
+    with nw.watch(model, on_nan="record", trace_batches=[0]) as w:
+        w.set_batch(0)  # manual counting: two forwards accumulate into batch 0
+        model(torch.randn(2, 3))
+        model(torch.randn(2, 3))
+        w.set_batch(1)
+        recorded = w.frames(batch=0)
+        trace = w.replay(0)
+    assert trace.forwards == 2
+    assert frame_values(trace.frames).equals(frame_values(recorded))
+
+
 def test_replay_leaves_the_watch_recording_alone():
     model = NormDropNet()
     with nw.watch(model, on_nan="record", max_frames=5) as w:

@@ -98,9 +98,10 @@ class _ForwardCapture:
 
     __slots__ = ("args", "kwargs", "inputs", "input_versions", "end_input_versions", "cpu_rng",
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
-                 "weight_versions", "end_buffer_versions", "snapshot")
+                 "weight_versions", "end_buffer_versions", "snapshot", "needs_grad")
 
     def __init__(self) -> None:
+        self.needs_grad: frozenset | set = frozenset()  # positions / keys of detached inputs that required grad
         self.end_input_versions: list[int] | None = None
         self.end_buffer_versions: list[int] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
@@ -179,29 +180,34 @@ class ReplayCapture(WatchExtension):
             held.truncated = True
             return
         capture = _ForwardCapture()
-        inputs: list[tuple[str, torch.Tensor, bool]] = []
+        # Tensors made by autograd are held as detached aliases (same data and version counter)
+        # so that a held batch does not keep the graph behind them alive.
         if any(isinstance(v, _Tensor) and v.grad_fn is not None for v in args):
-            # Hold a detached alias: same data and version counter, without the graph behind it.
+            capture.needs_grad = {i for i, v in enumerate(args)
+                                  if isinstance(v, _Tensor) and v.requires_grad}
             args = tuple(v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
                          for v in args)
+        if kwargs and any(isinstance(v, _Tensor) and v.grad_fn is not None for v in kwargs.values()):
+            capture.needs_grad = capture.needs_grad | {k for k, v in kwargs.items()
+                                                       if isinstance(v, _Tensor) and v.requires_grad}
+            kwargs = {k: v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
+                      for k, v in kwargs.items()}
+        inputs: list[tuple[str, torch.Tensor]] = []
         for position, value in enumerate(args):
             role = f"input[{position}]"
             if isinstance(value, _Tensor):
-                inputs.append((role, value, value.requires_grad))
+                inputs.append((role, value))
             elif not isinstance(value, (int, float, bool, str, type(None))):
-                inputs.extend((r, leaf, leaf.requires_grad) for r, leaf in iter_leaves(value, role)
+                inputs.extend((r, leaf) for r, leaf in iter_leaves(value, role)
                               if isinstance(leaf, _Tensor))
         if kwargs:
-            kwargs = {k: v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
-                      for k, v in kwargs.items()}
             for key, value in kwargs.items():
-                inputs.extend((r, leaf, leaf.requires_grad)
-                              for r, leaf in iter_leaves(value, "kwarg:" + key)
+                inputs.extend((r, leaf) for r, leaf in iter_leaves(value, "kwarg:" + key)
                               if isinstance(leaf, _Tensor))
         capture.args = args
         capture.kwargs = kwargs
         capture.inputs = inputs
-        capture.input_versions = [t._version for _, t, _ in inputs]
+        capture.input_versions = [t._version for _, t in inputs]
         capture.cpu_rng = torch.get_rng_state()
         capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         capture.grad_enabled = torch.is_grad_enabled()
@@ -224,7 +230,7 @@ class ReplayCapture(WatchExtension):
         if held is not None and held.forwards:
             last = held.forwards[-1]
             if last.end_input_versions is None:
-                last.end_input_versions = [t._version for _, t, _ in last.inputs]
+                last.end_input_versions = [t._version for _, t in last.inputs]
                 if self.slots.buffer_positions:
                     weights = last.weights
                     last.end_buffer_versions = [
@@ -305,7 +311,7 @@ class ReplayCapture(WatchExtension):
 
 def _check_inputs(held: _HeldBatch) -> None:
     for capture in held.forwards:
-        for k, ((role, tensor, _), version) in enumerate(zip(capture.inputs, capture.input_versions)):
+        for k, ((role, tensor), version) in enumerate(zip(capture.inputs, capture.input_versions)):
             now = tensor._version
             if now == version:
                 continue
@@ -472,11 +478,15 @@ def _storage_alias(source: torch.Tensor) -> torch.Tensor:
 class _Shadows:
     """Swaps the model's parameters and buffers for replay-only stand-ins, and back."""
 
-    def __init__(self, slots: _WeightSlots, sources: list[torch.Tensor | None]) -> None:
+    def __init__(self) -> None:
         self.swaps: list[tuple[dict, str, torch.Tensor]] = []
         self.protected: dict[int, list[_Protected]] = {}
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.flat_weights: list[tuple[nn.Module, list]] = []
+
+    def install(self, slots: _WeightSlots, sources: list[torch.Tensor | None]) -> None:
+        """Put the stand-ins in place; every swap is recorded as it is made, so that
+        :meth:`restore` undoes exactly what was done even if this stops half-way."""
         current = slots.read()
         made: dict[int, torch.Tensor] = {}
         for i, original in enumerate(current):
@@ -510,8 +520,10 @@ class _Shadows:
         if original.__dict__:
             shadow.__dict__.update(original.__dict__)  # e.g. attributes libraries tag params with
         self._protect(shadow, source)
+        # The shadow collects the replay's gradients; the original's .grad (or its None) stays,
+        # even if some code reaches the original parameter through a reference of its own.
+        self.grads.append((original, original.grad))
         if original.grad is not None:
-            self.grads.append((original, original.grad))
             self._protect(original.grad, original.grad)
         return shadow
 
@@ -895,8 +907,8 @@ class _Replay:
         loss_value: float | None = None
         try:
             with watch.suspended():
-                sources = held.forwards[0].snapshot or slots.read()
-                shadows = recorder.shadows = _Shadows(slots, sources)
+                shadows = recorder.shadows = _Shadows()
+                shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 for module in {id(m): m for m in root.modules()}.values():
                     handles.append(module.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True))
                     handles.append(module.register_forward_hook(recorder.post_hook, with_kwargs=True,
@@ -940,8 +952,10 @@ class _Replay:
         torch.set_rng_state(capture.cpu_rng)
         if capture.cuda_rng is not None:
             torch.cuda.set_rng_state_all(capture.cuda_rng)
-        args = tuple(_fresh(v) for v in capture.args)
-        kwargs = {k: _fresh(v) for k, v in capture.kwargs.items()} if capture.kwargs else {}
+        needs_grad = capture.needs_grad
+        args = tuple(_fresh(v, i in needs_grad) for i, v in enumerate(capture.args))
+        kwargs = ({k: _fresh(v, k in needs_grad) for k, v in capture.kwargs.items()}
+                  if capture.kwargs else {})
         with contextlib.ExitStack() as stack:
             if capture.inference and loss_fn is None:
                 stack.enter_context(torch.inference_mode())
@@ -952,7 +966,7 @@ class _Replay:
                     stack.enter_context(torch.autocast(device_type, dtype=wanted[device_type]))
                 elif torch.is_autocast_enabled(device_type):
                     stack.enter_context(torch.autocast(device_type, enabled=False))
-            tracer = stack.enter_context(_OpTracer(recorder))
+            stack.enter_context(_OpTracer(recorder))
             recorder.phase = "forward"
             output = root(*args, **kwargs)
             recorder.tag_nodes()
@@ -965,7 +979,6 @@ class _Replay:
                 raise ReplayError("loss_fn must return a scalar tensor (the loss to run backward on)")
             recorder.phase = "backward"
             loss.backward()
-            del tracer
         return float(loss.detach())
 
 
@@ -983,11 +996,12 @@ def _with_running_stats(names: list[str], slots: _WeightSlots) -> list[str]:
     return result
 
 
-def _fresh(value: Any) -> Any:
-    """A top-level tensor input as the replay passes it: same data, no side effects on the original."""
+def _fresh(value: Any, needed_grad: bool) -> Any:
+    """A top-level tensor input as the replay passes it: same data, requires_grad as it was,
+    and no gradient ever lands on the user's own tensor."""
     if isinstance(value, _Tensor):
         fresh = value.detach()
-        if value.requires_grad and torch.is_grad_enabled() and fresh.is_floating_point():
+        if (value.requires_grad or needed_grad) and fresh.is_floating_point():
             fresh.requires_grad_(True)
         return fresh
     return value
@@ -1064,7 +1078,7 @@ class Trace:
             for row in self.first_bad_tensors.itertuples(index=False):
                 counts = [f"{n} of {row.numel} {k}" for n, k in ((row.nan_count, "NaN"),
                                                                  (row.inf_count, "Inf")) if n]
-                state = ", ".join(counts) if counts else "finite"
+                state = ", ".join(counts) if counts else "no NaN or Inf"
                 finite_range = (f"finite values from {_number(row.min)} to {_number(row.max)}"
                                 if row.min == row.min else "no finite values")
                 lines.append(f"  {row.role}: {row.dtype} {tuple(row.shape)}, {finite_range}, {state}")
