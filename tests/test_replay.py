@@ -159,7 +159,6 @@ def test_custom_autograd_function_forward_nan_points_into_the_function():
     with nw.watch(model, on_nan="record") as w:
         model(torch.randn(3, 4))
     trace = w.replay(0)
-    assert trace.first_bad["op"] == "log" or trace.first_bad["op"] == "sub"
     assert trace.first_bad["op"] == "log"
     assert trace.first_bad["source"] == line_of(NegativeLog.forward, "torch.log")
     assert trace.first_bad["phase"] == "forward"
