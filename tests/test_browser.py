@@ -29,7 +29,6 @@ if not os.path.exists(CHROMIUM):
 if _missing:
     pytestmark.append(pytest.mark.skip(reason=f"real-browser test needs {', '.join(_missing)}"))
 
-HAS_REPLAY = importlib.util.find_spec("nanwidget.core.replay") is not None
 
 NOTEBOOK_CODE = """\
 import torch
@@ -169,16 +168,9 @@ def test_frame_browser_works_in_a_real_browser(tmp_path):
 
                 # Re-run in trace mode.
                 trace = page.locator(".nw-trace")
-                if HAS_REPLAY:
-                    page.locator(".nw-batch select").select_option(label="batch 3")
-                    page.locator(".nw-rerun").click()
-                    expect(trace).to_contain_text("first bad op")
-                else:
-                    # TODO(lead): replay (issue 4) is not on main yet; once
-                    # nanwidget.core.replay lands this branch goes and the one above must pass.
-                    expect(page.locator(".nw-rerun")).to_contain_text("re-run not available")
-                    expect(page.locator(".nw-rerun")).to_be_disabled()
-                    expect(trace).to_contain_text("not available")
+                page.locator(".nw-batch select").select_option(label="batch 3")
+                page.locator(".nw-rerun").click()
+                expect(trace).to_contain_text("first bad op")
 
                 # Filter by layer: only fc1's frames remain.
                 layer = page.locator(".nw-filter-layer input")
@@ -196,8 +188,9 @@ def test_frame_browser_works_in_a_real_browser(tmp_path):
                 page.locator(".nw-browser").screenshot(path=str(shot))
             finally:
                 browser.close()
-        (ROOT / "docs").mkdir(exist_ok=True)
-        shutil.copyfile(shot, ROOT / "docs" / "framebrowser.png")
+        if os.environ.get("NANWIDGET_UPDATE_SCREENSHOT"):  # the README's picture, on request only
+            (ROOT / "docs").mkdir(exist_ok=True)
+            shutil.copyfile(shot, ROOT / "docs" / "framebrowser.png")
         assert shot.stat().st_size > 10_000
     finally:
         _stop(server)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import numpy as np
@@ -16,8 +15,6 @@ from nanwidget.widgets import FrameBrowser
 
 from conftest import TinyMLP
 
-HAS_REPLAY = importlib.util.find_spec("nanwidget.core.replay") is not None
-HAS_PERSIST = importlib.util.find_spec("nanwidget.core.persist") is not None
 
 
 def _watch_with_nan(model: nn.Module, *, nan_at: int = 3, batches: int = 4,
@@ -174,16 +171,6 @@ def test_export_writes_the_filtered_frames_and_shows_the_path(recorded, tmp_path
     assert bool(written["nan"].any())
 
 
-@pytest.mark.skipif(HAS_REPLAY, reason="replay is present: the re-run test below covers it")
-def test_rerun_button_says_replay_is_not_available(recorded):
-    browser = FrameBrowser(recorded, plots=False)
-    assert browser.rerun.disabled and browser.rerun.description == "re-run not available"
-    assert "not available" in browser.trace.value
-    browser.rerun_batch(3)
-    assert "not available" in browser.trace.value
-
-
-@pytest.mark.skipif(not HAS_REPLAY, reason="nanwidget.core.replay not merged yet")
 def test_rerun_replays_the_chosen_batch_and_shows_the_trace(tiny_mlp):
     watch = _watch_with_nan(tiny_mlp, keep_batches=4)
     try:
@@ -258,7 +245,6 @@ def test_gradient_frames_are_found_with_the_grads_filter(tiny_mlp):
     assert all(role.startswith("grad_") for role in rows["role"])
 
 
-@pytest.mark.skipif(not HAS_PERSIST, reason="nanwidget.core.persist not merged yet")
 def test_loaded_run_opens_at_its_event(tmp_path):
     model = TinyMLP()
     watch = _watch_with_nan(model, log_dir=str(tmp_path / "run"))

@@ -333,9 +333,6 @@ class FrameBrowser(widgets.VBox):
         self.trace.value = f"<i>re-running batch {batch} in trace mode…</i>"
         try:
             trace = watch.replay(batch)
-        except (ImportError, NotImplementedError) as error:
-            self._replay_unavailable(f"re-running in trace mode is not available: {error}")
-            return None
         except Exception as error:  # a batch no longer held, a closed watch: say so, stay usable
             self.trace.value = (f"<span style='color:#b00000'>could not re-run batch {batch}: "
                                 f"{html.escape(f'{type(error).__name__}: {error}')}</span>")

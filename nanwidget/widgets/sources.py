@@ -56,16 +56,6 @@ def _event_views(events: list[NanEvent]) -> dict[str, Callable[[], pd.DataFrame]
     return views
 
 
-def _replay_reason_for_watch() -> str:
-    import importlib.util
-    try:
-        found = importlib.util.find_spec("nanwidget.core.replay") is not None
-    except (ImportError, ValueError):
-        found = False
-    return "" if found else ("re-running a batch in trace mode is not available: this "
-                             "nanwidget has no replay module yet")
-
-
 def open_source(source: Any) -> BrowserSource:
     """Sort ``source`` (watch, loaded run, trace, event or frames DataFrame) into views."""
     if isinstance(source, NanWatch):
@@ -76,7 +66,7 @@ def open_source(source: Any) -> BrowserSource:
         for batch in sorted(watch.trace_batches):
             views[f"trace batch {batch}"] = (lambda b=batch: watch.frames(batch=b))
         return BrowserSource(views=views, events=events, history=watch.history, watch=watch,
-                             refreshable=True, no_replay_reason=_replay_reason_for_watch())
+                             refreshable=True)
     if isinstance(source, pd.DataFrame):
         return BrowserSource(views={"frames": lambda: source},
                              no_replay_reason="re-running needs a live watch (this browser "
