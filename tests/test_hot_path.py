@@ -82,14 +82,14 @@ def test_no_sync_inside_module_hooks():
 def test_weights_are_measured_only_when_their_version_changes():
     model = nn.Linear(8, 8)
     measured = []
-    from nanwidget.core import stats as stats_module
-    original = stats_module._abs_min_max
+    from nanwidget.core.stats import AbsMeter
+    original = AbsMeter.reduce
 
-    def spy(tensor):
+    def spy(self, tensor):
         measured.append(tensor.shape)
-        return original(tensor)
+        return original(self, tensor)
 
-    stats_module._abs_min_max = spy
+    AbsMeter.reduce = spy
     try:
         with nw.watch(model, max_frames=100) as w:
             x = torch.randn(2, 8)
@@ -103,7 +103,7 @@ def test_weights_are_measured_only_when_their_version_changes():
             third = len(measured) - first - second
             frames = w.frames()
     finally:
-        stats_module._abs_min_max = original
+        AbsMeter.reduce = original
     assert (first, second, third) == (4, 2, 3)
     weights = frames[frames.role == "weight"].abs_max.tolist()
     assert weights[0] == weights[1] and weights[2] == pytest.approx(2 * weights[0])
@@ -114,20 +114,33 @@ def test_input_that_is_the_previous_output_is_reduced_once():
     for p in model.parameters():
         p.requires_grad_(False)
     measured = []
-    from nanwidget.core import stats as stats_module
-    original = stats_module._abs_min_max
+    from nanwidget.core.stats import AbsMeter
+    original = AbsMeter.reduce
 
-    def spy(tensor):
+    def spy(self, tensor):
         measured.append(tensor.data_ptr())
-        return original(tensor)
+        return original(self, tensor)
 
     with nw.watch(model):
         model(torch.randn(2, 8))
-        stats_module._abs_min_max = spy
+        AbsMeter.reduce = spy
         try:
             model(torch.randn(2, 8))
         finally:
-            stats_module._abs_min_max = original
+            AbsMeter.reduce = original
     # x, linear0 out, tanh out, linear2 out: the root's input/output and each module's input
     # are the same tensors as outputs already queued.
     assert len(measured) == 4 and len(set(measured)) == 4
+
+
+def test_large_tensors_reuse_one_scratch_buffer_and_stay_exact():
+    from nanwidget.core.stats import AbsMeter
+    meter = AbsMeter()
+    first = torch.randn(300, 300)
+    second = torch.randn(200, 400)[:, ::2]  # non-contiguous
+    second[5, 7] = -123.0
+    with torch.no_grad():
+        results = [torch.stack(meter.reduce(t)).tolist() for t in (first, second)]
+    assert results[0] == [first.abs().min().item(), first.abs().max().item()]
+    assert results[1] == [second.abs().min().item(), 123.0]
+    assert len(meter._scratch) == 1  # one float32 CPU buffer served both

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .events import NanEvent
 from .frames import Entry, Frame, frames_to_dataframe
 from .report import format_frames
-from .stats import TensorStats, classify
+from .stats import AbsMeter, TensorStats, classify
 from .walk import iter_leaves
 from .watch import NanWatch, WatchExtension
 
@@ -73,8 +73,6 @@ _UNMEASURED_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty"
 _SAME_VALUES_OPS = frozenset({"view", "_unsafe_view", "reshape", "_reshape_alias", "t", "transpose",
                               "permute", "unsqueeze", "squeeze", "alias", "detach", "clone",
                               "contiguous", "expand", "view_as", "lift_fresh"})
-_NATIVE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_SCRATCH_ELEMENTS = 1 << 24  # |x| of bigger tensors is taken slice by slice
 
 # Captures by watch, so that a watch closed by an exception can still replay its batches.
 _CAPTURES: "weakref.WeakKeyDictionary[NanWatch, ReplayCapture]" = weakref.WeakKeyDictionary()
@@ -565,7 +563,7 @@ class _Recorder:
         self.infos = watch._infos
         self.names = names
         self.stack: list[tuple[str, str]] = []
-        self.meter = _Meter()
+        self.meter = AbsMeter()
         # Frame tensors, measured when the replay ends (as the watch does when a batch ends).
         self.queued: list[list] = []  # [tensor, version, stats, measured already]
         self.queued_index: dict[int, int] = {}  # id -> position of its latest version
@@ -638,7 +636,7 @@ class _Recorder:
 
     def _fill(self, stats: TensorStats, tensor: torch.Tensor) -> None:
         try:
-            low, high = self.meter(tensor)
+            low, high = self.meter.measure(tensor)
         except Exception as error:
             stats.note = f"unsupported ({type(error).__name__})"
             return
@@ -735,7 +733,7 @@ class _Recorder:
         nan = inf = False
         if measurable:
             try:
-                measured = [self.meter(t) for t in measurable]
+                measured = [self.meter.measure(t) for t in measurable]
             except Exception:  # an exotic output: keep the row, without stats
                 measured = []
             if measured:
@@ -757,41 +755,6 @@ class _Recorder:
             self.first_nan = (index, _describe_op_tensors(func, args, kwargs, measurable))
         elif inf and self.first_inf is None:
             self.first_inf = (index, _describe_op_tensors(func, args, kwargs, measurable))
-
-
-class _Meter:
-    """abs min and abs max of a tensor, as two floats (one host sync).
-
-    |x| goes into a reusable scratch buffer: on CPU a fresh allocation the size of the logits
-    costs more in page faults than the reduction itself.
-    """
-
-    def __init__(self) -> None:
-        self.scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    def __call__(self, tensor: torch.Tensor) -> tuple[float, float]:
-        values = tensor.detach()
-        if values.dtype not in _NATIVE_FLOATS:  # float8 and friends: reductions need a real float
-            values = values.float()
-        count = values.numel()
-        with torch.no_grad():
-            if count <= _SCRATCH_ELEMENTS:
-                low, high = torch.aminmax(self._abs(values, count))
-                return tuple(torch.stack((low, high)).tolist())  # type: ignore[return-value]
-            parts = [torch.stack(torch.aminmax(self._abs(part, part.numel())))
-                     for part in values.reshape(-1).split(_SCRATCH_ELEMENTS)]
-            stacked = torch.stack(parts)  # min/max propagate a NaN from any slice
-            return tuple(torch.stack((stacked[:, 0].min(), stacked[:, 1].max())).tolist())  # type: ignore[return-value]
-
-    def _abs(self, values: torch.Tensor, count: int) -> torch.Tensor:
-        key = (values.device, values.dtype)
-        scratch = self.scratch.get(key)
-        if scratch is None or scratch.numel() < count:
-            scratch = self.scratch[key] = torch.empty(max(count, 1 << 16), dtype=values.dtype,
-                                                      device=values.device)
-        target = scratch[:count].view(values.shape)
-        torch.abs(values, out=target)
-        return target
 
 
 def _describe(role: str, tensor: torch.Tensor) -> dict:

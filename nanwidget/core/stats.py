@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["TensorStats", "PendingStats", "classify", "dtype_max"]
+__all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
 _SLICE_ELEMENTS = 1 << 24
+
+_SCRATCH_MIN_ELEMENTS = 1 << 16  # below this the caching allocator is as cheap as a scratch
 
 _NATIVE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -78,18 +80,56 @@ def dtype_max(dtype: torch.dtype | str) -> float:
 
 
 def _abs_min_max(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device scalars (abs_min, abs_max); a NaN anywhere propagates into both.
+    """Device scalars (abs_min, abs_max) without a scratch buffer; see :class:`AbsMeter`."""
+    return _PLAIN_METER.reduce(tensor)
 
-    Two kernels (abs, aminmax) and no host sync. Callers run it under ``torch.no_grad()``.
+
+class AbsMeter:
+    """abs min and abs max of tensors, as device scalars (no sync) or floats (one sync).
+
+    Two kernels per tensor: |x|, then one min/max pass over it; a NaN anywhere propagates
+    into both results. For tensors of 64K elements and more, |x| goes into a reusable scratch
+    buffer (per device and dtype, at most 2**24 elements; bigger tensors go slice by slice):
+    on CPU a fresh allocation the size of the logits costs more in page faults than the
+    reduction itself. Callers run it under ``torch.no_grad()``; one meter per thread.
     """
-    if tensor.dtype not in _NATIVE_FLOATS:  # float8 and friends: reductions need a real float
-        tensor = tensor.float()
-    if tensor.numel() <= _SLICE_ELEMENTS:
-        return torch.aminmax(tensor.abs())
-    parts = [torch.stack(torch.aminmax(part.abs())) for part in tensor.reshape(-1).split(_SLICE_ELEMENTS)]
-    stacked = torch.stack(parts)
-    # min/max propagate NaN, so a NaN in any slice still reaches the result.
-    return stacked[:, 0].min(), stacked[:, 1].max()
+
+    def __init__(self, use_scratch: bool = True) -> None:
+        self.use_scratch = use_scratch
+        self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def reduce(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(abs_min, abs_max) as device scalars."""
+        if tensor.dtype not in _NATIVE_FLOATS:  # float8 and friends: reductions need a real float
+            tensor = tensor.float()
+        count = tensor.numel()
+        if count <= _SLICE_ELEMENTS:
+            return torch.aminmax(self._abs(tensor, count))
+        parts = [torch.stack(torch.aminmax(self._abs(part, part.numel())))
+                 for part in tensor.reshape(-1).split(_SLICE_ELEMENTS)]
+        stacked = torch.stack(parts)
+        # min/max propagate NaN, so a NaN in any slice still reaches the result.
+        return stacked[:, 0].min(), stacked[:, 1].max()
+
+    def measure(self, tensor: torch.Tensor) -> tuple[float, float]:
+        """(abs_min, abs_max) as floats: the slow path (replay, tests)."""
+        with torch.no_grad():
+            low, high = self.reduce(tensor.detach())
+            return tuple(torch.stack((low, high)).tolist())  # type: ignore[return-value]
+
+    def _abs(self, values: torch.Tensor, count: int) -> torch.Tensor:
+        if not self.use_scratch or count < _SCRATCH_MIN_ELEMENTS:
+            return values.abs()
+        key = (values.device, values.dtype)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() < count:
+            scratch = self._scratch[key] = torch.empty(count, dtype=values.dtype, device=values.device)
+        target = scratch[:count].view(values.shape)
+        torch.abs(values, out=target)
+        return target
+
+
+_PLAIN_METER = AbsMeter(use_scratch=False)
 
 
 class PendingStats:
@@ -100,7 +140,8 @@ class PendingStats:
     and holding the reference keeps the ``id`` from being reused until the batch resolves.
     """
 
-    __slots__ = ("tensors", "versions", "stats", "reduced", "_index", "_device", "_mixed_devices")
+    __slots__ = ("tensors", "versions", "stats", "reduced", "_index", "_device", "_mixed_devices",
+                 "_meter")
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -111,6 +152,7 @@ class PendingStats:
         self._index: dict[int, int] = {}
         self._device: torch.device | None = None
         self._mixed_devices = False
+        self._meter = AbsMeter()
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -144,7 +186,7 @@ class PendingStats:
         if position not in self.reduced:
             with torch.no_grad():
                 try:
-                    self.reduced[position] = _abs_min_max(tensor)
+                    self.reduced[position] = _abs_min_max(tensor)  # no scratch: kept until resolve
                 except Exception:  # resolve() will report it
                     pass
         return stats
@@ -158,16 +200,16 @@ class PendingStats:
         mixed, self._mixed_devices = self._mixed_devices, False
         with torch.no_grad():
             if not mixed:
-                _resolve_group(tensors, versions, stats, reduced, range(len(tensors)))
+                _resolve_group(self._meter, tensors, versions, stats, reduced, range(len(tensors)))
                 return
             by_device: dict[torch.device, list[int]] = {}
             for position, tensor in enumerate(tensors):
                 by_device.setdefault(tensor.device, []).append(position)
             for positions in by_device.values():
-                _resolve_group(tensors, versions, stats, reduced, positions)
+                _resolve_group(self._meter, tensors, versions, stats, reduced, positions)
 
 
-def _resolve_group(tensors: list[torch.Tensor], versions: list[int], stats: list[TensorStats],
+def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[int], stats: list[TensorStats],
                    reduced: dict[int, tuple[torch.Tensor, torch.Tensor]], positions: Iterable[int]) -> None:
     measured: list[int] = []
     lows: list[torch.Tensor] = []
@@ -178,7 +220,7 @@ def _resolve_group(tensors: list[torch.Tensor], versions: list[int], stats: list
             versions[position] = tensors[position]._version  # measured before the change
         else:
             try:
-                result = _abs_min_max(tensors[position])
+                result = meter.reduce(tensors[position])
             except Exception as error:  # an exotic tensor subclass: report, never crash the forward
                 stats[position].note = f"unsupported ({type(error).__name__})"
                 continue
