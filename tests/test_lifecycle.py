@@ -164,3 +164,13 @@ def test_concurrent_forwards_from_threads_do_not_crash_or_corrupt_frames():
         linear = frames[frames.module_type == "Linear"].groupby(["batch", "frame"]).size()
         assert set(linear) == {4}
     assert not errors
+
+
+def test_forward_called_while_handling_an_exception_still_raises_nan_detected(tiny_mlp):
+    bad = torch.full((1, 16), float("nan"))
+    with nw.watch(tiny_mlp):
+        try:
+            raise KeyError("the user's own, already handled")
+        except KeyError:
+            with pytest.raises(nw.NanDetected):
+                tiny_mlp(bad)

@@ -248,6 +248,9 @@ class NanWatch:
                     # resolve what it recorded so it is not mixed into this call.
                     self._resolve_locked(advance=False)
                 local.root_open = True
+                # An exception already being handled when the forward starts (a forward called
+                # from an ``except`` block) is not the forward failing.
+                local.exception_at_start = sys.exc_info()[1]
                 for extension in self.extensions:
                     extension.on_batch_start(self, self.batch, args, kwargs)
         except Exception as error:  # never break the user's forward
@@ -280,7 +283,8 @@ class NanWatch:
         if info.is_root:
             self._local.root_open = False
             # always_call hooks also run while an exception propagates: record, never raise then.
-            failing = sys.exc_info()[1] is not None
+            current = sys.exc_info()[1]
+            failing = current is not None and current is not getattr(self._local, "exception_at_start", None)
             self._finish_root_forward(raising=not failing)
         return None
 
