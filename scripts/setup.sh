@@ -7,6 +7,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q torch==2.13.0 || "$PY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.2"
 fi
 "$PY" -m pip install -q -e ".[dev,bench]"
+# The Jupyter kernel the notebooks (and nbval) run in: this Python, as "python3".
+"$PY" -m ipykernel install --sys-prefix --name python3 >/dev/null
 # Chromium for the real-browser test (Debian package; Playwright drives it).
 if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) \

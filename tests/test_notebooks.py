@@ -1,0 +1,88 @@
+"""The notebooks as committed: the tour is complete, and stored without run-to-run noise.
+
+Running them is nbval's job (``bash scripts/test.sh`` passes ``--nbval-lax notebooks``); these
+tests guard what nbval cannot see: a notebook committed with its outputs (widget state, images,
+timings that change on every run) or a checked cell with no reference output to compare with.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+TOUR = ["01_quickstart.ipynb", "02_fp16_overflow.ipynb",
+        "04_gradients.ipynb", "05_distributed_offline.ipynb"]
+CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
+
+
+def _code_cells(path: Path) -> list[dict]:
+    notebook = json.loads(path.read_text(encoding="utf-8"))
+    return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+
+
+def _source(cell: dict) -> str:
+    source = cell["source"]
+    return source if isinstance(source, str) else "".join(source)
+
+
+def _is_checked(cell: dict) -> bool:
+    return any(line.strip() == CHECK_MARKER for line in _source(cell).splitlines())
+
+
+def test_the_demo_points_at_a_notebook_that_exists():
+    from nanwidget.cli.demo import NOTEBOOK_HINT
+
+    hinted = NOTEBOOK_HINT.split()[-1]
+    assert (ROOT / hinted).is_file(), hinted
+
+
+@pytest.mark.parametrize("name", TOUR)
+def test_tour_notebook_is_stored_without_outputs_except_checked_cells(name):
+    path = NOTEBOOKS / name
+    if not path.exists():
+        pytest.fail(f"notebooks/{name} is missing")
+    notebook = json.loads(path.read_text(encoding="utf-8"))
+    assert "widgets" not in notebook["metadata"], "widget state stored: strip the notebook"
+    cells = _code_cells(path)
+    checked = [cell for cell in cells if _is_checked(cell)]
+    assert checked, "no cell is checked by nbval; mark deterministic ones # NBVAL_CHECK_OUTPUT"
+    for cell in cells:
+        if _is_checked(cell):
+            # the stored text is nbval's reference; nbval skips comparing a cell stored as unrun
+            assert cell["outputs"], f"checked cell has no reference output: {_source(cell)[:60]}"
+            assert cell["execution_count"] is not None, _source(cell)[:60]
+            kinds = {output["output_type"] for output in cell["outputs"]}
+            assert kinds <= {"stream", "execute_result"}, kinds
+        else:
+            assert cell["outputs"] == [], f"outputs stored: {_source(cell)[:60]}"
+            assert cell["execution_count"] is None, _source(cell)[:60]
+
+
+def test_refresh_script_strips_everything_but_checked_outputs(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import refresh_notebooks
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    checked = new_code_cell(f"{CHECK_MARKER}\nprint(1)", execution_count=3,
+                            outputs=[new_output("stream", name="stdout", text="1\n")])
+    plain = new_code_cell("x = 1\nx", execution_count=4,
+                          outputs=[new_output("execute_result", data={"text/plain": "1"},
+                                              execution_count=4)])
+    notebook = new_notebook(cells=[checked, plain])
+    notebook.metadata["widgets"] = {"state": {}}
+
+    stripped = refresh_notebooks.strip(notebook)
+    nbformat.validate(stripped)
+    assert "widgets" not in stripped.metadata
+    assert [cell.execution_count for cell in stripped.cells] == [3, None]
+    assert stripped.cells[0].outputs[0]["text"] == "1\n"
+    assert stripped.cells[1].outputs == []
