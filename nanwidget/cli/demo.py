@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     for path in written:
         print(f"  {path.name}")
     print()
-    print(f"Explore it in a notebook: pip install 'nanwidget[dev]' and run `{NOTEBOOK_HINT}`")
+    print(f"Take the guided tour in a notebook: from the repository's folder (after "
+          f"`bash scripts/setup.sh`) run `{NOTEBOOK_HINT}`")
     print(f"(read the tables back with pandas.read_parquet('{written[0]}')). "
           f"Done in {time.perf_counter() - started:.1f} s.")
     return 0
