@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: unit tests, torchrun, real-browser and the notebooks (run by nbval).
-#   bash scripts/test.sh                      # everything: tests/ and notebooks/
+#   bash scripts/test.sh                      # everything: pyproject's testpaths, tests/ and notebooks/
+#   bash scripts/test.sh -x                   # any pytest options
 #   bash scripts/test.sh tests/test_demo.py   # only what is named
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,9 +9,6 @@ PY=${PYTHON:-python3}
 # Notebook kernels and torchrun workers are subprocesses: they import this checkout's nanwidget
 # through PYTHONPATH whether or not it was installed with pip install -e.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ $# -eq 0 ]; then
-  set -- tests notebooks
-fi
 # --nbval-lax: run every notebook cell, compare only the outputs of "# NBVAL_CHECK_OUTPUT" cells.
 # --nbval-current-env: the kernel runs in this Python, not whatever "python3" kernelspec is found.
 "$PY" -m pytest -q --nbval-lax --nbval-current-env "$@"
