@@ -4,7 +4,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q torch==2.13.0 || "$PY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.2"
+  # PyTorch's CPU index first (a few hundred MB, not the multi-GB CUDA build PyPI serves);
+  # where only PyPI is reachable, the pinned release (a local CPU wheel on our CI machines).
+  cpu_index="--retries 1 --timeout 20 --index-url https://download.pytorch.org/whl/cpu"
+  "$PY" -m pip install -q $cpu_index torch==2.13.0 \
+    || "$PY" -m pip install -q $cpu_index "torch>=2.2" \
+    || "$PY" -m pip install -q torch==2.13.0
 fi
 "$PY" -m pip install -q -e ".[dev,bench]"
 # The Jupyter kernel the notebooks (and nbval) run in: this Python, as "python3".
