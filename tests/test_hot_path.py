@@ -83,13 +83,13 @@ def test_weights_are_measured_only_when_their_version_changes():
     model = nn.Linear(8, 8)
     measured = []
     from nanwidget.core.stats import AbsMeter
-    original = AbsMeter.reduce
+    original = AbsMeter.reduce_bits
 
     def spy(self, tensor):
         measured.append(tensor.shape)
         return original(self, tensor)
 
-    AbsMeter.reduce = spy
+    AbsMeter.reduce_bits = spy
     try:
         with nw.watch(model, max_frames=100) as w:
             x = torch.randn(2, 8)
@@ -103,7 +103,7 @@ def test_weights_are_measured_only_when_their_version_changes():
             third = len(measured) - first - second
             frames = w.frames()
     finally:
-        AbsMeter.reduce = original
+        AbsMeter.reduce_bits = original
     assert (first, second, third) == (4, 2, 3)
     weights = frames[frames.role == "weight"].abs_max.tolist()
     assert weights[0] == weights[1] and weights[2] == pytest.approx(2 * weights[0])
@@ -115,7 +115,7 @@ def test_input_that_is_the_previous_output_is_reduced_once():
         p.requires_grad_(False)
     measured = []
     from nanwidget.core.stats import AbsMeter
-    original = AbsMeter.reduce
+    original = AbsMeter.reduce_bits
 
     def spy(self, tensor):
         measured.append(tensor.data_ptr())
@@ -123,11 +123,11 @@ def test_input_that_is_the_previous_output_is_reduced_once():
 
     with nw.watch(model):
         model(torch.randn(2, 8))
-        AbsMeter.reduce = spy
+        AbsMeter.reduce_bits = spy
         try:
             model(torch.randn(2, 8))
         finally:
-            AbsMeter.reduce = original
+            AbsMeter.reduce_bits = original
     # x, linear0 out, tanh out, linear2 out: the root's input/output and each module's input
     # are the same tensors as outputs already queued.
     assert len(measured) == 4 and len(set(measured)) == 4
@@ -136,11 +136,25 @@ def test_input_that_is_the_previous_output_is_reduced_once():
 def test_large_tensors_reuse_one_scratch_buffer_and_stay_exact():
     from nanwidget.core.stats import AbsMeter
     meter = AbsMeter()
-    first = torch.randn(300, 300)
-    second = torch.randn(200, 400)[:, ::2]  # non-contiguous
+    first = torch.randn(600, 600)
+    second = torch.randn(800, 800)[:, ::2]  # non-contiguous
     second[5, 7] = -123.0
     with torch.no_grad():
         results = [torch.stack(meter.reduce(t)).tolist() for t in (first, second)]
     assert results[0] == [first.abs().min().item(), first.abs().max().item()]
     assert results[1] == [second.abs().min().item(), 123.0]
     assert len(meter._scratch) == 1  # one float32 CPU buffer served both
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_bit_pattern_reduction_is_exact_for_zeros_subnormals_and_infinities(dtype):
+    from nanwidget.core.stats import AbsMeter
+    tiny = torch.finfo(dtype).smallest_normal / 4  # a subnormal
+    values = torch.tensor([-0.0, 3.0, -tiny, 2.5], dtype=dtype)
+    meter = AbsMeter()
+    with torch.no_grad():
+        assert meter.measure(values) == (0.0, 3.0)
+        assert meter.measure(values[1:]) == (torch.tensor(tiny, dtype=dtype).item(), 3.0)
+        assert meter.measure(torch.tensor([-float("inf"), 1.0], dtype=dtype)) == (1.0, float("inf"))
+        low, high = meter.measure(torch.tensor([float("nan"), -5.0], dtype=dtype))
+        assert low != low and high != high

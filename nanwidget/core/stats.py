@@ -20,9 +20,11 @@ __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max"]
 # needs more memory than one slice (an LLM's logits can be gigabytes).
 _SLICE_ELEMENTS = 1 << 24
 
-_SCRATCH_MIN_ELEMENTS = 1 << 16  # below this the caching allocator is as cheap as a scratch
+_SCRATCH_MIN_ELEMENTS = 1 << 18  # below this a fresh allocation is as cheap as a scratch view
 
-_NATIVE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Integer types of the same width: the view under which |x| is reduced.
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
 
 
 class TensorStats:
@@ -87,32 +89,45 @@ def _abs_min_max(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class AbsMeter:
     """abs min and abs max of tensors, as device scalars (no sync) or floats (one sync).
 
-    Two kernels per tensor: |x|, then one min/max pass over it; a NaN anywhere propagates
-    into both results. For tensors of 64K elements and more, |x| goes into a reusable scratch
-    buffer (per device and dtype, at most 2**24 elements; bigger tensors go slice by slice):
-    on CPU a fresh allocation the size of the logits costs more in page faults than the
-    reduction itself. Callers run it under ``torch.no_grad()``; one meter per thread.
+    Two kernels per tensor: |x|, then one min/max pass over the *bit patterns* of |x| viewed
+    as integers of the same width. For non-negative IEEE floats the integer order is the
+    numeric order, with +Inf above every finite value and NaN above +Inf, so the integer
+    min/max are exactly abs_min and abs_max and a NaN anywhere becomes the max; on CPU the
+    integer reduction runs 2-4x faster than the float one (no NaN handling to vectorise).
+    For tensors of 256K elements and more, |x| goes into a reusable scratch buffer (per device
+    and dtype, at most 2**24 elements; bigger tensors go slice by slice): on CPU a fresh
+    allocation the size of the logits costs more in page faults than the reduction itself.
+    Callers run it under ``torch.no_grad()``; one meter per thread.
     """
 
     def __init__(self, use_scratch: bool = True) -> None:
         self.use_scratch = use_scratch
         self._scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
-    def reduce(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(abs_min, abs_max) as device scalars."""
-        if tensor.dtype not in _NATIVE_FLOATS:  # float8 and friends: reductions need a real float
+    def reduce_bits(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+        """(abs_min, abs_max) as integer bit patterns on the device, and the float dtype they
+        encode: ``torch.stack((low, high)).view(dtype)`` gives the values."""
+        if tensor.dtype not in _BITS:  # float8 and friends: reductions need a real float
             tensor = tensor.float()
+        dtype = tensor.dtype
+        bits = _BITS[dtype]
         count = tensor.numel()
         if count <= _SLICE_ELEMENTS:
-            return torch.aminmax(self._abs(tensor, count))
-        parts = [torch.stack(torch.aminmax(self._abs(part, part.numel())))
+            low, high = torch.aminmax(self._abs(tensor, count).view(bits))
+            return low, high, dtype
+        parts = [torch.stack(torch.aminmax(self._abs(part, part.numel()).view(bits)))
                  for part in tensor.reshape(-1).split(_SLICE_ELEMENTS)]
         stacked = torch.stack(parts)
-        # min/max propagate NaN, so a NaN in any slice still reaches the result.
-        return stacked[:, 0].min(), stacked[:, 1].max()
+        return stacked[:, 0].min(), stacked[:, 1].max(), dtype
+
+    def reduce(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(abs_min, abs_max) as float device scalars; both NaN when the tensor holds a NaN."""
+        low, high, dtype = self.reduce_bits(tensor)
+        pair = torch.stack((low, high)).view(dtype)
+        return torch.minimum(pair[0], pair[1]), pair[1]  # minimum() carries the NaN into abs_min
 
     def measure(self, tensor: torch.Tensor) -> tuple[float, float]:
-        """(abs_min, abs_max) as floats: the slow path (replay, tests)."""
+        """(abs_min, abs_max) as floats: the slow path (replay, tests); NaN as in reduce()."""
         with torch.no_grad():
             low, high = self.reduce(tensor.detach())
             return tuple(torch.stack((low, high)).tolist())  # type: ignore[return-value]
@@ -211,38 +226,51 @@ class PendingStats:
 
 def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[int], stats: list[TensorStats],
                    reduced: dict[int, tuple[torch.Tensor, torch.Tensor]], positions: Iterable[int]) -> None:
-    measured: list[int] = []
-    lows: list[torch.Tensor] = []
-    highs: list[torch.Tensor] = []
+    # Results grouped by the float dtype they encode: (positions, lows, highs). Tensors reduced
+    # early already hold float values (key None).
+    groups: dict[torch.dtype | None, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
     for position in positions:
-        result = reduced.get(position) if reduced else None
-        if result is not None:
+        early = reduced.get(position) if reduced else None
+        if early is not None:
             versions[position] = tensors[position]._version  # measured before the change
+            low, high, dtype = early[0], early[1], None
         else:
             try:
-                result = meter.reduce(tensors[position])
+                low, high, dtype = meter.reduce_bits(tensors[position])
             except Exception as error:  # an exotic tensor subclass: report, never crash the forward
                 stats[position].note = f"unsupported ({type(error).__name__})"
                 continue
-        measured.append(position)
-        lows.append(result[0])
-        highs.append(result[1])
-    if not measured:
+        group = groups.get(dtype)
+        if group is None:
+            group = groups[dtype] = ([], [], [])
+        group[0].append(position)
+        group[1].append(low)
+        group[2].append(high)
+    if not groups:
         return
-    # The one host sync: every low, then every high, promoted to one dtype (float64 stays exact).
-    values = torch.stack(lows + highs).tolist()
-    count = len(measured)
+    parts = []
+    for dtype, (_, lows, highs) in groups.items():
+        part = torch.stack(lows + highs)
+        parts.append(part if dtype is None else part.view(dtype))
+    # The one host sync; cat promotes mixed dtypes to one that holds every value exactly.
+    values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
     nan_positions: list[int] = []
     inf = math.inf
-    for slot, position in enumerate(measured):
-        low, high = values[slot], values[count + slot]
-        cell = stats[position]
-        cell.abs_min, cell.abs_max = low, high
-        cell.nan = high != high
-        cell.inf = high == inf
-        cell.note = "" if tensors[position]._version == versions[position] else "changed in place later"
-        if cell.nan and position not in reduced:
-            nan_positions.append(position)
+    offset = 0
+    for members, _, _ in groups.values():
+        count = len(members)
+        for slot, position in enumerate(members):
+            low, high = values[offset + slot], values[offset + count + slot]
+            cell = stats[position]
+            cell.nan = high != high or low != low
+            # The contract: both are NaN where the tensor holds a NaN (the integer view would
+            # still give the smallest finite |x| as abs_min).
+            cell.abs_min, cell.abs_max = (math.nan, math.nan) if cell.nan else (low, high)
+            cell.inf = high == inf
+            cell.note = "" if tensors[position]._version == versions[position] else "changed in place later"
+            if cell.nan and position not in reduced:
+                nan_positions.append(position)
+        offset += 2 * count
     # A NaN hides any Inf from max(); only batches that hold a NaN pay for this second look.
     if nan_positions:
         flags = torch.stack([torch.isinf(tensors[p].detach()).any() for p in nan_positions]).tolist()
