@@ -158,3 +158,42 @@ def test_bit_pattern_reduction_is_exact_for_zeros_subnormals_and_infinities(dtyp
         assert meter.measure(torch.tensor([-float("inf"), 1.0], dtype=dtype)) == (1.0, float("inf"))
         low, high = meter.measure(torch.tensor([float("nan"), -5.0], dtype=dtype))
         assert low != low and high != high
+
+
+def test_activations_past_the_byte_limit_are_measured_early_and_released(monkeypatch):
+    import weakref
+
+    from nanwidget.core import stats as stats_module
+    monkeypatch.setattr(stats_module, "PENDING_BYTES_LIMIT", 3000)  # about two 16x16 outputs
+    released = []
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+        def forward(self, x):
+            refs = []
+            for layer in self.layers:
+                x = layer(x)
+                refs.append(weakref.ref(x))
+            # Still inside the forward: only the watch could be keeping intermediates alive.
+            released.append(sum(ref() is None for ref in refs))
+            return x * 2.0
+
+    model = Chain()
+    x = torch.randn(16, 16)
+    expected = []
+    with torch.no_grad():
+        h = x
+        for layer in model.layers:
+            h = layer(h)
+            expected.append(h.abs().max().item())
+        with nw.watch(model) as w:
+            model(x)
+            frames = w.frames()
+    outputs = frames[(frames.role == "output") & (frames.module != "")]
+    assert outputs.abs_max.tolist() == pytest.approx(expected)
+    assert (outputs.note == "").all()
+    # The watch held no more than the limit: the early layers' outputs were let go.
+    assert released[0] >= 3

@@ -20,6 +20,10 @@ __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max"]
 # needs more memory than one slice (an LLM's logits can be gigabytes).
 _SLICE_ELEMENTS = 1 << 24
 
+# Activations held for the end-of-batch reduction, at most: past this they are measured on
+# their device right away (still no sync) and let go, so a large no-grad forward does not keep
+# every layer's output alive until the batch ends.
+PENDING_BYTES_LIMIT = 1 << 28
 _SCRATCH_MIN_ELEMENTS = 1 << 18  # below this a fresh allocation is as cheap as a scratch view
 
 # Integer types of the same width: the view under which |x| is reduced.
@@ -156,7 +160,7 @@ class PendingStats:
     """
 
     __slots__ = ("tensors", "versions", "stats", "reduced", "_index", "_device", "_mixed_devices",
-                 "_meter")
+                 "_meter", "_bytes")
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -168,6 +172,7 @@ class PendingStats:
         self._device: torch.device | None = None
         self._mixed_devices = False
         self._meter = AbsMeter()
+        self._bytes = 0
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -188,7 +193,24 @@ class PendingStats:
         self.tensors.append(tensor)
         self.versions.append(version)
         self.stats.append(stats)
+        self._bytes += tensor.numel() * tensor.element_size()
+        if self._bytes > PENDING_BYTES_LIMIT:
+            self._measure_held()
         return stats
+
+    def _measure_held(self) -> None:
+        """Measure every held tensor now, on its device (no sync), and let go of it."""
+        with torch.no_grad():
+            for position, tensor in enumerate(self.tensors):
+                if tensor is None or position in self.reduced:
+                    continue
+                try:
+                    self.reduced[position] = self._meter.reduce(tensor)
+                    self.tensors[position] = None
+                except Exception:  # kept: resolve() reports it
+                    pass
+        self._index.clear()  # a released tensor seen again is simply measured again
+        self._bytes = 0
 
     def reduce_now(self, tensor: torch.Tensor) -> TensorStats:
         """Queue ``tensor`` and reduce it on its device right away, without a host sync.
@@ -212,6 +234,7 @@ class PendingStats:
             return
         tensors, versions, stats, reduced = self.tensors, self.versions, self.stats, self.reduced
         self.tensors, self.versions, self.stats, self.reduced, self._index = [], [], [], {}, {}
+        self._bytes = 0
         mixed, self._mixed_devices = self._mixed_devices, False
         with torch.no_grad():
             if not mixed:
@@ -219,7 +242,8 @@ class PendingStats:
                 return
             by_device: dict[torch.device, list[int]] = {}
             for position, tensor in enumerate(tensors):
-                by_device.setdefault(tensor.device, []).append(position)
+                device = tensor.device if tensor is not None else reduced[position][0].device
+                by_device.setdefault(device, []).append(position)
             for positions in by_device.values():
                 _resolve_group(self._meter, tensors, versions, stats, reduced, positions)
 
@@ -232,7 +256,8 @@ def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[
     for position in positions:
         early = reduced.get(position) if reduced else None
         if early is not None:
-            versions[position] = tensors[position]._version  # measured before the change
+            if tensors[position] is not None:
+                versions[position] = tensors[position]._version  # measured before the change
             low, high, dtype = early[0], early[1], None
         else:
             try:
@@ -267,7 +292,9 @@ def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[
             # still give the smallest finite |x| as abs_min).
             cell.abs_min, cell.abs_max = (math.nan, math.nan) if cell.nan else (low, high)
             cell.inf = high == inf
-            cell.note = "" if tensors[position]._version == versions[position] else "changed in place later"
+            tensor = tensors[position]
+            cell.note = "" if tensor is None or tensor._version == versions[position] \
+                else "changed in place later"
             if cell.nan and position not in reduced:
                 nan_positions.append(position)
         offset += 2 * count
