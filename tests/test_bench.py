@@ -12,7 +12,8 @@ from torch import nn
 from nanwidget import bench
 from nanwidget.cli import main
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip(
+    "transformers", reason="the peers and GPT-2 rows need the bench extra: pip install -e .[bench]")
 
 
 def test_quick_bench_on_mlp_prints_every_variant_for_both_modes(capsys, tmp_path):

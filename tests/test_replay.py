@@ -464,7 +464,8 @@ def test_replay_after_the_watch_was_closed_by_the_exception():
 
 # ------------------------------------------------------------------------------ a real model
 def test_gpt2_replay_reproduces_frames_and_reports_its_time():
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip(
+        "transformers", reason="the GPT-2 replay needs the bench extra (transformers)")
     transformers.logging.set_verbosity_error()
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300,
                                      n_positions=64)
