@@ -13,7 +13,6 @@ Used by ``python -m nanwidget bench``; importable so notebooks can run it too.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import platform
 import random

@@ -45,7 +45,7 @@ def test_corrupted_weight_is_origin_weight(tiny_mlp):
 def test_nan_in_the_data_is_origin_input_at_the_first_module(tiny_mlp):
     x = torch.randn(3, 16)
     x[1, 2] = float("nan")
-    with nw.watch(tiny_mlp) as w, pytest.raises(nw.NanDetected) as info:
+    with nw.watch(tiny_mlp), pytest.raises(nw.NanDetected) as info:
         tiny_mlp(x)
     event = info.value.event
     assert (event.module, event.role, event.origin, event.kind) == ("fc1", "input[0]", "input", "nan")
@@ -57,7 +57,7 @@ def test_nan_in_the_data_is_origin_input_at_the_first_module(tiny_mlp):
 
 def test_functional_op_between_modules_is_origin_input_of_the_next_module():
     model = Between()
-    with nw.watch(model) as w, pytest.raises(nw.NanDetected) as info:
+    with nw.watch(model), pytest.raises(nw.NanDetected) as info:
         model(torch.randn(2, 4))
     event = info.value.event
     assert (event.module, event.origin, event.role) == ("b", "input", "input[0]")
@@ -65,7 +65,7 @@ def test_functional_op_between_modules_is_origin_input_of_the_next_module():
 
 def test_module_that_makes_nan_from_finite_input_is_origin_output():
     model = nn.Sequential(nn.Linear(4, 4), MakesNan(), nn.Linear(4, 2))
-    with nw.watch(model) as w, pytest.raises(nw.NanDetected) as info:
+    with nw.watch(model), pytest.raises(nw.NanDetected) as info:
         model(torch.randn(2, 4))
     event = info.value.event
     assert (event.module, event.module_type, event.origin, event.role) == ("1", "MakesNan", "output", "output")

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from .events import GradEvent, NanEvent
-from .frames import Entry, frames_to_dataframe
+from .frames import Entry
 from .history import History
 from .stats import TensorStats, _abs_min_max, classify
 from .watch import NanWatch, WatchExtension

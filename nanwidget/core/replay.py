@@ -857,7 +857,7 @@ class _Replay:
 
     def run(self) -> Trace:
         started = time.perf_counter()
-        watch, slots, held, loss_fn = self.watch, self.capture.slots, self.held, self.loss_fn
+        watch, slots, held = self.watch, self.capture.slots, self.held
         changed, updated, snapshot_used = self._weight_status()
         root = watch.model
         names = {id(m): (name, type(m).__name__) for name, m in root.named_modules()}

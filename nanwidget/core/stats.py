@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -303,13 +302,3 @@ def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[
         flags = torch.stack([torch.isinf(tensors[p].detach()).any() for p in nan_positions]).tolist()
         for position, has_inf in zip(nan_positions, flags):
             stats[position].inf = bool(has_inf)
-
-
-def stats_now(value: Any) -> TensorStats | None:
-    """Measure one tensor immediately (slow path: replay, tests, ``detect_overflow``)."""
-    if not isinstance(value, torch.Tensor) or classify(value):
-        return None
-    pending = PendingStats()
-    cell = pending.add(value)
-    pending.resolve()
-    return cell

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from .events import AbortAfterBatch, NanDetected, NanEvent
-from .frames import Entry, Frame, FrameBuffer, empty_frames, frames_to_dataframe
+from .frames import Entry, Frame, FrameBuffer, frames_to_dataframe
 from .history import History
 from .report import format_event_report, format_frames
-from .stats import PendingStats, TensorStats, classify
+from .stats import PendingStats, classify
 from .walk import iter_leaves
 
 if TYPE_CHECKING:  # pragma: no cover
