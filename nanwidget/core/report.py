@@ -58,7 +58,8 @@ def format_event_report(event: NanEvent | None, frames: pd.DataFrame, batch: int
         if batch is not None:
             out.append(f"No inf/nan detected (batch_number={batch})")
     n_frames = 0 if frames.empty else frames.groupby(["rank", "batch", "phase", "frame"]).ngroups
-    direction = "backward" if (not frames.empty and (frames["phase"] == "backward").all()) else "forward"
+    phases = set(frames["phase"]) if not frames.empty else {"forward"}
+    direction = "forward and backward" if len(phases) > 1 else phases.pop()
     out.append(f"Last {n_frames} {direction} frames:")
     out.append(f"{'abs min':8} {'abs max':8} metadata")
     out.extend(format_frames(frames))
