@@ -42,8 +42,10 @@ def _torchrun(args: list[str], nproc: int = 2, extra_env: dict | None = None) ->
 
 
 def _results(output: str) -> dict[int, dict]:
-    results = [json.loads(line[len("RESULT "):]) for line in output.splitlines()
-               if line.startswith("RESULT ")]
+    # Each rank writes its line in one write, but two ranks can still share a line of the
+    # merged output: decode every "RESULT {...}" wherever it starts.
+    decoder = json.JSONDecoder()
+    results = [decoder.raw_decode(chunk)[0] for chunk in output.split("RESULT ")[1:]]
     return {r["rank"]: r for r in results}
 
 

@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                           event_batch=event.batch, event_rank=event.rank,
                           module=event.module, origin=event.origin, message=str(error))
         result["module_names"] = watch.module_names if watching else None
-    print("RESULT " + json.dumps(result), flush=True)
+    # One write call: the ranks share stdout, and a single short write is not interleaved.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result) + "\n").encode())
     dist.destroy_process_group()
     return 0
 
