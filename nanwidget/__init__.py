@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from .core import (AbortAfterBatch, GradEvent, NanDetected, NanEvent, NanWarning, NanWatch,
-                   detect_overflow, watch)
+                   detect_overflow)
+from .core.watch import watch
 
 __version__ = "0.1.0"
 
