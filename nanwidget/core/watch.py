@@ -297,11 +297,8 @@ class NanWatch:
                 and not tensor.is_nested and tensor.numel():
             stats = self._pending.reduce_now(tensor) if early else self._pending.add(tensor)
             return (role, stats, dtype, tensor.shape, "")
-        note = classify(tensor)
-        shape = None if note == "nested" else tensor.shape
-        if note:
-            return (role, None, dtype, shape, note)
-        return (role, self._pending.add(tensor), dtype, shape, "")  # pragma: no cover - fast path
+        note = classify(tensor)  # not "": the fast path above takes every measurable tensor
+        return (role, None, dtype, None if note == "nested" else tensor.shape, note)
 
     def _leaf_entry(self, role: str, leaf: Any, early: bool = False) -> Entry:
         if isinstance(leaf, _Tensor):
