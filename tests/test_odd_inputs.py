@@ -29,6 +29,7 @@ class Echo(nn.Module):
     (torch.empty(0, 5), "empty"),
     (torch.ones(2, 2).to_sparse(), "sparse"),
     (torch.empty(2, 2, device="meta"), "meta"),
+    (torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)], layout=torch.jagged), "nested"),
 ])
 def test_tensors_without_stats_get_a_note(tensor, note):
     model = Echo()

@@ -57,12 +57,12 @@ def classify(tensor: torch.Tensor) -> str:
 
     Only reads metadata, so it is safe on meta, sparse and fake tensors and costs no kernel.
     """
+    if getattr(tensor, "is_nested", False):  # before the layout: jagged ones are not strided
+        return "nested"
     if tensor.layout is not torch.strided:
         return "sparse"
     if tensor.is_meta:
         return "meta"
-    if getattr(tensor, "is_nested", False):
-        return "nested"
     dtype = tensor.dtype
     if dtype.is_floating_point:
         return "empty" if tensor.numel() == 0 else ""
