@@ -15,7 +15,8 @@ import pandas as pd
 
 from .stats import TensorStats
 
-__all__ = ["Frame", "FrameBuffer", "FRAME_COLUMNS", "frames_to_dataframe", "empty_frames"]
+__all__ = ["Frame", "FrameBuffer", "FRAME_COLUMNS", "frames_to_dataframe", "empty_frames",
+           "non_tensor_entry"]
 
 FRAME_COLUMNS = ["rank", "batch", "frame", "module", "module_type", "call", "phase", "role",
                  "dtype", "shape", "abs_min", "abs_max", "nan", "inf", "note"]
@@ -62,6 +63,11 @@ class Frame:
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return (f"Frame(batch={self.batch}, index={self.index}, module={self.module!r}, "
                 f"call={self.call}, phase={self.phase!r}, entries={len(self.entries)})")
+
+
+def non_tensor_entry(role: str, leaf: Any) -> Entry:
+    """The entry of a leaf that is not a tensor: no stats, a note saying what it is."""
+    return (role, None, None, None, "None" if leaf is None else "not a tensor")
 
 
 def empty_frames() -> pd.DataFrame:

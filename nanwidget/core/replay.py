@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .events import NanEvent
-from .frames import Entry, Frame, frames_to_dataframe
+from .frames import Entry, Frame, frames_to_dataframe, non_tensor_entry
 from .report import format_frames
 from .stats import AbsMeter, TensorStats, classify
 from .walk import iter_leaves
@@ -667,9 +667,7 @@ class _Recorder:
     def _leaf_entry(self, role: str, leaf: Any, early: bool = False) -> Entry:
         if isinstance(leaf, _Tensor):
             return self._tensor_entry(role, leaf, early)
-        if leaf is None:
-            return (role, None, None, None, "None")
-        return (role, None, None, None, "not a tensor")
+        return non_tensor_entry(role, leaf)
 
     def _input_entries(self, args: tuple, kwargs: dict, entries: list[Entry], early: bool = False) -> None:
         for position, value in enumerate(args):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .events import AbortAfterBatch, NanDetected, NanEvent
-from .frames import Entry, Frame, FrameBuffer, frames_to_dataframe
+from .frames import Entry, Frame, FrameBuffer, frames_to_dataframe, non_tensor_entry
 from .history import History
 from .report import format_event_report, format_frames
 from .stats import PendingStats, classify
@@ -303,9 +303,7 @@ class NanWatch:
     def _leaf_entry(self, role: str, leaf: Any, early: bool = False) -> Entry:
         if isinstance(leaf, _Tensor):
             return self._tensor_entry(role, leaf, early)
-        if leaf is None:
-            return (role, None, None, None, "None")
-        return (role, None, None, None, "not a tensor")
+        return non_tensor_entry(role, leaf)
 
     def _input_entries(self, args: tuple, kwargs: dict, entries: list[Entry], early: bool = False) -> None:
         tensor_entry = self._tensor_entry
