@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .core import native
+
 __all__ = ["MODELS", "MODES", "VARIANTS", "TARGETS", "BenchRow", "BenchResult", "run_benchmark",
            "build_case", "available_variants", "transformers_available", "HookLeak",
            "environment", "hook_count"]
@@ -319,6 +321,7 @@ def environment(device: str = "cpu") -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "device": device,
         "mha_fastpath": "disabled (every variant runs the same MultiheadAttention path)",
+        "native_kernel": native.status(),
     }
     try:
         import transformers

@@ -170,7 +170,10 @@ def test_backward_frames_cost_one_host_sync_per_backward_pass(depth: int) -> Non
         with count_syncs() as counts:
             loss = model(x).sum()
             loss.backward()
-        assert counts["total"] == 2, counts  # one for the forward, one for the backward
+        # One for the backward; one for the forward on the torch path (the native CPU kernel
+        # reads the forward's tensors without going through torch).
+        from nanwidget.core import native
+        assert counts["total"] == (1 if native.available() else 2), counts
         frames = w.frames()
         assert (frames.phase == "backward").sum() > 0
         with count_syncs() as counts:

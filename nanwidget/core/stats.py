@@ -1,17 +1,22 @@
-"""Tensor statistics: which tensors get stats, and the batched reduction that computes them.
+"""Tensor statistics: which tensors get stats, and how they are measured without host syncs.
 
-The hot path never reduces a tensor itself: hooks only call :func:`classify` (attribute reads,
-no kernel) and queue the tensor in a :class:`PendingStats`. Once per batch, :meth:`PendingStats.resolve`
-reduces every queued tensor on its own device, stacks the results and copies them to the host
-in one transfer per device: that is the batch's single host synchronisation.
+Hooks call :func:`classify` (attribute reads, no kernel) and hand each measurable tensor to a
+:class:`PendingStats`. Dense CPU float tensors are read once by the native kernel right there
+(no device, so nothing to synchronise; the values are still in cache). Every other tensor is
+queued; once per batch :meth:`PendingStats.resolve` reduces them on their own device, stacks
+the results and copies them to the host in one transfer per device: the batch's single host
+synchronisation.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 
 import torch
+
+from . import native
 
 __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max"]
 
@@ -151,15 +156,21 @@ _PLAIN_METER = AbsMeter(use_scratch=False)
 
 
 class PendingStats:
-    """Tensors queued during a batch, with the :class:`TensorStats` each one will fill.
+    """The stats of one batch's tensors: measured on the spot or queued until the batch ends.
+
+    Dense CPU float tensors go to the native kernel (:mod:`.native`) as they are seen, while
+    they are still in cache, and are not held afterwards. Every other tensor (GPU, odd
+    layouts, or no kernel) is queued with the :class:`TensorStats` it will fill, and reduced
+    on its device by :meth:`resolve` with one host copy per device.
 
     A tensor seen twice in the same version (a module's input that is the previous module's
-    output) is queued once and its stats object shared: ``id`` plus ``_version`` identify it,
-    and holding the reference keeps the ``id`` from being reused until the batch resolves.
+    output) is measured once and its stats object shared: ``id`` plus ``_version`` identify
+    it; a queued tensor's reference (a measured one's weak reference) keeps a reused ``id``
+    from being mistaken for it.
     """
 
     __slots__ = ("tensors", "versions", "stats", "reduced", "_index", "_device", "_mixed_devices",
-                 "_meter", "_bytes")
+                 "_meter", "_bytes", "_direct", "_measured", "_nan_held")
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -172,14 +183,26 @@ class PendingStats:
         self._mixed_devices = False
         self._meter = AbsMeter()
         self._bytes = 0
+        self._direct = native.available()
+        # id -> (weak reference, version, stats) of the tensors the kernel measured this batch.
+        self._measured: dict[int, tuple[weakref.ref, int, TensorStats]] = {}
+        # Measured tensors holding a NaN, kept to the batch end to look for an Inf it hides.
+        self._nan_held: list[tuple[torch.Tensor, TensorStats]] = []
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return len(self.tensors) + len(self._measured)
 
     def add(self, tensor: torch.Tensor) -> TensorStats:
-        """Queue ``tensor`` (already classified as measurable) and return its stats object."""
+        """Measure or queue ``tensor`` (already classified as measurable); return its stats."""
         version = tensor._version
-        position = self._index.get(id(tensor))
+        key = id(tensor)
+        if self._direct:
+            seen = self._measured.get(key)
+            if seen is not None and seen[1] == version and seen[0]() is tensor:
+                return seen[2]
+            if native.eligible(tensor):
+                return self._measure(tensor, key, version)
+        position = self._index.get(key)
         if position is not None and self.versions[position] == version \
                 and self.tensors[position] is tensor:
             return self.stats[position]
@@ -188,13 +211,29 @@ class PendingStats:
             self._device = tensor.device
         elif not self._mixed_devices and tensor.device != self._device:
             self._mixed_devices = True  # a model split across devices: one sync per device
-        self._index[id(tensor)] = len(self.tensors)
+        self._index[key] = len(self.tensors)
         self.tensors.append(tensor)
         self.versions.append(version)
         self.stats.append(stats)
         self._bytes += tensor.numel() * tensor.element_size()
         if self._bytes > PENDING_BYTES_LIMIT:
             self._measure_held()
+        return stats
+
+    def _measure(self, tensor: torch.Tensor, key: int, version: int) -> TensorStats:
+        stats = TensorStats()
+        try:
+            low, high = native.abs_range(tensor)
+        except Exception as error:  # never break the forward; the cell says why
+            stats.note = f"unsupported ({type(error).__name__})"
+            return stats
+        stats.note = ""
+        if high != high:  # the contract: abs_min and abs_max both NaN (they are already)
+            stats.nan = True
+            self._nan_held.append((tensor, stats))
+        else:
+            stats.abs_min, stats.abs_max, stats.inf = low, high, high == math.inf
+        self._measured[key] = (weakref.ref(tensor), version, stats)
         return stats
 
     def _measure_held(self) -> None:
@@ -218,8 +257,8 @@ class PendingStats:
         stats describe the values as they were, not as they will be.
         """
         stats = self.add(tensor)
-        position = self._index[id(tensor)]
-        if position not in self.reduced:
+        position = self._index.get(id(tensor))
+        if position is not None and self.stats[position] is stats and position not in self.reduced:
             with torch.no_grad():
                 try:
                     self.reduced[position] = _abs_min_max(tensor)  # no scratch: kept until resolve
@@ -229,6 +268,15 @@ class PendingStats:
 
     def resolve(self) -> None:
         """Reduce every queued tensor and fill its stats; one host copy per device. Never raises."""
+        self._direct = native.available()
+        if self._measured:
+            self._measured = {}
+        if self._nan_held:
+            held, self._nan_held = self._nan_held, []
+            with torch.no_grad():
+                flags = torch.stack([torch.isinf(tensor.detach()).any() for tensor, _ in held]).tolist()
+            for (_, stats), has_inf in zip(held, flags):
+                stats.inf = bool(has_inf)
         if not self.tensors:
             return
         tensors, versions, stats, reduced = self.tensors, self.versions, self.stats, self.reduced
@@ -249,6 +297,34 @@ class PendingStats:
 
 def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[int], stats: list[TensorStats],
                    reduced: dict[int, tuple[torch.Tensor, torch.Tensor]], positions: Iterable[int]) -> None:
+    # (position, abs_min, abs_max) per measured tensor; abs_max is NaN where a NaN is.
+    results: list[tuple[int, float, float]] = []
+    _reduce_with_torch(meter, tensors, versions, stats, reduced, positions, results)
+    nan_positions: list[int] = []
+    inf = math.inf
+    for position, low, high in results:
+        cell = stats[position]
+        cell.nan = high != high or low != low
+        # The contract: both are NaN where the tensor holds a NaN (the bit patterns would
+        # still give the smallest finite |x| as abs_min).
+        cell.abs_min, cell.abs_max = (math.nan, math.nan) if cell.nan else (low, high)
+        cell.inf = high == inf
+        tensor = tensors[position]
+        cell.note = "" if tensor is None or tensor._version == versions[position] \
+            else "changed in place later"
+        if cell.nan and position not in reduced:
+            nan_positions.append(position)
+    # A NaN hides any Inf from max(); only batches that hold a NaN pay for this second look.
+    if nan_positions:
+        flags = torch.stack([torch.isinf(tensors[p].detach()).any() for p in nan_positions]).tolist()
+        for position, has_inf in zip(nan_positions, flags):
+            stats[position].inf = bool(has_inf)
+
+
+def _reduce_with_torch(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[int],
+                       stats: list[TensorStats], reduced: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                       positions: Iterable[int], results: list[tuple[int, float, float]]) -> None:
+    """The portable path: torch reductions on each tensor's device, one host copy for all."""
     # Results grouped by the float dtype they encode: (positions, lows, highs). Tensors reduced
     # early already hold float values (key None).
     groups: dict[torch.dtype | None, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -278,27 +354,9 @@ def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[
         parts.append(part if dtype is None else part.view(dtype))
     # The one host sync; cat promotes mixed dtypes to one that holds every value exactly.
     values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-    nan_positions: list[int] = []
-    inf = math.inf
     offset = 0
     for members, _, _ in groups.values():
         count = len(members)
         for slot, position in enumerate(members):
-            low, high = values[offset + slot], values[offset + count + slot]
-            cell = stats[position]
-            cell.nan = high != high or low != low
-            # The contract: both are NaN where the tensor holds a NaN (the integer view would
-            # still give the smallest finite |x| as abs_min).
-            cell.abs_min, cell.abs_max = (math.nan, math.nan) if cell.nan else (low, high)
-            cell.inf = high == inf
-            tensor = tensors[position]
-            cell.note = "" if tensor is None or tensor._version == versions[position] \
-                else "changed in place later"
-            if cell.nan and position not in reduced:
-                nan_positions.append(position)
+            results.append((position, values[offset + slot], values[offset + count + slot]))
         offset += 2 * count
-    # A NaN hides any Inf from max(); only batches that hold a NaN pay for this second look.
-    if nan_positions:
-        flags = torch.stack([torch.isinf(tensors[p].detach()).any() for p in nan_positions]).tolist()
-        for position, has_inf in zip(nan_positions, flags):
-            stats[position].inf = bool(has_inf)

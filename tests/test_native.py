@@ -1,0 +1,162 @@
+"""The native CPU kernel: same numbers as the torch path, used only where it may read memory,
+built or found on first use, and never required."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import nanwidget as nw
+from nanwidget.core import native
+from nanwidget.core.stats import AbsMeter
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+needs_kernel = pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.status()}")
+
+
+def test_kernel_is_in_use_wherever_a_c_compiler_is_installed():
+    if not any(shutil.which(name) for name in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler on this machine: the torch path is the only one")
+    assert native.available(), native.status()
+    assert native.status().startswith("native kernel in use")
+
+
+def _torch_path(tensor: torch.Tensor) -> tuple[float, float]:
+    low, high = AbsMeter(use_scratch=False).measure(tensor)
+    return low, high
+
+
+@needs_kernel
+@settings(max_examples=120, deadline=None)
+@given(dtype=st.sampled_from(DTYPES),
+       shape=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+       layout=st.sampled_from(["contiguous", "transposed", "offset"]),
+       specials=st.lists(st.sampled_from([0.0, -0.0, 1e-42, -1e-42, 7e4, -7e4, float("inf"),
+                                          float("-inf"), float("nan")]), max_size=3),
+       seed=st.integers(0, 2**16))
+def test_kernel_agrees_with_the_torch_path(dtype, shape, layout, specials, seed):
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=generator, dtype=torch.float64) * 10 ** (seed % 7 - 3)
+    flat = base.view(-1)
+    for index, value in enumerate(specials[: flat.numel()]):
+        flat[(index * 7919) % flat.numel()] = value
+    tensor = base.to(dtype)
+    if layout == "transposed":
+        tensor = tensor.t() if tensor.dim() == 2 else tensor.permute(*reversed(range(tensor.dim())))
+    elif layout == "offset":  # a contiguous view that starts inside a bigger storage
+        tensor = torch.cat([torch.ones(3, dtype=dtype), tensor.reshape(-1)])[3:].view(tensor.shape)
+    assert native.eligible(tensor)
+    low, high = native.abs_range(tensor)
+    expected_low, expected_high = _torch_path(tensor)
+    if expected_high != expected_high:  # a NaN: the torch path reports NaN for both
+        assert high != high
+    else:
+        assert (low, high) == (expected_low, expected_high)
+
+
+def test_only_dense_plain_cpu_float_tensors_are_eligible():
+    grid = torch.randn(6, 8)
+    assert native.eligible(grid) and native.eligible(grid.t()) and native.eligible(grid[2:4])
+    assert native.eligible(nn.Parameter(torch.randn(3)))
+    assert not native.eligible(grid[:, ::2])  # gaps between elements
+    assert not native.eligible(torch.randn(4, 1).expand(4, 5))  # stride 0: overlapping
+    assert not native.eligible(grid.to(torch.int32))
+    assert not native.eligible(torch.randn(2, dtype=torch.complex64))
+    assert not native.eligible(torch.empty(0))
+    assert not native.eligible(torch.empty(3, device="meta"))
+
+    class Tagged(torch.Tensor):
+        pass
+
+    assert not native.eligible(grid.as_subclass(Tagged))
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_both_paths_record_the_same_frames(path, monkeypatch):
+    if path == "native" and not native.available():
+        pytest.skip(native.status())
+    if path == "torch":
+        monkeypatch.setattr(native, "available", lambda: False)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4).to(torch.float64))
+
+    class Cast(nn.Module):
+        def forward(self, x):
+            return x.double()
+
+    model.insert(2, Cast())
+    x = torch.randn(5, 8)
+    x[0, 0] = float("inf")
+    with nw.watch(model, on_nan="record", max_frames=100) as w:
+        model(x)
+        frames = w.frames()
+    reference = []
+    with torch.no_grad():
+        reference.append(_torch_path(x))
+        h = model[0](x)
+        reference.append(_torch_path(h))
+    rows = frames[(frames.module == "0") & frames.role.isin(["input[0]", "output"])]
+    assert list(zip(rows.abs_min, rows.abs_max)) == reference
+    assert bool(rows.inf.iloc[0]) and not bool(rows.nan.iloc[0])
+
+
+def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=full_env, timeout=300, cwd=ROOT)
+
+
+_RECORD = """
+    import torch, nanwidget as nw
+    from nanwidget.core import native
+    model = torch.nn.Linear(4, 3)
+    x = torch.tensor([[1.0, -2.0, 0.5, -8.0]])
+    with nw.watch(model) as w:
+        model(x)
+        frames = w.frames()
+    row = frames[frames.role == "input[0]"].iloc[0]
+    print(native.status())
+    print(row.abs_min, row.abs_max)
+"""
+
+
+def test_without_a_compiler_the_torch_path_records_the_same_numbers(tmp_path):
+    result = _run_python(_RECORD, PATH="", CC="", NANWIDGET_CACHE_DIR=str(tmp_path / "cache"))
+    assert result.returncode == 0, result.stderr
+    status, values = result.stdout.strip().splitlines()[-2:]
+    assert status.startswith("unavailable (no C compiler found)"), status
+    assert values == "0.5 8.0"
+
+
+def test_switched_off_by_environment(tmp_path):
+    result = _run_python(_RECORD, NANWIDGET_NATIVE="0", NANWIDGET_CACHE_DIR=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "off (NANWIDGET_NATIVE=0)" in result.stdout and result.stdout.endswith("0.5 8.0\n")
+    assert not list(tmp_path.iterdir())  # nothing compiled
+
+
+@pytest.mark.skipif(not any(shutil.which(n) for n in ("cc", "gcc", "clang")), reason="no C compiler")
+def test_built_once_into_the_cache_then_loaded_from_it(tmp_path):
+    cache = tmp_path / "cache"
+    first = _run_python(_RECORD, NANWIDGET_CACHE_DIR=str(cache))
+    assert first.returncode == 0, first.stderr
+    built = sorted(p.name for p in cache.iterdir())
+    assert len(built) == 1 and built[0].endswith(".so"), built
+    assert f"native kernel in use ({cache / built[0]})" in first.stdout
+    # The second process finds the library: even with no compiler on PATH it is used.
+    second = _run_python(_RECORD, NANWIDGET_CACHE_DIR=str(cache), PATH="", CC="")
+    assert second.returncode == 0, second.stderr
+    assert "native kernel in use" in second.stdout and second.stdout.endswith("0.5 8.0\n")
+    assert sorted(p.name for p in cache.iterdir()) == built  # no temporary files left
