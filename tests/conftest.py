@@ -35,3 +35,15 @@ def hook_count(model: nn.Module) -> int:
     """Forward/backward hooks currently registered on any module of ``model``."""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
                + len(getattr(m, "_backward_pre_hooks", {})) for m in model.modules())
+
+
+@pytest.fixture(params=["native", "torch"])
+def reduction_path(request, monkeypatch):
+    """Run a test on both reduction paths: the native CPU kernel and the portable torch one."""
+    from nanwidget.core import native
+    if request.param == "native":
+        if not native.available():
+            pytest.skip(f"native kernel: {native.status()}")
+    else:
+        monkeypatch.setattr(native, "available", lambda: False)
+    return request.param

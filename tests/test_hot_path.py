@@ -44,18 +44,6 @@ def _deep_mlp(depth: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-@pytest.fixture(params=["native", "torch"])
-def reduction_path(request, monkeypatch):
-    """Run a test on both reduction paths: the native CPU kernel and the portable torch one."""
-    from nanwidget.core import native
-    if request.param == "native":
-        if not native.available():
-            pytest.skip(f"native kernel: {native.status()}")
-    else:
-        monkeypatch.setattr(native, "available", lambda: False)
-    return request.param
-
-
 def spy_measured(monkeypatch) -> list[torch.Tensor]:
     """Every tensor reduced from now on, whichever path reduced it."""
     from nanwidget.core import native

@@ -200,6 +200,53 @@ def test_inplace_module_input_measured_before_it_is_overwritten():
     assert linear_out.abs_max == pytest.approx(expected.abs().max().item())
 
 
+def test_inference_mode_forward_is_recorded_and_replayed(tiny_mlp):
+    # Inference tensors have no version counter: they are told apart by identity.
+    x = torch.randn(5, 16) * 2
+    with nw.watch(tiny_mlp, on_nan="record") as w:
+        with torch.inference_mode():
+            out = tiny_mlp(x)
+            tiny_mlp(x)
+        frames = w.frames()
+        trace = w.replay(1)
+    assert len(frames[frames.batch == 1]) == len(frames[frames.batch == 0]) > 0
+    root = frames[(frames.module == "") & (frames.batch == 1)].set_index("role")
+    assert root.loc["output", "abs_max"] == pytest.approx(out.abs().max().item())
+    assert root.loc["input[0]", "abs_min"] == pytest.approx(x.abs().min().item())
+    assert (frames.note == "").all()
+    replayed = trace.frames[trace.frames.module == ""].set_index("role")
+    assert replayed.loc["output", "abs_max"] == root.loc["output", "abs_max"]
+
+
+def test_in_place_change_after_a_hook(reduction_path):
+    class Scales(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.first(x)
+            h.mul_(float("inf"))  # after first's hook, before second
+            return self.second(h)
+
+    model = Scales()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(3, 4))
+        event = w.event
+        frames = w.frames()
+    first_out = frames[(frames.module == "first") & (frames.role == "output")].iloc[0]
+    if reduction_path == "native":
+        # Measured when its hook ran: the event is where the bad tensor arrives next.
+        assert (event.module, event.origin, event.role) == ("second", "input", "input[0]")
+        assert first_out.note == "" and not first_out.inf
+    else:
+        # Measured when the forward ended: the final values, with a note saying so.
+        assert (event.module, event.origin, event.role) == ("first", "output", "output")
+        assert first_out.note == "changed in place later" and first_out.inf
+
+
 def test_history_has_one_row_per_batch_and_module(tiny_mlp):
     with nw.watch(tiny_mlp) as w:
         outs = [tiny_mlp(torch.randn(2, 16)) for _ in range(3)]

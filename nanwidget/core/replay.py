@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .events import NanEvent
 from .frames import Entry, Frame, frames_to_dataframe, non_tensor_entry
 from .report import format_frames
-from .stats import AbsMeter, TensorStats, classify
+from .stats import AbsMeter, TensorStats, classify, version_of
 from .walk import iter_leaves
 from .watch import NanWatch, WatchExtension
 
@@ -141,8 +141,8 @@ class _WeightSlots:
 def _versions(tensors: list[torch.Tensor | None]) -> list[int]:
     try:
         return [t._version for t in tensors]  # type: ignore[union-attr]
-    except AttributeError:  # a slot was set to None since
-        return [-1 if t is None else t._version for t in tensors]
+    except (AttributeError, RuntimeError):  # a slot set to None since, or an inference tensor
+        return [-1 if t is None else version_of(t) for t in tensors]
 
 
 def _autocast_state() -> tuple:
@@ -205,7 +205,7 @@ class ReplayCapture(WatchExtension):
         capture.args = args
         capture.kwargs = kwargs
         capture.inputs = inputs
-        capture.input_versions = [t._version for _, t in inputs]
+        capture.input_versions = _versions([t for _, t in inputs])
         capture.cpu_rng = torch.get_rng_state()
         capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         capture.grad_enabled = torch.is_grad_enabled()
@@ -228,11 +228,11 @@ class ReplayCapture(WatchExtension):
         if held is not None and held.forwards:
             last = held.forwards[-1]
             if last.end_input_versions is None:
-                last.end_input_versions = [t._version for _, t in last.inputs]
+                last.end_input_versions = _versions([t for _, t in last.inputs])
                 if self.slots.buffer_positions:
                     weights = last.weights
                     last.end_buffer_versions = [
-                        -1 if weights[i] is None else weights[i]._version
+                        -1 if weights[i] is None else version_of(weights[i])
                         for i in self.slots.buffer_positions]
         if event is not None and event.batch in self.held and len(self.event_batches) < MAX_EVENT_BATCHES:
             self.event_batches.add(event.batch)
@@ -310,7 +310,7 @@ class ReplayCapture(WatchExtension):
 def _check_inputs(held: _HeldBatch) -> None:
     for capture in held.forwards:
         for k, ((role, tensor), version) in enumerate(zip(capture.inputs, capture.input_versions)):
-            now = tensor._version
+            now = version_of(tensor)
             if now == version:
                 continue
             during = (capture.end_input_versions is not None
@@ -623,8 +623,8 @@ class _Recorder:
         # As the watch's PendingStats: one stats object per (tensor, version) within the batch.
         position = self.queued_index.get(id(tensor))
         queued = self.queued[position] if position is not None else None
-        if queued is None or queued[0] is not tensor or queued[1] != tensor._version:
-            queued = [tensor, tensor._version, TensorStats(), False]
+        if queued is None or queued[0] is not tensor or queued[1] != version_of(tensor):
+            queued = [tensor, version_of(tensor), TensorStats(), False]
             self.queued_index[id(tensor)] = len(self.queued)
             self.queued.append(queued)
         if early and not queued[3]:
@@ -654,7 +654,7 @@ class _Recorder:
         for tensor, version, stats, measured in queued:
             if measured:
                 continue
-            now = tensor._version
+            now = version_of(tensor)
             known = op_stats.get(id(tensor))
             if known is not None and known[0]() is tensor and known[1] == now:
                 stats.abs_min, stats.abs_max = known[2], known[3]
@@ -722,9 +722,9 @@ class _Recorder:
         if name in _UNMEASURED_OPS or func.is_view:
             if name in _SAME_VALUES_OPS and len(tensors) == 1 and args and isinstance(args[0], _Tensor):
                 known = self.op_stats.get(id(args[0]))
-                if known is not None and known[0]() is args[0] and known[1] == args[0]._version:
+                if known is not None and known[0]() is args[0] and known[1] == version_of(args[0]):
                     out = tensors[0]
-                    self.op_stats[id(out)] = (weakref.ref(out), out._version, known[2], known[3])
+                    self.op_stats[id(out)] = (weakref.ref(out), version_of(out), known[2], known[3])
             return  # nothing computed (views, detach) or nothing defined (empty) to measure
         measurable = [t for t in tensors if not classify(t)]
         low = high = math.nan
@@ -742,7 +742,7 @@ class _Recorder:
                 low, high = (math.nan, math.nan) if nan else (min(lows), max(highs))
                 if len(measurable) == 1 and not (nan or inf):
                     tensor = measurable[0]
-                    self.op_stats[id(tensor)] = (weakref.ref(tensor), tensor._version, low, high)
+                    self.op_stats[id(tensor)] = (weakref.ref(tensor), version_of(tensor), low, high)
         first = tensors[0] if tensors else None
         index = len(self.rows)
         self.rows.append((index, phase, name, str(func), module, module_type,
@@ -845,9 +845,9 @@ class _Replay:
         changed, updated = [], []
         for i, tensor in enumerate(current):
             then = first.weights[i] if i < len(first.weights) else None
-            if tensor is then and (tensor is None or tensor._version == first.weight_versions[i]):
+            if tensor is then and (tensor is None or version_of(tensor) == first.weight_versions[i]):
                 continue
-            if tensor is then and end_versions.get(i) == tensor._version:
+            if tensor is then and end_versions.get(i) == version_of(tensor):
                 updated.append(slots.names[i])
             else:
                 changed.append(slots.names[i])

@@ -18,7 +18,7 @@ import torch
 
 from . import native
 
-__all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max"]
+__all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
@@ -78,6 +78,15 @@ def classify(tensor: torch.Tensor) -> str:
     if tensor.is_quantized:
         return "quantized"
     return "int"
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The tensor's version counter, or -1 for an inference tensor (``torch.inference_mode``),
+    which has none: such tensors are then told apart by identity alone."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
 
 
 def dtype_max(dtype: torch.dtype | str) -> float:
@@ -194,7 +203,10 @@ class PendingStats:
 
     def add(self, tensor: torch.Tensor) -> TensorStats:
         """Measure or queue ``tensor`` (already classified as measurable); return its stats."""
-        version = tensor._version
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor: no version counter
+            version = -1
         key = id(tensor)
         if self._direct:
             seen = self._measured.get(key)
@@ -310,7 +322,7 @@ def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[
         cell.abs_min, cell.abs_max = (math.nan, math.nan) if cell.nan else (low, high)
         cell.inf = high == inf
         tensor = tensors[position]
-        cell.note = "" if tensor is None or tensor._version == versions[position] \
+        cell.note = "" if tensor is None or version_of(tensor) == versions[position] \
             else "changed in place later"
         if cell.nan and position not in reduced:
             nan_positions.append(position)
@@ -332,7 +344,7 @@ def _reduce_with_torch(meter: AbsMeter, tensors: list[torch.Tensor], versions: l
         early = reduced.get(position) if reduced else None
         if early is not None:
             if tensors[position] is not None:
-                versions[position] = tensors[position]._version  # measured before the change
+                versions[position] = version_of(tensors[position])  # measured before the change
             low, high, dtype = early[0], early[1], None
         else:
             try:

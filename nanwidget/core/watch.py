@@ -1,10 +1,11 @@
 """NanWatch: hooks a model, records a frame per module call, finds the first NaN/Inf.
 
-Hot path (every module call): hooks read metadata, check weight version counters and queue
-tensors in a :class:`PendingStats`; no kernel result is read back. When the root module's
-forward returns, the batch is *resolved*: one batched reduction and one host copy, then history,
-detection, the frame ring and the extensions (replay capture, gradients, persistence,
-distributed consensus) see the finished frames.
+Hot path (every module call): hooks read metadata, check weight version counters and hand
+tensors to a :class:`PendingStats`, which reads dense CPU tensors at once with the native kernel
+and queues the rest; no device result is read back. When the root module's forward returns,
+the batch is *resolved*: the queued tensors get one batched reduction and one host copy per
+device, then history, detection, the frame ring and the extensions (replay capture, gradients,
+persistence, distributed consensus) see the finished frames.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .frames import Entry, Frame, FrameBuffer, frames_to_dataframe, non_tensor_e
 from .history import History
 from .report import format_event_report, format_frames
 from . import native
-from .stats import PendingStats, classify
+from .stats import PendingStats, classify, version_of
 from .walk import iter_leaves
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -338,13 +339,13 @@ class NanWatch:
                 cached = cache.get(id(tensor))
                 # Weights change once per optimizer step at most: re-measure only then,
                 # and reuse the whole entry (same stats object) until then.
-                if cached is not None and cached[0] is tensor and cached[1] == tensor._version \
+                if cached is not None and cached[0] is tensor and cached[1] == version_of(tensor) \
                         and cached[2][0] == name:
                     entries.append(cached[2])
                     continue
                 entry = self._tensor_entry(name, tensor)
                 if entry[1] is not None:
-                    cache[id(tensor)] = (tensor, tensor._version, entry)
+                    cache[id(tensor)] = (tensor, version_of(tensor), entry)
                 entries.append(entry)
 
     def _record_forward(self, info: _ModuleInfo, args: tuple, kwargs: dict, output: Any) -> None:
