@@ -150,3 +150,24 @@ def test_any_nested_output_is_recorded_with_exact_stats(structure):
         assert w.event is not None and w.event.role == bad[0][0]
     else:
         assert w.event is None
+
+
+def test_a_tensor_whose_storage_was_freed_gets_a_note_not_a_crash(reduction_path):
+    # FSDP frees parameter storage between forwards; reading such a tensor would crash.
+    class Freed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            y = x * 2
+            self.scale.data.untyped_storage().resize_(0)  # gone before the hook runs
+            return y
+
+    model = nn.Sequential(Freed(), nn.ReLU())
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(3, 4))
+        frames = w.frames()
+    scale = frames[(frames.module == "0") & (frames.role == "scale")].iloc[0]
+    assert scale.note == "storage freed" and scale.abs_max != scale.abs_max
+    assert (frames[frames.role != "scale"].note == "").all()

@@ -47,7 +47,7 @@ MAX_ELEMENTS = 1 << 24
 
 _KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_CPU = torch.device("cpu")
+_Pair = ctypes.c_double * 2
 
 _lock = threading.Lock()
 _kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
@@ -67,7 +67,7 @@ def available() -> bool:
 
 def eligible(tensor: torch.Tensor) -> bool:
     """Whether :func:`abs_range` may read ``tensor``: a dense CPU float tensor, no subclass."""
-    if type(tensor) not in _PLAIN_TYPES or tensor.device != _CPU or tensor.dtype not in _KINDS:
+    if type(tensor) not in _PLAIN_TYPES or not tensor.is_cpu or tensor.dtype not in _KINDS:
         return False
     count = tensor.numel()
     if count == 0 or count > MAX_ELEMENTS:
@@ -95,7 +95,7 @@ def abs_range(tensor: torch.Tensor) -> tuple[float, float]:
     kernel = _kernel if _kernel is not None else _load()
     if kernel is None:
         raise RuntimeError(f"the native kernel is not available: {_state}")
-    out = (ctypes.c_double * 2)()
+    out = _Pair()
     kernel(tensor.data_ptr(), tensor.numel(), _KINDS[tensor.dtype], out)
     return out[0], out[1]
 
@@ -228,7 +228,7 @@ def _self_test(kernel: ctypes._CFuncPtr) -> str:  # type: ignore[name-defined]
             cases.append(values.to(dtype).neg())
     cases.append(torch.arange(12, dtype=torch.float32).reshape(3, 4).t())  # dense, not contiguous
     for tensor in cases:
-        out = (ctypes.c_double * 2)()
+        out = _Pair()
         kernel(tensor.data_ptr(), tensor.numel(), _KINDS[tensor.dtype], out)
         low, high = out[0], out[1]
         magnitudes = tensor.double().abs()

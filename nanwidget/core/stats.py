@@ -18,7 +18,8 @@ import torch
 
 from . import native
 
-__all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of"]
+__all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of",
+           "storage_holds"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
@@ -78,6 +79,21 @@ def classify(tensor: torch.Tensor) -> str:
     if tensor.is_quantized:
         return "quantized"
     return "int"
+
+
+def storage_holds(tensor: torch.Tensor) -> bool:
+    """False when the tensor's storage is smaller than the tensor (FSDP frees parameter storage
+    between forwards; ``storage().resize_(0)`` does the same): reading it, even with torch's own
+    ops, would crash the process."""
+    try:
+        if tensor.is_contiguous():
+            span = tensor.numel()
+        else:
+            span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        needed = (tensor.storage_offset() + span) * tensor.element_size()
+        return tensor.untyped_storage().nbytes() >= needed
+    except Exception:  # no storage to look at (a wrapper subclass): its own ops decide
+        return True
 
 
 def version_of(tensor: torch.Tensor) -> int:
@@ -212,13 +228,16 @@ class PendingStats:
             seen = self._measured.get(key)
             if seen is not None and seen[1] == version and seen[0]() is tensor:
                 return seen[2]
-            if native.eligible(tensor):
-                return self._measure(tensor, key, version)
         position = self._index.get(key)
         if position is not None and self.versions[position] == version \
                 and self.tensors[position] is tensor:
             return self.stats[position]
         stats = TensorStats()
+        if not storage_holds(tensor):
+            stats.note = "storage freed"
+            return stats
+        if self._direct and native.eligible(tensor):
+            return self._measure(tensor, key, version, stats)
         if not self.tensors:
             self._device = tensor.device
         elif not self._mixed_devices and tensor.device != self._device:
@@ -232,8 +251,7 @@ class PendingStats:
             self._measure_held()
         return stats
 
-    def _measure(self, tensor: torch.Tensor, key: int, version: int) -> TensorStats:
-        stats = TensorStats()
+    def _measure(self, tensor: torch.Tensor, key: int, version: int, stats: TensorStats) -> TensorStats:
         try:
             low, high = native.abs_range(tensor)
         except Exception as error:  # never break the forward; the cell says why
@@ -346,6 +364,9 @@ def _reduce_with_torch(meter: AbsMeter, tensors: list[torch.Tensor], versions: l
             if tensors[position] is not None:
                 versions[position] = version_of(tensors[position])  # measured before the change
             low, high, dtype = early[0], early[1], None
+        elif not storage_holds(tensors[position]):  # freed since it was queued
+            stats[position].note = "storage freed"
+            continue
         else:
             try:
                 low, high, dtype = meter.reduce_bits(tensors[position])
