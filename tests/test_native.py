@@ -83,6 +83,18 @@ def test_only_dense_plain_cpu_float_tensors_are_eligible():
     assert not native.eligible(grid.as_subclass(Tagged))
 
 
+def test_big_tensors_go_to_torchs_threads_when_it_has_more_than_two():
+    big = torch.empty(native._ONE_THREAD_ELEMENTS + 1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert native.eligible(big)
+        torch.set_num_threads(4)
+        assert not native.eligible(big) and native.eligible(big[:1000])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_both_paths_record_the_same_frames(path, monkeypatch):
     if path == "native" and not native.available():
