@@ -69,7 +69,8 @@ def available() -> bool:
 
 
 def eligible(tensor: torch.Tensor) -> bool:
-    """Whether :func:`abs_range` may read ``tensor``: a dense CPU float tensor, no subclass."""
+    """Whether :func:`abs_range` may read ``tensor``: a dense CPU float tensor, no subclass,
+    with its storage allocated."""
     if type(tensor) not in _PLAIN_TYPES or not tensor.is_cpu or tensor.dtype not in _KINDS:
         return False
     count = tensor.numel()
@@ -77,7 +78,9 @@ def eligible(tensor: torch.Tensor) -> bool:
         return False
     if count > _ONE_THREAD_ELEMENTS and torch.get_num_threads() > 2:
         return False
-    return tensor.is_contiguous() or _is_dense(tensor.shape, tensor.stride())
+    if not tensor.is_contiguous() and not _is_dense(tensor.shape, tensor.stride()):
+        return False
+    return tensor.data_ptr() != 0  # 0: storage freed (FSDP between forwards), nothing to read
 
 
 def _is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:

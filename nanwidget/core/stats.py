@@ -233,9 +233,7 @@ class PendingStats:
                 and self.tensors[position] is tensor:
             return self.stats[position]
         stats = TensorStats()
-        if not storage_holds(tensor):
-            stats.note = "storage freed"
-            return stats
+        # The kernel refuses freed storage (FSDP); such a tensor is queued and resolve() notes it.
         if self._direct and native.eligible(tensor):
             return self._measure(tensor, key, version, stats)
         if not self.tensors:
@@ -270,7 +268,7 @@ class PendingStats:
         """Measure every held tensor now, on its device (no sync), and let go of it."""
         with torch.no_grad():
             for position, tensor in enumerate(self.tensors):
-                if tensor is None or position in self.reduced:
+                if tensor is None or position in self.reduced or not storage_holds(tensor):
                     continue
                 try:
                     self.reduced[position] = self._meter.reduce(tensor)
@@ -288,7 +286,8 @@ class PendingStats:
         """
         stats = self.add(tensor)
         position = self._index.get(id(tensor))
-        if position is not None and self.stats[position] is stats and position not in self.reduced:
+        if position is not None and self.stats[position] is stats and position not in self.reduced \
+                and storage_holds(tensor):
             with torch.no_grad():
                 try:
                     self.reduced[position] = _abs_min_max(tensor)  # no scratch: kept until resolve
