@@ -507,6 +507,9 @@ class BenchResult:
                  f"{env['cpu_count']} CPUs ({env['cpu']})", f"device {env['device']}"]
         if "gpu" in env:
             parts.append(env["gpu"])
+        if "native_kernel" in env:  # which reduction path the CPU numbers measured
+            parts.append("native kernel " + ("in use" if env["native_kernel"].startswith("native kernel in use")
+                                             else "not in use (torch path)"))
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
