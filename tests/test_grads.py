@@ -419,3 +419,21 @@ def test_plot_grad_norms_draws_one_line_per_parameter_and_marks_nonfinite() -> N
     assert any("non-finite" in str(c.get_label()) for c in axes.collections)
     empty = plot_grad_norms(pd.DataFrame(columns=GRAD_HISTORY_COLUMNS))
     assert isinstance(empty, Figure)
+
+
+def test_backward_frame_stats_are_the_gradients_abs_min_and_max(reduction_path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    seen: dict[str, torch.Tensor] = {}
+    model[2].register_full_backward_hook(lambda m, gi, go: seen.update(out=go[0].detach().clone(),
+                                                                        inp=gi[0].detach().clone()))
+    x = torch.randn(5, 4)
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        for _ in range(2):  # the first pass calibrates
+            model(x).pow(2).sum().backward()
+        frames = w.frames()
+    rows = frames[(frames.phase == "backward") & (frames.batch == 1) & (frames.module == "2")]
+    rows = rows.set_index("role")
+    for role, tensor in (("grad_output[0]", seen["out"]), ("grad_input[0]", seen["inp"])):
+        assert rows.loc[role, "abs_max"] == tensor.abs().max().item()
+        assert rows.loc[role, "abs_min"] == tensor.abs().min().item()

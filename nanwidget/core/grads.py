@@ -51,6 +51,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from . import native
 from .events import GradEvent, NanEvent
 from .frames import Entry
 from .history import History
@@ -305,13 +306,20 @@ class GradsExtension(WatchExtension):
         with torch.no_grad():
             try:
                 detached = grad.detach()
-                # [abs_min, abs_max, has_inf] on the device; no host sync, gradient not kept.
-                result = torch.cat((torch.stack(_abs_min_max(detached)).double(),
-                                    torch.isinf(detached).any().double().reshape(1)))
+                measured = native.abs_range(detached) \
+                    if native.available() and native.eligible(detached) else None
+                if measured is not None and measured[1] == measured[1]:
+                    # A CPU gradient read once by the kernel; NaN-free, so the max shows any Inf.
+                    stats.abs_min, stats.abs_max = measured
+                    stats.inf, stats.note = measured[1] == math.inf, ""
+                else:
+                    # [abs_min, abs_max, has_inf] on the device; no host sync, gradient not kept.
+                    result = torch.cat((torch.stack(_abs_min_max(detached)).double(),
+                                        torch.isinf(detached).any().double().reshape(1)))
+                    self._pending.append((stats, result))
             except Exception as error:  # exotic tensor subclass: report, never break backward
                 stats.note = f"unsupported ({type(error).__name__})"
                 return (role, stats, grad.dtype, grad.shape, stats.note)
-        self._pending.append((stats, result))
         if len(recent) >= _RECENT_GRADS:
             del recent[next(iter(recent))]
         recent[id(grad)] = (grad, grad._version, stats)
