@@ -55,9 +55,9 @@ def spy_measured(monkeypatch) -> list[torch.Tensor]:
         measured.append(tensor)
         return reduce_bits(self, tensor)
 
-    def spy_range(tensor):
+    def spy_range(tensor, out=None):
         measured.append(tensor)
-        return abs_range(tensor)
+        return abs_range(tensor, out)
 
     monkeypatch.setattr(AbsMeter, "reduce_bits", spy_bits)
     monkeypatch.setattr(native, "abs_range", spy_range)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["abs_range", "available", "eligible", "status", "MAX_ELEMENTS"]
+__all__ = ["abs_range", "available", "eligible", "result_buffer", "status", "MAX_ELEMENTS"]
 
 _SOURCE = Path(__file__).with_name("_native") / "absrange.c"
 _ABI_VERSION = 2
@@ -94,18 +94,25 @@ def _is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
-def abs_range(tensor: torch.Tensor) -> tuple[float, float]:
+def abs_range(tensor: torch.Tensor, out: ctypes.Array | None = None) -> tuple[float, float]:
     """(abs_min, abs_max) of an :func:`eligible` tensor, read once on the calling thread.
 
     A NaN anywhere makes abs_max NaN (abs_min is then the smallest non-NaN magnitude).
-    Raises RuntimeError when the kernel is not available.
+    ``out``: a :func:`result_buffer` the caller reuses (one per thread), saving an allocation
+    per call. Raises RuntimeError when the kernel is not available.
     """
     kernel = _kernel if _kernel is not None else _load()
     if kernel is None:
         raise RuntimeError(f"the native kernel is not available: {_state}")
-    out = _Pair()
+    if out is None:
+        out = _Pair()
     kernel(tensor.data_ptr(), tensor.numel(), _KINDS[tensor.dtype], out)
     return out[0], out[1]
+
+
+def result_buffer() -> ctypes.Array:
+    """A buffer for :func:`abs_range`'s ``out``; not to be shared between threads."""
+    return _Pair()
 
 
 # ------------------------------------------------------------------------------- building

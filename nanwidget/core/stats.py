@@ -195,7 +195,7 @@ class PendingStats:
     """
 
     __slots__ = ("tensors", "versions", "stats", "reduced", "_index", "_device", "_mixed_devices",
-                 "_meter", "_bytes", "_direct", "_measured", "_nan_held")
+                 "_meter", "_bytes", "_direct", "_measured", "_nan_held", "_result")
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -213,6 +213,7 @@ class PendingStats:
         self._measured: dict[int, tuple[weakref.ref, int, TensorStats]] = {}
         # Measured tensors holding a NaN, kept to the batch end to look for an Inf it hides.
         self._nan_held: list[tuple[torch.Tensor, TensorStats]] = []
+        self._result = native.result_buffer()  # callers hold the watch's lock: one is enough
 
     def __len__(self) -> int:
         return len(self.tensors) + len(self._measured)
@@ -251,7 +252,7 @@ class PendingStats:
 
     def _measure(self, tensor: torch.Tensor, key: int, version: int, stats: TensorStats) -> TensorStats:
         try:
-            low, high = native.abs_range(tensor)
+            low, high = native.abs_range(tensor, self._result)
         except Exception as error:  # never break the forward; the cell says why
             stats.note = f"unsupported ({type(error).__name__})"
             return stats
