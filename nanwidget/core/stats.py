@@ -208,7 +208,7 @@ class PendingStats:
         self._mixed_devices = False
         self._meter = AbsMeter()
         self._bytes = 0
-        self._direct = native.available()
+        self._direct = native.available()  # builds or loads the kernel now, not in the first batch
         # id -> (weak reference, version, stats) of the tensors the kernel measured this batch.
         self._measured: dict[int, tuple[weakref.ref, int, TensorStats]] = {}
         # Measured tensors holding a NaN, kept to the batch end to look for an Inf it hides.

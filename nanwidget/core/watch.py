@@ -26,7 +26,6 @@ from .events import AbortAfterBatch, NanDetected, NanEvent
 from .frames import Entry, Frame, FrameBuffer, frames_to_dataframe, non_tensor_entry
 from .history import History
 from .report import format_event_report, format_frames
-from . import native
 from .stats import PendingStats, classify, version_of
 from .walk import iter_leaves
 
@@ -225,7 +224,6 @@ class NanWatch:
                     self._forward_hook, with_kwargs=True, always_call=True))
                 _WATCHED[module] = self
             self._start_extensions()
-            native.available()  # build or load the CPU kernel now, not inside the first batch
         except BaseException:
             self.close()
             raise
