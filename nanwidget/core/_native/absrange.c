@@ -21,38 +21,22 @@
 #define NW_CLONES
 #endif
 
-NW_CLONES void nanwidget_range16(const int16_t *data, int64_t n, int64_t *out) {
-    int16_t low = INT16_MAX, high = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int16_t v = (int16_t)(data[i] & 0x7FFF);
-        low = v < low ? v : low;
-        high = v > high ? v : high;
+/* One loop per element width; the mask clears the sign bit and is also the largest pattern. */
+#define NW_DEFINE_RANGE(name, type, mask)                                                  \
+    NW_CLONES void name(const type *data, int64_t n, int64_t *out) {                       \
+        type low = (mask), high = 0;                                                       \
+        for (int64_t i = 0; i < n; i++) {                                                  \
+            type v = (type)(data[i] & (mask));                                             \
+            low = v < low ? v : low;                                                       \
+            high = v > high ? v : high;                                                    \
+        }                                                                                  \
+        out[0] = low;                                                                      \
+        out[1] = high;                                                                     \
     }
-    out[0] = low;
-    out[1] = high;
-}
 
-NW_CLONES void nanwidget_range32(const int32_t *data, int64_t n, int64_t *out) {
-    int32_t low = INT32_MAX, high = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int32_t v = data[i] & 0x7FFFFFFF;
-        low = v < low ? v : low;
-        high = v > high ? v : high;
-    }
-    out[0] = low;
-    out[1] = high;
-}
-
-NW_CLONES void nanwidget_range64(const int64_t *data, int64_t n, int64_t *out) {
-    int64_t low = INT64_MAX, high = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t v = data[i] & INT64_MAX;
-        low = v < low ? v : low;
-        high = v > high ? v : high;
-    }
-    out[0] = low;
-    out[1] = high;
-}
+NW_DEFINE_RANGE(nanwidget_range16, int16_t, INT16_MAX)
+NW_DEFINE_RANGE(nanwidget_range32, int32_t, INT32_MAX)
+NW_DEFINE_RANGE(nanwidget_range64, int64_t, INT64_MAX)
 
 /* Magnitude bit patterns back to values, as doubles (every value of these types is exact). */
 static double from_half(int64_t h) {
