@@ -6,40 +6,49 @@
     print(w.report())
 
 In a notebook: ``%load_ext nanwidget`` then ``%nanwatch model`` or a ``%%nanwatch model`` cell.
-The core imports only torch, pandas and numpy; widgets, plots and magics load on first use.
+
+Layers, top to bottom: this package (the public names), ``cli`` (command line), ``magics``
+(IPython), ``widgets`` (ipywidgets), ``plots`` (matplotlib), ``training`` (a guarded loop),
+``core`` (torch, pandas and numpy only). The notebook layers load when first used (importing
+ipywidgets and matplotlib takes seconds, and scripts and torchrun workers never need them);
+that happens in the functions below (plain imports inside them) and nowhere else.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .core import (AbortAfterBatch, GradEvent, NanDetected, NanEvent, NanWarning, NanWatch,
-                   detect_overflow)
-from .core.watch import watch
+from .core.events import AbortAfterBatch, GradEvent, NanDetected, NanEvent, NanWarning
+from .core.persist import Run, RunLoadError, load_run
+from .core.recorder import ConcurrentForwardError
+from .core.report import detect_overflow
+from .core.trace import Trace
+from .core.viewer import set_browser_opener
+from .core.watch import NanWatch, live_watches, watch
+from .training import train_with_nan_guard
 
 __version__ = "0.1.0"
 
 __all__ = [
     "watch", "NanWatch", "NanEvent", "GradEvent", "NanDetected", "NanWarning", "AbortAfterBatch",
-    "detect_overflow", "load_run", "Run", "Trace", "FrameBrowser", "train_with_nan_guard",
-    "load_ipython_extension", "unload_ipython_extension", "__version__",
+    "ConcurrentForwardError", "detect_overflow", "load_run", "Run", "RunLoadError", "Trace",
+    "FrameBrowser", "train_with_nan_guard", "live_watches", "load_ipython_extension",
+    "unload_ipython_extension", "__version__",
 ]
 
-# Names served lazily: they pull in optional layers (ipywidgets, pyarrow) or later modules.
-_LAZY = {
-    "FrameBrowser": ("nanwidget.widgets", "FrameBrowser"),
-    "Trace": ("nanwidget.core.replay", "Trace"),
-    "load_run": ("nanwidget.core.persist", "load_run"),
-    "Run": ("nanwidget.core.persist", "Run"),
-    "train_with_nan_guard": ("nanwidget.core.grads", "train_with_nan_guard"),
-}
+
+def _open_browser(source: Any) -> Any:
+    from .widgets import FrameBrowser
+    return FrameBrowser(source)
+
+
+set_browser_opener(_open_browser)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-        module_name, attribute = _LAZY[name]
-        return getattr(importlib.import_module(module_name), attribute)
+    if name == "FrameBrowser":
+        from .widgets import FrameBrowser
+        return FrameBrowser
     raise AttributeError(f"module 'nanwidget' has no attribute {name!r}")
 
 

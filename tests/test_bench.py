@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from nanwidget import bench
+from nanwidget.cli import benchmark as bench
 from nanwidget.cli import main
 
 transformers = pytest.importorskip(

@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import nanwidget as nw
-from nanwidget.core import distributed
-from nanwidget.core.distributed import RemoteNanEvent
+from nanwidget.core import consensus as distributed
 
 from conftest import TinyMLP, hook_count
 
@@ -67,8 +66,12 @@ def test_nan_on_rank_1_stops_both_ranks_at_the_same_batch(ddp_nan_run):
     for rank in (0, 1):
         assert results[rank]["exception"] == "NanDetected"
         assert results[rank]["stopped_at"] == 3 and results[rank]["last_batch"] == 2
-        assert (results[rank]["event_rank"], results[rank]["event_batch"]) == (1, 3)
-        assert (results[rank]["module"], results[rank]["origin"]) == ("norm", "output")
+        assert (results[rank]["event_rank"], results[rank]["event_batch"]) == (rank, 3)
+        assert results[rank]["module"] == "norm"
+    # Rank 1 found it; rank 0 stopped with it, and each recorded the event it raised.
+    assert (results[1]["origin"], results[1]["peer_rank"]) == ("output", None)
+    assert (results[0]["origin"], results[0]["peer_rank"]) == ("peer", 1)
+    assert results[0]["recorded"] == [[0, "peer"]] and results[1]["recorded"] == [[1, "output"]]
     assert "found on rank 1; rank 0 stops with it" in results[0]["message"]
     assert "on rank 1" in results[1]["message"] and "stops with it" not in results[1]["message"]
     # DDP's wrapper is unwrapped: the user's names, no "module." prefix.
@@ -80,7 +83,9 @@ def test_load_run_merges_both_ranks_and_finds_the_event_on_rank_1(ddp_nan_run):
     _, log_dir = ddp_nan_run
     run = nw.load_run(log_dir)
     assert run.ranks == [0, 1] and run.world_size == 2
-    assert [(e.rank, e.batch, e.module, e.kind) for e in run.events] == [(1, 3, "norm", "nan")]
+    assert [(e.rank, e.batch, e.module, e.kind, e.origin, e.peer_rank) for e in run.events] == [
+        (1, 3, "norm", "nan", "output", None), (0, 3, "norm", "nan", "peer", 1)]
+    assert run.event.rank == 1
     history = run.history()
     assert set(history["rank"]) == {0, 1}
     assert set(history.loc[history["rank"] == 0, "batch"]) == {0, 1, 2, 3}
@@ -150,7 +155,7 @@ def test_watching_ddp_records_the_users_module_names(single_rank_group):
         assert watch.module_names == ["", "fc1", "act", "fc2", "head"]
         assert set(watch.frames(batch=0)["module"]) == {"", "fc1", "act", "fc2", "head"}
         # World size 1: nothing to agree on, so no per-batch all-reduce rides along.
-        assert watch._extension("distributed") is None
+        assert watch.parts.consensus is None
     assert hook_count(model) == 0 and hook_count(ddp) == 0
 
 
@@ -162,15 +167,15 @@ def test_data_parallel_is_refused_with_a_pointer_to_ddp():
 def test_consensus_can_be_switched_off(tiny_mlp, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun, before init_process_group
     with nw.watch(tiny_mlp) as watch:
-        assert watch._extension("distributed") is not None
+        assert watch.parts.consensus is not None
     monkeypatch.setenv("NANWIDGET_CONSENSUS", "0")
     with nw.watch(tiny_mlp) as watch:
-        assert watch._extension("distributed") is None
+        assert watch.parts.consensus is None
     monkeypatch.delenv("NANWIDGET_CONSENSUS")
     distributed.set_consensus(False)
     try:
         with nw.watch(tiny_mlp) as watch:
-            assert watch._extension("distributed") is None
+            assert watch.parts.consensus is None
     finally:
         distributed.set_consensus(None)
     assert distributed.consensus_enabled()
@@ -180,12 +185,12 @@ def test_consensus_waits_for_nothing_without_a_process_group(tiny_mlp, monkeypat
     monkeypatch.setenv("WORLD_SIZE", "2")
     with nw.watch(tiny_mlp) as watch:
         tiny_mlp(torch.randn(4, 16))  # no group initialised: the flag exchange is skipped
-        assert watch._extension("distributed").exchanges == 0
+        assert watch.parts.consensus.exchanges == 0
 
 
-def test_remote_event_names_the_rank_that_found_it():
-    event = RemoteNanEvent(batch=3, module="norm", module_type="Standardize", call=0,
-                           role="output", kind="nan", origin="output", rank=0, stopped_rank=1)
+def test_peer_event_names_the_rank_that_found_it():
+    event = nw.NanEvent(batch=3, module="norm", module_type="Standardize", call=0,
+                        role="output", kind="nan", origin="peer", rank=1, peer_rank=0)
     text = event.summary()
     assert text.startswith("nan in batch 3 on rank 0 at module 'norm'")
     assert text.endswith("(found on rank 0; rank 1 stops with it)")

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import nanwidget as nw
-from nanwidget.core import grads as grads_module
-from nanwidget.core.grads import GRAD_HISTORY_COLUMNS
+from nanwidget.core.grads import norms as grads_module
+from nanwidget.core.schema import GRAD_HISTORY_COLUMNS
 from tests.conftest import hook_count
 from tests.test_hot_path import count_syncs
 
@@ -136,7 +136,7 @@ def test_residual_add_in_place_is_found_by_calibration_and_training_works() -> N
             _step(model, x)
         frames = w.frames()
         assert set(frames[frames.phase == "backward"].module) == {"", "out"}
-        assert "fc" in w._extension("grads").skipped
+        assert "fc" in w.parts.backward.skipped
 
 
 def test_in_place_write_missed_by_calibration_fails_one_forward_then_recalibrates() -> None:
@@ -285,7 +285,7 @@ def test_grad_history_is_bounded_and_keeps_early_batches_merged(monkeypatch: pyt
             (model(x).sum() * (step + 1)).backward()
             w.check_grad_norms()
         history = w.grad_history()
-        window = w._extension("grads").history.window  # doubles as the windows merge
+        window = w.parts.grads.history.window  # doubles as the windows merge
     n_params = 2
     # At most the full-resolution batches (plus one window about to be merged) and 4 windows.
     assert len(history) <= (10 + window + 4) * n_params

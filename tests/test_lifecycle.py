@@ -49,7 +49,7 @@ def test_hooks_removed_on_keyboard_interrupt_inside_forward(tiny_mlp):
     assert "fc1" in set(w.frames().module)
 
 
-def test_watch_survives_an_interrupted_forward_and_keeps_counting(tiny_mlp):
+def test_an_interrupted_forward_keeps_its_frames_in_its_own_batch(tiny_mlp):
     def interrupt_once(module, args, output, state={"done": False}):
         if not state["done"]:
             state["done"] = True
@@ -60,12 +60,14 @@ def test_watch_survives_an_interrupted_forward_and_keeps_counting(tiny_mlp):
         with pytest.raises(KeyboardInterrupt):
             tiny_mlp(torch.randn(2, 16))
         tiny_mlp(torch.randn(2, 16))
-        assert w.batch == 1
+        assert w.batch == 2 and w.interrupted_batches == [0]
         frames = w.frames()
     handle.remove()
-    batch0 = frames[frames.batch == 0].drop_duplicates("frame")
-    # The interrupted call's fc1/act/fc2 frames, then the full second forward.
-    assert batch0.module.tolist()[-6:] == ["fc1", "act", "fc2", "act", "head", ""]
+    per_batch = {b: group.drop_duplicates("frame").module.tolist()
+                 for b, group in frames.groupby("batch")}
+    # The interrupted call stopped inside fc2 (KeyboardInterrupt skips every hook after it).
+    assert per_batch[0] == ["fc1", "act"]
+    assert per_batch[1] == ["fc1", "act", "fc2", "act", "head", ""]
 
 
 def test_forward_that_raises_still_records_and_propagates_the_users_error():
@@ -137,7 +139,7 @@ def test_bad_options_raise_one_clear_error_and_leave_no_hooks(tiny_mlp, options,
     assert hook_count(tiny_mlp) == 0
 
 
-def test_concurrent_forwards_from_threads_do_not_crash_or_corrupt_frames():
+def test_watched_models_in_parallel_threads_keep_their_frames_apart():
     models = [TinyMLP() for _ in range(2)]
     watches = [nw.watch(m, on_nan="record", max_frames=10_000) for m in models]
     errors = []
@@ -149,7 +151,7 @@ def test_concurrent_forwards_from_threads_do_not_crash_or_corrupt_frames():
         except Exception as error:  # pragma: no cover - the assertion below reports it
             errors.append(error)
 
-    threads = [threading.Thread(target=run, args=(m,)) for m in models for _ in range(2)]
+    threads = [threading.Thread(target=run, args=(m,)) for m in models]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -157,13 +159,48 @@ def test_concurrent_forwards_from_threads_do_not_crash_or_corrupt_frames():
     for w in watches:
         frames = w.frames()
         w.close()
-        assert w.batch == 50
+        assert w.batch == 25
         assert not frames[["nan", "inf"]].any().any()
         assert (frames.note == "").all()
-        # Every frame is whole: a Linear frame has weight, bias, input and output.
+        # Every frame is whole and in its own batch: 6 frames per forward, 4 rows per Linear.
+        assert set(frames.groupby("batch")["frame"].nunique()) == {6}
         linear = frames[frames.module_type == "Linear"].groupby(["batch", "frame"]).size()
         assert set(linear) == {4}
     assert not errors
+
+
+def test_a_second_thread_entering_a_running_watched_forward_gets_a_clear_error():
+    model = TinyMLP()
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(module, args, output):
+        inside.set()
+        release.wait(10)
+
+    handle = model.fc2.register_forward_hook(hold)
+    caught = []
+
+    def second():
+        inside.wait(10)
+        try:
+            model(torch.randn(4, 16))
+        except nw.ConcurrentForwardError as error:
+            caught.append(error)
+        finally:
+            release.set()
+
+    with nw.watch(model, max_frames=100) as w:
+        other = threading.Thread(target=second)
+        other.start()
+        model(torch.randn(4, 16))  # runs in this thread, held inside fc2 until the other tried
+        other.join()
+        handle.remove()
+        model(torch.randn(4, 16))
+        frames = w.frames()
+    assert len(caught) == 1 and "one forward at a time" in str(caught[0])
+    # The refused call recorded nothing: both batches hold exactly one whole forward each.
+    assert w.batch == 2
+    assert frames.groupby("batch")["frame"].nunique().to_dict() == {0: 6, 1: 6}
 
 
 def test_forward_called_while_handling_an_exception_still_raises_nan_detected(tiny_mlp):

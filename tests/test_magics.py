@@ -222,7 +222,7 @@ def test_live_status_reports_at_most_once_per_interval():
     status = LiveStatus("m", lines.append, interval=0.25, clock=lambda: now[0])
     model = TinyMLP()
     with nw.watch(model) as watch:
-        watch.extensions.append(status)
+        watch.add_feature(status)
         for _ in range(20):
             model(torch.randn(2, 16))
             now[0] += 0.05  # 20 batches over one second

@@ -18,6 +18,7 @@ import torch
 import nanwidget as nw
 from nanwidget.cli import main as cli_main
 from nanwidget.core import persist
+from nanwidget.core.persist import tables as persist_tables
 from nanwidget.core.persist import RunLoadError, load_run
 
 from conftest import TinyMLP
@@ -60,9 +61,17 @@ def test_single_process_recording_round_trips_frames_history_and_events(tiny_mlp
     assert isinstance(run.frames().loc[0, "shape"], tuple)
 
 
-def test_recording_without_pyarrow_falls_back_to_json_tables(tiny_mlp, tmp_path, monkeypatch):
-    monkeypatch.setattr(persist, "_pq", None)
-    monkeypatch.setattr(persist, "_pa", None)
+@pytest.fixture
+def json_tables():
+    """Tables written as JSON, as on a machine without pyarrow."""
+    persist.use_parquet(False)
+    try:
+        yield
+    finally:
+        persist.use_parquet(True)
+
+
+def test_recording_without_pyarrow_falls_back_to_json_tables(tiny_mlp, tmp_path, json_tables):
     watch = _train_with_nan(tiny_mlp, tmp_path, trace_batches=[0])
     watch.close()
     files = sorted(p.name for p in (tmp_path / "rank-00000").iterdir())
@@ -172,7 +181,7 @@ def test_damaged_recording_raises_run_load_error_naming_the_file(tmp_path, damag
         meta["batch"] = "three"
         (rank_dir / culprit).write_text(json.dumps(meta))
     elif damage == "column of the wrong type":
-        persist.write_table(rank_dir / "history-000001", {"batch": ["a"], "module": ["x"]})
+        persist_tables.write_table(rank_dir / "history-000001", {"batch": ["a"], "module": ["x"]})
     with pytest.raises(RunLoadError, match=culprit.replace(".", r"\.")) as caught:
         load_run(tmp_path)
     assert isinstance(caught.value, ValueError)
@@ -275,3 +284,49 @@ def test_browse_opens_the_frame_browser_on_a_loaded_run(tiny_mlp, tmp_path):
     assert type(browser).__name__ == "FrameBrowser"
     assert "nw-browser" in browser._dom_classes
     assert "nan in batch 3 at module 'fc1'" in browser.status.value
+
+
+class _SqrtBetweenLayers(torch.nn.Module):
+    """A functional op between two modules makes the NaN: only a replay names it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(6, 8)
+        self.second = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.sqrt(self.first(x) - 5))
+
+
+def test_a_replay_on_nan_event_is_written_with_its_trace(tmp_path):
+    torch.manual_seed(0)
+    model = _SqrtBetweenLayers()
+    watch = nw.watch(model, log_dir=str(tmp_path), replay_on_nan=True, on_nan="record")
+    with watch:
+        model(torch.randn(4, 6))
+    live = watch.event.trace
+    assert live is not None and live.first_bad["op"] == "sqrt"
+    run = load_run(tmp_path)
+    loaded = run.event.trace
+    assert loaded is not None
+    assert loaded.first_bad["op"] == "sqrt" and loaded.first_bad["source"] == live.first_bad["source"]
+    pd.testing.assert_frame_equal(loaded.ops, live.ops, check_dtype=False)
+    pd.testing.assert_frame_equal(loaded.frames, live.frames)
+    pd.testing.assert_frame_equal(loaded.first_bad_tensors, live.first_bad_tensors,
+                                  check_dtype=False)
+    assert loaded.summary() == live.summary()
+    assert "first bad op sqrt" in run.event.summary()
+    assert "First non-finite op: sqrt" in run.report()
+
+
+def test_an_event_whose_trace_file_points_elsewhere_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = _SqrtBetweenLayers()
+    with nw.watch(model, log_dir=str(tmp_path), replay_on_nan=True, on_nan="record"):
+        model(torch.randn(4, 6))
+    event_file = tmp_path / "rank-00000" / "event-000000.json"
+    meta = json.loads(event_file.read_text())
+    meta["trace"]["ops_file"] = "../../elsewhere.parquet"
+    event_file.write_text(json.dumps(meta))
+    with pytest.raises(RunLoadError, match="ops_file"):
+        load_run(tmp_path)

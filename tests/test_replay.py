@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 import nanwidget as nw
-from nanwidget.core.replay import (BatchNotHeldError, InputModifiedError, ReplayError, Trace,
-                                   enable_weight_snapshots, held_batches, make_extension)
+from nanwidget.core.replay import BatchNotHeldError, InputModifiedError, ReplayError, Trace
 
 
 def line_of(function, marker: str) -> str:
@@ -339,7 +338,7 @@ def test_weight_snapshots_make_a_replay_after_optimizer_steps_faithful():
     model = NormDropNet().train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     with nw.watch(model, trace_batches=[1], on_nan="record") as w:
-        enable_weight_snapshots(w)
+        w.set_weight_snapshots()
         for _ in range(3):
             optimizer.zero_grad()
             model(torch.randn(8, 6)).square().mean().backward()
@@ -364,7 +363,7 @@ def test_replay_after_optimizer_step_says_weights_changed():
     assert trace.weights_changed
     assert trace.changed_weights == ["fc.weight", "fc.bias"]
     assert "Weights changed since batch 0" in trace.report()
-    assert "enable_weight_snapshots" in trace.report()
+    assert "snapshot_weights=True" in trace.report()
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -401,7 +400,7 @@ def test_batch_not_held_lists_the_held_batches():
         for _ in range(5):
             model(torch.rand(2, 6))  # finite: no event batches pinned
         assert w.events == []
-        assert held_batches(w) == [1, 3, 4]
+        assert w.held_batches() == [1, 3, 4]
         with pytest.raises(BatchNotHeldError, match=r"batch 0 is not held.*held batches: 1, 3, 4"):
             w.replay(0)
 
@@ -413,15 +412,14 @@ def test_event_batches_stay_held_beyond_keep_batches():
         for _ in range(3):
             model(torch.rand(2, 6))
         assert [e.batch for e in w.events] == [0]
-        assert held_batches(w) == [0, 3]
+        assert w.held_batches() == [0, 3]
         assert w.replay(0).first_bad["op"] == "sqrt"
 
 
 def test_no_capture_when_nothing_is_kept():
     model = SqrtBetweenLayers()
     with nw.watch(model, keep_batches=0) as w:
-        assert w._extension("replay") is None
-        assert make_extension(w) is None
+        assert w.parts.capture is None and w.parts.replayer is None
         with pytest.raises(ReplayError, match="keep_batches=0"):
             w.replay(0)
 
@@ -431,7 +429,7 @@ def test_held_inputs_are_references_not_copies():
     x = torch.rand(2, 6)
     with nw.watch(model, on_nan="record") as w:
         model(x)
-        held = w._extension("replay").held[0].forwards[0]
+        held = w.parts.capture.held[0].forwards[0]
     assert held.args[0] is x
 
 

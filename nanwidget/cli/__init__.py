@@ -7,14 +7,16 @@ and ``run(args) -> int``; this file only dispatches.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from types import ModuleType
 
-COMMANDS = {
-    "demo": "train a built-in model until it diverges, catch the NaN, print the report",
-    "report": "print the events and reports recorded in a log_dir",
-    "bench": "step-time ratios against the unwatched baseline and the peers",
-    "distcheck": "under torchrun: all-reduce, barrier and device check on every rank",
+from . import bench, demo, distcheck, report
+
+COMMANDS: dict[str, tuple[ModuleType, str]] = {
+    "demo": (demo, "train a built-in model until it diverges, catch the NaN, print the report"),
+    "report": (report, "print the events and reports recorded in a log_dir"),
+    "bench": (bench, "step-time ratios against the unwatched baseline and the peers"),
+    "distcheck": (distcheck, "under torchrun: all-reduce, barrier and device check on every rank"),
 }
 
 
@@ -22,14 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m nanwidget",
                                      description="Find the first NaN/Inf in a PyTorch model.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in COMMANDS.items():
+    for name, (module, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            module = importlib.import_module(f"nanwidget.cli.{name}")
-        except ModuleNotFoundError as error:
-            if error.name != f"nanwidget.cli.{name}":
-                raise
-            continue
         module.add_arguments(command_parser)
         command_parser.set_defaults(_module=module)
     return parser
@@ -39,10 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m nanwidget`` and the ``nanwidget`` script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    module = getattr(args, "_module", None)
-    if module is None:
-        parser.error(f"'{args.command}' is not available in this build")
-    return int(module.run(args) or 0)
+    return int(args._module.run(args) or 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,7 +3,7 @@
 Columns: nanwidget's default watch (``on_nan="record"``), the forum recipe of a forward hook on
 every module checking ``isnan().any() or isinf().any()``, transformers' DebugUnderflowOverflow
 (when transformers is installed) and ``torch.autograd.detect_anomaly`` (train steps only: it
-checks nothing in a no-grad forward). The harness lives in :mod:`nanwidget.bench`.
+checks nothing in a no-grad forward). The harness lives in :mod:`nanwidget.cli.benchmark`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+import torch
+
+from . import benchmark
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,12 +48,8 @@ def _split(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from .. import bench
-
-    models = _split(args.models, bench.MODELS, "model")
-    modes = _split(args.modes, bench.MODES, "mode")
+    models = _split(args.models, benchmark.MODELS, "model")
+    modes = _split(args.modes, benchmark.MODES, "mode")
     rounds = args.rounds if args.rounds is not None else (3 if args.quick else 15)
     block_ms = args.block_ms if args.block_ms is not None else (20.0 if args.quick else 100.0)
     warmup = min(args.warmup, 1) if args.quick else args.warmup
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("nanwidget bench: --device cuda asked for, but torch sees no CUDA device")
-    if "gpt2" in models and not bench.transformers_available():
+    if "gpt2" in models and not benchmark.transformers_available():
         print("nanwidget bench: transformers is not installed; skipping gpt2 "
               "(pip install 'nanwidget[bench]')", file=sys.stderr)
         models.remove("gpt2")
@@ -70,18 +70,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"nanwidget bench: {rounds} interleaved rounds, blocks of ~{block_ms:g} ms, "
           f"{warmup} warm-up step(s); ratio = median over rounds of variant / baseline time",
           file=sys.stderr, flush=True)
-    result = bench.run_benchmark(models, modes, rounds=rounds, block_seconds=block_ms / 1e3,
-                                 warmup=warmup, seed=args.seed, device=args.device,
-                                 progress=progress)
+    result = benchmark.run_benchmark(models, modes, rounds=rounds, block_seconds=block_ms / 1e3,
+                                     warmup=warmup, seed=args.seed, device=args.device,
+                                     progress=progress)
     print(f"Environment: {result.format_environment()}")
     print("MultiheadAttention fast path disabled so every variant runs the same kernels; "
-          f"GPT-2 input {bench.GPT2_INPUT[0]}x{bench.GPT2_INPUT[1]} tokens.")
+          f"GPT-2 input {benchmark.GPT2_INPUT[0]}x{benchmark.GPT2_INPUT[1]} tokens.")
     print()
     print(result.format_table(markdown=args.markdown))
     print()
-    print(f"Targets (issue 2): nanwidget <= 1.10x on transformer/gpt2 train, <= 1.25x on mlp train, "
-          f"<= {bench.FORWARD_TARGET:.2f}x on every forward; nanwidget's overhead (ratio-1) at most "
-          f"{bench.OVERHEAD_SHARE_TARGET:.2f} of DebugUnderflowOverflow's (nw/DUO overhead column).")
+    print(f"Targets: nanwidget <= 1.10x on transformer/gpt2 train, <= 1.25x on mlp train, "
+          f"<= {benchmark.FORWARD_TARGET:.2f}x on every forward; nanwidget's overhead (ratio-1) at most "
+          f"{benchmark.OVERHEAD_SHARE_TARGET:.2f} of DebugUnderflowOverflow's (nw/DUO overhead column).")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(result.to_dict(), handle, indent=2)

@@ -14,6 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
+from ..core.events import ORIGIN_WORDS, NanDetected
+from ..core.watch import watch as start_watch
+from ..plots import plot_frames, plot_history
+
 DEFAULT_OUT = "nanwidget-demo"
 NOTEBOOK_HINT = "jupyter lab notebooks/01_quickstart.ipynb"
 
@@ -29,9 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_demo(seed: int = 0) -> tuple[Any, Any, Any]:
     """The seeded model and its synthetic data: inputs (512, 16), targets (512, 1)."""
-    import torch
-    from torch import nn
-
     class DemoRegressor(nn.Module):
         """16 -> 64 -> 64 -> 1 with ReLUs: small enough to train in milliseconds."""
 
@@ -60,16 +64,11 @@ def train_until_nan(model: Any, inputs: Any, targets: Any, *, lr: float, steps: 
 
     Returns the (closed) watch, the losses of the finished steps, and the NanDetected (or None).
     """
-    import torch
-    from torch import nn
-
-    import nanwidget as nw
-
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses: list[float] = []
     caught = None
-    with nw.watch(model) as watch:
+    with start_watch(model) as watch:
         try:
             for _ in range(steps):
                 index = torch.randint(0, len(inputs), (32,), generator=generator)
@@ -78,7 +77,7 @@ def train_until_nan(model: Any, inputs: Any, targets: Any, *, lr: float, steps: 
                 loss.backward()
                 optimizer.step()
                 losses.append(loss.item())  # the demo prints it; a sync per step is fine here
-        except nw.NanDetected as error:
+        except NanDetected as error:
             caught = error
     return watch, losses, caught
 
@@ -97,8 +96,6 @@ def _write_table(frame: Any, folder: Path, stem: str) -> Path:
 
 
 def _write_plots(frames: Any, history: Any, folder: Path) -> list[Path]:
-    from ..plots import plot_frames, plot_history
-
     paths = []
     every_module = int(history["module"].nunique())
     figures = (("frames", plot_frames(frames, title="abs max / abs min of the last frames")),
@@ -122,8 +119,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"nanwidget demo: no NaN/Inf in {len(losses)} steps at lr={args.lr:g} "
               f"(last loss {losses[-1]:.3g}); try a larger --lr")
         return 1
-    from ..core.events import ORIGIN_WORDS
-
     event = caught.event
     growth = f"{losses[0]:.3g} -> {max(losses):.3g}" if losses else "n/a"
     print(f"nanwidget demo: loss diverged at lr={args.lr:g} ({growth} in {len(losses)} steps); "

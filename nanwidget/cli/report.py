@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..core.persist import RunLoadError, load_run
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("log_dir", metavar="LOG_DIR", help="directory given to watch(log_dir=...)")
@@ -12,7 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..core.persist import RunLoadError, load_run
     try:
         recording = load_run(args.log_dir)
     except RunLoadError as error:

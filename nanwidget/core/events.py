@@ -1,16 +1,16 @@
-"""What the watch reports: events, and the exceptions that stop a run."""
+"""What a watch reports: events, and the exceptions and warnings that stop or flag a run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import pandas as pd
 
-__all__ = ["NanEvent", "GradEvent", "NanDetected", "AbortAfterBatch", "ORIGIN_WORDS"]
+from .schema import EVENT_FIELDS, FRAME_COLUMNS
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .replay import Trace
+__all__ = ["NanEvent", "GradEvent", "NanDetected", "NanWarning", "AbortAfterBatch",
+           "ORIGIN_WORDS", "event_fields", "event_from_fields"]
 
 ORIGIN_WORDS = {
     "output": "made here from finite inputs and weights",
@@ -18,12 +18,18 @@ ORIGIN_WORDS = {
              "between modules)",
     "weight": "a parameter or buffer of this module is non-finite",
     "grad": "found in a gradient",
+    "peer": "another rank found a NaN/Inf in this batch; this rank stops with it",
 }
 
 
 @dataclass
 class NanEvent:
-    """The first non-finite value of one batch: where it was seen and where it came from."""
+    """The first non-finite value of one batch: where it was seen and where it came from.
+
+    ``trace`` is a :class:`~nanwidget.core.trace.Trace` when the batch was replayed
+    (``replay_on_nan=True``), else None. ``peer_rank`` is set when ``origin == "peer"``: the
+    rank whose NaN/Inf made this one stop; the other fields then describe that rank's event.
+    """
 
     batch: int
     module: str
@@ -31,12 +37,14 @@ class NanEvent:
     call: int
     role: str
     kind: str  # "nan" | "inf" | "nan+inf"
-    origin: str  # "output" | "input" | "weight" | "grad"
+    origin: str  # "output" | "input" | "weight" | "grad" | "peer"
     is_backward: bool = False
-    frames: pd.DataFrame = field(default_factory=pd.DataFrame, repr=False)
+    frames: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=FRAME_COLUMNS),
+                                 repr=False)
     rank: int = 0
-    trace: Trace | None = field(default=None, repr=False)
+    trace: Any = field(default=None, repr=False)
     frame: int = 0  # index of the event's own frame within its batch
+    peer_rank: int | None = None
 
     @property
     def module_label(self) -> str:
@@ -46,17 +54,38 @@ class NanEvent:
     def summary(self) -> str:
         """One line naming batch, module, role, kind and origin."""
         phase = " (backward)" if self.is_backward else ""
+        if self.origin == "peer":
+            return (f"{self.kind} in batch {self.batch} on rank {self.peer_rank}{phase} at module "
+                    f"'{self.module_label}' ({self.module_type}, call {self.call}), {self.role} "
+                    f"(found on rank {self.peer_rank}; rank {self.rank} stops with it)")
         rank = f" on rank {self.rank}" if self.rank else ""
         text = (f"{self.kind} in batch {self.batch}{rank}{phase} at module '{self.module_label}' "
                 f"({self.module_type}, call {self.call}), {self.role}: "
                 f"{ORIGIN_WORDS.get(self.origin, self.origin)}")
-        if self.trace is not None and getattr(self.trace, "first_bad", None) is not None:
-            first = self.trace.first_bad
+        first = getattr(self.trace, "first_bad", None)
+        if first is not None:
             text += f"; first bad op {first['op']} at {first['source']}"
         return text
 
     def _repr_html_(self) -> str:  # pragma: no cover - notebook nicety
-        return f"<b>NanEvent</b>: {self.summary()}"
+        import html
+        return f"<b>NanEvent</b>: {html.escape(self.summary())}"
+
+
+def event_fields(event: NanEvent) -> dict[str, Any]:
+    """The plain fields of ``event`` (:data:`~nanwidget.core.schema.EVENT_FIELDS`, plus
+    ``peer_rank``): what is written to disk and sent to other ranks."""
+    fields = {name: getattr(event, name) for name in EVENT_FIELDS}
+    fields["peer_rank"] = event.peer_rank
+    return fields
+
+
+def event_from_fields(fields: dict[str, Any], frames: pd.DataFrame | None = None,
+                      trace: Any = None) -> NanEvent:
+    """Rebuild an event from :func:`event_fields` (already checked by the caller)."""
+    values = {name: fields[name] for name in EVENT_FIELDS}
+    return NanEvent(frames=frames if frames is not None else pd.DataFrame(columns=FRAME_COLUMNS),
+                    trace=trace, peer_rank=fields.get("peer_rank"), **values)
 
 
 @dataclass
@@ -78,9 +107,15 @@ class NanDetected(FloatingPointError):
         super().__init__(f"nanwidget: {event.summary()}")
 
 
+class NanWarning(RuntimeWarning):
+    """Issued for each event when ``on_nan="warn"``."""
+
+
 class AbortAfterBatch(RuntimeError):
     """Raised once the batch given as ``abort_after`` has finished."""
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, abort_after: int | None = None) -> None:
         self.batch = batch
-        super().__init__(f"nanwidget: stopping after batch {batch} (abort_after={batch})")
+        self.abort_after = batch if abort_after is None else abort_after
+        super().__init__(f"nanwidget: stopping after batch {batch} "
+                         f"(abort_after={self.abort_after})")

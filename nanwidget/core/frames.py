@@ -1,28 +1,24 @@
 """The frame: one module call and every tensor it touched. The one data model of nanwidget.
 
-Hooks build :class:`Frame` objects whose entries point at :class:`TensorStats` that are filled
-when the batch resolves; everything downstream (events, report, history, plots, widgets,
-persistence) reads frames through :func:`frames_to_dataframe`.
+Hooks build :class:`Frame` objects whose entries point at stats that are filled when the batch
+resolves; everything downstream (events, report, history, plots, widgets, persistence) reads
+frames through :func:`frames_to_dataframe`, whose columns are
+:data:`~nanwidget.core.schema.FRAME_COLUMNS`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
 
 import pandas as pd
 
-from .stats import TensorStats
+from .entries import Entry
+from .schema import FRAME_COLUMNS, FRAME_DTYPES, empty_table
 
-__all__ = ["Frame", "FrameBuffer", "FRAME_COLUMNS", "frames_to_dataframe", "empty_frames",
-           "non_tensor_entry"]
+__all__ = ["Frame", "FrameBuffer", "frames_to_dataframe", "empty_frames"]
 
-FRAME_COLUMNS = ["rank", "batch", "frame", "module", "module_type", "call", "phase", "role",
-                 "dtype", "shape", "abs_min", "abs_max", "nan", "inf", "note"]
-
-# One entry: (role, stats or None, dtype, shape, note). A tuple keeps the hook cheap.
-Entry = tuple[str, "TensorStats | None", Any, Any, str]
+_NAN = float("nan")
 
 
 class Frame:
@@ -32,7 +28,7 @@ class Frame:
                  "first_output")
 
     def __init__(self, rank: int, batch: int, index: int, module: str, module_type: str,
-                 call: int, phase: str, entries: list[Entry]) -> None:
+                 call: int, phase: str, entries: list[Entry], first_output: int | None = None) -> None:
         self.rank = rank
         self.batch = batch
         self.index = index
@@ -41,47 +37,43 @@ class Frame:
         self.call = call
         self.phase = phase
         self.entries = entries
-        # Entries from here on are the outputs (forward frames); set by the recorder.
-        self.first_output = len(entries)
+        # Entries from here on are the outputs (forward frames); backward frames have none.
+        self.first_output = len(entries) if first_output is None else first_output
 
     def nonfinite_entries(self) -> list[Entry]:
+        """Entries whose tensor holds a NaN or an Inf."""
         return [e for e in self.entries if e[1] is not None and (e[1].nan or e[1].inf)]
 
-    def rows(self) -> Iterable[tuple]:
+    def rows(self) -> Iterator[tuple]:
+        """One tuple per entry, in :data:`FRAME_COLUMNS` order."""
         head = (self.rank, self.batch, self.index, self.module, self.module_type, self.call,
                 self.phase)
         for role, stats, dtype, shape, note in self.entries:
             dtype_name = str(dtype).replace("torch.", "") if dtype is not None else ""
             shape_tuple = tuple(shape) if shape is not None else ()
             if stats is None:
-                yield head + (role, dtype_name, shape_tuple, float("nan"), float("nan"),
-                              False, False, note)
+                yield head + (role, dtype_name, shape_tuple, _NAN, _NAN, False, False, note)
             else:
                 yield head + (role, dtype_name, shape_tuple, stats.abs_min, stats.abs_max,
-                              stats.nan, stats.inf, stats.note if stats.note != "pending" else "pending")
+                              stats.nan, stats.inf, stats.note)
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return (f"Frame(batch={self.batch}, index={self.index}, module={self.module!r}, "
                 f"call={self.call}, phase={self.phase!r}, entries={len(self.entries)})")
 
 
-def non_tensor_entry(role: str, leaf: Any) -> Entry:
-    """The entry of a leaf that is not a tensor: no stats, a note saying what it is."""
-    return (role, None, None, None, "None" if leaf is None else "not a tensor")
-
-
 def empty_frames() -> pd.DataFrame:
     """A frames DataFrame with the contract's columns and no rows."""
-    return frames_to_dataframe([])
+    return empty_table(FRAME_COLUMNS, FRAME_DTYPES)
 
 
 def frames_to_dataframe(frames: Iterable[Frame]) -> pd.DataFrame:
     """Tidy DataFrame, one row per tensor seen, columns as in the contract."""
     rows = [row for frame in frames for row in frame.rows()]
+    if not rows:
+        return empty_frames()
     table = pd.DataFrame.from_records(rows, columns=FRAME_COLUMNS)
-    return table.astype({"rank": "int64", "batch": "int64", "frame": "int64", "call": "int64",
-                         "abs_min": "float64", "abs_max": "float64", "nan": "bool",
-                         "inf": "bool"})
+    return table.astype({name: dtype for name, dtype in FRAME_DTYPES.items() if dtype != "object"})
 
 
 class FrameBuffer:
@@ -101,7 +93,7 @@ class FrameBuffer:
         earlier = list(self._frames)[-missing:] if missing > 0 else []
         return earlier + own
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Frame]:
         return iter(list(self._frames))
 
     def __len__(self) -> int:
@@ -109,3 +101,4 @@ class FrameBuffer:
 
     def clear(self) -> None:
         self._frames.clear()
+

@@ -14,10 +14,15 @@ import math
 import numpy as np
 import pandas as pd
 
-__all__ = ["History", "HISTORY_COLUMNS"]
+from .schema import HISTORY_COLUMNS, HISTORY_DTYPES, empty_table
 
-HISTORY_COLUMNS = ["rank", "batch", "batch_end", "module", "module_type", "abs_max", "abs_min",
-                   "nonfinite"]
+__all__ = ["History", "empty_history"]
+
+
+def empty_history() -> pd.DataFrame:
+    """A history DataFrame with the contract's columns and no rows."""
+    return empty_table(HISTORY_COLUMNS, HISTORY_DTYPES)
+
 
 _SEEN, _NONFINITE = 1, 2
 _WRITE_EVERY = 64  # closed batches buffered before one vectorised write
@@ -238,8 +243,6 @@ class History:
                 "abs_max": abs_max, "abs_min": abs_min, "nonfinite": nonfinite,
             }))
         if not parts:
-            return pd.DataFrame({c: pd.Series(dtype=t) for c, t in zip(
-                HISTORY_COLUMNS, ["int64", "int64", "int64", "object", "object", "float64",
-                                  "float64", "bool"])})
+            return empty_history()
         table = pd.concat(parts, ignore_index=True)
         return table[HISTORY_COLUMNS].astype({"rank": "int64"})

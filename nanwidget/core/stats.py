@@ -17,9 +17,10 @@ from collections.abc import Iterable
 import torch
 
 from . import native
+from .schema import CHANGED_LATER, PENDING
 
 __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of",
-           "storage_holds"]
+           "storage_holds", "measure_tensor", "inf_flags"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
@@ -30,6 +31,7 @@ _SLICE_ELEMENTS = 1 << 24
 # every layer's output alive until the batch ends.
 PENDING_BYTES_LIMIT = 1 << 28
 _SCRATCH_MIN_ELEMENTS = 1 << 18  # below this a fresh allocation is as cheap as a scratch view
+_RECENT_TRANSIENT = 8  # transient tensors remembered, to measure one shared by two frames once
 
 # Integer types of the same width: the view under which |x| is reduced.
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
@@ -47,7 +49,7 @@ class TensorStats:
         self.nan: bool = False
         self.inf: bool = False
         # "" once resolved; "pending" until then; otherwise why there are no stats.
-        self.note: str = "pending"
+        self.note: str = PENDING
 
     @property
     def nonfinite(self) -> bool:
@@ -114,9 +116,34 @@ def dtype_max(dtype: torch.dtype | str) -> float:
     return math.inf
 
 
-def _abs_min_max(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device scalars (abs_min, abs_max) without a scratch buffer; see :class:`AbsMeter`."""
-    return _PLAIN_METER.reduce(tensor)
+def inf_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor holds an Inf: the second look for tensors that hold a NaN, whose
+    abs max (NaN) hides any Inf. One host copy for all of them; only NaN batches pay for it."""
+    if not tensors:
+        return []
+    with torch.no_grad():
+        found = [torch.isinf(tensor.detach()).any() for tensor in tensors]
+        if len({flag.device for flag in found}) > 1:
+            found = [flag.cpu() for flag in found]
+        return [bool(flag) for flag in torch.stack(found).tolist()]
+
+
+def measure_tensor(tensor: torch.Tensor, meter: AbsMeter | None = None) -> TensorStats:
+    """Stats of one measurable tensor right now, with a host sync: the slow path for replays
+    and tests, never for hooks. NaN hides Inf from the max, so a NaN tensor gets a second look."""
+    stats = TensorStats()
+    try:
+        low, high = (meter or _PLAIN_METER).measure(tensor)
+    except Exception as error:  # an exotic subclass: say so, never break the caller
+        stats.note = f"unsupported ({type(error).__name__})"
+        return stats
+    stats.note = ""
+    if high != high or low != low:
+        stats.nan = True
+        stats.inf = inf_flags([tensor])[0]
+    else:
+        stats.abs_min, stats.abs_max, stats.inf = low, high, high == math.inf
+    return stats
 
 
 class AbsMeter:
@@ -195,7 +222,8 @@ class PendingStats:
     """
 
     __slots__ = ("tensors", "versions", "stats", "reduced", "_index", "_device", "_mixed_devices",
-                 "_meter", "_bytes", "_direct", "_measured", "_nan_held", "_result")
+                 "_meter", "_bytes", "_direct", "_measured", "_nan_held", "_result", "_transient",
+                 "_recent")
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -214,9 +242,15 @@ class PendingStats:
         # Measured tensors holding a NaN, kept to the batch end to look for an Inf it hides.
         self._nan_held: list[tuple[torch.Tensor, TensorStats]] = []
         self._result = native.result_buffer()  # callers hold the watch's lock: one is enough
+        # Tensors not to be held (gradients): [abs_min, abs_max, has_inf] reduced on their
+        # device at once, read back at resolve() with the rest.
+        self._transient: list[tuple[TensorStats, torch.Tensor]] = []
+        # id -> (weak reference, version, stats) of the last few transient tensors: a module's
+        # grad_input is usually the next module's grad_output, measured once.
+        self._recent: dict[int, tuple[weakref.ref, int, TensorStats]] = {}
 
     def __len__(self) -> int:
-        return len(self.tensors) + len(self._measured)
+        return len(self.tensors) + len(self._measured) + len(self._transient)
 
     def add(self, tensor: torch.Tensor) -> TensorStats:
         """Measure or queue ``tensor`` (already classified as measurable); return its stats."""
@@ -279,6 +313,46 @@ class PendingStats:
         self._index.clear()  # a released tensor seen again is simply measured again
         self._bytes = 0
 
+    def add_transient(self, tensor: torch.Tensor) -> TensorStats:
+        """Measure ``tensor`` (classified as measurable) without holding on to it.
+
+        For gradients: the backward pass frees them as it goes, and holding them to the end
+        would keep every activation gradient alive. CPU tensors go to the native kernel; others
+        are reduced on their device now (no host sync) and only the three numbers are kept.
+        """
+        version = version_of(tensor)
+        key = id(tensor)
+        recent = self._recent.get(key)
+        if recent is not None and recent[1] == version and recent[0]() is tensor:
+            return recent[2]
+        stats = TensorStats()
+        with torch.no_grad():
+            detached = tensor.detach()
+            measured = None
+            if self._direct and native.eligible(detached):
+                try:
+                    measured = native.abs_range(detached, self._result)
+                except Exception:
+                    measured = None
+            try:
+                if measured is not None and measured[1] == measured[1]:
+                    stats.abs_min, stats.abs_max = measured
+                    stats.inf, stats.note = measured[1] == math.inf, ""
+                else:
+                    low, high = _PLAIN_METER.reduce(detached)
+                    result = torch.stack((low.double(), high.double(),
+                                          torch.isinf(detached).any().double()))
+                    self._transient.append((stats, result))
+            except Exception as error:  # exotic tensor subclass: report, never break backward
+                stats.note = f"unsupported ({type(error).__name__})"
+        if len(self._recent) >= _RECENT_TRANSIENT:
+            del self._recent[next(iter(self._recent))]
+        try:
+            self._recent[key] = (weakref.ref(tensor), version, stats)
+        except TypeError:  # no weak references to this kind of tensor: no reuse
+            pass
+        return stats
+
     def reduce_now(self, tensor: torch.Tensor) -> TensorStats:
         """Queue ``tensor`` and reduce it on its device right away, without a host sync.
 
@@ -291,7 +365,7 @@ class PendingStats:
                 and storage_holds(tensor):
             with torch.no_grad():
                 try:
-                    self.reduced[position] = _abs_min_max(tensor)  # no scratch: kept until resolve
+                    self.reduced[position] = _PLAIN_METER.reduce(tensor)  # no scratch: kept to resolve
                 except Exception:  # resolve() will report it
                     pass
         return stats
@@ -301,12 +375,14 @@ class PendingStats:
         self._direct = native.available()
         if self._measured:
             self._measured = {}
+        if self._recent:
+            self._recent = {}
         if self._nan_held:
             held, self._nan_held = self._nan_held, []
-            with torch.no_grad():
-                flags = torch.stack([torch.isinf(tensor.detach()).any() for tensor, _ in held]).tolist()
-            for (_, stats), has_inf in zip(held, flags):
-                stats.inf = bool(has_inf)
+            for (_, stats), has_inf in zip(held, inf_flags([tensor for tensor, _ in held])):
+                stats.inf = has_inf
+        if self._transient:
+            self._resolve_transient()
         if not self.tensors:
             return
         tensors, versions, stats, reduced = self.tensors, self.versions, self.stats, self.reduced
@@ -325,6 +401,21 @@ class PendingStats:
                 _resolve_group(self._meter, tensors, versions, stats, reduced, positions)
 
 
+    def _resolve_transient(self) -> None:
+        transient, self._transient = self._transient, []
+        by_device: dict[torch.device, list[int]] = {}
+        for position, (_, result) in enumerate(transient):
+            by_device.setdefault(result.device, []).append(position)
+        for positions in by_device.values():
+            values = torch.stack([transient[p][1] for p in positions]).tolist()
+            for position, (low, high, has_inf) in zip(positions, values):
+                stats = transient[position][0]
+                stats.nan = high != high
+                stats.abs_min, stats.abs_max = (math.nan, math.nan) if stats.nan else (low, high)
+                stats.inf = high == math.inf or has_inf > 0
+                stats.note = ""
+
+
 def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[int], stats: list[TensorStats],
                    reduced: dict[int, tuple[torch.Tensor, torch.Tensor]], positions: Iterable[int]) -> None:
     # (position, abs_min, abs_max) per measured tensor; abs_max is NaN where a NaN is.
@@ -341,14 +432,12 @@ def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[
         cell.inf = high == inf
         tensor = tensors[position]
         cell.note = "" if tensor is None or version_of(tensor) == versions[position] \
-            else "changed in place later"
+            else CHANGED_LATER
         if cell.nan and position not in reduced:
             nan_positions.append(position)
     # A NaN hides any Inf from max(); only batches that hold a NaN pay for this second look.
-    if nan_positions:
-        flags = torch.stack([torch.isinf(tensors[p].detach()).any() for p in nan_positions]).tolist()
-        for position, has_inf in zip(nan_positions, flags):
-            stats[position].inf = bool(has_inf)
+    for position, has_inf in zip(nan_positions, inf_flags([tensors[p] for p in nan_positions])):
+        stats[position].inf = has_inf
 
 
 def _reduce_with_torch(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[int],

@@ -1,106 +1,49 @@
-"""NanWatch: hooks a model, records a frame per module call, finds the first NaN/Inf.
+"""NanWatch: the one handle a user holds. It checks the options, builds a
+:class:`~nanwidget.core.recorder.Recorder` and composes the features the options ask for:
 
-Hot path (every module call): hooks read metadata, check weight version counters and hand
-tensors to a :class:`PendingStats`, which reads dense CPU tensors at once with the native kernel
-and queues the rest; no device result is read back. When the root module's forward returns,
-the batch is *resolved*: the queued tensors get one batched reduction and one host copy per
-device, then history, detection, the frame ring and the extensions (replay capture, gradients,
-persistence, distributed consensus) see the finished frames.
+- replay (:mod:`.replay`): batch capture, ``replay()``, ``replay_on_nan``;
+- gradients (:mod:`.grads`): backward frames (``backward=True``) and ``check_grad_norms()``;
+- persistence (:mod:`.persist`): ``log_dir`` spooling;
+- consensus (:mod:`.consensus`): every DDP rank stops at the same batch.
+
+Each feature is a plain object that sees the recorder through its public API; the order they
+are added in is the order they review an event (the replay attaches its trace, then the
+consensus tells the other ranks, then the event is recorded and written to disk).
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-import threading
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import pandas as pd
 import torch
 from torch import nn
 
-from .events import AbortAfterBatch, NanDetected, NanEvent
-from .frames import Entry, Frame, FrameBuffer, frames_to_dataframe, non_tensor_entry
-from .history import History
+from .consensus import Consensus, consensus_wanted
+from .events import GradEvent, NanEvent
+from .grads import BackwardFrames, GradNorms
+from .persist import RecordingWriter
+from .recorder import Feature, Recorder
+from .replay import BatchCapture, Replayer, ReplayError
 from .report import format_event_report, format_frames
-from .stats import PendingStats, classify, version_of
-from .walk import iter_leaves
+from .schema import ON_NAN_CHOICES
+from .trace import Trace
+from .viewer import open_browser
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .replay import Trace
-
-__all__ = ["NanWatch", "watch", "NanWarning", "WatchExtension", "MAX_EVENTS", "current_rank",
-           "live_watches"]
+__all__ = ["NanWatch", "WatchParts", "watch", "live_watches", "MAX_EVENTS"]
 
 MAX_EVENTS = 100
-ON_NAN_CHOICES = ("raise", "warn", "record")
 
-_Tensor = torch.Tensor
-_STRIDED = torch.strided
-_INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
-
-# Every module currently hooked by a live watch, so a second watch cannot double-record it.
-_WATCHED: "weakref.WeakKeyDictionary[nn.Module, NanWatch]" = weakref.WeakKeyDictionary()
-
-
-class NanWarning(RuntimeWarning):
-    """Issued for each event when ``on_nan="warn"``."""
+_LIVE: weakref.WeakSet[NanWatch] = weakref.WeakSet()
 
 
 def live_watches() -> list[NanWatch]:
-    """Every NanWatch that is still watching, in no particular order."""
-    return list({id(w): w for w in list(_WATCHED.values()) if not w.closed}.values())
-
-
-def current_rank() -> int:
-    """torch.distributed rank, 0 without an initialised process group."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
-
-
-class WatchExtension:
-    """Something that rides along a watch (replay capture, gradients, persistence, DDP).
-
-    Every method is optional to override; all run under the watch's lock except
-    :meth:`after_batch`, which may raise to stop the run.
-    """
-
-    def on_batch_start(self, watch: NanWatch, batch: int, args: tuple, kwargs: dict) -> None:
-        """The root forward is about to run ``batch``."""
-
-    def before_resolve(self, watch: NanWatch) -> None:
-        """Frames are about to be resolved: fill any stats this extension measured itself."""
-
-    def on_batch_end(self, watch: NanWatch, batch: int, frames: list[Frame],
-                     event: NanEvent | None) -> None:
-        """``frames`` of ``batch`` are resolved; ``event`` is its first NaN/Inf, if any."""
-
-    def after_batch(self, watch: NanWatch, batch: int, event: NanEvent | None) -> NanEvent | None:
-        """Outside the lock, before the watch raises; may return an event to raise instead."""
-        return event
-
-    def close(self, watch: NanWatch) -> None:
-        """The watch is closing: remove hooks, flush files."""
-
-
-class _ModuleInfo:
-    __slots__ = ("module", "name", "type_name", "index", "is_root", "pre_entries", "has_state")
-
-    def __init__(self, module: nn.Module, name: str, index: int, is_root: bool) -> None:
-        self.module = module
-        self.name = name
-        self.type_name = type(module).__name__
-        self.index = index
-        self.is_root = is_root
-        # Own parameters or buffers (lazy modules hold uninitialised ones from the start).
-        self.has_state = bool(module._parameters) or bool(module._buffers)
-        # Input entries measured by the pre-hook of an in-place module (a stack: recursion).
-        self.pre_entries: list[list[Entry]] = []
+    """Every NanWatch that is still watching (a watch whose variable was lost can be closed)."""
+    return [w for w in list(_LIVE) if not w.closed]
 
 
 def _resolve_skip_types(skip_types: Iterable[type | str]) -> tuple[tuple[type, ...], frozenset[str]]:
@@ -138,6 +81,18 @@ def _unwrap_model(model: Any) -> nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class WatchParts:
+    """The features a watch is made of (None where its option is off)."""
+
+    capture: BatchCapture | None
+    replayer: Replayer | None
+    backward: BackwardFrames | None
+    grads: GradNorms
+    writer: RecordingWriter | None
+    consensus: Consensus | None
+
+
 class NanWatch:
     """Records frames of a model and stops at the first NaN/Inf. Create it with :func:`watch`."""
 
@@ -146,7 +101,8 @@ class NanWatch:
                  skip_types: Iterable[type | str] = (), backward: bool = False,
                  grad_norm_warn: float | None = None, on_nan: str = "raise",
                  keep_batches: int = 4, replay_on_nan: bool = False,
-                 log_dir: str | None = None) -> None:
+                 log_dir: str | None = None, max_events: int = MAX_EVENTS,
+                 snapshot_weights: bool = False) -> None:
         root = _unwrap_model(model)
         if not isinstance(max_frames, int) or isinstance(max_frames, bool) or max_frames < 1:
             raise ValueError(f"max_frames must be a positive integer, got {max_frames!r}")
@@ -156,13 +112,15 @@ class NanWatch:
             raise ValueError(f"abort_after must be a batch number >= 0 or None, got {abort_after!r}")
         if not isinstance(keep_batches, int) or keep_batches < 0:
             raise ValueError(f"keep_batches must be an integer >= 0, got {keep_batches!r}")
+        if not isinstance(max_events, int) or isinstance(max_events, bool) or max_events < 1:
+            raise ValueError(f"max_events must be a positive integer, got {max_events!r}")
         if grad_norm_warn is not None and not (float(grad_norm_warn) > 0):
             raise ValueError(f"grad_norm_warn must be a positive number, got {grad_norm_warn!r}")
         try:
             trace_set = frozenset(int(b) for b in trace_batches)
         except (TypeError, ValueError):
             raise ValueError(f"trace_batches must be batch numbers, got {trace_batches!r}") from None
-        skip_classes, skip_names = _resolve_skip_types(skip_types)
+        skip = _resolve_skip_types(skip_types)
 
         self.model = root
         self.max_frames = max_frames
@@ -174,302 +132,108 @@ class NanWatch:
         self.keep_batches = keep_batches
         self.replay_on_nan = bool(replay_on_nan)
         self.log_dir = log_dir
+        self.max_events = max_events
 
-        self.batch = 0
-        self.rank = current_rank()
-        self.events_dropped = 0
-        self._events: list[NanEvent] = []
-        self._manual_batches = False
-        self._closed = False
-        self._suspended = 0  # > 0 while suspended(): hooks record nothing (trace-mode replays)
-        self._lock = threading.RLock()
-        self._local = threading.local()
-        self._ring = FrameBuffer(max_frames)
-        self._trace_frames: dict[int, list[Frame]] = {}
-        self._pending = PendingStats()
-        self._batch_frames: list[Frame] = []
-        self._calls: dict[int, int] = {}
-        self._frame_counter = 0
-        self._weight_cache: dict[int, tuple[torch.Tensor, int, Entry]] = {}
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._infos: dict[int, _ModuleInfo] = {}
-        self.extensions: list[WatchExtension] = []
-
-        modules: list[tuple[str, nn.Module]] = []
-        for name, module in root.named_modules():
-            if module is not root and (isinstance(module, skip_classes)
-                                       or type(module).__name__ in skip_names):
-                continue
-            modules.append((name, module))
-        for name, module in modules:
-            owner = _WATCHED.get(module)
-            if owner is not None and not owner._closed:
-                raise RuntimeError(f"module '{name or '<root>'}' ({type(module).__name__}) is already "
-                                   "watched by another NanWatch; close() that one first")
-        self.module_names = [name for name, _ in modules]
-        self.module_types = [type(m).__name__ for _, m in modules]
-        self._name_index = {name: i for i, name in enumerate(self.module_names)}
-        self._history = History(self.module_names, self.module_types, rank=self.rank)
+        self._recorder = Recorder(root, max_frames=max_frames, trace_batches=trace_set,
+                                  abort_after=abort_after, skip=skip, on_nan=on_nan,
+                                  max_events=max_events)
         try:
-            for index, (name, module) in enumerate(modules):
-                info = _ModuleInfo(module, name, index, module is root)
-                self._infos[id(module)] = info
-                if info.is_root:
-                    self._handles.append(module.register_forward_pre_hook(
-                        self._root_pre_hook, with_kwargs=True))
-                if getattr(module, "inplace", False) is True:
-                    self._handles.append(module.register_forward_pre_hook(
-                        self._inplace_pre_hook, with_kwargs=True))
-                self._handles.append(module.register_forward_hook(
-                    self._forward_hook, with_kwargs=True, always_call=True))
-                _WATCHED[module] = self
-            self._start_extensions()
+            self._parts = self._compose(snapshot_weights)
         except BaseException:
-            self.close()
+            self._recorder.close()
             raise
+        _LIVE.add(self)
 
-    # ------------------------------------------------------------------ extensions
-    def _start_extensions(self) -> None:
-        """Attach the optional parts the options ask for (each lives in its own module)."""
-        factories = _extension_factories()
-        for factory in factories:
-            extension = factory(self)
-            if extension is not None:
-                self.extensions.append(extension)
+    def _compose(self, snapshot_weights: bool) -> WatchParts:
+        """Add the features the options ask for, in review order."""
+        recorder = self._recorder
+        capture = replayer = backward = writer = consensus = None
+        keep = max(self.keep_batches, 1 if self.replay_on_nan else 0)
+        if keep or self.trace_batches or snapshot_weights:
+            capture = recorder.add_feature(BatchCapture(
+                self.model, keep=keep, trace_batches=self.trace_batches,
+                snapshot_weights=snapshot_weights))
+            replayer = recorder.add_feature(Replayer(recorder, capture,
+                                                     replay_on_nan=self.replay_on_nan))
+        if self.backward:
+            backward = recorder.add_feature(BackwardFrames(recorder))
+        grads = recorder.add_feature(GradNorms(recorder, threshold=self.grad_norm_warn,
+                                               backward=backward))
+        if consensus_wanted():
+            consensus = recorder.add_feature(Consensus(recorder))
+        if self.log_dir is not None and self.log_dir != "":
+            writer = recorder.add_feature(RecordingWriter(
+                recorder, self.log_dir, options=self._options(), grad_history=grads.history_table))
+        return WatchParts(capture=capture, replayer=replayer, backward=backward, grads=grads,
+                          writer=writer, consensus=consensus)
 
-    # ------------------------------------------------------------------ hooks (hot path)
-    def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        local = self._local
-        try:
-            with self._lock:
-                if self._closed or self._suspended:
-                    return None
-                if getattr(local, "root_open", False):
-                    # The previous forward never returned (KeyboardInterrupt skips the hooks):
-                    # resolve what it recorded so it is not mixed into this call.
-                    self._resolve_locked(advance=False)
-                local.root_open = True
-                # An exception already being handled when the forward starts (a forward called
-                # from an ``except`` block) is not the forward failing.
-                local.exception_at_start = sys.exc_info()[1]
-                for extension in self.extensions:
-                    extension.on_batch_start(self, self.batch, args, kwargs)
-        except Exception as error:  # never break the user's forward
-            self._internal_error(error)
-        return None
+    def _options(self) -> dict[str, Any]:
+        return {"max_frames": self.max_frames, "trace_batches": sorted(self.trace_batches),
+                "abort_after": self.abort_after, "backward": self.backward,
+                "grad_norm_warn": self.grad_norm_warn, "on_nan": self.on_nan,
+                "keep_batches": self.keep_batches, "replay_on_nan": self.replay_on_nan,
+                "max_events": self.max_events}
 
-    def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        info = self._infos.get(id(module))
-        if info is None or self._closed or self._suspended:
-            return None
-        try:
-            with self._lock:
-                entries: list[Entry] = []
-                self._input_entries(args, kwargs, entries, early=True)
-                info.pre_entries.append(entries)
-        except Exception as error:
-            self._internal_error(error)
-        return None
+    # ------------------------------------------------------------------ composition
+    @property
+    def parts(self) -> WatchParts:
+        """The features this watch is made of (replay capture, gradients, writer, consensus)."""
+        return self._parts
 
-    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        info = self._infos.get(id(module))
-        if info is None or self._closed or self._suspended:
-            return None
-        try:
-            with self._lock:
-                self._record_forward(info, args, kwargs, output)
-        except Exception as error:
-            self._internal_error(error)
-            return None
-        if info.is_root:
-            self._local.root_open = False
-            # always_call hooks also run while an exception propagates: record, never raise then.
-            current = sys.exc_info()[1]
-            failing = current is not None and current is not getattr(self._local, "exception_at_start", None)
-            self._finish_root_forward(raising=not failing)
-        return None
+    @property
+    def recorder(self) -> Recorder:
+        """The recorder: hooks, batch state, frames and events."""
+        return self._recorder
 
-    def _tensor_entry(self, role: str, tensor: torch.Tensor, early: bool = False) -> Entry:
-        """Entry for one tensor: queued for stats when measurable, else with its note."""
-        dtype = tensor.dtype
-        # Fast path for the common case, in the order of the cheapest checks; classify() has
-        # the full rules and runs only for tensors that fail one of them.
-        if dtype.is_floating_point and tensor.layout is _STRIDED and not tensor.is_meta \
-                and not tensor.is_nested and tensor.numel():
-            stats = self._pending.reduce_now(tensor) if early else self._pending.add(tensor)
-            return (role, stats, dtype, tensor.shape, "")
-        note = classify(tensor)  # not "": the fast path above takes every measurable tensor
-        return (role, None, dtype, None if note == "nested" else tensor.shape, note)
+    def add_feature(self, feature: Feature) -> Feature:
+        """Let ``feature`` (a :class:`~nanwidget.core.recorder.Feature`) see this watch's
+        batches and events from now on; it is closed with the watch."""
+        return self._recorder.add_feature(feature)
 
-    def _leaf_entry(self, role: str, leaf: Any, early: bool = False) -> Entry:
-        if isinstance(leaf, _Tensor):
-            return self._tensor_entry(role, leaf, early)
-        return non_tensor_entry(role, leaf)
+    # ------------------------------------------------------------------ state
+    @property
+    def batch(self) -> int:
+        """The batch being recorded (0-based); the root forward's return counts the next one."""
+        return self._recorder.batch
 
-    def _input_entries(self, args: tuple, kwargs: dict, entries: list[Entry], early: bool = False) -> None:
-        tensor_entry = self._tensor_entry
-        for position, value in enumerate(args):
-            role = _INPUT_ROLES[position] if position < 16 else f"input[{position}]"
-            if isinstance(value, _Tensor):
-                entries.append(tensor_entry(role, value, early))
-            else:
-                for leaf_role, leaf in iter_leaves(value, role):
-                    entries.append(self._leaf_entry(leaf_role, leaf, early))
-        if kwargs:
-            for key, value in kwargs.items():
-                for leaf_role, leaf in iter_leaves(value, "kwarg:" + key):
-                    entries.append(self._leaf_entry(leaf_role, leaf, early))
+    @property
+    def rank(self) -> int:
+        """torch.distributed rank (0 without a process group)."""
+        return self._recorder.rank
 
-    def _weight_entries(self, module: nn.Module, entries: list[Entry]) -> None:
-        cache = self._weight_cache
-        for group in (module._parameters, module._buffers):
-            if not group:
-                continue
-            # Buffers are measured every call: BatchNorm updates its running statistics in
-            # place without bumping their version counters, so a cached entry would go stale.
-            cacheable = group is module._parameters
-            for name, tensor in group.items():
-                if tensor is None:
-                    continue
-                if not cacheable:
-                    entries.append(self._tensor_entry(name, tensor))
-                    continue
-                cached = cache.get(id(tensor))
-                # Weights change once per optimizer step at most: re-measure only then,
-                # and reuse the whole entry (same stats object) until then.
-                if cached is not None and cached[0] is tensor and cached[1] == version_of(tensor) \
-                        and cached[2][0] == name:
-                    entries.append(cached[2])
-                    continue
-                entry = self._tensor_entry(name, tensor)
-                if entry[1] is not None:
-                    cache[id(tensor)] = (tensor, version_of(tensor), entry)
-                entries.append(entry)
+    @property
+    def module_names(self) -> list[str]:
+        """Qualified names of the hooked modules ("" is the root)."""
+        return self._recorder.module_names
 
-    def _record_forward(self, info: _ModuleInfo, args: tuple, kwargs: dict, output: Any) -> None:
-        entries: list[Entry] = []
-        if info.has_state:
-            self._weight_entries(info.module, entries)
-        if info.pre_entries:
-            entries.extend(info.pre_entries.pop())
-        elif len(args) == 1 and not kwargs and isinstance(args[0], _Tensor):
-            entries.append(self._tensor_entry("input[0]", args[0]))  # the usual single input
-        else:
-            self._input_entries(args, kwargs, entries)
-        first_output = len(entries)
-        if isinstance(output, _Tensor):
-            entries.append(self._tensor_entry("output", output))
-        else:
-            for role, leaf in iter_leaves(output, "output"):
-                entries.append(self._leaf_entry(role, leaf))
-        self.record_frame(info, "forward", entries).first_output = first_output
+    @property
+    def module_types(self) -> list[str]:
+        """Class names of the hooked modules, in the order of :attr:`module_names`."""
+        return self._recorder.module_types
 
-    def record_frame(self, info: _ModuleInfo, phase: str, entries: list[Entry],
-                     batch: int | None = None) -> Frame:
-        """Append a frame for ``info``'s module (caller holds the lock). Used by extensions too.
+    @property
+    def events(self) -> list[NanEvent]:
+        """Every event so far (capped at ``max_events``; see ``events_dropped``)."""
+        return self._recorder.events
 
-        ``batch`` overrides the current batch number, e.g. for backward frames that arrive
-        after the root forward already advanced the count.
-        """
-        key = info.index if phase == "forward" else ~info.index
-        call = self._calls.get(key, 0)
-        self._calls[key] = call + 1
-        frame = Frame(self.rank, self.batch if batch is None else batch, self._frame_counter,
-                      info.name, info.type_name, call, phase, entries)
-        self._frame_counter += 1
-        self._batch_frames.append(frame)
-        return frame
+    @property
+    def event(self) -> NanEvent | None:
+        """The first event, or None."""
+        return self._recorder.event
 
-    # ------------------------------------------------------------------ batch boundaries
-    def _finish_root_forward(self, raising: bool) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            finished = self.batch
-            event = self._resolve_locked(advance=not self._manual_batches)
-        self._after_batch(finished, event, raising=raising,
-                          batch_finished=not self._manual_batches)
+    @property
+    def events_dropped(self) -> int:
+        """Events past ``max_events``, counted but not kept."""
+        return self._recorder.events_dropped
 
-    def _resolve_locked(self, advance: bool) -> NanEvent | None:
-        """Resolve pending stats and hand the batch's frames on. Caller holds the lock."""
-        for extension in self.extensions:
-            extension.before_resolve(self)
-        self._pending.resolve()
-        frames, self._batch_frames = self._batch_frames, []
-        batch = self.batch
-        self.rank = current_rank()
-        event: NanEvent | None = None
-        history_rows: list[tuple[int, int, float, float, bool]] = []
-        name_index = self._name_index
-        trace_batches = self.trace_batches
-        for position, frame in enumerate(frames):
-            bad = False
-            entries = frame.entries
-            first_output = frame.first_output if frame.phase == "forward" else len(entries)
-            for slot, entry in enumerate(entries):
-                stats = entry[1]
-                if stats is None:
-                    continue
-                nonfinite = stats.nan or stats.inf
-                if nonfinite:
-                    bad = True
-                if slot >= first_output:
-                    history_rows.append((frame.batch, name_index[frame.module], stats.abs_max,
-                                         stats.abs_min, nonfinite))
-            if bad and event is None:
-                event = self._make_event(frames, position)
-            if trace_batches and frame.batch in trace_batches:
-                self._trace_frames.setdefault(frame.batch, []).append(frame)
-        self._history.record_many(history_rows)
-        self._ring.extend(frames)
-        if event is not None:
-            if len(self._events) < MAX_EVENTS:
-                self._events.append(event)
-            else:
-                self.events_dropped += 1
-        for extension in self.extensions:
-            extension.on_batch_end(self, batch, frames, event)
-        if advance:
-            self.batch += 1
-            self._calls.clear()
-            self._frame_counter = 0
-        return event
+    @property
+    def interrupted_batches(self) -> list[int]:
+        """Batches whose forward never returned (e.g. KeyboardInterrupt)."""
+        return list(self._recorder.interrupted_batches)
 
-
-    def _make_event(self, frames: list[Frame], position: int) -> NanEvent:
-        frame = frames[position]
-        bad = frame.nonfinite_entries()
-        if frame.phase == "backward":
-            origin, pick = "grad", bad
-        else:
-            weights = [e for e in bad if not e[0].startswith(("input", "kwarg:", "output"))]
-            inputs = [e for e in bad if e[0].startswith(("input", "kwarg:"))]
-            if weights:
-                origin, pick = "weight", weights
-            elif inputs:
-                origin, pick = "input", inputs
-            else:
-                origin, pick = "output", bad
-        role, stats = pick[0][0], pick[0][1]
-        kind = "nan+inf" if stats.nan and stats.inf else ("nan" if stats.nan else "inf")
-        window = self._ring.window_ending_with(frames, position)
-        return NanEvent(batch=frame.batch, module=frame.module, module_type=frame.module_type,
-                        call=frame.call, role=role, kind=kind, origin=origin,
-                        is_backward=frame.phase == "backward",
-                        frames=frames_to_dataframe(window), rank=frame.rank, frame=frame.index)
-
-    def _after_batch(self, batch: int, event: NanEvent | None, *, raising: bool,
-                     batch_finished: bool) -> None:
-        """Outside the lock: let extensions weigh in, then raise, warn or go on."""
-        for extension in self.extensions:
-            event = extension.after_batch(self, batch, event)
-        if event is not None:
-            if self.on_nan == "raise" and raising:
-                raise NanDetected(event)
-            if self.on_nan in ("raise", "warn"):
-                warnings.warn(f"nanwidget: {event.summary()}", NanWarning, stacklevel=4)
-        if raising and batch_finished and self.abort_after is not None and batch == self.abort_after:
-            raise AbortAfterBatch(batch)
+    @property
+    def closed(self) -> bool:
+        return self._recorder.closed
 
     def step(self) -> None:
         """End the current batch and count the next one; automatic counting stops."""
@@ -481,144 +245,105 @@ class NanWatch:
         From the first call on, the root forward no longer advances the count: use this for
         loops that call submodules directly or accumulate gradients over several forwards.
         """
-        if not isinstance(batch, int) or batch < 0:
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 0:
             raise ValueError(f"batch must be an integer >= 0, got {batch!r}")
-        with self._lock:
-            self._manual_batches = True
-            finished = self.batch
-            had_frames = bool(self._batch_frames)
-            event = self._resolve_locked(advance=False) if had_frames else None
-            self.batch = batch
-            self._calls.clear()
-            self._frame_counter = 0
-        self._after_batch(finished, event, raising=True, batch_finished=finished != batch)
+        self._recorder.set_batch(batch)
 
     # ------------------------------------------------------------------ results
     def flush(self) -> None:
         """Resolve frames recorded since the last batch boundary (never raises NanDetected)."""
-        with self._lock:
-            if self._batch_frames:
-                self._resolve_locked(advance=False)
-
-    @property
-    def events(self) -> list[NanEvent]:
-        """Every event so far (capped at :data:`MAX_EVENTS`; see ``events_dropped``)."""
-        return list(self._events)
-
-    @property
-    def event(self) -> NanEvent | None:
-        """The first event, or None."""
-        return self._events[0] if self._events else None
+        self._recorder.flush()
 
     def frames(self, batch: int | None = None) -> pd.DataFrame:
         """Frames in the ring buffer, or every frame of trace batch ``batch``."""
-        self.flush()
-        with self._lock:
-            if batch is None:
-                return frames_to_dataframe(list(self._ring))
-            if batch not in self._trace_frames:
-                held = sorted(self._trace_frames) or "none yet"
-                raise KeyError(f"batch {batch} is not a recorded trace batch (trace_batches="
-                               f"{sorted(self.trace_batches)}; recorded: {held})")
-            return frames_to_dataframe(self._trace_frames[batch])
+        return self._recorder.frames_table(batch)
 
     def history(self) -> pd.DataFrame:
         """One row per (batch, module): abs_max, abs_min and nonfinite of its outputs."""
-        self.flush()
-        with self._lock:
-            return self._history.to_dataframe()
+        return self._recorder.history_table()
 
     def report(self, event: NanEvent | None = None) -> str:
         """Text dump of an event's frames, or of the frames held (trace batches included)."""
         event = event or self.event
         if event is not None:
             return format_event_report(event, event.frames)
-        self.flush()
-        with self._lock:
-            parts = [format_event_report(None, frames_to_dataframe(list(self._ring)),
-                                         batch=self.batch - 1 if not self._manual_batches else self.batch)]
-            for batch in sorted(self._trace_frames):
-                parts.append(f"\n\n  *** Starting batch number={batch} ***")
-                parts.extend(format_frames(frames_to_dataframe(self._trace_frames[batch])))
-                parts.append(f"  *** Finished batch number={batch} ***")
+        recorder = self._recorder
+        held = self.frames()
+        last = recorder.batch if recorder.manual_batches else recorder.batch - 1
+        parts = [format_event_report(None, held, batch=last)]
+        for batch in recorder.recorded_trace_batches:
+            parts.append(f"\n\n  *** Starting batch number={batch} ***")
+            parts.extend(format_frames(self.frames(batch=batch)))
+            parts.append(f"  *** Finished batch number={batch} ***")
         return "\n".join(parts)
 
+    # ------------------------------------------------------------------ replay
     def replay(self, batch: int, *, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Trace:
-        """Re-run ``batch`` in trace mode; see :mod:`nanwidget.core.replay`."""
-        from .replay import replay_batch
-        return replay_batch(self, batch, loss_fn=loss_fn)
+        """Re-run ``batch`` in trace mode: every module frame and every tensor op.
 
-    # Gradients (nanwidget.core.grads): thin delegations so the watch stays the one handle.
-    def _extension(self, kind: str) -> Any:
-        for extension in self.extensions:
-            if getattr(extension, "kind", None) == kind:
-                return extension
-        return None
+        With ``loss_fn``, also runs the backward of ``loss_fn(output)``. The model is left exactly
+        as it was (parameters, buffers, ``.grad``, train/eval flags, ``requires_grad``, RNG
+        states) and the watch's own recording is not disturbed. Raises ``BatchNotHeldError``
+        (listing the held batches) or ``InputModifiedError`` when a faithful replay is impossible.
+        """
+        replayer = self._parts.replayer
+        if replayer is None:
+            raise ReplayError("this watch holds no batches to replay: it was created with "
+                              "keep_batches=0 and no trace_batches; watch with keep_batches=N")
+        return replayer.replay(batch, loss_fn)
 
+    def held_batches(self) -> list[int]:
+        """Batch numbers :meth:`replay` can run now."""
+        capture = self._parts.capture
+        return capture.held_batches() if capture is not None else []
+
+    def set_weight_snapshots(self, enabled: bool = True) -> None:
+        """Copy parameters and buffers at the start of every held batch from now on, so that
+        replays stay exact after optimizer steps (costs a copy of the weights per batch)."""
+        capture = self._parts.capture
+        if capture is None:
+            raise ReplayError("this watch holds no batches to replay (keep_batches=0); weight "
+                              "snapshots need held batches")
+        capture.set_snapshots(enabled)
+
+    # ------------------------------------------------------------------ gradients
     def check_grad_norms(self) -> bool:
-        """After ``loss.backward()``: flag non-finite or too large gradient norms; see ``grad_events``."""
-        from .grads import check_grad_norms
-        return check_grad_norms(self)
+        """After ``loss.backward()``: flag non-finite or too large gradient norms.
+
+        Computes every parameter's gradient L2 norm in one batched reduction with one host sync,
+        records them in :meth:`grad_history` under the batch of the last forward, and adds a
+        :class:`GradEvent` for each norm that is non-finite or above ``grad_norm_warn`` (once
+        per batch and parameter). Returns whether any norm was flagged; never raises for one
+        (skip ``optimizer.step()`` on True).
+        """
+        return self._parts.grads.check()
 
     @property
-    def grad_events(self) -> list[Any]:
+    def grad_events(self) -> list[GradEvent]:
         """Every :class:`GradEvent` flagged by :meth:`check_grad_norms`."""
-        from .grads import grad_events
-        return grad_events(self)
+        return list(self._parts.grads.events)
 
     def grad_history(self) -> pd.DataFrame:
-        """Gradient norms per batch and parameter (bounded)."""
-        from .grads import grad_history
-        return grad_history(self)
+        """Gradient norms per batch and parameter (bounded: older batches merged into windows)."""
+        return self._parts.grads.history_table()
 
+    # ------------------------------------------------------------------ notebook
     def browse(self) -> Any:
         """The FrameBrowser widget for this watch (needs ipywidgets)."""
-        from ..widgets import FrameBrowser
-        return FrameBrowser(self)
+        return open_browser(self)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Remove exactly the hooks this watch added; idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            try:
-                if self._batch_frames:
-                    self._resolve_locked(advance=False)
-            except Exception as error:  # closing must always succeed
-                self._internal_error(error)
-            self._closed = True
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
-            for info in self._infos.values():
-                if _WATCHED.get(info.module) is self:
-                    del _WATCHED[info.module]
-            extensions, self.extensions = self.extensions, []
-        for extension in extensions:
-            try:
-                extension.close(self)
-            except Exception as error:
-                self._internal_error(error)
+        """Remove exactly the hooks this watch added (never the user's own); idempotent."""
+        self._recorder.close()
+        _LIVE.discard(self)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @contextlib.contextmanager
+    @contextmanager
     def suspended(self) -> Iterator[None]:
-        """While inside, the hooks record nothing: batch count, ring, history and events stay put.
-
-        Trace-mode replays run the model under this so that re-running a batch is not counted
-        as a new one. Extensions that add hooks of their own should honour ``_suspended`` too.
-        """
-        with self._lock:
-            self._suspended += 1
-        try:
+        """While inside, this thread's hooks record nothing: batch count, ring, history and
+        events stay put (trace-mode replays run the model under this)."""
+        with self._recorder.suspend():
             yield
-        finally:
-            with self._lock:
-                self._suspended -= 1
 
     def __enter__(self) -> NanWatch:
         return self
@@ -626,50 +351,31 @@ class NanWatch:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _internal_error(self, error: BaseException) -> None:
-        if isinstance(error, (NanDetected, AbortAfterBatch)):
-            raise error
-        if not getattr(self, "_warned_internal", False):
-            self._warned_internal = True
-            warnings.warn(f"nanwidget: internal error while recording ({type(error).__name__}: "
-                          f"{error}); your forward pass continues, some frames may be missing",
-                          RuntimeWarning, stacklevel=3)
-
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "watching"
-        return (f"<NanWatch {state} {type(self.model).__name__} ({len(self._infos)} modules), "
-                f"batch {self.batch}, {len(self._events)} event(s)>")
-
-
-def _extension_factories() -> list[Callable[[NanWatch], WatchExtension | None]]:
-    """Factories for the optional parts; each returns None when its option is off."""
-    factories: list[Callable[[NanWatch], WatchExtension | None]] = []
-    for module_name in ("replay", "grads", "persist", "distributed"):
-        try:
-            module = __import__(f"nanwidget.core.{module_name}", fromlist=["make_extension"])
-        except ModuleNotFoundError as error:
-            if error.name != f"nanwidget.core.{module_name}":
-                raise
-            continue
-        factories.append(module.make_extension)
-    return factories
+        state = "closed" if self.closed else "watching"
+        return (f"<NanWatch {state} {type(self.model).__name__} ({len(self.module_names)} modules), "
+                f"batch {self.batch}, {len(self.events)} event(s)>")
 
 
 def watch(model: nn.Module, *, max_frames: int = 21, trace_batches: Iterable[int] = (),
           abort_after: int | None = None, skip_types: Iterable[type | str] = (),
           backward: bool = False, grad_norm_warn: float | None = None, on_nan: str = "raise",
-          keep_batches: int = 4, replay_on_nan: bool = False, log_dir: str | None = None) -> NanWatch:
+          keep_batches: int = 4, replay_on_nan: bool = False, log_dir: str | None = None,
+          max_events: int = MAX_EVENTS, snapshot_weights: bool = False) -> NanWatch:
     """Start watching ``model``: a frame per module call, a check at every batch end.
 
     Options as in the contract: ``max_frames`` frames kept in the ring buffer; ``trace_batches``
-    whose every frame is kept; ``abort_after`` raises :class:`AbortAfterBatch` once that batch
-    finished; ``skip_types`` module classes (or class names) not hooked; ``backward`` records
-    gradient frames; ``grad_norm_warn`` flags larger gradient norms; ``on_nan`` is "raise",
-    "warn" or "record"; ``keep_batches`` recent batches held for :meth:`NanWatch.replay`;
-    ``replay_on_nan`` attaches a trace to each event; ``log_dir`` spools records to disk.
+    whose every frame is kept; ``abort_after`` raises :class:`AbortAfterBatch` at the first
+    finished batch numbered at or past it; ``skip_types`` module classes (or class names) not
+    hooked; ``backward`` records gradient frames; ``grad_norm_warn`` flags larger gradient
+    norms; ``on_nan`` is "raise", "warn" or "record"; ``keep_batches`` recent batches held for
+    :meth:`NanWatch.replay`; ``replay_on_nan`` attaches a trace to each event; ``log_dir``
+    spools records to disk; ``max_events`` events kept; ``snapshot_weights`` copies the weights
+    of held batches so replays stay exact after optimizer steps.
     Also a context manager: ``with nw.watch(model) as w: ...`` closes the hooks on exit.
     """
     return NanWatch(model, max_frames=max_frames, trace_batches=trace_batches,
                     abort_after=abort_after, skip_types=skip_types, backward=backward,
                     grad_norm_warn=grad_norm_warn, on_nan=on_nan, keep_batches=keep_batches,
-                    replay_on_nan=replay_on_nan, log_dir=log_dir)
+                    replay_on_nan=replay_on_nan, log_dir=log_dir, max_events=max_events,
+                    snapshot_weights=snapshot_weights)

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             event = error.event
             result.update(stopped_at=batch, exception="NanDetected",
                           event_batch=event.batch, event_rank=event.rank,
-                          module=event.module, origin=event.origin, message=str(error))
+                          peer_rank=event.peer_rank, module=event.module, origin=event.origin,
+                          recorded=[(e.rank, e.origin) for e in watch.events], message=str(error))
         result["module_names"] = watch.module_names if watching else None
     # One write call: the ranks share stdout, and a single short write is not interleaved.
     sys.stdout.flush()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import linecache
 import sys
 from typing import Any
 
@@ -14,9 +15,17 @@ from IPython.display import display
 from traitlets import CaselessStrEnum, Float, Int
 
 from ..core.events import AbortAfterBatch, NanDetected
+from ..core.sourcelines import format_source, traceback_source
+from ..widgets import FrameBrowser
 from .manager import LiveStatus, MagicUsageError, WatchManager, parse_batches, parse_class_names
 
-__all__ = ["NanwatchMagics", "NanInCell", "show_nan_detected"]
+__all__ = ["NanwatchMagics", "NanInCell", "show_nan_detected", "find_magics"]
+
+
+def find_magics(shell: Any) -> NanwatchMagics | None:
+    """The NanwatchMagics registered on ``shell`` (IPython keeps them by class name)."""
+    found = shell.magics_manager.registry.get("NanwatchMagics")
+    return found if isinstance(found, NanwatchMagics) else None
 
 
 class NanInCell(NanDetected):
@@ -28,21 +37,14 @@ class NanInCell(NanDetected):
 
 
 def _user_code_line(tb: Any) -> str:
-    """Where the user's code called into the model: the last frame outside torch and nanwidget."""
-    import os
-    import traceback
-
-    import torch
-
-    package_dirs = tuple(os.path.dirname(m.__file__) + os.sep
-                         for m in (torch, sys.modules["nanwidget"]))
-    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(package_dirs)
-              and "IPython" + os.sep not in f.filename]
-    if not frames:
+    """Where the user's code called into the model: the innermost frame outside torch, IPython
+    and nanwidget."""
+    found = traceback_source(tb)
+    if found is None:
         return ""
-    last = frames[-1]
-    code = f": {last.line.strip()}" if last.line else ""
-    return f"  raised at {last.filename}:{last.lineno}{code}"
+    filename, line = found
+    text = linecache.getline(filename, line).strip()
+    return f"  raised at {format_source(filename, line)}" + (f": {text}" if text else "")
 
 
 def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
@@ -58,11 +60,11 @@ def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
         lines = value._render_traceback_()  # its cell already showed the browser
     else:
         event = value.event  # type: ignore[attr-defined]
-        magics = getattr(shell, "_nanwidget_magics", None)
+        magics = find_magics(shell)
         owner = None
         if magics is not None:
-            owner = next((w for w in magics.manager.watches.values() if event in w._events), None)
-        from ..widgets import FrameBrowser
+            owner = next((w for w in magics.manager.watches.values()
+                          if any(known is event for known in w.events)), None)
         try:
             display(owner.browse() if owner is not None else FrameBrowser(event))
         except Exception:  # the message below still says what happened
@@ -126,6 +128,33 @@ class NanwatchMagics(Magics):
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell=shell, **kwargs)
         self.manager = WatchManager()
+        self.owns_custom_exc = False
+
+    def attach(self) -> None:
+        """Register on the shell: the magics, ``%config NanwatchMagics`` and the one-line
+        display of NanDetected."""
+        shell = self.shell
+        shell.register_magics(self)
+        # NanDetected from any cell: one line and the browser. Only when no one else set a handler.
+        self.owns_custom_exc = not shell.custom_exceptions
+        if self.owns_custom_exc:
+            shell.set_custom_exc((NanDetected,), show_nan_detected)
+        if self not in shell.configurables:
+            shell.configurables.append(self)
+
+    def detach(self) -> None:
+        """Undo :meth:`attach` and close every watch (every hook any watch added)."""
+        shell = self.shell
+        self.manager.close_all()
+        for kind in ("line", "cell"):
+            table = shell.magics_manager.magics[kind]
+            if getattr(table.get("nanwatch"), "__self__", None) is self:
+                del table["nanwatch"]
+        shell.magics_manager.registry.pop(type(self).__name__, None)
+        if self in shell.configurables:
+            shell.configurables.remove(self)
+        if self.owns_custom_exc and shell.custom_exceptions == (NanDetected,):
+            shell.set_custom_exc((), None)
 
     @line_cell_magic
     @magic_arguments()
@@ -205,7 +234,7 @@ class NanwatchMagics(Magics):
                 handle.update({"text/plain": text}, raw=True)
 
         live = LiveStatus(name, emit, interval=self.refresh_seconds)
-        watched.extensions.append(live)
+        watched.add_feature(live)
         try:
             result = self._execute(cell)
         except NanDetected as error:

@@ -18,7 +18,8 @@ from torch import nn
 from ..core.events import NanEvent
 from ..core.frames import Frame
 from ..core.stats import dtype_max
-from ..core.watch import NanWatch, WatchExtension, watch
+from ..core.recorder import Feature
+from ..core.watch import NanWatch, live_watches, watch
 
 __all__ = ["WatchManager", "LiveStatus", "MagicUsageError", "parse_batches", "parse_class_names",
            "describe_magnitude"]
@@ -64,14 +65,12 @@ def describe_magnitude(value: float, dtype: str) -> str:
     return f"{value:.3g} ({dtype}: {decades:.1f} decades below its max {limit:.6g})"
 
 
-class LiveStatus(WatchExtension):
+class LiveStatus(Feature):
     """Counts batches and tracks the largest finite output magnitude; reports, throttled.
 
     ``emit(text)`` is called at most once per ``interval`` seconds (plus once at the end
     through :meth:`finish`), never once per batch.
     """
-
-    kind = "live-status"
 
     def __init__(self, name: str, emit: Callable[[str], None], interval: float = 0.3,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -87,11 +86,13 @@ class LiveStatus(WatchExtension):
         self.emitted = 0
         self._last = -math.inf
 
-    def on_batch_end(self, watch: NanWatch, batch: int, frames: list[Frame],
-                     event: NanEvent | None) -> None:
+    def on_event(self, event: NanEvent) -> None:
+        self.events += 1
+
+    def on_batch_end(self, batch: int | None, frames: list[Frame]) -> None:
+        if batch is None:  # frames resolved within a batch (a backward pass): not a new batch
+            return
         self.batches += 1
-        if event is not None:
-            self.events += 1
         largest = self.largest
         for frame in frames:
             if frame.phase != "forward":
@@ -207,7 +208,6 @@ class WatchManager:
 
     def close_all(self) -> int:
         """Close every watch this manager holds and every other live NanWatch; returns the count."""
-        from ..core.watch import live_watches
         closed = 0
         for key in list(self.watches):
             self.watches.pop(key).close()

@@ -1,8 +1,7 @@
-"""Pieces shared by the plots: figures without pyplot, role groups, dtype limit lines."""
+"""Pieces shared by the plots: figures without pyplot, frame keys, dtype limit lines."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 
 import numpy as np
@@ -10,13 +9,21 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from ..core.schema import ROLE_GROUPS, role_groups
 from ..core.stats import dtype_max
 
 __all__ = ["ROLE_GROUPS", "role_groups", "frame_keys", "limit_lines", "module_label",
-           "new_figure", "figure_png"]
+           "new_figure", "figure_png", "NotebookFigure"]
 
-ROLE_GROUPS = ("weights", "inputs", "outputs", "grads")
 FRAME_KEY = ["rank", "batch", "phase", "frame"]
+
+
+class NotebookFigure(Figure):
+    """A matplotlib Figure that shows itself as PNG in a notebook (``_repr_png_``) without
+    pyplot: no global figure list, nothing to close, nothing registered with IPython."""
+
+    def _repr_png_(self) -> bytes:
+        return figure_png(self)
 
 
 def new_figure(width: float = 7.0, height: float = 3.4) -> tuple[Figure, Axes]:
@@ -24,28 +31,9 @@ def new_figure(width: float = 7.0, height: float = 3.4) -> tuple[Figure, Axes]:
 
     Fixed margins rather than constrained layout: layout solving costs more than drawing.
     """
-    figure = Figure(figsize=(width, height))
+    figure = NotebookFigure(figsize=(width, height))
     figure.subplots_adjust(left=0.1, right=0.98, top=0.9, bottom=0.24)
-    _show_figures_in_notebooks()
     return figure, figure.add_subplot()
-
-
-def _show_figures_in_notebooks() -> None:
-    """Under IPython, display a returned Figure as PNG even when pyplot was never imported.
-
-    Jupyter only learns to draw Figures when pyplot loads its inline backend; our figures skip
-    pyplot, so without this a notebook would print "<Figure size ...>". An existing formatter
-    (the inline backend's) is left alone, and IPython is never imported from here.
-    """
-    ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None else None
-    if shell is None:
-        return
-    formatter = shell.display_formatter.formatters["image/png"]
-    try:
-        formatter.lookup_by_type(Figure)
-    except KeyError:
-        formatter.for_type(Figure, figure_png)
 
 
 def figure_png(figure: Figure, dpi: int = 90) -> bytes:
@@ -59,18 +47,6 @@ def figure_png(figure: Figure, dpi: int = 90) -> bytes:
 def module_label(name: str) -> str:
     """The root module has the empty name; show it as users read it."""
     return name if name else "<root>"
-
-
-def role_groups(frames: pd.DataFrame) -> pd.Series:
-    """Each row's role group: "grads" (backward), "inputs", "outputs" or "weights"."""
-    role = frames["role"].astype(str)
-    groups = np.full(len(frames), "weights", dtype=object)
-    groups[role.str.startswith(("input", "kwarg:")).to_numpy()] = "inputs"
-    groups[role.str.startswith("output").to_numpy()] = "outputs"
-    backward = (frames["phase"].astype(str) == "backward").to_numpy() | \
-        role.str.startswith("grad").to_numpy()
-    groups[backward] = "grads"
-    return pd.Series(groups, index=frames.index, name="role_group")
 
 
 def frame_keys(frames: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,8 @@ from typing import Any
 import pandas as pd
 
 from ..core.events import NanEvent
+from ..core.persist import Run
+from ..core.trace import Trace
 from ..core.watch import NanWatch
 
 __all__ = ["BrowserSource", "open_source"]
@@ -26,20 +28,10 @@ class BrowserSource:
     events: list[NanEvent] = field(default_factory=list)
     history: Callable[[], pd.DataFrame] | None = None
     watch: NanWatch | None = None
-    trace: Any = None
+    trace: Trace | None = None
     refreshable: bool = False
     # Why re-running is not possible from this source ("" when it is).
     no_replay_reason: str = ""
-
-
-def _is_trace(source: Any) -> bool:
-    return (isinstance(getattr(source, "frames", None), pd.DataFrame)
-            and hasattr(source, "ops") and callable(getattr(source, "report", None)))
-
-
-def _is_run(source: Any) -> bool:
-    return (callable(getattr(source, "frames", None)) and callable(getattr(source, "history", None))
-            and hasattr(source, "events"))
 
 
 def _event_label(event: NanEvent, number: int) -> str:
@@ -76,10 +68,10 @@ def open_source(source: Any) -> BrowserSource:
                              trace=source.trace,
                              no_replay_reason="re-running needs a live watch (this browser shows "
                                               "one event); use watch.browse()")
-    if _is_trace(source):
+    if isinstance(source, Trace):
         return BrowserSource(views={"trace": lambda: source.frames}, trace=source,
                              no_replay_reason="this browser already shows a trace")
-    if _is_run(source):
+    if isinstance(source, Run):
         events = list(source.events)
         views = _event_views(events)
         views["frames held (latest)"] = source.frames

@@ -9,6 +9,7 @@ import re
 import numpy as np
 import pandas as pd
 
+from ..core.schema import note_has_stats
 from ..core.stats import dtype_max
 from ..plots.common import frame_keys, module_label, role_groups
 
@@ -148,8 +149,7 @@ class FrameIndex:
             shape = shapes[row]
             shape_text = "×".join(str(s) for s in shape) if isinstance(shape, (tuple, list)) \
                 else str(shape)
-            no_stats = note in ("None", "not a tensor", "empty", "bool", "int", "complex",
-                                "meta", "sparse") and not self.row_bad[row]
+            no_stats = not note_has_stats(note) and not self.row_bad[row]
             low = "–" if no_stats else _number(float(mins[row]))
             high = "–" if no_stats else _number(float(maxs[row]))
             lines.append(

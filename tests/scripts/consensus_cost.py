@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import nanwidget as nw
-from nanwidget.core import distributed
+from nanwidget.core import consensus as distributed
 from nanwidget.examples.ddp_nan import ToyNet
 
 parser = argparse.ArgumentParser()
@@ -34,7 +34,7 @@ x, target = torch.randn(8, 16), torch.randn(8, 4)
 def timed_steps(consensus: bool) -> float:
     distributed.set_consensus(consensus)
     with nw.watch(ddp) as watch:
-        assert (watch._extension("distributed") is not None) == consensus
+        assert (watch.parts.consensus is not None) == consensus
         dist.barrier()
         start = time.perf_counter()
         for _ in range(args.steps):

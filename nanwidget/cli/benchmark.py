@@ -7,7 +7,8 @@ weights and RNG state: attach the variant's hooks, run a few warm-up steps, time
 median over rounds of its block time divided by the baseline's block time *of the same round*,
 so slow drifts of a shared machine cancel out instead of landing on one variant.
 
-Used by ``python -m nanwidget bench``; importable so notebooks can run it too.
+Used by ``python -m nanwidget bench`` (:mod:`nanwidget.cli.bench`); importable so notebooks
+can run it too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core import native
+from ..core import native
+from ..core.watch import watch
 
 __all__ = ["MODELS", "MODES", "VARIANTS", "TARGETS", "BenchRow", "BenchResult", "run_benchmark",
            "build_case", "available_variants", "transformers_available", "HookLeak",
@@ -43,7 +45,7 @@ VARIANT_LABELS = {
     "debug_underflow": "DebugUnderflowOverflow",
     "anomaly": "detect_anomaly",
 }
-# Issue 2's targets for nanwidget's ratio, per (model, mode); forward rows share one.
+# Targets for nanwidget's ratio, per (model, mode); forward rows share one.
 TARGETS = {("mlp", "train"): 1.25, ("transformer", "train"): 1.10, ("gpt2", "train"): 1.10}
 FORWARD_TARGET = 1.30
 # nanwidget's overhead (ratio - 1) may be at most this share of DebugUnderflowOverflow's.
@@ -173,8 +175,7 @@ def _baseline(case: Case) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _nanwidget(case: Case) -> Iterator[None]:
-    import nanwidget as nw
-    with nw.watch(case.model, on_nan="record"):
+    with watch(case.model, on_nan="record"):
         yield
 
 
@@ -189,37 +190,22 @@ def _isnan_hook(case: Case) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _capture_forward_hook_handles() -> Iterator[list[Any]]:
-    """Collect the handles of every ``register_forward_hook`` call made inside the block.
-
-    DebugUnderflowOverflow keeps no handles and has no way to remove its hooks; catching the
-    handles as it registers them lets the benchmark take them off again after its block.
-    """
-    original = nn.Module.register_forward_hook
-    handles: list[Any] = []
-
-    def recording(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        handle = original(self, *args, **kwargs)
-        handles.append(handle)
-        return handle
-
-    nn.Module.register_forward_hook = recording  # type: ignore[method-assign]
-    try:
-        yield handles
-    finally:
-        nn.Module.register_forward_hook = original  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
 def _debug_underflow(case: Case) -> Iterator[None]:
     from transformers.debug_utils import DebugUnderflowOverflow
-    with _capture_forward_hook_handles() as handles:
-        DebugUnderflowOverflow(case.model)
+    # DebugUnderflowOverflow keeps no handles and has no way to remove its hooks: note which
+    # forward hooks each module had, and take off the ones it added after its block.
+    modules = list(case.model.modules())
+    before = [set(m._forward_hooks) for m in modules]
+    DebugUnderflowOverflow(case.model)
+    added = [(m, key) for m, old in zip(modules, before) for key in m._forward_hooks
+             if key not in old]
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        for module, key in added:
+            for table in (module._forward_hooks, module._forward_hooks_with_kwargs,
+                          module._forward_hooks_always_called):
+                table.pop(key, None)
 
 
 @contextlib.contextmanager

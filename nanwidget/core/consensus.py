@@ -4,8 +4,8 @@ Without it, the rank that found the NaN raises and leaves, and the healthy ranks
 next collective (DDP's gradient all-reduce) until the NCCL/gloo timeout, often 10-30 minutes.
 With it, at every batch end each rank all-reduces one small integer (MAX of "I have an event");
 when it is set, the ranks exchange the offending event (only then, with ``all_gather_object``)
-and each raises :class:`NanDetected` at the same boundary; a healthy rank's event names the
-rank that found the NaN.
+and each raises :class:`NanDetected` at the same boundary; a healthy rank records and raises
+an event with ``origin="peer"`` whose ``peer_rank`` names the rank that found the NaN.
 
 The flag is exchanged only for forwards that DDP itself synchronises: grad enabled and the
 model in training mode, with ``on_nan="raise"``. A validation pass that only rank 0 runs
@@ -24,20 +24,16 @@ import itertools
 import os
 import time
 import warnings
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import torch
 
-from .events import NanEvent
-from .watch import WatchExtension
+from .events import NanEvent, event_fields, event_from_fields
+from .ranks import distributed_ready
+from .recorder import Feature, Recorder
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .watch import NanWatch
-
-__all__ = ["make_extension", "ConsensusExtension", "RemoteNanEvent", "set_consensus",
-           "consensus_enabled"]
+__all__ = ["Consensus", "set_consensus", "consensus_enabled", "consensus_wanted"]
 
 _override: bool | None = None
 _serials = itertools.count()  # the nth watch of this process meets the nth watch of the others
@@ -59,34 +55,31 @@ def consensus_enabled() -> bool:
     return os.environ.get("NANWIDGET_CONSENSUS", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-@dataclass
-class RemoteNanEvent(NanEvent):
-    """The event another rank found, raised on a healthy rank so it stops too."""
+def consensus_wanted() -> bool:
+    """Whether a watch created now should ride along with a consensus part: enabled, and
+    several ranks (a process group, or a launcher's WORLD_SIZE before the group exists)."""
+    if not consensus_enabled() or not torch.distributed.is_available():
+        return False
+    if distributed_ready():
+        return torch.distributed.get_world_size() > 1
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
 
-    stopped_rank: int = 0
 
-    def summary(self) -> str:
-        base = super().summary()
-        if f"on rank {self.rank}" not in base:
-            base = base.replace(f"in batch {self.batch}", f"in batch {self.batch} on rank {self.rank}", 1)
-        return f"{base} (found on rank {self.rank}; rank {self.stopped_rank} stops with it)"
-
-
-def _event_payload(event: NanEvent) -> dict[str, Any]:
-    fields = ("batch", "module", "module_type", "call", "role", "kind", "origin", "is_backward",
-              "rank", "frame")
-    payload = {name: getattr(event, name) for name in fields}
+def _payload(event: NanEvent) -> dict[str, Any]:
+    payload = event_fields(event)
     frames = event.frames if isinstance(event.frames, pd.DataFrame) else pd.DataFrame()
     payload["frames"] = frames.to_dict("list")
     return payload
 
 
-class ConsensusExtension(WatchExtension):
+class Consensus(Feature):
     """Per batch: one MAX all-reduce of a one-element flag; a gather only when it is set."""
 
-    kind = "distributed"
-
-    def __init__(self) -> None:
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
         self._flag: torch.Tensor | None = None
         self._serial = next(_serials)
         self._agreed: bool | None = None  # every rank watches: decided once, the same everywhere
@@ -106,12 +99,13 @@ class ConsensusExtension(WatchExtension):
             self._flag = torch.zeros(1, dtype=torch.int32, device=device)
         return self._flag
 
-    def after_batch(self, watch: NanWatch, batch: int, event: NanEvent | None) -> NanEvent | None:
+    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
         dist = torch.distributed
-        if watch.on_nan != "raise" or not dist.is_initialized() or dist.get_world_size() < 2:
+        if reason != "forward" or self.recorder.on_nan != "raise" or not distributed_ready() \
+                or dist.get_world_size() < 2:
             return event
         # Only forwards every rank runs together (DDP training steps) exchange the flag.
-        if not (torch.is_grad_enabled() and watch.model.training):
+        if not (torch.is_grad_enabled() and self.recorder.model.training):
             return event
         if not self._every_rank_watches():
             return event
@@ -123,13 +117,14 @@ class ConsensusExtension(WatchExtension):
             return event
         # Rare path: somebody found a NaN. Tell everyone what and where.
         payloads: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(payloads, _event_payload(event) if event is not None else None)
+        dist.all_gather_object(payloads, _payload(event) if event is not None else None)
         if event is not None:
             return event
         found = [p for p in payloads if p is not None]
         first = min(found, key=lambda p: (p["batch"], p["rank"]))
         frames = pd.DataFrame(first.pop("frames"))
-        return RemoteNanEvent(frames=frames, stopped_rank=dist.get_rank(), **first)
+        fields = dict(first, origin="peer", peer_rank=first["rank"], rank=dist.get_rank())
+        return event_from_fields(fields, frames)
 
 
 def _handshake(serial: int) -> bool:
@@ -167,18 +162,3 @@ def _handshake(serial: int) -> bool:
     return agreed
 
 
-def make_extension(watch: NanWatch) -> ConsensusExtension | None:
-    """The consensus part of a watch under torch.distributed with several ranks, else None."""
-    if not consensus_enabled():
-        return None
-    dist = torch.distributed
-    if not dist.is_available():
-        return None
-    if dist.is_initialized():
-        return ConsensusExtension() if dist.get_world_size() > 1 else None
-    # Under torchrun the group may be created after the watch: decide at each batch end.
-    try:
-        launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    except ValueError:
-        launched = False
-    return ConsensusExtension() if launched else None

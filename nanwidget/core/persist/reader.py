@@ -1,0 +1,291 @@
+"""Reading a recording back (:func:`load_run`): every rank merged, every file checked.
+
+Nothing in the directory is executed: tables are plain data and every column, field and file
+name is checked before it is used; a damaged file raises :class:`RunLoadError` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ..events import NanEvent, event_from_fields
+from ..frames import empty_frames
+from ..history import empty_history
+from ..report import format_event_report
+from ..schema import EVENT_FIELDS, HISTORY_COLUMNS
+from ..trace import TENSOR_COLUMNS, Trace, empty_ops
+from ..viewer import open_browser
+from .tables import (CHUNK_FILE, EVENT_FILE, FORMAT_NAME, FORMAT_VERSION, FRAME_KINDS,
+                     HISTORY_KINDS, OPS_KINDS, RANK_DIR, RunLoadError, frames_from_table,
+                     ops_from_table, read_json, read_table)
+
+__all__ = ["Run", "load_run", "RunLoadError"]
+
+
+def _check_manifest(path: Path) -> dict:
+    manifest = read_json(path)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise RunLoadError(f"{path}: not a nanwidget manifest (no \"format\": \"{FORMAT_NAME}\")")
+    version = manifest.get("version")
+    if not isinstance(version, int) or version < 1:
+        raise RunLoadError(f"{path}: bad format version {version!r}")
+    if version > FORMAT_VERSION:
+        raise RunLoadError(f"{path}: written by a newer nanwidget (format version {version}; "
+                           f"this one reads up to {FORMAT_VERSION}); upgrade nanwidget")
+    for key in ("rank", "world_size"):
+        value = manifest.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise RunLoadError(f"{path}: {key!r} must be a non-negative integer, got {value!r}")
+    names = manifest.get("module_names", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise RunLoadError(f"{path}: 'module_names' must be a list of strings")
+    return manifest
+
+
+def _own_file(path: Path, meta: dict, key: str, suffix: str, directory: Path) -> Path:
+    """The file an event names under ``key``: only its own sibling, never another path."""
+    name = meta.get(key)
+    if not isinstance(name, str) or Path(name).name != name \
+            or not name.startswith(path.stem + suffix):
+        raise RunLoadError(f"{path}: {key!r} must name this event's own file, got {name!r}")
+    found = directory / name
+    if not found.is_file():
+        raise RunLoadError(f"{found}: missing (named by {path.name})")
+    return found
+
+
+def _checked(path: Path, meta: dict, name: str, kind: type | tuple[type, ...],
+             optional: bool = False) -> Any:
+    value = meta.get(name)
+    if optional and value is None:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+    if not ok:
+        names = " or ".join(k.__name__ for k in kinds)
+        raise RunLoadError(f"{path}: field {name!r} must be {names}, got {value!r}")
+    return value
+
+
+def _trace_from_file(path: Path, meta: Any, directory: Path) -> Trace:
+    if not isinstance(meta, dict):
+        raise RunLoadError(f"{path}: 'trace' must be an object")
+    frames = frames_from_table(read_table(
+        _own_file(path, meta, "frames_file", ".trace-frames.", directory), FRAME_KINDS))
+    ops_table = read_table(_own_file(path, meta, "ops_file", ".trace-ops.", directory), OPS_KINDS)
+    ops = ops_from_table(ops_table) if len(ops_table) else empty_ops()
+    rows = {}
+    for key in ("first_bad", "earlier_inf"):
+        index = _checked(path, meta, key, int, optional=True)
+        if index is not None and not 0 <= index < len(ops):
+            raise RunLoadError(f"{path}: trace {key!r} names op {index}; the trace has {len(ops)}")
+        rows[key] = None if index is None else ops.iloc[index]
+    tensors = meta.get("first_bad_tensors", [])
+    if not isinstance(tensors, list) or not all(
+            isinstance(row, dict) and set(row) == set(TENSOR_COLUMNS) for row in tensors):
+        raise RunLoadError(f"{path}: trace 'first_bad_tensors' is malformed")
+    names: dict[str, list[str]] = {}
+    for key in ("changed_weights", "buffers_updated"):
+        value = meta.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise RunLoadError(f"{path}: trace {key!r} must be a list of strings")
+        names[key] = value
+    loss = _checked(path, meta, "loss", (int, float), optional=True)
+    return Trace(batch=_checked(path, meta, "batch", int), frames=frames, ops=ops,
+                 first_bad=rows["first_bad"],
+                 first_bad_tensors=pd.DataFrame(
+                     [dict(row, shape=tuple(row["shape"]) if isinstance(row["shape"], list)
+                           else row["shape"]) for row in tensors], columns=TENSOR_COLUMNS),
+                 earlier_inf=rows["earlier_inf"],
+                 weights_changed=_checked(path, meta, "weights_changed", bool),
+                 changed_weights=names["changed_weights"],
+                 buffers_updated=names["buffers_updated"],
+                 snapshot_used=_checked(path, meta, "snapshot_used", bool),
+                 loss=None if loss is None else float(loss),
+                 forwards=_checked(path, meta, "forwards", int),
+                 seconds=float(_checked(path, meta, "seconds", (int, float))))
+
+
+def _event_from_file(path: Path, directory: Path) -> NanEvent:
+    meta = read_json(path)
+    if not isinstance(meta, dict):
+        raise RunLoadError(f"{path}: an event must be a JSON object")
+    fields: dict[str, Any] = {name: _checked(path, meta, name, kind)
+                              for name, kind in EVENT_FIELDS.items()}
+    fields["peer_rank"] = _checked(path, meta, "peer_rank", int, optional=True)
+    frames = frames_from_table(read_table(
+        _own_file(path, meta, "frames_file", ".frames.", directory), FRAME_KINDS))
+    trace = _trace_from_file(path, meta["trace"], directory) if meta.get("trace") is not None \
+        else None
+    return event_from_fields(fields, frames, trace)
+
+
+class Run:
+    """What a ``log_dir`` holds, every rank merged: frames, history, events, gradient norms.
+
+    Create it with :func:`load_run`. Everything is read (and checked) when it is created,
+    so a damaged directory fails there with a :class:`RunLoadError` naming the file.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        self.log_dir = Path(log_dir)
+        if not self.log_dir.exists():
+            raise RunLoadError(f"{self.log_dir}: no such directory")
+        if not self.log_dir.is_dir():
+            raise RunLoadError(f"{self.log_dir}: not a directory")
+        if (self.log_dir / "manifest.json").is_file():
+            rank_dirs = [self.log_dir]  # pointed at one rank's folder
+        else:
+            rank_dirs = sorted(p for p in self.log_dir.iterdir()
+                               if p.is_dir() and RANK_DIR.match(p.name))
+        if not rank_dirs:
+            raise RunLoadError(f"{self.log_dir}: holds no nanwidget recording (expected "
+                               "rank-NNNNN/manifest.json folders written by watch(log_dir=...))")
+        self.manifests: dict[int, dict] = {}
+        frames: list[pd.DataFrame] = []
+        history: list[pd.DataFrame] = []
+        grads: list[pd.DataFrame] = []
+        events: list[NanEvent] = []
+        for directory in rank_dirs:
+            manifest_path = directory / "manifest.json"
+            if not manifest_path.is_file():
+                raise RunLoadError(f"{manifest_path}: missing; {directory} is not a complete "
+                                   "nanwidget recording")
+            manifest = _check_manifest(manifest_path)
+            rank = manifest["rank"]
+            match = RANK_DIR.match(directory.name)
+            if match and int(match.group(1)) != rank:
+                raise RunLoadError(f"{manifest_path}: says rank {rank}, folder says "
+                                   f"{int(match.group(1))}")
+            if rank in self.manifests:
+                raise RunLoadError(f"{manifest_path}: rank {rank} recorded twice")
+            self.manifests[rank] = manifest
+            for path in sorted(directory.iterdir()):
+                chunk = CHUNK_FILE.match(path.name)
+                if chunk:
+                    kind = chunk.group(1)
+                    if kind == "history":
+                        history.append(read_table(path, HISTORY_KINDS))
+                    elif kind == "frames":
+                        frames.append(frames_from_table(read_table(path, FRAME_KINDS)))
+                    else:
+                        table = read_table(path, {"batch": "int"})
+                        grads.append(table if "rank" in table else table.assign(rank=rank))
+                elif EVENT_FILE.match(path.name):
+                    events.append(_event_from_file(path, directory))
+        # A rank that stopped for a peer ("peer" events) sorts after the rank that found it.
+        events.sort(key=lambda e: (e.batch, e.origin == "peer", e.rank))
+        self._events = events
+        self._frames = self._merge_frames(frames + [e.frames for e in events])
+        self._history = self._merge_history(history)
+        self._grads = (pd.concat(grads, ignore_index=True).sort_values(["batch", "rank"],
+                                                                       kind="stable")
+                       .reset_index(drop=True) if grads else None)
+
+    @staticmethod
+    def _merge_frames(parts: list[pd.DataFrame]) -> pd.DataFrame:
+        parts = [p for p in parts if not p.empty]
+        if not parts:
+            return empty_frames()
+        table = pd.concat(parts, ignore_index=True)
+        key = ["rank", "batch", "phase", "frame", "module", "call", "role"]
+        table = table.drop_duplicates(subset=key)
+        order = table["phase"].map({"forward": 0, "backward": 1}).fillna(2)
+        table = (table.assign(_order=order)
+                 .sort_values(["rank", "batch", "_order", "frame"], kind="stable")
+                 .drop(columns="_order").reset_index(drop=True))
+        return table
+
+    @staticmethod
+    def _merge_history(parts: list[pd.DataFrame]) -> pd.DataFrame:
+        if not parts:
+            return empty_history()
+        table = pd.concat(parts, ignore_index=True)[HISTORY_COLUMNS]
+        key = ["rank", "batch", "batch_end", "module", "module_type"]
+        if table.duplicated(subset=key).any():
+            # One batch split over two chunks (several forwards per batch): fold it back.
+            table = table.groupby(key, sort=False, as_index=False).agg(
+                abs_max=("abs_max", "max"), abs_min=("abs_min", "min"),
+                nonfinite=("nonfinite", "any"))
+        return table.sort_values(["rank", "batch"], kind="stable").reset_index(drop=True)
+
+    # The same reading surface as NanWatch -------------------------------------------------
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks found in the directory."""
+        return sorted(self.manifests)
+
+    @property
+    def world_size(self) -> int:
+        """World size the ranks reported (1 without torch.distributed)."""
+        return max(m["world_size"] for m in self.manifests.values())
+
+    @property
+    def model_class(self) -> str:
+        return str(self.manifests[self.ranks[0]].get("model_class", ""))
+
+    @property
+    def module_names(self) -> list[str]:
+        return list(self.manifests[self.ranks[0]].get("module_names", []))
+
+    def frames(self, batch: int | None = None, rank: int | None = None) -> pd.DataFrame:
+        """Every recorded frame (event windows, trace batches, last frames), ranks merged."""
+        table = self._frames
+        if batch is not None:
+            table = table[table["batch"] == batch]
+        if rank is not None:
+            table = table[table["rank"] == rank]
+        return table.reset_index(drop=True)
+
+    def history(self) -> pd.DataFrame:
+        """One row per (rank, batch, module): abs_max, abs_min, nonfinite of its outputs."""
+        return self._history.copy()
+
+    @property
+    def events(self) -> list[NanEvent]:
+        """Every recorded event, by batch; within a batch the ranks that found a NaN/Inf first,
+        then those that stopped with them ("peer")."""
+        return list(self._events)
+
+    @property
+    def event(self) -> NanEvent | None:
+        """The first event (lowest batch; the rank that found it before those that stopped with
+        it; then lowest rank), or None."""
+        return self._events[0] if self._events else None
+
+    def grad_history(self) -> pd.DataFrame:
+        """Gradient norms per batch and parameter, when the run recorded them."""
+        if self._grads is None:
+            return pd.DataFrame({"rank": pd.Series(dtype="int64"),
+                                 "batch": pd.Series(dtype="int64")})
+        return self._grads.copy()
+
+    def report(self, event: NanEvent | None = None) -> str:
+        """An event's report (default: the first event), or the recorded frames when none."""
+        event = event or self.event
+        if event is not None:
+            return format_event_report(event, event.frames)
+        frames = self._frames
+        last = int(frames["batch"].max()) if not frames.empty else None
+        return format_event_report(None, frames, batch=last)
+
+    def browse(self) -> Any:
+        """The FrameBrowser widget over this recording (needs ipywidgets)."""
+        return open_browser(self)
+
+    def __repr__(self) -> str:
+        return (f"<nanwidget.Run {str(self.log_dir)!r}: {self.model_class}, ranks {self.ranks}, "
+                f"{len(self._events)} event(s)>")
+
+
+def load_run(log_dir: str | os.PathLike) -> Run:
+    """Read what ``watch(..., log_dir=log_dir)`` recorded, every rank merged.
+
+    Raises :class:`RunLoadError` (a ValueError) naming the file when the directory is
+    missing, foreign or damaged. Nothing in the directory is executed.
+    """
+    return Run(log_dir)

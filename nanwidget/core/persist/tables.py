@@ -1,0 +1,267 @@
+"""The files of a recording: plain data tables (parquet or JSON) and JSON documents, written
+whole or not at all, read back with every column checked.
+
+Tables are parquet when pyarrow is installed, else column-oriented JSON (``.json``); both are
+plain data, read without running code from the directory (no pickle, no pandas metadata).
+Every file is written once, to a temporary name, then renamed into place (``os.replace``), so a
+process killed with SIGKILL leaves only whole files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from ..schema import (FRAME_COLUMNS, FRAME_DTYPES, HISTORY_DTYPES, OPS_COLUMNS, OPS_DTYPES,
+                      column_kinds)
+
+try:  # optional: parquet when available, JSON tables otherwise
+    import pyarrow as _pa
+    import pyarrow.parquet as _pq
+except ImportError:  # pragma: no cover - exercised through use_parquet(False) in tests
+    _pa = None
+    _pq = None
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "TABLE_FORMAT_NAME", "RunLoadError", "FRAME_KINDS",
+           "HISTORY_KINDS", "OPS_KINDS", "RANK_DIR", "CHUNK_FILE", "EVENT_FILE", "write_table",
+           "read_table", "write_json", "read_json", "shape_text", "shape_tuple",
+           "frame_rows_columns", "table_columns", "frames_from_table", "ops_from_table",
+           "use_parquet",
+           "parquet_enabled"]
+
+FORMAT_NAME = "nanwidget-log"
+FORMAT_VERSION = 1
+TABLE_FORMAT_NAME = "nanwidget-table"
+
+# Column kinds a table may hold; anything else in a file is refused.
+_KINDS = ("int", "float", "bool", "str")
+FRAME_KINDS = column_kinds(FRAME_DTYPES)
+FRAME_KINDS["shape"] = "str"  # "2,3": tuples are stored as text
+HISTORY_KINDS = column_kinds(HISTORY_DTYPES)
+OPS_KINDS = column_kinds(OPS_DTYPES)
+OPS_KINDS["shape"] = "str"
+
+RANK_DIR = re.compile(r"^rank-(\d{5,})$")
+CHUNK_FILE = re.compile(r"^(history|frames|grads)-(\d{6,})\.(parquet|json)$")
+EVENT_FILE = re.compile(r"^event-(\d{6,})\.json$")
+
+_parquet_wanted = True
+
+
+def use_parquet(enabled: bool) -> None:
+    """Write parquet tables (when pyarrow is installed) or always JSON tables."""
+    global _parquet_wanted
+    _parquet_wanted = bool(enabled)
+
+
+def parquet_enabled() -> bool:
+    """Whether new tables are written as parquet."""
+    return _parquet_wanted and _pq is not None
+
+
+class RunLoadError(ValueError):
+    """A log_dir that cannot be read: missing, foreign, damaged or from a newer nanwidget."""
+
+
+def _column_kind(values: Any) -> str:
+    dtype = np.asarray(values).dtype if not isinstance(values, pd.Series) else values.dtype
+    if pd.api.types.is_bool_dtype(dtype):
+        return "bool"
+    if pd.api.types.is_integer_dtype(dtype):
+        return "int"
+    if pd.api.types.is_float_dtype(dtype):
+        return "float"
+    return "str"
+
+
+def _normalise(values: Any, kind: str) -> list:
+    if kind == "int":
+        return [int(v) for v in values]
+    if kind == "float":
+        return [float(v) for v in values]
+    if kind == "bool":
+        return [bool(v) for v in values]
+    return ["" if v is None else str(v) for v in values]
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    """Write through a temporary file in the same folder, then rename into place."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_json(path: Path, data: Any) -> None:
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=1, allow_nan=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+    _atomic_write(path, write)
+
+
+def write_table(stem: Path, columns: dict[str, Any], kinds: dict[str, str] | None = None) -> Path:
+    """Write ``columns`` (name -> values) as ``stem.parquet`` (pyarrow) or ``stem.json``."""
+    kinds = dict(kinds or {})
+    data: dict[str, list] = {}
+    for name, values in columns.items():
+        kind = kinds.get(name) or _column_kind(values)
+        kinds[name] = kind
+        data[name] = _normalise(values, kind)
+    if parquet_enabled():
+        arrow_types = {"int": _pa.int64(), "float": _pa.float64(), "bool": _pa.bool_(),
+                       "str": _pa.string()}
+        schema = _pa.schema([(name, arrow_types[kinds[name]]) for name in data])
+        table = _pa.Table.from_pydict(data, schema=schema)
+        path = stem.with_name(stem.name + ".parquet")
+        _atomic_write(path, lambda tmp: _pq.write_table(table, tmp))
+        return path
+    path = stem.with_name(stem.name + ".json")
+    write_json(path, {"format": TABLE_FORMAT_NAME, "version": FORMAT_VERSION,
+                       "columns": {name: {"kind": kinds[name], "values": values}
+                                   for name, values in data.items()}})
+    return path
+
+
+def _read_parquet(path: Path) -> dict[str, tuple[str, Any]]:
+    if _pq is None:
+        raise RunLoadError(f"{path}: reading parquet files needs pyarrow (pip install pyarrow)")
+    kinds = {"int": ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"),
+             "float": ("float", "double", "halffloat"), "bool": ("bool",),
+             "str": ("string", "large_string")}
+    parquet = _pq.ParquetFile(path)
+    schema = parquet.schema_arrow
+    out: dict[str, tuple[str, Any]] = {}
+    table = parquet.read()
+    for field in schema:
+        type_name = str(field.type)
+        kind = next((k for k, names in kinds.items() if type_name in names), None)
+        if kind is None:
+            raise RunLoadError(f"{path}: column {field.name!r} has type {type_name}, which a "
+                               "nanwidget recording never holds")
+        column = table.column(field.name)
+        if column.null_count:
+            raise RunLoadError(f"{path}: column {field.name!r} has missing values")
+        if kind == "str":
+            values = column.to_pylist()
+        else:
+            values = column.to_numpy()
+        out[field.name] = (kind, values)
+    return out
+
+
+def _read_json_table(path: Path) -> dict[str, tuple[str, Any]]:
+    data = read_json(path)
+    if not isinstance(data, dict) or data.get("format") != TABLE_FORMAT_NAME:
+        raise RunLoadError(f"{path}: not a nanwidget table (no \"format\": \"{TABLE_FORMAT_NAME}\")")
+    columns = data.get("columns")
+    if not isinstance(columns, dict):
+        raise RunLoadError(f"{path}: \"columns\" must be an object")
+    out: dict[str, tuple[str, Any]] = {}
+    for name, column in columns.items():
+        if not isinstance(column, dict) or column.get("kind") not in _KINDS \
+                or not isinstance(column.get("values"), list):
+            raise RunLoadError(f"{path}: column {name!r} is malformed")
+        kind, values = column["kind"], column["values"]
+        checks = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+                  "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                  "bool": lambda v: isinstance(v, bool), "str": lambda v: isinstance(v, str)}
+        if not all(checks[kind](v) for v in values):
+            raise RunLoadError(f"{path}: column {name!r} holds values that are not {kind}")
+        dtype = {"int": np.int64, "float": np.float64, "bool": bool, "str": object}[kind]
+        out[name] = (kind, np.asarray(values, dtype=dtype) if kind != "str" else list(values))
+    return out
+
+
+def read_table(path: Path, expected: dict[str, str] | None = None) -> pd.DataFrame:
+    """Read one table file written by :func:`write_table`; any damage raises RunLoadError."""
+    try:
+        if path.suffix == ".parquet":
+            columns = _read_parquet(path)
+        else:
+            columns = _read_json_table(path)
+    except RunLoadError:
+        raise
+    except Exception as error:  # pyarrow / OS errors: name the file, keep the cause
+        raise RunLoadError(f"{path}: cannot be read ({type(error).__name__}: {error})") from error
+    lengths = {len(values) for _, values in columns.values()}
+    if len(lengths) > 1:
+        raise RunLoadError(f"{path}: columns have different lengths")
+    for name, kind in (expected or {}).items():
+        if name not in columns:
+            raise RunLoadError(f"{path}: column {name!r} is missing")
+        found = columns[name][0]
+        if found != kind and not (kind == "float" and found == "int"):
+            raise RunLoadError(f"{path}: column {name!r} is {found}, expected {kind}")
+    frame = pd.DataFrame({name: values for name, (_, values) in columns.items()})
+    if expected:
+        # Strings keep pandas' default string dtype, as the watch's own DataFrames do.
+        frame = frame.astype({n: {"int": "int64", "float": "float64", "bool": "bool"}[k]
+                              for n, k in expected.items() if k != "str"})
+    return frame
+
+
+def read_json(path: Path) -> Any:
+    """A JSON document; damage raises RunLoadError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise RunLoadError(f"{path}: not valid JSON ({error})") from error
+
+
+def shape_text(shape: Any) -> str:
+    """(2, 3) -> "2,3"."""
+    return ",".join(str(int(n)) for n in shape) if shape else ""
+
+
+def shape_tuple(text: str) -> tuple[int, ...]:
+    """"2,3" -> (2, 3)."""
+    return tuple(int(n) for n in text.split(",")) if text else ()
+
+
+def frame_rows_columns(rows: list[tuple]) -> dict[str, list]:
+    """Frame rows (as :meth:`Frame.rows` yields them) -> columns ready for :func:`write_table`."""
+    columns: dict[str, list] = {name: [] for name in FRAME_COLUMNS}
+    for row in rows:
+        for name, value in zip(FRAME_COLUMNS, row):
+            columns[name].append(value)
+    columns["shape"] = [shape_text(s) for s in columns["shape"]]
+    return columns
+
+
+def frames_from_table(table: pd.DataFrame) -> pd.DataFrame:
+    """A frames table as read from a file -> the contract's frames DataFrame."""
+    return _with_shape_tuples(table, FRAME_COLUMNS)
+
+
+def ops_from_table(table: pd.DataFrame) -> pd.DataFrame:
+    """An ops table as read from a file -> a Trace's ops DataFrame."""
+    return _with_shape_tuples(table, OPS_COLUMNS)
+
+
+def _with_shape_tuples(table: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    table = table[columns].copy()
+    table["shape"] = [shape_tuple(s) for s in table["shape"]]
+    return table.reset_index(drop=True)
+
+
+def table_columns(frame: pd.DataFrame, columns: list[str] | None = None) -> dict[str, Any]:
+    """A DataFrame's columns as lists for :func:`write_table`; a ``shape`` column as text."""
+    names = list(frame.columns) if columns is None else columns
+    data = {name: frame[name].tolist() for name in names}
+    if "shape" in data:
+        data["shape"] = [shape_text(s) for s in data["shape"]]
+    return data
+
+

@@ -1,0 +1,638 @@
+"""The recorder: hooks on every module, the batch state, detection, the frame ring and history.
+
+Hot path (every module call): a hook reads metadata, checks weight version counters and hands
+tensors to one :class:`~nanwidget.core.stats.PendingStats` (through an
+:class:`~nanwidget.core.entries.EntryBuilder`), which reads dense CPU tensors at once with the
+native kernel and queues the rest; no device result is read back. When the root module's
+forward returns, the batch is *resolved*: the queued tensors get one batched reduction and one
+host copy per device; then history, the frame ring and the features see the finished frames,
+and the first NaN/Inf becomes an event.
+
+Features (replay capture, gradients, persistence, consensus, sentinel, a notebook's live
+status) are :class:`Feature` objects added with :meth:`Recorder.add_feature`; they see the
+recorder only through its public methods and properties.
+
+Batches
+    The root forward's return ends a batch and counts the next one, unless the user numbers
+    batches with :meth:`Recorder.set_batch`. A root module that calls itself is one batch. A
+    forward that never returned (KeyboardInterrupt skips every hook) keeps its frames in its
+    own batch, listed in :attr:`Recorder.interrupted_batches`, and the next forward starts a
+    new one.
+
+Threads
+    One forward at a time: a watched forward that a second thread enters while another
+    thread's forward is running raises :class:`ConcurrentForwardError` before anything runs
+    (frames of two threads would otherwise mix in one batch). Forwards from different threads
+    one after the other are fine, and so is autograd's own threads running backward hooks or
+    recomputing checkpointed modules. A trace-mode replay holds the recorder's lock while it
+    runs, so another thread's forward waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from .detect import event_at
+from .entries import Entry, EntryBuilder
+from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
+from .frames import Frame, FrameBuffer, frames_to_dataframe
+from .history import History
+from .ranks import current_rank
+from .stats import PendingStats
+
+__all__ = ["Recorder", "Feature", "ModuleInfo", "ConcurrentForwardError", "AlreadyWatchedError",
+           "watched_by"]
+
+_get_ident = threading.get_ident
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+# Every module hooked by a live recorder, so a second one cannot double-record it.
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, Recorder] = weakref.WeakKeyDictionary()
+
+
+class ConcurrentForwardError(RuntimeError):
+    """A second thread entered a watched forward while another thread's forward was running."""
+
+
+class AlreadyWatchedError(RuntimeError):
+    """A module is already hooked by another live recorder."""
+
+
+def watched_by(module: nn.Module) -> Recorder | None:
+    """The live recorder that hooks ``module``, if any."""
+    owner = _WATCHED.get(module)
+    return owner if owner is not None and not owner.closed else None
+
+
+class Feature:
+    """A part of a watch that rides along the recorder. Every method is optional.
+
+    Methods marked "under the lock" run while the recorder's lock is held: keep them short and
+    never call into the model there.
+    """
+
+    def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
+        """Under the lock: the root forward is about to run ``batch`` with these inputs."""
+
+    def before_resolve(self) -> None:
+        """Under the lock: frames are about to be resolved (fill stats measured elsewhere)."""
+
+    def on_batch_end(self, batch: int | None, frames: list[Frame]) -> None:
+        """Under the lock: ``frames`` are resolved. ``batch`` is the batch that just ended (its
+        root forward returned, or :meth:`Recorder.set_batch` moved on); None when frames were
+        resolved within a batch (end of a backward pass, a flush)."""
+
+    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
+        """Outside the lock, before an event is recorded: return the event to record (the one
+        given, the same with more detail, another one, or None). ``reason`` says what ended:
+        "forward", "backward", "set_batch", "flush", "interrupted" or "close"."""
+        return event
+
+    def on_event(self, event: NanEvent) -> None:
+        """Under the lock: ``event`` was recorded (it is in :attr:`Recorder.events`)."""
+
+    def close(self) -> None:
+        """The recorder closed: remove hooks, flush files."""
+
+
+class ModuleInfo:
+    """A watched module: its qualified name, class name and position in ``named_modules()``."""
+
+    __slots__ = ("module", "name", "type_name", "index", "is_root", "has_state", "pre_entries")
+
+    def __init__(self, module: nn.Module, name: str, index: int, is_root: bool) -> None:
+        self.module = module
+        self.name = name
+        self.type_name = type(module).__name__
+        self.index = index
+        self.is_root = is_root
+        # Own parameters or buffers (lazy modules hold uninitialised ones from the start).
+        self.has_state = bool(module._parameters) or bool(module._buffers)
+        # Input entries measured by the pre-hook of an in-place module (a stack: recursion).
+        self.pre_entries: list[list[Entry]] = []
+
+    @property
+    def label(self) -> str:
+        """The name as users read it: "<root>" for the model itself."""
+        return self.name or "<root>"
+
+
+class _Counters:
+    """Call counts and the next frame index of one batch."""
+
+    __slots__ = ("batch", "calls", "next_frame")
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.calls: dict[int, int] = {}
+        self.next_frame = 0
+
+
+class Recorder:
+    """Hooks ``model`` and records a frame per module call; finds the first NaN/Inf per batch.
+
+    ``skip``: module classes and class names not hooked (never the root). ``on_nan``: "raise",
+    "warn" or "record". ``abort_after``: raise :class:`AbortAfterBatch` at the first finished
+    batch whose number is at or past it. ``max_events``: events kept (more are counted).
+    """
+
+    def __init__(self, model: nn.Module, *, max_frames: int = 21,
+                 trace_batches: Iterable[int] = (), abort_after: int | None = None,
+                 skip: tuple[tuple[type, ...], frozenset[str]] = ((), frozenset()),
+                 on_nan: str = "raise", max_events: int = 100) -> None:
+        self.model = model
+        self.max_frames = max_frames
+        self.trace_batches = frozenset(trace_batches)
+        self.abort_after = abort_after
+        self.on_nan = on_nan
+        self.max_events = max_events
+        self.events_dropped = 0
+        self.interrupted_batches: list[int] = []
+        self._rank = current_rank()
+        self._events: list[NanEvent] = []
+        self._features: list[Feature] = []
+        self._lock = threading.RLock()
+        self._closed = False
+        self._suspended = 0
+        self._suspended_thread: int | None = None
+        self._aborted = False
+        self._warned_internal = False
+        # Batch state: one forward at a time (see the module docstring).
+        self._batch = 0
+        self._manual_batches = False
+        self._frames: list[Frame] = []  # recorded since the last resolve
+        self._counters = _Counters(0)
+        self._previous: _Counters | None = None  # the last finished batch (late backward frames)
+        self._root_depth = 0
+        self._root_frame: Any = None  # torch's call frame of the outermost running root call
+        self._root_thread: int | None = None
+        self._exception_at_start: BaseException | None = None
+        self._pending = PendingStats()
+        self.entries = EntryBuilder(self._pending)
+        self._ring = FrameBuffer(max_frames)
+        self._trace_frames: dict[int, list[Frame]] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._infos: dict[int, ModuleInfo] = {}
+
+        skip_classes, skip_names = skip
+        modules: list[tuple[str, nn.Module]] = []
+        for name, module in model.named_modules():
+            if module is not model and (isinstance(module, skip_classes)
+                                        or type(module).__name__ in skip_names):
+                continue
+            modules.append((name, module))
+        for name, module in modules:
+            if watched_by(module) is not None:
+                raise AlreadyWatchedError(
+                    f"module '{name or '<root>'}' ({type(module).__name__}) is already watched by "
+                    "another NanWatch; close() that one first (nanwidget.live_watches() lists "
+                    "the watches still attached)")
+        self.modules = [ModuleInfo(module, name, index, module is model)
+                        for index, (name, module) in enumerate(modules)]
+        self.module_names = [info.name for info in self.modules]
+        self.module_types = [info.type_name for info in self.modules]
+        self._name_index = {name: i for i, name in enumerate(self.module_names)}
+        self._history = History(self.module_names, self.module_types, rank=self._rank)
+        try:
+            for info in self.modules:
+                module = info.module
+                self._infos[id(module)] = info
+                if info.is_root:
+                    self._handles.append(module.register_forward_pre_hook(
+                        self._root_pre_hook, with_kwargs=True))
+                if getattr(module, "inplace", False) is True:
+                    self._handles.append(module.register_forward_pre_hook(
+                        self._inplace_pre_hook, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(
+                    self._forward_hook, with_kwargs=True, always_call=True))
+                _WATCHED[module] = self
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ public state
+    @property
+    def batch(self) -> int:
+        """The batch being recorded (or about to be): 0-based."""
+        return self._batch
+
+    @property
+    def manual_batches(self) -> bool:
+        """True once :meth:`set_batch` numbers the batches."""
+        return self._manual_batches
+
+    @property
+    def rank(self) -> int:
+        """torch.distributed rank seen at the last resolve (0 without a process group)."""
+        return self._rank
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def suspended(self) -> bool:
+        """True while a :meth:`suspend` block runs (a trace-mode replay)."""
+        return self._suspended > 0
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock that guards the batch state; features take it around their own records."""
+        return self._lock
+
+    @property
+    def events(self) -> list[NanEvent]:
+        """Every recorded event (at most ``max_events``; see ``events_dropped``)."""
+        return list(self._events)
+
+    @property
+    def event(self) -> NanEvent | None:
+        """The first recorded event, or None."""
+        return self._events[0] if self._events else None
+
+    @property
+    def features(self) -> list[Feature]:
+        return list(self._features)
+
+    def module_info(self, module: nn.Module) -> ModuleInfo | None:
+        """The watched module's info, or None for a module this recorder does not hook."""
+        return self._infos.get(id(module))
+
+    def add_feature(self, feature: Feature) -> Feature:
+        """Let ``feature`` see batches and events from now on (in the order added)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this watch is closed")
+            self._features.append(feature)
+        return feature
+
+    # ------------------------------------------------------------------ hooks (hot path)
+    def _skip_this_thread(self) -> bool:
+        """While suspended, the suspending thread's hooks record nothing."""
+        return self._suspended > 0 and self._suspended_thread == _get_ident()
+
+    def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._closed or self._skip_this_thread():
+            return None
+        refusal = None
+        try:
+            with self._lock:
+                if self._closed:
+                    return None
+                if self._root_depth:
+                    owner = self._root_thread
+                    if self._root_call_running(sys._getframe(1)):
+                        if owner == _get_ident():
+                            self._root_depth += 1  # the root calls itself: the same batch
+                            return None
+                        refusal = owner
+                    else:
+                        # The previous forward never returned (KeyboardInterrupt skips every
+                        # hook): its frames stay in its own batch, marked as interrupted.
+                        self._end_interrupted_locked()
+                if refusal is None:
+                    self._root_depth = 1
+                    self._root_frame = sys._getframe(1)
+                    self._root_thread = _get_ident()
+                    # An exception already being handled when the forward starts (a forward
+                    # called from an ``except`` block) is not the forward failing.
+                    self._exception_at_start = sys.exc_info()[1]
+                    for feature in self._features:
+                        feature.on_batch_start(self._batch, args, kwargs)
+        except Exception as error:  # never break the user's forward
+            self.internal_error(error)
+        if refusal is not None:
+            raise ConcurrentForwardError(
+                f"nanwidget: this model is watched and thread {refusal} is running its forward; "
+                "a watch records one forward at a time (frames of two threads would mix in one "
+                "batch). Run the forwards one after the other, or watch a separate model copy "
+                "per thread")
+        return None
+
+    def _root_call_running(self, new_call: Any) -> bool:
+        """Whether the outermost root call that opened the batch is still on its thread's
+        stack (a recursion or another thread's running forward) rather than gone (interrupted)."""
+        target, thread = self._root_frame, self._root_thread
+        if target is None:
+            return False
+        if thread == _get_ident():
+            frame = new_call.f_back if new_call is not None else sys._getframe(1)
+        else:
+            frame = sys._current_frames().get(thread)
+        while frame is not None:
+            if frame is target:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        info = self._infos.get(id(module))
+        if info is None or self._closed or self._skip_this_thread():
+            return None
+        try:
+            with self._lock:
+                entries: list[Entry] = []
+                self.entries.input_entries(args, kwargs, entries, early=True)
+                info.pre_entries.append(entries)
+        except Exception as error:
+            self.internal_error(error)
+        return None
+
+    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        info = self._infos.get(id(module))
+        if info is None or self._closed:
+            return None
+        thread = _get_ident()
+        if self._suspended and self._suspended_thread == thread:
+            return None
+        if self._root_depth and self._root_thread != thread and _graph_task_id() < 0:
+            if isinstance(sys.exc_info()[1], ConcurrentForwardError):
+                return None  # the refused call unwinding through always_call hooks
+            self._refuse_other_thread(info)
+        try:
+            with self._lock:
+                measured = info.pre_entries.pop() if info.pre_entries else None
+                entries, first_output = self.entries.forward_entries(
+                    module, info.has_state, args, kwargs, output, measured)
+                self.record_frame(info, "forward", entries, first_output=first_output)
+        except Exception as error:
+            self.internal_error(error)
+        if info.is_root:
+            with self._lock:
+                if self._root_depth > 1:
+                    self._root_depth -= 1
+                    return None
+                self._root_depth = 0
+                self._root_frame = None
+                start_exception, self._exception_at_start = self._exception_at_start, None
+            # always_call hooks also run while an exception propagates: record, never raise then.
+            current = sys.exc_info()[1]
+            failing = current is not None and current is not start_exception
+            self._finish_root(raising=not failing)
+        return None
+
+    def _refuse_other_thread(self, info: ModuleInfo) -> None:
+        """A module ran in this thread while another thread's root forward may be running."""
+        with self._lock:
+            owner = self._root_thread
+            if not self._root_depth or owner == _get_ident() or not self._root_call_running(None):
+                return
+        raise ConcurrentForwardError(
+            f"nanwidget: module '{info.label}' ran in thread {_get_ident()} while thread {owner} "
+            "runs the watched model's forward; a watch records one forward at a time. Run them "
+            "one after the other, or watch a separate model copy per thread")
+
+    # ------------------------------------------------------------------ recording (features)
+    def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
+                     batch: int | None = None, first_output: int | None = None) -> Frame:
+        """Append a frame for ``info``'s module; caller holds :attr:`lock`.
+
+        ``batch`` files it under an earlier batch (backward frames that arrive after the root
+        forward already counted the next one): its frame and call numbers continue after that
+        batch's own. ``first_output``: position of the first output entry (forward frames).
+        """
+        counters = self._counters
+        if batch is not None and batch != counters.batch:
+            previous = self._previous
+            if previous is None or previous.batch != batch:
+                previous = self._previous = _Counters(batch)
+            counters = previous
+        key = info.index if phase == "forward" else ~info.index
+        calls = counters.calls
+        call = calls.get(key, 0)
+        calls[key] = call + 1
+        frame = Frame(self._rank, counters.batch, counters.next_frame, info.name, info.type_name,
+                      call, phase, entries, first_output)
+        counters.next_frame += 1
+        self._frames.append(frame)
+        return frame
+
+    @property
+    def has_unresolved(self) -> bool:
+        """Whether frames or stats are waiting for the next resolve."""
+        return bool(self._frames) or len(self._pending) > 0
+
+    # ------------------------------------------------------------------ batch boundaries
+    def _finish_root(self, raising: bool) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            finished = self._batch
+            advance = not self._manual_batches
+            event = self._resolve_locked(finished, advance=advance)
+        self._conclude(finished, event, reason="forward", raising=raising, finished=advance)
+
+    def _end_interrupted_locked(self) -> None:
+        """Resolve the frames of a forward that never returned, in their own batch."""
+        batch = self._batch
+        self.interrupted_batches.append(batch)
+        del self.interrupted_batches[:-1000]
+        self._root_depth = 0
+        self._root_frame = None
+        self._exception_at_start = None
+        for info in self.modules:
+            info.pre_entries.clear()
+        event = self._resolve_locked(batch, advance=not self._manual_batches)
+        if event is not None:
+            self._record_event_locked(event)
+
+    def _resolve_locked(self, ended: int | None, advance: bool) -> NanEvent | None:
+        """Resolve pending stats and hand the frames on; the first NaN/Inf event or None.
+        Caller holds the lock; the event is not recorded yet (see :meth:`_conclude`)."""
+        for feature in self._features:
+            feature.before_resolve()
+        self._pending.resolve()
+        frames, self._frames = self._frames, []
+        self._rank = current_rank()
+        event: NanEvent | None = None
+        history_rows: list[tuple[int, int, float, float, bool]] = []
+        name_index = self._name_index
+        trace_batches = self.trace_batches
+        window = self._ring.window_ending_with
+        for position, frame in enumerate(frames):
+            bad = False
+            first_output = frame.first_output
+            for slot, entry in enumerate(frame.entries):
+                stats = entry[1]
+                if stats is None:
+                    continue
+                nonfinite = stats.nan or stats.inf
+                if nonfinite:
+                    bad = True
+                if slot >= first_output:
+                    history_rows.append((frame.batch, name_index[frame.module], stats.abs_max,
+                                         stats.abs_min, nonfinite))
+            if bad and event is None:
+                event = event_at(frames, position, window)
+            if trace_batches and frame.batch in trace_batches:
+                self._trace_frames.setdefault(frame.batch, []).append(frame)
+        self._history.record_many(history_rows)
+        self._ring.extend(frames)
+        for feature in self._features:
+            feature.on_batch_end(ended, frames)
+        if advance:
+            self._previous = self._counters
+            self._batch += 1
+            self._counters = _Counters(self._batch)
+        return event
+
+    def _conclude(self, batch: int, event: NanEvent | None, *, reason: str, raising: bool,
+                  finished: bool) -> None:
+        """Outside the lock: features review the event, it is recorded, then raise/warn/go on."""
+        for feature in self._features:
+            try:
+                event = feature.review_event(batch, event, reason)
+            except (NanDetected, AbortAfterBatch):
+                raise
+            except Exception as error:
+                self.internal_error(error)
+        if event is not None:
+            with self._lock:
+                self._record_event_locked(event)
+            if self.on_nan == "raise" and raising:
+                raise NanDetected(event)
+            if self.on_nan in ("raise", "warn"):
+                warnings.warn(f"nanwidget: {event.summary()}", NanWarning, stacklevel=5)
+        if raising and finished and self.abort_after is not None and not self._aborted \
+                and batch >= self.abort_after:
+            self._aborted = True
+            raise AbortAfterBatch(batch, self.abort_after)
+
+    def _record_event_locked(self, event: NanEvent) -> None:
+        if any(known is event for known in self._events):
+            return
+        if len(self._events) < self.max_events:
+            self._events.append(event)
+        else:
+            self.events_dropped += 1
+        for feature in self._features:
+            try:
+                feature.on_event(event)
+            except Exception as error:
+                self.internal_error(error)
+
+    def end_frames(self, batch: int, *, reason: str, raising: bool) -> None:
+        """Resolve the frames recorded since the last resolve (e.g. a backward pass's), record
+        their first event and raise or warn as ``on_nan`` says (only when ``raising``)."""
+        with self._lock:
+            if self._closed or not self.has_unresolved:
+                return
+            event = self._resolve_locked(None, advance=False)
+        self._conclude(batch, event, reason=reason, raising=raising, finished=False)
+
+    def set_batch(self, batch: int) -> None:
+        """End the current batch (its frames are checked) and continue as ``batch``.
+
+        From the first call on, the root forward no longer counts batches.
+        """
+        with self._lock:
+            self._manual_batches = True
+            finished = self._batch
+            event = self._resolve_locked(finished, advance=False) if self.has_unresolved else None
+            if batch != finished:
+                self._previous = self._counters
+                self._batch = batch
+                self._counters = _Counters(batch)
+        self._conclude(finished, event, reason="set_batch", raising=True,
+                       finished=finished != batch)
+
+    def flush(self) -> None:
+        """Resolve frames recorded since the last boundary; events are recorded, never raised."""
+        with self._lock:
+            if self._closed or not self.has_unresolved:
+                return
+            event = self._resolve_locked(None, advance=False)
+        self._conclude(self._batch, event, reason="flush", raising=False, finished=False)
+
+    # ------------------------------------------------------------------ reading
+    def held_frames(self) -> list[Frame]:
+        """The frames in the ring buffer (the last ``max_frames``), oldest first."""
+        with self._lock:
+            return list(self._ring)
+
+    def frames_table(self, batch: int | None = None) -> pd.DataFrame:
+        """Frames in the ring buffer, or every frame of trace batch ``batch``."""
+        self.flush()
+        with self._lock:
+            if batch is None:
+                return frames_to_dataframe(list(self._ring))
+            if batch not in self._trace_frames:
+                held = sorted(self._trace_frames) or "none yet"
+                raise KeyError(f"batch {batch} is not a recorded trace batch (trace_batches="
+                               f"{sorted(self.trace_batches)}; recorded: {held})")
+            return frames_to_dataframe(self._trace_frames[batch])
+
+    @property
+    def recorded_trace_batches(self) -> list[int]:
+        """Trace batches with frames recorded so far."""
+        with self._lock:
+            return sorted(self._trace_frames)
+
+    def history_table(self) -> pd.DataFrame:
+        """One row per (batch, module): abs_max, abs_min and nonfinite of its outputs."""
+        self.flush()
+        with self._lock:
+            return self._history.to_dataframe()
+
+    # ------------------------------------------------------------------ lifecycle
+    @contextlib.contextmanager
+    def suspend(self) -> Iterator[None]:
+        """While inside, this thread's hooks record nothing and the lock is held, so other
+        threads' forwards wait: batch count, ring, history and events stay put."""
+        with self._lock:
+            outer = self._suspended_thread
+            self._suspended += 1
+            self._suspended_thread = _get_ident()
+            try:
+                yield
+            finally:
+                self._suspended -= 1
+                self._suspended_thread = outer if self._suspended else None
+
+    def close(self) -> None:
+        """Remove exactly the hooks this recorder added, close the features; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            event = None
+            try:
+                if self.has_unresolved:
+                    event = self._resolve_locked(None, advance=False)
+                    if event is not None:
+                        self._record_event_locked(event)
+            except Exception as error:  # closing must always succeed
+                self.internal_error(error)
+            self._closed = True
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            for info in self.modules:
+                if _WATCHED.get(info.module) is self:
+                    del _WATCHED[info.module]
+            features = list(reversed(self._features))
+        for feature in features:
+            try:
+                feature.close()
+            except Exception as error:
+                self.internal_error(error)
+
+    def internal_error(self, error: BaseException) -> None:
+        """A failure inside nanwidget: warn once and carry on (the user's run never breaks).
+        NanDetected and AbortAfterBatch are not failures: they propagate."""
+        if isinstance(error, (NanDetected, AbortAfterBatch, ConcurrentForwardError)):
+            raise error
+        if not self._warned_internal:
+            self._warned_internal = True
+            warnings.warn(f"nanwidget: internal error while recording ({type(error).__name__}: "
+                          f"{error}); your forward pass continues, some frames may be missing",
+                          RuntimeWarning, stacklevel=3)

@@ -1,0 +1,70 @@
+"""Trace mode: hold recent batches, re-run one op by op, name the op and the line that made a NaN.
+
+Module hooks see module boundaries only; a NaN made by ``torch.sqrt(h - 5)`` between two
+submodules, a masked softmax or a custom ``autograd.Function`` can only be reported as "arrived
+through the input of module B". Trace mode re-runs the batch exactly (same inputs, same RNG
+states, same train/eval flags) under a :class:`~torch.utils._python_dispatch.TorchDispatchMode`
+that measures every aten op, and names the first op whose output is not finite, its enclosing
+module and the innermost line of user code that called it.
+
+Parts: :mod:`.capture` holds batches (a feature of the recorder), :mod:`.shadows` keeps the
+model's own tensors untouched, :mod:`.tracer` measures ops and frames, :mod:`.run` runs a
+batch again; the result is a :class:`~nanwidget.core.trace.Trace`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from ..events import NanEvent
+from ..recorder import Feature, Recorder
+from ..trace import Trace
+from .capture import (BatchCapture, BatchNotHeldError, InputModifiedError, ReplayError,
+                      MAX_EVENT_BATCHES, MAX_FORWARDS_PER_BATCH)
+from .run import replay_held_batch
+
+__all__ = ["Replayer", "BatchCapture", "Trace", "ReplayError", "BatchNotHeldError",
+           "InputModifiedError", "MAX_AUTO_REPLAYS", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
+
+# Automatic replays (``replay_on_nan=True``) per watch: a diverged run makes an event per batch.
+MAX_AUTO_REPLAYS = 4
+
+
+class Replayer(Feature):
+    """Replays held batches on request, and each forward event's batch with ``replay_on_nan``
+    (the trace is attached before the event is recorded, so files and reports carry it)."""
+
+    def __init__(self, recorder: Recorder, capture: BatchCapture, *, replay_on_nan: bool) -> None:
+        self.recorder = recorder
+        self.capture = capture
+        self.replay_on_nan = replay_on_nan
+        self.replaying = False
+        self.auto_replays = 0
+
+    def replay(self, batch: int, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Trace:
+        """Re-run ``batch`` in trace mode (see :meth:`nanwidget.NanWatch.replay`)."""
+        held = self.capture.batch_to_replay(batch)
+        if self.replaying:
+            raise ReplayError("a replay is already running (replay() cannot be called from "
+                              "inside the model while it is being replayed)")
+        self.replaying = True
+        try:
+            return replay_held_batch(self.recorder, self.capture, held, loss_fn)
+        finally:
+            self.replaying = False
+
+    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
+        if (event is None or not self.replay_on_nan or event.trace is not None
+                or event.is_backward or event.origin == "peer" or self.replaying
+                or self.auto_replays >= MAX_AUTO_REPLAYS):
+            return event
+        self.auto_replays += 1
+        try:
+            event.trace = self.replay(event.batch)
+        except Exception as error:  # a failed replay must not hide the event itself
+            warnings.warn(f"nanwidget: replay_on_nan could not replay batch {event.batch} "
+                          f"({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2)
+        return event

@@ -1,0 +1,265 @@
+"""Holding batches for replay: what each root forward needs to run again, kept cheaply.
+
+On every batch, under the recorder's lock: references to the root forward's inputs (no copies)
+with their version counters, the RNG states, grad/autocast modes, train/eval flags and the
+version counters of parameters and buffers. Tensors are copied only with
+``snapshot_weights=True``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from ..events import NanEvent
+from ..frames import Frame
+from ..recorder import Feature
+from ..stats import version_of
+from ..walk import iter_leaves
+
+__all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "ReplayError",
+           "BatchNotHeldError", "InputModifiedError", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
+
+# Event batches pinned for replay beyond the last ``keep_batches`` (the first ones: the first
+# event is the one users chase).
+MAX_EVENT_BATCHES = 8
+# Root forward calls held per batch (several when a loop accumulates gradients with set_batch).
+MAX_FORWARDS_PER_BATCH = 64
+
+_Tensor = torch.Tensor
+
+
+class ReplayError(RuntimeError):
+    """A batch cannot be replayed (see the message for why and what to do)."""
+
+
+class BatchNotHeldError(ReplayError):
+    """The batch asked for is not (or no longer) held; the message lists the held ones."""
+
+
+class InputModifiedError(ReplayError):
+    """An input of the batch was modified in place since: a replay would run on other data."""
+
+
+class ForwardCapture:
+    """What one root forward call needs to run again."""
+
+    __slots__ = ("args", "kwargs", "inputs", "input_versions", "end_input_versions", "cpu_rng",
+                 "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
+                 "weight_versions", "end_buffer_versions", "snapshot", "needs_grad")
+
+    def __init__(self) -> None:
+        self.needs_grad: frozenset | set = frozenset()  # positions / keys of detached inputs that required grad
+        self.end_input_versions: list[int] | None = None
+        self.end_buffer_versions: list[int] | None = None
+        self.snapshot: list[torch.Tensor | None] | None = None
+
+
+class HeldBatch:
+    """The root forwards of one batch (several with gradient accumulation under set_batch)."""
+
+    __slots__ = ("batch", "forwards", "truncated")
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.forwards: list[ForwardCapture] = []
+        self.truncated = False
+
+
+class WeightSlots:
+    """Every parameter and buffer slot of the model, read by dict lookups (no module walk)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.containers: list[dict] = []
+        self.keys: list[str] = []
+        self.names: list[str] = []
+        self.is_buffer: list[bool] = []
+        for module_name, module in root.named_modules():
+            for is_buffer, container in ((False, module._parameters), (True, module._buffers)):
+                for key, tensor in container.items():
+                    if tensor is None:
+                        continue
+                    self.containers.append(container)
+                    self.keys.append(key)
+                    self.names.append(f"{module_name}.{key}" if module_name else key)
+                    self.is_buffer.append(is_buffer)
+        self.buffer_positions = [i for i, flag in enumerate(self.is_buffer) if flag]
+        self.modules = list(root.modules())
+
+    def read(self) -> list[torch.Tensor | None]:
+        return [container.get(key) for container, key in zip(self.containers, self.keys)]
+
+
+def versions_of(tensors: list[torch.Tensor | None]) -> list[int]:
+    """Version counters (-1 for None and inference tensors)."""
+    try:
+        return [t._version for t in tensors]  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):  # a slot set to None since, or an inference tensor
+        return [-1 if t is None else version_of(t) for t in tensors]
+
+
+def _autocast_state() -> tuple:
+    state = []
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            state.append((device_type, torch.get_autocast_dtype(device_type)))
+    return tuple(state)
+
+
+class BatchCapture(Feature):
+    """Holds what is needed to re-run the last ``keep`` batches, the trace batches and the
+    batches of the first events."""
+
+    def __init__(self, model: nn.Module, *, keep: int, trace_batches: frozenset[int],
+                 snapshot_weights: bool = False) -> None:
+        self.keep = keep
+        self.trace_batches = trace_batches
+        self.snapshot_weights = snapshot_weights
+        self.slots = WeightSlots(model)
+        self.held: OrderedDict[int, HeldBatch] = OrderedDict()
+        self.event_batches: set[int] = set()
+
+    # -- hot path: every batch, under the recorder's lock
+    def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
+        if not self.keep and batch not in self.trace_batches:
+            return
+        held = self.held.get(batch)
+        if held is not None and len(held.forwards) >= MAX_FORWARDS_PER_BATCH:
+            held.truncated = True
+            return
+        capture = ForwardCapture()
+        # Tensors made by autograd are held as detached aliases (same data and version counter)
+        # so that a held batch does not keep the graph behind them alive.
+        if any(isinstance(v, _Tensor) and v.grad_fn is not None for v in args):
+            capture.needs_grad = {i for i, v in enumerate(args)
+                                  if isinstance(v, _Tensor) and v.requires_grad}
+            args = tuple(v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
+                         for v in args)
+        if kwargs and any(isinstance(v, _Tensor) and v.grad_fn is not None for v in kwargs.values()):
+            capture.needs_grad = capture.needs_grad | {k for k, v in kwargs.items()
+                                                       if isinstance(v, _Tensor) and v.requires_grad}
+            kwargs = {k: v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
+                      for k, v in kwargs.items()}
+        inputs: list[tuple[str, torch.Tensor]] = []
+        for position, value in enumerate(args):
+            role = f"input[{position}]"
+            if isinstance(value, _Tensor):
+                inputs.append((role, value))
+            elif not isinstance(value, (int, float, bool, str, type(None))):
+                inputs.extend((r, leaf) for r, leaf in iter_leaves(value, role)
+                              if isinstance(leaf, _Tensor))
+        if kwargs:
+            for key, value in kwargs.items():
+                inputs.extend((r, leaf) for r, leaf in iter_leaves(value, "kwarg:" + key)
+                              if isinstance(leaf, _Tensor))
+        capture.args = args
+        capture.kwargs = kwargs
+        capture.inputs = inputs
+        capture.input_versions = versions_of([t for _, t in inputs])
+        capture.cpu_rng = torch.get_rng_state()
+        capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        capture.grad_enabled = torch.is_grad_enabled()
+        capture.inference = torch.is_inference_mode_enabled()
+        capture.autocast = _autocast_state()
+        capture.training = [m.training for m in self.slots.modules]
+        weights = self.slots.read()
+        capture.weights = weights
+        capture.weight_versions = versions_of(weights)
+        if self.snapshot_weights:
+            capture.snapshot = self._snapshot(weights)
+        if held is None:
+            held = self.held[batch] = HeldBatch(batch)
+            self._evict()
+        held.forwards.append(capture)
+
+    def on_batch_end(self, batch: int | None, frames: list[Frame]) -> None:
+        held = self.held.get(batch) if batch is not None else None
+        if held is None or not held.forwards:
+            return
+        last = held.forwards[-1]
+        if last.end_input_versions is None:
+            last.end_input_versions = versions_of([t for _, t in last.inputs])
+            if self.slots.buffer_positions:
+                weights = last.weights
+                last.end_buffer_versions = [
+                    -1 if weights[i] is None else version_of(weights[i])
+                    for i in self.slots.buffer_positions]
+
+    def on_event(self, event: NanEvent) -> None:
+        if event.batch in self.held and len(self.event_batches) < MAX_EVENT_BATCHES:
+            self.event_batches.add(event.batch)
+
+    def _evict(self) -> None:
+        recent = [b for b in self.held if b not in self.event_batches and b not in self.trace_batches]
+        for batch in recent[:max(0, len(recent) - self.keep)]:
+            del self.held[batch]
+
+    def _snapshot(self, weights: list) -> list[torch.Tensor | None]:
+        """Copies of every parameter and buffer (tied ones once).
+
+        Every batch copies everything: version counters cannot tell whether a tensor changed
+        (BatchNorm's running statistics and writes through ``.data`` do not bump them).
+        """
+        copies: dict[int, torch.Tensor] = {}
+        snapshot: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for tensor in weights:
+                if tensor is None:
+                    snapshot.append(None)
+                    continue
+                copy = copies.get(id(tensor))
+                if copy is None:
+                    copy = copies[id(tensor)] = tensor.detach().clone()
+                snapshot.append(copy)
+        return snapshot
+
+    def set_snapshots(self, enabled: bool) -> None:
+        """Start or stop copying the weights at the start of each held batch."""
+        self.snapshot_weights = bool(enabled)
+        if not enabled:
+            for held in self.held.values():
+                for forward in held.forwards:
+                    forward.snapshot = None
+
+    # -- outside the hot path
+    def held_batches(self) -> list[int]:
+        """Batch numbers that can be replayed now."""
+        return sorted(b for b, held in self.held.items() if held.forwards)
+
+    def batch_to_replay(self, batch: int) -> HeldBatch:
+        """The held batch, checked: raises a :class:`ReplayError` saying why it cannot run."""
+        if isinstance(batch, bool) or not isinstance(batch, int):
+            raise TypeError(f"replay takes a batch number (int), got {batch!r}")
+        held = self.held.get(batch)
+        if held is None or not held.forwards:
+            listed = ", ".join(map(str, self.held_batches())) or "none"
+            raise BatchNotHeldError(
+                f"batch {batch} is not held for replay; held batches: {listed}. A watch holds "
+                f"the last keep_batches={self.keep} batches, its trace_batches and the batches "
+                "of its first events; pass keep_batches=N or trace_batches=[...] to nw.watch() "
+                "to hold others")
+        if held.truncated:
+            raise ReplayError(f"batch {batch} ran its root forward more than "
+                              f"{MAX_FORWARDS_PER_BATCH} times; only the first ones were held, "
+                              "so it cannot be replayed faithfully")
+        _check_inputs(held)
+        return held
+
+
+def _check_inputs(held: HeldBatch) -> None:
+    for capture in held.forwards:
+        for k, ((role, tensor), version) in enumerate(zip(capture.inputs, capture.input_versions)):
+            now = version_of(tensor)
+            if now == version:
+                continue
+            during = (capture.end_input_versions is not None
+                      and capture.end_input_versions[k] == now)
+            when = ("by the model's own forward while the batch ran" if during
+                    else "after the batch ran (e.g. by the training loop)")
+            raise InputModifiedError(
+                f"cannot replay batch {held.batch}: its {role} ({str(tensor.dtype).replace('torch.', '')} "
+                f"{tuple(tensor.shape)}) was modified in place {when} (version {version} -> {now}), "
+                "so a replay would run on different data. Give each batch its own tensor, or "
+                "clone() it before changing it in place")

@@ -1,0 +1,162 @@
+"""Shadow weights: a replay runs on stand-ins for the model's parameters and buffers.
+
+A replay never touches the model's own tensors: it runs on *shadow* parameters (new Parameter
+objects over the same storage, so ``.grad``, ``requires_grad`` and version counters of the real
+ones stay as they are; an in-place write into a parameter's storage is saved first and undone
+afterwards) and on cloned buffers (BatchNorm running statistics).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture import WeightSlots
+
+__all__ = ["Shadows", "tensors_in", "mutated_arguments"]
+
+_Tensor = torch.Tensor
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of an op's argument or output (a tensor or a flat list/tuple of them)."""
+    if isinstance(value, _Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, _Tensor)]
+    return []
+
+
+_MUTATED: dict[Any, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+
+
+def mutated_arguments(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Positions and names of the arguments an op writes into (from its schema), cached."""
+    found = _MUTATED.get(func)
+    if found is None:
+        positions, names = [], []
+        try:
+            for position, argument in enumerate(func._schema.arguments):
+                alias = argument.alias_info
+                if alias is not None and alias.is_write:
+                    positions.append(position)
+                    names.append(argument.name)
+        except AttributeError:
+            pass
+        found = _MUTATED[func] = (tuple(positions), tuple(names))
+    return found
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # tensor subclasses without a storage
+        return None
+
+
+class _Protected:
+    """A tensor whose storage the replay must leave as it found it (copy on first write)."""
+
+    __slots__ = ("write_through", "source", "saved")
+
+    def __init__(self, write_through: torch.Tensor, source: torch.Tensor) -> None:
+        self.write_through = write_through  # writes here reach the storage, not source's counter
+        self.source = source
+        self.saved: torch.Tensor | None = None
+
+
+def _storage_alias(source: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``source``'s storage with a version counter of its own."""
+    if type(source) in (_Tensor, nn.Parameter) and source.layout is torch.strided \
+            and not source.is_meta:
+        try:
+            with torch.no_grad():
+                return torch.empty(0, dtype=source.dtype, device=source.device).set_(
+                    source.untyped_storage(), source.storage_offset(), source.size(), source.stride())
+        except Exception:
+            pass
+    return source.detach()
+
+
+class Shadows:
+    """Swaps the model's parameters and buffers for replay-only stand-ins, and back."""
+
+    def __init__(self) -> None:
+        self.swaps: list[tuple[dict, str, torch.Tensor]] = []
+        self.protected: dict[int, list[_Protected]] = {}
+        self.grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.flat_weights: list[tuple[nn.Module, list]] = []
+
+    def install(self, slots: WeightSlots, sources: list[torch.Tensor | None]) -> None:
+        """Put the stand-ins in place; every swap is recorded as it is made, so that
+        :meth:`restore` undoes exactly what was done even if this stops half-way."""
+        current = slots.read()
+        made: dict[int, torch.Tensor] = {}
+        for i, original in enumerate(current):
+            if original is None:
+                continue
+            source = sources[i]
+            if source is None or source.shape != original.shape or source.dtype != original.dtype:
+                source = original
+            shadow = made.get(id(source))
+            if shadow is None:
+                shadow = made[id(source)] = self._make(original, source, slots.is_buffer[i])
+            self.swaps.append((slots.containers[i], slots.keys[i], original))
+            slots.containers[i][slots.keys[i]] = shadow
+        # RNNs keep a list of their weights besides _parameters.
+        for module in slots.modules:
+            if isinstance(getattr(module, "_flat_weights", None), list) \
+                    and hasattr(module, "_flat_weights_names"):
+                self.flat_weights.append((module, module._flat_weights))
+                module._flat_weights = [getattr(module, name, None)
+                                        for name in module._flat_weights_names]
+
+    def _make(self, original: torch.Tensor, source: torch.Tensor, is_buffer: bool) -> torch.Tensor:
+        if is_buffer or not isinstance(original, nn.Parameter):
+            with torch.no_grad():
+                shadow = source.detach().clone()
+            if original.requires_grad and shadow.is_floating_point():
+                shadow.requires_grad_(True)
+            return shadow
+        alias = _storage_alias(source)
+        shadow = nn.Parameter(alias, requires_grad=original.requires_grad)
+        if original.__dict__:
+            shadow.__dict__.update(original.__dict__)  # e.g. attributes libraries tag params with
+        self._protect(shadow, source)
+        # The shadow collects the replay's gradients; the original's .grad (or its None) stays,
+        # even if some code reaches the original parameter through a reference of its own.
+        self.grads.append((original, original.grad))
+        if original.grad is not None:
+            self._protect(original.grad, original.grad)
+        return shadow
+
+    def _protect(self, write_through: torch.Tensor, source: torch.Tensor) -> None:
+        key = _storage_key(source)
+        if key is not None:
+            self.protected.setdefault(key, []).append(_Protected(write_through, source))
+
+    def before_write(self, tensor: torch.Tensor) -> None:
+        """Called for each tensor an op is about to write into: save protected ones first."""
+        entries = self.protected.get(_storage_key(tensor))  # type: ignore[arg-type]
+        if entries:
+            for entry in entries:
+                if entry.saved is None:
+                    entry.saved = entry.source.detach().clone()
+
+    def restore(self) -> None:
+        for container, key, original in reversed(self.swaps):
+            container[key] = original
+        for module, weights in self.flat_weights:
+            module._flat_weights = weights
+        with torch.no_grad():
+            for entries in self.protected.values():
+                for entry in entries:
+                    if entry.saved is not None:
+                        entry.write_through.copy_(entry.saved)
+        for original, grad in self.grads:
+            if original.grad is not grad:
+                original.grad = grad
+
+

@@ -1,0 +1,90 @@
+"""Where in the user's code something happened: the innermost line outside torch, the standard
+library, IPython and nanwidget itself.
+
+Used by the trace-mode replay (the line that called each op) and by the notebook layer (the
+line a NaN/Inf was raised from), so both name the same place the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from types import FrameType, TracebackType
+
+import torch
+
+__all__ = ["user_source", "traceback_source", "format_source"]
+
+_USER, _SKIP, _STOP = 0, 1, 2
+
+
+def _directory(path: str) -> str:
+    return os.path.normcase(os.path.abspath(path)) + os.sep
+
+
+_TORCH_DIR = _directory(os.path.dirname(torch.__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nanwidget/
+_CORE_DIR = _directory(os.path.dirname(__file__))  # nanwidget/core/
+# nanwidget's own layers that call the model for the user (examples and the demo's model are
+# user code as far as a report is concerned).
+_LIBRARY_PATHS = tuple(os.path.normcase(os.path.join(_PACKAGE, part)) for part in (
+    "magics" + os.sep, "widgets" + os.sep, "plots" + os.sep, "integrations" + os.sep,
+    "training.py"))
+_STDLIB_DIRS = tuple({_directory(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib")})
+_TOOL_PARTS = (os.sep + "IPython" + os.sep, os.sep + "ipykernel" + os.sep,
+               os.sep + "ipykernel_launcher")
+_KINDS: dict[str, int] = {}
+
+
+def _file_kind(filename: str) -> int:
+    """_USER, _SKIP (library code) or _STOP (nanwidget's engine: what called it is not the
+    model, e.g. the replay running the model for the user's ``replay()`` call)."""
+    kind = _KINDS.get(filename)
+    if kind is not None:
+        return kind
+    if filename.startswith("<"):
+        kind = _SKIP if filename.startswith("<frozen") else _USER
+    else:
+        path = os.path.normcase(os.path.abspath(filename))
+        if path.startswith(_CORE_DIR):
+            kind = _STOP
+        elif path.startswith((_TORCH_DIR,) + _LIBRARY_PATHS) or any(p in path for p in _TOOL_PARTS):
+            kind = _SKIP
+        elif path.startswith(_STDLIB_DIRS) and "site-packages" not in path \
+                and "dist-packages" not in path:
+            kind = _SKIP
+        else:
+            kind = _USER
+    _KINDS[filename] = kind
+    return kind
+
+
+def format_source(filename: str, line: int) -> str:
+    """``file:line`` as the contract shows a source location."""
+    return f"{filename}:{line}"
+
+
+def user_source(frame: FrameType | None) -> str:
+    """Innermost user ``file:line`` from ``frame`` outwards; "" when nanwidget's engine (or
+    nothing) is reached first."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        kind = _file_kind(filename)
+        if kind == _USER:
+            return format_source(filename, frame.f_lineno)
+        if kind == _STOP:
+            return ""
+        frame = frame.f_back
+    return ""
+
+
+def traceback_source(tb: TracebackType | None) -> tuple[str, int] | None:
+    """``(filename, line)`` of the innermost user frame of a traceback (nanwidget's own frames
+    skipped), or None."""
+    found = None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if _file_kind(filename) == _USER:
+            found = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found

@@ -1,0 +1,135 @@
+"""The result of a trace-mode replay: every module frame and every tensor op of one batch."""
+
+from __future__ import annotations
+
+import linecache
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from .report import format_frames
+from .schema import OPS_COLUMNS, OPS_DTYPES, empty_table
+
+__all__ = ["Trace", "TENSOR_COLUMNS", "empty_ops"]
+
+# The first bad op's inputs and outputs, described (signed finite range, non-finite counts).
+TENSOR_COLUMNS = ["role", "dtype", "shape", "numel", "min", "max", "nan_count", "inf_count"]
+
+
+def empty_ops() -> pd.DataFrame:
+    """An ops table with the contract's columns and no rows."""
+    return empty_table(OPS_COLUMNS, OPS_DTYPES)
+
+
+def _number(value: float) -> str:
+    return "nan" if value != value else f"{value:.3e}"
+
+
+@dataclass(repr=False)
+class Trace:
+    """A trace-mode replay of one batch: every module frame and every tensor op.
+
+    ``frames``: the contract's frame DataFrame (every module frame, no ring limit). ``ops``: one
+    row per aten op (:data:`~nanwidget.core.schema.OPS_COLUMNS`; ops that only make views or uninitialised memory are
+    left out; ``inf`` can be hidden by a NaN in the same output). ``first_bad``: the first op row
+    whose output holds a NaN, else the first whose output holds an Inf, else None (an Inf can be
+    intended, as in masks filled with -inf; ``earlier_inf`` is the first Inf op when one came
+    before the first NaN); ``first_bad_tensors``: signed ranges and non-finite counts
+    of that op's inputs and outputs. ``weights_changed``: parameters or buffers changed since
+    the batch ran, so the replay used today's values (``changed_weights`` names them).
+    """
+
+    batch: int
+    frames: pd.DataFrame
+    ops: pd.DataFrame
+    first_bad: pd.Series | None = None
+    first_bad_tensors: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=TENSOR_COLUMNS))
+    earlier_inf: pd.Series | None = None
+    weights_changed: bool = False
+    changed_weights: list[str] = field(default_factory=list)
+    buffers_updated: list[str] = field(default_factory=list)
+    snapshot_used: bool = False
+    loss: float | None = None
+    forwards: int = 1
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        """One line: the first bad op and where, or that every op stayed finite."""
+        if self.first_bad is None:
+            return f"trace of batch {self.batch}: all {len(self.ops)} ops produced finite values"
+        first = self.first_bad
+        where = f" in module '{first['module'] or '<root>'}'" if first["phase"] != "loss" else " in loss_fn"
+        return (f"trace of batch {self.batch}: first non-finite op {first['op']} "
+                f"({first['phase']}){where} at {first['source'] or 'an unknown line'}")
+
+    def report(self) -> str:
+        """The first bad op with its source line, the weights' state, then every frame."""
+        lines = [f"Trace of batch_number={self.batch} (replayed in trace mode: {len(self.ops)} ops, "
+                 f"{self._frame_count()} module frames, {self.seconds:.2f} s)"]
+        first = self.first_bad
+        if first is None:
+            lines.append("No op produced a non-finite value in the replay.")
+        else:
+            kind = "+".join(k for k in ("nan", "inf") if first[k]) or "non-finite"
+            module = first["module"] or "<root>"
+            module_type = f" ({first['module_type']})" if first["module_type"] else ""
+            place = "in loss_fn" if first["phase"] == "loss" else f"in module '{module}'{module_type}"
+            lines.append(f"First non-finite op: {first['op']} ({first['aten']}, {first['phase']}) "
+                         f"{place}: {kind}")
+            source = first["source"]
+            if source:
+                lines.append(f"  at {source}")
+                filename, _, line = source.rpartition(":")
+                text = linecache.getline(filename, int(line)).strip() if line.isdigit() else ""
+                if text:
+                    lines.append(f"  {line:>6} | {text}")
+            else:
+                lines.append("  (no line of user code on the stack)")
+            for row in self.first_bad_tensors.itertuples(index=False):
+                counts = [f"{n} of {row.numel} {k}" for n, k in ((row.nan_count, "NaN"),
+                                                                 (row.inf_count, "Inf")) if n]
+                state = ", ".join(counts) if counts else "no NaN or Inf"
+                finite_range = (f"finite values from {_number(row.min)} to {_number(row.max)}"
+                                if row.min == row.min else "no finite values")
+                lines.append(f"  {row.role}: {row.dtype} {tuple(row.shape)}, {finite_range}, {state}")
+            inputs = self.first_bad_tensors[self.first_bad_tensors["role"].str.startswith("input")]
+            if len(inputs) and inputs["nan_count"].sum() > 0:
+                lines.append("  Its inputs already held NaN that no traced op made: it came from "
+                             "the batch's data or the weights.")
+            earlier = self.earlier_inf
+            if earlier is not None:
+                place = ("loss_fn" if earlier["phase"] == "loss"
+                         else f"module '{earlier['module'] or '<root>'}'")
+                lines.append(f"  Before it, op {earlier['op']} in {place} made an Inf at "
+                             f"{earlier['source'] or 'an unknown line'} (intended in masks filled "
+                             "with -inf; an Inf reaching exp, softmax or a subtraction makes NaN).")
+        if self.snapshot_used:
+            lines.append("Weights: replayed with the snapshot taken when the batch started.")
+        elif self.weights_changed:
+            names = ", ".join(self.changed_weights[:6]) + (" ..." if len(self.changed_weights) > 6 else "")
+            lines.append(f"Weights changed since batch {self.batch} ran ({names}): the replay used "
+                         "their current values, so it may differ from what that batch saw. Call "
+                         "nanwidget.watch(model, snapshot_weights=True) for faithful replays "
+                         "after optimizer steps.")
+        else:
+            lines.append(f"Weights: unchanged since batch {self.batch} ran.")
+        if self.buffers_updated and not self.snapshot_used:
+            names = ", ".join(self.buffers_updated[:6]) + (" ..." if len(self.buffers_updated) > 6 else "")
+            lines.append(f"Buffers updated by batch {self.batch}'s own forward ({names}): the replay "
+                         "started from their updated values (train-mode BatchNorm outputs do not "
+                         "depend on its running statistics).")
+        lines.append("")
+        lines.append(f"All {self._frame_count()} forward frames of the replay:")
+        lines.append(f"{'abs min':8} {'abs max':8} metadata")
+        lines.extend(format_frames(self.frames))
+        return "\n".join(lines)
+
+    def _frame_count(self) -> int:
+        return 0 if self.frames.empty else int(self.frames["frame"].nunique())
+
+    def __repr__(self) -> str:
+        return f"<Trace {self.summary()}>"
+
+    def _repr_html_(self) -> str:  # pragma: no cover - notebook nicety
+        import html
+        return f"<pre>{html.escape(self.report())}</pre>"
