@@ -1,0 +1,395 @@
+"""What the framework callbacks share: one watch, a look before every optimizer step, and one
+decision that every rank takes together.
+
+With the callbacks' default ``on_nan="stop"`` (and with ``"raise"``) the watch itself only
+records (``on_nan="record"``), so a NaN never raises from inside the framework's forward pass,
+where one rank would leave while the others wait in DDP's next all-reduce. The callback looks at
+what the watch found at points that every rank reaches together (just before each optimizer
+step, at the end of each evaluation), all-reduces one flag, and on a set flag every rank drops
+the step's gradients (so the optimizer step that follows changes nothing) and stops, or raises,
+at the same step.
+
+Only nanwidget's public API is used: ``nw.watch``, ``NanWatch.events``, ``check_grad_norms``,
+``grad_events``, ``frames``, ``report``, ``set_batch`` and ``close``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import os
+import warnings
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+import nanwidget as nw
+from nanwidget import GradEvent, NanDetected, NanEvent
+
+__all__ = ["ON_NAN_CHOICES", "TrainingStop", "Findings", "StepGuard", "BatchLog",
+           "check_callback_options", "fresh_run_dir", "logger"]
+
+logger = logging.getLogger("nanwidget.integrations")
+
+ON_NAN_CHOICES = ("stop", "raise", "warn", "record")
+# Rows kept by BatchLog: enough to describe any event of the steps still being decided.
+BATCH_LOG_ROWS = 4096
+
+# Every guard a callback created, so a callback can close one a failed run left behind.
+_LIVE_GUARDS: "weakref.WeakSet[StepGuard]" = weakref.WeakSet()
+
+
+def check_callback_options(on_nan: str, watch_options: dict[str, Any]) -> None:
+    """Refuse a bad ``on_nan`` or an unknown ``nw.watch`` option when the callback is made."""
+    if on_nan not in ON_NAN_CHOICES:
+        raise ValueError(f"on_nan must be one of {', '.join(ON_NAN_CHOICES)} for a training "
+                         f"callback; got {on_nan!r}")
+    accepted = {name for name, parameter in inspect.signature(nw.watch).parameters.items()
+                if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+    unknown = sorted(set(watch_options) - accepted)
+    if unknown:
+        raise TypeError(f"unknown nw.watch option(s) {', '.join(map(repr, unknown))}; the "
+                        f"callback passes these on to nw.watch, which accepts: "
+                        f"{', '.join(sorted(accepted))}")
+
+
+@dataclass
+class TrainingStop:
+    """Where and why a callback stopped training: the same ``step`` on every rank.
+
+    ``step`` counts optimizer steps from 1 (transformers' ``state.global_step`` and Lightning's
+    ``trainer.global_step`` once the step is done): for ``phase="train"`` it is the step whose
+    update was dropped; for ``phase="eval"`` the steps done when that evaluation ran.
+    """
+
+    step: int
+    phase: str
+    reason: str  # the first problem found, on the lowest rank that found one
+    found_on: list[int]  # every rank that found a problem at this step
+    rank: int  # this process's rank
+    event: NanEvent | None = field(default=None, repr=False)  # this rank's own first event
+    grad_events: list[GradEvent] = field(default_factory=list, repr=False)  # this rank's non-finite norms
+
+    def summary(self) -> str:
+        """One line: the step, the phase, and the first problem found on any rank."""
+        where = "before the optimizer step" if self.phase == "train" else "after evaluation"
+        found = ", ".join(map(str, self.found_on))
+        return (f"nanwidget stopped training at step {self.step} ({where}; found on rank "
+                f"{found}): {self.reason}")
+
+
+@dataclass
+class Findings:
+    """What this rank found since the last look: new events, non-finite gradients, a bad loss."""
+
+    events: list[NanEvent] = field(default_factory=list)
+    grad_events: list[GradEvent] = field(default_factory=list)
+    loss: str | None = None  # a non-finite loss that no module event explains
+    grads_with_values: int = 0  # parameters that had a gradient when they were checked
+
+    def __bool__(self) -> bool:
+        return bool(self.events or self.grad_events or self.loss)
+
+    def reason(self) -> str | None:
+        """One line for the log, or None when nothing was found."""
+        if self.events:
+            return self.events[0].summary()
+        if self.loss is not None:
+            return self.loss
+        if self.grad_events:
+            first = self.grad_events[0]
+            count = len(self.grad_events)
+            text = (f"non-finite gradient norm in batch {first.batch}: '{first.param}' "
+                    f"({first.norm})")
+            if count > 1 and count >= self.grads_with_values:
+                text += (f"; every one of the {count} gradients is non-finite (gradient "
+                         "clipping or the DDP all-reduce spreads one NaN to all): watch with "
+                         "backward=True to see where it began")
+            elif count > 1:
+                text += f" and {count - 1} more parameter(s)"
+            return text
+        return None
+
+
+class BatchLog:
+    """Which framework step each watch batch belonged to (bounded: the most recent rows)."""
+
+    COLUMNS = ["batch", "phase", "step", "index"]
+
+    def __init__(self, rows: int = BATCH_LOG_ROWS) -> None:
+        self._rows: deque[tuple[int, str, int, int]] = deque(maxlen=rows)
+        self.noted_until = 0  # batches below this number have a row (or were dropped)
+
+    def note(self, batch: int, phase: str, step: int, index: int) -> None:
+        """``batch`` was ``phase`` ("train" / "eval") number ``index`` of ``step``."""
+        self._rows.append((batch, phase, step, index))
+        self.noted_until = max(self.noted_until, batch + 1)
+
+    def note_until(self, end: int, phase: str, step: int, first_index: int) -> int:
+        """Note every batch from the last one noted up to ``end`` (excluded); next index."""
+        index = first_index
+        for batch in range(self.noted_until, end):
+            self.note(batch, phase, step, index)
+            index += 1
+        self.noted_until = max(self.noted_until, end)
+        return index
+
+    def describe(self, batch: int) -> str:
+        for row in reversed(self._rows):
+            if row[0] == batch:
+                _, phase, step, index = row
+                if phase == "train":
+                    return f"training step {step}, micro-batch {index}"
+                return f"evaluation after step {step}, batch {index}"
+        return f"batch {batch}"
+
+    def batches_of(self, phase: str, step: int) -> list[int]:
+        return [row[0] for row in self._rows if row[1] == phase and row[2] == step]
+
+    def to_dataframe(self) -> pd.DataFrame:
+        return pd.DataFrame(list(self._rows), columns=self.COLUMNS)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def fresh_run_dir(base: str | os.PathLike) -> Path:
+    """``base/run-N`` with the lowest N not yet used; rank 0 chooses, every rank gets its choice.
+
+    A watch refuses a ``log_dir`` that already holds a recording, and a Trainer's
+    ``output_dir`` is reused from run to run: each ``train()`` gets its own folder.
+    """
+    base = Path(base)
+    rank, world = _rank_and_world()
+    chosen: list[Any] = [None]
+    if rank == 0:
+        number = 0
+        while (base / f"run-{number}").exists():
+            number += 1
+        chosen[0] = str(base / f"run-{number}")
+    if world > 1:
+        torch.distributed.broadcast_object_list(chosen, src=0)
+    return Path(chosen[0])
+
+
+def _event_payload(event: NanEvent | None) -> dict[str, Any] | None:
+    if event is None:
+        return None
+    names = ("batch", "module", "module_type", "call", "role", "kind", "origin", "is_backward",
+             "rank", "frame")
+    payload = {name: getattr(event, name) for name in names}
+    frames = event.frames if isinstance(event.frames, pd.DataFrame) else pd.DataFrame()
+    payload["frames"] = frames.to_dict("list")
+    return payload
+
+
+def _event_from_payload(payload: dict[str, Any]) -> NanEvent:
+    fields = dict(payload)
+    frames = pd.DataFrame(fields.pop("frames", {}))
+    return NanEvent(frames=frames, **fields)
+
+
+class StepGuard:
+    """One watch on the unwrapped model, looked at by a callback at step boundaries."""
+
+    def __init__(self, model: nn.Module, *, on_nan: str, log_dir: str | os.PathLike | None,
+                 watch_options: dict[str, Any], owner: object) -> None:
+        for guard in list(_LIVE_GUARDS):
+            # A run that raised leaves its watch behind (transformers has no exception
+            # callback): close it, or the new watch would be refused on the same modules.
+            if guard.model is model and not guard.closed:
+                warnings.warn("nanwidget: closing the watch a previous training run left on this "
+                              "model (that run ended with an exception)", RuntimeWarning,
+                              stacklevel=3)
+                guard.close()
+        self.model = model
+        self.on_nan = on_nan
+        self.owner = weakref.ref(owner)
+        self.log_dir = None if log_dir is None else Path(log_dir)
+        watch_on_nan = "record" if on_nan in ("stop", "raise") else on_nan
+        self.watch = nw.watch(model, on_nan=watch_on_nan,
+                              log_dir=None if log_dir is None else str(log_dir), **watch_options)
+        self.rank, self.world_size = _rank_and_world()
+        self.batches = BatchLog()
+        self._events_seen = 0
+        self._grads_seen = 0
+        self._losses: list[str] = []
+        self._flag: torch.Tensor | None = None
+        self.exchanges = 0  # flag all-reduces done (the tests count them)
+        _LIVE_GUARDS.add(self)
+
+    @property
+    def stops(self) -> bool:
+        """Whether a finding stops training (``on_nan`` "stop" or "raise")."""
+        return self.on_nan in ("stop", "raise")
+
+    @property
+    def closed(self) -> bool:
+        return self.watch.closed
+
+    # ------------------------------------------------------------------ looking
+    def note_loss(self, loss: torch.Tensor, batch: int) -> None:
+        """Check a training loss (one host sync); remember it when non-finite."""
+        value = loss.detach()
+        if value.numel() and not bool(torch.isfinite(value).all()):
+            kind = "nan" if bool(torch.isnan(value).any()) else "inf"
+            self._losses.append(f"{kind} loss in batch {batch} ({self.batches.describe(batch)}); "
+                                "no watched module output was non-finite, so it was made by "
+                                "code outside the modules (training_step, the loss function)")
+
+    def findings(self, *, check_grads: bool) -> Findings:
+        """What this rank found since the last call (and, if asked, in the gradients now)."""
+        watch = self.watch
+        found = Findings()
+        events = watch.events
+        found.events = events[self._events_seen:]
+        self._events_seen = len(events)
+        if self._losses and not found.events:
+            found.loss = self._losses[0]
+        self._losses = []
+        if check_grads and not watch.closed:
+            flagged = watch.check_grad_norms()
+            grad_events = watch.grad_events
+            fresh = grad_events[self._grads_seen:]
+            self._grads_seen = len(grad_events)
+            found.grad_events = [g for g in fresh if not math.isfinite(g.norm)]
+            large = [g for g in fresh if math.isfinite(g.norm)]
+            if large:
+                worst = max(large, key=lambda g: g.norm)
+                warnings.warn(f"nanwidget: gradient norm of '{worst.param}' is {worst.norm:.3g} > "
+                              f"{worst.threshold:g} in batch {worst.batch} ({len(large)} "
+                              "parameter(s) above grad_norm_warn)", RuntimeWarning, stacklevel=3)
+            if flagged and not fresh and watch.grad_norm_warn is None:
+                # The grad-event list is full (it is capped); a flag without a threshold can
+                # only mean a non-finite norm.
+                found.grad_events = [GradEvent(batch=watch.batch, param="(not listed: grad_events "
+                                               "is full)", norm=math.nan, threshold=None,
+                                               rank=self.rank)]
+            if found.grad_events:
+                found.grads_with_values = sum(p.grad is not None for p in self.model.parameters())
+        return found
+
+    def reason(self, found: Findings) -> str | None:
+        """The finding in one line, with the framework step of its batch."""
+        text = found.reason()
+        if text is not None and found.events:
+            batch = found.events[0].batch
+            text = text.replace(f"in batch {batch}",
+                                f"in batch {batch} ({self.batches.describe(batch)})", 1)
+        return text
+
+    # ------------------------------------------------------------------ deciding together
+    def _flag_tensor(self) -> torch.Tensor:
+        if self._flag is None:
+            device = torch.device("cpu")
+            if torch.distributed.get_backend() == "nccl":  # NCCL moves device memory only
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._flag
+
+    def agree(self, found: Findings) -> list[dict[str, Any]]:
+        """Every rank's findings when any rank found something, else []. Call on every rank.
+
+        One MAX all-reduce of a one-element flag per call; only when it is set, the ranks
+        exchange what they found (``all_gather_object``).
+        """
+        mine = None
+        if found:
+            mine = {"rank": self.rank, "reason": self.reason(found),
+                    "event": _event_payload(found.events[0] if found.events else None)}
+        rank, world = _rank_and_world()
+        if world < 2:
+            return [mine] if mine is not None else []
+        dist = torch.distributed
+        flag = self._flag_tensor()
+        flag.fill_(1 if mine is not None else 0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.exchanges += 1
+        if int(flag.item()) == 0:
+            return []
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        return [entry for entry in gathered if entry is not None]
+
+    # ------------------------------------------------------------------ stopping
+    def drop_gradients(self, *, poison: bool = False) -> None:
+        """Make the coming optimizer step change nothing.
+
+        Gradients are set to None: torch optimizers skip parameters without a gradient. Under a
+        gradient scaler that has not unscaled yet (``poison=True``) they are filled with NaN
+        instead, so that the scaler itself skips the step (it refuses an optimizer without any
+        gradient).
+        """
+        with torch.no_grad():
+            for parameter in self.model.parameters():
+                if parameter.grad is None:
+                    continue
+                if poison:
+                    parameter.grad.fill_(math.nan)
+                else:
+                    parameter.grad = None
+
+    def make_stop(self, step: int, phase: str, found: Findings,
+                  decision: list[dict[str, Any]]) -> TrainingStop:
+        first = min(decision, key=lambda entry: entry["rank"])
+        stop = TrainingStop(step=step, phase=phase, reason=first["reason"],
+                            found_on=sorted(entry["rank"] for entry in decision), rank=self.rank,
+                            event=found.events[0] if found.events else None,
+                            grad_events=list(found.grad_events))
+        logger.warning(stop.summary())
+        if stop.event is not None:
+            logger.warning("nanwidget report (rank %d):\n%s", self.rank, self.watch.report(stop.event))
+        self._write_stop_file(stop, found)
+        return stop
+
+    def exception_for(self, stop: TrainingStop, decision: list[dict[str, Any]]) -> NanDetected:
+        """The NanDetected to raise with ``on_nan="raise"``: this rank's event, else the first found."""
+        if stop.event is not None:
+            return NanDetected(stop.event)
+        for entry in sorted(decision, key=lambda entry: entry["rank"]):
+            if entry["event"] is not None:
+                return NanDetected(_event_from_payload(entry["event"]))
+        # Only gradients (or a loss outside the modules) were non-finite: name the first.
+        grad = stop.grad_events[0] if stop.grad_events else None
+        owner, _, leaf = grad.param.rpartition(".") if grad is not None else ("", "", "loss")
+        return NanDetected(NanEvent(batch=grad.batch if grad is not None else self.watch.batch,
+                                    module=owner, module_type="", call=0, role=leaf, kind="nan",
+                                    origin="grad" if grad is not None else "output",
+                                    is_backward=grad is not None, rank=min(stop.found_on)))
+
+    def _write_stop_file(self, stop: TrainingStop, found: Findings) -> None:
+        if self.log_dir is None:
+            return
+        record = {
+            "step": stop.step, "phase": stop.phase, "reason": stop.reason,
+            "found_on": stop.found_on, "rank": stop.rank, "summary": stop.summary(),
+            "events": [event.summary() for event in found.events],
+            "grad_events": [{"batch": g.batch, "param": g.param, "norm": g.norm}
+                            for g in found.grad_events],
+            "report": self.watch.report(stop.event) if stop.event is not None else "",
+        }
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            path = self.log_dir / f"stop-rank-{self.rank:05d}.json"
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(record, indent=1, default=str), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as error:  # a full disk must not hide the stop itself
+            logger.warning("nanwidget: could not write the stop record in %s (%s)", self.log_dir, error)
+
+    def close(self) -> None:
+        """Remove the watch's hooks (idempotent); what it recorded stays readable."""
+        self.watch.close()
+        _LIVE_GUARDS.discard(self)

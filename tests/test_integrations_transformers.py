@@ -1,0 +1,243 @@
+"""NanWatchCallback in transformers' Trainer: tiny GPT-2 and BERT from configs, no downloads."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip(
+    "transformers", reason="the Trainer callback needs the transformers extra: pip install -e .[transformers]")
+
+import nanwidget as nw  # noqa: E402
+from nanwidget.integrations.transformers import NanWatchCallback  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+from trainer_nan import (BERT_POISONED, GPT2_POISONED, PoisonAtStep, TokenDataset,  # noqa: E402
+                         changed_parameters, hook_count, tiny_bert, tiny_gpt2, training_args)
+
+
+def _train(tmp_path, model, callbacks, dataset=None, eval_dataset=None, **args):
+    trainer = transformers.Trainer(model=model, args=training_args(str(tmp_path / "out"), **args),
+                                   train_dataset=dataset or TokenDataset(32),
+                                   eval_dataset=eval_dataset, callbacks=callbacks)
+    trainer.train()
+    return trainer
+
+
+def _optimizer_steps(trainer) -> int:
+    return max((int(s["step"]) for s in trainer.optimizer.state.values() if "step" in s), default=0)
+
+
+def test_gpt2_poisoned_at_step_3_stops_at_step_3_and_no_step_used_the_nan(tmp_path):
+    model = tiny_gpt2()
+    poison, callback = PoisonAtStep(GPT2_POISONED, 3), NanWatchCallback()
+    trainer = _train(tmp_path, model, [poison, callback], logging_nan_inf_filter=False)
+    assert trainer.state.global_step == 3                     # not the 6 asked for
+    assert callback.stop.step == 3 and callback.stop.phase == "train"
+    event = callback.event
+    assert (event.module, event.origin, event.kind) == (GPT2_POISONED, "weight", "nan")
+    assert GPT2_POISONED in callback.stop.reason and "training step 3" in callback.stop.reason
+    # The optimizer never stepped with the NaN gradients: only the poisoned weight differs from
+    # the copy taken when step 3 began, and Adam counted two steps, not three.
+    assert changed_parameters(model, poison.snapshot) == [f"{GPT2_POISONED}.weight"]
+    assert _optimizer_steps(trainer) == 2
+    assert all(torch.isfinite(p).all() for n, p in model.named_parameters()
+               if n != f"{GPT2_POISONED}.weight")
+    assert hook_count(model) == 0 and callback.watch.closed
+    assert trainer.state.log_history[-3]["nanwidget_stop"] == callback.stop.summary()
+
+
+def test_the_recording_under_output_dir_loads_with_the_event_and_the_stop(tmp_path):
+    model = tiny_gpt2()
+    callback = NanWatchCallback()
+    _train(tmp_path, model, [PoisonAtStep(GPT2_POISONED, 3), callback], logging_nan_inf_filter=False)
+    run_dir = tmp_path / "out" / "nanwidget" / "run-0"
+    assert Path(callback.watch.log_dir) == run_dir
+    run = nw.load_run(run_dir)
+    assert run.ranks == [0] and run.event.module == GPT2_POISONED
+    stop = json.loads((run_dir / "stop-rank-00000.json").read_text())
+    assert stop["step"] == 3 and stop["found_on"] == [0] and GPT2_POISONED in stop["report"]
+    # A second train() with the same output_dir gets a folder of its own.
+    second = NanWatchCallback()
+    _train(tmp_path, tiny_gpt2(), [second], max_steps=1)
+    assert Path(second.watch.log_dir) == tmp_path / "out" / "nanwidget" / "run-1"
+
+
+def test_clean_gpt2_run_trains_to_the_end_and_leaves_no_hooks(tmp_path):
+    model = tiny_gpt2()
+    callback = NanWatchCallback(log_dir=False)
+    trainer = _train(tmp_path, model, [callback], eval_dataset=TokenDataset(8),
+                     eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4)
+    assert trainer.state.global_step == 6 and callback.stop is None and callback.event is None
+    assert hook_count(model) == 0 and callback.watch.closed
+    table = callback.batches()
+    # One watch batch per forward pass: 6 training micro-batches, 2 evaluation batches after
+    # steps 3 and 6 each.
+    assert list(table[table.phase == "train"]["step"]) == [1, 2, 3, 4, 5, 6]
+    assert list(table[table.phase == "eval"]["step"]) == [3, 3, 6, 6]
+    assert list(table["batch"]) == list(range(10))
+    assert set(callback.watch.history()["batch"]) == set(range(10))
+
+
+def test_bert_with_gradient_accumulation_numbers_micro_batches_and_stops_at_step_3(tmp_path):
+    model = tiny_bert()
+    poison, callback = PoisonAtStep(BERT_POISONED, 3), NanWatchCallback(log_dir=False)
+    trainer = _train(tmp_path, model, [poison, callback], dataset=TokenDataset(64, classify=True),
+                     gradient_accumulation_steps=2, per_device_train_batch_size=2,
+                     logging_nan_inf_filter=False)
+    assert trainer.state.global_step == 3 and callback.stop.step == 3
+    assert callback.event.module == BERT_POISONED and callback.event.batch == 4
+    table = callback.batches()
+    assert list(table["step"]) == [1, 1, 2, 2, 3, 3] and list(table["index"]) == [0, 1] * 3
+    assert "training step 3, micro-batch 0" in callback.stop.reason
+    assert changed_parameters(model, poison.snapshot) == [f"{BERT_POISONED}.weight"]
+    assert _optimizer_steps(trainer) == 2 and hook_count(model) == 0
+
+
+def test_bf16_mixed_precision_stops_before_the_nan_step(tmp_path):
+    model = tiny_gpt2()
+    poison, callback = PoisonAtStep(GPT2_POISONED, 3), NanWatchCallback(log_dir=False)
+    trainer = _train(tmp_path, model, [poison, callback], bf16=True, logging_nan_inf_filter=False)
+    assert trainer.state.global_step == 3 and callback.event.module == GPT2_POISONED
+    # Under autocast the poisoned Conv1D computes in bfloat16: the frames say so.
+    frames = callback.event.frames
+    assert "bfloat16" in set(frames[frames.module == GPT2_POISONED]["dtype"])
+    assert changed_parameters(model, poison.snapshot) == [f"{GPT2_POISONED}.weight"]
+
+
+def test_a_nan_met_in_evaluation_stops_training_after_that_evaluation(tmp_path):
+    model = tiny_gpt2()
+    poison = PoisonAtStep(GPT2_POISONED, 3, when="eval")  # poisoned when step 2 ends
+    callback = NanWatchCallback(log_dir=False)
+    trainer = _train(tmp_path, model, [poison, callback], eval_dataset=TokenDataset(8),
+                     eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    assert trainer.state.global_step == 2
+    assert callback.stop.phase == "eval" and callback.stop.step == 2
+    assert "evaluation after step 2, batch 0" in callback.stop.reason
+    assert hook_count(model) == 0
+
+
+def test_warns_when_logging_nan_inf_filter_hides_the_nan_loss(tmp_path):
+    with pytest.warns(RuntimeWarning, match="logging_nan_inf_filter=True"):
+        _train(tmp_path, tiny_gpt2(), [PoisonAtStep(GPT2_POISONED, 3), NanWatchCallback(log_dir=False)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train(tmp_path, tiny_gpt2(), [PoisonAtStep(GPT2_POISONED, 3), NanWatchCallback(log_dir=False)],
+               logging_nan_inf_filter=False)
+    assert not [w for w in caught if "logging_nan_inf_filter" in str(w.message)]
+
+
+def test_on_nan_raise_raises_out_of_train_with_the_hooks_removed(tmp_path):
+    model = tiny_gpt2()
+    poison, callback = PoisonAtStep(GPT2_POISONED, 3), NanWatchCallback(on_nan="raise", log_dir=False)
+    with pytest.raises(nw.NanDetected) as raised:
+        _train(tmp_path, model, [poison, callback])
+    assert raised.value.event.module == GPT2_POISONED and callback.stop.step == 3
+    assert hook_count(model) == 0
+    assert changed_parameters(model, poison.snapshot) == [f"{GPT2_POISONED}.weight"]
+
+
+def test_on_nan_record_leaves_training_alone(tmp_path):
+    model = tiny_gpt2()
+    callback = NanWatchCallback(on_nan="record", log_dir=False)
+    trainer = _train(tmp_path, model, [PoisonAtStep(GPT2_POISONED, 3), callback],
+                     logging_nan_inf_filter=False)
+    assert trainer.state.global_step == 6 and callback.stop is None
+    assert callback.event.batch == 2 and len(callback.watch.events) >= 4
+
+
+def test_abort_after_raises_after_that_batch_with_the_hooks_removed(tmp_path):
+    model = tiny_gpt2()
+    with pytest.raises(nw.AbortAfterBatch):
+        _train(tmp_path, model, [NanWatchCallback(abort_after=1, log_dir=False)])
+    assert hook_count(model) == 0
+
+
+def test_a_run_that_raised_leaves_hooks_until_the_next_train_closes_them(tmp_path):
+    model = tiny_gpt2()
+    callback = NanWatchCallback(log_dir=False)
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path, model, [callback, Boom()])
+    assert hook_count(model) > 0  # transformers calls no callback on an exception
+    with pytest.warns(RuntimeWarning, match="previous training run left"):
+        _train(tmp_path, model, [NanWatchCallback(log_dir=False)], max_steps=1)
+    assert hook_count(model) == 0
+
+
+def test_torch_compile_runs_eagerly_while_watched_and_restores_the_stance(tmp_path):
+    compiled_calls = []
+
+    def counting_backend(graph, example_inputs):
+        compiled_calls.append(1)
+        return graph.forward
+
+    model = tiny_gpt2()
+    callback = NanWatchCallback(log_dir=False)
+    with pytest.warns(RuntimeWarning, match="torch_compile=True"):
+        trainer = _train(tmp_path, model, [PoisonAtStep(GPT2_POISONED, 3), callback],
+                         torch_compile=True, torch_compile_backend="eager")
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+    assert callback.event.module == GPT2_POISONED and trainer.state.global_step == 3
+    assert hook_count(model) == 0
+    # The stance is back to compiling: a fresh compiled function reaches its backend.
+    square = torch.compile(lambda x: x * x, backend=counting_backend)
+    square(torch.ones(2))
+    assert compiled_calls
+
+
+def test_bad_options_are_refused_when_the_callback_is_made():
+    with pytest.raises(ValueError, match="on_nan must be one of stop, raise, warn, record"):
+        NanWatchCallback(on_nan="explode")
+    with pytest.raises(TypeError, match="unknown nw.watch option.*'max_frame'"):
+        NanWatchCallback(max_frame=3)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ddp_under_torchrun_stops_both_ranks_at_step_3(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(_free_port()), str(REPO / "tests" / "scripts" / "trainer_nan.py"),
+               "--out", str(tmp_path / "out"), "--poison-rank", "0", "--poison-step", "3",
+               "--accumulation", "2"]
+    finished = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO,
+                              timeout=240)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    decoder = json.JSONDecoder()
+    results = {r["rank"]: r for r in (decoder.raw_decode(chunk)[0]
+                                      for chunk in finished.stdout.split("RESULT ")[1:])}
+    assert sorted(results) == [0, 1] and results[0]["world"] == 2
+    for rank in (0, 1):
+        result = results[rank]
+        assert result["global_step"] == 3 and result["stop_step"] == 3
+        assert result["optimizer_steps"] == 2 and result["hooks"] == 0
+        assert GPT2_POISONED in result["reason"] and result["found_on"][0] == 0
+    # Rank 0 found the poisoned weight; rank 1 saw only the NaN gradients DDP averaged in.
+    assert (results[0]["event_module"], results[0]["event_origin"]) == (GPT2_POISONED, "weight")
+    assert results[0]["changed"] == [f"{GPT2_POISONED}.weight"] and results[1]["changed"] == []
+    run = nw.load_run(results[0]["log_dir"])
+    assert run.ranks == [0, 1] and run.event.module == GPT2_POISONED
+    assert (Path(results[0]["log_dir"]) / "stop-rank-00001.json").is_file()
