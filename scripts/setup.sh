@@ -11,7 +11,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     || "$PY" -m pip install -q $cpu_index "torch>=2.2" \
     || "$PY" -m pip install -q torch==2.13.0
 fi
-"$PY" -m pip install -q -e ".[dev,bench]"
+# The training-framework extras too: their callbacks and the Accelerate recipe are tested.
+"$PY" -m pip install -q -e ".[dev,bench,transformers,lightning,accelerate]"
 # The Jupyter kernel the notebooks (and nbval) run in: this Python, as "python3".
 "$PY" -m ipykernel install --sys-prefix --name python3 >/dev/null
 # Chromium for the real-browser test (Debian package; Playwright drives it).

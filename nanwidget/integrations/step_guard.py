@@ -72,7 +72,7 @@ class TrainingStop:
 
     step: int
     phase: str
-    reason: str  # the first problem found, on the lowest rank that found one
+    reason: str  # what was found: a module event when any rank has one (lowest rank first)
     found_on: list[int]  # every rank that found a problem at this step
     rank: int  # this process's rank
     event: NanEvent | None = field(default=None, repr=False)  # this rank's own first event
@@ -343,7 +343,8 @@ class StepGuard:
 
     def make_stop(self, step: int, phase: str, found: Findings,
                   decision: list[dict[str, Any]]) -> TrainingStop:
-        first = min(decision, key=lambda entry: entry["rank"])
+        # A module event says more than the NaN gradients DDP spread to the other ranks.
+        first = min(decision, key=lambda entry: (entry["event"] is None, entry["rank"]))
         stop = TrainingStop(step=step, phase=phase, reason=first["reason"],
                             found_on=sorted(entry["rank"] for entry in decision), rank=self.rank,
                             event=found.events[0] if found.events else None,

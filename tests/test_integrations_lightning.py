@@ -1,0 +1,160 @@
+"""NanWatchCallback in Lightning: a tiny LightningModule, single process and 2-process DDP (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pl = pytest.importorskip(
+    "lightning.pytorch", reason="the Lightning callback needs the lightning extra: pip install -e .[lightning]")
+
+import nanwidget as nw  # noqa: E402
+from nanwidget.integrations.lightning import NanWatchCallback  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+from lightning_nan import (POISONED, PoisonAtStep, TinyRegressor, changed_parameters,  # noqa: E402
+                           hook_count, loader, trainer)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        yield
+
+
+def _fit(tmp_path, model, callbacks, **options):
+    fit = trainer(str(tmp_path / "root"), callbacks, **options)
+    fit.fit(model, loader(), loader(16))
+    return fit
+
+
+def test_poisoned_at_step_3_stops_at_step_3_before_the_nan_step(tmp_path):
+    model = TinyRegressor()
+    poison, callback = PoisonAtStep(3), NanWatchCallback()
+    fit = _fit(tmp_path, model, [poison, callback])
+    assert fit.global_step == 3 and fit.should_stop                   # of 8 steps in the epoch
+    assert callback.stop.step == 3 and callback.stop.phase == "train"
+    assert (callback.event.module, callback.event.origin) == (POISONED, "weight")
+    assert "training step 3, micro-batch 0" in callback.stop.reason
+    assert changed_parameters(model, poison.snapshot) == [f"{POISONED}.weight"]
+    assert hook_count(model) == 0 and callback.watch.closed
+    run = nw.load_run(tmp_path / "root" / "nanwidget" / "run-0")
+    assert run.event.module == POISONED
+
+
+def test_clean_fit_runs_to_the_end_numbers_validation_batches_and_leaves_no_hooks(tmp_path):
+    model = TinyRegressor()
+    callback = NanWatchCallback(log_dir=False)
+    fit = _fit(tmp_path, model, [callback], max_epochs=2, val_check_interval=4)
+    assert fit.global_step == 16 and callback.stop is None and callback.event is None
+    assert hook_count(model) == 0
+    table = callback.batches()
+    train, val = table[table.phase == "train"], table[table.phase == "eval"]
+    assert list(train["step"]) == list(range(1, 17))
+    assert len(val) == 4 * 2 and set(val["step"]) == {4, 8, 12, 16}    # 2 val batches each
+    assert list(table["batch"]) == list(range(len(table)))
+
+
+def test_a_nan_loss_made_in_training_step_is_caught_there(tmp_path):
+    model = TinyRegressor(nan_loss_at=2)
+    callback = NanWatchCallback(log_dir=False)
+    fit = _fit(tmp_path, model, [callback])
+    assert fit.global_step == 2 and callback.event is None
+    assert callback.stop.reason.startswith("nan loss in batch 1 (training step 2, micro-batch 0)")
+
+
+def test_gradient_accumulation_counts_micro_batches(tmp_path):
+    model = TinyRegressor()
+    poison, callback = PoisonAtStep(3), NanWatchCallback(log_dir=False)
+    fit = _fit(tmp_path, model, [poison, callback], accumulate_grad_batches=2)
+    assert fit.global_step == 3 and callback.stop.step == 3
+    table = callback.batches()
+    train = table[table.phase == "train"]  # Lightning validates once more when it stops
+    assert list(train["step"]) == [1, 1, 2, 2, 3, 3] and list(train["index"]) == [0, 1] * 3
+    assert callback.event.batch == 4
+    assert changed_parameters(model, poison.snapshot) == [f"{POISONED}.weight"]
+
+
+def test_bf16_mixed_stops_before_the_nan_step(tmp_path):
+    model = TinyRegressor()
+    poison, callback = PoisonAtStep(3), NanWatchCallback(log_dir=False)
+    fit = _fit(tmp_path, model, [poison, callback], precision="bf16-mixed")
+    assert fit.global_step == 3 and callback.event.module == POISONED
+    assert changed_parameters(model, poison.snapshot) == [f"{POISONED}.weight"]
+
+
+def test_log_trends_writes_per_module_abs_max_to_the_csv_logger(tmp_path):
+    logger = pl.loggers.CSVLogger(str(tmp_path / "logs"))
+    callback = NanWatchCallback(log_dir=False, log_trends=True, trends_every=2,
+                                trend_modules=["net.*"])
+    _fit(tmp_path, TinyRegressor(), [callback], logger=logger)
+    import pandas as pd
+    metrics = pd.read_csv(Path(logger.log_dir) / "metrics.csv")
+    columns = sorted(c for c in metrics.columns if c.startswith("nanwidget/"))
+    assert columns == ["nanwidget/abs_max/net.0", "nanwidget/abs_max/net.1", "nanwidget/abs_max/net.2"]
+    rows = metrics.dropna(subset=["nanwidget/abs_max/net.0"])
+    assert list(rows["step"]) == [2, 4, 6, 8]
+    assert (rows["nanwidget/abs_max/net.1"] <= 1.0).all()               # tanh outputs
+
+
+def test_on_nan_raise_raises_out_of_fit_and_on_exception_removes_the_hooks(tmp_path):
+    model = TinyRegressor()
+    callback = NanWatchCallback(on_nan="raise", log_dir=False)
+    with pytest.raises(nw.NanDetected) as raised:
+        _fit(tmp_path, model, [PoisonAtStep(3), callback])
+    assert raised.value.event.module == POISONED and hook_count(model) == 0
+
+
+def test_an_exception_in_training_step_removes_the_hooks(tmp_path):
+    class Failing(TinyRegressor):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 2:
+                raise ValueError("user code failed")
+            return super().training_step(batch, batch_idx)
+
+    model = Failing()
+    with pytest.raises(ValueError, match="user code failed"):
+        _fit(tmp_path, model, [NanWatchCallback(log_dir=False)])
+    assert hook_count(model) == 0
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="trends_every"):
+        NanWatchCallback(trends_every=0)
+    with pytest.raises(TypeError, match="unknown nw.watch option"):
+        NanWatchCallback(frames=3)
+
+
+@pytest.mark.slow
+def test_ddp_with_two_cpu_processes_stops_both_at_step_3(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(name, None)
+    finished = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "scripts" / "lightning_nan.py"), "--out",
+         str(tmp_path / "out"), "--devices", "2", "--poison-rank", "1", "--poison-step", "3"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    decoder = json.JSONDecoder()
+    results = {r["rank"]: r for r in (decoder.raw_decode(chunk)[0]
+                                      for chunk in finished.stdout.split("RESULT ")[1:])}
+    assert sorted(results) == [0, 1] and results[0]["world"] == 2
+    for rank in (0, 1):
+        result = results[rank]
+        assert (result["global_step"], result["stop_step"], result["phase"]) == (3, 3, "train")
+        assert result["hooks"] == 0 and result["exchanges"] == 3      # one flag per step
+        assert POISONED in result["reason"] and "on rank 1" in result["reason"]
+    assert results[1]["event_module"] == POISONED and results[0]["event_module"] is None
+    assert results[1]["changed"] == [f"{POISONED}.weight"] and results[0]["changed"] == []
+    run = nw.load_run(results[0]["log_dir"])
+    assert run.ranks == [0, 1] and run.event.rank == 1 and run.event.module == POISONED
