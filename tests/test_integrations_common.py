@@ -11,7 +11,7 @@ import torch
 
 from nanwidget.integrations.step_guard import BatchLog, Findings, StepGuard, check_callback_options
 
-from conftest import TinyMLP, hook_count
+from conftest import hook_count
 
 REPO = Path(__file__).resolve().parents[1]
 

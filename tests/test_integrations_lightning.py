@@ -10,7 +10,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 pl = pytest.importorskip(
     "lightning.pytorch", reason="the Lightning callback needs the lightning extra: pip install -e .[lightning]")
