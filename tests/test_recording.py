@@ -92,6 +92,22 @@ def test_trace_batches_keep_every_frame(tiny_mlp):
     assert "*** Starting batch number=1 ***" in report
 
 
+def test_report_with_an_event_keeps_the_trace_batches_recorded_before_it(tiny_mlp):
+    with nw.watch(tiny_mlp, max_frames=3, trace_batches=[1, 3], on_nan="record") as w:
+        for batch in range(4):
+            x = torch.randn(2, 16)
+            if batch == 2:
+                x[0, 0] = float("nan")
+            tiny_mlp(x)
+    text = w.report()
+    assert w.event.batch == 2
+    # Trace batch 1 in full, as transformers prints it before its dump; batch 3 came later.
+    assert text.count("*** Starting batch number=1 ***") == 1
+    assert text.index("Starting batch number=1") < text.index("Detected inf/nan during batch_number=2")
+    assert "batch number=3" not in text
+    assert text.split("Detected inf/nan")[0].count(" fc1 Linear") == 1  # batch 1's frames
+
+
 def test_abort_after_raises_once_that_batch_finished(tiny_mlp):
     with nw.watch(tiny_mlp, abort_after=2) as w:
         tiny_mlp(torch.randn(2, 16))

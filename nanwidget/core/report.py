@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pandas as pd
 import torch
 
 from .events import NanEvent
+from .schema import LEAF_NOTES, NO_STATS_NOTES
 
 __all__ = ["format_frames", "format_event_report", "detect_overflow"]
 
 _HEADER_INDENT = " " * 17  # transformers prints frame headers after this prefix
-_SILENT_NOTES = ("None", "not a tensor")
+_COLUMNS_HEADER = f"{'abs min':8} {'abs max':8} metadata"
+_FRAME_KEYS = ["rank", "batch", "phase", "frame"]
 
 
 def _number(value: float) -> str:
@@ -21,48 +24,77 @@ def _number(value: float) -> str:
     return f"{value:8.2e}"
 
 
-def format_frames(frames: pd.DataFrame) -> list[str]:
-    """One block per frame: a header with module name and class, then a line per tensor."""
+def _batch_separator(batch: int) -> list[str]:
+    """What transformers prints when a batch starts, also inside a dump that spans batches."""
+    return ["", "", f"{_HEADER_INDENT} *** Starting batch number={batch} ***", _COLUMNS_HEADER]
+
+
+def _tensor_line(row: Any) -> str:
+    if row.note in LEAF_NOTES:  # the word right-aligned, as transformers prints it
+        return f"{row.note:>17} {row.role}"
+    has_numbers = bool(row.nan) or not math.isnan(row.abs_max)
+    if not has_numbers and row.note:
+        # No stats: what it was instead (an addition; transformers' hook crashes on most of these).
+        return f"{'-':>8} {'-':>8} {row.role} ({row.note}, {row.dtype})"
+    flag = ""
+    if row.nan or row.inf:
+        flag = "  <-- " + "+".join(k for k, v in (("nan", row.nan), ("inf", row.inf)) if v)
+    elif row.note and row.note not in NO_STATS_NOTES:
+        # A caveat on the numbers ("changed in place later"); a kind ("int") needs no remark.
+        flag = f"  ({row.note})"
+    return f"{_number(row.abs_min)} {_number(row.abs_max)} {row.role}{flag}"
+
+
+def format_frames(frames: pd.DataFrame, separators: bool = False) -> list[str]:
+    """One block per frame: a header with module name and class, then a line per tensor.
+
+    With ``separators``, the first frame of each batch (and a batch change inside the table)
+    is preceded by transformers' ``*** Starting batch number=N ***`` lines, so a dump that
+    spans batches says where each one starts.
+    """
     lines: list[str] = []
     if frames.empty:
         return lines
-    keys = ["rank", "batch", "phase", "frame"]
-    for _, frame in frames.groupby(keys, sort=False):
+    previous_batch: tuple[int, int] | None = None
+    for _, frame in frames.groupby(_FRAME_KEYS, sort=False):
         first = frame.iloc[0]
+        batch = (int(first["rank"]), int(first["batch"]))
+        if separators and first["phase"] == "forward" and (
+                int(first["frame"]) == 0 or (previous_batch is not None and batch != previous_batch)):
+            lines.extend(_batch_separator(batch[1]))
+        previous_batch = batch
         call = f" call {first['call']}" if first["call"] else ""
         phase = " (backward)" if first["phase"] == "backward" else ""
         lines.append(f"{_HEADER_INDENT} {first['module']} {first['module_type']}{call}{phase}")
-        for row in frame.itertuples(index=False):
-            if row.note in _SILENT_NOTES:
-                continue
-            if row.note and row.note not in ("", "changed in place later") and math.isnan(row.abs_max):
-                lines.append(f"{'-':>8} {'-':>8} {row.role} ({row.note}, {row.dtype})")
-                continue
-            flag = ""
-            if row.nan or row.inf:
-                flag = "  <-- " + "+".join(k for k, v in (("nan", row.nan), ("inf", row.inf)) if v)
-            elif row.note:
-                flag = f"  ({row.note})"
-            lines.append(f"{_number(row.abs_min)} {_number(row.abs_max)} {row.role}{flag}")
+        lines.extend(_tensor_line(row) for row in frame.itertuples(index=False))
     return lines
 
 
-def format_event_report(event: NanEvent | None, frames: pd.DataFrame, batch: int | None = None) -> str:
-    """The whole dump: a sentence in words, then transformers' layout."""
+def format_event_report(event: NanEvent | None, frames: pd.DataFrame, batch: int | None = None,
+                        trace_frames: pd.DataFrame | None = None) -> str:
+    """The whole dump, in the order transformers prints it during a run.
+
+    A sentence in words (with an event), then every frame of the trace batches
+    (``trace_frames``: those recorded before the event), then the dump of ``frames``: the
+    event's window, or the frames held when there is no event.
+    """
     out: list[str] = []
     if event is not None:
         out.append(f"nanwidget: {event.summary()}")
+    if trace_frames is not None and not trace_frames.empty:
+        out.extend(format_frames(trace_frames, separators=True))
+    if out:
         out.append("")
+    if event is not None:
         out.append(f"Detected inf/nan during batch_number={event.batch}")
-    else:
-        if batch is not None:
-            out.append(f"No inf/nan detected (batch_number={batch})")
-    n_frames = 0 if frames.empty else frames.groupby(["rank", "batch", "phase", "frame"]).ngroups
+    elif batch is not None:
+        out.append(f"No inf/nan detected (batch_number={batch})")
+    n_frames = 0 if frames.empty else frames.groupby(_FRAME_KEYS).ngroups
     phases = set(frames["phase"]) if not frames.empty else {"forward"}
     direction = "forward and backward" if len(phases) > 1 else phases.pop()
     out.append(f"Last {n_frames} {direction} frames:")
-    out.append(f"{'abs min':8} {'abs max':8} metadata")
-    out.extend(format_frames(frames))
+    out.append(_COLUMNS_HEADER)
+    out.extend(format_frames(frames, separators=True))
     if event is not None and event.trace is not None:
         out.append("")
         out.append(event.trace.report())

@@ -13,7 +13,7 @@ import pandas as pd
 __all__ = [
     "FRAME_COLUMNS", "FRAME_DTYPES", "HISTORY_COLUMNS", "HISTORY_DTYPES",
     "GRAD_HISTORY_COLUMNS", "GRAD_HISTORY_DTYPES", "OPS_COLUMNS", "OPS_DTYPES",
-    "column_kinds", "empty_table", "NOTES", "NOTES_WITH_STATS", "NO_STATS_NOTES", "LINE_ONLY_NOTES",
+    "column_kinds", "empty_table", "NOTES", "NOTES_WITH_STATS", "NO_STATS_NOTES", "LEAF_NOTES",
     "note_has_stats", "PENDING",
     "CHANGED_LATER", "ROLE_GROUPS", "role_group", "role_groups", "is_input_role",
     "is_output_role", "EVENT_FIELDS", "ORIGINS", "KINDS", "ON_NAN_CHOICES",
@@ -86,8 +86,8 @@ NOTES_WITH_STATS: dict[str, str] = {
     CHANGED_LATER: "stats measured after a later in-place write changed the tensor",
 }
 NO_STATS_NOTES = frozenset(NOTES)
-# Rows a text report prints as one line without numbers (the others are left out).
-LINE_ONLY_NOTES = frozenset(NOTES) - {"None", "not a tensor"}
+# Leaves that are not tensors: a text report prints them as transformers does ("None input[2]").
+LEAF_NOTES = ("None", "not a tensor")
 
 
 def note_has_stats(note: str) -> bool:

@@ -29,7 +29,7 @@ from .grads import BackwardFrames, GradNorms
 from .persist import RecordingWriter
 from .recorder import Feature, Recorder
 from .replay import BatchCapture, Replayer, ReplayError
-from .report import format_event_report, format_frames
+from .report import format_event_report
 from .schema import ON_NAN_CHOICES
 from .trace import Trace
 from .viewer import open_browser
@@ -263,19 +263,23 @@ class NanWatch:
         return self._recorder.history_table()
 
     def report(self, event: NanEvent | None = None) -> str:
-        """Text dump of an event's frames, or of the frames held (trace batches included)."""
+        """Text dump of an event's frames, or of the frames held; trace batches come first.
+
+        With an event, the trace batches recorded before the event's batch precede its dump,
+        as transformers prints them during the run.
+        """
         event = event or self.event
-        if event is not None:
-            return format_event_report(event, event.frames)
         recorder = self._recorder
+        traced = [self.frames(batch=batch) for batch in recorder.recorded_trace_batches
+                  if event is None or batch < event.batch]
+        trace_frames = pd.concat(traced, ignore_index=True) if traced else None
+        if event is not None:
+            if trace_frames is not None:
+                trace_frames = trace_frames[trace_frames["rank"] == event.rank]
+            return format_event_report(event, event.frames, trace_frames=trace_frames)
         held = self.frames()
         last = recorder.batch if recorder.manual_batches else recorder.batch - 1
-        parts = [format_event_report(None, held, batch=last)]
-        for batch in recorder.recorded_trace_batches:
-            parts.append(f"\n\n  *** Starting batch number={batch} ***")
-            parts.extend(format_frames(self.frames(batch=batch)))
-            parts.append(f"  *** Finished batch number={batch} ***")
-        return "\n".join(parts)
+        return format_event_report(None, held, batch=last, trace_frames=trace_frames)
 
     # ------------------------------------------------------------------ replay
     def replay(self, batch: int, *, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Trace:

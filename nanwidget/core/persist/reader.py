@@ -46,6 +46,17 @@ def _check_manifest(path: Path) -> dict:
     return manifest
 
 
+def _option(manifest: dict, name: str, default: Any) -> Any:
+    """A watch option the manifest recorded, or ``default`` when it is absent or malformed."""
+    options = manifest.get("options")
+    value = options.get(name) if isinstance(options, dict) else None
+    if name == "trace_batches":
+        ok = isinstance(value, list) and all(isinstance(b, int) for b in value)
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else default
+
+
 def _own_file(path: Path, meta: dict, key: str, suffix: str, directory: Path) -> Path:
     """The file an event names under ``key``: only its own sibling, never another path."""
     name = meta.get(key)
@@ -265,13 +276,28 @@ class Run:
         return self._grads.copy()
 
     def report(self, event: NanEvent | None = None) -> str:
-        """An event's report (default: the first event), or the recorded frames when none."""
+        """An event's report (default: the first event), or the recorded frames when none.
+
+        As :meth:`NanWatch.report`: the trace batches recorded before the event come first.
+        """
         event = event or self.event
-        if event is not None:
-            return format_event_report(event, event.frames)
         frames = self._frames
+        traced = pd.Series(False, index=frames.index)
+        for rank, manifest in self.manifests.items():
+            traced |= (frames["rank"] == rank) & frames["batch"].isin(_option(manifest, "trace_batches", []))
+        if event is not None:
+            earlier = traced & (frames["rank"] == event.rank) & (frames["batch"] < event.batch)
+            return format_event_report(event, event.frames, trace_frames=frames[earlier])
+        # The frames a watch held at the end: the last max_frames of each rank.
+        keys = ["rank", "batch", "phase", "frame"]
+        held = []
+        for rank, manifest in sorted(self.manifests.items()):
+            own = frames[frames["rank"] == rank]
+            groups = own[keys].drop_duplicates().tail(_option(manifest, "max_frames", len(own)))
+            held.append(own.merge(groups, on=keys))
+        held_frames = pd.concat(held, ignore_index=True) if held else frames
         last = int(frames["batch"].max()) if not frames.empty else None
-        return format_event_report(None, frames, batch=last)
+        return format_event_report(None, held_frames, batch=last, trace_frames=frames[traced])
 
     def browse(self) -> Any:
         """The FrameBrowser widget over this recording (needs ipywidgets)."""
