@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import asyncio
+import inspect
 import linecache
+import re
 import sys
 from typing import Any
 
@@ -19,7 +22,8 @@ from ..core.sourcelines import format_source, traceback_source
 from ..widgets import FrameBrowser
 from .manager import LiveStatus, MagicUsageError, WatchManager, parse_batches, parse_class_names
 
-__all__ = ["NanwatchMagics", "NanInCell", "show_nan_detected", "find_magics"]
+__all__ = ["NanwatchMagics", "NanInCell", "show_nan_detected", "find_magics",
+           "make_async_cell_rewriter"]
 
 
 def find_magics(shell: Any) -> NanwatchMagics | None:
@@ -129,6 +133,7 @@ class NanwatchMagics(Magics):
         super().__init__(shell=shell, **kwargs)
         self.manager = WatchManager()
         self.owns_custom_exc = False
+        self._async_cell_rewriter = make_async_cell_rewriter(shell)
 
     def attach(self) -> None:
         """Register on the shell: the magics, ``%config NanwatchMagics`` and the one-line
@@ -141,6 +146,8 @@ class NanwatchMagics(Magics):
             shell.set_custom_exc((NanDetected,), show_nan_detected)
         if self not in shell.configurables:
             shell.configurables.append(self)
+        # %%nanwatch cells that await at top level run on IPython's event loop, as other cells do.
+        shell.input_transformers_cleanup.append(self._async_cell_rewriter)
 
     def detach(self) -> None:
         """Undo :meth:`attach` and close every watch (every hook any watch added)."""
@@ -155,6 +162,8 @@ class NanwatchMagics(Magics):
             shell.configurables.remove(self)
         if self.owns_custom_exc and shell.custom_exceptions == (NanDetected,):
             shell.set_custom_exc((), None)
+        if self._async_cell_rewriter in shell.input_transformers_cleanup:
+            shell.input_transformers_cleanup.remove(self._async_cell_rewriter)
 
     @line_cell_magic
     @magic_arguments()
@@ -185,26 +194,63 @@ class NanwatchMagics(Magics):
                at a NaN/Inf the cell stops, the FrameBrowser opens at the event and one line
                says where it happened. The watch stays in the variable _nanwatch.
         """
-        args = parse_argstring(self.nanwatch, line)
         try:
-            if args.off:
-                if cell is not None:
-                    raise MagicUsageError("--off is for the line magic: %nanwatch --off [MODEL]")
-                return self._stop(args.model)
-            if args.model is None:
-                if cell is not None:
-                    raise MagicUsageError("%%nanwatch needs a model: %%nanwatch MODEL [options]")
-                return self._list()
-            model = self.manager.lookup(self.shell.user_ns, args.model)
-            options = self._options(args)
-            if cell is None:
-                started, replaced = self.manager.start(args.model, model, options)
-                self.shell.user_ns["_nanwatch"] = started
-                print(("(restarted) " if replaced else "") + self.manager.describe(args.model, started))
+            prepared = self._prepare(line, cell)
+            if cell is None or prepared is None:
                 return None
-            return self._run_cell(args.model, model, options, cell)
+            name, model, options = prepared
+            if self.shell.autoawait and _has_top_level_await(self.shell.transform_cell(cell)):
+                return self._run_async_cell_now(name, model, options, cell)
+            return self._run_cell(name, model, options, cell)
         except MagicUsageError as error:
             raise UsageError(str(error)) from None
+
+    async def run_async_cell(self, line: str, cell: str) -> Any:
+        """A ``%%nanwatch`` cell with top-level ``await``, awaited on IPython's own loop.
+
+        Such cells are rewritten by the input transformer from :func:`make_async_cell_rewriter`
+        into ``await <this>(line, cell)``, so IPython runs them as it runs any async cell, in
+        Jupyter (on the kernel's loop) and in a terminal.
+        """
+        try:
+            prepared = self._prepare(line, cell)
+            if prepared is None:
+                return None
+            name, model, options = prepared
+            watched, live = self._start_cell(name, model, options)
+            try:
+                result = await self._execute_async(cell)
+            except BaseException as error:
+                return self._cell_failed(watched, live, error)
+            return self._cell_done(watched, live, result)
+        except MagicUsageError as error:
+            raise UsageError(str(error)) from None
+
+    def _prepare(self, line: str, cell: str | None) -> tuple[str, Any, dict[str, Any]] | None:
+        """Parse ``line``; handle --off and the listing; else (name, model, options) to watch."""
+        try:
+            args = parse_argstring(self.nanwatch, line)
+        except ValueError as error:  # shlex: an unterminated quote
+            raise MagicUsageError(f"%nanwatch could not read its options ({error}): {line!r}; "
+                                  "check the quotes") from None
+        if args.off:
+            if cell is not None:
+                raise MagicUsageError("--off is for the line magic: %nanwatch --off [MODEL]")
+            self._stop(args.model)
+            return None
+        if args.model is None:
+            if cell is not None:
+                raise MagicUsageError("%%nanwatch needs a model: %%nanwatch MODEL [options]")
+            self._list()
+            return None
+        model = self.manager.lookup(self.shell.user_ns, args.model)
+        options = self._options(args)
+        if cell is None:
+            started, replaced = self.manager.start(args.model, model, options)
+            self.shell.user_ns["_nanwatch"] = started
+            print(("(restarted) " if replaced else "") + self.manager.describe(args.model, started))
+            return None
+        return args.model, model, options
 
     # ------------------------------------------------------------------ translation
     def _options(self, args: argparse.Namespace) -> dict[str, Any]:
@@ -214,7 +260,7 @@ class NanwatchMagics(Magics):
                     on_nan=args.on_nan or self.on_nan, log_dir=args.log_dir)
 
     def _stop(self, name: str | None) -> None:
-        stopped = self.manager.stop(name)
+        stopped = self.manager.stop(name, self.shell.user_ns)
         print(f"nanwidget: stopped watching {', '.join(stopped)}" if stopped
               else "nanwidget: nothing was being watched")
 
@@ -225,6 +271,31 @@ class NanwatchMagics(Magics):
             print(f"{name}: {watched!r}")
 
     def _run_cell(self, name: str, model: Any, options: dict[str, Any], cell: str) -> Any:
+        watched, live = self._start_cell(name, model, options)
+        try:
+            result = self._execute(cell)
+        except BaseException as error:
+            return self._cell_failed(watched, live, error)
+        return self._cell_done(watched, live, result)
+
+    def _run_async_cell_now(self, name: str, model: Any, options: dict[str, Any], cell: str) -> Any:
+        """An async cell that reached the magic directly (not through the input transformer)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise MagicUsageError("this %%nanwatch cell awaits at top level, but it was called while "
+                                  "an event loop runs (run_cell_magic from code?); start the cell "
+                                  "with %%nanwatch instead")
+        watched, live = self._start_cell(name, model, options)
+        try:
+            result = self.shell.loop_runner(self._execute_async(cell))
+        except BaseException as error:
+            return self._cell_failed(watched, live, error)
+        return self._cell_done(watched, live, result)
+
+    def _start_cell(self, name: str, model: Any, options: dict[str, Any]) -> tuple[Any, LiveStatus]:
         watched = self.manager.make_watch(model, options)
         self.shell.user_ns["_nanwatch"] = watched
         handle = display({"text/plain": f"nanwatch {name}: starting"}, raw=True, display_id=True)
@@ -235,24 +306,24 @@ class NanwatchMagics(Magics):
 
         live = LiveStatus(name, emit, interval=self.refresh_seconds)
         watched.add_feature(live)
-        try:
-            result = self._execute(cell)
-        except NanDetected as error:
-            watched.close()
+        return watched, live
+
+    def _cell_failed(self, watched: Any, live: LiveStatus, error: BaseException) -> None:
+        """The cell raised: close the watch, say how it ended; re-raise (an abort returns None)."""
+        watched.close()
+        if isinstance(error, NanDetected):
             live.finish("stopped at a NaN/Inf")
             self._show_browser(watched)
             raise NanInCell(error.event) from None
-        except AbortAfterBatch as error:
-            watched.close()
+        if isinstance(error, AbortAfterBatch):
             live.finish("stopped")
             print(f"nanwidget: stopped after batch {error.batch}, as --abort-after asked")
             return None
-        except BaseException:
-            watched.close()
-            live.finish("ended by an error")
-            raise
-        finally:
-            watched.close()
+        live.finish("ended by an error")
+        raise error
+
+    def _cell_done(self, watched: Any, live: LiveStatus, result: Any) -> Any:
+        watched.close()
         live.finish()
         if watched.events:
             print(f"nanwidget: {len(watched.events)} NaN/Inf event(s); first: "
@@ -268,18 +339,73 @@ class NanwatchMagics(Magics):
             print(f"nanwidget: could not show the FrameBrowser ({type(error).__name__}: {error}); "
                   "_nanwatch.report() has the frames", file=sys.stderr)
 
-    def _execute(self, cell: str) -> Any:
-        """Run the cell in the user namespace; return the value of a final expression."""
+    def _compile(self, cell: str, allow_await: bool) -> tuple[Any, Any, dict[str, Any]]:
+        """The cell's statements and its final expression (or None), compiled for the user
+        namespace; with ``allow_await`` top-level ``await`` is allowed (such code objects
+        are coroutines), otherwise it is a SyntaxError as in plain Python."""
         shell = self.shell
         source = shell.transform_cell(cell)
         tree = ast.parse(source)
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        namespace = shell.user_ns
         # A file name IPython's line cache knows, so tracebacks show the cell's lines.
         filename = shell.compile.cache(source)
-        exec(compile(tree, filename, "exec"), namespace)
-        if last is not None:
-            return eval(compile(last, filename, "eval"), namespace)
-        return None
+        flags = _TOP_LEVEL_AWAIT if allow_await else 0
+        body = compile(tree, filename, "exec", flags=flags)
+        final = compile(last, filename, "eval", flags=flags) if last is not None else None
+        return body, final, shell.user_ns
+
+    def _execute(self, cell: str) -> Any:
+        """Run the cell in the user namespace; return the value of a final expression."""
+        body, final, namespace = self._compile(cell, allow_await=False)
+        exec(body, namespace)
+        return eval(final, namespace) if final is not None else None
+
+    async def _execute_async(self, cell: str) -> Any:
+        """:meth:`_execute` for a cell with top-level ``await``."""
+        body, final, namespace = self._compile(cell, allow_await=True)
+        result = eval(body, namespace)
+        if inspect.iscoroutine(result):
+            await result
+        if final is None:
+            return None
+        value = eval(final, namespace)
+        return await value if final.co_flags & inspect.CO_COROUTINE else value
+
+
+_TOP_LEVEL_AWAIT = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+_CELL_MAGIC_LINE = re.compile(r"^%%nanwatch(?:\s+(?P<line>.*))?$")
+
+
+def _has_top_level_await(source: str) -> bool:
+    """Whether ``source`` (plain Python) awaits at top level, as IPython decides it."""
+    try:
+        code = compile(source, "<cell>", "exec", flags=_TOP_LEVEL_AWAIT)
+    except (SyntaxError, ValueError):
+        return False  # the normal path reports it
+    return bool(code.co_flags & inspect.CO_COROUTINE)
+
+
+def make_async_cell_rewriter(shell: Any) -> Any:
+    """An input transformer for ``shell``: a ``%%nanwatch`` cell that awaits at top level
+    becomes one ``await`` of :meth:`NanwatchMagics.run_async_cell`, which IPython runs on its
+    own event loop (the kernel's in Jupyter). Other cells pass through unchanged."""
+
+    def rewrite_async_cell(lines: list[str]) -> list[str]:
+        if not lines or not shell.autoawait:
+            return lines
+        match = _CELL_MAGIC_LINE.match(lines[0].rstrip())
+        if match is None:
+            return lines
+        body = "".join(lines[1:])
+        try:
+            if not _has_top_level_await(shell.transform_cell(body)):
+                return lines
+        except Exception:  # IPython reports its own transform errors on the normal path
+            return lines
+        line = match.group("line") or ""
+        return [f"await get_ipython().find_cell_magic('nanwatch').__self__.run_async_cell"
+                f"({line!r}, {body!r})\n"]
+
+    return rewrite_async_cell

@@ -169,8 +169,12 @@ class WatchManager:
             self.check_skip(model, tuple(options["skip_types"]))
         try:
             return watch(model, **options)
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError, OverflowError) as error:
             raise MagicUsageError(str(error)) from None
+        except OSError as error:  # the log directory: a file, a used recording, no permission
+            raise MagicUsageError(f"--log-dir {options.get('log_dir')}: "
+                                  f"{error.strerror or error}"
+                                  + (f" ({error.filename})" if error.filename else "")) from None
         except RuntimeError as error:
             if "already watched" in str(error):
                 raise MagicUsageError(f"{error}. If %nanwatch started it: %nanwatch --off") from None
@@ -193,18 +197,37 @@ class WatchManager:
         self.watches[name] = started
         return started, previous is not None
 
-    def stop(self, name: str | None = None) -> list[str]:
-        """Close the watch on ``name`` (or all); returns the names stopped."""
+    def stop(self, name: str | None = None, namespace: Mapping[str, Any] | None = None) -> list[str]:
+        """Close the watch on ``name`` (or all); returns the names stopped.
+
+        A model that ``nw.watch()`` watches (not %nanwatch) is stopped too when ``namespace``
+        holds it under ``name``.
+        """
         if name is None:
             names = list(self.watches)
         elif name in self.watches:
             names = [name]
         else:
-            held = ", ".join(self.watches) or "none"
-            raise MagicUsageError(f"%nanwatch is not watching {name!r} (watching: {held})")
+            other = self._live_watch_of(namespace, name)
+            if other is None:
+                held = ", ".join(self.watches) or "nothing"
+                raise MagicUsageError(f"%nanwatch --off {name}: there is no such watch (%nanwatch "
+                                      f"is watching: {held}; nw.live_watches() lists every watch)")
+            other.close()
+            return [name]
         for key in names:
             self.watches.pop(key).close()
         return names
+
+    @staticmethod
+    def _live_watch_of(namespace: Mapping[str, Any] | None, name: str) -> NanWatch | None:
+        if namespace is None or not _NAME.match(name):
+            return None
+        try:
+            model = WatchManager.lookup(namespace, name)
+        except MagicUsageError:
+            return None
+        return next((w for w in live_watches() if w.model is model), None)
 
     def close_all(self) -> int:
         """Close every watch this manager holds and every other live NanWatch; returns the count."""
