@@ -26,8 +26,7 @@ import nanwidget as nw
 from conftest import TinyMLP
 
 REPO = Path(__file__).resolve().parents[1]
-# Written before the loader is hardened (issue 14, after the persist split of issue 11).
-pytestmark = pytest.mark.xfail(run=False, reason="load_run hardening lands after issue 11")
+
 SECONDS = 1.0  # "at once": each load and each report answers within this
 
 

@@ -1,11 +1,42 @@
-"""``python -m nanwidget report LOG_DIR``: print the events and reports a log_dir holds."""
+"""``python -m nanwidget report LOG_DIR``: print the events and reports a log_dir holds.
+
+A recording may come from elsewhere: everything printed has its control characters escaped
+(module names are whatever ``add_module`` accepted), and a folder that cannot be read ends
+the command with one line on stderr and exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import unicodedata
 
 from ..core.persist import RunLoadError, load_run
+
+# Categories a terminal acts on instead of showing: controls, format (bidi overrides), separators.
+_HIDDEN_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
+
+
+def printable(text: str, keep_newlines: bool = True) -> str:
+    """``text`` with every control or format character written as an escape (``\\x1b``)."""
+    out = []
+    for char in text:
+        if char == "\n" and keep_newlines:
+            out.append(char)
+        elif unicodedata.category(char) in _HIDDEN_CATEGORIES:
+            out.append(repr(char)[1:-1])  # none of these is printable: repr escapes it
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def _say(text: str = "") -> None:
+    print(printable(text))
+
+
+def _fail(message: str) -> int:
+    print(f"nanwidget report: {printable(message, keep_newlines=False)}", file=sys.stderr)
+    return 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,23 +48,26 @@ def run(args: argparse.Namespace) -> int:
     try:
         recording = load_run(args.log_dir)
     except RunLoadError as error:
-        print(f"nanwidget report: {error}", file=sys.stderr)
-        return 2
+        return _fail(str(error))
+    if args.rank is not None and args.rank not in recording.ranks:
+        held = ", ".join(str(r) for r in recording.ranks)
+        return _fail(f"rank {args.rank} is not in the recording {recording.log_dir} (it holds "
+                     f"rank{'s' if len(recording.ranks) > 1 else ''} {held})")
     events = [e for e in recording.events if args.rank is None or e.rank == args.rank]
     history = recording.history()
     batches = int(history["batch_end"].max()) + 1 if not history.empty else 0
-    print(f"nanwidget recording {recording.log_dir}: model {recording.model_class}, "
-          f"ranks {recording.ranks} of world size {recording.world_size}, "
-          f"{batches} batch(es) recorded, {len(events)} event(s)")
+    _say(f"nanwidget recording {recording.log_dir}: model {recording.model_class}, "
+         f"ranks {recording.ranks} of world size {recording.world_size}, "
+         f"{batches} batch(es) recorded, {len(events)} event(s)")
     if not events:
-        print("No NaN/Inf recorded.")
+        _say("No NaN/Inf recorded.")
         frames = recording.frames(rank=args.rank)
         if not frames.empty:
-            print()
-            print(recording.report())
+            _say()
+            _say(recording.report())
         return 0
     for number, event in enumerate(events):
-        print()
-        print(f"=== event {number + 1} of {len(events)}: rank {event.rank}, batch {event.batch} ===")
-        print(recording.report(event))
+        _say()
+        _say(f"=== event {number + 1} of {len(events)}: rank {event.rank}, batch {event.batch} ===")
+        _say(recording.report(event))
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import pandas as pd
 
@@ -20,14 +20,16 @@ from ..schema import EVENT_FIELDS, HISTORY_COLUMNS
 from ..trace import TENSOR_COLUMNS, Trace, empty_ops
 from ..viewer import open_browser
 from .tables import (CHUNK_FILE, EVENT_FILE, FORMAT_NAME, FORMAT_VERSION, FRAME_KINDS,
-                     HISTORY_KINDS, OPS_KINDS, RANK_DIR, RunLoadError, frames_from_table,
+                     HISTORY_KINDS, OPS_KINDS, RANK_DIR, RunLoadError, frames_from_table, inside,
                      ops_from_table, read_json, read_table)
 
 __all__ = ["Run", "load_run", "RunLoadError"]
 
+T = TypeVar("T")
 
-def _check_manifest(path: Path) -> dict:
-    manifest = read_json(path)
+
+def _check_manifest(path: Path, root: Path) -> dict:
+    manifest = read_json(path, root)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise RunLoadError(f"{path}: not a nanwidget manifest (no \"format\": \"{FORMAT_NAME}\")")
     version = manifest.get("version")
@@ -36,10 +38,13 @@ def _check_manifest(path: Path) -> dict:
     if version > FORMAT_VERSION:
         raise RunLoadError(f"{path}: written by a newer nanwidget (format version {version}; "
                            f"this one reads up to {FORMAT_VERSION}); upgrade nanwidget")
-    for key in ("rank", "world_size"):
+    for key, least in (("rank", 0), ("world_size", 1)):
         value = manifest.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise RunLoadError(f"{path}: {key!r} must be a non-negative integer, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise RunLoadError(f"{path}: {key!r} must be an integer >= {least}, got {value!r}")
+    if manifest["rank"] >= manifest["world_size"]:
+        raise RunLoadError(f"{path}: rank {manifest['rank']} is not below world size "
+                           f"{manifest['world_size']}")
     names = manifest.get("module_names", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise RunLoadError(f"{path}: 'module_names' must be a list of strings")
@@ -64,7 +69,7 @@ def _own_file(path: Path, meta: dict, key: str, suffix: str, directory: Path) ->
             or not name.startswith(path.stem + suffix):
         raise RunLoadError(f"{path}: {key!r} must name this event's own file, got {name!r}")
     found = directory / name
-    if not found.is_file():
+    if not os.path.lexists(found):
         raise RunLoadError(f"{found}: missing (named by {path.name})")
     return found
 
@@ -82,13 +87,14 @@ def _checked(path: Path, meta: dict, name: str, kind: type | tuple[type, ...],
     return value
 
 
-def _trace_from_file(path: Path, meta: Any, directory: Path) -> Trace:
+def _trace_from_file(path: Path, meta: Any, directory: Path, root: Path) -> Trace:
     if not isinstance(meta, dict):
         raise RunLoadError(f"{path}: 'trace' must be an object")
-    frames = frames_from_table(read_table(
-        _own_file(path, meta, "frames_file", ".trace-frames.", directory), FRAME_KINDS))
-    ops_table = read_table(_own_file(path, meta, "ops_file", ".trace-ops.", directory), OPS_KINDS)
-    ops = ops_from_table(ops_table) if len(ops_table) else empty_ops()
+    frames_path = _own_file(path, meta, "frames_file", ".trace-frames.", directory)
+    frames = frames_from_table(read_table(frames_path, FRAME_KINDS, within=root), frames_path)
+    ops_path = _own_file(path, meta, "ops_file", ".trace-ops.", directory)
+    ops_table = read_table(ops_path, OPS_KINDS, within=root)
+    ops = ops_from_table(ops_table, ops_path) if len(ops_table) else empty_ops()
     rows = {}
     for key in ("first_bad", "earlier_inf"):
         index = _checked(path, meta, key, int, optional=True)
@@ -121,18 +127,36 @@ def _trace_from_file(path: Path, meta: Any, directory: Path) -> Trace:
                  seconds=float(_checked(path, meta, "seconds", (int, float))))
 
 
-def _event_from_file(path: Path, directory: Path) -> NanEvent:
-    meta = read_json(path)
+def _event_from_file(path: Path, directory: Path, root: Path) -> NanEvent:
+    meta = read_json(path, root)
     if not isinstance(meta, dict):
         raise RunLoadError(f"{path}: an event must be a JSON object")
     fields: dict[str, Any] = {name: _checked(path, meta, name, kind)
                               for name, kind in EVENT_FIELDS.items()}
     fields["peer_rank"] = _checked(path, meta, "peer_rank", int, optional=True)
-    frames = frames_from_table(read_table(
-        _own_file(path, meta, "frames_file", ".frames.", directory), FRAME_KINDS))
-    trace = _trace_from_file(path, meta["trace"], directory) if meta.get("trace") is not None \
-        else None
+    frames_path = _own_file(path, meta, "frames_file", ".frames.", directory)
+    frames = frames_from_table(read_table(frames_path, FRAME_KINDS, within=root), frames_path)
+    trace = _trace_from_file(path, meta["trace"], directory, root) \
+        if meta.get("trace") is not None else None
     return event_from_fields(fields, frames, trace)
+
+
+def _is_folder(path: Path, root: Path) -> bool:
+    """A real folder inside the recording (a link to one is followed only when it stays inside)."""
+    if not os.path.isdir(path):
+        return False
+    inside(path, root)
+    return True
+
+
+def _checked_file(path: Path, read: Callable[[], T]) -> T:
+    """``read()``; whatever goes wrong in it is a RunLoadError naming ``path``."""
+    try:
+        return read()
+    except RunLoadError:
+        raise
+    except Exception as error:  # malformed data that passed the format checks
+        raise RunLoadError(f"{path}: damaged ({type(error).__name__}: {error})") from error
 
 
 class Run:
@@ -148,11 +172,13 @@ class Run:
             raise RunLoadError(f"{self.log_dir}: no such directory")
         if not self.log_dir.is_dir():
             raise RunLoadError(f"{self.log_dir}: not a directory")
-        if (self.log_dir / "manifest.json").is_file():
+        # Every file is read through the recording's real folder: a link out of it is refused.
+        root = Path(os.path.realpath(self.log_dir))
+        if os.path.lexists(self.log_dir / "manifest.json"):
             rank_dirs = [self.log_dir]  # pointed at one rank's folder
         else:
             rank_dirs = sorted(p for p in self.log_dir.iterdir()
-                               if p.is_dir() and RANK_DIR.match(p.name))
+                               if RANK_DIR.match(p.name) and _is_folder(p, root))
         if not rank_dirs:
             raise RunLoadError(f"{self.log_dir}: holds no nanwidget recording (expected "
                                "rank-NNNNN/manifest.json folders written by watch(log_dir=...))")
@@ -163,10 +189,10 @@ class Run:
         events: list[NanEvent] = []
         for directory in rank_dirs:
             manifest_path = directory / "manifest.json"
-            if not manifest_path.is_file():
+            if not os.path.lexists(manifest_path):
                 raise RunLoadError(f"{manifest_path}: missing; {directory} is not a complete "
                                    "nanwidget recording")
-            manifest = _check_manifest(manifest_path)
+            manifest = _checked_file(manifest_path, lambda: _check_manifest(manifest_path, root))
             rank = manifest["rank"]
             match = RANK_DIR.match(directory.name)
             if match and int(match.group(1)) != rank:
@@ -180,14 +206,18 @@ class Run:
                 if chunk:
                     kind = chunk.group(1)
                     if kind == "history":
-                        history.append(read_table(path, HISTORY_KINDS))
+                        history.append(_checked_file(
+                            path, lambda: read_table(path, HISTORY_KINDS, within=root)))
                     elif kind == "frames":
-                        frames.append(frames_from_table(read_table(path, FRAME_KINDS)))
+                        frames.append(_checked_file(path, lambda: frames_from_table(
+                            read_table(path, FRAME_KINDS, within=root), path)))
                     else:
-                        table = read_table(path, {"batch": "int"})
+                        table = _checked_file(path, lambda: read_table(path, {"batch": "int"},
+                                                                       within=root))
                         grads.append(table if "rank" in table else table.assign(rank=rank))
                 elif EVENT_FILE.match(path.name):
-                    events.append(_event_from_file(path, directory))
+                    events.append(_checked_file(
+                        path, lambda: _event_from_file(path, directory, root)))
         # A rank that stopped for a peer ("peer" events) sorts after the rank that found it.
         events.sort(key=lambda e: (e.batch, e.origin == "peer", e.rank))
         self._events = events

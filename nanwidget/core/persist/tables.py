@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,8 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "TABLE_FORMAT_NAME", "RunLoadError",
            "HISTORY_KINDS", "OPS_KINDS", "RANK_DIR", "CHUNK_FILE", "EVENT_FILE", "write_table",
            "read_table", "write_json", "read_json", "shape_text", "shape_tuple",
            "frame_rows_columns", "table_columns", "frames_from_table", "ops_from_table",
-           "use_parquet",
-           "parquet_enabled"]
+           "use_parquet", "parquet_enabled", "read_file", "inside", "MAX_TABLE_BYTES",
+           "MAX_DOCUMENT_BYTES"]
 
 FORMAT_NAME = "nanwidget-log"
 FORMAT_VERSION = 1
@@ -67,6 +68,68 @@ def parquet_enabled() -> bool:
 
 class RunLoadError(ValueError):
     """A log_dir that cannot be read: missing, foreign, damaged or from a newer nanwidget."""
+
+
+# Reading a folder from elsewhere: no file past these sizes is read (a recording's chunks are
+# written every few hundred batches; its documents are a few kilobytes).
+MAX_TABLE_BYTES = 1 << 30
+MAX_DOCUMENT_BYTES = 64 << 20
+
+
+def inside(path: Path, within: Path) -> Path:
+    """The real path behind ``path``; RunLoadError when it leads outside ``within`` (a symbolic
+    link out of the recording is never followed)."""
+    real = Path(os.path.realpath(path))
+    root = Path(os.path.realpath(within))
+    if real != root and root not in real.parents:
+        target = os.readlink(path) if os.path.islink(path) else real
+        raise RunLoadError(f"{path}: a symbolic link to {target}, outside the recording {root}; "
+                           "not followed")
+    return real
+
+
+def _not_a_file(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "not a regular file"
+
+
+def read_file(path: Path, within: Path, limit: int) -> bytes:
+    """The bytes of ``path``: only a regular file inside ``within`` and at most ``limit``
+    bytes; a FIFO, a device or a link out of the folder is refused before anything is read."""
+    real = inside(path, within)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_BINARY", 0)
+    try:
+        descriptor = os.open(real, flags)  # non-blocking: opening a FIFO never waits
+    except OSError as error:
+        raise RunLoadError(f"{path}: cannot be opened ({error.strerror or error})") from error
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise RunLoadError(f"{path}: {_not_a_file(info.st_mode)}, not a file a recording "
+                               "holds; not read")
+        if info.st_size > limit:
+            raise RunLoadError(f"{path}: {info.st_size:,} bytes, more than a recording file holds "
+                               f"(at most {limit:,}); not read")
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            chunk = os.read(descriptor, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise RunLoadError(f"{path}: grew past {limit:,} bytes while being read; not read")
+    finally:
+        os.close(descriptor)
 
 
 def _column_kind(values: Any) -> str:
@@ -133,13 +196,13 @@ def write_table(stem: Path, columns: dict[str, Any], kinds: dict[str, str] | Non
     return path
 
 
-def _read_parquet(path: Path) -> dict[str, tuple[str, Any]]:
+def _read_parquet(path: Path, within: Path) -> dict[str, tuple[str, Any]]:
     if _pq is None:
         raise RunLoadError(f"{path}: reading parquet files needs pyarrow (pip install pyarrow)")
     kinds = {"int": ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"),
              "float": ("float", "double", "halffloat"), "bool": ("bool",),
              "str": ("string", "large_string")}
-    parquet = _pq.ParquetFile(path)
+    parquet = _pq.ParquetFile(_pa.BufferReader(read_file(path, within, MAX_TABLE_BYTES)))
     schema = parquet.schema_arrow
     out: dict[str, tuple[str, Any]] = {}
     table = parquet.read()
@@ -160,8 +223,8 @@ def _read_parquet(path: Path) -> dict[str, tuple[str, Any]]:
     return out
 
 
-def _read_json_table(path: Path) -> dict[str, tuple[str, Any]]:
-    data = read_json(path)
+def _read_json_table(path: Path, within: Path) -> dict[str, tuple[str, Any]]:
+    data = read_json(path, within, MAX_TABLE_BYTES)
     if not isinstance(data, dict) or data.get("format") != TABLE_FORMAT_NAME:
         raise RunLoadError(f"{path}: not a nanwidget table (no \"format\": \"{TABLE_FORMAT_NAME}\")")
     columns = data.get("columns")
@@ -183,13 +246,18 @@ def _read_json_table(path: Path) -> dict[str, tuple[str, Any]]:
     return out
 
 
-def read_table(path: Path, expected: dict[str, str] | None = None) -> pd.DataFrame:
-    """Read one table file written by :func:`write_table`; any damage raises RunLoadError."""
+def read_table(path: Path, expected: dict[str, str] | None = None, *,
+               within: Path | None = None) -> pd.DataFrame:
+    """Read one table file written by :func:`write_table`; any damage raises RunLoadError.
+
+    Nothing outside ``within`` (default: the file's folder) is read; see :func:`read_file`.
+    """
+    within = path.parent if within is None else within
     try:
         if path.suffix == ".parquet":
-            columns = _read_parquet(path)
+            columns = _read_parquet(path, within)
         else:
-            columns = _read_json_table(path)
+            columns = _read_json_table(path, within)
     except RunLoadError:
         raise
     except Exception as error:  # pyarrow / OS errors: name the file, keep the cause
@@ -211,12 +279,15 @@ def read_table(path: Path, expected: dict[str, str] | None = None) -> pd.DataFra
     return frame
 
 
-def read_json(path: Path) -> Any:
-    """A JSON document; damage raises RunLoadError naming the file."""
+def read_json(path: Path, within: Path | None = None, limit: int = MAX_DOCUMENT_BYTES) -> Any:
+    """A JSON document; damage raises RunLoadError naming the file (also one nested too deeply
+    to parse). Nothing outside ``within`` (default: the file's folder) is read."""
+    data = read_file(path, path.parent if within is None else within, limit)
     try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise RunLoadError(f"{path}: nested too deeply to be a nanwidget file") from None
+    except (UnicodeDecodeError, ValueError) as error:
         raise RunLoadError(f"{path}: not valid JSON ({error})") from error
 
 
@@ -226,8 +297,13 @@ def shape_text(shape: Any) -> str:
 
 
 def shape_tuple(text: str) -> tuple[int, ...]:
-    """"2,3" -> (2, 3)."""
-    return tuple(int(n) for n in text.split(",")) if text else ()
+    """"2,3" -> (2, 3); ValueError on anything else."""
+    if not text:
+        return ()
+    parts = text.split(",")
+    if not all(part.isdigit() for part in parts):
+        raise ValueError(f"shape {text!r} is not sizes separated by commas (e.g. '2,3')")
+    return tuple(int(part) for part in parts)
 
 
 def frame_rows_columns(rows: list[tuple]) -> dict[str, list]:
@@ -240,19 +316,22 @@ def frame_rows_columns(rows: list[tuple]) -> dict[str, list]:
     return columns
 
 
-def frames_from_table(table: pd.DataFrame) -> pd.DataFrame:
-    """A frames table as read from a file -> the contract's frames DataFrame."""
-    return _with_shape_tuples(table, FRAME_COLUMNS)
+def frames_from_table(table: pd.DataFrame, source: Path | str = "") -> pd.DataFrame:
+    """A frames table as read from ``source`` -> the contract's frames DataFrame."""
+    return _with_shape_tuples(table, FRAME_COLUMNS, source)
 
 
-def ops_from_table(table: pd.DataFrame) -> pd.DataFrame:
-    """An ops table as read from a file -> a Trace's ops DataFrame."""
-    return _with_shape_tuples(table, OPS_COLUMNS)
+def ops_from_table(table: pd.DataFrame, source: Path | str = "") -> pd.DataFrame:
+    """An ops table as read from ``source`` -> a Trace's ops DataFrame."""
+    return _with_shape_tuples(table, OPS_COLUMNS, source)
 
 
-def _with_shape_tuples(table: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+def _with_shape_tuples(table: pd.DataFrame, columns: list[str], source: Path | str) -> pd.DataFrame:
     table = table[columns].copy()
-    table["shape"] = [shape_tuple(s) for s in table["shape"]]
+    try:
+        table["shape"] = [shape_tuple(s) for s in table["shape"]]
+    except ValueError as error:
+        raise RunLoadError(f"{source or 'a table'}: column 'shape': {error}") from None
     return table.reset_index(drop=True)
 
 
