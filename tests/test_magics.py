@@ -129,13 +129,12 @@ def test_dotted_names_reach_a_model_inside_an_object(ip):
     ("%nanwatch model --trace-batches 1,x", "batch numbers separated by commas"),
     ("%nanwatch model --abort-after -2", "batch numbers start at 0"),
     ("%nanwatch model --grad-norm -1", "positive finite number"),
-    ("%nanwatch model --skip Dropuot", "--skip Dropuot: no module of that class"),
+    ("%nanwatch model --skip Relu", "--skip: this model has no module of class 'Relu', so it "
+                                   "skips nothing; did you mean 'ReLU'?"),
     ("%nanwatch --off model", "%nanwatch --off model: there is no such watch"),
     ("%nanwatch --off nosuch", "%nanwatch --off nosuch: there is no such watch"),
     ('%nanwatch model --log-dir "abc', "could not read its options (No closing quotation)"),
-    pytest.param("%nanwatch model -n 99999999999999999999", "max_frames",
-                 marks=pytest.mark.xfail(strict=True, reason="the watch facade bounds max_frames "
-                                         "once issue 11 lands")),
+    ("%nanwatch model -n 99999999999999999999", "max_frames must be at least 1 and at most"),
     ("%nanwatch model --bogus", "unrecognized arguments: --bogus"),
 ])
 def test_misuse_raises_usage_error_with_a_sentence(ip, line, message):
@@ -148,7 +147,7 @@ def test_misuse_raises_usage_error_with_a_sentence(ip, line, message):
 def test_log_dir_at_a_file_is_a_usage_error(ip, tmp_path):
     target = tmp_path / "notes.txt"
     target.write_text("mine")
-    with pytest.raises(UsageError, match="--log-dir .*notes.txt"):
+    with pytest.raises(UsageError, match="log_dir must be a directory; .*notes.txt. is a file"):
         run(ip, f"%nanwatch model --log-dir {target}")
     assert target.read_text() == "mine" and hook_count(ip.user_ns["model"]) == 0
 

@@ -56,8 +56,10 @@ __all__ = ["Recorder", "Feature", "ModuleInfo", "ConcurrentForwardError", "Alrea
 _get_ident = threading.get_ident
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
-# Every module hooked by a live recorder, so a second one cannot double-record it.
-_WATCHED: weakref.WeakKeyDictionary[nn.Module, Recorder] = weakref.WeakKeyDictionary()
+# Every module hooked by a live recorder, so a second one cannot double-record it. Weak on both
+# sides: the recorder is kept alive by its hooks (and keeps the model), so a model the user
+# drops is collected with its watch instead of being held here forever.
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Recorder]] = weakref.WeakKeyDictionary()
 
 
 class ConcurrentForwardError(RuntimeError):
@@ -70,7 +72,8 @@ class AlreadyWatchedError(RuntimeError):
 
 def watched_by(module: nn.Module) -> Recorder | None:
     """The live recorder that hooks ``module``, if any."""
-    owner = _WATCHED.get(module)
+    reference = _WATCHED.get(module)
+    owner = reference() if reference is not None else None
     return owner if owner is not None and not owner.closed else None
 
 
@@ -151,6 +154,10 @@ class Recorder:
                  skip: tuple[tuple[type, ...], frozenset[str]] = ((), frozenset()),
                  on_nan: str = "raise", max_events: int = 100) -> None:
         self.model = model
+        # The object that composed this recorder (a NanWatch). The hooks keep the recorder
+        # alive and the recorder its owner, so a watch whose variable was lost is still
+        # reachable (nanwidget.live_watches()) for as long as its hooks are attached.
+        self.owner: Any = None
         self.max_frames = max_frames
         self.trace_batches = frozenset(trace_batches)
         self.abort_after = abort_after
@@ -215,7 +222,7 @@ class Recorder:
                         self._inplace_pre_hook, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
                     self._forward_hook, with_kwargs=True, always_call=True))
-                _WATCHED[module] = self
+                _WATCHED[module] = weakref.ref(self)
         except BaseException:
             self.close()
             raise
@@ -617,7 +624,8 @@ class Recorder:
                 handle.remove()
             self._handles.clear()
             for info in self.modules:
-                if _WATCHED.get(info.module) is self:
+                reference = _WATCHED.get(info.module)
+                if reference is not None and reference() is self:
                     del _WATCHED[info.module]
             features = list(reversed(self._features))
         for feature in features:

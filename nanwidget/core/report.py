@@ -107,8 +107,11 @@ def detect_overflow(var: torch.Tensor, ctx: str) -> bool:
     A debugging helper to drop into a forward pass, as in transformers; it synchronises
     with the device, so keep it out of hot loops.
     """
-    if not isinstance(var, torch.Tensor) or not (var.is_floating_point() or var.is_complex()):
-        return False
+    if not isinstance(var, torch.Tensor):
+        raise TypeError(f"detect_overflow needs a tensor, got {type(var).__name__} "
+                        f"({ctx!r}); check what that line receives")
+    if not (var.is_floating_point() or var.is_complex()):
+        return False  # integer and bool tensors hold no NaN or Inf
     detected = False
     with torch.no_grad():
         flags = torch.stack([torch.isnan(var).any(), torch.isinf(var).any()]).tolist()

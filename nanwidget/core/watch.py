@@ -13,12 +13,20 @@ consensus tells the other ranks, then the event is recorded and written to disk)
 
 from __future__ import annotations
 
+import difflib
+import math
+import numbers
+import operator
+import os
+import sys
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -34,7 +42,8 @@ from .schema import ON_NAN_CHOICES
 from .trace import Trace
 from .viewer import open_browser
 
-__all__ = ["NanWatch", "WatchParts", "watch", "live_watches", "MAX_EVENTS"]
+__all__ = ["NanWatch", "WatchParts", "WatchOptions", "SkipTypesWarning", "check_options", "watch",
+           "live_watches", "MAX_EVENTS"]
 
 MAX_EVENTS = 100
 
@@ -44,19 +53,6 @@ _LIVE: weakref.WeakSet[NanWatch] = weakref.WeakSet()
 def live_watches() -> list[NanWatch]:
     """Every NanWatch that is still watching (a watch whose variable was lost can be closed)."""
     return [w for w in list(_LIVE) if not w.closed]
-
-
-def _resolve_skip_types(skip_types: Iterable[type | str]) -> tuple[tuple[type, ...], frozenset[str]]:
-    classes: list[type] = []
-    names: set[str] = set()
-    for item in skip_types:
-        if isinstance(item, str):
-            names.add(item)
-        elif isinstance(item, type) and issubclass(item, nn.Module):
-            classes.append(item)
-        else:
-            raise TypeError(f"skip_types takes nn.Module subclasses or class names, got {item!r}")
-    return tuple(classes), frozenset(names)
 
 
 def _unwrap_model(model: Any) -> nn.Module:
@@ -79,6 +75,170 @@ def _unwrap_model(model: Any) -> nn.Module:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.module  # user's own names, no "module." prefix
     return model
+
+
+# ---------------------------------------------------------------------------- the options
+MAX_FRAMES_LIMIT = 10_000_000  # a ring beyond this would not fit in memory anyway
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """The options of :func:`watch`, checked and normalised (see :func:`check_options`)."""
+
+    max_frames: int
+    trace_batches: frozenset[int]
+    abort_after: int | None
+    skip_classes: tuple[type, ...]
+    skip_names: frozenset[str]
+    backward: bool
+    grad_norm_warn: float | None
+    on_nan: str
+    keep_batches: int
+    replay_on_nan: bool
+    log_dir: str | os.PathLike | None
+    max_events: int
+    snapshot_weights: bool
+
+
+def _whole_number(name: str, value: Any, *, least: int, most: int | None = None) -> int:
+    """``value`` as an int (numpy and torch integers too); bools, floats and text refused."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a whole number, got {value!r} (a bool)")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a whole number, got {value!r} "
+                        f"({type(value).__name__})") from None
+    if number < least or (most is not None and number > most):
+        bound = f"at least {least}" + (f" and at most {most:,}" if most is not None else "")
+        raise ValueError(f"{name} must be {bound}, got {number}")
+    return number
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _batch_numbers(value: Any) -> frozenset[int]:
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"trace_batches takes batch numbers, got the text {value!r}; write a "
+                        f"list such as [1, 3]")
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"trace_batches takes batch numbers, got {value!r}")
+    try:
+        return frozenset({operator.index(value)}) if not hasattr(value, "__iter__") or \
+            getattr(value, "ndim", 1) == 0 else _each_batch(list(value))
+    except TypeError:
+        raise TypeError(f"trace_batches takes batch numbers (e.g. [1, 3]), got {value!r}") from None
+
+
+def _each_batch(items: list[Any]) -> frozenset[int]:
+    bad = []
+    batches = set()
+    for item in items:
+        try:
+            batches.add(_whole_number("trace_batches", item, least=0))
+        except (TypeError, ValueError):
+            bad.append(item)
+    if bad:
+        raise ValueError(f"trace_batches takes batch numbers, whole and >= 0 (batches count from "
+                         f"0); these are not: {', '.join(repr(b) for b in bad)}")
+    return frozenset(batches)
+
+
+def _skip_types(model: nn.Module, value: Any) -> tuple[tuple[type, ...], frozenset[str]]:
+    """Module classes or class names; one class or one name alone is accepted too."""
+    items = [value] if isinstance(value, (str, type)) else value
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(f"skip_types takes nn.Module classes or class names (e.g. [nn.Dropout] "
+                        f"or ['Dropout']), got {value!r}") from None
+    classes: list[type] = []
+    names: set[str] = set()
+    for item in items:
+        if isinstance(item, str):
+            names.add(item)
+        elif isinstance(item, type) and issubclass(item, nn.Module):
+            classes.append(item)
+        else:
+            raise TypeError(f"skip_types takes nn.Module classes or class names, got {item!r}")
+    present = {type(m).__name__ for m in model.modules()}
+    for name in sorted(names - present):
+        close = difflib.get_close_matches(name, sorted(present), n=1, cutoff=0.6) or [
+            p for p in sorted(present) if p.lower() == name.lower()]
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        _warn_caller(f"skip_types: this model has no module of class {name!r}, so it skips "
+                     f"nothing{hint}")
+    return tuple(classes), frozenset(names)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+class SkipTypesWarning(UserWarning):
+    """A ``skip_types`` class name that no module of the model has: it skips nothing."""
+
+
+def _warn_caller(message: str) -> None:
+    """A warning pointing at the first frame outside nanwidget (the user's watch() call)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, SkipTypesWarning, stacklevel=level)
+
+
+def _threshold(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating)):
+        raise TypeError(f"grad_norm_warn must be a positive number or None, got {value!r} "
+                        f"({type(value).__name__})")
+    number = float(value)
+    if not (0 < number < math.inf):
+        raise ValueError(f"grad_norm_warn must be a positive finite number, got {value!r}")
+    return number
+
+
+def _directory(value: Any) -> str | os.PathLike | None:
+    if value is None or (isinstance(value, str) and value == ""):
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"log_dir must be a directory path (str or pathlib.Path), got {value!r} "
+                        f"({type(value).__name__})")
+    path = os.fspath(value)
+    if isinstance(path, bytes) or (os.path.exists(path) and not os.path.isdir(path)):
+        raise ValueError(f"log_dir must be a directory; {path!r} is a file (pass a new folder: "
+                         "it is created when missing)")
+    return value
+
+
+def check_options(model: nn.Module, *, max_frames: Any = 21, trace_batches: Any = (),
+                  abort_after: Any = None, skip_types: Any = (), backward: Any = False,
+                  grad_norm_warn: Any = None, on_nan: Any = "raise", keep_batches: Any = 4,
+                  replay_on_nan: Any = False, log_dir: Any = None, max_events: Any = MAX_EVENTS,
+                  snapshot_weights: Any = False) -> WatchOptions:
+    """Every option of :func:`watch`, checked in one place before anything is hooked.
+
+    Misuse raises TypeError (wrong kind of value) or ValueError (out of range) naming the
+    option; a ``skip_types`` name that no module of ``model`` has warns with the closest one.
+    """
+    if not isinstance(on_nan, str) or on_nan not in ON_NAN_CHOICES:
+        raise ValueError(f"on_nan must be one of {', '.join(ON_NAN_CHOICES)}; got {on_nan!r}")
+    skip_classes, skip_names = _skip_types(model, skip_types)
+    return WatchOptions(
+        max_frames=_whole_number("max_frames", max_frames, least=1, most=MAX_FRAMES_LIMIT),
+        trace_batches=_batch_numbers(trace_batches),
+        abort_after=None if abort_after is None else _whole_number("abort_after", abort_after,
+                                                                   least=0),
+        skip_classes=skip_classes, skip_names=skip_names,
+        backward=_flag("backward", backward), grad_norm_warn=_threshold(grad_norm_warn),
+        on_nan=on_nan, keep_batches=_whole_number("keep_batches", keep_batches, least=0),
+        replay_on_nan=_flag("replay_on_nan", replay_on_nan), log_dir=_directory(log_dir),
+        max_events=_whole_number("max_events", max_events, least=1),
+        snapshot_weights=_flag("snapshot_weights", snapshot_weights))
 
 
 @dataclass(frozen=True)
@@ -104,39 +264,31 @@ class NanWatch:
                  log_dir: str | None = None, max_events: int = MAX_EVENTS,
                  snapshot_weights: bool = False) -> None:
         root = _unwrap_model(model)
-        if not isinstance(max_frames, int) or isinstance(max_frames, bool) or max_frames < 1:
-            raise ValueError(f"max_frames must be a positive integer, got {max_frames!r}")
-        if on_nan not in ON_NAN_CHOICES:
-            raise ValueError(f"on_nan must be one of {', '.join(ON_NAN_CHOICES)}; got {on_nan!r}")
-        if abort_after is not None and (not isinstance(abort_after, int) or abort_after < 0):
-            raise ValueError(f"abort_after must be a batch number >= 0 or None, got {abort_after!r}")
-        if not isinstance(keep_batches, int) or keep_batches < 0:
-            raise ValueError(f"keep_batches must be an integer >= 0, got {keep_batches!r}")
-        if not isinstance(max_events, int) or isinstance(max_events, bool) or max_events < 1:
-            raise ValueError(f"max_events must be a positive integer, got {max_events!r}")
-        if grad_norm_warn is not None and not (float(grad_norm_warn) > 0):
-            raise ValueError(f"grad_norm_warn must be a positive number, got {grad_norm_warn!r}")
-        try:
-            trace_set = frozenset(int(b) for b in trace_batches)
-        except (TypeError, ValueError):
-            raise ValueError(f"trace_batches must be batch numbers, got {trace_batches!r}") from None
-        skip = _resolve_skip_types(skip_types)
+        checked = check_options(root, max_frames=max_frames, trace_batches=trace_batches,
+                                abort_after=abort_after, skip_types=skip_types,
+                                backward=backward, grad_norm_warn=grad_norm_warn, on_nan=on_nan,
+                                keep_batches=keep_batches, replay_on_nan=replay_on_nan,
+                                log_dir=log_dir, max_events=max_events,
+                                snapshot_weights=snapshot_weights)
+        snapshot_weights = checked.snapshot_weights
+        skip = (checked.skip_classes, checked.skip_names)
 
         self.model = root
-        self.max_frames = max_frames
-        self.trace_batches = trace_set
-        self.abort_after = abort_after
-        self.backward = bool(backward)
-        self.grad_norm_warn = None if grad_norm_warn is None else float(grad_norm_warn)
-        self.on_nan = on_nan
-        self.keep_batches = keep_batches
-        self.replay_on_nan = bool(replay_on_nan)
-        self.log_dir = log_dir
-        self.max_events = max_events
+        self.max_frames = checked.max_frames
+        self.trace_batches = checked.trace_batches
+        self.abort_after = checked.abort_after
+        self.backward = checked.backward
+        self.grad_norm_warn = checked.grad_norm_warn
+        self.on_nan = checked.on_nan
+        self.keep_batches = checked.keep_batches
+        self.replay_on_nan = checked.replay_on_nan
+        self.log_dir = checked.log_dir
+        self.max_events = checked.max_events
 
-        self._recorder = Recorder(root, max_frames=max_frames, trace_batches=trace_set,
-                                  abort_after=abort_after, skip=skip, on_nan=on_nan,
-                                  max_events=max_events)
+        self._recorder = Recorder(root, max_frames=self.max_frames,
+                                  trace_batches=self.trace_batches, abort_after=self.abort_after,
+                                  skip=skip, on_nan=self.on_nan, max_events=self.max_events)
+        self._recorder.owner = self  # lives as long as the hooks do: see live_watches()
         try:
             self._parts = self._compose(snapshot_weights)
         except BaseException:

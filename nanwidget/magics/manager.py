@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,8 +19,8 @@ from torch import nn
 from ..core.events import NanEvent
 from ..core.frames import Frame
 from ..core.stats import dtype_max
-from ..core.recorder import Feature
-from ..core.watch import NanWatch, live_watches, watch
+from ..core.recorder import AlreadyWatchedError, Feature
+from ..core.watch import NanWatch, SkipTypesWarning, live_watches, watch
 
 __all__ = ["WatchManager", "LiveStatus", "MagicUsageError", "parse_batches", "parse_class_names",
            "describe_magnitude"]
@@ -153,32 +154,27 @@ class WatchManager:
                                   "%nanwatch watches a model")
         return value
 
-    @staticmethod
-    def check_skip(model: nn.Module, names: tuple[str, ...]) -> None:
-        """Every --skip class name must be a class used in ``model`` (a typo skips nothing)."""
-        present = {type(m).__name__ for m in model.modules()}
-        unknown = [n for n in names if n not in present]
-        if unknown:
-            raise MagicUsageError(f"--skip {','.join(unknown)}: no module of that class in this model "
-                                  f"(its classes: {', '.join(sorted(present))})")
-
     # ------------------------------------------------------------------ watches
     def make_watch(self, model: nn.Module, options: dict[str, Any]) -> NanWatch:
-        """``nw.watch(model, **options)``; its errors become one usage sentence."""
-        if options.get("skip_types"):
-            self.check_skip(model, tuple(options["skip_types"]))
+        """``nw.watch(model, **options)``; its errors become one usage sentence.
+
+        A ``--skip`` class the model does not use is an error here (``nw.watch`` only warns):
+        in a magic line it is a typo to fix before anything is hooked.
+        """
         try:
-            return watch(model, **options)
-        except (TypeError, ValueError, OverflowError) as error:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", SkipTypesWarning)
+                return watch(model, **options)
+        except SkipTypesWarning as warning:
+            raise MagicUsageError(str(warning).replace("skip_types:", "--skip:", 1)) from None
+        except (TypeError, ValueError) as error:
             raise MagicUsageError(str(error)) from None
-        except OSError as error:  # the log directory: a file, a used recording, no permission
+        except OSError as error:  # the log directory: a used recording, no permission
             raise MagicUsageError(f"--log-dir {options.get('log_dir')}: "
                                   f"{error.strerror or error}"
                                   + (f" ({error.filename})" if error.filename else "")) from None
-        except RuntimeError as error:
-            if "already watched" in str(error):
-                raise MagicUsageError(f"{error}. If %nanwatch started it: %nanwatch --off") from None
-            raise
+        except AlreadyWatchedError as error:
+            raise MagicUsageError(f"{error}. If %nanwatch started it: %nanwatch --off") from None
 
     def start(self, name: str, model: nn.Module, options: dict[str, Any]) -> tuple[NanWatch, bool]:
         """Watch ``model`` under ``name``; a watch already held under that name is replaced.
