@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import io
 import os
 import re
@@ -126,6 +127,7 @@ def _run(scenario: Scenario, model: nn.Module, stops: tuple[type[BaseException],
                 return
 
 
+@functools.lru_cache(maxsize=None)  # each scenario runs once per session (the tests only read)
 def run_transformers(scenario: Scenario) -> str:
     """What DebugUnderflowOverflow prints on the scenario (it raises ValueError to stop)."""
     from transformers.debug_utils import DebugUnderflowOverflow
@@ -138,6 +140,7 @@ def run_transformers(scenario: Scenario) -> str:
     return printed.getvalue()
 
 
+@functools.lru_cache(maxsize=None)
 def run_nanwidget(scenario: Scenario) -> tuple[str, nw.NanWatch]:
     """report() after the same run; events are recorded so that trace batch 3 happens too."""
     model = scenario.make_model()
