@@ -61,6 +61,16 @@ def test_single_process_recording_round_trips_frames_history_and_events(tiny_mlp
     assert isinstance(run.frames().loc[0, "shape"], tuple)
 
 
+def test_loaded_report_without_events_equals_the_watch_report(tiny_mlp, tmp_path):
+    # The frames held at the end reach back into trace batch 1: both reports say so alike.
+    with nw.watch(tiny_mlp, log_dir=str(tmp_path), trace_batches=[1], max_frames=8) as watch:
+        for _ in range(3):
+            tiny_mlp(torch.randn(4, 16))
+    text = watch.report()
+    assert "*** Starting batch number=1 ***" in text and "No inf/nan detected (batch_number=2)" in text
+    assert load_run(tmp_path).report() == text
+
+
 @pytest.fixture
 def json_tables():
     """Tables written as JSON, as on a machine without pyarrow."""
