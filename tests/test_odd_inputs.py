@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 import nanwidget as nw
-from nanwidget.core.walk import iter_leaves
+from nanwidget.core.walk import Unread, iter_leaves
 
 
 class Echo(nn.Module):
@@ -23,15 +23,10 @@ class Echo(nn.Module):
 
 @pytest.mark.parametrize("tensor, note", [
     (torch.ones(3, dtype=torch.bool), "bool"),
-    (torch.arange(4), "int"),
-    (torch.ones(2, dtype=torch.uint8), "int"),
-    (torch.ones(2, dtype=torch.complex64), "complex"),
     (torch.empty(0, 5), "empty"),
-    (torch.ones(2, 2).to_sparse(), "sparse"),
     (torch.empty(2, 2, device="meta"), "meta"),
-    (torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)], layout=torch.jagged), "nested"),
 ])
-def test_tensors_without_stats_get_a_note(tensor, note):
+def test_tensors_without_magnitudes_get_a_note(tensor, note):
     model = Echo()
     with nw.watch(model) as w:
         model(tensor)
@@ -39,6 +34,41 @@ def test_tensors_without_stats_get_a_note(tensor, note):
     row = frames.set_index("role").loc["input[0]"]
     assert row.note == note
     assert math.isnan(row.abs_max) and not row.nan and not row.inf
+
+
+def _jagged(*rows):
+    return torch.nested.nested_tensor(list(rows), layout=torch.jagged)
+
+
+@pytest.mark.parametrize("tensor, low, high", [
+    (torch.arange(-3, 5), 0.0, 4.0),                               # token ids, signed ints
+    (torch.tensor([7, 200], dtype=torch.uint8), 7.0, 200.0),
+    (torch.tensor([3 + 4j, 0.6 + 0.8j], dtype=torch.complex64), 1.0, 5.0),  # magnitudes
+    (torch.tensor([[0.0, -2.0], [0.0, 0.0]]).to_sparse(), 0.0, 2.0),  # implicit zeros count
+    (torch.tensor([[1.5, 0.0], [0.0, -2.0]]).to_sparse_csr(), 0.0, 2.0),
+    (_jagged(torch.full((2, 4), 0.5), torch.full((3, 4), -3.0)), 0.5, 3.0),
+    (torch.nested.nested_tensor([torch.full((2,), 0.25), torch.full((3,), 4.0)]), 0.25, 4.0),
+])
+def test_int_complex_sparse_and_nested_tensors_are_measured(tensor, low, high):
+    model = Echo()
+    with nw.watch(model) as w:
+        model(tensor)
+        row = w.frames().set_index("role").loc["input[0]"]
+    assert row.note == "" and (row.abs_min, row.abs_max) == (low, high)
+    assert (row.finite_abs_min, row.finite_abs_max) == (low, high)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor([1.0, float("nan"), 2.0]).to(torch.complex64),
+    lambda: torch.sparse_coo_tensor([[0, 1]], [1.0, float("nan")], (4,)),
+    lambda: _jagged(torch.ones(2, 2), torch.tensor([[1.0, float("nan")]])),
+    lambda: torch.tensor([0.5, float("nan")]).to(torch.float8_e4m3fn),
+])
+def test_a_nan_in_any_tensor_kind_is_an_event_and_never_crashes_the_forward(make):
+    model = Echo()
+    with nw.watch(model, on_nan="record") as w:
+        model(make())
+    assert w.event is not None and w.event.kind == "nan" and w.event.role == "input[0]"
 
 
 def test_float8_bfloat16_and_float64_tensors_are_measured():
@@ -72,16 +102,50 @@ def test_none_and_non_tensor_inputs_and_kwargs():
     assert frames.loc["kwarg:flag", "note"] == "not a tensor"
 
 
-def test_self_referencing_structure_is_cut_off_not_recursed_forever():
-    loop: list = []
+def test_self_referencing_structure_is_walked_once_not_recursed_forever():
+    loop: list = [torch.ones(1)]
     loop.append(loop)
     leaves = list(iter_leaves(loop, "output"))
-    assert len(leaves) == 1 and leaves[0][0] == "output" + "[0]" * 6
+    assert [role for role, _ in leaves] == ["output[0]", "output[1]"]
+    assert isinstance(leaves[1][1], Unread) and "contains itself" in leaves[1][1].why
 
 
-def test_huge_structures_are_capped():
-    many = [torch.ones(1)] * 10_000
-    assert len(list(iter_leaves(many, "output"))) == 256
+def test_no_limit_on_size_or_depth_hides_a_value():
+    many = [torch.ones(1) for _ in range(10_000)]
+    many[9_999] = torch.tensor([float("nan")])
+    deep: object = torch.tensor([float("nan")])
+    for _ in range(2_000):
+        deep = [deep]
+    assert len(list(iter_leaves(many, "output"))) == 10_000
+    (role, leaf), = iter_leaves(deep, "output")
+    assert role == "output" + "[0]" * 2_000 and torch.isnan(leaf).all()
+    model = Echo()
+    for structure, role in ((many, "input[0][9999]"), ((deep,), "input[0][0]" + "[0]" * 2_000)):
+        with nw.watch(model, on_nan="record") as w:
+            model(structure)
+        assert w.event is not None and w.event.role == role
+
+
+class _Holder:
+    """A plain object with tensors as attributes (no dataclass, no mapping)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.logits = torch.ones(2)
+        self.extra = {"hidden": hidden}
+
+
+def test_sets_and_plain_objects_are_walked_and_iterators_are_noted_not_consumed():
+    model = Echo()
+    nan = torch.tensor([float("nan")])
+    stream = iter([torch.ones(1)])
+    with nw.watch(model, on_nan="record") as w, pytest.warns(RuntimeWarning, match="not read"):
+        model(_Holder(nan), {torch.ones(1)}, stream)
+        frames = w.frames().set_index("role")
+    assert frames.loc["input[0].extra.hidden", "nan"]
+    assert frames.loc["input[1]{0}", "abs_max"] == 1.0
+    assert frames.loc["input[2]", "note"] == "not read"
+    assert next(stream).item() == 1.0  # the user's iterator was not consumed
+    assert w.event is not None and w.event.role == "input[0].extra.hidden"
 
 
 # A strategy for the structures forward passes return: tensors of many dtypes, nested in
@@ -134,20 +198,29 @@ def test_any_nested_output_is_recorded_with_exact_stats(structure):
         if not isinstance(value, torch.Tensor):
             assert row.note == ("None" if value is None else "not a tensor")
             continue
-        if not value.dtype.is_floating_point or value.numel() == 0:
+        if value.dtype is torch.bool or value.numel() == 0:
             assert row.note != "" and math.isnan(row.abs_max)
             continue
-        data = value.double()
+        data = value.abs().double()  # magnitudes (of complex values too)
+        finite = data[torch.isfinite(data)]
         assert row.nan == bool(torch.isnan(data).any())
         assert row.inf == bool(torch.isinf(data).any())
         if not row.nan:
-            assert row.abs_max == data.abs().max().item()
-            assert row.abs_min == data.abs().min().item()
-    # A NaN anywhere in the input is an event, with the right kind.
-    bad = [(r, v) for r, v in expected if isinstance(v, torch.Tensor) and v.dtype.is_floating_point
-           and v.numel() and not torch.isfinite(v.double()).all()]
+            assert row.abs_max == data.max().item()
+            assert row.abs_min == data.min().item()
+        if finite.numel():
+            assert (row.finite_abs_min, row.finite_abs_max) == (finite.min().item(),
+                                                                finite.max().item())
+        else:
+            assert math.isnan(row.finite_abs_max)
+    # Echo returns what it gets, so a NaN/Inf anywhere reaches its outputs: an event whose
+    # origin is the input that brought it (one with a NaN first).
+    bad = [(r, v) for r, v in expected if isinstance(v, torch.Tensor) and v.dtype is not torch.bool
+           and v.numel() and not torch.isfinite(v.abs().double()).all()]
+    with_nan = [r for r, v in bad if torch.isnan(v.abs().double()).any()]
     if bad:
-        assert w.event is not None and w.event.role == bad[0][0]
+        assert w.event is not None and w.event.origin == "input"
+        assert w.event.role == (with_nan[0] if with_nan else bad[0][0])
     else:
         assert w.event is None
 

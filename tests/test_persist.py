@@ -340,3 +340,19 @@ def test_an_event_whose_trace_file_points_elsewhere_is_refused(tmp_path):
     event_file.write_text(json.dumps(meta))
     with pytest.raises(RunLoadError, match="ops_file"):
         load_run(tmp_path)
+
+
+def test_a_recording_from_before_the_finite_range_columns_still_loads(tiny_mlp, tmp_path,
+                                                                      json_tables):
+    watch = _train_with_nan(tiny_mlp, tmp_path, trace_batches=[0])
+    watch.close()
+    for path in (tmp_path / "rank-00000").glob("*frames*.json"):
+        data = json.loads(path.read_text())
+        for column in ("finite_abs_min", "finite_abs_max"):
+            data["columns"].pop(column)
+        path.write_text(json.dumps(data))
+    run = load_run(tmp_path)
+    frames = run.frames()
+    finite = ~(frames["nan"] | frames["inf"])
+    assert (frames.loc[finite, "finite_abs_max"] == frames.loc[finite, "abs_max"]).all()
+    assert frames.loc[~finite, "finite_abs_max"].isna().all()

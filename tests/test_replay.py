@@ -362,7 +362,8 @@ def test_replay_after_optimizer_step_says_weights_changed():
         trace = w.replay(0)
     assert trace.weights_changed
     assert trace.changed_weights == ["fc.weight", "fc.bias"]
-    assert "Weights changed since batch 0" in trace.report()
+    assert [c.split(":")[0] for c in trace.changes] == ["fc.weight", "fc.bias"]
+    assert "Changed since batch 0 ran (2):" in trace.report()
     assert "snapshot_weights=True" in trace.report()
 
 

@@ -38,7 +38,6 @@ _FRAME_HEADER = " " * 18  # module headers and batch separators; tensor lines st
 _LEAF_LINE = re.compile(r"^\s+(?:None|not a tensor) (?P<role>\S+)$")
 _TENSOR_LINE = re.compile(r"^ *\S+ +\S+ (?P<role>\S+)")
 _MARK = re.compile(r"  <-- (nan|inf|nan\+inf)$")
-_INT_WITHOUT_RANGE = re.compile(r"^ +- +- (?P<role>\S+) \(int, u?int\d+\)$")
 
 
 # ---------------------------------------------------------------------------- the scenarios
@@ -186,32 +185,10 @@ def _transformers_lines(text: str) -> list[str]:
     return lines
 
 
-def _only_integer_ranges_missing(ours: list[str], expected: list[str]) -> bool:
-    """True when every difference is an integer tensor printed `- -` where a range is expected."""
-    if len(ours) != len(expected):
-        return False
-    for mine, theirs in zip(ours, expected):
-        if mine == theirs:
-            continue
-        match = _INT_WITHOUT_RANGE.match(mine)
-        if match is None or _role(theirs) != match.group("role") or theirs.lstrip().startswith("-"):
-            return False
-    return True
-
-
-def _frames_lack_integer_stats(watch: nw.NanWatch) -> bool:
-    frames = pd.concat([watch.frames()] + [e.frames for e in watch.events], ignore_index=True)
-    ints = frames[frames["dtype"].str.startswith(("int", "uint"))]
-    return bool(len(ints)) and bool(ints["abs_max"].isna().all())
-
-
 def _assert_same(ours: list[str], expected: list[str], watch: nw.NanWatch, what: str) -> None:
     if ours == expected:
         return
     diff = "\n".join(difflib.unified_diff(expected, ours, what, "nanwidget", lineterm=""))
-    if _only_integer_ranges_missing(ours, expected) and _frames_lack_integer_stats(watch):
-        pytest.xfail("integer inputs print '- -' instead of their range until the frame holds "
-                     "integer abs_min/abs_max (issue 12); every other line matches")
     raise AssertionError(f"report() differs from {what}:\n{diff}")
 
 
@@ -233,8 +210,7 @@ def test_report_equals_transformers_except_our_additions(name):
     ours, watch = run_nanwidget(scenario)
     if UPDATE:
         _golden(f"report_{name}.transformers.txt").write_text(theirs)
-        if not _frames_lack_integer_stats(watch):
-            _golden(f"report_{name}.nanwidget.txt").write_text(ours + "\n")
+        _golden(f"report_{name}.nanwidget.txt").write_text(ours + "\n")
     expected = _transformers_lines(theirs)
     if not watch.events:
         # With no event transformers prints only the traced batches; report() prints them

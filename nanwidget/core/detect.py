@@ -1,19 +1,37 @@
 """The verdict: which frame of a resolved batch is its first NaN/Inf event, and where it came from.
 
-Kept apart from the recorder so that the rules (what counts, which origin) live in one place
-that the live watch, sentinel replays and tests all share.
+What is an event (the contract): a NaN or Inf in a module's **output**, in its **own parameter
+or buffer**, or in a **gradient**. A non-finite value that only enters a module (an attention
+mask of -inf) is flagged in the frames but is no event while the module's outputs stay finite;
+when they do not, the origin is "input". NaN always counts; an Inf in the outputs (or own
+buffers) of a module matched by ``allow_inf`` does not.
+
+Blame, in this order:
+
+- "weight": the module's own parameter or buffer is non-finite. Before blaming an input or the
+  module itself, the weights of the module and of every enclosing module are measured again
+  (a write through ``p.data`` moves no version counter, so a cached measurement can be stale),
+  and a non-finite parameter of an enclosing module used in its own forward
+  (``x + self.pos``) is blamed on that module;
+- "input": a non-finite value arrived through an input;
+- "output": the module made it from finite inputs and weights;
+- "grad": found in a gradient (backward frames).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from .entries import Entry
 from .events import NanEvent
 from .frames import Frame, frames_to_dataframe
-from .schema import is_input_role, is_output_role
+from .schema import is_input_role
 
-__all__ = ["first_event", "event_at", "make_event", "event_kind"]
+__all__ = ["Detector", "event_kind", "first_event"]
+
+Window = Callable[[list[Frame], int], list[Frame]]
+# Weights of the module with this qualified name, measured right now (None: not watched).
+WeightsNow = Callable[[str], "list[Entry] | None"]
 
 
 def event_kind(nan: bool, inf: bool) -> str:
@@ -21,43 +39,120 @@ def event_kind(nan: bool, inf: bool) -> str:
     return "nan+inf" if nan and inf else ("nan" if nan else "inf")
 
 
-def _origin(frame: Frame, bad: list[Entry]) -> tuple[str, Entry]:
-    """The origin word and the entry an event names for a frame holding non-finite values."""
-    if frame.phase == "backward":
-        return "grad", bad[0]
-    weights = [e for e in bad if not is_input_role(e[0]) and not is_output_role(e[0])]
-    if weights:
-        return "weight", weights[0]
-    inputs = [e for e in bad if is_input_role(e[0])]
-    if inputs:
-        return "input", inputs[0]
-    return "output", bad[0]
+def _nonfinite(entry: Entry) -> bool:
+    stats = entry[1]
+    return stats is not None and (stats.nan or stats.inf)
 
 
-def make_event(frames: list[Frame], position: int, window: list[Frame]) -> NanEvent:
-    """The event of ``frames[position]``; ``window`` is the frames its report shows."""
-    frame = frames[position]
-    origin, (role, stats, _dtype, _shape, _note) = _origin(frame, frame.nonfinite_entries())
-    return NanEvent(batch=frame.batch, module=frame.module, module_type=frame.module_type,
-                    call=frame.call, role=role, kind=event_kind(stats.nan, stats.inf),
-                    origin=origin, is_backward=frame.phase == "backward",
-                    frames=frames_to_dataframe(window), rank=frame.rank, frame=frame.index)
+def _counts(entry: Entry, inf_allowed: bool) -> bool:
+    """Whether a non-finite value in this entry is an event: NaN always, Inf unless allowed."""
+    stats = entry[1]
+    return stats is not None and (stats.nan or (stats.inf and not inf_allowed))
 
 
-Window = Callable[[list[Frame], int], list[Frame]]
+def _is_ancestor(name: str, child: str) -> bool:
+    return name != child and (name == "" or child.startswith(name + "."))
 
 
-def event_at(frames: list[Frame], position: int, window: Window) -> NanEvent | None:
-    """The event of ``frames[position]``, a frame holding a non-finite value, or None when
-    that value is not an event. ``window(frames, position)`` gives the frames its report shows."""
-    return make_event(frames, position, window(frames, position))
+class Detector:
+    """Applies the rules above to a batch's resolved frames.
+
+    ``allow_inf``: qualified names of the modules whose outputs may hold ±inf on purpose.
+    ``weights_now``: measures a module's own weights at event time (None: never re-measure).
+    """
+
+    def __init__(self, allow_inf: Iterable[str] = (), weights_now: WeightsNow | None = None) -> None:
+        self.allow_inf = frozenset(allow_inf)
+        self.weights_now = weights_now
+
+    def event_at(self, frames: list[Frame], position: int, window: Window) -> NanEvent | None:
+        """The event of ``frames[position]`` (a frame holding a non-finite value), or None when
+        that value is not an event."""
+        frame = frames[position]
+        if frame.phase == "backward":
+            bad = frame.nonfinite_entries()
+            return self._event(frames, position, window, "grad", bad[0], bad)
+        allowed = frame.module in self.allow_inf
+        outputs = frame.entries[frame.first_output:]
+        weights = [e for e in frame.entries[:frame.first_output] if not is_input_role(e[0])]
+        bad_weights = [e for e in weights if _counts(e, allowed)]
+        if bad_weights:
+            return self._event(frames, position, window, "weight", bad_weights[0], bad_weights)
+        bad_outputs = [e for e in outputs if _counts(e, allowed)]
+        if not bad_outputs:
+            return None  # finite outputs (or only an allowed Inf): flagged, not an event
+        # A stale cached weight (written through .data) must not pass as "made here".
+        if self._refresh_weights(frame, allowed):
+            bad_weights = [e for e in frame.entries[:frame.first_output]
+                           if not is_input_role(e[0]) and _counts(e, allowed)]
+            return self._event(frames, position, window, "weight", bad_weights[0], bad_weights)
+        bad_inputs = [e for e in frame.entries[:frame.first_output]
+                      if is_input_role(e[0]) and _nonfinite(e)]
+        if bad_inputs:
+            owner = self._enclosing_with_bad_weights(frames, position)
+            if owner is not None:
+                owner_frame = frames[owner]
+                owner_allowed = owner_frame.module in self.allow_inf
+                culprits = [e for e in owner_frame.entries[:owner_frame.first_output]
+                            if not is_input_role(e[0]) and _counts(e, owner_allowed)]
+                return self._event(frames, owner, window, "weight", culprits[0], culprits)
+            # Name the input that brought it (a NaN before an Inf: masks carry -inf on purpose).
+            named = next((e for e in bad_inputs if e[1].nan), bad_inputs[0])
+            return self._event(frames, position, window, "input", named, bad_outputs)
+        return self._event(frames, position, window, "output", bad_outputs[0], bad_outputs)
+
+    def _refresh_weights(self, frame: Frame, allowed: bool) -> bool:
+        """Measure the frame's module's weights again; replace the frame's weight entries with
+        the fresh ones; True when one of them is an event."""
+        if self.weights_now is None:
+            return False
+        fresh = self.weights_now(frame.module)
+        if not fresh:
+            return False
+        by_role = {entry[0]: entry for entry in fresh}
+        for slot in range(frame.first_output):
+            entry = by_role.get(frame.entries[slot][0])
+            if entry is not None:
+                frame.entries[slot] = entry
+        return any(_counts(entry, allowed) for entry in fresh)
+
+    def _enclosing_with_bad_weights(self, frames: list[Frame], position: int) -> int | None:
+        """Position of the innermost enclosing module's frame (later in the batch: parents
+        fire after their children) whose own weights are non-finite, or None."""
+        child = frames[position].module
+        seen: set[str] = set()
+        for later in range(position + 1, len(frames)):
+            frame = frames[later]
+            if frame.phase != "forward" or frame.batch != frames[position].batch \
+                    or frame.module in seen or not _is_ancestor(frame.module, child):
+                continue
+            seen.add(frame.module)
+            allowed = frame.module in self.allow_inf
+            weights = [e for e in frame.entries[:frame.first_output] if not is_input_role(e[0])]
+            if any(_counts(e, allowed) for e in weights) or self._refresh_weights(frame, allowed):
+                return later
+        return None
+
+    @staticmethod
+    def _event(frames: list[Frame], position: int, window: Window, origin: str, named: Entry,
+               bad: list[Entry]) -> NanEvent:
+        frame = frames[position]
+        if origin in ("weight", "grad"):
+            kind = event_kind(named[1].nan, named[1].inf)
+        else:  # what went wrong in the outputs
+            kind = event_kind(any(e[1].nan for e in bad), any(e[1].inf for e in bad))
+        return NanEvent(batch=frame.batch, module=frame.module, module_type=frame.module_type,
+                        call=frame.call, role=named[0], kind=kind, origin=origin,
+                        is_backward=frame.phase == "backward",
+                        frames=frames_to_dataframe(window(frames, position)), rank=frame.rank,
+                        frame=frame.index)
 
 
-def first_event(frames: list[Frame], window: Window) -> NanEvent | None:
-    """The first event among ``frames`` (resolved, in firing order), or None."""
+def first_event(frames: list[Frame], detector: Detector) -> NanEvent | None:
+    """The first event among resolved ``frames`` (a replay's, say), each window its own frames."""
     for position, frame in enumerate(frames):
         if frame.nonfinite_entries():
-            event = event_at(frames, position, window)
+            event = detector.event_at(frames, position, lambda fs, p: fs[max(0, p - 20): p + 1])
             if event is not None:
                 return event
     return None

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .schema import WRITTEN_HERE
 from .stats import PendingStats, TensorStats, classify, version_of
-from .walk import iter_leaves
+from .walk import Unread, iter_leaves
 
 __all__ = ["Entry", "EntryBuilder", "non_tensor_entry"]
 
@@ -27,9 +28,29 @@ _STRIDED = torch.strided
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 
 
+def _shape_of(tensor: torch.Tensor) -> Any:
+    """The tensor's shape, or None where it has none (nested tensors)."""
+    if tensor.is_nested:
+        return None
+    try:
+        return tensor.shape
+    except Exception:
+        return None
+
+
 def non_tensor_entry(role: str, leaf: Any) -> Entry:
     """The entry of a leaf that is not a tensor: no stats, a note saying what it is."""
+    if isinstance(leaf, Unread):
+        return (role, None, None, None, "not read")
     return (role, None, None, None, "None" if leaf is None else "not a tensor")
+
+
+def _storage_pointer(tensor: torch.Tensor) -> int:
+    """Where the tensor's data lives; changes when ``p.data = t`` swaps it (no version bump)."""
+    try:
+        return tensor.data_ptr()
+    except Exception:  # wrapper subclasses: never served from the cache
+        return -1
 
 
 class EntryBuilder:
@@ -43,59 +64,59 @@ class EntryBuilder:
     def __init__(self, pending: PendingStats, cache_weights: bool = True) -> None:
         self.pending = pending
         self.cache_weights = cache_weights
-        # id(parameter) -> (parameter, version, entry) of its last measurement.
-        self._weight_cache: dict[int, tuple[torch.Tensor, int, Entry]] = {}
+        # id(parameter) -> (parameter, version, storage pointer, entry) of its last measurement.
+        self._weight_cache: dict[int, tuple[torch.Tensor, int, int, Entry]] = {}
+        self.unread_roles: list[str] = []  # leaves left unread (iterators), for one warning
 
     # ------------------------------------------------------------------ one tensor
-    def tensor_entry(self, role: str, tensor: torch.Tensor, early: bool = False) -> Entry:
-        """Entry for one tensor: measured or queued when measurable, else with its note.
-
-        ``early``: reduce it now (on its device, no sync), because an in-place module is about
-        to overwrite it.
-        """
+    def tensor_entry(self, role: str, tensor: torch.Tensor) -> Entry:
+        """Entry for one tensor: measured now when measurable, else with its note."""
         dtype = tensor.dtype
         # Fast path for the common case, in the order of the cheapest checks; classify() has
         # the full rules and runs only for tensors that fail one of them.
         if dtype.is_floating_point and tensor.layout is _STRIDED and not tensor.is_meta \
                 and not tensor.is_nested and tensor.numel():
-            pending = self.pending
-            stats = pending.reduce_now(tensor) if early else pending.add(tensor)
-            return (role, stats, dtype, tensor.shape, "")
-        note = classify(tensor)  # not "": the fast path above takes every measurable tensor
-        return (role, None, dtype, None if note == "nested" else tensor.shape, note)
+            return (role, self.pending.add(tensor), dtype, tensor.shape, "")
+        note = classify(tensor)
+        shape = _shape_of(tensor)
+        if note:
+            return (role, None, dtype, shape, note)
+        return (role, self.pending.add(tensor), dtype, shape, "")
 
-    def leaf_entry(self, role: str, leaf: Any, early: bool = False) -> Entry:
+    def leaf_entry(self, role: str, leaf: Any) -> Entry:
         """Entry for any leaf of an input or output structure."""
         if isinstance(leaf, _Tensor):
-            return self.tensor_entry(role, leaf, early)
+            return self.tensor_entry(role, leaf)
+        if isinstance(leaf, Unread):
+            self.unread_roles.append(f"{role} ({leaf.why})")
         return non_tensor_entry(role, leaf)
 
     def grad_entry(self, role: str, grad: Any) -> Entry:
-        """Entry for a gradient: measured without being held (see :meth:`PendingStats.add_transient`)."""
+        """Entry for a gradient: measured without being held (the backward pass frees it)."""
         if not isinstance(grad, _Tensor):
             return non_tensor_entry(role, grad)
         note = classify(grad)
+        shape = _shape_of(grad)
         if note:
-            return (role, None, grad.dtype, None if note == "nested" else grad.shape, note)
-        return (role, self.pending.add_transient(grad), grad.dtype, grad.shape, "")
+            return (role, None, grad.dtype, shape, note)
+        return (role, self.pending.add(grad, hold=False), grad.dtype, shape, "")
 
     # ------------------------------------------------------------------ a module call
-    def input_entries(self, args: tuple, kwargs: dict | None, entries: list[Entry],
-                      early: bool = False) -> None:
+    def input_entries(self, args: tuple, kwargs: dict | None, entries: list[Entry]) -> None:
         """Append the entries of positional inputs (``input[i]...``) and keyword inputs
         (``kwarg:name...``)."""
         tensor_entry = self.tensor_entry
         for position, value in enumerate(args):
             role = _INPUT_ROLES[position] if position < 16 else f"input[{position}]"
             if isinstance(value, _Tensor):
-                entries.append(tensor_entry(role, value, early))
+                entries.append(tensor_entry(role, value))
             else:
                 for leaf_role, leaf in iter_leaves(value, role):
-                    entries.append(self.leaf_entry(leaf_role, leaf, early))
+                    entries.append(self.leaf_entry(leaf_role, leaf))
         if kwargs:
             for key, value in kwargs.items():
                 for leaf_role, leaf in iter_leaves(value, "kwarg:" + key):
-                    entries.append(self.leaf_entry(leaf_role, leaf, early))
+                    entries.append(self.leaf_entry(leaf_role, leaf))
 
     def output_entries(self, output: Any, entries: list[Entry]) -> None:
         """Append the entries of a module's output structure (``output``, ``output[1]`` ...)."""
@@ -119,36 +140,78 @@ class EntryBuilder:
                     entries.append(self.tensor_entry(name, tensor))
                     continue
                 cached = cache.get(id(tensor))
-                # Weights change once per optimizer step at most: re-measure only then,
-                # and reuse the whole entry (same stats object) until then.
+                # Weights change once per optimizer step at most: re-measure only then (the
+                # version counter moved, or the storage was swapped through ``.data``), and
+                # reuse the whole entry (same stats object) until then.
                 if cached is not None and cached[0] is tensor and cached[1] == version_of(tensor) \
-                        and cached[2][0] == name:
-                    entries.append(cached[2])
+                        and cached[2] == _storage_pointer(tensor) and cached[3][0] == name:
+                    entries.append(cached[3])
                     continue
                 entry = self.tensor_entry(name, tensor)
                 if entry[1] is not None:
-                    cache[id(tensor)] = (tensor, version_of(tensor), entry)
+                    pointer = _storage_pointer(tensor)
+                    if pointer != -1:
+                        cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry)
                 entries.append(entry)
 
     def forward_entries(self, module: nn.Module, has_state: bool, args: tuple, kwargs: dict,
                         output: Any, measured_inputs: list[Entry] | None = None) -> tuple[list[Entry], int]:
         """Every entry of one forward call, and the position of its first output entry.
 
-        ``measured_inputs``: input entries a pre-hook measured before an in-place module
-        overwrote them (used instead of measuring the inputs now).
+        ``measured_inputs``: input entries a pre-hook measured before the module ran (used
+        instead of measuring the inputs now). Without them, an input the module wrote into
+        and returned (``x.mul_(s); return x``) is shown as it was handed over, when an earlier
+        frame measured it then, noted "written in place here".
         """
         entries: list[Entry] = []
         if has_state:
             self.weight_entries(module, entries)
         if measured_inputs is not None:
             entries.extend(measured_inputs)
-        elif len(args) == 1 and not kwargs and isinstance(args[0], _Tensor):
+        elif len(args) == 1 and not kwargs and isinstance(args[0], _Tensor) \
+                and args[0] is not output:
             entries.append(self.tensor_entry("input[0]", args[0]))  # the usual single input
         else:
+            start = len(entries)
+            handed_over = self._inputs_written_here(args, output)
             self.input_entries(args, kwargs, entries)
+            if handed_over:
+                for index in range(start, len(entries)):
+                    role, _, dtype, shape, _ = entries[index]
+                    found = handed_over.get(role)
+                    if found is not None:
+                        entries[index] = (role, found, dtype, shape, WRITTEN_HERE)
         first_output = len(entries)
         self.output_entries(output, entries)
         return entries, first_output
+
+    def _inputs_written_here(self, args: tuple, output: Any) -> dict[str, TensorStats]:
+        """Stats, by role, of tensor inputs the module returned after writing into them: as an
+        earlier frame of this batch measured them (the values the module was handed)."""
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        found: dict[str, TensorStats] = {}
+        for position, value in enumerate(args):
+            if isinstance(value, _Tensor) and any(value is out for out in outputs):
+                seen = self.pending.last_seen(value)
+                if seen is not None and seen[0] != version_of(value):
+                    found[_INPUT_ROLES[position] if position < 16 else f"input[{position}]"] = seen[1]
+        return found
+
+    def measure_weights_now(self, module: nn.Module) -> list[Entry]:
+        """The module's own parameters and buffers measured right now (a host sync: for event
+        time, not hooks); the cached entries of its parameters are dropped."""
+        fresh = PendingStats()
+        entries: list[Entry] = []
+        for group in (module._parameters, module._buffers):
+            for name, tensor in group.items():
+                if tensor is None:
+                    continue
+                self._weight_cache.pop(id(tensor), None)
+                note = classify(tensor)
+                stats = None if note else fresh.add(tensor)
+                entries.append((name, stats, tensor.dtype, _shape_of(tensor), note))
+        fresh.resolve()
+        return entries
 
     def forget_weights(self) -> None:
         """Drop cached weight entries: the next call measures every parameter again."""

@@ -52,10 +52,12 @@ class Frame:
             dtype_name = str(dtype).replace("torch.", "") if dtype is not None else ""
             shape_tuple = tuple(shape) if shape is not None else ()
             if stats is None:
-                yield head + (role, dtype_name, shape_tuple, _NAN, _NAN, False, False, note)
-            else:
+                yield head + (role, dtype_name, shape_tuple, _NAN, _NAN, _NAN, _NAN, False,
+                              False, note)
+            else:  # an entry's own note (e.g. "written in place here") wins over its stats'
                 yield head + (role, dtype_name, shape_tuple, stats.abs_min, stats.abs_max,
-                              stats.nan, stats.inf, stats.note)
+                              stats.finite_abs_min, stats.finite_abs_max, stats.nan, stats.inf,
+                              note or stats.note)
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return (f"Frame(batch={self.batch}, index={self.index}, module={self.module!r}, "

@@ -31,6 +31,7 @@ Threads
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import sys
 import threading
 import warnings
@@ -42,7 +43,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .detect import event_at
+from .detect import Detector
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame, FrameBuffer, frames_to_dataframe
@@ -147,12 +148,14 @@ class Recorder:
     ``skip``: module classes and class names not hooked (never the root). ``on_nan``: "raise",
     "warn" or "record". ``abort_after``: raise :class:`AbortAfterBatch` at the first finished
     batch whose number is at or past it. ``max_events``: events kept (more are counted).
+    ``allow_inf``: module name globs and module classes whose outputs may hold ±inf on purpose.
     """
 
     def __init__(self, model: nn.Module, *, max_frames: int = 21,
                  trace_batches: Iterable[int] = (), abort_after: int | None = None,
                  skip: tuple[tuple[type, ...], frozenset[str]] = ((), frozenset()),
-                 on_nan: str = "raise", max_events: int = 100) -> None:
+                 on_nan: str = "raise", max_events: int = 100,
+                 allow_inf: tuple[tuple[str, ...], tuple[type, ...]] = ((), ())) -> None:
         self.model = model
         # The object that composed this recorder (a NanWatch). The hooks keep the recorder
         # alive and the recorder its owner, so a watch whose variable was lost is still
@@ -209,6 +212,14 @@ class Recorder:
         self.module_names = [info.name for info in self.modules]
         self.module_types = [info.type_name for info in self.modules]
         self._name_index = {name: i for i, name in enumerate(self.module_names)}
+        self._by_name = {info.name: info for info in self.modules}
+        patterns, classes = allow_inf
+        self.inf_allowed = frozenset(
+            info.name for info in self.modules
+            if any(fnmatch.fnmatchcase(info.name, p) for p in patterns)
+            or (classes and isinstance(info.module, classes)))
+        self._detector = Detector(self.inf_allowed, self._weights_now)
+        self._warned_unread = False
         self._history = History(self.module_names, self.module_types, rank=self._rank)
         try:
             for info in self.modules:
@@ -217,7 +228,7 @@ class Recorder:
                 if info.is_root:
                     self._handles.append(module.register_forward_pre_hook(
                         self._root_pre_hook, with_kwargs=True))
-                if getattr(module, "inplace", False) is True:
+                elif getattr(module, "inplace", False) is True:
                     self._handles.append(module.register_forward_pre_hook(
                         self._inplace_pre_hook, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(
@@ -301,6 +312,7 @@ class Recorder:
                     if self._root_call_running(sys._getframe(1)):
                         if owner == _get_ident():
                             self._root_depth += 1  # the root calls itself: the same batch
+                            self._measure_inputs_now(module, args, kwargs)
                             return None
                         refusal = owner
                     else:
@@ -316,6 +328,8 @@ class Recorder:
                     self._exception_at_start = sys.exc_info()[1]
                     for feature in self._features:
                         feature.on_batch_start(self._batch, args, kwargs)
+                    # The model's inputs as handed over, before any module can write into them.
+                    self._measure_inputs_now(module, args, kwargs)
         except Exception as error:  # never break the user's forward
             self.internal_error(error)
         if refusal is not None:
@@ -342,15 +356,21 @@ class Recorder:
             frame = frame.f_back
         return False
 
-    def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _measure_inputs_now(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Measure a module's inputs before it runs (caller holds the lock); its forward hook
+        uses these entries."""
         info = self._infos.get(id(module))
-        if info is None or self._closed or self._skip_this_thread():
+        if info is not None:
+            entries: list[Entry] = []
+            self.entries.input_entries(args, kwargs, entries)
+            info.pre_entries.append(entries)
+
+    def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._closed or self._skip_this_thread():
             return None
         try:
             with self._lock:
-                entries: list[Entry] = []
-                self.entries.input_entries(args, kwargs, entries, early=True)
-                info.pre_entries.append(entries)
+                self._measure_inputs_now(module, args, kwargs)
         except Exception as error:
             self.internal_error(error)
         return None
@@ -372,6 +392,8 @@ class Recorder:
                 entries, first_output = self.entries.forward_entries(
                     module, info.has_state, args, kwargs, output, measured)
                 self.record_frame(info, "forward", entries, first_output=first_output)
+                if self.entries.unread_roles and not self._warned_unread:
+                    self._warn_unread()
         except Exception as error:
             self.internal_error(error)
         if info.is_root:
@@ -398,6 +420,21 @@ class Recorder:
             f"nanwidget: module '{info.label}' ran in thread {_get_ident()} while thread {owner} "
             "runs the watched model's forward; a watch records one forward at a time. Run them "
             "one after the other, or watch a separate model copy per thread")
+
+    def _warn_unread(self) -> None:
+        self._warned_unread = True
+        roles = ", ".join(self.entries.unread_roles[:5])
+        warnings.warn(f"nanwidget: some values were not read and are not checked for NaN/Inf: "
+                      f"{roles}. Their frames note them as 'not read'; return tensors (or lists "
+                      "of them) instead of iterators to have them checked", RuntimeWarning,
+                      stacklevel=4)
+
+    def _weights_now(self, name: str) -> list[Entry] | None:
+        """The named module's own weights measured right now (event time only)."""
+        info = self._by_name.get(name)
+        if info is None or not info.has_state:
+            return None
+        return self.entries.measure_weights_now(info.module)
 
     # ------------------------------------------------------------------ recording (features)
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
@@ -480,7 +517,7 @@ class Recorder:
                     history_rows.append((frame.batch, name_index[frame.module], stats.abs_max,
                                          stats.abs_min, nonfinite))
             if bad and event is None:
-                event = event_at(frames, position, window)
+                event = self._detector.event_at(frames, position, window)
             if trace_batches and frame.batch in trace_batches:
                 self._trace_frames.setdefault(frame.batch, []).append(frame)
         self._history.record_many(history_rows)

@@ -22,11 +22,13 @@ __all__ = [
 # ---------------------------------------------------------------------------------- tables
 # One row per tensor seen in one module call (the contract's frame DataFrame).
 FRAME_COLUMNS = ["rank", "batch", "frame", "module", "module_type", "call", "phase", "role",
-                 "dtype", "shape", "abs_min", "abs_max", "nan", "inf", "note"]
+                 "dtype", "shape", "abs_min", "abs_max", "finite_abs_min", "finite_abs_max",
+                 "nan", "inf", "note"]
 FRAME_DTYPES = {"rank": "int64", "batch": "int64", "frame": "int64", "module": "object",
                 "module_type": "object", "call": "int64", "phase": "object", "role": "object",
                 "dtype": "object", "shape": "object", "abs_min": "float64", "abs_max": "float64",
-                "nan": "bool", "inf": "bool", "note": "object"}
+                "finite_abs_min": "float64", "finite_abs_max": "float64", "nan": "bool",
+                "inf": "bool", "note": "object"}
 
 # One row per (batch or merged window of batches, module): the module's output magnitudes.
 HISTORY_COLUMNS = ["rank", "batch", "batch_end", "module", "module_type", "abs_max", "abs_min",
@@ -64,30 +66,31 @@ def empty_table(columns: list[str], dtypes: dict[str, str]) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------- notes
 PENDING = "pending"  # internal: stats not measured yet (never in a resolved frame)
 CHANGED_LATER = "changed in place later"
+WRITTEN_HERE = "written in place here"
 
 # Every note a frame row can carry, with what it means. Rows with these notes have no stats
 # (abs_min and abs_max NaN) unless the note is in the second dict.
 NOTES: dict[str, str] = {
     "None": "the value was None",
     "not a tensor": "the value is some other Python object",
+    "not read": "an iterator or generator (reading it would consume it), or a structure "
+                "that contains itself",
     "empty": "a tensor with no elements",
     "bool": "a boolean tensor (no magnitudes)",
-    "int": "an integer tensor",
-    "complex": "a complex tensor",
-    "quantized": "a quantized tensor",
     "meta": "a meta tensor (no data)",
-    "sparse": "a sparse tensor",
-    "nested": "a nested tensor",
     "storage freed": "its storage was freed (FSDP between forwards) before it could be read",
     "unsupported": "reading it failed (an exotic tensor subclass); the note names the error",
 }
 # Notes on rows that still carry stats.
 NOTES_WITH_STATS: dict[str, str] = {
-    CHANGED_LATER: "stats measured after a later in-place write changed the tensor",
+    CHANGED_LATER: "the NaN/Inf look-up saw the tensor after a later in-place write",
+    WRITTEN_HERE: "the module wrote into this input and returned it; shown as handed over",
 }
-NO_STATS_NOTES = frozenset(NOTES)
+# Kinds that recordings made before nanwidget measured them noted instead of stats.
+LEGACY_KIND_NOTES = ("int", "complex", "sparse", "nested", "quantized")
+NO_STATS_NOTES = frozenset(NOTES) | frozenset(LEGACY_KIND_NOTES)
 # Leaves that are not tensors: a text report prints them as transformers does ("None input[2]").
-LEAF_NOTES = ("None", "not a tensor")
+LEAF_NOTES = ("None", "not a tensor", "not read")
 
 
 def note_has_stats(note: str) -> bool:

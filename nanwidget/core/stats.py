@@ -1,18 +1,29 @@
 """Tensor statistics: which tensors get stats, and how they are measured without host syncs.
 
-Hooks call :func:`classify` (attribute reads, no kernel) and hand each measurable tensor to a
-:class:`PendingStats`. Dense CPU float tensors are read once by the native kernel right there
-(no device, so nothing to synchronise; the values are still in cache). Every other tensor is
-queued; once per batch :meth:`PendingStats.resolve` reduces them on their own device, stacks
-the results and copies them to the host in one transfer per device: the batch's single host
-synchronisation.
+Every tensor a hook sees is measured *when the hook sees it*, so its stats describe the values
+that module saw even if something writes into the tensor later:
+
+- dense CPU float tensors: the native kernel reads them once, right there (no device, so
+  nothing to synchronise);
+- everything else: two small reductions on the tensor's own device (|x| and one min/max over
+  its bit patterns), kept as device scalars; :meth:`PendingStats.resolve` copies every result
+  of the batch to the host at once, one transfer per device: the batch's single host sync.
+
+A tensor that holds a NaN or an Inf gets a second look: whether it holds an Inf (a NaN hides
+it from the max) and the range of its finite values. On CPU that happens at once; on a device
+the tensor is held until the batch resolves (up to ``PENDING_BYTES_LIMIT`` bytes; past that the
+second look is computed eagerly for each new tensor, still without a sync).
+
+Integer, complex, sparse, nested, quantized and float8 tensors are measured too (their values,
+magnitudes or stored values); functorch wrappers (``vmap``, ``grad``) and DTensors are read
+through to the tensor underneath. Only bool, meta and empty tensors get a note instead.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -20,43 +31,73 @@ from . import native
 from .schema import CHANGED_LATER, PENDING
 
 __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of",
-           "storage_holds", "measure_tensor", "inf_flags"]
+           "storage_holds", "measure_tensor", "PENDING_BYTES_LIMIT"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
 _SLICE_ELEMENTS = 1 << 24
 
-# Activations held for the end-of-batch reduction, at most: past this they are measured on
-# their device right away (still no sync) and let go, so a large no-grad forward does not keep
-# every layer's output alive until the batch ends.
+# Tensors held for a possible second look until the batch resolves, at most: past this every
+# new tensor gets its second look computed at once (still no sync) and is not held.
 PENDING_BYTES_LIMIT = 1 << 28
 _SCRATCH_MIN_ELEMENTS = 1 << 18  # below this a fresh allocation is as cheap as a scratch view
-_RECENT_TRANSIENT = 8  # transient tensors remembered, to measure one shared by two frames once
 
 # Integer types of the same width: the view under which |x| is reduced.
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
          torch.float64: torch.int64}
+_SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+_INF = math.inf
+_NAN = math.nan
+_functorch = getattr(torch._C, "_functorch", None)
 
 
 class TensorStats:
-    """abs min / abs max / NaN / Inf of one tensor, filled in when its batch is resolved."""
+    """abs min / abs max (also over the finite values only) / NaN / Inf of one tensor.
 
-    __slots__ = ("abs_min", "abs_max", "nan", "inf", "note")
+    Filled when its batch resolves; ``note`` is "pending" until then, "" once measured, or why
+    there are no stats. A tensor holding a NaN has ``abs_min`` and ``abs_max`` NaN (as
+    transformers prints it); ``finite_abs_min`` / ``finite_abs_max`` are NaN when no value is
+    finite.
+    """
+
+    __slots__ = ("abs_min", "abs_max", "finite_abs_min", "finite_abs_max", "nan", "inf", "note")
 
     def __init__(self) -> None:
-        self.abs_min: float = math.nan
-        self.abs_max: float = math.nan
+        self.abs_min: float = _NAN
+        self.abs_max: float = _NAN
+        self.finite_abs_min: float = _NAN
+        self.finite_abs_max: float = _NAN
         self.nan: bool = False
         self.inf: bool = False
-        # "" once resolved; "pending" until then; otherwise why there are no stats.
         self.note: str = PENDING
 
     @property
     def nonfinite(self) -> bool:
         return self.nan or self.inf
 
+    def set_finite(self, low: float, high: float) -> None:
+        """Stats of a tensor whose values are all finite."""
+        self.abs_min = self.finite_abs_min = low
+        self.abs_max = self.finite_abs_max = high
+        self.nan = self.inf = False
+        self.note = ""
+
+    def set_nonfinite(self, low: float, high: float, finite_low: float, finite_high: float,
+                      has_inf: bool) -> None:
+        """Stats of a tensor holding a NaN (``high`` NaN) or an Inf: ``finite_*`` over its
+        finite values (inf / -inf when there is none), ``has_inf`` from the second look."""
+        self.nan = high != high or low != low
+        self.inf = has_inf or high == _INF
+        self.abs_min, self.abs_max = (_NAN, _NAN) if self.nan else (low, high)
+        if finite_low <= finite_high:
+            self.finite_abs_min, self.finite_abs_max = finite_low, finite_high
+        else:  # no finite value at all
+            self.finite_abs_min = self.finite_abs_max = _NAN
+        self.note = ""
+
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return (f"TensorStats(abs_min={self.abs_min:.3g}, abs_max={self.abs_max:.3g}, "
+                f"finite=({self.finite_abs_min:.3g}, {self.finite_abs_max:.3g}), "
                 f"nan={self.nan}, inf={self.inf}, note={self.note!r})")
 
 
@@ -65,22 +106,16 @@ def classify(tensor: torch.Tensor) -> str:
 
     Only reads metadata, so it is safe on meta, sparse and fake tensors and costs no kernel.
     """
-    if getattr(tensor, "is_nested", False):  # before the layout: jagged ones are not strided
-        return "nested"
-    if tensor.layout is not torch.strided:
-        return "sparse"
-    if tensor.is_meta:
-        return "meta"
-    dtype = tensor.dtype
-    if dtype.is_floating_point:
-        return "empty" if tensor.numel() == 0 else ""
-    if dtype.is_complex:
-        return "complex"
-    if dtype is torch.bool:
-        return "bool"
-    if tensor.is_quantized:
-        return "quantized"
-    return "int"
+    try:
+        if tensor.is_meta:
+            return "meta"
+        if tensor.dtype is torch.bool:
+            return "bool"
+        if tensor.numel() == 0:
+            return "empty"
+    except Exception:  # a subclass that refuses even metadata: measuring will say why
+        return ""
+    return ""
 
 
 def storage_holds(tensor: torch.Tensor) -> bool:
@@ -116,38 +151,48 @@ def dtype_max(dtype: torch.dtype | str) -> float:
     return math.inf
 
 
-def inf_flags(tensors: list[torch.Tensor]) -> list[bool]:
-    """Whether each tensor holds an Inf: the second look for tensors that hold a NaN, whose
-    abs max (NaN) hides any Inf. One host copy for all of them; only NaN batches pay for it."""
-    if not tensors:
-        return []
-    with torch.no_grad():
-        found = [torch.isinf(tensor.detach()).any() for tensor in tensors]
-        if len({flag.device for flag in found}) > 1:
-            found = [flag.cpu() for flag in found]
-        return [bool(flag) for flag in torch.stack(found).tolist()]
+def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor under functorch wrappers (vmap's batched tensors, grad's tracking tensors:
+    they refuse data pointers and host copies) and DTensors (this rank's shard)."""
+    if _functorch is not None:
+        while _functorch.is_functorch_wrapped_tensor(tensor):
+            tensor = _functorch.get_unwrapped(tensor)
+    if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+        to_local = getattr(tensor, "to_local", None)
+        if callable(to_local):
+            tensor = to_local()
+    return tensor
 
 
-def measure_tensor(tensor: torch.Tensor, meter: AbsMeter | None = None) -> TensorStats:
-    """Stats of one measurable tensor right now, with a host sync: the slow path for replays
-    and tests, never for hooks. NaN hides Inf from the max, so a NaN tensor gets a second look."""
-    stats = TensorStats()
-    try:
-        low, high = (meter or _PLAIN_METER).measure(tensor)
-    except Exception as error:  # an exotic subclass: say so, never break the caller
-        stats.note = f"unsupported ({type(error).__name__})"
-        return stats
-    stats.note = ""
-    if high != high or low != low:
-        stats.nan = True
-        stats.inf = inf_flags([tensor])[0]
-    else:
-        stats.abs_min, stats.abs_max, stats.inf = low, high, high == math.inf
-    return stats
+def _values_of(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The real tensor whose magnitudes are the tensor's, and whether implicit zeros exist
+    (sparse tensors store only their non-zero values)."""
+    values = _unwrapped(tensor)
+    implicit_zero = False
+    if values.is_nested:
+        try:
+            values = values.values()  # jagged layout: one buffer of every component
+        except Exception:
+            values = torch.cat([part.reshape(-1) for part in values.unbind()])
+    elif values.layout is torch.sparse_coo:
+        stored = values._values()
+        implicit_zero = stored.numel() < values.numel()
+        values = stored
+    elif values.layout in _SPARSE_COMPRESSED:
+        stored = values.values()
+        implicit_zero = stored.numel() < values.numel()
+        values = stored
+    if values.is_complex():
+        values = values.abs()
+    elif values.is_quantized:
+        values = values.dequantize()
+    elif values.is_floating_point() and values.dtype not in _BITS:
+        values = values.float()  # float8 and friends: reductions need a real float
+    return values, implicit_zero
 
 
 class AbsMeter:
-    """abs min and abs max of tensors, as device scalars (no sync) or floats (one sync).
+    """abs min and abs max of a float tensor as device scalars (no sync).
 
     Two kernels per tensor: |x|, then one min/max pass over the *bit patterns* of |x| viewed
     as integers of the same width. For non-negative IEEE floats the integer order is the
@@ -155,9 +200,8 @@ class AbsMeter:
     min/max are exactly abs_min and abs_max and a NaN anywhere becomes the max; on CPU the
     integer reduction runs 2-4x faster than the float one (no NaN handling to vectorise).
     For tensors of 256K elements and more, |x| goes into a reusable scratch buffer (per device
-    and dtype, at most 2**24 elements; bigger tensors go slice by slice): on CPU a fresh
-    allocation the size of the logits costs more in page faults than the reduction itself.
-    Callers run it under ``torch.no_grad()``; one meter per thread.
+    and dtype, at most 2**24 elements; bigger tensors go slice by slice). Callers run it under
+    ``torch.no_grad()``; one meter per thread.
     """
 
     def __init__(self, use_scratch: bool = True) -> None:
@@ -187,7 +231,7 @@ class AbsMeter:
         return torch.minimum(pair[0], pair[1]), pair[1]  # minimum() carries the NaN into abs_min
 
     def measure(self, tensor: torch.Tensor) -> tuple[float, float]:
-        """(abs_min, abs_max) as floats: the slow path (replay, tests); NaN as in reduce()."""
+        """(abs_min, abs_max) as floats, with a host sync (tests and one-off checks)."""
         with torch.no_grad():
             low, high = self.reduce(tensor.detach())
             return tuple(torch.stack((low, high)).tolist())  # type: ignore[return-value]
@@ -204,281 +248,212 @@ class AbsMeter:
         return target
 
 
-_PLAIN_METER = AbsMeter(use_scratch=False)
+def _second_look(values: torch.Tensor) -> torch.Tensor:
+    """float64 [finite abs min, finite abs max, has Inf] of a float tensor, on its device (no
+    sync; inf / -inf bounds when no value is finite). Only for tensors holding a NaN or an Inf,
+    or when a tensor cannot be held until the batch resolves."""
+    lows, highs, infs = [], [], []
+    flat = values.reshape(-1)
+    for part in (flat.split(_SLICE_ELEMENTS) if flat.numel() > _SLICE_ELEMENTS else (flat,)):
+        magnitude = part.abs()
+        finite = torch.isfinite(magnitude)
+        lows.append(torch.where(finite, magnitude, _INF).amin())
+        highs.append(torch.where(finite, magnitude, -_INF).amax())
+        infs.append(torch.isinf(magnitude).any())
+    return torch.stack((torch.stack(lows).amin().double(), torch.stack(highs).amax().double(),
+                        torch.stack(infs).any().double()))
+
+
+class _Queued:
+    """One tensor measured on its device, waiting for the batch's host copy."""
+
+    __slots__ = ("stats", "low", "high", "dtype", "held", "version", "extra", "implicit_zero")
+
+    def __init__(self, stats: TensorStats, low: torch.Tensor, high: torch.Tensor,
+                 dtype: torch.dtype | None, implicit_zero: bool) -> None:
+        self.stats = stats
+        self.low = low
+        self.high = high
+        self.dtype = dtype  # the float dtype the bit patterns encode; None: integer values
+        self.held: torch.Tensor | None = None  # kept for a possible second look
+        self.version = -1
+        self.extra: torch.Tensor | None = None  # an eager second look
+        self.implicit_zero = implicit_zero
 
 
 class PendingStats:
-    """The stats of one batch's tensors: measured on the spot or queued until the batch ends.
-
-    Dense CPU float tensors go to the native kernel (:mod:`.native`) as they are seen, while
-    they are still in cache, and are not held afterwards. Every other tensor (GPU, odd
-    layouts, or no kernel) is queued with the :class:`TensorStats` it will fill, and reduced
-    on its device by :meth:`resolve` with one host copy per device.
+    """The stats of one batch's tensors, measured as they are seen, read back once per batch.
 
     A tensor seen twice in the same version (a module's input that is the previous module's
     output) is measured once and its stats object shared: ``id`` plus ``_version`` identify
-    it; a queued tensor's reference (a measured one's weak reference) keeps a reused ``id``
-    from being mistaken for it.
+    it, and a weak reference keeps a reused ``id`` from being mistaken for it. Not thread-safe:
+    callers hold the recorder's lock.
     """
 
-    __slots__ = ("tensors", "versions", "stats", "reduced", "_index", "_device", "_mixed_devices",
-                 "_meter", "_bytes", "_direct", "_measured", "_nan_held", "_result", "_transient",
-                 "_recent")
+    __slots__ = ("_meter", "_direct", "_result", "_seen", "_queued", "_held_bytes")
 
     def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self.versions: list[int] = []
-        self.stats: list[TensorStats] = []
-        # Device results of tensors reduced early (before an in-place module overwrites them).
-        self.reduced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._index: dict[int, int] = {}
-        self._device: torch.device | None = None
-        self._mixed_devices = False
         self._meter = AbsMeter()
-        self._bytes = 0
         self._direct = native.available()  # builds or loads the kernel now, not in the first batch
-        # id -> (weak reference, version, stats) of the tensors the kernel measured this batch.
-        self._measured: dict[int, tuple[weakref.ref, int, TensorStats]] = {}
-        # Measured tensors holding a NaN, kept to the batch end to look for an Inf it hides.
-        self._nan_held: list[tuple[torch.Tensor, TensorStats]] = []
-        self._result = native.result_buffer()  # callers hold the watch's lock: one is enough
-        # Tensors not to be held (gradients): [abs_min, abs_max, has_inf] reduced on their
-        # device at once, read back at resolve() with the rest.
-        self._transient: list[tuple[TensorStats, torch.Tensor]] = []
-        # id -> (weak reference, version, stats) of the last few transient tensors: a module's
-        # grad_input is usually the next module's grad_output, measured once.
-        self._recent: dict[int, tuple[weakref.ref, int, TensorStats]] = {}
+        self._result = native.result_buffer()
+        # id -> (weak reference, version, stats) of every tensor measured this batch.
+        self._seen: dict[int, tuple[Any, int, TensorStats]] = {}
+        self._queued: list[_Queued] = []
+        self._held_bytes = 0
 
     def __len__(self) -> int:
-        return len(self.tensors) + len(self._measured) + len(self._transient)
+        return len(self._queued)
 
-    def add(self, tensor: torch.Tensor) -> TensorStats:
-        """Measure or queue ``tensor`` (already classified as measurable); return its stats."""
-        try:
-            version = tensor._version
-        except RuntimeError:  # an inference tensor: no version counter
-            version = -1
-        key = id(tensor)
-        if self._direct:
-            seen = self._measured.get(key)
-            if seen is not None and seen[1] == version and seen[0]() is tensor:
-                return seen[2]
-        position = self._index.get(key)
-        if position is not None and self.versions[position] == version \
-                and self.tensors[position] is tensor:
-            return self.stats[position]
-        stats = TensorStats()
-        # The kernel refuses freed storage (FSDP); such a tensor is queued and resolve() notes it.
-        if self._direct and native.eligible(tensor):
-            return self._measure(tensor, key, version, stats)
-        if not self.tensors:
-            self._device = tensor.device
-        elif not self._mixed_devices and tensor.device != self._device:
-            self._mixed_devices = True  # a model split across devices: one sync per device
-        self._index[key] = len(self.tensors)
-        self.tensors.append(tensor)
-        self.versions.append(version)
-        self.stats.append(stats)
-        self._bytes += tensor.numel() * tensor.element_size()
-        if self._bytes > PENDING_BYTES_LIMIT:
-            self._measure_held()
-        return stats
-
-    def _measure(self, tensor: torch.Tensor, key: int, version: int, stats: TensorStats) -> TensorStats:
-        try:
-            low, high = native.abs_range(tensor, self._result)
-        except Exception as error:  # never break the forward; the cell says why
-            stats.note = f"unsupported ({type(error).__name__})"
-            return stats
-        stats.note = ""
-        if high != high:  # the contract: abs_min and abs_max both NaN (they are already)
-            stats.nan = True
-            self._nan_held.append((tensor, stats))
-        else:
-            stats.abs_min, stats.abs_max, stats.inf = low, high, high == math.inf
-        self._measured[key] = (weakref.ref(tensor), version, stats)
-        return stats
-
-    def _measure_held(self) -> None:
-        """Measure every held tensor now, on its device (no sync), and let go of it."""
-        with torch.no_grad():
-            for position, tensor in enumerate(self.tensors):
-                if tensor is None or position in self.reduced or not storage_holds(tensor):
-                    continue
-                try:
-                    self.reduced[position] = self._meter.reduce(tensor)
-                    self.tensors[position] = None
-                except Exception:  # kept: resolve() reports it
-                    pass
-        self._index.clear()  # a released tensor seen again is simply measured again
-        self._bytes = 0
-
-    def add_transient(self, tensor: torch.Tensor) -> TensorStats:
-        """Measure ``tensor`` (classified as measurable) without holding on to it.
-
-        For gradients: the backward pass frees them as it goes, and holding them to the end
-        would keep every activation gradient alive. CPU tensors go to the native kernel; others
-        are reduced on their device now (no host sync) and only the three numbers are kept.
-        """
+    def add(self, tensor: torch.Tensor, hold: bool = True) -> TensorStats:
+        """Measure ``tensor`` (classified as measurable) now; its stats fill at :meth:`resolve`
+        (at once for CPU float tensors). ``hold=False`` never keeps the tensor alive (gradients,
+        which the backward pass frees as it goes): a device tensor then gets its second look
+        computed at once."""
         version = version_of(tensor)
         key = id(tensor)
-        recent = self._recent.get(key)
-        if recent is not None and recent[1] == version and recent[0]() is tensor:
-            return recent[2]
+        seen = self._seen.get(key)
+        if seen is not None and seen[1] == version and seen[0]() is tensor:
+            return seen[2]
         stats = TensorStats()
-        with torch.no_grad():
-            detached = tensor.detach()
-            measured = None
-            if self._direct and native.eligible(detached):
-                try:
-                    measured = native.abs_range(detached, self._result)
-                except Exception:
-                    measured = None
-            try:
-                if measured is not None and measured[1] == measured[1]:
-                    stats.abs_min, stats.abs_max = measured
-                    stats.inf, stats.note = measured[1] == math.inf, ""
-                else:
-                    low, high = _PLAIN_METER.reduce(detached)
-                    result = torch.stack((low.double(), high.double(),
-                                          torch.isinf(detached).any().double()))
-                    self._transient.append((stats, result))
-            except Exception as error:  # exotic tensor subclass: report, never break backward
-                stats.note = f"unsupported ({type(error).__name__})"
-        if len(self._recent) >= _RECENT_TRANSIENT:
-            del self._recent[next(iter(self._recent))]
         try:
-            self._recent[key] = (weakref.ref(tensor), version, stats)
+            with torch.no_grad():
+                self._measure(tensor, version, stats, hold)
+        except Exception as error:  # never break the forward; the cell says why
+            stats.note = f"unsupported ({type(error).__name__})"
+        try:
+            self._seen[key] = (weakref.ref(tensor), version, stats)
         except TypeError:  # no weak references to this kind of tensor: no reuse
             pass
         return stats
 
-    def reduce_now(self, tensor: torch.Tensor) -> TensorStats:
-        """Queue ``tensor`` and reduce it on its device right away, without a host sync.
+    def last_seen(self, tensor: torch.Tensor) -> tuple[int, TensorStats] | None:
+        """(version, stats) of this very tensor's last measurement in this batch, or None."""
+        seen = self._seen.get(id(tensor))
+        if seen is None or seen[0]() is not tensor:
+            return None
+        return seen[1], seen[2]
 
-        Used just before a module that writes into its input (``inplace=True``), so the
-        stats describe the values as they were, not as they will be.
-        """
-        stats = self.add(tensor)
-        position = self._index.get(id(tensor))
-        if position is not None and self.stats[position] is stats and position not in self.reduced \
-                and storage_holds(tensor):
-            with torch.no_grad():
-                try:
-                    self.reduced[position] = _PLAIN_METER.reduce(tensor)  # no scratch: kept to resolve
-                except Exception:  # resolve() will report it
-                    pass
-        return stats
+    def _measure(self, tensor: torch.Tensor, version: int, stats: TensorStats, hold: bool) -> None:
+        values, implicit_zero = _values_of(tensor.detach())
+        if values.numel() == 0:  # a sparse tensor with no stored value: all zeros
+            stats.set_finite(0.0, 0.0)
+            return
+        if not values.is_floating_point():  # integers: their signed range, read at resolve
+            low, high = torch.aminmax(values)
+            self._queued.append(_Queued(stats, low, high, None, implicit_zero))
+            return
+        if self._direct and native.eligible(values):
+            low, high = native.abs_range(values, self._result)
+            if implicit_zero:
+                low = 0.0
+            if high == high and high != _INF:
+                stats.set_finite(low, high)
+            else:  # a NaN or an Inf: the second look now, on this CPU tensor (no device)
+                finite_low, finite_high, has_inf = _second_look(values).tolist()
+                if implicit_zero:
+                    finite_low = 0.0
+                stats.set_nonfinite(low, high, finite_low, finite_high, has_inf > 0)
+            return
+        if not storage_holds(values):
+            stats.note = "storage freed"
+            return
+        low_bits, high_bits, dtype = self._meter.reduce_bits(values)
+        queued = _Queued(stats, low_bits, high_bits, dtype, implicit_zero)
+        size = values.numel() * values.element_size()
+        if hold and self._held_bytes + size <= PENDING_BYTES_LIMIT:
+            queued.held, queued.version = values, version_of(values)
+            self._held_bytes += size
+        else:
+            queued.extra = _second_look(values)
+        self._queued.append(queued)
 
     def resolve(self) -> None:
-        """Reduce every queued tensor and fill its stats; one host copy per device. Never raises."""
+        """Fill every queued tensor's stats: one host copy per device. Never raises."""
         self._direct = native.available()
-        if self._measured:
-            self._measured = {}
-        if self._recent:
-            self._recent = {}
-        if self._nan_held:
-            held, self._nan_held = self._nan_held, []
-            for (_, stats), has_inf in zip(held, inf_flags([tensor for tensor, _ in held])):
-                stats.inf = has_inf
-        if self._transient:
-            self._resolve_transient()
-        if not self.tensors:
+        self._seen = {}
+        queued, self._queued = self._queued, []
+        self._held_bytes = 0
+        if not queued:
             return
-        tensors, versions, stats, reduced = self.tensors, self.versions, self.stats, self.reduced
-        self.tensors, self.versions, self.stats, self.reduced, self._index = [], [], [], {}, {}
-        self._bytes = 0
-        mixed, self._mixed_devices = self._mixed_devices, False
-        with torch.no_grad():
-            if not mixed:
-                _resolve_group(self._meter, tensors, versions, stats, reduced, range(len(tensors)))
-                return
-            by_device: dict[torch.device, list[int]] = {}
-            for position, tensor in enumerate(tensors):
-                device = tensor.device if tensor is not None else reduced[position][0].device
-                by_device.setdefault(device, []).append(position)
-            for positions in by_device.values():
-                _resolve_group(self._meter, tensors, versions, stats, reduced, positions)
+        try:
+            with torch.no_grad():
+                _resolve(queued)
+        except Exception as error:  # an exotic device or subclass: say so, never break the run
+            for item in queued:
+                if item.stats.note == PENDING:
+                    item.stats.note = f"unsupported ({type(error).__name__})"
 
 
-    def _resolve_transient(self) -> None:
-        transient, self._transient = self._transient, []
-        by_device: dict[torch.device, list[int]] = {}
-        for position, (_, result) in enumerate(transient):
-            by_device.setdefault(result.device, []).append(position)
-        for positions in by_device.values():
-            values = torch.stack([transient[p][1] for p in positions]).tolist()
-            for position, (low, high, has_inf) in zip(positions, values):
-                stats = transient[position][0]
-                stats.nan = high != high
-                stats.abs_min, stats.abs_max = (math.nan, math.nan) if stats.nan else (low, high)
-                stats.inf = high == math.inf or has_inf > 0
-                stats.note = ""
-
-
-def _resolve_group(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[int], stats: list[TensorStats],
-                   reduced: dict[int, tuple[torch.Tensor, torch.Tensor]], positions: Iterable[int]) -> None:
-    # (position, abs_min, abs_max) per measured tensor; abs_max is NaN where a NaN is.
-    results: list[tuple[int, float, float]] = []
-    _reduce_with_torch(meter, tensors, versions, stats, reduced, positions, results)
-    nan_positions: list[int] = []
-    inf = math.inf
-    for position, low, high in results:
-        cell = stats[position]
-        cell.nan = high != high or low != low
-        # The contract: both are NaN where the tensor holds a NaN (the bit patterns would
-        # still give the smallest finite |x| as abs_min).
-        cell.abs_min, cell.abs_max = (math.nan, math.nan) if cell.nan else (low, high)
-        cell.inf = high == inf
-        tensor = tensors[position]
-        cell.note = "" if tensor is None or version_of(tensor) == versions[position] \
-            else CHANGED_LATER
-        if cell.nan and position not in reduced:
-            nan_positions.append(position)
-    # A NaN hides any Inf from max(); only batches that hold a NaN pay for this second look.
-    for position, has_inf in zip(nan_positions, inf_flags([tensors[p] for p in nan_positions])):
-        stats[position].inf = has_inf
-
-
-def _reduce_with_torch(meter: AbsMeter, tensors: list[torch.Tensor], versions: list[int],
-                       stats: list[TensorStats], reduced: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                       positions: Iterable[int], results: list[tuple[int, float, float]]) -> None:
-    """The portable path: torch reductions on each tensor's device, one host copy for all."""
-    # Results grouped by the float dtype they encode: (positions, lows, highs). Tensors reduced
-    # early already hold float values (key None).
-    groups: dict[torch.dtype | None, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
-    for position in positions:
-        early = reduced.get(position) if reduced else None
-        if early is not None:
-            if tensors[position] is not None:
-                versions[position] = version_of(tensors[position])  # measured before the change
-            low, high, dtype = early[0], early[1], None
-        elif not storage_holds(tensors[position]):  # freed since it was queued
-            stats[position].note = "storage freed"
-            continue
-        else:
-            try:
-                low, high, dtype = meter.reduce_bits(tensors[position])
-            except Exception as error:  # an exotic tensor subclass: report, never crash the forward
-                stats[position].note = f"unsupported ({type(error).__name__})"
+def _resolve(queued: list[_Queued]) -> None:
+    by_device: dict[torch.device, list[_Queued]] = {}
+    for item in queued:
+        by_device.setdefault(item.low.device, []).append(item)
+    needs_look: list[_Queued] = []
+    for items in by_device.values():
+        # float64 [low, high] per item (bit patterns viewed as their dtype), then the eager
+        # second looks: one tensor, one host copy.
+        groups: dict[torch.dtype | None, list[_Queued]] = {}
+        for item in items:
+            groups.setdefault(item.dtype, []).append(item)
+        parts, order = [], []
+        for dtype, members in groups.items():
+            pairs = torch.stack([torch.stack((m.low, m.high)) for m in members])
+            parts.append((pairs if dtype is None else pairs.view(dtype)).double().reshape(-1))
+            order.extend(members)
+        extras = [item for item in items if item.extra is not None]
+        parts.extend(item.extra for item in extras)
+        values = torch.cat(parts).tolist()  # the batch's one host copy for this device
+        for slot, item in enumerate(order):
+            low, high = values[2 * slot], values[2 * slot + 1]
+            stats = item.stats
+            if item.dtype is None:  # integers: magnitudes from the signed range
+                low, high = (0.0 if low <= 0 <= high else min(abs(low), abs(high)),
+                             max(abs(low), abs(high)))
+                stats.set_finite(low, high)
                 continue
-        group = groups.get(dtype)
-        if group is None:
-            group = groups[dtype] = ([], [], [])
-        group[0].append(position)
-        group[1].append(low)
-        group[2].append(high)
-    if not groups:
+            if item.implicit_zero:
+                low = 0.0
+            if high == high and high != _INF:
+                stats.set_finite(low, high)
+            else:
+                stats.abs_min, stats.abs_max = low, high  # finished below
+                needs_look.append(item)
+        offset = 2 * len(order)
+        for number, item in enumerate(extras):
+            item.extra = values[offset + 3 * number: offset + 3 * number + 3]  # type: ignore[assignment]
+    if not needs_look:
         return
-    parts = []
-    for dtype, (_, lows, highs) in groups.items():
-        part = torch.stack(lows + highs)
-        parts.append(part if dtype is None else part.view(dtype))
-    # The one host sync; cat promotes mixed dtypes to one that holds every value exactly.
-    values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-    offset = 0
-    for members, _, _ in groups.values():
-        count = len(members)
-        for slot, position in enumerate(members):
-            results.append((position, values[offset + slot], values[offset + count + slot]))
-        offset += 2 * count
+    # The second look of tensors that turned out to hold a NaN or an Inf (rare: bad batches).
+    looks_by_device: dict[torch.device, list[_Queued]] = {}
+    for item in needs_look:
+        if item.extra is None:
+            looks_by_device.setdefault(item.low.device, []).append(item)
+    for items in looks_by_device.values():
+        found = torch.stack([_second_look(item.held) for item in items]).tolist()  # type: ignore[arg-type]
+        for item, look in zip(items, found):
+            item.extra = look  # type: ignore[assignment]
+            if version_of(item.held) != item.version:  # type: ignore[arg-type]
+                item.stats.note = CHANGED_LATER  # the second look saw later values
+    for item in needs_look:
+        finite_low, finite_high, has_inf = item.extra  # type: ignore[misc]
+        if item.implicit_zero:
+            finite_low = 0.0
+        note = item.stats.note
+        item.stats.set_nonfinite(item.stats.abs_min, item.stats.abs_max, finite_low, finite_high,
+                                 has_inf > 0)
+        if note == CHANGED_LATER:
+            item.stats.note = note
+
+
+def measure_tensor(tensor: torch.Tensor, pending: PendingStats | None = None) -> TensorStats:
+    """Stats of one tensor right now, with a host sync: the slow path for replays and tests,
+    never for hooks. Bool, meta and empty tensors get their note."""
+    note = classify(tensor)
+    if note:
+        stats = TensorStats()
+        stats.note = note
+        return stats
+    pending = pending if pending is not None else PendingStats()
+    stats = pending.add(tensor, hold=True)
+    pending.resolve()
+    return stats

@@ -1,56 +1,95 @@
 """Walk the nested structures modules take and return, naming each leaf by its contract role.
 
 Roles: ``input[0]``, ``input[0][1]``, ``kwarg:attention_mask``, ``output``, ``output[1][0]``,
-``output.logits`` (dataclasses, ``ModelOutput`` and other string-keyed mappings), ``output[3]``
-(lists, tuples, non-string keys). Depth and breadth are capped so that a huge or self-referencing
-structure cannot stall a forward pass.
+``output.logits`` (dataclasses, ``ModelOutput``, other string-keyed mappings and the attributes
+of plain objects), ``output[3]`` (lists, tuples, non-string keys), ``output{0}`` (the n-th item
+of a set, in iteration order).
+
+No depth or size limit hides a value: the walk is iterative (any depth) and visits every leaf.
+A structure that contains itself is walked once (the repeat is a leaf noted as a cycle).
+Iterators and generators are not read, since reading would consume them: they come back as
+:class:`Unread` leaves, which the caller notes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
+from types import FunctionType, MethodType, ModuleType
 from typing import Any
 
 import torch
 
-__all__ = ["iter_leaves", "MAX_DEPTH", "MAX_LEAVES"]
-
-MAX_DEPTH = 6
-MAX_LEAVES = 256
+__all__ = ["iter_leaves", "Unread"]
 
 _Tensor = torch.Tensor
 _SCALARS = (str, bytes, int, float, bool, complex, type(None))
+_OPAQUE = (FunctionType, MethodType, ModuleType, type, torch.nn.Module, torch.dtype,
+           torch.device)
+
+
+class Unread:
+    """A leaf that cannot be read without changing the program: an iterator, or a repeat."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str) -> None:
+        self.why = why
 
 
 def iter_leaves(value: Any, role: str) -> Iterator[tuple[str, Any]]:
     """Yield ``(role, leaf)`` for every tensor, None or other leaf object inside ``value``."""
-    if isinstance(value, _Tensor):  # the common case first: one check, no recursion
+    if isinstance(value, _Tensor):  # the common case first: one check, no bookkeeping
         yield role, value
         return
-    budget = [MAX_LEAVES]
-    yield from _walk(value, role, 0, budget)
+    # A stack of iterators over (role, child) pairs keeps the leaves in document order.
+    open_containers: set[int] = set()
+    stack: list[tuple[int | None, Iterator[tuple[str, Any]]]] = [(None, iter(((role, value),)))]
+    while stack:
+        owner, children = stack[-1]
+        step = next(children, None)
+        if step is None:
+            stack.pop()
+            if owner is not None:
+                open_containers.discard(owner)
+            continue
+        child_role, child = step
+        if isinstance(child, _Tensor) or isinstance(child, _SCALARS):
+            yield child_role, child
+            continue
+        expanded = _children(child, child_role)
+        if expanded is None:
+            yield child_role, child
+            continue
+        if isinstance(expanded, Unread):
+            yield child_role, expanded
+            continue
+        key = id(child)
+        if key in open_containers:
+            yield child_role, Unread("contains itself")
+            continue
+        open_containers.add(key)
+        stack.append((key, expanded))
 
 
-def _walk(value: Any, role: str, depth: int, budget: list[int]) -> Iterator[tuple[str, Any]]:
-    if budget[0] <= 0:
-        return
-    if isinstance(value, _Tensor) or isinstance(value, _SCALARS) or depth >= MAX_DEPTH:
-        budget[0] -= 1
-        yield role, value
-        return
+def _children(value: Any, role: str) -> Iterator[tuple[str, Any]] | Unread | None:
+    """The (role, child) pairs of a container; Unread for iterators; None for a plain leaf."""
     if isinstance(value, (tuple, list)):
-        for index, item in enumerate(value):
-            yield from _walk(item, f"{role}[{index}]", depth + 1, budget)
-        return
+        return ((f"{role}[{index}]", item) for index, item in enumerate(value))
     if isinstance(value, Mapping):
-        for key, item in value.items():
-            name = f"{role}.{key}" if isinstance(key, str) else f"{role}[{key!r}]"
-            yield from _walk(item, name, depth + 1, budget)
-        return
+        return ((f"{role}.{key}" if isinstance(key, str) else f"{role}[{key!r}]", item)
+                for key, item in list(value.items()))
+    if isinstance(value, (set, frozenset)):
+        return ((f"{role}{{{index}}}", item) for index, item in enumerate(list(value)))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from _walk(getattr(value, field.name, None), f"{role}.{field.name}", depth + 1, budget)
-        return
-    budget[0] -= 1
-    yield role, value
+        return ((f"{role}.{field.name}", getattr(value, field.name, None))
+                for field in dataclasses.fields(value))
+    if isinstance(value, Iterator):
+        return Unread(f"{type(value).__name__}: not read (reading would consume it)")
+    if isinstance(value, _OPAQUE) or callable(value):
+        return None
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict) and attributes:
+        return ((f"{role}.{name}", item) for name, item in list(attributes.items())
+                if not name.startswith("_"))
+    return None

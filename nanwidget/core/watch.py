@@ -14,6 +14,7 @@ consensus tells the other ranks, then the event is recorded and written to disk)
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import math
 import numbers
 import operator
@@ -98,6 +99,7 @@ class WatchOptions:
     log_dir: str | os.PathLike | None
     max_events: int
     snapshot_weights: bool
+    allow_inf: tuple[tuple[str, ...], tuple[type, ...]]
 
 
 def _whole_number(name: str, value: Any, *, least: int, most: int | None = None) -> int:
@@ -190,6 +192,36 @@ def _warn_caller(message: str) -> None:
     warnings.warn(message, SkipTypesWarning, stacklevel=level)
 
 
+def _allow_inf(model: nn.Module, value: Any) -> tuple[tuple[str, ...], tuple[type, ...]]:
+    """Module name globs and nn.Module classes whose outputs may hold ±inf (one, or several);
+    one that matches no module of ``model`` warns (it would allow nothing)."""
+    items = [value] if isinstance(value, (str, type)) else value
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(f"allow_inf takes module name globs (e.g. 'encoder.*.mask') or nn.Module "
+                        f"classes, got {value!r}") from None
+    patterns: list[str] = []
+    classes: list[type] = []
+    for item in items:
+        if isinstance(item, str) and item:
+            patterns.append(item)
+        elif isinstance(item, type) and issubclass(item, nn.Module):
+            classes.append(item)
+        else:
+            raise TypeError(f"allow_inf takes module name globs (e.g. 'encoder.*.mask') or "
+                            f"nn.Module classes, got {item!r}")
+    named = dict(model.named_modules())
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in named)]
+    unmatched += [c.__name__ for c in classes if not any(isinstance(m, c) for m in named.values())]
+    if unmatched:
+        examples = ", ".join(repr(n) for n in list(named)[1:4]) or "''"
+        warnings.warn(f"nanwidget: allow_inf={', '.join(unmatched)} matches no module of this "
+                      f"model, so it allows nothing (module names look like {examples})",
+                      RuntimeWarning, stacklevel=4)
+    return tuple(patterns), tuple(classes)
+
+
 def _threshold(value: Any) -> float | None:
     if value is None:
         return None
@@ -219,7 +251,7 @@ def check_options(model: nn.Module, *, max_frames: Any = 21, trace_batches: Any 
                   abort_after: Any = None, skip_types: Any = (), backward: Any = False,
                   grad_norm_warn: Any = None, on_nan: Any = "raise", keep_batches: Any = 4,
                   replay_on_nan: Any = False, log_dir: Any = None, max_events: Any = MAX_EVENTS,
-                  snapshot_weights: Any = False) -> WatchOptions:
+                  snapshot_weights: Any = False, allow_inf: Any = ()) -> WatchOptions:
     """Every option of :func:`watch`, checked in one place before anything is hooked.
 
     Misuse raises TypeError (wrong kind of value) or ValueError (out of range) naming the
@@ -238,7 +270,8 @@ def check_options(model: nn.Module, *, max_frames: Any = 21, trace_batches: Any 
         on_nan=on_nan, keep_batches=_whole_number("keep_batches", keep_batches, least=0),
         replay_on_nan=_flag("replay_on_nan", replay_on_nan), log_dir=_directory(log_dir),
         max_events=_whole_number("max_events", max_events, least=1),
-        snapshot_weights=_flag("snapshot_weights", snapshot_weights))
+        snapshot_weights=_flag("snapshot_weights", snapshot_weights),
+        allow_inf=_allow_inf(model, allow_inf))
 
 
 @dataclass(frozen=True)
@@ -262,14 +295,15 @@ class NanWatch:
                  grad_norm_warn: float | None = None, on_nan: str = "raise",
                  keep_batches: int = 4, replay_on_nan: bool = False,
                  log_dir: str | None = None, max_events: int = MAX_EVENTS,
-                 snapshot_weights: bool = False) -> None:
+                 snapshot_weights: bool = False,
+                 allow_inf: Iterable[str | type] | str | type = ()) -> None:
         root = _unwrap_model(model)
         checked = check_options(root, max_frames=max_frames, trace_batches=trace_batches,
                                 abort_after=abort_after, skip_types=skip_types,
                                 backward=backward, grad_norm_warn=grad_norm_warn, on_nan=on_nan,
                                 keep_batches=keep_batches, replay_on_nan=replay_on_nan,
                                 log_dir=log_dir, max_events=max_events,
-                                snapshot_weights=snapshot_weights)
+                                snapshot_weights=snapshot_weights, allow_inf=allow_inf)
         snapshot_weights = checked.snapshot_weights
         skip = (checked.skip_classes, checked.skip_names)
 
@@ -284,10 +318,12 @@ class NanWatch:
         self.replay_on_nan = checked.replay_on_nan
         self.log_dir = checked.log_dir
         self.max_events = checked.max_events
+        self.allow_inf = checked.allow_inf[0] + checked.allow_inf[1]
 
         self._recorder = Recorder(root, max_frames=self.max_frames,
                                   trace_batches=self.trace_batches, abort_after=self.abort_after,
-                                  skip=skip, on_nan=self.on_nan, max_events=self.max_events)
+                                  skip=skip, on_nan=self.on_nan, max_events=self.max_events,
+                                  allow_inf=checked.allow_inf)
         self._recorder.owner = self  # lives as long as the hooks do: see live_watches()
         try:
             self._parts = self._compose(snapshot_weights)
@@ -324,7 +360,8 @@ class NanWatch:
                 "abort_after": self.abort_after, "backward": self.backward,
                 "grad_norm_warn": self.grad_norm_warn, "on_nan": self.on_nan,
                 "keep_batches": self.keep_batches, "replay_on_nan": self.replay_on_nan,
-                "max_events": self.max_events}
+                "max_events": self.max_events,
+                "allow_inf": [a if isinstance(a, str) else a.__name__ for a in self.allow_inf]}
 
     # ------------------------------------------------------------------ composition
     @property
@@ -517,7 +554,8 @@ def watch(model: nn.Module, *, max_frames: int = 21, trace_batches: Iterable[int
           abort_after: int | None = None, skip_types: Iterable[type | str] = (),
           backward: bool = False, grad_norm_warn: float | None = None, on_nan: str = "raise",
           keep_batches: int = 4, replay_on_nan: bool = False, log_dir: str | None = None,
-          max_events: int = MAX_EVENTS, snapshot_weights: bool = False) -> NanWatch:
+          max_events: int = MAX_EVENTS, snapshot_weights: bool = False,
+          allow_inf: Iterable[str | type] | str | type = ()) -> NanWatch:
     """Start watching ``model``: a frame per module call, a check at every batch end.
 
     Options as in the contract: ``max_frames`` frames kept in the ring buffer; ``trace_batches``
@@ -527,11 +565,13 @@ def watch(model: nn.Module, *, max_frames: int = 21, trace_batches: Iterable[int
     norms; ``on_nan`` is "raise", "warn" or "record"; ``keep_batches`` recent batches held for
     :meth:`NanWatch.replay`; ``replay_on_nan`` attaches a trace to each event; ``log_dir``
     spools records to disk; ``max_events`` events kept; ``snapshot_weights`` copies the weights
-    of held batches so replays stay exact after optimizer steps.
+    of held batches so replays stay exact after optimizer steps; ``allow_inf`` names modules
+    (name globs such as ``"*.mask_builder"``, or classes) whose outputs may hold ±inf on
+    purpose (NaN always counts).
     Also a context manager: ``with nw.watch(model) as w: ...`` closes the hooks on exit.
     """
     return NanWatch(model, max_frames=max_frames, trace_batches=trace_batches,
                     abort_after=abort_after, skip_types=skip_types, backward=backward,
                     grad_norm_warn=grad_norm_warn, on_nan=on_nan, keep_batches=keep_batches,
                     replay_on_nan=replay_on_nan, log_dir=log_dir, max_events=max_events,
-                    snapshot_weights=snapshot_weights)
+                    snapshot_weights=snapshot_weights, allow_inf=allow_inf)

@@ -250,7 +250,14 @@ class FrameBrowser(widgets.VBox):
             self.frame.value = int(np.clip(self.frame.value + delta, 1, len(self._visible)))
 
     def jump_to_first_bad(self) -> bool:
-        """Show the first frame (under the filters) holding a NaN/Inf; False when there is none."""
+        """Show the event's frame, or without one the first frame (under the filters) holding a
+        NaN/Inf (a -inf mask is flagged but is no event); False when there is none."""
+        event_position = self._start_position()
+        if event_position is not None and self.source.events and len(self._visible):
+            shown = np.flatnonzero(self._visible == event_position)
+            if shown.size:
+                self.frame.value = int(shown[0]) + 1
+                return True
         bad = np.flatnonzero(self.index.frame_bad[self._visible]) if len(self._visible) else []
         if not len(bad):
             self.status.value = self._status_text() + " · <b>no NaN/Inf frame under these filters</b>"
@@ -360,8 +367,11 @@ class FrameBrowser(widgets.VBox):
             module = html.escape(module_label(str(first.get("module", ""))))
             headline = (f"<b style='color:#b00000'>first bad op: {op}</b> in module {module}"
                         f" at {where}")
+        elif not getattr(trace, "reproduced", True):
+            headline = (f"<b>not reproduced</b>, because "
+                        f"{html.escape(trace.why_not_reproduced())}")
         else:
-            headline = "<b>no non-finite op in this trace</b>"
+            headline = f"<b>{html.escape(trace.summary())}</b>"
         report = html.escape(trace.report()) if callable(getattr(trace, "report", None)) else ""
         self.trace.value = (f"<div class='nw-trace-head'>{headline}</div><pre style='line-height:1.3;max-height:"
                             f"320px;overflow:auto;font-size:11px'>{report}</pre>")

@@ -19,7 +19,8 @@ from ..report import format_event_report
 from ..schema import EVENT_FIELDS, HISTORY_COLUMNS
 from ..trace import TENSOR_COLUMNS, Trace, empty_ops
 from ..viewer import open_browser
-from .tables import (CHUNK_FILE, EVENT_FILE, FORMAT_NAME, FORMAT_VERSION, FRAME_KINDS,
+from .tables import (CHUNK_FILE, EVENT_FILE, FORMAT_NAME, FORMAT_VERSION,
+                     FRAME_KINDS_REQUIRED,
                      HISTORY_KINDS, OPS_KINDS, RANK_DIR, RunLoadError, frames_from_table, inside,
                      ops_from_table, read_json, read_table)
 
@@ -91,7 +92,8 @@ def _trace_from_file(path: Path, meta: Any, directory: Path, root: Path) -> Trac
     if not isinstance(meta, dict):
         raise RunLoadError(f"{path}: 'trace' must be an object")
     frames_path = _own_file(path, meta, "frames_file", ".trace-frames.", directory)
-    frames = frames_from_table(read_table(frames_path, FRAME_KINDS, within=root), frames_path)
+    frames = frames_from_table(read_table(frames_path, FRAME_KINDS_REQUIRED, within=root),
+                               frames_path)
     ops_path = _own_file(path, meta, "ops_file", ".trace-ops.", directory)
     ops_table = read_table(ops_path, OPS_KINDS, within=root)
     ops = ops_from_table(ops_table, ops_path) if len(ops_table) else empty_ops()
@@ -106,7 +108,7 @@ def _trace_from_file(path: Path, meta: Any, directory: Path, root: Path) -> Trac
             isinstance(row, dict) and set(row) == set(TENSOR_COLUMNS) for row in tensors):
         raise RunLoadError(f"{path}: trace 'first_bad_tensors' is malformed")
     names: dict[str, list[str]] = {}
-    for key in ("changed_weights", "buffers_updated"):
+    for key in ("changed_weights", "buffers_updated", "changes"):
         value = meta.get(key, [])
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise RunLoadError(f"{path}: trace {key!r} must be a list of strings")
@@ -124,7 +126,11 @@ def _trace_from_file(path: Path, meta: Any, directory: Path, root: Path) -> Trac
                  snapshot_used=_checked(path, meta, "snapshot_used", bool),
                  loss=None if loss is None else float(loss),
                  forwards=_checked(path, meta, "forwards", int),
-                 seconds=float(_checked(path, meta, "seconds", (int, float))))
+                 seconds=float(_checked(path, meta, "seconds", (int, float))),
+                 reproduced=_checked(path, meta, "reproduced", bool),
+                 changes=names["changes"],
+                 expected=_checked(path, meta, "expected", str),
+                 found=_checked(path, meta, "found", str))
 
 
 def _event_from_file(path: Path, directory: Path, root: Path) -> NanEvent:
@@ -135,7 +141,8 @@ def _event_from_file(path: Path, directory: Path, root: Path) -> NanEvent:
                               for name, kind in EVENT_FIELDS.items()}
     fields["peer_rank"] = _checked(path, meta, "peer_rank", int, optional=True)
     frames_path = _own_file(path, meta, "frames_file", ".frames.", directory)
-    frames = frames_from_table(read_table(frames_path, FRAME_KINDS, within=root), frames_path)
+    frames = frames_from_table(read_table(frames_path, FRAME_KINDS_REQUIRED, within=root),
+                               frames_path)
     trace = _trace_from_file(path, meta["trace"], directory, root) \
         if meta.get("trace") is not None else None
     return event_from_fields(fields, frames, trace)
@@ -210,7 +217,7 @@ class Run:
                             path, lambda: read_table(path, HISTORY_KINDS, within=root)))
                     elif kind == "frames":
                         frames.append(_checked_file(path, lambda: frames_from_table(
-                            read_table(path, FRAME_KINDS, within=root), path)))
+                            read_table(path, FRAME_KINDS_REQUIRED, within=root), path)))
                     else:
                         table = _checked_file(path, lambda: read_table(path, {"batch": "int"},
                                                                        within=root))

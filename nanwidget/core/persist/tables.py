@@ -30,7 +30,8 @@ except ImportError:  # pragma: no cover - exercised through use_parquet(False) i
     _pq = None
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "TABLE_FORMAT_NAME", "RunLoadError", "FRAME_KINDS",
-           "HISTORY_KINDS", "OPS_KINDS", "RANK_DIR", "CHUNK_FILE", "EVENT_FILE", "write_table",
+           "FRAME_KINDS_REQUIRED", "HISTORY_KINDS", "OPS_KINDS", "RANK_DIR", "CHUNK_FILE",
+           "EVENT_FILE", "write_table",
            "read_table", "write_json", "read_json", "shape_text", "shape_tuple",
            "frame_rows_columns", "table_columns", "frames_from_table", "ops_from_table",
            "use_parquet", "parquet_enabled", "read_file", "inside", "MAX_TABLE_BYTES",
@@ -44,6 +45,9 @@ TABLE_FORMAT_NAME = "nanwidget-table"
 _KINDS = ("int", "float", "bool", "str")
 FRAME_KINDS = column_kinds(FRAME_DTYPES)
 FRAME_KINDS["shape"] = "str"  # "2,3": tuples are stored as text
+# What a frames file must hold to be read (older recordings lack the finite-range columns).
+FRAME_KINDS_REQUIRED = {name: kind for name, kind in FRAME_KINDS.items()
+                        if not name.startswith("finite_")}
 HISTORY_KINDS = column_kinds(HISTORY_DTYPES)
 OPS_KINDS = column_kinds(OPS_DTYPES)
 OPS_KINDS["shape"] = "str"
@@ -317,7 +321,14 @@ def frame_rows_columns(rows: list[tuple]) -> dict[str, list]:
 
 
 def frames_from_table(table: pd.DataFrame, source: Path | str = "") -> pd.DataFrame:
-    """A frames table as read from ``source`` -> the contract's frames DataFrame."""
+    """A frames table as read from ``source`` -> the contract's frames DataFrame. Recordings made
+    before the finite-range columns existed get them: the range itself where the row is finite,
+    NaN (unknown) where it is not."""
+    if "finite_abs_min" not in table.columns or "finite_abs_max" not in table.columns:
+        table = table.copy()
+        finite = ~(table["nan"].astype(bool) | table["inf"].astype(bool))
+        table["finite_abs_min"] = table["abs_min"].where(finite)
+        table["finite_abs_max"] = table["abs_max"].where(finite)
     return _with_shape_tuples(table, FRAME_COLUMNS, source)
 
 

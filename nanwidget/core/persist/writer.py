@@ -69,6 +69,10 @@ def trace_fields(trace: Trace) -> dict[str, Any]:
         "loss": None if trace.loss is None else float(trace.loss),
         "forwards": int(trace.forwards),
         "seconds": float(trace.seconds),
+        "reproduced": bool(trace.reproduced),
+        "changes": [str(c) for c in trace.changes],
+        "expected": str(trace.expected),
+        "found": str(trace.found),
         "summary": trace.summary(),
     }
 

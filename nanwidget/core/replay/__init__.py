@@ -44,15 +44,17 @@ class Replayer(Feature):
         self.replaying = False
         self.auto_replays = 0
 
-    def replay(self, batch: int, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Trace:
-        """Re-run ``batch`` in trace mode (see :meth:`nanwidget.NanWatch.replay`)."""
+    def replay(self, batch: int, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+               expected: NanEvent | None = None) -> Trace:
+        """Re-run ``batch`` in trace mode (see :meth:`nanwidget.NanWatch.replay`); ``expected``:
+        the event the replay checks for (default: the batch's recorded event)."""
         held = self.capture.batch_to_replay(batch)
         if self.replaying:
             raise ReplayError("a replay is already running (replay() cannot be called from "
                               "inside the model while it is being replayed)")
         self.replaying = True
         try:
-            return replay_held_batch(self.recorder, self.capture, held, loss_fn)
+            return replay_held_batch(self.recorder, self.capture, held, loss_fn, expected)
         finally:
             self.replaying = False
 
@@ -63,7 +65,7 @@ class Replayer(Feature):
             return event
         self.auto_replays += 1
         try:
-            event.trace = self.replay(event.batch)
+            event.trace = self.replay(event.batch, expected=event)
         except Exception as error:  # a failed replay must not hide the event itself
             warnings.warn(f"nanwidget: replay_on_nan could not replay batch {event.batch} "
                           f"({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2)

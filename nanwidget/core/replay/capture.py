@@ -19,7 +19,7 @@ from ..recorder import Feature
 from ..stats import version_of
 from ..walk import iter_leaves
 
-__all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "ReplayError",
+__all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "layouts_of", "ReplayError",
            "BatchNotHeldError", "InputModifiedError", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
 
 # Event batches pinned for replay beyond the last ``keep_batches`` (the first ones: the first
@@ -48,7 +48,8 @@ class ForwardCapture:
 
     __slots__ = ("args", "kwargs", "inputs", "input_versions", "end_input_versions", "cpu_rng",
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
-                 "weight_versions", "end_buffer_versions", "snapshot", "needs_grad")
+                 "weight_versions", "weight_layout", "end_buffer_versions", "snapshot",
+                 "needs_grad")
 
     def __init__(self) -> None:
         self.needs_grad: frozenset | set = frozenset()  # positions / keys of detached inputs that required grad
@@ -86,7 +87,21 @@ class WeightSlots:
                     self.names.append(f"{module_name}.{key}" if module_name else key)
                     self.is_buffer.append(is_buffer)
         self.buffer_positions = [i for i, flag in enumerate(self.is_buffer) if flag]
+        self.root = root
         self.modules = list(root.modules())
+        self.names_of_modules = {id(m): name for name, m in root.named_modules()}
+
+    def structure_changes(self) -> list[str]:
+        """Modules added to or removed from the model since these slots were read."""
+        now = {id(m): name for name, m in self.root.named_modules()}
+        added = [name or "<root>" for key, name in now.items() if key not in self.names_of_modules]
+        removed = [name or "<root>" for key, name in self.names_of_modules.items() if key not in now]
+        changes = []
+        if added:
+            changes.append(f"modules added or replaced: {', '.join(added[:6])}")
+        if removed:
+            changes.append(f"modules removed or replaced: {', '.join(removed[:6])}")
+        return changes
 
     def read(self) -> list[torch.Tensor | None]:
         return [container.get(key) for container, key in zip(self.containers, self.keys)]
@@ -98,6 +113,20 @@ def versions_of(tensors: list[torch.Tensor | None]) -> list[int]:
         return [t._version for t in tensors]  # type: ignore[union-attr]
     except (AttributeError, RuntimeError):  # a slot set to None since, or an inference tensor
         return [-1 if t is None else version_of(t) for t in tensors]
+
+
+def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtype | None]]:
+    """(storage pointer, dtype) of each tensor; (-1, None) for None or a pointer-less subclass."""
+    layout = []
+    for tensor in tensors:
+        if tensor is None:
+            layout.append((-1, None))
+            continue
+        try:
+            layout.append((tensor.data_ptr(), tensor.dtype))
+        except Exception:
+            layout.append((-1, tensor.dtype))
+    return layout
 
 
 def _autocast_state() -> tuple:
@@ -167,6 +196,8 @@ class BatchCapture(Feature):
         weights = self.slots.read()
         capture.weights = weights
         capture.weight_versions = versions_of(weights)
+        # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a version bump.
+        capture.weight_layout = layouts_of(weights)
         if self.snapshot_weights:
             capture.snapshot = self._snapshot(weights)
         if held is None:

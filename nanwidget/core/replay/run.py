@@ -10,12 +10,14 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ..detect import Detector, first_event
+from ..events import NanEvent
 from ..frames import frames_to_dataframe
 from ..recorder import Recorder
 from ..schema import OPS_COLUMNS, OPS_DTYPES
 from ..stats import version_of
 from ..trace import TENSOR_COLUMNS, Trace
-from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, WeightSlots
+from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, WeightSlots, layouts_of
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
 
@@ -25,45 +27,83 @@ _Tensor = torch.Tensor
 
 
 def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch,
-                      loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Trace:
+                      loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                      expected: NanEvent | None = None) -> Trace:
     """Re-run ``held`` under the op tracer; the model, RNG states and the recorder's own
-    recording are left as they were."""
-    return _Replay(recorder, capture, held, loss_fn).run()
+    recording are left as they were. ``expected``: the event recorded for this batch (None:
+    the recorder's first forward event of the batch, if any), which the replay checks for."""
+    if expected is None:
+        expected = next((e for e in recorder.events if e.batch == held.batch
+                         and not e.is_backward and e.origin != "peer"), None)
+    structure = capture.slots.structure_changes()
+    if structure:
+        raise ReplayError(f"cannot replay batch {held.batch}: the model is not the one this watch "
+                          f"hooked ({'; '.join(structure)}), so a replay would run a different "
+                          "model. Close the watch and watch the model again")
+    return _Replay(recorder, capture, held, loss_fn, expected).run()
 
 
 class _Replay:
     """One trace-mode run of a held batch; restores everything in ``finally``."""
 
     def __init__(self, recorder: Recorder, capture: BatchCapture, held: HeldBatch,
-                 loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
+                 loss_fn: Callable[[Any], torch.Tensor] | None, expected: NanEvent | None) -> None:
         self.recorder = recorder
         self.capture = capture
         self.held = held
         self.loss_fn = loss_fn
+        self.expected = expected
 
-    def _weight_status(self) -> tuple[list[str], list[str], bool]:
-        """(changed since the batch started, buffers updated by the batch itself, snapshot used)."""
+    def _weight_status(self) -> tuple[list[str], list[str], list[str], bool]:
+        """(what differs from when the batch started, in words; the parameters and buffers
+        changed since; buffers updated by the batch itself; whether a snapshot is replayed)."""
         slots = self.capture.slots
         first, last = self.held.forwards[0], self.held.forwards[-1]
-        if first.snapshot is not None:
-            return [], [], True
         current = slots.read()
+        layout_now = layouts_of(current)
+        changes: list[str] = []
+        changed: list[str] = []
+        updated: list[str] = []
+        snapshot = first.snapshot
         end_versions = dict(zip(slots.buffer_positions, last.end_buffer_versions or []))
-        changed, updated = [], []
         for i, tensor in enumerate(current):
+            name = slots.names[i]
             then = first.weights[i] if i < len(first.weights) else None
-            if tensor is then and (tensor is None or version_of(tensor) == first.weight_versions[i]):
+            (pointer_then, dtype_then) = first.weight_layout[i] if i < len(first.weight_layout) \
+                else (-1, None)
+            pointer_now, dtype_now = layout_now[i]
+            if tensor is None or then is None:
+                if tensor is not then:
+                    changes.append(f"{name}: {'removed' if tensor is None else 'added'}")
+                    changed.append(name)
                 continue
-            if tensor is then and end_versions.get(i) == version_of(tensor):
-                updated.append(slots.names[i])
+            if dtype_then is not None and dtype_now != dtype_then:
+                changes.append(f"{name}: dtype {_dtype(dtype_then)} -> {_dtype(dtype_now)} "
+                               "(the replay runs the current dtype)")
+                changed.append(name)
+                continue
+            if tensor is not then or pointer_now != pointer_then:
+                how = "replaced by another tensor" if tensor is not then else \
+                    "its data swapped (p.data = ... or a device move)"
+                changes.append(f"{name}: {how} since the batch ran")
+                changed.append(name)
+                continue
+            if snapshot is not None or version_of(tensor) == first.weight_versions[i]:
+                continue
+            if end_versions.get(i) == version_of(tensor):
+                updated.append(name)
             else:
-                changed.append(slots.names[i])
-        return _with_running_stats(changed, slots), _with_running_stats(updated, slots), False
+                changed.append(name)
+                if snapshot is None:
+                    changes.append(f"{name}: values changed since the batch ran (optimizer step "
+                                   "or in-place write); the replay used the current values")
+        changed = _with_running_stats(changed, slots)
+        return changes, changed, _with_running_stats(updated, slots), snapshot is not None
 
     def run(self) -> Trace:
         started = time.perf_counter()
         slots, held = self.capture.slots, self.held
-        changed, updated, snapshot_used = self._weight_status()
+        changes, changed, updated, snapshot_used = self._weight_status()
         root = self.recorder.model
         names = {id(m): (name, type(m).__name__) for name, m in root.named_modules()}
         infos = {id(info.module): info for info in self.recorder.modules}
@@ -83,7 +123,15 @@ class _Replay:
                     handles.append(module.register_forward_hook(recorder.post_hook, with_kwargs=True,
                                                                 always_call=True))
                 for capture in held.forwards:
-                    loss_value = self._run_forward(root, capture, recorder)
+                    try:
+                        loss_value = self._run_forward(root, capture, recorder)
+                    except Exception as error:
+                        if not changes or isinstance(error, ReplayError):
+                            raise
+                        raise ReplayError(
+                            f"replaying batch {held.batch} failed ({type(error).__name__}: "
+                            f"{error}); the model changed since the batch ran: "
+                            f"{'; '.join(changes[:4])}") from error
         finally:
             for handle in handles:
                 handle.remove()
@@ -97,20 +145,22 @@ class _Replay:
         recorder.resolve()
         ops = pd.DataFrame.from_records(recorder.rows, columns=OPS_COLUMNS).astype(
             {name: dtype for name, dtype in OPS_DTYPES.items() if dtype != "object"})
-        # A NaN is never intended; an Inf can be (masks filled with -inf), so the first NaN wins.
-        chosen = recorder.first_nan or recorder.first_inf
-        first_inf = None
-        if recorder.first_inf is not None and recorder.first_nan is not None \
-                and recorder.first_inf[0] < recorder.first_nan[0]:
-            first_inf = ops.iloc[recorder.first_inf[0]]
+        born = recorder.first_born
+        earlier = None  # an Inf some op held before the first born value (e.g. a -inf mask)
+        if recorder.first_inf is not None and (born is None or recorder.first_inf < born[0]):
+            earlier = ops.iloc[recorder.first_inf]
+        found = first_event(recorder.frames, Detector(self.recorder.inf_allowed))
         return Trace(batch=held.batch, frames=frames_to_dataframe(recorder.frames), ops=ops,
-                     first_bad=ops.iloc[chosen[0]] if chosen is not None else None,
-                     first_bad_tensors=pd.DataFrame(chosen[1] if chosen is not None else [],
+                     first_bad=ops.iloc[born[0]] if born is not None else None,
+                     first_bad_tensors=pd.DataFrame(born[1] if born is not None else [],
                                                     columns=TENSOR_COLUMNS),
-                     earlier_inf=first_inf,
+                     earlier_inf=earlier,
                      weights_changed=bool(changed), changed_weights=changed,
                      buffers_updated=updated, snapshot_used=snapshot_used, loss=loss_value,
-                     forwards=len(held.forwards), seconds=time.perf_counter() - started)
+                     forwards=len(held.forwards), seconds=time.perf_counter() - started,
+                     reproduced=_same_event(self.expected, found), changes=changes,
+                     expected=self.expected.summary() if self.expected is not None else "",
+                     found=found.summary() if found is not None else "")
 
     def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder) -> float | None:
         loss_fn = self.loss_fn
@@ -148,6 +198,18 @@ class _Replay:
             recorder.phase = "backward"
             loss.backward()
         return float(loss.detach())
+
+
+def _dtype(dtype: torch.dtype | None) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _same_event(expected: NanEvent | None, found: NanEvent | None) -> bool:
+    """Whether the replay met the recorded event again (or, with none recorded, none)."""
+    if expected is None or found is None:
+        return expected is None and found is None
+    return (expected.module, expected.call, expected.origin, expected.role) == \
+        (found.module, found.call, found.origin, found.role)
 
 
 def _with_running_stats(names: list[str], slots: WeightSlots) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from ..entries import Entry, EntryBuilder
 from ..frames import Frame
 from ..recorder import ModuleInfo
 from ..sourcelines import user_source
-from ..stats import AbsMeter, PendingStats, classify, measure_tensor
+from ..stats import PendingStats, classify, measure_tensor, version_of
 from .shadows import Shadows, mutated_arguments, tensors_in
 
 __all__ = ["OpRecorder", "OpTracer"]
@@ -46,8 +47,8 @@ class OpRecorder:
         self.infos = infos
         self.names = names
         self.stack: list[tuple[str, str]] = []
-        self.meter = AbsMeter()
         self.pending = PendingStats()
+        self.op_pending = PendingStats()  # op outputs: measured and read back op by op
         self.entries = EntryBuilder(self.pending, cache_weights=False)
         self.frames: list[Frame] = []
         self.calls: dict[int, int] = {}
@@ -55,9 +56,13 @@ class OpRecorder:
         self.phase = "forward"
         self.paused = False
         self.to_tag: list[tuple[list[torch.Tensor], tuple[str, str, str]]] = []
-        # First op with a NaN in its output, and first with an Inf; each with its tensors described.
-        self.first_nan: tuple[int, list[dict]] | None = None
-        self.first_inf: tuple[int, list[dict]] | None = None
+        # The first op that made a NaN/Inf from finite inputs, with its tensors described; the
+        # first op whose output holds a NaN, and an Inf.
+        self.first_born: tuple[int, list[dict]] | None = None
+        self.first_nan: int | None = None
+        self.first_inf: int | None = None
+        # id -> (weak reference, version, holds a NaN, holds an Inf) of tensors measured here.
+        self.known: dict[int, tuple[Any, int, bool, bool]] = {}
         self.shadows: Shadows | None = None
         # Input entries an in-place module's pre-hook measured before it overwrote them.
         self.measured_inputs: dict[int, list[list[Entry]]] = {}
@@ -66,11 +71,12 @@ class OpRecorder:
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.stack.append(self.names.get(id(module), ("?", type(module).__name__)))
         info = self.infos.get(id(module))
-        if info is not None and getattr(module, "inplace", False) is True:
+        # As the live watch: the root's and in-place modules' inputs as handed over.
+        if info is not None and (info.is_root or getattr(module, "inplace", False) is True):
             entries: list[Entry] = []
             self.paused = True  # measuring is not one of the model's ops
             try:
-                self.entries.input_entries(args, kwargs, entries, early=True)
+                self.entries.input_entries(args, kwargs, entries)
             finally:
                 self.paused = False
             self.measured_inputs.setdefault(id(module), []).append(entries)
@@ -145,7 +151,10 @@ class OpRecorder:
         low = high = math.nan
         nan = inf = False
         if measurable:
-            measured = [measure_tensor(t, self.meter) for t in measurable]
+            measured = [measure_tensor(t, self.op_pending) for t in measurable]
+            for tensor, stats in zip(measurable, measured):
+                if not stats.note:
+                    self._remember(tensor, stats.nan, stats.inf)
             measured = [m for m in measured if not m.note]
             if measured:
                 nan = any(m.nan for m in measured)
@@ -159,10 +168,54 @@ class OpRecorder:
                           str(first.dtype).replace("torch.", "") if first is not None else "",
                           tuple(first.shape) if first is not None else (),
                           low, high, nan, inf, nan or inf, source))
+        if (nan or inf) and self.first_born is None and self._born_here(func, args, kwargs, nan):
+            self.first_born = (index, describe_op_tensors(func, args, kwargs, measurable))
         if nan and self.first_nan is None:
-            self.first_nan = (index, describe_op_tensors(func, args, kwargs, measurable))
+            self.first_nan = index
         elif inf and self.first_inf is None:
-            self.first_inf = (index, describe_op_tensors(func, args, kwargs, measurable))
+            self.first_inf = index
+
+    def _remember(self, tensor: torch.Tensor, nan: bool, inf: bool) -> None:
+        try:
+            self.known[id(tensor)] = (weakref.ref(tensor), version_of(tensor), nan, inf)
+        except TypeError:
+            pass
+
+    def _input_flags(self, tensor: torch.Tensor) -> tuple[bool, bool]:
+        """(holds a NaN, holds an Inf) of an op's input: known when an earlier op of this replay
+        made it, else measured now (weights, data, views of earlier results)."""
+        known = self.known.get(id(tensor))
+        if known is not None and known[0]() is tensor and known[1] == version_of(tensor):
+            return known[2], known[3]
+        if classify(tensor):
+            return False, False
+        stats = measure_tensor(tensor, self.op_pending)
+        self._remember(tensor, stats.nan, stats.inf)
+        return stats.nan, stats.inf
+
+    def _born_here(self, func: Any, args: tuple, kwargs: dict, nan: bool) -> bool:
+        """Whether this op made the non-finite value: a NaN from inputs without NaN (an Inf
+        turning into NaN counts: softmax of a fully masked row), or an Inf from finite inputs
+        (an overflow). An Inf written on purpose (a literal ±inf argument such as
+        ``masked_fill(mask, -inf)`` or ``full(size, -inf)``) is not born here."""
+        if not nan and _writes_literal_inf(args, kwargs):
+            return False
+        for value in list(args) + list(kwargs.values()):
+            for tensor in tensors_in(value):
+                input_nan, input_inf = self._input_flags(tensor)
+                if input_nan or (input_inf and not nan):
+                    return False
+        return True
+
+
+def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:
+    """Whether an op got ±inf as a plain number (not through a tensor)."""
+    for value in list(args) + list(kwargs.values()):
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for item in items:
+            if isinstance(item, float) and item in (math.inf, -math.inf):
+                return True
+    return False
 
 
 def _describe(role: str, tensor: torch.Tensor) -> dict:

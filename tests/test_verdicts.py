@@ -1,0 +1,454 @@
+"""Trustworthy verdicts on real models: no false alarm on intended ±inf, no silent miss on any
+tensor kind, the blame on the right module and origin, and a replay that says what it checked."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+from nanwidget.core import stats as stats_module
+
+NAN, INF = float("nan"), float("inf")
+
+
+# ----------------------------------------------------------------------- intended ±inf
+def _inputs_flagged(frames, role):
+    rows = frames[frames.role == role]
+    return bool(len(rows)) and bool(rows.inf.any())
+
+
+def test_causal_transformer_encoder_layer_is_no_false_alarm():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0,
+                                       batch_first=True)
+    mask = nn.Transformer.generate_square_subsequent_mask(6)
+    with nw.watch(layer, max_frames=100) as w:  # on_nan="raise": a false alarm would raise
+        out = layer(torch.randn(2, 6, 16), src_mask=mask, is_causal=True)
+        frames = w.frames()
+    assert torch.isfinite(out).all() and w.events == []
+    assert _inputs_flagged(frames, "kwarg:src_mask")  # the mask is recorded and flagged
+
+
+def test_multihead_attention_with_a_minus_inf_mask_is_no_false_alarm():
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(16, 2, batch_first=True)
+    mask = torch.triu(torch.full((5, 5), -INF), diagonal=1)
+    x = torch.randn(2, 5, 16)
+    with nw.watch(attention) as w:
+        attention(x, x, x, attn_mask=mask)
+    assert w.events == []
+
+
+def test_full_transformer_with_a_target_mask_is_no_false_alarm():
+    torch.manual_seed(0)
+    model = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                           dim_feedforward=32, dropout=0.0, batch_first=True)
+    tgt_mask = nn.Transformer.generate_square_subsequent_mask(4)
+    with nw.watch(model) as w:
+        model(torch.randn(2, 5, 16), torch.randn(2, 4, 16), tgt_mask=tgt_mask)
+    assert w.events == []
+
+
+class UserAttention(nn.Module):
+    """The usual hand-written attention: scores.masked_fill(mask, -inf), then an nn.Softmax."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.query = nn.Linear(width, width)
+        self.key = nn.Linear(width, width)
+        self.softmax = nn.Softmax(dim=-1)
+
+    def forward(self, x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        scores = self.query(x) @ self.key(x).transpose(1, 2)
+        scores = scores.masked_fill(blocked, float("-inf"))
+        return self.softmax(scores) @ x
+
+
+def test_masked_fill_before_a_softmax_module_is_no_false_alarm(reduction_path):
+    torch.manual_seed(0)
+    model = UserAttention()
+    blocked = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1).expand(2, 5, 5)
+    with nw.watch(model) as w:
+        model(torch.randn(2, 5, 8), blocked)
+        frames = w.frames()
+    assert w.events == []
+    assert _inputs_flagged(frames[frames.module == "softmax"], "input[0]")
+
+
+def test_a_fully_masked_row_turning_softmax_to_nan_is_an_input_event(reduction_path):
+    torch.manual_seed(0)
+    model = UserAttention()
+    blocked = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1).expand(2, 5, 5).clone()
+    blocked[1, 2, :] = True  # query 2 of sample 1 may attend nothing
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(2, 5, 8), blocked)
+    event = w.event
+    assert (event.module, event.origin, event.kind, event.role) == ("softmax", "input", "nan",
+                                                                     "input[0]")
+
+
+class MaskBuilder(nn.Module):
+    """Makes an additive mask: -inf where blocked. Its output holds -inf on purpose."""
+
+    def forward(self, blocked: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(blocked.shape).masked_fill(blocked, float("-inf"))
+
+
+class WithMaskBuilder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask_builder = MaskBuilder()
+        self.scores = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.scores(x) + self.mask_builder(blocked), dim=-1)
+
+
+@pytest.mark.parametrize("allow", [None, "mask_*", "*.mask_builder", MaskBuilder, ["nothing", MaskBuilder]])
+def test_allow_inf_names_modules_whose_outputs_may_hold_inf(allow):
+    model = WithMaskBuilder()
+    blocked = torch.triu(torch.ones(3, 5, dtype=torch.bool), diagonal=1)
+    options = {} if allow is None else {"allow_inf": allow}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w = nw.watch(model, on_nan="record", **options)
+    with w:
+        model(torch.randn(3, 5), blocked)
+    unmatched = [str(c.message) for c in caught if "matches no module" in str(c.message)]
+    # A glob that matches nothing ("*.mask_builder": no parent prefix; "nothing") warns.
+    assert len(unmatched) == (1 if allow == "*.mask_builder" or isinstance(allow, list) else 0)
+    if allow is None or allow == "*.mask_builder":
+        assert (w.event.module, w.event.origin, w.event.kind) == ("mask_builder", "output", "inf")
+    else:
+        assert w.events == []
+
+
+def test_nan_always_counts_even_in_an_allowed_module():
+    class NanMask(MaskBuilder):
+        def forward(self, blocked):
+            return super().forward(blocked) * 0.0  # -inf * 0 = NaN
+
+    model = WithMaskBuilder()
+    model.mask_builder = NanMask()
+    with nw.watch(model, on_nan="record", allow_inf=MaskBuilder) as w:
+        model(torch.randn(3, 5), torch.triu(torch.ones(3, 5, dtype=torch.bool), diagonal=1))
+    assert (w.event.module, w.event.kind) == ("mask_builder", "nan")
+
+
+def test_report_and_browser_follow_the_event_not_the_mask():
+    pytest.importorskip("ipywidgets")
+    torch.manual_seed(0)
+    model = UserAttention()
+    blocked = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1).expand(2, 5, 5).clone()
+    blocked[0, 1, :] = True
+    with nw.watch(model, on_nan="record", max_frames=50) as w:
+        model(torch.randn(2, 5, 8), blocked)  # masked (-inf) inputs in every batch, a NaN here
+    event = w.event
+    report_lines = w.report().splitlines()
+    assert report_lines[0].startswith("nanwidget: nan in batch 0 at module 'softmax'")
+    browser = nw.FrameBrowser(w)
+    browser.frame.value = 1
+    assert browser.jump_to_first_bad()
+    shown = browser.index.table.iloc[browser.index.first_rows[browser.current_frame]]
+    assert (shown["module"], shown["frame"]) == (event.module, event.frame)
+
+
+# ----------------------------------------------------------------------- no silent miss
+class Complexify(nn.Module):
+    def forward(self, x):
+        return torch.complex(x, x * 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_outputs_are_measured_and_a_nan_is_found(dtype, reduction_path):
+    model = nn.Sequential(nn.Linear(4, 4), Complexify())
+    x = torch.randn(2, 4)
+    with nw.watch(model.to(torch.float64 if dtype is torch.complex128 else torch.float32),
+                  on_nan="record") as w:
+        out = model(x.to(model[0].weight.dtype))
+        with torch.no_grad():
+            model[0].bias[0] = NAN
+        model(x.to(model[0].weight.dtype))
+    row = w.frames().query("module == '1' and role == 'output' and batch == 0").iloc[0]
+    assert row.abs_max == pytest.approx(out.abs().max().item()) and row.note == ""
+    assert (w.event.module, w.event.origin) == ("0", "weight")
+
+
+def test_vmap_over_a_watched_model_is_measured_on_both_paths(reduction_path):
+    model = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    x[1, 0] = NAN
+    with nw.watch(model, on_nan="record") as w:
+        torch.func.vmap(model)(x)  # must not crash the forward
+    assert w.event is not None and (w.event.module, w.event.kind) == ("", "nan")
+
+
+def test_torch_func_grad_with_a_nan_parameter_is_found(reduction_path):
+    model = nn.Linear(4, 1)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    params["weight"][0, 0] = NAN
+
+    def loss(p, x):
+        return torch.func.functional_call(model, p, (x,)).sum()
+
+    with nw.watch(model, on_nan="record") as w:
+        torch.func.grad(loss)(params, torch.randn(2, 4))
+    assert (w.event.module, w.event.origin, w.event.role) == ("", "weight", "weight")
+
+
+# ----------------------------------------------------------------------- the right blame
+def _data_nan_write(p):
+    p.data[0, 0] = NAN
+
+
+def _data_fill_inf(p):
+    p.data.fill_(INF)
+
+
+def _data_swap(p):
+    p.data = torch.full_like(p, NAN)
+
+
+def _data_ema(p):
+    p.data.mul_(0.5).add_(torch.full_like(p, INF))
+
+
+@pytest.mark.parametrize("write", [_data_nan_write, _data_fill_inf, _data_swap, _data_ema])
+def test_weight_written_through_data_is_blamed_as_weight_with_fresh_stats(write, tiny_mlp,
+                                                                           reduction_path):
+    x = torch.randn(2, 16)
+    with nw.watch(tiny_mlp, on_nan="record") as w:
+        tiny_mlp(x)  # measures and caches every weight
+        write(tiny_mlp.fc2.weight)  # no version bump
+        tiny_mlp(x)
+    event = w.event
+    assert (event.batch, event.module, event.origin, event.role) == (1, "fc2", "weight", "weight")
+    weight = event.frames.query("batch == 1 and module == 'fc2' and role == 'weight'").iloc[0]
+    assert weight.nan or weight.inf  # the frame shows the weight as it was, not the cached one
+
+
+class WithPosition(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(4))
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.inner(x + self.pos)  # the parent's own parameter, used in its own forward
+
+
+def test_nan_in_a_parents_own_parameter_is_blamed_on_the_parent(reduction_path):
+    model = nn.Sequential(WithPosition(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].pos[1] = NAN
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(3, 4))
+    event = w.event
+    assert (event.module, event.module_type, event.origin, event.role) == ("0", "WithPosition",
+                                                                          "weight", "pos")
+
+
+def test_vit_position_embeddings_nan_is_blamed_on_the_embeddings():
+    transformers = pytest.importorskip("transformers", reason="transformers is the bench extra")
+    transformers.logging.set_verbosity_error()
+    config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
+                                    num_hidden_layers=1, num_attention_heads=2,
+                                    intermediate_size=32)
+    model = transformers.ViTModel(config).eval()
+    with torch.no_grad():
+        model.embeddings.position_embeddings[0, 1, 3] = NAN
+    with nw.watch(model, on_nan="record") as w:
+        model(pixel_values=torch.randn(1, 3, 8, 8))
+    event = w.event
+    assert (event.module, event.origin, event.role) == ("embeddings", "weight",
+                                                        "position_embeddings")
+
+
+class InPlaceInf(nn.Module):
+    """Writes an Inf into its input and returns it (no ``inplace`` attribute to warn us)."""
+
+    def forward(self, x):
+        x.mul_(INF)
+        return x
+
+
+def test_a_custom_in_place_module_is_blamed_as_the_maker_on_both_paths(reduction_path):
+    model = nn.Sequential(nn.Linear(4, 4), InPlaceInf(), nn.Linear(4, 2))
+    with torch.no_grad(), nw.watch(model, on_nan="record") as w:
+        model(torch.randn(2, 4))
+    event = w.event
+    assert (event.module, event.origin, event.kind) == ("1", "output", "inf")
+    handed = event.frames.query("module == '1' and role == 'input[0]'").iloc[0]
+    assert not handed.inf and handed.note == "written in place here"
+
+
+class NanAndInf(nn.Module):
+    def forward(self, x):
+        y = x.clone()
+        y[0, 0], y[0, 1] = NAN, -INF
+        return y
+
+
+def test_nan_plus_inf_is_kept_past_the_pending_byte_limit(reduction_path, monkeypatch):
+    monkeypatch.setattr(stats_module, "PENDING_BYTES_LIMIT", 0)  # nothing may be held
+    model = nn.Sequential(nn.Linear(4, 4), NanAndInf())
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(2, 4))
+    assert (w.event.module, w.event.kind) == ("1", "nan+inf")
+
+
+# ----------------------------------------------------------------------- finite range
+class PartlyNan(nn.Module):
+    def forward(self, x):
+        return torch.tensor([1.0, NAN, -3.0]) + x.sum() * 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_finite_range_of_a_partly_nan_tensor(dtype, reduction_path):
+    model = PartlyNan()
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.ones(2, dtype=dtype))
+    row = w.frames().query("role == 'output'").iloc[0]
+    assert row.nan and math.isnan(row.abs_max)
+    assert (row.finite_abs_min, row.finite_abs_max) == (1.0, 3.0)
+
+
+def test_finite_range_equals_the_range_for_finite_tensors_and_is_nan_without_finite_values():
+    model = nn.Identity()
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.tensor([0.5, -2.0]))
+        model(torch.tensor([NAN, INF]))
+    rows = w.frames().query("role == 'output'")
+    first, second = rows.iloc[0], rows.iloc[1]
+    assert (first.finite_abs_min, first.finite_abs_max) == (first.abs_min, first.abs_max) == (0.5, 2.0)
+    assert second.nan and second.inf and math.isnan(second.finite_abs_max)
+
+
+# ----------------------------------------------------------------------- an honest replay
+class DropoutOverflow(nn.Module):
+    """fp16: a large activation, doubled by Dropout's 1/(1-p) scaling, overflows to Inf; the next
+    Linear then mixes +Inf and -Inf into NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.down = nn.Linear(4, 4)
+        with torch.no_grad():
+            self.up.weight.fill_(0.0)
+            self.up.bias.copy_(torch.tensor([40000.0, -40000.0, 1.0, 1.0]))
+            self.down.weight.fill_(1.0)
+
+    def forward(self, x):
+        return self.down(self.drop(self.up(x)))
+
+
+def test_first_bad_is_where_the_inf_was_born_not_where_nan_appeared_later():
+    torch.manual_seed(3)
+    model = DropoutOverflow().half()
+    x = torch.ones(8, 4, dtype=torch.float16)
+    with nw.watch(model, on_nan="record") as w:
+        model(x)
+    assert w.event is not None and w.event.module == "drop"
+    trace = w.replay(0)
+    first = trace.first_bad
+    assert first["module"] == "drop" and first["inf"] and not first["nan"]
+    later_nan = trace.ops[trace.ops.nan]
+    assert len(later_nan) and later_nan.index[0] > first["index"]  # NaN came after, elsewhere
+    assert trace.reproduced
+
+
+def test_ops_writing_a_literal_inf_are_not_first_bad():
+    torch.manual_seed(0)
+    model = UserAttention()
+    blocked = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1).expand(2, 5, 5)
+    with nw.watch(model) as w:
+        model(torch.randn(2, 5, 8), blocked)
+        trace = w.replay(0)
+    assert trace.first_bad is None and trace.earlier_inf["op"] == "masked_fill"
+    assert trace.reproduced and trace.changes == []
+
+
+class CastsItsInput(nn.Module):
+    """Casts its input to its weights' dtype, as Hugging Face models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x.to(self.fc.weight.dtype))
+
+
+def test_changes_list_a_dtype_change_and_the_replay_does_not_claim_unchanged():
+    torch.manual_seed(0)
+    model = CastsItsInput().half()
+    with nw.watch(model) as w:
+        model(torch.randn(2, 4))
+        assert w.replay(0).changes == []
+        model.float()
+        trace = w.replay(0)
+    assert {c for c in trace.changes if "dtype float16 -> float32" in c} == {
+        "fc.weight: dtype float16 -> float32 (the replay runs the current dtype)",
+        "fc.bias: dtype float16 -> float32 (the replay runs the current dtype)"}
+    assert "Nothing changed" not in trace.report()
+
+
+def test_a_replay_that_fails_on_a_changed_model_names_the_change():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).half()
+    with nw.watch(model) as w:
+        model(torch.randn(2, 4, dtype=torch.float16))
+        model.float()  # the held float16 input no longer fits
+        with pytest.raises(nw.core.replay.ReplayError, match="dtype float16 -> float32"):
+            w.replay(0)
+
+
+def test_changes_after_reset_parameters_as_in_the_quickstart():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with nw.watch(model) as w:
+        model(torch.randn(2, 4))
+        for layer in model:
+            layer.reset_parameters()
+        trace = w.replay(0)
+    assert {change.split(":")[0] for change in trace.changes} == {
+        "0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+def test_a_replay_that_does_not_meet_the_event_says_why():
+    pytest.importorskip("ipywidgets")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].weight[0, 0] = NAN
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(2, 4))
+        assert w.replay(0).reproduced
+        with torch.no_grad():
+            model[1].weight[0, 0] = 0.5  # the user fixed the weight since
+        trace = w.replay(0)
+    assert not trace.reproduced
+    assert "1.weight" in trace.why_not_reproduced()
+    assert "Not reproduced" in trace.report() and "not reproduced" in trace.summary()
+    browser = nw.FrameBrowser(w)
+    browser._show_trace(trace)
+    assert "not reproduced</b>, because" in browser.trace.value
+
+
+def test_snapshot_weights_keeps_replays_exact_after_optimizer_steps():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with nw.watch(model, snapshot_weights=True, max_frames=100) as w:
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(6, 4)).pow(2).mean().backward()
+            optimizer.step()
+        recorded = w.frames()
+        trace = w.replay(1)
+    columns = ["module", "role", "abs_min", "abs_max"]
+    assert trace.snapshot_used and trace.changes == [] and trace.reproduced
+    assert trace.frames[columns].equals(recorded[recorded.batch == 1][columns].reset_index(drop=True))
