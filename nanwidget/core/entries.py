@@ -45,14 +45,6 @@ def non_tensor_entry(role: str, leaf: Any) -> Entry:
     return (role, None, None, None, "None" if leaf is None else "not a tensor")
 
 
-def _storage_pointer(tensor: torch.Tensor) -> int:
-    """Where the tensor's data lives; changes when ``p.data = t`` swaps it (no version bump)."""
-    try:
-        return tensor.data_ptr()
-    except Exception:  # wrapper subclasses: never served from the cache
-        return -1
-
-
 class EntryBuilder:
     """Builds entries whose stats come from one :class:`PendingStats` (one per recorder).
 
@@ -140,18 +132,21 @@ class EntryBuilder:
                     entries.append(self.tensor_entry(name, tensor))
                     continue
                 cached = cache.get(id(tensor))
+                try:
+                    pointer = tensor.data_ptr()
+                except Exception:  # wrapper subclasses: never served from the cache
+                    pointer = -1
                 # Weights change once per optimizer step at most: re-measure only then (the
                 # version counter moved, or the storage was swapped through ``.data``), and
                 # reuse the whole entry (same stats object) until then.
-                if cached is not None and cached[0] is tensor and cached[1] == version_of(tensor) \
-                        and cached[2] == _storage_pointer(tensor) and cached[3][0] == name:
+                if cached is not None and cached[0] is tensor and cached[2] == pointer \
+                        and cached[1] == version_of(tensor) and cached[3][0] == name \
+                        and pointer != -1:
                     entries.append(cached[3])
                     continue
                 entry = self.tensor_entry(name, tensor)
-                if entry[1] is not None:
-                    pointer = _storage_pointer(tensor)
-                    if pointer != -1:
-                        cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry)
+                if entry[1] is not None and pointer != -1:
+                    cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry)
                 entries.append(entry)
 
     def forward_entries(self, module: nn.Module, has_state: bool, args: tuple, kwargs: dict,

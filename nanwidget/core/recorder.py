@@ -171,6 +171,7 @@ class Recorder:
         self._rank = current_rank()
         self._events: list[NanEvent] = []
         self._features: list[Feature] = []
+        self._refresh_callbacks()
         self._lock = threading.RLock()
         self._closed = False
         self._suspended = 0
@@ -292,7 +293,21 @@ class Recorder:
             if self._closed:
                 raise RuntimeError("this watch is closed")
             self._features.append(feature)
+            self._refresh_callbacks()
         return feature
+
+    def _refresh_callbacks(self) -> None:
+        """The bound methods each batch step calls: only those a feature overrides, so that a
+        feature costs nothing on the hot path for what it does not do."""
+        def overriding(name: str) -> list[Any]:
+            base = getattr(Feature, name)
+            return [getattr(f, name) for f in self._features
+                    if getattr(type(f), name, base) is not base]
+        self._on_batch_start = overriding("on_batch_start")
+        self._before_resolve = overriding("before_resolve")
+        self._on_batch_end = overriding("on_batch_end")
+        self._review_event = overriding("review_event")
+        self._on_event = overriding("on_event")
 
     # ------------------------------------------------------------------ hooks (hot path)
     def _skip_this_thread(self) -> bool:
@@ -326,8 +341,8 @@ class Recorder:
                     # An exception already being handled when the forward starts (a forward
                     # called from an ``except`` block) is not the forward failing.
                     self._exception_at_start = sys.exc_info()[1]
-                    for feature in self._features:
-                        feature.on_batch_start(self._batch, args, kwargs)
+                    for on_batch_start in self._on_batch_start:
+                        on_batch_start(self._batch, args, kwargs)
                     # The model's inputs as handed over, before any module can write into them.
                     self._measure_inputs_now(module, args, kwargs)
         except Exception as error:  # never break the user's forward
@@ -493,8 +508,8 @@ class Recorder:
     def _resolve_locked(self, ended: int | None, advance: bool) -> NanEvent | None:
         """Resolve pending stats and hand the frames on; the first NaN/Inf event or None.
         Caller holds the lock; the event is not recorded yet (see :meth:`_conclude`)."""
-        for feature in self._features:
-            feature.before_resolve()
+        for before_resolve in self._before_resolve:
+            before_resolve()
         self._pending.resolve()
         frames, self._frames = self._frames, []
         self._rank = current_rank()
@@ -522,8 +537,8 @@ class Recorder:
                 self._trace_frames.setdefault(frame.batch, []).append(frame)
         self._history.record_many(history_rows)
         self._ring.extend(frames)
-        for feature in self._features:
-            feature.on_batch_end(ended, frames)
+        for on_batch_end in self._on_batch_end:
+            on_batch_end(ended, frames)
         if advance:
             self._previous = self._counters
             self._batch += 1
@@ -533,9 +548,9 @@ class Recorder:
     def _conclude(self, batch: int, event: NanEvent | None, *, reason: str, raising: bool,
                   finished: bool) -> None:
         """Outside the lock: features review the event, it is recorded, then raise/warn/go on."""
-        for feature in self._features:
+        for review_event in self._review_event:
             try:
-                event = feature.review_event(batch, event, reason)
+                event = review_event(batch, event, reason)
             except (NanDetected, AbortAfterBatch):
                 raise
             except Exception as error:
@@ -559,9 +574,9 @@ class Recorder:
             self._events.append(event)
         else:
             self.events_dropped += 1
-        for feature in self._features:
+        for on_event in self._on_event:
             try:
-                feature.on_event(event)
+                on_event(event)
             except Exception as error:
                 self.internal_error(error)
 

@@ -341,8 +341,9 @@ class NanWatch:
             capture = recorder.add_feature(BatchCapture(
                 self.model, keep=keep, trace_batches=self.trace_batches,
                 snapshot_weights=snapshot_weights))
-            replayer = recorder.add_feature(Replayer(recorder, capture,
-                                                     replay_on_nan=self.replay_on_nan))
+            replayer = Replayer(recorder, capture, replay_on_nan=self.replay_on_nan)
+            if self.replay_on_nan:  # it reviews events only to replay them
+                recorder.add_feature(replayer)
         if self.backward:
             backward = recorder.add_feature(BackwardFrames(recorder))
         grads = recorder.add_feature(GradNorms(recorder, threshold=self.grad_norm_warn,

@@ -33,6 +33,7 @@ from torch import nn
 
 import nanwidget as nw
 from nanwidget import GradEvent, NanDetected, NanEvent
+from nanwidget.core.events import event_fields, event_from_fields
 
 __all__ = ["ON_NAN_CHOICES", "TrainingStop", "Findings", "StepGuard", "BatchLog",
            "check_callback_options", "fresh_run_dir", "logger"]
@@ -185,20 +186,15 @@ def fresh_run_dir(base: str | os.PathLike) -> Path:
 
 
 def _event_payload(event: NanEvent | None) -> dict[str, Any] | None:
+    """An event as plain data for ``all_gather_object``: its fields and its frames."""
     if event is None:
         return None
-    names = ("batch", "module", "module_type", "call", "role", "kind", "origin", "is_backward",
-             "rank", "frame")
-    payload = {name: getattr(event, name) for name in names}
     frames = event.frames if isinstance(event.frames, pd.DataFrame) else pd.DataFrame()
-    payload["frames"] = frames.to_dict("list")
-    return payload
+    return {"fields": event_fields(event), "frames": frames.to_dict("list")}
 
 
 def _event_from_payload(payload: dict[str, Any]) -> NanEvent:
-    fields = dict(payload)
-    frames = pd.DataFrame(fields.pop("frames", {}))
-    return NanEvent(frames=frames, **fields)
+    return event_from_fields(payload["fields"], pd.DataFrame(payload["frames"]))
 
 
 class StepGuard:
