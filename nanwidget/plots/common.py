@@ -1,52 +1,125 @@
-"""Pieces shared by the plots: figures without pyplot, frame keys, dtype limit lines."""
+"""Pieces shared by the plots: figures without pyplot, HiDPI output, legends, frame keys."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from ..core.schema import ROLE_GROUPS, role_groups
 from ..core.stats import dtype_max
 
-__all__ = ["ROLE_GROUPS", "role_groups", "frame_keys", "limit_lines", "module_label",
-           "new_figure", "figure_png", "NotebookFigure"]
+__all__ = ["ROLE_GROUPS", "SCREEN_DPI", "HIDPI_SCALE", "role_groups", "frame_keys", "limit_lines",
+           "module_label", "short_label", "new_figure", "figure_png", "display_width",
+           "outside_legend", "say_nothing_to_plot", "readable_log_ticks", "NotebookFigure"]
 
 FRAME_KEY = ["rank", "batch", "phase", "frame"]
+
+# A figure is laid out for SCREEN_DPI pixels per inch of CSS width and drawn at HIDPI_SCALE times
+# that: sharp on HiDPI screens, the same size on the page as a 1x drawing.
+SCREEN_DPI = 90
+HIDPI_SCALE = 2
+FONT_SIZE = 9.0  # points: 11 CSS px at SCREEN_DPI
+LEGEND_WIDTH = 1.75  # inches kept right of the axes for the legend
+LABEL_CHARS = 24  # longest module name shown whole in a legend or tick label
 
 
 class NotebookFigure(Figure):
     """A matplotlib Figure that shows itself as PNG in a notebook (``_repr_png_``) without
-    pyplot: no global figure list, nothing to close, nothing registered with IPython."""
+    pyplot: no global figure list, nothing to close, nothing registered with IPython.
 
-    def _repr_png_(self) -> bytes:
-        return figure_png(self)
+    The PNG is drawn at HIDPI_SCALE and shown at the figure's own size (as the inline
+    backend's "retina" format does): sharp on HiDPI screens.
+    """
+
+    def _repr_png_(self) -> tuple[bytes, dict[str, int]]:
+        width, height = self.get_size_inches()
+        return figure_png(self), {"width": round(width * SCREEN_DPI),
+                                  "height": round(height * SCREEN_DPI)}
 
 
-def new_figure(width: float = 7.0, height: float = 3.4) -> tuple[Figure, Axes]:
+def new_figure(width: float = 6.0, height: float = 3.0, *, bottom: float = 0.55,
+               top: float = 0.42, legend: bool = True) -> tuple[Figure, Axes]:
     """A figure not registered with pyplot: no global state, nothing to close, Agg-safe.
 
-    Fixed margins rather than constrained layout: layout solving costs more than drawing.
+    Margins are fixed in inches (not constrained layout, which costs more than drawing): room
+    for the y label on the left, ``bottom`` for tick labels, ``top`` for the title, and with
+    ``legend`` a column on the right so that the legend never covers data.
     """
     figure = NotebookFigure(figsize=(width, height))
-    figure.subplots_adjust(left=0.1, right=0.98, top=0.9, bottom=0.24)
-    return figure, figure.add_subplot()
+    right = LEGEND_WIDTH if legend else 0.2
+    figure.subplots_adjust(left=0.72 / width, right=1 - right / width,
+                           top=1 - top / height, bottom=bottom / height)
+    ax = figure.add_subplot()
+    ax.tick_params(labelsize=FONT_SIZE - 0.5)
+    ax.xaxis.label.set_size(FONT_SIZE)
+    ax.yaxis.label.set_size(FONT_SIZE)
+    ax.title.set_size(FONT_SIZE + 0.5)
+    return figure, ax
 
 
-def figure_png(figure: Figure, dpi: int = 90) -> bytes:
-    """PNG bytes of ``figure`` (for image widgets and files)."""
-    import io
+def figure_png(figure: Figure, dpi: int = SCREEN_DPI * HIDPI_SCALE) -> bytes:
+    """PNG bytes of ``figure``, drawn for HiDPI screens by default (show it at display_width)."""
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=dpi)
+    figure.savefig(buffer, format="png", dpi=dpi, facecolor="white")
     return buffer.getvalue()
+
+
+def display_width(figure: Figure) -> int:
+    """CSS pixels the figure's PNG should take on the page (its drawing is HIDPI_SCALE wider)."""
+    return round(figure.get_figwidth() * SCREEN_DPI)
 
 
 def module_label(name: str) -> str:
     """The root module has the empty name; show it as users read it."""
     return name if name else "<root>"
+
+
+def short_label(name: str, limit: int = LABEL_CHARS) -> str:
+    """A module label cut to ``limit`` characters, keeping the end (the most specific part)."""
+    label = module_label(name)
+    return label if len(label) <= limit else "…" + label[-(limit - 1):]
+
+
+def outside_legend(ax: Axes) -> None:
+    """The legend in the column right of the axes: it never hides data."""
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
+                  fontsize=FONT_SIZE - 0.5, frameon=False, handlelength=1.5, labelspacing=0.35)
+
+
+def _log_tick(value: float, _position: object = None) -> str:
+    if value <= 0:
+        return ""
+    return f"{value:g}" if 1e-3 <= value < 1e4 else f"{value:.0e}".replace("e+0", "e").replace(
+        "e-0", "e-").replace("e+", "e")
+
+
+def readable_log_ticks(ax: Axes) -> None:
+    """Short labels on a log y axis ("0.5", "2", "1e-4", "3e21"), minor ones only when few decades
+    show: matplotlib's "2×10^0" labels are wide enough to push the y label off the figure."""
+    low, high = ax.get_ylim()
+    decades = np.log10(high / low) if low > 0 and high > 0 else 99
+    ax.yaxis.set_major_formatter(FuncFormatter(_log_tick))
+    if decades < 1.5:
+        ax.yaxis.set_minor_locator(LogLocator(subs=(2.0, 3.0, 5.0)))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_log_tick))
+    else:
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.tick_params(axis="y", which="minor", labelsize=FONT_SIZE - 1.5)
+
+
+def say_nothing_to_plot(ax: Axes, message: str) -> None:
+    """A short message in place of empty axes."""
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, message, ha="center", va="center", fontsize=FONT_SIZE + 1, color="dimgray",
+            transform=ax.transAxes, wrap=True)
 
 
 def frame_keys(frames: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -73,10 +146,11 @@ def limit_lines(ax: Axes, dtypes: Iterable[object], values: np.ndarray) -> None:
             continue
         decades = np.log10(limit) - np.log10(top)
         if decades > 30:
-            far.append(f"{dtype} max {limit:.3g}: {decades:.0f} decades above")
+            far.append(f"{dtype} max {limit:.3g}:\n{decades:.0f} decades above")
             continue
         ax.axhline(limit, color="black", linestyle=styles[position % len(styles)], linewidth=1,
                    label=f"{dtype} max ({limit:.6g})")
     if far:
-        ax.text(0.99, 0.02, "\n".join(far), ha="right", va="bottom", fontsize=7,
+        # In the legend column, under the legend: never on the data.
+        ax.text(1.02, 0.0, "\n".join(far), ha="left", va="bottom", fontsize=FONT_SIZE - 1.5,
                 color="dimgray", transform=ax.transAxes)

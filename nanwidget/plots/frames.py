@@ -7,10 +7,16 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-from .common import ROLE_GROUPS, frame_keys, limit_lines, module_label, new_figure, role_groups
+from .common import (FONT_SIZE, ROLE_GROUPS, SCREEN_DPI, frame_keys, limit_lines, new_figure,
+                     outside_legend, readable_log_ticks, role_groups, say_nothing_to_plot,
+                     short_label)
 
-__all__ = ["plot_frames"]
+__all__ = ["plot_frames", "frame_window", "DEFAULT_WINDOW"]
+
+DEFAULT_WINDOW = 40  # frames drawn at most; more are shown as a window around the current one
+_NAMED_TICKS = 30  # up to this many frames, each tick names its module
 
 
 def _select_roles(frames: pd.DataFrame, roles: Iterable[str] | str | None) -> pd.DataFrame:
@@ -23,66 +29,144 @@ def _select_roles(frames: pd.DataFrame, roles: Iterable[str] | str | None) -> pd
     return frames[keep.to_numpy()]
 
 
+def frame_window(n_frames: int, current: int | None, window: int | None,
+                 anchor: int | None = None) -> tuple[int, int]:
+    """First and last frame number (1-based, inclusive) drawn for ``n_frames`` frames.
+
+    All of them when they fit in ``window``; otherwise ``window`` frames centred on ``current``
+    (or on ``anchor``, e.g. the first non-finite frame, or else the last frames).
+    """
+    if window is None or n_frames <= window:
+        return 1, n_frames
+    centre = current if current is not None else anchor if anchor is not None else n_frames
+    first = int(np.clip(centre - window // 2, 1, n_frames - window + 1))
+    return first, first + window - 1
+
+
 def plot_frames(frames: pd.DataFrame, *, roles: Iterable[str] | str | None = None,
-                current: int | None = None, title: str | None = None) -> Figure:
-    """abs max and abs min of each frame (in buffer order), on a log scale.
+                current: int | None = None, title: str | None = None,
+                window: int | None = DEFAULT_WINDOW, focus: int | None = None) -> Figure:
+    """abs max and abs min of each frame on a log scale, frames numbered 1, 2, ... in buffer order.
 
     One point per frame: the largest abs max and smallest non-zero abs min over its tensors
     (``roles`` narrows them to role groups "weights" / "inputs" / "outputs" / "grads" or exact
-    role names such as "output"). Each float dtype's largest value is a dashed line, the first
-    frame holding a NaN/Inf is marked with a red line and its non-finite frames with red
-    crosses along the top. ``current`` (a position along the x axis) is shaded.
+    role names such as "output"). A frame holding a NaN/Inf has no finite maximum to draw: it is
+    marked with a red triangle along the top (with, when the frames carry ``finite_abs_max``, a
+    hollow circle at its largest finite value), never drawn as a dip. Each float dtype's largest
+    value is a dashed line, the first non-finite frame a red line, batch boundaries dotted lines
+    labelled along the top. ``current`` (a frame number) is shaded. With more than ``window``
+    frames, only a window of that many around ``current`` (or ``focus``, a frame to centre on
+    without shading it; else the first non-finite frame) is drawn (``window=None``: all).
     """
-    figure, ax = new_figure()
+    figure, ax = new_figure(bottom=0.8)
     selected = _select_roles(frames, roles)
-    ax.set_xlabel("frame (buffer order)")
-    ax.set_ylabel("|x|")
-    ax.set_title(title or "abs max / abs min per frame", y=1.0, pad=4)
     if selected.empty:
-        ax.text(0.5, 0.5, "no frames to plot", ha="center", va="center", transform=ax.transAxes)
-        ax.set_yscale("log")
+        say_nothing_to_plot(ax, "no frames to plot" if frames.empty
+                            else "no frames with these roles")
         return figure
 
     codes, first_rows = frame_keys(selected)
     n_frames = len(first_rows)
-    # Per-frame reductions of values already in the table (max of maxima, min of non-zero minima).
     abs_max = selected["abs_max"].to_numpy(dtype=np.float64)
     abs_min = selected["abs_min"].to_numpy(dtype=np.float64)
-    bad = (selected["nan"].to_numpy(dtype=bool) | selected["inf"].to_numpy(dtype=bool))
-    frame_max = np.full(n_frames, np.nan)
-    frame_min = np.full(n_frames, np.nan)
-    with np.errstate(invalid="ignore"):
-        finite_max = np.where(np.isfinite(abs_max), abs_max, -np.inf)
-        maxima = np.full(n_frames, -np.inf)
-        np.maximum.at(maxima, codes, finite_max)
-        positive_min = np.where(np.isfinite(abs_min) & (abs_min > 0), abs_min, np.inf)
-        minima = np.full(n_frames, np.inf)
-        np.minimum.at(minima, codes, positive_min)
-    frame_max[np.isfinite(maxima) & (maxima > 0)] = maxima[np.isfinite(maxima) & (maxima > 0)]
-    frame_min[np.isfinite(minima)] = minima[np.isfinite(minima)]
+    bad = selected["nan"].to_numpy(dtype=bool) | selected["inf"].to_numpy(dtype=bool)
     frame_bad = np.zeros(n_frames, dtype=bool)
     np.logical_or.at(frame_bad, codes, bad)
+    with np.errstate(invalid="ignore"):
+        maxima = np.full(n_frames, -np.inf)
+        np.maximum.at(maxima, codes, np.where(np.isfinite(abs_max), abs_max, -np.inf))
+        minima = np.full(n_frames, np.inf)
+        np.minimum.at(minima, codes, np.where(np.isfinite(abs_min) & (abs_min > 0), abs_min, np.inf))
+    frame_max = np.where(np.isfinite(maxima) & (maxima > 0), maxima, np.nan)
+    frame_max[frame_bad] = np.nan  # its largest value is not finite: no point, no dip
+    frame_min = np.where(np.isfinite(minima), minima, np.nan)
+    finite_part = np.full(n_frames, np.nan)
+    if "finite_abs_max" in selected.columns and frame_bad.any():
+        finite_max = selected["finite_abs_max"].to_numpy(dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            best = np.full(n_frames, -np.inf)
+            np.maximum.at(best, codes, np.where(np.isfinite(finite_max), finite_max, -np.inf))
+        finite_part = np.where(frame_bad & np.isfinite(best) & (best > 0), best, np.nan)
 
-    x = np.arange(n_frames)
-    marker = "." if n_frames <= 200 else None
-    ax.plot(x, frame_max, marker=marker, color="tab:blue", label="abs max")
-    ax.plot(x, frame_min, marker=marker, color="tab:green", alpha=0.7, label="abs min (non-zero)")
+    numbers = np.arange(1, n_frames + 1)
+    bad_numbers = numbers[frame_bad]
+    first_bad = int(bad_numbers[0]) if bad_numbers.size else None
+    low, high = frame_window(n_frames, current if current is not None else focus, window,
+                             anchor=first_bad)
+    shown = slice(low - 1, high)
+    x = numbers[shown]
+    marker = "." if len(x) <= 200 else None
+    ax.plot(x, frame_max[shown], marker=marker, color="tab:blue", label="abs max")
+    ax.plot(x, frame_min[shown], marker=marker, color="tab:green", alpha=0.7,
+            label="abs min (non-zero)")
     ax.set_yscale("log")
+    ax.set_xlim(low - 0.5, high + 0.5)
 
     module_names = selected["module"].to_numpy(dtype=object)[first_rows]
-    labels = [module_label(str(name)) for name in module_names]
-    if n_frames <= 30:
+    if len(x) <= _NAMED_TICKS:
         ax.set_xticks(x)
-        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+        ax.set_xticklabels([short_label(str(name), 16) for name in module_names[shown]],
+                           rotation=60, ha="right", rotation_mode="anchor", fontsize=FONT_SIZE - 1.5)
+        ax.set_xlabel("frames: the module each one recorded", labelpad=2)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("frame number")
+    ax.set_ylabel("|x|")
+    if low > 1 or high < n_frames:
+        title = f"{title or 'abs max / abs min per frame'}  (frames {low}–{high} of {n_frames})"
+    ax.set_title(title or "abs max / abs min per frame", pad=14, loc="left")
 
+    _batch_boundaries(ax, selected, first_rows, low, high)
     limit_lines(ax, selected["dtype"].unique(), frame_max)
-    if frame_bad.any():
-        first = int(np.argmax(frame_bad))
-        ax.axvline(first, color="red", linewidth=1.5,
-                   label=f"first NaN/Inf: {labels[first]}")
-        ax.plot(x[frame_bad], np.full(int(frame_bad.sum()), 0.97), "x", color="red",
-                transform=ax.get_xaxis_transform(), label="non-finite frame")
-    if current is not None and 0 <= current < n_frames:
-        ax.axvspan(current - 0.5, current + 0.5, color="orange", alpha=0.2, label="current frame")
-    ax.legend(loc="lower left", fontsize=7)
+    shown_bad = bad_numbers[(bad_numbers >= low) & (bad_numbers <= high)]
+    if first_bad is not None:
+        label = f"first NaN/Inf, frame {first_bad}:\n{short_label(str(module_names[first_bad - 1]))}"
+        if low <= first_bad <= high:
+            ax.axvline(first_bad, color="red", linewidth=1.5, label=label)
+        else:
+            side = "→" if first_bad > high else "←"
+            ax.plot([], [], color="red", linewidth=1.5, label=f"{label} {side}")
+    if shown_bad.size:
+        ax.plot(shown_bad, np.full(shown_bad.size, 0.965), "v", color="red", markersize=6,
+                clip_on=False, transform=ax.get_xaxis_transform(), label="NaN/Inf frame")
+        in_part = finite_part[shown_bad - 1]
+        if np.isfinite(in_part).any():
+            ax.plot(shown_bad, in_part, "o", markerfacecolor="none", color="red", markersize=5,
+                    label="its largest finite |x|")
+    if current is not None and low <= current <= high:
+        ax.axvspan(current - 0.5, current + 0.5, color="orange", alpha=0.25, label="current frame")
+    readable_log_ticks(ax)
+    outside_legend(ax)
     return figure
+
+
+def _batch_boundaries(ax, selected: pd.DataFrame, first_rows: np.ndarray, low: int,
+                      high: int) -> None:
+    """Dotted lines where the batch (or rank, or phase) changes; each stretch labelled on top."""
+    columns = [c for c in ("rank", "batch", "phase") if c in selected.columns]
+    keys = list(zip(*(selected[c].to_numpy()[first_rows][low - 1:high].tolist() for c in columns)))
+    if not keys:
+        return
+    ranks = {key[0] for key in keys} if "rank" in columns else {0}
+    bbox = ax.get_position()
+    frame_px = (bbox.x1 - bbox.x0) * ax.figure.get_figwidth() * SCREEN_DPI / (high - low + 1)
+    char_px = FONT_SIZE * 0.8  # a label character in CSS pixels, about
+    starts = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
+    ends = starts[1:] + [len(keys)]
+    transform = ax.get_xaxis_transform()
+    for start, end in zip(starts, ends):
+        if start:
+            ax.axvline(low + start - 0.5, color="0.45", linestyle=":", linewidth=1)
+        values = dict(zip(columns, keys[start]))
+        text = f"batch {values.get('batch', '?')}"
+        if values.get("phase") == "backward":
+            text += " bwd"
+        if len(ranks) > 1:
+            text = f"r{values.get('rank')} {text}"
+        room = (end - start) * frame_px
+        if room < (len(text) + 1) * char_px:
+            text = text.replace("batch ", "b").replace(" bwd", "↩")
+        if room < (len(text) + 0.5) * char_px:
+            continue
+        ax.text(low + (start + end - 1) / 2, 1.01, text, transform=transform, ha="center",
+                va="bottom", fontsize=FONT_SIZE - 1.5, color="0.3", clip_on=False)

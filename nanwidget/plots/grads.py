@@ -10,7 +10,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .common import new_figure
+from .common import (new_figure, outside_legend, readable_log_ticks, say_nothing_to_plot,
+                     short_label)
 
 __all__ = ["plot_grad_norms"]
 
@@ -29,9 +30,8 @@ def plot_grad_norms(grad_history: pd.DataFrame, *, top: int = 8, threshold: floa
     else:
         figure = ax.figure
     if grad_history is None or len(grad_history) == 0:
-        ax.text(0.5, 0.5, "no gradient norms recorded yet\n(call check_grad_norms() after backward)",
-                ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
+        say_nothing_to_plot(ax, "no gradient norms recorded yet\n"
+                                "(call check_grad_norms() after backward)")
         return figure
     table = grad_history.copy()
     end = table["batch_end"] if "batch_end" in table else table["batch"]
@@ -41,7 +41,7 @@ def plot_grad_norms(grad_history: pd.DataFrame, *, top: int = 8, threshold: floa
     shown = list(ranking.index[:top])
     for param in shown:
         rows = finite[finite["param"] == param].sort_values("x")
-        ax.plot(rows["x"], rows["norm"], label=param, linewidth=1.2)
+        ax.plot(rows["x"], rows["norm"], label=short_label(param), linewidth=1.2)
     if len(ranking) > top:
         others = finite[~finite["param"].isin(shown)].groupby("x")["norm"].max()
         ax.plot(others.index, others.values, color="0.6", linewidth=0.8,
@@ -58,10 +58,11 @@ def plot_grad_norms(grad_history: pd.DataFrame, *, top: int = 8, threshold: floa
     low, high = float(table["x"].min()), float(table["x"].max())
     pad = max(0.5, (high - low) * 0.02)
     ax.set_xlim(low - pad, high + pad)  # crosses use axes coordinates: keep their batches in view
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     ax.set_xlabel("batch")
     ax.set_ylabel("gradient L2 norm")
-    ax.set_title("Gradient norms per parameter")
+    ax.set_title("Gradient norms per parameter", pad=6, loc="left")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize="small", loc="best")
+    readable_log_ticks(ax)
+    outside_legend(ax)
     return figure

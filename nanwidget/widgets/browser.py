@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import html
 import time
 from pathlib import Path
@@ -11,16 +12,21 @@ import ipywidgets as widgets
 import numpy as np
 import pandas as pd
 
-from ..plots import largest_modules, plot_frames, plot_history
-from ..plots.common import figure_png, module_label
+from ..plots import plot_frames, plot_history
+from ..plots.common import display_width, figure_png, module_label
+from ..plots.frames import DEFAULT_WINDOW
+from ..plots.history import neighbour_modules
 from .sources import BrowserSource, open_source
 from .table import FrameIndex, layer_pattern
+from .theme import ALERT, MUTED, STYLESHEET
 
 __all__ = ["FrameBrowser"]
 
 _ANY_TYPE = "(all types)"
 _ROLE_CHOICES = [("all roles", ""), ("weights", "weights"), ("inputs", "inputs"),
                  ("outputs", "outputs"), ("grads", "grads")]
+# A data: URI larger than this is refused by some browsers: save to a path instead.
+_DOWNLOAD_LIMIT = 1_500_000
 
 
 def _classed(widget: widgets.Widget, *classes: str) -> Any:
@@ -34,24 +40,44 @@ class FrameBrowser(widgets.VBox):
 
     ``source``: a NanWatch, a loaded Run, a Trace, a NanEvent or a frames DataFrame. Opens at
     the first event's frame when there is one. Parts carry the CSS classes of the contract
-    (``nw-browser``, ``nw-status``, ``nw-prev`` ...). ``export_dir`` is where the export
-    button writes; ``plots=False`` leaves the plots out (e.g. for very large tables).
+    (``nw-browser``, ``nw-status``, ``nw-prev`` ...). Controls and table sit left of the plots
+    (they wrap below on narrow pages). "frame N" is the same number everywhere: the slider, the
+    table's heading and the frames plot's x axis, where the current frame is marked.
+
+    Export: "export frames" offers the filtered frames as a CSV download in the browser; a path
+    typed next to "save" writes them on the kernel's machine instead (``.csv`` or ``.parquet``;
+    a bare folder or nothing: a timestamped file in it or in ``export_dir``, default the working
+    directory). ``plots=False`` leaves the plots out (e.g. for very large tables).
+
+    Displayed in a notebook, the browser also leaves a static HTML copy of itself (status, frame
+    table, plots) in the output, hidden while the live widget shows: a saved notebook reopened
+    without its kernel shows that copy instead of "model not found". ``static_copy=False``
+    leaves it out.
     """
 
     def __init__(self, source: Any, *, export_dir: str | Path | None = None,
-                 plots: bool = True) -> None:
+                 plots: bool = True, static_copy: bool = True) -> None:
         self._origin = source
         self.source: BrowserSource = open_source(source)
         self.export_dir = Path(export_dir) if export_dir is not None else Path.cwd()
         self.show_plots = plots
+        self.static_copy = static_copy
         self.last_trace: Any = None
         self.last_export: Path | None = None
+        self.last_download: tuple[str, bytes] | None = None
         self._mask = np.zeros(0, dtype=bool)
         self._visible = np.zeros(0, dtype=np.int64)
         self._updating = False
+        self._frames_axis: tuple[float, ...] | None = None  # xlim and axes box of the frames plot
+        self._frames_window = (1, 0)
+        self._history_stale = True
+        self._history_png = b""
         self._build_parts()
         super().__init__(children=self._layout())
         self.add_class("nw-browser")
+        # Marks the live view: the static copy next to it hides while this class is on the page.
+        self._live_class = f"nw-live-{self.model_id}"
+        self.add_class(self._live_class)
         self._load_view(next(iter(self.source.views)))
         if self.source.trace is not None:
             self._show_trace(self.source.trace)
@@ -59,63 +85,102 @@ class FrameBrowser(widgets.VBox):
     # ------------------------------------------------------------------ parts
     def _build_parts(self) -> None:
         source = self.source
+        full = dict(width="100%")
+        self.style = widgets.HTML(STYLESHEET, layout=widgets.Layout(display="none"))
         self.status = _classed(widgets.HTML(), "nw-status")
-        self.view = _classed(widgets.Dropdown(options=list(source.views), description="frames",
-                                              layout=widgets.Layout(width="420px")), "nw-view")
-        refresh_layout = widgets.Layout(width="100px",
+        self.view = _classed(widgets.Dropdown(options=list(source.views), description="view",
+                                              tooltip="which frames to browse",
+                                              layout=widgets.Layout(flex="1 1 auto",
+                                                                    width="auto")), "nw-view")
+        self.view.style.description_width = "34px"
+        refresh_layout = widgets.Layout(width="36px",
                                         display=None if source.refreshable else "none")
-        self.refresh = _classed(widgets.Button(description="Refresh", icon="refresh",
+        self.refresh = _classed(widgets.Button(icon="refresh",
                                                tooltip="read the frames again from the source",
                                                layout=refresh_layout), "nw-refresh")
-        self.prev = _classed(widgets.Button(description="◀ back", tooltip="step one frame back",
-                                            layout=widgets.Layout(width="90px")), "nw-prev")
-        self.next = _classed(widgets.Button(description="forward ▶",
-                                            tooltip="step one frame forward",
-                                            layout=widgets.Layout(width="100px")), "nw-next")
+        self.prev = _classed(widgets.Button(description="◀", tooltip="one frame back",
+                                            layout=widgets.Layout(width="40px")), "nw-prev")
+        self.next = _classed(widgets.Button(description="▶", tooltip="one frame forward",
+                                            layout=widgets.Layout(width="40px")), "nw-next")
         self.frame = _classed(widgets.IntSlider(min=1, max=1, value=1, description="frame",
                                                 continuous_update=True,
-                                                layout=widgets.Layout(width="360px")), "nw-frame")
+                                                layout=widgets.Layout(flex="1 1 auto",
+                                                                      width="auto")),
+                              "nw-frame")
+        self.frame.style.description_width = "40px"
         self.first_bad = _classed(widgets.Button(description="first NaN/Inf",
                                                  button_style="danger",
-                                                 tooltip="jump to the first frame holding a NaN or Inf"),
+                                                 tooltip="jump to the first frame holding a NaN or Inf",
+                                                 layout=widgets.Layout(width="120px")),
                                   "nw-first-bad")
-        self.filter_layer = _classed(widgets.Text(placeholder="layer name or regex",
-                                                  description="layer", continuous_update=False,
-                                                  layout=widgets.Layout(width="260px")),
+        self.only_bad = _classed(widgets.Checkbox(description="only NaN/Inf", indent=False,
+                                                  tooltip="show only tensors holding a NaN/Inf",
+                                                  layout=widgets.Layout(width="auto",
+                                                                        margin="0 0 0 12px")),
+                                 "nw-only-bad")
+        self.filter_layer = _classed(widgets.Text(placeholder="layer: name or regex",
+                                                  continuous_update=False,
+                                                  tooltip="module name filter (regex)",
+                                                  layout=widgets.Layout(**full)),
                                      "nw-filter-layer")
-        self.filter_type = _classed(widgets.Dropdown(options=[_ANY_TYPE], description="type",
-                                                     layout=widgets.Layout(width="240px")),
+        self.filter_type = _classed(widgets.Dropdown(options=[_ANY_TYPE],
+                                                     tooltip="module type filter",
+                                                     layout=widgets.Layout(width="50%")),
                                     "nw-filter-type")
         self.filter_role = _classed(widgets.Dropdown(options=_ROLE_CHOICES, value="",
-                                                     description="role",
-                                                     layout=widgets.Layout(width="200px")),
+                                                     tooltip="role filter",
+                                                     layout=widgets.Layout(width="50%")),
                                     "nw-filter-role")
-        self.only_bad = _classed(widgets.Checkbox(description="only NaN/Inf", indent=False,
-                                                  layout=widgets.Layout(width="130px")),
-                                 "nw-only-bad")
         self.table = _classed(widgets.HTML(), "nw-frame-table")
-        plot_layout = dict(width="600px", height="auto")
-        self.frames_image = _classed(widgets.Image(format="png", layout=widgets.Layout(**plot_layout)),
+
+        self.plot_choice = _classed(widgets.ToggleButtons(
+            options=[("frames", "frames"), ("history", "history")], value="frames",
+            tooltips=["abs max / abs min of each frame; the current frame is marked",
+                      "abs max of module outputs across batches"],
+            style={"button_width": "80px"}), "nw-plot-choice")
+        image_layout = dict(width="540px", height="auto", grid_area="1 / 1 / 2 / 2")
+        self.frames_image = _classed(widgets.Image(format="png",
+                                                   layout=widgets.Layout(**image_layout)),
                                      "nw-plot-frames")
-        self.history_image = _classed(widgets.Image(format="png",
-                                                    layout=widgets.Layout(**plot_layout)),
-                                      "nw-plot-history")
-        self.plot_note = widgets.HTML()
-        self.plot = _classed(widgets.HBox([self.frames_image, self.history_image, self.plot_note],
-                                          layout=widgets.Layout(flex_flow="row wrap")), "nw-plot")
-        self.batch = _classed(widgets.Dropdown(options=[], description="batch",
-                                               layout=widgets.Layout(width="200px")), "nw-batch")
+        self.frame_marker = _classed(widgets.HTML(layout=widgets.Layout(
+            grid_area="1 / 1 / 2 / 2", width="100%", height="100%", margin="0")),
+            "nw-marker-layer")
+        self.frames_plot = _classed(widgets.GridBox(
+            [self.frames_image, self.frame_marker],
+            layout=widgets.Layout(grid_template_columns="auto", grid_template_rows="auto",
+                                  width="fit-content", max_width="100%")), "nw-plot-stack")
+        self.history_image = _classed(widgets.Image(format="png", layout=widgets.Layout(
+            width="540px", height="auto", display="none")), "nw-plot-history")
+        self.plot_note = _classed(widgets.HTML(), "nw-plot-note")
+        self.plot = _classed(widgets.VBox([self.plot_choice, self.frames_plot, self.history_image,
+                                           self.plot_note],
+                                          layout=widgets.Layout(flex="0 1 auto",
+                                                                max_width="100%")), "nw-plot")
+
+        self.batch = _classed(widgets.Dropdown(options=[], tooltip="batch to re-run",
+                                               layout=widgets.Layout(width="100px")), "nw-batch")
         reason = source.no_replay_reason
         self.rerun = _classed(widgets.Button(
             description="re-run in trace mode" if not reason else "re-run not available",
             tooltip=reason or "replay this batch op by op and show where the NaN is made",
-            disabled=bool(reason), layout=widgets.Layout(width="220px")), "nw-rerun")
+            disabled=bool(reason), layout=widgets.Layout(flex="1 1 auto", width="auto")),
+            "nw-rerun")
         self.trace = _classed(widgets.HTML(
             value=f"<i>{html.escape(reason)}</i>" if reason else ""), "nw-trace")
-        self.export = _classed(widgets.Button(description="export frames", icon="download",
-                                              tooltip="write the filtered frames to a file"),
-                               "nw-export")
-        self.export_path = _classed(widgets.HTML(), "nw-export-path")
+        self.export = _classed(widgets.Button(description="export frames (CSV)", icon="download",
+                                              tooltip="download the filtered frames to this "
+                                                      "computer as CSV",
+                                              layout=widgets.Layout(**full)), "nw-export")
+        self.save_path = _classed(widgets.Text(
+            placeholder="or save to: path.csv / .parquet",
+            tooltip="a file or folder on the kernel's machine",
+            layout=widgets.Layout(flex="1 1 auto", width="auto")), "nw-save-path")
+        self.save = _classed(widgets.Button(description="save", icon="save",
+                                            tooltip="write the filtered frames to this path on "
+                                                    "the kernel's machine (a folder or nothing: "
+                                                    "a timestamped file)",
+                                            layout=widgets.Layout(width="76px")), "nw-save")
+        self.export_link = _classed(widgets.HTML(), "nw-export-link")
 
         self.prev.on_click(lambda _: self.step(-1))
         self.next.on_click(lambda _: self.step(+1))
@@ -124,21 +189,32 @@ class FrameBrowser(widgets.VBox):
         for control in (self.filter_layer, self.filter_type, self.filter_role, self.only_bad):
             control.observe(self._on_filter, names="value")
         self.view.observe(self._on_view, names="value")
+        self.plot_choice.observe(lambda _: self._show_chosen_plot(), names="value")
         self.refresh.on_click(lambda _: self.reload())
         self.rerun.on_click(lambda _: self.rerun_batch())
-        self.export.on_click(lambda _: self.export_frames())
+        self.export.on_click(lambda _: self.offer_download())
+        self.save.on_click(lambda _: self._save_clicked())
 
     def _layout(self) -> list[widgets.Widget]:
-        return [
-            self.status,
-            widgets.HBox([self.view, self.refresh]),
-            widgets.HBox([self.prev, self.frame, self.next, self.first_bad]),
-            widgets.HBox([self.filter_layer, self.filter_type, self.filter_role, self.only_bad]),
-            self.table,
-            self.plot,
-            widgets.HBox([self.batch, self.rerun, self.export, self.export_path]),
-            self.trace,
-        ]
+        """Controls in a column beside the plot, the frame's table under both: about 520 px
+        tall, so that controls, plot and table share one screen (the plot wraps under the
+        controls on pages narrower than about 840 px)."""
+        row = widgets.Layout(width="100%", flex_flow="row nowrap", align_items="center")
+        controls = widgets.VBox([
+            widgets.HBox([self.view, self.refresh], layout=row),
+            widgets.HBox([self.prev, self.frame, self.next], layout=row),
+            widgets.HBox([self.first_bad, self.only_bad], layout=row),
+            self.filter_layer,
+            widgets.HBox([self.filter_type, self.filter_role], layout=row),
+            widgets.HBox([self.batch, self.rerun], layout=row),
+            self.export,
+            widgets.HBox([self.save_path, self.save], layout=row),
+        ], layout=widgets.Layout(width="280px", flex="0 0 auto"))
+        controls.add_class("nw-controls")
+        main = widgets.HBox([controls, self.plot],
+                            layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start",
+                                                  grid_gap="4px 16px"))
+        return [self.style, self.status, main, self.table, self.export_link, self.trace]
 
     # ------------------------------------------------------------------ data
     def _load_view(self, name: str, keep_filters: bool = False) -> None:
@@ -146,6 +222,7 @@ class FrameBrowser(widgets.VBox):
         self._view_label = name
         self.index = FrameIndex(self.source.views[name]())
         self.history = self.source.history() if self.source.history is not None else None
+        self._history_stale = True
         self._updating = True
         try:
             if self.view.value != name:
@@ -232,10 +309,11 @@ class FrameBrowser(widgets.VBox):
         self._updating = True
         try:
             self.frame.max = max(count, 1)
-            self.frame.value = target + 1  # the slider counts from 1, as people do
+            self.frame.value = target + 1  # frames are counted from 1, as people do
             self.frame.disabled = count <= 1
         finally:
             self._updating = False
+        self._history_stale = True
         self._render_frame()
         self._render_status()
         self._render_plots()
@@ -243,6 +321,7 @@ class FrameBrowser(widgets.VBox):
     def _on_frame(self, change: dict) -> None:
         if not self._updating:
             self._render_frame()
+            self._render_marker()
 
     def step(self, delta: int) -> None:
         """Move ``delta`` frames along the filtered frames (clamped at both ends)."""
@@ -272,7 +351,7 @@ class FrameBrowser(widgets.VBox):
                                 else "<i>No frames match the filters.</i>")
             return
         position = int(self._visible[self.frame.value - 1])
-        self.table.value = self.index.frame_html(position, self._mask, self.frame.value - 1,
+        self.table.value = self.index.frame_html(position, self._mask, self.frame.value,
                                                  len(self._visible))
 
     def _status_text(self) -> str:
@@ -290,9 +369,10 @@ class FrameBrowser(widgets.VBox):
         events = self.source.events
         if events:
             more = f" ({len(events)} events; first shown)" if len(events) > 1 else ""
-            words = f"<span style='color:#b00000'>{html.escape(events[0].summary(), quote=False)}</span>{more}"
+            words = (f"<span class='nw-alert' style='{ALERT}'>"
+                     f"{html.escape(events[0].summary(), quote=False)}</span>{more}")
         elif index.frame_bad.any():
-            words = "<span style='color:#b00000'>NaN/Inf in these frames</span>"
+            words = f"<span class='nw-alert' style='{ALERT}'>NaN/Inf in these frames</span>"
         else:
             words = "no NaN/Inf seen"
         return f"{held} · {words}"
@@ -301,29 +381,135 @@ class FrameBrowser(widgets.VBox):
         self.status.value = self._status_text()
 
     def _render_plots(self) -> None:
+        """Draw the frames plot of the filtered rows (and the history plot when it is shown)."""
         if not self.show_plots:
             self.plot.layout.display = "none"
             return
         rows = self.filtered_frames
-        self.frames_image.value = figure_png(plot_frames(
-            rows, title=f"abs max / abs min per frame ({self._view_label})"))
+        if rows.empty:
+            self._frames_axis = None
+            self.frames_image.value = b""
+            self.frame_marker.value = ""
+        else:
+            self._draw_frames_plot()
+        self._show_chosen_plot()
+
+    def _draw_frames_plot(self, focus: int | None = None) -> None:
+        """Draw the frames plot (a window around ``focus`` when there are many frames)."""
+        figure = plot_frames(self.filtered_frames, window=DEFAULT_WINDOW,
+                             focus=focus if focus is not None else int(self.frame.value))
+        ax = figure.axes[0]
+        if ax.axison:
+            low, high = ax.get_xlim()
+            box = ax.get_position()
+            self._frames_axis = (low, high, box.x0, box.x1, box.y0, box.y1)
+            self._frames_window = (int(np.ceil(low)), int(np.floor(high)))
+        else:
+            self._frames_axis = None
+        self.frames_image.value = figure_png(figure)
+        self.frames_image.layout.width = f"{display_width(figure)}px"
+        self._render_marker(redraw=False)
+
+    def _render_marker(self, redraw: bool = True) -> None:
+        """Move the current-frame band over the frames plot: a cheap HTML change per step.
+
+        Only when the frame leaves the plotted window (hundreds of frames) is the plot redrawn,
+        centred on it.
+        """
+        axis = self._frames_axis
+        if axis is None or not len(self._visible) or not self.show_plots:
+            self.frame_marker.value = ""
+            return
+        number = int(self.frame.value)
+        first, last = self._frames_window
+        if redraw and not first <= number <= last:
+            self._draw_frames_plot(focus=number)
+            return
+        low, high, x0, x1, y0, y1 = axis
+        width = (x1 - x0) / (high - low)
+        left = x0 + (number - 0.5 - low) * width
+        module = module_label(str(self.index.module[self.index.first_rows[
+            int(self._visible[number - 1])]]))
+        self.frame_marker.value = (
+            f"<div class='nw-marker' title='frame {number}: {html.escape(module, quote=True)}' "
+            f"style='position:absolute;background:var(--nw-marker,rgba(255,152,0,.3));"
+            f"left:{left * 100:.3f}%;width:{width * 100:.3f}%;top:{(1 - y1) * 100:.3f}%;"
+            f"height:{(y1 - y0) * 100:.3f}%'></div>")
+
+    def _show_chosen_plot(self) -> None:
+        """Show the plot chosen with the toggle; draw the history only when it is looked at."""
+        if not self.show_plots:
+            return
+        rows_empty = self.filtered_frames.empty
+        if self.plot_choice.value == "frames":
+            self.history_image.layout.display = "none"
+            self.frames_plot.layout.display = "none" if rows_empty else None
+            self.plot_note.value = ("<i class='nw-muted'>no frames match the filters: nothing "
+                                    "to plot</i>" if rows_empty else "")
+            return
+        self.frames_plot.layout.display = "none"
+        note = self._ensure_history_png()
+        self.history_image.layout.display = "none" if note else None
+        self.plot_note.value = f"<i class='nw-muted'>{note}</i>" if note else ""
+
+    def history_modules(self) -> list[str]:
+        """Modules the history plot shows: the event's module and its neighbours, or, under a
+        layer/type filter, the matching modules (the event's first)."""
         history = self.history
         if history is None or history.empty:
-            self.history_image.layout.display = "none"
-            self.plot_note.value = "" if history is None else "<i>no history yet</i>"
-            return
+            return []
+        event_module = self._event_module()
         pattern = layer_pattern(self.filter_layer.value)
+        filtered = pattern is not None or self.filter_type.value not in (_ANY_TYPE, None)
+        if not filtered:
+            if event_module is not None:
+                return neighbour_modules(history, event_module, 5)
+            return []  # plot_history picks: around the first bad module, or the largest
         chosen = history
         if pattern is not None:
             chosen = chosen[chosen["module"].map(lambda m: bool(pattern.search(module_label(m))))]
         if self.filter_type.value not in (_ANY_TYPE, None):
             chosen = chosen[chosen["module_type"] == self.filter_type.value]
-        modules = largest_modules(chosen)
-        output_dtypes = rows.loc[rows["role"].astype(str).str.startswith("output"), "dtype"]
-        dtype = output_dtypes.iloc[-1] if len(output_dtypes) else None
-        self.history_image.layout.display = None
-        self.history_image.value = figure_png(plot_history(history, modules, dtype=dtype or None))
-        self.plot_note.value = ""
+        names = [str(m) for m in pd.unique(chosen["module"])]
+        if event_module in names:
+            names.remove(event_module)
+            names.insert(0, event_module)
+        return names[:6]
+
+    def _event_module(self) -> str | None:
+        if self.source.events:
+            return self.source.events[0].module
+        bad = np.flatnonzero(self.index.frame_bad)
+        if bad.size:
+            return str(self.index.module[self.index.first_rows[int(bad[0])]])
+        return None
+
+    def _ensure_history_png(self) -> str:
+        """Draw the history plot if the filters changed since; return a note when there is none."""
+        history = self.history
+        if history is None:
+            return "no history for this source"
+        if history.empty:
+            return "no history yet"
+        if self._history_stale:
+            modules = self.history_modules()
+            filtered = layer_pattern(self.filter_layer.value) is not None or \
+                self.filter_type.value not in (_ANY_TYPE, None)
+            if filtered and not modules:
+                self._history_png = b""
+                self._history_stale = False
+                return "no module matches the filters: nothing to plot"
+            rows = self.filtered_frames
+            output_dtypes = rows.loc[rows["role"].astype(str).str.startswith("output"), "dtype"] \
+                if not rows.empty else pd.Series([], dtype=object)
+            dtype = output_dtypes.iloc[-1] if len(output_dtypes) else None
+            figure = plot_history(history, modules or None, dtype=dtype or None,
+                                  around=self._event_module())
+            self._history_png = figure_png(figure)
+            self.history_image.value = self._history_png
+            self.history_image.layout.width = f"{display_width(figure)}px"
+            self._history_stale = False
+        return "" if self._history_png else "no module matches the filters: nothing to plot"
 
     # ------------------------------------------------------------------ re-run and export
     def rerun_batch(self, batch: int | None = None) -> Any:
@@ -341,8 +527,8 @@ class FrameBrowser(widgets.VBox):
         try:
             trace = watch.replay(batch)
         except Exception as error:  # a batch no longer held, a closed watch: say so, stay usable
-            self.trace.value = (f"<span style='color:#b00000'>could not re-run batch {batch}: "
-                                f"{html.escape(f'{type(error).__name__}: {error}')}</span>")
+            self.trace.value = (f"<span class='nw-alert' style='{ALERT}'>could not re-run batch "
+                                f"{batch}: {html.escape(f'{type(error).__name__}: {error}')}</span>")
             return None
         self._show_trace(trace)
         name = f"trace of re-run batch {batch}"
@@ -363,40 +549,149 @@ class FrameBrowser(widgets.VBox):
         first = getattr(trace, "first_bad", None)
         if first is not None:
             op = html.escape(str(first.get("op", "?")))
-            where = html.escape(str(first.get("source", "")))
+            where = str(first.get("source", "") or "")
             module = html.escape(module_label(str(first.get("module", ""))))
-            headline = (f"<b style='color:#b00000'>first bad op: {op}</b> in module {module}"
-                        f" at {where}")
+            place = (f" at <code>{html.escape(where)}</code>" if where else
+                     " <span class='nw-muted'>(no line of your code on the stack: the op ran "
+                     "inside torch or a library)</span>")
+            headline = (f"<b class='nw-alert' style='{ALERT}'>first bad op: {op}</b> in module "
+                        f"{module}{place}")
         elif not getattr(trace, "reproduced", True):
             headline = (f"<b>not reproduced</b>, because "
                         f"{html.escape(trace.why_not_reproduced())}")
         else:
             headline = f"<b>{html.escape(trace.summary())}</b>"
         report = html.escape(trace.report()) if callable(getattr(trace, "report", None)) else ""
-        self.trace.value = (f"<div class='nw-trace-head'>{headline}</div><pre style='line-height:1.3;max-height:"
-                            f"320px;overflow:auto;font-size:11px'>{report}</pre>")
+        self.trace.value = f"<div class='nw-trace-head'>{headline}</div><pre>{report}</pre>"
 
-    def export_frames(self) -> Path:
-        """Write the filtered frames: parquet when pyarrow is there, else CSV. Returns the path."""
-        rows = self.filtered_frames
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.export_dir.mkdir(parents=True, exist_ok=True)
+    def _export_table(self) -> pd.DataFrame:
+        return self.filtered_frames
+
+    def offer_download(self) -> str:
+        """Make the filtered frames a CSV download link (a data: URI the browser saves as a file).
+
+        Returns the file name offered; the link appears under the buttons. Tables too large for
+        a data: URI are refused with a message pointing at "save".
+        """
+        rows = self._export_table()
+        data = rows.to_csv(index=False).encode("utf-8")
+        name = f"nanwidget-frames-{time.strftime('%Y%m%d-%H%M%S')}.csv"
+        encoded = base64.b64encode(data).decode("ascii")
+        if len(encoded) > _DOWNLOAD_LIMIT:
+            self.export_link.value = (
+                f"<span class='nw-alert' style='{ALERT}'>{len(rows)} rows make "
+                f"{len(data) / 1e6:.1f} MB: too large for a browser download; filter them, or "
+                f"save them to a path on the kernel's disk</span>")
+            return ""
+        self.last_download = (name, data)
+        self.export_link.value = (
+            f"<a class='nw-download' download='{name}' href='data:text/csv;base64,{encoded}'>"
+            f"⬇ {name}</a> <span class='nw-muted' style='{MUTED}'>({len(rows)} rows, "
+            f"{_size(len(data))}): click to save it from the browser</span>")
+        return name
+
+    def _save_clicked(self) -> None:
         try:
-            import pyarrow  # noqa: F401
-            suffix = ".parquet"
-        except ImportError:
-            suffix = ".csv"
-        path = self.export_dir / f"nanwidget-frames-{stamp}{suffix}"
-        counter = 1
-        while path.exists():
-            path = self.export_dir / f"nanwidget-frames-{stamp}-{counter}{suffix}"
-            counter += 1
+            self.export_frames(self.save_path.value.strip() or None)
+        except (OSError, ValueError) as error:
+            self.export_link.value = (f"<span class='nw-alert' style='{ALERT}'>could not save: "
+                                      f"{html.escape(str(error))}</span>")
+
+    def export_frames(self, path: str | Path | None = None) -> Path:
+        """Write the filtered frames on the kernel's machine and return the path written.
+
+        ``path``: a ``.csv`` or ``.parquet`` file, or a folder; none: ``export_dir``. In a
+        folder the file is named ``nanwidget-frames-<time>`` (parquet when pyarrow is
+        installed, else CSV). Raises ValueError for another suffix.
+        """
+        rows = self._export_table()
+        target = Path(path).expanduser() if path is not None else self.export_dir
+        if target.suffix.lower() in (".csv", ".parquet"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            suffix = target.suffix.lower()
+        elif target.suffix and not target.is_dir():
+            raise ValueError(f"save to a .csv or .parquet file (or a folder), not {target.name!r}")
+        else:
+            target.mkdir(parents=True, exist_ok=True)
+            suffix = ".parquet" if _has_pyarrow() else ".csv"
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            folder, target = target, target / f"nanwidget-frames-{stamp}{suffix}"
+            counter = 1
+            while target.exists():
+                target = folder / f"nanwidget-frames-{stamp}-{counter}{suffix}"
+                counter += 1
         if suffix == ".parquet":
             table = rows.copy()
             table["shape"] = table["shape"].map(lambda s: list(s) if isinstance(s, tuple) else s)
-            table.to_parquet(path, index=False)
+            table.to_parquet(target, index=False)
         else:
-            rows.to_csv(path, index=False)
-        self.last_export = path
-        self.export_path.value = f"wrote {len(rows)} rows to <code>{html.escape(str(path))}</code>"
-        return path
+            rows.to_csv(target, index=False)
+        self.last_export = target.resolve()
+        self.export_link.value = (f"wrote {len(rows)} rows to "
+                                  f"<code>{html.escape(str(self.last_export))}</code>")
+        return self.last_export
+
+    # ------------------------------------------------------------------ static copy
+    def static_html(self) -> str:
+        """The browser as plain HTML: status, the current frame's table and both plots as PNG.
+
+        What a saved notebook shows when its widgets cannot come back (no kernel, another
+        viewer); :meth:`_ipython_display_` leaves it next to the live widget, hidden while the
+        widget shows.
+        """
+        token = self.model_id
+        parts = [
+            STYLESHEET,
+            # Hidden while the live browser is on the page; with no live browser, the
+            # "Error displaying widget: model not found" line just above it is hidden instead.
+            f"<style>body:has(.nw-live-{token}) .nw-static-{token} {{display:none}}\n"
+            f".jp-OutputArea-child:has(+ .jp-OutputArea-child .nw-static-{token}) > "
+            f".jp-OutputArea-output.jupyter-widgets:not(:has(*)) {{display:none}}</style>",
+            f"<div class='nw-static nw-static-{token}'>",
+            f"<div class='nw-muted' style='{MUTED};font-size:11px'>nanwidget FrameBrowser: a "
+            "static copy saved with the notebook (run the cell again for the interactive one)"
+            "</div>",
+            f"<div class='nw-status'>{self.status.value}</div>",
+            f"<div class='nw-frame-table'>{self.table.value}</div>",
+        ]
+        if self.show_plots and not self.filtered_frames.empty and self.frames_image.value:
+            # The live plot's own PNG with the same marker over it: no second drawing.
+            width = self.frames_image.layout.width or "540px"
+            parts.append("<div style='display:flex;flex-wrap:wrap;gap:8px;align-items:flex-start'>")
+            parts.append(f"<div style='position:relative;width:{width};max-width:100%'>"
+                         f"{_img(bytes(self.frames_image.value), 'frames plot', '100%')}"
+                         f"{self.frame_marker.value}</div>")
+            if self.history is not None and not self.history.empty and \
+                    not self._ensure_history_png():
+                parts.append(_img(self._history_png, "history plot",
+                                  self.history_image.layout.width or "540px"))
+            parts.append("</div>")
+        if self.trace.value and self.last_trace is not None:
+            parts.append(f"<div class='nw-trace'>{self.trace.value}</div>")
+        parts.append("</div>")
+        return "\n".join(parts)
+
+    def _ipython_display_(self, **kwargs: Any) -> None:
+        """Display the live widget, then its static copy (see :meth:`static_html`)."""
+        from IPython.display import display
+        display(self._repr_mimebundle_(**kwargs), raw=True)
+        if self.static_copy:
+            display({"text/html": self.static_html(),
+                     "text/plain": "(static copy of the FrameBrowser above)"}, raw=True)
+
+
+def _img(png: bytes, alt: str, width: str) -> str:
+    return (f"<img alt='{alt}' style='width:{width};max-width:100%;display:block' "
+            f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e6:.1f} MB" if count >= 1e6 else f"{max(1, round(count / 1e3))} KB"
+
+
+def _has_pyarrow() -> bool:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -12,14 +12,15 @@ import pandas as pd
 from ..core.schema import note_has_stats
 from ..core.stats import dtype_max
 from ..plots.common import frame_keys, module_label, role_groups
+from .theme import ALERT, MUTED, NEAR_LIMIT_ROW, NONFINITE_ROW
 
 __all__ = ["FrameIndex", "NEAR_LIMIT_FRACTION", "layer_pattern"]
 
 # An abs max above this fraction of its dtype's largest value is marked (fp16: 6550.4).
 NEAR_LIMIT_FRACTION = 0.1
 
-_NONFINITE_STYLE = "background:#ffd6d6;color:#8b0000;font-weight:bold"
-_NEAR_STYLE = "background:#fff1c2"
+_NONFINITE_STYLE = NONFINITE_ROW
+_NEAR_STYLE = NEAR_LIMIT_ROW
 _CELL = "padding:1px 8px;text-align:right;font-family:monospace"
 _CELL_LEFT = "padding:1px 8px;text-align:left;font-family:monospace"
 
@@ -107,20 +108,27 @@ class FrameIndex:
         return self._position.get((rank, batch, phase, frame))
 
     # ------------------------------------------------------------------ rendering
-    def frame_html(self, position: int, mask: np.ndarray | None, step: int, steps: int) -> str:
-        """The table of frame ``position``: its rows under ``mask``, flagged."""
+    def frame_html(self, position: int, mask: np.ndarray | None, number: int, count: int) -> str:
+        """The table of frame ``position``, shown as frame ``number`` of ``count``: its rows
+        under ``mask``, flagged.
+
+        "frame" always means the browser's 1-based count (the slider's number, the plot's x).
+        The hook order within the batch (the DataFrame's ``frame`` column) is called "hook".
+        """
         rows = self.rows_of_frame[position]
         if mask is not None:
             rows = rows[mask[rows]]
         table = self.table
         first = table.iloc[int(self.first_rows[position])]
         rank = f" · rank {first['rank']}" if len(self.ranks) > 1 else ""
-        bad = " · <b style='color:#b00000'>non-finite</b>" if self.frame_bad[position] else ""
-        head = (f"<div class='nw-frame-head'><b>{html.escape(module_label(str(first['module'])))}</b>"
-                f" ({html.escape(str(first['module_type']))}) · call {first['call']} · "
-                f"{html.escape(str(first['phase']))} · batch {first['batch']} · frame "
-                f"{first['frame']}{rank}{bad} <span style='color:gray'>(step {step + 1} of "
-                f"{steps})</span></div>")
+        bad = f" · <b class='nw-alert' style='{ALERT}'>NaN/Inf</b>" if self.frame_bad[position] else ""
+        head = (f"<div class='nw-frame-head'><b>frame {number}</b>"
+                f"<span class='nw-muted' style='{MUTED}'> of {count}</span> · "
+                f"<b>{html.escape(module_label(str(first['module'])))}</b>"
+                f" ({html.escape(str(first['module_type']))}) · batch {first['batch']}, "
+                f"<span title='its place in the batch&#39;s hook order: the frame column of the "
+                f"DataFrame'>hook {first['frame']}</span> · {html.escape(str(first['phase']))}"
+                f" · call {first['call']}{rank}{bad}</div>")
         lines = ["<table class='nw-table' style='border-collapse:collapse'>",
                  "<thead><tr>" + "".join(
                      f"<th style='{_CELL_LEFT if i < 3 else _CELL}'>{name}</th>"
