@@ -14,8 +14,8 @@ from torch import nn
 
 import nanwidget as nw
 from nanwidget.core.history import History
-from nanwidget.plots import largest_modules, plot_frames, plot_history
-from nanwidget.plots.common import figure_png
+from nanwidget.plots import largest_modules, neighbour_modules, plot_frames, plot_history
+from nanwidget.plots.common import HIDPI_SCALE, display_width, figure_png
 
 from conftest import TinyMLP
 
@@ -39,6 +39,28 @@ def _hlines_at(ax, value: float) -> list:
             and line.get_xdata()[0] == 0 and line.get_xdata()[1] == 1]
 
 
+def _first_bad_number(frames) -> int:
+    """1-based number, in buffer order, of the first frame holding a NaN/Inf."""
+    keys = frames.groupby(["rank", "batch", "phase", "frame"], sort=False)
+    return [i for i, (_, rows) in enumerate(keys, start=1) if (rows["nan"] | rows["inf"]).any()][0]
+
+
+def _red_verticals(ax) -> list:
+    return [line for line in ax.lines if line.get_color() == "red"
+            and len(line.get_xdata()) == 2 and line.get_xdata()[0] == line.get_xdata()[1]]
+
+
+def _drawn(figure):
+    """Lay the figure out as savefig would (an Agg canvas), so that text extents are real."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    FigureCanvasAgg(figure).draw()
+    return figure
+
+
+def _legend_texts(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
 def test_frames_plot_draws_float16_limit_and_marks_first_bad_frame():
     model = TinyMLP().half()
     with _record(model, batches=4, nan_at=3, dtype=torch.float16, max_frames=12) as watch:
@@ -47,14 +69,101 @@ def test_frames_plot_draws_float16_limit_and_marks_first_bad_frame():
     ax = figure.axes[0]
     assert ax.get_yscale() == "log"
     assert len(_hlines_at(ax, 65504.0)) == 1
-    # The red vertical line sits at the first frame holding a NaN, counted in buffer order.
-    keys = frames.groupby(["rank", "batch", "phase", "frame"], sort=False)
-    first_bad = [i for i, (_, rows) in enumerate(keys) if (rows["nan"] | rows["inf"]).any()][0]
-    verticals = [line for line in ax.lines if line.get_color() == "red"
-                 and len(line.get_xdata()) == 2 and line.get_xdata()[0] == line.get_xdata()[1]]
+    # The red vertical line sits at the first frame holding a NaN, numbered 1, 2, ... as the
+    # browser numbers them.
+    first_bad = _first_bad_number(frames)
+    verticals = _red_verticals(ax)
     assert verticals and verticals[0].get_xdata()[0] == first_bad
-    assert "first NaN/Inf: fc2" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert f"first NaN/Inf: frame {first_bad}\nfc2" in _legend_texts(ax)
     assert figure_png(figure).startswith(b"\x89PNG")
+
+
+def test_non_finite_frame_is_marked_at_the_top_not_drawn_as_a_dip():
+    model = TinyMLP()
+    with _record(model, batches=4, nan_at=3, max_frames=12) as watch:
+        frames = watch.event.frames
+    ax = plot_frames(frames).axes[0]
+    first_bad = _first_bad_number(frames)
+    abs_max_line = ax.lines[0]
+    x, y = abs_max_line.get_xdata(), abs_max_line.get_ydata()
+    # The bad frame has finite weights (bias) beside its NaN: no point may be drawn for it.
+    assert np.isnan(y[list(x).index(first_bad)])
+    triangles = [line for line in ax.lines if line.get_marker() == "v"]
+    assert triangles and first_bad in list(triangles[0].get_xdata())
+    assert np.allclose(triangles[0].get_ydata(), 0.965)  # axes fraction: along the top
+    assert "NaN/Inf frame" in _legend_texts(ax)
+
+
+def test_frames_carrying_finite_abs_max_show_the_finite_part_of_a_bad_frame():
+    model = TinyMLP()
+    with _record(model, batches=2, nan_at=1, max_frames=12) as watch:
+        frames = watch.event.frames.copy()
+    if "finite_abs_max" not in frames.columns:  # the contract's column, before the core has it
+        finite = np.isfinite(frames["abs_max"])
+        frames["finite_abs_max"] = frames["abs_max"].where(finite, np.nan)
+        frames.loc[frames["role"] == "output", "finite_abs_max"] = 7.5
+    ax = plot_frames(frames).axes[0]
+    circles = [line for line in ax.lines if line.get_marker() == "o"]
+    assert circles, "a bad frame's largest finite value is drawn as a hollow circle"
+    first_bad = _first_bad_number(frames)
+    assert list(circles[0].get_xdata()) == [first_bad]
+    bad_rows = frames.groupby(["rank", "batch", "phase", "frame"], sort=False)
+    expected = [rows["finite_abs_max"].max() for i, (_, rows) in enumerate(bad_rows, start=1)
+                if i == first_bad][0]
+    assert circles[0].get_ydata()[0] == pytest.approx(expected)
+
+
+def test_legend_sits_beside_the_axes_not_on_the_data():
+    model = TinyMLP()
+    with _record(model, batches=5, nan_at=3, max_frames=21) as watch:
+        frames, history = watch.event.frames, watch.history()
+    for figure in (plot_frames(frames, current=3), plot_history(history, dtype="float32")):
+        _drawn(figure)
+        ax = figure.axes[0]
+        legend = ax.get_legend().get_window_extent()
+        assert legend.x0 >= ax.get_window_extent().x1
+        assert legend.x1 <= figure.bbox.x1 + 1  # and still inside the figure
+
+
+def test_figures_are_drawn_at_twice_their_display_width():
+    model = TinyMLP()
+    with _record(model, batches=1, nan_at=None) as watch:
+        figure = plot_frames(watch.frames())
+    png = figure_png(figure)
+    width = int.from_bytes(png[16:20], "big")  # IHDR
+    assert width == HIDPI_SCALE * display_width(figure)
+
+
+def test_batch_boundaries_are_dotted_lines_labelled_along_the_top():
+    model = TinyMLP()
+    with _record(model, batches=3, nan_at=None, max_frames=18) as watch:
+        frames = watch.frames()
+    ax = plot_frames(frames).axes[0]
+    dotted = [line for line in ax.lines if line.get_linestyle() == ":"]
+    assert len(dotted) == frames["batch"].nunique() - 1
+    labels = {t.get_text() for t in ax.texts}
+    assert {f"batch {b}" for b in frames["batch"].unique()} <= labels
+    # each boundary sits between the last frame of one batch and the first of the next
+    per_frame = frames.groupby(["rank", "batch", "phase", "frame"], sort=False)["batch"].first()
+    changes = [i + 0.5 for i in range(1, len(per_frame)) if per_frame.iat[i] != per_frame.iat[i - 1]]
+    assert sorted(line.get_xdata()[0] for line in dotted) == changes
+
+
+def test_hundreds_of_frames_are_drawn_as_a_window_around_the_current_one():
+    model = TinyMLP()
+    with _record(model, batches=70, nan_at=None, max_frames=400) as watch:
+        frames = watch.frames()
+    n_frames = frames.groupby(["rank", "batch", "phase", "frame"]).ngroups
+    assert n_frames == 400
+    ax = plot_frames(frames, current=200, window=40).axes[0]
+    low, high = ax.get_xlim()
+    assert (low, high) == (180 - 0.5, 219 + 0.5)
+    assert "frames 180–219 of 400" in ax.get_title(loc="left")
+    assert len(ax.lines[0].get_xdata()) == 40
+    # a current frame at the end keeps a full window
+    assert plot_frames(frames, current=400, window=40).axes[0].get_xlim() == (360.5, 400.5)
+    # window=None draws everything
+    assert len(plot_frames(frames, window=None).axes[0].lines[0].get_xdata()) == 400
 
 
 def test_frames_plot_one_point_per_frame_from_the_chosen_roles():
@@ -68,26 +177,92 @@ def test_frames_plot_one_point_per_frame_from_the_chosen_roles():
     np.testing.assert_allclose(abs_max_line.get_ydata(), expected)
 
 
-def test_frames_plot_of_no_rows_says_so():
+def test_frames_plot_of_no_rows_says_so_without_empty_axes():
     model = TinyMLP()
     with _record(model, batches=1, nan_at=None) as watch:
         frames = watch.frames()
     figure = plot_frames(frames, roles="grads")  # forward-only watch: no gradient rows
-    assert "no frames to plot" in [t.get_text() for t in figure.axes[0].texts]
+    ax = figure.axes[0]
+    assert "no frames with these roles" in [t.get_text() for t in ax.texts]
+    assert not ax.axison
 
 
-def test_history_plot_defaults_to_largest_modules_and_limit_line():
+def test_history_plot_without_nan_defaults_to_largest_modules_and_limit_line():
     model = TinyMLP()
     with _record(model, batches=5, nan_at=None, scale=3.0) as watch:
         history = watch.history()
     figure = plot_history(history, dtype="float16", count=2)
     ax = figure.axes[0]
     peaks = history.groupby("module")["abs_max"].max().sort_values(ascending=False)
-    labels = [t.get_text() for t in ax.get_legend().get_texts()]
     top_two = ["<root>" if m == "" else m for m in peaks.index[:2]]
-    assert labels[:2] == top_two
+    assert _legend_texts(ax)[:2] == top_two
     assert _hlines_at(ax, 65504.0)
     assert ax.get_yscale() == "log"
+
+
+class Deep(nn.Module):
+    """Twelve named layers after an embedding-like first layer: a NaN from the data enters at
+    `inp` and spreads to every later layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+                                    for _ in range(12))
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def test_history_plot_shows_the_event_module_and_its_neighbours():
+    model = Deep()
+    with torch.no_grad():  # the largest values live far from where the NaN enters
+        model.layers[11][0].weight.mul_(100.0)
+        model.out.weight.mul_(1e4)
+    with nw.watch(model, on_nan="record") as watch:
+        for batch in range(4):
+            data = torch.randn(2, 8)
+            if batch == 3:
+                data[0, 0] = float("nan")  # from the data
+            model(data)
+        history, event = watch.history(), watch.event
+    assert event.module == "inp" and event.origin == "input"
+    expected = neighbour_modules(history, "inp", 5)
+    assert expected[0] == "inp" and len(expected) == 5 and "" not in expected
+    labels = _legend_texts(plot_history(history, around=event.module).axes[0])
+    assert labels[:5] == expected
+    # the five largest modules would not have included the event's module
+    assert "inp" not in largest_modules(history.assign(
+        nonfinite=False), count=5)
+    # neighbours of a module in the middle lie on both sides of it
+    middle = neighbour_modules(history, "layers.5.0", 5)
+    assert middle.index("layers.5.0") == 2
+
+
+def test_history_plot_of_one_batch_has_sane_limits_and_labels():
+    model = TinyMLP()
+    with _record(model, batches=1, nan_at=None) as watch:
+        history = watch.history()
+    ax = plot_history(history).axes[0]
+    assert ax.get_xlim() == (-0.5, 0.5)
+    assert [t for t in ax.get_xticks() if -0.5 <= t <= 0.5] == [0.0]
+    assert ax.get_ylabel() == "abs max of outputs" and ax.get_xlabel() == "batch"
+    _drawn(ax.figure)
+    label = ax.yaxis.label.get_window_extent()
+    assert label.x0 >= 0, "the y label is inside the figure, not pushed off by tick labels"
+
+
+def test_history_plot_of_modules_that_do_not_exist_says_so():
+    model = TinyMLP()
+    with _record(model, batches=2, nan_at=None) as watch:
+        history = watch.history()
+    ax = plot_history(history, ["no.such.module"]).axes[0]
+    assert not ax.axison
+    assert any("none matches" in t.get_text() for t in ax.texts)
 
 
 def test_history_plot_marks_the_batch_where_outputs_went_bad():
@@ -97,8 +272,7 @@ def test_history_plot_marks_the_batch_where_outputs_went_bad():
     went_bad = set(history.loc[history["nonfinite"] & (history["batch"] == 3), "module"]) - {""}
     assert largest_modules(history, count=1)[-1] in went_bad  # a module that went bad joins
     figure = plot_history(history, ["fc1", "fc2"])
-    labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
-    assert "first NaN/Inf (batch 3)" in labels
+    assert "first NaN/Inf: batch 3" in _legend_texts(figure.axes[0])
 
 
 def test_history_plot_draws_merged_windows_as_bars():
@@ -123,8 +297,10 @@ def test_returned_figures_display_as_png_in_ipython_without_pyplot():
     model = TinyMLP()
     with _record(model, batches=1, nan_at=None) as watch:
         figure = plot_frames(watch.frames())
-    data, _ = shell.display_formatter.format(figure)
+    data, metadata = shell.display_formatter.format(figure)
     assert data["image/png"].startswith(b"\x89PNG")
+    # drawn at twice the size, shown at the figure's size: sharp on HiDPI screens
+    assert metadata["image/png"]["width"] == display_width(figure)
 
 
 def test_plots_work_in_a_script_without_pyplot_or_ipython():

@@ -41,9 +41,17 @@ def _head(browser: FrameBrowser) -> str:
     return browser.table.value.split("</div>")[0]
 
 
+def _marker_centre(browser: FrameBrowser) -> float:
+    """Where the current-frame band sits over the frames plot, as a fraction of its width."""
+    style = browser.frame_marker.value.split("style='")[1].split("'")[0]
+    values = dict(part.split(":", 1) for part in style.split(";") if part)
+    return (float(values["left"].rstrip("%")) + float(values["width"].rstrip("%")) / 2) / 100
+
+
 def test_browser_opens_at_the_event_frame_and_names_it_in_status(recorded):
     browser = FrameBrowser(recorded, plots=False)
     assert "<b>fc2</b> (Linear)" in _head(browser)
+    assert "<b>frame 12</b>" in _head(browser) and " of 12" in _head(browser)
     assert "batch 3" in _head(browser)
     assert "nw-nonfinite" in browser.table.value
     status = browser.status.value
@@ -75,8 +83,9 @@ def test_step_back_and_forward_with_buttons_and_slider(recorded):
     assert "<b>act</b> (ReLU)" in _head(browser)
     browser.next.click()
     assert "<b>fc2</b>" in _head(browser)
-    browser.frame.value = 1  # the slider counts frames from 1
-    assert f"step 1 of {browser.frame.max}" in _head(browser)
+    browser.frame.value = 1  # the slider counts frames from 1, and so does the heading
+    assert "<b>frame 1</b>" in _head(browser) and f" of {browser.frame.max}" in _head(browser)
+    assert "step" not in _head(browser)  # one word for one number
     browser.prev.click()  # clamped at the first frame
     assert browser.frame.value == 1
 
@@ -134,11 +143,137 @@ def test_type_role_and_only_bad_filters_narrow_the_table(recorded):
     assert "nw-nonfinite" in browser.table.value
 
 
+def test_the_frames_plot_marks_the_current_frame_and_follows_every_step(recorded):
+    from nanwidget.plots import plot_frames
+    browser = FrameBrowser(recorded)
+    # The band sits where the plot draws frame N, for the frame number the slider shows.
+    figure = plot_frames(browser.filtered_frames)
+    ax = figure.axes[0]
+    width = figure.get_figwidth() * figure.dpi
+
+    def plotted_at(number: int) -> float:
+        return ax.transData.transform((number, 1.0))[0] / width
+
+    assert browser.frame.value == 12
+    assert _marker_centre(browser) == pytest.approx(plotted_at(12), abs=1e-3)
+    browser.prev.click()
+    assert _marker_centre(browser) == pytest.approx(plotted_at(11), abs=1e-3)
+    browser.frame.value = 3  # the slider
+    assert _marker_centre(browser) == pytest.approx(plotted_at(3), abs=1e-3)
+    assert "frame 3:" in browser.frame_marker.value  # its tooltip names the module
+    browser.next.click()
+    assert _marker_centre(browser) == pytest.approx(plotted_at(4), abs=1e-3)
+    browser.first_bad.click()
+    assert _marker_centre(browser) == pytest.approx(plotted_at(browser.frame.value), abs=1e-3)
+
+
+def test_hundreds_of_frames_plot_a_window_that_follows_the_current_frame():
+    model = DeepLinear(20)
+    with nw.watch(model, on_nan="record", max_frames=420) as watch:
+        for _ in range(20):
+            model(torch.randn(2, 4))
+        browser = FrameBrowser(watch)
+    assert browser.frame.max == 420
+    first, last = browser._frames_window
+    assert last - first + 1 == 40 and first <= browser.frame.value <= last
+    before = bytes(browser.frames_image.value)
+    browser.prev.click()  # inside the window: the plot stays, only the band moves
+    assert bytes(browser.frames_image.value) == before
+    browser.frame.value = 1  # far outside: the window moves to it
+    first, last = browser._frames_window
+    assert first == 1 and last == 40
+    assert bytes(browser.frames_image.value) != before
+    assert 0 < _marker_centre(browser) < 0.2
+
+
+def test_a_filter_with_no_match_says_so_instead_of_drawing_empty_plots(recorded):
+    browser = FrameBrowser(recorded)
+    browser.filter_layer.value = "no_such_layer"
+    assert browser.frames_plot.layout.display == "none"
+    assert "no frames match the filters" in browser.plot_note.value
+    browser.plot_choice.value = "history"
+    assert browser.history_image.layout.display == "none"
+    assert "no module matches the filters" in browser.plot_note.value
+    browser.filter_layer.value = ""
+    assert browser.history_image.layout.display is None and browser.plot_note.value == ""
+    browser.plot_choice.value = "frames"
+    assert browser.frames_plot.layout.display is None
+
+
+def test_history_plot_opens_on_the_event_module_and_its_neighbours(recorded):
+    browser = FrameBrowser(recorded)
+    assert recorded.event.module == "fc2"
+    assert browser.history_modules() == ["fc1", "act", "fc2", "head"]
+    browser.filter_type.value = "Linear"  # a filter narrows it, the event's module first
+    assert browser.history_modules() == ["fc2", "fc1", "head"]
+    browser.plot_choice.value = "history"
+    assert bytes(browser.history_image.value).startswith(b"\x89PNG")
+
+
+def test_static_copy_holds_the_event_line_the_frame_table_and_both_plots(recorded):
+    import base64
+    browser = FrameBrowser(recorded)
+    browser.prev.click()
+    copy = browser.static_html()
+    assert "nan in batch 3 at module 'fc2'" in copy
+    assert "<b>frame 11</b>" in copy and "nw-frame-table" in copy
+    images = copy.split("src='data:image/png;base64,")[1:]
+    assert len(images) == 2
+    for image in images:
+        assert base64.b64decode(image.split("'")[0]).startswith(b"\x89PNG")
+    assert "class='nw-marker'" in copy  # the current frame is marked in the copy too
+    # hidden exactly while this browser's live view is on the page
+    assert f"body:has(.nw-live-{browser.model_id}) .nw-static-{browser.model_id}" in copy
+    assert f"nw-live-{browser.model_id}" in browser._dom_classes
+
+
+def test_displaying_the_browser_leaves_the_widget_and_its_static_copy(recorded):
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.display import display
+    from IPython.utils.capture import capture_output
+    InteractiveShell.instance()
+    browser = FrameBrowser(recorded)
+    with capture_output() as captured:
+        display(browser)
+    kinds = [set(output.data) for output in captured.outputs]
+    assert len(kinds) == 2
+    assert "application/vnd.jupyter.widget-view+json" in kinds[0]
+    assert "text/html" in kinds[1] and "nw-static" in captured.outputs[1].data["text/html"]
+    with capture_output() as captured:
+        display(FrameBrowser(recorded, static_copy=False))
+    assert len(captured.outputs) == 1
+
+
+def test_colours_come_from_the_jupyterlab_theme_with_a_dark_variant(recorded):
+    browser = FrameBrowser(recorded, plots=False)
+    sheet = browser.style.value
+    assert "var(--jp-error-color0" in sheet and "var(--jp-error-color2" in sheet
+    assert 'body[data-jp-theme-light="false"]' in sheet
+    # the event text and bad rows use the alert colour, not a fixed red
+    assert "#b00000" not in browser.status.value.replace("var(--nw-alert-fg,#b00000)", "")
+    assert "nw-alert" in browser.status.value and "var(--nw-alert-bg" in browser.table.value
+
+
+def test_a_trace_without_a_user_line_says_so_instead_of_a_dangling_at():
+    class TraceWithoutSource:
+        frames = pd.DataFrame()
+        ops = pd.DataFrame()
+        first_bad = {"op": "aten.log", "module": "fc2", "source": ""}
+
+        @staticmethod
+        def report() -> str:
+            return "trace report"
+
+    browser = FrameBrowser(TraceWithoutSource(), plots=False)
+    head = browser.trace.value.split("</div>")[0]
+    assert "first bad op: aten.log</b> in module fc2" in head
+    assert " at " not in head.replace("first bad op", "") and "no line of your code" in head
+
+
 def test_filters_apply_to_the_frames_plot(recorded):
     browser = FrameBrowser(recorded)
     everything = bytes(browser.frames_image.value)
     assert everything.startswith(b"\x89PNG")
-    assert bytes(browser.history_image.value).startswith(b"\x89PNG")
     browser.filter_layer.value = "fc1"
     assert bytes(browser.frames_image.value).startswith(b"\x89PNG")
     assert bytes(browser.frames_image.value) != everything
@@ -159,16 +294,40 @@ def test_values_near_float16_limit_are_marked():
     assert "near float16 max" in browser.table.value
 
 
-def test_export_writes_the_filtered_frames_and_shows_the_path(recorded, tmp_path):
-    browser = FrameBrowser(recorded, plots=False, export_dir=tmp_path)
+def test_export_offers_the_filtered_frames_as_a_browser_download(recorded):
+    import base64
+    import io
+    browser = FrameBrowser(recorded, plots=False)
     browser.filter_layer.value = "fc2"
     browser.export.click()
-    path = browser.last_export
-    assert path is not None and path.parent == tmp_path and str(path) in browser.export_path.value
-    written = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    link = browser.export_link.value
+    assert "<a class='nw-download' download='nanwidget-frames-" in link and ".csv'" in link
+    encoded = link.split("href='data:text/csv;base64,")[1].split("'")[0]
+    written = pd.read_csv(io.BytesIO(base64.b64decode(encoded)))
     assert len(written) == len(browser.filtered_frames)
-    assert set(written["module"]) == {"fc2"}
-    assert bool(written["nan"].any())
+    assert set(written["module"]) == {"fc2"} and bool(written["nan"].any())
+    assert f"({len(written)} rows" in link
+
+
+def test_save_writes_the_filtered_frames_to_a_chosen_path(recorded, tmp_path):
+    browser = FrameBrowser(recorded, plots=False, export_dir=tmp_path / "default")
+    browser.filter_layer.value = "fc2"
+    for name, read in (("chosen.csv", pd.read_csv), ("sub/chosen.parquet", pd.read_parquet)):
+        browser.save_path.value = str(tmp_path / name)
+        browser.save.click()
+        assert browser.last_export == (tmp_path / name).resolve()
+        assert str(browser.last_export) in browser.export_link.value
+        written = read(browser.last_export)
+        assert len(written) == len(browser.filtered_frames) and set(written["module"]) == {"fc2"}
+    browser.save_path.value = ""  # nothing typed: a timestamped file in export_dir
+    browser.save.click()
+    assert browser.last_export.parent == (tmp_path / "default").resolve()
+    browser.save_path.value = str(tmp_path / "frames.xlsx")
+    before = browser.last_export
+    browser.save.click()  # refused in words, nothing written, no exception into the notebook
+    assert "could not save" in browser.export_link.value and ".csv or .parquet" in \
+        browser.export_link.value
+    assert browser.last_export == before and not (tmp_path / "frames.xlsx").exists()
 
 
 def test_rerun_replays_the_chosen_batch_and_shows_the_trace(tiny_mlp):

@@ -25,8 +25,8 @@ FRAME_KEY = ["rank", "batch", "phase", "frame"]
 SCREEN_DPI = 90
 HIDPI_SCALE = 2
 FONT_SIZE = 9.0  # points: 11 CSS px at SCREEN_DPI
-LEGEND_WIDTH = 1.75  # inches kept right of the axes for the legend
-LABEL_CHARS = 24  # longest module name shown whole in a legend or tick label
+LEGEND_WIDTH = 1.85  # inches kept right of the axes for the legend
+LABEL_CHARS = 20  # longest module name shown whole in a legend or tick label
 
 
 class NotebookFigure(Figure):
@@ -91,7 +91,7 @@ def outside_legend(ax: Axes) -> None:
     handles, labels = ax.get_legend_handles_labels()
     if handles:
         ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0,
-                  fontsize=FONT_SIZE - 0.5, frameon=False, handlelength=1.5, labelspacing=0.35)
+                  fontsize=FONT_SIZE - 1, frameon=False, handlelength=1.5, labelspacing=0.35)
 
 
 def _log_tick(value: float, _position: object = None) -> str:

@@ -98,7 +98,7 @@ def plot_frames(frames: pd.DataFrame, *, roles: Iterable[str] | str | None = Non
     marker = "." if len(x) <= 200 else None
     ax.plot(x, frame_max[shown], marker=marker, color="tab:blue", label="abs max")
     ax.plot(x, frame_min[shown], marker=marker, color="tab:green", alpha=0.7,
-            label="abs min (non-zero)")
+            label="abs min (≠ 0)")
     ax.set_yscale("log")
     ax.set_xlim(low - 0.5, high + 0.5)
 
@@ -120,7 +120,7 @@ def plot_frames(frames: pd.DataFrame, *, roles: Iterable[str] | str | None = Non
     limit_lines(ax, selected["dtype"].unique(), frame_max)
     shown_bad = bad_numbers[(bad_numbers >= low) & (bad_numbers <= high)]
     if first_bad is not None:
-        label = f"first NaN/Inf, frame {first_bad}:\n{short_label(str(module_names[first_bad - 1]))}"
+        label = f"first NaN/Inf: frame {first_bad}\n{short_label(str(module_names[first_bad - 1]))}"
         if low <= first_bad <= high:
             ax.axvline(first_bad, color="red", linewidth=1.5, label=label)
         else:

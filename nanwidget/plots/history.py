@@ -111,7 +111,7 @@ def plot_history(history: pd.DataFrame, modules: Sequence[str] | None = None, *,
         plotted = np.concatenate([plotted, values])
     if table["nonfinite"].astype(bool).any():
         first = float(table.loc[table["nonfinite"].astype(bool), "batch"].min())
-        ax.axvline(first, color="red", linewidth=1, label=f"first NaN/Inf (batch {first:.0f})")
+        ax.axvline(first, color="red", linewidth=1, label=f"first NaN/Inf: batch {first:.0f}")
         ax.plot([], [], "v", color="red", markersize=6, label="NaN/Inf in outputs")
     if not np.isfinite(plotted).any():
         ax.set_ylim(0.1, 10)  # nothing finite to scale to: a sane empty range
