@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from IPython.core.error import UsageError
@@ -22,7 +24,8 @@ def ip():
     shell.user_ns.update(torch=torch, nw=nw, model=TinyMLP())
     yield shell
     shell.run_line_magic("unload_ext", "nanwidget")
-    for name in ("model", "other", "trainer", "not_a_model", "_nanwatch", "w2", "torch", "nw"):
+    for name in ("model", "other", "trainer", "not_a_model", "_nanwatch", "w2", "torch", "nw",
+                 "TinyMLP", "interrupt_at", "x"):
         shell.user_ns.pop(name, None)
 
 
@@ -245,7 +248,8 @@ def test_cell_without_nan_ends_with_a_summary_and_returns_its_value(ip):
     assert value == 42
     final = captured.outputs[-1].data["text/plain"]
     assert final.startswith("nanwatch model done: 4 batches seen")
-    assert "largest |x|" in final and "float32" in final and "0 events" in final
+    assert "largest |x| among module outputs:" in final and "float32" in final
+    assert "0 events" in final
     assert hook_count(ip.user_ns["model"]) == 0
 
 
@@ -297,7 +301,8 @@ def test_live_status_reports_at_most_once_per_interval():
             now[0] += 0.05  # 20 batches over one second
     assert status.batches == 20
     assert 4 <= len(lines) <= 5
-    assert "largest |x|" in lines[-1] and "decades below its max" in lines[-1]
+    assert "largest |x| among module outputs" in lines[-1]
+    assert "decades below its max" in lines[-1]
 
 
 def test_config_sets_the_default_frames(ip):
@@ -328,3 +333,88 @@ def test_help_lists_the_options(ip):
                    "--grad-norm", "--on-nan", "--log-dir", "--off"):
         assert option in doc
 
+
+
+def test_help_usage_puts_the_model_first(ip):
+    doc = ip.find_line_magic("nanwatch").__doc__
+    usage = [line.strip() for line in doc.split("Watch a PyTorch model")[0].splitlines()
+             if line.strip() and line.strip() != "::"]
+    assert usage == ["%nanwatch MODEL [options]", "%nanwatch --off [MODEL]", "%nanwatch",
+                     "%%nanwatch MODEL [options]   (cell magic)"]
+
+
+INTERRUPTING_MODEL = """
+import torch
+interrupt_at = [4]
+def _interrupt(module, args, output):
+    # stands for Kernel > Interrupt arriving in the middle of batch 4's forward
+    interrupt_at[0] -= 1
+    if interrupt_at[0] < 0:
+        raise KeyboardInterrupt
+model.fc2.register_forward_hook(_interrupt)
+"""
+
+
+def test_interrupting_a_cell_prints_one_line_and_shows_the_browser(ip):
+    run(ip, INTERRUPTING_MODEL)
+    cell = "%%nanwatch model\nfor _ in range(100):\n    model(torch.randn(2, 16))\n"
+    with capture_output() as captured:
+        result = ip.run_cell(cell)
+    error = result.error_in_exec
+    assert isinstance(error, KeyboardInterrupt), error  # "Run All" still stops here
+    lines = error._render_traceback_()
+    assert len(lines) == 1
+    # the interrupted batch (the 5th) counts as seen: its frames are recorded
+    assert lines[0].startswith("KeyboardInterrupt: %%nanwatch model interrupted (5 batches seen)")
+    text = captured.stdout + captured.stderr
+    assert "Traceback" not in text and "magic.py" not in text and "ended by an error" not in text
+    assert any("application/vnd.jupyter.widget-view+json" in o.data for o in captured.outputs)
+    status = [o.data.get("text/plain", "") for o in captured.outputs]
+    assert any(t.startswith("nanwatch model interrupted: 5 batches seen") for t in status)
+    watch = ip.user_ns["_nanwatch"]
+    assert watch.closed and hook_count(ip.user_ns["model"]) == 1  # only the user's own hook
+    assert set(watch.frames()["batch"]) >= {0, 1, 2, 3}
+
+
+def test_tracebacks_in_a_cell_name_the_cell_and_the_line_as_ipython_does(ip):
+    cell = "%%nanwatch model\nmodel(torch.randn(2, 16))\n1 / 0\n"
+    with capture_output() as captured:
+        result = ip.run_cell(cell, store_history=True)
+    assert isinstance(result.error_in_exec, ZeroDivisionError)
+    number = result.execution_count
+    text = re.sub(r"\x1b\[[0-9;]*m", "", captured.stdout + captured.stderr)  # no colours
+    assert f"Cell In[{number}], line 3" in text
+    assert "Cell In[0]" not in text
+    assert "magic.py" not in text  # the magic's own frames are hidden, as IPython's are
+
+
+def test_a_second_watch_on_a_watched_model_names_the_line_that_stops_the_first(ip):
+    run(ip, "%nanwatch model")
+    with pytest.raises(UsageError, match=r"already watched by %nanwatch model; stop that watch "
+                                         r"first with: %nanwatch --off model"):
+        run(ip, "%%nanwatch model\nmodel(torch.randn(2, 16))\n")
+    run(ip, "%nanwatch --off model")
+    run(ip, "w2 = nw.watch(model)")
+    with pytest.raises(UsageError, match=r"nw\.live_watches\(\)"):
+        run(ip, "%nanwatch model")
+    run(ip, "w2.close()")
+
+
+def test_rebinding_a_watched_variable_is_reported_once(ip):
+    ip.user_ns["TinyMLP"] = TinyMLP
+    run(ip, "%nanwatch model")
+    old = ip.user_ns["model"]
+    with capture_output() as captured:
+        ip.run_cell("model = TinyMLP()")
+    assert ("nanwidget: model now names another object; %nanwatch is still watching the model "
+            "it named before. Watch the new one with %nanwatch model") in captured.stdout
+    with capture_output() as captured:
+        ip.run_cell("x = 1")
+    assert "nanwidget" not in captured.stdout  # said once, not after every cell
+    with capture_output() as captured:
+        ip.run_cell("%nanwatch model")
+    assert "(restarted)" in captured.stdout and "names another object" not in captured.stdout
+    assert hook_count(old) == 0 and hook_count(ip.user_ns["model"]) > 0
+    with capture_output() as captured:
+        ip.run_cell("del model")
+    assert "model no longer names a model" in captured.stdout

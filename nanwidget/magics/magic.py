@@ -13,7 +13,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
 from IPython.display import display
 from traitlets import CaselessStrEnum, Float, Int
 
@@ -22,7 +22,7 @@ from ..core.sourcelines import format_source, traceback_source
 from ..widgets import FrameBrowser
 from .manager import LiveStatus, MagicUsageError, WatchManager, parse_batches, parse_class_names
 
-__all__ = ["NanwatchMagics", "NanInCell", "show_nan_detected", "find_magics",
+__all__ = ["NanwatchMagics", "NanInCell", "CellInterrupted", "show_nan_detected", "find_magics",
            "make_async_cell_rewriter"]
 
 
@@ -38,6 +38,24 @@ class NanInCell(NanDetected):
     def _render_traceback_(self) -> list[str]:
         return [f"NanDetected: {self.event.summary()}",
                 "(the FrameBrowser above shows the frames; _nanwatch holds the watch)"]
+
+
+class CellInterrupted(KeyboardInterrupt):
+    """A %%nanwatch cell stopped by Kernel > Interrupt: one line, not a traceback.
+
+    Still a KeyboardInterrupt, so that "Run All" stops at this cell as it would without the
+    magic; the FrameBrowser shown above it holds what was recorded until then.
+    """
+
+    def __init__(self, name: str, batches: int) -> None:
+        self.name = name
+        self.batches = batches
+        super().__init__(f"%%nanwatch {name} interrupted ({batches} "
+                         f"batch{'es' if batches != 1 else ''} seen)")
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}; the FrameBrowser above shows what was recorded "
+                "(_nanwatch holds the watch)"]
 
 
 def _user_code_line(tb: Any) -> str:
@@ -118,6 +136,13 @@ def _as_argument_type(parse):  # type: ignore[no-untyped-def]
     return convert
 
 
+# argparse would list the optional MODEL last; the docs (and users) write it first.
+_USAGE = ("%(prog)s MODEL [options]\n"  # IPython's help formatter adds the first "%"
+          "       %%%(prog)s --off [MODEL]\n"
+          "       %%%(prog)s\n"
+          "       %%%%%(prog)s MODEL [options]   (cell magic)")
+
+
 @magics_class
 class NanwatchMagics(Magics):
     """Holds one :class:`WatchManager`; ``%config NanwatchMagics.frames = 50`` sets defaults."""
@@ -148,6 +173,8 @@ class NanwatchMagics(Magics):
             shell.configurables.append(self)
         # %%nanwatch cells that await at top level run on IPython's event loop, as other cells do.
         shell.input_transformers_cleanup.append(self._async_cell_rewriter)
+        # A line watch follows its object: say when the variable that named it is rebound.
+        shell.events.register("post_run_cell", self.report_rebound_names)
 
     def detach(self) -> None:
         """Undo :meth:`attach` and close every watch (every hook any watch added)."""
@@ -164,10 +191,14 @@ class NanwatchMagics(Magics):
             shell.set_custom_exc((), None)
         if self._async_cell_rewriter in shell.input_transformers_cleanup:
             shell.input_transformers_cleanup.remove(self._async_cell_rewriter)
+        if self.report_rebound_names in shell.events.callbacks["post_run_cell"]:
+            shell.events.unregister("post_run_cell", self.report_rebound_names)
 
     @line_cell_magic
     @magic_arguments()
-    @argument("model", nargs="?", help="variable name of the nn.Module (e.g. model or trainer.model)")
+    @kwds(usage=_USAGE)
+    @argument("model", nargs="?", metavar="MODEL",
+              help="variable name of the nn.Module (e.g. model or trainer.model)")
     @argument("--off", action="store_true",
               help="stop watching MODEL (every model %%nanwatch watches when MODEL is left out)")
     @argument("-n", "--frames", type=_positive_int, default=None,
@@ -194,6 +225,7 @@ class NanwatchMagics(Magics):
                at a NaN/Inf the cell stops, the FrameBrowser opens at the event and one line
                says where it happened. The watch stays in the variable _nanwatch.
         """
+        __tracebackhide__ = True  # IPython leaves this frame out of tracebacks from the cell
         try:
             prepared = self._prepare(line, cell)
             if cell is None or prepared is None:
@@ -271,6 +303,7 @@ class NanwatchMagics(Magics):
             print(f"{name}: {watched!r}")
 
     def _run_cell(self, name: str, model: Any, options: dict[str, Any], cell: str) -> Any:
+        __tracebackhide__ = True
         watched, live = self._start_cell(name, model, options)
         try:
             result = self._execute(cell)
@@ -296,7 +329,7 @@ class NanwatchMagics(Magics):
         return self._cell_done(watched, live, result)
 
     def _start_cell(self, name: str, model: Any, options: dict[str, Any]) -> tuple[Any, LiveStatus]:
-        watched = self.manager.make_watch(model, options)
+        watched = self.manager.make_watch(model, options, name)
         self.shell.user_ns["_nanwatch"] = watched
         handle = display({"text/plain": f"nanwatch {name}: starting"}, raw=True, display_id=True)
 
@@ -310,6 +343,7 @@ class NanwatchMagics(Magics):
 
     def _cell_failed(self, watched: Any, live: LiveStatus, error: BaseException) -> None:
         """The cell raised: close the watch, say how it ended; re-raise (an abort returns None)."""
+        __tracebackhide__ = True
         watched.close()
         if isinstance(error, NanDetected):
             live.finish("stopped at a NaN/Inf")
@@ -319,6 +353,12 @@ class NanwatchMagics(Magics):
             live.finish("stopped")
             print(f"nanwidget: stopped after batch {error.batch}, as --abort-after asked")
             return None
+        if isinstance(error, KeyboardInterrupt):
+            # Kernel > Interrupt is not an error: the status line says so, the browser shows
+            # what was recorded, one line replaces the traceback through this module.
+            live.finish("interrupted")
+            self._show_browser(watched)
+            raise CellInterrupted(live.name, live.batches) from None
         live.finish("ended by an error")
         raise error
 
@@ -330,6 +370,11 @@ class NanwatchMagics(Magics):
                   f"{watched.event.summary()}", file=sys.stderr)
             self._show_browser(watched)
         return result
+
+    def report_rebound_names(self, result: Any = None) -> None:
+        """After each cell (IPython's post_run_cell): say when a watched variable was rebound."""
+        for sentence in self.manager.rebound_names(self.shell.user_ns):
+            print(sentence)
 
     @staticmethod
     def _show_browser(watched: Any) -> None:
@@ -349,8 +394,14 @@ class NanwatchMagics(Magics):
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        # A file name IPython's line cache knows, so tracebacks show the cell's lines.
-        filename = shell.compile.cache(source)
+        # A file name IPython's line cache knows, under this cell's number, so that tracebacks
+        # read "Cell In[5], line 3"; the leading newline stands for the %%nanwatch line, so
+        # that line numbers match the cell as the user sees it.
+        source = "\n" + source
+        tree = ast.increment_lineno(tree, 1)
+        if last is not None:
+            ast.increment_lineno(last, 1)
+        filename = shell.compile.cache(source, shell.execution_count)
         flags = _TOP_LEVEL_AWAIT if allow_await else 0
         body = compile(tree, filename, "exec", flags=flags)
         final = compile(last, filename, "eval", flags=flags) if last is not None else None
@@ -358,6 +409,7 @@ class NanwatchMagics(Magics):
 
     def _execute(self, cell: str) -> Any:
         """Run the cell in the user namespace; return the value of a final expression."""
+        __tracebackhide__ = True
         body, final, namespace = self._compile(cell, allow_await=False)
         exec(body, namespace)
         return eval(final, namespace) if final is not None else None

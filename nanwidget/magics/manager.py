@@ -113,12 +113,16 @@ class LiveStatus(Feature):
             self.emit(self.line())
 
     def line(self) -> str:
-        """One line: batches seen, largest |x| with its headroom, events."""
+        """One line: batches seen, the largest finite |x| among module outputs (with its dtype's
+        headroom and the module), events.
+
+        It measures outputs only (weights and inputs are in the FrameBrowser), and says so.
+        """
         where = f" in {self.largest_module or '<root>'!r}" if self.largest else ""
         size = describe_magnitude(self.largest, self.largest_dtype) if self.largest else "n/a"
         events = f"{self.events} event{'s' if self.events != 1 else ''}"
         return (f"nanwatch {self.name}: {self.batches} batch{'es' if self.batches != 1 else ''}"
-                f" seen · largest |x| {size}{where} · {events}")
+                f" seen · largest |x| among module outputs: {size}{where} · {events}")
 
     def finish(self, outcome: str = "done") -> None:
         """The last update: the same line, saying how the cell ended."""
@@ -131,6 +135,8 @@ class WatchManager:
 
     def __init__(self) -> None:
         self.watches: dict[str, NanWatch] = {}
+        # name -> id of the object it named when the rebinding was last reported
+        self._rebound_reported: dict[str, int | None] = {}
 
     # ------------------------------------------------------------------ lookup
     @staticmethod
@@ -155,8 +161,9 @@ class WatchManager:
         return value
 
     # ------------------------------------------------------------------ watches
-    def make_watch(self, model: nn.Module, options: dict[str, Any]) -> NanWatch:
-        """``nw.watch(model, **options)``; its errors become one usage sentence.
+    def make_watch(self, model: nn.Module, options: dict[str, Any], name: str = "") -> NanWatch:
+        """``nw.watch(model, **options)``; its errors become one usage sentence (``name``, the
+        variable the user typed, only shapes the messages).
 
         A ``--skip`` class the model does not use is an error here (``nw.watch`` only warns):
         in a magic line it is a typo to fix before anything is hooked.
@@ -174,7 +181,19 @@ class WatchManager:
                                   f"{error.strerror or error}"
                                   + (f" ({error.filename})" if error.filename else "")) from None
         except AlreadyWatchedError as error:
-            raise MagicUsageError(f"{error}. If %nanwatch started it: %nanwatch --off") from None
+            raise MagicUsageError(self._already_watched(model, name, error)) from None
+
+    def _already_watched(self, model: nn.Module, name: str, error: Exception) -> str:
+        """Say which watch holds the model and the exact line that stops it."""
+        modules = set(map(id, model.modules()))
+        holder = next((held for held, watched in self.watches.items()
+                       if not watched.closed and id(watched.model) in modules), None)
+        what = name or "this model"
+        if holder is not None:
+            return (f"{what} is already watched by %nanwatch {holder}; stop that watch first "
+                    f"with: %nanwatch --off {holder}")
+        return (f"{what} is already watched by a watch made with nw.watch() ({error}); close it "
+                "with its close() method, or find it with nw.live_watches()")
 
     def start(self, name: str, model: nn.Module, options: dict[str, Any]) -> tuple[NanWatch, bool]:
         """Watch ``model`` under ``name``; a watch already held under that name is replaced.
@@ -185,12 +204,13 @@ class WatchManager:
         if previous is not None:
             previous.close()
         try:
-            started = self.make_watch(model, options)
+            started = self.make_watch(model, options, name)
         except MagicUsageError as error:
             if previous is not None:
                 raise MagicUsageError(f"{error} (the earlier watch on {name} was stopped)") from None
             raise
         self.watches[name] = started
+        self._rebound_reported.pop(name, None)
         return started, previous is not None
 
     def stop(self, name: str | None = None, namespace: Mapping[str, Any] | None = None) -> list[str]:
@@ -213,6 +233,7 @@ class WatchManager:
             return [name]
         for key in names:
             self.watches.pop(key).close()
+            self._rebound_reported.pop(key, None)
         return names
 
     @staticmethod
@@ -224,6 +245,32 @@ class WatchManager:
         except MagicUsageError:
             return None
         return next((w for w in live_watches() if w.model is model), None)
+
+    def rebound_names(self, namespace: Mapping[str, Any]) -> list[str]:
+        """One sentence per watched variable that now names another object (or nothing).
+
+        A line watch follows the object, not the name: after ``model = Net()`` it still watches
+        the old model. Each rebinding is reported once.
+        """
+        sentences = []
+        for name, watched in self.watches.items():
+            try:
+                current: Any = self.lookup(namespace, name)
+            except MagicUsageError:
+                current = None
+            if current is watched.model:
+                self._rebound_reported.pop(name, None)
+                continue
+            key = id(current) if current is not None else None
+            if self._rebound_reported.get(name, -1) == key:
+                continue
+            self._rebound_reported[name] = key
+            now = "no longer names a model" if current is None else "now names another object"
+            sentences.append(
+                f"nanwidget: {name} {now}; %nanwatch is still watching the model it named "
+                f"before. Watch the new one with %nanwatch {name}, or stop with "
+                f"%nanwatch --off {name}")
+        return sentences
 
     def close_all(self) -> int:
         """Close every watch this manager holds and every other live NanWatch; returns the count."""
