@@ -58,3 +58,41 @@ def test_demo_writes_frames_history_report_and_plots(demo_run):
     assert "Detected inf/nan" in (out / "report.txt").read_text()
     assert str(out.resolve()) in stdout
     assert "jupyter lab notebooks/01_quickstart.ipynb" in stdout
+
+
+def test_demo_report_separates_batches_and_calls_the_root_root(demo_run):
+    stdout, _ = demo_run
+    report = stdout[stdout.index("Detected inf/nan"):stdout.index("Wrote to")]
+    separators = re.findall(r"^--- batch (\d+) -+$", report, re.MULTILINE)
+    assert len(separators) >= 2 and separators == sorted(separators, key=int)
+    assert int(separators[-1]) == int(re.search(r"batch_number=(\d+)", report).group(1))
+    assert re.search(r"^ {18}<root> DemoRegressor$", report, re.MULTILINE)
+    assert not re.search(r"^ {19}DemoRegressor$", report, re.MULTILINE)
+    # every frame header still reads "name Type", as transformers prints them
+    headers = [line for line in report.splitlines() if line.startswith(" " * 18)]
+    assert all(len(line.split()) >= 2 for line in headers)
+
+
+def test_demo_ends_with_what_to_try_next(demo_run):
+    stdout, _ = demo_run
+    advice = stdout[stdout.index("What to try next:"):]
+    assert "--lr 0.005" in advice and "clip_grad_norm_" in advice
+    assert "jupyter lab notebooks/01_quickstart.ipynb" in advice
+
+
+def test_the_suggested_learning_rate_trains_without_a_nan():
+    from nanwidget.cli.demo import build_demo, train_until_nan
+    model, inputs, targets = build_demo(seed=0)
+    watch, losses, caught = train_until_nan(model, inputs, targets, lr=0.005, steps=200, seed=0)
+    assert caught is None and not watch.events
+    assert losses[-1] < losses[0] / 100  # falls, as the advice says
+
+
+def test_every_demo_option_has_help():
+    from nanwidget.cli import build_parser
+    parser = build_parser()
+    demo = parser._subparsers._group_actions[0].choices["demo"]
+    for action in demo._actions:
+        if action.dest != "help":
+            assert action.help, action.dest
+    assert "same seed gives the same run" in demo.format_help()

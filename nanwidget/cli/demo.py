@@ -10,6 +10,7 @@ and two abs-max plots into a folder.
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"folder for frames, history, report and plots (default ./{DEFAULT_OUT}/)")
     parser.add_argument("--lr", type=float, default=0.1,
                         help="SGD learning rate; the default is too high on purpose (default 0.1)")
-    parser.add_argument("--steps", type=int, default=200, help="give up after this many steps")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=200,
+                        help="give up after this many steps (default 200)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the model's initial weights, the data and the order of the "
+                             "mini-batches: the same seed gives the same run (default 0)")
 
 
 def build_demo(seed: int = 0) -> tuple[Any, Any, Any]:
@@ -82,6 +86,34 @@ def train_until_nan(model: Any, inputs: Any, targets: Any, *, lr: float, steps: 
     return watch, losses, caught
 
 
+_ROOT_HEADER = re.compile(r"^(?P<indent> {17}) {2}(?P<type>\S.*)$")  # "<17 spaces> <empty name> Type"
+
+
+def readable_report(report: str, frames: Any) -> str:
+    """``report`` (transformers' layout) with a line between batches and the root as ``<root>``.
+
+    The report has one header per frame, in the order of ``frames`` (the event's frames); a
+    "--- batch N ---" line goes before each header whose batch differs from the previous one.
+    The root module, whose name is empty, reads "<root> Type" as it does in the plots.
+    """
+    keys = frames.groupby(["rank", "batch", "phase", "frame"], sort=False).size().index
+    batches = [key[1] for key in keys]
+    lines, frame, previous = [], 0, None
+    for line in report.splitlines():
+        is_header = line.startswith(" " * 17) and not line[:17].strip() and frame < len(batches)
+        if is_header:
+            batch = batches[frame]
+            if batch != previous:
+                lines.append(f"--- batch {batch} " + "-" * 30)
+                previous = batch
+            frame += 1
+            root = _ROOT_HEADER.match(line)
+            if root:
+                line = f"{root['indent']} <root> {root['type']}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def _write_table(frame: Any, folder: Path, stem: str) -> Path:
     """Parquet when pyarrow is there, else CSV."""
     try:
@@ -116,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
     watch, losses, caught = train_until_nan(model, inputs, targets, lr=args.lr, steps=args.steps,
                                             seed=args.seed)
     if caught is None:
-        print(f"nanwidget demo: no NaN/Inf in {len(losses)} steps at lr={args.lr:g} "
-              f"(last loss {losses[-1]:.3g}); try a larger --lr")
+        print(f"nanwidget demo: no NaN/Inf in {len(losses)} steps at lr={args.lr:g}: the loss "
+              f"went {losses[0]:.3g} -> {losses[-1]:.3g}. This learning rate trains; a larger "
+              f"one (the default, 0.1) makes the run diverge and shows the catch")
         return 1
     event = caught.event
     growth = f"{losses[0]:.3g} -> {max(losses):.3g}" if losses else "n/a"
@@ -127,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print("losses: " + ", ".join(f"{loss:.3g}" for loss in losses))
     print()
-    report = watch.report()
+    report = readable_report(watch.report(), event.frames)
     print(report)
     print()
 
@@ -143,8 +176,14 @@ def run(args: argparse.Namespace) -> int:
     for path in written:
         print(f"  {path.name}")
     print()
-    print(f"Take the guided tour in a notebook: from the repository's folder (after "
+    reader = "read_parquet" if written[0].suffix == ".parquet" else "read_csv"
+    print("What to try next:")
+    print(f"  - a learning rate 20 times smaller: `python -m nanwidget demo --lr "
+          f"{args.lr / 20:g}`; the loss falls instead of exploding, and no NaN/Inf comes")
+    print("  - in your own loop: clip gradients before the step "
+          "(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)), or a learning-rate warmup")
+    print(f"  - the guided tour in a notebook: from the repository's folder (after "
           f"`bash scripts/setup.sh`) run `{NOTEBOOK_HINT}`")
-    print(f"(read the tables back with pandas.read_parquet('{written[0]}')). "
-          f"Done in {time.perf_counter() - started:.1f} s.")
+    print(f"  - the recorded tables in pandas: pandas.{reader}('{written[0]}')")
+    print(f"Done in {time.perf_counter() - started:.1f} s.")
     return 0
