@@ -1,22 +1,58 @@
 #!/usr/bin/env bash
-# Install nanwidget with its test tools on a fresh machine (CPU build of torch).
+# Install nanwidget with what its tests and the README's next steps need, on a fresh machine:
+# torch (CPU build), nanwidget in editable mode with its test tools, JupyterLab, a Jupyter
+# kernel, and Chromium for the real-browser tests. Says what it is doing at each step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! "$PY" -c "import torch" 2>/dev/null; then
+started=$SECONDS
+step() { printf 'setup [%s/5] %s\n' "$1" "$2"; }
+done_step() { printf 'setup       ok (%ss so far)\n' "$((SECONDS - started))"; }
+
+if "$PY" -c "import torch" 2>/dev/null; then
+  step 1 "torch: already installed ($("$PY" -c 'import torch; print(torch.__version__)'))"
+else
   # PyTorch's CPU index first (a few hundred MB, not the multi-GB CUDA build PyPI serves);
   # where only PyPI is reachable, the pinned release (a local CPU wheel on our CI machines).
+  step 1 "torch: installing the CPU build (a few hundred MB; the longest step, minutes on a slow link)"
   cpu_index="--retries 1 --timeout 20 --index-url https://download.pytorch.org/whl/cpu"
   "$PY" -m pip install -q $cpu_index torch==2.13.0 \
     || "$PY" -m pip install -q $cpu_index "torch>=2.2" \
-    || "$PY" -m pip install -q torch==2.13.0
+    || { echo "setup       PyTorch's CPU index is not reachable: trying PyPI"; \
+         "$PY" -m pip install -q torch==2.13.0; }
+  done_step
 fi
-# The training-framework extras too: their callbacks and the Accelerate recipe are tested.
+
+step 2 "nanwidget (editable), its test tools (pytest, nbval, voila, playwright, pyarrow)\n             and the training-framework extras (transformers, lightning, accelerate)"
 "$PY" -m pip install -q -e ".[dev,bench,transformers,lightning,accelerate]"
-# The Jupyter kernel the notebooks (and nbval) run in: this Python, as "python3".
-"$PY" -m ipykernel install --sys-prefix --name python3 >/dev/null
-# Chromium for the real-browser test (Debian package; Playwright drives it).
-if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
-  (apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) \
-    || echo "setup: chromium not installed; the browser test will be skipped"
+done_step
+
+# The README's next step is `jupyter lab notebooks/01_quickstart.ipynb`: JupyterLab comes with
+# the dev extra above; say so plainly if it did not arrive.
+step 3 "JupyterLab, for \`jupyter lab notebooks/01_quickstart.ipynb\`"
+if "$PY" -c "import jupyterlab" 2>/dev/null; then
+  echo "setup       JupyterLab $("$PY" -c 'import jupyterlab; print(jupyterlab.__version__)')"
+else
+  "$PY" -m pip install -q "jupyterlab>=4"
 fi
+done_step
+
+# The Jupyter kernel the notebooks (and nbval) run in: this Python, as "python3".
+step 4 "the Jupyter kernel \"python3\" (this Python)"
+"$PY" -m ipykernel install --sys-prefix --name python3 >/dev/null
+done_step
+
+# Chromium for the real-browser tests (Debian package; Playwright drives it).
+step 5 "Chromium for the real-browser tests"
+if [ -x /usr/bin/chromium ]; then
+  echo "setup       already installed: /usr/bin/chromium"
+elif command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -qq chromium >/dev/null 2>&1 \
+    || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) \
+    || echo "setup       chromium not installed; the browser tests will be skipped"
+else
+  echo "setup       no apt-get here: install Chromium at /usr/bin/chromium to run the browser tests"
+fi
+done_step
+echo "setup done in $((SECONDS - started))s. Next: python -m nanwidget demo, then" \
+     "jupyter lab notebooks/01_quickstart.ipynb"

@@ -146,9 +146,13 @@ KERNEL_READY_JS = """() => {
 }"""
 
 
+_workspaces = iter(range(1_000_000))
+
+
 def open_in_lab(page, server: Server, notebook: str) -> None:
-    """Open ``notebook`` in JupyterLab and wait until its kernel is connected and idle."""
-    page.goto(server.url + f"lab/tree/{notebook}")
+    """Open ``notebook`` alone in a fresh JupyterLab workspace (no tabs restored from an earlier
+    page) and wait until its kernel is connected and idle."""
+    page.goto(server.url + f"lab/workspaces/test-{next(_workspaces)}/tree/{notebook}")
     page.wait_for_selector(".jp-Notebook")
     page.wait_for_function(KERNEL_READY_JS, timeout=START_TIMEOUT_S * 1000)
 

@@ -216,7 +216,8 @@ def test_static_copy_holds_the_event_line_the_frame_table_and_both_plots(recorde
     browser.prev.click()
     copy = browser.static_html()
     assert "nan in batch 3 at module 'fc2'" in copy
-    assert "<b>frame 11</b>" in copy and "nw-frame-table" in copy
+    assert "<b>frame 11</b>" in copy and "nw-static-table" in copy
+    assert "class='nw-frame-table'" not in copy  # the contract's classes stay unique
     images = copy.split("src='data:image/png;base64,")[1:]
     assert len(images) == 2
     for image in images:

@@ -314,6 +314,8 @@ class FrameBrowser(widgets.VBox):
         finally:
             self._updating = False
         self._history_stale = True
+        # Red only when there is something to jump to.
+        self.first_bad.button_style = "danger" if self.index.frame_bad.any() else ""
         self._render_frame()
         self._render_status()
         self._render_plots()
@@ -651,8 +653,9 @@ class FrameBrowser(widgets.VBox):
             f"<div class='nw-muted' style='{MUTED};font-size:11px'>nanwidget FrameBrowser: a "
             "static copy saved with the notebook (run the cell again for the interactive one)"
             "</div>",
-            f"<div class='nw-status'>{self.status.value}</div>",
-            f"<div class='nw-frame-table'>{self.table.value}</div>",
+            # Not the live parts' contract classes: tests and user styles find one of each.
+            f"<div class='nw-static-status'>{self.status.value}</div>",
+            f"<div class='nw-static-table'>{self.table.value}</div>",
         ]
         if self.show_plots and not self.filtered_frames.empty and self.frames_image.value:
             # The live plot's own PNG with the same marker over it: no second drawing.
@@ -667,7 +670,7 @@ class FrameBrowser(widgets.VBox):
                                   self.history_image.layout.width or "540px"))
             parts.append("</div>")
         if self.trace.value and self.last_trace is not None:
-            parts.append(f"<div class='nw-trace'>{self.trace.value}</div>")
+            parts.append(f"<div class='nw-static-trace'>{self.trace.value}</div>")
         parts.append("</div>")
         return "\n".join(parts)
 
