@@ -23,7 +23,7 @@ else
   done_step
 fi
 
-step 2 "nanwidget (editable), its test tools (pytest, nbval, voila, playwright, pyarrow)\n             and the training-framework extras (transformers, lightning, accelerate)"
+step 2 "nanwidget (editable), its test tools and the transformers/lightning/accelerate extras"
 "$PY" -m pip install -q -e ".[dev,bench,transformers,lightning,accelerate]"
 done_step
 

@@ -256,18 +256,14 @@ def test_colours_come_from_the_jupyterlab_theme_with_a_dark_variant(recorded):
 
 
 def test_a_trace_without_a_user_line_says_so_instead_of_a_dangling_at():
-    class TraceWithoutSource:
-        frames = pd.DataFrame()
-        ops = pd.DataFrame()
-        first_bad = {"op": "aten.log", "module": "fc2", "source": ""}
-
-        @staticmethod
-        def report() -> str:
-            return "trace report"
-
-    browser = FrameBrowser(TraceWithoutSource(), plots=False)
+    from nanwidget.core.trace import Trace, empty_ops
+    first_bad = pd.Series({"op": "log", "aten": "aten.log.default", "phase": "forward",
+                           "module": "fc2", "module_type": "Linear", "nan": True, "inf": False,
+                           "source": ""})  # the op ran with no user frame on the stack
+    trace = Trace(batch=0, frames=pd.DataFrame(), ops=empty_ops(), first_bad=first_bad)
+    browser = FrameBrowser(trace, plots=False)
     head = browser.trace.value.split("</div>")[0]
-    assert "first bad op: aten.log</b> in module fc2" in head
+    assert "first bad op: log</b> in module fc2" in head
     assert " at " not in head.replace("first bad op", "") and "no line of your code" in head
 
 
