@@ -64,7 +64,9 @@ class NanEvent:
                 f"{ORIGIN_WORDS.get(self.origin, self.origin)}")
         first = getattr(self.trace, "first_bad", None)
         if first is not None:
-            text += f"; first bad op {first['op']} at {first['source']}"
+            where = (f"at {first['source']}" if first["source"]
+                     else "(no line of user code on the stack)")
+            text += f"; first bad op {first['op']} {where}"
         return text
 
     def _repr_html_(self) -> str:  # pragma: no cover - notebook nicety

@@ -8,12 +8,14 @@ line a NaN/Inf was raised from), so both name the same place the same way.
 from __future__ import annotations
 
 import os
+import re
+import sys
 import sysconfig
 from types import FrameType, TracebackType
 
 import torch
 
-__all__ = ["user_source", "traceback_source", "format_source"]
+__all__ = ["user_source", "traceback_source", "format_source", "locate_source"]
 
 _USER, _SKIP, _STOP = 0, 1, 2
 
@@ -59,9 +61,50 @@ def _file_kind(filename: str) -> int:
     return kind
 
 
+_IPYTHON_INPUT = re.compile(r"^<ipython-input-(\d+)-[0-9a-f]+>$")  # terminal IPython's cell names
+# "cell In[5], line 12" -> the file and line it names (a cell's file name is a temporary path or
+# a "<ipython-input-...>" key of the line cache, not something the text can carry).
+_CELL_LOCATIONS: dict[str, tuple[str, int]] = {}
+
+
+def _cell_number(filename: str) -> int | None:
+    """The execution count of the IPython/Jupyter cell compiled under ``filename``, if it is one.
+
+    Read from the running shell's compiler when IPython is loaded (it is never imported from
+    here): ipykernel names cells ``/tmp/ipykernel_<pid>/<hash>.py``, terminal IPython
+    ``<ipython-input-5-...>``; only the shell knows which number each file got.
+    """
+    ipython = sys.modules.get("IPython")
+    get_shell = getattr(ipython, "get_ipython", None) if ipython is not None else None
+    shell = get_shell() if get_shell is not None else None
+    numbers = getattr(getattr(shell, "compile", None), "_filename_map", None)
+    if isinstance(numbers, dict):
+        number = numbers.get(filename)
+        if isinstance(number, int):
+            return number
+    match = _IPYTHON_INPUT.match(filename)
+    return int(match.group(1)) if match else None
+
+
 def format_source(filename: str, line: int) -> str:
-    """``file:line`` as the contract shows a source location."""
-    return f"{filename}:{line}"
+    """A source location as the contract shows it: ``file:line``, or for a notebook cell
+    ``cell In[5], line 12`` (as IPython's own tracebacks name it)."""
+    number = _cell_number(filename)
+    if number is None:
+        return f"{filename}:{line}"
+    text = f"cell In[{number}], line {line}"
+    _CELL_LOCATIONS[text] = (filename, line)
+    return text
+
+
+def locate_source(source: str) -> tuple[str, int] | None:
+    """The ``(filename, line)`` a :func:`format_source` text names (for the line cache), or
+    None when it names nothing readable."""
+    found = _CELL_LOCATIONS.get(source)
+    if found is not None:
+        return found
+    filename, _, line = source.rpartition(":")
+    return (filename, int(line)) if filename and line.isdigit() else None
 
 
 def user_source(frame: FrameType | None) -> str:

@@ -9,6 +9,7 @@ import pandas as pd
 
 from .report import format_frames
 from .schema import OPS_COLUMNS, OPS_DTYPES, empty_table
+from .sourcelines import locate_source
 
 __all__ = ["Trace", "TENSOR_COLUMNS", "empty_ops"]
 
@@ -116,10 +117,10 @@ class Trace:
             source = first["source"]
             if source:
                 lines.append(f"  at {source}")
-                filename, _, line = source.rpartition(":")
-                text = linecache.getline(filename, int(line)).strip() if line.isdigit() else ""
+                located = locate_source(source)
+                text = linecache.getline(*located).strip() if located is not None else ""
                 if text:
-                    lines.append(f"  {line:>6} | {text}")
+                    lines.append(f"  {located[1]:>6} | {text}")
             else:
                 lines.append("  (no line of user code on the stack)")
             for row in self.first_bad_tensors.itertuples(index=False):
