@@ -100,6 +100,105 @@ def test_load_run_merges_both_ranks_and_finds_the_event_on_rank_1(ddp_nan_run):
     assert inputs["abs_max"].nunique() == 2
 
 
+@pytest.fixture(scope="module")
+def ddp_backward_nan_run(tmp_path_factory):
+    """2-rank DDP, backward=True: rank 1's batch 5 has a row of zeros, whose gradient through
+    rms (x * sqrt(mean(x**2))) is 0 * inf: NaN born in backward, forward finite."""
+    log_dir = tmp_path_factory.mktemp("ddp-backward") / "log"
+    finished = _torchrun(["-m", "nanwidget.examples.ddp_nan", "--log-dir", str(log_dir),
+                          "--nan-in", "backward", "--nan-rank", "1", "--nan-batch", "5",
+                          "--batches", "8", "--trace-batches", ""])
+    return finished, log_dir
+
+
+@pytest.mark.slow
+def test_nan_born_in_backward_on_rank_1_stops_every_rank_before_the_optimizer_step(
+        ddp_backward_nan_run):
+    finished, _ = ddp_backward_nan_run
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "Connection closed" not in finished.stderr and "Traceback" not in finished.stderr
+    results = _results(finished.stdout)
+    assert sorted(results) == [0, 1]
+    for rank in (0, 1):
+        result = results[rank]
+        # Both raised out of loss.backward() of batch 5: the last optimizer step was batch 4's.
+        assert (result["exception"], result["stopped_at"], result["last_step"]) == (
+            "NanDetected", 5, 4)
+        assert (result["event_batch"], result["module"], result["role"], result["is_backward"]) \
+            == (5, "rms", "grad_input[0]", True)
+        assert result["weights_finite"]
+    assert results[0]["weights_sum"] == results[1]["weights_sum"]  # still in step
+    assert (results[1]["origin"], results[1]["peer_rank"]) == ("grad", None)
+    assert (results[0]["origin"], results[0]["peer_rank"]) == ("peer", 1)
+    assert results[0]["recorded"] == [[0, "peer"]] and results[1]["recorded"] == [[1, "grad"]]
+    assert "(backward)" in results[0]["message"] and "rank 0 stops with it" in results[0]["message"]
+
+
+@pytest.mark.slow
+def test_load_run_lists_the_backward_event_of_rank_1_then_rank_0s_peer_event(
+        ddp_backward_nan_run):
+    _, log_dir = ddp_backward_nan_run
+    run = nw.load_run(log_dir)
+    assert [(e.rank, e.batch, e.module, e.role, e.origin, e.peer_rank, e.is_backward)
+            for e in run.events] == [(1, 5, "rms", "grad_input[0]", "grad", None, True),
+                                     (0, 5, "rms", "grad_input[0]", "peer", 1, True)]
+    assert run.event.rank == 1
+    bad = run.events[0].frames
+    assert "backward" in set(bad["phase"])
+
+
+@pytest.fixture(scope="module")
+def fsdp_nan_run(tmp_path_factory):
+    """2-rank FSDP2 (fully_shard per layer and the root), gloo: rank 1 writes a NaN into its
+    own shard of fc2.weight before batch 3; rank 1 measures with torch ops (as on a GPU)."""
+    log_dir = tmp_path_factory.mktemp("fsdp") / "log"
+    finished = _torchrun(["-m", "nanwidget.examples.fsdp_nan", "--log-dir", str(log_dir),
+                          "--nan-rank", "1", "--nan-batch", "3", "--torch-path-ranks", "1"])
+    return finished, log_dir
+
+
+@pytest.mark.slow
+def test_fsdp2_nan_in_one_ranks_shard_is_blamed_on_its_weight_and_every_rank_stops(fsdp_nan_run):
+    finished, log_dir = fsdp_nan_run
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "Traceback" not in finished.stderr
+    results = _results(finished.stdout)
+    assert sorted(results) == [0, 1]
+    for rank in (0, 1):
+        result = results[rank]
+        assert result["sharded_type"] == "DTensor" and result["shard_shape"] == [16, 32]
+        assert (result["exception"], result["stopped_at"], result["last_step"]) == (
+            "NanDetected", 3, 2)
+        assert (result["event_batch"], result["module"], result["role"], result["origin"]) == (
+            3, "fc2", "weight", "weight")
+        # The forward's view of the weight: gathered from both shards, measured before FSDP
+        # frees it, on the native path (rank 0) and the torch path (rank 1) alike.
+        assert result["fc2_weight_rows"] == [[b, [32, 32], b == 3, ""] for b in range(4)]
+        assert "storage freed" not in result["notes"]
+        assert "cannot replay a model sharded with FSDP2" in result["replay"]
+    assert results[1]["event_rank"] == 1 and results[1]["recorded"] == [[1, "weight"]]
+    # Only rank 1's shard of fc2.weight holds the NaN (fc1 weight, bias, fc2 weight, ...).
+    assert results[1]["shards_finite"] == [True, True, False, True, True, True]
+    assert all(results[0]["shards_finite"])
+    run = nw.load_run(log_dir)
+    assert sorted((e.rank, e.batch, e.module, e.origin) for e in run.events) == [
+        (0, 3, "fc2", "weight"), (1, 3, "fc2", "weight")]
+
+
+@pytest.mark.slow
+def test_fsdp2_nan_born_in_backward_stops_every_rank_out_of_loss_backward(tmp_path):
+    finished = _torchrun(["-m", "nanwidget.examples.fsdp_nan", "--nan-in", "backward",
+                          "--nan-rank", "1", "--nan-batch", "2", "--batches", "4"])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    results = _results(finished.stdout)
+    for rank in (0, 1):
+        assert (results[rank]["stopped_at"], results[rank]["last_step"]) == (2, 1)
+        assert (results[rank]["module"], results[rank]["is_backward"]) == ("rms", True)
+        assert all(results[rank]["shards_finite"])
+    assert (results[0]["origin"], results[0]["peer_rank"]) == ("peer", 1)
+    assert results[1]["origin"] == "grad"
+
+
 @pytest.mark.slow
 def test_watch_on_rank_0_alone_turns_the_consensus_off_instead_of_hanging():
     # Rank 0's flag all-reduce would otherwise pair with rank 1's gradient all-reduce.
@@ -195,3 +294,34 @@ def test_peer_event_names_the_rank_that_found_it():
     assert text.startswith("nan in batch 3 on rank 0 at module 'norm'")
     assert text.endswith("(found on rank 0; rank 1 stops with it)")
     assert str(nw.NanDetected(event)).count("rank 0") == 2
+
+
+class _ShardedScale(nn.Module):
+    """Multiplies by a DTensor parameter (as tensor parallelism holds them during the forward)."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+        self.scale = nn.Parameter(distribute_tensor(torch.full((4, 3), 2.0), mesh, [Shard(0)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale.to_local()
+
+
+def test_dtensor_parameters_are_measured_on_this_ranks_shard_without_collectives(
+        single_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1,))
+    model = nn.Sequential(nn.Linear(3, 3), _ShardedScale(mesh))
+    with nw.watch(model, backward=True, on_nan="record", max_frames=50) as watch:
+        model(torch.randn(4, 3)).sum().backward()
+        assert watch.check_grad_norms() is False  # the DTensor gradient: its local shard
+        frames = watch.frames()
+        weight = frames[(frames.module == "1") & (frames.role == "scale")].iloc[0]
+        assert (weight["note"], weight["shape"], weight["abs_max"]) == ("local shard", (4, 3), 2.0)
+        assert set(watch.grad_history()["param"]) == {"0.weight", "0.bias", "1.scale"}
+        with torch.no_grad():
+            model[1].scale.to_local()[1, 2] = float("nan")  # the wrapper's version stays put
+        model(torch.randn(4, 3))
+    event = watch.event
+    assert (event.batch, event.module, event.role, event.origin) == (1, "1", "scale", "weight")

@@ -37,7 +37,7 @@ class SqrtNet(nn.Module):
 
 
 class ResidualAddInPlace(nn.Module):
-    """``h = fc(x); h += x``: writes into a submodule's output, which full backward hooks refuse."""
+    """``h = fc(x); h += x``: writes into a submodule's output in the parent's ``forward``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,8 +49,8 @@ class ResidualAddInPlace(nn.Module):
         h = self.fc(x)
         h += x
         y = self.out(h)
-        if self.write_in_place_into_out:  # a data-dependent branch the calibration never saw
-            y.mul_(1.0)
+        if self.write_in_place_into_out:  # a data-dependent branch
+            y.mul_(2.0)
         return y * 1.0
 
 
@@ -59,38 +59,47 @@ def _step(model: nn.Module, x: torch.Tensor) -> None:
     model(x).sum().backward()
 
 
-def test_nan_only_in_backward_is_an_event_naming_the_sqrt_module() -> None:
+def _grads(frames: pd.DataFrame, batch: int, module: str) -> pd.Series:
+    """abs_max of each gradient role of one module's backward frame."""
+    rows = frames[(frames.phase == "backward") & (frames.batch == batch) & (frames.module == module)]
+    return rows.set_index("role")["abs_max"]
+
+
+def test_nan_born_in_backward_in_the_first_batch_is_an_event_naming_the_sqrt_module() -> None:
     model = SqrtNet()
     x = torch.randn(16, 4)
     with nw.watch(model, backward=True, on_nan="record") as w:
-        _step(model, x)  # batch 0 calibrates: no backward frames yet
-        assert w.events == []
-        _step(model, x)
+        _step(model, x)  # the very first batch: no calibration, no blind batch
         frames = w.frames()
     forward = frames[frames.phase == "forward"]
     assert not forward[["nan", "inf"]].any().any()
     assert len(w.events) == 1
     event = w.events[0]
-    assert (event.batch, event.module, event.module_type) == (1, "sqrt", "Sqrt")
+    assert (event.batch, event.module, event.module_type) == (0, "sqrt", "Sqrt")
     assert (event.role, event.kind, event.origin, event.is_backward) == (
         "grad_input[0]", "inf", "grad", True)
     backward = frames[frames.phase == "backward"]
-    assert set(backward.batch) == {1}
-    # Backward frames continue the numbering after the forward frames of their batch.
-    assert backward.frame.min() > forward[forward.batch == 1].frame.max()
-    assert set(backward.role) >= {"grad_output[0]", "grad_input[0]"}
+    assert set(backward.batch) == {0}
+    # Backward frames continue the numbering after the forward frames of their batch, in
+    # backward execution order: the last layer first (with the root, which returns its output:
+    # the child is listed first, as in forward frames), the first layer last.
+    assert backward.frame.min() > forward.frame.max()
+    order = backward.drop_duplicates("frame").sort_values("frame").module.tolist()
+    assert order == ["head", "", "sqrt", "act", "fc"]
+    sqrt = backward[backward.module == "sqrt"].set_index("role")
+    assert not sqrt.loc["grad_output[0]", "inf"] and sqrt.loc["grad_input[0]", "inf"]
 
 
 def test_backward_nan_raises_nan_detected_out_of_loss_backward() -> None:
     model = SqrtNet()
     x = torch.randn(16, 4)
     with nw.watch(model, backward=True) as w:
-        _step(model, x)
         loss = model(x).sum()
         with pytest.raises(nw.NanDetected) as caught:
             loss.backward()
     assert caught.value.event.is_backward
     assert caught.value.event.module == "sqrt"
+    assert caught.value.event.batch == 0
     assert "backward" in str(caught.value)
     assert w.event is caught.value.event
 
@@ -99,62 +108,72 @@ def test_backward_nan_with_on_nan_warn_warns_and_training_goes_on() -> None:
     model = SqrtNet()
     x = torch.randn(16, 4)
     with nw.watch(model, backward=True, on_nan="warn") as w:
-        _step(model, x)
         with pytest.warns(nw.NanWarning, match="grad_input"):
             _step(model, x)
         assert model.fc.weight.grad is not None
     assert w.event.origin == "grad"
 
 
-def test_relu_inplace_module_is_skipped_with_one_warning_and_training_works() -> None:
+def test_relu_inplace_and_the_linear_it_overwrites_get_their_true_gradients() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(8, 4), torch.randn(8, 1)
-    with nw.watch(model, backward=True, on_nan="record") as w:
-        with pytest.warns(RuntimeWarning, match=r"'1' \(ReLU: inplace=True\)") as record:
-            for _ in range(3):
-                optimizer.zero_grad()
-                nn.functional.mse_loss(model(x), y).backward()
-                optimizer.step()
-        refusal_warnings = [r for r in record if "refuses" in str(r.message)]
-        assert len(refusal_warnings) == 1
-        # The Linear before the in-place ReLU has its output written in place: skipped too.
-        assert "'0' (Linear: its output is modified in place" in str(refusal_warnings[0].message)
-        frames = w.frames()
-    hooked = set(frames[frames.phase == "backward"].module)
-    assert hooked == {"", "2"}
+    x = torch.randn(8, 4)
+    # Reference gradients, without nanwidget: of the Linear's output and of the ReLU's output.
+    h = model[0](x)
+    h.retain_grad()
+    r = torch.relu(h)
+    r.retain_grad()
+    model[2](r).sum().backward()
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: no module is skipped any more
+        with nw.watch(model, backward=True, on_nan="record", max_frames=50) as w:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            model(x).sum().backward()
+            frames = w.frames()
+            optimizer.step()
+    assert set(frames[frames.phase == "backward"].module) == {"", "0", "1", "2"}
+    # The Linear's output gradient is the one of the value it returned (before ReLU wrote on
+    # it): ReLU's mask is in it. The ReLU's input gradient is the same; its output's is not.
+    linear, relu = _grads(frames, 0, "0"), _grads(frames, 0, "1")
+    assert linear["grad_output[0]"] == h.grad.abs().max().item()
+    assert relu["grad_input[0]"] == h.grad.abs().max().item()
+    assert relu["grad_output[0]"] == r.grad.abs().max().item()
+    rows = frames[(frames.phase == "backward") & (frames.module == "1")].set_index("role")
+    assert rows.loc["grad_input[0]", "abs_min"] == 0.0 < rows.loc["grad_output[0]", "abs_min"]
     assert w.events == []
 
 
-def test_residual_add_in_place_is_found_by_calibration_and_training_works() -> None:
+def test_residual_add_in_place_is_recorded_from_the_first_batch_with_the_fc_gradient() -> None:
     model = ResidualAddInPlace()
     x = torch.randn(8, 4)
-    with nw.watch(model, backward=True, on_nan="record") as w:
-        with pytest.warns(RuntimeWarning, match=r"'fc' \(Linear: its output is modified in place"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nw.watch(model, backward=True, on_nan="record", max_frames=50) as w:
+            h = model.fc(x)
+            h.retain_grad()
+            out = model.out(h + x)
+            out.sum().backward()  # the reference gradient of fc's output, through the residual
+            expected = h.grad.abs().max().item()
+            model.zero_grad()
+            w.step()
             _step(model, x)
-        for _ in range(2):
-            _step(model, x)
-        frames = w.frames()
-        assert set(frames[frames.phase == "backward"].module) == {"", "out"}
-        assert "fc" in w.parts.backward.skipped
+            frames = w.frames()
+    assert set(frames[(frames.phase == "backward") & (frames.batch == 1)].module) == {"", "fc", "out"}
+    assert _grads(frames, 1, "fc")["grad_output[0]"] == pytest.approx(expected)
 
 
-def test_in_place_write_missed_by_calibration_fails_one_forward_then_recalibrates() -> None:
+def test_in_place_write_in_a_data_dependent_branch_never_breaks_the_forward() -> None:
     model = ResidualAddInPlace()
     x = torch.randn(8, 4)
-    with nw.watch(model, backward=True, on_nan="record") as w:
-        with pytest.warns(RuntimeWarning):
-            _step(model, x)
-        model.write_in_place_into_out = True
-        with pytest.warns(RuntimeWarning, match="recalibrates"):
-            with pytest.raises(RuntimeError, match="BackwardHookFunction") as caught:
-                _step(model, x)
-        assert any("nanwidget" in note for note in getattr(caught.value, "__notes__", []))
-        with pytest.warns(RuntimeWarning, match=r"'out' \(Linear"):
-            _step(model, x)  # calibration again: 'out' is now skipped
+    with nw.watch(model, backward=True, on_nan="record", max_frames=50) as w:
         _step(model, x)
+        model.write_in_place_into_out = True
+        _step(model, x)  # no "BackwardHookFunction" error: nothing is wrapped
         frames = w.frames()
-        assert set(frames[(frames.phase == "backward") & (frames.batch == w.batch - 1)].module) == {""}
+        # 'out' returned y before the write: its gradient is the value it produced (x2 later).
+        before, after = _grads(frames, 0, "out"), _grads(frames, 1, "out")
+        assert after["grad_output[0]"] == pytest.approx(2 * before["grad_output[0]"])
+        assert _grads(frames, 1, "")["grad_output[0]"] == before["grad_output[0]"]
     assert hook_count(model) == 0
 
 
@@ -166,7 +185,6 @@ def test_backward_frames_cost_one_host_sync_per_backward_pass(depth: int) -> Non
     model = nn.Sequential(*layers)
     x = torch.randn(4, 8)
     with nw.watch(model, backward=True, on_nan="record") as w:
-        _step(model, x)  # calibration
         with count_syncs() as counts:
             loss = model(x).sum()
             loss.backward()
@@ -429,10 +447,9 @@ def test_backward_frame_stats_are_the_gradients_abs_min_and_max(reduction_path) 
                                                                         inp=gi[0].detach().clone()))
     x = torch.randn(5, 4)
     with nw.watch(model, backward=True, on_nan="record") as w:
-        for _ in range(2):  # the first pass calibrates
-            model(x).pow(2).sum().backward()
+        model(x).pow(2).sum().backward()
         frames = w.frames()
-    rows = frames[(frames.phase == "backward") & (frames.batch == 1) & (frames.module == "2")]
+    rows = frames[(frames.phase == "backward") & (frames.batch == 0) & (frames.module == "2")]
     rows = rows.set_index("role")
     for role, tensor in (("grad_output[0]", seen["out"]), ("grad_input[0]", seen["inp"])):
         assert rows.loc[role, "abs_max"] == tensor.abs().max().item()

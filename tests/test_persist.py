@@ -356,3 +356,21 @@ def test_a_recording_from_before_the_finite_range_columns_still_loads(tiny_mlp, 
     finite = ~(frames["nan"] | frames["inf"])
     assert (frames.loc[finite, "finite_abs_max"] == frames.loc[finite, "abs_max"]).all()
     assert frames.loc[~finite, "finite_abs_max"].isna().all()
+
+
+@pytest.mark.parametrize("rank", ["-1", "", "two", None], ids=["negative", "empty", "text", "missing"])
+def test_recording_made_with_an_unusual_rank_is_written_where_load_run_finds_it(
+        tiny_mlp, tmp_path, monkeypatch, rank):
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with nw.watch(tiny_mlp, log_dir=str(tmp_path), on_nan="record") as watch:
+        tiny_mlp(torch.randn(4, 16))
+        tiny_mlp(torch.full((4, 16), float("nan")))
+    assert [p.name for p in tmp_path.iterdir()] == ["rank-00000"]
+    run = load_run(tmp_path)
+    assert run.ranks == [0]
+    assert [(e.rank, e.batch, e.module) for e in run.events] == [(0, 1, "fc1")]
+    assert set(run.history()["batch"]) == {0, 1} == set(watch.history()["batch"])

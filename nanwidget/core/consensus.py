@@ -1,15 +1,31 @@
-"""DDP consensus stop: when one rank finds a NaN/Inf, every rank stops at the same batch.
+"""DDP / FSDP2 consensus stop: when one rank finds a NaN/Inf, every rank stops at the same batch.
 
-Without it, the rank that found the NaN raises and leaves, and the healthy ranks wait in the
-next collective (DDP's gradient all-reduce) until the NCCL/gloo timeout, often 10-30 minutes.
-With it, at every batch end each rank all-reduces one small integer (MAX of "I have an event");
-when it is set, the ranks exchange the offending event (only then, with ``all_gather_object``)
-and each raises :class:`NanDetected` at the same boundary; a healthy rank records and raises
-an event with ``origin="peer"`` whose ``peer_rank`` names the rank that found the NaN.
+Without it, the rank that found the NaN raises and leaves, and the healthy ranks go on: they
+apply the optimizer step, then wait in the next collective until the gloo/NCCL timeout (often
+10-30 minutes) or fail with "Connection closed by peer". With it, each rank all-reduces one
+small integer (MAX of "I have an event") at two boundaries every rank reaches in the same
+order: the end of each training forward (the root forward returns) and, with
+``backward=True``, the end of each backward pass (an autograd final callback that runs after
+DDP's and FSDP2's own gradient reductions have finished, so no collective of theirs is left
+pending). When the flag is set, the ranks exchange the offending event (only then, with
+``all_gather_object``) and each raises :class:`NanDetected` at the same boundary: out of the
+forward, or out of ``loss.backward()``, before any optimizer step. A healthy rank records and
+raises an event with ``origin="peer"`` whose ``peer_rank`` names the rank that found it. No
+rank leaves before the exchange, and after it every rank raises, so no collective is ever
+issued towards a rank that has left.
 
-The flag is exchanged only for forwards that DDP itself synchronises: grad enabled and the
-model in training mode, with ``on_nan="raise"``. A validation pass that only rank 0 runs
-(``model.eval()`` or ``torch.no_grad()``) therefore never waits for the other ranks.
+NCCL: the same exchanges, on a one-element CUDA tensor; reading the flag synchronises with the
+NCCL stream once per boundary. NCCL collectives block until every rank issues them, which is
+why the exchanges sit only at boundaries every rank reaches: were a rank to skip one (a watch
+on one rank only, different watch options per rank), the others would wait until the process
+group's timeout, which NCCL enforces only with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (on by
+default in recent PyTorch). The start-up check below covers the first case.
+
+The flag is exchanged only for passes that every rank runs: forwards with grad enabled and the
+model in training mode, their backward passes, and only with ``on_nan="raise"``. A validation
+pass that only rank 0 runs (``model.eval()`` or ``torch.no_grad()``) therefore never waits for
+the other ranks. :meth:`Consensus.any_rank` lets ``check_grad_norms()`` return the same answer
+on every rank (FSDP2 ranks measure different gradient shards): call it on every rank.
 
 Switch it off with ``NANWIDGET_CONSENSUS=0`` in the environment or :func:`set_consensus`.
 Create the watch on every rank. Before the first exchange the ranks check, through the process
@@ -99,21 +115,38 @@ class Consensus(Feature):
             self._flag = torch.zeros(1, dtype=torch.int32, device=device)
         return self._flag
 
-    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
+    def _exchanging(self) -> bool:
+        """Whether the ranks exchange flags now: several ranks, each of them watching."""
+        return distributed_ready() and torch.distributed.get_world_size() > 1 \
+            and self._every_rank_watches()
+
+    def _any_flag(self, mine: bool) -> bool:
         dist = torch.distributed
-        if reason != "forward" or self.recorder.on_nan != "raise" or not distributed_ready() \
-                or dist.get_world_size() < 2:
-            return event
-        # Only forwards every rank runs together (DDP training steps) exchange the flag.
-        if not (torch.is_grad_enabled() and self.recorder.model.training):
-            return event
-        if not self._every_rank_watches():
-            return event
         flag = self._flag_tensor()
-        flag.fill_(1 if event is not None else 0)
+        flag.fill_(1 if mine else 0)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.exchanges += 1
-        if int(flag.item()) == 0:
+        return int(flag.item()) != 0
+
+    def any_rank(self, flag: bool) -> bool:
+        """``flag`` OR-ed over every rank (one all-reduce), or ``flag`` itself without a group
+        to ask. Every rank must call it at the same point."""
+        if not self._exchanging():
+            return flag
+        return self._any_flag(flag)
+
+    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
+        dist = torch.distributed
+        if reason not in ("forward", "backward") or self.recorder.on_nan != "raise" \
+                or not self.recorder.model.training:
+            return event
+        # Only passes every rank runs together (training forwards and their backward passes)
+        # exchange the flag; a forward without grad (validation) does not.
+        if reason == "forward" and not torch.is_grad_enabled():
+            return event
+        if not self._exchanging():
+            return event
+        if not self._any_flag(event is not None):
             return event
         # Rare path: somebody found a NaN. Tell everyone what and where.
         payloads: list[Any] = [None] * dist.get_world_size()

@@ -15,7 +15,8 @@ Blame, in this order:
   (``x + self.pos``) is blamed on that module;
 - "input": a non-finite value arrived through an input;
 - "output": the module made it from finite inputs and weights;
-- "grad": found in a gradient (backward frames).
+- "grad": found in a gradient (backward frames): in the frame of the module whose backward
+  made it, when there is one (:func:`backward_birth`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .events import NanEvent
 from .frames import Frame, frames_to_dataframe
 from .schema import is_input_role
 
-__all__ = ["Detector", "event_kind", "first_event"]
+__all__ = ["Detector", "event_kind", "first_event", "backward_birth"]
 
 Window = Callable[[list[Frame], int], list[Frame]]
 # Weights of the module with this qualified name, measured right now (None: not watched).
@@ -70,7 +71,8 @@ class Detector:
         that value is not an event."""
         frame = frames[position]
         if frame.phase == "backward":
-            bad = frame.nonfinite_entries()
+            position = backward_birth(frames, position)
+            bad = frames[position].nonfinite_entries()
             return self._event(frames, position, window, "grad", bad[0], bad)
         allowed = frame.module in self.allow_inf
         outputs = frame.entries[frame.first_output:]
@@ -156,3 +158,32 @@ def first_event(frames: list[Frame], detector: Detector) -> NanEvent | None:
             if event is not None:
                 return event
     return None
+
+
+def _born_in_backward(frame: Frame) -> bool:
+    """Non-finite gradients only in the frame's ``grad_input`` roles: they were born in this
+    module's backward, or reached its input tensor through another user of it."""
+    bad = frame.nonfinite_entries()
+    return bool(bad) and not any(entry[0].startswith("grad_output") for entry in bad)
+
+
+def backward_birth(frames: list[Frame], position: int) -> int:
+    """Where the first non-finite gradient of a backward pass was born.
+
+    ``frames[position]`` is the pass's first frame holding one. Backward frames are ordered by
+    the start of each module's backward, so a parent starts before its children; a parent whose
+    input is also its child's input holds that child's non-finite ``grad_input`` too (it is the
+    input's total gradient). When the first frame has finite ``grad_output`` and non-finite
+    ``grad_input``, the innermost later frame of a module inside it that shows the same pattern
+    is where the value was born.
+    """
+    chosen = frames[position]
+    if not _born_in_backward(chosen):
+        return position
+    best = position
+    for later in range(position + 1, len(frames)):
+        frame = frames[later]
+        if frame.phase == "backward" and frame.batch == chosen.batch \
+                and _is_ancestor(chosen.module, frame.module) and _born_in_backward(frame):
+            chosen, best = frame, later
+    return best

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .schema import WRITTEN_HERE
-from .stats import PendingStats, TensorStats, classify, version_of
+from .schema import LOCAL_SHARD, WRITTEN_HERE
+from .stats import PLAIN_TENSOR_TYPES, PendingStats, TensorStats, classify, local_shard, version_of
 from .walk import Unread, iter_leaves
 
 __all__ = ["Entry", "EntryBuilder", "non_tensor_entry"]
@@ -67,8 +67,12 @@ class EntryBuilder:
         # Fast path for the common case, in the order of the cheapest checks; classify() has
         # the full rules and runs only for tensors that fail one of them.
         if dtype.is_floating_point and tensor.layout is _STRIDED and not tensor.is_meta \
-                and not tensor.is_nested and tensor.numel():
+                and not tensor.is_nested and tensor.numel() \
+                and type(tensor) in PLAIN_TENSOR_TYPES:
             return (role, self.pending.add(tensor), dtype, tensor.shape, "")
+        local = local_shard(tensor)
+        if local is not tensor:  # a DTensor: this rank's shard, its shape, said in the note
+            return self.tensor_entry(role, local)[:4] + (LOCAL_SHARD,)
         note = classify(tensor)
         shape = _shape_of(tensor)
         if note:
@@ -87,6 +91,9 @@ class EntryBuilder:
         """Entry for a gradient: measured without being held (the backward pass frees it)."""
         if not isinstance(grad, _Tensor):
             return non_tensor_entry(role, grad)
+        local = local_shard(grad)
+        if local is not grad:  # a DTensor gradient: this rank's shard
+            return self.grad_entry(role, local)[:4] + (LOCAL_SHARD,)
         note = classify(grad)
         shape = _shape_of(grad)
         if note:
@@ -118,13 +125,16 @@ class EntryBuilder:
         for role, leaf in iter_leaves(output, "output"):
             entries.append(self.leaf_entry(role, leaf))
 
-    def weight_entries(self, module: nn.Module, entries: list[Entry]) -> None:
-        """Append the entries of a module's own parameters and buffers, by their names."""
+    def weight_entries(self, module: nn.Module, entries: list[Entry],
+                       cache_weights: bool = True) -> None:
+        """Append the entries of a module's own parameters and buffers, by their names.
+        ``cache_weights=False``: measure the parameters on every call (FSDP2 gathers new values
+        into the same tensors, version counters kept, and may reuse the same storage)."""
         cache = self._weight_cache
         for group in (module._parameters, module._buffers):
             if not group:
                 continue
-            cacheable = self.cache_weights and group is module._parameters
+            cacheable = self.cache_weights and cache_weights and group is module._parameters
             for name, tensor in group.items():
                 if tensor is None:
                     continue
@@ -150,17 +160,19 @@ class EntryBuilder:
                 entries.append(entry)
 
     def forward_entries(self, module: nn.Module, has_state: bool, args: tuple, kwargs: dict,
-                        output: Any, measured_inputs: list[Entry] | None = None) -> tuple[list[Entry], int]:
+                        output: Any, measured_inputs: list[Entry] | None = None,
+                        cache_weights: bool = True) -> tuple[list[Entry], int]:
         """Every entry of one forward call, and the position of its first output entry.
 
         ``measured_inputs``: input entries a pre-hook measured before the module ran (used
         instead of measuring the inputs now). Without them, an input the module wrote into
         and returned (``x.mul_(s); return x``) is shown as it was handed over, when an earlier
-        frame measured it then, noted "written in place here".
+        frame measured it then, noted "written in place here". ``cache_weights``: see
+        :meth:`weight_entries`.
         """
         entries: list[Entry] = []
         if has_state:
-            self.weight_entries(module, entries)
+            self.weight_entries(module, entries, cache_weights)
         if measured_inputs is not None:
             entries.extend(measured_inputs)
         elif len(args) == 1 and not kwargs and isinstance(args[0], _Tensor) \

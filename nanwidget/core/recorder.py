@@ -19,6 +19,15 @@ Batches
     own batch, listed in :attr:`Recorder.interrupted_batches`, and the next forward starts a
     new one.
 
+Recomputation
+    A forward that runs while autograd executes a backward pass on this thread is a
+    recomputation (``torch.utils.checkpoint``, reentrant or not, re-runs the checkpointed modules
+    during batch N's backward): it records no frames and touches no batch state, because it
+    repeats forward frames batch N already holds (checkpointing restores the RNG state, so the
+    values are the same). Batch N+1 is untouched: its first real call of a module is call 0.
+    Backward frames of recomputed modules still belong to batch N (see
+    :mod:`~nanwidget.core.grads.backward`).
+
 Threads
     One forward at a time: a watched forward that a second thread enters while another
     thread's forward is running raises :class:`ConcurrentForwardError` before anything runs
@@ -52,10 +61,19 @@ from .ranks import current_rank
 from .stats import PendingStats
 
 __all__ = ["Recorder", "Feature", "ModuleInfo", "ConcurrentForwardError", "AlreadyWatchedError",
-           "watched_by"]
+           "watched_by", "in_backward_pass", "is_fsdp_unit"]
 
 _get_ident = threading.get_ident
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+# Batches whose frame and call counters are kept for late backward frames (gradient
+# accumulation can backpropagate several earlier forwards in one pass).
+_RECENT_COUNTERS = 8
+
+
+def in_backward_pass() -> bool:
+    """Whether autograd is executing a backward pass on this thread (a forward running now is
+    a recomputation, e.g. by ``torch.utils.checkpoint``)."""
+    return _graph_task_id() >= 0
 
 # Every module hooked by a live recorder, so a second one cannot double-record it. Weak on both
 # sides: the recorder is kept alive by its hooks (and keeps the model), so a model the user
@@ -69,6 +87,19 @@ class ConcurrentForwardError(RuntimeError):
 
 class AlreadyWatchedError(RuntimeError):
     """A module is already hooked by another live recorder."""
+
+
+def is_fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) manages ``module``: its parameters are unsharded only
+    while its forward runs, so hooks that read them must run before FSDP's post-forward hook."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by whoever called fully_shard
+    unit = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    return unit is not None and isinstance(module, unit)
+
+
+def _within(name: str, outer: str) -> bool:
+    """Whether module ``name`` is ``outer`` or inside it (qualified names; "" is the root)."""
+    return outer == "" or name == outer or name.startswith(outer + ".")
 
 
 def watched_by(module: nn.Module) -> Recorder | None:
@@ -112,9 +143,11 @@ class Feature:
 class ModuleInfo:
     """A watched module: its qualified name, class name and position in ``named_modules()``."""
 
-    __slots__ = ("module", "name", "type_name", "index", "is_root", "has_state", "pre_entries")
+    __slots__ = ("module", "name", "type_name", "index", "is_root", "has_state", "pre_entries",
+                 "sharded")
 
-    def __init__(self, module: nn.Module, name: str, index: int, is_root: bool) -> None:
+    def __init__(self, module: nn.Module, name: str, index: int, is_root: bool,
+                 sharded: bool = False) -> None:
         self.module = module
         self.name = name
         self.type_name = type(module).__name__
@@ -122,6 +155,9 @@ class ModuleInfo:
         self.is_root = is_root
         # Own parameters or buffers (lazy modules hold uninitialised ones from the start).
         self.has_state = bool(module._parameters) or bool(module._buffers)
+        # Inside a module FSDP2 manages (``fully_shard``): its parameters are gathered into
+        # the same tensors every forward, version counters kept, and freed after it.
+        self.sharded = sharded
         # Input entries measured by the pre-hook of an in-place module (a stack: recursion).
         self.pre_entries: list[list[Entry]] = []
 
@@ -183,7 +219,9 @@ class Recorder:
         self._manual_batches = False
         self._frames: list[Frame] = []  # recorded since the last resolve
         self._counters = _Counters(0)
-        self._previous: _Counters | None = None  # the last finished batch (late backward frames)
+        # Counters of recent finished batches, for backward frames that arrive after the root
+        # forward already counted the next batch (oldest first; at most _RECENT_COUNTERS).
+        self._recent: dict[int, _Counters] = {}
         self._root_depth = 0
         self._root_frame: Any = None  # torch's call frame of the outermost running root call
         self._root_thread: int | None = None
@@ -208,7 +246,9 @@ class Recorder:
                     f"module '{name or '<root>'}' ({type(module).__name__}) is already watched by "
                     "another NanWatch; close() that one first (nanwidget.live_watches() lists "
                     "the watches still attached)")
-        self.modules = [ModuleInfo(module, name, index, module is model)
+        units = [name for name, module in modules if is_fsdp_unit(module)]
+        self.modules = [ModuleInfo(module, name, index, module is model,
+                                   sharded=any(_within(name, unit) for unit in units))
                         for index, (name, module) in enumerate(modules)]
         self.module_names = [info.name for info in self.modules]
         self.module_types = [info.type_name for info in self.modules]
@@ -232,8 +272,10 @@ class Recorder:
                 elif getattr(module, "inplace", False) is True:
                     self._handles.append(module.register_forward_pre_hook(
                         self._inplace_pre_hook, with_kwargs=True))
+                # Before FSDP2's post-forward hook reshards: read the weights the forward used.
                 self._handles.append(module.register_forward_hook(
-                    self._forward_hook, with_kwargs=True, always_call=True))
+                    self._forward_hook, with_kwargs=True, always_call=True,
+                    prepend=is_fsdp_unit(module)))
                 _WATCHED[module] = weakref.ref(self)
         except BaseException:
             self.close()
@@ -315,8 +357,8 @@ class Recorder:
         return self._suspended > 0 and self._suspended_thread == _get_ident()
 
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._closed or self._skip_this_thread():
-            return None
+        if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
+            return None  # closed, a replay, or a recomputation during backward
         refusal = None
         try:
             with self._lock:
@@ -381,7 +423,7 @@ class Recorder:
             info.pre_entries.append(entries)
 
     def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._closed or self._skip_this_thread():
+        if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
             return None
         try:
             with self._lock:
@@ -397,32 +439,28 @@ class Recorder:
         thread = _get_ident()
         if self._suspended and self._suspended_thread == thread:
             return None
-        if self._root_depth and self._root_thread != thread and _graph_task_id() < 0:
+        if _graph_task_id() >= 0:
+            return None  # a recomputation during backward (torch.utils.checkpoint): not recorded
+        if self._root_thread != thread or not self._root_depth:
+            # Not inside this thread's own root forward: a call refused with
+            # ConcurrentForwardError unwinds through always_call hooks, recording nothing.
             if isinstance(sys.exc_info()[1], ConcurrentForwardError):
-                return None  # the refused call unwinding through always_call hooks
-            self._refuse_other_thread(info)
+                return None
+            if self._root_depth:
+                self._refuse_other_thread(info)
         try:
             with self._lock:
                 measured = info.pre_entries.pop() if info.pre_entries else None
                 entries, first_output = self.entries.forward_entries(
-                    module, info.has_state, args, kwargs, output, measured)
+                    module, info.has_state, args, kwargs, output, measured,
+                    cache_weights=not info.sharded)
                 self.record_frame(info, "forward", entries, first_output=first_output)
                 if self.entries.unread_roles and not self._warned_unread:
                     self._warn_unread()
         except Exception as error:
             self.internal_error(error)
         if info.is_root:
-            with self._lock:
-                if self._root_depth > 1:
-                    self._root_depth -= 1
-                    return None
-                self._root_depth = 0
-                self._root_frame = None
-                start_exception, self._exception_at_start = self._exception_at_start, None
-            # always_call hooks also run while an exception propagates: record, never raise then.
-            current = sys.exc_info()[1]
-            failing = current is not None and current is not start_exception
-            self._finish_root(raising=not failing)
+            self._finish_root(sys.exc_info()[1])
         return None
 
     def _refuse_other_thread(self, info: ModuleInfo) -> None:
@@ -458,14 +496,14 @@ class Recorder:
 
         ``batch`` files it under an earlier batch (backward frames that arrive after the root
         forward already counted the next one): its frame and call numbers continue after that
-        batch's own. ``first_output``: position of the first output entry (forward frames).
+        batch's own (kept for the last few batches). ``first_output``: position of the first
+        output entry (forward frames).
         """
         counters = self._counters
         if batch is not None and batch != counters.batch:
-            previous = self._previous
-            if previous is None or previous.batch != batch:
-                previous = self._previous = _Counters(batch)
-            counters = previous
+            counters = self._recent.get(batch)
+            if counters is None:
+                counters = self._remember_counters(_Counters(batch))
         key = info.index if phase == "forward" else ~info.index
         calls = counters.calls
         call = calls.get(key, 0)
@@ -476,20 +514,39 @@ class Recorder:
         self._frames.append(frame)
         return frame
 
+    def _remember_counters(self, counters: _Counters) -> _Counters:
+        recent = self._recent
+        recent.pop(counters.batch, None)
+        recent[counters.batch] = counters
+        while len(recent) > _RECENT_COUNTERS:
+            del recent[next(iter(recent))]
+        return counters
+
     @property
     def has_unresolved(self) -> bool:
         """Whether frames or stats are waiting for the next resolve."""
         return bool(self._frames) or len(self._pending) > 0
 
     # ------------------------------------------------------------------ batch boundaries
-    def _finish_root(self, raising: bool) -> None:
+    def _finish_root(self, current_exception: BaseException | None) -> None:
+        """A root call returned: the outermost one ends the batch. The call count, the resolve
+        and the batch number move under one hold of the lock, so that another thread's forward
+        cannot start in between and land in this batch."""
         with self._lock:
+            if self._root_depth > 1:
+                self._root_depth -= 1
+                return
+            self._root_depth = 0
+            self._root_frame = None
+            start_exception, self._exception_at_start = self._exception_at_start, None
             if self._closed:
                 return
             finished = self._batch
             advance = not self._manual_batches
             event = self._resolve_locked(finished, advance=advance)
-        self._conclude(finished, event, reason="forward", raising=raising, finished=advance)
+        # always_call hooks also run while an exception propagates: record, never raise then.
+        failing = current_exception is not None and current_exception is not start_exception
+        self._conclude(finished, event, reason="forward", raising=not failing, finished=advance)
 
     def _end_interrupted_locked(self) -> None:
         """Resolve the frames of a forward that never returned, in their own batch."""
@@ -540,7 +597,7 @@ class Recorder:
         for on_batch_end in self._on_batch_end:
             on_batch_end(ended, frames)
         if advance:
-            self._previous = self._counters
+            self._remember_counters(self._counters)
             self._batch += 1
             self._counters = _Counters(self._batch)
         return event
@@ -581,12 +638,17 @@ class Recorder:
                 self.internal_error(error)
 
     def end_frames(self, batch: int, *, reason: str, raising: bool) -> None:
-        """Resolve the frames recorded since the last resolve (e.g. a backward pass's), record
-        their first event and raise or warn as ``on_nan`` says (only when ``raising``)."""
+        """Resolve the frames recorded since the last resolve (e.g. a backward pass's), let the
+        features review the outcome, record its first event and raise or warn as ``on_nan``
+        says (only when ``raising``).
+
+        Features review the outcome also when nothing was recorded, so that a boundary every
+        rank reaches (the end of a backward pass) is reviewed on every rank.
+        """
         with self._lock:
-            if self._closed or not self.has_unresolved:
+            if self._closed:
                 return
-            event = self._resolve_locked(None, advance=False)
+            event = self._resolve_locked(None, advance=False) if self.has_unresolved else None
         self._conclude(batch, event, reason=reason, raising=raising, finished=False)
 
     def set_batch(self, batch: int) -> None:
@@ -599,11 +661,23 @@ class Recorder:
             finished = self._batch
             event = self._resolve_locked(finished, advance=False) if self.has_unresolved else None
             if batch != finished:
-                self._previous = self._counters
+                self._remember_counters(self._counters)
                 self._batch = batch
-                self._counters = _Counters(batch)
+                self._counters = self._recent.pop(batch, None) or _Counters(batch)
         self._conclude(finished, event, reason="set_batch", raising=True,
                        finished=finished != batch)
+
+    def step(self) -> None:
+        """End the current batch and continue with the next number (manual counting from now
+        on). Right after a root forward counted the batch automatically, the batch that ends is
+        that forward's: the numbering goes on without a gap (forward 0, ``step()``, forward 1)."""
+        with self._lock:
+            if not self._manual_batches and self._batch > 0 and self._counters.next_frame == 0 \
+                    and not self._root_depth:
+                self._manual_batches = True  # the forward already ended its batch
+                return
+            target = self._batch + 1
+        self.set_batch(target)
 
     def flush(self) -> None:
         """Resolve frames recorded since the last boundary; events are recorded, never raised."""

@@ -15,7 +15,7 @@ __all__ = [
     "GRAD_HISTORY_COLUMNS", "GRAD_HISTORY_DTYPES", "OPS_COLUMNS", "OPS_DTYPES",
     "column_kinds", "empty_table", "NOTES", "NOTES_WITH_STATS", "NO_STATS_NOTES", "LEAF_NOTES",
     "note_has_stats", "PENDING",
-    "CHANGED_LATER", "ROLE_GROUPS", "role_group", "role_groups", "is_input_role",
+    "CHANGED_LATER", "LOCAL_SHARD", "ROLE_GROUPS", "role_group", "role_groups", "is_input_role",
     "is_output_role", "EVENT_FIELDS", "ORIGINS", "KINDS", "ON_NAN_CHOICES",
 ]
 
@@ -67,6 +67,7 @@ def empty_table(columns: list[str], dtypes: dict[str, str]) -> pd.DataFrame:
 PENDING = "pending"  # internal: stats not measured yet (never in a resolved frame)
 CHANGED_LATER = "changed in place later"
 WRITTEN_HERE = "written in place here"
+LOCAL_SHARD = "local shard"
 
 # Every note a frame row can carry, with what it means. Rows with these notes have no stats
 # (abs_min and abs_max NaN) unless the note is in the second dict.
@@ -85,6 +86,7 @@ NOTES: dict[str, str] = {
 NOTES_WITH_STATS: dict[str, str] = {
     CHANGED_LATER: "the NaN/Inf look-up saw the tensor after a later in-place write",
     WRITTEN_HERE: "the module wrote into this input and returned it; shown as handed over",
+    LOCAL_SHARD: "a DTensor (FSDP2, tensor parallel): stats and shape are this rank's shard",
 }
 # Kinds that recordings made before nanwidget measured them noted instead of stats.
 LEGACY_KIND_NOTES = ("int", "complex", "sparse", "nested", "quantized")

@@ -31,7 +31,8 @@ from . import native
 from .schema import CHANGED_LATER, PENDING
 
 __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of",
-           "storage_holds", "measure_tensor", "PENDING_BYTES_LIMIT"]
+           "storage_holds", "measure_tensor", "PENDING_BYTES_LIMIT", "PLAIN_TENSOR_TYPES",
+           "local_shard"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
@@ -162,6 +163,23 @@ def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
         if callable(to_local):
             tensor = to_local()
     return tensor
+
+
+# Tensor classes read directly; any other class is a subclass that may need a closer look.
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2, tensor parallel), read without a collective; any
+    other tensor as it is. Reducing a DTensor itself would run collectives (or fail) inside a
+    hook, where every rank does not necessarily arrive."""
+    if type(tensor) in PLAIN_TENSOR_TYPES or not hasattr(tensor, "placements"):
+        return tensor
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is None:
+        return tensor
+    with torch.no_grad():  # the local tensor itself, not an autograd view of it
+        return to_local()
 
 
 def _values_of(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -449,6 +467,15 @@ def _resolve(queued: list[_Queued]) -> None:
         if item.extra is None:
             looks_by_device.setdefault(item.low.device, []).append(item)
     for items in looks_by_device.values():
+        # Storage freed since (FSDP frees gathered weights after their forward): reading it
+        # would crash the process; the values are gone, so the Inf and finite range are unknown.
+        freed = [item for item in items if not storage_holds(item.held)]  # type: ignore[arg-type]
+        for item in freed:
+            item.extra = [_NAN, _NAN, 0.0]  # type: ignore[assignment]
+            item.held = None
+        items = [item for item in items if item.held is not None]
+        if not items:
+            continue
         found = torch.stack([_second_look(item.held) for item in items]).tolist()  # type: ignore[arg-type]
         for item, look in zip(items, found):
             item.extra = look  # type: ignore[assignment]

@@ -346,8 +346,7 @@ class NanWatch:
                 recorder.add_feature(replayer)
         if self.backward:
             backward = recorder.add_feature(BackwardFrames(recorder))
-        grads = recorder.add_feature(GradNorms(recorder, threshold=self.grad_norm_warn,
-                                               backward=backward))
+        grads = recorder.add_feature(GradNorms(recorder, threshold=self.grad_norm_warn))
         if consensus_wanted():
             consensus = recorder.add_feature(Consensus(recorder))
         if self.log_dir is not None and self.log_dir != "":
@@ -426,8 +425,9 @@ class NanWatch:
         return self._recorder.closed
 
     def step(self) -> None:
-        """End the current batch and count the next one; automatic counting stops."""
-        self.set_batch(self.batch + 1)
+        """End the current batch and count the next one; automatic counting stops. Called right
+        after a forward that counted its batch, it ends that batch without skipping a number."""
+        self._recorder.step()
 
     def set_batch(self, batch: int) -> None:
         """End the current batch (its frames are checked) and continue as ``batch``.
@@ -508,9 +508,13 @@ class NanWatch:
         records them in :meth:`grad_history` under the batch of the last forward, and adds a
         :class:`GradEvent` for each norm that is non-finite or above ``grad_norm_warn`` (once
         per batch and parameter). Returns whether any norm was flagged; never raises for one
-        (skip ``optimizer.step()`` on True).
+        (skip ``optimizer.step()`` on True). Under torchrun, call it on every rank: the ranks
+        agree (one all-reduce), so each returns True when any rank flagged a norm (FSDP2 ranks
+        measure their own gradient shards) and they all skip the same step.
         """
-        return self._parts.grads.check()
+        flagged = self._parts.grads.check()
+        consensus = self._parts.consensus
+        return consensus.any_rank(flagged) if consensus is not None else flagged
 
     @property
     def grad_events(self) -> list[GradEvent]:

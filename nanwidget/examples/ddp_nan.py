@@ -10,6 +10,13 @@ raises :class:`nanwidget.NanDetected` for its own event; thanks to the consensus
 ranks raise at the same batch with an event naming the rank that found it, instead of hanging in
 DDP's next gradient all-reduce. Each rank prints one ``RESULT {json}`` line; the recording in
 ``--log-dir`` loads with ``nanwidget.load_run``.
+
+``--nan-in backward`` (implies ``--backward``, which watches with ``backward=True``): the model
+starts with ``fc0`` and ``rms`` (scale each row by its root mean square), and the bad batch has
+one row of zeros. The forward stays finite (0 * sqrt(0) = 0), but the gradient of sqrt at 0 is
+infinite and meets a zero: NaN is born in ``rms``'s backward, and ``fc0``'s weight gradient
+turns NaN through DDP's all-reduce on every rank. Every rank raises out of ``loss.backward()``
+at that batch, before the optimizer step.
 """
 
 from __future__ import annotations
@@ -35,9 +42,19 @@ class Standardize(nn.Module):
         return (x - x.mean(dim=0)) / x.std(dim=0)
 
 
+class RootMeanSquareScale(nn.Module):
+    """x * sqrt(mean(x**2)) per row: finite forward, NaN gradient for a row of zeros."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sqrt((x * x).mean(dim=-1, keepdim=True))
+
+
 class ToyNet(nn.Module):
-    def __init__(self, features: int = 16, width: int = 32) -> None:
+    def __init__(self, features: int = 16, width: int = 32, backward_trap: bool = False) -> None:
         super().__init__()
+        if backward_trap:
+            self.fc0 = nn.Linear(features, features, bias=False)  # a zero row stays zero
+            self.rms = RootMeanSquareScale()
         self.norm = Standardize()
         self.fc1 = nn.Linear(features, width)
         self.act = nn.ReLU()
@@ -45,6 +62,8 @@ class ToyNet(nn.Module):
         self.head = nn.Linear(width, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "rms"):
+            x = self.rms(self.fc0(x))
         return self.head(self.act(self.fc2(self.act(self.fc1(self.norm(x))))))
 
 
@@ -54,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=8, help="training steps (default 8)")
     parser.add_argument("--nan-rank", type=int, default=1, help="rank that gets the bad batch")
     parser.add_argument("--nan-batch", type=int, default=3, help="batch that is bad (-1: none)")
+    parser.add_argument("--nan-in", choices=("forward", "backward"), default="forward",
+                        help="where the NaN is born (default forward)")
+    parser.add_argument("--backward", action="store_true", help="watch with backward=True")
     parser.add_argument("--trace-batches", default="0", help="comma-separated trace batches")
     parser.add_argument("--watch-ranks", default="all",
                         help="ranks that watch the model: 'all' (the right way) or e.g. '0'")
@@ -72,21 +94,26 @@ def main(argv: list[str] | None = None) -> int:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+    in_backward = args.nan_in == "backward"
     torch.manual_seed(0)  # same initial weights on every rank
-    model = ToyNet().to(device)
+    model = ToyNet(backward_trap=in_backward).to(device)
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard
     trace = [int(b) for b in args.trace_batches.split(",") if b.strip()]
-    result: dict = {"rank": rank, "world": world, "stopped_at": None}
+    result: dict = {"rank": rank, "world": world, "stopped_at": None, "last_step": None}
     watching = args.watch_ranks == "all" or str(rank) in args.watch_ranks.split(",")
-    with (nw.watch(ddp, log_dir=args.log_dir, trace_batches=trace) if watching
+    with (nw.watch(ddp, log_dir=args.log_dir, trace_batches=trace,
+                   backward=args.backward or in_backward) if watching
           else contextlib.nullcontext()) as watch:
         try:
             for batch in range(args.batches):
                 x = torch.randn(8, 16, generator=data)
                 if rank == args.nan_rank and batch == args.nan_batch:
-                    x = x[:1].repeat(8, 1)  # eight identical rows: std 0
+                    if in_backward:
+                        x[0] = 0.0  # a row of zeros: sqrt's gradient at 0 meets a 0
+                    else:
+                        x = x[:1].repeat(8, 1)  # eight identical rows: std 0
                 x, target = x.to(device), torch.randn(8, 4, generator=data).to(device)
                 loss = nn.functional.mse_loss(ddp(x), target)
                 optimizer.zero_grad()
@@ -94,14 +121,19 @@ def main(argv: list[str] | None = None) -> int:
                 if watching:
                     watch.check_grad_norms()  # recorded too: run.grad_history()
                 optimizer.step()
-                result["last_batch"] = batch
+                result["last_step"] = result["last_batch"] = batch
         except nw.NanDetected as error:
             event = error.event
             result.update(stopped_at=batch, exception="NanDetected",
                           event_batch=event.batch, event_rank=event.rank,
                           peer_rank=event.peer_rank, module=event.module, origin=event.origin,
+                          role=event.role, is_backward=event.is_backward,
                           recorded=[(e.rank, e.origin) for e in watch.events], message=str(error))
         result["module_names"] = watch.module_names if watching else None
+    with torch.no_grad():
+        weights = torch.cat([p.detach().reshape(-1).double().cpu() for p in model.parameters()])
+    result["weights_finite"] = bool(torch.isfinite(weights).all())
+    result["weights_sum"] = float(weights.sum())
     # One write call: the ranks share stdout, and a single short write is not interleaved.
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result) + "\n").encode())

@@ -1,306 +1,334 @@
-"""Backward frames (``watch(model, backward=True)``).
+"""Backward frames (``watch(model, backward=True)``): one frame per module call per backward pass.
 
-Full backward hooks (``register_full_backward_hook``) on the watched modules record one frame
-per module per backward pass, phase ``"backward"``, roles ``grad_output[i]`` then
-``grad_input[i]``. Each gradient is measured without being held (the native kernel on CPU, a
-device reduction elsewhere: no host sync), so the backward pass frees memory as usual. When
-the backward pass ends (an autograd final callback) the recorder resolves the frames: the first
-non-finite gradient in backward execution order becomes a :class:`NanEvent` with
-``is_backward=True`` and ``origin="grad"``; with ``on_nan="raise"`` the :class:`NanDetected`
-propagates out of ``loss.backward()`` unchanged. Backward frames carry the batch of the last
-forward pass before them, and their ``frame`` numbers continue after that forward's frames.
+How they are recorded
+    Gradient hooks on tensors (``Tensor.register_hook``), registered when a module's forward
+    returns with grad enabled: on each output tensor that requires grad and on each tensor input
+    that requires grad. No module backward hooks: PyTorch's full backward hooks wrap a module's
+    inputs and outputs in views of a custom autograd Function and refuse any later in-place
+    write to them (``ReLU(inplace=True)``, ``out += residual``), which forced a calibration
+    forward before. Tensor hooks wrap nothing, so every module is recorded from the first batch
+    on, in-place writes included.
 
-Modules PyTorch refuses
-    Full backward hooks wrap a module's inputs and outputs in views made by a custom autograd
-    Function; PyTorch raises if such a view is later modified in place (``ReLU(inplace=True)``,
-    ``out += residual``, ``x.clamp_()``). Static checks cannot see ``out += residual`` in a user's
-    ``forward``, so the first complete forward of the model after ``watch`` is a *calibration*
-    pass: it runs without backward hooks and watches the version counters of every module's
-    inputs (during its own forward) and outputs (until the root forward returns). Modules with
-    ``inplace=True``, modules that write into their inputs, modules whose outputs are written in
-    place later, and modules whose output is not a tensor or tuple (full backward hooks ignore
-    those) are skipped, with one warning naming them; the others get their hooks right after the
-    calibration forward. If an in-place write the calibration did not see (a data-dependent
-    branch) hits a hooked tensor later, PyTorch raises its RuntimeError in that one forward;
-    nanwidget adds a note to it, removes its backward hooks, and calibrates again on the next
-    forward (after a second such failure backward frames stay off, with a warning).
+Roles (phase ``"backward"``)
+    ``grad_output[i]``: the gradient of the module's i-th output tensor, summed over every use
+    of it. The hook is registered before any later in-place write, and PyTorch then hands it the
+    gradient of the value *before* that write: the value the module returned. Outputs that are
+    structures are named like the forward roles (``grad_output[1][0]``, ``grad_output.logits``).
+    ``grad_input[i]``: the gradient of the module's i-th positional input (keyword inputs:
+    ``grad_kwarg:name``), as the module received it (for ``inplace=True`` modules the hook goes
+    on before the write). It is the input tensor's *total* gradient, summed over every module
+    and op that used that tensor, not only this module's share (measuring the share alone needs
+    the input wrapping that forbids in-place writes). A gradient that never arrives (an output
+    the loss does not use) shows the note "None".
+
+Order, batch, blame
+    A frame takes its place in the batch when its first gradient arrives (normally its
+    ``grad_output``: the module's backward starts), so frames follow backward execution order;
+    gradients arriving later (its ``grad_input``) fill the same frame before the pass resolves.
+    Each frame belongs to the batch of the forward that built the graph (read when the hooks are
+    registered), and its ``frame`` number continues after that batch's forward frames. The event
+    of a backward pass is its first frame holding a non-finite gradient, refined by
+    :func:`~nanwidget.core.detect.event_at`: a NaN born inside a module's backward shows as
+    finite ``grad_output`` with non-finite ``grad_input`` there, and among nested modules that
+    share the input the innermost is named. Two sibling modules that take the same tensor
+    cannot be told apart (both see its total gradient): the one whose backward ran first is named.
+
+Recomputation (``torch.utils.checkpoint``)
+    The recorder records no forward frames while autograd recomputes checkpointed modules. With
+    reentrant checkpointing, the forward inside the checkpoint ran without grad, so the hooks go
+    on the recomputed tensors (the ones its backward uses), and their frames belong to the batch
+    of the backward pass that recomputed them. Each module call still has one backward frame.
+
+Resolution
+    Once per backward pass: an autograd final callback, queued by the pass's first gradient and
+    queued again when it runs so that it comes after the other final callbacks (DDP's and
+    FSDP2's gradient reductions finish first). It resolves the pass's frames (one host copy per
+    device; CPU gradients are read by the native kernel as they arrive) and lets the features
+    review the outcome: the DDP consensus exchanges its flag there, so every rank stops before
+    the optimizer step. With ``on_nan="raise"``, :class:`NanDetected` propagates out of
+    ``loss.backward()``. Gradients are measured without being held, so memory is freed as usual.
 """
 
 from __future__ import annotations
 
-import sys
-import warnings
-from typing import Any, Callable
+from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..entries import Entry
-from ..recorder import Feature, ModuleInfo, Recorder
+from ..recorder import Feature, ModuleInfo, Recorder, in_backward_pass
+from ..walk import iter_leaves
 
-__all__ = ["BackwardFrames", "MAX_RUNTIME_REFUSALS"]
+__all__ = ["BackwardFrames"]
 
-# After this many runtime refusals (in-place writes the calibration pass missed), stop trying.
-MAX_RUNTIME_REFUSALS = 2
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_NO_GRADIENT = "None"  # the note of a gradient that never arrived (the contract's "None")
+_MAX_LEAF_HOOKS = 4096  # hooks on leaf tensors waiting for a backward pass, at most
 
-_REFUSAL_MARKER = "BackwardHookFunction"
-_OUTPUT_ONLY_WARNING = ("Full backward hook is firing when gradients are computed with respect "
-                        "to module outputs")
+
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
-class _ProbeRecord:
-    """Version counters seen during the calibration forward."""
+def _recomputing_without_a_graph() -> bool:
+    """Whether this recomputation is non-reentrant checkpointing's: it only refills saved
+    tensors, its graph is thrown away, and the hooks of the original forward fire instead.
+    (Told by the saved-tensor hooks it runs under; reentrant checkpointing runs under none.)"""
+    if _top_saved_tensors_hooks is None:
+        return False
+    try:
+        top = _top_saved_tensors_hooks(False)
+    except Exception:
+        return False
+    pack = top[0] if top else None
+    return "_recomputation_hook" in getattr(pack, "__qualname__", "")
 
-    __slots__ = ("inputs", "outputs")
 
-    def __init__(self) -> None:
-        # id(module) -> stack of [(tensor, version)] of its positional tensor inputs.
-        self.inputs: dict[int, list[list[tuple[torch.Tensor, int]]]] = {}
-        # (id(module), tensor, version) of every tensor a module returned.
-        self.outputs: list[tuple[int, torch.Tensor, int]] = []
+class _PendingFrame:
+    """The backward frame of one module call, waiting for its gradients.
+
+    ``template``: one entry per hooked tensor (note "None" until its gradient arrives), in hook
+    slot order. ``frame``: the frame recorded for it in backward pass ``pass_id``.
+    """
+
+    __slots__ = ("info", "batch", "template", "positions", "frame", "pass_id")
+
+    def __init__(self, info: ModuleInfo, batch: int | None) -> None:
+        self.info = info
+        self.batch = batch  # None: registered during a recomputation (the pass's batch)
+        self.template: list[Entry] = []
+        self.positions: list[int] | None = None
+        self.frame: Any = None
+        self.pass_id = -1
+
+    def fresh_entries(self) -> list[Entry]:
+        """A new entry list, ``grad_output`` roles first, and each slot's position in it."""
+        if self.positions is None:
+            order = sorted(range(len(self.template)),
+                           key=lambda slot: not self.template[slot][0].startswith("grad_output"))
+            positions = [0] * len(order)
+            for position, slot in enumerate(order):
+                positions[slot] = position
+            self.positions = positions
+        entries: list[Entry] = [None] * len(self.template)  # type: ignore[list-item]
+        for slot, position in enumerate(self.positions):
+            entries[position] = self.template[slot]
+        return entries
+
+
+def _grad_targets(value: Any, role: str, targets: list[tuple[str, _Tensor]]) -> None:
+    """Append ``("grad_" + role, tensor)`` for each tensor in ``value`` that requires grad."""
+    if isinstance(value, _Tensor):
+        if value.requires_grad:
+            targets.append(("grad_" + role, value))
+        return
+    if value is None or isinstance(value, (int, float, str, bool)):
+        return
+    for leaf_role, leaf in iter_leaves(value, role):
+        if isinstance(leaf, _Tensor) and leaf.requires_grad:
+            targets.append(("grad_" + leaf_role, leaf))
 
 
 class BackwardFrames(Feature):
-    """Records a backward frame per module per backward pass, after one calibration forward."""
+    """Records a backward frame per module call per backward pass, from the first batch on."""
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
-        self.skipped: dict[str, str] = {}  # module name -> why it has no backward hooks
-        self._unsafe: dict[int, str] = {}
-        self._runtime_refusals = 0
+        self.closed = False
+        self.passes = 0  # backward passes resolved (tests read it)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._leaf_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._pass_id = 0
+        self._pass_batch: int | None = None  # batch of the first frame of the running pass
         self._last_forward_batch: int | None = None
-        self._queued_task: int | None = None
-        self._backward_batch: int | None = None
-        self._backward_handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._probe_handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._control_handle: torch.utils.hooks.RemovableHandle | None = None
-        self._probe: _ProbeRecord | None = None
-        self._reprobe = False
-        # "probe": calibrating; "active": hooks on; "disabled": gave up; "closed".
-        self.mode = "probe"
-        # Modules whose inputs need no grad make PyTorch warn on every backward; the frame then
-        # simply has grad_input "None", which says the same thing. The filter lives exactly as
-        # long as this watch (removed in close()).
-        warnings.filterwarnings("ignore", message=_OUTPUT_ONLY_WARNING, category=UserWarning)
-        self._warning_filter = warnings.filters[0]
-        for info in recorder.modules:
-            if getattr(info.module, "inplace", False) is True:
-                self._unsafe[id(info.module)] = "inplace=True"
-        self._install_probe()
-        self._control_handle = recorder.model.register_forward_hook(
-            self._control_hook, with_kwargs=True, always_call=True)
+        self._queued = False  # a final callback is queued for the running pass
+        # id(module) -> stacks of pending frames opened by the pre-hook of an in-place module.
+        self._opened: dict[int, list[_PendingFrame]] = {}
+        try:
+            for info in recorder.modules:
+                module = info.module
+                if getattr(module, "inplace", False) is True:
+                    # Its input is overwritten by its forward: hook the input before that.
+                    self._handles.append(module.register_forward_pre_hook(
+                        self._inplace_pre_hook, with_kwargs=True))
+                # On the root, run before the recorder's own hook counts the next batch.
+                self._handles.append(module.register_forward_hook(
+                    self._forward_hook, with_kwargs=True, prepend=info.is_root))
+        except BaseException:
+            self.close()
+            raise
 
-    # ------------------------------------------------------------------ calibration
-    def _install_probe(self) -> None:
-        self._probe = _ProbeRecord()
-        self.mode = "probe"
-        probe = self._probe
+    # ------------------------------------------------------------------ forward side
+    def _skip(self) -> bool:
+        if self.closed or self.recorder.suspended or not _grad_enabled():
+            return True
+        return in_backward_pass() and _recomputing_without_a_graph()
+
+    def _new_pending(self, info: ModuleInfo) -> _PendingFrame:
+        recompute = in_backward_pass()
+        if recompute and not self._queued:
+            # A checkpoint recomputes during a pass none of our hooks has seen yet (the whole
+            # model is checkpointed): resolve at the end of this, the outer, pass.
+            with self.recorder.lock:
+                self._queue_resolution()
+        return _PendingFrame(info, None if recompute else self.recorder.batch)
+
+    def _hook(self, pending: _PendingFrame, targets: list[tuple[str, _Tensor]]) -> None:
+        template = pending.template
+        on_grad = self._on_grad
+        for role, tensor in targets:
+            slot = len(template)
+            template.append((role, None, tensor.dtype, tensor.shape, _NO_GRADIENT))
+            handle = tensor.register_hook(partial(on_grad, pending, slot))
+            if tensor.grad_fn is None:
+                # A leaf (an input that requires grad, a parameter passed as an argument) keeps
+                # its hooks beyond the graph: they are removed when the pass ends.
+                leaves = self._leaf_handles
+                leaves.append(handle)
+                if len(leaves) > _MAX_LEAF_HOOKS:
+                    for old in leaves[:_MAX_LEAF_HOOKS // 2]:
+                        old.remove()
+                    del leaves[:_MAX_LEAF_HOOKS // 2]
+
+    def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._skip():
+            return None
+        try:
+            info = self.recorder.module_info(module)
+            if info is None:
+                return None
+            targets: list[tuple[str, _Tensor]] = []
+            for position, value in enumerate(args):
+                _grad_targets(value, f"input[{position}]", targets)
+            pending = self._new_pending(info)
+            self._hook(pending, targets)
+            self._opened.setdefault(id(module), []).append(pending)
+        except Exception as error:
+            self.recorder.internal_error(error)
+        return None
+
+    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._skip():
+            return None
+        try:
+            opened = self._opened.get(id(module))
+            pending = opened.pop() if opened else None
+            targets: list[tuple[str, _Tensor]] = []
+            if isinstance(output, _Tensor):
+                if output.requires_grad:
+                    targets.append(("grad_output[0]", output))
+            else:
+                _grad_targets(output, "output", targets)
+            if pending is None:
+                for position, value in enumerate(args):
+                    _grad_targets(value, f"input[{position}]", targets)
+                if kwargs:
+                    for key, value in kwargs.items():
+                        _grad_targets(value, f"kwarg:{key}", targets)
+            if not targets:
+                return None
+            if pending is None:
+                info = self.recorder.module_info(module)
+                if info is None:
+                    return None
+                pending = self._new_pending(info)
+            self._hook(pending, targets)
+        except Exception as error:
+            self.recorder.internal_error(error)
+        return None
+
+    # ------------------------------------------------------------------ backward side
+    def _on_grad(self, pending: _PendingFrame, slot: int, grad: Any) -> None:
         recorder = self.recorder
-
-        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if recorder.suspended:  # a trace-mode replay: not a forward to calibrate on
-                return
-            try:
-                seen = [(a, a._version) for a in args if isinstance(a, torch.Tensor)]
-                probe.inputs.setdefault(id(module), []).append(seen)
-            except Exception as error:
-                recorder.internal_error(error)
-
-        def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._probe is not probe or recorder.suspended:  # finished earlier in this round
-                return
-            error = sys.exc_info()[1]
-            try:
-                with recorder.lock:
-                    stack = probe.inputs.get(id(module))
-                    seen = stack.pop() if stack else []
-                    if error is None:
-                        self._probe_outputs(probe, module, seen, output)
-                    if module is recorder.model and not recorder.closed:
-                        if error is None:
-                            self._finish_probe()
-                        else:  # incomplete forward: calibrate again on the next one
-                            probe.inputs.clear()
-                            probe.outputs.clear()
-            except Exception as internal:
-                recorder.internal_error(internal)
-
-        for info in recorder.modules:
-            module = info.module
-            self._probe_handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            self._probe_handles.append(module.register_forward_hook(
-                post_hook, with_kwargs=True, always_call=True))
-
-    def _probe_outputs(self, probe: _ProbeRecord, module: nn.Module,
-                       seen: list[tuple[torch.Tensor, int]], output: Any) -> None:
-        key = id(module)
-        if any(tensor._version != version for tensor, version in seen):
-            self._unsafe.setdefault(key, "writes into its input in place")
-        if isinstance(output, torch.Tensor):
-            probe.outputs.append((key, output, output._version))
-        elif isinstance(output, tuple):
-            for item in output:
-                if isinstance(item, torch.Tensor):
-                    probe.outputs.append((key, item, item._version))
-        elif output is not None:
-            self._unsafe.setdefault(key, f"returns {type(output).__name__}; full backward hooks "
-                                         "need a tensor or a tuple of tensors")
-
-    def _remove_probe(self) -> None:
-        for handle in self._probe_handles:
-            handle.remove()
-        self._probe_handles.clear()
-        self._probe = None
-
-    def _finish_probe(self) -> None:
-        """After a complete calibration forward: decide, hook the safe modules, warn once."""
-        probe = self._probe
-        self._remove_probe()
-        if probe is not None:
-            for key, tensor, version in probe.outputs:
-                if tensor._version != version:
-                    self._unsafe.setdefault(key, "its output is modified in place after it returns")
-        newly_skipped: list[str] = []
-        for info in self.recorder.modules:
-            reason = self._unsafe.get(id(info.module))
-            if reason is not None:
-                if info.label not in self.skipped:
-                    newly_skipped.append(f"'{info.label}' ({info.type_name}: {reason})")
-                self.skipped[info.label] = reason
-                continue
-            self._backward_handles.append(
-                info.module.register_full_backward_hook(self._make_backward_hook(info)))
-        self.mode = "active"
-        if newly_skipped:
-            warnings.warn(
-                f"nanwidget: no backward frames for {len(newly_skipped)} module(s) whose full "
-                f"backward hooks PyTorch refuses (in-place writes on their inputs or outputs): "
-                f"{', '.join(newly_skipped)}. Training is unaffected.", RuntimeWarning,
-                stacklevel=2)
-
-    def _control_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """Root forward hook (always called): reacts when PyTorch refuses a hooked tensor."""
-        error = sys.exc_info()[1]
-        recorder = self.recorder
-        if error is None or self.mode != "active" or _REFUSAL_MARKER not in str(error) \
-                or recorder.suspended:
-            return
+        # A replay's backward may run on autograd's own threads: never wait for the lock the
+        # replaying thread holds.
+        if self.closed or recorder.suspended:
+            return None
         try:
             with recorder.lock:
-                if not recorder.closed:
-                    self._on_runtime_refusal(error)
-        except Exception as internal:
-            recorder.internal_error(internal)
+                frame = pending.frame
+                if frame is None or pending.pass_id != self._pass_id:
+                    frame = self._open_frame(pending)
+                role = pending.template[slot][0]
+                frame.entries[pending.positions[slot]] = recorder.entries.grad_entry(role, grad)
+        except Exception as error:
+            recorder.internal_error(error)
+        return None
 
-    def _on_runtime_refusal(self, error: BaseException) -> None:
-        """PyTorch refused a hooked tensor mid-forward: drop the hooks, recalibrate next time."""
-        # The innermost running module wrote in place, but into its own input or into a
-        # submodule's output: the next calibration forward tells which, so nobody is blamed here.
-        culprit = self._innermost_hooked_module(error)
-        for handle in self._backward_handles:
-            handle.remove()
-        self._backward_handles.clear()
-        self._runtime_refusals += 1
-        where = (f" while the forward of '{culprit.label}' ({culprit.type_name}) ran"
-                 if culprit is not None else "")
-        if self._runtime_refusals >= MAX_RUNTIME_REFUSALS:
-            self.mode = "disabled"
-            advice = ("backward frames are now off for this watch; gradient norms still work. "
-                      "Run this forward again")
-        else:
-            self.mode = "probe"
-            self._reprobe = True  # hooks cannot be added while the root's hooks are iterated
-            advice = ("nanwidget removed its backward hooks and recalibrates on the next forward. "
-                      "Run this forward again")
-        note = (f"nanwidget: this error comes from nanwidget's backward hooks (backward=True): "
-                f"a tensor they wrap was modified in place{where}. {advice}.")
-        if hasattr(error, "add_note"):
-            error.add_note(note)
-        warnings.warn(note, RuntimeWarning, stacklevel=2)
+    def _open_frame(self, pending: _PendingFrame) -> Any:
+        """The first gradient of this module call in this pass: its frame takes its place now."""
+        batch = pending.batch
+        if batch is None:  # registered during a recomputation: the pass's batch
+            batch = self._pass_batch if self._pass_batch is not None else self._forward_batch()
+        if self._pass_batch is None:
+            self._pass_batch = batch
+        frame = self.recorder.record_frame(pending.info, "backward", pending.fresh_entries(),
+                                           batch=batch)
+        pending.frame, pending.pass_id = frame, self._pass_id
+        self._queue_resolution()
+        return frame
 
-    def _innermost_hooked_module(self, error: BaseException) -> ModuleInfo | None:
-        """The innermost watched module whose ``forward`` was running when ``error`` was raised."""
-        found = None
-        tb = error.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_name == "_call_impl":
-                module = tb.tb_frame.f_locals.get("self")
-                info = self.recorder.module_info(module) if isinstance(module, nn.Module) else None
-                if info is not None:
-                    found = info
-            tb = tb.tb_next
-        return found
-
-    # ------------------------------------------------------------------ backward hooks
-    def _make_backward_hook(self, info: ModuleInfo) -> Callable[..., None]:
-        recorder = self.recorder
-
-        def backward_hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-            # A replay's backward may run on autograd's own threads: never wait for the lock
-            # the replaying thread holds.
-            if recorder.suspended or recorder.closed or self.mode != "active":
-                return None
-            try:
-                with recorder.lock:
-                    entries: list[Entry] = []
-                    grad_entry = recorder.entries.grad_entry
-                    for i, grad in enumerate(grad_output):
-                        entries.append(grad_entry(f"grad_output[{i}]", grad))
-                    for i, grad in enumerate(grad_input):
-                        entries.append(grad_entry(f"grad_input[{i}]", grad))
-                    recorder.record_frame(info, "backward", entries, batch=self._frame_batch())
-                    self._queue_resolution()
-            except Exception as error:
-                recorder.internal_error(error)
-            return None
-
-        return backward_hook
-
-    def _frame_batch(self) -> int:
-        """The batch of the forward that built the graph now running backward."""
+    def _forward_batch(self) -> int:
         if self._last_forward_batch is not None:
             return self._last_forward_batch
         return self.recorder.batch
 
     def _queue_resolution(self) -> None:
-        """Once per backward pass: resolve its frames when the autograd engine finishes."""
-        task = torch._C._current_graph_task_id() if hasattr(torch._C, "_current_graph_task_id") else 0
-        if self._queued_task == task:
+        """Once per backward pass (caller holds the lock): resolve when autograd finishes it."""
+        if self._queued:
             return
-        self._queued_task = task
-        self._backward_batch = self._frame_batch()
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        try:
+            _queue_callback(self._requeue_last)
+        except RuntimeError:  # not inside a backward pass after all: resolved by the next boundary
+            return
+        self._queued = True
+
+    def _requeue_last(self) -> None:
+        # Final callbacks queued while they run go last: let DDP / FSDP finish their reductions.
+        try:
+            _queue_callback(self._backward_done)
+        except RuntimeError:
+            self._backward_done()
 
     def _backward_done(self) -> None:
-        self._queued_task = None
         self.end_backward(raising=True)
 
     def end_backward(self, *, raising: bool) -> None:
-        """Resolve recorded backward frames; record their first event; raise or warn per
-        ``on_nan`` when ``raising``."""
-        batch = self._backward_batch if self._backward_batch is not None else self.recorder.batch
-        self.recorder.end_frames(batch, reason="backward", raising=raising)
+        """End the running backward pass: resolve its frames, let the features review them,
+        record the first event and raise or warn per ``on_nan`` when ``raising``."""
+        recorder = self.recorder
+        with recorder.lock:
+            self._queued = False
+            batch = self._pass_batch if self._pass_batch is not None else self._forward_batch()
+            self._pass_batch = None
+            self._pass_id += 1
+            self.passes += 1
+            self._remove_leaf_hooks()
+        if not self.closed:
+            recorder.end_frames(batch, reason="backward", raising=raising)
 
     # ------------------------------------------------------------------ Feature
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
         self._last_forward_batch = batch
-        self._backward_batch = None
-        self._queued_task = None
-        if self._reprobe:
-            self._reprobe = False
-            self._install_probe()
+        self._opened.clear()
+        if self._queued and not in_backward_pass():
+            # The last pass never finished (an error inside backward): its callback is gone.
+            self._queued = False
+            self._pass_batch = None
+            self._pass_id += 1
+
+    def _remove_leaf_hooks(self) -> None:
+        for handle in self._leaf_handles:
+            handle.remove()
+        self._leaf_handles.clear()
 
     def close(self) -> None:
-        self.mode = "closed"
-        self._remove_probe()
-        for handle in self._backward_handles:
+        self.closed = True
+        for handle in self._handles:
             handle.remove()
-        self._backward_handles.clear()
-        if self._control_handle is not None:
-            self._control_handle.remove()
-            self._control_handle = None
-        try:
-            warnings.filters.remove(self._warning_filter)
-            warnings._filters_mutated()  # type: ignore[attr-defined]
-        except (ValueError, AttributeError):
-            pass
+        self._handles.clear()
+        self._remove_leaf_hooks()
+        self._opened.clear()

@@ -14,7 +14,7 @@ from ..events import GradEvent
 from ..history import History
 from ..recorder import Feature, Recorder
 from ..schema import GRAD_HISTORY_COLUMNS, GRAD_HISTORY_DTYPES, empty_table
-from .backward import BackwardFrames
+from ..stats import local_shard
 
 __all__ = ["GradNorms", "grad_norms", "empty_grad_history", "MAX_GRAD_EVENTS",
            "GRAD_HISTORY_FULL_BATCHES", "GRAD_HISTORY_WINDOWS", "GRAD_HISTORY_WINDOW"]
@@ -34,17 +34,11 @@ def empty_grad_history() -> pd.DataFrame:
 
 
 class GradNorms(Feature):
-    """Gradient-norm checks, their events and history for one watch.
+    """Gradient-norm checks, their events and history for one watch."""
 
-    ``backward``: the watch's backward frames, if any, resolved before the norms are read so
-    that a backward NaN is reported as the event it is.
-    """
-
-    def __init__(self, recorder: Recorder, *, threshold: float | None,
-                 backward: BackwardFrames | None = None) -> None:
+    def __init__(self, recorder: Recorder, *, threshold: float | None) -> None:
         self.recorder = recorder
         self.threshold = threshold
-        self.backward = backward
         self.history: History | None = None  # created on the first check (parameter names)
         self._param_index: dict[str, int] = {}
         self.events: list[GradEvent] = []
@@ -61,12 +55,14 @@ class GradNorms(Feature):
         recorder = self.recorder
         if recorder.closed:
             raise RuntimeError("this watch is closed; gradient norms are checked while it watches")
-        if self.backward is not None:
-            self.backward.end_backward(raising=False)
+        # Backward frames the end of their pass did not resolve (it failed) are reported first.
+        recorder.flush()
         named = [(name, p) for name, p in recorder.model.named_parameters() if p.grad is not None]
         if not named:
             return False
-        norms = grad_norms([p.grad for _, p in named])
+        # A DTensor gradient (FSDP2, tensor parallel) is measured on this rank's shard: no
+        # collective here, the ranks agree through the consensus afterwards.
+        norms = grad_norms([local_shard(p.grad) for _, p in named])
         batch = self._last_forward_batch if self._last_forward_batch is not None else recorder.batch
         threshold = self.threshold
         rank = recorder.rank

@@ -49,6 +49,13 @@ class Replayer(Feature):
         """Re-run ``batch`` in trace mode (see :meth:`nanwidget.NanWatch.replay`); ``expected``:
         the event the replay checks for (default: the batch's recorded event)."""
         held = self.capture.batch_to_replay(batch)
+        sharded = [info.label for info in self.recorder.modules if info.sharded]
+        if sharded:
+            raise ReplayError(
+                f"cannot replay a model sharded with FSDP2 (fully_shard manages "
+                f"'{sharded[0]}'): its forward gathers parameters from every rank, and a replay "
+                "runs on this rank alone, so it would wait for the others forever. Replay an "
+                "unsharded copy of the model on one process instead")
         if self.replaying:
             raise ReplayError("a replay is already running (replay() cannot be called from "
                               "inside the model while it is being replayed)")

@@ -1,0 +1,225 @@
+"""Batch boundaries: every frame in its own batch (checkpointing, recursion, threads, numbering)."""
+
+from __future__ import annotations
+
+import threading
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import nanwidget as nw
+from tests.conftest import TinyMLP, hook_count
+
+
+class CheckpointedEncoder(nn.Module):
+    """A small transformer encoder whose layers run under torch.utils.checkpoint."""
+
+    def __init__(self, reentrant: bool | None, sqrt_trap: bool = False) -> None:
+        super().__init__()
+        self.reentrant = reentrant  # None: no checkpointing (the reference)
+        self.embed = nn.Linear(6, 16)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+            for _ in range(2))
+        self.trap = SqrtOfRelu() if sqrt_trap else nn.Identity()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h) if self.reentrant is None else \
+                checkpoint(layer, h, use_reentrant=self.reentrant)
+        h = h if self.reentrant is None else checkpoint(self.trap, h, use_reentrant=self.reentrant)
+        return self.head(h if self.reentrant is not None else self.trap(h))
+
+
+class SqrtOfRelu(nn.Module):
+    """relu then sqrt: finite forward, infinite gradient at ReLU's exact zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU()
+        self.sqrt = Sqrt()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sqrt(self.act(x))
+
+
+class Sqrt(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+def _train(model: nn.Module, batches: int, **watch_options) -> tuple[nw.NanWatch, pd.DataFrame]:
+    torch.manual_seed(1)
+    data = [torch.randn(3, 5, 6) for _ in range(batches)]
+    with nw.watch(model, max_frames=10_000, on_nan="record", **watch_options) as w:
+        for x in data:
+            model.zero_grad()
+            model(x).pow(2).mean().backward()
+        frames = w.frames()
+    return w, frames
+
+
+def _calls(frames: pd.DataFrame, phase: str) -> list[tuple]:
+    rows = frames[frames.phase == phase].drop_duplicates(["batch", "frame"])
+    return sorted(map(tuple, rows[["batch", "module", "call"]].values.tolist()))
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpoint_recomputation_stays_out_of_the_next_batch(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    reference = CheckpointedEncoder(reentrant=None)
+    model = CheckpointedEncoder(reentrant=reentrant)
+    model.load_state_dict(reference.state_dict())
+    w, frames = _train(model, 3)
+    _, expected = _train(reference, 3)
+    assert w.batch == 3 and w.interrupted_batches == []
+    # Recomputed forwards (during each batch's backward) are not recorded again: every batch
+    # holds exactly the forward calls of the unchecked model, each module's first call is 0.
+    assert _calls(frames, "forward") == _calls(expected, "forward")
+    first = frames[(frames.batch == 1) & (frames.phase == "forward")].sort_values("frame").iloc[0]
+    assert (first.module, first.call, first.frame) == ("embed", 0, 0)
+    # And the values are those of the real forward.
+    columns = ["batch", "module", "call", "role", "abs_max"]
+    pd.testing.assert_frame_equal(
+        frames[frames.phase == "forward"][columns].reset_index(drop=True),
+        expected[expected.phase == "forward"][columns].reset_index(drop=True), rtol=1e-5)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_modules_get_one_backward_frame_in_the_batch_that_built_the_graph(
+        reentrant: bool) -> None:
+    torch.manual_seed(0)
+    reference = CheckpointedEncoder(reentrant=None)
+    model = CheckpointedEncoder(reentrant=reentrant)
+    model.load_state_dict(reference.state_dict())
+    w, frames = _train(model, 2, backward=True)
+    _, expected = _train(reference, 2, backward=True)
+    assert _calls(frames, "backward") == _calls(expected, "backward")
+    backward = frames[frames.phase == "backward"]
+    forward = frames[frames.phase == "forward"]
+    for batch in (0, 1):  # numbered after the forward frames of their own batch
+        assert backward[backward.batch == batch].frame.min() > \
+            forward[forward.batch == batch].frame.max()
+    # A layer inside the checkpoint: its output gradient is the real one.
+    key = ["batch", "module", "call", "role"]
+    mine = backward.set_index(key)["abs_max"].sort_index()
+    theirs = expected[expected.phase == "backward"].set_index(key)["abs_max"].sort_index()
+    pd.testing.assert_series_equal(mine, theirs, rtol=1e-5)
+    assert w.events == []
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_nan_born_in_a_checkpointed_backward_is_blamed_in_its_own_batch(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = CheckpointedEncoder(reentrant=reentrant, sqrt_trap=True)
+    with nw.watch(model, backward=True) as w:
+        with pytest.raises(nw.NanDetected) as caught:
+            model(torch.randn(3, 5, 6)).sum().backward()
+        assert w.batch == 1
+    event = caught.value.event
+    assert (event.batch, event.module, event.role, event.origin) == (
+        0, "trap.sqrt", "grad_input[0]", "grad")
+    assert event.call == 0
+    assert hook_count(model) == 0
+
+
+class RecursiveTree(nn.Module):
+    """Applies itself to its own output ``depth`` times: a root module that calls itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(8, 8)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor, depth: int = 3) -> torch.Tensor:
+        h = self.act(self.cell(x))
+        return h if depth == 0 else self(h, depth - 1)
+
+
+def test_a_root_module_calling_itself_is_one_batch_per_outer_call() -> None:
+    model = RecursiveTree()
+    with nw.watch(model, max_frames=1000, abort_after=1) as w:
+        model(torch.randn(2, 8))
+        with pytest.raises(nw.AbortAfterBatch):
+            model(torch.randn(2, 8))
+        frames = w.frames()
+    assert w.batch == 2
+    kept = frames.drop_duplicates(["batch", "frame"])
+    for batch in (0, 1):
+        rows = kept[kept.batch == batch]
+        assert sorted(rows[rows.module == ""].call) == [0, 1, 2, 3]
+        assert sorted(rows[rows.module == "cell"].call) == [0, 1, 2, 3]
+        # The outermost call returns last: its frame closes the batch.
+        assert rows.sort_values("frame").iloc[-1][["module", "call"]].tolist() == ["", 3]
+
+
+def test_one_model_from_two_threads_never_mixes_their_frames_in_a_batch() -> None:
+    model = TinyMLP()
+    done = {2: 0, 3: 0}  # batch size -> forwards recorded (each thread uses its own size)
+    refused = {2: 0, 3: 0}
+    errors: list[BaseException] = []
+    target = 500
+
+    def run(size: int) -> None:
+        x = torch.randn(size, 16)
+        try:
+            while done[size] < target:
+                try:
+                    model(x)
+                    done[size] += 1
+                except nw.ConcurrentForwardError:
+                    refused[size] += 1
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    with nw.watch(model, max_frames=6 * 2 * target) as w:
+        threads = [threading.Thread(target=run, args=(size,)) for size in (2, 3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        frames = w.frames()
+    assert not errors
+    assert w.batch == 2 * target == frames.batch.nunique()
+    inputs = frames[frames.role == "input[0]"]
+    sizes = inputs.assign(size=inputs["shape"].map(lambda shape: shape[0]))
+    per_batch = sizes.groupby("batch")["size"].nunique()
+    assert (per_batch == 1).all()  # one thread's frames per batch, never both
+    assert set(frames.groupby("batch")["frame"].nunique()) == {6}  # whole forwards only
+    assert sizes.drop_duplicates("batch")["size"].value_counts().to_dict() == {2: target, 3: target}
+
+
+def test_abort_after_fires_at_the_first_finished_batch_at_or_past_it_with_set_batch() -> None:
+    model = TinyMLP()
+    x = torch.randn(4, 16)
+    with nw.watch(model, abort_after=5, max_frames=1000) as w:
+        started = []
+        with pytest.raises(nw.AbortAfterBatch) as caught:
+            for batch in (0, 4, 8, 12):  # gradient accumulation numbering: 4 forwards a batch
+                w.set_batch(batch)
+                started.append(batch)
+                for _ in range(4):
+                    model(x)
+        frames = w.frames()
+    # set_batch(12) ended batch 8, the first finished batch numbered 5 or more; batch 4 did not.
+    assert caught.value.batch == 8 and caught.value.abort_after == 5
+    assert started == [0, 4, 8] and w.batch == 12
+    assert frames.groupby("batch")["frame"].nunique().to_dict() == {0: 24, 4: 24, 8: 24}
+
+
+def test_step_after_each_forward_numbers_batches_without_a_gap_and_aborts() -> None:
+    model = TinyMLP()
+    with nw.watch(model, abort_after=3, max_frames=100) as w:
+        with pytest.raises(nw.AbortAfterBatch) as caught:
+            for _ in range(10):
+                model(torch.randn(4, 16))
+                w.step()
+        frames = w.frames()
+    assert caught.value.batch == 3
+    assert sorted(frames.batch.unique()) == [0, 1, 2, 3]
+    assert w.batch == 4
