@@ -24,8 +24,9 @@ default in recent PyTorch). The start-up check below covers the first case.
 The flag is exchanged only for passes that every rank runs: forwards with grad enabled and the
 model in training mode, their backward passes, and only with ``on_nan="raise"``. A validation
 pass that only rank 0 runs (``model.eval()`` or ``torch.no_grad()``) therefore never waits for
-the other ranks. :meth:`Consensus.any_rank` lets ``check_grad_norms()`` return the same answer
-on every rank (FSDP2 ranks measure different gradient shards): call it on every rank.
+the other ranks. :meth:`Consensus.any_rank` lets ``check_grad_norms()`` of an
+``on_nan="raise"`` watch return the same answer on every rank (FSDP2 ranks measure different
+gradient shards): call it on every rank.
 
 Switch it off with ``NANWIDGET_CONSENSUS=0`` in the environment or :func:`set_consensus`.
 Create the watch on every rank. Before the first exchange the ranks check, through the process

@@ -508,13 +508,17 @@ class NanWatch:
         records them in :meth:`grad_history` under the batch of the last forward, and adds a
         :class:`GradEvent` for each norm that is non-finite or above ``grad_norm_warn`` (once
         per batch and parameter). Returns whether any norm was flagged; never raises for one
-        (skip ``optimizer.step()`` on True). Under torchrun, call it on every rank: the ranks
-        agree (one all-reduce), so each returns True when any rank flagged a norm (FSDP2 ranks
-        measure their own gradient shards) and they all skip the same step.
+        (skip ``optimizer.step()`` on True). Under torchrun with ``on_nan="raise"`` (the
+        ranks stop together), call it on every rank: they agree (one all-reduce), so each
+        returns True when any rank flagged a norm (FSDP2 ranks measure their own gradient
+        shards) and they all skip the same step. With "warn" or "record" the answer is this
+        rank's own (the training callbacks make their decision together themselves).
         """
         flagged = self._parts.grads.check()
         consensus = self._parts.consensus
-        return consensus.any_rank(flagged) if consensus is not None else flagged
+        if consensus is not None and self.on_nan == "raise":
+            return consensus.any_rank(flagged)
+        return flagged
 
     @property
     def grad_events(self) -> list[GradEvent]:
