@@ -23,22 +23,25 @@ def test_quick_bench_on_mlp_prints_every_variant_for_both_modes(capsys, tmp_path
     text = capsys.readouterr().out
     assert "Environment: torch " + torch.__version__ in text
     header = next(line for line in text.splitlines() if line.startswith("model/mode"))
-    for column in ("baseline ms", "nanwidget", "isnan hook", "DebugUnderflowOverflow",
-                   "detect_anomaly", "nw/DUO overhead", "nanwidget vs target"):
+    for column in ("baseline ms", "nanwidget", "nw backward=True", "isnan hook",
+                   "DebugUnderflowOverflow", "detect_anomaly", "nw/DUO overhead",
+                   "nanwidget vs target"):
         assert column in header
     rows = {line.split()[0]: line.split() for line in text.splitlines()
             if line.startswith("mlp/")}
     assert set(rows) == {"mlp/forward", "mlp/train"}
-    # anomaly mode checks backward only: no number on the forward row, a ratio on the train row
-    assert rows["mlp/forward"][5] == "-"
-    assert rows["mlp/train"][5].endswith("x")
-    assert rows["mlp/train"][7] == "<=1.25x"
-    assert rows["mlp/train"][8] in ("PASS", "MISS")
+    # backward frames and anomaly mode need a backward pass: no number on the forward row
+    # (columns: case, baseline, nanwidget, backward=True, isnan, DUO, anomaly, share, ...)
+    assert rows["mlp/forward"][3] == "-" and rows["mlp/forward"][6] == "-"
+    assert rows["mlp/train"][3].endswith("x") and rows["mlp/train"][6].endswith("x")
+    assert rows["mlp/train"][8] == "<=1.25x"
+    assert rows["mlp/train"][9] in ("PASS", "MISS")
 
     data = json.loads(out_json.read_text())
     assert [(r["model"], r["mode"]) for r in data["rows"]] == [("mlp", "forward"), ("mlp", "train")]
     train = data["rows"][1]
-    assert set(train["ratios"]) == {"nanwidget", "isnan_hook", "debug_underflow", "anomaly"}
+    assert set(train["ratios"]) == {"nanwidget", "nanwidget_backward", "isnan_hook",
+                                    "debug_underflow", "anomaly"}
     assert all(len(times) == 2 for times in train["block_seconds"].values())
     assert data["environment"]["threads"] == torch.get_num_threads()
 

@@ -1,6 +1,7 @@
 """``python -m nanwidget bench``: step-time ratios against the unwatched baseline and the peers.
 
-Columns: nanwidget's default watch (``on_nan="record"``), the forum recipe of a forward hook on
+Columns: nanwidget's default watch (``on_nan="record"``), the same with backward frames
+(``backward=True``, train steps only), the forum recipe of a forward hook on
 every module checking ``isnan().any() or isinf().any()``, transformers' DebugUnderflowOverflow
 (when transformers is installed) and ``torch.autograd.detect_anomaly`` (train steps only: it
 checks nothing in a no-grad forward). The harness lives in :mod:`nanwidget.cli.benchmark`.

@@ -37,10 +37,12 @@ __all__ = ["MODELS", "MODES", "VARIANTS", "TARGETS", "BenchRow", "BenchResult", 
 MODELS = ("mlp", "transformer", "gpt2")
 MODES = ("forward", "train")
 # Column order of the table; "dbg" and "anomaly" drop out when they cannot run.
-VARIANTS = ("baseline", "nanwidget", "isnan_hook", "debug_underflow", "anomaly")
+VARIANTS = ("baseline", "nanwidget", "nanwidget_backward", "isnan_hook", "debug_underflow",
+            "anomaly")
 VARIANT_LABELS = {
     "baseline": "baseline ms",
     "nanwidget": "nanwidget",
+    "nanwidget_backward": "nw backward=True",
     "isnan_hook": "isnan hook",
     "debug_underflow": "DebugUnderflowOverflow",
     "anomaly": "detect_anomaly",
@@ -180,6 +182,13 @@ def _nanwidget(case: Case) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _nanwidget_backward(case: Case) -> Iterator[None]:
+    """The watch with backward frames too (gradient hooks on every module's tensors)."""
+    with watch(case.model, on_nan="record", backward=True):
+        yield
+
+
+@contextlib.contextmanager
 def _isnan_hook(case: Case) -> Iterator[None]:
     handles = [m.register_forward_hook(_isnan_recipe_hook) for m in case.model.modules()]
     try:
@@ -235,6 +244,8 @@ class Variant:
 ALL_VARIANTS = {
     "baseline": Variant("baseline", _baseline),
     "nanwidget": Variant("nanwidget", _nanwidget),
+    # Backward frames only add work where there is a backward pass.
+    "nanwidget_backward": Variant("nanwidget_backward", _nanwidget_backward, modes=("train",)),
     "isnan_hook": Variant("isnan_hook", _isnan_hook),
     "debug_underflow": Variant("debug_underflow", _debug_underflow),
     # Anomaly mode only checks backward; under no_grad it would time the baseline again.

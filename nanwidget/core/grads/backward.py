@@ -51,6 +51,7 @@ Resolution
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 from typing import Any
 
@@ -65,6 +66,7 @@ __all__ = ["BackwardFrames"]
 
 _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _NO_GRADIENT = "None"  # the note of a gradient that never arrived (the contract's "None")
 _MAX_LEAF_HOOKS = 4096  # hooks on leaf tensors waiting for a backward pass, at most
@@ -90,33 +92,22 @@ def _recomputing_without_a_graph() -> bool:
 class _PendingFrame:
     """The backward frame of one module call, waiting for its gradients.
 
-    ``template``: one entry per hooked tensor (note "None" until its gradient arrives), in hook
-    slot order. ``frame``: the frame recorded for it in backward pass ``pass_id``.
+    ``template``: one entry per hooked tensor (note "None" until its gradient arrives), outputs
+    first. ``frame``: the frame recorded for it in backward pass ``pass_id``.
     """
 
-    __slots__ = ("info", "batch", "template", "positions", "frame", "pass_id")
+    __slots__ = ("info", "batch", "template", "frame", "pass_id")
 
     def __init__(self, info: ModuleInfo, batch: int | None) -> None:
         self.info = info
         self.batch = batch  # None: registered during a recomputation (the pass's batch)
         self.template: list[Entry] = []
-        self.positions: list[int] | None = None
         self.frame: Any = None
         self.pass_id = -1
 
-    def fresh_entries(self) -> list[Entry]:
-        """A new entry list, ``grad_output`` roles first, and each slot's position in it."""
-        if self.positions is None:
-            order = sorted(range(len(self.template)),
-                           key=lambda slot: not self.template[slot][0].startswith("grad_output"))
-            positions = [0] * len(order)
-            for position, slot in enumerate(order):
-                positions[slot] = position
-            self.positions = positions
-        entries: list[Entry] = [None] * len(self.template)  # type: ignore[list-item]
-        for slot, position in enumerate(self.positions):
-            entries[position] = self.template[slot]
-        return entries
+
+# (pending frame, slot in its entries) fed by one gradient hook.
+_Subscribers = list[tuple[_PendingFrame, int]]
 
 
 def _grad_targets(value: Any, role: str, targets: list[tuple[str, _Tensor]]) -> None:
@@ -132,6 +123,24 @@ def _grad_targets(value: Any, role: str, targets: list[tuple[str, _Tensor]]) -> 
             targets.append(("grad_" + leaf_role, leaf))
 
 
+def _input_targets(args: tuple, kwargs: dict | None, targets: list[tuple[str, _Tensor]]) -> None:
+    for position, value in enumerate(args):
+        if isinstance(value, _Tensor):  # the common case, without a call
+            if value.requires_grad:
+                targets.append((_GRAD_INPUT_ROLES[position] if position < 8
+                                else f"grad_input[{position}]", value))
+        else:
+            _grad_targets(value, f"input[{position}]", targets)
+    if kwargs:
+        for key, value in kwargs.items():
+            _grad_targets(value, f"kwarg:{key}", targets)
+
+
+_GRAD_INPUT_ROLES = tuple(f"grad_input[{i}]" for i in range(8))
+# Hooked tensors remembered per batch (one hook per tensor version feeds every frame using it).
+_MAX_HOOKED = 65_536
+
+
 class BackwardFrames(Feature):
     """Records a backward frame per module call per backward pass, from the first batch on."""
 
@@ -145,103 +154,134 @@ class BackwardFrames(Feature):
         self._pass_batch: int | None = None  # batch of the first frame of the running pass
         self._last_forward_batch: int | None = None
         self._queued = False  # a final callback is queued for the running pass
+        # id(tensor) -> (weak reference, version, subscribers) of the tensors hooked this
+        # batch: a module's output is usually the next module's input, hooked once.
+        self._hooked: dict[int, tuple[Any, int, _Subscribers]] = {}
         # id(module) -> stacks of pending frames opened by the pre-hook of an in-place module.
         self._opened: dict[int, list[_PendingFrame]] = {}
         try:
             for info in recorder.modules:
                 module = info.module
-                if getattr(module, "inplace", False) is True:
+                inplace = getattr(module, "inplace", False) is True
+                if inplace:
                     # Its input is overwritten by its forward: hook the input before that.
                     self._handles.append(module.register_forward_pre_hook(
-                        self._inplace_pre_hook, with_kwargs=True))
+                        partial(self._inplace_pre_hook, info), with_kwargs=True))
                 # On the root, run before the recorder's own hook counts the next batch.
+                hook = partial(self._inplace_forward_hook if inplace else self._forward_hook, info)
                 self._handles.append(module.register_forward_hook(
-                    self._forward_hook, with_kwargs=True, prepend=info.is_root))
+                    hook, with_kwargs=True, prepend=info.is_root))
         except BaseException:
             self.close()
             raise
 
     # ------------------------------------------------------------------ forward side
     def _skip(self) -> bool:
-        if self.closed or self.recorder.suspended or not _grad_enabled():
+        if self.closed or not _grad_enabled() or self.recorder.suspended:
             return True
-        return in_backward_pass() and _recomputing_without_a_graph()
+        return _graph_task_id() >= 0 and _recomputing_without_a_graph()
 
     def _new_pending(self, info: ModuleInfo) -> _PendingFrame:
-        recompute = in_backward_pass()
-        if recompute and not self._queued:
-            # A checkpoint recomputes during a pass none of our hooks has seen yet (the whole
-            # model is checkpointed): resolve at the end of this, the outer, pass.
+        if _graph_task_id() < 0:
+            return _PendingFrame(info, self.recorder.batch)
+        # A recomputation (reentrant checkpoint): its frames go to the running pass's batch.
+        if not self._queued:
+            # None of our hooks has fired in this pass yet (the whole model is checkpointed):
+            # resolve at the end of this, the outer, pass.
             with self.recorder.lock:
                 self._queue_resolution()
-        return _PendingFrame(info, None if recompute else self.recorder.batch)
+        return _PendingFrame(info, None)
 
     def _hook(self, pending: _PendingFrame, targets: list[tuple[str, _Tensor]]) -> None:
         template = pending.template
-        on_grad = self._on_grad
         for role, tensor in targets:
-            slot = len(template)
             template.append((role, None, tensor.dtype, tensor.shape, _NO_GRADIENT))
-            handle = tensor.register_hook(partial(on_grad, pending, slot))
-            if tensor.grad_fn is None:
-                # A leaf (an input that requires grad, a parameter passed as an argument) keeps
-                # its hooks beyond the graph: they are removed when the pass ends.
-                leaves = self._leaf_handles
-                leaves.append(handle)
-                if len(leaves) > _MAX_LEAF_HOOKS:
-                    for old in leaves[:_MAX_LEAF_HOOKS // 2]:
-                        old.remove()
-                    del leaves[:_MAX_LEAF_HOOKS // 2]
+            self._hook_tensor(pending, len(template) - 1, tensor)
 
-    def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _hook_tensor(self, pending: _PendingFrame, slot: int, tensor: _Tensor) -> None:
+        """One gradient hook per tensor version, feeding every frame that uses the tensor."""
+        hooked = self._hooked
+        key = id(tensor)
+        version = tensor._version
+        known = hooked.get(key)
+        if known is not None and known[1] == version and known[0]() is tensor:
+            known[2].append((pending, slot))
+            return
+        subscribers: _Subscribers = [(pending, slot)]
+        handle = tensor.register_hook(partial(self._on_grad, subscribers))
+        if len(hooked) >= _MAX_HOOKED:
+            hooked.clear()
+        hooked[key] = (weakref.ref(tensor), version, subscribers)
+        if tensor.grad_fn is None:
+            # A leaf (an input that requires grad, a parameter passed as an argument) keeps
+            # its hooks beyond the graph: they are removed when the pass ends.
+            leaves = self._leaf_handles
+            leaves.append(handle)
+            if len(leaves) > _MAX_LEAF_HOOKS:
+                for old in leaves[:_MAX_LEAF_HOOKS // 2]:
+                    old.remove()
+                del leaves[:_MAX_LEAF_HOOKS // 2]
+
+    def _inplace_pre_hook(self, info: ModuleInfo, module: nn.Module, args: tuple,
+                          kwargs: dict) -> None:
         if self._skip():
             return None
         try:
-            info = self.recorder.module_info(module)
-            if info is None:
-                return None
             targets: list[tuple[str, _Tensor]] = []
-            for position, value in enumerate(args):
-                _grad_targets(value, f"input[{position}]", targets)
+            _input_targets(args, None, targets)
             pending = self._new_pending(info)
-            self._hook(pending, targets)
+            # Slot 0 waits for the output (the same tensor, once written): outputs come first.
+            pending.template.append(("grad_output[0]", None, None, None, _NO_GRADIENT))
+            self._hook(pending, targets)  # before the write: the gradient of the value received
             self._opened.setdefault(id(module), []).append(pending)
         except Exception as error:
             self.recorder.internal_error(error)
         return None
 
-    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _inplace_forward_hook(self, info: ModuleInfo, module: nn.Module, args: tuple,
+                              kwargs: dict, output: Any) -> None:
         if self._skip():
             return None
+        opened = self._opened.get(id(module))
+        pending = opened.pop() if opened else None
+        if pending is None:
+            return self._forward_hook(info, module, args, kwargs, output)
         try:
-            opened = self._opened.get(id(module))
-            pending = opened.pop() if opened else None
+            if isinstance(output, _Tensor):
+                if output.requires_grad:
+                    pending.template[0] = ("grad_output[0]", None, output.dtype, output.shape,
+                                           _NO_GRADIENT)
+                    self._hook_tensor(pending, 0, output)
+            else:
+                targets: list[tuple[str, _Tensor]] = []
+                _grad_targets(output, "output", targets)
+                self._hook(pending, targets)
+        except Exception as error:
+            self.recorder.internal_error(error)
+        return None
+
+    def _forward_hook(self, info: ModuleInfo, module: nn.Module, args: tuple, kwargs: dict,
+                      output: Any) -> None:
+        if self.closed or not _grad_enabled() or self.recorder.suspended:
+            return None
+        if _graph_task_id() >= 0 and _recomputing_without_a_graph():
+            return None
+        try:
             targets: list[tuple[str, _Tensor]] = []
             if isinstance(output, _Tensor):
                 if output.requires_grad:
                     targets.append(("grad_output[0]", output))
             else:
                 _grad_targets(output, "output", targets)
-            if pending is None:
-                for position, value in enumerate(args):
-                    _grad_targets(value, f"input[{position}]", targets)
-                if kwargs:
-                    for key, value in kwargs.items():
-                        _grad_targets(value, f"kwarg:{key}", targets)
-            if not targets:
-                return None
-            if pending is None:
-                info = self.recorder.module_info(module)
-                if info is None:
-                    return None
-                pending = self._new_pending(info)
-            self._hook(pending, targets)
+            _input_targets(args, kwargs, targets)
+            if targets:
+                self._hook(self._new_pending(info), targets)
         except Exception as error:
             self.recorder.internal_error(error)
         return None
 
     # ------------------------------------------------------------------ backward side
-    def _on_grad(self, pending: _PendingFrame, slot: int, grad: Any) -> None:
+    def _on_grad(self, subscribers: _Subscribers, grad: Any) -> None:
         recorder = self.recorder
         # A replay's backward may run on autograd's own threads: never wait for the lock the
         # replaying thread holds.
@@ -249,11 +289,17 @@ class BackwardFrames(Feature):
             return None
         try:
             with recorder.lock:
-                frame = pending.frame
-                if frame is None or pending.pass_id != self._pass_id:
-                    frame = self._open_frame(pending)
-                role = pending.template[slot][0]
-                frame.entries[pending.positions[slot]] = recorder.entries.grad_entry(role, grad)
+                measured = None
+                for pending, slot in subscribers:
+                    frame = pending.frame
+                    if frame is None or pending.pass_id != self._pass_id:
+                        frame = self._open_frame(pending)
+                    role = pending.template[slot][0]
+                    if measured is None:
+                        measured = recorder.entries.grad_entry(role, grad)
+                        frame.entries[slot] = measured
+                    else:
+                        frame.entries[slot] = (role,) + measured[1:]
         except Exception as error:
             recorder.internal_error(error)
         return None
@@ -265,7 +311,7 @@ class BackwardFrames(Feature):
             batch = self._pass_batch if self._pass_batch is not None else self._forward_batch()
         if self._pass_batch is None:
             self._pass_batch = batch
-        frame = self.recorder.record_frame(pending.info, "backward", pending.fresh_entries(),
+        frame = self.recorder.record_frame(pending.info, "backward", list(pending.template),
                                            batch=batch)
         pending.frame, pending.pass_id = frame, self._pass_id
         self._queue_resolution()
@@ -314,6 +360,7 @@ class BackwardFrames(Feature):
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
         self._last_forward_batch = batch
         self._opened.clear()
+        self._hooked.clear()
         if self._queued and not in_backward_pass():
             # The last pass never finished (an error inside backward): its callback is gone.
             self._queued = False
@@ -332,3 +379,4 @@ class BackwardFrames(Feature):
         self._handles.clear()
         self._remove_leaf_hooks()
         self._opened.clear()
+        self._hooked.clear()
