@@ -189,7 +189,10 @@ class EntryBuilder:
                     if found is not None:
                         entries[index] = (role, found, dtype, shape, WRITTEN_HERE)
         first_output = len(entries)
-        self.output_entries(output, entries)
+        if isinstance(output, _Tensor):  # output_entries(), inlined for the usual case
+            entries.append(self.tensor_entry("output", output))
+        else:
+            self.output_entries(output, entries)
         return entries, first_output
 
     def _inputs_written_here(self, args: tuple, output: Any) -> dict[str, TensorStats]:

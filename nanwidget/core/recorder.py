@@ -417,10 +417,14 @@ class Recorder:
         """Measure a module's inputs before it runs (caller holds the lock); its forward hook
         uses these entries."""
         info = self._infos.get(id(module))
-        if info is not None:
-            entries: list[Entry] = []
-            self.entries.input_entries(args, kwargs, entries)
-            info.pre_entries.append(entries)
+        if info is None:
+            return
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            info.pre_entries.append([self.entries.tensor_entry("input[0]", args[0])])
+            return
+        entries: list[Entry] = []
+        self.entries.input_entries(args, kwargs, entries)
+        info.pre_entries.append(entries)
 
     def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
@@ -439,9 +443,9 @@ class Recorder:
         thread = _get_ident()
         if self._suspended and self._suspended_thread == thread:
             return None
-        if _graph_task_id() >= 0:
-            return None  # a recomputation during backward (torch.utils.checkpoint): not recorded
         if self._root_thread != thread or not self._root_depth:
+            if _graph_task_id() >= 0:
+                return None  # a recomputation during backward (torch.utils.checkpoint)
             # Not inside this thread's own root forward: a call refused with
             # ConcurrentForwardError unwinds through always_call hooks, recording nothing.
             if isinstance(sys.exc_info()[1], ConcurrentForwardError):

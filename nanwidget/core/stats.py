@@ -327,7 +327,10 @@ class PendingStats:
         (at once for CPU float tensors). ``hold=False`` never keeps the tensor alive (gradients,
         which the backward pass frees as it goes): a device tensor then gets its second look
         computed at once."""
-        version = version_of(tensor)
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor: no version counter
+            version = -1
         key = id(tensor)
         seen = self._seen.get(key)
         if seen is not None and seen[1] == version and seen[0]() is tensor:
@@ -336,12 +339,17 @@ class PendingStats:
         try:
             # The common case first, with nothing in between: a plain dense CPU float tensor
             # read by the kernel (a functorch wrapper refuses its data pointer: general path).
-            direct = self._direct and native.eligible(tensor)
+            if self._direct and native.eligible(tensor):
+                low, high = native.abs_range(tensor, self._result)
+            else:
+                low = high = _NAN
         except Exception:
-            direct = False
-        if direct and self._measure_direct(tensor, stats):
-            pass
-        else:
+            low = high = _NAN
+        if high == high and high != _INF:  # finite: set_finite(), inlined (every tensor)
+            stats.abs_min = stats.finite_abs_min = low
+            stats.abs_max = stats.finite_abs_max = high
+            stats.note = ""
+        else:  # not read by the kernel, or a NaN/Inf to look at again: the general path
             try:
                 with torch.no_grad():
                     self._measure(tensor, version, stats, hold)
@@ -359,17 +367,6 @@ class PendingStats:
         if seen is None or seen[0]() is not tensor:
             return None
         return seen[1], seen[2]
-
-    def _measure_direct(self, tensor: torch.Tensor, stats: TensorStats) -> bool:
-        """The kernel's reading of an eligible tensor; False when it holds a NaN/Inf (the
-        general path then takes its second look)."""
-        low, high = native.abs_range(tensor, self._result)
-        if high == high and high != _INF:  # set_finite(), inlined: this runs for every tensor
-            stats.abs_min = stats.finite_abs_min = low
-            stats.abs_max = stats.finite_abs_max = high
-            stats.note = ""
-            return True
-        return False
 
     def _measure(self, tensor: torch.Tensor, version: int, stats: TensorStats, hold: bool) -> None:
         values, implicit_zero = _values_of(tensor.detach())

@@ -117,6 +117,10 @@ def versions_of(tensors: list[torch.Tensor | None]) -> list[int]:
 
 def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtype | None]]:
     """(storage pointer, dtype) of each tensor; (-1, None) for None or a pointer-less subclass."""
+    try:  # the usual case, in one pass
+        return [(t.data_ptr(), t.dtype) for t in tensors]  # type: ignore[union-attr]
+    except Exception:
+        pass
     layout = []
     for tensor in tensors:
         if tensor is None:
