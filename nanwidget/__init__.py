@@ -20,7 +20,7 @@ from typing import Any
 
 from .core.events import AbortAfterBatch, GradEvent, NanDetected, NanEvent, NanWarning
 from .core.persist import Run, RunLoadError, load_run
-from .core.recorder import ConcurrentForwardError
+from .core.recorder import CompiledCallError, ConcurrentForwardError
 from .core.report import detect_overflow
 from .core.trace import Trace
 from .core.viewer import set_browser_opener
@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "watch", "NanWatch", "NanEvent", "GradEvent", "NanDetected", "NanWarning", "AbortAfterBatch",
-    "ConcurrentForwardError", "detect_overflow", "load_run", "Run", "RunLoadError", "Trace",
+    "ConcurrentForwardError", "CompiledCallError", "detect_overflow", "load_run", "Run", "RunLoadError", "Trace",
     "FrameBrowser", "train_with_nan_guard", "live_watches", "load_ipython_extension",
     "unload_ipython_extension", "__version__",
 ]

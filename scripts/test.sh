@@ -17,5 +17,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$#" -eq 0 ]; then
   echo "--- again on the torch reduction path (NANWIDGET_NATIVE=0)"
   NANWIDGET_NATIVE=0 "$PY" -m pytest -q tests/test_recording.py tests/test_detection.py \
-    tests/test_odd_inputs.py tests/test_hot_path.py tests/test_replay.py tests/test_lifecycle.py
+    tests/test_odd_inputs.py tests/test_hot_path.py tests/test_replay.py tests/test_lifecycle.py \
+    tests/test_sentinel.py tests/test_sentinel_equality.py
 fi

@@ -23,25 +23,29 @@ def test_quick_bench_on_mlp_prints_every_variant_for_both_modes(capsys, tmp_path
     text = capsys.readouterr().out
     assert "Environment: torch " + torch.__version__ in text
     header = next(line for line in text.splitlines() if line.startswith("model/mode"))
-    for column in ("baseline ms", "nanwidget", "nw backward=True", "isnan hook",
+    for column in ("baseline ms", "nanwidget", "nw backward=True", "sentinel", "isnan hook",
                    "DebugUnderflowOverflow", "detect_anomaly", "nw/DUO overhead",
-                   "nanwidget vs target"):
+                   "nanwidget vs target", "sentinel vs 1.03x"):
         assert column in header
     rows = {line.split()[0]: line.split() for line in text.splitlines()
             if line.startswith("mlp/")}
     assert set(rows) == {"mlp/forward", "mlp/train"}
     # backward frames and anomaly mode need a backward pass: no number on the forward row
-    # (columns: case, baseline, nanwidget, backward=True, isnan, DUO, anomaly, share, ...)
-    assert rows["mlp/forward"][3] == "-" and rows["mlp/forward"][6] == "-"
-    assert rows["mlp/train"][3].endswith("x") and rows["mlp/train"][6].endswith("x")
-    assert rows["mlp/train"][8] == "<=1.25x"
-    assert rows["mlp/train"][9] in ("PASS", "MISS")
+    # (columns: case, baseline, nanwidget, backward=True, sentinel, isnan, DUO, anomaly, share,
+    # target, verdict, sentinel verdict)
+    assert rows["mlp/forward"][3] == "-" and rows["mlp/forward"][7] == "-"
+    assert rows["mlp/train"][3].endswith("x") and rows["mlp/train"][7].endswith("x")
+    assert rows["mlp/train"][4].endswith("x")  # sentinel mode, with its gradient check
+    assert rows["mlp/train"][9] == "<=1.25x"
+    assert rows["mlp/train"][10] in ("PASS", "MISS")
+    assert rows["mlp/train"][-1] in ("PASS", "(ratio>1.03)")
 
     data = json.loads(out_json.read_text())
     assert [(r["model"], r["mode"]) for r in data["rows"]] == [("mlp", "forward"), ("mlp", "train")]
     train = data["rows"][1]
-    assert set(train["ratios"]) == {"nanwidget", "nanwidget_backward", "isnan_hook",
+    assert set(train["ratios"]) == {"nanwidget", "nanwidget_backward", "sentinel", "isnan_hook",
                                     "debug_underflow", "anomaly"}
+    assert train["sentinel_target"] == 1.03 and "replay" not in data  # no gpt2: no replay timing
     assert all(len(times) == 2 for times in train["block_seconds"].values())
     assert data["environment"]["threads"] == torch.get_num_threads()
 
@@ -51,7 +55,7 @@ def test_markdown_table_has_one_line_per_row_plus_header(capsys):
                  "--block-ms", "2", "--markdown"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     assert len(lines) == 3
-    assert lines[0].startswith("| model/mode | baseline ms | nanwidget |")
+    assert lines[0].startswith("| model/mode | baseline ms | nanwidget | nw backward=True | sentinel |")
     assert set(lines[1]) <= set("|-:")
     assert lines[2].startswith("| mlp/train |")
 
@@ -101,3 +105,13 @@ def test_overhead_share_and_verdict_follow_the_issue_targets():
     assert row.verdict() == "MISS (ratio>1.25, share>0.25)"
     forward = bench.BenchRow("gpt2", "forward", "", 1, 1, 1.0, {"nanwidget": 1.29})
     assert forward.overhead_share is None and forward.verdict() == "PASS"
+
+
+def test_compiled_rows_time_only_the_sentinel_against_the_compiled_model():
+    variants = [n for n in bench.available_variants()
+                if bench.ALL_VARIANTS[n].runs_on("gpt2-compiled", "train")]
+    assert variants == ["baseline", "sentinel"]
+    row = bench.BenchRow("gpt2-compiled", "forward", "", 1, 1, 1.0, {"sentinel": 1.02})
+    assert row.target is None and row.verdict() == "-" and row.sentinel_verdict() == "PASS"
+    row.ratios["sentinel"] = 1.05
+    assert row.sentinel_verdict() == "MISS (ratio>1.03)"

@@ -200,6 +200,27 @@ def test_fsdp2_nan_born_in_backward_stops_every_rank_out_of_loss_backward(tmp_pa
 
 
 @pytest.mark.slow
+def test_sentinel_mode_stops_both_ranks_at_the_same_batch_with_the_replayed_event(tmp_path):
+    finished = _torchrun(["-m", "nanwidget.examples.ddp_nan", "--mode", "sentinel",
+                          "--log-dir", str(tmp_path / "log"), "--nan-rank", "1",
+                          "--nan-batch", "3", "--batches", "8"])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    results = _results(finished.stdout)
+    for rank in (0, 1):
+        assert results[rank]["exception"] == "NanDetected"
+        assert results[rank]["stopped_at"] == 3 and results[rank]["last_batch"] == 2
+        assert results[rank]["module"] == "norm"
+    assert (results[1]["origin"], results[1]["traced"]) == ("output", True)  # replayed on rank 1
+    assert (results[0]["origin"], results[0]["peer_rank"]) == ("peer", 1)
+    run = nw.load_run(tmp_path / "log")
+    assert [(e.rank, e.batch, e.module, e.origin) for e in run.events] == [
+        (1, 3, "norm", "output"), (0, 3, "norm", "peer")]
+    assert run.event.trace is not None
+    # Sentinel mode records frames of its trace batch (0) and the replayed batch only.
+    assert set(run.history().loc[run.history()["rank"] == 1, "batch"]) == {0, 3}
+
+
+@pytest.mark.slow
 def test_watch_on_rank_0_alone_turns_the_consensus_off_instead_of_hanging():
     # Rank 0's flag all-reduce would otherwise pair with rank 1's gradient all-reduce.
     finished = _torchrun(["-m", "nanwidget.examples.ddp_nan", "--watch-ranks", "0",

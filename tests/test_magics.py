@@ -422,3 +422,41 @@ def test_rebinding_a_watched_variable_is_reported_once(ip):
     with capture_output() as captured:
         ip.run_cell("del model")
     assert "model no longer names a model" in captured.stdout
+
+
+def test_line_magic_sentinel_mode_hooks_the_root_only_and_says_so(ip):
+    model = ip.user_ns["model"]
+    with capture_output() as captured:
+        run(ip, "%nanwatch model --sentinel --sample-every 2 --backward --on-nan record")
+    line = captured.stdout.strip()
+    assert line.startswith("nanwidget: watching model in sentinel mode (TinyMLP: outputs and "
+                           "gradients checked each batch, a failing batch replayed in full, "
+                           "1 batch in 2 recorded in full), on NaN/Inf: record.")
+    watch = ip.user_ns["_nanwatch"]
+    assert (watch.mode, watch.sample_every, watch.backward) == ("sentinel", 2, True)
+    assert hook_count(model) == 2
+    run(ip, "for _ in range(3):\n    model(torch.randn(2, 16))\n" + PLANT_NAN
+        + "model(torch.randn(2, 16))")
+    assert (watch.event.batch, watch.event.module, watch.event.origin) == (3, "fc2", "weight")
+    assert sorted(set(watch.history()["batch"])) == [0, 2, 3]
+
+
+def test_cell_magic_sentinel_mode_stops_at_the_nan_with_the_replayed_detail(ip):
+    cell = ("%%nanwatch model --sentinel\n"
+            "for _ in range(3):\n    model(torch.randn(2, 16))\n" + PLANT_NAN
+            + "model(torch.randn(2, 16))\nprint('not reached')\n")
+    with capture_output() as captured:
+        with pytest.raises(NanDetected) as raised:
+            run(ip, cell)
+    assert "not reached" not in captured.stdout
+    assert raised.value._render_traceback_()[0].startswith(
+        "NanDetected: nan in batch 3 at module 'fc2' (Linear, call 0), weight")
+    assert any("application/vnd.jupyter.widget-view+json" in o.data for o in captured.outputs)
+    watch = ip.user_ns["_nanwatch"]
+    assert watch.mode == "sentinel" and watch.event.trace is not None
+    assert hook_count(ip.user_ns["model"]) == 0
+
+
+def test_sample_every_without_sentinel_is_a_usage_error(ip):
+    with pytest.raises(UsageError, match="--sample-every is for sentinel mode: add --sentinel"):
+        run(ip, "%nanwatch model --sample-every 3")

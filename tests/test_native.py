@@ -172,3 +172,21 @@ def test_built_once_into_the_cache_then_loaded_from_it(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "native kernel in use" in second.stdout and second.stdout.endswith("0.5 8.0\n")
     assert sorted(p.name for p in cache.iterdir()) == built  # no temporary files left
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_finite_range_reads_what_the_torch_second_look_computes(dtype):
+    from nanwidget.core import native
+    from nanwidget.core.stats import _second_look
+    if not native.available():
+        pytest.skip(native.status())
+    generator = torch.Generator().manual_seed(1)
+    for nonfinite in ([float("nan")], [float("inf")], [float("-inf"), float("nan")],
+                      [float("nan")] * 5):
+        values = (torch.randn(999, generator=generator, dtype=torch.float64) * 100).to(dtype)
+        values[torch.randperm(999, generator=generator)[:len(nonfinite)]] = \
+            torch.tensor(nonfinite, dtype=torch.float64).to(dtype)
+        assert native.finite_range(values) == tuple(
+            v if i < 2 else v > 0 for i, v in enumerate(_second_look(values).tolist()))
+    nothing_finite = torch.tensor([float("nan"), float("inf")], dtype=dtype)
+    assert native.finite_range(nothing_finite) == (float("inf"), float("-inf"), True)

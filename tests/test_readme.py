@@ -33,3 +33,4 @@ def test_readme_api_tour_runs_and_its_printed_line_is_true(tmp_path, monkeypatch
     assert len(namespace["losses"]) == 10 and namespace["event"] is None  # a healthy model
     assert namespace["run"].events == [] and namespace["run"].ranks == [0]
     assert namespace["trace"].first_bad["op"] == "sqrt"  # the op the comment blames
+    assert "2 0 input[0] input True" in printed.getvalue()  # the sentinel snippet's comment

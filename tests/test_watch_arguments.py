@@ -40,6 +40,11 @@ from conftest import TinyMLP, hook_count
     (dict(on_nan=None), ValueError, "on_nan must be one of"),
     (dict(skip_types=[3]), TypeError, "skip_types takes nn.Module classes or class names, got 3"),
     (dict(skip_types=5), TypeError, "skip_types takes nn.Module classes or class names"),
+    (dict(mode="fast"), ValueError, "mode must be 'full' or 'sentinel', got 'fast'"),
+    (dict(mode="sentinel", sample_every=0), ValueError, "sample_every must be at least 1"),
+    (dict(mode="sentinel", sample_every=2.5), TypeError, "sample_every must be a whole number"),
+    (dict(sample_every=5), ValueError, "sample_every is for mode='sentinel'"),
+    (dict(mode="full", sample_every=5), ValueError, "sample_every is for mode='sentinel'"),
 ])
 def test_misuse_names_the_option_and_hooks_nothing(tiny_mlp, options, error, message):
     with pytest.raises(error) as raised:

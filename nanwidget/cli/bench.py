@@ -1,7 +1,8 @@
 """``python -m nanwidget bench``: step-time ratios against the unwatched baseline and the peers.
 
 Columns: nanwidget's default watch (``on_nan="record"``), the same with backward frames
-(``backward=True``, train steps only), the forum recipe of a forward hook on
+(``backward=True``, train steps only), its sentinel mode (``mode="sentinel"``, with
+``backward=True`` on train rows), the forum recipe of a forward hook on
 every module checking ``isnan().any() or isinf().any()``, transformers' DebugUnderflowOverflow
 (when transformers is installed) and ``torch.autograd.detect_anomaly`` (train steps only: it
 checks nothing in a no-grad forward). The harness lives in :mod:`nanwidget.cli.benchmark`.
@@ -19,8 +20,9 @@ from . import benchmark
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default="mlp,transformer,gpt2",
-                        help="comma-separated: mlp, transformer, gpt2 (default: all three)")
+    parser.add_argument("--models", default=",".join(benchmark.MODELS),
+                        help="comma-separated: mlp, transformer, gpt2, gpt2-compiled (default: "
+                             "all four; gpt2-compiled compiles GPT-2 with torch.compile first)")
     parser.add_argument("--modes", default="forward,train",
                         help="comma-separated: forward, train (default: both)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -37,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
+    parser.add_argument("--no-replay", action="store_true",
+                        help="skip timing the replay of a failing GPT-2 batch into full detail")
 
 
 def _split(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -58,10 +62,11 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("nanwidget bench: --device cuda asked for, but torch sees no CUDA device")
-    if "gpt2" in models and not benchmark.transformers_available():
-        print("nanwidget bench: transformers is not installed; skipping gpt2 "
+    gpt2 = [m for m in models if m.startswith("gpt2")]
+    if gpt2 and not benchmark.transformers_available():
+        print(f"nanwidget bench: transformers is not installed; skipping {', '.join(gpt2)} "
               "(pip install 'nanwidget[bench]')", file=sys.stderr)
-        models.remove("gpt2")
+        models = [m for m in models if m not in gpt2]
         if not models:
             return 1
 
@@ -82,9 +87,29 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(f"Targets: nanwidget <= 1.10x on transformer/gpt2 train, <= 1.25x on mlp train, "
           f"<= {benchmark.FORWARD_TARGET:.2f}x on every forward; nanwidget's overhead (ratio-1) at most "
-          f"{benchmark.OVERHEAD_SHARE_TARGET:.2f} of DebugUnderflowOverflow's (nw/DUO overhead column).")
+          f"{benchmark.OVERHEAD_SHARE_TARGET:.2f} of DebugUnderflowOverflow's (nw/DUO overhead column); "
+          f"sentinel mode <= {benchmark.SENTINEL_TARGET:.2f}x on every row (on train rows it also "
+          "checks the gradients; on compiled rows the baseline is the compiled model).")
+    data = result.to_dict()
+    if "gpt2" in models and not args.no_replay:
+        progress("replaying a failing GPT-2 batch (sentinel mode)")
+        timing = benchmark.replay_timing(device=args.device, seed=args.seed)
+        target = benchmark.REPLAY_TARGET_SECONDS
+        print()
+        for label, seconds, ops in (("forward NaN (frames + op trace, and the previous batch's "
+                                     "frames)", timing.forward_seconds, timing.ops[0]),
+                                    ("backward-only NaN (probe forward, frames and op trace of "
+                                     "forward and backward)", timing.backward_seconds,
+                                     timing.ops[1])):
+            verdict = "PASS" if seconds < target else "MISS"
+            print(f"Replay of a failing GPT-2 batch into full detail, {label}: {seconds:.2f} s, "
+                  f"{ops} ops traced (target < {target:g} s: {verdict})")
+        data["replay"] = {"forward_seconds": timing.forward_seconds,
+                          "backward_seconds": timing.backward_seconds,
+                          "forward_event": timing.forward_summary,
+                          "backward_event": timing.backward_summary, "ops": list(timing.ops)}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result.to_dict(), handle, indent=2)
+            json.dump(data, handle, indent=2)
         print(f"Measurements written to {args.json}")
     return 0

@@ -30,19 +30,24 @@ from torch import nn
 from ..core import native
 from ..core.watch import watch
 
-__all__ = ["MODELS", "MODES", "VARIANTS", "TARGETS", "BenchRow", "BenchResult", "run_benchmark",
-           "build_case", "available_variants", "transformers_available", "HookLeak",
-           "environment", "hook_count"]
+__all__ = ["MODELS", "COMPILED_MODELS", "MODES", "VARIANTS", "TARGETS", "SENTINEL_TARGET",
+           "REPLAY_TARGET_SECONDS", "BenchRow", "BenchResult", "run_benchmark", "build_case",
+           "available_variants", "transformers_available", "HookLeak", "environment",
+           "hook_count", "ReplayTiming", "replay_timing"]
 
-MODELS = ("mlp", "transformer", "gpt2")
+# "gpt2-compiled": the GPT-2 model under torch.compile; its baseline is the compiled model
+# alone, and only the sentinel watch can ride along (the other tools need module hooks).
+MODELS = ("mlp", "transformer", "gpt2", "gpt2-compiled")
+COMPILED_MODELS = ("gpt2-compiled",)
 MODES = ("forward", "train")
 # Column order of the table; "dbg" and "anomaly" drop out when they cannot run.
-VARIANTS = ("baseline", "nanwidget", "nanwidget_backward", "isnan_hook", "debug_underflow",
-            "anomaly")
+VARIANTS = ("baseline", "nanwidget", "nanwidget_backward", "sentinel", "isnan_hook",
+            "debug_underflow", "anomaly")
 VARIANT_LABELS = {
     "baseline": "baseline ms",
     "nanwidget": "nanwidget",
     "nanwidget_backward": "nw backward=True",
+    "sentinel": "sentinel",
     "isnan_hook": "isnan hook",
     "debug_underflow": "DebugUnderflowOverflow",
     "anomaly": "detect_anomaly",
@@ -50,13 +55,19 @@ VARIANT_LABELS = {
 # Targets for nanwidget's ratio, per (model, mode); forward rows share one.
 TARGETS = {("mlp", "train"): 1.25, ("transformer", "train"): 1.10, ("gpt2", "train"): 1.10}
 FORWARD_TARGET = 1.30
+# The sentinel watch (outputs, and gradients on train rows) on every row, compiled ones too.
+SENTINEL_TARGET = 1.03
 # nanwidget's overhead (ratio - 1) may be at most this share of DebugUnderflowOverflow's.
 OVERHEAD_SHARE_TARGET = 0.25
+# A failing batch of the GPT-2 model replayed into full detail (frames and op trace).
+REPLAY_TARGET_SECONDS = 2.0
 GPT2_INPUT = (4, 64)
 
 
-def target_ratio(model: str, mode: str) -> float:
-    """nanwidget's ratio target for one row."""
+def target_ratio(model: str, mode: str) -> float | None:
+    """nanwidget's (full mode) ratio target for one row; None for compiled rows."""
+    if model in COMPILED_MODELS:
+        return None
     return FORWARD_TARGET if mode == "forward" else TARGETS[(model, mode)]
 
 
@@ -106,14 +117,18 @@ def _gpt2() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Te
                                     f"tokens {GPT2_INPUT[0]}x{GPT2_INPUT[1]}, LM loss")
 
 
-_BUILDERS = {"mlp": _mlp, "transformer": _transformer, "gpt2": _gpt2}
+_BUILDERS = {"mlp": _mlp, "transformer": _transformer, "gpt2": _gpt2, "gpt2-compiled": _gpt2}
 
 
 def build_case(model_name: str, mode: str, device: str = "cpu", seed: int = 0) -> Case:
-    """Build the seeded model and the closure of one forward or train step."""
+    """Build the seeded model and the closure of one forward or train step (a compiled
+    model compiles on its first steps, which the harness runs before timing anything)."""
     torch.manual_seed(seed)
     model, inputs, loss_fn, description = _BUILDERS[model_name]()
     model.to(device)
+    if model_name in COMPILED_MODELS:
+        model = torch.compile(model)
+        description = "torch.compile'd " + description
     inputs = tuple(t.to(device) for t in inputs)
     if mode == "forward":
         model.eval()
@@ -189,6 +204,13 @@ def _nanwidget_backward(case: Case) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _sentinel(case: Case) -> Iterator[None]:
+    # As it would be left on in training: outputs every batch, gradients after each backward.
+    with watch(case.model, on_nan="record", mode="sentinel", backward=case.mode == "train"):
+        yield
+
+
+@contextlib.contextmanager
 def _isnan_hook(case: Case) -> Iterator[None]:
     handles = [m.register_forward_hook(_isnan_recipe_hook) for m in case.model.modules()]
     try:
@@ -239,13 +261,18 @@ class Variant:
     name: str
     attach: Callable[[Case], contextlib.AbstractContextManager[None]]
     modes: tuple[str, ...] = MODES
+    compiled: bool = False  # can ride along a compiled model
+
+    def runs_on(self, model_name: str, mode: str) -> bool:
+        return mode in self.modes and (self.compiled or model_name not in COMPILED_MODELS)
 
 
 ALL_VARIANTS = {
-    "baseline": Variant("baseline", _baseline),
+    "baseline": Variant("baseline", _baseline, compiled=True),
     "nanwidget": Variant("nanwidget", _nanwidget),
     # Backward frames only add work where there is a backward pass.
     "nanwidget_backward": Variant("nanwidget_backward", _nanwidget_backward, modes=("train",)),
+    "sentinel": Variant("sentinel", _sentinel, compiled=True),
     "isnan_hook": Variant("isnan_hook", _isnan_hook),
     "debug_underflow": Variant("debug_underflow", _debug_underflow),
     # Anomaly mode only checks backward; under no_grad it would time the baseline again.
@@ -276,8 +303,15 @@ class BenchRow:
     block_seconds: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
     @property
-    def target(self) -> float:
+    def target(self) -> float | None:
         return target_ratio(self.model, self.mode)
+
+    def sentinel_verdict(self) -> str:
+        """PASS or MISS against :data:`SENTINEL_TARGET`."""
+        ratio = self.ratios.get("sentinel")
+        if ratio is None:
+            return "-"
+        return "PASS" if ratio <= SENTINEL_TARGET else f"MISS (ratio>{SENTINEL_TARGET:.2f})"
 
     @property
     def overhead_share(self) -> float | None:
@@ -291,7 +325,7 @@ class BenchRow:
         """PASS, or MISS with the target(s) missed."""
         missed = []
         ratio = self.ratios.get("nanwidget")
-        if ratio is None:
+        if ratio is None or self.target is None:
             return "-"
         if ratio > self.target:
             missed.append(f"ratio>{self.target:.2f}")
@@ -305,7 +339,8 @@ class BenchRow:
                 "steps_per_block": self.steps_per_block, "rounds": self.rounds,
                 "baseline_ms": self.baseline_ms, "ratios": self.ratios,
                 "target": self.target, "overhead_share": self.overhead_share,
-                "verdict": self.verdict(), "block_seconds": self.block_seconds}
+                "verdict": self.verdict(), "sentinel_target": SENTINEL_TARGET,
+                "sentinel_verdict": self.sentinel_verdict(), "block_seconds": self.block_seconds}
 
 
 def environment(device: str = "cpu") -> dict[str, Any]:
@@ -424,7 +459,7 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
     names = list(variants) if variants is not None else available_variants()
     if "baseline" not in names:
         names.insert(0, "baseline")
-    if "gpt2" in models and not transformers_available():
+    if any(m.startswith("gpt2") for m in models) and not transformers_available():
         raise ValueError("the gpt2 model needs transformers (pip install 'nanwidget[bench]')")
     order_rng = random.Random(seed)
     rows: list[BenchRow] = []
@@ -432,7 +467,8 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
         for model_name in models:
             for mode in modes:
                 case = build_case(model_name, mode, device=device, seed=seed)
-                runnable = [ALL_VARIANTS[n] for n in names if mode in ALL_VARIANTS[n].modes]
+                runnable = [ALL_VARIANTS[n] for n in names
+                            if ALL_VARIANTS[n].runs_on(model_name, mode)]
                 steps = _steps_per_block(case, block_seconds, warmup, seed, device)
                 if progress:
                     progress(f"{model_name}/{mode}: {len(runnable)} variants x {rounds} rounds, "
@@ -452,6 +488,62 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
     return BenchResult(rows, environment(device), names)
 
 
+@dataclass
+class ReplayTiming:
+    """Seconds from a failing GPT-2 batch to its full detail (frames and op trace)."""
+
+    forward_seconds: float
+    backward_seconds: float
+    forward_summary: str
+    backward_summary: str
+    ops: tuple[int, int]
+
+
+def replay_timing(device: str = "cpu", seed: int = 0) -> ReplayTiming:
+    """Plant a NaN in the GPT-2 bench model under a sentinel watch and time its replays: a
+    forward event (a NaN weight in the token embedding: frame 0, so the previous batch is
+    replayed too to fill the report's window) and a backward-only event (the loss's gradient
+    is NaN where its forward is finite: forward, probe forward and backward replayed)."""
+    case = build_case("gpt2", "train", device=device, seed=seed)
+    model = case.model
+    inputs = torch.randint(0, model.config.vocab_size, GPT2_INPUT, device=device)
+
+    def nan_grad_loss(out: Any) -> torch.Tensor:
+        logits = out.logits.float()
+        # log(0) in the branch where() discards: a finite loss whose gradient is NaN.
+        return torch.where(logits > 1e9, (logits * 0).log(), logits).mean()
+
+    timings = []
+    summaries = []
+    ops = []
+    for plant in ("forward", "backward"):
+        with watch(model, mode="sentinel", backward=True, on_nan="record",
+                   snapshot_weights=plant == "forward") as w:
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+            for step in range(3):
+                optimizer.zero_grad(set_to_none=True)
+                if plant == "forward" and step == 2:
+                    with torch.no_grad():
+                        model.transformer.wte.weight[int(inputs[0, 0]), 0] = float("nan")
+                out = model(inputs)
+                loss = nan_grad_loss(out) if plant == "backward" and step == 2 \
+                    else out.logits.float().mean()
+                loss.backward()
+                if w.events:
+                    break
+                optimizer.step()
+            sentinel = w.parts.sentinel
+            event = w.event
+            if event is None or sentinel is None:
+                raise RuntimeError(f"the planted {plant} NaN was not caught")
+            timings.append(sentinel.last_replay_seconds)
+            summaries.append(event.summary())
+            ops.append(len(event.trace.ops) if event.trace is not None else 0)
+        with torch.no_grad():
+            model.load_state_dict(case.state)
+    return ReplayTiming(timings[0], timings[1], summaries[0], summaries[1], (ops[0], ops[1]))
+
+
 # ---------------------------------------------------------------------------------------- tables
 @dataclass
 class BenchResult:
@@ -465,7 +557,9 @@ class BenchResult:
         """Table header: case, baseline ms, one ratio per variant, share, verdict."""
         ratio_columns = [VARIANT_LABELS[v] for v in self.variants if v != "baseline"]
         share = ["nw/DUO overhead"] if "debug_underflow" in self.variants else []
-        return ["model/mode", "baseline ms", *ratio_columns, *share, "target", "nanwidget vs target"]
+        sentinel = ["sentinel vs 1.03x"] if "sentinel" in self.variants else []
+        return ["model/mode", "baseline ms", *ratio_columns, *share, "target",
+                "nanwidget vs target", *sentinel]
 
     def table_cells(self) -> list[list[str]]:
         cells = []
@@ -479,8 +573,10 @@ class BenchResult:
             if "debug_underflow" in self.variants:
                 share = row.overhead_share
                 line.append("-" if share is None else f"{share:.2f}")
-            line.append(f"<={row.target:.2f}x")
+            line.append("-" if row.target is None else f"<={row.target:.2f}x")
             line.append(row.verdict())
+            if "sentinel" in self.variants:
+                line.append(row.sentinel_verdict())
             cells.append(line)
         return cells
 
@@ -513,5 +609,6 @@ class BenchResult:
         return {"environment": self.environment, "variants": self.variants,
                 "targets": {"forward": FORWARD_TARGET,
                             **{f"{m}/{mode}": t for (m, mode), t in TARGETS.items()},
-                            "overhead_share": OVERHEAD_SHARE_TARGET},
+                            "overhead_share": OVERHEAD_SHARE_TARGET,
+                            "sentinel": SENTINEL_TARGET, "replay_seconds": REPLAY_TARGET_SECONDS},
                 "rows": [row.to_dict() for row in self.rows]}

@@ -14,7 +14,7 @@ Layers, each importing only from those above it in this list:
 from .events import AbortAfterBatch, GradEvent, NanDetected, NanEvent, NanWarning
 from .frames import Frame, FrameBuffer, frames_to_dataframe
 from .history import History
-from .recorder import ConcurrentForwardError, Feature, Recorder
+from .recorder import CompiledCallError, ConcurrentForwardError, Feature, Recorder
 from .report import detect_overflow
 from .schema import FRAME_COLUMNS, GRAD_HISTORY_COLUMNS, HISTORY_COLUMNS, OPS_COLUMNS
 from .stats import PendingStats, TensorStats, classify, dtype_max
@@ -25,7 +25,7 @@ from .watch import NanWatch, live_watches
 
 __all__ = [
     "AbortAfterBatch", "GradEvent", "NanDetected", "NanEvent", "NanWarning", "Frame",
-    "FrameBuffer", "frames_to_dataframe", "History", "ConcurrentForwardError", "Feature",
+    "FrameBuffer", "frames_to_dataframe", "History", "ConcurrentForwardError", "CompiledCallError", "Feature",
     "Recorder", "detect_overflow", "FRAME_COLUMNS", "GRAD_HISTORY_COLUMNS", "HISTORY_COLUMNS",
     "OPS_COLUMNS", "PendingStats", "TensorStats", "classify", "dtype_max", "Trace", "NanWatch",
     "live_watches",

@@ -27,8 +27,10 @@ class NanEvent:
     """The first non-finite value of one batch: where it was seen and where it came from.
 
     ``trace`` is a :class:`~nanwidget.core.trace.Trace` when the batch was replayed
-    (``replay_on_nan=True``), else None. ``peer_rank`` is set when ``origin == "peer"``: the
-    rank whose NaN/Inf made this one stop; the other fields then describe that rank's event.
+    (``replay_on_nan=True``, and every sentinel-mode event), else None. ``peer_rank`` is set
+    when ``origin == "peer"``: the rank whose NaN/Inf made this one stop; the other fields then
+    describe that rank's event. ``note``: what could not be checked, "" when nothing;
+    ``frames_note``: why earlier frames are missing from ``frames``, "" when none are.
     """
 
     batch: int
@@ -45,6 +47,12 @@ class NanEvent:
     trace: Any = field(default=None, repr=False)
     frame: int = 0  # index of the event's own frame within its batch
     peer_rank: int | None = None
+    # What could not be checked, in one sentence ("" when nothing): e.g. a sentinel-mode event
+    # that the eager replay did not reproduce. Part of the summary.
+    note: str = ""
+    # Why ``frames`` holds fewer than ``max_frames`` frames although earlier ones ran (sentinel
+    # mode: batches it did not record); "" otherwise. Shown in the report.
+    frames_note: str = ""
 
     @property
     def module_label(self) -> str:
@@ -67,6 +75,8 @@ class NanEvent:
             where = (f"at {first['source']}" if first["source"]
                      else "(no line of user code on the stack)")
             text += f"; first bad op {first['op']} {where}"
+        if self.note:
+            text += f" ({self.note})"
         return text
 
     def _repr_html_(self) -> str:  # pragma: no cover - notebook nicety
@@ -76,9 +86,12 @@ class NanEvent:
 
 def event_fields(event: NanEvent) -> dict[str, Any]:
     """The plain fields of ``event`` (:data:`~nanwidget.core.schema.EVENT_FIELDS`, plus
-    ``peer_rank``): what is written to disk and sent to other ranks."""
+    ``peer_rank``, ``note`` and ``frames_note``): what is written to disk and sent to other
+    ranks."""
     fields = {name: getattr(event, name) for name in EVENT_FIELDS}
     fields["peer_rank"] = event.peer_rank
+    fields["note"] = event.note
+    fields["frames_note"] = event.frames_note
     return fields
 
 
@@ -87,7 +100,9 @@ def event_from_fields(fields: dict[str, Any], frames: pd.DataFrame | None = None
     """Rebuild an event from :func:`event_fields` (already checked by the caller)."""
     values = {name: fields[name] for name in EVENT_FIELDS}
     return NanEvent(frames=frames if frames is not None else pd.DataFrame(columns=FRAME_COLUMNS),
-                    trace=trace, peer_rank=fields.get("peer_rank"), **values)
+                    trace=trace, peer_rank=fields.get("peer_rank"),
+                    note=fields.get("note") or "", frames_note=fields.get("frames_note") or "",
+                    **values)
 
 
 @dataclass

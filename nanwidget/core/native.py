@@ -37,10 +37,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["abs_range", "available", "eligible", "result_buffer", "status", "MAX_ELEMENTS"]
+__all__ = ["abs_range", "finite_range", "available", "eligible", "result_buffer", "status",
+           "MAX_ELEMENTS"]
 
 _SOURCE = Path(__file__).with_name("_native") / "absrange.c"
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 
 # The kernel runs on one thread. Up to 4M elements it beats torch's path on any thread count
 # we could measure; above that, torch's path (|x| and min/max on all of torch's threads) wins
@@ -51,9 +52,11 @@ _ONE_THREAD_ELEMENTS = 1 << 22
 _KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _Pair = ctypes.c_double * 2
+_Triple = ctypes.c_double * 3
 
 _lock = threading.Lock()
 _kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_finite_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _state = "not loaded"  # why the kernel is or is not in use, for status()
 
 
@@ -110,6 +113,17 @@ def abs_range(tensor: torch.Tensor, out: ctypes.Array | None = None) -> tuple[fl
     return out[0], out[1]
 
 
+def finite_range(tensor: torch.Tensor) -> tuple[float, float, bool]:
+    """(finite abs min, finite abs max, holds an Inf) of an :func:`eligible` tensor, read once:
+    the second look at a tensor holding a NaN or an Inf (inf and -inf bounds when no value is
+    finite). Raises RuntimeError when the kernel is not available."""
+    if _load() is None or _finite_kernel is None:
+        raise RuntimeError(f"the native kernel is not available: {_state}")
+    out = _Triple()
+    _finite_kernel(tensor.data_ptr(), tensor.numel(), _KINDS[tensor.dtype], out)
+    return out[0], out[1], out[2] > 0
+
+
 def result_buffer() -> ctypes.Array:
     """A buffer for :func:`abs_range`'s ``out``; not to be shared between threads."""
     return _Pair()
@@ -117,7 +131,7 @@ def result_buffer() -> ctypes.Array:
 
 # ------------------------------------------------------------------------------- building
 def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _kernel, _state
+    global _kernel, _finite_kernel, _state
     if _state != "not loaded":
         return _kernel
     with _lock:
@@ -128,8 +142,8 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
             return None
         try:
             library = _build_or_find()
-            kernel = _bind(library)
-            problem = _self_test(kernel)
+            kernel, finite_kernel = _bind(library)
+            problem = _self_test(kernel) or _self_test_finite(finite_kernel)
         except _Unavailable as reason:
             _state = f"unavailable ({reason}): torch path"
             return None
@@ -139,7 +153,7 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         if problem:
             _state = f"disabled, self-test failed ({problem}): torch path"
             return None
-        _kernel = kernel
+        _kernel, _finite_kernel = kernel, finite_kernel
         _state = f"native kernel in use ({library})"
         return _kernel
 
@@ -218,15 +232,38 @@ def _compile(compiler: str, flags: list[str], target: Path, errors: list[str]) -
     return False
 
 
-def _bind(library: Path) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+def _bind(library: Path) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:  # type: ignore[name-defined]
     handle = ctypes.CDLL(str(library))
     handle.nanwidget_abi_version.restype = ctypes.c_int
     if handle.nanwidget_abi_version() != _ABI_VERSION:
         raise _Unavailable(f"{library.name} has another ABI version")
-    kernel = handle.nanwidget_abs_range
-    kernel.restype = ctypes.c_int
-    kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    return kernel
+    kernels = []
+    for name in ("nanwidget_abs_range", "nanwidget_finite_range"):
+        kernel = getattr(handle, name)
+        kernel.restype = ctypes.c_int
+        kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        kernels.append(kernel)
+    return kernels[0], kernels[1]
+
+
+def _self_test_finite(kernel: ctypes._CFuncPtr) -> str:  # type: ignore[name-defined]
+    """Compare the finite-values kernel with torch on tensors holding NaN and Inf."""
+    nan, inf = float("nan"), float("inf")
+    rows = [[nan, 1.5, -3.0, 0.0], [inf, -inf, 2.0], [nan, inf], [nan, nan], [-inf, 5e-39, nan],
+            [6.0e4, -6.5e4, nan], [1e-45, -2.0, inf]]
+    for dtype in _KINDS:
+        for row in rows:
+            tensor = torch.tensor(row, dtype=torch.float64).to(dtype)
+            out = _Triple()
+            kernel(tensor.data_ptr(), tensor.numel(), _KINDS[dtype], out)
+            magnitude = tensor.double().abs()
+            finite = magnitude[torch.isfinite(magnitude)]
+            expected = (finite.min().item() if finite.numel() else inf,
+                        finite.max().item() if finite.numel() else -inf,
+                        1.0 if bool(torch.isinf(magnitude).any()) else 0.0)
+            if (out[0], out[1], out[2]) != expected:
+                return f"finite range {dtype} {row}: {(out[0], out[1], out[2])} != {expected}"
+    return ""
 
 
 def _self_test(kernel: ctypes._CFuncPtr) -> str:  # type: ignore[name-defined]

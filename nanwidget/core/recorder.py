@@ -61,7 +61,7 @@ from .ranks import current_rank
 from .stats import PendingStats
 
 __all__ = ["Recorder", "Feature", "ModuleInfo", "ConcurrentForwardError", "AlreadyWatchedError",
-           "watched_by", "in_backward_pass", "is_fsdp_unit"]
+           "CompiledCallError", "watched_by", "in_backward_pass", "is_fsdp_unit"]
 
 _get_ident = threading.get_ident
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -87,6 +87,22 @@ class ConcurrentForwardError(RuntimeError):
 
 class AlreadyWatchedError(RuntimeError):
     """A module is already hooked by another live recorder."""
+
+
+class CompiledCallError(RuntimeError):
+    """A watched module runs inside compiled code that the watch was not made for."""
+
+
+def _in_optimized_module() -> bool:
+    """Whether a ``torch.compile`` wrapper's call is running its compiled code (not while
+    ``torch.compiler.set_stance("force_eager")`` runs it eagerly, hooks included)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    probe = getattr(eval_frame, "_is_in_optimized_module", None)
+    return probe is not None and bool(probe()) and not _forced_eager(eval_frame)
+
+
+def _forced_eager(eval_frame: Any) -> bool:
+    return getattr(getattr(eval_frame, "_stance", None), "stance", "default") == "force_eager"
 
 
 def is_fsdp_unit(module: nn.Module) -> bool:
@@ -118,6 +134,10 @@ class Feature:
 
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
         """Under the lock: the root forward is about to run ``batch`` with these inputs."""
+
+    def on_batch_output(self, batch: int, output: Any) -> None:
+        """Under the lock: the outermost root forward of ``batch`` returned ``output`` (not
+        called when it raised); runs before the batch's frames are resolved."""
 
     def before_resolve(self) -> None:
         """Under the lock: frames are about to be resolved (fill stats measured elsewhere)."""
@@ -185,14 +205,22 @@ class Recorder:
     "warn" or "record". ``abort_after``: raise :class:`AbortAfterBatch` at the first finished
     batch whose number is at or past it. ``max_events``: events kept (more are counted).
     ``allow_inf``: module name globs and module classes whose outputs may hold ±inf on purpose.
+    ``root_only``: hook only the root (sentinel mode); :meth:`attach_module_hooks` hooks every
+    module for the batches recorded in full. ``entry``: the module whose call is one batch when
+    it is not ``model`` (the ``torch.compile`` wrapper around it); the root's hooks go there.
     """
 
     def __init__(self, model: nn.Module, *, max_frames: int = 21,
                  trace_batches: Iterable[int] = (), abort_after: int | None = None,
                  skip: tuple[tuple[type, ...], frozenset[str]] = ((), frozenset()),
                  on_nan: str = "raise", max_events: int = 100,
-                 allow_inf: tuple[tuple[str, ...], tuple[type, ...]] = ((), ())) -> None:
+                 allow_inf: tuple[tuple[str, ...], tuple[type, ...]] = ((), ()),
+                 root_only: bool = False, entry: nn.Module | None = None) -> None:
         self.model = model
+        # The module whose call is one batch: the model, or a torch.compile wrapper around it.
+        self.entry = model if entry is None else entry
+        # Only the root's hooks stay on; module hooks come with attach_module_hooks().
+        self.root_only = root_only
         # The object that composed this recorder (a NanWatch). The hooks keep the recorder
         # alive and the recorder its owner, so a watch whose variable was lost is still
         # reachable (nanwidget.live_watches()) for as long as its hooks are attached.
@@ -231,7 +259,11 @@ class Recorder:
         self._ring = FrameBuffer(max_frames)
         self._trace_frames: dict[int, list[Frame]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._module_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._infos: dict[int, ModuleInfo] = {}
+        # A module compiled in place (module.compile()) runs its hooks under Dynamo's frame
+        # callback: its root hooks are wrapped so Dynamo never traces them (no graph, no break).
+        self._compiled_in_place = getattr(model, "_compiled_call_impl", None) is not None
 
         skip_classes, skip_names = skip
         modules: list[tuple[str, nn.Module]] = []
@@ -264,19 +296,14 @@ class Recorder:
         self._history = History(self.module_names, self.module_types, rank=self._rank)
         try:
             for info in self.modules:
-                module = info.module
-                self._infos[id(module)] = info
-                if info.is_root:
-                    self._handles.append(module.register_forward_pre_hook(
-                        self._root_pre_hook, with_kwargs=True))
-                elif getattr(module, "inplace", False) is True:
-                    self._handles.append(module.register_forward_pre_hook(
-                        self._inplace_pre_hook, with_kwargs=True))
-                # Before FSDP2's post-forward hook reshards: read the weights the forward used.
-                self._handles.append(module.register_forward_hook(
-                    self._forward_hook, with_kwargs=True, always_call=True,
-                    prepend=is_fsdp_unit(module)))
-                _WATCHED[module] = weakref.ref(self)
+                self._infos[id(info.module)] = info
+                _WATCHED[info.module] = weakref.ref(self)
+            if self.entry is not model:
+                self._infos[id(self.entry)] = self.modules[0]
+                _WATCHED[self.entry] = weakref.ref(self)
+            self._install_root_hooks()
+            if not root_only:
+                self.attach_module_hooks()
         except BaseException:
             self.close()
             raise
@@ -286,6 +313,62 @@ class Recorder:
     def batch(self) -> int:
         """The batch being recorded (or about to be): 0-based."""
         return self._batch
+
+    @property
+    def module_hooks_attached(self) -> bool:
+        """Whether every watched module is hooked now (always, unless ``root_only``)."""
+        return bool(self._module_handles)
+
+    def attach_module_hooks(self) -> None:
+        """Hook every watched module besides the root (its frames are recorded from the next
+        module call on) until :meth:`detach_module_hooks`. A ``root_only`` recorder calls this
+        for the batches it records in full (sampled and trace batches). Caller may hold the
+        lock; a no-op when attached already or closed."""
+        with self._lock:
+            if self._closed or self._module_handles:
+                return
+            handles = self._module_handles
+            try:
+                for info in self.modules:
+                    if info.is_root:
+                        continue  # the root's own hooks are always on (and measure its inputs)
+                    module = info.module
+                    if getattr(module, "inplace", False) is True:
+                        handles.append(module.register_forward_pre_hook(
+                            self._inplace_pre_hook, with_kwargs=True))
+                    # Before FSDP2's post-forward hook reshards: read the weights the forward used.
+                    handles.append(module.register_forward_hook(
+                        self._forward_hook, with_kwargs=True, always_call=True,
+                        prepend=is_fsdp_unit(module)))
+            except BaseException:
+                self.detach_module_hooks()
+                raise
+
+    def detach_module_hooks(self) -> None:
+        """Remove the hooks :meth:`attach_module_hooks` added (the root's stay)."""
+        with self._lock:
+            for handle in self._module_handles:
+                handle.remove()
+            self._module_handles.clear()
+            for info in self.modules:
+                if not info.is_root:
+                    info.pre_entries.clear()
+
+    def _install_root_hooks(self) -> None:
+        pre_hook, forward_hook = self._root_pre_hook, self._forward_hook
+        if self._compiled_in_place and self.entry is self.model:
+            import torch._dynamo  # loaded already: the model was compiled
+            pre_hook = torch._dynamo.disable(pre_hook)
+            forward_hook = torch._dynamo.disable(forward_hook)
+        entry = self.entry
+        self._handles.append(entry.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        self._handles.append(entry.register_forward_hook(
+            forward_hook, with_kwargs=True, always_call=True, prepend=is_fsdp_unit(entry)))
+
+    def _records_frames(self) -> bool:
+        """Whether this batch's frames are recorded (always, unless ``root_only`` and no
+        module hooks are attached: then only the root's outputs are looked at, by a feature)."""
+        return not self.root_only or bool(self._module_handles)
 
     @property
     def manual_batches(self) -> bool:
@@ -346,6 +429,7 @@ class Recorder:
             return [getattr(f, name) for f in self._features
                     if getattr(type(f), name, base) is not base]
         self._on_batch_start = overriding("on_batch_start")
+        self._on_batch_output = overriding("on_batch_output")
         self._before_resolve = overriding("before_resolve")
         self._on_batch_end = overriding("on_batch_end")
         self._review_event = overriding("review_event")
@@ -359,6 +443,8 @@ class Recorder:
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
+        if "torch._dynamo" in sys.modules:
+            self._refuse_compiled_call()
         refusal = None
         try:
             with self._lock:
@@ -369,7 +455,8 @@ class Recorder:
                     if self._root_call_running(sys._getframe(1)):
                         if owner == _get_ident():
                             self._root_depth += 1  # the root calls itself: the same batch
-                            self._measure_inputs_now(module, args, kwargs)
+                            if self._records_frames():
+                                self._measure_inputs_now(module, args, kwargs)
                             return None
                         refusal = owner
                     else:
@@ -386,7 +473,8 @@ class Recorder:
                     for on_batch_start in self._on_batch_start:
                         on_batch_start(self._batch, args, kwargs)
                     # The model's inputs as handed over, before any module can write into them.
-                    self._measure_inputs_now(module, args, kwargs)
+                    if self._records_frames():
+                        self._measure_inputs_now(module, args, kwargs)
         except Exception as error:  # never break the user's forward
             self.internal_error(error)
         if refusal is not None:
@@ -396,6 +484,26 @@ class Recorder:
                 "batch). Run the forwards one after the other, or watch a separate model copy "
                 "per thread")
         return None
+
+    def _refuse_compiled_call(self) -> None:
+        """A watch whose hooks sit inside a compiled call sees nothing of its submodules:
+        compiled code skips their hooks (or Dynamo traces them, with graph breaks)."""
+        model = self.model
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if self.entry is model and getattr(model, "_compiled_call_impl", None) is not None \
+                and not self._compiled_in_place and not _forced_eager(eval_frame):
+            how = "was compiled in place with module.compile() after nw.watch()"
+        elif self.entry is model and _in_optimized_module():
+            how = ("runs inside a torch.compile'd model: you watched cm._orig_mod (or compiled the "
+                   "model after nw.watch()) and called the compiled one")
+        else:
+            return
+        raise CompiledCallError(
+            f"nanwidget: the watched model ({type(model).__name__}) {how}. Compiled code skips "
+            "the hooks of the modules inside it, so this watch would miss NaNs silently (and "
+            "Dynamo tracing its hooks makes compiling slow). Close this watch (w.close()) and "
+            "watch the compiled model itself, after compiling: w = nw.watch(compiled_model) "
+            "(sentinel mode: no graph break, full detail by an eager replay)")
 
     def _root_call_running(self, new_call: Any) -> bool:
         """Whether the outermost root call that opened the batch is still on its thread's
@@ -448,23 +556,27 @@ class Recorder:
                 return None  # a recomputation during backward (torch.utils.checkpoint)
             # Not inside this thread's own root forward: a call refused with
             # ConcurrentForwardError unwinds through always_call hooks, recording nothing.
-            if isinstance(sys.exc_info()[1], ConcurrentForwardError):
-                return None
+            if isinstance(sys.exc_info()[1], (ConcurrentForwardError, CompiledCallError)):
+                return None  # nothing ran: nothing to record
             if self._root_depth:
                 self._refuse_other_thread(info)
+        is_root = info.is_root
         try:
             with self._lock:
-                measured = info.pre_entries.pop() if info.pre_entries else None
-                entries, first_output = self.entries.forward_entries(
-                    module, info.has_state, args, kwargs, output, measured,
-                    cache_weights=not info.sharded)
-                self.record_frame(info, "forward", entries, first_output=first_output)
-                if self.entries.unread_roles and not self._warned_unread:
-                    self._warn_unread()
+                if not is_root or self._records_frames():
+                    measured = info.pre_entries.pop() if info.pre_entries else None
+                    if is_root and module is not info.module:
+                        module = info.module  # the compile wrapper's call: the model's frame
+                    entries, first_output = self.entries.forward_entries(
+                        module, info.has_state, args, kwargs, output, measured,
+                        cache_weights=not info.sharded)
+                    self.record_frame(info, "forward", entries, first_output=first_output)
+                    if self.entries.unread_roles and not self._warned_unread:
+                        self._warn_unread()
         except Exception as error:
             self.internal_error(error)
-        if info.is_root:
-            self._finish_root(sys.exc_info()[1])
+        if is_root:
+            self._finish_root(sys.exc_info()[1], output)
         return None
 
     def _refuse_other_thread(self, info: ModuleInfo) -> None:
@@ -532,10 +644,11 @@ class Recorder:
         return bool(self._frames) or len(self._pending) > 0
 
     # ------------------------------------------------------------------ batch boundaries
-    def _finish_root(self, current_exception: BaseException | None) -> None:
-        """A root call returned: the outermost one ends the batch. The call count, the resolve
-        and the batch number move under one hold of the lock, so that another thread's forward
-        cannot start in between and land in this batch."""
+    def _finish_root(self, current_exception: BaseException | None, output: Any = None) -> None:
+        """A root call returned ``output``: the outermost one ends the batch. The call count,
+        the features' look at the output, the resolve and the batch number move under one hold
+        of the lock, so that another thread's forward cannot start in between and land in this
+        batch."""
         with self._lock:
             if self._root_depth > 1:
                 self._root_depth -= 1
@@ -545,11 +658,17 @@ class Recorder:
             start_exception, self._exception_at_start = self._exception_at_start, None
             if self._closed:
                 return
+            # always_call hooks also run while an exception propagates: record, never raise then.
+            failing = current_exception is not None and current_exception is not start_exception
+            if not failing:
+                for on_batch_output in self._on_batch_output:
+                    try:
+                        on_batch_output(self._batch, output)
+                    except Exception as error:
+                        self.internal_error(error)
             finished = self._batch
             advance = not self._manual_batches
             event = self._resolve_locked(finished, advance=advance)
-        # always_call hooks also run while an exception propagates: record, never raise then.
-        failing = current_exception is not None and current_exception is not start_exception
         self._conclude(finished, event, reason="forward", raising=not failing, finished=advance)
 
     def _end_interrupted_locked(self) -> None:
@@ -571,14 +690,26 @@ class Recorder:
         Caller holds the lock; the event is not recorded yet (see :meth:`_conclude`)."""
         for before_resolve in self._before_resolve:
             before_resolve()
-        self._pending.resolve()
         frames, self._frames = self._frames, []
+        if frames or len(self._pending):
+            self._pending.resolve()
         self._rank = current_rank()
+        event = self._take_frames_locked(frames, self._ring.window_ending_with) if frames else None
+        for on_batch_end in self._on_batch_end:
+            on_batch_end(ended, frames)
+        if advance:
+            self._remember_counters(self._counters)
+            self._batch += 1
+            self._counters = _Counters(self._batch)
+        return event
+
+    def _take_frames_locked(self, frames: list[Frame], window: Any) -> NanEvent | None:
+        """History, trace batches and the ring take resolved ``frames``; their first event
+        (not recorded yet), whose report shows ``window(frames, position)``."""
         event: NanEvent | None = None
         history_rows: list[tuple[int, int, float, float, bool]] = []
         name_index = self._name_index
         trace_batches = self.trace_batches
-        window = self._ring.window_ending_with
         for position, frame in enumerate(frames):
             bad = False
             first_output = frame.first_output
@@ -598,13 +729,37 @@ class Recorder:
                 self._trace_frames.setdefault(frame.batch, []).append(frame)
         self._history.record_many(history_rows)
         self._ring.extend(frames)
-        for on_batch_end in self._on_batch_end:
-            on_batch_end(ended, frames)
-        if advance:
-            self._remember_counters(self._counters)
-            self._batch += 1
-            self._counters = _Counters(self._batch)
         return event
+
+    def add_frames(self, frames: list[Frame], before: list[Frame] | None = None) -> NanEvent | None:
+        """Take resolved frames made elsewhere (a replay's) as if recorded now: history, trace
+        batches and the ring get them, features see them (``on_batch_end`` with batch None).
+        Returns their first event, not recorded yet (see :meth:`conclude`). Its report window
+        is the frames ending with the event's frame, preceded by ``before`` (the frames known
+        to have run just before these), or by the ring's frames when ``before`` is None."""
+        with self._lock:
+            if self._closed:
+                return None
+            if before is None:
+                window = self._ring.window_ending_with
+            else:
+                limit = self.max_frames
+
+                def window(batch_frames: list[Frame], position: int) -> list[Frame]:
+                    own = batch_frames[max(0, position + 1 - limit): position + 1]
+                    missing = limit - len(own)
+                    return (before[-missing:] if missing > 0 and before else []) + own
+            event = self._take_frames_locked(list(frames), window)
+            for on_batch_end in self._on_batch_end:
+                on_batch_end(None, list(frames))
+            return event
+
+    def conclude(self, batch: int, event: NanEvent | None, *, reason: str,
+                 raising: bool) -> None:
+        """Outside the lock: let the features review ``event`` (found by a feature, e.g. at
+        the end of a backward pass), record it, and raise or warn as ``on_nan`` says (only
+        when ``raising``). ``reason`` as in :meth:`Feature.review_event`."""
+        self._conclude(batch, event, reason=reason, raising=raising, finished=False)
 
     def _conclude(self, batch: int, event: NanEvent | None, *, reason: str, raising: bool,
                   finished: bool) -> None:
@@ -750,13 +905,14 @@ class Recorder:
             except Exception as error:  # closing must always succeed
                 self.internal_error(error)
             self._closed = True
-            for handle in self._handles:
+            for handle in self._handles + self._module_handles:
                 handle.remove()
             self._handles.clear()
-            for info in self.modules:
-                reference = _WATCHED.get(info.module)
+            self._module_handles.clear()
+            for module in [info.module for info in self.modules] + [self.entry]:
+                reference = _WATCHED.get(module)
                 if reference is not None and reference() is self:
-                    del _WATCHED[info.module]
+                    del _WATCHED[module]
             features = list(reversed(self._features))
         for feature in features:
             try:
@@ -767,7 +923,8 @@ class Recorder:
     def internal_error(self, error: BaseException) -> None:
         """A failure inside nanwidget: warn once and carry on (the user's run never breaks).
         NanDetected and AbortAfterBatch are not failures: they propagate."""
-        if isinstance(error, (NanDetected, AbortAfterBatch, ConcurrentForwardError)):
+        if isinstance(error, (NanDetected, AbortAfterBatch, ConcurrentForwardError,
+                              CompiledCallError)):
             raise error
         if not self._warned_internal:
             self._warned_internal = True

@@ -93,6 +93,8 @@ def format_event_report(event: NanEvent | None, frames: pd.DataFrame, batch: int
     phases = set(frames["phase"]) if not frames.empty else {"forward"}
     direction = "forward and backward" if len(phases) > 1 else phases.pop()
     out.append(f"Last {n_frames} {direction} frames:")
+    if event is not None and event.frames_note:
+        out.append(f"({event.frames_note})")
     out.append(_COLUMNS_HEADER)
     out.extend(format_frames(frames, separators=True))
     if event is not None and event.trace is not None:

@@ -384,7 +384,7 @@ class PendingStats:
             if high == high and high != _INF:
                 stats.set_finite(low, high)
             else:  # a NaN or an Inf: the second look now, on this CPU tensor (no device)
-                finite_low, finite_high, has_inf = _second_look(values).tolist()
+                finite_low, finite_high, has_inf = native.finite_range(values)
                 if implicit_zero:
                     finite_low = 0.0
                 stats.set_nonfinite(low, high, finite_low, finite_high, has_inf > 0)

@@ -4,7 +4,9 @@
 - replay (:mod:`.replay`): batch capture, ``replay()``, ``replay_on_nan``;
 - gradients (:mod:`.grads`): backward frames (``backward=True``) and ``check_grad_norms()``;
 - persistence (:mod:`.persist`): ``log_dir`` spooling;
-- consensus (:mod:`.consensus`): every DDP rank stops at the same batch.
+- consensus (:mod:`.consensus`): every DDP rank stops at the same batch;
+- sentinel (:mod:`.sentinel`): ``mode="sentinel"`` and compiled models: only the root's outputs
+  and the gradients are checked, and a failing batch is replayed for the detail.
 
 Each feature is a plain object that sees the recorder through its public API; the order they
 are added in is the order they review an event (the replay attaches its trace, then the
@@ -40,11 +42,12 @@ from .recorder import Feature, Recorder
 from .replay import BatchCapture, Replayer, ReplayError
 from .report import format_event_report
 from .schema import ON_NAN_CHOICES
+from .sentinel import Sentinel, compiled_in_place, has_compiled_parts, is_compile_wrapper
 from .trace import Trace
 from .viewer import open_browser
 
 __all__ = ["NanWatch", "WatchParts", "WatchOptions", "SkipTypesWarning", "check_options", "watch",
-           "live_watches", "MAX_EVENTS"]
+           "live_watches", "MAX_EVENTS", "MODES"]
 
 MAX_EVENTS = 100
 
@@ -56,9 +59,27 @@ def live_watches() -> list[NanWatch]:
     return [w for w in list(_LIVE) if not w.closed]
 
 
-def _unwrap_model(model: Any) -> nn.Module:
+MODES = ("full", "sentinel")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What a watch hooks: the model (names come from it), the module whose call is a batch
+    (a torch.compile wrapper around the model, or the model), and how it is compiled."""
+
+    root: nn.Module
+    entry: nn.Module
+    compiled: str  # "" | "wrapper" (torch.compile(model)) | "in place" | "parts"
+
+
+def _unwrap_model(model: Any) -> _Target:
     if not isinstance(model, nn.Module):
         raise TypeError(f"nanwidget.watch needs a torch.nn.Module, got {type(model).__name__}")
+    entry = model
+    compiled = ""
+    if is_compile_wrapper(model):
+        compiled = "wrapper"
+        model = model._orig_mod
     if isinstance(model, nn.DataParallel):
         raise TypeError("nanwidget does not watch nn.DataParallel (its replicas are rebuilt every "
                         "step, so hooks on them are lost); use DistributedDataParallel under "
@@ -66,16 +87,37 @@ def _unwrap_model(model: Any) -> nn.Module:
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError("nanwidget cannot see inside a TorchScript module (hooks do not run in "
                         "scripted code); watch the original nn.Module before torch.jit.script")
-    if type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod"):
-        raise TypeError("nanwidget cannot see inside a torch.compile'd model (compiled graphs skip "
-                        "module hooks); watch the uncompiled module, e.g. model._orig_mod, while "
-                        "you debug")
-    if getattr(model, "_compiled_call_impl", None) is not None:
-        raise TypeError("this module was compiled in place with module.compile(); nanwidget "
-                        "cannot see inside compiled graphs. Watch an uncompiled copy while you debug")
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        return model.module  # user's own names, no "module." prefix
-    return model
+        if compiled:
+            model = model.module  # torch.compile(DDP(model)): the user's module, eagerly replayed
+        else:
+            model = entry = model.module  # user's own names, no "module." prefix
+    if not compiled and compiled_in_place(model):
+        compiled = "in place"
+    if not compiled and has_compiled_parts(model):
+        compiled = "parts"
+    return _Target(root=model, entry=entry, compiled=compiled)
+
+
+def _resolve_mode(mode: str | None, target: _Target) -> str:
+    """The mode a watch runs in: as asked, or sentinel for a compiled model (with a note)."""
+    if not target.compiled:
+        return mode or "full"
+    what = {"wrapper": "a torch.compile'd model", "in place": "a model compiled in place "
+            "(module.compile())", "parts": "a model with compiled submodules "
+            f"({', '.join(has_compiled_parts(target.root)[:3])})"}[target.compiled]
+    if mode == "full":
+        raise ValueError(
+            f"mode='full' cannot watch {what}: compiled code skips the hooks of the modules "
+            "inside it (and Dynamo tracing them would break the graph). Watch it in sentinel "
+            "mode, nw.watch(model) or nw.watch(model, mode='sentinel'): the outputs and gradients "
+            "are checked every batch, and a failing batch is replayed eagerly in full detail. "
+            "For full frames of every batch, watch the uncompiled module instead")
+    if mode is None:
+        warnings.warn(f"nanwidget: watching {what} in sentinel mode (no graph break, no "
+                      "recompile; a NaN/Inf is replayed eagerly for the full detail)",
+                      UserWarning, stacklevel=4)
+    return "sentinel"
 
 
 # ---------------------------------------------------------------------------- the options
@@ -100,6 +142,8 @@ class WatchOptions:
     max_events: int
     snapshot_weights: bool
     allow_inf: tuple[tuple[str, ...], tuple[type, ...]]
+    mode: str | None = None  # None: "full", or "sentinel" for a compiled model
+    sample_every: int | None = None
 
 
 def _whole_number(name: str, value: Any, *, least: int, most: int | None = None) -> int:
@@ -251,7 +295,8 @@ def check_options(model: nn.Module, *, max_frames: Any = 21, trace_batches: Any 
                   abort_after: Any = None, skip_types: Any = (), backward: Any = False,
                   grad_norm_warn: Any = None, on_nan: Any = "raise", keep_batches: Any = 4,
                   replay_on_nan: Any = False, log_dir: Any = None, max_events: Any = MAX_EVENTS,
-                  snapshot_weights: Any = False, allow_inf: Any = ()) -> WatchOptions:
+                  snapshot_weights: Any = False, allow_inf: Any = (), mode: Any = None,
+                  sample_every: Any = None) -> WatchOptions:
     """Every option of :func:`watch`, checked in one place before anything is hooked.
 
     Misuse raises TypeError (wrong kind of value) or ValueError (out of range) naming the
@@ -259,6 +304,13 @@ def check_options(model: nn.Module, *, max_frames: Any = 21, trace_batches: Any 
     """
     if not isinstance(on_nan, str) or on_nan not in ON_NAN_CHOICES:
         raise ValueError(f"on_nan must be one of {', '.join(ON_NAN_CHOICES)}; got {on_nan!r}")
+    if mode is not None and (not isinstance(mode, str) or mode not in MODES):
+        raise ValueError(f"mode must be 'full' or 'sentinel', got {mode!r}")
+    if sample_every is not None:
+        sample_every = _whole_number("sample_every", sample_every, least=1)
+        if mode == "full":
+            raise ValueError("sample_every is for mode='sentinel' (full mode records every "
+                             "batch already)")
     skip_classes, skip_names = _skip_types(model, skip_types)
     return WatchOptions(
         max_frames=_whole_number("max_frames", max_frames, least=1, most=MAX_FRAMES_LIMIT),
@@ -271,7 +323,7 @@ def check_options(model: nn.Module, *, max_frames: Any = 21, trace_batches: Any 
         replay_on_nan=_flag("replay_on_nan", replay_on_nan), log_dir=_directory(log_dir),
         max_events=_whole_number("max_events", max_events, least=1),
         snapshot_weights=_flag("snapshot_weights", snapshot_weights),
-        allow_inf=_allow_inf(model, allow_inf))
+        allow_inf=_allow_inf(model, allow_inf), mode=mode, sample_every=sample_every)
 
 
 @dataclass(frozen=True)
@@ -284,6 +336,7 @@ class WatchParts:
     grads: GradNorms
     writer: RecordingWriter | None
     consensus: Consensus | None
+    sentinel: Sentinel | None = None
 
 
 class NanWatch:
@@ -296,14 +349,21 @@ class NanWatch:
                  keep_batches: int = 4, replay_on_nan: bool = False,
                  log_dir: str | None = None, max_events: int = MAX_EVENTS,
                  snapshot_weights: bool = False,
-                 allow_inf: Iterable[str | type] | str | type = ()) -> None:
-        root = _unwrap_model(model)
+                 allow_inf: Iterable[str | type] | str | type = (), mode: str | None = None,
+                 sample_every: int | None = None) -> None:
+        target = _unwrap_model(model)
+        root = target.root
         checked = check_options(root, max_frames=max_frames, trace_batches=trace_batches,
                                 abort_after=abort_after, skip_types=skip_types,
                                 backward=backward, grad_norm_warn=grad_norm_warn, on_nan=on_nan,
                                 keep_batches=keep_batches, replay_on_nan=replay_on_nan,
                                 log_dir=log_dir, max_events=max_events,
-                                snapshot_weights=snapshot_weights, allow_inf=allow_inf)
+                                snapshot_weights=snapshot_weights, allow_inf=allow_inf,
+                                mode=mode, sample_every=sample_every)
+        mode = _resolve_mode(checked.mode, target)
+        if checked.sample_every is not None and mode != "sentinel":
+            raise ValueError("sample_every is for mode='sentinel' (full mode records every "
+                             "batch already)")
         snapshot_weights = checked.snapshot_weights
         skip = (checked.skip_classes, checked.skip_names)
 
@@ -319,11 +379,16 @@ class NanWatch:
         self.log_dir = checked.log_dir
         self.max_events = checked.max_events
         self.allow_inf = checked.allow_inf[0] + checked.allow_inf[1]
+        self.mode = mode
+        self.sample_every = checked.sample_every
+        # "" for an eager model; "wrapper", "in place" or "parts" for compiled code.
+        self.compiled = target.compiled
 
         self._recorder = Recorder(root, max_frames=self.max_frames,
                                   trace_batches=self.trace_batches, abort_after=self.abort_after,
                                   skip=skip, on_nan=self.on_nan, max_events=self.max_events,
-                                  allow_inf=checked.allow_inf)
+                                  allow_inf=checked.allow_inf, root_only=mode == "sentinel",
+                                  entry=target.entry)
         self._recorder.owner = self  # lives as long as the hooks do: see live_watches()
         try:
             self._parts = self._compose(snapshot_weights)
@@ -335,25 +400,35 @@ class NanWatch:
     def _compose(self, snapshot_weights: bool) -> WatchParts:
         """Add the features the options ask for, in review order."""
         recorder = self._recorder
-        capture = replayer = backward = writer = consensus = None
-        keep = max(self.keep_batches, 1 if self.replay_on_nan else 0)
+        capture = replayer = backward = writer = consensus = sentinel = None
+        sentinel_mode = self.mode == "sentinel"
+        keep = max(self.keep_batches, 1 if self.replay_on_nan or sentinel_mode else 0)
         if keep or self.trace_batches or snapshot_weights:
             capture = recorder.add_feature(BatchCapture(
                 self.model, keep=keep, trace_batches=self.trace_batches,
                 snapshot_weights=snapshot_weights))
-            replayer = Replayer(recorder, capture, replay_on_nan=self.replay_on_nan)
-            if self.replay_on_nan:  # it reviews events only to replay them
+            # In sentinel mode every event is replayed by the sentinel itself.
+            replayer = Replayer(recorder, capture,
+                                replay_on_nan=self.replay_on_nan and not sentinel_mode)
+            if replayer.replay_on_nan:  # it reviews events only to replay them
                 recorder.add_feature(replayer)
-        if self.backward:
+        if self.backward and not sentinel_mode:
             backward = recorder.add_feature(BackwardFrames(recorder))
         grads = recorder.add_feature(GradNorms(recorder, threshold=self.grad_norm_warn))
-        if consensus_wanted():
+        with_consensus = consensus_wanted()
+        if sentinel_mode:
+            assert capture is not None
+            sentinel = recorder.add_feature(Sentinel(
+                recorder, capture, sample_every=self.sample_every, backward=self.backward,
+                compiled=bool(self.compiled),
+                defer_reads="never" if with_consensus else "device"))
+        if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))
         if self.log_dir is not None and self.log_dir != "":
             writer = recorder.add_feature(RecordingWriter(
                 recorder, self.log_dir, options=self._options(), grad_history=grads.history_table))
         return WatchParts(capture=capture, replayer=replayer, backward=backward, grads=grads,
-                          writer=writer, consensus=consensus)
+                          writer=writer, consensus=consensus, sentinel=sentinel)
 
     def _options(self) -> dict[str, Any]:
         return {"max_frames": self.max_frames, "trace_batches": sorted(self.trace_batches),
@@ -361,7 +436,8 @@ class NanWatch:
                 "grad_norm_warn": self.grad_norm_warn, "on_nan": self.on_nan,
                 "keep_batches": self.keep_batches, "replay_on_nan": self.replay_on_nan,
                 "max_events": self.max_events,
-                "allow_inf": [a if isinstance(a, str) else a.__name__ for a in self.allow_inf]}
+                "allow_inf": [a if isinstance(a, str) else a.__name__ for a in self.allow_inf],
+                "mode": self.mode, "sample_every": self.sample_every}
 
     # ------------------------------------------------------------------ composition
     @property
@@ -555,8 +631,10 @@ class NanWatch:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "watching"
-        return (f"<NanWatch {state} {type(self.model).__name__} ({len(self.module_names)} modules), "
-                f"batch {self.batch}, {len(self.events)} event(s)>")
+        mode = f", {self.mode} mode" + (" (compiled)" if self.compiled else "") \
+            if self.mode != "full" else ""
+        return (f"<NanWatch {state} {type(self.model).__name__} ({len(self.module_names)} modules"
+                f"{mode}), batch {self.batch}, {len(self.events)} event(s)>")
 
 
 def watch(model: nn.Module, *, max_frames: int = 21, trace_batches: Iterable[int] = (),
@@ -564,7 +642,8 @@ def watch(model: nn.Module, *, max_frames: int = 21, trace_batches: Iterable[int
           backward: bool = False, grad_norm_warn: float | None = None, on_nan: str = "raise",
           keep_batches: int = 4, replay_on_nan: bool = False, log_dir: str | None = None,
           max_events: int = MAX_EVENTS, snapshot_weights: bool = False,
-          allow_inf: Iterable[str | type] | str | type = ()) -> NanWatch:
+          allow_inf: Iterable[str | type] | str | type = (), mode: str | None = None,
+          sample_every: int | None = None) -> NanWatch:
     """Start watching ``model``: a frame per module call, a check at every batch end.
 
     Options as in the contract: ``max_frames`` frames kept in the ring buffer; ``trace_batches``
@@ -577,10 +656,19 @@ def watch(model: nn.Module, *, max_frames: int = 21, trace_batches: Iterable[int
     of held batches so replays stay exact after optimizer steps; ``allow_inf`` names modules
     (name globs such as ``"*.mask_builder"``, or classes) whose outputs may hold ±inf on
     purpose (NaN always counts).
+
+    ``mode``: "full" (the default for an eager model: hooks on every module, every batch) or
+    "sentinel" (made to stay on: only the root's outputs, and with ``backward=True`` the
+    gradients, are checked each batch, and a failing batch is replayed eagerly so its event,
+    frames, report and trace are what full mode gives). A compiled model
+    (``nw.watch(torch.compile(model))``, ``model.compile()``) is watched in sentinel mode:
+    no graph break, no recompile. ``sample_every=N`` (sentinel mode): record every Nth batch
+    in full, for the history, the trend plots and the FrameBrowser.
     Also a context manager: ``with nw.watch(model) as w: ...`` closes the hooks on exit.
     """
     return NanWatch(model, max_frames=max_frames, trace_batches=trace_batches,
                     abort_after=abort_after, skip_types=skip_types, backward=backward,
                     grad_norm_warn=grad_norm_warn, on_nan=on_nan, keep_batches=keep_batches,
                     replay_on_nan=replay_on_nan, log_dir=log_dir, max_events=max_events,
-                    snapshot_weights=snapshot_weights, allow_inf=allow_inf)
+                    snapshot_weights=snapshot_weights, allow_inf=allow_inf, mode=mode,
+                    sample_every=sample_every)

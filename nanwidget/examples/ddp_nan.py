@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace-batches", default="0", help="comma-separated trace batches")
     parser.add_argument("--watch-ranks", default="all",
                         help="ranks that watch the model: 'all' (the right way) or e.g. '0'")
+    parser.add_argument("--mode", default="full", choices=["full", "sentinel"],
+                        help="the watch's mode (default full)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds before a collective counts as hung (default 60)")
     return parser.parse_args(argv)
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     trace = [int(b) for b in args.trace_batches.split(",") if b.strip()]
     result: dict = {"rank": rank, "world": world, "stopped_at": None, "last_step": None}
     watching = args.watch_ranks == "all" or str(rank) in args.watch_ranks.split(",")
-    with (nw.watch(ddp, log_dir=args.log_dir, trace_batches=trace,
+    with (nw.watch(ddp, log_dir=args.log_dir, trace_batches=trace, mode=args.mode,
                    backward=args.backward or in_backward) if watching
           else contextlib.nullcontext()) as watch:
         try:
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                           event_batch=event.batch, event_rank=event.rank,
                           peer_rank=event.peer_rank, module=event.module, origin=event.origin,
                           role=event.role, is_backward=event.is_backward,
-                          recorded=[(e.rank, e.origin) for e in watch.events], message=str(error))
+                          recorded=[(e.rank, e.origin) for e in watch.events], message=str(error),
+                          traced=event.trace is not None)
         result["module_names"] = watch.module_names if watching else None
     with torch.no_grad():
         weights = torch.cat([p.detach().reshape(-1).double().cpu() for p in model.parameters()])

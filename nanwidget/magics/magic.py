@@ -215,6 +215,11 @@ class NanwatchMagics(Magics):
     @argument("--on-nan", choices=["raise", "warn", "record"], default=None,
               help="at a NaN/Inf: raise (stop), warn, or only record (default raise)")
     @argument("--log-dir", default=None, help="directory to spool the records to")
+    @argument("--sentinel", action="store_true",
+              help="sentinel mode: check only the outputs (and with --backward the gradients) "
+                   "each batch, replay a failing batch for the detail; made to stay on")
+    @argument("--sample-every", type=_positive_int, default=None,
+              help="with --sentinel: record every Nth batch in full (trends, FrameBrowser)")
     def nanwatch(self, line: str, cell: str | None = None) -> Any:
         """Watch a PyTorch model for the first NaN/Inf.
 
@@ -224,6 +229,7 @@ class NanwatchMagics(Magics):
         Cell:  %%nanwatch MODEL [options] watch while the cell runs, with a live status line;
                at a NaN/Inf the cell stops, the FrameBrowser opens at the event and one line
                says where it happened. The watch stays in the variable _nanwatch.
+        A torch.compile'd model is watched in sentinel mode (--sentinel is implied).
         """
         __tracebackhide__ = True  # IPython leaves this frame out of tracebacks from the cell
         try:
@@ -286,10 +292,16 @@ class NanwatchMagics(Magics):
 
     # ------------------------------------------------------------------ translation
     def _options(self, args: argparse.Namespace) -> dict[str, Any]:
-        return dict(max_frames=args.frames if args.frames is not None else self.frames,
-                    trace_batches=args.trace_batches, abort_after=args.abort_after,
-                    skip_types=args.skip, backward=args.backward, grad_norm_warn=args.grad_norm,
-                    on_nan=args.on_nan or self.on_nan, log_dir=args.log_dir)
+        if args.sample_every is not None and not args.sentinel:
+            raise MagicUsageError("--sample-every is for sentinel mode: add --sentinel")
+        options = dict(max_frames=args.frames if args.frames is not None else self.frames,
+                       trace_batches=args.trace_batches, abort_after=args.abort_after,
+                       skip_types=args.skip, backward=args.backward,
+                       grad_norm_warn=args.grad_norm, on_nan=args.on_nan or self.on_nan,
+                       log_dir=args.log_dir)
+        if args.sentinel:
+            options.update(mode="sentinel", sample_every=args.sample_every)
+        return options
 
     def _stop(self, name: str | None) -> None:
         stopped = self.manager.stop(name, self.shell.user_ns)

@@ -171,6 +171,8 @@ class WatchManager:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", SkipTypesWarning)
+                # A compiled model's "watched in sentinel mode" note: describe() says it.
+                warnings.filterwarnings("ignore", message="nanwidget: watching .* in sentinel mode")
                 return watch(model, **options)
         except SkipTypesWarning as warning:
             raise MagicUsageError(str(warning).replace("skip_types:", "--skip:", 1)) from None
@@ -289,6 +291,15 @@ class WatchManager:
         """One status line for a started watch."""
         trace = f", tracing batches {sorted(watched.trace_batches)}" if watched.trace_batches else ""
         backward = ", backward too" if watched.backward else ""
+        if watched.mode == "sentinel":
+            compiled = ", compiled" if watched.compiled else ""
+            sample = (f", 1 batch in {watched.sample_every} recorded in full"
+                      if watched.sample_every else "")
+            what = (f"in sentinel mode ({type(watched.model).__name__}{compiled}: outputs"
+                    f"{' and gradients' if watched.backward else ''} checked each batch, a failing "
+                    f"batch replayed in full{sample})")
+            return (f"nanwidget: watching {name} {what}{trace}, on NaN/Inf: {watched.on_nan}. "
+                    f"Stop with %nanwatch --off {name}")
         return (f"nanwidget: watching {name} ({type(watched.model).__name__}, "
                 f"{len(watched.module_names)} modules hooked), keeping {watched.max_frames} frames"
                 f"{trace}{backward}, on NaN/Inf: {watched.on_nan}. Stop with %nanwatch --off {name}")

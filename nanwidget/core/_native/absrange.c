@@ -11,6 +11,7 @@
  * Masked patterns fit the signed type of the same width, so signed min/max (which SSE2 and
  * AVX2 have as vector instructions) gives the same result as unsigned.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
@@ -56,6 +57,8 @@ static double from_float_bits(int64_t pattern) {
     return (double)value;
 }
 
+static double from_bfloat_bits(int64_t pattern) { return from_float_bits(pattern << 16); }
+
 static double from_double_bits(int64_t pattern) {
     double value;
     memcpy(&value, &pattern, sizeof value);
@@ -92,4 +95,50 @@ int nanwidget_abs_range(const void *data, int64_t n, int64_t kind, double *out) 
     }
 }
 
-int nanwidget_abi_version(void) { return 2; }
+/* The finite values only (the second look at a tensor that holds a NaN or an Inf): min and max
+ * of the magnitude patterns whose exponent is not all ones, and whether an Inf (exponent all
+ * ones, mantissa zero) is there. No finite value: low stays at the mask, high at -1. */
+#define NW_DEFINE_FINITE(name, type, mask, exponent)                                       \
+    NW_CLONES void name(const type *data, int64_t n, int64_t *out) {                       \
+        type low = (mask), high = -1, inf = 0;                                             \
+        for (int64_t i = 0; i < n; i++) {                                                  \
+            type v = (type)(data[i] & (mask));                                             \
+            int finite = (type)(v & (exponent)) != (type)(exponent);                      \
+            low = finite && v < low ? v : low;                                             \
+            high = finite && v > high ? v : high;                                          \
+            inf |= v == (type)(exponent);                                                  \
+        }                                                                                  \
+        out[0] = low;                                                                      \
+        out[1] = high;                                                                     \
+        out[2] = inf != 0;                                                                 \
+    }
+
+NW_DEFINE_FINITE(nanwidget_finite16h, int16_t, INT16_MAX, 0x7C00)
+NW_DEFINE_FINITE(nanwidget_finite16b, int16_t, INT16_MAX, 0x7F80)
+NW_DEFINE_FINITE(nanwidget_finite32, int32_t, INT32_MAX, 0x7F800000)
+NW_DEFINE_FINITE(nanwidget_finite64, int64_t, INT64_MAX, INT64_C(0x7FF0000000000000))
+
+/* finite abs min, finite abs max (+inf and -inf when no value is finite) and whether an Inf is
+ * there (1.0 or 0.0) of `n` (> 0) elements into out[0..2]; kinds as above. Returns 0 or -1. */
+int nanwidget_finite_range(const void *data, int64_t n, int64_t kind, double *out) {
+    int64_t range[3];
+    double (*convert)(int64_t);
+    switch (kind) {
+    case 0: nanwidget_finite16h((const int16_t *)data, n, range); convert = from_half; break;
+    case 1: nanwidget_finite16b((const int16_t *)data, n, range); convert = from_bfloat_bits; break;
+    case 2: nanwidget_finite32((const int32_t *)data, n, range); convert = from_float_bits; break;
+    case 3: nanwidget_finite64((const int64_t *)data, n, range); convert = from_double_bits; break;
+    default: return -1;
+    }
+    if (range[1] < 0) { /* nothing finite */
+        out[0] = INFINITY;
+        out[1] = -INFINITY;
+    } else {
+        out[0] = convert(range[0]);
+        out[1] = convert(range[1]);
+    }
+    out[2] = range[2] ? 1.0 : 0.0;
+    return 0;
+}
+
+int nanwidget_abi_version(void) { return 3; }

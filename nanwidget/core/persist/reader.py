@@ -140,6 +140,8 @@ def _event_from_file(path: Path, directory: Path, root: Path) -> NanEvent:
     fields: dict[str, Any] = {name: _checked(path, meta, name, kind)
                               for name, kind in EVENT_FIELDS.items()}
     fields["peer_rank"] = _checked(path, meta, "peer_rank", int, optional=True)
+    for name in ("note", "frames_note"):  # older files have neither
+        fields[name] = _checked(path, meta, name, str, optional=True) or ""
     frames_path = _own_file(path, meta, "frames_file", ".frames.", directory)
     frames = frames_from_table(read_table(frames_path, FRAME_KINDS_REQUIRED, within=root),
                                frames_path)

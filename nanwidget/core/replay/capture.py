@@ -133,6 +133,13 @@ def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtyp
     return layout
 
 
+def _made_by_autograd(args: tuple) -> bool:
+    for value in args:
+        if isinstance(value, _Tensor) and value.grad_fn is not None:
+            return True
+    return False
+
+
 def _autocast_state() -> tuple:
     state = []
     for device_type in ("cpu", "cuda"):
@@ -165,7 +172,7 @@ class BatchCapture(Feature):
         capture = ForwardCapture()
         # Tensors made by autograd are held as detached aliases (same data and version counter)
         # so that a held batch does not keep the graph behind them alive.
-        if any(isinstance(v, _Tensor) and v.grad_fn is not None for v in args):
+        if _made_by_autograd(args):
             capture.needs_grad = {i for i, v in enumerate(args)
                                   if isinstance(v, _Tensor) and v.requires_grad}
             args = tuple(v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
@@ -227,6 +234,8 @@ class BatchCapture(Feature):
             self.event_batches.add(event.batch)
 
     def _evict(self) -> None:
+        if len(self.held) <= self.keep:
+            return
         recent = [b for b in self.held if b not in self.event_batches and b not in self.trace_batches]
         for batch in recent[:max(0, len(recent) - self.keep)]:
             del self.held[batch]

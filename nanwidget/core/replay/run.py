@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
+import warnings
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import pandas as pd
@@ -12,18 +15,27 @@ from torch import nn
 
 from ..detect import Detector, first_event
 from ..events import NanEvent
-from ..frames import frames_to_dataframe
+from ..frames import Frame, frames_to_dataframe
 from ..recorder import Recorder
 from ..schema import OPS_COLUMNS, OPS_DTYPES
 from ..stats import version_of
 from ..trace import TENSOR_COLUMNS, Trace
+from ..walk import iter_leaves
 from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, WeightSlots, layouts_of
+from .probe import BackwardHookProbe
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
 
-__all__ = ["replay_held_batch"]
+__all__ = ["replay_held_batch", "replay_frames", "expect_event", "eager_calls", "OutputGrads",
+           "set_forward_state", "forward_arguments", "forward_modes"]
 
 _Tensor = torch.Tensor
+_OUTPUT_ONLY_WARNING = ("Full backward hook is firing when gradients are computed with respect "
+                        "to module outputs")
+
+# Per root forward of a held batch: the gradient that reached each output leaf (by role) in the
+# live backward pass, or None for a forward that had no backward.
+OutputGrads = list["dict[str, torch.Tensor] | None"]
 
 
 def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch,
@@ -35,24 +47,71 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
     if expected is None:
         expected = next((e for e in recorder.events if e.batch == held.batch
                          and not e.is_backward and e.origin != "peer"), None)
+    _refuse_other_model(capture, held)
+    return _Replay(recorder, capture, held, loss_fn, expected).run()[0]
+
+
+def replay_frames(recorder: Recorder, capture: BatchCapture, held: HeldBatch, *,
+                  trace_ops: bool = True, output_grads: OutputGrads | None = None,
+                  backward_frames: bool = False) -> tuple[Trace, list[Frame]]:
+    """Re-run ``held`` eagerly and return its :class:`Trace` and its module frames as
+    :class:`~nanwidget.core.frames.Frame` objects (resolved), built as the live watch builds
+    them. ``trace_ops``: measure every op (else frames only, faster). ``output_grads``: run
+    the backward pass of each forward from the gradients its outputs received live (no loss
+    function needed). ``backward_frames``: record a backward frame per module call, on the
+    modules whose full backward hooks PyTorch accepts (found by one extra forward first).
+    The trace expects no event (its caller knows which one it is after: see
+    :func:`expect_event`)."""
+    _refuse_other_model(capture, held)
+    return _Replay(recorder, capture, held, None, None, trace_ops=trace_ops,
+                   output_grads=output_grads, backward_frames=backward_frames).run()
+
+
+def expect_event(trace: Trace, frames: list[Frame], expected: NanEvent, inf_allowed: Any) -> None:
+    """Mark ``trace`` (from :func:`replay_frames`) as a replay looking for ``expected``: its
+    ``reproduced``, ``expected`` and ``found`` then say what a replay for that event says."""
+    found = first_event(frames, Detector(inf_allowed))
+    trace.reproduced = _same_event(expected, found)
+    trace.expected = expected.summary()
+    trace.found = found.summary() if found is not None else ""
+
+
+def _refuse_other_model(capture: BatchCapture, held: HeldBatch) -> None:
     structure = capture.slots.structure_changes()
     if structure:
         raise ReplayError(f"cannot replay batch {held.batch}: the model is not the one this watch "
                           f"hooked ({'; '.join(structure)}), so a replay would run a different "
                           "model. Close the watch and watch the model again")
-    return _Replay(recorder, capture, held, loss_fn, expected).run()
+
+
+@contextlib.contextmanager
+def eager_calls() -> Iterator[None]:
+    """Run ``torch.compile``'d code eagerly while inside (compiled models, ``module.compile()``,
+    compiled submodules): the replay must see every module call. Nothing is compiled or
+    recompiled; outside, compiled calls use their compiled code again."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if "torch._dynamo" not in sys.modules or set_stance is None:
+        yield  # nothing was ever compiled in this process
+        return
+    with set_stance("force_eager"):
+        yield
 
 
 class _Replay:
     """One trace-mode run of a held batch; restores everything in ``finally``."""
 
     def __init__(self, recorder: Recorder, capture: BatchCapture, held: HeldBatch,
-                 loss_fn: Callable[[Any], torch.Tensor] | None, expected: NanEvent | None) -> None:
+                 loss_fn: Callable[[Any], torch.Tensor] | None, expected: NanEvent | None, *,
+                 trace_ops: bool = True, output_grads: OutputGrads | None = None,
+                 backward_frames: bool = False) -> None:
         self.recorder = recorder
         self.capture = capture
         self.held = held
         self.loss_fn = loss_fn
         self.expected = expected
+        self.trace_ops = trace_ops
+        self.output_grads = output_grads
+        self.backward_frames = backward_frames and (loss_fn is not None or output_grads is not None)
 
     def _weight_status(self) -> tuple[list[str], list[str], list[str], bool]:
         """(what differs from when the batch started, in words; the parameters and buffers
@@ -100,7 +159,7 @@ class _Replay:
         changed = _with_running_stats(changed, slots)
         return changes, changed, _with_running_stats(updated, slots), snapshot is not None
 
-    def run(self) -> Trace:
+    def run(self) -> tuple[Trace, list[Frame]]:
         started = time.perf_counter()
         slots, held = self.capture.slots, self.held
         changes, changed, updated, snapshot_used = self._weight_status()
@@ -115,16 +174,25 @@ class _Replay:
         shadows: Shadows | None = None
         loss_value: float | None = None
         try:
-            with self.recorder.suspend():
+            with self.recorder.suspend(), eager_calls(), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_OUTPUT_ONLY_WARNING, category=UserWarning)
+                unsafe = self._probe(root, slots) if self.backward_frames else {}
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 for module in {id(m): m for m in root.modules()}.values():
                     handles.append(module.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True))
                     handles.append(module.register_forward_hook(recorder.post_hook, with_kwargs=True,
                                                                 always_call=True))
-                for capture in held.forwards:
+                if self.backward_frames:
+                    for info in self.recorder.modules:
+                        if id(info.module) not in unsafe:
+                            handles.append(info.module.register_full_backward_hook(
+                                recorder.backward_hook(info)))
+                for position, capture in enumerate(held.forwards):
+                    grads = self.output_grads[position] if self.output_grads is not None \
+                        and position < len(self.output_grads) else None
                     try:
-                        loss_value = self._run_forward(root, capture, recorder)
+                        loss_value = self._run_forward(root, capture, recorder, grads)
                     except Exception as error:
                         if not changes or isinstance(error, ReplayError):
                             raise
@@ -160,34 +228,51 @@ class _Replay:
                      forwards=len(held.forwards), seconds=time.perf_counter() - started,
                      reproduced=_same_event(self.expected, found), changes=changes,
                      expected=self.expected.summary() if self.expected is not None else "",
-                     found=found.summary() if found is not None else "")
+                     found=found.summary() if found is not None else ""), recorder.frames
 
-    def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder) -> float | None:
-        loss_fn = self.loss_fn
-        if len(capture.training) == len(self.capture.slots.modules):
-            for module, flag in zip(self.capture.slots.modules, capture.training):
-                module.training = flag
-        torch.set_rng_state(capture.cpu_rng)
-        if capture.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(capture.cuda_rng)
-        needs_grad = capture.needs_grad
-        args = tuple(_fresh(v, i in needs_grad) for i, v in enumerate(capture.args))
-        kwargs = ({k: _fresh(v, k in needs_grad) for k, v in capture.kwargs.items()}
-                  if capture.kwargs else {})
+    def _probe(self, root: nn.Module, slots: WeightSlots) -> dict[int, str]:
+        """Run the batch's forwards once (on shadows, frames and ops unrecorded) to find the
+        modules whose full backward hooks PyTorch would refuse."""
+        probe = BackwardHookProbe(self.recorder.modules)
+        shadows = Shadows()
+        try:
+            shadows.install(slots, self.held.forwards[0].snapshot or slots.read())
+            probe.install()
+            for capture in self.held.forwards:
+                self._run_forward(root, capture, None, None)
+                probe.finish()
+        finally:
+            probe.remove()
+            shadows.restore()
+        return probe.unsafe
+
+    def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder | None,
+                     output_grads: dict[str, torch.Tensor] | None) -> float | None:
+        """One root forward as it ran (modes, RNG, flags), then its backward if asked for.
+        ``recorder`` None: a probe forward, nothing traced and no backward."""
+        loss_fn = self.loss_fn if recorder is not None else None
+        if recorder is None:
+            output_grads = None
+        set_forward_state(capture, self.capture.slots)
+        args, kwargs = forward_arguments(capture)
+        backward = loss_fn is not None or bool(output_grads)
         with contextlib.ExitStack() as stack:
-            if capture.inference and loss_fn is None:
-                stack.enter_context(torch.inference_mode())
-            stack.enter_context(torch.set_grad_enabled(capture.grad_enabled or loss_fn is not None))
-            wanted = dict(capture.autocast)
-            for device_type in ("cpu", "cuda"):
-                if device_type in wanted:
-                    stack.enter_context(torch.autocast(device_type, dtype=wanted[device_type]))
-                elif torch.is_autocast_enabled(device_type):
-                    stack.enter_context(torch.autocast(device_type, enabled=False))
-            stack.enter_context(OpTracer(recorder))
+            stack.enter_context(forward_modes(capture, backward=backward))
+            if recorder is None:
+                root(*args, **kwargs)
+                return None
+            if self.trace_ops:
+                stack.enter_context(OpTracer(recorder))
             recorder.phase = "forward"
             output = root(*args, **kwargs)
             recorder.tag_nodes()
+            if output_grads:
+                pairs = [(leaf, output_grads[role]) for role, leaf in iter_leaves(output, "output")
+                         if role in output_grads and isinstance(leaf, _Tensor) and leaf.requires_grad]
+                if pairs:
+                    recorder.phase = "backward"
+                    torch.autograd.backward([leaf for leaf, _ in pairs], [grad for _, grad in pairs])
+                return None
             if loss_fn is None:
                 return None
             recorder.phase = "loss"
@@ -210,6 +295,43 @@ def _same_event(expected: NanEvent | None, found: NanEvent | None) -> bool:
         return expected is None and found is None
     return (expected.module, expected.call, expected.origin, expected.role) == \
         (found.module, found.call, found.origin, found.role)
+
+
+def set_forward_state(capture: ForwardCapture, slots: WeightSlots) -> None:
+    """Put the train/eval flags and RNG states back as they were when ``capture`` started."""
+    if len(capture.training) == len(slots.modules):
+        for module, flag in zip(slots.modules, capture.training):
+            module.training = flag
+    torch.set_rng_state(capture.cpu_rng)
+    if capture.cuda_rng is not None:
+        torch.cuda.set_rng_state_all(capture.cuda_rng)
+
+
+def forward_arguments(capture: ForwardCapture) -> tuple[tuple, dict]:
+    """The held inputs as a replay passes them: same data, ``requires_grad`` as it was, and
+    no gradient ever lands on the user's own tensors."""
+    needs_grad = capture.needs_grad
+    args = tuple(_fresh(v, i in needs_grad) for i, v in enumerate(capture.args))
+    kwargs = ({k: _fresh(v, k in needs_grad) for k, v in capture.kwargs.items()}
+              if capture.kwargs else {})
+    return args, kwargs
+
+
+@contextlib.contextmanager
+def forward_modes(capture: ForwardCapture, *, backward: bool = False) -> Iterator[None]:
+    """Grad, inference and autocast modes as they were when ``capture``'s forward ran
+    (grad on when ``backward`` is to run too)."""
+    with contextlib.ExitStack() as stack:
+        if capture.inference and not backward:
+            stack.enter_context(torch.inference_mode())
+        stack.enter_context(torch.set_grad_enabled(capture.grad_enabled or backward))
+        wanted = dict(capture.autocast)
+        for device_type in ("cpu", "cuda"):
+            if device_type in wanted:
+                stack.enter_context(torch.autocast(device_type, dtype=wanted[device_type]))
+            elif torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 
 def _with_running_stats(names: list[str], slots: WeightSlots) -> list[str]:

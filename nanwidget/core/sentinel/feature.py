@@ -1,0 +1,438 @@
+"""Sentinel mode: check only what leaves the model, replay a failing batch for the detail.
+
+Per batch, with no hook on any module but the root:
+
+- the root module's outputs: every float leaf of any structure (tensors, tuples, dicts,
+  dataclasses, ``ModelOutput``) is checked for NaN/Inf (:class:`~.check.NonFiniteCheck`);
+- with ``backward=True``, the gradients: every parameter's ``.grad`` when the backward pass
+  ends (an autograd final callback queued by a hook on the outputs), before any optimizer step
+  can use them; the gradient each output received is held until then, so that a failing
+  backward pass can be replayed without the loss function;
+- the batch itself stays held for replay (:class:`~nanwidget.core.replay.capture.BatchCapture`:
+  references to the inputs, RNG states, modes, version counters).
+
+Where the host reads happen (at most one small read per batch): on CPU the native kernel reads
+each output where it lies, at the root forward's return (no device, nothing to wait for; without
+the kernel the numbers are CPU tensors, read at once); on a GPU the per-tensor numbers are
+computed on the device and copied to the host together, once, when the root forward returns
+(inference) or, with ``backward=True`` and no DDP consensus, at the end of the backward pass
+together with the gradients' numbers (so that the read overlaps with the backward kernels
+instead of stalling between forward and backward). A root that ``allow_inf`` covers may put
+±inf in its outputs: only a NaN there counts.
+
+On a NaN/Inf the batch is replayed eagerly (:func:`~nanwidget.core.replay.run.replay_frames`:
+the original module of a compiled model, every module hooked, every op traced) and its frames
+go through the recorder's own verdict (:meth:`~nanwidget.core.recorder.Recorder.add_frames`),
+so the event, its frames, ``report()`` and the trace are what full mode gives. Frames of the
+batches before it are replayed too when the event's window needs them and they can be replayed
+faithfully (held, weights unchanged since or snapshotted); otherwise the event says they are
+missing. When the replay does not reproduce the NaN (compiled kernels compute differently, or
+something the replay cannot restore), the event says so plainly, with what was checked.
+
+``sample_every=N`` and ``trace_batches`` batches are recorded in full: module hooks are attached
+for that batch only (a compiled model skips module hooks, so its sampled batches are recorded
+by an eager replay after the compiled forward instead).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .. import native
+from ..detect import Detector, first_event
+from ..events import NanEvent
+from ..frames import Frame, frames_to_dataframe
+from ..recorder import Feature, Recorder
+from ..replay.capture import BatchCapture, ReplayError
+from ..replay.run import expect_event, replay_frames
+from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
+from .compiled import rerun_compiled
+
+__all__ = ["Sentinel", "DEFER_CHOICES"]
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+# When the output check of a training forward is read: "device" (only when it waits for a
+# device: GPU), "always" (also on CPU; tests), "never" (at the forward's return).
+DEFER_CHOICES = ("device", "always", "never")
+
+
+class Sentinel(Feature):
+    """The sentinel part of a watch (see the module docstring).
+
+    ``compiled``: the model runs compiled code, so sampled batches are recorded by an eager
+    replay. ``defer_reads``: see :data:`DEFER_CHOICES` (the facade passes "never" when a DDP
+    consensus must exchange every forward's verdict right away).
+    """
+
+    def __init__(self, recorder: Recorder, capture: BatchCapture, *,
+                 sample_every: int | None = None, backward: bool = False,
+                 compiled: bool = False, defer_reads: str = "device") -> None:
+        if defer_reads not in DEFER_CHOICES:
+            raise ValueError(f"defer_reads must be one of {DEFER_CHOICES}, got {defer_reads!r}")
+        self.recorder = recorder
+        self.capture = capture
+        self.sample_every = sample_every
+        self.trace_batches = recorder.trace_batches
+        self.backward = backward
+        self.compiled = compiled
+        self.defer_reads = defer_reads
+        # What the tests and the benchmark read: forwards checked, host reads of device
+        # numbers, gradient checks, replays run and how long the last event's replay took.
+        self.checks = 0
+        self.reads = 0
+        self.grad_checks = 0
+        self.replays = 0
+        self.last_replay_seconds = 0.0
+        self._full_batches: list[int] = []  # recent batches recorded in full, live
+        self._hooked_batch: int | None = None  # module hooks attached for this batch
+        self._replay_sample: int | None = None  # compiled: record this batch by eager replay
+        self._forward_batch: int | None = None
+        self._forward_index = 0
+        # (batch, forward index, check) of the root forward that just returned.
+        self._check: tuple[int, int, NonFiniteCheck] | None = None
+        # Checks whose read waits for the end of the backward pass (see the module docstring).
+        self._deferred: list[tuple[int, int, NonFiniteCheck]] = []
+        # batch -> per root forward: the gradient each output leaf received (by role).
+        self._output_grads: dict[int, list[dict[str, torch.Tensor] | None]] = {}
+        self._queued_task: int | None = None
+        self._grad_batch: int | None = None
+        self._params = [i for i, is_buffer in enumerate(capture.slots.is_buffer) if not is_buffer]
+        self._root_may_hold_inf = recorder.modules[0].name in recorder.inf_allowed
+        # The kernel's output buffers, reused: one for forwards (under the lock), one for the
+        # end of backward passes (autograd's thread).
+        self._result = native.result_buffer()
+        self._grad_result = native.result_buffer()
+
+    # ------------------------------------------------------------------ hot path (under the lock)
+    def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
+        if batch != self._forward_batch:
+            self._forward_batch = batch
+            self._forward_index = 0
+            if self._output_grads:  # a backward that never came: let its gradients go
+                self._output_grads = {b: g for b, g in self._output_grads.items() if b == batch}
+        else:
+            self._forward_index += 1
+        if batch in self.trace_batches or (self.sample_every and batch % self.sample_every == 0):
+            if self.compiled:
+                self._replay_sample = batch
+            elif self._hooked_batch != batch:
+                self.recorder.attach_module_hooks()
+                self._hooked_batch = batch
+                self._full_batches = (self._full_batches + [batch])[-8:]
+        elif self._hooked_batch is not None:
+            self._detach()
+
+    def on_batch_output(self, batch: int, output: Any) -> None:
+        leaves = float_leaves(output)
+        forward = self._forward_index
+        check = None
+        if self._hooked_batch != batch:  # a batch recorded in full is checked by its frames
+            check = NonFiniteCheck([(role, values) for role, _, values in leaves],
+                                   result=self._result)
+            self.checks += 1
+        hooked = False
+        if self.backward and torch.is_grad_enabled():
+            needing = [(role, leaf) for role, leaf, _ in leaves if leaf.requires_grad]
+            if needing:
+                grads = self._output_grads.setdefault(batch, [])
+                grads.extend([None] * (forward + 1 - len(grads)))
+                slot: dict[str, torch.Tensor] = {}
+                grads[forward] = slot
+                for role, leaf in needing:
+                    leaf.register_hook(self._grad_hook(batch, slot, role))
+                hooked = True
+        if check is not None:
+            # A training forward's check on a device is read with the gradients' (one read per
+            # batch); one that never sees its backward is read at the next forward's return.
+            if hooked and (self.defer_reads == "always" or self.defer_reads == "device"
+                           and check.on_device):
+                self._deferred.append((batch, forward, check))
+            else:
+                self._check = (batch, forward, check)
+
+    def on_batch_end(self, batch: int | None, frames: list[Frame]) -> None:
+        if batch is not None and self._hooked_batch == batch:
+            self._detach()
+
+    def _detach(self) -> None:
+        self.recorder.detach_module_hooks()
+        self._hooked_batch = None
+
+    # ------------------------------------------------------------------ verdicts
+    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
+        if reason != "forward":
+            return event
+        pending, self._check = self._check, None
+        stale = [d for d in self._deferred if d[0] != batch]  # a backward never came for them
+        if stale:
+            self._deferred = [d for d in self._deferred if d[0] == batch]
+            for old_batch, forward, old_check in stale:
+                bad = self._read(old_check)
+                if bad and event is None:
+                    event = self._forward_event(old_batch, forward, bad)
+        if event is not None:
+            # Found in a batch recorded in full (or an earlier one just now): add the op trace.
+            if event.trace is None and event.origin != "peer" and not event.is_backward:
+                self._attach_trace(event)
+            return event
+        if pending is None:
+            if self._replay_sample == batch:
+                self._record_by_replay(batch)
+            return None
+        bad = self._read(pending[2])
+        if bad:
+            return self._forward_event(pending[0], pending[1], bad)
+        if self._replay_sample == batch:
+            self._record_by_replay(batch)
+        return None
+
+    def _read(self, check: NonFiniteCheck) -> list[BadTensor]:
+        if check.waiting:
+            self.reads += 1
+        bad = check.read()
+        if bad and self._root_may_hold_inf:  # allow_inf covers the root: only a NaN counts
+            bad = [b for b in bad if b.nan]
+        return bad
+
+    # ------------------------------------------------------------------ gradients
+    def _grad_hook(self, batch: int, slot: dict[str, torch.Tensor], role: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if self.recorder.closed:
+                return None
+            slot[role] = grad
+            task = _graph_task_id()
+            if self._queued_task != task:
+                self._queued_task = task
+                self._grad_batch = batch
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            return None
+        return hook
+
+    def _backward_done(self) -> None:
+        """The autograd engine finished a backward pass through the outputs of ``_grad_batch``."""
+        self._queued_task = None
+        recorder = self.recorder
+        batch = self._grad_batch
+        if batch is None or recorder.closed:
+            return
+        event = None
+        try:
+            grads = self._output_grads.pop(batch, None)
+            deferred = [d for d in self._deferred if d[0] == batch]
+            self._deferred = [d for d in self._deferred if d[0] != batch]
+            slots = self.capture.slots.read()
+            params = [(self.capture.slots.names[i], slots[i]) for i in self._params
+                      if slots[i] is not None]
+            grad_check = NonFiniteCheck(((name, checkable(p.grad)) for name, p in params
+                                         if p.grad is not None), fused=True, result=self._grad_result)
+            self.grad_checks += 1
+            waiting = [c for _, _, c in deferred if c.waiting] + \
+                ([grad_check] if grad_check.waiting else [])
+            if waiting:
+                self.reads += 1
+                NonFiniteCheck.read_together(waiting)
+            for forward_batch, forward, check in deferred:
+                bad = check.read()
+                if bad and self._root_may_hold_inf:
+                    bad = [b for b in bad if b.nan]
+                if bad:
+                    event = self._forward_event(forward_batch, forward, bad)
+                    break
+            if event is None:
+                bad_grads = grad_check.read()
+                if bad_grads:
+                    event = self._backward_event(batch, grads, bad_grads)
+        except Exception as error:
+            recorder.internal_error(error)
+            return
+        if event is not None:
+            recorder.conclude(batch, event, reason="backward", raising=True)
+
+    # ------------------------------------------------------------------ replays
+    def _forward_event(self, batch: int, forward: int, bad: list[BadTensor]) -> NanEvent:
+        """The event of a forward whose outputs held a NaN/Inf: replayed in full detail."""
+        started = time.perf_counter()
+        try:
+            held = self.capture.batch_to_replay(batch)
+        except ReplayError as error:
+            return self._unreplayed(batch, forward, bad, f"not replayed: {error}")
+        trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True)
+        self.replays += 1
+        event = self._take(batch, frames, live_forward=False)
+        if event is None:
+            event = self._not_reproduced(batch, forward, bad, trace, frames, held)
+        expect_event(trace, frames, event, self.recorder.inf_allowed)
+        event.trace = trace
+        self.last_replay_seconds = time.perf_counter() - started
+        return event
+
+    def _backward_event(self, batch: int, grads: list | None,
+                        bad: list[BadTensor]) -> NanEvent:
+        """The event of a backward pass that left a non-finite gradient: the batch's forward
+        and backward replayed from the gradients its outputs received."""
+        started = time.perf_counter()
+        try:
+            held = self.capture.batch_to_replay(batch)
+        except ReplayError as error:
+            return self._grad_event(batch, bad, f"not replayed: {error}")
+        if not grads:
+            return self._grad_event(batch, bad, "not replayed: no gradient reached the outputs")
+        trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True,
+                                      output_grads=grads, backward_frames=True)
+        self.replays += 1
+        event = self._take(batch, frames, live_forward=batch in self._full_batches)
+        if event is None:
+            ops = len(trace.ops)
+            event = self._grad_event(batch, bad, f"not reproduced by an eager replay of batch "
+                                                 f"{batch} ({len(frames)} module frames and {ops} "
+                                                 "ops stayed finite)")
+        expect_event(trace, frames, event, self.recorder.inf_allowed)
+        event.trace = trace
+        self.last_replay_seconds = time.perf_counter() - started
+        return event
+
+    def _take(self, batch: int, frames: list[Frame], *, live_forward: bool) -> NanEvent | None:
+        """Hand the replayed frames to the recorder (history, ring, files) and return their
+        event, whose window is preceded by the frames that ran before the batch."""
+        recorder = self.recorder
+        if live_forward:  # its forward frames were recorded live: only the backward ones are new
+            return recorder.add_frames([f for f in frames if f.phase == "backward"])
+        limit = recorder.max_frames
+        probe = first_event(frames, Detector(recorder.inf_allowed))
+        if probe is None:
+            return None
+        needed = limit - 1 - next(i for i, f in enumerate(frames) if f.index == probe.frame)
+        context, missing = self._context(batch, needed) if needed > 0 else ([], "")
+        event = recorder.add_frames(frames, before=context)
+        if event is not None and missing:
+            event.frames_note = missing
+        return event
+
+    def _context(self, batch: int, needed: int) -> tuple[list[Frame], str]:
+        """Up to ``needed`` frames of the batches that ran before ``batch``, oldest first, as
+        full mode's ring would hold them; and why some are missing ("" when none are)."""
+        recorder = self.recorder
+        ring = recorder.held_frames()
+        earlier = sorted({b for b in self.capture.held_batches() if b < batch}
+                         | {f.batch for f in ring if f.batch < batch}, reverse=True)
+        automatic = not recorder.manual_batches
+        collected: list[Frame] = []
+        replayed: list[list[Frame]] = []
+        why, missing = "", batch - 1
+        for previous in earlier:
+            if needed <= 0:
+                break
+            if automatic and previous != missing:
+                why = "not held"  # a gap: the batch that ran just before is gone
+                break
+            live = [f for f in ring if f.batch == previous]
+            if live:
+                frames = live
+            elif self.backward:
+                why = "backward"
+                break
+            else:
+                try:
+                    held = self.capture.batch_to_replay(previous)
+                except ReplayError:
+                    why = "not held"
+                    break
+                trace, frames = replay_frames(recorder, self.capture, held, trace_ops=False)
+                self.replays += 1
+                if not (trace.snapshot_used or (not trace.weights_changed
+                                                and not trace.buffers_updated)):
+                    why = "weights changed"
+                    break
+                replayed.append(frames)
+            collected = frames + collected
+            needed -= len(frames)
+            missing = previous - 1
+        if not why and needed > 0 and missing >= 0 and automatic:
+            why = "not held"  # batches are counted from 0: the one before is gone
+        for frames in reversed(replayed):  # oldest first, as they ran
+            recorder.add_frames(frames, before=[])
+        if not why:
+            return collected, ""
+        reasons = {"backward": "with backward=True its backward frames would be needed too",
+                   "not held": "it is no longer held for replay",
+                   "weights changed": "its weights changed since it ran; snapshot_weights=True "
+                                      "keeps copies"}
+        return collected, (f"sentinel mode: frames before batch {batch} not shown; batch "
+                           f"{missing} was not recorded and {reasons[why]}")
+
+    def _not_reproduced(self, batch: int, forward: int, bad: list[BadTensor], trace: Any,
+                        frames: list[Frame], held: Any) -> NanEvent:
+        """The event of a NaN the eager replay did not meet again: what was seen, where, and
+        what the replay checked."""
+        first = bad[0]
+        note = (f"not reproduced by an eager replay of batch {batch}: its {len(frames)} module "
+                f"frames and {len(trace.ops)} ops stayed finite")
+        if self.compiled:
+            try:
+                again = rerun_compiled(self.recorder, held, self.capture.slots)
+            except Exception as error:  # a failed re-run must not hide the event
+                note += f"; re-running the compiled model failed ({type(error).__name__})"
+            else:
+                if again:
+                    note += (f"; the compiled model, re-run on the same batch, makes it again "
+                             f"({again[0].label}: {again[0].kind}), so its compiled kernels "
+                             "compute differently from eager PyTorch")
+                else:
+                    note += "; a compiled re-run of the batch stayed finite too"
+        root = self.recorder.modules[0]
+        own = [f for f in frames if f.module == root.name and f.phase == "forward"
+               and f.call == forward]
+        index = own[-1].index if own else 0
+        position = next((i for i, f in enumerate(frames) if f.index == index), len(frames) - 1)
+        window = frames[max(0, position + 1 - self.recorder.max_frames): position + 1]
+        return NanEvent(batch=batch, module=root.name, module_type=root.type_name, call=forward,
+                        role=first.label, kind=first.kind, origin="output",
+                        frames=frames_to_dataframe(window), rank=self.recorder.rank,
+                        frame=index, note=note)
+
+    def _unreplayed(self, batch: int, forward: int, bad: list[BadTensor], note: str) -> NanEvent:
+        root = self.recorder.modules[0]
+        first = bad[0]
+        return NanEvent(batch=batch, module=root.name, module_type=root.type_name, call=forward,
+                        role=first.label, kind=first.kind, origin="output",
+                        rank=self.recorder.rank, note=note)
+
+    def _grad_event(self, batch: int, bad: list[BadTensor], note: str) -> NanEvent:
+        """A non-finite parameter gradient, named by its module and parameter."""
+        first = bad[0]
+        module_name, _, param = first.label.rpartition(".")
+        info = next((i for i in self.recorder.modules if i.name == module_name), None)
+        return NanEvent(batch=batch, module=module_name,
+                        module_type=info.type_name if info is not None else "", call=0,
+                        role=param, kind=first.kind, origin="grad", is_backward=True,
+                        rank=self.recorder.rank, note=note)
+
+    def _attach_trace(self, event: NanEvent) -> None:
+        try:
+            held = self.capture.batch_to_replay(event.batch)
+        except ReplayError:
+            return
+        trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True)
+        self.replays += 1
+        expect_event(trace, frames, event, self.recorder.inf_allowed)
+        event.trace = trace
+
+    def _record_by_replay(self, batch: int) -> None:
+        """A sampled or trace batch of a compiled model: its frames from an eager replay."""
+        try:
+            held = self.capture.batch_to_replay(batch)
+        except ReplayError:
+            return
+        _, frames = replay_frames(self.recorder, self.capture, held, trace_ops=False)
+        self.replays += 1
+        self.recorder.add_frames(frames)
+        self._full_batches = (self._full_batches + [batch])[-8:]
+
+    def close(self) -> None:
+        self._output_grads.clear()
+        self._deferred.clear()
+        self._check = None

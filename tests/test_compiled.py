@@ -1,0 +1,226 @@
+"""torch.compile'd models: watched in sentinel mode with no graph break and no recompile, replayed
+eagerly on a NaN, and the two ways of watching them wrongly refused with a pointer to the right
+one. Compiling is slow on 2 CPU cores: one small transformer is compiled once for the module
+(forward and train step), and one small MLP in place."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+
+from conftest import TinyMLP, hook_count
+
+pytestmark = pytest.mark.slow
+
+dynamo = pytest.importorskip("torch._dynamo")
+from torch._dynamo.utils import counters  # noqa: E402
+
+
+class SmallTransformer(nn.Module):
+    """A transformer block between two linears; ``compiled_scale`` (a plain tensor attribute,
+    not a buffer) multiplies only in compiled code (``torch.compiler.is_compiling()``): a
+    stand-in for compiled kernels that compute differently from eager PyTorch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(16, 4)
+        self.compiled_scale = torch.ones(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.embed(x))
+        if torch.compiler.is_compiling():
+            h = h * self.compiled_scale
+        return self.head(h)
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    model(x).square().mean().backward()
+    optimizer.step()
+
+
+def _dynamo_state() -> dict:
+    """What changes when Dynamo compiles, recompiles or breaks a graph."""
+    return {"graphs": counters["stats"].get("unique_graphs", 0),
+            "frames": counters["frames"].get("total", 0),
+            "breaks": sum(counters["graph_break"].values())}
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(eager model, compiled model, input, optimizer), compiled for a no-grad forward and a
+    train step before any test watches it."""
+    torch.manual_seed(0)
+    model = SmallTransformer()
+    compiled_model = torch.compile(model)
+    x = torch.randn(2, 5, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with torch.no_grad():
+        compiled_model(x)
+    _train_step(compiled_model, optimizer, x)
+    _train_step(compiled_model, optimizer, x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    yield model, compiled_model, x, optimizer
+    model.load_state_dict(state)
+
+
+@pytest.fixture
+def fresh(compiled):
+    """The compiled model with its weights as compiled, restored after each test."""
+    model, compiled_model, x, optimizer = compiled
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    yield model, compiled_model, x, optimizer
+    with torch.no_grad():
+        model.load_state_dict(state)
+    assert hook_count(compiled_model) == 0
+
+
+def test_a_compiled_model_is_watched_in_sentinel_mode_with_a_one_line_note(fresh):
+    _, compiled_model, _, _ = fresh
+    with pytest.warns(UserWarning, match="watching a torch.compile'd model in sentinel mode"):
+        w = nw.watch(compiled_model)
+    with w:
+        assert w.mode == "sentinel" and w.compiled == "wrapper"
+        # The user's own names (no "_orig_mod." prefix); hooks on the wrapper only.
+        assert w.module_names[:3] == ["", "embed", "block"]
+        assert hook_count(compiled_model._orig_mod) == 0
+
+
+def test_the_watch_adds_no_graph_break_and_no_recompile_forward_and_train(fresh):
+    model, compiled_model, x, optimizer = fresh
+    before = _dynamo_state()
+    with nw.watch(compiled_model, mode="sentinel", backward=True, sample_every=3) as w:
+        for _ in range(4):
+            _train_step(compiled_model, optimizer, x)
+            with torch.no_grad():
+                compiled_model(x)
+        assert w.parts.sentinel.checks == 8 and w.parts.sentinel.grad_checks == 4
+        assert sorted(set(w.history()["batch"])) == [0, 3, 6]  # sampled by eager replays
+    assert _dynamo_state() == before
+
+
+def test_a_nan_is_replayed_eagerly_and_named_as_full_mode_names_it_on_the_eager_model(fresh):
+    model, compiled_model, x, _ = fresh
+    before = _dynamo_state()
+    with nw.watch(compiled_model, mode="sentinel", on_nan="record") as w:
+        with torch.no_grad():
+            compiled_model(x)
+            model.block.linear1.weight[3, 2] = float("nan")
+            compiled_model(x)
+    assert _dynamo_state() == before
+    event = w.event
+    with torch.no_grad(), nw.watch(model, on_nan="record") as eager:
+        model(x)
+    expected = eager.event
+    for field in ("module", "module_type", "call", "role", "kind", "origin"):
+        assert getattr(event, field) == getattr(expected, field), field
+    assert (event.batch, event.module, event.origin) == (1, "block.linear1", "weight")
+    own = event.frames[event.frames["batch"] == 1].drop(columns="batch").reset_index(drop=True)
+    pd = pytest.importorskip("pandas")
+    pd.testing.assert_frame_equal(own, expected.frames.drop(columns="batch").reset_index(drop=True))
+    # The NaN came with a weight, so no op made it; the replay met the event again.
+    assert event.trace.first_bad is None and event.trace.reproduced
+
+
+def test_a_backward_nan_in_a_compiled_train_step_is_replayed_from_the_output_gradients(fresh):
+    model, compiled_model, x, optimizer = fresh
+    with nw.watch(compiled_model, mode="sentinel", backward=True) as w:
+        _train_step(compiled_model, optimizer, x)
+        optimizer.zero_grad()
+        out = compiled_model(x)
+        # log(0) in the branch where() discards: a finite loss whose gradient is NaN.
+        loss = torch.where(out > 1e9, (out * 0).log(), out).mean()
+        with pytest.raises(nw.NanDetected) as caught:
+            loss.backward()
+    event = caught.value.event
+    assert event.is_backward and event.origin == "grad" and event.batch == 1
+    assert event.module == "" and event.role == "grad_output[0]"
+    assert set(event.trace.frames["phase"]) == {"forward", "backward"}
+    assert set(event.frames["batch"]) == {1}
+    assert event.frames_note.endswith("with backward=True its backward frames would be needed too")
+    assert w.parts.sentinel.replays == 1
+
+
+def test_a_nan_only_the_compiled_kernels_make_is_reported_as_not_reproduced(fresh):
+    model, compiled_model, x, _ = fresh
+    before = _dynamo_state()
+    with nw.watch(compiled_model, mode="sentinel", on_nan="record") as w:
+        with torch.no_grad():
+            compiled_model(x)
+            model.compiled_scale.fill_(float("inf"))
+            compiled_model(x)
+            model.compiled_scale.fill_(1.0)
+            compiled_model(x)  # the re-run restored everything: the next batch is clean
+    assert _dynamo_state() == before
+    assert len(w.events) == 1
+    event = w.event
+    assert (event.batch, event.module, event.role, event.origin) == (1, "", "output", "output")
+    assert event.note.startswith("not reproduced by an eager replay of batch 1: its ")
+    assert ("the compiled model, re-run on the same batch, makes it again (output: nan), so its "
+            "compiled kernels compute differently from eager PyTorch") in event.note
+    assert event.note in w.report() and event.trace.first_bad is None
+    assert not event.trace.reproduced and "Not reproduced: the recorded event" in w.report()
+
+
+def test_watching_the_original_module_of_a_compiled_model_is_refused_at_the_first_call(fresh):
+    model, compiled_model, x, _ = fresh
+    with nw.watch(compiled_model._orig_mod) as w:
+        with pytest.raises(nw.CompiledCallError, match=r"you watched cm._orig_mod .*nw.watch\("
+                                                       r"compiled_model\)"):
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Dynamo's own notes on the hook it met
+                compiled_model(x)
+        assert w.events == []
+    assert hook_count(model) == 0
+
+
+def test_watching_before_compiling_is_refused_before_dynamo_traces_the_hooks():
+    torch.manual_seed(0)
+    model = TinyMLP()
+    w = nw.watch(model)
+    try:
+        compiled_model = torch.compile(model)
+        before = _dynamo_state()
+        with pytest.raises(nw.CompiledCallError, match="compiled the model after nw.watch"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                compiled_model(torch.randn(2, 16))
+        assert _dynamo_state()["graphs"] == before["graphs"]  # the model's forward never compiled
+    finally:
+        w.close()
+
+
+def test_a_model_compiled_in_place_is_watched_without_recompiling_and_replayed():
+    torch.manual_seed(0)
+    model = TinyMLP()
+    model.compile()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        model(x)
+    before = _dynamo_state()
+    with pytest.warns(UserWarning, match=r"compiled in place \(module.compile\(\)\)"):
+        w = nw.watch(model, on_nan="record")
+    with w, torch.no_grad():
+        model(x)
+        model.fc2.bias[1] = float("inf")
+        model(x)
+    assert _dynamo_state() == before
+    assert (w.event.batch, w.event.module, w.event.role, w.event.origin) == (1, "fc2", "bias",
+                                                                              "weight")
+    assert hook_count(model) == 0
+    # compile() after nw.watch(): the hooks would run inside compiled code.
+    other = TinyMLP()
+    with nw.watch(other) as late:
+        other.compile()
+        with pytest.raises(nw.CompiledCallError, match="module.compile\\(\\) after nw.watch"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                other(x)
+        assert late.events == []

@@ -1,0 +1,351 @@
+"""Sentinel mode (``nw.watch(model, mode="sentinel")``): what it checks, what it costs per batch
+(hooks, host reads), and that every option works in it as in full mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+from nanwidget.core import native
+
+from conftest import TinyMLP, hook_count
+
+
+def _batches(count: int = 6, nan_at: int | None = None) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4, 16, generator=generator) for _ in range(count)]
+    if nan_at is not None:
+        xs[nan_at][2, 5] = float("nan")
+    return xs
+
+
+class HookSpy(nn.Module):
+    """Counts the forward hooks on itself each time it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(len(self.fc._forward_hooks))
+        return self.fc(x)
+
+
+def test_normal_batches_run_with_the_two_root_hooks_only(tiny_mlp):
+    with nw.watch(tiny_mlp, mode="sentinel") as w:
+        assert hook_count(tiny_mlp) == 2  # the root's pre-hook and forward hook
+        assert not w.recorder.module_hooks_attached
+        for x in _batches():
+            tiny_mlp(x)
+        assert w.events == [] and w.batch == 6
+        assert w.frames().empty and w.history().empty
+    assert hook_count(tiny_mlp) == 0
+
+
+def test_sampled_batches_get_module_hooks_for_that_batch_only():
+    model = nn.Sequential(HookSpy(), nn.ReLU(), nn.Linear(16, 4))
+    with nw.watch(model, mode="sentinel", sample_every=3) as w:
+        for x in _batches(7):
+            model(x)
+        assert model[0].seen == [1, 0, 0, 1, 0, 0, 1]
+        assert sorted(w.history()["batch"].unique()) == [0, 3, 6]
+        assert set(w.frames()["batch"]) == {0, 3, 6}  # 5 frames each: all in the ring of 21
+        assert not w.recorder.module_hooks_attached
+    assert hook_count(model) == 0
+
+
+def test_a_nan_is_caught_and_replayed_into_full_detail(tiny_mlp):
+    with nw.watch(tiny_mlp, mode="sentinel") as w:
+        with pytest.raises(nw.NanDetected) as caught:
+            for x in _batches(nan_at=4):
+                tiny_mlp(x)
+    event = caught.value.event
+    assert (event.batch, event.module, event.role, event.origin) == (4, "fc1", "input[0]", "input")
+    assert event.trace is not None and event.trace.batch == 4
+    # The event is frame 0 of batch 4: its window of 21 frames reaches back into the batches
+    # before it, replayed (frames only) as full mode would have recorded them, as far as
+    # they are held (keep_batches=4: batches 1 to 4), and the event says what is missing.
+    assert sorted(set(event.frames["batch"])) == [1, 2, 3, 4]
+    assert event.frames.groupby(["batch", "frame"]).ngroups == 1 + 3 * 6
+    assert w.parts.sentinel.replays == 4  # batch 4 with op tracing, then 3, 2 and 1
+    assert event.frames_note == ("sentinel mode: frames before batch 4 not shown; batch 0 "
+                                 "was not recorded and it is no longer held for replay")
+    assert event.note == "" and f"({event.frames_note})" in w.report()
+    assert "Detected inf/nan during batch_number=4" in w.report()
+
+
+def test_replays_leave_the_model_rng_and_grads_exactly_as_they_were(tiny_mlp):
+    optimizer = torch.optim.SGD(tiny_mlp.parameters(), lr=0.1)
+    xs = _batches(nan_at=3)
+    with nw.watch(tiny_mlp, mode="sentinel", backward=True, on_nan="record") as w:
+        for x in xs[:3]:
+            optimizer.zero_grad()
+            tiny_mlp(x).square().mean().backward()
+            optimizer.step()
+        state = {k: v.clone() for k, v in tiny_mlp.state_dict().items()}
+        grads = [p.grad.clone() for p in tiny_mlp.parameters()]
+        rng = torch.get_rng_state()
+        tiny_mlp(xs[3])
+        assert w.event is not None and w.parts.sentinel.replays >= 1
+        assert torch.equal(torch.get_rng_state(), rng)
+        for key, value in tiny_mlp.state_dict().items():
+            assert torch.equal(value, state[key]), key
+        assert all(torch.equal(p.grad, g) for p, g in zip(tiny_mlp.parameters(), grads))
+
+
+@dataclasses.dataclass
+class Pair:
+    value: torch.Tensor
+    extra: dict
+
+
+class Structured(nn.Module):
+    """Outputs every kind of leaf; the NaN sits deep in the structure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        h = self.fc(x)
+        deep = torch.log(h.amin() + 10.0 - x.abs().amax() * (x.abs().amax() > 100))
+        return (h.argmax(-1), h > 0, Pair(value=h, extra={"scores": [h.tanh(), deep.expand(3)]}),
+                torch.complex(h, h))
+
+
+def test_every_float_leaf_of_any_structure_is_checked_and_others_are_skipped():
+    model = Structured()
+    xs = _batches(4)
+    xs[2] = xs[2] * 1000
+    with nw.watch(model, mode="sentinel", on_nan="record") as w:
+        for x in xs:
+            model(x)
+    event = w.event
+    assert event.batch == 2 and event.module == "" and event.role == "output[2].extra.scores[1]"
+    assert event.kind == "nan" and event.origin == "output"
+
+
+def test_a_complex_leaf_is_checked_too():
+    class Complex(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.complex(x, x / (x.abs().amax() < 50))
+
+    model = Complex()
+    with nw.watch(model, mode="sentinel", on_nan="record") as w:
+        model(torch.randn(3))
+        model(torch.full((3,), 100.0))
+    assert [(e.batch, e.kind) for e in w.events] == [(1, "inf")]
+
+
+def test_gradients_are_checked_after_backward_and_the_step_never_sees_them():
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nw.watch(model, mode="sentinel", backward=True) as w:
+        for batch, x in enumerate(_batches(4)):
+            optimizer.zero_grad()
+            loss = model(x).mean()
+            if batch == 2:
+                loss = loss * torch.tensor(float("inf"))  # finite forward, Inf gradients
+            before = [p.detach().clone() for p in model.parameters()]
+            try:
+                loss.backward()
+            except nw.NanDetected as error:
+                event = error.event
+                break
+            optimizer.step()
+    assert event.is_backward and event.origin == "grad" and event.batch == 2
+    assert event.module == "" and event.role.startswith("grad_output")
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # no step taken
+    assert w.parts.sentinel.grad_checks == 3
+
+
+def test_a_nan_that_never_reaches_outputs_or_gradients_is_not_an_event_in_sentinel_mode():
+    class BlowUp(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x / 0.0
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.blowup = nn.Linear(16, 16), BlowUp()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.blowup(self.fc(x))  # Inf inside, dropped before the output
+            return torch.where(h.isfinite(), h, torch.zeros_like(h))
+
+    model = Masked()
+    with torch.no_grad(), nw.watch(model, mode="sentinel", on_nan="record") as sentinel:
+        model(torch.randn(2, 16))
+    with torch.no_grad(), nw.watch(model, on_nan="record") as full:
+        model(torch.randn(2, 16))
+    assert sentinel.events == [] and full.event.module == "blowup"
+
+
+def test_on_nan_warn_and_record_and_abort_after_work_as_in_full_mode(tiny_mlp):
+    with nw.watch(tiny_mlp, mode="sentinel", on_nan="warn") as w:
+        with pytest.warns(nw.NanWarning, match="nan in batch 2 at module 'fc1'"):
+            for x in _batches(4, nan_at=2):
+                tiny_mlp(x)
+    assert [e.batch for e in w.events] == [2]
+    with nw.watch(tiny_mlp, mode="sentinel", on_nan="record") as w:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for x in _batches(4, nan_at=1):
+                tiny_mlp(x)
+    assert [e.batch for e in w.events] == [1]
+    with nw.watch(tiny_mlp, mode="sentinel", abort_after=2) as w:
+        with pytest.raises(nw.AbortAfterBatch):
+            for x in _batches(6):
+                tiny_mlp(x)
+        assert w.batch == 3
+
+
+def test_trace_batches_keep_every_frame_in_sentinel_mode(tiny_mlp):
+    with nw.watch(tiny_mlp, mode="sentinel", trace_batches=[1, 3]) as w:
+        for x in _batches(5):
+            tiny_mlp(x)
+        assert w.recorder.recorded_trace_batches == [1, 3]
+        frames = w.frames(batch=3)
+        assert list(frames.drop_duplicates("frame")["module"]) == ["fc1", "act", "fc2", "act",
+                                                                   "head", ""]
+
+
+def test_log_dir_holds_the_event_its_trace_and_the_sampled_history(tiny_mlp, tmp_path):
+    with nw.watch(tiny_mlp, mode="sentinel", sample_every=2, log_dir=tmp_path / "run",
+                  on_nan="record") as w:
+        for x in _batches(6, nan_at=5):
+            tiny_mlp(x)
+        assert w.event is not None
+    run = nw.load_run(tmp_path / "run")
+    assert [(e.batch, e.module, e.origin) for e in run.events] == [(5, "fc1", "input")]
+    assert run.event.trace is not None and not run.event.trace.ops.empty
+    # Sampled batches, the replayed event batch, and batch 3, replayed to fill the event's
+    # window (frames only; the weights had not changed since, so it is what batch 3 did).
+    assert set(run.history()["batch"]) == {0, 2, 3, 4, 5}
+    assert run.manifests[0]["options"]["mode"] == "sentinel"
+
+
+def test_an_event_the_replay_does_not_reproduce_says_so_plainly():
+    class Flaky(nn.Module):
+        """NaN on its third call only: a replay runs it a fourth time."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 4)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.fc(x) * (float("nan") if self.calls == 3 else 1.0)
+
+    model = Flaky()
+    with nw.watch(model, mode="sentinel", on_nan="record") as w:
+        for x in _batches(4):
+            model(x)
+    event = w.event
+    assert (event.batch, event.module, event.role, event.kind) == (2, "", "output", "nan")
+    assert event.note.startswith("not reproduced by an eager replay of batch 2: its 2 module "
+                                 "frames and ")
+    assert "stayed finite" in event.note
+    assert event.note in event.summary() and event.note in w.report()
+    assert not event.frames.empty and not event.frames["nan"].any()
+    assert not event.trace.reproduced and event.trace.expected.startswith("nan in batch 2")
+
+
+def test_a_forward_nan_in_training_can_be_read_with_the_gradients_in_one_read(tiny_mlp,
+                                                                               monkeypatch):
+    monkeypatch.setattr(native, "available", lambda: False)  # the device path, as on a GPU
+    optimizer = torch.optim.SGD(tiny_mlp.parameters(), lr=0.1)
+    w = nw.watch(tiny_mlp, mode="sentinel", backward=True)
+    w.parts.sentinel.defer_reads = "always"
+    try:
+        xs = _batches(4, nan_at=3)
+        for x in xs[:3]:
+            optimizer.zero_grad()
+            tiny_mlp(x).square().mean().backward()
+            optimizer.step()
+        assert w.parts.sentinel.reads == 3  # one per batch: outputs and gradients together
+        loss = tiny_mlp(xs[3]).square().mean()  # the forward's NaN is not read yet ...
+        with pytest.raises(nw.NanDetected) as caught:
+            loss.backward()  # ... but before any step could use the gradients
+        assert caught.value.event.batch == 3 and not caught.value.event.is_backward
+        assert caught.value.event.module == "fc1"
+    finally:
+        w.close()
+
+
+def test_inference_batches_read_once_on_the_device_path_and_never_on_cpu(tiny_mlp, monkeypatch):
+    with torch.no_grad(), nw.watch(tiny_mlp, mode="sentinel") as w:
+        for x in _batches(5):
+            tiny_mlp(x)
+        if native.available():
+            assert w.parts.sentinel.reads == 0  # the kernel reads the outputs where they lie
+    monkeypatch.setattr(native, "available", lambda: False)
+    with torch.no_grad(), nw.watch(tiny_mlp, mode="sentinel") as w:
+        for x in _batches(5):
+            tiny_mlp(x)
+        assert w.parts.sentinel.reads == 5 and w.parts.sentinel.checks == 5
+
+
+def test_keep_batches_zero_still_holds_the_running_batch(tiny_mlp):
+    with nw.watch(tiny_mlp, mode="sentinel", keep_batches=0, on_nan="record") as w:
+        for x in _batches(3, nan_at=2):
+            tiny_mlp(x)
+    assert w.event is not None and w.event.trace is not None
+
+
+def test_browser_on_a_sentinel_watch_shows_sampled_and_replayed_batches(tiny_mlp):
+    pytest.importorskip("ipywidgets")
+    with nw.watch(tiny_mlp, mode="sentinel", sample_every=2, on_nan="record") as w:
+        for x in _batches(6, nan_at=5):
+            tiny_mlp(x)
+        browser = w.browse()
+        latest = w.frames()
+        assert {4, 5} <= set(latest["batch"])
+        assert 5 in set(w.history()["batch"])
+        assert "batch 5" in browser.status.value
+
+
+def test_repr_and_options_name_the_mode(tiny_mlp):
+    with nw.watch(tiny_mlp, mode="sentinel", sample_every=10) as w:
+        assert "sentinel mode" in repr(w)
+        assert (w.mode, w.sample_every) == ("sentinel", 10)
+    with nw.watch(tiny_mlp) as w:
+        assert w.mode == "full" and "sentinel" not in repr(w)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_device_numbers_are_non_finite_exactly_where_a_nan_or_inf_is(fused):
+    from nanwidget.core.sentinel.check import device_numbers
+    tensors = [torch.ones(5), torch.tensor([1.0, float("nan")]), torch.tensor([float("-inf"), 2.0]),
+               torch.tensor([3e38, 3e38]), torch.zeros(0)]
+    numbers = device_numbers(tensors, torch.float32, fused=fused).tolist()
+    # 3e38 + 3e38 overflows float32 in a sum and in a norm alike: a suspect, confirmed later.
+    assert [n == n and abs(n) != float("inf") for n in numbers] == [True, False, False, False, True]
+
+
+def test_a_suspect_that_only_overflowed_is_confirmed_finite(monkeypatch):
+    from nanwidget.core.sentinel.check import NonFiniteCheck
+    monkeypatch.setattr(native, "available", lambda: False)
+    big = torch.full((4,), 3e38)  # its float32 sum overflows to inf, its values are finite
+    check = NonFiniteCheck([("big", big), ("bad", torch.tensor([0.0, float("inf")]))])
+    assert check.waiting and [(b.label, b.kind) for b in check.read()] == [("bad", "inf")]
+
+
+def test_allow_inf_on_the_root_lets_its_inf_outputs_pass_but_not_a_nan():
+    class LogProbs(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(x.clamp(min=0))  # log(0) = -inf on purpose; log of NaN is NaN
+
+    model = LogProbs()
+    with nw.watch(model, mode="sentinel", allow_inf=[LogProbs], on_nan="record") as w:
+        model(torch.tensor([0.0, 1.0]))
+        assert w.events == [] and w.parts.sentinel.replays == 0
+        model(torch.tensor([float("nan"), 1.0]))
+    assert [(e.batch, e.kind) for e in w.events] == [(1, "nan")]

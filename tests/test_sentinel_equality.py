@@ -1,0 +1,333 @@
+"""Sentinel mode gives the event full mode gives: the same run, seeded, watched both ways.
+
+Each scenario plants one bug in a small seeded model and runs the same batches twice: once in
+full mode (every module hooked, ``replay_on_nan=True`` for the trace) and once in sentinel
+mode (only the root's outputs and the gradients checked, the failing batch replayed). The
+event (batch, module, call, role, kind, origin, frames), ``report()`` and the trace must agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+
+from conftest import TinyMLP, hook_count
+
+EVENT_FIELDS = ("batch", "module", "module_type", "call", "role", "kind", "origin", "is_backward",
+                "rank", "frame")
+
+
+@dataclasses.dataclass
+class Scenario:
+    """A seeded model, its batches, and one step of the loop (``step(model, x, batch)``)."""
+
+    build: Callable[[], nn.Module]
+    batches: Callable[[], list[Any]]
+    step: Callable[[nn.Module, Any, int, Any], None]
+    train: bool = False
+    watch: dict = dataclasses.field(default_factory=dict)
+    sentinel: dict = dataclasses.field(default_factory=dict)
+
+
+def run(scenario: Scenario, mode: str) -> tuple[nw.NanWatch, nw.NanEvent]:
+    """Run the scenario's loop under a watch in ``mode`` until NanDetected; the watch and event."""
+    torch.manual_seed(0)
+    model = scenario.build()
+    model.train(scenario.train)
+    batches = scenario.batches()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01) if scenario.train else None
+    options = dict(scenario.watch)
+    if mode == "full":
+        options["replay_on_nan"] = True
+    else:
+        options.update(mode="sentinel", **scenario.sentinel)
+    torch.manual_seed(1)  # the loop's own RNG (dropout) starts the same in both runs
+    watch = nw.watch(model, **options)
+    try:
+        with pytest.raises(nw.NanDetected) as caught:
+            for batch, x in enumerate(batches):
+                scenario.step(model, x, batch, optimizer)
+    finally:
+        watch.close()
+    assert hook_count(model) == 0
+    return watch, caught.value.event
+
+
+def _without_timing(text: str) -> str:
+    return re.sub(r", \d+\.\d+ s\)", ", <t> s)", text)
+
+
+def assert_same_event(full: nw.NanEvent, sentinel: nw.NanEvent) -> None:
+    assert {f: getattr(sentinel, f) for f in EVENT_FIELDS} == \
+        {f: getattr(full, f) for f in EVENT_FIELDS}
+    assert sentinel.note == "" and sentinel.frames_note == ""
+    pd.testing.assert_frame_equal(sentinel.frames, full.frames)
+
+
+def assert_same_trace(full: nw.NanEvent, sentinel: nw.NanEvent) -> None:
+    assert full.trace is not None and sentinel.trace is not None
+    pd.testing.assert_frame_equal(sentinel.trace.frames, full.trace.frames)
+    pd.testing.assert_frame_equal(sentinel.trace.ops, full.trace.ops)
+    assert _without_timing(sentinel.trace.report()) == _without_timing(full.trace.report())
+
+
+def compare(scenario: Scenario) -> tuple[nw.NanEvent, nw.NanEvent]:
+    full_watch, full = run(scenario, "full")
+    sentinel_watch, sentinel = run(scenario, "sentinel")
+    assert_same_event(full, sentinel)
+    if not full.is_backward:
+        assert_same_trace(full, sentinel)
+    assert _without_timing(sentinel_watch.report()) == _without_timing(full_watch.report())
+    return full, sentinel
+
+
+# ----------------------------------------------------------------------------------- models
+def _infer(model: nn.Module, x: Any, batch: int, optimizer: Any) -> None:
+    with torch.no_grad():
+        model(x)
+
+
+def _train(model: nn.Module, x: Any, batch: int, optimizer: Any) -> None:
+    optimizer.zero_grad()
+    out = model(x)
+    out = out.logits if hasattr(out, "logits") else out
+    out.float().square().mean().backward()
+    optimizer.step()
+
+
+def _data(count: int = 5, shape: tuple = (4, 16), bad: int | None = None,
+          change: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[[], list]:
+    def make() -> list:
+        generator = torch.Generator().manual_seed(7)
+        xs = [torch.randn(*shape, generator=generator) for _ in range(count)]
+        if bad is not None and change is not None:
+            xs[bad] = change(xs[bad])
+        return xs
+    return make
+
+
+class Between(nn.Module):
+    """sqrt between two modules: NaN born in functional code, not in a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.sqrt(self.act(self.fc1(x)) + 0.999))
+
+
+class SqrtLayer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+class Shared(nn.Module):
+    """One block called twice: the second call gets a negative input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.root = SqrtLayer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.root(x.abs() + 1.0)
+        return self.root(self.fc(h) - 0.5 * x.abs().amax() * (x.abs().amax() > 10))
+
+
+class Attention(nn.Module):
+    """Masked softmax attention with a boolean ``mask`` keyword: a fully masked row is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / 4.0
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ self.v(x)
+
+
+class MaskedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 16)
+        self.attention = Attention()
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attention(self.embed(x), mask=mask))
+
+
+@dataclasses.dataclass
+class Output:
+    """A ModelOutput-like result."""
+
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+class WithOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = TinyMLP()
+
+    def forward(self, x: torch.Tensor) -> Output:
+        logits = self.body(x)
+        return Output(logits=logits, aux=torch.log(40 - x.abs().amax(-1)))  # NaN once |x| > 40
+
+
+class SafeLog(nn.Module):
+    """where(x > 0, log(x), 0): finite forward, NaN gradient wherever x == 0."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, torch.log(x), torch.zeros_like(x))
+
+
+class BackwardOnly(nn.Module):
+    """Large inputs switch the gate off: log gets exact zeros, its gradient is NaN there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.log, self.fc2 = nn.Linear(16, 16), nn.Sigmoid(), SafeLog(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = (x.abs().amax() < 50).float()
+        return self.fc2(self.log(self.act(self.fc1(x)) * gate))
+
+
+class Dropped(nn.Module):
+    """The NaN depends on the dropout mask (a row whose two units are both dropped divides 0
+    by 0): the replay must draw the same masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.drop, self.fc2 = nn.Linear(16, 2), nn.Dropout(0.5), nn.Linear(2, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.fc1(x))
+        return self.fc2(h / h.abs().sum(-1, keepdim=True))
+
+
+def _fp16_model() -> nn.Module:
+    model = TinyMLP().half()
+    with torch.no_grad():
+        model.fc1.weight.mul_(16)  # large inputs overflow float16 (65504) in fc1's matmul
+    return model
+
+
+def _plant_weight_inf(model: nn.Module, x: Any, batch: int, optimizer: Any) -> None:
+    if batch == 3:
+        with torch.no_grad():
+            model.fc2.weight[0, 0] = float("inf")
+    _train(model, x, batch, optimizer)
+
+
+def _masked_batches() -> list:
+    generator = torch.Generator().manual_seed(3)
+    batches = []
+    for batch in range(4):
+        x = torch.randn(2, 5, 16, generator=generator)
+        mask = torch.ones(2, 5, 5, dtype=torch.bool)
+        mask[:, :, 0] = True
+        if batch == 2:
+            mask[1, 3] = False  # row 3 of sample 1 sees nothing: softmax of all -inf
+        batches.append((x, mask))
+    return batches
+
+
+# -------------------------------------------------------------------------------- scenarios
+SCENARIOS = {
+    # A parameter set to Inf before batch 3 of a training loop (weights change every step, so
+    # the sentinel replays the earlier batches from weight snapshots).
+    "weight_inf": Scenario(TinyMLP, _data(), _plant_weight_inf, train=True,
+                           watch=dict(snapshot_weights=True)),
+    "data_nan": Scenario(TinyMLP, _data(bad=2, change=lambda x: x.index_put_(
+        (torch.tensor([1]), torch.tensor([3])), torch.tensor(float("nan")))), _infer),
+    "functional_op_between_modules": Scenario(Between, _data(bad=2, change=lambda x: x * 40),
+                                              _infer),
+    "fp16_overflow": Scenario(_fp16_model, _data(bad=1, change=lambda x: x.clamp(-3, 3) * 2e4),
+                              lambda m, x, b, o: _infer(m, x.half(), b, o)),
+    "shared_module_second_call": Scenario(Shared, _data(bad=2, change=lambda x: x * 20), _infer),
+    "kwarg_mask": Scenario(MaskedNet, _masked_batches,
+                           lambda m, xm, b, o: _infer_kwargs(m, xm)),
+    "model_output_leaf": Scenario(WithOutput, _data(bad=1, change=lambda x: x * 50), _infer),
+    "dropout_dependent": Scenario(Dropped, _data(count=12), _train, train=True,
+                                  watch=dict(snapshot_weights=True)),
+}
+
+
+def _infer_kwargs(model: nn.Module, batch: tuple) -> None:
+    x, mask = batch
+    with torch.no_grad():
+        model(x, mask=mask)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_sentinel_event_report_and_trace_equal_full_mode(name):
+    full, sentinel = compare(SCENARIOS[name])
+    assert sentinel.trace is not None
+
+
+def test_planted_bugs_land_where_expected():
+    # The scenarios plant what their names say (so the equality above means something).
+    expected = {"weight_inf": ("fc2", "weight", "inf"),
+                "data_nan": ("fc1", "input", "nan"),
+                "functional_op_between_modules": ("fc2", "input", "nan"),
+                "fp16_overflow": ("fc1", "output", "inf"),
+                "shared_module_second_call": ("root", "output", "nan"),
+                "kwarg_mask": ("attention", "output", "nan"),
+                "model_output_leaf": ("", "output", "nan")}
+    for name, (module, origin, kind) in expected.items():
+        _, event = run(SCENARIOS[name], "sentinel")
+        assert (event.module, event.origin, event.kind) == (module, origin, kind), name
+    _, event = run(SCENARIOS["shared_module_second_call"], "sentinel")
+    assert event.call == 1
+    _, event = run(SCENARIOS["model_output_leaf"], "sentinel")
+    assert event.role == "output.aux"
+    _, event = run(SCENARIOS["kwarg_mask"], "sentinel")
+    assert event.trace.first_bad["op"] == "_softmax"
+
+
+BACKWARD = Scenario(BackwardOnly, _data(bad=2, change=lambda x: x * 100), _train, train=True,
+                    watch=dict(backward=True, max_frames=8))
+
+
+def test_backward_only_nan_gives_the_same_backward_event():
+    full_watch, full = run(BACKWARD, "full")
+    sentinel_watch, sentinel = run(BACKWARD, "sentinel")
+    assert full.is_backward and full.origin == "grad" and full.batch == 2
+    assert_same_event(full, sentinel)
+    # Full mode replays no backward event (it needs a loss function); the sentinel's event
+    # carries the trace of its replay, so only the summary line and the trace part differ.
+    body = sentinel_watch.report().split("\nTrace of")[0].split("\n", 1)[1].rstrip("\n")
+    assert body == full_watch.report().split("\n", 1)[1]
+    assert sentinel.summary().startswith(full.summary() + "; first bad op log at ")
+    # The sentinel's trace ran the backward from the gradients the outputs received: the first
+    # non-finite value is born in the log (log(0) = -inf, kept out by where() in the forward,
+    # and 0 * inf = NaN in its backward), and the backward's NaN is in its ops.
+    first = sentinel.trace.first_bad
+    assert first["module"] == "log" and sentinel.trace.reproduced
+    ops = sentinel.trace.ops
+    assert ops[(ops["phase"] == "backward") & ops["nan"]]["module"].iloc[0] == "log"
+    assert set(sentinel.trace.frames["phase"]) == {"forward", "backward"}
+
+
+def test_without_snapshots_a_training_run_shows_the_failing_batch_and_says_why_not_more():
+    scenario = dataclasses.replace(SCENARIOS["weight_inf"], watch={})
+    _, full = run(scenario, "full")
+    _, sentinel = run(scenario, "sentinel")
+    assert {f: getattr(sentinel, f) for f in EVENT_FIELDS} == {f: getattr(full, f) for f in EVENT_FIELDS}
+    own = full.frames[full.frames["batch"] == full.batch].reset_index(drop=True)
+    pd.testing.assert_frame_equal(sentinel.frames, own)
+    assert "frames before batch 3 not shown" in sentinel.frames_note
+    assert "weights changed since it ran; snapshot_weights=True keeps copies" in sentinel.frames_note
+    assert sentinel.note == "" and sentinel.frames_note not in sentinel.summary()
