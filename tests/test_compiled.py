@@ -141,7 +141,8 @@ def test_a_backward_nan_in_a_compiled_train_step_is_replayed_from_the_output_gra
             loss.backward()
     event = caught.value.event
     assert event.is_backward and event.origin == "grad" and event.batch == 1
-    assert event.module == "" and event.role == "grad_output[0]"
+    # As full mode names it: the innermost module whose output received the NaN gradient.
+    assert event.module == "head" and event.role == "grad_output[0]"
     assert set(event.trace.frames["phase"]) == {"forward", "backward"}
     assert set(event.frames["batch"]) == {1}
     assert event.frames_note.endswith("with backward=True its backward frames would be needed too")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -15,14 +15,15 @@ from torch import nn
 
 from ..detect import Detector, first_event
 from ..events import NanEvent
+from ..entries import Entry
 from ..frames import Frame, frames_to_dataframe
-from ..recorder import Recorder
+from ..grads.backward import BackwardFrames
+from ..recorder import ModuleInfo, Recorder
 from ..schema import OPS_COLUMNS, OPS_DTYPES
 from ..stats import version_of
 from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
 from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, WeightSlots, layouts_of
-from .probe import BackwardHookProbe
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
 
@@ -30,8 +31,6 @@ __all__ = ["replay_held_batch", "replay_frames", "expect_event", "eager_calls", 
            "set_forward_state", "forward_arguments", "forward_modes"]
 
 _Tensor = torch.Tensor
-_OUTPUT_ONLY_WARNING = ("Full backward hook is firing when gradients are computed with respect "
-                        "to module outputs")
 
 # Per root forward of a held batch: the gradient that reached each output leaf (by role) in the
 # live backward pass, or None for a forward that had no backward.
@@ -59,7 +58,7 @@ def replay_frames(recorder: Recorder, capture: BatchCapture, held: HeldBatch, *,
     them. ``trace_ops``: measure every op (else frames only, faster). ``output_grads``: run
     the backward pass of each forward from the gradients its outputs received live (no loss
     function needed). ``backward_frames``: record a backward frame per module call, on the
-    modules whose full backward hooks PyTorch accepts (found by one extra forward first).
+    way the live watch records them (gradient hooks on tensors).
     The trace expects no event (its caller knows which one it is after: see
     :func:`expect_event`)."""
     _refuse_other_model(capture, held)
@@ -95,6 +94,41 @@ def eager_calls() -> Iterator[None]:
         return
     with set_stance("force_eager"):
         yield
+
+
+class _ReplayFrames:
+    """What :class:`~nanwidget.core.grads.backward.BackwardFrames` needs of a recorder, over a
+    replay's :class:`OpRecorder`: a replay's backward frames are recorded by the very code that
+    records them live. Measuring a gradient is not one of the model's ops (not traced)."""
+
+    suspended = False
+
+    def __init__(self, ops: OpRecorder, modules: list[ModuleInfo]) -> None:
+        self.ops = ops
+        self.modules = modules
+        self.lock = threading.RLock()
+        self.entries = self  # grad_entry below
+
+    @property
+    def batch(self) -> int:
+        return self.ops.batch
+
+    def grad_entry(self, role: str, grad: Any) -> Entry:
+        self.ops.paused = True
+        try:
+            return self.ops.entries.grad_entry(role, grad)
+        finally:
+            self.ops.paused = False
+
+    def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
+                     batch: int | None = None, first_output: int | None = None) -> Frame:
+        return self.ops.record_frame(info, phase, entries, first_output)
+
+    def end_frames(self, batch: int, *, reason: str, raising: bool) -> None:
+        """The replay resolves its frames itself, once it ran."""
+
+    def internal_error(self, error: BaseException) -> None:
+        raise error  # the replay fails with it (ReplayError handling in the caller)
 
 
 class _Replay:
@@ -172,11 +206,10 @@ class _Replay:
         saved_training = [m.training for m in slots.modules]
         handles: list[Any] = []
         shadows: Shadows | None = None
+        backward: BackwardFrames | None = None
         loss_value: float | None = None
         try:
-            with self.recorder.suspend(), eager_calls(), warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_OUTPUT_ONLY_WARNING, category=UserWarning)
-                unsafe = self._probe(root, slots) if self.backward_frames else {}
+            with self.recorder.suspend(), eager_calls():
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 for module in {id(m): m for m in root.modules()}.values():
@@ -184,13 +217,14 @@ class _Replay:
                     handles.append(module.register_forward_hook(recorder.post_hook, with_kwargs=True,
                                                                 always_call=True))
                 if self.backward_frames:
-                    for info in self.recorder.modules:
-                        if id(info.module) not in unsafe:
-                            handles.append(info.module.register_full_backward_hook(
-                                recorder.backward_hook(info)))
+                    # The live watch's own backward frames (gradient hooks on tensors), recorded
+                    # into this replay's frames: the same frames, roles and order as full mode.
+                    backward = BackwardFrames(_ReplayFrames(recorder, self.recorder.modules))
                 for position, capture in enumerate(held.forwards):
                     grads = self.output_grads[position] if self.output_grads is not None \
                         and position < len(self.output_grads) else None
+                    if backward is not None:
+                        backward.on_batch_start(held.batch, (), {})  # a new graph: hook afresh
                     try:
                         loss_value = self._run_forward(root, capture, recorder, grads)
                     except Exception as error:
@@ -201,6 +235,8 @@ class _Replay:
                             f"{error}); the model changed since the batch ran: "
                             f"{'; '.join(changes[:4])}") from error
         finally:
+            if backward is not None:
+                backward.close()
             for handle in handles:
                 handle.remove()
             if shadows is not None:
@@ -230,37 +266,15 @@ class _Replay:
                      expected=self.expected.summary() if self.expected is not None else "",
                      found=found.summary() if found is not None else ""), recorder.frames
 
-    def _probe(self, root: nn.Module, slots: WeightSlots) -> dict[int, str]:
-        """Run the batch's forwards once (on shadows, frames and ops unrecorded) to find the
-        modules whose full backward hooks PyTorch would refuse."""
-        probe = BackwardHookProbe(self.recorder.modules)
-        shadows = Shadows()
-        try:
-            shadows.install(slots, self.held.forwards[0].snapshot or slots.read())
-            probe.install()
-            for capture in self.held.forwards:
-                self._run_forward(root, capture, None, None)
-                probe.finish()
-        finally:
-            probe.remove()
-            shadows.restore()
-        return probe.unsafe
-
-    def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder | None,
+    def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder,
                      output_grads: dict[str, torch.Tensor] | None) -> float | None:
-        """One root forward as it ran (modes, RNG, flags), then its backward if asked for.
-        ``recorder`` None: a probe forward, nothing traced and no backward."""
-        loss_fn = self.loss_fn if recorder is not None else None
-        if recorder is None:
-            output_grads = None
+        """One root forward as it ran (modes, RNG, flags), then its backward if asked for."""
+        loss_fn = self.loss_fn
         set_forward_state(capture, self.capture.slots)
         args, kwargs = forward_arguments(capture)
         backward = loss_fn is not None or bool(output_grads)
         with contextlib.ExitStack() as stack:
             stack.enter_context(forward_modes(capture, backward=backward))
-            if recorder is None:
-                root(*args, **kwargs)
-                return None
             if self.trace_ops:
                 stack.enter_context(OpTracer(recorder))
             recorder.phase = "forward"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,29 +94,18 @@ class OpRecorder:
                 module, info.has_state, args, kwargs, output, measured.pop() if measured else None)
         finally:
             self.paused = False
-        call = self.calls.get(info.index, 0)
-        self.calls[info.index] = call + 1
-        self.frames.append(Frame(self.rank, self.batch, len(self.frames), info.name,
-                                 info.type_name, call, "forward", entries, first_output))
+        self.record_frame(info, "forward", entries, first_output)
 
-    def backward_hook(self, info: ModuleInfo) -> Callable[..., None]:
-        """A full backward hook for ``info``'s module: one backward frame per call, with the
-        roles and entries the live watch's backward frames have."""
-        grad_entry = self.entries.grad_entry
-
-        def hook(module: nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-            self.paused = True  # measuring is not one of the model's ops
-            try:
-                entries = [grad_entry(f"grad_output[{i}]", g) for i, g in enumerate(grad_output)]
-                entries += [grad_entry(f"grad_input[{i}]", g) for i, g in enumerate(grad_input)]
-            finally:
-                self.paused = False
-            key = ~info.index
-            call = self.calls.get(key, 0)
-            self.calls[key] = call + 1
-            self.frames.append(Frame(self.rank, self.batch, len(self.frames), info.name,
-                                     info.type_name, call, "backward", entries))
-        return hook
+    def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
+                     first_output: int | None = None) -> Frame:
+        """Append a frame for ``info``'s module (call numbers count per module and phase)."""
+        key = info.index if phase == "forward" else ~info.index
+        call = self.calls.get(key, 0)
+        self.calls[key] = call + 1
+        frame = Frame(self.rank, self.batch, len(self.frames), info.name, info.type_name, call,
+                      phase, entries, first_output)
+        self.frames.append(frame)
+        return frame
 
     def resolve(self) -> None:
         """Measure the frames' queued tensors (after the replay ran, outside the tracer)."""
