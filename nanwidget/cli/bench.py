@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         for label, seconds, ops in (("forward NaN (frames + op trace, and the previous batch's "
                                      "frames)", timing.forward_seconds, timing.ops[0]),
-                                    ("backward-only NaN (probe forward, frames and op trace of "
+                                    ("backward-only NaN (frames and op trace of "
                                      "forward and backward)", timing.backward_seconds,
                                      timing.ops[1])):
             verdict = "PASS" if seconds < target else "MISS"

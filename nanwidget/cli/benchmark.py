@@ -503,7 +503,7 @@ def replay_timing(device: str = "cpu", seed: int = 0) -> ReplayTiming:
     """Plant a NaN in the GPT-2 bench model under a sentinel watch and time its replays: a
     forward event (a NaN weight in the token embedding: frame 0, so the previous batch is
     replayed too to fill the report's window) and a backward-only event (the loss's gradient
-    is NaN where its forward is finite: forward, probe forward and backward replayed)."""
+    is NaN where its forward is finite: forward and backward replayed)."""
     case = build_case("gpt2", "train", device=device, seed=seed)
     model = case.model
     inputs = torch.randint(0, model.config.vocab_size, GPT2_INPUT, device=device)
