@@ -179,25 +179,132 @@ def test_a_run_that_raised_leaves_hooks_until_the_next_train_closes_them(tmp_pat
     assert hook_count(model) == 0
 
 
-def test_torch_compile_runs_eagerly_while_watched_and_restores_the_stance(tmp_path):
-    compiled_calls = []
+def _dynamo_state() -> dict:
+    """What grows when Dynamo compiles a frame, breaks a graph or recompiles."""
+    from torch._dynamo.utils import counters
+    return {"graphs": counters["stats"].get("unique_graphs", 0),
+            "frames": counters["frames"].get("total", 0),
+            "breaks": sum(counters["graph_break"].values()),
+            "recompiles": sum(counters["recompiles"].values())}
 
-    def counting_backend(graph, example_inputs):
-        compiled_calls.append(1)
-        return graph.forward
+
+# torch_compile_backend="eager": Dynamo traces, guards and breaks graphs as with inductor, without
+# the code generation that would take minutes on 2 cores.
+COMPILED = {"torch_compile": True, "torch_compile_backend": "eager",
+            "logging_nan_inf_filter": False}
+
+
+@pytest.fixture(scope="module")
+def compiled_baseline(tmp_path_factory):
+    """The Dynamo counters that a torch_compile=True run without the callback adds (from cold),
+    with the same weight poisoned at step 3; the later runs of the same model code then reuse
+    its compiled graphs, so whatever they add, the watch added."""
+    before = _dynamo_state()
+    model = tiny_gpt2()
+    trainer = _train(tmp_path_factory.mktemp("baseline"), model,
+                     [PoisonAtStep(GPT2_POISONED, 3)], max_steps=3, **COMPILED)
+    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+    after = _dynamo_state()
+    return {key: after[key] - before[key] for key in after}
+
+
+@pytest.mark.slow
+def test_torch_compile_is_watched_in_sentinel_mode_and_stops_at_the_poisoned_step(
+        tmp_path, compiled_baseline, caplog):
+    assert compiled_baseline["graphs"] > 0  # the baseline run did compile
+    model = tiny_gpt2()
+    poison, callback = PoisonAtStep(GPT2_POISONED, 3), NanWatchCallback()
+    before = _dynamo_state()
+    with warnings.catch_warnings(record=True) as caught, \
+            caplog.at_level("INFO", logger="nanwidget.integrations"):
+        warnings.simplefilter("always")
+        trainer = _train(tmp_path, model, [poison, callback], **COMPILED)
+    # The watch added no compiled frame, graph, graph break or recompile to the Trainer's own.
+    assert _dynamo_state() == before
+    assert not [str(w.message) for w in caught]  # no "running eagerly" warning, none at all
+    assert any("watching it in sentinel mode" in r.getMessage() for r in caplog.records)
+    compiled_model = trainer.model_wrapped
+    assert type(compiled_model).__name__ == "OptimizedModule" and compiled_model._orig_mod is model
+    watch = callback.watch
+    assert (callback.compiled, watch.mode, watch.compiled) == ("wrapper", "sentinel", "wrapper")
+    # Stopped at step 3, the module named by the sentinel's eager replay of the failing batch.
+    assert trainer.state.global_step == 3 and callback.stop.step == 3
+    event = callback.event
+    assert (event.batch, event.module, event.origin, event.kind) == (2, GPT2_POISONED, "weight",
+                                                                     "nan")
+    assert event.trace is not None and event.trace.reproduced
+    assert watch.parts.sentinel.replays >= 1 and watch.parts.sentinel.checks == 3
+    assert GPT2_POISONED in callback.stop.reason and "training step 3" in callback.stop.reason
+    # No optimizer step used the NaN: only the poisoned weight changed since step 3 began.
+    assert changed_parameters(model, poison.snapshot) == [f"{GPT2_POISONED}.weight"]
+    assert _optimizer_steps(trainer) == 2
+    assert hook_count(compiled_model) == 0 and watch.closed
+    # The event in the log history and on disk, readable by load_run.
+    assert trainer.state.log_history[-3]["nanwidget_stop"] == callback.stop.summary()
+    run_dir = Path(watch.log_dir)
+    assert nw.load_run(run_dir).event.module == GPT2_POISONED
+    stop = json.loads((run_dir / "stop-rank-00000.json").read_text())
+    assert stop["step"] == 3 and GPT2_POISONED in stop["report"]
+
+
+@pytest.mark.slow
+def test_torch_compile_checks_gradient_norms_before_the_optimizer_step(tmp_path, compiled_baseline):
+    class PoisonGradient(transformers.TrainerCallback):
+        """A NaN written into one gradient just before step 3's optimizer step: only the
+        gradient check before the step can see it (the forward and backward were finite)."""
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2:
+                self.snapshot = {k: v.detach().clone() for k, v in model.named_parameters()}
+                with torch.no_grad():
+                    model.lm_head.weight.grad[0, 0] = float("nan")  # tied: wte
 
     model = tiny_gpt2()
+    poison, callback = PoisonGradient(), NanWatchCallback(log_dir=False, backward=True)
+    before = _dynamo_state()
+    trainer = _train(tmp_path, model, [poison, callback], **COMPILED)
+    assert _dynamo_state() == before
+    assert callback.watch.mode == "sentinel" and callback.watch.parts.sentinel.grad_checks == 3
+    assert trainer.state.global_step == 3 and callback.stop.step == 3 and callback.event is None
+    assert "non-finite gradient norm in batch 2: 'transformer.wte.weight'" in callback.stop.reason
+    assert changed_parameters(model, poison.snapshot) == [] and _optimizer_steps(trainer) == 2
+
+
+@pytest.mark.slow
+def test_torch_compile_evaluation_runs_uncompiled_and_its_nan_metric_stops_training(
+        tmp_path, compiled_baseline, caplog):
+    model = tiny_gpt2()
+    poison = PoisonAtStep(GPT2_POISONED, 3, when="eval")  # poisoned when step 2 ends
     callback = NanWatchCallback(log_dir=False)
-    with pytest.warns(RuntimeWarning, match="torch_compile=True"):
-        trainer = _train(tmp_path, model, [PoisonAtStep(GPT2_POISONED, 3), callback],
-                         torch_compile=True, torch_compile_backend="eager")
-    assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
-    assert callback.event.module == GPT2_POISONED and trainer.state.global_step == 3
-    assert hook_count(model) == 0
-    # The stance is back to compiling: a fresh compiled function reaches its backend.
-    square = torch.compile(lambda x: x * x, backend=counting_backend)
-    square(torch.ones(2))
-    assert compiled_calls
+    with caplog.at_level("WARNING", logger="nanwidget.integrations"):
+        trainer = _train(tmp_path, model, [poison, callback], eval_dataset=TokenDataset(8),
+                         eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4,
+                         **COMPILED)
+    assert any("evaluates the uncompiled model" in r.getMessage() for r in caplog.records)
+    assert trainer.state.global_step == 2
+    assert callback.stop.phase == "eval" and callback.stop.step == 2
+    assert "eval_loss is nan in the evaluation after step 2" in callback.stop.reason
+    assert hook_count(trainer.model_wrapped) == 0
+
+
+def test_a_model_given_to_the_trainer_compiled_is_watched_in_sentinel_mode(tmp_path):
+    compiled_model = torch.compile(tiny_gpt2(), backend="eager")
+    callback = NanWatchCallback(log_dir=False)
+    # Only the attaching is under test: the callback as a Trainer calls it, without training.
+    args = training_args(str(tmp_path / "out"))
+    state, control = transformers.TrainerState(), transformers.TrainerControl()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        callback.on_train_begin(args, state, control, model=compiled_model)
+    try:
+        assert (callback.compiled, callback.watch.mode) == ("wrapper", "sentinel")
+        assert callback.watch.model is compiled_model._orig_mod
+    finally:
+        callback.on_train_end(args, state, control)
+    assert hook_count(compiled_model) == 0
+    with pytest.raises(ValueError, match="mode='full' cannot watch a torch.compile'd model"):
+        NanWatchCallback(log_dir=False, mode="full").on_train_begin(args, state, control,
+                                                                    model=compiled_model)
 
 
 def test_bad_options_are_refused_when_the_callback_is_made():

@@ -198,14 +198,16 @@ def _event_from_payload(payload: dict[str, Any]) -> NanEvent:
 
 
 class StepGuard:
-    """One watch on the unwrapped model, looked at by a callback at step boundaries."""
+    """One watch on the unwrapped model (or on the ``torch.compile`` wrapper that the framework
+    calls, which the watch runs in sentinel mode), looked at by a callback at step boundaries."""
 
     def __init__(self, model: nn.Module, *, on_nan: str, log_dir: str | os.PathLike | None,
                  watch_options: dict[str, Any], owner: object) -> None:
+        ours = {id(module) for module in model.modules()}  # a compile wrapper holds the model
         for guard in list(_LIVE_GUARDS):
             # A run that raised leaves its watch behind (transformers has no exception
             # callback): close it, or the new watch would be refused on the same modules.
-            if guard.model is model and not guard.closed:
+            if not guard.closed and (guard.model is model or id(guard.watch.model) in ours):
                 warnings.warn("nanwidget: closing the watch a previous training run left on this "
                               "model (that run ended with an exception)", RuntimeWarning,
                               stacklevel=3)

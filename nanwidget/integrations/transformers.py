@@ -4,9 +4,10 @@
     trainer = Trainer(model, args, train_dataset=..., callbacks=[NanWatchCallback()])
 
 At ``on_train_begin`` the callback watches the unwrapped model (``trainer.model``: never the
-DDP wrapper, nor the compiled one). Every forward pass is one watch batch: with
-``gradient_accumulation_steps=k`` each optimizer step covers k batches (micro-batches), and an
-evaluation batch is a batch of its own; ``callback.batches()`` says which step each batch fed.
+DDP wrapper), or a compiled model in sentinel mode (``torch_compile=True``: see below). Every
+forward pass is one watch batch: with ``gradient_accumulation_steps=k`` each optimizer step
+covers k batches (micro-batches), and an evaluation batch is a batch of its own;
+``callback.batches()`` says which step each batch fed.
 Just before each optimizer step (``on_pre_optimizer_step``) the callback checks the gradient
 norms and what the watch found since the previous step; every rank then agrees (one flag
 all-reduce) and, at a finding on any rank, every rank drops the step's gradients, so the
@@ -16,23 +17,71 @@ The stop is logged (with the report on the rank that found it), appended to
 ``state.log_history``, and written next to the per-rank recordings, which go under
 ``<output_dir>/nanwidget/run-N`` unless ``log_dir`` says otherwise (``log_dir=False``: none).
 The hooks come off at ``on_train_end``.
+
+``TrainingArguments(torch_compile=True)``: the training loop then calls a ``torch.compile``
+wrapper around the model, made by accelerate in ``Trainer._prepare_for_training`` (its
+``prepare()``), before ``on_train_begin``; callbacks still get the uncompiled ``trainer.model``.
+Watching that one would put hooks inside the compiled call (refused with
+:class:`nanwidget.CompiledCallError`: compiled code skips module hooks, and Dynamo tracing them
+breaks the graph), and forcing the run eager (``torch.compiler.set_stance("force_eager")``,
+what the callback did before sentinel mode existed) trains slower and never sees a NaN that only the
+compiled kernels make. So the callback watches the compiled wrapper itself, the Trainer's
+``model_wrapped`` (callbacks are not handed the Trainer: it is the one on the call stack whose
+callback handler holds this callback), in sentinel mode: the model keeps running compiled with no
+graph break and no recompile, every batch's outputs are checked (and with ``backward=True`` the
+gradients when the backward pass ends), the gradient norms are still checked before each
+optimizer step, and a failing batch is replayed eagerly to name the module. A model handed to the
+Trainer already compiled (``torch.compile(model)`` or ``model.compile()``) is watched the same
+way. During ``train()`` transformers evaluates the uncompiled model, which a watch on the
+wrapper does not see: a non-finite evaluation metric (``eval_loss``) still stops training, with
+no module named (evaluate without ``torch_compile`` to find it).
 """
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 import warnings
 from typing import Any
 
 import pandas as pd
 import torch
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from nanwidget import AbortAfterBatch, NanEvent, NanWatch
+from nanwidget.core.sentinel import (
+    compiled_in_place,
+    has_compiled_parts,
+    is_compile_wrapper,
+)
 
-from .step_guard import Findings, StepGuard, TrainingStop, check_callback_options, fresh_run_dir
+from .step_guard import (
+    Findings,
+    StepGuard,
+    TrainingStop,
+    check_callback_options,
+    fresh_run_dir,
+    logger,
+)
 
 __all__ = ["NanWatchCallback"]
+
+
+def _compiled(module: torch.nn.Module) -> str:
+    """How ``module`` runs compiled code: "wrapper" (torch.compile), "in place" (module.compile()),
+    "parts" (compiled submodules, e.g. accelerate's regional compilation) or "" (eagerly)."""
+    if is_compile_wrapper(module):
+        return "wrapper"
+    if compiled_in_place(module):
+        return "in place"
+    return "parts" if has_compiled_parts(module) else ""
 
 
 class NanWatchCallback(TrainerCallback):
@@ -60,7 +109,8 @@ class NanWatchCallback(TrainerCallback):
         self.watch: NanWatch | None = None  # the watch of the current (or last) train()
         self.stop: TrainingStop | None = None  # set when the callback stopped training
         self._guard: StepGuard | None = None
-        self._stance: Any = None
+        self.compiled = ""  # how the watched model is compiled: "" (eager), "wrapper", ...
+        self._eval_unwatched = False
         self._stopped_this_step = False
         self._micro = 0
         self._eval_index = 0
@@ -93,9 +143,6 @@ class NanWatchCallback(TrainerCallback):
         """Remove the hooks now (``on_train_end`` does it too); idempotent."""
         if self._guard is not None:
             self._guard.close()
-        if self._stance is not None:
-            stance, self._stance = self._stance, None
-            stance.__exit__(None, None, None)  # back to the compiler stance before the run
 
     # ------------------------------------------------------------------ attaching
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
@@ -108,11 +155,7 @@ class NanWatchCallback(TrainerCallback):
             raise TypeError("nanwidget does not watch nn.DataParallel (its replicas are rebuilt "
                             "every step, so hooks on them are lost); launch the script with "
                             "torchrun so that the Trainer uses DistributedDataParallel")
-        compiled_wrapper = isinstance(model, torch._dynamo.OptimizedModule)
-        if compiled_wrapper:  # a model given to the Trainer already compiled
-            model = model._orig_mod
-        if args.torch_compile or compiled_wrapper:
-            self._run_compiled_model_eagerly()
+        target, options = self._watch_target(args, model)
         log_dir = self.log_dir
         if log_dir is None:
             log_dir = fresh_run_dir(os.path.join(args.output_dir, "nanwidget"))
@@ -122,23 +165,60 @@ class NanWatchCallback(TrainerCallback):
         self._micro = 0
         self._eval_index = 0
         try:
-            self._guard = StepGuard(model, on_nan=self.on_nan, log_dir=log_dir,
-                                    watch_options=self.watch_options, owner=self)
+            self._guard = StepGuard(target, on_nan=self.on_nan, log_dir=log_dir,
+                                    watch_options=options, owner=self)
         except BaseException:
             self.close()
             raise
         self.watch = self._guard.watch
         self._guard.batches.noted_until = self.watch.batch
 
-    def _run_compiled_model_eagerly(self) -> None:
-        # Module hooks inside a compiled graph are traced by dynamo: the graph breaks at every
-        # module and recompiles until its limit. Until sentinel mode exists, the watched run
-        # goes eager, which is exactly what the hooks were written for.
-        self._stance = torch.compiler.set_stance("force_eager")
-        warnings.warn("nanwidget: torch_compile=True: while NanWatchCallback watches, the model "
-                      "runs eagerly (torch.compiler.set_stance('force_eager'), undone at the end "
-                      "of train()); a NaN that only the compiled kernels produce is then not "
-                      "seen. Train without the callback to compare.", RuntimeWarning, stacklevel=3)
+    def _watch_target(self, args: TrainingArguments,
+                      model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
+        """What to watch, and the watch options: the model the Trainer passes to callbacks, or,
+        when the training loop calls a compiled model, that compiled model in sentinel mode."""
+        options = dict(self.watch_options)
+        outer = model
+        trainer = self._calling_trainer()
+        if trainer is not None:
+            # The model the training loop calls: a torch.compile wrapper with
+            # torch_compile=True (accelerate compiles it in prepare(), before on_train_begin).
+            outer = getattr(trainer, "model_wrapped", None)
+        if not isinstance(outer, torch.nn.Module) or not _compiled(outer) \
+                or not any(module is model for module in outer.modules()):
+            outer = model  # DDP (the hooks go on the module inside) or an eager model
+        self.compiled = _compiled(outer)
+        # Evaluation calls the model callbacks are given: unwatched when the watch is on a
+        # wrapper around it (transformers evaluates the uncompiled model during train()).
+        self._eval_unwatched = outer is not model
+        if self.compiled:
+            options.setdefault("mode", "sentinel")  # mode="full" is refused by nw.watch
+            logger.info("nanwidget: the Trainer's model is compiled (%s): watching it in sentinel "
+                        "mode (outputs checked each batch, gradients before each optimizer step, "
+                        "a failing batch replayed eagerly to name the module)", self.compiled)
+            if self._eval_unwatched and (args.eval_strategy != "no" or args.eval_on_start):
+                logger.warning(
+                    "nanwidget: torch_compile=True: transformers evaluates the uncompiled model "
+                    "during train(), outside the watch on the compiled one; a non-finite "
+                    "evaluation metric (eval_loss) still stops training, without a module named")
+        elif args.torch_compile:
+            # Nothing compiled was found (a Trainer that compiles later or elsewhere): watch the
+            # model as given; should it run inside compiled code, nw.CompiledCallError says so.
+            logger.warning("nanwidget: torch_compile=True but the model the Trainer calls was not "
+                           "found compiled at on_train_begin; watching the uncompiled model")
+        return outer, options
+
+    def _calling_trainer(self) -> Any:
+        """The Trainer whose callback handler is calling this callback, found on the call stack
+        (callbacks are not given the Trainer, and its ``model_wrapped`` is what it calls)."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer) and any(
+                    callback is self for callback in owner.callback_handler.callbacks):
+                return owner
+            frame = frame.f_back
+        return None
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
@@ -207,6 +287,8 @@ class NanWatchCallback(TrainerCallback):
         self._note_eval(state)
         self._eval_index = 0
         found = guard.findings(check_grads=False)
+        if self._eval_unwatched and not found:
+            found.loss = _non_finite_metric(kwargs.get("metrics"), state.global_step)
         if not guard.stops or self.stop is not None:  # the first stop is the one that counts
             return
         decision = guard.agree(found)
@@ -259,3 +341,20 @@ class NanWatchCallback(TrainerCallback):
                       "losses out of the logged loss, so the logs still show a finite number. Set "
                       "TrainingArguments(logging_nan_inf_filter=False) to see them there too.",
                       RuntimeWarning, stacklevel=3)
+
+
+def _non_finite_metric(metrics: Any, step: int) -> str | None:
+    """The finding for a non-finite evaluation metric, or None. With torch_compile=True,
+    transformers evaluates the uncompiled model during train(), which the watch on the compiled
+    model does not see: its metrics are what is left to look at."""
+    if not isinstance(metrics, dict):
+        return None
+    bad = [(name, value) for name, value in metrics.items()
+           if isinstance(value, (int, float)) and not isinstance(value, bool)
+           and not math.isfinite(value)]
+    if not bad:
+        return None
+    name, value = bad[0]
+    return (f"{name} is {value} in the evaluation after step {step} (transformers evaluated the "
+            "uncompiled model, outside the watch on the compiled one: no module is named; "
+            "evaluate without torch_compile to find it)")
