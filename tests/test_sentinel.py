@@ -259,6 +259,65 @@ def test_an_event_the_replay_does_not_reproduce_says_so_plainly():
     assert not event.trace.reproduced and event.trace.expected.startswith("nan in batch 2")
 
 
+class BreaksOnReplay(nn.Module):
+    """NaN on its third call; every later call raises (the replay is one of them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls > 3:
+            raise RuntimeError("external state\nis gone")
+        return self.fc(x) * (float("nan") if self.calls == 3 else 1.0)
+
+
+def test_a_replay_that_raises_keeps_the_event_it_was_asked_to_explain():
+    model = BreaksOnReplay()
+    with nw.watch(model, mode="sentinel") as w:
+        xs = _batches(4)
+        model(xs[0])
+        model(xs[1])
+        with pytest.raises(nw.NanDetected) as caught:
+            model(xs[2])
+        assert hook_count(model) == 2  # the root's own two: the replay's hooks came off
+    event = caught.value.event
+    assert w.events == [event]
+    assert (event.batch, event.module, event.role, event.kind, event.origin) == \
+        (2, "", "output", "nan", "output")
+    assert event.note == ("not replayed: the replay of batch 2 failed (RuntimeError: external "
+                          "state is gone)")
+    assert event.note in w.report()
+
+
+def test_a_backward_replay_that_raises_keeps_the_gradient_event():
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 1))
+    calls = []
+
+    def refuse_replays(module: nn.Module, args: tuple) -> None:
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("no second run")
+
+    model[0].register_forward_pre_hook(refuse_replays)
+    with nw.watch(model, mode="sentinel", backward=True) as w:
+        for batch, x in enumerate(_batches(3)):
+            loss = model(x).mean()
+            if batch == 2:
+                loss = loss * torch.tensor(float("inf"))
+            try:
+                loss.backward()
+            except nw.NanDetected as error:
+                event = error.event
+                break
+    assert w.events == [event]
+    assert (event.batch, event.origin, event.is_backward) == (2, "grad", True)
+    assert event.note == ("not replayed: the replay of batch 2 failed (RuntimeError: no second "
+                          "run)")
+
+
 def test_a_forward_nan_in_training_can_be_read_with_the_gradients_in_one_read(tiny_mlp,
                                                                                monkeypatch):
     monkeypatch.setattr(native, "available", lambda: False)  # the device path, as on a GPU

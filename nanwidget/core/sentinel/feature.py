@@ -53,6 +53,13 @@ from .compiled import rerun_compiled
 
 __all__ = ["Sentinel", "DEFER_CHOICES"]
 
+
+def _replay_failed(batch: int, error: Exception) -> str:
+    """The note of an event whose replay raised: what was seen stays the event."""
+    text = " ".join(str(error).split())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"not replayed: the replay of batch {batch} failed ({type(error).__name__}: {text})"
+
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 # When the output check of a training forward is read: "device" (only when it waits for a
@@ -260,7 +267,10 @@ class Sentinel(Feature):
             held = self.capture.batch_to_replay(batch)
         except ReplayError as error:
             return self._unreplayed(batch, forward, bad, f"not replayed: {error}")
-        trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True)
+        try:
+            trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True)
+        except Exception as error:  # the NaN was seen: a failed replay must not lose it
+            return self._unreplayed(batch, forward, bad, _replay_failed(batch, error))
         self.replays += 1
         event = self._take(batch, frames, live_forward=False)
         if event is None:
@@ -281,8 +291,11 @@ class Sentinel(Feature):
             return self._grad_event(batch, bad, f"not replayed: {error}")
         if not grads:
             return self._grad_event(batch, bad, "not replayed: no gradient reached the outputs")
-        trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True,
-                                      output_grads=grads, backward_frames=True)
+        try:
+            trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True,
+                                          output_grads=grads, backward_frames=True)
+        except Exception as error:  # the NaN was seen: a failed replay must not lose it
+            return self._grad_event(batch, bad, _replay_failed(batch, error))
         self.replays += 1
         event = self._take(batch, frames, live_forward=batch in self._full_batches)
         if event is None:
@@ -341,7 +354,11 @@ class Sentinel(Feature):
                 except ReplayError:
                     why = "not held"
                     break
-                trace, frames = replay_frames(recorder, self.capture, held, trace_ops=False)
+                try:
+                    trace, frames = replay_frames(recorder, self.capture, held, trace_ops=False)
+                except Exception:  # only context for the event: go without it
+                    why = "replay failed"
+                    break
                 self.replays += 1
                 if not (trace.snapshot_used or (not trace.weights_changed
                                                 and not trace.buffers_updated)):
@@ -360,7 +377,8 @@ class Sentinel(Feature):
         reasons = {"backward": "with backward=True its backward frames would be needed too",
                    "not held": "it is no longer held for replay",
                    "weights changed": "its weights changed since it ran; snapshot_weights=True "
-                                      "keeps copies"}
+                                      "keeps copies",
+                   "replay failed": "its replay failed"}
         return collected, (f"sentinel mode: frames before batch {batch} not shown; batch "
                            f"{missing} was not recorded and {reasons[why]}")
 
