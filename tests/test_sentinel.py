@@ -131,6 +131,24 @@ def test_every_float_leaf_of_any_structure_is_checked_and_others_are_skipped():
     assert event.kind == "nan" and event.origin == "output"
 
 
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_nested_tensor_output_is_checked(layout):
+    class Ragged(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            small = x[1, :2].abs().amax() < 50
+            parts = [x[0] * (0.0 if small else float("nan")), x[1, :2] / small]
+            return torch.nested.nested_tensor(parts, layout=layout)
+
+    model = Ragged()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, mode="sentinel", on_nan="record") as w:
+            model(torch.randn(2, 3))
+            model(torch.full((2, 3), 100.0))
+    assert [(e.batch, e.kind) for e in w.events] == [(1, "nan+inf")]
+    assert not [c for c in caught if "internal error" in str(c.message)]
+
+
 def test_a_complex_leaf_is_checked_too():
     class Complex(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,13 @@ def checkable(tensor: torch.Tensor) -> torch.Tensor | None:
     when it holds no floating-point values (integers, bools, meta or empty tensors)."""
     try:
         if getattr(tensor, "is_nested", False):
-            tensor = tensor.values()  # jagged: its packed values
+            try:
+                packed = tensor.values()  # jagged: its packed values
+            except Exception:
+                packed = None
+            if packed is None or packed.is_nested:  # strided nested: its components, joined
+                packed = torch.cat([part.reshape(-1) for part in tensor.unbind()])
+            tensor = packed
         elif tensor.layout is torch.sparse_coo:
             tensor = tensor._values()
         elif tensor.layout is not torch.strided:  # compressed sparse layouts
@@ -76,7 +82,7 @@ def float_leaves(output: Any, role: str = "output") -> list[tuple[str, torch.Ten
     """``(role, leaf, values)`` of every leaf of ``output`` (any structure) holding float
     values; ``values`` is :func:`checkable` of the leaf."""
     if type(output) is _Tensor and output.dtype.is_floating_point and output.layout is _STRIDED \
-            and not output.is_meta and output.numel():
+            and not output.is_meta and not output.is_nested and output.numel():
         return [(role, output, output)]  # the common case: one dense float tensor
     found = []
     for leaf_role, leaf in iter_leaves(output, role):
