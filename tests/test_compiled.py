@@ -170,6 +170,85 @@ def test_a_nan_only_the_compiled_kernels_make_is_reported_as_not_reproduced(fres
     assert not event.trace.reproduced and "Not reproduced: the recorded event" in w.report()
 
 
+def test_direct_calls_of_the_original_module_count_only_while_their_hooks_are_attached(fresh):
+    model, compiled_model, x, optimizer = fresh
+    before = _dynamo_state()
+    with nw.watch(compiled_model, mode="sentinel", on_nan="record") as w:
+        recorder = w.recorder
+        with torch.no_grad():
+            compiled_model(x)
+            model(x)  # a direct call: unseen, as before
+            assert (w.batch, w.parts.sentinel.checks) == (1, 1)
+            assert recorder.attach_direct_call_hooks() and recorder.attach_direct_call_hooks()
+            assert hook_count(model) == 2  # the root's two hooks, once
+            model(x)
+            assert (w.batch, recorder.direct_call, w.parts.sentinel.checks) == (2, True, 2)
+            saved = model.block.linear1.weight[3, 2].item()
+            model.block.linear1.weight[3, 2] = float("nan")
+            model(x)
+            model.block.linear1.weight[3, 2] = saved
+        # Named by the eager replay exactly as a compiled call's NaN is.
+        event = w.event
+        assert (event.batch, event.module, event.origin, event.role) == (2, "block.linear1",
+                                                                         "weight", "weight")
+        # Replayed: batch 2, and the direct call of batch 1 for the frames before it, whose
+        # weights changed since (the NaN was written in between), as for compiled calls.
+        assert event.trace.reproduced and w.parts.sentinel.replays == 2
+        assert event.frames_note.endswith("batch 1 was not recorded and its weights changed "
+                                          "since it ran; snapshot_weights=True keeps copies")
+        recorder.detach_direct_call_hooks()
+        assert hook_count(model) == 0 and not recorder.direct_call_hooks_attached
+        with torch.no_grad():
+            model(x)
+        assert w.batch == 3
+        # The wrapper's next call takes them off before its compiled code runs.
+        recorder.attach_direct_call_hooks()
+        _train_step(compiled_model, optimizer, x)
+        assert hook_count(model) == 0 and (w.batch, recorder.direct_call) == (4, False)
+        recorder.attach_direct_call_hooks()
+    assert hook_count(model) == 0  # close() removed them
+    assert len(w.events) == 1 and _dynamo_state() == before
+
+
+class _Flaky(nn.Sequential):
+    """NaN out of one call once ``poisoned`` is set: state that an eager replay does not restore."""
+
+    poisoned = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.poisoned:
+            self.poisoned = False
+            return out * float("nan")
+        return out
+
+
+def test_compiling_while_direct_call_hooks_are_attached_neither_traces_nor_reruns_them():
+    model = _Flaky(nn.Linear(16, 8), nn.ReLU())  # a class of its own: compiled afresh here
+    compiled_model = torch.compile(model, backend="eager")
+    x = torch.randn(4, 16)
+    before = _dynamo_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sentinel-mode note
+        w = nw.watch(compiled_model, on_nan="record")
+    with w, torch.no_grad():
+        w.recorder.attach_direct_call_hooks()
+        model(x)
+        compiled_model(x)  # compiles now: the hooks on the model came off first
+        assert _dynamo_state()["graphs"] > before["graphs"]
+        assert _dynamo_state()["breaks"] == before["breaks"]
+        assert hook_count(model) == 0 and w.batch == 2 and w.event is None
+        # A direct call's NaN that the eager replay does not meet again: no compiled re-run.
+        w.recorder.attach_direct_call_hooks()
+        model.poisoned = True
+        model(x)
+    event = w.event
+    assert (event.batch, event.module, event.origin) == (2, "", "output")
+    assert event.note.endswith("the batch ran eagerly (a direct call of the original module), "
+                               "so no compiled re-run applies")
+    assert hook_count(compiled_model) == 0
+
+
 def test_watching_the_original_module_of_a_compiled_model_is_refused_at_the_first_call(fresh):
     model, compiled_model, x, _ = fresh
     with nw.watch(compiled_model._orig_mod) as w:

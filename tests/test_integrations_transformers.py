@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -270,21 +271,100 @@ def test_torch_compile_checks_gradient_norms_before_the_optimizer_step(tmp_path,
     assert changed_parameters(model, poison.snapshot) == [] and _optimizer_steps(trainer) == 2
 
 
+class PromptRowDataset(TokenDataset):
+    """Token rows whose row 0 holds token 0 (which no other row holds) and is left out of the
+    loss (labels -100, like a masked prompt): a NaN in token 0's embedding makes that row's
+    logits NaN while the loss stays finite."""
+
+    def __init__(self, rows: int = 8) -> None:
+        super().__init__(rows)
+        self.ids = self.ids.clone()
+        self.ids[0, 3] = 0
+        self.targets = self.ids.clone()
+        self.targets[0] = -100
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "attention_mask": torch.ones_like(self.ids[index]),
+                "labels": self.targets[index]}
+
+
 @pytest.mark.slow
-def test_torch_compile_evaluation_runs_uncompiled_and_its_nan_metric_stops_training(
-        tmp_path, compiled_baseline, caplog):
-    model = tiny_gpt2()
-    poison = PoisonAtStep(GPT2_POISONED, 3, when="eval")  # poisoned when step 2 ends
+def test_torch_compile_evaluation_runs_uncompiled_and_its_nan_logits_stop_training_named(
+        tmp_path, compiled_baseline):
+    model = tiny_gpt2(tie_word_embeddings=False)  # lm_head is not the poisoned embedding
+    poison = PoisonAtStep("transformer.wte", 3, when="eval")  # token 0's row, when step 2 ends
     callback = NanWatchCallback(log_dir=False)
-    with caplog.at_level("WARNING", logger="nanwidget.integrations"):
-        trainer = _train(tmp_path, model, [poison, callback], eval_dataset=TokenDataset(8),
-                         eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4,
-                         **COMPILED)
-    assert any("evaluates the uncompiled model" in r.getMessage() for r in caplog.records)
+    before = _dynamo_state()
+    trainer = _train(tmp_path, model, [poison, callback], eval_dataset=PromptRowDataset(),
+                     eval_strategy="steps", eval_steps=1, eval_on_start=True,
+                     per_device_eval_batch_size=4, **COMPILED)
+    # Evaluated eagerly between compiled steps: the watch added no graph break.
+    assert _dynamo_state()["breaks"] == before["breaks"]
+    eval_losses = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    assert len(eval_losses) == 3 and all(math.isfinite(loss) for loss in eval_losses)
+    # The NaN logits of the evaluation after step 2 stopped training, the module named by the
+    # eager replay of that evaluation batch.
     assert trainer.state.global_step == 2
     assert callback.stop.phase == "eval" and callback.stop.step == 2
-    assert "eval_loss is nan in the evaluation after step 2" in callback.stop.reason
+    event = callback.event
+    assert (event.batch, event.module, event.origin, event.role) == (6, "transformer.wte",
+                                                                     "weight", "weight")
+    assert event.trace is not None and event.trace.reproduced
+    assert "evaluation after step 2, batch 0" in callback.stop.reason
+    # Every forward is a batch: evaluation at the start and after steps 1 and 2, each of 2 batches.
+    table = callback.batches()
+    assert list(table["batch"]) == list(range(8))
+    assert list(zip(table["phase"], table["step"])) == [
+        ("eval", 0), ("eval", 0), ("train", 1), ("eval", 1), ("eval", 1), ("train", 2),
+        ("eval", 2), ("eval", 2)]
+    assert callback.watch.parts.sentinel.checks == 8
     assert hook_count(trainer.model_wrapped) == 0
+
+
+def _begin_as_trainer(self):
+    """Call on_train_begin the way Trainer does: from a frame whose ``self`` is the Trainer
+    (the callback finds the compiled model_wrapped there)."""
+    return self.callback_handler.on_train_begin(self.args, self.state, self.control)
+
+
+@pytest.mark.parametrize("evaluated", ["unseen", "watched"])
+def test_torch_compile_a_nan_eval_metric_stops_training_only_when_no_eval_batch_was_watched(
+        tmp_path, evaluated):
+    model = tiny_gpt2()
+    callback = NanWatchCallback(log_dir=False)
+    trainer = transformers.Trainer(model=model, args=training_args(str(tmp_path / "out")),
+                                   train_dataset=TokenDataset(8), callbacks=[callback])
+    # As accelerate's prepare() leaves it with torch_compile=True (nothing is compiled here:
+    # the wrapper is never called).
+    trainer.model_wrapped = torch.compile(model, backend="eager")
+    handler, args, state, control = trainer.callback_handler, trainer.args, trainer.state, \
+        trainer.control
+    _begin_as_trainer(trainer)
+    try:
+        assert callback.compiled == "wrapper"
+        # Open for eval_on_start; closed when a step begins, open again when it ends.
+        assert callback.watch.recorder.direct_call_hooks_attached and hook_count(model) == 2
+        handler.on_step_begin(args, state, control)
+        assert hook_count(model) == 0
+        handler.on_step_end(args, state, control)
+        assert hook_count(model) == 2
+        if evaluated == "watched":
+            batch = TokenDataset(4)[0]
+            with torch.no_grad():
+                model.eval()(**{k: v[None] for k, v in batch.items()})
+            handler.on_prediction_step(args, state, control)
+        handler.on_evaluate(args, state, control, metrics={"eval_loss": float("nan")})
+    finally:
+        handler.on_train_end(args, state, control)
+    assert hook_count(model) == 0
+    if evaluated == "watched":
+        # The batch the metric came from was checked and finite: judged as an eager model's
+        # evaluation is (a metric of compute_metrics may be NaN on its own).
+        assert callback.stop is None and list(callback.batches()["phase"]) == ["eval"]
+    else:
+        assert callback.stop.phase == "eval" and callback.event is None
+        assert ("eval_loss is nan in the evaluation after step 0 (the watch on the compiled model "
+                "saw none of its batches") in callback.stop.reason
 
 
 def test_a_model_given_to_the_trainer_compiled_is_watched_in_sentinel_mode(tmp_path):

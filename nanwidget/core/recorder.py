@@ -28,6 +28,18 @@ Recomputation
     Backward frames of recomputed modules still belong to batch N (see
     :mod:`~nanwidget.core.grads.backward`).
 
+Direct calls of a compiled model's original module
+    A watch whose entry is a ``torch.compile`` wrapper counts the wrapper's calls as batches.
+    :meth:`Recorder.attach_direct_call_hooks` also counts direct (eager) calls of the original
+    module, for a stretch where the caller knows that nothing compiles (a framework evaluating
+    the uncompiled model between compiled training steps): the root's two hooks go on the
+    original module too. Hooks on it must never be there while Dynamo compiles the wrapper (it
+    traces them: a graph break), so they come off at :meth:`detach_direct_call_hooks`, at
+    :meth:`close`, and at the start of the wrapper's next call, before its compiled code runs.
+    Compiled calls of an already compiled wrapper do not run them (Dynamo does not guard on
+    hooks), so a compiled call inside the stretch would be unseen by them but is still counted
+    by the wrapper's own hooks.
+
 Threads
     One forward at a time: a watched forward that a second thread enters while another
     thread's forward is running raises :class:`ConcurrentForwardError` before anything runs
@@ -207,7 +219,8 @@ class Recorder:
     ``allow_inf``: module name globs and module classes whose outputs may hold ±inf on purpose.
     ``root_only``: hook only the root (sentinel mode); :meth:`attach_module_hooks` hooks every
     module for the batches recorded in full. ``entry``: the module whose call is one batch when
-    it is not ``model`` (the ``torch.compile`` wrapper around it); the root's hooks go there.
+    it is not ``model`` (the ``torch.compile`` wrapper around it); the root's hooks go there
+    (and, while :meth:`attach_direct_call_hooks` says so, on ``model`` too).
     """
 
     def __init__(self, model: nn.Module, *, max_frames: int = 21,
@@ -259,6 +272,9 @@ class Recorder:
         self._ring = FrameBuffer(max_frames)
         self._trace_frames: dict[int, list[Frame]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # The root hooks on the original module while direct calls count (see the docstring).
+        self._direct_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._direct_call = False  # the running (or last) batch came through them
         self._module_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._infos: dict[int, ModuleInfo] = {}
         # A module compiled in place (module.compile()) runs its hooks under Dynamo's frame
@@ -354,6 +370,55 @@ class Recorder:
                 if not info.is_root:
                     info.pre_entries.clear()
 
+    @property
+    def direct_call_hooks_attached(self) -> bool:
+        """Whether direct calls of the original module count as batches now (see
+        :meth:`attach_direct_call_hooks`)."""
+        return bool(self._direct_handles)
+
+    @property
+    def direct_call(self) -> bool:
+        """Whether the batch running now (or the last one) was opened by a direct call of the
+        original module (:meth:`attach_direct_call_hooks`) rather than by the entry: it ran
+        eagerly, not compiled. Features read it in ``on_batch_start``."""
+        return self._direct_call
+
+    def attach_direct_call_hooks(self) -> bool:
+        """When the entry is a ``torch.compile`` wrapper, count direct calls of the original
+        module (``recorder.model``) as batches too: the root's pre- and forward hooks go on it,
+        so such a call is one batch exactly like a wrapper call (features see it the same way).
+        Returns whether they are attached (False when the entry is the model itself: every
+        call counts already; or when closed). Idempotent.
+
+        Only for a stretch in which the wrapper is not compiled: Dynamo compiling it while
+        these hooks are on traces them (a graph break). They are removed by
+        :meth:`detach_direct_call_hooks`, :meth:`close`, and the wrapper's next call, before its
+        compiled code runs."""
+        with self._lock:
+            if self._closed or self.entry is self.model:
+                return False
+            if self._direct_handles:
+                return True
+            model = self.model
+            handles = self._direct_handles
+            try:
+                handles.append(model.register_forward_pre_hook(self._root_pre_hook,
+                                                               with_kwargs=True))
+                handles.append(model.register_forward_hook(
+                    self._forward_hook, with_kwargs=True, always_call=True,
+                    prepend=is_fsdp_unit(model)))
+            except BaseException:
+                self.detach_direct_call_hooks()
+                raise
+            return True
+
+    def detach_direct_call_hooks(self) -> None:
+        """Remove the hooks :meth:`attach_direct_call_hooks` added; idempotent."""
+        with self._lock:
+            for handle in self._direct_handles:
+                handle.remove()
+            self._direct_handles.clear()
+
     def _install_root_hooks(self) -> None:
         pre_hook, forward_hook = self._root_pre_hook, self._forward_hook
         if self._compiled_in_place and self.entry is self.model:
@@ -441,6 +506,10 @@ class Recorder:
         return self._suspended > 0 and self._suspended_thread == _get_ident()
 
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._direct_handles and module is not self.model:
+            # The compile wrapper is called: off with the original module's hooks before its
+            # compiled code runs (Dynamo would trace them if it compiled now).
+            self.detach_direct_call_hooks()
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
         if "torch._dynamo" in sys.modules:
@@ -465,6 +534,7 @@ class Recorder:
                         self._end_interrupted_locked()
                 if refusal is None:
                     self._root_depth = 1
+                    self._direct_call = module is not self.entry
                     self._root_frame = sys._getframe(1)
                     self._root_thread = _get_ident()
                     # An exception already being handled when the forward starts (a forward
@@ -905,10 +975,11 @@ class Recorder:
             except Exception as error:  # closing must always succeed
                 self.internal_error(error)
             self._closed = True
-            for handle in self._handles + self._module_handles:
+            for handle in self._handles + self._module_handles + self._direct_handles:
                 handle.remove()
             self._handles.clear()
             self._module_handles.clear()
+            self._direct_handles.clear()
             for module in [info.module for info in self.modules] + [self.entry]:
                 reference = _WATCHED.get(module)
                 if reference is not None and reference() is self:

@@ -32,9 +32,17 @@ graph break and no recompile, every batch's outputs are checked (and with ``back
 gradients when the backward pass ends), the gradient norms are still checked before each
 optimizer step, and a failing batch is replayed eagerly to name the module. A model handed to the
 Trainer already compiled (``torch.compile(model)`` or ``model.compile()``) is watched the same
-way. During ``train()`` transformers evaluates the uncompiled model, which a watch on the
-wrapper does not see: a non-finite evaluation metric (``eval_loss``) still stops training, with
-no module named (evaluate without ``torch_compile`` to find it).
+way. During ``train()`` transformers evaluates the uncompiled model (``trainer.model``) eagerly,
+not the wrapper: from the end of each optimizer step (``on_step_end``, ``on_epoch_end``; and from
+``on_train_begin`` for ``eval_on_start``) until the next one begins (``on_step_begin``) the watch
+also counts direct calls of the uncompiled model as batches
+(:meth:`nanwidget.core.recorder.Recorder.attach_direct_call_hooks`), so evaluation batches are
+numbered, checked and, on a NaN/Inf, replayed to name the module, as for an eager model. Nothing
+compiles in that stretch; the hooks on the uncompiled model come off before the next training
+step (and at the wrapper's next call in any case, before its compiled code runs, so that Dynamo
+never traces them), at ``on_train_end`` and at :meth:`NanWatchCallback.close`. An evaluation that
+ran no watched batch (one started outside that stretch) is still judged by its metrics: a
+non-finite one (``eval_loss``) stops training, with no module named.
 """
 
 from __future__ import annotations
@@ -110,7 +118,9 @@ class NanWatchCallback(TrainerCallback):
         self.stop: TrainingStop | None = None  # set when the callback stopped training
         self._guard: StepGuard | None = None
         self.compiled = ""  # how the watched model is compiled: "" (eager), "wrapper", ...
-        self._eval_unwatched = False
+        # Evaluation runs the uncompiled model, not the watched compile wrapper: the watch
+        # counts direct calls of it between optimizer steps (see the module docstring).
+        self._eval_direct = False
         self._stopped_this_step = False
         self._micro = 0
         self._eval_index = 0
@@ -172,6 +182,7 @@ class NanWatchCallback(TrainerCallback):
             raise
         self.watch = self._guard.watch
         self._guard.batches.noted_until = self.watch.batch
+        self._watch_evaluation()  # eval_on_start evaluates before the first step
 
     def _watch_target(self, args: TrainingArguments,
                       model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -188,19 +199,17 @@ class NanWatchCallback(TrainerCallback):
                 or not any(module is model for module in outer.modules()):
             outer = model  # DDP (the hooks go on the module inside) or an eager model
         self.compiled = _compiled(outer)
-        # Evaluation calls the model callbacks are given: unwatched when the watch is on a
-        # wrapper around it (transformers evaluates the uncompiled model during train()).
-        self._eval_unwatched = outer is not model
+        # Evaluation calls the model callbacks are given (transformers evaluates the uncompiled
+        # model during train()), not the wrapper the watch is on.
+        self._eval_direct = outer is not model
         if self.compiled:
             options.setdefault("mode", "sentinel")  # mode="full" is refused by nw.watch
             logger.info("nanwidget: the Trainer's model is compiled (%s): watching it in sentinel "
                         "mode (outputs checked each batch, gradients before each optimizer step, "
                         "a failing batch replayed eagerly to name the module)", self.compiled)
-            if self._eval_unwatched and (args.eval_strategy != "no" or args.eval_on_start):
-                logger.warning(
-                    "nanwidget: torch_compile=True: transformers evaluates the uncompiled model "
-                    "during train(), outside the watch on the compiled one; a non-finite "
-                    "evaluation metric (eval_loss) still stops training, without a module named")
+            if self._eval_direct and (args.eval_strategy != "no" or args.eval_on_start):
+                logger.info("nanwidget: transformers evaluates the uncompiled model during "
+                            "train(): its calls between optimizer steps are watched too")
         elif args.torch_compile:
             # Nothing compiled was found (a Trainer that compiles later or elsewhere): watch the
             # model as given; should it run inside compiled code, nw.CompiledCallError says so.
@@ -231,6 +240,7 @@ class NanWatchCallback(TrainerCallback):
         if self._guard is None or self._guard.closed:
             return
         self._note_eval(state)  # an evaluation between two steps
+        self._unwatch_evaluation()  # before the next compiled training call
         self._micro = 0
         self._stopped_this_step = False
 
@@ -270,6 +280,13 @@ class NanWatchCallback(TrainerCallback):
             # callback, which runs first, may have asked for them).
             control.should_save = False
             control.should_evaluate = False
+        # Whatever evaluates after this step (Trainer._maybe_log_save_evaluate) runs before the
+        # next on_step_begin.
+        self._watch_evaluation()
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        self._watch_evaluation()  # the evaluation at the end of an epoch
 
     # ------------------------------------------------------------------ evaluation
     def on_prediction_step(self, args: TrainingArguments, state: TrainerState,
@@ -285,9 +302,10 @@ class NanWatchCallback(TrainerCallback):
         if guard is None or guard.closed:
             return
         self._note_eval(state)
-        self._eval_index = 0
+        watched_batches, self._eval_index = self._eval_index, 0
         found = guard.findings(check_grads=False)
-        if self._eval_unwatched and not found:
+        if self._eval_direct and not watched_batches and not found:
+            # An evaluation of the uncompiled model that the watch did not see.
             found.loss = _non_finite_metric(kwargs.get("metrics"), state.global_step)
         if not guard.stops or self.stop is not None:  # the first stop is the one that counts
             return
@@ -298,6 +316,16 @@ class NanWatchCallback(TrainerCallback):
                        decision)
 
     # ------------------------------------------------------------------ helpers
+    def _watch_evaluation(self) -> None:
+        """Count direct calls of the uncompiled model (evaluation during train()) as batches,
+        until :meth:`_unwatch_evaluation`; only when the watch is on a compile wrapper."""
+        if self._eval_direct and self._guard is not None and not self._guard.closed:
+            self.watch.recorder.attach_direct_call_hooks()
+
+    def _unwatch_evaluation(self) -> None:
+        if self._eval_direct and self.watch is not None:
+            self.watch.recorder.detach_direct_call_hooks()
+
     def _note_train(self, state: TrainerState) -> None:
         self._micro = self._guard.batches.note_until(self.watch.batch, "train",
                                                      state.global_step + 1, self._micro)
@@ -345,8 +373,9 @@ class NanWatchCallback(TrainerCallback):
 
 def _non_finite_metric(metrics: Any, step: int) -> str | None:
     """The finding for a non-finite evaluation metric, or None. With torch_compile=True,
-    transformers evaluates the uncompiled model during train(), which the watch on the compiled
-    model does not see: its metrics are what is left to look at."""
+    transformers evaluates the uncompiled model during train(); an evaluation whose batches the
+    watch did not see (run outside the stretch between optimizer steps) leaves only its
+    metrics to look at."""
     if not isinstance(metrics, dict):
         return None
     bad = [(name, value) for name, value in metrics.items()
@@ -355,6 +384,6 @@ def _non_finite_metric(metrics: Any, step: int) -> str | None:
     if not bad:
         return None
     name, value = bad[0]
-    return (f"{name} is {value} in the evaluation after step {step} (transformers evaluated the "
-            "uncompiled model, outside the watch on the compiled one: no module is named; "
-            "evaluate without torch_compile to find it)")
+    return (f"{name} is {value} in the evaluation after step {step} (the watch on the compiled "
+            "model saw none of its batches: no module is named; evaluate without torch_compile "
+            "to find it)")

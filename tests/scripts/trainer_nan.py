@@ -25,10 +25,11 @@ GPT2_POISONED = "transformer.h.0.mlp.c_fc"
 BERT_POISONED = "bert.encoder.layer.0.intermediate.dense"
 
 
-def tiny_gpt2() -> torch.nn.Module:
+def tiny_gpt2(tie_word_embeddings: bool = True) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                     tie_word_embeddings=tie_word_embeddings)
     return transformers.GPT2LMHeadModel(config)
 
 

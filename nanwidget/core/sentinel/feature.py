@@ -31,7 +31,11 @@ something the replay cannot restore), the event says so plainly, with what was c
 
 ``sample_every=N`` and ``trace_batches`` batches are recorded in full: module hooks are attached
 for that batch only (a compiled model skips module hooks, so its sampled batches are recorded
-by an eager replay after the compiled forward instead).
+by an eager replay after the compiled forward instead). Direct calls of a compiled model's
+original module that the recorder counts as batches
+(:meth:`~nanwidget.core.recorder.Recorder.attach_direct_call_hooks`) are checked, held and
+replayed the same way; they ran eagerly, so a NaN that their replay does not meet again gets
+no compiled re-run.
 """
 
 from __future__ import annotations
@@ -95,6 +99,9 @@ class Sentinel(Feature):
         self.replays = 0
         self.last_replay_seconds = 0.0
         self._full_batches: list[int] = []  # recent batches recorded in full, live
+        # Recent batches of a compiled model that ran eagerly: direct calls of the original
+        # module (Recorder.attach_direct_call_hooks); no compiled re-run of those.
+        self._eager_batches: list[int] = []
         self._hooked_batch: int | None = None  # module hooks attached for this batch
         self._replay_sample: int | None = None  # compiled: record this batch by eager replay
         self._forward_batch: int | None = None
@@ -123,6 +130,8 @@ class Sentinel(Feature):
                 self._output_grads = {b: g for b, g in self._output_grads.items() if b == batch}
         else:
             self._forward_index += 1
+        if self.compiled and self.recorder.direct_call and batch not in self._eager_batches:
+            self._eager_batches = (self._eager_batches + [batch])[-8:]
         if batch in self.trace_batches or (self.sample_every and batch % self.sample_every == 0):
             if self.compiled:
                 self._replay_sample = batch
@@ -389,7 +398,10 @@ class Sentinel(Feature):
         first = bad[0]
         note = (f"not reproduced by an eager replay of batch {batch}: its {len(frames)} module "
                 f"frames and {len(trace.ops)} ops stayed finite")
-        if self.compiled:
+        if self.compiled and batch in self._eager_batches:
+            note += ("; the batch ran eagerly (a direct call of the original module), so no "
+                     "compiled re-run applies")
+        elif self.compiled:
             try:
                 again = rerun_compiled(self.recorder, held, self.capture.slots)
             except Exception as error:  # a failed re-run must not hide the event
