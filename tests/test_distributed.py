@@ -186,6 +186,25 @@ def test_fsdp2_nan_in_one_ranks_shard_is_blamed_on_its_weight_and_every_rank_sto
 
 
 @pytest.mark.slow
+def test_fsdp2_in_sentinel_mode_stops_every_rank_before_the_step_without_a_replay():
+    # A replay would run FSDP's forward on one rank (waiting for the others' all-gathers): the
+    # event says it was not replayed, and the gradient check reads each rank's own shard.
+    finished = _torchrun(["-m", "nanwidget.examples.fsdp_nan", "--mode", "sentinel",
+                          "--nan-in", "backward", "--nan-rank", "1", "--nan-batch", "3"])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "internal error" not in finished.stderr
+    results = _results(finished.stdout)
+    for rank in (0, 1):
+        result = results[rank]
+        assert (result["stopped_at"], result["last_step"], result["is_backward"]) == (3, 2, True)
+        assert result["origin"] in ("grad", "peer")
+        if result["origin"] == "grad":
+            assert result["note"].startswith("not replayed: cannot replay a model sharded with "
+                                             "FSDP2")
+    assert all(results[rank]["shards_finite"] for rank in (0, 1))
+
+
+@pytest.mark.slow
 def test_fsdp2_nan_born_in_backward_stops_every_rank_out_of_loss_backward(tmp_path):
     finished = _torchrun(["-m", "nanwidget.examples.fsdp_nan", "--nan-in", "backward",
                           "--nan-rank", "1", "--nan-batch", "2", "--batches", "4"])

@@ -184,6 +184,28 @@ def test_gradients_are_checked_after_backward_and_the_step_never_sees_them():
     assert w.parts.sentinel.grad_checks == 3
 
 
+def test_every_backward_end_is_reviewed_also_when_nothing_was_found():
+    # The DDP consensus exchanges its flag there on every rank: a rank whose own gradients are
+    # finite (FSDP2 shards, no_sync micro-steps) must still reach the exchange.
+    from nanwidget.core.recorder import Feature
+
+    class Reviews(Feature):
+        def __init__(self) -> None:
+            self.reasons: list[tuple[int, str, bool]] = []
+
+        def review_event(self, batch, event, reason):
+            self.reasons.append((batch, reason, event is not None))
+            return event
+
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 1))
+    with nw.watch(model, mode="sentinel", backward=True) as w:
+        reviews = w.add_feature(Reviews())
+        for x in _batches(3):
+            model(x).mean().backward()
+    assert [r for r in reviews.reasons if r[1] == "backward"] == [
+        (0, "backward", False), (1, "backward", False), (2, "backward", False)]
+
+
 def test_a_nan_that_never_reaches_outputs_or_gradients_is_not_an_event_in_sentinel_mode():
     class BlowUp(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -273,6 +295,7 @@ def test_an_event_the_replay_does_not_reproduce_says_so_plainly():
                                  "frames and ")
     assert "stayed finite" in event.note
     assert event.note in event.summary() and event.note in w.report()
+    assert "made here" not in event.summary()
     assert not event.frames.empty and not event.frames["nan"].any()
     assert not event.trace.reproduced and event.trace.expected.startswith("nan in batch 2")
 
@@ -308,6 +331,9 @@ def test_a_replay_that_raises_keeps_the_event_it_was_asked_to_explain():
     assert event.note == ("not replayed: the replay of batch 2 failed (RuntimeError: external "
                           "state is gone)")
     assert event.note in w.report()
+    # Nothing checked where it was made: the summary does not say "made here".
+    assert "output: found in the model's outputs (where it was made was not checked)" \
+        in event.summary()
 
 
 def test_a_backward_replay_that_raises_keeps_the_gradient_event():

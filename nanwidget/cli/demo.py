@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.events import ORIGIN_WORDS, NanDetected
+from ..core.events import NanDetected
 from ..core.watch import watch as start_watch
 from ..plots import plot_frames, plot_history
 
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     growth = f"{losses[0]:.3g} -> {max(losses):.3g}" if losses else "n/a"
     print(f"nanwidget demo: loss diverged at lr={args.lr:g} ({growth} in {len(losses)} steps); "
           f"caught {event.kind} in batch {event.batch} at module '{event.module_label}' "
-          f"({event.module_type}): {ORIGIN_WORDS.get(event.origin, event.origin)}")
+          f"({event.module_type}): {event.origin_words}")
     print()
     print("losses: " + ", ".join(f"{loss:.3g}" for loss in losses))
     print()

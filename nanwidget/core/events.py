@@ -10,7 +10,7 @@ import pandas as pd
 from .schema import EVENT_FIELDS, FRAME_COLUMNS
 
 __all__ = ["NanEvent", "GradEvent", "NanDetected", "NanWarning", "AbortAfterBatch",
-           "ORIGIN_WORDS", "event_fields", "event_from_fields"]
+           "ORIGIN_WORDS", "UNVERIFIED_NOTES", "event_fields", "event_from_fields"]
 
 ORIGIN_WORDS = {
     "output": "made here from finite inputs and weights",
@@ -20,6 +20,11 @@ ORIGIN_WORDS = {
     "grad": "found in a gradient",
     "peer": "another rank found a NaN/Inf in this batch; this rank stops with it",
 }
+
+# The start of the ``note`` of an event whose origin nothing verified: a sentinel-mode event
+# seen in the model's outputs that no replay explained (refused, failed, or met finite values).
+UNVERIFIED_NOTES = ("not replayed", "not reproduced")
+_UNVERIFIED_WORDS = "found in the model's outputs (where it was made was not checked)"
 
 
 @dataclass
@@ -59,6 +64,13 @@ class NanEvent:
         """The module as a user reads it: its name, or "<root>" for the model itself."""
         return self.module or "<root>"
 
+    @property
+    def origin_words(self) -> str:
+        """The origin in words; for an output event no replay explained, only where it was seen."""
+        if self.origin == "output" and self.note.startswith(UNVERIFIED_NOTES):
+            return _UNVERIFIED_WORDS
+        return ORIGIN_WORDS.get(self.origin, self.origin)
+
     def summary(self) -> str:
         """One line naming batch, module, role, kind and origin."""
         phase = " (backward)" if self.is_backward else ""
@@ -68,8 +80,7 @@ class NanEvent:
                     f"(found on rank {self.peer_rank}; rank {self.rank} stops with it)")
         rank = f" on rank {self.rank}" if self.rank else ""
         text = (f"{self.kind} in batch {self.batch}{rank}{phase} at module '{self.module_label}' "
-                f"({self.module_type}, call {self.call}), {self.role}: "
-                f"{ORIGIN_WORDS.get(self.origin, self.origin)}")
+                f"({self.module_type}, call {self.call}), {self.role}: {self.origin_words}")
         first = getattr(self.trace, "first_bad", None)
         if first is not None:
             where = (f"at {first['source']}" if first["source"]

@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a NaN in a weight shard (default) or born in backward")
     parser.add_argument("--torch-path-ranks", default="",
                         help="comma-separated ranks that measure with torch ops (NANWIDGET_NATIVE=0)")
+    parser.add_argument("--mode", default="full", choices=["full", "sentinel"],
+                        help="the watch's mode (default full)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds before a collective counts as hung (default 60)")
     return parser.parse_args(argv)
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"rank": rank, "world": world, "stopped_at": None, "last_step": None,
                     "sharded_type": type(model.fc2.weight).__name__,
                     "shard_shape": list(model.fc2.weight.to_local().shape)}
-    with nw.watch(model, log_dir=args.log_dir, backward=True, max_frames=200) as watch:
+    with nw.watch(model, log_dir=args.log_dir, backward=True, max_frames=200,
+                  mode=args.mode) as watch:
         try:
             for batch in range(args.batches):
                 x = torch.randn(8, 16, generator=data)
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             result.update(stopped_at=batch, exception="NanDetected", event_batch=event.batch,
                           event_rank=event.rank, peer_rank=event.peer_rank, module=event.module,
                           origin=event.origin, role=event.role, is_backward=event.is_backward,
-                          recorded=[(e.rank, e.origin) for e in watch.events], message=str(error))
+                          recorded=[(e.rank, e.origin) for e in watch.events], message=str(error),
+                          note=event.note)
         frames = watch.frames()
         weights = frames[(frames.module == "fc2") & (frames.role == "weight")]
         result["fc2_weight_rows"] = weights[["batch", "shape", "nan", "note"]].values.tolist()

@@ -24,7 +24,7 @@ from ..recorder import Feature, Recorder
 from ..trace import Trace
 from .capture import (BatchCapture, BatchNotHeldError, InputModifiedError, ReplayError,
                       MAX_EVENT_BATCHES, MAX_FORWARDS_PER_BATCH)
-from .run import replay_held_batch
+from .run import refuse_unreplayable, replay_held_batch
 
 __all__ = ["Replayer", "BatchCapture", "Trace", "ReplayError", "BatchNotHeldError",
            "InputModifiedError", "MAX_AUTO_REPLAYS", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
@@ -49,13 +49,7 @@ class Replayer(Feature):
         """Re-run ``batch`` in trace mode (see :meth:`nanwidget.NanWatch.replay`); ``expected``:
         the event the replay checks for (default: the batch's recorded event)."""
         held = self.capture.batch_to_replay(batch)
-        sharded = [info.label for info in self.recorder.modules if info.sharded]
-        if sharded:
-            raise ReplayError(
-                f"cannot replay a model sharded with FSDP2 (fully_shard manages "
-                f"'{sharded[0]}'): its forward gathers parameters from every rank, and a replay "
-                "runs on this rank alone, so it would wait for the others forever. Replay an "
-                "unsharded copy of the model on one process instead")
+        refuse_unreplayable(self.recorder, self.capture, held)
         if self.replaying:
             raise ReplayError("a replay is already running (replay() cannot be called from "
                               "inside the model while it is being replayed)")

@@ -27,7 +27,7 @@ from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, Weigh
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
 
-__all__ = ["replay_held_batch", "replay_frames", "expect_event", "eager_calls", "OutputGrads",
+__all__ = ["replay_held_batch", "replay_frames", "refuse_unreplayable", "expect_event", "eager_calls", "OutputGrads",
            "set_forward_state", "forward_arguments", "forward_modes"]
 
 _Tensor = torch.Tensor
@@ -46,7 +46,7 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
     if expected is None:
         expected = next((e for e in recorder.events if e.batch == held.batch
                          and not e.is_backward and e.origin != "peer"), None)
-    _refuse_other_model(capture, held)
+    refuse_unreplayable(recorder, capture, held)
     return _Replay(recorder, capture, held, loss_fn, expected).run()[0]
 
 
@@ -61,7 +61,7 @@ def replay_frames(recorder: Recorder, capture: BatchCapture, held: HeldBatch, *,
     way the live watch records them (gradient hooks on tensors).
     The trace expects no event (its caller knows which one it is after: see
     :func:`expect_event`)."""
-    _refuse_other_model(capture, held)
+    refuse_unreplayable(recorder, capture, held)
     return _Replay(recorder, capture, held, None, None, trace_ops=trace_ops,
                    output_grads=output_grads, backward_frames=backward_frames).run()
 
@@ -75,7 +75,17 @@ def expect_event(trace: Trace, frames: list[Frame], expected: NanEvent, inf_allo
     trace.found = found.summary() if found is not None else ""
 
 
-def _refuse_other_model(capture: BatchCapture, held: HeldBatch) -> None:
+def refuse_unreplayable(recorder: Recorder, capture: BatchCapture, held: HeldBatch) -> None:
+    """Raise :class:`ReplayError` when ``held`` cannot be replayed faithfully on this process
+    alone: a model sharded with FSDP2 (its forward would wait for the other ranks' all-gathers,
+    forever) or a model whose modules changed since the watch hooked it."""
+    sharded = [info.label for info in recorder.modules if info.sharded]
+    if sharded:
+        raise ReplayError(
+            f"cannot replay a model sharded with FSDP2 (fully_shard manages '{sharded[0]}'): "
+            "its forward gathers parameters from every rank, and a replay runs on this rank "
+            "alone, so it would wait for the others forever. Replay an unsharded copy of the "
+            "model on one process instead")
     structure = capture.slots.structure_changes()
     if structure:
         raise ReplayError(f"cannot replay batch {held.batch}: the model is not the one this watch "

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .. import native
-from ..stats import measure_tensor
+from ..stats import local_shard, measure_tensor
 from ..walk import iter_leaves
 
 __all__ = ["NonFiniteCheck", "BadTensor", "float_leaves", "checkable", "device_numbers"]
@@ -54,6 +54,7 @@ class BadTensor:
 def checkable(tensor: torch.Tensor) -> torch.Tensor | None:
     """The dense real tensor whose values decide whether ``tensor`` holds a NaN/Inf, or None
     when it holds no floating-point values (integers, bools, meta or empty tensors)."""
+    tensor = local_shard(tensor)  # a DTensor (FSDP2 gradients): this rank's shard, no collective
     try:
         if getattr(tensor, "is_nested", False):
             try:

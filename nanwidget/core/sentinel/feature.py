@@ -264,9 +264,11 @@ class Sentinel(Feature):
                     event = self._backward_event(batch, grads, bad_grads)
         except Exception as error:
             recorder.internal_error(error)
-            return
-        if event is not None:
-            recorder.conclude(batch, event, reason="backward", raising=True)
+            event = None
+        # Also with nothing found: the end of a backward pass is a boundary every rank reaches,
+        # where the DDP consensus exchanges its flag on every rank (gradients differ between
+        # ranks under FSDP2 and no_sync(), so the others may not have found anything).
+        recorder.conclude(batch, event, reason="backward", raising=True)
 
     # ------------------------------------------------------------------ replays
     def _forward_event(self, batch: int, forward: int, bad: list[BadTensor]) -> NanEvent:
@@ -278,6 +280,8 @@ class Sentinel(Feature):
             return self._unreplayed(batch, forward, bad, f"not replayed: {error}")
         try:
             trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True)
+        except ReplayError as error:  # refused before running (FSDP2, a changed model)
+            return self._unreplayed(batch, forward, bad, f"not replayed: {error}")
         except Exception as error:  # the NaN was seen: a failed replay must not lose it
             return self._unreplayed(batch, forward, bad, _replay_failed(batch, error))
         self.replays += 1
@@ -303,6 +307,8 @@ class Sentinel(Feature):
         try:
             trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True,
                                           output_grads=grads, backward_frames=True)
+        except ReplayError as error:  # refused before running (FSDP2, a changed model)
+            return self._grad_event(batch, bad, f"not replayed: {error}")
         except Exception as error:  # the NaN was seen: a failed replay must not lose it
             return self._grad_event(batch, bad, _replay_failed(batch, error))
         self.replays += 1
@@ -444,9 +450,9 @@ class Sentinel(Feature):
     def _attach_trace(self, event: NanEvent) -> None:
         try:
             held = self.capture.batch_to_replay(event.batch)
+            trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True)
         except ReplayError:
-            return
-        trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True)
+            return  # the event stands without a trace (FSDP2, batch not held, model changed)
         self.replays += 1
         expect_event(trace, frames, event, self.recorder.inf_allowed)
         event.trace = trace
@@ -455,9 +461,9 @@ class Sentinel(Feature):
         """A sampled or trace batch of a compiled model: its frames from an eager replay."""
         try:
             held = self.capture.batch_to_replay(batch)
+            _, frames = replay_frames(self.recorder, self.capture, held, trace_ops=False)
         except ReplayError:
             return
-        _, frames = replay_frames(self.recorder, self.capture, held, trace_ops=False)
         self.replays += 1
         self.recorder.add_frames(frames)
         self._full_batches = (self._full_batches + [batch])[-8:]
