@@ -173,7 +173,10 @@ def recorded_page(lab, chromium):
 
 
 def _box(page, selector: str) -> dict:
-    box = page.locator(selector).first.bounding_box()
+    element = page.locator(selector).first
+    # A theme swap or a re-render can hide it for a moment: give it the time a user would.
+    element.wait_for(state="visible", timeout=15_000)
+    box = element.bounding_box()
     assert box is not None, f"{selector} is not displayed"
     return box
 
@@ -276,6 +279,8 @@ def test_lab_dark_theme_keeps_alert_text_readable(recorded_page):
         assert light[name] >= 4.5, (name, light[name])
         assert dark[name] >= 4.5, (name, dark[name])
     lab_command(page, "apputils:change-theme", {"theme": "JupyterLab Light"})
+    page.wait_for_selector('body[data-jp-theme-light="true"]', state="attached")
+    page.locator(".nw-browser .nw-export").wait_for(state="visible")
 
 
 def test_lab_export_reaches_the_browser_as_a_download(recorded_page, lab):
