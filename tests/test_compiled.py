@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import warnings
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 import nanwidget as nw
 
 from conftest import TinyMLP, hook_count
 
 pytestmark = pytest.mark.slow
-
-dynamo = pytest.importorskip("torch._dynamo")
-from torch._dynamo.utils import counters  # noqa: E402
 
 
 class SmallTransformer(nn.Module):
@@ -123,7 +122,6 @@ def test_a_nan_is_replayed_eagerly_and_named_as_full_mode_names_it_on_the_eager_
         assert getattr(event, field) == getattr(expected, field), field
     assert (event.batch, event.module, event.origin) == (1, "block.linear1", "weight")
     own = event.frames[event.frames["batch"] == 1].drop(columns="batch").reset_index(drop=True)
-    pd = pytest.importorskip("pandas")
     pd.testing.assert_frame_equal(own, expected.frames.drop(columns="batch").reset_index(drop=True))
     # The NaN came with a weight, so no op made it; the replay met the event again.
     assert event.trace.first_bad is None and event.trace.reproduced

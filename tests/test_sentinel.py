@@ -13,7 +13,7 @@ from torch import nn
 import nanwidget as nw
 from nanwidget.core import native
 
-from conftest import TinyMLP, hook_count
+from conftest import hook_count
 
 
 def _batches(count: int = 6, nan_at: int | None = None) -> list[torch.Tensor]:
@@ -272,20 +272,25 @@ def test_log_dir_holds_the_event_its_trace_and_the_sampled_history(tiny_mlp, tmp
     assert run.manifests[0]["options"]["mode"] == "sentinel"
 
 
+class NanOnThirdCall(nn.Module):
+    """NaN on its third call only; with ``raise_later``, every later call raises (a replay is
+    one of them)."""
+
+    def __init__(self, raise_later: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+        self.calls = 0
+        self.raise_later = raise_later
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.raise_later and self.calls > 3:
+            raise RuntimeError("external state\nis gone")
+        return self.fc(x) * (float("nan") if self.calls == 3 else 1.0)
+
+
 def test_an_event_the_replay_does_not_reproduce_says_so_plainly():
-    class Flaky(nn.Module):
-        """NaN on its third call only: a replay runs it a fourth time."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(16, 4)
-            self.calls = 0
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            self.calls += 1
-            return self.fc(x) * (float("nan") if self.calls == 3 else 1.0)
-
-    model = Flaky()
+    model = NanOnThirdCall()
     with nw.watch(model, mode="sentinel", on_nan="record") as w:
         for x in _batches(4):
             model(x)
@@ -300,23 +305,8 @@ def test_an_event_the_replay_does_not_reproduce_says_so_plainly():
     assert not event.trace.reproduced and event.trace.expected.startswith("nan in batch 2")
 
 
-class BreaksOnReplay(nn.Module):
-    """NaN on its third call; every later call raises (the replay is one of them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 4)
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.calls > 3:
-            raise RuntimeError("external state\nis gone")
-        return self.fc(x) * (float("nan") if self.calls == 3 else 1.0)
-
-
 def test_a_replay_that_raises_keeps_the_event_it_was_asked_to_explain():
-    model = BreaksOnReplay()
+    model = NanOnThirdCall(raise_later=True)
     with nw.watch(model, mode="sentinel") as w:
         xs = _batches(4)
         model(xs[0])

@@ -222,7 +222,3 @@ class EntryBuilder:
                 entries.append((name, stats, tensor.dtype, _shape_of(tensor), note))
         fresh.resolve()
         return entries
-
-    def forget_weights(self) -> None:
-        """Drop cached weight entries: the next call measures every parameter again."""
-        self._weight_cache.clear()

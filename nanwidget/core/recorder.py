@@ -473,10 +473,6 @@ class Recorder:
     def features(self) -> list[Feature]:
         return list(self._features)
 
-    def module_info(self, module: nn.Module) -> ModuleInfo | None:
-        """The watched module's info, or None for a module this recorder does not hook."""
-        return self._infos.get(id(module))
-
     def add_feature(self, feature: Feature) -> Feature:
         """Let ``feature`` see batches and events from now on (in the order added)."""
         with self._lock:

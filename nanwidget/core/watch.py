@@ -194,14 +194,20 @@ def _each_batch(items: list[Any]) -> frozenset[int]:
     return frozenset(batches)
 
 
+def _one_or_many(value: Any, takes: str) -> list:
+    """A list of the items of an option that takes one string or class, or several."""
+    if isinstance(value, (str, type)):
+        return [value]
+    try:
+        return list(value)
+    except TypeError:
+        raise TypeError(f"{takes}, got {value!r}") from None
+
+
 def _skip_types(model: nn.Module, value: Any) -> tuple[tuple[type, ...], frozenset[str]]:
     """Module classes or class names; one class or one name alone is accepted too."""
-    items = [value] if isinstance(value, (str, type)) else value
-    try:
-        items = list(items)
-    except TypeError:
-        raise TypeError(f"skip_types takes nn.Module classes or class names (e.g. [nn.Dropout] "
-                        f"or ['Dropout']), got {value!r}") from None
+    items = _one_or_many(value, "skip_types takes nn.Module classes or class names (e.g. "
+                                "[nn.Dropout] or ['Dropout'])")
     classes: list[type] = []
     names: set[str] = set()
     for item in items:
@@ -239,12 +245,8 @@ def _warn_caller(message: str) -> None:
 def _allow_inf(model: nn.Module, value: Any) -> tuple[tuple[str, ...], tuple[type, ...]]:
     """Module name globs and nn.Module classes whose outputs may hold ±inf (one, or several);
     one that matches no module of ``model`` warns (it would allow nothing)."""
-    items = [value] if isinstance(value, (str, type)) else value
-    try:
-        items = list(items)
-    except TypeError:
-        raise TypeError(f"allow_inf takes module name globs (e.g. 'encoder.*.mask') or nn.Module "
-                        f"classes, got {value!r}") from None
+    items = _one_or_many(value, "allow_inf takes module name globs (e.g. 'encoder.*.mask') or "
+                                "nn.Module classes")
     patterns: list[str] = []
     classes: list[type] = []
     for item in items:

@@ -26,17 +26,17 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
-import pandas as pd
 import torch
 
-from nanwidget import AbortAfterBatch, NanEvent, NanWatch
+from nanwidget import AbortAfterBatch, NanWatch
 
-from .step_guard import StepGuard, TrainingStop, check_callback_options, fresh_run_dir
+from .step_guard import (GuardedCallback, StepGuard, TrainingStop, check_callback_options,
+                         fresh_run_dir)
 
 __all__ = ["NanWatchCallback"]
 
 
-class NanWatchCallback(pl.Callback):
+class NanWatchCallback(GuardedCallback, pl.Callback):
     """Watch a LightningModule for NaN/Inf and stop every rank at the same step.
 
     ``on_nan``: ``"stop"`` (default: drop the step's gradients and set ``trainer.should_stop``),
@@ -74,28 +74,7 @@ class NanWatchCallback(pl.Callback):
         self._trends_logged_step = 0
         self._trends_from_batch = 0
 
-    # ------------------------------------------------------------------ results
-    @property
-    def event(self) -> NanEvent | None:
-        """This rank's first event, or None."""
-        return self.watch.event if self.watch is not None else None
-
-    def report(self, event: NanEvent | None = None) -> str:
-        """The transformers-style frame dump of an event (default: this rank's first)."""
-        if self.watch is None:
-            return "nanwidget: the callback has not watched a fit yet"
-        return self.watch.report(event)
-
-    def batches(self) -> pd.DataFrame:
-        """Which step each recent watch batch fed: ``batch``, ``phase``, ``step``, ``index``."""
-        if self._guard is None:
-            return pd.DataFrame(columns=["batch", "phase", "step", "index"])
-        return self._guard.batches.to_dataframe()
-
-    def close(self) -> None:
-        """Remove the hooks now (``on_fit_end`` and ``on_exception`` do it too); idempotent."""
-        if self._guard is not None:
-            self._guard.close()
+    _UNWATCHED = "nanwidget: the callback has not watched a fit yet"
 
     # ------------------------------------------------------------------ attaching
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -32,11 +32,11 @@ import torch
 from torch import nn
 
 import nanwidget as nw
-from nanwidget import GradEvent, NanDetected, NanEvent
+from nanwidget import GradEvent, NanDetected, NanEvent, NanWatch
 from nanwidget.core.events import event_fields, event_from_fields
 
 __all__ = ["ON_NAN_CHOICES", "TrainingStop", "Findings", "StepGuard", "BatchLog",
-           "check_callback_options", "fresh_run_dir", "logger"]
+           "GuardedCallback", "check_callback_options", "fresh_run_dir", "logger"]
 
 logger = logging.getLogger("nanwidget.integrations")
 
@@ -392,3 +392,36 @@ class StepGuard:
         """Remove the watch's hooks (idempotent); what it recorded stays readable."""
         self.watch.close()
         _LIVE_GUARDS.discard(self)
+
+
+class GuardedCallback:
+    """What every training callback offers once it watched a run: its event, the report, the
+    batch-to-step table and ``close()``. The callback sets ``watch`` and ``_guard``;
+    ``_UNWATCHED`` is the report before it watched anything."""
+
+    watch: NanWatch | None = None
+    _guard: StepGuard | None = None
+    _UNWATCHED = "nanwidget: the callback has not watched a run yet"
+
+    @property
+    def event(self) -> NanEvent | None:
+        """This rank's first event, or None."""
+        return self.watch.event if self.watch is not None else None
+
+    def report(self, event: NanEvent | None = None) -> str:
+        """The transformers-style frame dump of an event (default: this rank's first)."""
+        if self.watch is None:
+            return self._UNWATCHED
+        return self.watch.report(event)
+
+    def batches(self) -> pd.DataFrame:
+        """Which step each recent watch batch fed: ``batch``, ``phase`` ("train" or "eval"),
+        ``step`` and ``index``, as the callback's docstring numbers them."""
+        if self._guard is None:
+            return pd.DataFrame(columns=["batch", "phase", "step", "index"])
+        return self._guard.batches.to_dataframe()
+
+    def close(self) -> None:
+        """Remove the hooks now (the end of training does it too); idempotent."""
+        if self._guard is not None:
+            self._guard.close()

@@ -7,7 +7,9 @@ At ``on_train_begin`` the callback watches the unwrapped model (``trainer.model`
 DDP wrapper), or a compiled model in sentinel mode (``torch_compile=True``: see below). Every
 forward pass is one watch batch: with ``gradient_accumulation_steps=k`` each optimizer step
 covers k batches (micro-batches), and an evaluation batch is a batch of its own;
-``callback.batches()`` says which step each batch fed.
+``callback.batches()`` says which step each batch fed: ``phase`` "train" (``index``: the
+micro-batch within optimizer step ``step``, counted from 1 like ``state.global_step``) or
+"eval" (``index``: the evaluation batch; ``step``: the optimizer steps done when it ran).
 Just before each optimizer step (``on_pre_optimizer_step``) the callback checks the gradient
 norms and what the watch found since the previous step; every rank then agrees (one flag
 all-reduce) and, at a finding on any rank, every rank drops the step's gradients, so the
@@ -53,7 +55,6 @@ import sys
 import warnings
 from typing import Any
 
-import pandas as pd
 import torch
 from transformers import (
     Trainer,
@@ -63,7 +64,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from nanwidget import AbortAfterBatch, NanEvent, NanWatch
+from nanwidget import AbortAfterBatch, NanWatch
 from nanwidget.core.sentinel import (
     compiled_in_place,
     has_compiled_parts,
@@ -72,6 +73,7 @@ from nanwidget.core.sentinel import (
 
 from .step_guard import (
     Findings,
+    GuardedCallback,
     StepGuard,
     TrainingStop,
     check_callback_options,
@@ -92,7 +94,7 @@ def _compiled(module: torch.nn.Module) -> str:
     return "parts" if has_compiled_parts(module) else ""
 
 
-class NanWatchCallback(TrainerCallback):
+class NanWatchCallback(GuardedCallback, TrainerCallback):
     """Watch a ``Trainer``'s model for NaN/Inf and stop every rank at the same step.
 
     ``on_nan``: ``"stop"`` (default: drop the step's gradients and end training normally, so
@@ -126,33 +128,7 @@ class NanWatchCallback(TrainerCallback):
         self._eval_index = 0
         self._warned_filter = False
 
-    # ------------------------------------------------------------------ results
-    @property
-    def event(self) -> NanEvent | None:
-        """This rank's first event, or None."""
-        return self.watch.event if self.watch is not None else None
-
-    def report(self, event: NanEvent | None = None) -> str:
-        """The transformers-style frame dump of an event (default: this rank's first)."""
-        if self.watch is None:
-            return "nanwidget: the callback has not watched a training run yet"
-        return self.watch.report(event)
-
-    def batches(self) -> pd.DataFrame:
-        """Which step each recent watch batch fed: ``batch``, ``phase``, ``step``, ``index``.
-
-        ``phase`` is "train" (``index``: the micro-batch within optimizer step ``step``,
-        counted from 1 like ``state.global_step``) or "eval" (``index``: the evaluation batch;
-        ``step``: the optimizer steps done when it ran).
-        """
-        if self._guard is None:
-            return pd.DataFrame(columns=["batch", "phase", "step", "index"])
-        return self._guard.batches.to_dataframe()
-
-    def close(self) -> None:
-        """Remove the hooks now (``on_train_end`` does it too); idempotent."""
-        if self._guard is not None:
-            self._guard.close()
+    _UNWATCHED = "nanwidget: the callback has not watched a training run yet"
 
     # ------------------------------------------------------------------ attaching
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
