@@ -16,7 +16,7 @@ __all__ = [
     "column_kinds", "empty_table", "NOTES", "NOTES_WITH_STATS", "NO_STATS_NOTES", "LEAF_NOTES",
     "note_has_stats", "PENDING",
     "CHANGED_LATER", "LOCAL_SHARD", "ROLE_GROUPS", "role_group", "role_groups", "is_input_role",
-    "is_output_role", "EVENT_FIELDS", "ORIGINS", "KINDS", "ON_NAN_CHOICES",
+    "is_output_role", "EVENT_FIELDS", "ORIGINS", "KINDS",
 ]
 
 # ---------------------------------------------------------------------------------- tables
@@ -141,7 +141,6 @@ def role_groups(frames: pd.DataFrame) -> pd.Series:
 # ---------------------------------------------------------------------------------- events
 ORIGINS = ("output", "input", "weight", "grad", "peer")
 KINDS = ("nan", "inf", "nan+inf")
-ON_NAN_CHOICES = ("raise", "warn", "record")
 
 # The plain fields of a NanEvent and their types: what files and other ranks exchange.
 EVENT_FIELDS: dict[str, type] = {"batch": int, "module": str, "module_type": str, "call": int,

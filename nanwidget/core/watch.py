@@ -15,21 +15,13 @@ consensus tells the other ranks, then the event is recorded and written to disk)
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
-import math
-import numbers
-import operator
-import os
-import sys
+import inspect
 import warnings
-import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -41,25 +33,20 @@ from .persist import RecordingWriter
 from .recorder import Feature, Recorder
 from .replay import BatchCapture, Replayer, ReplayError
 from .report import format_event_report
-from .schema import ON_NAN_CHOICES
+from .options import (MAX_EVENTS, MODES, OPTIONS, SkipTypesWarning, WatchOptions,
+                      options_help, signature_of_options, split_classes)
 from .sentinel import Sentinel, compiled_in_place, has_compiled_parts, is_compile_wrapper
+from .state import watching_recorders
 from .trace import Trace
 from .viewer import open_browser
 
-__all__ = ["NanWatch", "WatchParts", "WatchOptions", "SkipTypesWarning", "check_options", "watch",
+__all__ = ["NanWatch", "WatchParts", "WatchOptions", "SkipTypesWarning", "watch",
            "live_watches", "MAX_EVENTS", "MODES"]
-
-MAX_EVENTS = 100
-
-_LIVE: weakref.WeakSet[NanWatch] = weakref.WeakSet()
 
 
 def live_watches() -> list[NanWatch]:
     """Every NanWatch that is still watching (a watch whose variable was lost can be closed)."""
-    return [w for w in list(_LIVE) if not w.closed]
-
-
-MODES = ("full", "sentinel")
+    return [r.owner for r in watching_recorders() if isinstance(r.owner, NanWatch)]
 
 
 @dataclass(frozen=True)
@@ -120,214 +107,6 @@ def _resolve_mode(mode: str | None, target: _Target) -> str:
     return "sentinel"
 
 
-# ---------------------------------------------------------------------------- the options
-MAX_FRAMES_LIMIT = 10_000_000  # a ring beyond this would not fit in memory anyway
-
-
-@dataclass(frozen=True)
-class WatchOptions:
-    """The options of :func:`watch`, checked and normalised (see :func:`check_options`)."""
-
-    max_frames: int
-    trace_batches: frozenset[int]
-    abort_after: int | None
-    skip_classes: tuple[type, ...]
-    skip_names: frozenset[str]
-    backward: bool
-    grad_norm_warn: float | None
-    on_nan: str
-    keep_batches: int
-    replay_on_nan: bool
-    log_dir: str | os.PathLike | None
-    max_events: int
-    snapshot_weights: bool
-    allow_inf: tuple[tuple[str, ...], tuple[type, ...]]
-    mode: str | None = None  # None: "full", or "sentinel" for a compiled model
-    sample_every: int | None = None
-
-
-def _whole_number(name: str, value: Any, *, least: int, most: int | None = None) -> int:
-    """``value`` as an int (numpy and torch integers too); bools, floats and text refused."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a whole number, got {value!r} (a bool)")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be a whole number, got {value!r} "
-                        f"({type(value).__name__})") from None
-    if number < least or (most is not None and number > most):
-        bound = f"at least {least}" + (f" and at most {most:,}" if most is not None else "")
-        raise ValueError(f"{name} must be {bound}, got {number}")
-    return number
-
-
-def _flag(name: str, value: Any) -> bool:
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-
-
-def _batch_numbers(value: Any) -> frozenset[int]:
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"trace_batches takes batch numbers, got the text {value!r}; write a "
-                        f"list such as [1, 3]")
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"trace_batches takes batch numbers, got {value!r}")
-    try:
-        return frozenset({operator.index(value)}) if not hasattr(value, "__iter__") or \
-            getattr(value, "ndim", 1) == 0 else _each_batch(list(value))
-    except TypeError:
-        raise TypeError(f"trace_batches takes batch numbers (e.g. [1, 3]), got {value!r}") from None
-
-
-def _each_batch(items: list[Any]) -> frozenset[int]:
-    bad = []
-    batches = set()
-    for item in items:
-        try:
-            batches.add(_whole_number("trace_batches", item, least=0))
-        except (TypeError, ValueError):
-            bad.append(item)
-    if bad:
-        raise ValueError(f"trace_batches takes batch numbers, whole and >= 0 (batches count from "
-                         f"0); these are not: {', '.join(repr(b) for b in bad)}")
-    return frozenset(batches)
-
-
-def _one_or_many(value: Any, takes: str) -> list:
-    """A list of the items of an option that takes one string or class, or several."""
-    if isinstance(value, (str, type)):
-        return [value]
-    try:
-        return list(value)
-    except TypeError:
-        raise TypeError(f"{takes}, got {value!r}") from None
-
-
-def _skip_types(model: nn.Module, value: Any) -> tuple[tuple[type, ...], frozenset[str]]:
-    """Module classes or class names; one class or one name alone is accepted too."""
-    items = _one_or_many(value, "skip_types takes nn.Module classes or class names (e.g. "
-                                "[nn.Dropout] or ['Dropout'])")
-    classes: list[type] = []
-    names: set[str] = set()
-    for item in items:
-        if isinstance(item, str):
-            names.add(item)
-        elif isinstance(item, type) and issubclass(item, nn.Module):
-            classes.append(item)
-        else:
-            raise TypeError(f"skip_types takes nn.Module classes or class names, got {item!r}")
-    present = {type(m).__name__ for m in model.modules()}
-    for name in sorted(names - present):
-        close = difflib.get_close_matches(name, sorted(present), n=1, cutoff=0.6) or [
-            p for p in sorted(present) if p.lower() == name.lower()]
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        _warn_caller(f"skip_types: this model has no module of class {name!r}, so it skips "
-                     f"nothing{hint}")
-    return tuple(classes), frozenset(names)
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-class SkipTypesWarning(UserWarning):
-    """A ``skip_types`` class name that no module of the model has: it skips nothing."""
-
-
-def _warn_caller(message: str) -> None:
-    """A warning pointing at the first frame outside nanwidget (the user's watch() call)."""
-    frame, level = sys._getframe(1), 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, SkipTypesWarning, stacklevel=level)
-
-
-def _allow_inf(model: nn.Module, value: Any) -> tuple[tuple[str, ...], tuple[type, ...]]:
-    """Module name globs and nn.Module classes whose outputs may hold ±inf (one, or several);
-    one that matches no module of ``model`` warns (it would allow nothing)."""
-    items = _one_or_many(value, "allow_inf takes module name globs (e.g. 'encoder.*.mask') or "
-                                "nn.Module classes")
-    patterns: list[str] = []
-    classes: list[type] = []
-    for item in items:
-        if isinstance(item, str) and item:
-            patterns.append(item)
-        elif isinstance(item, type) and issubclass(item, nn.Module):
-            classes.append(item)
-        else:
-            raise TypeError(f"allow_inf takes module name globs (e.g. 'encoder.*.mask') or "
-                            f"nn.Module classes, got {item!r}")
-    named = dict(model.named_modules())
-    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in named)]
-    unmatched += [c.__name__ for c in classes if not any(isinstance(m, c) for m in named.values())]
-    if unmatched:
-        examples = ", ".join(repr(n) for n in list(named)[1:4]) or "''"
-        warnings.warn(f"nanwidget: allow_inf={', '.join(unmatched)} matches no module of this "
-                      f"model, so it allows nothing (module names look like {examples})",
-                      RuntimeWarning, stacklevel=4)
-    return tuple(patterns), tuple(classes)
-
-
-def _threshold(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating)):
-        raise TypeError(f"grad_norm_warn must be a positive number or None, got {value!r} "
-                        f"({type(value).__name__})")
-    number = float(value)
-    if not (0 < number < math.inf):
-        raise ValueError(f"grad_norm_warn must be a positive finite number, got {value!r}")
-    return number
-
-
-def _directory(value: Any) -> str | os.PathLike | None:
-    if value is None or (isinstance(value, str) and value == ""):
-        return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"log_dir must be a directory path (str or pathlib.Path), got {value!r} "
-                        f"({type(value).__name__})")
-    path = os.fspath(value)
-    if isinstance(path, bytes) or (os.path.exists(path) and not os.path.isdir(path)):
-        raise ValueError(f"log_dir must be a directory; {path!r} is a file (pass a new folder: "
-                         "it is created when missing)")
-    return value
-
-
-def check_options(model: nn.Module, *, max_frames: Any = 21, trace_batches: Any = (),
-                  abort_after: Any = None, skip_types: Any = (), backward: Any = False,
-                  grad_norm_warn: Any = None, on_nan: Any = "raise", keep_batches: Any = 4,
-                  replay_on_nan: Any = False, log_dir: Any = None, max_events: Any = MAX_EVENTS,
-                  snapshot_weights: Any = False, allow_inf: Any = (), mode: Any = None,
-                  sample_every: Any = None) -> WatchOptions:
-    """Every option of :func:`watch`, checked in one place before anything is hooked.
-
-    Misuse raises TypeError (wrong kind of value) or ValueError (out of range) naming the
-    option; a ``skip_types`` name that no module of ``model`` has warns with the closest one.
-    """
-    if not isinstance(on_nan, str) or on_nan not in ON_NAN_CHOICES:
-        raise ValueError(f"on_nan must be one of {', '.join(ON_NAN_CHOICES)}; got {on_nan!r}")
-    if mode is not None and (not isinstance(mode, str) or mode not in MODES):
-        raise ValueError(f"mode must be 'full' or 'sentinel', got {mode!r}")
-    if sample_every is not None:
-        sample_every = _whole_number("sample_every", sample_every, least=1)
-        if mode == "full":
-            raise ValueError("sample_every is for mode='sentinel' (full mode records every "
-                             "batch already)")
-    skip_classes, skip_names = _skip_types(model, skip_types)
-    return WatchOptions(
-        max_frames=_whole_number("max_frames", max_frames, least=1, most=MAX_FRAMES_LIMIT),
-        trace_batches=_batch_numbers(trace_batches),
-        abort_after=None if abort_after is None else _whole_number("abort_after", abort_after,
-                                                                   least=0),
-        skip_classes=skip_classes, skip_names=skip_names,
-        backward=_flag("backward", backward), grad_norm_warn=_threshold(grad_norm_warn),
-        on_nan=on_nan, keep_batches=_whole_number("keep_batches", keep_batches, least=0),
-        replay_on_nan=_flag("replay_on_nan", replay_on_nan), log_dir=_directory(log_dir),
-        max_events=_whole_number("max_events", max_events, least=1),
-        snapshot_weights=_flag("snapshot_weights", snapshot_weights),
-        allow_inf=_allow_inf(model, allow_inf), mode=mode, sample_every=sample_every)
-
-
 @dataclass(frozen=True)
 class WatchParts:
     """The features a watch is made of (None where its option is off)."""
@@ -344,102 +123,71 @@ class WatchParts:
 class NanWatch:
     """Records frames of a model and stops at the first NaN/Inf. Create it with :func:`watch`."""
 
-    def __init__(self, model: nn.Module, *, max_frames: int = 21,
-                 trace_batches: Iterable[int] = (), abort_after: int | None = None,
-                 skip_types: Iterable[type | str] = (), backward: bool = False,
-                 grad_norm_warn: float | None = None, on_nan: str = "raise",
-                 keep_batches: int = 4, replay_on_nan: bool = False,
-                 log_dir: str | None = None, max_events: int = MAX_EVENTS,
-                 snapshot_weights: bool = False,
-                 allow_inf: Iterable[str | type] | str | type = (), mode: str | None = None,
-                 sample_every: int | None = None) -> None:
+    def __init__(self, model: nn.Module, **options: Any) -> None:
         target = _unwrap_model(model)
         root = target.root
-        checked = check_options(root, max_frames=max_frames, trace_batches=trace_batches,
-                                abort_after=abort_after, skip_types=skip_types,
-                                backward=backward, grad_norm_warn=grad_norm_warn, on_nan=on_nan,
-                                keep_batches=keep_batches, replay_on_nan=replay_on_nan,
-                                log_dir=log_dir, max_events=max_events,
-                                snapshot_weights=snapshot_weights, allow_inf=allow_inf,
-                                mode=mode, sample_every=sample_every)
-        mode = _resolve_mode(checked.mode, target)
-        if checked.sample_every is not None and mode != "sentinel":
-            raise ValueError("sample_every is for mode='sentinel' (full mode records every "
-                             "batch already)")
-        snapshot_weights = checked.snapshot_weights
-        skip = (checked.skip_classes, checked.skip_names)
-
+        checked = WatchOptions.checked(root, **options)
+        checked = checked.replace(mode=_resolve_mode(checked.mode, target))
+        #: The options, checked; ``mode`` is the mode the watch runs in ("full" or "sentinel").
+        self.options = checked
         self.model = root
-        self.max_frames = checked.max_frames
-        self.trace_batches = checked.trace_batches
-        self.abort_after = checked.abort_after
-        self.backward = checked.backward
-        self.grad_norm_warn = checked.grad_norm_warn
-        self.on_nan = checked.on_nan
-        self.keep_batches = checked.keep_batches
-        self.replay_on_nan = checked.replay_on_nan
-        self.log_dir = checked.log_dir
-        self.max_events = checked.max_events
-        self.allow_inf = checked.allow_inf[0] + checked.allow_inf[1]
-        self.mode = mode
-        self.sample_every = checked.sample_every
         # "" for an eager model; "wrapper", "in place" or "parts" for compiled code.
         self.compiled = target.compiled
-
-        self._recorder = Recorder(root, max_frames=self.max_frames,
-                                  trace_batches=self.trace_batches, abort_after=self.abort_after,
-                                  skip=skip, on_nan=self.on_nan, max_events=self.max_events,
-                                  allow_inf=checked.allow_inf, root_only=mode == "sentinel",
-                                  entry=target.entry)
+        skip = split_classes(checked.skip_types)
+        self._recorder = Recorder(root, max_frames=checked.max_frames,
+                                  trace_batches=checked.trace_batches,
+                                  abort_after=checked.abort_after, skip=(skip[1], frozenset(skip[0])),
+                                  on_nan=checked.on_nan, max_events=checked.max_events,
+                                  allow_inf=split_classes(checked.allow_inf),
+                                  root_only=checked.mode == "sentinel", entry=target.entry)
         self._recorder.owner = self  # lives as long as the hooks do: see live_watches()
         try:
-            self._parts = self._compose(snapshot_weights)
+            self._parts = self._compose()
         except BaseException:
             self._recorder.close()
             raise
-        _LIVE.add(self)
 
-    def _compose(self, snapshot_weights: bool) -> WatchParts:
+    def __getattr__(self, name: str) -> Any:
+        # w.max_frames, w.on_nan, w.mode ...: each option reads as an attribute of the watch.
+        options = self.__dict__.get("options")
+        if options is not None and name in OPTIONS:
+            return getattr(options, name)
+        raise AttributeError(f"'NanWatch' object has no attribute {name!r}")
+
+    def _compose(self) -> WatchParts:
         """Add the features the options ask for, in review order."""
         recorder = self._recorder
+        options = self.options
         capture = replayer = backward = writer = consensus = sentinel = None
-        sentinel_mode = self.mode == "sentinel"
-        keep = max(self.keep_batches, 1 if self.replay_on_nan or sentinel_mode else 0)
-        if keep or self.trace_batches or snapshot_weights:
+        sentinel_mode = options.mode == "sentinel"
+        keep = max(options.keep_batches, 1 if options.replay_on_nan or sentinel_mode else 0)
+        if keep or options.trace_batches or options.snapshot_weights:
             capture = recorder.add_feature(BatchCapture(
-                self.model, keep=keep, trace_batches=self.trace_batches,
-                snapshot_weights=snapshot_weights))
+                self.model, keep=keep, trace_batches=options.trace_batches,
+                snapshot_weights=options.snapshot_weights))
             # In sentinel mode every event is replayed by the sentinel itself.
             replayer = Replayer(recorder, capture,
-                                replay_on_nan=self.replay_on_nan and not sentinel_mode)
+                                replay_on_nan=options.replay_on_nan and not sentinel_mode)
             if replayer.replay_on_nan:  # it reviews events only to replay them
                 recorder.add_feature(replayer)
-        if self.backward and not sentinel_mode:
+        if options.backward and not sentinel_mode:
             backward = recorder.add_feature(BackwardFrames(recorder))
-        grads = recorder.add_feature(GradNorms(recorder, threshold=self.grad_norm_warn))
+        grads = recorder.add_feature(GradNorms(recorder, threshold=options.grad_norm_warn))
         with_consensus = consensus_wanted()
         if sentinel_mode:
             assert capture is not None
             sentinel = recorder.add_feature(Sentinel(
-                recorder, capture, sample_every=self.sample_every, backward=self.backward,
+                recorder, capture, sample_every=options.sample_every, backward=options.backward,
                 compiled=bool(self.compiled),
                 defer_reads="never" if with_consensus else "device"))
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))
-        if self.log_dir is not None and self.log_dir != "":
+        if options.log_dir is not None and options.log_dir != "":
             writer = recorder.add_feature(RecordingWriter(
-                recorder, self.log_dir, options=self._options(), grad_history=grads.history_table))
+                recorder, options.log_dir, options=options.manifest(),
+                grad_history=grads.history_table))
         return WatchParts(capture=capture, replayer=replayer, backward=backward, grads=grads,
                           writer=writer, consensus=consensus, sentinel=sentinel)
-
-    def _options(self) -> dict[str, Any]:
-        return {"max_frames": self.max_frames, "trace_batches": sorted(self.trace_batches),
-                "abort_after": self.abort_after, "backward": self.backward,
-                "grad_norm_warn": self.grad_norm_warn, "on_nan": self.on_nan,
-                "keep_batches": self.keep_batches, "replay_on_nan": self.replay_on_nan,
-                "max_events": self.max_events,
-                "allow_inf": [a if isinstance(a, str) else a.__name__ for a in self.allow_inf],
-                "mode": self.mode, "sample_every": self.sample_every}
 
     # ------------------------------------------------------------------ composition
     @property
@@ -616,7 +364,6 @@ class NanWatch:
     def close(self) -> None:
         """Remove exactly the hooks this watch added (never the user's own); idempotent."""
         self._recorder.close()
-        _LIVE.discard(self)
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -639,38 +386,21 @@ class NanWatch:
                 f"{mode}), batch {self.batch}, {len(self.events)} event(s)>")
 
 
-def watch(model: nn.Module, *, max_frames: int = 21, trace_batches: Iterable[int] = (),
-          abort_after: int | None = None, skip_types: Iterable[type | str] = (),
-          backward: bool = False, grad_norm_warn: float | None = None, on_nan: str = "raise",
-          keep_batches: int = 4, replay_on_nan: bool = False, log_dir: str | None = None,
-          max_events: int = MAX_EVENTS, snapshot_weights: bool = False,
-          allow_inf: Iterable[str | type] | str | type = (), mode: str | None = None,
-          sample_every: int | None = None) -> NanWatch:
-    """Start watching ``model``: a frame per module call, a check at every batch end.
+def watch(model: nn.Module, **options: Any) -> NanWatch:
+    return NanWatch(model, **options)
 
-    Options as in the contract: ``max_frames`` frames kept in the ring buffer; ``trace_batches``
-    whose every frame is kept; ``abort_after`` raises :class:`AbortAfterBatch` at the first
-    finished batch numbered at or past it; ``skip_types`` module classes (or class names) not
-    hooked; ``backward`` records gradient frames; ``grad_norm_warn`` flags larger gradient
-    norms; ``on_nan`` is "raise", "warn" or "record"; ``keep_batches`` recent batches held for
-    :meth:`NanWatch.replay`; ``replay_on_nan`` attaches a trace to each event; ``log_dir``
-    spools records to disk; ``max_events`` events kept; ``snapshot_weights`` copies the weights
-    of held batches so replays stay exact after optimizer steps; ``allow_inf`` names modules
-    (name globs such as ``"*.mask_builder"``, or classes) whose outputs may hold ±inf on
-    purpose (NaN always counts).
 
-    ``mode``: "full" (the default for an eager model: hooks on every module, every batch) or
-    "sentinel" (made to stay on: only the root's outputs, and with ``backward=True`` the
-    gradients, are checked each batch, and a failing batch is replayed eagerly so its event,
-    frames, report and trace are what full mode gives). A compiled model
-    (``nw.watch(torch.compile(model))``, ``model.compile()``) is watched in sentinel mode:
-    no graph break, no recompile. ``sample_every=N`` (sentinel mode): record every Nth batch
-    in full, for the history, the trend plots and the FrameBrowser.
-    Also a context manager: ``with nw.watch(model) as w: ...`` closes the hooks on exit.
+watch.__signature__ = signature_of_options(  # type: ignore[attr-defined]
+    [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
+watch.__doc__ = f"""Start watching ``model`` (an ``nn.Module``): a frame per module call, a check at
+    every batch end; returns the :class:`NanWatch`. Also a context manager:
+    ``with nw.watch(model) as w: ...`` removes the hooks when the block ends.
+
+    Options (all keyword-only; defaults shown):
+
+{options_help(indent="    ")}
+
+    A compiled model (``nw.watch(torch.compile(model))``, ``model.compile()``) is watched in
+    sentinel mode: no graph break, no recompile; a NaN/Inf is replayed eagerly in full detail.
+    Misuse (a bad value, an unknown option) raises one TypeError or ValueError naming the option.
     """
-    return NanWatch(model, max_frames=max_frames, trace_batches=trace_batches,
-                    abort_after=abort_after, skip_types=skip_types, backward=backward,
-                    grad_norm_warn=grad_norm_warn, on_nan=on_nan, keep_batches=keep_batches,
-                    replay_on_nan=replay_on_nan, log_dir=log_dir, max_events=max_events,
-                    snapshot_weights=snapshot_weights, allow_inf=allow_inf, mode=mode,
-                    sample_every=sample_every)

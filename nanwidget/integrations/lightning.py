@@ -31,7 +31,7 @@ import torch
 from nanwidget import AbortAfterBatch, NanWatch
 
 from .step_guard import (GuardedCallback, StepGuard, TrainingStop, check_callback_options,
-                         fresh_run_dir)
+                         recording_dir)
 
 __all__ = ["NanWatchCallback"]
 
@@ -79,11 +79,7 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
     # ------------------------------------------------------------------ attaching
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.close()
-        log_dir = self.log_dir
-        if log_dir is None:
-            log_dir = fresh_run_dir(os.path.join(trainer.default_root_dir, "nanwidget"))
-        elif log_dir is False:
-            log_dir = None
+        log_dir = recording_dir(self.log_dir, trainer.default_root_dir)
         self.stop = None
         self._next_batch = 0
         self._current_batch = None

@@ -15,7 +15,6 @@ Only nanwidget's public API is used: ``nw.watch``, ``NanWatch.events``, ``check_
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import math
@@ -34,32 +33,31 @@ from torch import nn
 import nanwidget as nw
 from nanwidget import GradEvent, NanDetected, NanEvent, NanWatch
 from nanwidget.core.events import event_fields, event_from_fields
+from nanwidget.core.options import ON_NAN_CHOICES as WATCH_ON_NAN_CHOICES
+from nanwidget.core.options import WatchOptions, check_option_names
+from nanwidget.core.state import training_guards
 
 __all__ = ["ON_NAN_CHOICES", "TrainingStop", "Findings", "StepGuard", "BatchLog",
-           "GuardedCallback", "check_callback_options", "fresh_run_dir", "logger"]
+           "GuardedCallback", "check_callback_options", "fresh_run_dir", "recording_dir", "logger"]
 
 logger = logging.getLogger("nanwidget.integrations")
 
-ON_NAN_CHOICES = ("stop", "raise", "warn", "record")
+# "stop": every rank stops training at the same step (the callbacks' default); the others are
+# the watch's own.
+ON_NAN_CHOICES = ("stop",) + WATCH_ON_NAN_CHOICES
 # Rows kept by BatchLog: enough to describe any event of the steps still being decided.
 BATCH_LOG_ROWS = 4096
 
-# Every guard a callback created, so a callback can close one a failed run left behind.
-_LIVE_GUARDS: "weakref.WeakSet[StepGuard]" = weakref.WeakSet()
 
 
 def check_callback_options(on_nan: str, watch_options: dict[str, Any]) -> None:
-    """Refuse a bad ``on_nan`` or an unknown ``nw.watch`` option when the callback is made."""
+    """Refuse a bad ``on_nan`` or a bad ``nw.watch`` option when the callback is made (the
+    checks that need the model run when it is watched)."""
     if on_nan not in ON_NAN_CHOICES:
         raise ValueError(f"on_nan must be one of {', '.join(ON_NAN_CHOICES)} for a training "
                          f"callback; got {on_nan!r}")
-    accepted = {name for name, parameter in inspect.signature(nw.watch).parameters.items()
-                if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
-    unknown = sorted(set(watch_options) - accepted)
-    if unknown:
-        raise TypeError(f"unknown nw.watch option(s) {', '.join(map(repr, unknown))}; the "
-                        f"callback passes these on to nw.watch, which accepts: "
-                        f"{', '.join(sorted(accepted))}")
+    check_option_names(watch_options, passed_by="the callback")
+    WatchOptions.checked(None, **watch_options)
 
 
 @dataclass
@@ -166,6 +164,18 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def recording_dir(log_dir: str | os.PathLike | bool | None,
+                  output_dir: str | os.PathLike) -> Path | None:
+    """Where a callback's watch records: ``log_dir`` as given; by default (None) a fresh
+    ``<output_dir>/nanwidget/run-N`` (the Trainer's ``output_dir``, Lightning's
+    ``default_root_dir``); ``False``: nowhere."""
+    if log_dir is None:
+        return fresh_run_dir(os.path.join(output_dir, "nanwidget"))
+    if log_dir is False:
+        return None
+    return Path(log_dir)
+
+
 def fresh_run_dir(base: str | os.PathLike) -> Path:
     """``base/run-N`` with the lowest N not yet used; rank 0 chooses, every rank gets its choice.
 
@@ -204,7 +214,7 @@ class StepGuard:
     def __init__(self, model: nn.Module, *, on_nan: str, log_dir: str | os.PathLike | None,
                  watch_options: dict[str, Any], owner: object) -> None:
         ours = {id(module) for module in model.modules()}  # a compile wrapper holds the model
-        for guard in list(_LIVE_GUARDS):
+        for guard in list(training_guards()):
             # A run that raised leaves its watch behind (transformers has no exception
             # callback): close it, or the new watch would be refused on the same modules.
             if not guard.closed and (guard.model is model or id(guard.watch.model) in ours):
@@ -226,7 +236,7 @@ class StepGuard:
         self._losses: list[str] = []
         self._flag: torch.Tensor | None = None
         self.exchanges = 0  # flag all-reduces done (the tests count them)
-        _LIVE_GUARDS.add(self)
+        training_guards().add(self)
 
     @property
     def stops(self) -> bool:
@@ -391,7 +401,7 @@ class StepGuard:
     def close(self) -> None:
         """Remove the watch's hooks (idempotent); what it recorded stays readable."""
         self.watch.close()
-        _LIVE_GUARDS.discard(self)
+        training_guards().discard(self)
 
 
 class GuardedCallback:

@@ -77,7 +77,7 @@ from .step_guard import (
     StepGuard,
     TrainingStop,
     check_callback_options,
-    fresh_run_dir,
+    recording_dir,
     logger,
 )
 
@@ -142,11 +142,7 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
                             "every step, so hooks on them are lost); launch the script with "
                             "torchrun so that the Trainer uses DistributedDataParallel")
         target, options = self._watch_target(args, model)
-        log_dir = self.log_dir
-        if log_dir is None:
-            log_dir = fresh_run_dir(os.path.join(args.output_dir, "nanwidget"))
-        elif log_dir is False:
-            log_dir = None
+        log_dir = recording_dir(self.log_dir, args.output_dir)
         self.stop = None
         self._micro = 0
         self._eval_index = 0

@@ -20,7 +20,8 @@ from traitlets import CaselessStrEnum, Float, Int
 from ..core.events import AbortAfterBatch, NanDetected
 from ..core.sourcelines import format_source, traceback_source
 from ..widgets import FrameBrowser
-from .manager import LiveStatus, MagicUsageError, WatchManager, parse_batches, parse_class_names
+from ..core.options import ON_NAN_CHOICES, OPTIONS
+from .manager import LiveStatus, MagicUsageError, WatchManager
 
 __all__ = ["NanwatchMagics", "NanInCell", "CellInterrupted", "show_nan_detected", "find_magics",
            "make_async_cell_rewriter"]
@@ -96,44 +97,34 @@ def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
     print("\n".join(line for line in lines if line), file=sys.stderr)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _batch_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a batch number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"batch numbers start at 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
-
-
-def _as_argument_type(parse):  # type: ignore[no-untyped-def]
+def _argument_type(parse: Any) -> Any:
+    """An option's text parser as argparse wants it (its ValueError becomes the usage message)."""
     def convert(text: str) -> Any:
         try:
             return parse(text)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
-    convert.__name__ = parse.__name__
+    convert.__name__ = getattr(parse, "__name__", "value")
     return convert
+
+
+def _option_flags(magic: Any) -> Any:
+    """Add one ``@argument`` per watch option that has a ``%nanwatch`` flag (declared in
+    :mod:`nanwidget.core.options`), in the options' order."""
+    for declared in reversed(list(OPTIONS.values())):
+        flag = declared.flag
+        if flag is None:
+            continue
+        text = flag.help or declared.help
+        if flag.parse is None:
+            magic = argument(*flag.names, dest=declared.name, action="store_const",
+                             const=flag.value, default=None, help=text)(magic)
+        else:
+            metavar = flag.metavar or flag.names[-1].lstrip("-").upper().replace("-", "_")
+            magic = argument(*flag.names, dest=declared.name, default=None, help=text,
+                             type=_argument_type(flag.parse), choices=flag.choices,
+                             metavar=metavar)(magic)
+    return magic
 
 
 # argparse would list the optional MODEL last; the docs (and users) write it first.
@@ -147,8 +138,9 @@ _USAGE = ("%(prog)s MODEL [options]\n"  # IPython's help formatter adds the firs
 class NanwatchMagics(Magics):
     """Holds one :class:`WatchManager`; ``%config NanwatchMagics.frames = 50`` sets defaults."""
 
-    frames = Int(21, help="frames kept in the ring buffer when -n is not given").tag(config=True)
-    on_nan = CaselessStrEnum(["raise", "warn", "record"], default_value="raise",
+    frames = Int(OPTIONS["max_frames"].default,
+                 help="frames kept in the ring buffer when -n is not given").tag(config=True)
+    on_nan = CaselessStrEnum(list(ON_NAN_CHOICES), default_value=OPTIONS["on_nan"].default,
                              help="what a watch does at a NaN/Inf when --on-nan is not given"
                              ).tag(config=True)
     refresh_seconds = Float(0.3, help="least time between two updates of a %%nanwatch cell's "
@@ -201,25 +193,7 @@ class NanwatchMagics(Magics):
               help="variable name of the nn.Module (e.g. model or trainer.model)")
     @argument("--off", action="store_true",
               help="stop watching MODEL (every model %%nanwatch watches when MODEL is left out)")
-    @argument("-n", "--frames", type=_positive_int, default=None,
-              help="frames kept in the ring buffer (default 21; %%config NanwatchMagics.frames)")
-    @argument("--trace-batches", type=_as_argument_type(parse_batches), default=(),
-              help="batches whose every frame is kept, e.g. 1,3")
-    @argument("--abort-after", type=_batch_number, default=None,
-              help="stop once this batch has finished (raises AbortAfterBatch)")
-    @argument("--skip", type=_as_argument_type(parse_class_names), default=(),
-              help="module classes not hooked, e.g. Dropout,ReLU")
-    @argument("--backward", action="store_true", help="also record gradient frames")
-    @argument("--grad-norm", type=_positive_float, default=None,
-              help="flag parameters whose gradient norm exceeds this")
-    @argument("--on-nan", choices=["raise", "warn", "record"], default=None,
-              help="at a NaN/Inf: raise (stop), warn, or only record (default raise)")
-    @argument("--log-dir", default=None, help="directory to spool the records to")
-    @argument("--sentinel", action="store_true",
-              help="sentinel mode: check only the outputs (and with --backward the gradients) "
-                   "each batch, replay a failing batch for the detail; made to stay on")
-    @argument("--sample-every", type=_positive_int, default=None,
-              help="with --sentinel: record every Nth batch in full (trends, FrameBrowser)")
+    @_option_flags
     def nanwatch(self, line: str, cell: str | None = None) -> Any:
         """Watch a PyTorch model for the first NaN/Inf.
 
@@ -292,15 +266,18 @@ class NanwatchMagics(Magics):
 
     # ------------------------------------------------------------------ translation
     def _options(self, args: argparse.Namespace) -> dict[str, Any]:
-        if args.sample_every is not None and not args.sentinel:
-            raise MagicUsageError("--sample-every is for sentinel mode: add --sentinel")
-        options = dict(max_frames=args.frames if args.frames is not None else self.frames,
-                       trace_batches=args.trace_batches, abort_after=args.abort_after,
-                       skip_types=args.skip, backward=args.backward,
-                       grad_norm_warn=args.grad_norm, on_nan=args.on_nan or self.on_nan,
-                       log_dir=args.log_dir)
-        if args.sentinel:
-            options.update(mode="sentinel", sample_every=args.sample_every)
+        """The watch options the flags name (the flags are declared with the options)."""
+        options = {name: getattr(args, name) for name, declared in OPTIONS.items()
+                   if declared.flag is not None and getattr(args, name) is not None}
+        for name, declared in OPTIONS.items():
+            needs = declared.needs
+            if name in options and needs is not None and options.get(needs.option) != needs.value:
+                needed = OPTIONS[needs.option].flag
+                raise MagicUsageError(f"{declared.flag.names[-1]} is for {needs.words}: add "
+                                      f"{needed.names[-1] if needed else needs.option}")
+        # %config NanwatchMagics.frames / .on_nan: defaults for flags left out.
+        options.setdefault("max_frames", self.frames)
+        options.setdefault("on_nan", self.on_nan)
         return options
 
     def _stop(self, name: str | None) -> None:
@@ -437,6 +414,10 @@ class NanwatchMagics(Magics):
         value = eval(final, namespace)
         return await value if final.co_flags & inspect.CO_COROUTINE else value
 
+
+# IPython's help formatter starts the usage with "::" (reStructuredText, for its own docs); in
+# %nanwatch? that is noise.
+NanwatchMagics.nanwatch.__doc__ = NanwatchMagics.nanwatch.__doc__.replace("::\n\n  %", "%", 1)
 
 _TOP_LEVEL_AWAIT = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
 _CELL_MAGIC_LINE = re.compile(r"^%%nanwatch(?:\s+(?P<line>.*))?$")

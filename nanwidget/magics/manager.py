@@ -7,11 +7,12 @@ few times a second. The magics only translate user input into these calls.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch import nn
@@ -20,39 +21,16 @@ from ..core.events import NanEvent
 from ..core.frames import Frame
 from ..core.stats import dtype_max
 from ..core.recorder import AlreadyWatchedError, Feature
-from ..core.watch import NanWatch, SkipTypesWarning, live_watches, watch
+from ..core.options import SkipTypesWarning, WatchOptions
+from ..core.watch import NanWatch, live_watches, watch
 
-__all__ = ["WatchManager", "LiveStatus", "MagicUsageError", "parse_batches", "parse_class_names",
-           "describe_magnitude"]
+__all__ = ["WatchManager", "LiveStatus", "MagicUsageError", "describe_magnitude"]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 class MagicUsageError(ValueError):
     """Misuse of %nanwatch; the magic shows it as IPython's UsageError."""
-
-
-def parse_batches(text: str) -> tuple[int, ...]:
-    """"1,3" -> (1, 3). Raises ValueError with a sentence on anything else."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        batches = tuple(int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"expected batch numbers separated by commas (e.g. 1,3), got {text!r}") \
-            from None
-    if any(b < 0 for b in batches):
-        raise ValueError(f"batch numbers start at 0, got {text!r}")
-    return batches
-
-
-def parse_class_names(text: str) -> tuple[str, ...]:
-    """"Dropout,ReLU" -> ("Dropout", "ReLU")."""
-    names = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [n for n in names if not n.isidentifier()]
-    if bad or not names:
-        raise ValueError(f"expected module class names separated by commas (e.g. Dropout,ReLU), "
-                         f"got {text!r}")
-    return names
 
 
 def describe_magnitude(value: float, dtype: str) -> str:
@@ -90,20 +68,18 @@ class LiveStatus(Feature):
     def on_event(self, event: NanEvent) -> None:
         self.events += 1
 
-    def on_batch_end(self, batch: int | None, frames: list[Frame]) -> None:
-        if batch is None:  # frames resolved within a batch (a backward pass): not a new batch
-            return
+    def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         self.batches += 1
         largest = self.largest
         for frame in frames:
             if frame.phase != "forward":
                 continue
-            for role, stats, dtype, _shape, _note in frame.entries:
+            for entry in frame.outputs():
                 # Reads the stats the watch already resolved; no tensor is touched here.
-                if stats is not None and role.startswith("output") and stats.abs_max > largest \
-                        and stats.abs_max != math.inf:
+                stats = entry.stats
+                if stats is not None and stats.abs_max > largest and stats.abs_max != math.inf:
                     largest = stats.abs_max
-                    self.largest_dtype = str(dtype).replace("torch.", "")
+                    self.largest_dtype = str(entry.dtype).replace("torch.", "")
                     self.largest_module = frame.module
         self.largest = largest
         now = self.clock()
@@ -168,12 +144,27 @@ class WatchManager:
         A ``--skip`` class the model does not use is an error here (``nw.watch`` only warns):
         in a magic line it is a typo to fix before anything is hooked.
         """
+        with self._usage_errors(options):
+            try:
+                return watch(model, **options)
+            except AlreadyWatchedError as error:
+                raise MagicUsageError(self._already_watched(model, name, error)) from None
+
+    def check(self, model: nn.Module, options: dict[str, Any]) -> None:
+        """Check ``options`` for ``model`` as :meth:`make_watch` would, hooking nothing."""
+        with self._usage_errors(options):
+            WatchOptions.checked(model, **options)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _usage_errors(options: dict[str, Any]) -> Iterator[None]:
+        """Misuse inside, as one usage sentence."""
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", SkipTypesWarning)
                 # A compiled model's "watched in sentinel mode" note: describe() says it.
                 warnings.filterwarnings("ignore", message="nanwidget: watching .* in sentinel mode")
-                return watch(model, **options)
+                yield
         except SkipTypesWarning as warning:
             raise MagicUsageError(str(warning).replace("skip_types:", "--skip:", 1)) from None
         except (TypeError, ValueError) as error:
@@ -182,8 +173,6 @@ class WatchManager:
             raise MagicUsageError(f"--log-dir {options.get('log_dir')}: "
                                   f"{error.strerror or error}"
                                   + (f" ({error.filename})" if error.filename else "")) from None
-        except AlreadyWatchedError as error:
-            raise MagicUsageError(self._already_watched(model, name, error)) from None
 
     def _already_watched(self, model: nn.Module, name: str, error: Exception) -> str:
         """Say which watch holds the model and the exact line that stops it."""
@@ -200,8 +189,10 @@ class WatchManager:
     def start(self, name: str, model: nn.Module, options: dict[str, Any]) -> tuple[NanWatch, bool]:
         """Watch ``model`` under ``name``; a watch already held under that name is replaced.
 
-        Returns the watch and whether it replaced one.
+        Returns the watch and whether it replaced one. Options are checked first: a typo
+        leaves the watch already held as it was.
         """
+        self.check(model, options)
         previous = self.watches.pop(name, None)
         if previous is not None:
             previous.close()

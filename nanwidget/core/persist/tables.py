@@ -21,6 +21,7 @@ import pandas as pd
 
 from ..schema import (FRAME_COLUMNS, FRAME_DTYPES, HISTORY_DTYPES, OPS_COLUMNS, OPS_DTYPES,
                       column_kinds)
+from ..state import parquet_wanted, use_parquet  # noqa: F401 - use_parquet re-exported
 
 try:  # optional: parquet when available, JSON tables otherwise
     import pyarrow as _pa
@@ -56,18 +57,10 @@ RANK_DIR = re.compile(r"^rank-(\d{5,})$")
 CHUNK_FILE = re.compile(r"^(history|frames|grads)-(\d{6,})\.(parquet|json)$")
 EVENT_FILE = re.compile(r"^event-(\d{6,})\.json$")
 
-_parquet_wanted = True
-
-
-def use_parquet(enabled: bool) -> None:
-    """Write parquet tables (when pyarrow is installed) or always JSON tables."""
-    global _parquet_wanted
-    _parquet_wanted = bool(enabled)
-
-
 def parquet_enabled() -> bool:
-    """Whether new tables are written as parquet."""
-    return _parquet_wanted and _pq is not None
+    """Whether new tables are written as parquet (pyarrow is there and
+    :func:`~nanwidget.core.state.use_parquet` left it on)."""
+    return parquet_wanted() and _pq is not None
 
 
 class RunLoadError(ValueError):

@@ -1,0 +1,88 @@
+"""Process-wide state: every registry nanwidget keeps, in one place, each with why it exists.
+
+Everything else lives in objects the user holds (a watch, its recorder and features, a magics
+instance). Nothing here keeps a user's model or watch alive: the registries hold weak
+references, so a model the user drops is collected with its watch.
+
+The one other process-wide thing is :mod:`~nanwidget.core.native`'s loaded kernel: a compiled
+library, loaded once per process, kept beside the code that calls it on the hot path.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
+    from torch import nn
+
+    from .recorder import Recorder
+
+__all__ = ["watched_modules", "watching_recorders", "set_browser_opener", "browser_opener",
+           "training_guards", "use_parquet", "parquet_wanted"]
+
+# Every module hooked by a live recorder. Why: a second watch on the same module would record
+# every call twice, so it is refused (AlreadyWatchedError); and the live watches
+# (nw.live_watches(), %unload_ext) are found from here, so that a watch whose variable was lost
+# can still be closed. Weak on both sides: hooks keep a recorder alive, and a recorder its model.
+_WATCHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Recorder]] = weakref.WeakKeyDictionary()
+
+
+def watched_modules() -> weakref.WeakKeyDictionary[nn.Module, weakref.ref[Recorder]]:
+    """module -> weak reference to the recorder whose hooks are on it (the recorder adds and
+    removes its modules)."""
+    return _WATCHED
+
+
+def watching_recorders() -> list[Recorder]:
+    """Every recorder that still has hooks on some module, each once, oldest first."""
+    seen: dict[int, Recorder] = {}
+    for reference in list(_WATCHED.values()):
+        recorder = reference()
+        if recorder is not None and not recorder.closed:
+            seen.setdefault(id(recorder), recorder)
+    return list(seen.values())
+
+
+# How core objects open a FrameBrowser. Why: the widgets layer sits above the core (it needs
+# ipywidgets and matplotlib), so the package's top level registers the function that builds
+# one, and ``watch.browse()`` works without the core importing the widgets.
+_browser_opener: Callable[[Any], Any] | None = None
+
+
+def set_browser_opener(opener: Callable[[Any], Any] | None) -> None:
+    """Register the function that builds a FrameBrowser for a source (None: unregister)."""
+    global _browser_opener
+    _browser_opener = opener
+
+
+def browser_opener() -> Callable[[Any], Any] | None:
+    """The registered FrameBrowser builder, or None."""
+    return _browser_opener
+
+
+# Step guards the training callbacks made. Why: transformers has no callback for a run that
+# ended with an exception, so its watch stays on the model; the next run on that model finds
+# and closes it here instead of being refused. Weak: a guard lives as long as its callback.
+_TRAINING_GUARDS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def training_guards() -> weakref.WeakSet[Any]:
+    """The training callbacks' step guards still alive (they add and discard themselves)."""
+    return _TRAINING_GUARDS
+
+
+# Whether recordings write parquet tables (when pyarrow is there) or JSON. Why: one switch for
+# the process, so that tests and users without a working pyarrow can turn parquet off once.
+_parquet_wanted = True
+
+
+def use_parquet(enabled: bool) -> None:
+    """Write parquet tables (when pyarrow is installed) or always JSON tables."""
+    global _parquet_wanted
+    _parquet_wanted = bool(enabled)
+
+
+def parquet_wanted() -> bool:
+    """Whether :func:`use_parquet` left parquet on."""
+    return _parquet_wanted
