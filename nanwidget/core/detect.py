@@ -26,9 +26,8 @@ from collections.abc import Callable, Iterable
 from .entries import Entry
 from .events import NanEvent
 from .frames import Frame, frames_to_dataframe
-from .schema import is_input_role
 
-__all__ = ["Detector", "event_kind", "first_event", "backward_birth"]
+__all__ = ["Detector", "Window", "event_kind", "first_event", "backward_birth"]
 
 Window = Callable[[list[Frame], int], list[Frame]]
 # Weights of the module with this qualified name, measured right now (None: not watched).
@@ -40,14 +39,9 @@ def event_kind(nan: bool, inf: bool) -> str:
     return "nan+inf" if nan and inf else ("nan" if nan else "inf")
 
 
-def _nonfinite(entry: Entry) -> bool:
-    stats = entry[1]
-    return stats is not None and (stats.nan or stats.inf)
-
-
 def _counts(entry: Entry, inf_allowed: bool) -> bool:
     """Whether a non-finite value in this entry is an event: NaN always, Inf unless allowed."""
-    stats = entry[1]
+    stats = entry.stats
     return stats is not None and (stats.nan or (stats.inf and not inf_allowed))
 
 
@@ -75,9 +69,8 @@ class Detector:
             bad = frames[position].nonfinite_entries()
             return self._event(frames, position, window, "grad", bad[0], bad)
         allowed = frame.module in self.allow_inf
-        outputs = frame.entries[frame.first_output:]
-        weights = [e for e in frame.entries[:frame.first_output] if not is_input_role(e[0])]
-        bad_weights = [e for e in weights if _counts(e, allowed)]
+        outputs = frame.outputs()
+        bad_weights = [e for e in frame.weights() if _counts(e, allowed)]
         if bad_weights:
             return self._event(frames, position, window, "weight", bad_weights[0], bad_weights)
         bad_outputs = [e for e in outputs if _counts(e, allowed)]
@@ -85,21 +78,18 @@ class Detector:
             return None  # finite outputs (or only an allowed Inf): flagged, not an event
         # A stale cached weight (written through .data) must not pass as "made here".
         if self._refresh_weights(frame, allowed):
-            bad_weights = [e for e in frame.entries[:frame.first_output]
-                           if not is_input_role(e[0]) and _counts(e, allowed)]
+            bad_weights = [e for e in frame.weights() if _counts(e, allowed)]
             return self._event(frames, position, window, "weight", bad_weights[0], bad_weights)
-        bad_inputs = [e for e in frame.entries[:frame.first_output]
-                      if is_input_role(e[0]) and _nonfinite(e)]
+        bad_inputs = [e for e in frame.inputs() if e.nonfinite]
         if bad_inputs:
             owner = self._enclosing_with_bad_weights(frames, position)
             if owner is not None:
                 owner_frame = frames[owner]
                 owner_allowed = owner_frame.module in self.allow_inf
-                culprits = [e for e in owner_frame.entries[:owner_frame.first_output]
-                            if not is_input_role(e[0]) and _counts(e, owner_allowed)]
+                culprits = [e for e in owner_frame.weights() if _counts(e, owner_allowed)]
                 return self._event(frames, owner, window, "weight", culprits[0], culprits)
             # Name the input that brought it (a NaN before an Inf: masks carry -inf on purpose).
-            named = next((e for e in bad_inputs if e[1].nan), bad_inputs[0])
+            named = next((e for e in bad_inputs if e.stats.nan), bad_inputs[0])
             return self._event(frames, position, window, "input", named, bad_outputs)
         return self._event(frames, position, window, "output", bad_outputs[0], bad_outputs)
 
@@ -111,9 +101,9 @@ class Detector:
         fresh = self.weights_now(frame.module)
         if not fresh:
             return False
-        by_role = {entry[0]: entry for entry in fresh}
-        for slot in range(frame.first_output):
-            entry = by_role.get(frame.entries[slot][0])
+        by_role = {entry.role: entry for entry in fresh}
+        for slot in range(frame.first_input):
+            entry = by_role.get(frame.entries[slot].role)
             if entry is not None:
                 frame.entries[slot] = entry
         return any(_counts(entry, allowed) for entry in fresh)
@@ -130,8 +120,8 @@ class Detector:
                 continue
             seen.add(frame.module)
             allowed = frame.module in self.allow_inf
-            weights = [e for e in frame.entries[:frame.first_output] if not is_input_role(e[0])]
-            if any(_counts(e, allowed) for e in weights) or self._refresh_weights(frame, allowed):
+            if any(_counts(e, allowed) for e in frame.weights()) \
+                    or self._refresh_weights(frame, allowed):
                 return later
         return None
 
@@ -140,21 +130,24 @@ class Detector:
                bad: list[Entry]) -> NanEvent:
         frame = frames[position]
         if origin in ("weight", "grad"):
-            kind = event_kind(named[1].nan, named[1].inf)
+            kind = event_kind(named.stats.nan, named.stats.inf)
         else:  # what went wrong in the outputs
-            kind = event_kind(any(e[1].nan for e in bad), any(e[1].inf for e in bad))
+            kind = event_kind(any(e.stats.nan for e in bad), any(e.stats.inf for e in bad))
         return NanEvent(batch=frame.batch, module=frame.module, module_type=frame.module_type,
-                        call=frame.call, role=named[0], kind=kind, origin=origin,
+                        call=frame.call, role=named.role, kind=kind, origin=origin,
                         is_backward=frame.phase == "backward",
                         frames=frames_to_dataframe(window(frames, position)), rank=frame.rank,
                         frame=frame.index)
 
 
-def first_event(frames: list[Frame], detector: Detector) -> NanEvent | None:
-    """The first event among resolved ``frames`` (a replay's, say), each window its own frames."""
+def first_event(frames: list[Frame], detector: Detector,
+                window: Window | None = None) -> NanEvent | None:
+    """The first event among resolved ``frames`` (a replay's, say); its report shows
+    ``window(frames, position)`` (by default up to 21 of ``frames`` ending with its own)."""
+    window = window or (lambda batch_frames, position: batch_frames[max(0, position - 20): position + 1])
     for position, frame in enumerate(frames):
         if frame.nonfinite_entries():
-            event = detector.event_at(frames, position, lambda fs, p: fs[max(0, p - 20): p + 1])
+            event = detector.event_at(frames, position, window)
             if event is not None:
                 return event
     return None
@@ -164,7 +157,7 @@ def _born_in_backward(frame: Frame) -> bool:
     """Non-finite gradients only in the frame's ``grad_input`` roles: they were born in this
     module's backward, or reached its input tensor through another user of it."""
     bad = frame.nonfinite_entries()
-    return bool(bad) and not any(entry[0].startswith("grad_output") for entry in bad)
+    return bool(bad) and not any(entry.role.startswith("grad_output") for entry in bad)
 
 
 def backward_birth(frames: list[Frame], position: int) -> int:

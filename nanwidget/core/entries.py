@@ -3,13 +3,14 @@
 One :class:`EntryBuilder` turns a module's weights, inputs, outputs or gradients into entries
 for every recording path (the live watch, a trace-mode replay, backward frames), so a replayed
 frame equals the live frame by construction and a new tensor kind is handled in one place.
-An entry is a plain tuple ``(role, stats, dtype, shape, note)`` to keep the hook cheap: ``stats``
-is a :class:`~nanwidget.core.stats.TensorStats` filled when the batch resolves, or None with a
-note saying why there are none.
+An :class:`Entry` is a tuple read by name, ``(role, stats, dtype, shape, note)``: ``stats`` is a
+:class:`~nanwidget.core.stats.TensorStats` filled when the batch resolves, or None with a note
+saying why there are none.
 """
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -21,7 +22,48 @@ from .walk import Unread, iter_leaves
 
 __all__ = ["Entry", "EntryBuilder", "non_tensor_entry"]
 
-Entry = tuple[str, "TensorStats | None", Any, Any, str]
+try:  # the C field reader namedtuple uses; a property where this Python has none
+    from collections import _tuplegetter  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover
+    def _tuplegetter(index: int, doc: str) -> Any:
+        return property(itemgetter(index), doc=doc)
+
+
+class Entry(tuple):
+    """What a frame says about one tensor (or other value) a module call touched:
+    ``(role, stats, dtype, shape, note)``, read by name.
+
+    Made as ``Entry((role, stats, dtype, shape, note))``: a plain tuple underneath, built at
+    C speed on every module call (a ``NamedTuple``'s Python ``__new__`` costs several times as
+    much there).
+    """
+
+    __slots__ = ()
+
+    role: str = _tuplegetter(0, "'weight', 'input[0]', 'kwarg:mask', 'output[1]', "
+                                "'grad_input[0]' ...")  # type: ignore[assignment]
+    stats: TensorStats | None = _tuplegetter(1, "filled when the batch resolves; None: see "
+                                                "note")  # type: ignore[assignment]
+    dtype: Any = _tuplegetter(2, "torch.dtype, or None for a value that is no tensor")
+    shape: Any = _tuplegetter(3, "torch.Size, or None")
+    note: str = _tuplegetter(4, "'' or why there are no stats (schema.NOTES)")  # type: ignore[assignment]
+
+    @property
+    def nonfinite(self) -> bool:
+        """Whether the tensor holds a NaN or an Inf."""
+        stats = self[1]
+        return stats is not None and (stats.nan or stats.inf)
+
+    def replace(self, *, stats: TensorStats | None | object = ..., role: str | None = None,
+                note: str | None = None) -> Entry:
+        """A copy with the role, stats or note changed."""
+        return Entry((self[0] if role is None else role, self[1] if stats is ... else stats,
+                      self[2], self[3], self[4] if note is None else note))
+
+    def __repr__(self) -> str:
+        return (f"Entry(role={self[0]!r}, stats={self[1]!r}, dtype={self[2]!r}, "
+                f"shape={self[3]!r}, note={self[4]!r})")
+
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -41,8 +83,8 @@ def _shape_of(tensor: torch.Tensor) -> Any:
 def non_tensor_entry(role: str, leaf: Any) -> Entry:
     """The entry of a leaf that is not a tensor: no stats, a note saying what it is."""
     if isinstance(leaf, Unread):
-        return (role, None, None, None, "not read")
-    return (role, None, None, None, "None" if leaf is None else "not a tensor")
+        return Entry((role, None, None, None, "not read"))
+    return Entry((role, None, None, None, "None" if leaf is None else "not a tensor"))
 
 
 class EntryBuilder:
@@ -69,15 +111,15 @@ class EntryBuilder:
         if dtype.is_floating_point and tensor.layout is _STRIDED and not tensor.is_meta \
                 and not tensor.is_nested and tensor.numel() \
                 and type(tensor) in PLAIN_TENSOR_TYPES:
-            return (role, self.pending.add(tensor), dtype, tensor.shape, "")
+            return Entry((role, self.pending.add(tensor), dtype, tensor.shape, ""))
         local = local_shard(tensor)
         if local is not tensor:  # a DTensor: this rank's shard, its shape, said in the note
-            return self.tensor_entry(role, local)[:4] + (LOCAL_SHARD,)
+            return self.tensor_entry(role, local).replace(note=LOCAL_SHARD)
         note = classify(tensor)
         shape = _shape_of(tensor)
         if note:
-            return (role, None, dtype, shape, note)
-        return (role, self.pending.add(tensor), dtype, shape, "")
+            return Entry((role, None, dtype, shape, note))
+        return Entry((role, self.pending.add(tensor), dtype, shape, ""))
 
     def leaf_entry(self, role: str, leaf: Any) -> Entry:
         """Entry for any leaf of an input or output structure."""
@@ -93,12 +135,12 @@ class EntryBuilder:
             return non_tensor_entry(role, grad)
         local = local_shard(grad)
         if local is not grad:  # a DTensor gradient: this rank's shard
-            return self.grad_entry(role, local)[:4] + (LOCAL_SHARD,)
+            return self.grad_entry(role, local).replace(note=LOCAL_SHARD)
         note = classify(grad)
         shape = _shape_of(grad)
         if note:
-            return (role, None, grad.dtype, shape, note)
-        return (role, self.pending.add(grad, hold=False), grad.dtype, shape, "")
+            return Entry((role, None, grad.dtype, shape, note))
+        return Entry((role, self.pending.add(grad, hold=False), grad.dtype, shape, ""))
 
     # ------------------------------------------------------------------ a module call
     def input_entries(self, args: tuple, kwargs: dict | None, entries: list[Entry]) -> None:
@@ -150,19 +192,20 @@ class EntryBuilder:
                 # version counter moved, or the storage was swapped through ``.data``), and
                 # reuse the whole entry (same stats object) until then.
                 if cached is not None and cached[0] is tensor and cached[2] == pointer \
-                        and cached[1] == version_of(tensor) and cached[3][0] == name \
+                        and cached[1] == version_of(tensor) and cached[3].role == name \
                         and pointer != -1:
                     entries.append(cached[3])
                     continue
                 entry = self.tensor_entry(name, tensor)
-                if entry[1] is not None and pointer != -1:
+                if entry.stats is not None and pointer != -1:
                     cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry)
                 entries.append(entry)
 
     def forward_entries(self, module: nn.Module, has_state: bool, args: tuple, kwargs: dict,
                         output: Any, measured_inputs: list[Entry] | None = None,
-                        cache_weights: bool = True) -> tuple[list[Entry], int]:
-        """Every entry of one forward call, and the position of its first output entry.
+                        cache_weights: bool = True) -> tuple[list[Entry], int, int]:
+        """Every entry of one forward call (its own weights, then its inputs, then its
+        outputs), and the positions of its first input and its first output entry.
 
         ``measured_inputs``: input entries a pre-hook measured before the module ran (used
         instead of measuring the inputs now). Without them, an input the module wrote into
@@ -173,6 +216,7 @@ class EntryBuilder:
         entries: list[Entry] = []
         if has_state:
             self.weight_entries(module, entries, cache_weights)
+        first_input = len(entries)
         if measured_inputs is not None:
             entries.extend(measured_inputs)
         elif len(args) == 1 and not kwargs and isinstance(args[0], _Tensor) \
@@ -184,16 +228,16 @@ class EntryBuilder:
             self.input_entries(args, kwargs, entries)
             if handed_over:
                 for index in range(start, len(entries)):
-                    role, _, dtype, shape, _ = entries[index]
-                    found = handed_over.get(role)
+                    entry = entries[index]
+                    found = handed_over.get(entry.role)
                     if found is not None:
-                        entries[index] = (role, found, dtype, shape, WRITTEN_HERE)
+                        entries[index] = entry.replace(stats=found, note=WRITTEN_HERE)
         first_output = len(entries)
         if isinstance(output, _Tensor):  # output_entries(), inlined for the usual case
             entries.append(self.tensor_entry("output", output))
         else:
             self.output_entries(output, entries)
-        return entries, first_output
+        return entries, first_input, first_output
 
     def _inputs_written_here(self, args: tuple, output: Any) -> dict[str, TensorStats]:
         """Stats, by role, of tensor inputs the module returned after writing into them: as an
@@ -219,6 +263,6 @@ class EntryBuilder:
                 self._weight_cache.pop(id(tensor), None)
                 note = classify(tensor)
                 stats = None if note else fresh.add(tensor)
-                entries.append((name, stats, tensor.dtype, _shape_of(tensor), note))
+                entries.append(Entry((name, stats, tensor.dtype, _shape_of(tensor), note)))
         fresh.resolve()
         return entries

@@ -22,13 +22,19 @@ _NAN = float("nan")
 
 
 class Frame:
-    """One call of one module in one phase."""
+    """One call of one module in one phase.
+
+    A forward frame's entries are the module's own weights (parameters and buffers, by name),
+    then its inputs, then its outputs: read them with :meth:`weights`, :meth:`inputs` and
+    :meth:`outputs`. A backward frame's entries are gradients (:meth:`grads`).
+    """
 
     __slots__ = ("rank", "batch", "index", "module", "module_type", "call", "phase", "entries",
-                 "first_output")
+                 "first_input", "first_output")
 
     def __init__(self, rank: int, batch: int, index: int, module: str, module_type: str,
-                 call: int, phase: str, entries: list[Entry], first_output: int | None = None) -> None:
+                 call: int, phase: str, entries: list[Entry], first_output: int | None = None,
+                 first_input: int = 0) -> None:
         self.rank = rank
         self.batch = batch
         self.index = index
@@ -37,12 +43,30 @@ class Frame:
         self.call = call
         self.phase = phase
         self.entries = entries
-        # Entries from here on are the outputs (forward frames); backward frames have none.
+        # Entries from first_output on are the outputs (forward frames; backward frames have
+        # none); the weights come before first_input.
         self.first_output = len(entries) if first_output is None else first_output
+        self.first_input = first_input
+
+    def weights(self) -> list[Entry]:
+        """The module's own parameters and buffers (forward frames)."""
+        return self.entries[:self.first_input] if self.phase == "forward" else []
+
+    def inputs(self) -> list[Entry]:
+        """The module's inputs, positional (``input[i]...``) then keyword (``kwarg:name...``)."""
+        return self.entries[self.first_input:self.first_output] if self.phase == "forward" else []
+
+    def outputs(self) -> list[Entry]:
+        """The module's outputs (``output``, ``output[1]``, ``output.logits`` ...)."""
+        return self.entries[self.first_output:] if self.phase == "forward" else []
+
+    def grads(self) -> list[Entry]:
+        """A backward frame's gradients (``grad_output[i]``, ``grad_input[i]``)."""
+        return list(self.entries) if self.phase == "backward" else []
 
     def nonfinite_entries(self) -> list[Entry]:
         """Entries whose tensor holds a NaN or an Inf."""
-        return [e for e in self.entries if e[1] is not None and (e[1].nan or e[1].inf)]
+        return [e for e in self.entries if e.nonfinite]
 
     def rows(self) -> Iterator[tuple]:
         """One tuple per entry, in :data:`FRAME_COLUMNS` order."""

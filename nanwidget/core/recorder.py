@@ -64,16 +64,18 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .detect import Detector
+from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
-from .frames import Frame, FrameBuffer, frames_to_dataframe
-from .history import History
+from .frames import Frame
 from .ranks import current_rank
+from .records import Finding, Records
+from .state import watched_modules
 from .stats import PendingStats
 
-__all__ = ["Recorder", "Feature", "ModuleInfo", "ConcurrentForwardError", "AlreadyWatchedError",
-           "CompiledCallError", "watched_by", "in_backward_pass", "is_fsdp_unit"]
+__all__ = ["Recorder", "Feature", "Finding", "ModuleInfo", "ConcurrentForwardError",
+           "AlreadyWatchedError", "CompiledCallError", "watched_by", "in_backward_pass",
+           "is_fsdp_unit"]
 
 _get_ident = threading.get_ident
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -87,10 +89,7 @@ def in_backward_pass() -> bool:
     a recomputation, e.g. by ``torch.utils.checkpoint``)."""
     return _graph_task_id() >= 0
 
-# Every module hooked by a live recorder, so a second one cannot double-record it. Weak on both
-# sides: the recorder is kept alive by its hooks (and keeps the model), so a model the user
-# drops is collected with its watch instead of being held here forever.
-_WATCHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Recorder]] = weakref.WeakKeyDictionary()
+_WATCHED = watched_modules()  # module -> the recorder hooking it (see core.state)
 
 
 class ConcurrentForwardError(RuntimeError):
@@ -138,10 +137,11 @@ def watched_by(module: nn.Module) -> Recorder | None:
 
 
 class Feature:
-    """A part of a watch that rides along the recorder. Every method is optional.
+    """A part of a watch that rides along the recorder. Every method is optional: the recorder
+    calls only the ones a feature overrides, so a feature costs nothing for what it does not do.
 
     Methods marked "under the lock" run while the recorder's lock is held: keep them short and
-    never call into the model there.
+    never call into the model there. Features see the recorder through its public API only.
     """
 
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -154,10 +154,24 @@ class Feature:
     def before_resolve(self) -> None:
         """Under the lock: frames are about to be resolved (fill stats measured elsewhere)."""
 
-    def on_batch_end(self, batch: int | None, frames: list[Frame]) -> None:
-        """Under the lock: ``frames`` are resolved. ``batch`` is the batch that just ended (its
-        root forward returned, or :meth:`Recorder.set_batch` moved on); None when frames were
-        resolved within a batch (end of a backward pass, a flush)."""
+    def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
+        """Under the lock: ``batch`` ended (its root forward returned, or
+        :meth:`Recorder.set_batch` moved on); ``frames`` are its frames resolved now."""
+
+    def on_frames_resolved(self, frames: list[Frame]) -> None:
+        """Under the lock: frames resolved within a batch (the end of a backward pass, a flush,
+        :meth:`Recorder.close`); no batch ended."""
+
+    def on_frames_replayed(self, frames: list[Frame]) -> None:
+        """Under the lock: frames a replay made (see :meth:`find_event`), taken into the ring
+        and history as if recorded live."""
+
+    def find_event(self, batch: int, event: NanEvent | None, reason: str) -> Finding | None:
+        """Outside the lock, before the reviews: a feature that checks batches on its own (the
+        sentinel) returns what it found when ``reason`` ended (as in :meth:`review_event`): an
+        event (used when the recorder found none) and the frames its replays made, which the
+        recorder takes first. ``event``: what the recorder found itself. None: nothing."""
+        return None
 
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
         """Outside the lock, before an event is recorded: return the event to record (the one
@@ -243,10 +257,8 @@ class Recorder:
         self.abort_after = abort_after
         self.on_nan = on_nan
         self.max_events = max_events
-        self.events_dropped = 0
         self.interrupted_batches: list[int] = []
         self._rank = current_rank()
-        self._events: list[NanEvent] = []
         self._features: list[Feature] = []
         self._refresh_callbacks()
         self._lock = threading.RLock()
@@ -269,8 +281,6 @@ class Recorder:
         self._exception_at_start: BaseException | None = None
         self._pending = PendingStats()
         self.entries = EntryBuilder(self._pending)
-        self._ring = FrameBuffer(max_frames)
-        self._trace_frames: dict[int, list[Frame]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         # The root hooks on the original module while direct calls count (see the docstring).
         self._direct_handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -300,7 +310,6 @@ class Recorder:
                         for index, (name, module) in enumerate(modules)]
         self.module_names = [info.name for info in self.modules]
         self.module_types = [info.type_name for info in self.modules]
-        self._name_index = {name: i for i, name in enumerate(self.module_names)}
         self._by_name = {info.name: info for info in self.modules}
         patterns, classes = allow_inf
         self.inf_allowed = frozenset(
@@ -309,7 +318,10 @@ class Recorder:
             or (classes and isinstance(info.module, classes)))
         self._detector = Detector(self.inf_allowed, self._weights_now)
         self._warned_unread = False
-        self._history = History(self.module_names, self.module_types, rank=self._rank)
+        #: The ring, trace batches' frames, history and events of the finished batches.
+        self.records = Records(self.module_names, self.module_types, max_frames=max_frames,
+                               trace_batches=self.trace_batches, max_events=max_events,
+                               detector=self._detector, rank=self._rank)
         try:
             for info in self.modules:
                 self._infos[id(info.module)] = info
@@ -462,12 +474,18 @@ class Recorder:
     @property
     def events(self) -> list[NanEvent]:
         """Every recorded event (at most ``max_events``; see ``events_dropped``)."""
-        return list(self._events)
+        return list(self.records.events)
 
     @property
     def event(self) -> NanEvent | None:
         """The first recorded event, or None."""
-        return self._events[0] if self._events else None
+        events = self.records.events
+        return events[0] if events else None
+
+    @property
+    def events_dropped(self) -> int:
+        """Events past ``max_events``, counted but not kept."""
+        return self.records.events_dropped
 
     @property
     def features(self) -> list[Feature]:
@@ -493,6 +511,9 @@ class Recorder:
         self._on_batch_output = overriding("on_batch_output")
         self._before_resolve = overriding("before_resolve")
         self._on_batch_end = overriding("on_batch_end")
+        self._on_frames_resolved = overriding("on_frames_resolved")
+        self._on_frames_replayed = overriding("on_frames_replayed")
+        self._find_event = overriding("find_event")
         self._review_event = overriding("review_event")
         self._on_event = overriding("on_event")
 
@@ -633,10 +654,11 @@ class Recorder:
                     measured = info.pre_entries.pop() if info.pre_entries else None
                     if is_root and module is not info.module:
                         module = info.module  # the compile wrapper's call: the model's frame
-                    entries, first_output = self.entries.forward_entries(
+                    entries, first_input, first_output = self.entries.forward_entries(
                         module, info.has_state, args, kwargs, output, measured,
                         cache_weights=not info.sharded)
-                    self.record_frame(info, "forward", entries, first_output=first_output)
+                    self.record_frame(info, "forward", entries, first_output=first_output,
+                                      first_input=first_input)
                     if self.entries.unread_roles and not self._warned_unread:
                         self._warn_unread()
         except Exception as error:
@@ -669,17 +691,20 @@ class Recorder:
         info = self._by_name.get(name)
         if info is None or not info.has_state:
             return None
-        return self.entries.measure_weights_now(info.module)
+        with self._lock:
+            return self.entries.measure_weights_now(info.module)
 
     # ------------------------------------------------------------------ recording (features)
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
-                     batch: int | None = None, first_output: int | None = None) -> Frame:
+                     batch: int | None = None, first_output: int | None = None,
+                     first_input: int = 0) -> Frame:
         """Append a frame for ``info``'s module; caller holds :attr:`lock`.
 
         ``batch`` files it under an earlier batch (backward frames that arrive after the root
         forward already counted the next one): its frame and call numbers continue after that
-        batch's own (kept for the last few batches). ``first_output``: position of the first
-        output entry (forward frames).
+        batch's own (kept for the last few batches). ``first_input`` and ``first_output``:
+        positions of the first input and the first output entry (forward frames: weights come
+        first, then inputs, then outputs).
         """
         counters = self._counters
         if batch is not None and batch != counters.batch:
@@ -691,7 +716,7 @@ class Recorder:
         call = calls.get(key, 0)
         calls[key] = call + 1
         frame = Frame(self._rank, counters.batch, counters.next_frame, info.name, info.type_name,
-                      call, phase, entries, first_output)
+                      call, phase, entries, first_output, first_input)
         counters.next_frame += 1
         self._frames.append(frame)
         return frame
@@ -760,76 +785,66 @@ class Recorder:
         if frames or len(self._pending):
             self._pending.resolve()
         self._rank = current_rank()
-        event = self._take_frames_locked(frames, self._ring.window_ending_with) if frames else None
-        for on_batch_end in self._on_batch_end:
-            on_batch_end(ended, frames)
+        event = self.records.take(frames) if frames else None
+        if ended is not None:
+            for on_batch_end in self._on_batch_end:
+                on_batch_end(ended, frames)
+        else:
+            for on_frames_resolved in self._on_frames_resolved:
+                on_frames_resolved(frames)
         if advance:
             self._remember_counters(self._counters)
             self._batch += 1
             self._counters = _Counters(self._batch)
         return event
 
-    def _take_frames_locked(self, frames: list[Frame], window: Any) -> NanEvent | None:
-        """History, trace batches and the ring take resolved ``frames``; their first event
-        (not recorded yet), whose report shows ``window(frames, position)``."""
-        event: NanEvent | None = None
-        history_rows: list[tuple[int, int, float, float, bool]] = []
-        name_index = self._name_index
-        trace_batches = self.trace_batches
-        for position, frame in enumerate(frames):
-            bad = False
-            first_output = frame.first_output
-            for slot, entry in enumerate(frame.entries):
-                stats = entry[1]
-                if stats is None:
-                    continue
-                nonfinite = stats.nan or stats.inf
-                if nonfinite:
-                    bad = True
-                if slot >= first_output:
-                    history_rows.append((frame.batch, name_index[frame.module], stats.abs_max,
-                                         stats.abs_min, nonfinite))
-            if bad and event is None:
-                event = self._detector.event_at(frames, position, window)
-            if trace_batches and frame.batch in trace_batches:
-                self._trace_frames.setdefault(frame.batch, []).append(frame)
-        self._history.record_many(history_rows)
-        self._ring.extend(frames)
-        return event
+    def find_event(self, frames: list[Frame], window: Window | None = None) -> NanEvent | None:
+        """The verdict on resolved frames made elsewhere (a replay's): their first event, not
+        recorded, by the same rules as the live frames'. Its report shows ``window(frames,
+        position)`` (by default up to ``max_frames`` of ``frames`` ending with its own)."""
+        limit = self.max_frames
+        return first_event(frames, self._detector, window or (
+            lambda batch_frames, position: batch_frames[max(0, position + 1 - limit): position + 1]))
 
-    def add_frames(self, frames: list[Frame], before: list[Frame] | None = None) -> NanEvent | None:
-        """Take resolved frames made elsewhere (a replay's) as if recorded now: history, trace
-        batches and the ring get them, features see them (``on_batch_end`` with batch None).
-        Returns their first event, not recorded yet (see :meth:`conclude`). Its report window
-        is the frames ending with the event's frame, preceded by ``before`` (the frames known
-        to have run just before these), or by the ring's frames when ``before`` is None."""
+    def _take_replayed(self, groups: list[list[Frame]]) -> None:
+        """Frames replays made, one group per batch, oldest first: history, trace batches and
+        the ring take them as if recorded live; features see them (``on_frames_replayed``)."""
         with self._lock:
             if self._closed:
-                return None
-            if before is None:
-                window = self._ring.window_ending_with
-            else:
-                limit = self.max_frames
+                return
+            for frames in groups:
+                self.records.take(frames, verdict=False)
+                for on_frames_replayed in self._on_frames_replayed:
+                    on_frames_replayed(list(frames))
 
-                def window(batch_frames: list[Frame], position: int) -> list[Frame]:
-                    own = batch_frames[max(0, position + 1 - limit): position + 1]
-                    missing = limit - len(own)
-                    return (before[-missing:] if missing > 0 and before else []) + own
-            event = self._take_frames_locked(list(frames), window)
-            for on_batch_end in self._on_batch_end:
-                on_batch_end(None, list(frames))
-            return event
-
-    def conclude(self, batch: int, event: NanEvent | None, *, reason: str,
-                 raising: bool) -> None:
-        """Outside the lock: let the features review ``event`` (found by a feature, e.g. at
-        the end of a backward pass), record it, and raise or warn as ``on_nan`` says (only
-        when ``raising``). ``reason`` as in :meth:`Feature.review_event`."""
-        self._conclude(batch, event, reason=reason, raising=raising, finished=False)
+    def conclude(self, batch: int, finding: Finding, *, reason: str, raising: bool) -> None:
+        """Outside the lock: what a feature found on its own (e.g. at the end of a backward
+        pass): take its frames, let the features review its event, record it, and raise or
+        warn as ``on_nan`` says (only when ``raising``). ``reason`` as in
+        :meth:`Feature.review_event`."""
+        self._conclude(batch, None, reason=reason, raising=raising, finished=False,
+                       found=finding)
 
     def _conclude(self, batch: int, event: NanEvent | None, *, reason: str, raising: bool,
-                  finished: bool) -> None:
-        """Outside the lock: features review the event, it is recorded, then raise/warn/go on."""
+                  finished: bool, found: Finding | None = None) -> None:
+        """Outside the lock: features that check on their own report what they found (their
+        frames are taken), features review the event, it is recorded, then raise/warn/go on."""
+        findings = [found] if found is not None else []
+        for find_event in self._find_event:
+            try:
+                finding = find_event(batch, event, reason)
+            except (NanDetected, AbortAfterBatch):
+                raise
+            except Exception as error:
+                self.internal_error(error)
+                continue
+            if finding is not None:
+                findings.append(finding)
+        for finding in findings:
+            if finding.frames:
+                self._take_replayed(finding.frames)
+            if event is None:
+                event = finding.event
         for review_event in self._review_event:
             try:
                 event = review_event(batch, event, reason)
@@ -850,12 +865,8 @@ class Recorder:
             raise AbortAfterBatch(batch, self.abort_after)
 
     def _record_event_locked(self, event: NanEvent) -> None:
-        if any(known is event for known in self._events):
+        if not self.records.add_event(event):
             return
-        if len(self._events) < self.max_events:
-            self._events.append(event)
-        else:
-            self.events_dropped += 1
         for on_event in self._on_event:
             try:
                 on_event(event)
@@ -916,31 +927,25 @@ class Recorder:
     def held_frames(self) -> list[Frame]:
         """The frames in the ring buffer (the last ``max_frames``), oldest first."""
         with self._lock:
-            return list(self._ring)
+            return list(self.records.ring)
 
     def frames_table(self, batch: int | None = None) -> pd.DataFrame:
         """Frames in the ring buffer, or every frame of trace batch ``batch``."""
         self.flush()
         with self._lock:
-            if batch is None:
-                return frames_to_dataframe(list(self._ring))
-            if batch not in self._trace_frames:
-                held = sorted(self._trace_frames) or "none yet"
-                raise KeyError(f"batch {batch} is not a recorded trace batch (trace_batches="
-                               f"{sorted(self.trace_batches)}; recorded: {held})")
-            return frames_to_dataframe(self._trace_frames[batch])
+            return self.records.frames_table(batch)
 
     @property
     def recorded_trace_batches(self) -> list[int]:
         """Trace batches with frames recorded so far."""
         with self._lock:
-            return sorted(self._trace_frames)
+            return sorted(self.records.trace_frames)
 
     def history_table(self) -> pd.DataFrame:
         """One row per (batch, module): abs_max, abs_min and nonfinite of its outputs."""
         self.flush()
         with self._lock:
-            return self._history.to_dataframe()
+            return self.records.history.to_dataframe()
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.contextmanager

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from .events import NanEvent
 from .report import format_frames
 from .schema import OPS_COLUMNS, OPS_DTYPES, empty_table
 from .sourcelines import locate_source
@@ -61,6 +62,18 @@ class Trace:
     changes: list[str] = field(default_factory=list)
     expected: str = ""  # the recorded event the replay looked for ("" when none)
     found: str = ""  # the event the replay met ("" when none)
+
+    def set_verdict(self, expected: NanEvent | None, found: NanEvent | None) -> None:
+        """The replay looked for ``expected`` (the recorded event; None: none was recorded) and
+        met ``found`` first (None: none): set :attr:`reproduced`, :attr:`expected` and
+        :attr:`found`. Called once, by whoever took the replay's verdict."""
+        if expected is None or found is None:
+            self.reproduced = expected is None and found is None
+        else:
+            self.reproduced = (expected.module, expected.call, expected.origin, expected.role) \
+                == (found.module, found.call, found.origin, found.role)
+        self.expected = expected.summary() if expected is not None else ""
+        self.found = found.summary() if found is not None else ""
 
     def why_not_reproduced(self) -> str:
         """Why the replay did not meet the recorded event, in one sentence ("" if it did)."""

@@ -51,18 +51,20 @@ Resolution
 
 from __future__ import annotations
 
+import threading
 import weakref
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..entries import Entry
-from ..recorder import Feature, ModuleInfo, Recorder, in_backward_pass
+from ..frames import Frame
+from ..recorder import Feature, ModuleInfo, in_backward_pass
 from ..walk import iter_leaves
 
-__all__ = ["BackwardFrames"]
+__all__ = ["FrameSink", "BackwardFrames"]
 
 _Tensor = torch.Tensor
 _grad_enabled = torch.is_grad_enabled
@@ -141,10 +143,45 @@ _GRAD_INPUT_ROLES = tuple(f"grad_input[{i}]" for i in range(8))
 _MAX_HOOKED = 65_536
 
 
+class GradEntries(Protocol):
+    def grad_entry(self, role: str, grad: Any) -> Entry:
+        """The entry of a gradient, measured without holding it."""
+
+
+class FrameSink(Protocol):
+    """Where :class:`BackwardFrames` records: the live
+    :class:`~nanwidget.core.recorder.Recorder`, or a replay's
+    :class:`~nanwidget.core.replay.run.ReplayFrames` (so a replay's backward frames are made by
+    this very code)."""
+
+    @property
+    def batch(self) -> int: ...
+
+    @property
+    def modules(self) -> list[ModuleInfo]: ...
+
+    @property
+    def lock(self) -> threading.RLock: ...
+
+    @property
+    def suspended(self) -> bool: ...
+
+    @property
+    def entries(self) -> GradEntries: ...
+
+    def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
+                     batch: int | None = None, first_output: int | None = None,
+                     first_input: int = 0) -> Frame: ...
+
+    def end_frames(self, batch: int, *, reason: str, raising: bool) -> None: ...
+
+    def internal_error(self, error: BaseException) -> None: ...
+
+
 class BackwardFrames(Feature):
     """Records a backward frame per module call per backward pass, from the first batch on."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: FrameSink) -> None:
         self.recorder = recorder
         self.closed = False
         self.passes = 0  # backward passes resolved (tests read it)
@@ -195,7 +232,7 @@ class BackwardFrames(Feature):
     def _hook(self, pending: _PendingFrame, targets: list[tuple[str, _Tensor]]) -> None:
         template = pending.template
         for role, tensor in targets:
-            template.append((role, None, tensor.dtype, tensor.shape, _NO_GRADIENT))
+            template.append(Entry((role, None, tensor.dtype, tensor.shape, _NO_GRADIENT)))
             self._hook_tensor(pending, len(template) - 1, tensor)
 
     def _hook_tensor(self, pending: _PendingFrame, slot: int, tensor: _Tensor) -> None:
@@ -231,7 +268,7 @@ class BackwardFrames(Feature):
             _input_targets(args, None, targets)
             pending = self._new_pending(info)
             # Slot 0 waits for the output (the same tensor, once written): outputs come first.
-            pending.template.append(("grad_output[0]", None, None, None, _NO_GRADIENT))
+            pending.template.append(Entry(("grad_output[0]", None, None, None, _NO_GRADIENT)))
             self._hook(pending, targets)  # before the write: the gradient of the value received
             self._opened.setdefault(id(module), []).append(pending)
         except Exception as error:
@@ -249,8 +286,8 @@ class BackwardFrames(Feature):
         try:
             if isinstance(output, _Tensor):
                 if output.requires_grad:
-                    pending.template[0] = ("grad_output[0]", None, output.dtype, output.shape,
-                                           _NO_GRADIENT)
+                    pending.template[0] = Entry(("grad_output[0]", None, output.dtype,
+                                                 output.shape, _NO_GRADIENT))
                     self._hook_tensor(pending, 0, output)
             else:
                 targets: list[tuple[str, _Tensor]] = []
@@ -294,12 +331,12 @@ class BackwardFrames(Feature):
                     frame = pending.frame
                     if frame is None or pending.pass_id != self._pass_id:
                         frame = self._open_frame(pending)
-                    role = pending.template[slot][0]
+                    role = pending.template[slot].role
                     if measured is None:
                         measured = recorder.entries.grad_entry(role, grad)
                         frame.entries[slot] = measured
                     else:
-                        frame.entries[slot] = (role,) + measured[1:]
+                        frame.entries[slot] = measured.replace(role=role)
         except Exception as error:
             recorder.internal_error(error)
         return None

@@ -35,7 +35,7 @@ from ..events import NanEvent, event_fields
 from ..frames import Frame
 from ..ranks import launched_rank, launched_world_size
 from ..recorder import Feature, Recorder
-from ..schema import FRAME_COLUMNS, OPS_COLUMNS, is_output_role
+from ..schema import FRAME_COLUMNS, OPS_COLUMNS
 from ..trace import Trace
 from .tables import (FORMAT_NAME, FORMAT_VERSION, FRAME_KINDS, HISTORY_KINDS, OPS_KINDS,
                      frame_rows_columns, parquet_enabled, table_columns, write_json, write_table)
@@ -132,11 +132,21 @@ class RecordingWriter(Feature):
         atexit.register(flush_at_exit)
 
     # Feature ------------------------------------------------------------------------------
-    def on_batch_end(self, batch: int | None, frames: list[Frame]) -> None:
+    def on_frames_resolved(self, frames: list[Frame]) -> None:
+        self._take(frames)
+
+    def on_frames_replayed(self, frames: list[Frame]) -> None:
+        self._take(frames)
+
+    def _take(self, frames: list[Frame]) -> None:
         try:
             self._collect(frames)
-            if batch is None:
-                return
+        except Exception as error:  # a full disk must not break the user's forward
+            self.recorder.internal_error(error)
+
+    def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
+        try:
+            self._collect(frames)
             self._batches_pending += 1
             if (self._batches_pending >= self.every_batches
                     or time.monotonic() - self._last_flush >= self.every_seconds):
@@ -179,8 +189,9 @@ class RecordingWriter(Feature):
                 self._frame_rows.extend(frame.rows())
             if frame.phase != "forward":
                 continue
-            for role, stats, _dtype, _shape, _note in frame.entries:
-                if stats is None or not is_output_role(role):
+            for entry in frame.outputs():
+                stats = entry.stats
+                if stats is None:
                     continue
                 key = (frame.batch, frame.module, frame.module_type)
                 row = history.get(key)

@@ -216,8 +216,8 @@ class BatchCapture(Feature):
             self._evict()
         held.forwards.append(capture)
 
-    def on_batch_end(self, batch: int | None, frames: list[Frame]) -> None:
-        held = self.held.get(batch) if batch is not None else None
+    def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
+        held = self.held.get(batch)
         if held is None or not held.forwards:
             return
         last = held.forwards[-1]

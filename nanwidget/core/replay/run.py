@@ -17,7 +17,7 @@ from ..detect import Detector, first_event
 from ..events import NanEvent
 from ..entries import Entry
 from ..frames import Frame, frames_to_dataframe
-from ..grads.backward import BackwardFrames
+from ..grads.backward import BackwardFrames, FrameSink
 from ..recorder import ModuleInfo, Recorder
 from ..schema import OPS_COLUMNS, OPS_DTYPES
 from ..stats import version_of
@@ -27,8 +27,9 @@ from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, Weigh
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
 
-__all__ = ["replay_held_batch", "replay_frames", "refuse_unreplayable", "expect_event", "eager_calls", "OutputGrads",
-           "set_forward_state", "forward_arguments", "forward_modes"]
+__all__ = ["replay_held_batch", "replay_frames", "refuse_unreplayable", "eager_calls",
+           "OutputGrads", "set_forward_state", "forward_arguments", "forward_modes",
+           "ReplayFrames"]
 
 _Tensor = torch.Tensor
 
@@ -47,7 +48,10 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
         expected = next((e for e in recorder.events if e.batch == held.batch
                          and not e.is_backward and e.origin != "peer"), None)
     refuse_unreplayable(recorder, capture, held)
-    return _Replay(recorder, capture, held, loss_fn, expected).run()[0]
+    trace, frames = _Replay(recorder, capture, held, loss_fn).run()
+    # The one verdict of this replay: did it meet the recorded event again?
+    trace.set_verdict(expected, first_event(frames, Detector(recorder.inf_allowed)))
+    return trace
 
 
 def replay_frames(recorder: Recorder, capture: BatchCapture, held: HeldBatch, *,
@@ -59,20 +63,11 @@ def replay_frames(recorder: Recorder, capture: BatchCapture, held: HeldBatch, *,
     the backward pass of each forward from the gradients its outputs received live (no loss
     function needed). ``backward_frames``: record a backward frame per module call, on the
     way the live watch records them (gradient hooks on tensors).
-    The trace expects no event (its caller knows which one it is after: see
-    :func:`expect_event`)."""
+    No verdict is taken: the caller takes it on the frames (once) and sets it with
+    :meth:`~nanwidget.core.trace.Trace.set_verdict`."""
     refuse_unreplayable(recorder, capture, held)
-    return _Replay(recorder, capture, held, None, None, trace_ops=trace_ops,
+    return _Replay(recorder, capture, held, None, trace_ops=trace_ops,
                    output_grads=output_grads, backward_frames=backward_frames).run()
-
-
-def expect_event(trace: Trace, frames: list[Frame], expected: NanEvent, inf_allowed: Any) -> None:
-    """Mark ``trace`` (from :func:`replay_frames`) as a replay looking for ``expected``: its
-    ``reproduced``, ``expected`` and ``found`` then say what a replay for that event says."""
-    found = first_event(frames, Detector(inf_allowed))
-    trace.reproduced = _same_event(expected, found)
-    trace.expected = expected.summary()
-    trace.found = found.summary() if found is not None else ""
 
 
 def refuse_unreplayable(recorder: Recorder, capture: BatchCapture, held: HeldBatch) -> None:
@@ -106,22 +101,35 @@ def eager_calls() -> Iterator[None]:
         yield
 
 
-class _ReplayFrames:
-    """What :class:`~nanwidget.core.grads.backward.BackwardFrames` needs of a recorder, over a
-    replay's :class:`OpRecorder`: a replay's backward frames are recorded by the very code that
-    records them live. Measuring a gradient is not one of the model's ops (not traced)."""
-
-    suspended = False
+class ReplayFrames(FrameSink):
+    """The :class:`~nanwidget.core.grads.backward.FrameSink` of a replay, over its
+    :class:`OpRecorder`: a replay's backward frames are recorded by the very code that records
+    them live. Measuring a gradient is not one of the model's ops (not traced)."""
 
     def __init__(self, ops: OpRecorder, modules: list[ModuleInfo]) -> None:
         self.ops = ops
-        self.modules = modules
-        self.lock = threading.RLock()
-        self.entries = self  # grad_entry below
+        self._modules = modules
+        self._lock = threading.RLock()
 
     @property
     def batch(self) -> int:
         return self.ops.batch
+
+    @property
+    def modules(self) -> list[ModuleInfo]:
+        return self._modules
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    @property
+    def suspended(self) -> bool:
+        return False  # a replay records every gradient of its own backward pass
+
+    @property
+    def entries(self) -> ReplayFrames:
+        return self  # grad_entry below
 
     def grad_entry(self, role: str, grad: Any) -> Entry:
         self.ops.paused = True
@@ -131,8 +139,10 @@ class _ReplayFrames:
             self.ops.paused = False
 
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
-                     batch: int | None = None, first_output: int | None = None) -> Frame:
-        return self.ops.record_frame(info, phase, entries, first_output)
+                     batch: int | None = None, first_output: int | None = None,
+                     first_input: int = 0) -> Frame:
+        return self.ops.record_frame(info, phase, entries, first_output=first_output,
+                                     first_input=first_input)
 
     def end_frames(self, batch: int, *, reason: str, raising: bool) -> None:
         """The replay resolves its frames itself, once it ran."""
@@ -145,14 +155,13 @@ class _Replay:
     """One trace-mode run of a held batch; restores everything in ``finally``."""
 
     def __init__(self, recorder: Recorder, capture: BatchCapture, held: HeldBatch,
-                 loss_fn: Callable[[Any], torch.Tensor] | None, expected: NanEvent | None, *,
+                 loss_fn: Callable[[Any], torch.Tensor] | None, *,
                  trace_ops: bool = True, output_grads: OutputGrads | None = None,
                  backward_frames: bool = False) -> None:
         self.recorder = recorder
         self.capture = capture
         self.held = held
         self.loss_fn = loss_fn
-        self.expected = expected
         self.trace_ops = trace_ops
         self.output_grads = output_grads
         self.backward_frames = backward_frames and (loss_fn is not None or output_grads is not None)
@@ -229,7 +238,7 @@ class _Replay:
                 if self.backward_frames:
                     # The live watch's own backward frames (gradient hooks on tensors), recorded
                     # into this replay's frames: the same frames, roles and order as full mode.
-                    backward = BackwardFrames(_ReplayFrames(recorder, self.recorder.modules))
+                    backward = BackwardFrames(ReplayFrames(recorder, self.recorder.modules))
                 for position, capture in enumerate(held.forwards):
                     grads = self.output_grads[position] if self.output_grads is not None \
                         and position < len(self.output_grads) else None
@@ -263,7 +272,6 @@ class _Replay:
         earlier = None  # an Inf some op held before the first born value (e.g. a -inf mask)
         if recorder.first_inf is not None and (born is None or recorder.first_inf < born[0]):
             earlier = ops.iloc[recorder.first_inf]
-        found = first_event(recorder.frames, Detector(self.recorder.inf_allowed))
         return Trace(batch=held.batch, frames=frames_to_dataframe(recorder.frames), ops=ops,
                      first_bad=ops.iloc[born[0]] if born is not None else None,
                      first_bad_tensors=pd.DataFrame(born[1] if born is not None else [],
@@ -272,9 +280,7 @@ class _Replay:
                      weights_changed=bool(changed), changed_weights=changed,
                      buffers_updated=updated, snapshot_used=snapshot_used, loss=loss_value,
                      forwards=len(held.forwards), seconds=time.perf_counter() - started,
-                     reproduced=_same_event(self.expected, found), changes=changes,
-                     expected=self.expected.summary() if self.expected is not None else "",
-                     found=found.summary() if found is not None else ""), recorder.frames
+                     changes=changes), recorder.frames
 
     def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder,
                      output_grads: dict[str, torch.Tensor] | None) -> float | None:
@@ -311,14 +317,6 @@ class _Replay:
 
 def _dtype(dtype: torch.dtype | None) -> str:
     return str(dtype).replace("torch.", "")
-
-
-def _same_event(expected: NanEvent | None, found: NanEvent | None) -> bool:
-    """Whether the replay met the recorded event again (or, with none recorded, none)."""
-    if expected is None or found is None:
-        return expected is None and found is None
-    return (expected.module, expected.call, expected.origin, expected.role) == \
-        (found.module, found.call, found.origin, found.role)
 
 
 def set_forward_state(capture: ForwardCapture, slots: WeightSlots) -> None:

@@ -90,20 +90,22 @@ class OpRecorder:
         measured = self.measured_inputs.get(id(module))
         self.paused = True
         try:
-            entries, first_output = self.entries.forward_entries(
+            entries, first_input, first_output = self.entries.forward_entries(
                 module, info.has_state, args, kwargs, output, measured.pop() if measured else None)
         finally:
             self.paused = False
-        self.record_frame(info, "forward", entries, first_output)
+        self.record_frame(info, "forward", entries, first_output=first_output,
+                          first_input=first_input)
 
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
-                     first_output: int | None = None) -> Frame:
+                     batch: int | None = None, first_output: int | None = None,
+                     first_input: int = 0) -> Frame:
         """Append a frame for ``info``'s module (call numbers count per module and phase)."""
         key = info.index if phase == "forward" else ~info.index
         call = self.calls.get(key, 0)
         self.calls[key] = call + 1
         frame = Frame(self.rank, self.batch, len(self.frames), info.name, info.type_name, call,
-                      phase, entries, first_output)
+                      phase, entries, first_output, first_input)
         self.frames.append(frame)
         return frame
 

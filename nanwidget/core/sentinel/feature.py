@@ -21,9 +21,12 @@ instead of stalling between forward and backward). A root that ``allow_inf`` cov
 ±inf in its outputs: only a NaN there counts.
 
 On a NaN/Inf the batch is replayed eagerly (:func:`~nanwidget.core.replay.run.replay_frames`:
-the original module of a compiled model, every module hooked, every op traced) and its frames
-go through the recorder's own verdict (:meth:`~nanwidget.core.recorder.Recorder.add_frames`),
-so the event, its frames, ``report()`` and the trace are what full mode gives. Frames of the
+the original module of a compiled model, every module hooked, every op traced); the recorder's
+own verdict is taken once on its frames (:meth:`~nanwidget.core.recorder.Recorder.find_event`),
+and the sentinel hands the event and the replayed frames back as a
+:class:`~nanwidget.core.records.Finding`, which the recorder takes into its ring, history and
+files before the other features review the event. So the event, its frames, ``report()`` and
+the trace are what full mode gives. Frames of the
 batches before it are replayed too when the event's window needs them and they can be replayed
 faithfully (held, weights unchanged since or snapshotted); otherwise the event says they are
 missing. When the replay does not reproduce the NaN (compiled kernels compute differently, or
@@ -46,12 +49,12 @@ from typing import Any
 import torch
 
 from .. import native
-from ..detect import Detector, first_event
 from ..events import NanEvent
 from ..frames import Frame, frames_to_dataframe
-from ..recorder import Feature, Recorder
+from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
-from ..replay.run import expect_event, replay_frames
+from ..replay.run import replay_frames
+from ..trace import Trace
 from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
 from .compiled import rerun_compiled
 
@@ -114,6 +117,7 @@ class Sentinel(Feature):
         self._output_grads: dict[int, list[dict[str, torch.Tensor] | None]] = {}
         self._queued_task: int | None = None
         self._grad_batch: int | None = None
+        self._own_event: NanEvent | None = None  # the last event the sentinel made itself
         self._params = [i for i, is_buffer in enumerate(capture.slots.is_buffer) if not is_buffer]
         self._root_may_hold_inf = recorder.modules[0].name in recorder.inf_allowed
         # The kernel's output buffers, reused: one for forwards (under the lock), one for the
@@ -170,8 +174,8 @@ class Sentinel(Feature):
             else:
                 self._check = (batch, forward, check)
 
-    def on_batch_end(self, batch: int | None, frames: list[Frame]) -> None:
-        if batch is not None and self._hooked_batch == batch:
+    def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
+        if self._hooked_batch == batch:
             self._detach()
 
     def _detach(self) -> None:
@@ -179,9 +183,11 @@ class Sentinel(Feature):
         self._hooked_batch = None
 
     # ------------------------------------------------------------------ verdicts
-    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
+    def find_event(self, batch: int, event: NanEvent | None, reason: str) -> Finding | None:
+        """At the end of a forward: read this batch's output check (and any earlier one whose
+        backward never came); a NaN/Inf is replayed into its event and frames."""
         if reason != "forward":
-            return event
+            return None
         pending, self._check = self._check, None
         stale = [d for d in self._deferred if d[0] != batch]  # a backward never came for them
         if stale:
@@ -189,22 +195,25 @@ class Sentinel(Feature):
             for old_batch, forward, old_check in stale:
                 bad = self._read(old_check)
                 if bad and event is None:
-                    event = self._forward_event(old_batch, forward, bad)
+                    return self._forward_event(old_batch, forward, bad)
         if event is not None:
-            # Found in a batch recorded in full (or an earlier one just now): add the op trace.
-            if event.trace is None and event.origin != "peer" and not event.is_backward:
-                self._attach_trace(event)
-            return event
-        if pending is None:
-            if self._replay_sample == batch:
-                self._record_by_replay(batch)
-            return None
-        bad = self._read(pending[2])
-        if bad:
-            return self._forward_event(pending[0], pending[1], bad)
+            return None  # found in a batch recorded in full: the review adds the op trace
+        if pending is not None:
+            bad = self._read(pending[2])
+            if bad:
+                return self._forward_event(pending[0], pending[1], bad)
         if self._replay_sample == batch:
-            self._record_by_replay(batch)
+            return self._record_by_replay(batch)
         return None
+
+    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
+        # An event the recorder found in a batch recorded in full gets the op trace a sentinel
+        # event has (the sentinel's own events carry theirs already, or say why not).
+        if (reason == "forward" and event is not None and event.trace is None
+                and event is not self._own_event and event.origin != "peer"
+                and not event.is_backward):
+            self._attach_trace(event)
+        return event
 
     def _read(self, check: NonFiniteCheck) -> list[BadTensor]:
         if check.waiting:
@@ -235,7 +244,7 @@ class Sentinel(Feature):
         batch = self._grad_batch
         if batch is None or recorder.closed:
             return
-        event = None
+        finding = Finding(None)
         try:
             grads = self._output_grads.pop(batch, None)
             deferred = [d for d in self._deferred if d[0] == batch]
@@ -256,93 +265,104 @@ class Sentinel(Feature):
                 if bad and self._root_may_hold_inf:
                     bad = [b for b in bad if b.nan]
                 if bad:
-                    event = self._forward_event(forward_batch, forward, bad)
+                    finding = self._forward_event(forward_batch, forward, bad)
                     break
-            if event is None:
+            if finding.event is None:
                 bad_grads = grad_check.read()
                 if bad_grads:
-                    event = self._backward_event(batch, grads, bad_grads)
+                    finding = self._backward_event(batch, grads, bad_grads)
         except Exception as error:
             recorder.internal_error(error)
-            event = None
+            finding = Finding(None)
         # Also with nothing found: the end of a backward pass is a boundary every rank reaches,
         # where the DDP consensus exchanges its flag on every rank (gradients differ between
         # ranks under FSDP2 and no_sync(), so the others may not have found anything).
-        recorder.conclude(batch, event, reason="backward", raising=True)
+        recorder.conclude(batch, finding, reason="backward", raising=True)
 
     # ------------------------------------------------------------------ replays
-    def _forward_event(self, batch: int, forward: int, bad: list[BadTensor]) -> NanEvent:
+    def _found(self, event: NanEvent, trace: Trace | None, found: NanEvent | None,
+               frames: list[list[Frame]] = (), started: float | None = None) -> Finding:
+        """What the sentinel hands the recorder: ``event`` with ``trace`` (whose verdict is
+        whether the replay met the event: ``found``), and the frames the replays made."""
+        if trace is not None:
+            trace.set_verdict(event, found)
+            event.trace = trace
+        if started is not None:
+            self.last_replay_seconds = time.perf_counter() - started
+        self._own_event = event
+        return Finding(event, frames)
+
+    def _forward_event(self, batch: int, forward: int, bad: list[BadTensor]) -> Finding:
         """The event of a forward whose outputs held a NaN/Inf: replayed in full detail."""
         started = time.perf_counter()
         try:
             held = self.capture.batch_to_replay(batch)
         except ReplayError as error:
-            return self._unreplayed(batch, forward, bad, f"not replayed: {error}")
+            return self._found(self._unreplayed(batch, forward, bad, f"not replayed: {error}"),
+                               None, None)
         try:
             trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True)
         except ReplayError as error:  # refused before running (FSDP2, a changed model)
-            return self._unreplayed(batch, forward, bad, f"not replayed: {error}")
+            return self._found(self._unreplayed(batch, forward, bad, f"not replayed: {error}"),
+                               None, None)
         except Exception as error:  # the NaN was seen: a failed replay must not lose it
-            return self._unreplayed(batch, forward, bad, _replay_failed(batch, error))
+            return self._found(self._unreplayed(batch, forward, bad, _replay_failed(batch, error)),
+                               None, None)
         self.replays += 1
-        event = self._take(batch, frames, live_forward=False)
-        if event is None:
+        context = _Context(self, batch)
+        found = self.recorder.find_event(frames, context.window)  # the one verdict
+        if found is None:  # nothing to record: the replay's frames stayed finite
             event = self._not_reproduced(batch, forward, bad, trace, frames, held)
-        expect_event(trace, frames, event, self.recorder.inf_allowed)
-        event.trace = trace
-        self.last_replay_seconds = time.perf_counter() - started
-        return event
+            return self._found(event, trace, found, started=started)
+        if context.missing:
+            found.frames_note = context.missing
+        return self._found(found, trace, found, context.replayed + [frames], started)
 
     def _backward_event(self, batch: int, grads: list | None,
-                        bad: list[BadTensor]) -> NanEvent:
+                        bad: list[BadTensor]) -> Finding:
         """The event of a backward pass that left a non-finite gradient: the batch's forward
         and backward replayed from the gradients its outputs received."""
         started = time.perf_counter()
         try:
             held = self.capture.batch_to_replay(batch)
         except ReplayError as error:
-            return self._grad_event(batch, bad, f"not replayed: {error}")
+            return self._found(self._grad_event(batch, bad, f"not replayed: {error}"), None, None)
         if not grads:
-            return self._grad_event(batch, bad, "not replayed: no gradient reached the outputs")
+            return self._found(self._grad_event(
+                batch, bad, "not replayed: no gradient reached the outputs"), None, None)
         try:
             trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True,
                                           output_grads=grads, backward_frames=True)
         except ReplayError as error:  # refused before running (FSDP2, a changed model)
-            return self._grad_event(batch, bad, f"not replayed: {error}")
+            return self._found(self._grad_event(batch, bad, f"not replayed: {error}"), None, None)
         except Exception as error:  # the NaN was seen: a failed replay must not lose it
-            return self._grad_event(batch, bad, _replay_failed(batch, error))
+            return self._found(self._grad_event(batch, bad, _replay_failed(batch, error)),
+                               None, None)
         self.replays += 1
-        event = self._take(batch, frames, live_forward=batch in self._full_batches)
-        if event is None:
-            ops = len(trace.ops)
+        if batch in self._full_batches:
+            # Its forward frames were recorded live: only the backward ones are new (recorded
+            # whatever the verdict, as full mode would have).
+            frames = [f for f in frames if f.phase == "backward"]
+            context = None
+            found = self.recorder.find_event(frames)
+            taken = [frames]
+        else:
+            context = _Context(self, batch)
+            found = self.recorder.find_event(frames, context.window)
+            taken = context.replayed + [frames] if found is not None else []
+        if found is None:
             event = self._grad_event(batch, bad, f"not reproduced by an eager replay of batch "
-                                                 f"{batch} ({len(frames)} module frames and {ops} "
-                                                 "ops stayed finite)")
-        expect_event(trace, frames, event, self.recorder.inf_allowed)
-        event.trace = trace
-        self.last_replay_seconds = time.perf_counter() - started
-        return event
+                                                 f"{batch} ({len(frames)} module frames and "
+                                                 f"{len(trace.ops)} ops stayed finite)")
+            return self._found(event, trace, found, taken, started)
+        if context is not None and context.missing:
+            found.frames_note = context.missing
+        return self._found(found, trace, found, taken, started)
 
-    def _take(self, batch: int, frames: list[Frame], *, live_forward: bool) -> NanEvent | None:
-        """Hand the replayed frames to the recorder (history, ring, files) and return their
-        event, whose window is preceded by the frames that ran before the batch."""
-        recorder = self.recorder
-        if live_forward:  # its forward frames were recorded live: only the backward ones are new
-            return recorder.add_frames([f for f in frames if f.phase == "backward"])
-        limit = recorder.max_frames
-        probe = first_event(frames, Detector(recorder.inf_allowed))
-        if probe is None:
-            return None
-        needed = limit - 1 - next(i for i, f in enumerate(frames) if f.index == probe.frame)
-        context, missing = self._context(batch, needed) if needed > 0 else ([], "")
-        event = recorder.add_frames(frames, before=context)
-        if event is not None and missing:
-            event.frames_note = missing
-        return event
-
-    def _context(self, batch: int, needed: int) -> tuple[list[Frame], str]:
+    def context(self, batch: int, needed: int) -> tuple[list[Frame], list[list[Frame]], str]:
         """Up to ``needed`` frames of the batches that ran before ``batch``, oldest first, as
-        full mode's ring would hold them; and why some are missing ("" when none are)."""
+        full mode's ring would hold them; the groups of frames replayed for them (oldest first,
+        one per batch: not recorded yet); and why some are missing ("" when none are)."""
         recorder = self.recorder
         ring = recorder.held_frames()
         earlier = sorted({b for b in self.capture.held_batches() if b < batch}
@@ -385,17 +405,16 @@ class Sentinel(Feature):
             missing = previous - 1
         if not why and needed > 0 and missing >= 0 and automatic:
             why = "not held"  # batches are counted from 0: the one before is gone
-        for frames in reversed(replayed):  # oldest first, as they ran
-            recorder.add_frames(frames, before=[])
+        replayed.reverse()  # oldest first, as they ran
         if not why:
-            return collected, ""
+            return collected, replayed, ""
         reasons = {"backward": "with backward=True its backward frames would be needed too",
                    "not held": "it is no longer held for replay",
                    "weights changed": "its weights changed since it ran; snapshot_weights=True "
                                       "keeps copies",
                    "replay failed": "its replay failed"}
-        return collected, (f"sentinel mode: frames before batch {batch} not shown; batch "
-                           f"{missing} was not recorded and {reasons[why]}")
+        return collected, replayed, (f"sentinel mode: frames before batch {batch} not shown; "
+                                     f"batch {missing} was not recorded and {reasons[why]}")
 
     def _not_reproduced(self, batch: int, forward: int, bad: list[BadTensor], trace: Any,
                         frames: list[Frame], held: Any) -> NanEvent:
@@ -454,21 +473,43 @@ class Sentinel(Feature):
         except ReplayError:
             return  # the event stands without a trace (FSDP2, batch not held, model changed)
         self.replays += 1
-        expect_event(trace, frames, event, self.recorder.inf_allowed)
+        trace.set_verdict(event, self.recorder.find_event(frames))
         event.trace = trace
 
-    def _record_by_replay(self, batch: int) -> None:
+    def _record_by_replay(self, batch: int) -> Finding | None:
         """A sampled or trace batch of a compiled model: its frames from an eager replay."""
         try:
             held = self.capture.batch_to_replay(batch)
             _, frames = replay_frames(self.recorder, self.capture, held, trace_ops=False)
         except ReplayError:
-            return
+            return None
         self.replays += 1
-        self.recorder.add_frames(frames)
         self._full_batches = (self._full_batches + [batch])[-8:]
+        return Finding(None, [frames])
 
     def close(self) -> None:
         self._output_grads.clear()
         self._deferred.clear()
         self._check = None
+        self._own_event = None
+
+
+class _Context:
+    """The frames a sentinel event's report shows before its own, found when the verdict
+    knows where the event's frame is: live frames of the batches before it, or their replays
+    (see :meth:`Sentinel.context`)."""
+
+    def __init__(self, sentinel: Sentinel, batch: int) -> None:
+        self.sentinel = sentinel
+        self.batch = batch
+        self.replayed: list[list[Frame]] = []
+        self.missing = ""
+
+    def window(self, batch_frames: list[Frame], position: int) -> list[Frame]:
+        limit = self.sentinel.recorder.max_frames
+        own = batch_frames[max(0, position + 1 - limit): position + 1]
+        needed = limit - len(own)
+        if needed <= 0:
+            return own
+        before, self.replayed, self.missing = self.sentinel.context(self.batch, needed)
+        return before[-needed:] + own
