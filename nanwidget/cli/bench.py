@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown")
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
+    parser.add_argument("--compare", metavar="REF",
+                        help="also time the watch variants of git revision REF (e.g. main, "
+                             "HEAD~1) in the same rounds, and print new/REF per row")
     parser.add_argument("--no-replay", action="store_true",
                         help="skip timing the replay of a failing GPT-2 batch into full detail")
 
@@ -78,13 +81,18 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     result = benchmark.run_benchmark(models, modes, rounds=rounds, block_seconds=block_ms / 1e3,
                                      warmup=warmup, seed=args.seed, device=args.device,
-                                     progress=progress)
+                                     progress=progress, compare=args.compare)
     print(f"Environment: {result.format_environment()}")
     print("MultiheadAttention fast path disabled so every variant runs the same kernels; "
           f"GPT-2 input {benchmark.GPT2_INPUT[0]}x{benchmark.GPT2_INPUT[1]} tokens.")
     print()
     print(result.format_table(markdown=args.markdown))
     print()
+    if result.compared:
+        print(f"This tree against {args.compare} ({result.compared}), timed in the same rounds "
+              "(median of new/old block time; below 1.000: faster now):")
+        print(result.format_versus(markdown=args.markdown))
+        print()
     print(f"Targets: nanwidget <= 1.10x on transformer/gpt2 train, <= 1.25x on mlp train, "
           f"<= {benchmark.FORWARD_TARGET:.2f}x on every forward; nanwidget's overhead (ratio-1) at most "
           f"{benchmark.OVERHEAD_SHARE_TARGET:.2f} of DebugUnderflowOverflow's (nw/DUO overhead column); "

@@ -7,6 +7,11 @@ weights and RNG state: attach the variant's hooks, run a few warm-up steps, time
 median over rounds of its block time divided by the baseline's block time *of the same round*,
 so slow drifts of a shared machine cancel out instead of landing on one variant.
 
+With ``compare=REF`` the watch variants of another git revision of nanwidget run in the same
+rounds too (its ``nanwidget`` package is loaded under another name from ``git archive REF``),
+and each row gets the median over rounds of new / REF block time: a regression shows before it
+lands, with the machine's drift cancelled as for the ratios.
+
 Used by ``python -m nanwidget bench`` (:mod:`nanwidget.cli.bench`); importable so notebooks
 can run it too.
 """
@@ -14,10 +19,15 @@ can run it too.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import platform
 import random
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +43,7 @@ from ..core.watch import watch
 __all__ = ["MODELS", "COMPILED_MODELS", "MODES", "VARIANTS", "TARGETS", "SENTINEL_TARGET",
            "REPLAY_TARGET_SECONDS", "BenchRow", "BenchResult", "run_benchmark", "build_case",
            "available_variants", "transformers_available", "HookLeak", "environment",
-           "hook_count", "ReplayTiming", "replay_timing"]
+           "hook_count", "ReplayTiming", "replay_timing", "load_revision", "WATCH_VARIANTS"]
 
 # "gpt2-compiled": the GPT-2 model under torch.compile; its baseline is the compiled model
 # alone, and only the sentinel watch can ride along (the other tools need module hooks).
@@ -190,24 +200,28 @@ def _baseline(case: Case) -> Iterator[None]:
     yield
 
 
-@contextlib.contextmanager
-def _nanwidget(case: Case) -> Iterator[None]:
-    with watch(case.model, on_nan="record"):
-        yield
+def _watch_options(variant: str, case: Case) -> dict[str, Any]:
+    """The ``nw.watch`` options of a watch variant."""
+    if variant == "nanwidget":
+        return {"on_nan": "record"}
+    if variant == "nanwidget_backward":  # gradient hooks on every module's tensors too
+        return {"on_nan": "record", "backward": True}
+    # sentinel, as it would be left on in training: outputs every batch, gradients after
+    # each backward pass.
+    return {"on_nan": "record", "mode": "sentinel", "backward": case.mode == "train"}
 
 
-@contextlib.contextmanager
-def _nanwidget_backward(case: Case) -> Iterator[None]:
-    """The watch with backward frames too (gradient hooks on every module's tensors)."""
-    with watch(case.model, on_nan="record", backward=True):
-        yield
+def _watching(variant: str, watch_fn: Callable[..., Any]) -> Callable[[Case], Any]:
+    @contextlib.contextmanager
+    def attach(case: Case) -> Iterator[None]:
+        with watch_fn(case.model, **_watch_options(variant, case)):
+            yield
+    return attach
 
 
-@contextlib.contextmanager
-def _sentinel(case: Case) -> Iterator[None]:
-    # As it would be left on in training: outputs every batch, gradients after each backward.
-    with watch(case.model, on_nan="record", mode="sentinel", backward=case.mode == "train"):
-        yield
+_nanwidget = _watching("nanwidget", watch)
+_nanwidget_backward = _watching("nanwidget_backward", watch)
+_sentinel = _watching("sentinel", watch)
 
 
 @contextlib.contextmanager
@@ -280,6 +294,36 @@ ALL_VARIANTS = {
 }
 
 
+# The variants that run nanwidget itself (timed against another revision with ``compare``).
+WATCH_VARIANTS = ("nanwidget", "nanwidget_backward", "sentinel")
+
+
+def load_revision(ref: str, repo: str | os.PathLike | None = None) -> tuple[Any, str]:
+    """The ``nanwidget`` package of git revision ``ref`` (of the repository holding this
+    file, or ``repo``), imported under another name so it runs beside this one; and the
+    revision's short hash. Its core imports only relatively, so nothing of this tree leaks in."""
+    repo = os.fspath(repo) if repo is not None else os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        commit = subprocess.run(["git", "-C", repo, "rev-parse", "--short", ref], check=True,
+                                capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise ValueError(f"--compare {ref}: not a git revision of {repo} ({error})") from None
+    name = f"nanwidget_rev_{commit}"
+    if name in sys.modules:
+        return sys.modules[name], commit
+    folder = tempfile.mkdtemp(prefix="nanwidget-compare-")
+    archive = subprocess.run(["git", "-C", repo, "archive", commit, "nanwidget"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    shutil.move(os.path.join(folder, "nanwidget"), os.path.join(folder, name))
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name), commit
+    finally:
+        sys.path.remove(folder)
+
+
 def available_variants() -> list[str]:
     """Variant names that can run here (DebugUnderflowOverflow needs transformers)."""
     names = list(VARIANTS)
@@ -301,6 +345,8 @@ class BenchRow:
     baseline_ms: float
     ratios: dict[str, float]  # variant -> median ratio; missing when not applicable
     block_seconds: dict[str, list[float]] = field(default_factory=dict, repr=False)
+    # variant -> median over rounds of its block time / the compared revision's ("compare")
+    versus: dict[str, float] = field(default_factory=dict)
 
     @property
     def target(self) -> float | None:
@@ -340,7 +386,8 @@ class BenchRow:
                 "baseline_ms": self.baseline_ms, "ratios": self.ratios,
                 "target": self.target, "overhead_share": self.overhead_share,
                 "verdict": self.verdict(), "sentinel_target": SENTINEL_TARGET,
-                "sentinel_verdict": self.sentinel_verdict(), "block_seconds": self.block_seconds}
+                "sentinel_verdict": self.sentinel_verdict(), "block_seconds": self.block_seconds,
+                "versus": self.versus}
 
 
 def environment(device: str = "cpu") -> dict[str, Any]:
@@ -449,8 +496,10 @@ def _steps_per_block(case: Case, block_seconds: float, warmup: int, seed: int, d
 def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, *,
                   rounds: int = 15, block_seconds: float = 0.1, warmup: int = 2, seed: int = 0,
                   device: str = "cpu", variants: Sequence[str] | None = None,
-                  progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Measure every (model, mode) against every variant; see the module docstring."""
+                  progress: Callable[[str], None] | None = None,
+                  compare: str | None = None) -> BenchResult:
+    """Measure every (model, mode) against every variant; see the module docstring.
+    ``compare``: a git revision whose watch variants run in the same rounds."""
     unknown = [m for m in models if m not in _BUILDERS]
     if unknown:
         raise ValueError(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
@@ -461,14 +510,23 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
         names.insert(0, "baseline")
     if any(m.startswith("gpt2") for m in models) and not transformers_available():
         raise ValueError("the gpt2 model needs transformers (pip install 'nanwidget[bench]')")
+    extra: dict[str, Variant] = {}
+    compared = ""
+    if compare is not None:
+        revision, compared = load_revision(compare)
+        for name in WATCH_VARIANTS:
+            if name in names:
+                base = ALL_VARIANTS[name]
+                extra[f"{name}@ref"] = Variant(f"{name}@ref", _watching(name, revision.watch),
+                                               modes=base.modes, compiled=base.compiled)
     order_rng = random.Random(seed)
     rows: list[BenchRow] = []
     with _mha_fastpath_disabled():
         for model_name in models:
             for mode in modes:
                 case = build_case(model_name, mode, device=device, seed=seed)
-                runnable = [ALL_VARIANTS[n] for n in names
-                            if ALL_VARIANTS[n].runs_on(model_name, mode)]
+                runnable = [v for v in [ALL_VARIANTS[n] for n in names] + list(extra.values())
+                            if v.runs_on(model_name, mode)]
                 steps = _steps_per_block(case, block_seconds, warmup, seed, device)
                 if progress:
                     progress(f"{model_name}/{mode}: {len(runnable)} variants x {rounds} rounds, "
@@ -482,10 +540,14 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
                 base = times["baseline"]
                 ratios = {name: statistics.median(t / b for t, b in zip(block, base))
                           for name, block in times.items() if name != "baseline"}
+                versus = {name[:-4]: statistics.median(
+                              n / r for n, r in zip(times[name[:-4]], block))
+                          for name, block in times.items() if name.endswith("@ref")}
                 rows.append(BenchRow(model_name, mode, case.description, steps, rounds,
-                                     statistics.median(base) / steps * 1e3, ratios, times))
+                                     statistics.median(base) / steps * 1e3, ratios, times,
+                                     versus))
                 del case
-    return BenchResult(rows, environment(device), names)
+    return BenchResult(rows, environment(device), names, compared)
 
 
 @dataclass
@@ -552,6 +614,7 @@ class BenchResult:
     rows: list[BenchRow]
     environment: dict[str, Any]
     variants: list[str]
+    compared: str = ""  # the revision timed beside this tree ("" when none)
 
     def columns(self) -> list[str]:
         """Table header: case, baseline ms, one ratio per variant, share, verdict."""
@@ -593,6 +656,22 @@ class BenchResult:
                              for i, (v, w) in enumerate(zip(line, widths)))
         return "\n".join([fmt(header), "  ".join("-" * w for w in widths), *map(fmt, cells)])
 
+    def format_versus(self, markdown: bool = False) -> str:
+        """This tree against the compared revision: per row and watch variant, the median over
+        rounds of new / old block time (below 1: faster now)."""
+        names = [n for n in WATCH_VARIANTS if any(n in row.versus for row in self.rows)]
+        header = ["model/mode"] + [f"{VARIANT_LABELS[n]} new/{self.compared}" for n in names]
+        cells = [[f"{row.model}/{row.mode}"] + [
+            f"{row.versus[n]:.3f}" if n in row.versus else "-" for n in names] for row in self.rows]
+        if markdown:
+            return "\n".join(["| " + " | ".join(header) + " |",
+                              "|" + "|".join(["---"] + ["---:"] * len(names)) + "|"]
+                             + ["| " + " | ".join(line) + " |" for line in cells])
+        widths = [max(len(header[i]), *(len(line[i]) for line in cells)) for i in range(len(header))]
+        return "\n".join("  ".join(v.ljust(w) if i == 0 else v.rjust(w)
+                                   for i, (v, w) in enumerate(zip(line, widths)))
+                         for line in [header, ["-" * w for w in widths], *cells])
+
     def format_environment(self) -> str:
         env = self.environment
         parts = [f"torch {env['torch']}", f"python {env['python']}",
@@ -607,6 +686,7 @@ class BenchResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"environment": self.environment, "variants": self.variants,
+                "compared": self.compared,
                 "targets": {"forward": FORWARD_TARGET,
                             **{f"{m}/{mode}": t for (m, mode), t in TARGETS.items()},
                             "overhead_share": OVERHEAD_SHARE_TARGET,
