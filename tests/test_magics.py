@@ -460,3 +460,29 @@ def test_cell_magic_sentinel_mode_stops_at_the_nan_with_the_replayed_detail(ip):
 def test_sample_every_without_sentinel_is_a_usage_error(ip):
     with pytest.raises(UsageError, match="--sample-every is for sentinel mode: add --sentinel"):
         run(ip, "%nanwatch model --sample-every 3")
+
+
+@pytest.mark.parametrize("line", ["%nanwatch model --skip Relu", "%nanwatch model -n 0",
+                                  "%nanwatch model --sample-every 2"])
+def test_a_bad_option_leaves_the_running_watch_as_it_was(ip, line):
+    run(ip, "%nanwatch model -n 7")
+    watched = ip.user_ns["_nanwatch"]
+    hooks = hook_count(ip.user_ns["model"])
+    with pytest.raises(UsageError) as raised:
+        run(ip, line)
+    assert "stopped" not in str(raised.value)
+    assert not watched.closed and watched.max_frames == 7
+    assert hook_count(ip.user_ns["model"]) == hooks
+    with capture_output() as captured:
+        run(ip, "%nanwatch")
+    assert captured.stdout.startswith("model: <NanWatch watching")
+
+
+def test_help_texts_speak_the_users_words(ip):
+    magic_help = ip.find_line_magic("nanwatch").__doc__
+    assert magic_help.startswith("%nanwatch MODEL [options]") and "::" not in magic_help
+    watch_help = nw.watch.__doc__
+    assert "contract" not in watch_help
+    for option in nw.watch.__signature__.parameters:
+        if option != "model":
+            assert f"{option}=" in watch_help  # every option, with its default and one line
