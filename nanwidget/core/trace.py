@@ -50,6 +50,10 @@ class Trace:
     first_bad: pd.Series | None = None
     first_bad_tensors: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=TENSOR_COLUMNS))
     earlier_inf: pd.Series | None = None
+    lineage: list[int] = field(default_factory=list)
+    came_with: list[tuple[str, str]] = field(default_factory=list)
+    earlier_inf_reaches: bool = False
+    weights_last_finite: dict[str, int] = field(default_factory=dict)
     weights_changed: bool = False
     changed_weights: list[str] = field(default_factory=list)
     buffers_updated: list[str] = field(default_factory=list)

@@ -222,6 +222,7 @@ class _Replay:
             with self.recorder.suspend(), eager_calls():
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
+                recorder.name_sources("weight", zip(slots.names, slots.read()))
                 for module in {id(m): m for m in root.modules()}.values():
                     handles.append(module.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True))
                     handles.append(module.register_forward_hook(recorder.post_hook, with_kwargs=True,
@@ -259,16 +260,25 @@ class _Replay:
         recorder.resolve()
         ops = pd.DataFrame.from_records(recorder.rows, columns=OPS_COLUMNS).astype(
             {name: dtype for name, dtype in OPS_DTYPES.items() if dtype != "object"})
-        born = recorder.first_born
-        earlier = None  # an Inf some op held before the first born value (e.g. a -inf mask)
-        if recorder.first_inf is not None and (born is None or recorder.first_inf < born[0]):
-            earlier = ops.iloc[recorder.first_inf]
         found = first_event(recorder.frames, Detector(self.recorder.inf_allowed))
+        # Follow the event's tensor back to the op where its NaN/Inf was born; when it cannot
+        # be followed, the first op that made one from finite inputs is the best guess.
+        lineage = recorder.event_lineage(found)
+        born = lineage.born
+        if born is None and not lineage.followed and found is not None:
+            born = recorder.first_unexplained_birth()
+        earlier = None  # an Inf some op held before the first bad op (e.g. a -inf mask)
+        if recorder.first_inf is not None and (born is None or recorder.first_inf < born):
+            earlier = ops.iloc[recorder.first_inf]
         return Trace(batch=held.batch, frames=frames_to_dataframe(recorder.frames), ops=ops,
-                     first_bad=ops.iloc[born[0]] if born is not None else None,
-                     first_bad_tensors=pd.DataFrame(born[1] if born is not None else [],
-                                                    columns=TENSOR_COLUMNS),
+                     first_bad=ops.iloc[born] if born is not None else None,
+                     first_bad_tensors=pd.DataFrame(recorder.describe_birth(born) if born is not None
+                                                    else [], columns=TENSOR_COLUMNS),
                      earlier_inf=earlier,
+                     lineage=lineage.path if lineage.followed else [],
+                     came_with=lineage.came_with,
+                     earlier_inf_reaches=earlier is not None and int(earlier["index"]) in lineage.reached,
+                     weights_last_finite=self._last_finite(lineage.came_with),
                      weights_changed=bool(changed), changed_weights=changed,
                      buffers_updated=updated, snapshot_used=snapshot_used, loss=loss_value,
                      forwards=len(held.forwards), seconds=time.perf_counter() - started,
@@ -276,12 +286,33 @@ class _Replay:
                      expected=self.expected.summary() if self.expected is not None else "",
                      found=found.summary() if found is not None else ""), recorder.frames
 
+    def _last_finite(self, came_with: list[tuple[str, str]]) -> dict[str, int]:
+        """Per non-finite weight the lineage came with: the last batch before this one whose
+        frames the watch still holds showed it finite (the step after it made it non-finite)."""
+        names = {name for kind, name in came_with if kind == "weight"}
+        found: dict[str, int] = {}
+        if not names:
+            return found
+        for frame in self.recorder.held_frames():
+            if frame.phase != "forward" or frame.batch >= self.held.batch:
+                continue
+            prefix = f"{frame.module}." if frame.module else ""
+            for role, stats, *_ in frame.entries[:frame.first_output]:
+                name = prefix + role
+                if name in names and stats is not None and not stats.note \
+                        and not (stats.nan or stats.inf):
+                    found[name] = max(found.get(name, frame.batch), frame.batch)
+        return found
+
     def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder,
                      output_grads: dict[str, torch.Tensor] | None) -> float | None:
         """One root forward as it ran (modes, RNG, flags), then its backward if asked for."""
         loss_fn = self.loss_fn
         set_forward_state(capture, self.capture.slots)
         args, kwargs = forward_arguments(capture)
+        recorder.name_sources("input", _input_leaves(args, kwargs))
+        if output_grads:
+            recorder.name_sources("output-grad", output_grads.items())
         backward = loss_fn is not None or bool(output_grads)
         with contextlib.ExitStack() as stack:
             stack.enter_context(forward_modes(capture, backward=backward))
@@ -302,11 +333,20 @@ class _Replay:
             recorder.phase = "loss"
             loss = loss_fn(output)
             recorder.tag_nodes()
+            recorder.note_loss(loss)
             if not isinstance(loss, _Tensor) or loss.numel() != 1:
                 raise ReplayError("loss_fn must return a scalar tensor (the loss to run backward on)")
             recorder.phase = "backward"
             loss.backward()
         return float(loss.detach())
+
+
+def _input_leaves(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+    """The batch's input tensors by their frame roles (``input[0]``, ``kwarg:mask`` ...)."""
+    for position, value in enumerate(args):
+        yield from iter_leaves(value, f"input[{position}]")
+    for key, value in kwargs.items():
+        yield from iter_leaves(value, f"kwarg:{key}")
 
 
 def _dtype(dtype: torch.dtype | None) -> str:
