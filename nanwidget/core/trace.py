@@ -45,8 +45,9 @@ class Trace:
     ``came_with``: ``(kind, name)`` of the non-finite tensors no op made that reached the
     event: "weight" (a parameter or buffer, by qualified name), "input" (the batch's input, by
     role), "output-grad" (the gradient the model's output received: made in the loss) or
-    "unknown". ``weights_last_finite``: for those weights, the last batch the watch saw them
-    finite (the optimizer step, load or write after it made them non-finite), when it knows.
+    "unknown". ``weights_last_finite``: for those weights, the last batch the event's frames
+    show them finite (the optimizer step, load or write after it made them non-finite), when
+    they show one.
     ``earlier_inf``: an op whose output held an Inf before the first bad op (a -inf mask, say);
     ``earlier_inf_reaches``: whether that Inf flowed into the event's value.
     ``reproduced``: the replay met the batch's recorded event again (or, with none recorded,
@@ -101,7 +102,9 @@ class Trace:
                 return (f"trace of batch {self.batch}: the event was not reproduced, because "
                         f"{self.why_not_reproduced()}")
             if self.came_with:
-                return f"trace of batch {self.batch}: no op made the NaN/Inf; {self._came_with_words()}"
+                found = f" (the event: {self.found})" if self.found else ""
+                return (f"trace of batch {self.batch}: no op made the first NaN/Inf; "
+                        f"{self._came_with_words()}{found}")
             if self.ops["nonfinite"].any() if len(self.ops) else False:
                 if not self.found:
                     return (f"trace of batch {self.batch}: no NaN/Inf reached an event (the ops' "

@@ -73,6 +73,7 @@ def expect_event(trace: Trace, frames: list[Frame], expected: NanEvent, inf_allo
     trace.reproduced = _same_event(expected, found)
     trace.expected = expected.summary()
     trace.found = found.summary() if found is not None else ""
+    trace.weights_last_finite = _last_finite(expected, trace.came_with, trace.batch)
 
 
 def refuse_unreplayable(recorder: Recorder, capture: BatchCapture, held: HeldBatch) -> None:
@@ -278,31 +279,13 @@ class _Replay:
                      lineage=lineage.path if lineage.followed else [],
                      came_with=lineage.came_with,
                      earlier_inf_reaches=earlier is not None and int(earlier["index"]) in lineage.reached,
-                     weights_last_finite=self._last_finite(lineage.came_with),
+                     weights_last_finite=_last_finite(self.expected, lineage.came_with, held.batch),
                      weights_changed=bool(changed), changed_weights=changed,
                      buffers_updated=updated, snapshot_used=snapshot_used, loss=loss_value,
                      forwards=len(held.forwards), seconds=time.perf_counter() - started,
                      reproduced=_same_event(self.expected, found), changes=changes,
                      expected=self.expected.summary() if self.expected is not None else "",
                      found=found.summary() if found is not None else ""), recorder.frames
-
-    def _last_finite(self, came_with: list[tuple[str, str]]) -> dict[str, int]:
-        """Per non-finite weight the lineage came with: the last batch before this one whose
-        frames the watch still holds showed it finite (the step after it made it non-finite)."""
-        names = {name for kind, name in came_with if kind == "weight"}
-        found: dict[str, int] = {}
-        if not names:
-            return found
-        for frame in self.recorder.held_frames():
-            if frame.phase != "forward" or frame.batch >= self.held.batch:
-                continue
-            prefix = f"{frame.module}." if frame.module else ""
-            for role, stats, *_ in frame.entries[:frame.first_output]:
-                name = prefix + role
-                if name in names and stats is not None and not stats.note \
-                        and not (stats.nan or stats.inf):
-                    found[name] = max(found.get(name, frame.batch), frame.batch)
-        return found
 
     def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder,
                      output_grads: dict[str, torch.Tensor] | None) -> float | None:
@@ -339,6 +322,23 @@ class _Replay:
             recorder.phase = "backward"
             loss.backward()
         return float(loss.detach())
+
+
+def _last_finite(event: NanEvent | None, came_with: list[tuple[str, str]],
+                 batch: int) -> dict[str, int]:
+    """Per non-finite weight a trace's value came with: the last batch before ``batch`` whose
+    frames in the event's window show it finite (the step, load or write after that batch
+    made it non-finite). The same in every mode: the window is the event's own."""
+    names = {name for kind, name in came_with if kind == "weight"}
+    if event is None or not names or event.frames.empty:
+        return {}
+    frames = event.frames
+    qualified = frames["module"].where(frames["module"] == "", frames["module"] + ".") + frames["role"]
+    finite = frames[(frames["phase"] == "forward") & (frames["batch"] < batch)
+                    & qualified.isin(names) & ~frames["nan"] & ~frames["inf"]
+                    & frames["abs_max"].notna()]
+    return {name: int(last) for name, last in
+            finite.groupby(qualified[finite.index])["batch"].max().items()}
 
 
 def _input_leaves(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
