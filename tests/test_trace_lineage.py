@@ -137,6 +137,28 @@ def test_intended_infs_in_masks_are_not_blamed_for_an_overflow_elsewhere(mask_ki
     assert trace.earlier_inf["op"] == mask_op and not trace.earlier_inf_reaches
 
 
+class AdditiveMask(nn.Module):
+    """An additive mask built with masked_fill(-inf), added to the scores, then softmax."""
+
+    def forward(self, scores: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros_like(scores).masked_fill(blocked, float("-inf"))
+        return torch.softmax(scores + mask, dim=-1)
+
+
+def test_a_fully_masked_row_blames_softmax_and_says_the_mask_reached_it():
+    blocked = torch.zeros(2, 4, 4, dtype=torch.bool)
+    blocked[1, 2, :] = True  # one row may attend nothing
+    with nw.watch(AdditiveMask(), on_nan="record") as w:
+        w.model(torch.randn(2, 4, 4), blocked)
+        trace = w.replay(0)
+    first = trace.first_bad
+    assert "softmax" in first["op"] and first["nan"]
+    assert first["source"] == line_of(AdditiveMask.forward, "torch.softmax")
+    # The NaN was born in softmax from the -inf the mask carried through the addition.
+    assert trace.earlier_inf["op"] == "masked_fill" and trace.earlier_inf_reaches
+    assert "that Inf flowed into it" in trace.report()
+
+
 class InPlaceOverflow(nn.Module):
     """An intended -inf kept out by where(), then an in-place multiply that overflows."""
 

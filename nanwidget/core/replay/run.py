@@ -266,8 +266,10 @@ class _Replay:
         # be followed, the first op that made one from finite inputs is the best guess.
         lineage = recorder.event_lineage(found)
         born = lineage.born
-        if born is None and not lineage.followed and found is not None:
+        if born is None and found is not None and (
+                not lineage.followed or all(kind == "unknown" for kind, _ in lineage.came_with)):
             born = recorder.first_unexplained_birth()
+            lineage.came_with = []
         earlier = None  # an Inf some op held before the first bad op (e.g. a -inf mask)
         if recorder.first_inf is not None and (born is None or recorder.first_inf < born):
             earlier = ops.iloc[recorder.first_inf]

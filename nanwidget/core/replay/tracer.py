@@ -138,7 +138,7 @@ class OpRecorder:
         # it in, the ops whose Inf it turned into NaN, and whether it wrote a literal ±inf.
         self.bad_writer: dict[int, int] = {}
         self.links: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]] = {}
-        # Storages measured whole outside the ops (weights, data): storage -> (version, NaN, Inf).
+        # Weights' and data's storages, measured whole: storage -> (version, NaN, Inf).
         self.storage_flags: dict[int, tuple[int, bool, bool]] = {}
         # Births' tensors, described when chosen: op index -> described now, or what to describe.
         self.births: dict[int, list[dict] | tuple] = {}
@@ -337,7 +337,7 @@ class OpRecorder:
             return False, False, None
         stats = measure_tensor(tensor, self.op_pending)
         self._remember(tensor, stats.nan, stats.inf)
-        if key is not None and _covers_storage(tensor):
+        if key in self.source_names and _covers_storage(tensor):  # weights, data: alive throughout
             self.storage_flags[key] = (version, stats.nan, stats.inf)
         return stats.nan, stats.inf, None
 
@@ -379,7 +379,8 @@ class OpRecorder:
                    + outputs for t in tensors_in(v))
         if self.held_bytes + size <= _HELD_BIRTH_BYTES:
             self.held_bytes += size
-            self.births[index] = (func, args, kwargs, list(outputs))
+            versions = [version_of(t) for v in list(args) + list(kwargs.values()) for t in tensors_in(v)]
+            self.births[index] = (func, args, kwargs, list(outputs), versions)
         else:
             self.births[index] = self._describe_paused(func, args, kwargs, outputs)
 
@@ -397,7 +398,14 @@ class OpRecorder:
         if held is None:
             return []
         if isinstance(held, tuple):
-            held = self.births[index] = self._describe_paused(*held)
+            func, args, kwargs, outputs, versions = held
+            now = [version_of(t) for v in list(args) + list(kwargs.values()) for t in tensors_in(v)]
+            described = self._describe_paused(func, args, kwargs, outputs)
+            if now != versions:  # an input was written in place after the op: say so
+                for row, then, later in zip(described, versions, now):
+                    if then != later:
+                        row["role"] += " (written in place since)"
+            held = self.births[index] = described
         return held
 
     def _frame_tensor(self, tensor: torch.Tensor, stats: TensorStats) -> None:
@@ -445,8 +453,7 @@ class OpRecorder:
             link = links.get(index)
             if link is None:
                 continue
-            parents, keys, feeders, _ = link
-            reached.update(feeders)
+            parents, keys, _, _ = link
             if not parents and not keys:
                 births.append(index)
             outside.extend(k for k in keys if k not in outside)
@@ -454,6 +461,17 @@ class OpRecorder:
                 if parent not in came_from:
                     came_from[parent] = index
                     stack.append(parent)
+        # The Infs an op turned into NaN, back to where they were made (a -inf mask, say).
+        stack = [i for i in reached if links.get(i) and links[i][2]]
+        stack = [f for i in stack for f in links[i][2]]
+        while stack:
+            index = stack.pop()
+            if index in reached:
+                continue
+            reached.add(index)
+            link = links.get(index)
+            if link is not None:
+                stack.extend(link[0])
         came_with = [self.source_names.get(k, ("unknown", "")) for k in outside]
         came_with = list(dict.fromkeys(came_with))
         if births:
