@@ -317,6 +317,7 @@ def test_backward_only_nan_gives_the_same_backward_event():
     first = sentinel.trace.first_bad
     assert first["module"] == "log" and first["phase"] == "backward" and sentinel.trace.reproduced
     assert first["source"].endswith(f":{SafeLog.forward.__code__.co_firstlineno + 1}")
+    assert sentinel.trace.first_bad_grad_of == "LogBackward0"
     assert not sentinel.trace.earlier_inf_reaches  # the forward's -inf stayed out
     ops = sentinel.trace.ops
     assert ops[(ops["phase"] == "backward") & ops["nan"]]["module"].iloc[0] == "log"

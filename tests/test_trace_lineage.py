@@ -159,6 +159,68 @@ def test_a_fully_masked_row_blames_softmax_and_says_the_mask_reached_it():
     assert "that Inf flowed into it" in trace.report()
 
 
+# ------------------------------------------------------------------ NaN made from an Inf
+def entropy(h: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(h, -1) * (h > 0)
+    return (p * torch.log(p)).sum(-1, keepdim=True)  # 0 * log(0) = 0 * -inf = NaN
+
+
+def exp_normalised(h: torch.Tensor) -> torch.Tensor:
+    e = torch.exp(h * 100)  # overflows to inf
+    return e / e.sum(-1, keepdim=True)  # inf / inf = NaN
+
+
+def norm_without_eps(h: torch.Tensor) -> torch.Tensor:
+    c = torch.ones_like(h)
+    centred = c - c.mean(-1, keepdim=True)
+    return centred * torch.rsqrt((centred ** 2).mean(-1, keepdim=True))  # 0 * rsqrt(0) = NaN
+
+
+class Around(nn.Module):
+    def __init__(self, function) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.function = function
+        self.out = nn.Linear(4 if function is not entropy else 1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.function(self.fc(x)))
+
+
+@pytest.mark.parametrize("function, op, marker", [(entropy, "log", "torch.log"),
+                                                  (exp_normalised, "exp", "torch.exp"),
+                                                  (norm_without_eps, "rsqrt", "torch.rsqrt")])
+def test_a_nan_made_from_an_accidental_inf_names_where_the_inf_was_made(function, op, marker):
+    model = Around(function)
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(3, 4))
+        trace = w.replay(0)
+    first = trace.first_bad
+    assert (first["op"], first["inf"], first["nan"]) == (op, True, False)
+    assert first["source"] == line_of(function, marker)
+    later_nan = trace.ops.loc[trace.lineage]
+    assert later_nan["nan"].iloc[-1]  # the path ends at the NaN the event holds
+
+
+def where_log(h: torch.Tensor) -> torch.Tensor:
+    return torch.where(h > 100, torch.log(h * 0), h)  # finite forward, NaN gradient
+
+
+def test_a_where_gradient_trap_names_the_gradient_of_log_at_its_line():
+    model = Around(where_log)
+    with nw.watch(model, on_nan="record", backward=True) as w:
+        model(torch.randn(3, 4)).sum().backward()
+        event = w.event
+        trace = w.replay(0, loss_fn=lambda out: out.sum())
+    assert event.is_backward
+    first = trace.first_bad
+    assert (first["op"], first["phase"], first["nan"]) == ("div", "backward", True)
+    assert trace.first_bad_grad_of == "LogBackward0"
+    assert first["source"] == line_of(where_log, "torch.log")
+    # The forward's log(0) = -inf, dropped by where(), is not what reached the gradient.
+    assert trace.earlier_inf["op"] == "log" and not trace.earlier_inf_reaches
+
+
 class InPlaceOverflow(nn.Module):
     """An intended -inf kept out by where(), then an in-place multiply that overflows."""
 

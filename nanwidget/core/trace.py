@@ -40,7 +40,8 @@ class Trace:
     the model's output: ``came_with``), or when the replay met no event. Without an event but
     with a backward pass (``loss_fn``), the non-finite loss or the last non-finite gradient is
     followed instead. ``first_bad_tensors``: signed ranges and non-finite counts of that op's
-    inputs and outputs. ``lineage``: the op indices the value went through, from its birth (or
+    inputs and outputs. ``first_bad_grad_of``: for a first bad op of the backward pass, the
+    autograd node it ran in ("LogBackward0": the gradient of a log), else "". ``lineage``: the op indices the value went through, from its birth (or
     the first op that read it from outside) to the op that wrote the event's tensor.
     ``came_with``: ``(kind, name)`` of the non-finite tensors no op made that reached the
     event: "weight" (a parameter or buffer, by qualified name), "input" (the batch's input, by
@@ -63,6 +64,7 @@ class Trace:
     first_bad: pd.Series | None = None
     first_bad_tensors: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=TENSOR_COLUMNS))
     earlier_inf: pd.Series | None = None
+    first_bad_grad_of: str = ""
     lineage: list[int] = field(default_factory=list)
     came_with: list[tuple[str, str]] = field(default_factory=list)
     earlier_inf_reaches: bool = False
@@ -160,7 +162,8 @@ class Trace:
                  for _, row in self.ops.iloc[self.lineage].iterrows()]
         if len(steps) > 6:
             steps = steps[:3] + [f"... {len(steps) - 5} more ..."] + steps[-2:]
-        return f"  Its way on, {len(self.lineage)} ops: " + " -> ".join(steps)
+        return (f"  From there it went through {len(self.lineage)} ops: "
+                + " -> ".join(steps))
 
     def report(self) -> str:
         """The first bad op with its source line, the weights' state, then every frame."""
@@ -188,8 +191,9 @@ class Trace:
             module = first["module"] or "<root>"
             module_type = f" ({first['module_type']})" if first["module_type"] else ""
             place = "in loss_fn" if first["phase"] == "loss" else f"in module '{module}'{module_type}"
-            lines.append(f"First non-finite op: {first['op']} ({first['aten']}, {first['phase']}) "
-                         f"{place}: {kind}")
+            grad_of = f", in {self.first_bad_grad_of}" if self.first_bad_grad_of else ""
+            lines.append(f"First non-finite op: {first['op']} ({first['aten']}, {first['phase']}"
+                         f"{grad_of}) {place}: {kind}")
             source = first["source"]
             if source:
                 lines.append(f"  at {source}")

@@ -278,6 +278,7 @@ class _Replay:
                      first_bad_tensors=pd.DataFrame(recorder.describe_birth(born) if born is not None
                                                     else [], columns=TENSOR_COLUMNS),
                      earlier_inf=earlier,
+                     first_bad_grad_of=recorder.grad_nodes.get(born, "") if born is not None else "",
                      lineage=lineage.path if lineage.followed else [],
                      came_with=lineage.came_with,
                      earlier_inf_reaches=earlier is not None and int(earlier["index"]) in lineage.reached,

@@ -135,9 +135,10 @@ class OpRecorder:
         self.known: dict[int, tuple[Any, int, bool, bool]] = {}
         # Lineage. Storage -> the op that last wrote a NaN/Inf into it; per non-finite op: the
         # ops whose output brought the NaN/Inf in, the storages no traced op wrote that brought
-        # it in, the ops whose Inf it turned into NaN, and whether it wrote a literal ±inf.
+        # it in, the same two for the Infs it turned into NaN, and whether it wrote a literal ±inf.
         self.bad_writer: dict[int, int] = {}
-        self.links: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]] = {}
+        self.links: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                                    tuple[int, ...], bool]] = {}
         # Weights' and data's storages, measured whole: storage -> (version, NaN, Inf).
         self.storage_flags: dict[int, tuple[int, bool, bool]] = {}
         # Births' tensors, described when chosen: op index -> described now, or what to describe.
@@ -147,6 +148,8 @@ class OpRecorder:
         self.frame_tensors: dict[int, tuple[int | None, int | None]] = {}
         # Storage -> (kind, name) of tensors no op makes: parameters, buffers, the batch's inputs.
         self.source_names: dict[int, tuple[str, str]] = {}
+        # Non-finite backward ops -> the autograd node that ran them.
+        self.grad_nodes: dict[int, str] = {}
         # Where the loss's non-finite value was written (a replay with loss_fn), if it was.
         self.loss_writer: int | None = None
         self.shadows: Shadows | None = None
@@ -269,6 +272,8 @@ class OpRecorder:
                           low, high, nan, inf, nan or inf, source))
         if nan or inf:
             self._link(index, func, args, kwargs, nan, measurable)
+            if node is not None:  # which gradient formula it belongs to (LogBackward0 ...)
+                self.grad_nodes[index] = node.name()
         if self.bad_writer or nan or inf:
             self._written(index, measurable, measured)
         if nan and self.first_nan is None:
@@ -286,6 +291,7 @@ class OpRecorder:
         parents: list[int] = []
         outside: list[int] = []
         feeders: list[int] = []
+        feeders_outside: list[int] = []
         values = [(p in positions, v) for p, v in enumerate(args)]
         values += [(False, v) for k, v in kwargs.items() if k not in names]  # out= is no input
         for mutated, value in values:
@@ -304,10 +310,14 @@ class OpRecorder:
                         parents.append(writer)
                     elif key is not None:
                         outside.append(key)
-                elif nan and input_inf and writer is not None:
-                    feeders.append(writer)
+                elif nan and input_inf:
+                    if writer is not None:
+                        feeders.append(writer)
+                    elif key is not None:
+                        feeders_outside.append(key)
         literal = not nan and _writes_literal_inf(args, kwargs)
-        self.links[index] = (tuple(parents), tuple(outside), tuple(feeders), literal)
+        self.links[index] = (tuple(parents), tuple(outside), tuple(feeders),
+                             tuple(feeders_outside), literal)
         if not parents and not outside:
             self._hold_birth(index, func, args, kwargs, outputs)
 
@@ -440,54 +450,74 @@ class OpRecorder:
 
     def follow_op(self, start: int) -> Lineage:
         """Walk back from op ``start``'s non-finite output to where it came from. The earliest
-        birth among the ops it flowed from is chosen; with none, what came from outside."""
+        birth among the ops it flowed from is chosen; with none, what came from outside.
+
+        A NaN an op made from Infs (inf - inf, 0 * inf, softmax of a row of -inf) is followed
+        to those Infs: one an op made by accident (an overflow, log(0), x / 0) is the cause; one
+        written on purpose (a mask) or brought by the data leaves the NaN's birth the cause; an
+        Inf weight brings it with the weights."""
         links = self.links
         came_from: dict[int, int | None] = {start: None}
-        stack = [start]
-        births: list[int] = []
-        outside: list[int] = []
-        reached: set[int] = set()
-        while stack:
-            index = stack.pop()
-            reached.add(index)
-            link = links.get(index)
-            if link is None:
+        births, outside = self._walk([start], came_from)
+        chosen: list[int] = []
+        for birth in births:
+            _, _, feeders, feeders_outside, _ = links[birth]
+            if not feeders and not feeders_outside:
+                chosen.append(birth)
                 continue
-            parents, keys, _, _ = link
-            if not parents and not keys:
-                births.append(index)
-            outside.extend(k for k in keys if k not in outside)
-            for parent in parents:
-                if parent not in came_from:
-                    came_from[parent] = index
-                    stack.append(parent)
-        # The Infs an op turned into NaN, back to where they were made (a -inf mask, say).
-        stack = [i for i in reached if links.get(i) and links[i][2]]
-        stack = [f for i in stack for f in links[i][2]]
-        while stack:
-            index = stack.pop()
-            if index in reached:
-                continue
-            reached.add(index)
-            link = links.get(index)
-            if link is not None:
-                stack.extend(link[0])
-        came_with = [self.source_names.get(k, ("unknown", "")) for k in outside]
-        came_with = list(dict.fromkeys(came_with))
-        if births:
-            born: int | None = min(births)
+            for feeder in feeders:
+                came_from.setdefault(feeder, birth)
+            inf_births, inf_outside = self._walk(list(feeders), came_from)
+            accidental = [b for b in inf_births if not links[b][4]]
+            weights = [k for k in inf_outside + list(feeders_outside)
+                       if self.source_names.get(k, ("unknown", ""))[0] == "weight"]
+            if accidental:
+                chosen.extend(accidental)
+            elif weights:
+                outside.extend(k for k in weights if k not in outside)
+            else:
+                chosen.append(birth)
+        came_with = list(dict.fromkeys(self.source_names.get(k, ("unknown", "")) for k in outside))
+        if chosen:
+            born: int | None = min(chosen)
             end = born
         else:
             born = None
             # The path from the first op that read the outside value.
-            readers = [i for i in came_from if links.get(i) and links[i][1]]
+            readers = [i for i in came_from if links.get(i) and (links[i][1] or links[i][3])]
             end = min(readers) if readers else start
         path = []
         step: int | None = end
         while step is not None:
             path.append(step)
             step = came_from.get(step)
-        return Lineage(born=born, path=path, came_with=came_with, reached=reached, followed=True)
+        return Lineage(born=born, path=path, came_with=came_with, reached=set(came_from),
+                       followed=True)
+
+    def _walk(self, starts: list[int], came_from: dict[int, int | None]) -> tuple[list[int], list[int]]:
+        """The ops with no non-finite input (births) and the storages no op wrote (outside)
+        that ``starts`` came from; every op passed is noted in ``came_from``."""
+        links = self.links
+        births: list[int] = []
+        outside: list[int] = []
+        stack = list(starts)
+        seen: set[int] = set()
+        while stack:
+            index = stack.pop()
+            if index in seen:
+                continue
+            seen.add(index)
+            link = links.get(index)
+            if link is None:
+                continue
+            parents, keys = link[0], link[1]
+            if not parents and not keys:
+                births.append(index)
+            outside.extend(k for k in keys if k not in outside)
+            for parent in parents:
+                came_from.setdefault(parent, index)
+                stack.append(parent)
+        return births, outside
 
     def event_lineage(self, event: Any) -> Lineage:
         """Where the NaN/Inf of ``event`` (found in this replay's frames) came from. Without an
@@ -520,7 +550,7 @@ class OpRecorder:
         """The first op that made a NaN/Inf from finite inputs, in program order, leaving out
         ops writing a literal ±inf: the best guess when the event cannot be followed back."""
         for index in sorted(self.links):
-            parents, keys, _, literal = self.links[index]
+            parents, keys, _, _, literal = self.links[index]
             if not parents and not keys and not literal:
                 return index
         return None
