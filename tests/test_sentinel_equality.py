@@ -310,12 +310,15 @@ def test_backward_only_nan_gives_the_same_backward_event():
     # carries the trace of its replay, so only the summary line and the trace part differ.
     body = sentinel_watch.report().split("\nTrace of")[0].split("\n", 1)[1].rstrip("\n")
     assert body == full_watch.report().split("\n", 1)[1]
-    assert sentinel.summary().startswith(full.summary() + "; first bad op log at ")
-    # The sentinel's trace ran the backward from the gradients the outputs received: the first
-    # non-finite value is born in the log (log(0) = -inf, kept out by where() in the forward,
-    # and 0 * inf = NaN in its backward), and the backward's NaN is in its ops.
+    assert sentinel.summary().startswith(full.summary() + "; first bad op div at ")
+    # The sentinel's trace ran the backward from the gradients the outputs received: the NaN
+    # that reaches the event is born in log's gradient (0 / 0 where where() passed a zero
+    # gradient to log(0)), at the log's line; the forward's log(0) = -inf never reaches it.
     first = sentinel.trace.first_bad
-    assert first["module"] == "log" and sentinel.trace.reproduced
+    assert first["module"] == "log" and first["phase"] == "backward" and sentinel.trace.reproduced
+    assert first["source"].endswith(f":{SafeLog.forward.__code__.co_firstlineno + 1}")
+    assert sentinel.trace.first_bad_grad_of == "LogBackward0"
+    assert not sentinel.trace.earlier_inf_reaches  # the forward's -inf stayed out
     ops = sentinel.trace.ops
     assert ops[(ops["phase"] == "backward") & ops["nan"]]["module"].iloc[0] == "log"
     assert set(sentinel.trace.frames["phase"]) == {"forward", "backward"}

@@ -33,13 +33,27 @@ class Trace:
 
     ``frames``: the contract's frame DataFrame (every module frame, no ring limit). ``ops``: one
     row per aten op (:data:`~nanwidget.core.schema.OPS_COLUMNS`; ops that only make views or
-    uninitialised memory are left out). ``first_bad``: the op row where the first non-finite value
-    was *born*: finite inputs, non-finite output (an overflow to Inf counts; an op writing a
-    literal ±inf on purpose, like ``masked_fill(mask, -inf)``, does not); None when no op made
-    one (it came with the data or the weights). ``first_bad_tensors``: signed ranges and
-    non-finite counts of that op's inputs and outputs. ``earlier_inf``: an op whose output held an
-    Inf before that (a -inf mask, say). ``reproduced``: the replay met the batch's recorded event
-    again (or, with none recorded, found none); ``expected`` / ``found`` describe both.
+    uninitialised memory are left out). ``first_bad``: the op row where the non-finite value
+    that reaches the event was *born*: finite inputs, non-finite output (an overflow to Inf
+    counts), found by following the data flow back from the event's tensor, so an intended
+    ±inf that never reaches it (a ``masked_fill(mask, -inf)``, T5's position buckets) is not
+    it; None when no op made it (it came with the weights, the data or the gradient reaching
+    the model's output: ``came_with``), or when the replay met no event. Without an event but
+    with a backward pass (``loss_fn``), the non-finite loss or the last non-finite gradient is
+    followed instead. ``first_bad_tensors``: signed ranges and non-finite counts of that op's
+    inputs and outputs. ``first_bad_grad_of``: for a first bad op of the backward pass, the
+    autograd node it ran in ("LogBackward0": the gradient of a log), else "". ``lineage``: the op indices the value went through, from its birth (or
+    the first op that read it from outside) to the op that wrote the event's tensor.
+    ``came_with``: ``(kind, name)`` of the non-finite tensors no op made that reached the
+    event: "weight" (a parameter or buffer, by qualified name), "input" (the batch's input, by
+    role), "output-grad" (the gradient the model's output received: made in the loss) or
+    "unknown". ``weights_last_finite``: for those weights, the last batch the event's frames
+    show them finite (the optimizer step, load or write after it made them non-finite), when
+    they show one.
+    ``earlier_inf``: an op whose output held an Inf before the first bad op (a -inf mask, say);
+    ``earlier_inf_reaches``: whether that Inf flowed into the event's value.
+    ``reproduced``: the replay met the batch's recorded event again (or, with none recorded,
+    found none); ``expected`` / ``found`` describe both.
     ``changes``: everything that differs from when the batch ran (parameter values, dtypes,
     storage, modules), in words; empty only when nothing did. ``weights_changed`` /
     ``changed_weights``: the parameters and buffers among them.
@@ -51,6 +65,11 @@ class Trace:
     first_bad: pd.Series | None = None
     first_bad_tensors: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=TENSOR_COLUMNS))
     earlier_inf: pd.Series | None = None
+    first_bad_grad_of: str = ""
+    lineage: list[int] = field(default_factory=list)
+    came_with: list[tuple[str, str]] = field(default_factory=list)
+    earlier_inf_reaches: bool = False
+    weights_last_finite: dict[str, int] = field(default_factory=dict)
     weights_changed: bool = False
     changed_weights: list[str] = field(default_factory=list)
     buffers_updated: list[str] = field(default_factory=list)
@@ -91,20 +110,73 @@ class Trace:
                 "(nondeterministic kernels, another thread or process writing the weights)")
 
     def summary(self) -> str:
-        """One line: the first bad op and where, or that every op stayed finite."""
+        """One line: the first bad op and where, where the value came from, or that every op
+        stayed finite."""
         if self.first_bad is None:
             if not self.reproduced:
                 return (f"trace of batch {self.batch}: the event was not reproduced, because "
                         f"{self.why_not_reproduced()}")
+            if self.came_with:
+                found = f" (the event: {self.found})" if self.found else ""
+                return (f"trace of batch {self.batch}: no op made the first NaN/Inf; "
+                        f"{self._came_with_words()}{found}")
             if self.ops["nonfinite"].any() if len(self.ops) else False:
-                where = f": {self.found}" if self.found else ""
+                if not self.found:
+                    return (f"trace of batch {self.batch}: no NaN/Inf reached an event (the ops' "
+                            "non-finite values were intended or allowed, like masks)")
                 return (f"trace of batch {self.batch}: no op made the first NaN/Inf; it came "
-                        f"with the batch's data or the weights{where}")
+                        f"with the batch's data or the weights: {self.found}")
             return f"trace of batch {self.batch}: all {len(self.ops)} ops produced finite values"
         first = self.first_bad
         where = f" in module '{first['module'] or '<root>'}'" if first["phase"] != "loss" else " in loss_fn"
         return (f"trace of batch {self.batch}: first non-finite op {first['op']} "
                 f"({first['phase']}){where} at {first['source'] or 'an unknown line'}")
+
+    def _came_with_words(self) -> str:
+        """Where the value that reached the event came from, when no op made it."""
+        parts = []
+        for kind in ("weight", "input", "output-grad", "unknown"):
+            names = [name for k, name in self.came_with if k == kind]
+            if not names:
+                continue
+            shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+            if kind == "weight":
+                parts.append(f"it came with the weights {shown}")
+            elif kind == "input":
+                parts.append(f"it came with the batch's input {shown}")
+            elif kind == "output-grad":
+                parts.append(f"the gradient reaching the model's output ({shown}) was already "
+                             "non-finite: it was made in the loss, outside the model")
+            else:
+                parts.append("it came with a tensor no traced op made")
+        return "; ".join(parts)
+
+    def _came_with_lines(self) -> list[str]:
+        """The report's lines on where the value came from, when no op made it."""
+        lines = [f"No op made the NaN/Inf that reached the event: {self._came_with_words()}."]
+        by_batch: dict[int, list[str]] = {}
+        for name, batch in self.weights_last_finite.items():
+            by_batch.setdefault(batch, []).append(name)
+        for batch, names in sorted(by_batch.items()):
+            lines.append(f"  {', '.join(names)}: finite when batch {batch} ran; the optimizer step, "
+                         f"load or write after batch {batch} made "
+                         f"{'it' if len(names) == 1 else 'them'} non-finite.")
+        if any(kind == "output-grad" for kind, _ in self.came_with):
+            lines.append(f"  To trace the loss's ops too, replay with it: "
+                         f"replay({self.batch}, loss_fn=...) runs the loss on the model's output "
+                         "and its backward, and names the op that made the NaN/Inf.")
+        return lines
+
+    def _lineage_line(self) -> str:
+        """The ops the bad value went through to the event, briefly."""
+        if len(self.lineage) < 2 or not len(self.ops):
+            return ""
+        steps = [f"{row['op']} ({'loss_fn' if row['phase'] == 'loss' else row['module'] or '<root>'})"
+                 for _, row in self.ops.iloc[self.lineage].iterrows()]
+        if len(steps) > 6:
+            steps = steps[:3] + [f"... {len(steps) - 5} more ..."] + steps[-2:]
+        return (f"  From there it went through {len(self.lineage)} ops: "
+                + " -> ".join(steps))
 
     def report(self) -> str:
         """The first bad op with its source line, the weights' state, then every frame."""
@@ -115,9 +187,16 @@ class Trace:
             lines.append(f"Not reproduced: the recorded event ({self.expected or 'none'}) did not "
                          f"happen again, because {self.why_not_reproduced()}.")
         if first is None:
-            if len(self.ops) and self.ops["nonfinite"].any():
-                lines.append("No op made a non-finite value from finite inputs: the first NaN/Inf "
-                             "came with the batch's data or the weights (see the frames below).")
+            if self.came_with:
+                lines.extend(self._came_with_lines())
+            elif len(self.ops) and self.ops["nonfinite"].any():
+                if not self.found:
+                    lines.append("No NaN/Inf reached an event: the non-finite values some ops made "
+                                 "were intended or allowed (masks filled with -inf, say).")
+                else:
+                    lines.append("No op made a non-finite value from finite inputs: the first "
+                                 "NaN/Inf came with the batch's data or the weights (see the "
+                                 "frames below).")
             else:
                 lines.append("No op produced a non-finite value in the replay.")
         else:
@@ -125,8 +204,9 @@ class Trace:
             module = first["module"] or "<root>"
             module_type = f" ({first['module_type']})" if first["module_type"] else ""
             place = "in loss_fn" if first["phase"] == "loss" else f"in module '{module}'{module_type}"
-            lines.append(f"First non-finite op: {first['op']} ({first['aten']}, {first['phase']}) "
-                         f"{place}: {kind}")
+            grad_of = f", in {self.first_bad_grad_of}" if self.first_bad_grad_of else ""
+            lines.append(f"First non-finite op: {first['op']} ({first['aten']}, {first['phase']}"
+                         f"{grad_of}) {place}: {kind}")
             source = first["source"]
             if source:
                 lines.append(f"  at {source}")
@@ -143,13 +223,21 @@ class Trace:
                 finite_range = (f"finite values from {_number(row.min)} to {_number(row.max)}"
                                 if row.min == row.min else "no finite values")
                 lines.append(f"  {row.role}: {row.dtype} {tuple(row.shape)}, {finite_range}, {state}")
+            lineage = self._lineage_line()
+            if lineage:
+                lines.append(lineage)
             earlier = self.earlier_inf
             if earlier is not None:
                 place = ("loss_fn" if earlier["phase"] == "loss"
                          else f"module '{earlier['module'] or '<root>'}'")
+                if self.earlier_inf_reaches:
+                    why = ("; that Inf flowed into it (an Inf reaching exp, softmax or a "
+                           "subtraction makes NaN)")
+                else:
+                    why = (" that never reaches the event (intended, like masks filled with "
+                           "-inf or T5's position buckets)")
                 lines.append(f"  Before it, op {earlier['op']} in {place} held an Inf at "
-                             f"{earlier['source'] or 'an unknown line'} (intended in masks filled "
-                             "with -inf; an Inf reaching exp, softmax or a subtraction makes NaN).")
+                             f"{earlier['source'] or 'an unknown line'}{why}.")
         if self.changes:
             lines.append(f"Changed since batch {self.batch} ran ({len(self.changes)}):")
             lines.extend(f"  - {change}" for change in self.changes[:12])

@@ -29,7 +29,7 @@ from .tracer import OpRecorder, OpTracer
 
 __all__ = ["replay_held_batch", "replay_frames", "refuse_unreplayable", "eager_calls",
            "OutputGrads", "set_forward_state", "forward_arguments", "forward_modes",
-           "ReplayFrames"]
+           "ReplayFrames", "Replayed"]
 
 _Tensor = torch.Tensor
 
@@ -48,26 +48,51 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
         expected = next((e for e in recorder.events if e.batch == held.batch
                          and not e.is_backward and e.origin != "peer"), None)
     refuse_unreplayable(recorder, capture, held)
-    trace, frames = _Replay(recorder, capture, held, loss_fn).run()
-    # The one verdict of this replay: did it meet the recorded event again?
-    trace.set_verdict(expected, first_event(frames, Detector(recorder.inf_allowed)))
-    return trace
+    replayed = _Replay(recorder, capture, held, loss_fn).run()
+    # The one verdict of this replay: the event its frames hold.
+    found = first_event(replayed.frames, Detector(recorder.inf_allowed))
+    return replayed.conclude(found, expected)
 
 
 def replay_frames(recorder: Recorder, capture: BatchCapture, held: HeldBatch, *,
                   trace_ops: bool = True, output_grads: OutputGrads | None = None,
-                  backward_frames: bool = False) -> tuple[Trace, list[Frame]]:
-    """Re-run ``held`` eagerly and return its :class:`Trace` and its module frames as
+                  backward_frames: bool = False,
+                  loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Replayed:
+    """Re-run ``held`` eagerly: its module frames as
     :class:`~nanwidget.core.frames.Frame` objects (resolved), built as the live watch builds
-    them. ``trace_ops``: measure every op (else frames only, faster). ``output_grads``: run
-    the backward pass of each forward from the gradients its outputs received live (no loss
-    function needed). ``backward_frames``: record a backward frame per module call, on the
-    way the live watch records them (gradient hooks on tensors).
-    No verdict is taken: the caller takes it on the frames (once) and sets it with
-    :meth:`~nanwidget.core.trace.Trace.set_verdict`."""
+    them, and its op trace. ``trace_ops``: measure every op (else frames only, faster).
+    ``output_grads``: run the backward pass of each forward from the gradients its outputs
+    received live (no loss function needed). ``backward_frames``: record a backward frame per
+    module call, on the way the live watch records them (gradient hooks on tensors).
+    ``loss_fn``: run it on the output and its backward (instead of ``output_grads``).
+    No verdict is taken: the caller takes it on the frames, once, and hands it to
+    :meth:`Replayed.conclude`, which explains the trace from it."""
     refuse_unreplayable(recorder, capture, held)
-    return _Replay(recorder, capture, held, None, trace_ops=trace_ops,
+    return _Replay(recorder, capture, held, loss_fn, trace_ops=trace_ops,
                    output_grads=output_grads, backward_frames=backward_frames).run()
+
+
+class Replayed:
+    """A replay that ran: its :class:`Trace` (ops, frames, what changed), its module frames,
+    and what the op tracer saw, to explain the trace once the verdict is known."""
+
+    def __init__(self, trace: Trace, frames: list[Frame], ops: OpRecorder) -> None:
+        self.trace = trace
+        self.frames = frames
+        self._ops: OpRecorder | None = ops
+
+    def conclude(self, found: NanEvent | None, expected: NanEvent | None) -> Trace:
+        """The trace, explained by the verdict on this replay's frames: ``found`` is the event
+        they hold (None: none), ``expected`` the one the replay looked for (the recorded event;
+        for a sentinel event, the same). Sets where the value that reaches ``found`` was born
+        (``first_bad``, following the data back), what it came with, and whether the replay
+        met ``expected`` (``reproduced``). Once: the tracer's records are let go."""
+        trace, ops = self.trace, self._ops
+        self._ops = None
+        if ops is not None and trace.ops is not None and len(trace.ops):
+            _explain(trace, ops, found, expected)
+        trace.set_verdict(expected, found)
+        return trace
 
 
 def refuse_unreplayable(recorder: Recorder, capture: BatchCapture, held: HeldBatch) -> None:
@@ -99,6 +124,31 @@ def eager_calls() -> Iterator[None]:
         return
     with set_stance("force_eager"):
         yield
+
+
+def _explain(trace: Trace, recorder: OpRecorder, found: NanEvent | None,
+             expected: NanEvent | None) -> None:
+    """Follow ``found``'s tensor back to the op where its NaN/Inf was born; when it cannot be
+    followed, the first op that made one from finite inputs is the best guess."""
+    ops = trace.ops
+    lineage = recorder.event_lineage(found)
+    born = lineage.born
+    if born is None and found is not None and (
+            not lineage.followed or all(kind == "unknown" for kind, _ in lineage.came_with)):
+        born = recorder.first_unexplained_birth()
+        lineage.came_with = []
+    earlier = None  # an Inf some op held before the first bad op (e.g. a -inf mask)
+    if recorder.first_inf is not None and (born is None or recorder.first_inf < born):
+        earlier = ops.iloc[recorder.first_inf]
+    trace.first_bad = ops.iloc[born] if born is not None else None
+    trace.first_bad_tensors = pd.DataFrame(recorder.describe_birth(born) if born is not None
+                                           else [], columns=TENSOR_COLUMNS)
+    trace.earlier_inf = earlier
+    trace.first_bad_grad_of = recorder.grad_nodes.get(born, "") if born is not None else ""
+    trace.lineage = lineage.path if lineage.followed else []
+    trace.came_with = lineage.came_with
+    trace.earlier_inf_reaches = earlier is not None and int(earlier["index"]) in lineage.reached
+    trace.weights_last_finite = _last_finite(expected, lineage.came_with, trace.batch)
 
 
 class ReplayFrames(FrameSink):
@@ -212,7 +262,7 @@ class _Replay:
         changed = _with_running_stats(changed, slots)
         return changes, changed, _with_running_stats(updated, slots), snapshot is not None
 
-    def run(self) -> tuple[Trace, list[Frame]]:
+    def run(self) -> Replayed:
         started = time.perf_counter()
         slots, held = self.capture.slots, self.held
         changes, changed, updated, snapshot_used = self._weight_status()
@@ -231,6 +281,7 @@ class _Replay:
             with self.recorder.suspend(), eager_calls():
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
+                recorder.name_sources("weight", zip(slots.names, slots.read()))
                 for module in {id(m): m for m in root.modules()}.values():
                     handles.append(module.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True))
                     handles.append(module.register_forward_hook(recorder.post_hook, with_kwargs=True,
@@ -268,19 +319,12 @@ class _Replay:
         recorder.resolve()
         ops = pd.DataFrame.from_records(recorder.rows, columns=OPS_COLUMNS).astype(
             {name: dtype for name, dtype in OPS_DTYPES.items() if dtype != "object"})
-        born = recorder.first_born
-        earlier = None  # an Inf some op held before the first born value (e.g. a -inf mask)
-        if recorder.first_inf is not None and (born is None or recorder.first_inf < born[0]):
-            earlier = ops.iloc[recorder.first_inf]
-        return Trace(batch=held.batch, frames=frames_to_dataframe(recorder.frames), ops=ops,
-                     first_bad=ops.iloc[born[0]] if born is not None else None,
-                     first_bad_tensors=pd.DataFrame(born[1] if born is not None else [],
-                                                    columns=TENSOR_COLUMNS),
-                     earlier_inf=earlier,
-                     weights_changed=bool(changed), changed_weights=changed,
-                     buffers_updated=updated, snapshot_used=snapshot_used, loss=loss_value,
-                     forwards=len(held.forwards), seconds=time.perf_counter() - started,
-                     changes=changes), recorder.frames
+        trace = Trace(batch=held.batch, frames=frames_to_dataframe(recorder.frames), ops=ops,
+                      weights_changed=bool(changed), changed_weights=changed,
+                      buffers_updated=updated, snapshot_used=snapshot_used, loss=loss_value,
+                      forwards=len(held.forwards), seconds=time.perf_counter() - started,
+                      changes=changes)
+        return Replayed(trace, recorder.frames, recorder)
 
     def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder,
                      output_grads: dict[str, torch.Tensor] | None) -> float | None:
@@ -288,6 +332,9 @@ class _Replay:
         loss_fn = self.loss_fn
         set_forward_state(capture, self.capture.slots)
         args, kwargs = forward_arguments(capture)
+        recorder.name_sources("input", _input_leaves(args, kwargs))
+        if output_grads:
+            recorder.name_sources("output-grad", output_grads.items())
         backward = loss_fn is not None or bool(output_grads)
         with contextlib.ExitStack() as stack:
             stack.enter_context(forward_modes(capture, backward=backward))
@@ -308,11 +355,37 @@ class _Replay:
             recorder.phase = "loss"
             loss = loss_fn(output)
             recorder.tag_nodes()
+            recorder.note_loss(loss)
             if not isinstance(loss, _Tensor) or loss.numel() != 1:
                 raise ReplayError("loss_fn must return a scalar tensor (the loss to run backward on)")
             recorder.phase = "backward"
             loss.backward()
         return float(loss.detach())
+
+
+def _last_finite(event: NanEvent | None, came_with: list[tuple[str, str]],
+                 batch: int) -> dict[str, int]:
+    """Per non-finite weight a trace's value came with: the last batch before ``batch`` whose
+    frames in the event's window show it finite (the step, load or write after that batch
+    made it non-finite). The same in every mode: the window is the event's own."""
+    names = {name for kind, name in came_with if kind == "weight"}
+    if event is None or not names or event.frames.empty:
+        return {}
+    frames = event.frames
+    qualified = frames["module"].where(frames["module"] == "", frames["module"] + ".") + frames["role"]
+    finite = frames[(frames["phase"] == "forward") & (frames["batch"] < batch)
+                    & qualified.isin(names) & ~frames["nan"] & ~frames["inf"]
+                    & frames["abs_max"].notna()]
+    return {name: int(last) for name, last in
+            finite.groupby(qualified[finite.index])["batch"].max().items()}
+
+
+def _input_leaves(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+    """The batch's input tensors by their frame roles (``input[0]``, ``kwarg:mask`` ...)."""
+    for position, value in enumerate(args):
+        yield from iter_leaves(value, f"input[{position}]")
+    for key, value in kwargs.items():
+        yield from iter_leaves(value, f"kwarg:{key}")
 
 
 def _dtype(dtype: torch.dtype | None) -> str:

@@ -1,5 +1,13 @@
 """The op tracer of a replay: module frames through the watch's own entry builder, and one row
-per aten op measured under a :class:`~torch.utils._python_dispatch.TorchDispatchMode`."""
+per aten op measured under a :class:`~torch.utils._python_dispatch.TorchDispatchMode`.
+
+Lineage: every op whose output holds a NaN/Inf records which of its inputs brought one (the
+op that last wrote a non-finite value into that input's storage) or that none did (it was
+born there). Walking back from the event's tensor through those records finds the op where
+the value that reached the event was born, and leaves alone the intended ±inf that never
+reach it (masks, T5's relative-position buckets). Only non-finite ops pay for it: storage
+pointers and small tuples, read from measurements the tracer makes anyway.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +23,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..entries import Entry, EntryBuilder
 from ..frames import Frame
 from ..recorder import ModuleInfo
+from ..schema import is_input_role
 from ..sourcelines import user_source
-from ..stats import PendingStats, classify, measure_tensor, version_of
+from ..stats import PendingStats, TensorStats, classify, measure_tensor, version_of
 from .shadows import Shadows, mutated_arguments, tensors_in
 
-__all__ = ["OpRecorder", "OpTracer"]
+__all__ = ["OpRecorder", "OpTracer", "Lineage", "storage_key"]
 
 _NODE_KEY = "nanwidget_op"  # autograd node metadata: (module, module_type, source) of its forward op
 _Tensor = torch.Tensor
@@ -31,6 +40,68 @@ _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: Non
 _UNMEASURED_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                              "empty_permuted", "resize_", "set_", "_unsafe_view", "clone",
                              "contiguous", "alias", "lift_fresh", "lift_fresh_copy"})
+# Among them: ops whose output is a copy of their first input in a new storage (its lineage
+# carries over), and ops that allocate a new storage (nothing written there yet).
+_COPY_OPS = frozenset({"clone", "contiguous", "lift_fresh_copy"})
+_FRESH_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                        "empty_permuted"})
+# Births' tensors held (by reference) to describe the chosen one once the replay ran; past
+# this many bytes a birth is described at once (a host sync) instead.
+_HELD_BIRTH_BYTES = 64 << 20
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """The address of a tensor's storage: the same for every view of it; None without one."""
+    try:
+        key = tensor.untyped_storage().data_ptr()
+    except Exception:  # tensor subclasses without a storage
+        return None
+    return key or None  # 0: an empty storage, shared by all of them
+
+
+def _covers_storage(tensor: torch.Tensor) -> bool:
+    """Whether the tensor spans its whole storage (so its values are all the storage holds)."""
+    try:
+        return tensor.storage_offset() == 0 and \
+            tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+    except Exception:
+        return False
+
+
+class _FramePending(PendingStats):
+    """The frames' stats, each remembered with the storage of the tensor it was measured on and
+    the op that had last written a NaN/Inf there (so an event's tensor can be followed back)."""
+
+    __slots__ = ("on_add",)
+
+    def add(self, tensor: torch.Tensor, hold: bool = True) -> TensorStats:
+        stats = super().add(tensor, hold)
+        self.on_add(tensor, stats)
+        return stats
+
+
+class Lineage:
+    """Where the non-finite value that reached a tensor came from.
+
+    ``born``: the op index where it was born (finite inputs, non-finite output), or None.
+    ``path``: op indices from the birth (or the first op that read a non-finite weight or
+    input) to the op that wrote the tensor. ``came_with``: ``(kind, name)`` of the non-finite
+    tensors no traced op made that flowed into it: kind "weight" (a parameter or buffer),
+    "input" (the batch's inputs), "output-grad" (the gradient reaching the model's output) or
+    "unknown". ``reached``: every op the value flowed through, and the ops whose Inf an op
+    turned into NaN. ``followed``: whether the tensor could be followed at all.
+    """
+
+    __slots__ = ("born", "path", "came_with", "reached", "followed")
+
+    def __init__(self, born: int | None = None, path: list[int] | None = None,
+                 came_with: list[tuple[str, str]] | None = None, reached: set[int] | None = None,
+                 followed: bool = False) -> None:
+        self.born = born
+        self.path = path or []
+        self.came_with = came_with or []
+        self.reached = reached or set()
+        self.followed = followed
 
 
 class OpRecorder:
@@ -47,7 +118,8 @@ class OpRecorder:
         self.infos = infos
         self.names = names
         self.stack: list[tuple[str, str]] = []
-        self.pending = PendingStats()
+        self.pending = _FramePending()
+        self.pending.on_add = self._frame_tensor
         self.op_pending = PendingStats()  # op outputs: measured and read back op by op
         self.entries = EntryBuilder(self.pending, cache_weights=False)
         self.frames: list[Frame] = []
@@ -56,13 +128,30 @@ class OpRecorder:
         self.phase = "forward"
         self.paused = False
         self.to_tag: list[tuple[list[torch.Tensor], tuple[str, str, str]]] = []
-        # The first op that made a NaN/Inf from finite inputs, with its tensors described; the
-        # first op whose output holds a NaN, and an Inf.
-        self.first_born: tuple[int, list[dict]] | None = None
+        # The first op whose output holds a NaN, and an Inf.
         self.first_nan: int | None = None
         self.first_inf: int | None = None
         # id -> (weak reference, version, holds a NaN, holds an Inf) of tensors measured here.
         self.known: dict[int, tuple[Any, int, bool, bool]] = {}
+        # Lineage. Storage -> the op that last wrote a NaN/Inf into it; per non-finite op: the
+        # ops whose output brought the NaN/Inf in, the storages no traced op wrote that brought
+        # it in, the same two for the Infs it turned into NaN, and whether it wrote a literal ±inf.
+        self.bad_writer: dict[int, int] = {}
+        self.links: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...],
+                                    tuple[int, ...], bool]] = {}
+        # Weights' and data's storages, measured whole: storage -> (version, NaN, Inf).
+        self.storage_flags: dict[int, tuple[int, bool, bool]] = {}
+        # Births' tensors, described when chosen: op index -> described now, or what to describe.
+        self.births: dict[int, list[dict] | tuple] = {}
+        self.held_bytes = 0
+        # Frame stats -> (storage, the op that had last written a NaN/Inf there) when measured.
+        self.frame_tensors: dict[int, tuple[int | None, int | None]] = {}
+        # Storage -> (kind, name) of tensors no op makes: parameters, buffers, the batch's inputs.
+        self.source_names: dict[int, tuple[str, str]] = {}
+        # Non-finite backward ops -> the autograd node that ran them.
+        self.grad_nodes: dict[int, str] = {}
+        # Where the loss's non-finite value was written (a replay with loss_fn), if it was.
+        self.loss_writer: int | None = None
         self.shadows: Shadows | None = None
         # Input entries an in-place module's pre-hook measured before it overwrote them.
         self.measured_inputs: dict[int, list[list[Entry]]] = {}
@@ -156,66 +245,323 @@ class OpRecorder:
             self.to_tag.append((tensors, (module, module_type, source)))
         name = func.overloadpacket.__name__
         if name in _UNMEASURED_OPS or func.is_view:
-            return  # nothing computed (views, detach) or nothing defined (empty) to measure
+            # Nothing computed (views, detach) or nothing defined (empty) to measure; a copy
+            # carries its input's lineage into its new storage.
+            if self.bad_writer and (name in _COPY_OPS or name in _FRESH_OPS):
+                self._carry(name, args, tensors)
+            return
         measurable = [t for t in tensors if not classify(t)]
         low = high = math.nan
         nan = inf = False
+        measured: list[TensorStats] = []
         if measurable:
             measured = [measure_tensor(t, self.op_pending) for t in measurable]
             for tensor, stats in zip(measurable, measured):
                 if not stats.note:
                     self._remember(tensor, stats.nan, stats.inf)
-            measured = [m for m in measured if not m.note]
-            if measured:
-                nan = any(m.nan for m in measured)
-                inf = any(m.inf for m in measured)
+            valid = [m for m in measured if not m.note]
+            if valid:
+                nan = any(m.nan for m in valid)
+                inf = any(m.inf for m in valid)
                 if not nan:
-                    low = min(m.abs_min for m in measured)
-                    high = max(m.abs_max for m in measured)
+                    low = min(m.abs_min for m in valid)
+                    high = max(m.abs_max for m in valid)
         first = tensors[0] if tensors else None
         index = len(self.rows)
         self.rows.append((index, phase, name, str(func), module, module_type,
                           str(first.dtype).replace("torch.", "") if first is not None else "",
                           tuple(first.shape) if first is not None else (),
                           low, high, nan, inf, nan or inf, source))
-        if (nan or inf) and self.first_born is None and self._born_here(func, args, kwargs, nan):
-            self.first_born = (index, describe_op_tensors(func, args, kwargs, measurable))
+        if nan or inf:
+            self._link(index, func, args, kwargs, nan, measurable)
+            if node is not None:  # which gradient formula it belongs to (LogBackward0 ...)
+                self.grad_nodes[index] = node.name()
+        if self.bad_writer or nan or inf:
+            self._written(index, measurable, measured)
         if nan and self.first_nan is None:
             self.first_nan = index
         elif inf and self.first_inf is None:
             self.first_inf = index
+
+    # -- lineage
+    def _link(self, index: int, func: Any, args: tuple, kwargs: dict, nan: bool,
+              outputs: list[torch.Tensor]) -> None:
+        """Record where op ``index``'s NaN/Inf came from: the inputs that held one (a NaN
+        explains a NaN; an Inf explains an Inf), or none (born here). An op turning an Inf
+        into NaN (softmax of a fully masked row, inf - inf) is where that NaN was born."""
+        positions, names = mutated_arguments(func)
+        parents: list[int] = []
+        outside: list[int] = []
+        feeders: list[int] = []
+        feeders_outside: list[int] = []
+        values = [(p in positions, v) for p, v in enumerate(args)]
+        values += [(False, v) for k, v in kwargs.items() if k not in names]  # out= is no input
+        for mutated, value in values:
+            for tensor in tensors_in(value):
+                key = storage_key(tensor)
+                if mutated:  # written by this op: its state before, as the lineage knows it
+                    writer = self.bad_writer.get(key) if key is not None else None
+                    if writer is None:
+                        continue
+                    row = self.rows[writer]
+                    input_nan, input_inf = row[10], row[11]
+                else:
+                    input_nan, input_inf, writer = self._input_state(tensor, key)
+                if input_nan if nan else input_inf:
+                    if writer is not None:
+                        parents.append(writer)
+                    elif key is not None:
+                        outside.append(key)
+                elif nan and input_inf:
+                    if writer is not None:
+                        feeders.append(writer)
+                    elif key is not None:
+                        feeders_outside.append(key)
+        literal = not nan and _writes_literal_inf(args, kwargs)
+        self.links[index] = (tuple(parents), tuple(outside), tuple(feeders),
+                             tuple(feeders_outside), literal)
+        if not parents and not outside:
+            self._hold_birth(index, func, args, kwargs, outputs)
+
+    def _input_state(self, tensor: torch.Tensor, key: int | None) -> tuple[bool, bool, int | None]:
+        """(holds a NaN, holds an Inf, the op that wrote a NaN/Inf into its storage) of an
+        input of a non-finite op. Exact when an op of this replay made this very tensor; a
+        view of a storage an op wrote a NaN/Inf into takes that op's flags; weights and data
+        are measured once per storage; anything else is measured now."""
+        writer = self.bad_writer.get(key) if key is not None else None
+        known = self.known.get(id(tensor))
+        if known is not None and known[0]() is tensor and known[1] == version_of(tensor):
+            return known[2], known[3], writer
+        if writer is not None:
+            row = self.rows[writer]
+            return row[10], row[11], writer
+        version = version_of(tensor)
+        base = getattr(tensor, "_base", None)
+        if base is not None:  # a view of a tensor measured finite holds finite values
+            known = self.known.get(id(base))
+            if known is not None and known[0]() is base and known[1] == version \
+                    and not known[2] and not known[3]:
+                return False, False, None
+        cached = self.storage_flags.get(key) if key is not None else None
+        if cached is not None and cached[0] == version:
+            return cached[1], cached[2], None
+        if classify(tensor):
+            return False, False, None
+        stats = measure_tensor(tensor, self.op_pending)
+        self._remember(tensor, stats.nan, stats.inf)
+        if key in self.source_names and _covers_storage(tensor):  # weights, data: alive throughout
+            self.storage_flags[key] = (version, stats.nan, stats.inf)
+        return stats.nan, stats.inf, None
+
+    def _written(self, index: int, outputs: list[torch.Tensor], measured: list[TensorStats]) -> None:
+        """Note which storages op ``index`` wrote a NaN/Inf into, and forget those it
+        overwrote whole with finite values."""
+        bad_writer = self.bad_writer
+        for tensor, stats in zip(outputs, measured):
+            if stats.note:
+                continue
+            key = storage_key(tensor)
+            if key is None:
+                continue
+            if stats.nan or stats.inf:
+                bad_writer[key] = index
+            elif key in bad_writer and _covers_storage(tensor):
+                del bad_writer[key]
+
+    def _carry(self, name: str, args: tuple, outputs: list[torch.Tensor]) -> None:
+        """A copy takes its input's lineage along; a new allocation holds nothing yet."""
+        writer = None
+        if name in _COPY_OPS and args and isinstance(args[0], _Tensor):
+            key = storage_key(args[0])
+            writer = self.bad_writer.get(key) if key is not None else None
+        for tensor in outputs:
+            key = storage_key(tensor)
+            if key is None:
+                continue
+            if writer is not None:
+                self.bad_writer[key] = writer
+            else:
+                self.bad_writer.pop(key, None)
+
+    def _hold_birth(self, index: int, func: Any, args: tuple, kwargs: dict,
+                    outputs: list[torch.Tensor]) -> None:
+        """Keep what describing a birth needs: references while they are small (no host sync
+        now: most births never reach the event), else its description, made now."""
+        size = sum(t.numel() * t.element_size() for v in list(args) + list(kwargs.values())
+                   + outputs for t in tensors_in(v))
+        if self.held_bytes + size <= _HELD_BIRTH_BYTES:
+            self.held_bytes += size
+            versions = [version_of(t) for v in list(args) + list(kwargs.values()) for t in tensors_in(v)]
+            self.births[index] = (func, args, kwargs, list(outputs), versions)
+        else:
+            self.births[index] = self._describe_paused(func, args, kwargs, outputs)
+
+    def _describe_paused(self, func: Any, args: tuple, kwargs: dict,
+                         outputs: list[torch.Tensor]) -> list[dict]:
+        paused, self.paused = self.paused, True
+        try:
+            return describe_op_tensors(func, args, kwargs, outputs)
+        finally:
+            self.paused = paused
+
+    def describe_birth(self, index: int) -> list[dict]:
+        """Signed ranges and non-finite counts of birth ``index``'s inputs and outputs."""
+        held = self.births.get(index)
+        if held is None:
+            return []
+        if isinstance(held, tuple):
+            func, args, kwargs, outputs, versions = held
+            now = [version_of(t) for v in list(args) + list(kwargs.values()) for t in tensors_in(v)]
+            described = self._describe_paused(func, args, kwargs, outputs)
+            if now != versions:  # an input was written in place after the op: say so
+                for row, then, later in zip(described, versions, now):
+                    if then != later:
+                        row["role"] += " (written in place since)"
+            held = self.births[index] = described
+        return held
+
+    def _frame_tensor(self, tensor: torch.Tensor, stats: TensorStats) -> None:
+        if id(stats) not in self.frame_tensors:
+            key = storage_key(tensor)
+            self.frame_tensors[id(stats)] = (key, self.bad_writer.get(key) if key is not None else None)
+
+    def name_sources(self, kind: str, named: Any) -> None:
+        """Name the storages of tensors no traced op makes: ``named`` yields (name, tensor)."""
+        for name, tensor in named:
+            if isinstance(tensor, _Tensor):
+                key = storage_key(tensor)
+                if key is not None:
+                    self.source_names.setdefault(key, (kind, name))
+
+    def note_loss(self, loss: Any) -> None:
+        """Remember where a non-finite loss was written (a replay with loss_fn)."""
+        if isinstance(loss, _Tensor) and self.bad_writer:
+            key = storage_key(loss)
+            self.loss_writer = self.bad_writer.get(key) if key is not None else None
+
+    def follow(self, stats: TensorStats | None) -> Lineage:
+        """The lineage of the frame tensor measured into ``stats`` (an event's tensor)."""
+        seen = self.frame_tensors.get(id(stats)) if stats is not None else None
+        if seen is None:
+            return Lineage()
+        key, writer = seen
+        if writer is not None:
+            return self.follow_op(writer)
+        name = self.source_names.get(key) if key is not None else None
+        return Lineage(came_with=[name or ("unknown", "")], followed=True)
+
+    def follow_op(self, start: int) -> Lineage:
+        """Walk back from op ``start``'s non-finite output to where it came from. The earliest
+        birth among the ops it flowed from is chosen; with none, what came from outside.
+
+        A NaN an op made from Infs (inf - inf, 0 * inf, softmax of a row of -inf) is followed
+        to those Infs: one an op made by accident (an overflow, log(0), x / 0) is the cause; one
+        written on purpose (a mask) or brought by the data leaves the NaN's birth the cause; an
+        Inf weight brings it with the weights."""
+        links = self.links
+        came_from: dict[int, int | None] = {start: None}
+        births, outside = self._walk([start], came_from)
+        chosen: list[int] = []
+        for birth in births:
+            _, _, feeders, feeders_outside, _ = links[birth]
+            if not feeders and not feeders_outside:
+                chosen.append(birth)
+                continue
+            for feeder in feeders:
+                came_from.setdefault(feeder, birth)
+            inf_births, inf_outside = self._walk(list(feeders), came_from)
+            accidental = [b for b in inf_births if not links[b][4]]
+            weights = [k for k in inf_outside + list(feeders_outside)
+                       if self.source_names.get(k, ("unknown", ""))[0] == "weight"]
+            if accidental:
+                chosen.extend(accidental)
+            elif weights:
+                outside.extend(k for k in weights if k not in outside)
+            else:
+                chosen.append(birth)
+        came_with = list(dict.fromkeys(self.source_names.get(k, ("unknown", "")) for k in outside))
+        if chosen:
+            born: int | None = min(chosen)
+            end = born
+        else:
+            born = None
+            # The path from the first op that read the outside value.
+            readers = [i for i in came_from if links.get(i) and (links[i][1] or links[i][3])]
+            end = min(readers) if readers else start
+        path = []
+        step: int | None = end
+        while step is not None:
+            path.append(step)
+            step = came_from.get(step)
+        return Lineage(born=born, path=path, came_with=came_with, reached=set(came_from),
+                       followed=True)
+
+    def _walk(self, starts: list[int], came_from: dict[int, int | None]) -> tuple[list[int], list[int]]:
+        """The ops with no non-finite input (births) and the storages no op wrote (outside)
+        that ``starts`` came from; every op passed is noted in ``came_from``."""
+        links = self.links
+        births: list[int] = []
+        outside: list[int] = []
+        stack = list(starts)
+        seen: set[int] = set()
+        while stack:
+            index = stack.pop()
+            if index in seen:
+                continue
+            seen.add(index)
+            link = links.get(index)
+            if link is None:
+                continue
+            parents, keys = link[0], link[1]
+            if not parents and not keys:
+                births.append(index)
+            outside.extend(k for k in keys if k not in outside)
+            for parent in parents:
+                came_from.setdefault(parent, index)
+                stack.append(parent)
+        return births, outside
+
+    def event_lineage(self, event: Any) -> Lineage:
+        """Where the NaN/Inf of ``event`` (found in this replay's frames) came from. Without an
+        event: the non-finite loss, else the last non-finite gradient op of the backward pass
+        (a replay with a loss or output gradients), else nothing to follow."""
+        if event is None:
+            if self.loss_writer is not None:
+                return self.follow_op(self.loss_writer)
+            last = self.last_nonfinite("backward")
+            return self.follow_op(last) if last is not None else Lineage()
+        if not 0 <= event.frame < len(self.frames):
+            return Lineage()
+        frame = self.frames[event.frame]
+        if event.origin == "weight":  # the event's tensor is the weight itself: no op made it
+            prefix = f"{frame.module}." if frame.module else ""
+            named = [("weight", prefix + role) for role, stats, *_ in frame.entries[:frame.first_output]
+                     if not is_input_role(role) and stats is not None and (stats.nan or stats.inf)]
+            return Lineage(came_with=named or [("weight", prefix + event.role)], followed=True)
+        entry = next((e for e in frame.entries if e[0] == event.role), None)
+        return self.follow(entry[1] if entry is not None else None)
+
+    def last_nonfinite(self, phase: str) -> int | None:
+        """The last op of ``phase`` whose output held a NaN/Inf."""
+        for index in sorted(self.links, reverse=True):
+            if self.rows[index][1] == phase:
+                return index
+        return None
+
+    def first_unexplained_birth(self) -> int | None:
+        """The first op that made a NaN/Inf from finite inputs, in program order, leaving out
+        ops writing a literal ±inf: the best guess when the event cannot be followed back."""
+        for index in sorted(self.links):
+            parents, keys, _, _, literal = self.links[index]
+            if not parents and not keys and not literal:
+                return index
+        return None
 
     def _remember(self, tensor: torch.Tensor, nan: bool, inf: bool) -> None:
         try:
             self.known[id(tensor)] = (weakref.ref(tensor), version_of(tensor), nan, inf)
         except TypeError:
             pass
-
-    def _input_flags(self, tensor: torch.Tensor) -> tuple[bool, bool]:
-        """(holds a NaN, holds an Inf) of an op's input: known when an earlier op of this replay
-        made it, else measured now (weights, data, views of earlier results)."""
-        known = self.known.get(id(tensor))
-        if known is not None and known[0]() is tensor and known[1] == version_of(tensor):
-            return known[2], known[3]
-        if classify(tensor):
-            return False, False
-        stats = measure_tensor(tensor, self.op_pending)
-        self._remember(tensor, stats.nan, stats.inf)
-        return stats.nan, stats.inf
-
-    def _born_here(self, func: Any, args: tuple, kwargs: dict, nan: bool) -> bool:
-        """Whether this op made the non-finite value: a NaN from inputs without NaN (an Inf
-        turning into NaN counts: softmax of a fully masked row), or an Inf from finite inputs
-        (an overflow). An Inf written on purpose (a literal ±inf argument such as
-        ``masked_fill(mask, -inf)`` or ``full(size, -inf)``) is not born here."""
-        if not nan and _writes_literal_inf(args, kwargs):
-            return False
-        for value in list(args) + list(kwargs.values()):
-            for tensor in tensors_in(value):
-                input_nan, input_inf = self._input_flags(tensor)
-                if input_nan or (input_inf and not nan):
-                    return False
-        return True
 
 
 def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:

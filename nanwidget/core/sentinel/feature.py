@@ -53,8 +53,7 @@ from ..events import NanEvent
 from ..frames import Frame, frames_to_dataframe
 from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
-from ..replay.run import replay_frames
-from ..trace import Trace
+from ..replay.run import Replayed, replay_frames
 from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
 from .compiled import rerun_compiled
 
@@ -280,13 +279,13 @@ class Sentinel(Feature):
         recorder.conclude(batch, finding, reason="backward", raising=True)
 
     # ------------------------------------------------------------------ replays
-    def _found(self, event: NanEvent, trace: Trace | None, found: NanEvent | None,
+    def _found(self, event: NanEvent, replayed: Replayed | None, found: NanEvent | None,
                frames: list[list[Frame]] = (), started: float | None = None) -> Finding:
-        """What the sentinel hands the recorder: ``event`` with ``trace`` (whose verdict is
-        whether the replay met the event: ``found``), and the frames the replays made."""
-        if trace is not None:
-            trace.set_verdict(event, found)
-            event.trace = trace
+        """What the sentinel hands the recorder: ``event`` with the trace of ``replayed``
+        explained by the verdict on its frames (``found``: whether and where the replay met the
+        event), and the frames the replays made."""
+        if replayed is not None:
+            event.trace = replayed.conclude(found, event)
         if started is not None:
             self.last_replay_seconds = time.perf_counter() - started
         self._own_event = event
@@ -301,7 +300,7 @@ class Sentinel(Feature):
             return self._found(self._unreplayed(batch, forward, bad, f"not replayed: {error}"),
                                None, None)
         try:
-            trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True)
+            replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True)
         except ReplayError as error:  # refused before running (FSDP2, a changed model)
             return self._found(self._unreplayed(batch, forward, bad, f"not replayed: {error}"),
                                None, None)
@@ -309,14 +308,15 @@ class Sentinel(Feature):
             return self._found(self._unreplayed(batch, forward, bad, _replay_failed(batch, error)),
                                None, None)
         self.replays += 1
+        frames = replayed.frames
         context = _Context(self, batch)
         found = self.recorder.find_event(frames, context.window)  # the one verdict
         if found is None:  # nothing to record: the replay's frames stayed finite
-            event = self._not_reproduced(batch, forward, bad, trace, frames, held)
-            return self._found(event, trace, found, started=started)
+            event = self._not_reproduced(batch, forward, bad, replayed.trace, frames, held)
+            return self._found(event, replayed, found, started=started)
         if context.missing:
             found.frames_note = context.missing
-        return self._found(found, trace, found, context.replayed + [frames], started)
+        return self._found(found, replayed, found, context.replayed + [frames], started)
 
     def _backward_event(self, batch: int, grads: list | None,
                         bad: list[BadTensor]) -> Finding:
@@ -331,14 +331,15 @@ class Sentinel(Feature):
             return self._found(self._grad_event(
                 batch, bad, "not replayed: no gradient reached the outputs"), None, None)
         try:
-            trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True,
-                                          output_grads=grads, backward_frames=True)
+            replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True,
+                                     output_grads=grads, backward_frames=True)
         except ReplayError as error:  # refused before running (FSDP2, a changed model)
             return self._found(self._grad_event(batch, bad, f"not replayed: {error}"), None, None)
         except Exception as error:  # the NaN was seen: a failed replay must not lose it
             return self._found(self._grad_event(batch, bad, _replay_failed(batch, error)),
                                None, None)
         self.replays += 1
+        frames = replayed.frames
         if batch in self._full_batches:
             # Its forward frames were recorded live: only the backward ones are new (recorded
             # whatever the verdict, as full mode would have).
@@ -353,11 +354,11 @@ class Sentinel(Feature):
         if found is None:
             event = self._grad_event(batch, bad, f"not reproduced by an eager replay of batch "
                                                  f"{batch} ({len(frames)} module frames and "
-                                                 f"{len(trace.ops)} ops stayed finite)")
-            return self._found(event, trace, found, taken, started)
+                                                 f"{len(replayed.trace.ops)} ops stayed finite)")
+            return self._found(event, replayed, found, taken, started)
         if context is not None and context.missing:
             found.frames_note = context.missing
-        return self._found(found, trace, found, taken, started)
+        return self._found(found, replayed, found, taken, started)
 
     def context(self, batch: int, needed: int) -> tuple[list[Frame], list[list[Frame]], str]:
         """Up to ``needed`` frames of the batches that ran before ``batch``, oldest first, as
@@ -390,11 +391,12 @@ class Sentinel(Feature):
                     why = "not held"
                     break
                 try:
-                    trace, frames = replay_frames(recorder, self.capture, held, trace_ops=False)
+                    earlier_run = replay_frames(recorder, self.capture, held, trace_ops=False)
                 except Exception:  # only context for the event: go without it
                     why = "replay failed"
                     break
                 self.replays += 1
+                trace, frames = earlier_run.trace, earlier_run.frames
                 if not (trace.snapshot_used or (not trace.weights_changed
                                                 and not trace.buffers_updated)):
                     why = "weights changed"
@@ -469,18 +471,17 @@ class Sentinel(Feature):
     def _attach_trace(self, event: NanEvent) -> None:
         try:
             held = self.capture.batch_to_replay(event.batch)
-            trace, frames = replay_frames(self.recorder, self.capture, held, trace_ops=True)
+            replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True)
         except ReplayError:
             return  # the event stands without a trace (FSDP2, batch not held, model changed)
         self.replays += 1
-        trace.set_verdict(event, self.recorder.find_event(frames))
-        event.trace = trace
+        event.trace = replayed.conclude(self.recorder.find_event(replayed.frames), event)
 
     def _record_by_replay(self, batch: int) -> Finding | None:
         """A sampled or trace batch of a compiled model: its frames from an eager replay."""
         try:
             held = self.capture.batch_to_replay(batch)
-            _, frames = replay_frames(self.recorder, self.capture, held, trace_ops=False)
+            frames = replay_frames(self.recorder, self.capture, held, trace_ops=False).frames
         except ReplayError:
             return None
         self.replays += 1
