@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -15,8 +16,8 @@ from ..core.schema import ROLE_GROUPS, role_groups
 from ..core.stats import dtype_max
 
 __all__ = ["ROLE_GROUPS", "SCREEN_DPI", "HIDPI_SCALE", "role_groups", "frame_keys", "limit_lines",
-           "module_label", "short_label", "new_figure", "figure_png", "display_width",
-           "outside_legend", "say_nothing_to_plot", "readable_log_ticks", "NotebookFigure"]
+           "module_label", "short_label", "new_figure", "fit_inside", "figure_png",
+           "display_width", "outside_legend", "say_nothing_to_plot", "readable_log_ticks", "NotebookFigure"]
 
 FRAME_KEY = ["rank", "batch", "phase", "frame"]
 
@@ -52,6 +53,7 @@ def new_figure(width: float = 6.0, height: float = 3.0, *, bottom: float = 0.55,
     ``legend`` a column on the right so that the legend never covers data.
     """
     figure = NotebookFigure(figsize=(width, height))
+    FigureCanvasAgg(figure)  # a renderer to measure text with (fit_inside), no pyplot
     right = LEGEND_WIDTH if legend else 0.2
     figure.subplots_adjust(left=0.72 / width, right=1 - right / width,
                            top=1 - top / height, bottom=bottom / height)
@@ -63,10 +65,37 @@ def new_figure(width: float = 6.0, height: float = 3.0, *, bottom: float = 0.55,
     return figure, ax
 
 
-def figure_png(figure: Figure, dpi: int = SCREEN_DPI * HIDPI_SCALE) -> bytes:
-    """PNG bytes of ``figure``, drawn for HiDPI screens by default (show it at display_width)."""
+def fit_inside(figure: Figure, pad: float = 0.06) -> None:
+    """Grow the figure on each side where a text sticks out (long tick labels, a wide legend,
+    labels above the axes), keeping the axes' size in inches: every text stays inside the
+    picture, and nothing is cut when it is saved or shown."""
+    renderer = figure.canvas.get_renderer()
+    box = figure.get_tightbbox(renderer)  # inches
+    width, height = figure.get_size_inches()
+    left, bottom = -box.x0, -box.y0
+    right, top = box.x1 - width, box.y1 - height
+    left, bottom, right, top = (side + pad if side > 0 else 0.0
+                                for side in (left, bottom, right, top))
+    if not (left or bottom or right or top):
+        return
+    new_width, new_height = width + left + right, height + bottom + top
+    for ax in figure.axes:
+        place = ax.get_position()
+        ax.set_position([(place.x0 * width + left) / new_width,
+                         (place.y0 * height + bottom) / new_height,
+                         place.width * width / new_width, place.height * height / new_height])
+    figure.set_size_inches(new_width, new_height)
+
+
+def figure_png(figure: Figure, dpi: int = SCREEN_DPI * HIDPI_SCALE, *,
+               transparent: bool = False) -> bytes:
+    """PNG bytes of ``figure``, drawn for HiDPI screens by default (show it at display_width).
+
+    ``transparent``: no background, for pages that colour it themselves (the FrameBrowser
+    follows the JupyterLab theme this way)."""
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=dpi, facecolor="white")
+    figure.savefig(buffer, format="png", dpi=dpi, facecolor="none" if transparent else "white",
+                   transparent=transparent)
     return buffer.getvalue()
 
 
@@ -81,9 +110,19 @@ def module_label(name: str) -> str:
 
 
 def short_label(name: str, limit: int = LABEL_CHARS) -> str:
-    """A module label cut to ``limit`` characters, keeping the end (the most specific part)."""
+    """A module label of at most ``limit`` characters. A longer one keeps its start (which
+    part of the model) and its end (the most specific part) with "…" between them, the end
+    starting at a whole name where it can: "transformer.h.0.mlp.c_fc" -> "transfo…h.0.mlp.c_fc".
+    """
     label = module_label(name)
-    return label if len(label) <= limit else "…" + label[-(limit - 1):]
+    if len(label) <= limit:
+        return label
+    keep = limit - 1  # characters besides the "…"
+    end = label[-(keep - max(4, keep // 3)):]  # at least 4 characters of the start stay
+    dot = end.find(".")
+    if 0 <= dot <= len(end) // 3 and dot < len(end) - 1:
+        end = end[dot + 1:]  # "rs.0.norm2" -> "0.norm2": no broken name at the cut
+    return label[:keep - len(end)] + "…" + end
 
 
 def outside_legend(ax: Axes) -> None:
@@ -149,7 +188,7 @@ def limit_lines(ax: Axes, dtypes: Iterable[object], values: np.ndarray) -> None:
             far.append(f"{dtype} max {limit:.3g}:\n{decades:.0f} decades above")
             continue
         ax.axhline(limit, color="black", linestyle=styles[position % len(styles)], linewidth=1,
-                   label=f"{dtype} max ({limit:.6g})")
+                   label=f"{dtype} max {limit:.3g}")
     if far:
         # In the legend column, under the legend: never on the data.
         ax.text(1.02, 0.0, "\n".join(far), ha="left", va="bottom", fontsize=FONT_SIZE - 1.5,
