@@ -75,7 +75,7 @@ def test_frames_plot_draws_float16_limit_and_marks_first_bad_frame():
     verticals = _red_verticals(ax)
     assert verticals and verticals[0].get_xdata()[0] == first_bad
     row = frames[frames["nan"] | frames["inf"]].iloc[0]
-    assert f"first NaN/Inf: batch {row['batch']}, frame {row['frame']}\nfc2" in _legend_texts(ax)
+    assert f"first NaN/Inf:\nbatch {row['batch']}, frame {row['frame']}\nfc2" in _legend_texts(ax)
     assert figure_png(figure).startswith(b"\x89PNG")
 
 

@@ -65,10 +65,14 @@ def new_figure(width: float = 6.0, height: float = 3.0, *, bottom: float = 0.55,
     return figure, ax
 
 
-def fit_inside(figure: Figure, pad: float = 0.06) -> None:
-    """Grow the figure on each side where a text sticks out (long tick labels, a wide legend,
-    labels above the axes), keeping the axes' size in inches: every text stays inside the
-    picture, and nothing is cut when it is saved or shown."""
+def fit_inside(figure: Figure, pad: float = 0.06, keep_axes: float = 0.6) -> None:
+    """Make room for every text that sticks out of the figure (long tick labels, a wide
+    legend, labels above the axes), so that nothing is cut when it is saved or shown.
+
+    The figure keeps its width where it can (a page lays it out at that width): the axes give
+    up what the sides need, down to ``keep_axes`` of their width; only beyond that does the
+    figure grow wider. It grows taller for what sticks out at the top or the bottom.
+    """
     renderer = figure.canvas.get_renderer()
     box = figure.get_tightbbox(renderer)  # inches
     width, height = figure.get_size_inches()
@@ -78,12 +82,15 @@ def fit_inside(figure: Figure, pad: float = 0.06) -> None:
                                 for side in (left, bottom, right, top))
     if not (left or bottom or right or top):
         return
-    new_width, new_height = width + left + right, height + bottom + top
+    new_height = height + bottom + top
     for ax in figure.axes:
         place = ax.get_position()
+        axes_width = place.width * width
+        narrower = max(axes_width - left - right, keep_axes * axes_width)
+        new_width = max(width, width + (left + right) - (axes_width - narrower))
         ax.set_position([(place.x0 * width + left) / new_width,
                          (place.y0 * height + bottom) / new_height,
-                         place.width * width / new_width, place.height * height / new_height])
+                         narrower / new_width, place.height * height / new_height])
     figure.set_size_inches(new_width, new_height)
 
 

@@ -151,7 +151,7 @@ def plot_frames(frames: pd.DataFrame, *, roles: Iterable[str] | str | None = Non
         ranks = selected["rank"].nunique() > 1 if "rank" in selected.columns else False
         where = frame_name(selected["batch"].iloc[at], selected["frame"].iloc[at],
                            selected["rank"].iloc[at] if ranks else None)
-        label = f"first NaN/Inf: {where}\n{short_label(str(module_names[first_bad - 1]))}"
+        label = f"first NaN/Inf:\n{where}\n{short_label(str(module_names[first_bad - 1]))}"
         if low <= first_bad <= high:
             ax.axvline(first_bad, color="red", linewidth=1.5, label=label)
         else:
