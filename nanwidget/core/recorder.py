@@ -936,6 +936,15 @@ class Recorder:
         with self._lock:
             return sorted(self._trace_frames)
 
+    def add_history_row(self, batch: int, module: str, abs_max: float,
+                        abs_min: float = float("nan")) -> None:
+        """The finite outputs of ``module`` in ``batch`` reached ``abs_max`` (and ``abs_min``,
+        NaN when not measured), measured outside the module hooks (sentinel mode reads the
+        root's outputs every batch): folded into that batch's row of :meth:`history_table`."""
+        with self._lock:
+            if not self._closed:
+                self._history.record(batch, self._name_index[module], abs_max, abs_min, False)
+
     def history_table(self) -> pd.DataFrame:
         """One row per (batch, module): abs_max, abs_min and nonfinite of its outputs."""
         self.flush()
