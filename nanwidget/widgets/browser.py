@@ -90,12 +90,13 @@ class FrameBrowser(widgets.VBox):
         source = self.source
         self.style = widgets.HTML(STYLESHEET, layout=widgets.Layout(display="none"))
         self.status = _classed(widgets.HTML(), "nw-status")
+        # min_width 0: a long view name shrinks the dropdown, never pushes the button out.
         self.view = _classed(widgets.Dropdown(options=list(source.views), description="view",
                                               tooltip="which frames to browse",
-                                              layout=widgets.Layout(flex="1 1 auto",
-                                                                    width="auto")), "nw-view")
+                                              layout=widgets.Layout(flex="1 1 auto", width="auto",
+                                                                    min_width="0")), "nw-view")
         self.view.style.description_width = "34px"
-        refresh_layout = widgets.Layout(width="36px",
+        refresh_layout = widgets.Layout(width="36px", flex="0 0 auto",
                                         display=None if source.refreshable else "none")
         self.refresh = _classed(widgets.Button(icon="refresh",
                                                tooltip="read the frames again from the source",
