@@ -313,6 +313,28 @@ def test_returned_figures_display_as_png_in_ipython_without_pyplot():
     assert metadata["image/png"]["width"] == display_width(figure)
 
 
+def test_displayed_figures_follow_a_dark_theme_and_stay_readable_without_styles():
+    import base64
+    import io
+
+    from IPython.core.interactiveshell import InteractiveShell
+    from matplotlib.image import imread
+    shell = InteractiveShell.instance()
+    model = TinyMLP()
+    with _record(model, batches=1, nan_at=None) as watch:
+        figure = plot_history(watch.history())
+    data, _ = shell.display_formatter.format(figure)
+    html = data["text/html"]
+    # JupyterLab shows the HTML: transparent, turned light by a dark theme's rule ...
+    assert "body[data-jp-theme-light='false'] img.nw-figure" in html and "invert(1)" in html
+    themed = imread(io.BytesIO(base64.b64decode(html.split("base64,")[1].split("'")[0])))
+    assert themed.shape[2] == 4 and themed[0, 0, 3] == 0
+    # ... on white where that rule is stripped, and plain PNG is the same drawing on white
+    assert "style='background:#fff'" in html
+    plain = imread(io.BytesIO(data["image/png"]))
+    assert plain.shape[:2] == themed.shape[:2] and (plain[0, 0, :3] == 1).all()
+
+
 def test_plots_work_in_a_script_without_pyplot_or_ipython():
     code = ("import sys, torch, nanwidget as nw\n"
             "from nanwidget.plots import plot_frames, plot_history\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 from collections.abc import Iterable
 
@@ -30,18 +31,40 @@ LEGEND_WIDTH = 1.85  # inches kept right of the axes for the legend
 LABEL_CHARS = 20  # longest module name shown whole in a legend or tick label
 
 
+# A dark JupyterLab (or VS Code) theme turns a figure light: each colour keeps its hue, dark and
+# light swap, and the transparent background shows the theme's own.
+_DARK_FIGURE_STYLE = (
+    "<style>body[data-jp-theme-light='false'] img.nw-figure, body.vscode-dark img.nw-figure, "
+    "body.vscode-high-contrast img.nw-figure {filter: invert(1) hue-rotate(180deg); "
+    "background: transparent !important}</style>")
+
+
 class NotebookFigure(Figure):
-    """A matplotlib Figure that shows itself as PNG in a notebook (``_repr_png_``) without
-    pyplot: no global figure list, nothing to close, nothing registered with IPython.
+    """A matplotlib Figure that shows itself in a notebook without pyplot: no global figure
+    list, nothing to close, nothing registered with IPython.
 
     The PNG is drawn at HIDPI_SCALE and shown at the figure's own size (as the inline
-    backend's "retina" format does): sharp on HiDPI screens.
+    backend's "retina" format does): sharp on HiDPI screens. Where HTML is shown (JupyterLab,
+    VS Code) the figure follows the theme: drawn on a transparent background, turned light on
+    a dark theme; its inline white background stays where a sanitizer strips the style. Plain
+    PNG (``image/png``) is the same drawing on white.
     """
 
-    def _repr_png_(self) -> tuple[bytes, dict[str, int]]:
+    def _display_size(self) -> dict[str, int]:
         width, height = self.get_size_inches()
-        return figure_png(self), {"width": round(width * SCREEN_DPI),
-                                  "height": round(height * SCREEN_DPI)}
+        return {"width": round(width * SCREEN_DPI), "height": round(height * SCREEN_DPI)}
+
+    def _repr_png_(self) -> tuple[bytes, dict[str, int]]:
+        return figure_png(self), self._display_size()
+
+    def _repr_mimebundle_(self, include: object = None,
+                          exclude: object = None) -> tuple[dict[str, object], dict[str, object]]:
+        size = self._display_size()
+        drawn = figure_png(self, transparent=True)
+        html = (f"{_DARK_FIGURE_STYLE}<img class='nw-figure' alt='nanwidget plot' "
+                f"width='{size['width']}' height='{size['height']}' style='background:#fff' "
+                f"src='data:image/png;base64,{base64.b64encode(drawn).decode('ascii')}'>")
+        return {"image/png": _on_white(drawn), "text/html": html}, {"image/png": size}
 
 
 def new_figure(width: float = 6.0, height: float = 3.0, *, bottom: float = 0.55,
@@ -103,6 +126,16 @@ def figure_png(figure: Figure, dpi: int = SCREEN_DPI * HIDPI_SCALE, *,
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi, facecolor="none" if transparent else "white",
                    transparent=transparent)
+    return buffer.getvalue()
+
+
+def _on_white(png: bytes) -> bytes:
+    """A transparent PNG laid on white (cheaper than drawing the figure again)."""
+    from PIL import Image  # matplotlib's own dependency
+    picture = Image.open(io.BytesIO(png)).convert("RGBA")
+    white = Image.new("RGBA", picture.size, (255, 255, 255, 255))
+    buffer = io.BytesIO()
+    Image.alpha_composite(white, picture).convert("RGB").save(buffer, format="png")
     return buffer.getvalue()
 
 

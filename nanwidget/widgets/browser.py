@@ -747,7 +747,8 @@ class FrameBrowser(widgets.VBox):
 
 
 def _img(png: bytes, alt: str, width: str) -> str:
-    return (f"<img class='{PLOT_IMAGE}' alt='{alt}' style='width:{width};max-width:100%;display:block' "
+    return (f"<img class='{PLOT_IMAGE}' alt='{alt}' "
+            f"style='width:{width};max-width:100%;display:block;background:#fff' "
             f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
 
 

@@ -7,7 +7,9 @@ Every variable has a fallback for pages that do not define JupyterLab's (nbconve
 
 The plots are drawn once, dark on a transparent background; on a dark theme the page turns
 them light (``filter: invert(1) hue-rotate(180deg)`` keeps each colour's hue and swaps its
-lightness), so they sit on the theme's own background without a second drawing.
+lightness), so they sit on the theme's own background without a second drawing. The static
+copy's pictures carry a white background inline: where a sanitizer strips the stylesheet, they
+stay dark on white.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ STYLESHEET = f"""
   --nw-marker-edge: #ffb74d;
 }}
 {_DARK.format(_PLOTS)}, {_DARK.format(_STATIC_PLOTS)} {{
-  filter: invert(1) hue-rotate(180deg);
+  filter: invert(1) hue-rotate(180deg); background: transparent !important;
 }}
 .nw-alert {{ color: var(--nw-alert-fg); background: var(--nw-alert-bg); padding: 0 3px;
   border-radius: 2px; }}
