@@ -301,19 +301,7 @@ def test_history_plot_draws_merged_windows_as_bars():
     assert spans == set(zip(windows["batch"], windows["batch_end"]))
 
 
-def test_returned_figures_display_as_png_in_ipython_without_pyplot():
-    from IPython.core.interactiveshell import InteractiveShell
-    shell = InteractiveShell.instance()
-    model = TinyMLP()
-    with _record(model, batches=1, nan_at=None) as watch:
-        figure = plot_frames(watch.frames())
-    data, metadata = shell.display_formatter.format(figure)
-    assert data["image/png"].startswith(b"\x89PNG")
-    # drawn at twice the size, shown at the figure's size: sharp on HiDPI screens
-    assert metadata["image/png"]["width"] == display_width(figure)
-
-
-def test_displayed_figures_follow_a_dark_theme_and_stay_readable_without_styles():
+def test_returned_figures_display_in_ipython_without_pyplot_and_follow_a_dark_theme():
     import base64
     import io
 
@@ -322,8 +310,11 @@ def test_displayed_figures_follow_a_dark_theme_and_stay_readable_without_styles(
     shell = InteractiveShell.instance()
     model = TinyMLP()
     with _record(model, batches=1, nan_at=None) as watch:
-        figure = plot_history(watch.history())
-    data, _ = shell.display_formatter.format(figure)
+        figure = plot_frames(watch.frames())
+    data, metadata = shell.display_formatter.format(figure)
+    assert data["image/png"].startswith(b"\x89PNG")
+    # drawn at twice the size, shown at the figure's size: sharp on HiDPI screens
+    assert metadata["image/png"]["width"] == display_width(figure)
     html = data["text/html"]
     # JupyterLab shows the HTML: transparent, turned light by a dark theme's rule ...
     assert "body[data-jp-theme-light='false'] img.nw-figure" in html and "invert(1)" in html

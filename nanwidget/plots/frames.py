@@ -20,7 +20,9 @@ _TICK_FONT = FONT_SIZE - 1.5
 # CSS pixels between ticks that module names need: slanted at 60° (easier to read), or upright.
 _SLANTED_SPACING = 12.5
 _UPRIGHT_SPACING = 10.0
-_TICK_CHARS = 16  # longest module name under a tick
+_TICK_CHARS = 16  # longest module name under a tick ...
+_ROOMY_TICK_CHARS = 22  # ... and under ticks far apart (a few frames)
+_ROOMY_SPACING = 40.0
 
 
 def frame_name(batch: object, frame: object, rank: object = None) -> str:
@@ -125,7 +127,8 @@ def plot_frames(frames: pd.DataFrame, *, roles: Iterable[str] | str | None = Non
         ax.set_xticks(x)
         placing = dict(rotation=60, ha="right", rotation_mode="anchor") if slanted \
             else dict(rotation=90, ha="center")
-        ax.set_xticklabels([short_label(str(name), _TICK_CHARS) for name in module_names[shown]],
+        chars = _ROOMY_TICK_CHARS if spacing >= _ROOMY_SPACING else _TICK_CHARS
+        ax.set_xticklabels([short_label(str(name), chars) for name in module_names[shown]],
                            fontsize=_TICK_FONT, **placing)
         ax.set_xlabel("frames: the module each one recorded", labelpad=2)
     else:

@@ -188,9 +188,9 @@ class FrameBrowser(widgets.VBox):
                                             layout=widgets.Layout(width="76px",
                                                                   flex="0 0 auto")), "nw-save")
         self.export_link = _classed(widgets.HTML(), "nw-export-link")
-        # Where the one-click download's script runs (an output area: widgets run no scripts).
-        self.download_script = _classed(widgets.Output(layout=widgets.Layout(display="none")),
-                                        "nw-download-script")
+        # Where the one-click download's script runs (an output area: widgets run no scripts),
+        # added at the first export.
+        self.download_script: widgets.Output | None = None
 
         self.prev.on_click(lambda _: self.step(-1))
         self.next.on_click(lambda _: self.step(+1))
@@ -224,8 +224,7 @@ class FrameBrowser(widgets.VBox):
         main = widgets.HBox([controls, self.plot],
                             layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start",
                                                   grid_gap="4px 16px"))
-        return [self.style, self.status, main, self.table, self.export_link, self.trace,
-                self.download_script]
+        return [self.style, self.status, main, self.table, self.export_link, self.trace]
 
     # ------------------------------------------------------------------ data
     def _load_view(self, name: str, keep_filters: bool = False) -> None:
@@ -646,6 +645,10 @@ class FrameBrowser(widgets.VBox):
             f" link.href = {json.dumps(href)}; link.download = {json.dumps(name)};"
             " link.style.display = 'none'; document.body.appendChild(link); link.click();"
             " link.remove(); })();")
+        if self.download_script is None:
+            self.download_script = _classed(
+                widgets.Output(layout=widgets.Layout(display="none")), "nw-download-script")
+            self.children = (*self.children, self.download_script)
         self.download_script.outputs = ()  # the last click's script, only
         self.download_script.append_display_data(Javascript(script))
 
