@@ -1,21 +1,27 @@
 """The FrameBrowser in real browsers: JupyterLab and Voila on 127.0.0.1, driven by headless Chromium.
 
 JupyterLab (one server for the module) covers what a notebook user meets: the compact layout at
-1280x800, the current-frame marker following ◀/▶ and the slider, the export reaching the
-browser as a download, the dark theme's contrast, Kernel > Interrupt on a %%nanwatch cell, and
-a saved notebook reopened without its widgets. Voila covers the widget's controls end to end.
-Screenshots go to artifacts/ (NANWIDGET_UPDATE_SCREENSHOT=1 also copies them to docs/).
+1280x800, the current-frame marker following ◀/▶ and the slider, frames named as the exported
+CSV names them, the export reaching the browser as a download in one click, the dark theme's
+contrast and plots, long module names, an invalid layer pattern, controls inside their column,
+Kernel > Interrupt on a %%nanwatch cell, a sentinel cell's status, the quickstart under Run All,
+the demo's and the Trainer callback's reports, the gradient-norm plot, and a saved notebook
+reopened without its widgets. Voila covers the widget's controls end to end. Screenshots go to
+artifacts/ (NANWIDGET_UPDATE_SCREENSHOT=1 also copies them to docs/).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import re
 import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -66,6 +72,133 @@ browser = nw.FrameBrowser(watch)
 browser
 """
 
+LONG_NAMES = """\
+import torch
+from torch import nn
+import nanwidget as nw
+from nanwidget.plots import plot_history
+
+torch.manual_seed(0)
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.classification_head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.classification_head(self.encoder(x))
+
+model = Classifier()
+watch = nw.watch(model, on_nan="record")
+for batch in range(3):
+    if batch == 2:
+        with torch.no_grad():
+            model.encoder.layers[1].linear2.weight[0, 0] = float("nan")
+    model(torch.randn(2, 5, 16))
+nw.FrameBrowser(watch)
+"""
+LONG_NAMES_HISTORY = "plot_history(watch.history(), dtype='float32')"
+
+SENTINEL_SETUP = """\
+from collections import OrderedDict
+import torch
+from torch import nn
+import nanwidget as nw
+%load_ext nanwidget
+torch.manual_seed(0)
+model = nn.Sequential(OrderedDict(feature_extractor=nn.Linear(16, 32), activation=nn.ReLU(),
+                                  classification_head=nn.Linear(32, 4)))
+"""
+SENTINEL_CELL = """\
+%%nanwatch model --sentinel
+for step in range(6):
+    if step == 4:
+        with torch.no_grad():
+            model.classification_head.weight[0, 0] = float("nan")
+    model(torch.randn(8, 16))
+"""
+
+DEMO_REPORT = """\
+import subprocess, sys
+demo = subprocess.run([sys.executable, "-m", "nanwidget", "demo", "--out", "demo-out"],
+                      capture_output=True, text=True, check=True).stdout
+print(demo[demo.index("Detected"):demo.index("Wrote to")])
+"""
+# The Trainer callback's report, with a window that begins where the event's batch begins.
+TRAINER_REPORT = """\
+import os
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+import tempfile
+import torch
+import transformers
+import nanwidget as nw
+from nanwidget.integrations.transformers import NanWatchCallback
+
+POISONED = "transformer.h.0.mlp.c_fc"
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=16, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+class Tokens(torch.utils.data.Dataset):
+    ids = torch.randint(1, 50, (32, 8), generator=torch.Generator().manual_seed(1))
+    def __len__(self):
+        return len(self.ids)
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+class PoisonAtStep3(transformers.TrainerCallback):
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 2:
+            with torch.no_grad():
+                model.get_submodule(POISONED).weight[0, 0] = float("nan")
+
+probe_model = tiny_gpt2()
+with nw.watch(probe_model, max_frames=200) as probe:
+    probe_model(torch.randint(1, 50, (2, 8)))
+    frames = probe.frames()
+window = int(frames.loc[frames["module"] == POISONED, "frame"].iloc[0]) + 1
+callback = NanWatchCallback(max_frames=window)
+args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=6,
+                                      per_device_train_batch_size=4, learning_rate=1e-3,
+                                      save_strategy="no", report_to=[], use_cpu=True,
+                                      disable_tqdm=True, logging_strategy="no")
+transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(),
+                     callbacks=[PoisonAtStep3(), callback]).train()
+print(callback.report())
+"""
+GRAD_NORMS = """\
+import torch
+from torch import nn
+import nanwidget as nw
+from nanwidget.plots import plot_grad_norms
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.gate = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc(x) + 0 * self.gate(x)  # the gate's gradients are exactly zero
+
+torch.manual_seed(0)
+gated = Gated()
+with nw.watch(gated) as grad_watch:
+    for step in range(5):
+        gated.zero_grad()
+        gated(torch.randn(2, 3)).sum().backward()
+        grad_watch.check_grad_norms()
+figure = plot_grad_norms(grad_watch.grad_history())
+print([text.get_text() for text in figure.axes[0].get_legend().get_texts()])
+figure
+"""
+
 INTERRUPT_SETUP = """\
 import time
 import torch
@@ -110,10 +243,76 @@ CONTRAST_JS = """(element) => {
 
 README_PICTURES = {"framebrowser.png", "lab-1280x800.png", "lab-dark.png", "lab-reopened.png"}
 
+# Whether anything is drawn in the outermost pixels of a plot picture (a label cut by the
+# figure's edge leaves ink there): the image as the page has it, read back through a canvas.
+EDGE_INK_JS = """(img) => {
+  const canvas = document.createElement('canvas');
+  canvas.width = img.naturalWidth; canvas.height = img.naturalHeight;
+  const context = canvas.getContext('2d');
+  context.drawImage(img, 0, 0);
+  const {data} = context.getImageData(0, 0, canvas.width, canvas.height);
+  const ink = (x, y) => {
+    const i = 4 * (y * canvas.width + x);
+    return data[i + 3] > 0 && (data[i] < 250 || data[i + 1] < 250 || data[i + 2] < 250);
+  };
+  for (let x = 0; x < canvas.width; x++)
+    for (const y of [0, 1, canvas.height - 2, canvas.height - 1]) if (ink(x, y)) return true;
+  for (let y = 0; y < canvas.height; y++)
+    for (const x of [0, 1, canvas.width - 2, canvas.width - 1]) if (ink(x, y)) return true;
+  return false;
+}"""
+
+# Every part of the controls column inside that column (a clipped border, a button pushed out).
+OUTSIDE_CONTROLS_JS = """(controls) => {
+  const column = controls.getBoundingClientRect();
+  return [...controls.querySelectorAll('.jupyter-widgets, input, select, button')]
+    .filter(e => { const r = e.getBoundingClientRect(); return r.width > 0 &&
+      (r.left < column.left - 0.5 || r.right > column.right + 0.5); })
+    .map(e => `${e.tagName}.${[...e.classList].join('.')} ${e.getBoundingClientRect().right}`
+              + ` > ${column.right}`);
+}"""
+
 ALERT_PARTS = {"event line": ".nw-status .nw-alert",
                "frame heading flag": ".nw-frame-head .nw-alert",
                "non-finite table row": ".nw-frame-table tr.nw-nonfinite td",
                "first bad op header": ".nw-trace-head .nw-alert"}
+
+
+def _set_theme(page, dark: bool) -> None:
+    """Switch JupyterLab's theme and wait until its stylesheet is in."""
+    theme, light = ("JupyterLab Dark", "false") if dark else ("JupyterLab Light", "true")
+    lab_command(page, "apputils:change-theme", {"theme": theme})
+    page.wait_for_selector(f'body[data-jp-theme-light="{light}"]', state="attached")
+    page.wait_for_timeout(1000)  # the theme's stylesheet swaps in
+
+
+def _luminance(locator) -> float:
+    """Mean luminance (0 black .. 1 white) of an element as the page shows it."""
+    from matplotlib.image import imread
+    pixels = imread(io.BytesIO(locator.screenshot()))[..., :3]
+    return float((pixels @ np.array([0.2126, 0.7152, 0.0722])).mean())
+
+
+def _wait_until_idle(page) -> None:
+    """Until every cell has run (no "[*]" prompt left)."""
+    page.wait_for_function("() => { const p = [...document.querySelectorAll('.jp-InputPrompt')];"
+                           " return p.length && p.every(e => !e.textContent.includes('*')); }",
+                           timeout=TIMEOUT_MS * 3)
+
+
+@contextlib.contextmanager
+def _lab_notebook(lab, chromium, notebook: str):
+    """``notebook`` opened alone in JupyterLab at 1280x800 with every cell started; the theme
+    (a server-wide setting) is light again afterwards."""
+    page = chromium.new_page(viewport={"width": 1280, "height": 800})
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        open_in_lab(page, lab, notebook)
+        run_all_cells(page)
+        yield page
+    finally:
+        _set_theme(page, dark=False)
+        page.close()
 
 
 def _save_screenshot(page_or_locator, name: str) -> Path:
@@ -147,6 +346,10 @@ def lab(tmp_path_factory):
     write_notebook(folder / "recorded.ipynb", RECORDED.format(frames=21))
     write_notebook(folder / "reopened.ipynb", RECORDED.format(frames=21))
     write_notebook(folder / "interrupt.ipynb", INTERRUPT_SETUP, INTERRUPT_CELL, AFTER_INTERRUPT)
+    write_notebook(folder / "long_names.ipynb", LONG_NAMES, LONG_NAMES_HISTORY)
+    write_notebook(folder / "sentinel.ipynb", SENTINEL_SETUP, SENTINEL_CELL)
+    write_notebook(folder / "reports.ipynb", DEMO_REPORT, TRAINER_REPORT, GRAD_NORMS)
+    shutil.copyfile(ROOT / "notebooks" / "01_quickstart.ipynb", folder / "01_quickstart.ipynb")
     server = start_lab(folder)
     server.folder = folder
     try:
@@ -213,22 +416,29 @@ def test_lab_compact_layout_shows_controls_plot_and_table_together(recorded_page
     _save_screenshot(page, "lab-1280x800.png")
 
 
-def _shown_frame(page, number: int) -> float:
-    """Wait until the heading and the plot's marker both show frame ``number``; seconds waited."""
+def _label(page) -> str:
+    return page.locator(".nw-browser .nw-frame-label").inner_text().strip()
+
+
+def _shown_frame(page, name: str) -> float:
+    """Wait until the label, the heading and the plot's marker all name frame ``name``
+    ("batch 3, frame 2"); seconds waited."""
     started = time.perf_counter()
     page.wait_for_function(
-        """(n) => {
+        """(name) => {
+          const label = document.querySelector('.nw-browser .nw-frame-label');
           const head = document.querySelector('.nw-browser .nw-frame-head');
           const marker = document.querySelector('.nw-browser .nw-marker');
-          return head && head.textContent.startsWith(`frame ${n} of`) && marker
-                 && marker.title.startsWith(`frame ${n}:`) && marker.offsetWidth > 0;
-        }""", arg=number)
+          return label && label.textContent.trim() === name && head
+                 && head.textContent.startsWith(name + ' ·') && marker
+                 && marker.title.startsWith(name + ':') && marker.offsetWidth > 0;
+        }""", arg=name)
     return time.perf_counter() - started
 
 
 def test_lab_frame_marker_follows_buttons_and_slider(recorded_page):
     page = recorded_page
-    assert _heading(page).startswith("frame 21 of 21")
+    assert _label(page) == "batch 3, frame 2"  # the event: fc2, the third hook of batch 3
     marker = page.locator(".nw-browser .nw-marker")
     image = _box(page, ".nw-plot-frames")
     at_event = _marker_centre(page)
@@ -236,21 +446,21 @@ def test_lab_frame_marker_follows_buttons_and_slider(recorded_page):
     assert image["x"] < at_event < image["x"] + image["width"]
     timings = []
     page.locator(".nw-prev").click()
-    timings.append(_shown_frame(page, 20))
-    assert marker.get_attribute("title") == "frame 20: act"
+    timings.append(_shown_frame(page, "batch 3, frame 1"))
+    assert marker.get_attribute("title") == "batch 3, frame 1: act"
     assert _marker_centre(page) == pytest.approx(at_event - band, abs=2)
     page.locator(".nw-next").click()
-    timings.append(_shown_frame(page, 21))
+    timings.append(_shown_frame(page, "batch 3, frame 2"))
     assert _marker_centre(page) == pytest.approx(at_event, abs=2)
     # the slider: keyboard on its handle, as a user would after clicking it
     handle = page.locator(".nw-frame .noUi-handle")
     handle.focus()
     handle.press("Home")
-    timings.append(_shown_frame(page, 1))
-    assert marker.get_attribute("title") == "frame 1: fc1"
+    timings.append(_shown_frame(page, "batch 0, frame 0"))  # 21 frames back: batch 0's first
+    assert marker.get_attribute("title") == "batch 0, frame 0: fc1"
     assert _marker_centre(page) == pytest.approx(at_event - 20 * band, abs=3)
     handle.press("End")
-    timings.append(_shown_frame(page, 21))
+    timings.append(_shown_frame(page, "batch 3, frame 2"))
     assert _marker_centre(page) == pytest.approx(at_event, abs=2)
     print(f"\nclick to heading and marker redrawn: {', '.join(f'{t:.3f}' for t in timings)} s")
 
@@ -266,11 +476,15 @@ def test_lab_dark_theme_keeps_alert_text_readable(recorded_page):
     assert f"first bad op: sqrt in module <root> at cell In[1], line {line}" in head.inner_text()
     light = {name: page.locator(".nw-browser " + selector).first.evaluate(CONTRAST_JS)
              for name, selector in ALERT_PARTS.items()}
-    lab_command(page, "apputils:change-theme", {"theme": "JupyterLab Dark"})
-    page.wait_for_selector('body[data-jp-theme-light="false"]', state="attached")
-    page.wait_for_timeout(1000)  # the theme's stylesheet swaps in
+    plot = page.locator(".nw-browser .nw-plot-frames")
+    assert plot.evaluate("e => getComputedStyle(e).filter") == "none"
+    assert _luminance(plot) > 0.8  # dark ink on the light page
+    _set_theme(page, dark=True)
     dark = {name: page.locator(".nw-browser " + selector).first.evaluate(CONTRAST_JS)
             for name, selector in ALERT_PARTS.items()}
+    # the plots follow: turned light on the dark page, not a white block
+    assert "invert(1)" in plot.evaluate("e => getComputedStyle(e).filter")
+    assert _luminance(plot) < 0.3
     page.locator(".nw-browser").evaluate("e => e.scrollIntoView({block: 'start'})")
     _save_screenshot(page, "lab-dark.png")
     print(f"\ncontrast light: { {k: round(v, 1) for k, v in light.items()} }"
@@ -278,26 +492,46 @@ def test_lab_dark_theme_keeps_alert_text_readable(recorded_page):
     for name in ALERT_PARTS:  # WCAG AA for normal text
         assert light[name] >= 4.5, (name, light[name])
         assert dark[name] >= 4.5, (name, dark[name])
-    lab_command(page, "apputils:change-theme", {"theme": "JupyterLab Light"})
-    page.wait_for_selector('body[data-jp-theme-light="true"]', state="attached")
+    _set_theme(page, dark=False)
     page.locator(".nw-browser .nw-export").wait_for(state="visible")
 
 
-def test_lab_export_reaches_the_browser_as_a_download(recorded_page, lab):
+@pytest.mark.parametrize("dark", [False, True], ids=["light", "dark"])
+def test_lab_export_downloads_in_one_click_and_names_frames_as_the_csv(recorded_page, lab, dark):
+    page = recorded_page
+    _set_theme(page, dark)
+    try:
+        export_width = _box(page, ".nw-export")["width"]
+        with page.expect_download(timeout=30_000) as info:
+            page.locator(".nw-export").click()  # one click: the download starts
+        download = info.value
+        assert re.fullmatch(r"nanwidget-frames-\d{8}-\d{6}\.csv", download.suggested_filename)
+        table = pd.read_csv(download.path())
+        shown = page.locator(".nw-export-link")
+        shown.filter(has_text="downloading").wait_for()
+        rows = int(re.search(r"downloading (\d+) rows", shown.inner_text()).group(1))
+        assert len(table) == rows == 64
+        assert {"batch", "frame", "module", "role", "abs_max", "nan", "inf"} <= set(table.columns)
+        # one numbering: the frame shown is named by the batch and frame columns of the CSV
+        first_bad = table[table["nan"]].iloc[0]
+        name = f"batch {first_bad['batch']}, frame {first_bad['frame']}"
+        assert _label(page) == name and _heading(page).startswith(f"{name} · fc2")
+        # the link under the button offers the same file again
+        with page.expect_download() as again:
+            shown.locator("a.nw-download").click()
+        assert again.value.suggested_filename == download.suggested_filename
+        assert _box(page, ".nw-export")["width"] == pytest.approx(export_width, abs=1)
+    finally:
+        _set_theme(page, dark=False)
+
+
+def test_lab_save_writes_where_asked_and_asks_for_a_path(recorded_page, lab):
     page = recorded_page
     export_width = _box(page, ".nw-export")["width"]
-    page.locator(".nw-export").click()
-    link = page.locator(".nw-export-link a.nw-download")
-    link.wait_for(state="visible")
-    rows = int(re.search(r"\((\d+) rows", page.locator(".nw-export-link").inner_text()).group(1))
-    with page.expect_download() as info:
-        link.click()
-    download = info.value
-    assert re.fullmatch(r"nanwidget-frames-\d{8}-\d{6}\.csv", download.suggested_filename)
-    table = pd.read_csv(download.path())
-    assert len(table) == rows == 64
-    assert {"batch", "frame", "module", "role", "abs_max", "nan", "inf"} <= set(table.columns)
-    assert table["nan"].any()
+    page.locator(".nw-save-path input").fill("")
+    page.locator(".nw-save").click()  # no path typed: no file nobody asked for
+    page.locator(".nw-export-link").filter(has_text="type where to save first").wait_for()
+    assert not list(lab.folder.rglob("nanwidget-frames-*"))
     # the chosen-path option writes on the kernel's side
     target = lab.folder / "exports" / "chosen.parquet"
     page.locator(".nw-save-path input").fill(str(target))
@@ -341,7 +575,142 @@ def test_lab_interrupting_a_nanwatch_cell_prints_one_line_and_shows_the_browser(
         page.close()
 
 
+def test_lab_an_invalid_layer_pattern_is_called_invalid(recorded_page):
+    page = recorded_page
+    layer = page.locator(".nw-filter-layer input")
+    try:
+        for dark in (False, True):
+            _set_theme(page, dark)
+            layer.fill("fc[")
+            layer.press("Enter")
+            status = page.locator(".nw-browser .nw-status")
+            status.filter(has_text="is not a valid regular expression").wait_for()
+            assert "'fc[' is not a valid regular expression" in status.inner_text()
+            assert "No frames match the filters" in page.locator(".nw-frame-table").inner_text()
+            alert = page.locator(".nw-browser .nw-status .nw-alert").last
+            assert alert.evaluate(CONTRAST_JS) >= 4.5
+            # the box says it too: its border takes the alert colour
+            border = layer.evaluate("e => getComputedStyle(e).borderTopColor")
+            assert border == alert.evaluate("e => getComputedStyle(e).color")
+            layer.fill("")
+            layer.press("Enter")
+            page.wait_for_function("() => !document.querySelector('.nw-browser .nw-status')"
+                                   ".textContent.includes('not a valid')")
+    finally:
+        _set_theme(page, dark=False)
+
+
+def test_lab_controls_stay_inside_their_column(recorded_page, lab, chromium):
+    with _lab_notebook(lab, chromium, "sentinel.ipynb") as sentinel:
+        sentinel.locator(".nw-browser").wait_for(state="visible")
+        sentinel.locator(".nw-refresh").wait_for(state="visible")
+        # a long view name: "event 1: nan at classification_head, batch 4"
+        assert "classification_head" in sentinel.locator(".nw-view select").input_value()
+        try:
+            for page in (recorded_page, sentinel):
+                for dark in (False, True):
+                    _set_theme(page, dark)
+                    page.locator(".nw-browser").evaluate(
+                        "e => e.scrollIntoView({block: 'start'})")
+                    outside = page.locator(".nw-browser .nw-controls").evaluate(
+                        OUTSIDE_CONTROLS_JS)
+                    assert outside == [], outside
+            _save_screenshot(sentinel.locator(".nw-browser"), "lab-sentinel-browser-dark.png")
+        finally:
+            _set_theme(recorded_page, dark=False)
+
+
+def test_lab_sentinel_cell_status_says_what_it_checks(lab, chromium):
+    with _lab_notebook(lab, chromium, "sentinel.ipynb") as page:
+        watched = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
+        watched.locator(".nw-browser").wait_for(state="visible")
+        text = watched.locator(".jp-Cell-outputArea").inner_text()
+        status = next(line for line in text.splitlines() if line.startswith("nanwatch model"))
+        assert "n/a" not in status
+        largest = re.search(r"sentinel mode checks the model's outputs each batch, largest \|x\| "
+                            r"so far: (\S+) \(float32: [\d.]+ decades below", status)
+        assert largest and 0 < float(largest.group(1)) < 1e3, status
+        assert "a loss made outside the model is checked only with backward=True" in status
+        assert "loss_fn" in status and "5 batches seen" in status  # the NaN came in the 5th
+        for dark in (False, True):
+            _set_theme(page, dark)
+            watched.locator(".nw-status").evaluate("e => e.scrollIntoView({block: 'center'})")
+            _save_screenshot(page, f"lab-sentinel-status-{'dark' if dark else 'light'}.png")
+
+
+def test_lab_long_module_names_and_every_plot_label_fit_in_light_and_dark(lab, chromium):
+    with _lab_notebook(lab, chromium, "long_names.ipynb") as page:
+        page.locator(".nw-browser").wait_for(state="visible")
+        page.wait_for_function("() => { const i = document.querySelector('img.nw-figure');"
+                               " return i && i.complete && i.naturalWidth > 500; }")
+        frames_plot, history_plot = page.locator(".nw-plot-frames"), page.locator("img.nw-figure")
+        for dark in (False, True):
+            _set_theme(page, dark)
+            page.locator(".nw-browser").evaluate("e => e.scrollIntoView({block: 'start'})")
+            # beside the controls, whole: nothing cut at the pictures' edges
+            controls, plot = _box(page, ".nw-controls"), _box(page, ".nw-plot-frames")
+            assert plot["x"] >= controls["x"] + controls["width"], (controls, plot)
+            for picture in (frames_plot, history_plot):
+                assert not picture.evaluate(EDGE_INK_JS)
+                assert (_luminance(picture) < 0.3) if dark else (_luminance(picture) > 0.8)
+            _save_screenshot(page, f"lab-long-names-{'dark' if dark else 'light'}.png")
+            history_plot.evaluate("e => e.scrollIntoView({block: 'center'})")
+            _save_screenshot(page, f"lab-history-figure-{'dark' if dark else 'light'}.png")
+
+
+def test_lab_quickstart_run_all_then_the_first_browser_reruns_its_event(lab, chromium):
+    with _lab_notebook(lab, chromium, "01_quickstart.ipynb") as page:
+        _wait_until_idle(page)
+        first = page.locator(".nw-browser").first
+        first.locator(".nw-rerun").click()
+        head = first.locator(".nw-trace-head")
+        head.wait_for()
+        text = first.locator(".nw-trace").inner_text()
+        assert "not reproduced" not in text and "values changed" not in text, text[:400]
+        assert head.inner_text().startswith("first bad op:")
+        _set_theme(page, dark=True)
+        assert first.locator(".nw-trace-head .nw-alert").evaluate(CONTRAST_JS) >= 4.5
+        first.locator(".nw-trace").evaluate("e => e.scrollIntoView({block: 'center'})")
+        _save_screenshot(page, "lab-quickstart-rerun-dark.png")
+
+
+def test_lab_reports_and_the_gradient_norm_plot_read_as_they_should(lab, chromium):
+    from matplotlib.image import imread
+    with _lab_notebook(lab, chromium, "reports.ipynb") as page:
+        _wait_until_idle(page)
+        cells = page.locator(".jp-Notebook .jp-CodeCell")
+        # the demo: each "--- batch N ---" right where transformers' start of batch N is
+        demo = cells.nth(0).locator(".jp-Cell-outputArea").inner_text().splitlines()
+        starts = [i for i, line in enumerate(demo) if "*** Starting batch number=" in line]
+        assert len(starts) >= 2
+        for i in starts:
+            batch = re.search(r"number=(\d+)", demo[i]).group(1)
+            assert demo[i - 1].startswith(f"--- batch {batch} "), demo[i - 1:i + 1]
+        for picture in ("frames.png", "history.png"):  # nothing cut at their edges
+            pixels = imread(lab.folder / "demo-out" / picture)[..., :3]
+            edges = np.concatenate([pixels[:2].reshape(-1, 3), pixels[-2:].reshape(-1, 3),
+                                    pixels[:, :2].reshape(-1, 3), pixels[:, -2:].reshape(-1, 3)])
+            assert (edges > 0.98).all(), picture
+        # the Trainer callback's report: straight from "Last N ... frames:" into the batch
+        report = cells.nth(1).locator(".jp-Cell-outputArea").inner_text()
+        last = re.search(r"Last (\d+) forward frames:\n(.*)\n(.*)\n", report)
+        assert last, report[:600]
+        assert last.group(2).strip().startswith("*** Starting batch number=")
+        assert last.group(3) == "abs min  abs max  metadata"
+        # the gradient norms: the parameter whose norm is exactly 0 is on the plot
+        grads = cells.nth(2)
+        assert "norm 0: gate.weight, gate.bias" in grads.locator(".jp-Cell-outputArea").inner_text()
+        figure = grads.locator("img.nw-figure")
+        for dark in (False, True):
+            _set_theme(page, dark)
+            figure.evaluate("e => e.scrollIntoView({block: 'center'})")
+            assert not figure.evaluate(EDGE_INK_JS)
+            assert (_luminance(figure) < 0.3) if dark else (_luminance(figure) > 0.8)
+            _save_screenshot(page, f"lab-grad-norms-{'dark' if dark else 'light'}.png")
+
+
 def test_lab_reopened_notebook_shows_the_static_copy(lab, chromium):
+    # Last of the JupyterLab tests: it shuts every kernel down (the other pages' too).
     page = chromium.new_page(viewport={"width": 1280, "height": 800})
     page.set_default_timeout(TIMEOUT_MS)
     try:
@@ -366,7 +735,7 @@ def test_lab_reopened_notebook_shows_the_static_copy(lab, chromium):
         copy.wait_for(state="visible")
         text = copy.inner_text()
         assert "nan in batch 3 at module 'fc2'" in text
-        assert "frame 21 of 21" in text and "weight" in text and "NaN" in text
+        assert "batch 3, frame 2 · fc2" in text and "weight" in text and "NaN" in text
         page.wait_for_function("() => [...document.querySelectorAll('.nw-static img')]"
                                ".filter(i => i.complete && i.naturalWidth > 500).length == 2")
         assert page.locator(".nw-browser").count() == 0

@@ -101,7 +101,11 @@ def test_the_watch_adds_no_graph_break_and_no_recompile_forward_and_train(fresh)
             with torch.no_grad():
                 compiled_model(x)
         assert w.parts.sentinel.checks == 8 and w.parts.sentinel.grad_checks == 4
-        assert sorted(set(w.history()["batch"])) == [0, 3, 6]  # sampled by eager replays
+        history = w.history()
+        # every batch: the root's outputs as the check read them; sampled ones by eager replays
+        assert sorted(set(history["batch"])) == list(range(8))
+        assert sorted(set(history.loc[history["module"] != "", "batch"])) == [0, 3, 6]
+        assert not history.duplicated(["batch", "module"]).any()
     assert _dynamo_state() == before
 
 

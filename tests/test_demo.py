@@ -66,6 +66,16 @@ def test_demo_report_separates_batches_and_calls_the_root_root(demo_run):
     separators = re.findall(r"^--- batch (\d+) -+$", report, re.MULTILINE)
     assert len(separators) >= 2 and separators == sorted(separators, key=int)
     assert int(separators[-1]) == int(re.search(r"batch_number=(\d+)", report).group(1))
+    # each separator sits right where its batch starts: before transformers' "*** Starting
+    # batch number=N ***" line, or (the first batch, cut by the window) before its first frame
+    lines = report.splitlines()
+    marks = [i for i, line in enumerate(lines) if line.startswith("--- batch ")]
+    for position, batch in zip(marks, separators):
+        start = f"{' ' * 18}*** Starting batch number={batch} ***"
+        after = lines[position + 1]
+        assert after == start or (position == marks[0] and start not in lines), (batch, after)
+    assert all(lines[i - 1].startswith("--- batch ") for i, line in enumerate(lines)
+               if "*** Starting batch number=" in line)
     assert re.search(r"^ {18}<root> DemoRegressor$", report, re.MULTILINE)
     assert not re.search(r"^ {19}DemoRegressor$", report, re.MULTILINE)
     # every frame header still reads "name Type", as transformers prints them

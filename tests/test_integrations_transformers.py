@@ -74,6 +74,24 @@ def test_the_recording_under_output_dir_loads_with_the_event_and_the_stop(tmp_pa
     assert Path(second.watch.log_dir) == tmp_path / "out" / "nanwidget" / "run-1"
 
 
+def test_a_report_that_opens_where_the_batch_starts_has_no_empty_block_first(tmp_path):
+    """With a window that begins at the batch's first frame, the report goes from "Last N
+    forward frames:" straight into that batch's start, with one column header."""
+    probe_model = tiny_gpt2()
+    with nw.watch(probe_model, max_frames=200) as probe:
+        probe_model(torch.randint(1, 50, (2, 8)))
+        frames = probe.frames()
+    window = int(frames.loc[frames["module"] == GPT2_POISONED, "frame"].iloc[0]) + 1
+    callback = NanWatchCallback(max_frames=window)
+    _train(tmp_path, tiny_gpt2(), [PoisonAtStep(GPT2_POISONED, 3), callback],
+           logging_nan_inf_filter=False)
+    report = callback.report()
+    batch = callback.event.batch
+    assert (f"Last {window} forward frames:\n{' ' * 18}*** Starting batch number={batch} ***\n"
+            "abs min  abs max  metadata\n") in report
+    assert "metadata\n\n" not in report and report.count("abs min  abs max  metadata") == 1
+
+
 def test_clean_gpt2_run_trains_to_the_end_and_leaves_no_hooks(tmp_path):
     model = tiny_gpt2()
     callback = NanWatchCallback(log_dir=False)

@@ -253,6 +253,24 @@ def test_cell_without_nan_ends_with_a_summary_and_returns_its_value(ip):
     assert hook_count(ip.user_ns["model"]) == 0
 
 
+def test_sentinel_cell_status_shows_what_the_sentinel_checks_and_what_it_cannot_see(ip):
+    cell = ("%%nanwatch model --sentinel\noutputs = [model(torch.randn(2, 16)) for _ in range(4)]\n"
+            "largest = max(float(out.abs().max()) for out in outputs)\n")
+    with capture_output() as captured:
+        run(ip, cell)
+    final = captured.outputs[-1].data["text/plain"]
+    assert final.startswith("nanwatch model done: 4 batches seen")
+    assert "n/a" not in final and "sentinel mode checks the model's outputs each batch" in final
+    shown = float(re.search(r"largest \|x\| so far: (\S+) \(float32", final).group(1))
+    assert shown == pytest.approx(ip.user_ns["largest"], rel=1e-2)  # as printed, 3 digits
+    assert "a loss made outside the model is checked only with backward=True" in final
+    assert "loss_fn" in final
+    with capture_output() as captured:  # with the gradient check, no such warning
+        run(ip, "%%nanwatch model --sentinel --backward\nmodel(torch.randn(2, 16)).sum().backward()\n")
+    final = captured.outputs[-1].data["text/plain"]
+    assert "largest |x| so far:" in final and "loss made outside" not in final
+
+
 def test_cell_removes_hooks_when_the_cell_fails_for_another_reason(ip):
     with pytest.raises(ZeroDivisionError):
         run(ip, "%%nanwatch model\nmodel(torch.randn(2, 16))\n1 / 0\n")
@@ -438,7 +456,9 @@ def test_line_magic_sentinel_mode_hooks_the_root_only_and_says_so(ip):
     run(ip, "for _ in range(3):\n    model(torch.randn(2, 16))\n" + PLANT_NAN
         + "model(torch.randn(2, 16))")
     assert (watch.event.batch, watch.event.module, watch.event.origin) == (3, "fc2", "weight")
-    assert sorted(set(watch.history()["batch"])) == [0, 2, 3]
+    history = watch.history()
+    assert sorted(set(history["batch"])) == [0, 1, 2, 3]  # the root's outputs: every batch
+    assert sorted(set(history.loc[history["module"] != "", "batch"])) == [0, 2, 3]  # sampled
 
 
 def test_cell_magic_sentinel_mode_stops_at_the_nan_with_the_replayed_detail(ip):

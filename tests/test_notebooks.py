@@ -86,3 +86,29 @@ def test_refresh_script_strips_everything_but_checked_outputs(tmp_path):
     assert [cell.execution_count for cell in stripped.cells] == [3, None]
     assert stripped.cells[0].outputs[0]["text"] == "1\n"
     assert stripped.cells[1].outputs == []
+
+
+def test_quickstart_run_top_to_bottom_leaves_its_first_event_replayable():
+    """"Run All", then "re-run in trace mode" on the first FrameBrowser: the later cells train
+    a model of their own, so the event's batch replays with the weights it ran with."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    shell = InteractiveShell.instance()
+    before = set(shell.user_ns)
+    first_watch = None
+    try:
+        with capture_output():
+            for cell in _code_cells(NOTEBOOKS / "01_quickstart.ipynb"):
+                source = _source(cell).replace("%matplotlib inline", "")
+                shell.run_cell(source)  # the %%nanwatch cell stops at the NaN, as it should
+                if first_watch is None and "_nanwatch" in shell.user_ns:
+                    first_watch = shell.user_ns["_nanwatch"]
+        event = first_watch.event
+        assert event is not None and shell.user_ns["_nanwatch"] is not first_watch
+        trace = first_watch.browse().rerun_batch(event.batch)
+        assert trace.reproduced and not trace.changes, trace.changes
+    finally:
+        shell.run_line_magic("unload_ext", "nanwidget")
+        for name in set(shell.user_ns) - before:
+            shell.user_ns.pop(name, None)

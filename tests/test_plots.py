@@ -69,12 +69,13 @@ def test_frames_plot_draws_float16_limit_and_marks_first_bad_frame():
     ax = figure.axes[0]
     assert ax.get_yscale() == "log"
     assert len(_hlines_at(ax, 65504.0)) == 1
-    # The red vertical line sits at the first frame holding a NaN, numbered 1, 2, ... as the
-    # browser numbers them.
+    # The red vertical line sits at the first frame holding a NaN (the Nth frame of the table
+    # is drawn at x = N); the legend names it by its batch and frame columns.
     first_bad = _first_bad_number(frames)
     verticals = _red_verticals(ax)
     assert verticals and verticals[0].get_xdata()[0] == first_bad
-    assert f"first NaN/Inf: frame {first_bad}\nfc2" in _legend_texts(ax)
+    row = frames[frames["nan"] | frames["inf"]].iloc[0]
+    assert f"first NaN/Inf:\nbatch {row['batch']}, frame {row['frame']}\nfc2" in _legend_texts(ax)
     assert figure_png(figure).startswith(b"\x89PNG")
 
 
@@ -158,7 +159,16 @@ def test_hundreds_of_frames_are_drawn_as_a_window_around_the_current_one():
     ax = plot_frames(frames, current=200, window=40).axes[0]
     low, high = ax.get_xlim()
     assert (low, high) == (180 - 0.5, 219 + 0.5)
-    assert "frames 180–219 of 400" in ax.get_title(loc="left")
+    per_frame = frames.groupby(["rank", "batch", "phase", "frame"], sort=False)["batch"].first()
+    shown = per_frame.iloc[179:219]
+    assert f"(40 of 400 frames: batches {shown.iat[0]}–{shown.iat[-1]})" in ax.get_title(loc="left")
+    # too many frames to name each module: the ticks carry the frame column's numbers
+    _drawn(ax.figure)
+    numbers = per_frame.index.get_level_values("frame")
+    for tick, label in zip(ax.get_xticks(), ax.get_xticklabels()):
+        if low < tick < high:
+            assert label.get_text() == str(numbers[int(tick) - 1])
+    assert ax.get_xlabel() == "frame (hook order within its batch)"
     assert len(ax.lines[0].get_xdata()) == 40
     # a current frame at the end keeps a full window
     assert plot_frames(frames, current=400, window=40).axes[0].get_xlim() == (360.5, 400.5)
@@ -291,8 +301,12 @@ def test_history_plot_draws_merged_windows_as_bars():
     assert spans == set(zip(windows["batch"], windows["batch_end"]))
 
 
-def test_returned_figures_display_as_png_in_ipython_without_pyplot():
+def test_returned_figures_display_in_ipython_without_pyplot_and_follow_a_dark_theme():
+    import base64
+    import io
+
     from IPython.core.interactiveshell import InteractiveShell
+    from matplotlib.image import imread
     shell = InteractiveShell.instance()
     model = TinyMLP()
     with _record(model, batches=1, nan_at=None) as watch:
@@ -301,6 +315,15 @@ def test_returned_figures_display_as_png_in_ipython_without_pyplot():
     assert data["image/png"].startswith(b"\x89PNG")
     # drawn at twice the size, shown at the figure's size: sharp on HiDPI screens
     assert metadata["image/png"]["width"] == display_width(figure)
+    html = data["text/html"]
+    # JupyterLab shows the HTML: transparent, turned light by a dark theme's rule ...
+    assert "body[data-jp-theme-light='false'] img.nw-figure" in html and "invert(1)" in html
+    themed = imread(io.BytesIO(base64.b64decode(html.split("base64,")[1].split("'")[0])))
+    assert themed.shape[2] == 4 and themed[0, 0, 3] == 0
+    # ... on white where that rule is stripped, and plain PNG is the same drawing on white
+    assert "style='background:#fff'" in html
+    plain = imread(io.BytesIO(data["image/png"]))
+    assert plain.shape[:2] == themed.shape[:2] and (plain[0, 0, :3] == 1).all()
 
 
 def test_plots_work_in_a_script_without_pyplot_or_ipython():
@@ -324,3 +347,131 @@ def test_plots_work_in_a_script_without_pyplot_or_ipython():
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__]))
+
+
+# ---------------------------------------------------------------------------- long names, edges
+class LongNames(nn.Module):
+    """Module names as deep as a transformer's: "encoder.layers.0.self_attn.out_proj"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.classification_head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classification_head(self.encoder(x))
+
+
+def _ink_at_the_edges(png: bytes, border: int = 2) -> bool:
+    """Whether anything is drawn in the outermost pixels of a transparent PNG: a text cut by
+    the figure's edge leaves ink there."""
+    import io
+
+    from matplotlib.image import imread
+    alpha = imread(io.BytesIO(png))[..., 3]
+    edges = np.concatenate([alpha[:border].ravel(), alpha[-border:].ravel(),
+                            alpha[:, :border].ravel(), alpha[:, -border:].ravel()])
+    return bool((edges > 0).any())
+
+
+def _inside(figure) -> bool:
+    _drawn(figure)
+    box = figure.get_tightbbox(figure.canvas.get_renderer())
+    width, height = figure.get_size_inches()
+    return box.x0 >= 0 and box.y0 >= 0 and box.x1 <= width and box.y1 <= height
+
+
+def test_long_module_names_keep_their_start_and_end():
+    from nanwidget.plots.common import short_label
+    for name, limit in (("transformer.h.0.mlp.c_fc", 20), ("encoder.layers.0.norm2", 16),
+                        ("encoder.layers.1.self_attn.out_proj", 16), ("x" * 40, 12)):
+        label = short_label(name, limit)
+        assert len(label) == limit and "…" in label
+        start, end = label.split("…")
+        assert name.startswith(start) and name.endswith(end) and len(start) >= 4
+    assert short_label("encoder.layers.0.norm2", 16).endswith("0.norm2")  # which layer stays
+    assert short_label("fc1") == "fc1" and short_label("") == "<root>"
+
+
+def test_every_text_of_every_plot_stays_inside_the_figure():
+    torch.manual_seed(0)
+    model = LongNames()
+    with nw.watch(model, on_nan="record", max_frames=21, backward=True) as watch:
+        for batch in range(4):
+            if batch == 3:  # outputs near float32's largest: its limit line shows
+                with torch.no_grad():
+                    model.classification_head.weight.mul_(1e33)
+            model(torch.randn(2, 5, 8)).sum().backward()
+            watch.check_grad_norms()
+        frames, history, grads = watch.frames(), watch.history(), watch.grad_history()
+    frames = frames[frames["phase"] == "forward"]
+    figures = {
+        "frames, named ticks": plot_frames(frames.iloc[:60], window=None),
+        "frames, numbered ticks": plot_frames(frames, window=None),
+        "history, long names and the float32 limit": plot_history(
+            history, ["classification_head", "encoder.layers.1.linear2", "encoder.layers.0.norm2",
+                      "encoder.layers.1.self_attn", "encoder.layers.1.dropout2"], dtype="float32"),
+        "gradient norms": nw.plots.plot_grad_norms(grads, threshold=1.0),
+    }
+    legends = _legend_texts(figures["history, long names and the float32 limit"].axes[0])
+    assert "float32 max 3.4e+38" in legends
+    assert any(label.startswith("encoder.") and "…" in label for label in legends)
+    for what, figure in figures.items():
+        assert _inside(figure), what
+        assert not _ink_at_the_edges(figure_png(figure, transparent=True)), what
+
+
+def test_module_names_under_ticks_never_overlap():
+    torch.manual_seed(0)
+    model = LongNames()
+    with nw.watch(model, on_nan="record", max_frames=40) as watch:
+        for _ in range(2):
+            model(torch.randn(2, 5, 8))
+        frames = watch.frames()
+    for count in (8, 21, 30):
+        keys = frames.groupby(["rank", "batch", "phase", "frame"], sort=False).ngroup()
+        figure = _drawn(plot_frames(frames[keys >= keys.max() + 1 - count], window=None))
+        ax = figure.axes[0]
+        labels = [label for label in ax.get_xticklabels() if label.get_text()]
+        if not labels:  # no room for names: numbers instead
+            continue
+        assert len(labels) == count
+        renderer = figure.canvas.get_renderer()
+        _, height, _ = renderer.get_text_width_height_descent(
+            "Mg", labels[0].get_fontproperties(), ismath=False)
+        ticks = ax.transData.transform([(x, 1) for x in ax.get_xticks()[:2]])
+        spacing = ticks[1][0] - ticks[0][0]
+        slant = np.radians(labels[0].get_rotation())
+        # neighbouring labels are parallel: they clear each other, with a gap that reads as
+        # one, when their distance across the text is a line of text and a bit
+        assert spacing * np.sin(slant) >= 1.15 * height, (count, spacing, labels[0].get_rotation())
+
+
+def test_gradient_norms_of_exactly_zero_are_shown_on_the_log_axis():
+    from nanwidget.plots import plot_grad_norms
+
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.gate = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) + 0 * self.gate(x)  # the gate gets gradients of exactly zero
+
+    torch.manual_seed(0)
+    model = Gated()
+    with nw.watch(model, on_nan="record") as watch:
+        for step in range(4):
+            model.zero_grad()
+            model(torch.randn(2, 3)).sum().backward()
+            watch.check_grad_norms()
+        history = watch.grad_history()
+    zero = history[history["norm"] == 0]
+    assert set(zero["param"]) == {"gate.weight", "gate.bias"}
+    ax = plot_grad_norms(history).axes[0]
+    (marks,) = [c for c in ax.collections if str(c.get_label()).startswith("norm 0")]
+    assert marks.get_label() == "norm 0: gate.weight, gate.bias"
+    assert sorted(marks.get_offsets()[:, 0]) == sorted(zero["batch"].astype(float))
+    assert "norm 0: gate.weight, gate.bias" in _legend_texts(ax)

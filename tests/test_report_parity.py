@@ -38,6 +38,7 @@ _FRAME_HEADER = " " * 18  # module headers and batch separators; tensor lines st
 _LEAF_LINE = re.compile(r"^\s+(?:None|not a tensor) (?P<role>\S+)$")
 _TENSOR_LINE = re.compile(r"^ *\S+ +\S+ (?P<role>\S+)")
 _MARK = re.compile(r"  <-- (nan|inf|nan\+inf)$")
+_COLUMNS_HEADER = "abs min  abs max  metadata"
 
 
 # ---------------------------------------------------------------------------- the scenarios
@@ -159,12 +160,17 @@ def _role(line: str) -> str | None:
 
 def _without_our_additions(text: str) -> list[str]:
     """Our report less what we add on purpose: the summary line, `<-- inf` marks, keyword
-    inputs, and ModelOutput leaves (transformers prints a ModelOutput as `not a tensor`)."""
+    inputs, and ModelOutput leaves (transformers prints a ModelOutput as `not a tensor`); and
+    with the one part we leave out put back: where the dump opens with a batch's start,
+    transformers first prints the column header and two empty lines (an empty block)."""
     lines = text.rstrip("\n").split("\n")
     if lines and lines[0].startswith("nanwidget: "):
         lines = lines[1:]
     out: list[str] = []
-    for line in lines:
+    for position, line in enumerate(lines):
+        if position and lines[position - 1].startswith("Last ") and \
+                line.lstrip().startswith("*** Starting batch number="):
+            out.extend([_COLUMNS_HEADER, "", ""])
         line = _MARK.sub("", line)
         role = _role(line) or ""
         if role.startswith("kwarg:"):

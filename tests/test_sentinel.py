@@ -41,11 +41,59 @@ def test_normal_batches_run_with_the_two_root_hooks_only(tiny_mlp):
     with nw.watch(tiny_mlp, mode="sentinel") as w:
         assert hook_count(tiny_mlp) == 2  # the root's pre-hook and forward hook
         assert not w.recorder.module_hooks_attached
+        outputs = [tiny_mlp(x) for x in _batches()]
+        assert w.events == [] and w.batch == 6
+        assert w.frames().empty
+        history = w.history()
+    assert hook_count(tiny_mlp) == 0
+    # What the sentinel checked is in the history: the root's outputs, one row per batch.
+    assert list(history["module"]) == [""] * 6 and list(history["batch"]) == list(range(6))
+    expected = [float(out.detach().abs().max()) for out in outputs]
+    assert list(history["abs_max"]) == pytest.approx(expected)
+    assert w.parts.sentinel.outputs_abs_max == pytest.approx(expected[-1])
+    assert w.parts.sentinel.outputs_dtype == torch.float32 and not history["nonfinite"].any()
+
+
+def test_a_recording_holds_the_root_rows_the_sentinel_checked(tiny_mlp, tmp_path):
+    with nw.watch(tiny_mlp, mode="sentinel", log_dir=str(tmp_path)) as w:
         for x in _batches():
             tiny_mlp(x)
-        assert w.events == [] and w.batch == 6
-        assert w.frames().empty and w.history().empty
-    assert hook_count(tiny_mlp) == 0
+        live = w.history()
+    recorded = nw.load_run(str(tmp_path)).history()
+    assert list(recorded["batch"]) == list(live["batch"]) == list(range(6))
+    assert list(recorded["abs_max"]) == pytest.approx(list(live["abs_max"]))
+
+
+def test_batches_replayed_for_an_event_keep_one_history_row_per_module(tiny_mlp):
+    with nw.watch(tiny_mlp, mode="sentinel", on_nan="record") as w:
+        for x in _batches(5, nan_at=4):  # the data goes bad: earlier batches replay as they ran
+            tiny_mlp(x)
+        history = w.history()
+    assert w.event.batch == 4 and set(w.event.frames["batch"]) >= {2, 3, 4}  # replayed context
+    assert not history.duplicated(["batch", "module"]).any()
+    root = history[history["module"] == ""].set_index("batch")
+    assert list(root.index) == [0, 1, 2, 3, 4] and bool(root.loc[4, "nonfinite"])
+
+
+def test_a_loss_made_outside_the_model_is_seen_only_with_backward():
+    """The limit the status line and the README state: a NaN made in the loss reaches no
+    output of the model; the gradient check (backward=True) finds it before the step."""
+    def train_steps(watch_options):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        with nw.watch(model, mode="sentinel", on_nan="record", **watch_options) as w:
+            for step in range(3):
+                prediction = model(torch.randn(8, 4))
+                loss = (prediction - 1).pow(2).mean().log() if step == 1 else \
+                    (prediction - 1).pow(2).mean()
+                if step == 1:
+                    loss = loss * float("inf")  # the loss alone goes non-finite
+                model.zero_grad()
+                loss.backward()
+        return w
+    assert train_steps({}).events == []  # the outputs stayed finite: nothing to see
+    caught = train_steps({"backward": True}).events
+    assert caught and caught[0].batch == 1 and caught[0].is_backward
 
 
 def test_sampled_batches_get_module_hooks_for_that_batch_only():
@@ -54,7 +102,11 @@ def test_sampled_batches_get_module_hooks_for_that_batch_only():
         for x in _batches(7):
             model(x)
         assert model[0].seen == [1, 0, 0, 1, 0, 0, 1]
-        assert sorted(w.history()["batch"].unique()) == [0, 3, 6]
+        history = w.history()
+        # every batch has the root's row (what the sentinel checked); sampled ones every module
+        assert sorted(history["batch"].unique()) == list(range(7))
+        assert sorted(history.loc[history["module"] != "", "batch"].unique()) == [0, 3, 6]
+        assert not history.duplicated(["batch", "module"]).any()
         assert set(w.frames()["batch"]) == {0, 3, 6}  # 5 frames each: all in the ring of 21
         assert not w.recorder.module_hooks_attached
     assert hook_count(model) == 0
@@ -266,9 +318,13 @@ def test_log_dir_holds_the_event_its_trace_and_the_sampled_history(tiny_mlp, tmp
     run = nw.load_run(tmp_path / "run")
     assert [(e.batch, e.module, e.origin) for e in run.events] == [(5, "fc1", "input")]
     assert run.event.trace is not None and not run.event.trace.ops.empty
-    # Sampled batches, the replayed event batch, and batch 3, replayed to fill the event's
-    # window (frames only; the weights had not changed since, so it is what batch 3 did).
-    assert set(run.history()["batch"]) == {0, 2, 3, 4, 5}
+    # Every module of the sampled batches, of the replayed event batch and of batch 3 (replayed
+    # to fill the event's window: the weights had not changed since); the root alone of batch 1,
+    # whose outputs the sentinel checked.
+    history = run.history()
+    assert set(history["batch"]) == {0, 1, 2, 3, 4, 5}
+    assert set(history.loc[history["batch"] == 1, "module"]) == {""}
+    assert len(set(history.loc[history["batch"] == 3, "module"])) > 1
     assert run.manifests[0]["options"]["mode"] == "sentinel"
 
 
@@ -420,16 +476,37 @@ def test_device_numbers_are_non_finite_exactly_where_a_nan_or_inf_is(fused):
     tensors = [torch.ones(5), torch.tensor([1.0, float("nan")]), torch.tensor([float("-inf"), 2.0]),
                torch.tensor([3e38, 3e38]), torch.zeros(0)]
     numbers = device_numbers(tensors, torch.float32, fused=fused).tolist()
-    # 3e38 + 3e38 overflows float32 in a sum and in a norm alike: a suspect, confirmed later.
-    assert [n == n and abs(n) != float("inf") for n in numbers] == [True, False, False, False, True]
+    # 3e38 and 3e38 overflow float32 in an L2 norm (a suspect, confirmed later); an unfused
+    # check takes the largest |x|, which never overflows, and is each tensor's magnitude.
+    assert [n == n and abs(n) != float("inf") for n in numbers] == \
+        [True, False, False, not fused, True]
+    if not fused:
+        assert numbers[0] == 1.0 and numbers[3] == pytest.approx(3e38)
 
 
 def test_a_suspect_that_only_overflowed_is_confirmed_finite(monkeypatch):
     from nanwidget.core.sentinel.check import NonFiniteCheck
     monkeypatch.setattr(native, "available", lambda: False)
-    big = torch.full((4,), 3e38)  # its float32 sum overflows to inf, its values are finite
-    check = NonFiniteCheck([("big", big), ("bad", torch.tensor([0.0, float("inf")]))])
+    big = torch.full((4,), 3e38)  # its float32 L2 norm overflows to inf, its values are finite
+    check = NonFiniteCheck([("big", big), ("bad", torch.tensor([0.0, float("inf")]))], fused=True)
     assert check.waiting and [(b.label, b.kind) for b in check.read()] == [("bad", "inf")]
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["native kernel", "device numbers"])
+def test_a_clean_check_knows_the_largest_value_it_read(monkeypatch, kernel):
+    from nanwidget.core.sentinel.check import NonFiniteCheck
+    if not kernel:
+        monkeypatch.setattr(native, "available", lambda: False)
+    elif not native.available():
+        pytest.skip("the native kernel is not available here")
+    small, large = torch.tensor([0.5, -2.0]), torch.tensor([-3e4, 1e-3], dtype=torch.float64)
+    check = NonFiniteCheck([("small", small), ("large", large)])
+    assert check.read() == []
+    assert (check.abs_max, check.abs_max_dtype) == (3e4, torch.float64)
+    if kernel:  # read where it lies: the smallest |x| comes with it
+        assert check.abs_min == pytest.approx(1e-3)
+    bad = NonFiniteCheck([("small", small), ("bad", torch.tensor([1.0, float("nan")]))])
+    assert [b.label for b in bad.read()] == ["bad"] and bad.abs_max != bad.abs_max  # NaN
 
 
 def test_allow_inf_on_the_root_lets_its_inf_outputs_pass_but_not_a_nan():

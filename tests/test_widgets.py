@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import time
 
 import numpy as np
@@ -51,8 +52,8 @@ def _marker_centre(browser: FrameBrowser) -> float:
 def test_browser_opens_at_the_event_frame_and_names_it_in_status(recorded):
     browser = FrameBrowser(recorded, plots=False)
     assert "<b>fc2</b> (Linear)" in _head(browser)
-    assert "<b>frame 12</b>" in _head(browser) and " of 12" in _head(browser)
-    assert "batch 3" in _head(browser)
+    assert "<b>batch 3, frame 2</b>" in _head(browser)  # fc2 is the third hook of batch 3
+    assert browser.frame.value == browser.frame.max == 12  # the last of the 12 frames held
     assert "nw-nonfinite" in browser.table.value
     status = browser.status.value
     assert "12 frames" in status and "batches 1–3" in status
@@ -83,11 +84,33 @@ def test_step_back_and_forward_with_buttons_and_slider(recorded):
     assert "<b>act</b> (ReLU)" in _head(browser)
     browser.next.click()
     assert "<b>fc2</b>" in _head(browser)
-    browser.frame.value = 1  # the slider counts frames from 1, and so does the heading
-    assert "<b>frame 1</b>" in _head(browser) and f" of {browser.frame.max}" in _head(browser)
-    assert "step" not in _head(browser)  # one word for one number
+    browser.frame.value = 1  # the slider's first position: the oldest frame held
+    first = browser.filtered_frames.iloc[0]
+    name = f"batch {first['batch']}, frame {first['frame']}"
+    assert f"<b>{name}</b>" in _head(browser) and name in browser.frame_label.value
     browser.prev.click()  # clamped at the first frame
     assert browser.frame.value == 1
+
+
+def test_frames_are_named_as_the_exported_table_names_them(recorded):
+    """One numbering: the label, the heading and the marker name each frame by the batch and
+    frame columns of the CSV that "export" downloads."""
+    import base64
+    import io
+    browser = FrameBrowser(recorded)
+    browser.export.click()
+    encoded = browser.export_link.value.split("href='data:text/csv;base64,")[1].split("'")[0]
+    exported = pd.read_csv(io.BytesIO(base64.b64decode(encoded)))
+    frames = exported.drop_duplicates(["rank", "batch", "phase", "frame"])
+    assert len(frames) == browser.frame.max == 12
+    for number, row in enumerate(frames.itertuples(), start=1):
+        browser.frame.value = number
+        name = f"batch {row.batch}, frame {row.frame}"
+        assert name in browser.frame_label.value
+        module = html.escape(row.module if isinstance(row.module, str) else "<root>")
+        assert f"<b>{name}</b> · <b>{module}</b>" in _head(browser)
+        assert f"title='{name}: {module}'" in browser.frame_marker.value
+    assert "hook" not in browser.table.value  # no second word for the same number
 
 
 def test_jump_to_first_bad_frame_from_anywhere(recorded):
@@ -119,11 +142,22 @@ def test_layer_filter_takes_substring_then_regex(recorded):
     assert set(browser.filtered_frames["module"]) == {"fc1", "fc2"}
     browser.filter_layer.value = "h.ad"  # a regex: '.' matches the 'e'
     assert set(browser.filtered_frames["module"]) == {"head"}
-    browser.filter_layer.value = "fc["  # not a valid regex: taken literally, matches nothing
-    assert browser.filtered_frames.empty
-    assert "No frames match the filters" in browser.table.value
     browser.filter_layer.value = ""
     assert len(browser.filtered_frames) == len(browser.index.table)
+
+
+def test_an_invalid_layer_pattern_is_called_invalid(recorded):
+    browser = FrameBrowser(recorded)
+    browser.filter_layer.value = "fc["  # not a valid regex: taken literally, matches nothing
+    assert browser.filtered_frames.empty
+    for shown in (browser.table.value, browser.status.value, browser.plot_note.value):
+        assert "No frames match the filters" in shown or "match the filters" in shown
+        assert "&#x27;fc[&#x27; is not a valid regular expression" in shown
+        assert "matched as plain text" in shown
+    assert "nw-invalid" in browser.filter_layer._dom_classes
+    browser.filter_layer.value = "fc"  # valid again: the message and the red border go
+    assert "not a valid" not in browser.status.value + browser.table.value
+    assert "nw-invalid" not in browser.filter_layer._dom_classes
 
 
 def test_type_role_and_only_bad_filters_narrow_the_table(recorded):
@@ -156,11 +190,12 @@ def test_the_frames_plot_marks_the_current_frame_and_follows_every_step(recorded
 
     assert browser.frame.value == 12
     assert _marker_centre(browser) == pytest.approx(plotted_at(12), abs=1e-3)
+    first_bad = browser.frame.value
     browser.prev.click()
     assert _marker_centre(browser) == pytest.approx(plotted_at(11), abs=1e-3)
     browser.frame.value = 3  # the slider
     assert _marker_centre(browser) == pytest.approx(plotted_at(3), abs=1e-3)
-    assert "frame 3:" in browser.frame_marker.value  # its tooltip names the module
+    assert "title='batch 1, frame 5: &lt;root&gt;'" in browser.frame_marker.value  # names it
     browser.next.click()
     assert _marker_centre(browser) == pytest.approx(plotted_at(4), abs=1e-3)
     browser.first_bad.click()
@@ -216,7 +251,7 @@ def test_static_copy_holds_the_event_line_the_frame_table_and_both_plots(recorde
     browser.prev.click()
     copy = browser.static_html()
     assert "nan in batch 3 at module 'fc2'" in copy
-    assert "<b>frame 11</b>" in copy and "nw-static-table" in copy
+    assert "<b>batch 3, frame 1</b>" in copy and "nw-static-table" in copy
     assert "class='nw-frame-table'" not in copy  # the contract's classes stay unique
     images = copy.split("src='data:image/png;base64,")[1:]
     assert len(images) == 2
@@ -250,6 +285,7 @@ def test_colours_come_from_the_jupyterlab_theme_with_a_dark_variant(recorded):
     sheet = browser.style.value
     assert "var(--jp-error-color0" in sheet and "var(--jp-error-color2" in sheet
     assert 'body[data-jp-theme-light="false"]' in sheet
+    assert 'body[data-jp-theme-light="false"] .nw-browser .nw-plot-image' in sheet
     # the event text and bad rows use the alert colour, not a fixed red
     assert "#b00000" not in browser.status.value.replace("var(--nw-alert-fg,#b00000)", "")
     assert "nw-alert" in browser.status.value and "var(--nw-alert-bg" in browser.table.value
@@ -291,7 +327,21 @@ def test_values_near_float16_limit_are_marked():
     assert "near float16 max" in browser.table.value
 
 
-def test_export_offers_the_filtered_frames_as_a_browser_download(recorded):
+def test_plots_are_drawn_on_a_transparent_background_for_the_theme(recorded):
+    import io
+
+    from matplotlib.image import imread
+    browser = FrameBrowser(recorded)
+    browser.plot_choice.value = "history"
+    for image in (browser.frames_image, browser.history_image):
+        assert "nw-plot-image" in image._dom_classes  # the class the dark theme inverts
+        pixels = imread(io.BytesIO(bytes(image.value)))
+        assert pixels.shape[2] == 4 and pixels[0, 0, 3] == 0  # the corner shows the page
+        assert (pixels[..., 3] > 0).mean() > 0.02  # the drawing itself is there
+    assert browser.static_html().count("class='nw-plot-image'") == 2
+
+
+def test_export_downloads_the_filtered_frames_in_one_click(recorded):
     import base64
     import io
     browser = FrameBrowser(recorded, plots=False)
@@ -303,7 +353,14 @@ def test_export_offers_the_filtered_frames_as_a_browser_download(recorded):
     written = pd.read_csv(io.BytesIO(base64.b64decode(encoded)))
     assert len(written) == len(browser.filtered_frames)
     assert set(written["module"]) == {"fc2"} and bool(written["nan"].any())
-    assert f"({len(written)} rows" in link
+    assert f"downloading {len(written)} rows" in link
+    # The click itself starts the download: a script in the page saves the same file.
+    (script,) = browser.download_script.outputs
+    source = script["data"]["application/javascript"]
+    name = link.split("download='")[1].split("'")[0]
+    assert f'link.download = "{name}"' in source and encoded in source and "link.click()" in source
+    browser.export.click()  # a second click: one script again, not two
+    assert len(browser.download_script.outputs) == 1
 
 
 def test_save_writes_the_filtered_frames_to_a_chosen_path(recorded, tmp_path):
@@ -316,9 +373,14 @@ def test_save_writes_the_filtered_frames_to_a_chosen_path(recorded, tmp_path):
         assert str(browser.last_export) in browser.export_link.value
         written = read(browser.last_export)
         assert len(written) == len(browser.filtered_frames) and set(written["module"]) == {"fc2"}
-    browser.save_path.value = ""  # nothing typed: a timestamped file in export_dir
+    browser.save_path.value = str(tmp_path / "folder")  # a folder: a timestamped file in it
     browser.save.click()
-    assert browser.last_export.parent == (tmp_path / "default").resolve()
+    assert browser.last_export.parent == (tmp_path / "folder").resolve()
+    before = browser.last_export
+    browser.save_path.value = "  "  # nothing typed: asks for a path, writes nothing
+    browser.save.click()
+    assert "type where to save first" in browser.export_link.value
+    assert browser.last_export == before and not (tmp_path / "default").exists()
     browser.save_path.value = str(tmp_path / "frames.xlsx")
     before = browser.last_export
     browser.save.click()  # refused in words, nothing written, no exception into the notebook

@@ -87,24 +87,35 @@ def train_until_nan(model: Any, inputs: Any, targets: Any, *, lr: float, steps: 
 
 
 _ROOT_HEADER = re.compile(r"^(?P<indent> {17}) {2}(?P<type>\S.*)$")  # "<17 spaces> <empty name> Type"
+_BATCH_START = re.compile(r"^ {17} \*\*\* Starting batch number=(?P<batch>\d+) \*\*\*$")
 
 
 def readable_report(report: str, frames: Any) -> str:
     """``report`` (transformers' layout) with a line between batches and the root as ``<root>``.
 
-    The report has one header per frame, in the order of ``frames`` (the event's frames); a
-    "--- batch N ---" line goes before each header whose batch differs from the previous one.
-    The root module, whose name is empty, reads "<root> Type" as it does in the plots.
+    The report has one header per frame, in the order of ``frames`` (the event's frames), and
+    transformers' "*** Starting batch number=N ***" line where a batch starts. A
+    "--- batch N ---" line goes right before that line, or, for a batch whose start is not
+    in the dump (the first one, cut by the window), before its first header. The root module,
+    whose name is empty, reads "<root> Type" as it does in the plots.
     """
     keys = frames.groupby(["rank", "batch", "phase", "frame"], sort=False).size().index
     batches = [key[1] for key in keys]
     lines, frame, previous = [], 0, None
     for line in report.splitlines():
+        start = _BATCH_START.match(line)
+        if start is not None:  # a batch starts: not a frame's header
+            batch = int(start["batch"])
+            if batch != previous:
+                lines.append(_separator(batch))
+                previous = batch
+            lines.append(line)
+            continue
         is_header = line.startswith(" " * 17) and not line[:17].strip() and frame < len(batches)
         if is_header:
             batch = batches[frame]
             if batch != previous:
-                lines.append(f"--- batch {batch} " + "-" * 30)
+                lines.append(_separator(batch))
                 previous = batch
             frame += 1
             root = _ROOT_HEADER.match(line)
@@ -112,6 +123,10 @@ def readable_report(report: str, frames: Any) -> str:
                 line = f"{root['indent']} <root> {root['type']}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _separator(batch: int) -> str:
+    return f"--- batch {batch} " + "-" * 30
 
 
 def _write_table(frame: Any, folder: Path, stem: str) -> Path:

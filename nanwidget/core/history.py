@@ -10,6 +10,7 @@ a 200-module model costs about 17 bytes x 200 x (10,100 + 1,000) = 38 MB.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
@@ -26,6 +27,9 @@ def empty_history() -> pd.DataFrame:
 
 _SEEN, _NONFINITE = 1, 2
 _WRITE_EVERY = 64  # closed batches buffered before one vectorised write
+# Rows looked back through for a batch recorded again after later ones (a replay of an earlier
+# batch, or the sentinel's per-batch root row followed by that batch's replayed frames).
+_FOLD_BACK = 8
 
 
 class _Rows:
@@ -119,13 +123,14 @@ class History:
         self._current: dict[int, list] = {}
         # Closed batches not yet written to the arrays (written in blocks).
         self._closed_rows: list[tuple[int, dict[int, list]]] = []
+        self._latest_batch = -1  # the highest batch closed so far
 
     def record(self, batch: int, module_index: int, abs_max: float, abs_min: float,
                nonfinite: bool) -> None:
         """Fold one output's stats into the row of ``batch``."""
-        self.record_many([(batch, module_index, abs_max, abs_min, nonfinite)])
+        self.record_many(((batch, module_index, abs_max, abs_min, nonfinite),))
 
-    def record_many(self, rows: list[tuple[int, int, float, float, bool]]) -> None:
+    def record_many(self, rows: Iterable[tuple[int, int, float, float, bool]]) -> None:
         """:meth:`record` for (batch, module_index, abs_max, abs_min, nonfinite) rows."""
         current = self._current
         for batch, module_index, abs_max, abs_min, nonfinite in rows:
@@ -149,11 +154,40 @@ class History:
         """Close the batch being accumulated (called when a new batch starts or on read)."""
         if self._current_batch is None:
             return
-        self._closed_rows.append((self._current_batch, self._current))
+        batch, current = self._current_batch, self._current
         self._current_batch = None
         self._current = {}
+        # A batch seen again (not the usual next one): one row per (batch, module) still.
+        if batch <= self._latest_batch and self._fold_into_earlier(batch, current):
+            return
+        self._latest_batch = max(self._latest_batch, batch)
+        self._closed_rows.append((batch, current))
         if len(self._closed_rows) >= _WRITE_EVERY:
             self._write_closed_rows()
+
+    def _fold_into_earlier(self, batch: int, current: dict[int, list]) -> bool:
+        """Fold ``current`` into ``batch``'s row among the last few; False when none is there."""
+        for earlier_batch, earlier in reversed(self._closed_rows[-_FOLD_BACK:]):
+            if earlier_batch == batch:
+                for module, (high, low, nonfinite) in current.items():
+                    slot = earlier.setdefault(module, [high, low, nonfinite])
+                    slot[0], slot[1] = max(slot[0], high), min(slot[1], low)
+                    slot[2] = slot[2] or nonfinite
+                return True
+        full = self._full
+        looked = min(_FOLD_BACK - len(self._closed_rows), full.size)
+        if looked <= 0:
+            return False
+        rows = full.physical(range(full.size - looked, full.size))
+        found = np.flatnonzero(full.batch[rows] == batch)
+        if not found.size:
+            return False
+        row = rows[found[-1]]
+        for module, (high, low, nonfinite) in current.items():
+            full.abs_max[row, module] = max(full.abs_max[row, module], high)
+            full.abs_min[row, module] = min(full.abs_min[row, module], low)
+            full.flags[row, module] |= _SEEN | (_NONFINITE if nonfinite else 0)
+        return True
 
     def _write_closed_rows(self) -> None:
         """Move closed batches into the arrays: one vectorised assignment per block of batches."""
@@ -168,19 +202,17 @@ class History:
         while full.size + len(rows) > self.full_batches + self.window:
             self._merge_oldest()
         physical = full.reserve(len(rows))
-        row_index, module_index, abs_max, abs_min, flags = [], [], [], [], []
-        for row, (batch, current) in zip(physical.tolist(), rows):
-            full.batch[row] = full.batch_end[row] = batch
-            for module, (high, low, nonfinite) in current.items():
-                row_index.append(row)
-                module_index.append(module)
-                abs_max.append(high)
-                abs_min.append(low)
-                flags.append(_SEEN | (_NONFINITE if nonfinite else 0))
-        if row_index:
-            full.abs_max[row_index, module_index] = abs_max
-            full.abs_min[row_index, module_index] = abs_min
-            full.flags[row_index, module_index] = flags
+        full.batch[physical] = full.batch_end[physical] = [batch for batch, _ in rows]
+        entries = [entry for _, current in rows for entry in current.items()]
+        if not entries:
+            return
+        row_index = np.repeat(physical, [len(current) for _, current in rows])
+        module_index = np.fromiter((module for module, _ in entries), np.int64, len(entries))
+        values = np.array([slot for _, slot in entries], dtype=np.float64)  # high, low, nonfinite
+        full.abs_max[row_index, module_index] = values[:, 0]
+        full.abs_min[row_index, module_index] = values[:, 1]
+        full.flags[row_index, module_index] = np.where(values[:, 2] != 0, _SEEN | _NONFINITE,
+                                                       _SEEN)
 
     def _merge_oldest(self) -> None:
         """Fold the oldest ``window`` full-resolution batches into one window (one memmove per window)."""

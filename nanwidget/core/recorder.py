@@ -166,6 +166,12 @@ class Feature:
         """Under the lock: frames a replay made (see :meth:`find_event`), taken into the ring
         and history as if recorded live."""
 
+    def on_output_magnitude(self, batch: int, module: str, abs_max: float,
+                            abs_min: float) -> None:
+        """Under the lock: the finite outputs of ``module`` in ``batch`` reached ``abs_max``,
+        measured outside the module hooks (the sentinel reads the root's outputs every batch);
+        it is in the history already (:meth:`Recorder.add_history_row`)."""
+
     def find_event(self, batch: int, event: NanEvent | None, reason: str) -> Finding | None:
         """Outside the lock, before the reviews: a feature that checks batches on its own (the
         sentinel) returns what it found when ``reason`` ended (as in :meth:`review_event`): an
@@ -513,6 +519,7 @@ class Recorder:
         self._on_batch_end = overriding("on_batch_end")
         self._on_frames_resolved = overriding("on_frames_resolved")
         self._on_frames_replayed = overriding("on_frames_replayed")
+        self._on_output_magnitude = overriding("on_output_magnitude")
         self._find_event = overriding("find_event")
         self._review_event = overriding("review_event")
         self._on_event = overriding("on_event")
@@ -940,6 +947,18 @@ class Recorder:
         """Trace batches with frames recorded so far."""
         with self._lock:
             return sorted(self.records.trace_frames)
+
+    def add_history_row(self, batch: int, module: str, abs_max: float,
+                        abs_min: float = float("nan")) -> None:
+        """The finite outputs of ``module`` in ``batch`` reached ``abs_max`` (and ``abs_min``,
+        NaN when not measured), measured outside the module hooks (sentinel mode reads the
+        root's outputs every batch): folded into that batch's row of :meth:`history_table`."""
+        with self._lock:
+            if self._closed:
+                return
+            self.records.add_history_row(batch, module, abs_max, abs_min)
+            for on_output_magnitude in self._on_output_magnitude:
+                on_output_magnitude(batch, module, abs_max, abs_min)
 
     def history_table(self) -> pd.DataFrame:
         """One row per (batch, module): abs_max, abs_min and nonfinite of its outputs."""

@@ -82,6 +82,10 @@ class Records:
         self.ring.extend(frames)
         return event
 
+    def add_history_row(self, batch: int, module: str, abs_max: float, abs_min: float) -> None:
+        """Fold a module's output magnitude measured outside the frames into ``batch``'s row."""
+        self.history.record(batch, self._name_index[module], abs_max, abs_min, False)
+
     def add_event(self, event: NanEvent) -> bool:
         """Keep ``event`` (or count it past ``max_events``); False when it is kept already."""
         if any(known is event for known in self.events):

@@ -26,7 +26,11 @@ def _number(value: float) -> str:
 
 def _batch_separator(batch: int) -> list[str]:
     """What transformers prints when a batch starts, also inside a dump that spans batches."""
-    return ["", "", f"{_HEADER_INDENT} *** Starting batch number={batch} ***", _COLUMNS_HEADER]
+    return [*_BATCH_START_GAP, f"{_HEADER_INDENT} *** Starting batch number={batch} ***",
+            _COLUMNS_HEADER]
+
+
+_BATCH_START_GAP = ["", ""]  # the empty lines before a batch's start
 
 
 def _tensor_line(row: Any) -> str:
@@ -95,8 +99,14 @@ def format_event_report(event: NanEvent | None, frames: pd.DataFrame, batch: int
     out.append(f"Last {n_frames} {direction} frames:")
     if event is not None and event.frames_note:
         out.append(f"({event.frames_note})")
-    out.append(_COLUMNS_HEADER)
-    out.extend(format_frames(frames, separators=True))
+    dump = format_frames(frames, separators=True)
+    if dump[:len(_BATCH_START_GAP)] == _BATCH_START_GAP:
+        # The dump opens where a batch starts: that start's own column header serves, and no
+        # empty block under "Last N ... frames:" comes first (transformers prints one there).
+        dump = dump[len(_BATCH_START_GAP):]
+    else:
+        out.append(_COLUMNS_HEADER)
+    out.extend(dump)
     if event is not None and event.trace is not None:
         out.append("")
         out.append(event.trace.report())

@@ -326,7 +326,8 @@ class NanwatchMagics(Magics):
             if handle is not None:
                 handle.update({"text/plain": text}, raw=True)
 
-        live = LiveStatus(name, emit, interval=self.refresh_seconds)
+        live = LiveStatus(name, emit, interval=self.refresh_seconds,
+                          sentinel=watched.parts.sentinel)
         watched.add_feature(live)
         return watched, live
 

@@ -48,15 +48,18 @@ class LiveStatus(Feature):
     """Counts batches and tracks the largest finite output magnitude; reports, throttled.
 
     ``emit(text)`` is called at most once per ``interval`` seconds (plus once at the end
-    through :meth:`finish`), never once per batch.
+    through :meth:`finish`), never once per batch. With ``sentinel`` (the watch's sentinel
+    part, sentinel mode) the magnitude is what the sentinel checks each batch: the model's
+    outputs.
     """
 
     def __init__(self, name: str, emit: Callable[[str], None], interval: float = 0.3,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, sentinel: Any = None) -> None:
         self.name = name
         self.emit = emit
         self.interval = interval
         self.clock = clock
+        self.sentinel = sentinel
         self.batches = 0
         self.largest = 0.0
         self.largest_dtype = ""
@@ -71,6 +74,16 @@ class LiveStatus(Feature):
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         self.batches += 1
         largest = self.largest
+        sentinel = self.sentinel
+        if sentinel is not None:
+            # The latest batch the sentinel read (on a GPU it may be the one before): only
+            # the model's outputs, the same in every batch, sampled or not.
+            checked = sentinel.outputs_abs_max
+            if checked > largest:
+                largest = checked
+                self.largest_dtype = str(sentinel.outputs_dtype).replace("torch.", "")
+                self.largest_module = ""
+            frames = ()
         for frame in frames:
             if frame.phase != "forward":
                 continue
@@ -93,12 +106,23 @@ class LiveStatus(Feature):
         headroom and the module), events.
 
         It measures outputs only (weights and inputs are in the FrameBrowser), and says so.
+        In sentinel mode it says what the sentinel checks (the model's outputs) and, when it
+        does not check gradients, what it cannot see: a loss made outside the model.
         """
-        where = f" in {self.largest_module or '<root>'!r}" if self.largest else ""
-        size = describe_magnitude(self.largest, self.largest_dtype) if self.largest else "n/a"
         events = f"{self.events} event{'s' if self.events != 1 else ''}"
-        return (f"nanwatch {self.name}: {self.batches} batch{'es' if self.batches != 1 else ''}"
-                f" seen · largest |x| among module outputs: {size}{where} · {events}")
+        seen = f"nanwatch {self.name}: {self.batches} batch{'es' if self.batches != 1 else ''} seen"
+        if self.sentinel is not None:
+            size = describe_magnitude(self.largest, self.largest_dtype) if self.largest \
+                else "none measured yet"
+            blind = "" if self.sentinel.backward else \
+                (" · a loss made outside the model is checked only with backward=True (the "
+                 "gradients) or loss_fn")
+            return (f"{seen} · sentinel mode checks the model's outputs each batch, largest |x| "
+                    f"so far: {size}{blind} · {events}")
+        where = f" in {self.largest_module or '<root>'!r}" if self.largest else ""
+        size = describe_magnitude(self.largest, self.largest_dtype) if self.largest \
+            else "none measured yet"
+        return f"{seen} · largest |x| among module outputs: {size}{where} · {events}"
 
     def finish(self, outcome: str = "done") -> None:
         """The last update: the same line, saying how the cell ended."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import io
 from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
@@ -15,8 +17,8 @@ from ..core.schema import ROLE_GROUPS, role_groups
 from ..core.stats import dtype_max
 
 __all__ = ["ROLE_GROUPS", "SCREEN_DPI", "HIDPI_SCALE", "role_groups", "frame_keys", "limit_lines",
-           "module_label", "short_label", "new_figure", "figure_png", "display_width",
-           "outside_legend", "say_nothing_to_plot", "readable_log_ticks", "NotebookFigure"]
+           "module_label", "short_label", "new_figure", "fit_inside", "figure_png",
+           "display_width", "outside_legend", "say_nothing_to_plot", "readable_log_ticks", "NotebookFigure"]
 
 FRAME_KEY = ["rank", "batch", "phase", "frame"]
 
@@ -29,18 +31,40 @@ LEGEND_WIDTH = 1.85  # inches kept right of the axes for the legend
 LABEL_CHARS = 20  # longest module name shown whole in a legend or tick label
 
 
+# A dark JupyterLab (or VS Code) theme turns a figure light: each colour keeps its hue, dark and
+# light swap, and the transparent background shows the theme's own.
+_DARK_FIGURE_STYLE = (
+    "<style>body[data-jp-theme-light='false'] img.nw-figure, body.vscode-dark img.nw-figure, "
+    "body.vscode-high-contrast img.nw-figure {filter: invert(1) hue-rotate(180deg); "
+    "background: transparent !important}</style>")
+
+
 class NotebookFigure(Figure):
-    """A matplotlib Figure that shows itself as PNG in a notebook (``_repr_png_``) without
-    pyplot: no global figure list, nothing to close, nothing registered with IPython.
+    """A matplotlib Figure that shows itself in a notebook without pyplot: no global figure
+    list, nothing to close, nothing registered with IPython.
 
     The PNG is drawn at HIDPI_SCALE and shown at the figure's own size (as the inline
-    backend's "retina" format does): sharp on HiDPI screens.
+    backend's "retina" format does): sharp on HiDPI screens. Where HTML is shown (JupyterLab,
+    VS Code) the figure follows the theme: drawn on a transparent background, turned light on
+    a dark theme; its inline white background stays where a sanitizer strips the style. Plain
+    PNG (``image/png``) is the same drawing on white.
     """
 
-    def _repr_png_(self) -> tuple[bytes, dict[str, int]]:
+    def _display_size(self) -> dict[str, int]:
         width, height = self.get_size_inches()
-        return figure_png(self), {"width": round(width * SCREEN_DPI),
-                                  "height": round(height * SCREEN_DPI)}
+        return {"width": round(width * SCREEN_DPI), "height": round(height * SCREEN_DPI)}
+
+    def _repr_png_(self) -> tuple[bytes, dict[str, int]]:
+        return figure_png(self), self._display_size()
+
+    def _repr_mimebundle_(self, include: object = None,
+                          exclude: object = None) -> tuple[dict[str, object], dict[str, object]]:
+        size = self._display_size()
+        drawn = figure_png(self, transparent=True)
+        html = (f"{_DARK_FIGURE_STYLE}<img class='nw-figure' alt='nanwidget plot' "
+                f"width='{size['width']}' height='{size['height']}' style='background:#fff' "
+                f"src='data:image/png;base64,{base64.b64encode(drawn).decode('ascii')}'>")
+        return {"image/png": _on_white(drawn), "text/html": html}, {"image/png": size}
 
 
 def new_figure(width: float = 6.0, height: float = 3.0, *, bottom: float = 0.55,
@@ -52,6 +76,7 @@ def new_figure(width: float = 6.0, height: float = 3.0, *, bottom: float = 0.55,
     ``legend`` a column on the right so that the legend never covers data.
     """
     figure = NotebookFigure(figsize=(width, height))
+    FigureCanvasAgg(figure)  # a renderer to measure text with (fit_inside), no pyplot
     right = LEGEND_WIDTH if legend else 0.2
     figure.subplots_adjust(left=0.72 / width, right=1 - right / width,
                            top=1 - top / height, bottom=bottom / height)
@@ -63,10 +88,54 @@ def new_figure(width: float = 6.0, height: float = 3.0, *, bottom: float = 0.55,
     return figure, ax
 
 
-def figure_png(figure: Figure, dpi: int = SCREEN_DPI * HIDPI_SCALE) -> bytes:
-    """PNG bytes of ``figure``, drawn for HiDPI screens by default (show it at display_width)."""
+def fit_inside(figure: Figure, pad: float = 0.06, keep_axes: float = 0.6) -> None:
+    """Make room for every text that sticks out of the figure (long tick labels, a wide
+    legend, labels above the axes), so that nothing is cut when it is saved or shown.
+
+    The figure keeps its width where it can (a page lays it out at that width): the axes give
+    up what the sides need, down to ``keep_axes`` of their width; only beyond that does the
+    figure grow wider. It grows taller for what sticks out at the top or the bottom.
+    """
+    renderer = figure.canvas.get_renderer()
+    box = figure.get_tightbbox(renderer)  # inches
+    width, height = figure.get_size_inches()
+    left, bottom = -box.x0, -box.y0
+    right, top = box.x1 - width, box.y1 - height
+    left, bottom, right, top = (side + pad if side > 0 else 0.0
+                                for side in (left, bottom, right, top))
+    if not (left or bottom or right or top):
+        return
+    new_height = height + bottom + top
+    for ax in figure.axes:
+        place = ax.get_position()
+        axes_width = place.width * width
+        narrower = max(axes_width - left - right, keep_axes * axes_width)
+        new_width = max(width, width + (left + right) - (axes_width - narrower))
+        ax.set_position([(place.x0 * width + left) / new_width,
+                         (place.y0 * height + bottom) / new_height,
+                         narrower / new_width, place.height * height / new_height])
+    figure.set_size_inches(new_width, new_height)
+
+
+def figure_png(figure: Figure, dpi: int = SCREEN_DPI * HIDPI_SCALE, *,
+               transparent: bool = False) -> bytes:
+    """PNG bytes of ``figure``, drawn for HiDPI screens by default (show it at display_width).
+
+    ``transparent``: no background, for pages that colour it themselves (the FrameBrowser
+    follows the JupyterLab theme this way)."""
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=dpi, facecolor="white")
+    figure.savefig(buffer, format="png", dpi=dpi, facecolor="none" if transparent else "white",
+                   transparent=transparent)
+    return buffer.getvalue()
+
+
+def _on_white(png: bytes) -> bytes:
+    """A transparent PNG laid on white (cheaper than drawing the figure again)."""
+    from PIL import Image  # matplotlib's own dependency
+    picture = Image.open(io.BytesIO(png)).convert("RGBA")
+    white = Image.new("RGBA", picture.size, (255, 255, 255, 255))
+    buffer = io.BytesIO()
+    Image.alpha_composite(white, picture).convert("RGB").save(buffer, format="png")
     return buffer.getvalue()
 
 
@@ -81,9 +150,19 @@ def module_label(name: str) -> str:
 
 
 def short_label(name: str, limit: int = LABEL_CHARS) -> str:
-    """A module label cut to ``limit`` characters, keeping the end (the most specific part)."""
+    """A module label of at most ``limit`` characters. A longer one keeps its start (which
+    part of the model) and its end (the most specific part) with "…" between them, the end
+    starting at a whole name where it can: "transformer.h.0.mlp.c_fc" -> "transfo…h.0.mlp.c_fc".
+    """
     label = module_label(name)
-    return label if len(label) <= limit else "…" + label[-(limit - 1):]
+    if len(label) <= limit:
+        return label
+    keep = limit - 1  # characters besides the "…"
+    end = label[-(keep - max(4, keep // 3)):]  # at least 4 characters of the start stay
+    dot = end.find(".")
+    if 0 <= dot <= len(end) // 3 and dot < len(end) - 1:
+        end = end[dot + 1:]  # "rs.0.norm2" -> "0.norm2": no broken name at the cut
+    return label[:keep - len(end)] + "…" + end
 
 
 def outside_legend(ax: Axes) -> None:
@@ -149,7 +228,7 @@ def limit_lines(ax: Axes, dtypes: Iterable[object], values: np.ndarray) -> None:
             far.append(f"{dtype} max {limit:.3g}:\n{decades:.0f} decades above")
             continue
         ax.axhline(limit, color="black", linestyle=styles[position % len(styles)], linewidth=1,
-                   label=f"{dtype} max ({limit:.6g})")
+                   label=f"{dtype} max {limit:.3g}")
     if far:
         # In the legend column, under the legend: never on the data.
         ax.text(1.02, 0.0, "\n".join(far), ha="left", va="bottom", fontsize=FONT_SIZE - 1.5,

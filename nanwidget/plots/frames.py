@@ -7,16 +7,29 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-from .common import (FONT_SIZE, ROLE_GROUPS, SCREEN_DPI, frame_keys, limit_lines, new_figure,
-                     outside_legend, readable_log_ticks, role_groups, say_nothing_to_plot,
-                     short_label)
+from .common import (FONT_SIZE, ROLE_GROUPS, SCREEN_DPI, fit_inside, frame_keys, limit_lines,
+                     new_figure, outside_legend, readable_log_ticks, role_groups,
+                     say_nothing_to_plot, short_label)
 
-__all__ = ["plot_frames", "frame_window", "DEFAULT_WINDOW"]
+__all__ = ["plot_frames", "frame_window", "frame_name", "DEFAULT_WINDOW"]
 
 DEFAULT_WINDOW = 40  # frames drawn at most; more are shown as a window around the current one
-_NAMED_TICKS = 30  # up to this many frames, each tick names its module
+_TICK_FONT = FONT_SIZE - 1.5
+# CSS pixels between ticks that module names need: slanted at 60° (easier to read), or upright.
+_SLANTED_SPACING = 12.5
+_UPRIGHT_SPACING = 10.0
+_TICK_CHARS = 16  # longest module name under a tick ...
+_ROOMY_TICK_CHARS = 22  # ... and under ticks far apart (a few frames)
+_ROOMY_SPACING = 40.0
+
+
+def frame_name(batch: object, frame: object, rank: object = None) -> str:
+    """A frame as the DataFrame names it: "batch 3, frame 2" (the ``frame`` column counts the
+    hooks of its batch), with the rank in front when there are several: "rank 1, batch 3, ..."."""
+    where = f"batch {batch}, frame {frame}"
+    return f"rank {rank}, {where}" if rank is not None else where
 
 
 def _select_roles(frames: pd.DataFrame, roles: Iterable[str] | str | None) -> pd.DataFrame:
@@ -46,7 +59,7 @@ def frame_window(n_frames: int, current: int | None, window: int | None,
 def plot_frames(frames: pd.DataFrame, *, roles: Iterable[str] | str | None = None,
                 current: int | None = None, title: str | None = None,
                 window: int | None = DEFAULT_WINDOW, focus: int | None = None) -> Figure:
-    """abs max and abs min of each frame on a log scale, frames numbered 1, 2, ... in buffer order.
+    """abs max and abs min of each frame on a log scale, one after the other in buffer order.
 
     One point per frame: the largest abs max and smallest non-zero abs min over its tensors
     (``roles`` narrows them to role groups "weights" / "inputs" / "outputs" / "grads" or exact
@@ -54,9 +67,12 @@ def plot_frames(frames: pd.DataFrame, *, roles: Iterable[str] | str | None = Non
     marked with a red triangle along the top (with, when the frames carry ``finite_abs_max``, a
     hollow circle at its largest finite value), never drawn as a dip. Each float dtype's largest
     value is a dashed line, the first non-finite frame a red line, batch boundaries dotted lines
-    labelled along the top. ``current`` (a frame number) is shaded. With more than ``window``
-    frames, only a window of that many around ``current`` (or ``focus``, a frame to centre on
-    without shading it; else the first non-finite frame) is drawn (``window=None``: all).
+    labelled along the top. Each tick names the frame's module where there is room, else its
+    ``frame`` number within the batch (the DataFrame's numbering). On the x axis frame number N
+    means the Nth frame of ``frames`` (1-based; ``axes.get_xlim()`` is in these units):
+    ``current`` (such a number) is shaded. With more than ``window`` frames, only a window of
+    that many around ``current`` (or ``focus``, a frame to centre on without shading it; else
+    the first non-finite frame) is drawn (``window=None``: all).
     """
     figure, ax = new_figure(bottom=0.8)
     selected = _select_roles(frames, roles)
@@ -103,24 +119,42 @@ def plot_frames(frames: pd.DataFrame, *, roles: Iterable[str] | str | None = Non
     ax.set_xlim(low - 0.5, high + 0.5)
 
     module_names = selected["module"].to_numpy(dtype=object)[first_rows]
-    if len(x) <= _NAMED_TICKS:
+    frame_numbers = selected["frame"].to_numpy()[first_rows]
+    box = ax.get_position()
+    spacing = box.width * figure.get_figwidth() * SCREEN_DPI / len(x)  # CSS px per frame
+    if spacing >= _UPRIGHT_SPACING:
+        slanted = spacing >= _SLANTED_SPACING
         ax.set_xticks(x)
-        ax.set_xticklabels([short_label(str(name), 16) for name in module_names[shown]],
-                           rotation=60, ha="right", rotation_mode="anchor", fontsize=FONT_SIZE - 1.5)
+        placing = dict(rotation=60, ha="right", rotation_mode="anchor") if slanted \
+            else dict(rotation=90, ha="center")
+        chars = _ROOMY_TICK_CHARS if spacing >= _ROOMY_SPACING else _TICK_CHARS
+        ax.set_xticklabels([short_label(str(name), chars) for name in module_names[shown]],
+                           fontsize=_TICK_FONT, **placing)
         ax.set_xlabel("frames: the module each one recorded", labelpad=2)
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("frame number")
+        ax.xaxis.set_major_formatter(FuncFormatter(
+            lambda value, _: str(frame_numbers[int(value) - 1])
+            if value == int(value) and 1 <= value <= n_frames else ""))
+        ax.set_xlabel("frame (hook order within its batch)")
     ax.set_ylabel("|x|")
     if low > 1 or high < n_frames:
-        title = f"{title or 'abs max / abs min per frame'}  (frames {low}–{high} of {n_frames})"
+        batches = selected["batch"].to_numpy()[first_rows][shown]
+        span = f"batch {batches[0]}" if batches[0] == batches[-1] else \
+            f"batches {batches[0]}–{batches[-1]}"
+        title = f"{title or 'abs max / abs min per frame'}  ({high - low + 1} of {n_frames} " \
+                f"frames: {span})"
     ax.set_title(title or "abs max / abs min per frame", pad=14, loc="left")
 
     _batch_boundaries(ax, selected, first_rows, low, high)
     limit_lines(ax, selected["dtype"].unique(), frame_max)
     shown_bad = bad_numbers[(bad_numbers >= low) & (bad_numbers <= high)]
     if first_bad is not None:
-        label = f"first NaN/Inf: frame {first_bad}\n{short_label(str(module_names[first_bad - 1]))}"
+        at = first_rows[first_bad - 1]
+        ranks = selected["rank"].nunique() > 1 if "rank" in selected.columns else False
+        where = frame_name(selected["batch"].iloc[at], selected["frame"].iloc[at],
+                           selected["rank"].iloc[at] if ranks else None)
+        label = f"first NaN/Inf:\n{where}\n{short_label(str(module_names[first_bad - 1]))}"
         if low <= first_bad <= high:
             ax.axvline(first_bad, color="red", linewidth=1.5, label=label)
         else:
@@ -137,6 +171,7 @@ def plot_frames(frames: pd.DataFrame, *, roles: Iterable[str] | str | None = Non
         ax.axvspan(current - 0.5, current + 0.5, color="orange", alpha=0.25, label="current frame")
     readable_log_ticks(ax)
     outside_legend(ax)
+    fit_inside(figure)
     return figure
 
 

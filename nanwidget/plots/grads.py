@@ -10,8 +10,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .common import (new_figure, outside_legend, readable_log_ticks, say_nothing_to_plot,
-                     short_label)
+from .common import (fit_inside, new_figure, outside_legend, readable_log_ticks,
+                     say_nothing_to_plot, short_label)
 
 __all__ = ["plot_grad_norms"]
 
@@ -22,9 +22,12 @@ def plot_grad_norms(grad_history: pd.DataFrame, *, top: int = 8, threshold: floa
 
     ``grad_history`` has the columns of ``NanWatch.grad_history()`` (``batch``, ``batch_end``,
     ``param``, ``norm``, ``nonfinite``); merged windows are drawn at their middle batch.
-    Non-finite norms are marked with red crosses along the top edge; ``threshold`` (e.g. the
-    watch's ``grad_norm_warn``) is drawn as a dashed line. Draws into ``ax`` when given.
+    Non-finite norms are marked with red crosses along the top edge, norms of exactly 0 (which
+    a log axis cannot show: a parameter that got no gradient) with hollow circles along the
+    bottom edge, named in the legend; ``threshold`` (e.g. the watch's ``grad_norm_warn``) is
+    drawn as a dashed line. Draws into ``ax`` when given.
     """
+    own_figure = ax is None
     if ax is None:
         figure, ax = new_figure()
     else:
@@ -51,6 +54,16 @@ def plot_grad_norms(grad_history: pd.DataFrame, *, top: int = 8, threshold: floa
         ax.axhline(threshold, color="tab:orange", linestyle="--", linewidth=1,
                    label=f"threshold {threshold:g}")
     ax.set_yscale("log")
+    if finite.empty and (threshold is None or not math.isfinite(threshold)):
+        ax.set_ylim(0.1, 10)  # nothing to scale to: a sane empty range
+    zero = table[table["norm"].astype(float) == 0]
+    if len(zero):
+        names = list(pd.unique(zero["param"]))
+        named = ", ".join(short_label(str(name)) for name in names[:2])
+        ax.scatter(zero["x"], np.zeros(len(zero)), transform=ax.get_xaxis_transform(),
+                   marker="o", facecolors="none", edgecolors="tab:purple", clip_on=False,
+                   zorder=5, label=f"norm 0: {named}" if len(names) <= 2
+                   else f"norm 0: {named} and {len(names) - 2} more")
     if len(bad):
         ax.scatter(bad["x"], np.ones(len(bad)), transform=ax.get_xaxis_transform(),
                    marker="x", color="red", clip_on=False, zorder=5,
@@ -65,4 +78,6 @@ def plot_grad_norms(grad_history: pd.DataFrame, *, top: int = 8, threshold: floa
     ax.grid(True, which="major", alpha=0.3)
     readable_log_ticks(ax)
     outside_legend(ax)
+    if own_figure:
+        fit_inside(figure)
     return figure

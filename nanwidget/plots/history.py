@@ -10,7 +10,7 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .common import (limit_lines, new_figure, outside_legend, readable_log_ticks,
+from .common import (fit_inside, limit_lines, new_figure, outside_legend, readable_log_ticks,
                      say_nothing_to_plot, short_label)
 
 __all__ = ["plot_history", "largest_modules", "neighbour_modules", "first_bad_module"]
@@ -123,4 +123,5 @@ def plot_history(history: pd.DataFrame, modules: Sequence[str] | None = None, *,
         limit_lines(ax, [str(dtype).replace("torch.", "")], plotted)
     readable_log_ticks(ax)
     outside_legend(ax)
+    fit_inside(figure)
     return figure

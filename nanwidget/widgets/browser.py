@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,8 @@ from ..plots.common import display_width, figure_png, module_label
 from ..plots.frames import DEFAULT_WINDOW
 from ..plots.history import neighbour_modules
 from .sources import BrowserSource, open_source
-from .table import FrameIndex, layer_pattern
-from .theme import ALERT, MUTED, STYLESHEET
+from .table import FrameIndex, layer_pattern, layer_pattern_problem
+from .theme import ALERT, MUTED, PLOT_IMAGE, STYLESHEET
 
 __all__ = ["FrameBrowser"]
 
@@ -41,13 +42,15 @@ class FrameBrowser(widgets.VBox):
     ``source``: a NanWatch, a loaded Run, a Trace, a NanEvent or a frames DataFrame. Opens at
     the first event's frame when there is one. Parts carry the CSS classes of the contract
     (``nw-browser``, ``nw-status``, ``nw-prev`` ...). Controls and table sit left of the plots
-    (they wrap below on narrow pages). "frame N" is the same number everywhere: the slider, the
-    table's heading and the frames plot's x axis, where the current frame is marked.
+    (they wrap below on narrow pages). A frame is named as the DataFrame names it, "batch 3,
+    frame 2" (the ``frame`` column counts the hooks of a batch): next to the slider, in the
+    table's heading, in the frames plot (batches along its top), where the current frame is
+    marked. The plots follow the JupyterLab theme, light or dark.
 
-    Export: "export frames" offers the filtered frames as a CSV download in the browser; a path
-    typed next to "save" writes them on the kernel's machine instead (``.csv`` or ``.parquet``;
-    a bare folder or nothing: a timestamped file in it or in ``export_dir``, default the working
-    directory). ``plots=False`` leaves the plots out (e.g. for very large tables).
+    Export: "export frames" downloads the filtered frames as a CSV file in the browser, in one
+    click; a path typed next to "save" writes them on the kernel's machine instead (``.csv`` or
+    ``.parquet``; a folder: a timestamped file in it). ``plots=False`` leaves the plots out
+    (e.g. for very large tables).
 
     Displayed in a notebook, the browser also leaves a static HTML copy of itself (status, frame
     table, plots) in the output, hidden while the live widget shows: a saved notebook reopened
@@ -85,15 +88,15 @@ class FrameBrowser(widgets.VBox):
     # ------------------------------------------------------------------ parts
     def _build_parts(self) -> None:
         source = self.source
-        full = dict(width="100%")
         self.style = widgets.HTML(STYLESHEET, layout=widgets.Layout(display="none"))
         self.status = _classed(widgets.HTML(), "nw-status")
+        # min_width 0: a long view name shrinks the dropdown, never pushes the button out.
         self.view = _classed(widgets.Dropdown(options=list(source.views), description="view",
                                               tooltip="which frames to browse",
-                                              layout=widgets.Layout(flex="1 1 auto",
-                                                                    width="auto")), "nw-view")
+                                              layout=widgets.Layout(flex="1 1 auto", width="auto",
+                                                                    min_width="0")), "nw-view")
         self.view.style.description_width = "34px"
-        refresh_layout = widgets.Layout(width="36px",
+        refresh_layout = widgets.Layout(width="36px", flex="0 0 auto",
                                         display=None if source.refreshable else "none")
         self.refresh = _classed(widgets.Button(icon="refresh",
                                                tooltip="read the frames again from the source",
@@ -102,12 +105,15 @@ class FrameBrowser(widgets.VBox):
                                             layout=widgets.Layout(width="40px")), "nw-prev")
         self.next = _classed(widgets.Button(description="▶", tooltip="one frame forward",
                                             layout=widgets.Layout(width="40px")), "nw-next")
-        self.frame = _classed(widgets.IntSlider(min=1, max=1, value=1, description="frame",
+        # The slider is a position among the shown frames; the label beside it names the frame.
+        self.frame = _classed(widgets.IntSlider(min=1, max=1, value=1, readout=False,
                                                 continuous_update=True,
-                                                layout=widgets.Layout(flex="1 1 auto",
-                                                                      width="auto")),
+                                                tooltip="step through the frames",
+                                                layout=widgets.Layout(flex="1 1 auto", width="auto",
+                                                                      min_width="40px")),
                               "nw-frame")
-        self.frame.style.description_width = "40px"
+        self.frame_label = _classed(widgets.HTML(layout=widgets.Layout(flex="0 0 auto")),
+                                    "nw-frame-label")
         self.first_bad = _classed(widgets.Button(description="first NaN/Inf",
                                                  button_style="danger",
                                                  tooltip="jump to the first frame holding a NaN or Inf",
@@ -121,7 +127,7 @@ class FrameBrowser(widgets.VBox):
         self.filter_layer = _classed(widgets.Text(placeholder="layer: name or regex",
                                                   continuous_update=False,
                                                   tooltip="module name filter (regex)",
-                                                  layout=widgets.Layout(**full)),
+                                                  layout=widgets.Layout(width="auto")),
                                      "nw-filter-layer")
         self.filter_type = _classed(widgets.Dropdown(options=[_ANY_TYPE],
                                                      tooltip="module type filter",
@@ -141,7 +147,7 @@ class FrameBrowser(widgets.VBox):
         image_layout = dict(width="540px", height="auto", grid_area="1 / 1 / 2 / 2")
         self.frames_image = _classed(widgets.Image(format="png",
                                                    layout=widgets.Layout(**image_layout)),
-                                     "nw-plot-frames")
+                                     "nw-plot-frames", PLOT_IMAGE)
         self.frame_marker = _classed(widgets.HTML(layout=widgets.Layout(
             grid_area="1 / 1 / 2 / 2", width="100%", height="100%", margin="0")),
             "nw-marker-layer")
@@ -150,7 +156,7 @@ class FrameBrowser(widgets.VBox):
             layout=widgets.Layout(grid_template_columns="auto", grid_template_rows="auto",
                                   width="fit-content", max_width="100%")), "nw-plot-stack")
         self.history_image = _classed(widgets.Image(format="png", layout=widgets.Layout(
-            width="540px", height="auto", display="none")), "nw-plot-history")
+            width="540px", height="auto", display="none")), "nw-plot-history", PLOT_IMAGE)
         self.plot_note = _classed(widgets.HTML(), "nw-plot-note")
         self.plot = _classed(widgets.VBox([self.plot_choice, self.frames_plot, self.history_image,
                                            self.plot_note],
@@ -170,17 +176,21 @@ class FrameBrowser(widgets.VBox):
         self.export = _classed(widgets.Button(description="export frames (CSV)", icon="download",
                                               tooltip="download the filtered frames to this "
                                                       "computer as CSV",
-                                              layout=widgets.Layout(**full)), "nw-export")
+                                              layout=widgets.Layout(width="auto")), "nw-export")
         self.save_path = _classed(widgets.Text(
             placeholder="or save to: path.csv / .parquet",
             tooltip="a file or folder on the kernel's machine",
             layout=widgets.Layout(flex="1 1 auto", width="auto")), "nw-save-path")
         self.save = _classed(widgets.Button(description="save", icon="save",
                                             tooltip="write the filtered frames to this path on "
-                                                    "the kernel's machine (a folder or nothing: "
-                                                    "a timestamped file)",
-                                            layout=widgets.Layout(width="76px")), "nw-save")
+                                                    "the kernel's machine (a folder: a "
+                                                    "timestamped file in it)",
+                                            layout=widgets.Layout(width="76px",
+                                                                  flex="0 0 auto")), "nw-save")
         self.export_link = _classed(widgets.HTML(), "nw-export-link")
+        # Where the one-click download's script runs (an output area: widgets run no scripts),
+        # added at the first export.
+        self.download_script: widgets.Output | None = None
 
         self.prev.on_click(lambda _: self.step(-1))
         self.next.on_click(lambda _: self.step(+1))
@@ -202,7 +212,7 @@ class FrameBrowser(widgets.VBox):
         row = widgets.Layout(width="100%", flex_flow="row nowrap", align_items="center")
         controls = widgets.VBox([
             widgets.HBox([self.view, self.refresh], layout=row),
-            widgets.HBox([self.prev, self.frame, self.next], layout=row),
+            widgets.HBox([self.prev, self.frame, self.frame_label, self.next], layout=row),
             widgets.HBox([self.first_bad, self.only_bad], layout=row),
             self.filter_layer,
             widgets.HBox([self.filter_type, self.filter_role], layout=row),
@@ -300,6 +310,10 @@ class FrameBrowser(widgets.VBox):
             role_group=self.filter_role.value or "",
             only_bad=self.only_bad.value)
         self._visible = index.visible_frames(self._mask)
+        if self._layer_problem():
+            self.filter_layer.add_class("nw-invalid")
+        else:
+            self.filter_layer.remove_class("nw-invalid")
         count = len(self._visible)
         if start is not None and count:
             # Stay on (or just after) the frame that was shown.
@@ -349,12 +363,22 @@ class FrameBrowser(widgets.VBox):
     # ------------------------------------------------------------------ rendering
     def _render_frame(self) -> None:
         if not len(self._visible):
-            self.table.value = ("<i>No frames to show.</i>" if not self.index.n_frames
-                                else "<i>No frames match the filters.</i>")
+            self.frame_label.value = ""
+            if not self.index.n_frames:
+                self.table.value = "<i>No frames to show.</i>"
+            else:
+                problem = self._layer_problem()
+                self.table.value = "<i>No frames match the filters.</i>" + (
+                    f" <span class='nw-alert' style='{ALERT}'>{html.escape(problem)}</span>"
+                    if problem else "")
             return
         position = int(self._visible[self.frame.value - 1])
-        self.table.value = self.index.frame_html(position, self._mask, self.frame.value,
-                                                 len(self._visible))
+        self.frame_label.value = f"<span class='nw-frame-name'>{self.index.frame_name(position)}</span>"
+        self.table.value = self.index.frame_html(position, self._mask)
+
+    def _layer_problem(self) -> str:
+        """Why the layer filter is read as plain text ("" when it is a valid pattern)."""
+        return layer_pattern_problem(self.filter_layer.value)
 
     def _status_text(self) -> str:
         index = self.index
@@ -368,6 +392,9 @@ class FrameBrowser(widgets.VBox):
             held = f"{index.n_frames} frames ({index.n_rows} tensors) held, {span}{ranks}"
             if len(self._visible) != index.n_frames:
                 held += f" · {len(self._visible)} match the filters"
+            problem = self._layer_problem()
+            if problem:
+                held += f" · <span class='nw-alert' style='{ALERT}'>{html.escape(problem)}</span>"
         events = self.source.events
         if events:
             more = f" ({len(events)} events; first shown)" if len(events) > 1 else ""
@@ -408,7 +435,7 @@ class FrameBrowser(widgets.VBox):
             self._frames_window = (int(np.ceil(low)), int(np.floor(high)))
         else:
             self._frames_axis = None
-        self.frames_image.value = figure_png(figure)
+        self.frames_image.value = figure_png(figure, transparent=True)
         self.frames_image.layout.width = f"{display_width(figure)}px"
         self._render_marker(redraw=False)
 
@@ -430,10 +457,11 @@ class FrameBrowser(widgets.VBox):
         low, high, x0, x1, y0, y1 = axis
         width = (x1 - x0) / (high - low)
         left = x0 + (number - 0.5 - low) * width
-        module = module_label(str(self.index.module[self.index.first_rows[
-            int(self._visible[number - 1])]]))
+        position = int(self._visible[number - 1])
+        module = module_label(str(self.index.module[self.index.first_rows[position]]))
+        title = html.escape(f"{self.index.frame_name(position)}: {module}", quote=True)
         self.frame_marker.value = (
-            f"<div class='nw-marker' title='frame {number}: {html.escape(module, quote=True)}' "
+            f"<div class='nw-marker' title='{title}' "
             f"style='position:absolute;background:var(--nw-marker,rgba(255,152,0,.3));"
             f"left:{left * 100:.3f}%;width:{width * 100:.3f}%;top:{(1 - y1) * 100:.3f}%;"
             f"height:{(y1 - y0) * 100:.3f}%'></div>")
@@ -446,8 +474,12 @@ class FrameBrowser(widgets.VBox):
         if self.plot_choice.value == "frames":
             self.history_image.layout.display = "none"
             self.frames_plot.layout.display = "none" if rows_empty else None
+            problem = self._layer_problem() if rows_empty else ""
             self.plot_note.value = ("<i class='nw-muted'>no frames match the filters: nothing "
-                                    "to plot</i>" if rows_empty else "")
+                                    "to plot</i>" + (f" <span class='nw-alert' style='{ALERT}'>"
+                                                     f"{html.escape(problem)}</span>"
+                                                     if problem else "")
+                                    if rows_empty else "")
             return
         self.frames_plot.layout.display = "none"
         note = self._ensure_history_png()
@@ -507,7 +539,7 @@ class FrameBrowser(widgets.VBox):
             dtype = output_dtypes.iloc[-1] if len(output_dtypes) else None
             figure = plot_history(history, modules or None, dtype=dtype or None,
                                   around=self._event_module())
-            self._history_png = figure_png(figure)
+            self._history_png = figure_png(figure, transparent=True)
             self.history_image.value = self._history_png
             self.history_image.layout.width = f"{display_width(figure)}px"
             self._history_stale = False
@@ -570,10 +602,12 @@ class FrameBrowser(widgets.VBox):
         return self.filtered_frames
 
     def offer_download(self) -> str:
-        """Make the filtered frames a CSV download link (a data: URI the browser saves as a file).
+        """Download the filtered frames as a CSV file in the browser: the click on "export
+        frames" starts it (a script the page runs once), and a link under the buttons offers
+        the same file again.
 
-        Returns the file name offered; the link appears under the buttons. Tables too large for
-        a data: URI are refused with a message pointing at "save".
+        Returns the file name offered. Tables too large for a data: URI are refused with a
+        message pointing at "save".
         """
         rows = self._export_table()
         data = rows.to_csv(index=False).encode("utf-8")
@@ -586,15 +620,47 @@ class FrameBrowser(widgets.VBox):
                 f"save them to a path on the kernel's disk</span>")
             return ""
         self.last_download = (name, data)
+        href = f"data:text/csv;base64,{encoded}"
         self.export_link.value = (
-            f"<a class='nw-download' download='{name}' href='data:text/csv;base64,{encoded}'>"
-            f"⬇ {name}</a> <span class='nw-muted' style='{MUTED}'>({len(rows)} rows, "
-            f"{_size(len(data))}): click to save it from the browser</span>")
+            f"<span class='nw-muted' style='{MUTED}'>downloading {len(rows)} rows "
+            f"({_size(len(data))}) as</span> <a class='nw-download' download='{name}' "
+            f"href='{href}'>⬇ {name}</a> <span class='nw-muted' style='{MUTED}'>(if it did "
+            "not start, click the name)</span>")
+        self._start_download(name, href)
         return name
 
+    def _start_download(self, name: str, href: str) -> None:
+        """Have the page save ``href`` as ``name`` now. The script runs once: not again when
+        the browser is shown a second time, nor in a notebook reopened later (saved widget
+        state), where the link stays."""
+        from IPython.display import Javascript
+        token = f"{self.model_id}-{time.time_ns()}"
+        script = (
+            "(() => {"
+            f" const token = {json.dumps(token)}, issued = {int(time.time() * 1000)};"
+            " const done = (window.nanwidgetDownloads = window.nanwidgetDownloads || new Set());"
+            " if (done.has(token) || Math.abs(Date.now() - issued) > 60000) return;"
+            " done.add(token);"
+            " const link = document.createElement('a');"
+            f" link.href = {json.dumps(href)}; link.download = {json.dumps(name)};"
+            " link.style.display = 'none'; document.body.appendChild(link); link.click();"
+            " link.remove(); })();")
+        if self.download_script is None:
+            self.download_script = _classed(
+                widgets.Output(layout=widgets.Layout(display="none")), "nw-download-script")
+            self.children = (*self.children, self.download_script)
+        self.download_script.outputs = ()  # the last click's script, only
+        self.download_script.append_display_data(Javascript(script))
+
     def _save_clicked(self) -> None:
+        typed = self.save_path.value.strip()
+        if not typed:  # never a file nobody asked for: say what to type
+            self.export_link.value = (
+                f"<span class='nw-alert' style='{ALERT}'>type where to save first: a file "
+                "(frames.csv, frames.parquet) or a folder on the kernel's machine</span>")
+            return
         try:
-            self.export_frames(self.save_path.value.strip() or None)
+            self.export_frames(typed)
         except (OSError, ValueError) as error:
             self.export_link.value = (f"<span class='nw-alert' style='{ALERT}'>could not save: "
                                       f"{html.escape(str(error))}</span>")
@@ -684,7 +750,8 @@ class FrameBrowser(widgets.VBox):
 
 
 def _img(png: bytes, alt: str, width: str) -> str:
-    return (f"<img alt='{alt}' style='width:{width};max-width:100%;display:block' "
+    return (f"<img class='{PLOT_IMAGE}' alt='{alt}' "
+            f"style='width:{width};max-width:100%;display:block;background:#fff' "
             f"src='data:image/png;base64,{base64.b64encode(png).decode()}'>")
 
 

@@ -12,9 +12,10 @@ import pandas as pd
 from ..core.schema import note_has_stats
 from ..core.stats import dtype_max
 from ..plots.common import frame_keys, module_label, role_groups
+from ..plots.frames import frame_name
 from .theme import ALERT, MUTED, NEAR_LIMIT_ROW, NONFINITE_ROW
 
-__all__ = ["FrameIndex", "NEAR_LIMIT_FRACTION", "layer_pattern"]
+__all__ = ["FrameIndex", "NEAR_LIMIT_FRACTION", "layer_pattern", "layer_pattern_problem"]
 
 # An abs max above this fraction of its dtype's largest value is marked (fp16: 6550.4).
 NEAR_LIMIT_FRACTION = 0.1
@@ -34,6 +35,20 @@ def layer_pattern(text: str) -> re.Pattern[str] | None:
         return re.compile(text, re.IGNORECASE)
     except re.error:
         return re.compile(re.escape(text), re.IGNORECASE)
+
+
+def layer_pattern_problem(text: str) -> str:
+    """Why the layer filter ``text`` is not a valid regular expression (it is then matched as
+    plain text); "" when it is one."""
+    text = text.strip()
+    if not text:
+        return ""
+    try:
+        re.compile(text)
+    except re.error as error:
+        return (f"the layer pattern {text!r} is not a valid regular expression ({error}): "
+                "matched as plain text")
+    return ""
 
 
 def _number(value: float) -> str:
@@ -107,28 +122,28 @@ class FrameIndex:
     def position_of(self, rank: int, batch: int, phase: str, frame: int) -> int | None:
         return self._position.get((rank, batch, phase, frame))
 
-    # ------------------------------------------------------------------ rendering
-    def frame_html(self, position: int, mask: np.ndarray | None, number: int, count: int) -> str:
-        """The table of frame ``position``, shown as frame ``number`` of ``count``: its rows
-        under ``mask``, flagged.
+    def frame_name(self, position: int) -> str:
+        """Frame ``position`` as the DataFrame names it: "batch 3, frame 2" (the rank in front
+        when the table holds several)."""
+        first = self.table.iloc[int(self.first_rows[position])]
+        rank = first["rank"] if len(self.ranks) > 1 else None
+        return frame_name(first["batch"], first["frame"], rank)
 
-        "frame" always means the browser's 1-based count (the slider's number, the plot's x).
-        The hook order within the batch (the DataFrame's ``frame`` column) is called "hook".
-        """
+    # ------------------------------------------------------------------ rendering
+    def frame_html(self, position: int, mask: np.ndarray | None) -> str:
+        """The table of frame ``position``: its rows under ``mask``, flagged, under a heading
+        that names the frame as the DataFrame does ("batch 3, frame 2": the ``batch`` and
+        ``frame`` columns, ``frame`` counting the hooks of the batch as they fired)."""
         rows = self.rows_of_frame[position]
         if mask is not None:
             rows = rows[mask[rows]]
         table = self.table
         first = table.iloc[int(self.first_rows[position])]
-        rank = f" · rank {first['rank']}" if len(self.ranks) > 1 else ""
         bad = f" · <b class='nw-alert' style='{ALERT}'>NaN/Inf</b>" if self.frame_bad[position] else ""
-        head = (f"<div class='nw-frame-head'><b>frame {number}</b>"
-                f"<span class='nw-muted' style='{MUTED}'> of {count}</span> · "
+        head = (f"<div class='nw-frame-head'><b>{html.escape(self.frame_name(position))}</b> · "
                 f"<b>{html.escape(module_label(str(first['module'])))}</b>"
-                f" ({html.escape(str(first['module_type']))}) · batch {first['batch']}, "
-                f"<span title='its place in the batch&#39;s hook order: the frame column of the "
-                f"DataFrame'>hook {first['frame']}</span> · {html.escape(str(first['phase']))}"
-                f" · call {first['call']}{rank}{bad}</div>")
+                f" ({html.escape(str(first['module_type']))}) · "
+                f"{html.escape(str(first['phase']))} · call {first['call']}{bad}</div>")
         lines = ["<table class='nw-table' style='border-collapse:collapse'>",
                  "<thead><tr>" + "".join(
                      f"<th style='{_CELL_LEFT if i < 3 else _CELL}'>{name}</th>"

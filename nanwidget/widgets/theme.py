@@ -4,11 +4,17 @@ One stylesheet, shipped inside the widget (and inside its static copy): the aler
 JupyterLab's dark error red on light themes and its light error red on dark ones, both over a
 faint red tint, so that text keeps a contrast of at least 4.5:1 (WCAG AA) in either theme.
 Every variable has a fallback for pages that do not define JupyterLab's (nbconvert, VS Code).
+
+The plots are drawn once, dark on a transparent background; on a dark theme the page turns
+them light (``filter: invert(1) hue-rotate(180deg)`` keeps each colour's hue and swaps its
+lightness), so they sit on the theme's own background without a second drawing. The static
+copy's pictures carry a white background inline: where a sanitizer strips the stylesheet, they
+stay dark on white.
 """
 
 from __future__ import annotations
 
-__all__ = ["STYLESHEET", "ALERT", "MUTED", "NONFINITE_ROW", "NEAR_LIMIT_ROW"]
+__all__ = ["STYLESHEET", "ALERT", "MUTED", "NONFINITE_ROW", "NEAR_LIMIT_ROW", "PLOT_IMAGE"]
 
 # Inline styles that still read well where the stylesheet is stripped (e.g. a sanitizer).
 ALERT = "color:var(--nw-alert-fg,#b00000)"
@@ -19,6 +25,9 @@ NEAR_LIMIT_ROW = "background:var(--nw-near-bg,#fff1c2)"
 _DARK = ('body[data-jp-theme-light="false"] {0}, body.vscode-dark {0}, '
          'body.vscode-high-contrast {0}')
 _SCOPE = ".nw-browser, .nw-static"
+PLOT_IMAGE = "nw-plot-image"  # the class of every plot picture (live and static)
+_PLOTS = f".nw-browser .{PLOT_IMAGE}"
+_STATIC_PLOTS = f".nw-static .{PLOT_IMAGE}"
 
 STYLESHEET = f"""
 <style>
@@ -36,6 +45,9 @@ STYLESHEET = f"""
   --nw-near-bg: rgba(255, 183, 77, 0.22);
   --nw-marker-edge: #ffb74d;
 }}
+{_DARK.format(_PLOTS)}, {_DARK.format(_STATIC_PLOTS)} {{
+  filter: invert(1) hue-rotate(180deg); background: transparent !important;
+}}
 .nw-alert {{ color: var(--nw-alert-fg); background: var(--nw-alert-bg); padding: 0 3px;
   border-radius: 2px; }}
 .nw-muted {{ color: var(--nw-muted); }}
@@ -52,6 +64,8 @@ STYLESHEET = f"""
   border-left: 1px solid var(--nw-marker-edge); border-right: 1px solid var(--nw-marker-edge);
   box-sizing: border-box; pointer-events: none; }}
 .nw-browser .widget-image {{ max-width: 100%; }}
+.nw-browser .nw-frame-label {{ white-space: nowrap; font-size: 12px; margin: 0 2px; }}
+.nw-browser .nw-filter-layer.nw-invalid input {{ border-color: var(--nw-alert-fg); }}
 .nw-browser .nw-export-link a {{ font-weight: bold; }}
 .nw-browser .nw-trace pre {{ line-height: 1.3; max-height: 260px; overflow: auto;
   font-size: 11px; }}

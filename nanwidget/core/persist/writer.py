@@ -180,10 +180,31 @@ class RecordingWriter(Feature):
             self._closed = True
             atexit.unregister(self._atexit)
 
+    def on_output_magnitude(self, batch: int, module: str, abs_max: float,
+                            abs_min: float) -> None:
+        try:
+            self._fold(batch, module, self.recorder.module_types[
+                self.recorder.module_names.index(module)], abs_max, abs_min, False)
+        except Exception as error:
+            self.recorder.internal_error(error)
+
     # recording ---------------------------------------------------------------------------
+    def _fold(self, batch: int, module: str, module_type: str, abs_max: float, abs_min: float,
+              bad: bool) -> None:
+        """One output's magnitudes into the history row of (batch, module)."""
+        key = (batch, module, module_type)
+        row = self._history.get(key)
+        if row is None:
+            self._history[key] = [abs_max, abs_min, bad]
+            return
+        if not math.isnan(abs_max) and not abs_max <= row[0]:
+            row[0] = abs_max
+        if not math.isnan(abs_min) and not abs_min >= row[1]:
+            row[1] = abs_min
+        row[2] = row[2] or bad
+
     def _collect(self, frames: list[Frame]) -> None:
         trace_batches = self.recorder.trace_batches
-        history = self._history
         for frame in frames:
             if frame.batch in trace_batches:
                 self._frame_rows.extend(frame.rows())
@@ -191,19 +212,9 @@ class RecordingWriter(Feature):
                 continue
             for entry in frame.outputs():
                 stats = entry.stats
-                if stats is None:
-                    continue
-                key = (frame.batch, frame.module, frame.module_type)
-                row = history.get(key)
-                bad = bool(stats.nan or stats.inf)
-                if row is None:
-                    history[key] = [stats.abs_max, stats.abs_min, bad]
-                    continue
-                if not math.isnan(stats.abs_max) and not stats.abs_max <= row[0]:
-                    row[0] = stats.abs_max
-                if not math.isnan(stats.abs_min) and not stats.abs_min >= row[1]:
-                    row[1] = stats.abs_min
-                row[2] = row[2] or bad
+                if stats is not None:
+                    self._fold(frame.batch, frame.module, frame.module_type, stats.abs_max,
+                               stats.abs_min, bool(stats.nan or stats.inf))
 
     def _write_event(self, event: NanEvent) -> None:
         number = self._events_written

@@ -6,12 +6,16 @@ read at most:
 
 - dense CPU tensors go to the native kernel (:mod:`nanwidget.core.native`), which reads each
   once where it lies: nothing is copied and nothing waits for a device;
-- every other tensor (GPU, odd layouts, or no kernel) gets a device-side sum (gradients on a
-  GPU: ``torch._foreach_norm``, one fused kernel per device and dtype), accumulated in float32
-  or float64. A NaN or Inf anywhere makes that number non-finite; finite values make it finite
-  unless they are large enough to overflow the sum. The numbers of every device are stacked and
-  copied to the host together: :meth:`NonFiniteCheck.read` is the one host read. A non-finite
-  number is then confirmed exactly on its tensor (an overflowing sum is no false alarm).
+- every other tensor (GPU, odd layouts, or no kernel) gets a device-side largest |x| (the
+  infinity norm; gradients on a GPU: ``torch._foreach_norm``, one fused kernel per device and
+  dtype, accumulated in float32 or float64). A NaN or Inf anywhere makes that number
+  non-finite. The numbers of every device are stacked and copied to the host together:
+  :meth:`NonFiniteCheck.read` is the one host read. A non-finite number is then confirmed
+  exactly on its tensor (an overflowing norm is no false alarm).
+
+Both ways measure the tensors' largest |x| on the way (both, for an unfused check, and the
+smallest |x| too on CPU): :attr:`NonFiniteCheck.abs_max` gives what the sentinel checked
+its magnitude, at no extra read.
 """
 
 from __future__ import annotations
@@ -103,11 +107,16 @@ class NonFiniteCheck:
 
     ``items``: ``(label, values)`` with ``values`` from :func:`checkable` (or None to skip).
     ``fused``: reduce device tensors with one ``torch._foreach_norm`` per device and dtype
-    (gradients); else one sum per tensor (outputs, a few leaves). ``result``: a
+    (gradients); else one infinity norm per tensor (outputs, a few leaves). ``result``: a
     :func:`nanwidget.core.native.result_buffer` to reuse (one per thread).
+
+    Once read, an unfused check with nothing bad knows its tensors' magnitude: ``abs_max``
+    (the largest |x| of all, with ``abs_max_dtype`` its tensor's dtype) and ``abs_min`` (the
+    smallest, NaN when only a device measured them); NaN otherwise.
     """
 
-    __slots__ = ("bad", "pending", "numbers", "checked")
+    __slots__ = ("bad", "pending", "numbers", "checked", "abs_max", "abs_min", "abs_max_dtype",
+                 "_fused")
 
     def __init__(self, items: Iterable[tuple[str, torch.Tensor | None]], *, fused: bool = False,
                  result: Any = None) -> None:
@@ -116,6 +125,9 @@ class NonFiniteCheck:
         self.pending: list[tuple[int, str, torch.Tensor]] = []
         self.numbers: torch.Tensor | None = None
         self.checked = 0
+        self.abs_max = self.abs_min = math.nan
+        self.abs_max_dtype: torch.dtype | None = None
+        self._fused = fused
         direct = native.available()
         if direct and result is None:
             result = native.result_buffer()
@@ -125,11 +137,15 @@ class NonFiniteCheck:
                 continue
             self.checked += 1
             if direct and native.eligible(values):
-                _, high = native.abs_range(values, result)  # reads the data, no autograd
+                low, high = native.abs_range(values, result)  # reads the data, no autograd
                 if high != high:
                     self.bad.append(BadTensor(label, True, _has_inf(values), position))
                 elif high == math.inf:
                     self.bad.append(BadTensor(label, False, True, position))
+                elif not high <= self.abs_max:  # also the first (abs_max NaN)
+                    self.abs_max, self.abs_max_dtype = high, values.dtype
+                if not low >= self.abs_min:
+                    self.abs_min = low
                 continue
             grouped.setdefault((values.device, values.dtype), []).append(
                 (position, label, values.detach()))
@@ -182,24 +198,33 @@ class NonFiniteCheck:
         if numbers is not None:
             values = numbers.tolist()  # the one host read
             suspects = [self.pending[i] for i, value in enumerate(values) if not math.isfinite(value)]
+            if not self._fused and not suspects:  # each number is its tensor's largest |x|
+                largest = max(range(len(values)), key=values.__getitem__)
+                if not values[largest] <= self.abs_max:
+                    self.abs_max, self.abs_max_dtype = values[largest], self.pending[largest][2].dtype
+                self.abs_min = math.nan  # a device measured some: no smallest |x| for them
             self.pending = []
             for position, label, tensor in suspects:
                 stats = measure_tensor(tensor)
                 if stats.nan or stats.inf:
                     self.bad.append(BadTensor(label, stats.nan, stats.inf, position))
             self.bad.sort(key=lambda bad: bad.position)
+        if self.bad:
+            self.abs_max = self.abs_min = math.nan
         return self.bad
 
 
 def device_numbers(tensors: list[torch.Tensor], dtype: torch.dtype, *, fused: bool) -> torch.Tensor:
     """One float64 number per tensor (all of ``dtype``, on one device), computed where they
-    lie: non-finite whenever the tensor holds a NaN or an Inf (and, rarely, when finite values
-    overflow the accumulation). ``fused``: L2 norms by one ``torch._foreach_norm``; else sums."""
-    accumulator = _accumulator(dtype)
+    lie: non-finite whenever the tensor holds a NaN or an Inf. ``fused``: L2 norms by one
+    ``torch._foreach_norm`` (non-finite, rarely, also when finite values overflow the
+    accumulation); else each tensor's largest |x| (its infinity norm: a max keeps a NaN, and
+    never overflows)."""
     if fused and dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        numbers = torch._foreach_norm(tensors, 2, dtype=accumulator)
+        numbers = torch._foreach_norm(tensors, 2, dtype=_accumulator(dtype))
     else:
-        numbers = [t.sum(dtype=accumulator) for t in tensors]
+        numbers = [torch.linalg.vector_norm(t, math.inf) if t.numel() else t.new_zeros(())
+                   for t in tensors]
     return torch.stack(numbers).double()
 
 

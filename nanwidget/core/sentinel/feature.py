@@ -11,6 +11,12 @@ Per batch, with no hook on any module but the root:
 - the batch itself stays held for replay (:class:`~nanwidget.core.replay.capture.BatchCapture`:
   references to the inputs, RNG states, modes, version counters).
 
+What the sentinel checks is also what it shows: each checked batch's largest |x| over the
+root's outputs (measured by the check itself, no extra read) is the root's row of
+``history()`` for that batch and :attr:`Sentinel.outputs_abs_max`. A NaN/Inf made outside the
+model, e.g. in a loss computed from its outputs, reaches no output: only the gradient check
+(``backward=True``) or the loss itself (the watch's ``loss_fn``) can see it.
+
 Where the host reads happen (at most one small read per batch): on CPU the native kernel reads
 each output where it lies, at the root forward's return (no device, nothing to wait for; without
 the kernel the numbers are CPU tensors, read at once); on a GPU the per-tensor numbers are
@@ -100,6 +106,12 @@ class Sentinel(Feature):
         self.grad_checks = 0
         self.replays = 0
         self.last_replay_seconds = 0.0
+        # The root outputs' largest |x| (and its tensor's dtype) in the latest batch whose check
+        # was read and found nothing: what a status line shows (NaN before the first).
+        self.outputs_batch: int | None = None
+        self.outputs_abs_max = float("nan")
+        self.outputs_dtype: torch.dtype | None = None
+        self._root_name = recorder.modules[0].name
         self._full_batches: list[int] = []  # recent batches recorded in full, live
         # Recent batches of a compiled model that ran eagerly: direct calls of the original
         # module (Recorder.attach_direct_call_hooks); no compiled re-run of those.
@@ -192,13 +204,13 @@ class Sentinel(Feature):
         if stale:
             self._deferred = [d for d in self._deferred if d[0] == batch]
             for old_batch, forward, old_check in stale:
-                bad = self._read(old_check)
+                bad = self._read(old_check, old_batch)
                 if bad and event is None:
                     return self._forward_event(old_batch, forward, bad)
         if event is not None:
             return None  # found in a batch recorded in full: the review adds the op trace
         if pending is not None:
-            bad = self._read(pending[2])
+            bad = self._read(pending[2], pending[0])
             if bad:
                 return self._forward_event(pending[0], pending[1], bad)
         if self._replay_sample == batch:
@@ -214,13 +226,22 @@ class Sentinel(Feature):
             self._attach_trace(event)
         return event
 
-    def _read(self, check: NonFiniteCheck) -> list[BadTensor]:
+    def _read(self, check: NonFiniteCheck, batch: int) -> list[BadTensor]:
         if check.waiting:
             self.reads += 1
         bad = check.read()
         if bad and self._root_may_hold_inf:  # allow_inf covers the root: only a NaN counts
             bad = [b for b in bad if b.nan]
+        if not bad:
+            self._show_outputs(batch, check)
         return bad
+
+    def _show_outputs(self, batch: int, check: NonFiniteCheck) -> None:
+        """A clean check's magnitude: the root's row in the history, and the latest values."""
+        if check.abs_max == check.abs_max:  # measured (not NaN)
+            self.outputs_batch, self.outputs_abs_max = batch, check.abs_max
+            self.outputs_dtype = check.abs_max_dtype
+            self.recorder.add_history_row(batch, self._root_name, check.abs_max, check.abs_min)
 
     # ------------------------------------------------------------------ gradients
     def _grad_hook(self, batch: int, slot: dict[str, torch.Tensor], role: str) -> Any:
@@ -263,6 +284,8 @@ class Sentinel(Feature):
                 bad = check.read()
                 if bad and self._root_may_hold_inf:
                     bad = [b for b in bad if b.nan]
+                if not bad:
+                    self._show_outputs(forward_batch, check)
                 if bad:
                     finding = self._forward_event(forward_batch, forward, bad)
                     break
