@@ -167,7 +167,8 @@ class NanWatch:
                 snapshot_weights=options.snapshot_weights))
             # In sentinel mode every event is replayed by the sentinel itself.
             replayer = Replayer(recorder, capture,
-                                replay_on_nan=options.replay_on_nan and not sentinel_mode)
+                                replay_on_nan=options.replay_on_nan and not sentinel_mode,
+                                loss_fn=options.loss_fn)
             if replayer.replay_on_nan:  # it reviews events only to replay them
                 recorder.add_feature(replayer)
         if options.backward and not sentinel_mode:
@@ -178,7 +179,7 @@ class NanWatch:
             assert capture is not None
             sentinel = recorder.add_feature(Sentinel(
                 recorder, capture, sample_every=options.sample_every, backward=options.backward,
-                compiled=bool(self.compiled),
+                compiled=bool(self.compiled), loss_fn=options.loss_fn,
                 defer_reads="never" if with_consensus else "device"))
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))

@@ -269,6 +269,11 @@ class NanwatchMagics(Magics):
         """The watch options the flags name (the flags are declared with the options)."""
         options = {name: getattr(args, name) for name, declared in OPTIONS.items()
                    if declared.flag is not None and getattr(args, name) is not None}
+        for name, value in options.items():
+            flag = OPTIONS[name].flag
+            if flag is not None and flag.lookup:  # a variable of the notebook, found by name
+                options[name] = self.manager.lookup_value(self.shell.user_ns, value,
+                                                          flag.names[-1])
         for name, declared in OPTIONS.items():
             needs = declared.needs
             if name in options and needs is not None and options.get(needs.option) != needs.value:
