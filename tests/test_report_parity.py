@@ -31,6 +31,8 @@ from nanwidget.core.report import format_frames
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("NANWIDGET_UPDATE_GOLDEN") == "1"
+# Source lines name files by their full path: the golden files hold them relative to the repo.
+_REPO = str(Path(__file__).resolve().parent.parent) + os.sep
 
 # transformers' detect_overflow prints "<ctx> has infs" from inside its hook: not part of a dump.
 _HOOK_PRINT = re.compile(r"^\S+ has (nans|infs)$")
@@ -38,6 +40,7 @@ _FRAME_HEADER = " " * 18  # module headers and batch separators; tensor lines st
 _LEAF_LINE = re.compile(r"^\s+(?:None|not a tensor) (?P<role>\S+)$")
 _TENSOR_LINE = re.compile(r"^ *\S+ +\S+ (?P<role>\S+)")
 _MARK = re.compile(r"  <-- (nan|inf|nan\+inf)$")
+_DIAGNOSIS_LINES = ("Diagnosis (", "  - ", "  Rows of the batch", "  Try: ")
 
 
 # ---------------------------------------------------------------------------- the scenarios
@@ -146,7 +149,7 @@ def run_nanwidget(scenario: Scenario) -> tuple[str, nw.NanWatch]:
     with nw.watch(model, trace_batches=scenario.trace_batches, abort_after=scenario.abort_after,
                   on_nan="record") as watch:
         _run(scenario, model, (nw.AbortAfterBatch,))
-    return watch.report(), watch
+    return watch.report().replace(_REPO, ""), watch
 
 
 # ---------------------------------------------------------------------------- comparing
@@ -158,11 +161,14 @@ def _role(line: str) -> str | None:
 
 
 def _without_our_additions(text: str) -> list[str]:
-    """Our report less what we add on purpose: the summary line, `<-- inf` marks, keyword
-    inputs, and ModelOutput leaves (transformers prints a ModelOutput as `not a tensor`)."""
+    """Our report less what we add on purpose: the summary line and the diagnosis after it,
+    `<-- inf` marks, keyword inputs, and ModelOutput leaves (transformers prints a ModelOutput
+    as `not a tensor`)."""
     lines = text.rstrip("\n").split("\n")
     if lines and lines[0].startswith("nanwidget: "):
         lines = lines[1:]
+        while lines and lines[0].startswith(_DIAGNOSIS_LINES):
+            lines = lines[1:]
     out: list[str] = []
     for line in lines:
         line = _MARK.sub("", line)

@@ -81,8 +81,12 @@ class TrainingStop:
         """One line: the step, the phase, and the first problem found on any rank."""
         where = "before the optimizer step" if self.phase == "train" else "after evaluation"
         found = ", ".join(map(str, self.found_on))
+        diagnosis = getattr(self.event, "diagnosis", None)
+        # Why, when the reason is this rank's own event (another rank's reason has its own).
+        why = (f". {diagnosis.brief()}" if diagnosis is not None
+               and self.reason == self.event.summary() else "")
         return (f"nanwidget stopped training at step {self.step} ({where}; found on rank "
-                f"{found}): {self.reason}")
+                f"{found}): {self.reason}{why}")
 
 
 @dataclass

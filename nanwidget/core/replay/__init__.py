@@ -78,6 +78,16 @@ class Replayer(Feature):
         loss_fn = automatic_loss(self.capture.batch_to_replay(event.batch), self.loss_fn)
         return self.replay(event.batch, loss_fn, expected=event)
 
+    def trace_for(self, event: NanEvent) -> Trace | None:
+        """A replay of ``event``'s batch for its diagnosis (not attached to the event): None
+        when no automatic replay can run it, or when it fails."""
+        if not self.can_replay(event):
+            return None
+        try:
+            return self.replay_event(event)
+        except Exception:  # the diagnosis goes on from the frames
+            return None
+
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
         if (event is None or not self.replay_on_nan or event.trace is not None
                 or not self.can_replay(event) or self.auto_replays >= MAX_AUTO_REPLAYS):
