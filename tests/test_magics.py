@@ -221,7 +221,10 @@ def test_cell_stops_at_nan_shows_browser_and_one_line_error(ip):
             run(ip, cell)
     assert "not reached" not in captured.stdout
     lines = raised.value._render_traceback_()
-    assert len(lines) <= 2 and lines[0].startswith("NanDetected: nan in batch 3 at module 'fc2'")
+    assert len(lines) <= 3 and lines[0].startswith("NanDetected: nan in batch 3 at module 'fc2'")
+    # Why, in one line: the diagnosis' kind, summary and first fix.
+    assert lines[1].startswith("Why (corrupted-weight): 'fc2.weight' became NaN between batch 2 "
+                               "and batch 3") and " Try: " in lines[1]
     shown = [o.data.get("text/plain", "") for o in captured.outputs]
     assert any(text.startswith("FrameBrowser(") for text in shown)
     browser_outputs = [o for o in captured.outputs

@@ -130,22 +130,33 @@ class Diagnoser(Feature):
         event = facts.event
         held = self.capture.held_inputs(event.batch) if self.capture is not None else []
         for role, tensor in held:
-            described = describe_input(role, tensor)
+            try:
+                described = describe_input(role, tensor)
+            except Exception:  # a tensor that cannot be read here (inside vmap, say): skip it
+                continue
             if described is not None:
                 facts.inputs.append(described)
         facts.inputs_held = bool(held)
         if held:
             return
+        # Not held: the root's frame of the batch says which of its inputs held NaN (in the
+        # event's window, the trace, or the ring: the root's frame is the batch's last).
+        root = self.recorder.modules[0].name
         for frames in (event.frames, getattr(event.trace, "frames", None)):
             if not isinstance(frames, pd.DataFrame) or frames.empty:
                 continue
-            rows = frames[(frames["module"] == self.recorder.modules[0].name)
-                          & (frames["phase"] == "forward") & (frames["batch"] == event.batch)
-                          & frames["role"].str.startswith(("input", "kwarg:"))
-                          & frames["nan"]]
+            rows = frames[(frames["module"] == root) & (frames["phase"] == "forward")
+                          & (frames["batch"] == event.batch)
+                          & frames["role"].str.startswith(("input", "kwarg:")) & frames["nan"]]
             if not rows.empty:
                 facts.bad_input_roles = list(dict.fromkeys(rows["role"]))
                 return
+        for frame in self.recorder.held_frames():
+            if frame.module == root and frame.phase == "forward" and frame.batch == event.batch:
+                roles = [e.role for e in frame.inputs() if e.stats is not None and e.stats.nan]
+                if roles:
+                    facts.bad_input_roles = list(dict.fromkeys(roles))
+                    return
 
     def _output_grad_bad(self, event: NanEvent, root: str) -> bool | None:
         for frames in (event.frames, getattr(event.trace, "frames", None)):

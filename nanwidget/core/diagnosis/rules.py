@@ -101,8 +101,9 @@ def _growth_line(what: str, growth: Growth) -> str:
 
 def _no_history(facts: Facts) -> list[str]:
     """What sentinel mode could not check for lack of recorded batches."""
-    if not facts.sentinel or len([b for b, _ in facts.weights.series if b <= facts.event.batch]) >= 3:
-        return []
+    recorded = len([b for b, _ in facts.weights.series if b <= facts.event.batch])
+    if not facts.sentinel or recorded >= min(3, facts.event.batch + 1):
+        return []  # as much as full mode would have had
     return ["Sentinel mode records no batch in full without sample_every, so whether the weights "
             "grew over the batches before (a divergence) could not be checked; watch with "
             "sample_every=N to keep that history."]
