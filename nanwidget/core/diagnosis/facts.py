@@ -30,47 +30,33 @@ HISTORY_BATCHES = 16
 
 class WeightLog:
     """The weights across batches, from the frames the watch records anyway (every batch in full
-    mode; sampled and replayed batches in sentinel mode): per batch, the sum over modules of
-    their weights' abs max (one float); per module, the first and the last finite measurement,
-    and the first batch it held a NaN/Inf. Fed once per batch, outside the module hooks."""
+    mode; sampled and replayed batches in sentinel mode): per batch one float, the sum of the
+    weights' abs max; per module, its weights' abs max the first time it was seen (recorded
+    once). Fed once per batch, never in a module hook."""
 
     def __init__(self, batches: int = WEIGHT_LOG_BATCHES) -> None:
         self.batches = batches
-        self.series: list[tuple[int, float]] = []  # (batch, sum of module weight abs max)
-        self.first: dict[str, tuple[int, float]] = {}
-        self.last_finite: dict[str, tuple[int, float]] = {}
-        self.first_nonfinite: dict[str, int] = {}
+        self.series: list[tuple[int, float]] = []  # (batch, sum of the weights' abs max)
+        self.first: dict[str, tuple[int, float]] = {}  # module -> (batch, its weights' abs max)
 
     def take(self, frames: list[Frame]) -> None:
-        """Fold a batch's resolved frames in (forward frames of modules with own weights)."""
-        per_module: dict[str, float] = {}
+        """Fold a batch's resolved frames in (the weight entries of forward frames)."""
+        total = 0.0
         batch = -1
         for frame in frames:
-            count = frame.first_input
-            if not count or frame.phase != "forward":
-                continue
-            high = 0.0
-            bad = False
-            for entry in frame.entries[:count]:
-                stats = entry[1]
-                if stats is None:
-                    continue
-                if stats.nan or stats.inf:
-                    bad = True
-                elif stats.abs_max > high:
-                    high = stats.abs_max
-            module = frame.module
-            if bad:
-                self.first_nonfinite.setdefault(module, frame.batch)
-                continue
-            batch = frame.batch
-            self.last_finite[module] = (batch, high)
-            if module not in self.first:
-                self.first[module] = (batch, high)
-            per_module[module] = high
-        if not per_module:
+            count = frame.first_input  # weights come first; backward frames have none
+            if count:
+                batch = frame.batch
+                for entry in frame.entries[:count]:
+                    stats = entry[1]
+                    if stats is not None:
+                        total += stats.abs_max
+        if batch < 0:
             return
-        total = sum(per_module.values())
+        if not self.first:
+            self._first_seen(frames)
+        if total != total or total == math.inf:
+            return  # a non-finite weight: no point of the climb
         series = self.series
         if series and series[-1][0] == batch:  # the same batch again (a replayed context)
             series[-1] = (batch, max(series[-1][1], total))
@@ -78,6 +64,15 @@ class WeightLog:
             series.append((batch, total))
             if len(series) > self.batches:
                 del series[0]
+
+    def _first_seen(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            count = frame.first_input
+            if not count or frame.module in self.first:
+                continue
+            values = [e[1].abs_max for e in frame.entries[:count] if e[1] is not None]
+            if values and all(v == v and v != math.inf for v in values):
+                self.first[frame.module] = (frame.batch, max(values))
 
 
 @dataclass
@@ -251,6 +246,8 @@ class Facts:
     history_modules: list[str] = field(default_factory=list)
     history: np.ndarray = field(default_factory=lambda: np.empty((0, 0)))
     weights: WeightLog = field(default_factory=WeightLog)
+    # Module -> its own weights' abs max now (finite values; measured at the event).
+    weights_now: dict[str, float] = field(default_factory=dict)
     # Non-finite weight name -> the last batch that ran with it finite.
     weights_last_finite: dict[str, int] = field(default_factory=dict)
     # Non-finite weight name -> True when its version counter moved after that batch.

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import pandas as pd
+import torch
 
 from ..events import Diagnosis, NanEvent
 from ..frames import Frame
@@ -115,6 +116,8 @@ class Diagnoser(Feature):
         if event.origin == "weight" or any(kind == "weight" for kind, _ in
                                            getattr(facts.trace, "came_with", None) or []):
             self._weights_last_finite(facts)
+        if self.weights.first and len(self.weights.series) >= 3:  # divergence may be told
+            self._weights_now(facts)
         return facts
 
     def _needs_op(self, facts: Facts) -> bool:
@@ -173,20 +176,40 @@ class Diagnoser(Feature):
         event = facts.event
         names = weight_names(event)
         known = getattr(facts.trace, "weights_last_finite", None) or {}
-        measured = self.weights.last_finite.get(event.module)
         eventful = {e.batch for e in self.recorder.events}
-        held = [b for b in (self.capture.held_batches() if self.capture is not None else [])
-                if b < event.batch and b not in eventful]
+        # Batches before this one that ran without an event: their weights were finite (a
+        # non-finite weight is an event, or makes the outputs non-finite).
+        column = (facts.history_modules.index(event.module)
+                  if event.module in facts.history_modules else None)
+        ran = [b for row, b in enumerate(facts.history_batches)
+               if column is not None and facts.history[row, column] == facts.history[row, column]]
+        held = self.capture.held_batches() if self.capture is not None else []
+        clean = sorted(b for b in set(ran) | set(held) if b < event.batch and b not in eventful)
         for name in names:
             if name in known:
                 facts.weights_last_finite[name] = int(known[name])
-            elif measured is not None and measured[0] < event.batch:
-                facts.weights_last_finite[name] = measured[0]
-            elif held:  # it ran without an event: its outputs were finite, so were its weights
-                facts.weights_last_finite[name] = held[-1]
+            elif clean:
+                facts.weights_last_finite[name] = clean[-1]
             last = facts.weights_last_finite.get(name)
             if last is not None and self.capture is not None:
                 then = {n: v for n, v, _ in self.capture.held_weights(last)}
                 now = {n: v for n, v, _ in self.capture.held_weights(event.batch)}
                 if name in then and name in now:
                     facts.weights_written[name] = then[name] != now[name]
+
+    def _weights_now(self, facts: Facts) -> None:
+        """Each module first seen by the weight log: its own weights' abs max now (the finite
+        values), to tell which grew most. Measured at the event only."""
+        wanted = self.weights.first
+        with torch.no_grad():
+            for info in self.recorder.modules:
+                if info.name not in wanted:
+                    continue
+                largest = 0.0
+                for tensor in info.module.parameters(recurse=False):
+                    values = tensor.detach()
+                    if values.numel() and values.is_floating_point():
+                        finite = values[torch.isfinite(values)]
+                        if finite.numel():
+                            largest = max(largest, float(finite.abs().max()))
+                facts.weights_now[info.name] = largest

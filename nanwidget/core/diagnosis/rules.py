@@ -118,10 +118,10 @@ def _grown_modules(facts: Facts) -> list[str]:
     """Modules whose weights grew most since the watch first measured them."""
     grown = []
     for module, (batch, first) in facts.weights.first.items():
-        last = facts.weights.last_finite.get(module)
-        if last is None or first <= 0 or last[0] <= batch:
+        now = facts.weights_now.get(module)
+        if now is None or first <= 0 or batch >= facts.event.batch:
             continue
-        ratio = last[1] / first
+        ratio = now / first
         if ratio >= 2:
             grown.append((ratio, module))
     grown.sort(reverse=True)
@@ -363,10 +363,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
     evidence = [f"{shown} {verb} {_kind_words(event.kind)} at batch {event.batch}"
                 + (f" ({dtype})." if dtype else ".")]
     if batch is not None:
-        known = facts.weights.last_finite.get(event.module)
-        size = f" (abs max {_g(known[1])})" if known is not None and known[0] == batch else ""
         one = len(names) == 1
-        evidence.append(f"{'It was' if one else 'They were'} finite{size} when batch {batch} "
+        evidence.append(f"{'It was' if one else 'They were'} finite when batch {batch} "
                         f"ran: the optimizer step, load or write after batch {batch} made "
                         f"{'it' if one else 'them'} non-finite.")
         if any(facts.weights_written.get(n) for n in names):
