@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import nanwidget as nw
+from test_report_golden import Overflowing  # exact weights: overflows float16 at scale 1e4
 
 MODES = ["full", "sentinel"]
 
@@ -35,26 +36,9 @@ def line_of(function, text: str) -> str:
 
 
 # ---------------------------------------------------------------------------- overflow
-class Scaled(nn.Module):
-    """Two layers with exact weights; ``scale`` pushes the second past float16's largest."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(4, 4)
-        self.out = nn.Linear(4, 2)
-        with torch.no_grad():
-            self.up.weight.copy_(torch.arange(16.0).reshape(4, 4) / 8 - 1)
-            self.up.bias.fill_(0.5)
-            self.out.weight.copy_(torch.tensor([[1.0, 2.0, 3.0, 4.0], [-4.0, 3.0, -2.0, 1.0]]))
-            self.out.bias.zero_()
-
-    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        return self.out(torch.relu(self.up(x)) * scale)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_a_float16_linear_past_65504_is_an_overflow_with_its_numbers(mode):
-    model = Scaled().half()
+    model = Overflowing().half()
     x = (torch.arange(8.0).reshape(2, 4) / 4).half()
     with watch(model, mode) as w:
         model(x)
@@ -63,7 +47,7 @@ def test_a_float16_linear_past_65504_is_an_overflow_with_its_numbers(mode):
     diagnosis = w.event.diagnosis
     assert diagnosis.kind == "overflow" and diagnosis.confidence == "high"
     assert diagnosis.summary.startswith("addmm in module 'out' (Linear) at ")
-    assert line_of(Scaled.forward, "self.out(") in diagnosis.summary
+    assert line_of(Overflowing.forward, "self.out(") in diagnosis.summary
     evidence = "\n".join(diagnosis.evidence)
     assert "float16 max 65504" in evidence and "4.44e+04" in evidence
     assert "228 at batch 1, 22.8 at batch 0" in evidence  # the history before it
@@ -90,6 +74,28 @@ def test_exp_of_a_large_value_overflows_float32(mode):
     assert diagnosis.kind == "overflow"
     assert "exp of values up to" in diagnosis.summary and "88.7" in diagnosis.summary
     assert any("logsumexp" in fix for fix in diagnosis.suggestion)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt2_whose_feed_forward_weights_were_scaled_up_overflows_float32(mode):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=16, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).eval()  # random weights: nothing downloaded
+    tokens = torch.randint(0, 50, (2, 8))
+    with watch(model, mode) as w:
+        model(tokens)
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight.mul_(1e36)
+        model(tokens)
+    event = w.event
+    assert (event.batch, event.module, event.origin) == (1, "transformer.ln_f", "output")
+    diagnosis = event.diagnosis
+    # Values near 1e35 leave the feed-forward: x ** 3 in its GELU and the final layer norm's
+    # variance pass float32's largest value. An overflow, not a domain error of pow.
+    assert diagnosis.kind == "overflow" and "overflowed float32" in diagnosis.summary
+    assert "(the weights grew" not in diagnosis.summary  # one write, no climb: no divergence
 
 
 # ---------------------------------------------------------------------------- domain
@@ -215,10 +221,15 @@ def _mlp_at_a_huge_learning_rate(mode: str, **options) -> nw.NanWatch:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
                           nn.Linear(32, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=5.0)
-    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    return train_until_an_event(model, torch.optim.SGD(model.parameters(), lr=5.0),
+                                torch.randn(16, 8), torch.randn(16, 1), 20, mode, **options)
+
+
+def train_until_an_event(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                         y: torch.Tensor, steps: int, mode: str, **options) -> nw.NanWatch:
+    """Steps of mean squared error on one batch, watched, until the first event."""
     with watch(model, mode, **options) as w:
-        for _ in range(20):
+        for _ in range(steps):
             loss = ((model(x) - y) ** 2).mean()
             optimizer.zero_grad()
             loss.backward()
@@ -297,15 +308,8 @@ def test_adam_with_a_tiny_eps_in_float16_corrupts_the_weights(mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
-    x, y = torch.randn(16, 8).half(), torch.randn(16, 1).half()
-    with watch(model, mode) as w:
-        for _ in range(5):
-            loss = ((model(x) - y) ** 2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if w.events:
-                break
+    w = train_until_an_event(model, optimizer, torch.randn(16, 8).half(),
+                             torch.randn(16, 1).half(), 5, mode)
     event = w.event
     assert (event.batch, event.origin, event.kind) == (1, "weight", "inf")
     diagnosis = event.diagnosis

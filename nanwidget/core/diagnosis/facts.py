@@ -253,7 +253,6 @@ class Facts:
     # Non-finite weight name -> True when its version counter moved after that batch.
     weights_written: dict[str, bool] = field(default_factory=dict)
     sentinel: bool = False
-    loss_fn: bool = False  # the watch has a loss_fn
 
     def series(self, module: str) -> list[tuple[int, float]]:
         """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""

@@ -46,6 +46,7 @@ class Diagnoser(Feature):
     ``capture``: the watch's :class:`~nanwidget.core.replay.capture.BatchCapture` (the held
     batches' inputs and weight versions), or None. ``replay``: makes a trace of an event's
     batch, or None when it cannot (full mode; None in sentinel mode, whose events carry theirs).
+    ``loss_fn``: the watch has one, so a replay of a gradient made in the loss names its op.
     """
 
     def __init__(self, recorder: Recorder, *, capture: Any = None,
@@ -98,7 +99,7 @@ class Diagnoser(Feature):
         recorder = self.recorder
         root = recorder.modules[0].name
         facts = Facts(event=event, trace=event.trace, weights=self.weights,
-                      sentinel=self.sentinel, loss_fn=self.loss_fn)
+                      sentinel=self.sentinel)
         self._read_inputs(facts)
         if event.is_backward:
             facts.output_grad_bad = self._output_grad_bad(event, root)

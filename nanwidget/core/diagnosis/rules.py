@@ -187,7 +187,8 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
                     f"{_g(denominator[0])} to {_g(denominator[1])} ({zero})", certain)
     if name == "pow" and op.nan and low < 0:
         return f"pow of a negative base (down to {_g(low)}) with a fractional exponent", "high"
-    if name == "pow" and op.inf and low <= 0 <= high and not op.inputs_hold_inf():
+    if (name == "pow" and op.inf and low <= 0 <= high and not op.inputs_hold_inf()
+            and max(-low, high) < op.limit ** 0.25):  # a large base overflows instead
         return "pow of 0 with a negative exponent", "medium"
     if name in _VARIANCES and op.nan and not op.inputs_hold_inf():
         return f"{name} over a single element (it divides by n - 1 = 0)", "high"
