@@ -45,6 +45,7 @@ def test_poisoned_at_step_3_stops_at_step_3_before_the_nan_step(tmp_path):
     assert callback.stop.step == 3 and callback.stop.phase == "train"
     assert (callback.event.module, callback.event.origin) == (POISONED, "weight")
     assert "training step 3, micro-batch 0" in callback.stop.reason
+    assert f"Why (corrupted-weight): '{POISONED}.weight' became NaN " in callback.stop.summary()
     assert changed_parameters(model, poison.snapshot) == [f"{POISONED}.weight"]
     assert hook_count(model) == 0 and callback.watch.closed
     run = nw.load_run(tmp_path / "root" / "nanwidget" / "run-0")

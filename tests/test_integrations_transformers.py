@@ -48,6 +48,9 @@ def test_gpt2_poisoned_at_step_3_stops_at_step_3_and_no_step_used_the_nan(tmp_pa
     event = callback.event
     assert (event.module, event.origin, event.kind) == (GPT2_POISONED, "weight", "nan")
     assert GPT2_POISONED in callback.stop.reason and "training step 3" in callback.stop.reason
+    # The stop message says why: the weight broke between steps, not in the forward.
+    assert (f"Why (corrupted-weight): '{GPT2_POISONED}.weight' became NaN "
+            in callback.stop.summary())
     # The optimizer never stepped with the NaN gradients: only the poisoned weight differs from
     # the copy taken when step 3 began, and Adam counted two steps, not three.
     assert changed_parameters(model, poison.snapshot) == [f"{GPT2_POISONED}.weight"]
@@ -254,6 +257,9 @@ def test_torch_compile_is_watched_in_sentinel_mode_and_stops_at_the_poisoned_ste
     assert event.trace is not None and event.trace.reproduced
     assert watch.parts.sentinel.replays >= 1 and watch.parts.sentinel.checks == 3
     assert GPT2_POISONED in callback.stop.reason and "training step 3" in callback.stop.reason
+    # The stop message says why: the weight broke between steps, not in the forward.
+    assert (f"Why (corrupted-weight): '{GPT2_POISONED}.weight' became NaN "
+            in callback.stop.summary())
     # No optimizer step used the NaN: only the poisoned weight changed since step 3 began.
     assert changed_parameters(model, poison.snapshot) == [f"{GPT2_POISONED}.weight"]
     assert _optimizer_steps(trainer) == 2

@@ -95,6 +95,17 @@ def test_every_option_reaches_the_watch(ip, tmp_path):
     assert watch.log_dir == str(tmp_path / "run")
 
 
+def test_loss_fn_is_a_function_of_the_notebook_named_by_loss_fn(ip):
+    run(ip, "def criterion(out):\n    return out.square().mean()\n")
+    run(ip, "%nanwatch model --loss-fn criterion")
+    assert ip.user_ns["_nanwatch"].loss_fn is ip.user_ns["criterion"]
+    with pytest.raises(UsageError, match="no variable named 'nope' in the notebook"):
+        run(ip, "%nanwatch model --loss-fn nope")
+    with pytest.raises(UsageError, match="loss_fn must be a function of the model's output"):
+        run(ip, "%nanwatch model --loss-fn model.fc1.weight")
+    ip.user_ns.pop("criterion")
+
+
 def test_off_stops_one_model_or_all(ip):
     ip.user_ns["other"] = TinyMLP()
     run(ip, "%nanwatch model")
@@ -221,7 +232,10 @@ def test_cell_stops_at_nan_shows_browser_and_one_line_error(ip):
             run(ip, cell)
     assert "not reached" not in captured.stdout
     lines = raised.value._render_traceback_()
-    assert len(lines) <= 2 and lines[0].startswith("NanDetected: nan in batch 3 at module 'fc2'")
+    assert len(lines) <= 3 and lines[0].startswith("NanDetected: nan in batch 3 at module 'fc2'")
+    # Why, in one line: the diagnosis' kind, summary and first fix.
+    assert lines[1].startswith("Why (corrupted-weight): 'fc2.weight' became NaN between batch 2 "
+                               "and batch 3") and " Try: " in lines[1]
     shown = [o.data.get("text/plain", "") for o in captured.outputs]
     assert any(text.startswith("FrameBrowser(") for text in shown)
     browser_outputs = [o for o in captured.outputs

@@ -16,6 +16,8 @@ from torch import nn
 import nanwidget as nw
 
 GOLDEN = Path(__file__).with_name("golden")
+# Source lines name files by their full path: the golden files hold them relative to the repo.
+_REPO = str(Path(__file__).resolve().parent.parent) + os.sep
 
 
 class Overflowing(nn.Module):
@@ -38,6 +40,7 @@ class Overflowing(nn.Module):
 
 def _check_against(name: str, text: str) -> None:
     path = GOLDEN / name
+    text = text.replace(_REPO, "")
     if os.environ.get("NANWIDGET_UPDATE_GOLDEN") == "1" or not path.exists():
         path.write_text(text + "\n", encoding="utf-8")
         if os.environ.get("NANWIDGET_UPDATE_GOLDEN") != "1":

@@ -31,6 +31,8 @@ from nanwidget.core.report import format_frames
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("NANWIDGET_UPDATE_GOLDEN") == "1"
+# Source lines name files by their full path: the golden files hold them relative to the repo.
+_REPO = str(Path(__file__).resolve().parent.parent) + os.sep
 
 # transformers' detect_overflow prints "<ctx> has infs" from inside its hook: not part of a dump.
 _HOOK_PRINT = re.compile(r"^\S+ has (nans|infs)$")
@@ -39,6 +41,7 @@ _LEAF_LINE = re.compile(r"^\s+(?:None|not a tensor) (?P<role>\S+)$")
 _TENSOR_LINE = re.compile(r"^ *\S+ +\S+ (?P<role>\S+)")
 _MARK = re.compile(r"  <-- (nan|inf|nan\+inf)$")
 _COLUMNS_HEADER = "abs min  abs max  metadata"
+_DIAGNOSIS_LINES = ("Diagnosis (", "  - ", "  Rows of the batch", "  Try: ")
 
 
 # ---------------------------------------------------------------------------- the scenarios
@@ -147,7 +150,7 @@ def run_nanwidget(scenario: Scenario) -> tuple[str, nw.NanWatch]:
     with nw.watch(model, trace_batches=scenario.trace_batches, abort_after=scenario.abort_after,
                   on_nan="record") as watch:
         _run(scenario, model, (nw.AbortAfterBatch,))
-    return watch.report(), watch
+    return watch.report().replace(_REPO, ""), watch
 
 
 # ---------------------------------------------------------------------------- comparing
@@ -159,13 +162,16 @@ def _role(line: str) -> str | None:
 
 
 def _without_our_additions(text: str) -> list[str]:
-    """Our report less what we add on purpose: the summary line, `<-- inf` marks, keyword
-    inputs, and ModelOutput leaves (transformers prints a ModelOutput as `not a tensor`); and
-    with the one part we leave out put back: where the dump opens with a batch's start,
-    transformers first prints the column header and two empty lines (an empty block)."""
+    """Our report less what we add on purpose: the summary line and the diagnosis after it,
+    `<-- inf` marks, keyword inputs, and ModelOutput leaves (transformers prints a ModelOutput
+    as `not a tensor`); and with the one part we leave out put back: where the dump opens with
+    a batch's start, transformers first prints the column header and two empty lines (an
+    empty block)."""
     lines = text.rstrip("\n").split("\n")
     if lines and lines[0].startswith("nanwidget: "):
         lines = lines[1:]
+        while lines and lines[0].startswith(_DIAGNOSIS_LINES):
+            lines = lines[1:]
     out: list[str] = []
     for position, line in enumerate(lines):
         if position and lines[position - 1].startswith("Last ") and \

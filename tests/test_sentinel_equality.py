@@ -301,16 +301,24 @@ BACKWARD = Scenario(BackwardOnly, _data(bad=2, change=lambda x: x * 100), _train
                     watch=dict(backward=True, max_frames=8))
 
 
+def _without_diagnosis(text: str) -> str:
+    return "\n".join(line for line in text.split("\n")
+                     if not line.startswith(("Diagnosis (", "  - ", "  Try: ", "  Rows of")))
+
+
 def test_backward_only_nan_gives_the_same_backward_event():
     full_watch, full = run(BACKWARD, "full")
     sentinel_watch, sentinel = run(BACKWARD, "sentinel")
     assert full.is_backward and full.origin == "grad" and full.batch == 2
     assert_same_event(full, sentinel)
     # Full mode replays no backward event (it needs a loss function); the sentinel's event
-    # carries the trace of its replay, so only the summary line and the trace part differ.
+    # carries the trace of its replay, so only the summary line, the diagnosis (made from that
+    # trace) and the trace part differ.
     body = sentinel_watch.report().split("\nTrace of")[0].split("\n", 1)[1].rstrip("\n")
-    assert body == full_watch.report().split("\n", 1)[1]
+    assert _without_diagnosis(body) == _without_diagnosis(full_watch.report().split("\n", 1)[1])
     assert sentinel.summary().startswith(full.summary() + "; first bad op div at ")
+    assert (full.diagnosis.kind, sentinel.diagnosis.kind) == ("unknown", "domain")
+    assert "replay(2, loss_fn=...)" in full.diagnosis.suggestion[0]
     # The sentinel's trace ran the backward from the gradients the outputs received: the NaN
     # that reaches the event is born in log's gradient (0 / 0 where where() passed a zero
     # gradient to log(0)), at the log's line; the forward's log(0) = -inf never reaches it.

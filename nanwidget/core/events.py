@@ -9,8 +9,9 @@ import pandas as pd
 
 from .schema import EVENT_FIELDS, FRAME_COLUMNS
 
-__all__ = ["NanEvent", "GradEvent", "NanDetected", "NanWarning", "AbortAfterBatch",
-           "ORIGIN_WORDS", "UNVERIFIED_NOTES", "event_fields", "event_from_fields"]
+__all__ = ["NanEvent", "Diagnosis", "GradEvent", "NanDetected", "NanWarning", "AbortAfterBatch",
+           "ORIGIN_WORDS", "UNVERIFIED_NOTES", "DIAGNOSIS_KINDS", "CONFIDENCES", "LOSS_WORDS",
+           "event_fields", "event_from_fields"]
 
 ORIGIN_WORDS = {
     "output": "made here from finite inputs and weights",
@@ -20,6 +21,80 @@ ORIGIN_WORDS = {
     "grad": "found in a gradient",
     "peer": "another rank found a NaN/Inf in this batch; this rank stops with it",
 }
+
+# An event whose gradient reached the model's output already non-finite: made in the loss.
+LOSS_WORDS = ("the gradient reached the model's output already non-finite: made in the loss, "
+              "outside the model")
+
+# What a Diagnosis can say, in the contract's order; and how sure it is.
+DIAGNOSIS_KINDS = ("overflow", "domain", "masked-row", "divergence", "corrupted-weight",
+                   "bad-data", "loss", "unknown")
+CONFIDENCES = ("high", "medium", "low")
+
+
+@dataclass
+class Diagnosis:
+    """Why an event happened, not only where: ``kind`` (one of :data:`DIAGNOSIS_KINDS`),
+    ``summary`` (one sentence naming the module or op), ``evidence`` (the numbers behind it),
+    ``suggestion`` (the known fixes for that kind, the likeliest first), ``rows`` (batch rows,
+    along dim 0, holding the first non-finite values, when they can be told) and ``confidence``
+    ("high", "medium" or "low"). ``op``: the op that made the value and where ("log at
+    train.py:12"), when a replay named it ("" otherwise)."""
+
+    kind: str
+    summary: str
+    evidence: list[str] = field(default_factory=list)
+    suggestion: list[str] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    confidence: str = "medium"
+    op: str = ""
+
+    def headline(self) -> str:
+        """One line: the kind and the summary."""
+        return f"{self.kind}: {self.summary}"
+
+    def brief(self) -> str:
+        """What a stop message says: the kind, the summary and the first fix."""
+        fix = f" Try: {self.suggestion[0]}" if self.suggestion else ""
+        return f"Why ({self.kind}): {self.summary}{fix}"
+
+    def lines(self) -> list[str]:
+        """The diagnosis as ``report()`` prints it: a line for the kind and summary, then the
+        evidence, the rows and the fixes, indented."""
+        lines = [f"Diagnosis ({self.kind}, {self.confidence} confidence): {self.summary}"]
+        lines.extend(f"  - {item}" for item in self.evidence)
+        if self.rows:
+            shown = ", ".join(map(str, self.rows[:20])) + (" ..." if len(self.rows) > 20 else "")
+            lines.append(f"  Rows of the batch (dim 0): {shown}")
+        lines.extend(f"  Try: {item}" for item in self.suggestion)
+        return lines
+
+    def fields(self) -> dict[str, Any]:
+        """Plain values (JSON): what recordings and other ranks receive."""
+        return {"kind": self.kind, "summary": self.summary, "evidence": list(self.evidence),
+                "suggestion": list(self.suggestion), "rows": [int(r) for r in self.rows],
+                "confidence": self.confidence, "op": self.op}
+
+    @classmethod
+    def from_fields(cls, fields: Any) -> Diagnosis | None:
+        """The diagnosis :meth:`fields` made, or None when ``fields`` is not one (an older
+        recording has none)."""
+        if not isinstance(fields, dict):
+            return None
+        texts = [fields.get(name) for name in ("kind", "summary", "confidence")]
+        lists = [fields.get(name) for name in ("evidence", "suggestion")]
+        rows = fields.get("rows")
+        if not all(isinstance(text, str) for text in texts) \
+                or not all(isinstance(items, list) and all(isinstance(i, str) for i in items)
+                           for items in lists) \
+                or not isinstance(rows, list) \
+                or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows):
+            return None
+        op = fields.get("op")
+        return cls(kind=texts[0], summary=texts[1], evidence=list(lists[0]),
+                   suggestion=list(lists[1]), rows=list(rows), confidence=texts[2],
+                   op=op if isinstance(op, str) else "")
+
 
 # The start of the ``note`` of an event whose origin nothing verified: a sentinel-mode event
 # seen in the model's outputs that no replay explained (refused, failed, or met finite values).
@@ -36,6 +111,7 @@ class NanEvent:
     when ``origin == "peer"``: the rank whose NaN/Inf made this one stop; the other fields then
     describe that rank's event. ``note``: what could not be checked, "" when nothing;
     ``frames_note``: why earlier frames are missing from ``frames``, "" when none are.
+    ``diagnosis``: why it happened (a :class:`Diagnosis`), made when the event is recorded.
     """
 
     batch: int
@@ -58,6 +134,9 @@ class NanEvent:
     # Why ``frames`` holds fewer than ``max_frames`` frames although earlier ones ran (sentinel
     # mode: batches it did not record); "" otherwise. Shown in the report.
     frames_note: str = ""
+    # Why it happened: set by the watch when the event is recorded (None for an event made by
+    # hand or read from a recording that has none).
+    diagnosis: Diagnosis | None = field(default=None, repr=False)
 
     @property
     def module_label(self) -> str:
@@ -69,7 +148,15 @@ class NanEvent:
         """The origin in words; for an output event no replay explained, only where it was seen."""
         if self.origin == "output" and self.note.startswith(UNVERIFIED_NOTES):
             return _UNVERIFIED_WORDS
+        if self.made_in_loss:
+            return LOSS_WORDS
         return ORIGIN_WORDS.get(self.origin, self.origin)
+
+    @property
+    def made_in_loss(self) -> bool:
+        """Whether the diagnosis found the gradient reaching the model's output non-finite:
+        the value was made outside the model, in the loss."""
+        return self.is_backward and getattr(self.diagnosis, "kind", None) == "loss"
 
     def summary(self) -> str:
         """One line naming batch, module, role, kind and origin."""
@@ -86,6 +173,11 @@ class NanEvent:
             where = (f"at {first['source']}" if first["source"]
                      else "(no line of user code on the stack)")
             text += f"; first bad op {first['op']} {where}"
+        elif self.diagnosis is not None and self.diagnosis.op:  # named by the diagnosis' replay
+            text += f"; first bad op {self.diagnosis.op}"
+        elif self.made_in_loss:
+            text += (f"; to trace the loss's ops, watch with loss_fn=... or replay({self.batch}, "
+                     "loss_fn=...)")
         if self.note:
             text += f" ({self.note})"
         return text
@@ -103,17 +195,19 @@ def event_fields(event: NanEvent) -> dict[str, Any]:
     fields["peer_rank"] = event.peer_rank
     fields["note"] = event.note
     fields["frames_note"] = event.frames_note
+    fields["diagnosis"] = event.diagnosis.fields() if event.diagnosis is not None else None
     return fields
 
 
 def event_from_fields(fields: dict[str, Any], frames: pd.DataFrame | None = None,
                       trace: Any = None) -> NanEvent:
-    """Rebuild an event from :func:`event_fields` (already checked by the caller)."""
+    """Rebuild an event from :func:`event_fields` (already checked by the caller; a missing
+    or malformed diagnosis leaves it None)."""
     values = {name: fields[name] for name in EVENT_FIELDS}
     return NanEvent(frames=frames if frames is not None else pd.DataFrame(columns=FRAME_COLUMNS),
                     trace=trace, peer_rank=fields.get("peer_rank"),
                     note=fields.get("note") or "", frames_note=fields.get("frames_note") or "",
-                    **values)
+                    diagnosis=Diagnosis.from_fields(fields.get("diagnosis")), **values)
 
 
 @dataclass

@@ -248,6 +248,35 @@ class History:
         return (self._full.size + self._windows.size + len(self._closed_rows)
                 + (self._current_batch is not None))
 
+    def recent(self, count: int) -> tuple[list[int], np.ndarray]:
+        """The last ``count`` batches, oldest first: their numbers, and each module's output abs
+        max (rows x modules; NaN where a module did not run or held only NaN). Changes nothing:
+        the batch being accumulated is read as it stands (a diagnosis reads this mid-batch)."""
+        newest: list[tuple[int, np.ndarray]] = []
+        n = len(self.modules)
+        pending = list(self._closed_rows)
+        if self._current_batch is not None:
+            pending.append((self._current_batch, self._current))
+        for batch, current in reversed(pending):
+            if len(newest) >= count:
+                break
+            row = np.full(n, np.nan)
+            for module, (high, _, _) in current.items():
+                row[module] = high
+            newest.append((batch, row))
+        full = self._full
+        take = min(count - len(newest), full.size)
+        if take > 0:
+            rows = full.physical(range(full.size - take, full.size))[::-1]
+            for row in rows.tolist():
+                values = full.abs_max[row].astype(np.float64)
+                values[(full.flags[row] & _SEEN) == 0] = np.nan
+                newest.append((int(full.batch[row]), values))
+        newest.reverse()
+        table = np.vstack([values for _, values in newest]) if newest else np.empty((0, n))
+        table[np.isneginf(table)] = np.nan
+        return [batch for batch, _ in newest], table
+
     def to_dataframe(self) -> pd.DataFrame:
         """One row per (batch or window, module that ran in it)."""
         self.commit()

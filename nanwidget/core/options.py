@@ -50,7 +50,9 @@ class SkipTypesWarning(UserWarning):
 @dataclass(frozen=True)
 class Flag:
     """How ``%nanwatch`` spells an option. ``parse`` turns the flag's text into a value (then
-    the option's own check runs); a flag without ``parse`` is a switch that sets ``value``."""
+    the option's own check runs); a flag without ``parse`` is a switch that sets ``value``.
+    ``lookup``: the flag's text names a variable of the notebook (``loss`` or ``losses.bce``,
+    found like the model), whose value is the option's value."""
 
     names: tuple[str, ...]
     parse: Callable[[str], Any] | None = None
@@ -58,6 +60,7 @@ class Flag:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     help: str | None = None  # when the notebook's wording differs from the option's help
+    lookup: bool = False
 
 
 @dataclass(frozen=True)
@@ -260,6 +263,28 @@ def _directory(name: str, value: Any, model: Any) -> str | os.PathLike | None:
     return value
 
 
+def _loss_function(name: str, value: Any, model: Any) -> Callable[[Any], Any] | None:
+    """A callable taking the model's output and returning the loss (a scalar tensor), or None."""
+    if value is None:
+        return None
+    if isinstance(value, type):
+        raise TypeError(f"{name} must be a function of the model's output that returns the loss, "
+                        f"got the class {value.__name__}; pass a function such as "
+                        f"lambda out: criterion(out, targets)")
+    if not callable(value):
+        raise TypeError(f"{name} must be a function of the model's output that returns the loss "
+                        f"(e.g. lambda out: criterion(out, targets)), got {value!r} "
+                        f"({type(value).__name__})")
+    return value
+
+
+def _function_name(value: Any) -> str | None:
+    """A function as a recording's manifest names it (None for None)."""
+    if value is None:
+        return None
+    return getattr(value, "__qualname__", None) or type(value).__name__
+
+
 # ---------------------------------------------------------------------------- flag parsers
 def parse_number(kind: type) -> Callable[[str], Any]:
     """A flag's text as a number of ``kind`` (int or float); the option's check does the rest."""
@@ -366,6 +391,14 @@ class WatchOptions:
         needs=Needs("mode", "sentinel", "sentinel mode", "full mode records every batch already"),
         flag=Flag(("--sample-every",), parse_number(int),
                   help="with --sentinel: record every Nth batch in full (trends, FrameBrowser)"))
+    loss_fn: Callable[[Any], Any] | None = option(
+        None, "loss_fn(output) -> scalar loss, as in replay(): automatic replays also run the "
+              "loss and its backward, so a NaN made in the loss is traced to its line (they run "
+              "within the failing step: a closure sees that step's targets)",
+        _loss_function, manifest=_function_name,
+        flag=Flag(("--loss-fn",), str, lookup=True, metavar="NAME",
+                  help="a function of the notebook, loss_fn(output) -> loss: automatic replays "
+                       "run it and its backward, so a NaN made in the loss is traced"))
 
     def __post_init__(self) -> None:
         for declared in OPTIONS.values():  # rules between options, as declared

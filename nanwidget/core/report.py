@@ -78,13 +78,15 @@ def format_event_report(event: NanEvent | None, frames: pd.DataFrame, batch: int
                         trace_frames: pd.DataFrame | None = None) -> str:
     """The whole dump, in the order transformers prints it during a run.
 
-    A sentence in words (with an event), then every frame of the trace batches
+    A sentence in words and the diagnosis (with an event), then every frame of the trace batches
     (``trace_frames``: those recorded before the event), then the dump of ``frames``: the
     event's window, or the frames held when there is no event.
     """
     out: list[str] = []
     if event is not None:
         out.append(f"nanwidget: {event.summary()}")
+        if event.diagnosis is not None:
+            out.extend(event.diagnosis.lines())
     if trace_frames is not None and not trace_frames.empty:
         out.extend(format_frames(trace_frames, separators=True))
     if out:

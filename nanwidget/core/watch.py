@@ -6,7 +6,8 @@
 - persistence (:mod:`.persist`): ``log_dir`` spooling;
 - consensus (:mod:`.consensus`): every DDP rank stops at the same batch;
 - sentinel (:mod:`.sentinel`): ``mode="sentinel"`` and compiled models: only the root's outputs
-  and the gradients are checked, and a failing batch is replayed for the detail.
+  and the gradients are checked, and a failing batch is replayed for the detail;
+- diagnosis (:mod:`.diagnosis`): every event's ``diagnosis`` (why it happened).
 
 Each feature is a plain object that sees the recorder through its public API; the order they
 are added in is the order they review an event (the replay attaches its trace, then the
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from .consensus import Consensus, consensus_wanted
+from .diagnosis import Diagnoser
 from .events import GradEvent, NanEvent
 from .grads import BackwardFrames, GradNorms
 from .persist import RecordingWriter
@@ -118,6 +120,7 @@ class WatchParts:
     writer: RecordingWriter | None
     consensus: Consensus | None
     sentinel: Sentinel | None = None
+    diagnoser: Diagnoser | None = None
 
 
 class NanWatch:
@@ -167,7 +170,8 @@ class NanWatch:
                 snapshot_weights=options.snapshot_weights))
             # In sentinel mode every event is replayed by the sentinel itself.
             replayer = Replayer(recorder, capture,
-                                replay_on_nan=options.replay_on_nan and not sentinel_mode)
+                                replay_on_nan=options.replay_on_nan and not sentinel_mode,
+                                loss_fn=options.loss_fn)
             if replayer.replay_on_nan:  # it reviews events only to replay them
                 recorder.add_feature(replayer)
         if options.backward and not sentinel_mode:
@@ -178,8 +182,13 @@ class NanWatch:
             assert capture is not None
             sentinel = recorder.add_feature(Sentinel(
                 recorder, capture, sample_every=options.sample_every, backward=options.backward,
-                compiled=bool(self.compiled),
+                compiled=bool(self.compiled), loss_fn=options.loss_fn,
                 defer_reads="never" if with_consensus else "device"))
+        # After the traces are attached (replay, sentinel), before the other ranks hear of the
+        # event and before it is written: every event gets its diagnosis.
+        diagnoser = recorder.add_feature(Diagnoser(
+            recorder, capture=capture, sentinel=sentinel_mode, loss_fn=options.loss_fn is not None,
+            replay=replayer.trace_for if replayer is not None and not sentinel_mode else None))
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))
         if options.log_dir is not None and options.log_dir != "":
@@ -187,7 +196,8 @@ class NanWatch:
                 recorder, options.log_dir, options=options.manifest(),
                 grad_history=grads.history_table))
         return WatchParts(capture=capture, replayer=replayer, backward=backward, grads=grads,
-                          writer=writer, consensus=consensus, sentinel=sentinel)
+                          writer=writer, consensus=consensus, sentinel=sentinel,
+                          diagnoser=diagnoser)
 
     # ------------------------------------------------------------------ composition
     @property

@@ -32,7 +32,7 @@ from torch import nn
 
 import nanwidget as nw
 from nanwidget import GradEvent, NanDetected, NanEvent, NanWatch
-from nanwidget.core.events import event_fields, event_from_fields
+from nanwidget.core.events import Diagnosis, event_fields, event_from_fields
 from nanwidget.core.options import ON_NAN_CHOICES as WATCH_ON_NAN_CHOICES
 from nanwidget.core.options import WatchOptions, check_option_names
 from nanwidget.core.state import training_guards
@@ -76,13 +76,16 @@ class TrainingStop:
     rank: int  # this process's rank
     event: NanEvent | None = field(default=None, repr=False)  # this rank's own first event
     grad_events: list[GradEvent] = field(default_factory=list, repr=False)  # this rank's non-finite norms
+    diagnosis: Diagnosis | None = field(default=None, repr=False)  # why: of the reason's event
 
     def summary(self) -> str:
-        """One line: the step, the phase, and the first problem found on any rank."""
+        """One line: the step, the phase, the first problem found on any rank, and why (its
+        diagnosis' kind, summary and first fix)."""
         where = "before the optimizer step" if self.phase == "train" else "after evaluation"
         found = ", ".join(map(str, self.found_on))
+        why = f". {self.diagnosis.brief()}" if self.diagnosis is not None else ""
         return (f"nanwidget stopped training at step {self.step} ({where}; found on rank "
-                f"{found}): {self.reason}")
+                f"{found}): {self.reason}{why}")
 
 
 @dataclass
@@ -353,10 +356,12 @@ class StepGuard:
                   decision: list[dict[str, Any]]) -> TrainingStop:
         # A module event says more than the NaN gradients DDP spread to the other ranks.
         first = min(decision, key=lambda entry: (entry["event"] is None, entry["rank"]))
+        reason_event = _event_from_payload(first["event"]) if first["event"] is not None else None
         stop = TrainingStop(step=step, phase=phase, reason=first["reason"],
                             found_on=sorted(entry["rank"] for entry in decision), rank=self.rank,
                             event=found.events[0] if found.events else None,
-                            grad_events=list(found.grad_events))
+                            grad_events=list(found.grad_events),
+                            diagnosis=getattr(reason_event, "diagnosis", None))
         logger.warning(stop.summary())
         if stop.event is not None:
             logger.warning("nanwidget report (rank %d):\n%s", self.rank, self.watch.report(stop.event))

@@ -37,8 +37,14 @@ class NanInCell(NanDetected):
     """A %%nanwatch cell stopped at a NaN/Inf; shown as one line, not a traceback."""
 
     def _render_traceback_(self) -> list[str]:
-        return [f"NanDetected: {self.event.summary()}",
+        return [f"NanDetected: {self.event.summary()}", *_diagnosis_line(self.event),
                 "(the FrameBrowser above shows the frames; _nanwatch holds the watch)"]
+
+
+def _diagnosis_line(event: Any) -> list[str]:
+    """The stop message's line on why: the kind, the summary and the first fix."""
+    diagnosis = getattr(event, "diagnosis", None)
+    return [diagnosis.brief()] if diagnosis is not None else []
 
 
 class CellInterrupted(KeyboardInterrupt):
@@ -92,7 +98,7 @@ def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
             display(owner.browse() if owner is not None else FrameBrowser(event))
         except Exception:  # the message below still says what happened
             pass
-        lines = [f"NanDetected: {event.summary()}", _user_code_line(tb),
+        lines = [f"NanDetected: {event.summary()}", *_diagnosis_line(event), _user_code_line(tb),
                  "(full traceback: %tb)"]
     print("\n".join(line for line in lines if line), file=sys.stderr)
 
@@ -269,6 +275,11 @@ class NanwatchMagics(Magics):
         """The watch options the flags name (the flags are declared with the options)."""
         options = {name: getattr(args, name) for name, declared in OPTIONS.items()
                    if declared.flag is not None and getattr(args, name) is not None}
+        for name, value in options.items():
+            flag = OPTIONS[name].flag
+            if flag is not None and flag.lookup:  # a variable of the notebook, found by name
+                options[name] = self.manager.lookup_value(self.shell.user_ns, value,
+                                                          flag.names[-1])
         for name, declared in OPTIONS.items():
             needs = declared.needs
             if name in options and needs is not None and options.get(needs.option) != needs.value:
@@ -356,8 +367,9 @@ class NanwatchMagics(Magics):
         watched.close()
         live.finish()
         if watched.events:
-            print(f"nanwidget: {len(watched.events)} NaN/Inf event(s); first: "
-                  f"{watched.event.summary()}", file=sys.stderr)
+            print("\n".join([f"nanwidget: {len(watched.events)} NaN/Inf event(s); first: "
+                             f"{watched.event.summary()}", *_diagnosis_line(watched.event)]),
+                  file=sys.stderr)
             self._show_browser(watched)
         return result
 

@@ -116,7 +116,7 @@ class LiveStatus(Feature):
                 else "none measured yet"
             blind = "" if self.sentinel.backward else \
                 (" · a loss made outside the model is checked only with backward=True (the "
-                 "gradients) or loss_fn")
+                 "gradients; loss_fn then traces the loss's own ops)")
             return (f"{seen} · sentinel mode checks the model's outputs each batch, largest |x| "
                     f"so far: {size}{blind} · {events}")
         where = f" in {self.largest_module or '<root>'!r}" if self.largest else ""
@@ -144,10 +144,25 @@ class WatchManager:
         """The nn.Module that ``name`` (a variable, or a dotted path like ``trainer.model``) names."""
         if not name or not _NAME.match(name):
             raise MagicUsageError(f"%nanwatch needs the variable name of a model, got {name!r}")
+        value = WatchManager.lookup_value(namespace, name, "", what="the model")
+        if not isinstance(value, nn.Module):
+            raise MagicUsageError(f"{name!r} is a {type(value).__name__}, not a torch.nn.Module; "
+                                  "%nanwatch watches a model")
+        return value
+
+    @staticmethod
+    def lookup_value(namespace: Mapping[str, Any], name: str, flag: str,
+                     what: str = "it") -> Any:
+        """The value that ``name`` (a variable, or a dotted path like ``losses.bce``) names in
+        the notebook, for ``flag`` ("" for the model)."""
+        given = f"{flag} {name}" if flag else name
+        if not name or not _NAME.match(name):
+            raise MagicUsageError(f"{flag} takes the name of a variable of the notebook, got "
+                                  f"{name!r}")
         head, *rest = name.split(".")
         if head not in namespace:
-            raise MagicUsageError(f"no variable named {head!r} in the notebook; define the model "
-                                  f"first, then %nanwatch {name}")
+            raise MagicUsageError(f"no variable named {head!r} in the notebook; define {what} "
+                                  f"first, then %nanwatch {'MODEL ' if flag else ''}{given}")
         value = namespace[head]
         for position, attribute in enumerate(rest):
             try:
@@ -155,9 +170,6 @@ class WatchManager:
             except AttributeError:
                 path = ".".join([head, *rest[:position]])
                 raise MagicUsageError(f"{path} has no attribute {attribute!r}") from None
-        if not isinstance(value, nn.Module):
-            raise MagicUsageError(f"{name!r} is a {type(value).__name__}, not a torch.nn.Module; "
-                                  "%nanwatch watches a model")
         return value
 
     # ------------------------------------------------------------------ watches

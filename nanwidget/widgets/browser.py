@@ -400,6 +400,10 @@ class FrameBrowser(widgets.VBox):
             more = f" ({len(events)} events; first shown)" if len(events) > 1 else ""
             words = (f"<span class='nw-alert' style='{ALERT}'>"
                      f"{html.escape(events[0].summary(), quote=False)}</span>{more}")
+            diagnosis = getattr(events[0], "diagnosis", None)
+            if diagnosis is not None:
+                words += (f" · <span class='nw-diagnosis'><b>{html.escape(diagnosis.kind)}</b>: "
+                          f"{html.escape(diagnosis.summary, quote=False)}</span>")
         elif index.frame_bad.any():
             words = f"<span class='nw-alert' style='{ALERT}'>NaN/Inf in these frames</span>"
         else:

@@ -12,7 +12,7 @@ from typing import Any, Callable, TypeVar
 
 import pandas as pd
 
-from ..events import NanEvent, event_from_fields
+from ..events import Diagnosis, NanEvent, event_from_fields
 from ..frames import empty_frames
 from ..history import empty_history
 from ..report import format_event_report
@@ -142,6 +142,12 @@ def _event_from_file(path: Path, directory: Path, root: Path) -> NanEvent:
     fields["peer_rank"] = _checked(path, meta, "peer_rank", int, optional=True)
     for name in ("note", "frames_note"):  # older files have neither
         fields[name] = _checked(path, meta, name, str, optional=True) or ""
+    diagnosis = meta.get("diagnosis")  # older files have none
+    if diagnosis is not None and Diagnosis.from_fields(diagnosis) is None:
+        raise RunLoadError(f"{path}: \"diagnosis\" must be an object with kind, summary, "
+                           "confidence (text), evidence, suggestion (lists of text) and rows "
+                           "(whole numbers)")
+    fields["diagnosis"] = diagnosis
     frames_path = _own_file(path, meta, "frames_file", ".frames.", directory)
     frames = frames_from_table(read_table(frames_path, FRAME_KINDS_REQUIRED, within=root),
                                frames_path)

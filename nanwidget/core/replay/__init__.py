@@ -24,7 +24,7 @@ from ..recorder import Feature, Recorder
 from ..trace import Trace
 from .capture import (BatchCapture, BatchNotHeldError, InputModifiedError, ReplayError,
                       MAX_EVENT_BATCHES, MAX_FORWARDS_PER_BATCH)
-from .run import refuse_unreplayable, replay_held_batch
+from .run import automatic_loss, refuse_unreplayable, replay_held_batch
 
 __all__ = ["Replayer", "BatchCapture", "Trace", "ReplayError", "BatchNotHeldError",
            "InputModifiedError", "MAX_AUTO_REPLAYS", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
@@ -34,13 +34,19 @@ MAX_AUTO_REPLAYS = 4
 
 
 class Replayer(Feature):
-    """Replays held batches on request, and each forward event's batch with ``replay_on_nan``
-    (the trace is attached before the event is recorded, so files and reports carry it)."""
+    """Replays held batches on request, and each event's batch with ``replay_on_nan`` (the
+    trace is attached before the event is recorded, so files and reports carry it).
 
-    def __init__(self, recorder: Recorder, capture: BatchCapture, *, replay_on_nan: bool) -> None:
+    ``loss_fn``: the watch's loss function, run by every automatic replay (within the failing
+    step, so a closure sees its targets); it also lets a backward event be replayed.
+    """
+
+    def __init__(self, recorder: Recorder, capture: BatchCapture, *, replay_on_nan: bool,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
         self.recorder = recorder
         self.capture = capture
         self.replay_on_nan = replay_on_nan
+        self.loss_fn = loss_fn
         self.replaying = False
         self.auto_replays = 0
 
@@ -59,14 +65,36 @@ class Replayer(Feature):
         finally:
             self.replaying = False
 
+    def can_replay(self, event: NanEvent) -> bool:
+        """Whether an automatic replay can run ``event``'s batch again: a forward event, or a
+        backward one with the watch's ``loss_fn`` (the backward pass needs the loss)."""
+        return (event.origin != "peer" and not self.replaying
+                and (not event.is_backward or self.loss_fn is not None)
+                and event.batch in self.capture.held)
+
+    def replay_event(self, event: NanEvent) -> Trace:
+        """An automatic replay of ``event``'s batch, with the watch's ``loss_fn`` when the batch
+        was a training step."""
+        loss_fn = automatic_loss(self.capture.batch_to_replay(event.batch), self.loss_fn)
+        return self.replay(event.batch, loss_fn, expected=event)
+
+    def trace_for(self, event: NanEvent) -> Trace | None:
+        """A replay of ``event``'s batch for its diagnosis (not attached to the event): None
+        when no automatic replay can run it, or when it fails."""
+        if not self.can_replay(event):
+            return None
+        try:
+            return self.replay_event(event)
+        except Exception:  # the diagnosis goes on from the frames
+            return None
+
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
         if (event is None or not self.replay_on_nan or event.trace is not None
-                or event.is_backward or event.origin == "peer" or self.replaying
-                or self.auto_replays >= MAX_AUTO_REPLAYS):
+                or not self.can_replay(event) or self.auto_replays >= MAX_AUTO_REPLAYS):
             return event
         self.auto_replays += 1
         try:
-            event.trace = self.replay(event.batch, expected=event)
+            event.trace = self.replay_event(event)
         except Exception as error:  # a failed replay must not hide the event itself
             warnings.warn(f"nanwidget: replay_on_nan could not replay batch {event.batch} "
                           f"({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2)

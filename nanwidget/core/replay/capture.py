@@ -272,6 +272,26 @@ class BatchCapture(Feature):
         """Batch numbers that can be replayed now."""
         return sorted(b for b, held in self.held.items() if held.forwards)
 
+    def held_inputs(self, batch: int) -> list[tuple[str, torch.Tensor]]:
+        """The input tensors of ``batch``'s root forwards by role (``input[0]``,
+        ``kwarg:mask`` ...), as they ran; empty when the batch is not held or an input was
+        changed in place since."""
+        try:
+            held = self.batch_to_replay(batch)
+        except ReplayError:
+            return []
+        return [pair for capture in held.forwards for pair in capture.inputs]
+
+    def held_weights(self, batch: int) -> list[tuple[str, int, torch.Tensor | None]]:
+        """(name, version counter, copy or None) of every parameter and buffer when ``batch``
+        started (copies with ``snapshot_weights``); empty when the batch is not held."""
+        held = self.held.get(batch)
+        if held is None or not held.forwards:
+            return []
+        first = held.forwards[0]
+        copies = first.snapshot or [None] * len(first.weight_versions)
+        return list(zip(self.slots.names, first.weight_versions, copies))
+
     def batch_to_replay(self, batch: int) -> HeldBatch:
         """The held batch, checked: raises a :class:`ReplayError` saying why it cannot run."""
         if isinstance(batch, bool) or not isinstance(batch, int):

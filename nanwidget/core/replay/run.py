@@ -27,7 +27,8 @@ from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, Weigh
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
 
-__all__ = ["replay_held_batch", "replay_frames", "refuse_unreplayable", "eager_calls",
+__all__ = ["replay_held_batch", "replay_frames", "refuse_unreplayable", "automatic_loss",
+           "eager_calls",
            "OutputGrads", "set_forward_state", "forward_arguments", "forward_modes",
            "ReplayFrames", "Replayed"]
 
@@ -48,7 +49,9 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
         expected = next((e for e in recorder.events if e.batch == held.batch
                          and not e.is_backward and e.origin != "peer"), None)
     refuse_unreplayable(recorder, capture, held)
-    replayed = _Replay(recorder, capture, held, loss_fn).run()
+    # A backward event is met again only in backward frames (a replay with a loss records them).
+    backward = expected is not None and expected.is_backward
+    replayed = _Replay(recorder, capture, held, loss_fn, backward_frames=backward).run()
     # The one verdict of this replay: the event its frames hold.
     found = first_event(replayed.frames, Detector(recorder.inf_allowed))
     return replayed.conclude(found, expected)
@@ -62,14 +65,25 @@ def replay_frames(recorder: Recorder, capture: BatchCapture, held: HeldBatch, *,
     :class:`~nanwidget.core.frames.Frame` objects (resolved), built as the live watch builds
     them, and its op trace. ``trace_ops``: measure every op (else frames only, faster).
     ``output_grads``: run the backward pass of each forward from the gradients its outputs
-    received live (no loss function needed). ``backward_frames``: record a backward frame per
+    received live (no loss function needed). ``loss_fn``: run the loss on the output and its
+    backward instead (its ops are traced too). ``backward_frames``: record a backward frame per
     module call, on the way the live watch records them (gradient hooks on tensors).
-    ``loss_fn``: run it on the output and its backward (instead of ``output_grads``).
     No verdict is taken: the caller takes it on the frames, once, and hands it to
     :meth:`Replayed.conclude`, which explains the trace from it."""
     refuse_unreplayable(recorder, capture, held)
     return _Replay(recorder, capture, held, loss_fn, trace_ops=trace_ops,
-                   output_grads=output_grads, backward_frames=backward_frames).run()
+                   output_grads=None if loss_fn is not None else output_grads,
+                   backward_frames=backward_frames).run()
+
+
+def automatic_loss(held: HeldBatch, loss_fn: Callable[[Any], torch.Tensor] | None
+                   ) -> Callable[[Any], torch.Tensor] | None:
+    """The loss an automatic replay of ``held`` runs: the watch's ``loss_fn`` for a training
+    forward (grad enabled: the step whose targets a closure sees), none for an evaluation
+    forward (its batch need not fit the training loss)."""
+    if loss_fn is None or not all(capture.grad_enabled for capture in held.forwards):
+        return None
+    return loss_fn
 
 
 class Replayed:

@@ -59,7 +59,7 @@ from ..events import NanEvent
 from ..frames import Frame, frames_to_dataframe
 from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
-from ..replay.run import Replayed, replay_frames
+from ..replay.run import Replayed, automatic_loss, replay_frames
 from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
 from .compiled import rerun_compiled
 
@@ -84,12 +84,16 @@ class Sentinel(Feature):
 
     ``compiled``: the model runs compiled code, so sampled batches are recorded by an eager
     replay. ``defer_reads``: see :data:`DEFER_CHOICES` (the facade passes "never" when a DDP
-    consensus must exchange every forward's verdict right away).
+    consensus must exchange every forward's verdict right away). ``loss_fn``: the watch's
+    loss function; the replays of training batches run it and its backward (a backward event
+    is replayed through it rather than from the gradients the outputs received, so that the
+    loss's own ops are traced).
     """
 
     def __init__(self, recorder: Recorder, capture: BatchCapture, *,
                  sample_every: int | None = None, backward: bool = False,
-                 compiled: bool = False, defer_reads: str = "device") -> None:
+                 compiled: bool = False, defer_reads: str = "device",
+                 loss_fn: Any = None) -> None:
         if defer_reads not in DEFER_CHOICES:
             raise ValueError(f"defer_reads must be one of {DEFER_CHOICES}, got {defer_reads!r}")
         self.recorder = recorder
@@ -99,6 +103,7 @@ class Sentinel(Feature):
         self.backward = backward
         self.compiled = compiled
         self.defer_reads = defer_reads
+        self.loss_fn = loss_fn
         # What the tests and the benchmark read: forwards checked, host reads of device
         # numbers, gradient checks, replays run and how long the last event's replay took.
         self.checks = 0
@@ -323,7 +328,8 @@ class Sentinel(Feature):
             return self._found(self._unreplayed(batch, forward, bad, f"not replayed: {error}"),
                                None, None)
         try:
-            replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True)
+            replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True,
+                                     loss_fn=automatic_loss(held, self.loss_fn))
         except ReplayError as error:  # refused before running (FSDP2, a changed model)
             return self._found(self._unreplayed(batch, forward, bad, f"not replayed: {error}"),
                                None, None)
@@ -350,12 +356,13 @@ class Sentinel(Feature):
             held = self.capture.batch_to_replay(batch)
         except ReplayError as error:
             return self._found(self._grad_event(batch, bad, f"not replayed: {error}"), None, None)
-        if not grads:
+        loss_fn = automatic_loss(held, self.loss_fn)
+        if not grads and loss_fn is None:
             return self._found(self._grad_event(
                 batch, bad, "not replayed: no gradient reached the outputs"), None, None)
         try:
             replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True,
-                                     output_grads=grads, backward_frames=True)
+                                     output_grads=grads, backward_frames=True, loss_fn=loss_fn)
         except ReplayError as error:  # refused before running (FSDP2, a changed model)
             return self._found(self._grad_event(batch, bad, f"not replayed: {error}"), None, None)
         except Exception as error:  # the NaN was seen: a failed replay must not lose it
@@ -494,7 +501,8 @@ class Sentinel(Feature):
     def _attach_trace(self, event: NanEvent) -> None:
         try:
             held = self.capture.batch_to_replay(event.batch)
-            replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True)
+            replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True,
+                                     loss_fn=automatic_loss(held, self.loss_fn))
         except ReplayError:
             return  # the event stands without a trace (FSDP2, batch not held, model changed)
         self.replays += 1

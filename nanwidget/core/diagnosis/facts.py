@@ -1,0 +1,291 @@
+"""What a diagnosis reads, as plain values: gathered once, when an event happens.
+
+:class:`Facts` holds the event, the trace that names its op (the event's own, or a replay made
+for the diagnosis), the batch's inputs (which rows hold NaN/Inf, which rows are fully masked),
+whether the gradient reaching the model's output was already non-finite, the recent history of
+module outputs, the weights' log across batches (:class:`WeightLog`) and, for a non-finite
+weight, the last batch that ran with it finite. The rules (:mod:`.rules`) only read these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..events import NanEvent
+from ..frames import Frame
+from ..stats import dtype_max
+
+__all__ = ["Facts", "InputFacts", "OpFacts", "WeightLog", "describe_input", "op_facts",
+           "output_grad_bad", "weight_names"]
+
+# Batches of weight numbers kept (one float each) and recent history rows read per diagnosis.
+WEIGHT_LOG_BATCHES = 64
+HISTORY_BATCHES = 16
+
+
+class WeightLog:
+    """The weights across batches, from the frames the watch records anyway (every batch in full
+    mode; sampled and replayed batches in sentinel mode): per batch one float, the sum of the
+    weights' abs max; per module, its weights' abs max the first time it was seen (recorded
+    once). Fed once per batch, never in a module hook."""
+
+    def __init__(self, batches: int = WEIGHT_LOG_BATCHES) -> None:
+        self.batches = batches
+        self.series: list[tuple[int, float]] = []  # (batch, sum of the weights' abs max)
+        self.first: dict[str, tuple[int, float]] = {}  # module -> (batch, its weights' abs max)
+
+    def take(self, frames: list[Frame]) -> None:
+        """Fold a batch's resolved frames in (the weight entries of forward frames)."""
+        total = 0.0
+        batch = -1
+        for frame in frames:
+            count = frame.first_input  # weights come first; backward frames have none
+            if count:
+                batch = frame.batch
+                for entry in frame.entries[:count]:
+                    stats = entry[1]
+                    if stats is not None:
+                        total += stats.abs_max
+        if batch < 0:
+            return
+        if not self.first:
+            self._first_seen(frames)
+        if total != total or total == math.inf:
+            return  # a non-finite weight: no point of the climb
+        series = self.series
+        if series and series[-1][0] == batch:  # the same batch again (a replayed context)
+            series[-1] = (batch, max(series[-1][1], total))
+        elif not series or series[-1][0] < batch:
+            series.append((batch, total))
+            if len(series) > self.batches:
+                del series[0]
+
+    def _first_seen(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            count = frame.first_input
+            if not count or frame.module in self.first:
+                continue
+            values = [e[1].abs_max for e in frame.entries[:count] if e[1] is not None]
+            if values and all(v == v and v != math.inf for v in values):
+                self.first[frame.module] = (frame.batch, max(values))
+
+
+@dataclass
+class InputFacts:
+    """One input tensor of the batch: non-finite counts and rows, fully masked rows."""
+
+    role: str
+    dtype: str
+    shape: tuple
+    nan: int = 0
+    inf: int = 0
+    rows: list[int] = field(default_factory=list)  # rows along dim 0 holding a NaN/Inf
+    masked_rows: list[int] = field(default_factory=list)  # rows with a fully masked vector
+
+
+# Masks by keyword: True (or nonzero) means "masked" for PyTorch's padding masks, "keep" for
+# the attention_mask of transformers models.
+_MASKED_WHEN_TRUE = ("key_padding_mask", "padding_mask")
+_KEPT_WHEN_TRUE = ("attention_mask",)
+
+
+def _rows_where(flags: torch.Tensor) -> list[int]:
+    """Rows along dim 0 where any of ``flags`` is set."""
+    if flags.dim() == 0:
+        return []
+    per_row = flags.reshape(flags.shape[0], -1).any(dim=1) if flags.dim() > 1 else flags
+    return [int(r) for r in torch.nonzero(per_row).flatten().tolist()]
+
+
+def describe_input(role: str, tensor: torch.Tensor) -> InputFacts | None:
+    """The facts of one input tensor (None for a tensor it cannot read: meta, sparse ...).
+    Reads the tensor once (a diagnosis runs only at an event)."""
+    if tensor.is_meta or tensor.is_sparse or tensor.is_nested or tensor.numel() == 0:
+        return None
+    facts = InputFacts(role=role, dtype=str(tensor.dtype).replace("torch.", ""),
+                       shape=tuple(tensor.shape))
+    with torch.no_grad():
+        values = tensor.detach()
+        if values.is_floating_point():
+            nan, inf = torch.isnan(values), torch.isinf(values)
+            facts.nan, facts.inf = int(nan.sum()), int(inf.sum())
+            if facts.nan or facts.inf:
+                facts.rows = _rows_where(nan | inf)
+            if values.dim() >= 2 and facts.inf:
+                facts.masked_rows = _rows_where(torch.isneginf(values).all(dim=-1))
+        elif values.dim() >= 2 and values.dtype in (torch.bool, torch.int64, torch.int32,
+                                                    torch.int8, torch.uint8):
+            name = role.lower()
+            if any(key in name for key in _MASKED_WHEN_TRUE):
+                facts.masked_rows = _rows_where((values != 0).all(dim=-1))
+            elif any(key in name for key in _KEPT_WHEN_TRUE):
+                facts.masked_rows = _rows_where((values == 0).all(dim=-1))
+    return facts
+
+
+@dataclass
+class OpFacts:
+    """The trace's first bad op, in plain values: name, where, and its tensors' ranges."""
+
+    op: str
+    phase: str  # "forward" | "backward" | "loss"
+    module: str
+    module_type: str
+    source: str
+    dtype: str
+    nan: bool
+    inf: bool
+    inputs: list[dict] = field(default_factory=list)  # role, dtype, min, max, nan_count, inf_count
+    outputs: list[dict] = field(default_factory=list)
+    grad_of: str = ""  # the autograd node a backward op ran in ("SqrtBackward0"), when known
+    grad_of_loss: bool = False  # that node was made by an op of loss_fn (its gradient, e.g. log's)
+
+    @property
+    def in_loss(self) -> bool:
+        """The op ran in ``loss_fn``, or in the backward of an op of ``loss_fn``."""
+        return self.phase == "loss" or self.grad_of_loss
+
+    @property
+    def grad_of_name(self) -> str:
+        """The op whose gradient a backward op computed ("log" for LogBackward0), or ""."""
+        return self.grad_of.split("Backward")[0].lower() if self.grad_of else ""
+
+    @property
+    def name(self) -> str:
+        """The op's name without leading underscores (``_softmax`` -> ``softmax``)."""
+        return self.op.lstrip("_")
+
+    @property
+    def limit(self) -> float:
+        """The largest finite value of the op's output dtype."""
+        return dtype_max(self.dtype)
+
+    @property
+    def place(self) -> str:
+        """Where it ran, in words: "in loss_fn", "in module 'x' (Linear)"."""
+        if self.phase == "loss":
+            return "in loss_fn"
+        if self.grad_of_loss:
+            return "in the backward of loss_fn"
+        module = self.module or "<root>"
+        kind = f" ({self.module_type})" if self.module_type else ""
+        backward = " during the backward pass" if self.phase == "backward" else ""
+        return f"in module '{module}'{kind}{backward}"
+
+    @property
+    def at(self) -> str:
+        return f" at {self.source}" if self.source else ""
+
+    def input_range(self, position: int = 0) -> tuple[float, float] | None:
+        """(min, max) of the finite values of the op's ``position``-th tensor input."""
+        if position >= len(self.inputs):
+            return None
+        row = self.inputs[position]
+        low, high = row.get("min", math.nan), row.get("max", math.nan)
+        if low != low or high != high:
+            return None
+        return float(low), float(high)
+
+    def largest_input(self) -> float:
+        """The largest |x| among the op's finite inputs (0 when none is known)."""
+        largest = 0.0
+        for row in self.inputs:
+            for key in ("min", "max"):
+                value = row.get(key, math.nan)
+                if value == value and abs(value) > largest:
+                    largest = abs(float(value))
+        return largest
+
+    def inputs_hold_inf(self) -> bool:
+        return any(int(row.get("inf_count", 0) or 0) for row in self.inputs)
+
+
+def op_facts(trace: Any) -> OpFacts | None:
+    """The first bad op of ``trace`` (None when no op made the value)."""
+    first = getattr(trace, "first_bad", None)
+    if first is None:
+        return None
+    tensors = getattr(trace, "first_bad_tensors", None)
+    rows = tensors.to_dict("records") if tensors is not None and len(tensors) else []
+    grad_of = str(getattr(trace, "first_bad_grad_of", "") or "")
+    return OpFacts(op=str(first["op"]), phase=str(first["phase"]), module=str(first["module"]),
+                   module_type=str(first["module_type"] or ""), source=str(first["source"] or ""),
+                   dtype=str(first["dtype"]), nan=bool(first["nan"]), inf=bool(first["inf"]),
+                   inputs=[r for r in rows if str(r["role"]).startswith("input")],
+                   outputs=[r for r in rows if str(r["role"]).startswith("output")],
+                   grad_of=grad_of, grad_of_loss=_grad_of_loss(trace, first, grad_of))
+
+
+def _grad_of_loss(trace: Any, first: Any, grad_of: str) -> bool:
+    """Whether a backward op ran in the gradient of an op of ``loss_fn``: the op its node
+    belongs to (``log`` for LogBackward0) ran in the loss phase at the same line."""
+    if str(first["phase"]) != "backward" or not grad_of or first["module"]:
+        return False
+    ops = getattr(trace, "ops", None)
+    if ops is None or not len(ops):
+        return False
+    name = grad_of.split("Backward")[0].lower()
+    maker = ops[(ops["source"] == first["source"]) & (ops["phase"] != "backward")
+                & (ops["op"].astype(str).str.lstrip("_") == name)]
+    return bool(len(maker)) and bool((maker["phase"] == "loss").all())
+
+
+def output_grad_bad(frames: list[Frame], batch: int, root: str) -> bool | None:
+    """Whether the root's backward frame of ``batch`` among ``frames`` holds a non-finite
+    ``grad_output`` (the gradient that reached the model's output); None when there is none."""
+    for frame in frames:
+        if frame.module == root and frame.phase == "backward" and frame.batch == batch:
+            return any(entry.nonfinite for entry in frame.entries
+                       if entry.role.startswith("grad_output"))
+    return None
+
+
+def weight_names(event: NanEvent) -> list[str]:
+    """The qualified names of the non-finite weights in the event's own frame."""
+    frames = event.frames
+    if frames is None or frames.empty:
+        return [f"{event.module}.{event.role}" if event.module else event.role]
+    own = frames[(frames["frame"] == event.frame) & (frames["batch"] == event.batch)
+                 & (frames["phase"] == "forward") & (frames["nan"] | frames["inf"])]
+    roles = [r for r in own["role"] if not r.startswith(("input", "kwarg:", "output"))]
+    roles = list(dict.fromkeys([event.role] + roles))
+    return [f"{event.module}.{role}" if event.module else role for role in roles]
+
+
+@dataclass
+class Facts:
+    """Everything a diagnosis reads (see the module docstring)."""
+
+    event: NanEvent
+    trace: Any = None  # a Trace: the event's own or one replayed for the diagnosis
+    op: OpFacts | None = None
+    # The gradient reaching the model's output held NaN/Inf (None: not seen).
+    output_grad_bad: bool | None = None
+    inputs: list[InputFacts] = field(default_factory=list)
+    inputs_held: bool = False  # the batch's inputs were read (rows can be told)
+    # Root input entries of the batch's frames that held NaN/Inf (when the inputs were not held).
+    bad_input_roles: list[str] = field(default_factory=list)
+    history_batches: list[int] = field(default_factory=list)
+    history_modules: list[str] = field(default_factory=list)
+    history: np.ndarray = field(default_factory=lambda: np.empty((0, 0)))
+    weights: WeightLog = field(default_factory=WeightLog)
+    # Module -> its own weights' abs max now (finite values; measured at the event).
+    weights_now: dict[str, float] = field(default_factory=dict)
+    # Non-finite weight name -> the last batch that ran with it finite.
+    weights_last_finite: dict[str, int] = field(default_factory=dict)
+    # Non-finite weight name -> True when its version counter moved after that batch.
+    weights_written: dict[str, bool] = field(default_factory=dict)
+    sentinel: bool = False
+
+    def series(self, module: str) -> list[tuple[int, float]]:
+        """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""
+        if module not in self.history_modules or not len(self.history_batches):
+            return []
+        column = self.history[:, self.history_modules.index(module)]
+        return [(b, float(v)) for b, v in zip(self.history_batches, column)
+                if v == v and not math.isinf(v)]

@@ -1,0 +1,216 @@
+"""The diagnosis as a feature of the watch: a little bookkeeping per batch, the work at events.
+
+Per batch (under the recorder's lock, never in a module hook): the weights' numbers of the
+frames the watch recorded anyway go into a :class:`~.facts.WeightLog` (one float per batch,
+and per module its first and last finite measurement). At an event (outside the lock, after
+the replay and the sentinel attached their traces, before the consensus tells the other ranks
+and the recording writes it): the facts are gathered and :func:`~.rules.diagnose` sets
+``event.diagnosis``. In full mode an event without a trace gets one replay of its batch for
+the diagnosis alone (the op and its line; not attached to the event), at most
+:data:`MAX_DIAGNOSIS_REPLAYS` per watch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pandas as pd
+import torch
+
+from ..events import Diagnosis, NanEvent
+from ..frames import Frame
+from ..recorder import Feature, Recorder
+from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
+                    output_grad_bad, weight_names)
+from .rules import diagnose
+
+__all__ = ["Diagnoser", "MAX_DIAGNOSIS_REPLAYS"]
+
+MAX_DIAGNOSIS_REPLAYS = 4  # a diverged run makes an event per batch
+
+
+def _root_grad_bad(frames: Any, batch: int, root: str) -> bool | None:
+    """:func:`~.facts.output_grad_bad` over a frames DataFrame."""
+    if not isinstance(frames, pd.DataFrame) or frames.empty:
+        return None
+    rows = frames[(frames["module"] == root) & (frames["phase"] == "backward")
+                  & (frames["batch"] == batch) & frames["role"].str.startswith("grad_output")]
+    if rows.empty:
+        return None
+    return bool((rows["nan"] | rows["inf"]).any())
+
+
+class Diagnoser(Feature):
+    """Sets ``event.diagnosis`` on every event of a watch (see the module docstring).
+
+    ``capture``: the watch's :class:`~nanwidget.core.replay.capture.BatchCapture` (the held
+    batches' inputs and weight versions), or None. ``replay``: makes a trace of an event's
+    batch, or None when it cannot (full mode; None in sentinel mode, whose events carry theirs).
+    ``loss_fn``: the watch has one, so a replay of a gradient made in the loss names its op.
+    """
+
+    def __init__(self, recorder: Recorder, *, capture: Any = None,
+                 replay: Callable[[NanEvent], Any] | None = None, sentinel: bool = False,
+                 loss_fn: bool = False) -> None:
+        self.recorder = recorder
+        self.capture = capture
+        self.replay = replay
+        self.sentinel = sentinel
+        self.loss_fn = loss_fn
+        self.weights = WeightLog()
+        self.replays = 0
+        self._resolved: list[Frame] = []  # the frames last resolved within a batch (backward)
+
+    # ------------------------------------------------------------------ per batch (under the lock)
+    def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
+        if frames:
+            self.weights.take(frames)
+
+    def on_frames_replayed(self, frames: list[Frame]) -> None:
+        self.weights.take(frames)
+
+    def on_frames_resolved(self, frames: list[Frame]) -> None:
+        self._resolved = frames
+
+    # ------------------------------------------------------------------ at an event
+    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
+        if event is not None and event.diagnosis is None:
+            event.diagnosis = self.diagnose(event, may_replay=True)
+        return event
+
+    def on_event(self, event: NanEvent) -> None:
+        # Events recorded without a review (at close(), after an interrupted forward).
+        if event.diagnosis is None:
+            event.diagnosis = self.diagnose(event, may_replay=False)
+
+    def diagnose(self, event: NanEvent, *, may_replay: bool = False) -> Diagnosis:
+        """The diagnosis of ``event``; never raises (a failure is an "unknown" that says so)."""
+        try:
+            facts = self.facts(event, may_replay=may_replay)
+            held = self.capture is not None and event.batch in self.capture.held_batches()
+            return diagnose(facts, replayable=held)
+        except Exception as error:
+            self.recorder.internal_error(error)
+            return Diagnosis("unknown", f"The diagnosis failed ({type(error).__name__}: {error}).",
+                             confidence="low")
+
+    def facts(self, event: NanEvent, *, may_replay: bool = False) -> Facts:
+        """What the rules read about ``event`` (see :class:`~.facts.Facts`)."""
+        recorder = self.recorder
+        root = recorder.modules[0].name
+        facts = Facts(event=event, trace=event.trace, weights=self.weights,
+                      sentinel=self.sentinel)
+        self._read_inputs(facts)
+        if event.is_backward:
+            facts.output_grad_bad = self._output_grad_bad(event, root)
+        if (facts.trace is None and may_replay and self.replay is not None
+                and self.replays < MAX_DIAGNOSIS_REPLAYS and self._needs_op(facts)):
+            self.replays += 1
+            facts.trace = self.replay(event)
+            if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
+                facts.output_grad_bad = _root_grad_bad(facts.trace.frames, event.batch, root)
+        facts.op = op_facts(facts.trace)
+        with recorder.lock:
+            history = recorder.records.history
+            facts.history_batches, facts.history = history.recent(HISTORY_BATCHES)
+            facts.history_modules = list(history.modules)
+        if event.origin == "weight" or any(kind == "weight" for kind, _ in
+                                           getattr(facts.trace, "came_with", None) or []):
+            self._weights_last_finite(facts)
+        if self.weights.first and len(self.weights.series) >= 3:  # divergence may be told
+            self._weights_now(facts)
+        return facts
+
+    def _needs_op(self, facts: Facts) -> bool:
+        """Whether the diagnosis needs the op that made the value (a replay): not for a weight
+        that came non-finite, NaN in the data, or a gradient made in the loss (unless the watch
+        has the loss_fn that names its op)."""
+        event = facts.event
+        if event.origin not in ("output", "input", "grad") or any(i.nan for i in facts.inputs):
+            return False
+        return not (event.is_backward and facts.output_grad_bad and not self.loss_fn)
+
+    def _read_inputs(self, facts: Facts) -> None:
+        event = facts.event
+        held = self.capture.held_inputs(event.batch) if self.capture is not None else []
+        for role, tensor in held:
+            try:
+                described = describe_input(role, tensor)
+            except Exception:  # a tensor that cannot be read here (inside vmap, say): skip it
+                continue
+            if described is not None:
+                facts.inputs.append(described)
+        facts.inputs_held = bool(held)
+        if held:
+            return
+        # Not held: the root's frame of the batch says which of its inputs held NaN (in the
+        # event's window, the trace, or the ring: the root's frame is the batch's last).
+        root = self.recorder.modules[0].name
+        for frames in (event.frames, getattr(event.trace, "frames", None)):
+            if not isinstance(frames, pd.DataFrame) or frames.empty:
+                continue
+            rows = frames[(frames["module"] == root) & (frames["phase"] == "forward")
+                          & (frames["batch"] == event.batch)
+                          & frames["role"].str.startswith(("input", "kwarg:")) & frames["nan"]]
+            if not rows.empty:
+                facts.bad_input_roles = list(dict.fromkeys(rows["role"]))
+                return
+        for frame in self.recorder.held_frames():
+            if frame.module == root and frame.phase == "forward" and frame.batch == event.batch:
+                roles = [e.role for e in frame.inputs() if e.stats is not None and e.stats.nan]
+                if roles:
+                    facts.bad_input_roles = list(dict.fromkeys(roles))
+                    return
+
+    def _output_grad_bad(self, event: NanEvent, root: str) -> bool | None:
+        for frames in (event.frames, getattr(event.trace, "frames", None)):
+            found = _root_grad_bad(frames, event.batch, root)
+            if found is not None:
+                return found
+        with self.recorder.lock:
+            resolved = list(self._resolved)
+        return output_grad_bad(resolved, event.batch, root)
+
+    def _weights_last_finite(self, facts: Facts) -> None:
+        """For each non-finite weight: the last batch that ran with it finite, and whether its
+        version counter moved after that batch."""
+        event = facts.event
+        names = weight_names(event)
+        known = getattr(facts.trace, "weights_last_finite", None) or {}
+        eventful = {e.batch for e in self.recorder.events}
+        # Batches before this one that ran without an event: their weights were finite (a
+        # non-finite weight is an event, or makes the outputs non-finite).
+        column = (facts.history_modules.index(event.module)
+                  if event.module in facts.history_modules else None)
+        ran = [b for row, b in enumerate(facts.history_batches)
+               if column is not None and facts.history[row, column] == facts.history[row, column]]
+        held = self.capture.held_batches() if self.capture is not None else []
+        clean = sorted(b for b in set(ran) | set(held) if b < event.batch and b not in eventful)
+        for name in names:
+            if name in known:
+                facts.weights_last_finite[name] = int(known[name])
+            elif clean:
+                facts.weights_last_finite[name] = clean[-1]
+            last = facts.weights_last_finite.get(name)
+            if last is not None and self.capture is not None:
+                then = {n: v for n, v, _ in self.capture.held_weights(last)}
+                now = {n: v for n, v, _ in self.capture.held_weights(event.batch)}
+                if name in then and name in now:
+                    facts.weights_written[name] = then[name] != now[name]
+
+    def _weights_now(self, facts: Facts) -> None:
+        """Each module first seen by the weight log: its own weights' abs max now (the finite
+        values), to tell which grew most. Measured at the event only."""
+        wanted = self.weights.first
+        with torch.no_grad():
+            for info in self.recorder.modules:
+                if info.name not in wanted:
+                    continue
+                largest = 0.0
+                for tensor in info.module.parameters(recurse=False):
+                    values = tensor.detach()
+                    if values.numel() and values.is_floating_point():
+                        finite = values[torch.isfinite(values)]
+                        if finite.numel():
+                            largest = max(largest, float(finite.abs().max()))
+                facts.weights_now[info.name] = largest

@@ -1,0 +1,170 @@
+"""The known fixes for each kind of diagnosis, in the user's words (the likeliest first).
+
+Each function returns the suggestion list of one kind, filled in with what the diagnosis knows
+(the module, the op's line, the dtype, the batch). The texts are reviewed fixes from the
+PyTorch documentation and the usual answers to these bugs; they name real APIs only.
+"""
+
+from __future__ import annotations
+
+__all__ = ["overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
+           "loss", "unknown"]
+
+_LOW_PRECISION = ("float16", "bfloat16")
+
+
+def overflow(module: str, dtype: str, at: str, op: str) -> list[str]:
+    where = f"module '{module}'" if module else "that part of the model"
+    fixes = []
+    if dtype == "float16":
+        fixes.append(f"Run {where} in bfloat16 (same range as float32) or float32: under "
+                     "torch.autocast, wrap it in torch.autocast(device_type, enabled=False) and "
+                     "pass it x.float(); or autocast with dtype=torch.bfloat16.")
+    if op in ("exp", "pow", "sum", "mean", "cumsum", "prod"):
+        fixes.append(f"Use a stable form for {op}{at}: torch.logsumexp / softmax instead of exp "
+                     "by hand, subtract the max first, or sum in float32 (dtype=torch.float32).")
+    fixes.append(f"Keep the values smaller before {op}{at}: scale them (e.g. divide attention "
+                 "scores by sqrt(d)), normalise the inputs, or clamp them "
+                 f"({'x.clamp(-6e4, 6e4)' if dtype == 'float16' else 'x.clamp(-1e4, 1e4)'}).")
+    if dtype not in _LOW_PRECISION:
+        fixes.append("A float32 value past 3.4e38 means runaway growth: look for a missing "
+                     "normalisation, an input on the wrong scale, or weights that grew (see "
+                     "the history: w.history()).")
+    return fixes
+
+
+def divergence(dtype: str) -> list[str]:
+    fixes = ["Lower the learning rate (try 10x lower) or warm it up over the first steps "
+             "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).",
+             "Clip the gradients before the step: "
+             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0).",
+             "Under AMP, let torch.amp.GradScaler manage the loss scale (it lowers the scale when "
+             "gradients overflow); a fixed large scale diverges."]
+    if dtype in _LOW_PRECISION:
+        fixes.append("Keep the weights and optimizer state in float32 (autocast the forward "
+                     "instead of model.half()).")
+    fixes.append("Watch the trend before the next try: w.history() or the FrameBrowser's plot "
+                 "shows which module grows first.")
+    return fixes
+
+
+def domain(op: str, at: str, backward: bool) -> list[str]:
+    name = op.lstrip("_")
+    if name in ("log", "log2", "log10", "log1p", "xlogy"):
+        return [f"Keep the argument of {name}{at} positive: torch.{name}(x.clamp_min(eps)) or "
+                f"torch.{name}(x + eps), eps = 1e-6 (1e-4 in float16).",
+                "For probabilities use the fused forms: F.log_softmax instead of log(softmax(x)), "
+                "F.logsigmoid instead of log(sigmoid(x)), nn.BCEWithLogitsLoss / "
+                "nn.CrossEntropyLoss on the logits."]
+    if name in ("sqrt", "rsqrt"):
+        if backward:
+            return [f"The gradient of {name} is infinite at 0: add an eps inside, "
+                    f"torch.{name}(x + eps) at {at.strip()[3:] or 'that line'}, or use "
+                    "torch.linalg.vector_norm (its gradient at 0 is defined) for a norm.",
+                    "Or keep x away from 0 where the gradient flows: torch.where(x > eps, x, eps)."]
+        return [f"Clamp the argument of {name}{at}: torch.{name}(x.clamp_min(eps)) (a negative "
+                "value gives NaN, rsqrt(0) gives inf).",
+                "If x is a variance or a squared distance, it is negative only by rounding: "
+                "clamp_min(0) before the root."]
+    if name in ("acos", "asin", "atanh", "acosh", "erfinv", "logit"):
+        return [f"Clamp the argument of {name}{at} into its open domain: "
+                f"torch.{name}(x.clamp(-1 + eps, 1 - eps)) (its gradient is infinite at the edge).",
+                "Normalised vectors can leave [-1, 1] by rounding: clamp the dot product before "
+                f"{name}."]
+    if name in ("div", "true_divide", "reciprocal", "remainder", "fmod", "floor_divide"):
+        guard = [f"Guard the denominator{at}: x / (d + eps) or x / d.clamp_min(eps) (for a "
+                 "denominator that can be negative: d + eps * torch.sign(d)).",
+                 "torch.where(d == 0, 0, x / d) still gives a NaN gradient: divide by "
+                 "torch.where(d == 0, 1, d) instead."]
+        if backward:  # a gradient divided by 0: sqrt, a norm or a division at 0 in the forward
+            return [f"A gradient divided by zero: the op{at} has an infinite slope there "
+                    "(sqrt or a norm of 0, a division by 0). Add an eps inside "
+                    "(torch.sqrt(x + eps)) or use torch.linalg.vector_norm for a norm."] + guard
+        return guard
+    if name == "pow":
+        return [f"pow{at} of a negative base with a fractional exponent is NaN, and of 0 with a "
+                "negative exponent inf: clamp the base (x.clamp_min(eps)) or use "
+                "x.abs().pow(p) * x.sign().",
+                "Its gradient at 0 is infinite for exponents below 1: add an eps to the base."]
+    if name in ("var", "std", "var_mean", "std_mean"):
+        return [f"{name}{at} over a single element divides by n - 1 = 0: pass correction=0 "
+                "(unbiased=False), or make sure the reduced dimension has at least 2 elements "
+                "(batch size 1, a sequence of length 1).",
+                "Add an eps where it is divided by: x / (std + eps)."]
+    if name in ("sub", "add", "rsub", "mul"):
+        return [f"{name}{at} met an Inf (inf - inf or 0 x inf make NaN): find where the Inf was "
+                "made (the report's earlier op) and keep that value finite (clamp, or mask with "
+                "torch.finfo(dtype).min instead of -inf).",
+                "Replace a by-hand formula with its stable library form (F.softmax, "
+                "torch.logsumexp, F.log_softmax)."]
+    return [f"Keep the input of {name}{at} inside its domain (clamp it, or add an eps)."]
+
+
+def masked_row() -> list[str]:
+    return ["Fill masks with torch.finfo(scores.dtype).min instead of -inf: a fully masked row "
+            "then gives a finite (uniform) softmax instead of NaN.",
+            "Guard fully masked rows: drop sequences that are all padding, or unmask one position "
+            "for them (e.g. the first token) and zero their output afterwards.",
+            "nn.MultiheadAttention / nn.TransformerEncoder: a key_padding_mask row that is all "
+            "True masks every key of that sequence; check the rows named here."]
+
+
+def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: bool) -> list[str]:
+    after = f"after batch {batch}" if batch is not None else "before this batch"
+    fixes = []
+    if dtype == "float16" and inf_only:
+        fixes.append("Adam/AdamW on float16 weights: its eps=1e-8 is 0 in float16, so a step "
+                     "divides by ~0. Use eps=1e-4 or larger, or keep the weights in float32 "
+                     "(torch.autocast for float16 compute, with torch.amp.GradScaler).")
+    fixes.append(f"Catch the bad step before it writes the weights: watch with backward=True "
+                 f"(a non-finite gradient stops there), or call w.check_grad_norms() before "
+                 f"optimizer.step() and skip the step when it returns True.")
+    fixes.append("Clip the gradients before the step: "
+                 "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0); with float16, "
+                 "torch.amp.GradScaler skips steps whose gradients hold Inf/NaN.")
+    fixes.append(f"If no optimizer step ran {after}: look for a load_state_dict of a bad "
+                 f"checkpoint or an in-place write to {names[0] if names else 'the weight'}.")
+    return fixes
+
+
+def bad_data(roles: list[str], rows: list[int]) -> list[str]:
+    which = ", ".join(roles) or "the input"
+    shown = f"rows {', '.join(map(str, rows[:8]))}" if rows else "the rows that hold them"
+    return [f"Look at how {shown} of {which} were made: missing values, a division by zero or "
+            "log(0) in preprocessing, a corrupt file.",
+            "Guard the data: assert torch.isfinite(x).all() in the Dataset or collate_fn, or "
+            "clean it (torch.nan_to_num, or drop those rows) before the forward.",
+            "Normalise features with an epsilon: (x - mean) / (std + 1e-6)."]
+
+
+def loss(batch: int, op: str, traced: bool) -> list[str]:
+    fixes = []
+    if not traced:
+        fixes.append(f"Name the loss's op and line: watch with loss_fn=lambda out: "
+                     f"criterion(out, targets) (automatic replays then run the loss), or now "
+                     f"w.replay({batch}, loss_fn=...).")
+    name = op.lstrip("_")
+    if not traced or name in ("log", "log2", "log10", "log1p", "div", "sigmoid", "softmax",
+                              "binary_cross_entropy", "nll_loss"):
+        fixes.append("Use the fused, stable losses on the logits: nn.BCEWithLogitsLoss instead "
+                     "of log(sigmoid(x)) by hand, nn.CrossEntropyLoss or F.log_softmax instead "
+                     "of log(softmax(x)).")
+        fixes.append("Clamp probabilities before a log: p.clamp(eps, 1 - eps); compute the loss "
+                     "in float32 (output.float()) under autocast.")
+    else:
+        fixes.extend(domain(op, "", backward=False))
+    return fixes
+
+
+def unknown(batch: int, replayable: bool, backward: bool = False) -> list[str]:
+    if replayable and backward:
+        return [f"Replay the batch with its loss to see every op of the backward pass: "
+                f"w.replay({batch}, loss_fn=...).report() names the first op that made a "
+                "NaN/Inf and its line.",
+                "Watch with loss_fn=... (and replay_on_nan=True) to have it done at the event."]
+    if replayable:
+        return [f"Replay the batch to see every op: w.replay({batch}).report() names the first "
+                "op that made a NaN/Inf and its line.",
+                "Watch with replay_on_nan=True (and loss_fn=...) to have it done at the event."]
+    return ["Keep the batch for a replay (keep_batches >= 1, the default) and replay it: "
+            f"w.replay({batch}).report() names the op and its line."]

@@ -1,0 +1,536 @@
+"""The rules: :class:`~.facts.Facts` in, one :class:`~nanwidget.core.events.Diagnosis` out.
+
+Where before how (the contract's precedence):
+
+1. ``loss``: a backward event whose gradient reached the model's output already non-finite
+   (or whose first bad op ran in ``loss_fn``) was made outside the model, whatever op made it;
+2. ``bad-data``: the batch's inputs hold NaN (or an Inf that no op of the model made);
+3. a non-finite weight is ``divergence`` when the weights grew over the batches before (the
+   optimizer drove them there), else ``corrupted-weight`` (a step, load or write broke it);
+4. the op that made the value (the trace's first bad op): ``masked-row`` (softmax over a row
+   that is all -inf), ``domain`` (log of <= 0, sqrt of < 0 or its gradient at 0, acos of
+   |x| > 1, division by 0, inf - inf ...), ``overflow`` (a finite value grew past its dtype's
+   largest), which becomes ``divergence`` when the weights also grew;
+5. without an op, what the event's frame shows (an Inf from finite inputs: overflow; a
+   softmax-like module with masked inputs: masked-row);
+6. ``unknown``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..events import Diagnosis, NanEvent
+from ..stats import dtype_max
+from . import fixes
+from .facts import Facts, OpFacts, weight_names
+
+__all__ = ["diagnose", "Growth", "growth_of"]
+
+_LOG_OPS = ("log", "log2", "log10")
+_INVERSE_TRIG = ("acos", "asin")
+_DIVISIONS = ("div", "true_divide", "remainder", "fmod", "floor_divide")
+_VARIANCES = ("var", "std", "var_mean", "std_mean")
+_EXP_OPS = ("exp", "exp2", "expm1", "sinh", "cosh")
+# Ops that write an Inf on purpose (masks); an Inf they made that turns into NaN later is a mask.
+_INTENDED_INF = ("masked_fill", "fill", "full", "where", "index_put", "copy", "masked_scatter")
+_DOMAIN_NAMES = _LOG_OPS + _INVERSE_TRIG + _DIVISIONS + _VARIANCES + (
+    "log1p", "sqrt", "rsqrt", "atanh", "acosh", "reciprocal", "pow", "erfinv", "logit", "xlogy",
+    "lgamma", "digamma", "polygamma")
+_SOFTMAX_MODULES = ("Softmax", "LogSoftmax", "Softmin", "MultiheadAttention",
+                    "TransformerEncoderLayer", "TransformerDecoderLayer")
+
+
+def _g(value: float) -> str:
+    """A number as evidence shows it (3 significant digits)."""
+    return f"{value:.3g}"
+
+
+def _limit_text(dtype: str) -> str:
+    limit = dtype_max(dtype)
+    return f"{dtype} max {limit:.5g}" if math.isfinite(limit) else dtype
+
+
+def _kind_words(kind: str) -> str:
+    return {"nan": "NaN", "inf": "Inf", "nan+inf": "NaN and Inf"}.get(kind, kind)
+
+
+# ---------------------------------------------------------------------------- growth
+@dataclass(frozen=True)
+class Growth:
+    """A climb that ends at the last point of a series: from ``start`` (batch, value) to
+    ``end``; ``per_batch``: the mean factor per batch."""
+
+    start: tuple[int, float]
+    end: tuple[int, float]
+
+    @property
+    def ratio(self) -> float:
+        return self.end[1] / self.start[1] if self.start[1] > 0 else math.inf
+
+    @property
+    def per_batch(self) -> float:
+        batches = max(1, self.end[0] - self.start[0])
+        return self.ratio ** (1.0 / batches) if math.isfinite(self.ratio) else math.inf
+
+
+def growth_of(points: list[tuple[int, float]], least: float = 2.0) -> Growth | None:
+    """The climb ending at the last point (dips of up to 10% allowed), when the last value is
+    at least ``least`` times the value the climb started from, over at least two batches."""
+    if len(points) < 3:
+        return None
+    start = len(points) - 1
+    while start > 0 and points[start - 1][1] <= points[start][1] * 1.1:
+        start -= 1
+    base = points[start][1]
+    # Where the climb left the level it started at (a long flat stretch is no climb).
+    while start < len(points) - 2 and points[start + 1][1] <= base * 1.2:
+        start += 1
+    first, last = points[start], points[-1]
+    if last[0] - first[0] < 2 or first[1] <= 0 or last[1] < least * first[1]:
+        return None
+    return Growth(start=first, end=last)
+
+
+def _growth_line(what: str, growth: Growth) -> str:
+    return (f"{what} grew {growth.per_batch:.3g}x per batch from batch {growth.start[0]} "
+            f"({_g(growth.start[1])}) to batch {growth.end[0]} ({_g(growth.end[1])}): "
+            f"{_g(growth.ratio)}x in all")
+
+
+def _no_history(facts: Facts) -> list[str]:
+    """What sentinel mode could not check for lack of recorded batches."""
+    recorded = len([b for b, _ in facts.weights.series if b <= facts.event.batch])
+    if not facts.sentinel or recorded >= min(3, facts.event.batch + 1):
+        return []  # as much as full mode would have had
+    return ["Sentinel mode records no batch in full without sample_every, so whether the weights "
+            "grew over the batches before (a divergence) could not be checked; watch with "
+            "sample_every=N to keep that history."]
+
+
+def _weights_growth(facts: Facts) -> Growth | None:
+    points = [(b, v) for b, v in facts.weights.series if b <= facts.event.batch]
+    return growth_of(points)
+
+
+def _grown_modules(facts: Facts) -> list[str]:
+    """Modules whose weights grew most since the watch first measured them."""
+    grown = []
+    for module, (batch, first) in facts.weights.first.items():
+        now = facts.weights_now.get(module)
+        if now is None or first <= 0 or batch >= facts.event.batch:
+            continue
+        ratio = now / first
+        if ratio >= 2:
+            grown.append((ratio, module))
+    grown.sort(reverse=True)
+    return [f"'{module or '<root>'}' {_g(ratio)}x" for ratio, module in grown[:4]]
+
+
+def _activation_lines(facts: Facts, modules: list[str]) -> list[str]:
+    """The recent output abs max of the first of ``modules`` with a history, as evidence."""
+    for module in modules:
+        points = [(b, v) for b, v in facts.series(module) if b < facts.event.batch]
+        if not points:
+            continue
+        label = module or "<root>"
+        growth = growth_of(points + _event_point(facts, module), least=4.0)
+        if growth is not None:
+            return [_growth_line(f"The output abs max of '{label}'", growth) + "."]
+        shown = ", ".join(f"{_g(v)} at batch {b}" for b, v in points[-3:][::-1])
+        return [f"Output abs max of '{label}' in the batches before: {shown}."]
+    return []
+
+
+def _event_point(facts: Facts, module: str) -> list[tuple[int, float]]:
+    """The event batch's own finite value of ``module``, when the history has one."""
+    return [(b, v) for b, v in facts.series(module) if b == facts.event.batch]
+
+
+# ---------------------------------------------------------------------------- the op
+def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
+    """Why the op's inputs were outside its domain, and how sure (None: they were not)."""
+    name = op.name
+    grad_of = op.grad_of.split("Backward")[0].lower() if op.grad_of else ""
+    if op.phase == "backward" and grad_of in _DOMAIN_NAMES:
+        return (f"the gradient of {grad_of} is infinite at the edge of its domain "
+                f"({'0' if grad_of in ('sqrt', 'rsqrt', 'log', 'pow', 'div') else '±1'})", "high")
+    first = op.input_range(0)
+    if first is None:
+        return None
+    low, high = first
+    if name in _LOG_OPS and low <= 0:
+        what = "log(0) = -inf" if low == 0 else "a negative value gives NaN"
+        return f"{name} of values down to {_g(low)} ({what})", "high"
+    if name == "log1p" and low <= -1:
+        return f"log1p of values down to {_g(low)} (log1p(-1) = -inf)", "high"
+    if name == "sqrt" and low < 0:
+        return f"sqrt of values down to {_g(low)} (a negative value gives NaN)", "high"
+    if name == "rsqrt" and low <= 0:
+        return f"rsqrt of values down to {_g(low)} (rsqrt(0) = inf)", "high"
+    if name in _INVERSE_TRIG and (low < -1 or high > 1):
+        return f"{name} of values from {_g(low)} to {_g(high)} (outside [-1, 1] gives NaN)", "high"
+    if name == "atanh" and (low <= -1 or high >= 1):
+        return f"atanh of values from {_g(low)} to {_g(high)} (at ±1 inf, beyond NaN)", "high"
+    if name == "acosh" and low < 1:
+        return f"acosh of values down to {_g(low)} (below 1 gives NaN)", "high"
+    if (name == "erfinv" and (low <= -1 or high >= 1)) or (name == "logit" and (low < 0 or high > 1)):
+        return f"{name} of values from {_g(low)} to {_g(high)}, outside its domain", "high"
+    if name in _DIVISIONS or name == "reciprocal":
+        denominator = op.input_range(1 if name != "reciprocal" else 0)
+        if denominator is not None and denominator[0] <= 0 <= denominator[1]:
+            zero = "0/0 = NaN" if op.nan and low <= 0 <= high else "x/0 = inf"
+            where = " in the backward pass (a gradient)" if op.phase == "backward" else ""
+            certain = "high" if 0 in denominator else "medium"
+            return (f"a division by zero{where}: the denominator ranges from "
+                    f"{_g(denominator[0])} to {_g(denominator[1])} ({zero})", certain)
+    if name == "pow" and op.nan and low < 0:
+        return f"pow of a negative base (down to {_g(low)}) with a fractional exponent", "high"
+    if (name == "pow" and op.inf and low <= 0 <= high and not op.inputs_hold_inf()
+            and max(-low, high) < op.limit ** 0.25):  # a large base overflows instead
+        return "pow of 0 with a negative exponent", "medium"
+    if name in _VARIANCES and op.nan and not op.inputs_hold_inf():
+        return f"{name} over a single element (it divides by n - 1 = 0)", "high"
+    return None
+
+
+def _overflow_reason(op: OpFacts) -> tuple[str, str] | None:
+    limit = op.limit
+    if not math.isfinite(limit) or op.inputs_hold_inf():
+        return None
+    largest = op.largest_input()
+    if op.name in _EXP_OPS and largest > math.log(limit):
+        return (f"{op.name} of values up to {_g(largest)}: above {_g(math.log(limit))} it passes "
+                f"{op.dtype}'s largest value ({limit:.5g})", "high")
+    if op.inf:
+        sure = "high" if largest >= math.sqrt(limit) else "medium"
+        return f"a result passed {op.dtype}'s largest value ({limit:.5g})", sure
+    if op.nan and largest >= math.sqrt(limit):
+        return (f"its inputs reached {_g(largest)}, so a square or a sum inside it passed "
+                f"{op.dtype}'s largest value ({limit:.5g}) and became NaN", "high")
+    return None
+
+
+def _classify_op(op: OpFacts, earlier: object) -> tuple[str, str, str] | None:
+    """(kind, reason, confidence) of the value the op made, or None."""
+    name = op.name
+    masking = "softmax" in name or "scaled_dot_product" in name or "attention" in name
+    if masking and op.nan and op.inputs_hold_inf():
+        return ("masked-row", "a row whose scores were all -inf (fully masked) gives 0/0 = NaN",
+                "high")
+    domain = _domain_reason(op)
+    if domain is not None:
+        return ("domain", *domain)
+    if op.nan and op.inputs_hold_inf():  # a NaN from an Inf: where did the Inf come from?
+        maker = str(earlier["op"]).lstrip("_") if earlier is not None else ""
+        if maker in _INTENDED_INF:
+            return ("masked-row", f"an Inf written on purpose by {maker} (a -inf mask) met "
+                                  f"{name}: a fully masked row gives inf - inf = NaN", "medium")
+        if maker in _DOMAIN_NAMES:
+            return ("domain", f"an Inf made by {maker} (outside its domain) turned into NaN in "
+                              f"{name} (inf - inf or 0 x inf)", "medium")
+        if maker:
+            return ("overflow", f"an Inf made by {maker} (an overflow) turned into NaN in {name}",
+                    "medium")
+        return ("domain", f"{name} met an Inf (inf - inf or 0 x inf make NaN)", "medium")
+    overflow = _overflow_reason(op)
+    if overflow is not None:
+        return ("overflow", *overflow)
+    return None
+
+
+def _op_evidence(op: OpFacts) -> list[str]:
+    lines = []
+    for row in op.inputs[:3]:
+        low, high = row.get("min", math.nan), row.get("max", math.nan)
+        counts = [f"{n} {k}" for n, k in ((row.get("nan_count", 0), "NaN"),
+                                           (row.get("inf_count", 0), "Inf")) if n]
+        shown = (f"from {_g(low)} to {_g(high)}" if low == low else "no finite value")
+        extra = f", {', '.join(counts)}" if counts else ""
+        lines.append(f"{op.op} {row['role']} ({row.get('dtype', '')}): {shown}{extra}.")
+    for row in op.outputs[:1]:
+        counts = [f"{n} {k}" for n, k in ((row.get("nan_count", 0), "NaN"),
+                                           (row.get("inf_count", 0), "Inf")) if n]
+        numel = row.get("numel", 0)
+        lines.append(f"{op.op} {row['role']}: {' and '.join(counts) or 'non-finite'} of "
+                     f"{numel} values ({_limit_text(op.dtype)}).")
+    if op.grad_of:
+        lines.append(f"It ran in the backward of {op.grad_of}.")
+    return lines
+
+
+# ---------------------------------------------------------------------------- the kinds
+def _loss(facts: Facts) -> Diagnosis | None:
+    event, op = facts.event, facts.op
+    if not event.is_backward:
+        return None
+    came = [name for kind, name in getattr(facts.trace, "came_with", None) or []
+            if kind == "output-grad"]
+    in_loss = op is not None and op.in_loss
+    if not in_loss and not facts.output_grad_bad and not came:
+        return None
+    evidence = []
+    if in_loss:
+        assert op is not None
+        reason = _domain_reason(op) or _overflow_reason(op)
+        why = f": {reason[0]}" if reason is not None else ""
+        made = op.op if op.phase == "loss" else f"{op.grad_of_name}'s gradient ({op.op})"
+        summary = (f"Made in the loss, outside the model: {made} in loss_fn{op.at} made the "
+                   f"first NaN/Inf{why}; the gradient reached the model's output already "
+                   "non-finite.")
+        evidence.extend(_op_evidence(op))
+    else:
+        summary = (f"Made in the loss, outside the model: the gradient reaching the model's "
+                   f"output{' (' + ', '.join(came) + ')' if came else ''} in batch {event.batch} "
+                   "was already non-finite, and no op of the model made it.")
+    evidence.append(f"The first non-finite gradient is the one '{event.module_label}' "
+                    f"({event.module_type}) received, {event.role}; the forward outputs of "
+                    f"batch {event.batch} were finite.")
+    return Diagnosis("loss", summary, evidence,
+                     fixes.loss(event.batch, (op.op if op.phase == "loss" else op.grad_of_name)
+                                if in_loss and op else "", traced=in_loss),
+                     confidence="high")
+
+
+def _bad_data(facts: Facts) -> Diagnosis | None:
+    event = facts.event
+    came = [name for kind, name in getattr(facts.trace, "came_with", None) or []
+            if kind == "input"]
+    bad = [i for i in facts.inputs if i.nan]
+    if not bad:
+        made_by_op = facts.op is not None and not facts.op.in_loss
+        inf_inputs = [i for i in facts.inputs if i.inf]
+        if inf_inputs and (came or (not made_by_op and event.origin == "input"
+                                    and not event.is_backward)):
+            bad = [i for i in inf_inputs if not came or i.role in came] or inf_inputs
+    if not bad and facts.bad_input_roles and not facts.inputs_held:
+        roles = facts.bad_input_roles
+        return Diagnosis(
+            "bad-data", f"The batch's {', '.join(roles)} already held NaN/Inf when the model "
+                        "got it: it came with the data, not from the model.",
+            [f"The root module's {role} in batch {event.batch} holds NaN/Inf." for role in roles],
+            fixes.bad_data(roles, []), confidence="medium")
+    if not bad:
+        return None
+    rows = sorted({r for i in bad for r in i.rows})
+    roles = [i.role for i in bad]
+    what = " and ".join(w for w, n in (("NaN", sum(i.nan for i in bad)),
+                                       ("Inf", sum(i.inf for i in bad))) if n)
+    rows_text = f" in rows {', '.join(map(str, rows[:8]))}{' ...' if len(rows) > 8 else ''}" \
+        if rows else ""
+    verb = "holds" if len(roles) == 1 else "hold"
+    summary = (f"The batch's {', '.join(roles)} {verb} {what}{rows_text}: it came with the "
+               "data, not from the model.")
+    evidence = []
+    for item in bad:
+        counts = ", ".join(f"{n} {k}" for n, k in ((item.nan, "NaN"), (item.inf, "Inf")) if n)
+        where = f" in rows {', '.join(map(str, item.rows[:12]))}" if item.rows else ""
+        evidence.append(f"{item.role} ({item.dtype} {item.shape}): {counts}{where} of "
+                        f"{item.shape[0] if item.shape else 1}.")
+    suggestion = fixes.bad_data(roles, rows)
+    if not any(i.nan for i in bad):
+        suggestion.append("If the Inf is meant (a -inf mask passed in), let its module hold it: "
+                          f"nw.watch(model, allow_inf=['{event.module}']).")
+    return Diagnosis("bad-data", summary, evidence, suggestion, rows=rows,
+                     confidence="high" if facts.inputs_held else "medium")
+
+
+def _weights(facts: Facts) -> Diagnosis | None:
+    event = facts.event
+    came = [name for kind, name in getattr(facts.trace, "came_with", None) or []
+            if kind == "weight"]
+    if event.origin != "weight" and not came:
+        return None
+    names = came or weight_names(event)
+    dtype = _weight_dtype(event)
+    grew = _weights_growth(facts)
+    if grew is not None:
+        evidence = [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
+        modules = _grown_modules(facts)
+        if modules:
+            evidence.append(f"Grown most since first measured: {', '.join(modules)}.")
+        evidence.extend(_activation_lines(facts, [event.module, ""]))
+        evidence.append(f"At batch {event.batch} {', '.join(names)} "
+                        f"{'is' if len(names) == 1 else 'are'} {_kind_words(event.kind)}.")
+        return Diagnosis(
+            "divergence",
+            f"Training diverged: the weights grew {grew.per_batch:.3g}x per batch since batch "
+            f"{grew.start[0]} until {', '.join(names[:2])} became {_kind_words(event.kind)} "
+            f"(used at batch {event.batch}).", evidence, fixes.divergence(dtype),
+            confidence="high")
+    last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
+    batch = max(last) if last else None
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    verb = "holds" if len(names) == 1 else "hold"
+    evidence = [f"{shown} {verb} {_kind_words(event.kind)} at batch {event.batch}"
+                + (f" ({dtype})." if dtype else ".")]
+    if batch is not None:
+        one = len(names) == 1
+        evidence.append(f"{'It was' if one else 'They were'} finite when batch {batch} "
+                        f"ran: the optimizer step, load or write after batch {batch} made "
+                        f"{'it' if one else 'them'} non-finite.")
+        if any(facts.weights_written.get(n) for n in names):
+            evidence.append(f"The version counter of {names[0]} moved after batch {batch} "
+                            "(an in-place write: optimizer.step() or copy_).")
+        summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and batch "
+                   f"{event.batch}: the optimizer step, load or write after batch {batch} did "
+                   f"it; batch {event.batch} is the first to use it.")
+    else:
+        summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran (an "
+                   "optimizer step, a load or a write made it), not this batch's forward.")
+    evidence.extend(_no_history(facts))
+    return Diagnosis("corrupted-weight", summary, evidence,
+                     fixes.corrupted_weight(names, dtype, batch, event.kind == "inf"),
+                     confidence="high" if batch is not None else "medium")
+
+
+def _weight_dtype(event: NanEvent) -> str:
+    frames = event.frames
+    if frames is None or frames.empty:
+        return ""
+    rows = frames[(frames["frame"] == event.frame) & (frames["batch"] == event.batch)
+                  & (frames["role"] == event.role)]
+    return str(rows["dtype"].iloc[0]) if len(rows) else ""
+
+
+def _rows_masked(facts: Facts) -> list[int]:
+    return sorted({r for i in facts.inputs for r in i.masked_rows})
+
+
+def _from_op(facts: Facts) -> Diagnosis | None:
+    op = facts.op
+    if op is None or op.in_loss:
+        return None
+    found = _classify_op(op, getattr(facts.trace, "earlier_inf", None))
+    if found is None:
+        return None
+    kind, reason, confidence = found
+    evidence = _op_evidence(op)
+    event = facts.event
+    if kind == "masked-row":
+        rows = _rows_masked(facts)
+        if rows:
+            masks = [i.role for i in facts.inputs if i.masked_rows]
+            evidence.append(f"Rows {', '.join(map(str, rows[:12]))} of the batch have a fully "
+                            f"masked {', '.join(masks)}.")
+        return Diagnosis("masked-row", f"{op.op} {op.place}{op.at} ran over rows that were "
+                                       f"all -inf: {reason}.", evidence, fixes.masked_row(),
+                         rows=rows, confidence=confidence)
+    if kind == "domain":
+        return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain: "
+                                   f"{reason}.", evidence,
+                         fixes.domain(op.op if not op.grad_of else op.grad_of.split("Backward")[0].lower(),
+                                      op.at, backward=op.phase == "backward"),
+                         confidence=confidence)
+    # An overflow: divergence when the weights grew over the batches before.
+    modules = [op.module, event.module, ""]
+    grew = _weights_growth(facts)
+    if grew is not None:
+        evidence = ([_growth_line("The weights' abs max (summed over modules)", grew) + "."]
+                    + _activation_lines(facts, modules) + evidence)
+        grown = _grown_modules(facts)
+        if grown:
+            evidence.insert(1, f"Grown most since first measured: {', '.join(grown)}.")
+        return Diagnosis(
+            "divergence",
+            f"Training diverged: the weights grew {grew.per_batch:.3g}x per batch since batch "
+            f"{grew.start[0]}, until {op.op} {op.place}{op.at} overflowed at batch "
+            f"{event.batch} ({reason}).", evidence, fixes.divergence(op.dtype), confidence="high")
+    evidence = evidence + _activation_lines(facts, modules)
+    evidence.extend(_no_history(facts))
+    return Diagnosis("overflow", f"{op.op} {op.place}{op.at} overflowed {op.dtype}: {reason}.",
+                     evidence, fixes.overflow(op.module, op.dtype, op.at, op.name),
+                     confidence=confidence)
+
+
+def _from_frames(facts: Facts) -> Diagnosis | None:
+    """Without the op: what the event's own frame shows."""
+    event = facts.event
+    frames = event.frames
+    if event.is_backward or frames is None or frames.empty or event.origin not in ("output", "input"):
+        return None
+    own = frames[(frames["frame"] == event.frame) & (frames["batch"] == event.batch)
+                 & (frames["phase"] == "forward")]
+    outputs = own[own["role"].str.startswith("output")]
+    inputs = own[own["role"].str.startswith(("input", "kwarg:"))]
+    if outputs.empty:
+        return None
+    label = f"module '{event.module_label}' ({event.module_type})"
+    softmax_like = (event.module_type in _SOFTMAX_MODULES or "Attention" in event.module_type)
+    if softmax_like and bool(outputs["nan"].any()) and (bool(inputs["inf"].any())
+                                                       or _rows_masked(facts)):
+        rows = _rows_masked(facts)
+        return Diagnosis("masked-row", f"{label} made NaN from masked inputs: a row whose "
+                                       "scores are all -inf (fully masked) gives 0/0 = NaN in "
+                                       "its softmax.",
+                         [f"Rows {', '.join(map(str, rows[:12]))} of the batch are fully "
+                          "masked."] if rows else [], fixes.masked_row(), rows=rows,
+                         confidence="medium")
+    if event.origin == "output" and bool(outputs["inf"].any()) and not bool(outputs["nan"].any()):
+        dtype = str(outputs["dtype"].iloc[0])
+        largest = float(inputs["finite_abs_max"].max()) if len(inputs) else math.nan
+        evidence = []
+        if largest == largest:
+            evidence.append(f"Its inputs reached {_g(largest)} ({_limit_text(dtype)}).")
+        evidence += _activation_lines(facts, [event.module, ""])
+        grew = _weights_growth(facts)
+        if grew is not None:
+            return Diagnosis(
+                "divergence", f"Training diverged: the weights grew {grew.per_batch:.3g}x per "
+                              f"batch since batch {grew.start[0]}, until {label} overflowed "
+                              f"{dtype} at batch {event.batch}.",
+                [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
+                + evidence, fixes.divergence(dtype), confidence="medium")
+        return Diagnosis("overflow", f"{label} made ±inf from finite inputs and weights: a "
+                                     f"result passed {dtype}'s largest value "
+                                     f"({dtype_max(dtype):.5g}).",
+                         evidence, fixes.overflow(event.module, dtype, "", "its op"),
+                         confidence="medium")
+    return None
+
+
+def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
+    event, op = facts.event, facts.op
+    evidence = []
+    if op is not None:
+        summary = (f"{op.op} {op.place}{op.at} made {_kind_words(event.kind)} from finite "
+                   "inputs, in a way none of the known patterns explains.")
+        evidence = _op_evidence(op)
+    else:
+        summary = (f"{_kind_words(event.kind)} first seen at module '{event.module_label}' "
+                   f"({event.module_type}), {event.role}: {event.origin_words}; what made it "
+                   "could not be told.")
+        why = getattr(facts.trace, "why_not_reproduced", None)
+        reason = why() if callable(why) else ""
+        if reason:
+            evidence.append(f"The replay did not reproduce it: {reason}.")
+        elif event.note:
+            evidence.append(event.note[0].upper() + event.note[1:] + ".")
+    return Diagnosis("unknown", summary, evidence,
+                     fixes.unknown(event.batch, replayable, backward=event.is_backward),
+                     confidence="low")
+
+
+def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
+    """The diagnosis of ``facts.event`` (see the module docstring for the order of the rules).
+    ``replayable``: whether the event's batch can still be replayed (for the suggestions)."""
+    event = facts.event
+    if event.origin == "peer":
+        if event.diagnosis is not None:
+            return event.diagnosis
+        return Diagnosis("unknown", f"Rank {event.peer_rank} found it; its own diagnosis is in "
+                                    "its recording and its report.", [],
+                         [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
+                         confidence="low")
+    found = None
+    for rule in (_loss, _bad_data, _weights, _from_op, _from_frames):
+        found = rule(facts)
+        if found is not None:
+            break
+    found = found or _unknown(facts, replayable)
+    op = facts.op
+    if op is not None and getattr(facts.trace, "first_bad", None) is not None:
+        where = f"at {op.source}" if op.source else "(no line of user code on the stack)"
+        found.op = f"{op.op} {where}"
+    return found

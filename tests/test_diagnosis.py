@@ -1,0 +1,561 @@
+"""event.diagnosis: why, not only where, on real small models in full and sentinel mode.
+
+One scenario per kind (at least two per kind), each run in both modes; the loss_fn option;
+the diagnosis shown in the report and kept by recordings.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+from test_report_golden import Overflowing  # exact weights: overflows float16 at scale 1e4
+
+MODES = ["full", "sentinel"]
+
+
+def watch(model: nn.Module, mode: str, **options) -> nw.NanWatch:
+    if mode == "sentinel":
+        options["mode"] = "sentinel"
+    return nw.watch(model, on_nan="record", **options)
+
+
+def line_of(function, text: str) -> str:
+    """``file:line`` of the line of ``function`` holding ``text``, as the trace names it."""
+    lines, start = inspect.getsourcelines(function)
+    offset = next(i for i, line in enumerate(lines) if text in line)
+    return f"{inspect.getsourcefile(function)}:{start + offset}"
+
+
+# ---------------------------------------------------------------------------- overflow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_float16_linear_past_65504_is_an_overflow_with_its_numbers(mode):
+    model = Overflowing().half()
+    x = (torch.arange(8.0).reshape(2, 4) / 4).half()
+    with watch(model, mode) as w:
+        model(x)
+        model(x, 10.0)
+        model(x, 1e4)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow" and diagnosis.confidence == "high"
+    assert diagnosis.summary.startswith("addmm in module 'out' (Linear) at ")
+    assert line_of(Overflowing.forward, "self.out(") in diagnosis.summary
+    evidence = "\n".join(diagnosis.evidence)
+    assert "float16 max 65504" in evidence and "4.44e+04" in evidence
+    assert "228 at batch 1, 22.8 at batch 0" in evidence  # the history before it
+    assert "bfloat16" in diagnosis.suggestion[0] and "'out'" in diagnosis.suggestion[0]
+    assert diagnosis.op.startswith("addmm at ") and w.event.summary().endswith(diagnosis.op)
+
+
+class Exponent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self.fc(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exp_of_a_large_value_overflows_float32(mode):
+    model = Exponent()
+    with watch(model, mode) as w:
+        model(torch.randn(3, 4))
+        model(torch.randn(3, 4) * 200)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert "exp of values up to" in diagnosis.summary and "88.7" in diagnosis.summary
+    assert any("logsumexp" in fix for fix in diagnosis.suggestion)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt2_whose_feed_forward_weights_were_scaled_up_overflows_float32(mode):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=16, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).eval()  # random weights: nothing downloaded
+    tokens = torch.randint(0, 50, (2, 8))
+    with watch(model, mode) as w:
+        model(tokens)
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight.mul_(1e36)
+        model(tokens)
+    event = w.event
+    assert (event.batch, event.module, event.origin) == (1, "transformer.ln_f", "output")
+    diagnosis = event.diagnosis
+    # Values near 1e35 leave the feed-forward: x ** 3 in its GELU and the final layer norm's
+    # variance pass float32's largest value. An overflow, not a domain error of pow.
+    assert diagnosis.kind == "overflow" and "overflowed float32" in diagnosis.summary
+    assert "(the weights grew" not in diagnosis.summary  # one write, no climb: no divergence
+
+
+# ---------------------------------------------------------------------------- domain
+class LogOfRelu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.relu(self.fc(x)))
+
+
+class AcosOfTanh(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.acos(torch.tanh(self.fc(x)) * 1.01)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_log_of_zero_is_a_domain_error_at_its_line(mode):
+    model = LogOfRelu()
+    with watch(model, mode) as w:
+        model(torch.randn(8, 4))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain" and diagnosis.confidence == "high"
+    assert "log of values down to 0 (log(0) = -inf)" in diagnosis.summary
+    assert line_of(LogOfRelu.forward, "torch.log") in diagnosis.summary
+    assert "clamp_min(eps)" in diagnosis.suggestion[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_acos_past_one_is_a_domain_error(mode):
+    model = AcosOfTanh()
+    with watch(model, mode) as w:
+        model(torch.randn(5, 4) * 5)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain"
+    assert "acos of values from -1.01 to 1.01" in diagnosis.summary
+    assert "clamp(-1 + eps, 1 - eps)" in diagnosis.suggestion[0]
+
+
+class NormOf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.sqrt((h * h).sum(-1))  # its gradient is infinite where h is 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_gradient_of_sqrt_at_zero_is_a_domain_error_in_the_backward_pass(mode):
+    model = NormOf()
+    x = torch.randn(5, 4)
+    x[2] = 0
+    options = {"loss_fn": lambda out: out.sum()} if mode == "full" else {}
+    with watch(model, mode, backward=True, **options) as w:
+        model(x).sum().backward()
+    diagnosis = w.event.diagnosis
+    assert w.event.is_backward and diagnosis.kind == "domain"
+    assert "during the backward pass" in diagnosis.summary
+    # The NaN/Inf that reaches the event is born in sqrt's gradient (a division by 0).
+    assert "the gradient of sqrt is infinite at the edge of its domain (0)" in diagnosis.summary
+    assert line_of(NormOf.forward, "torch.sqrt") in diagnosis.summary
+    assert "torch.sqrt(x + eps)" in diagnosis.suggestion[0]
+
+
+# ---------------------------------------------------------------------------- masked-row
+class MaskedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(-1, -2)
+        scores = scores.masked_fill(key_padding_mask[:, None, :], float("-inf"))
+        return torch.softmax(scores, dim=-1) @ x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_softmax_over_a_fully_masked_row_names_the_rows(mode):
+    model = MaskedAttention()
+    padding = torch.zeros(4, 5, dtype=torch.bool)
+    padding[:, 3:] = True
+    padding[2] = True  # sequence 2 is all padding
+    with watch(model, mode) as w:
+        model(torch.randn(4, 5, 8), key_padding_mask=padding)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "masked-row" and diagnosis.confidence == "high"
+    assert diagnosis.summary.startswith("_softmax in module '<root>'")
+    assert line_of(MaskedAttention.forward, "torch.softmax") in diagnosis.summary
+    assert diagnosis.rows == [2]
+    assert "torch.finfo(scores.dtype).min" in diagnosis.suggestion[0]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+        # With its weights asked for, attention runs an explicit softmax: NaN over the row.
+        return self.attn(x, x, x, key_padding_mask=key_padding_mask)[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_multihead_attention_with_an_all_padding_sequence_is_a_masked_row(mode):
+    model = SelfAttention()
+    padding = torch.zeros(3, 4, dtype=torch.bool)
+    padding[1] = True
+    with watch(model, mode) as w:
+        model(torch.randn(3, 4, 8), key_padding_mask=padding)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "masked-row"
+    assert diagnosis.rows == [1]
+
+
+# ---------------------------------------------------------------------------- divergence
+def _mlp_at_a_huge_learning_rate(mode: str, **options) -> nw.NanWatch:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 1))
+    return train_until_an_event(model, torch.optim.SGD(model.parameters(), lr=5.0),
+                                torch.randn(16, 8), torch.randn(16, 1), 20, mode, **options)
+
+
+def train_until_an_event(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                         y: torch.Tensor, steps: int, mode: str, **options) -> nw.NanWatch:
+    """Steps of mean squared error on one batch, watched, until the first event."""
+    with watch(model, mode, **options) as w:
+        for _ in range(steps):
+            loss = ((model(x) - y) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if w.events:
+                break
+    return w
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_mlp_at_a_huge_learning_rate_diverges(mode):
+    w = _mlp_at_a_huge_learning_rate(mode, **({"sample_every": 1} if mode == "sentinel" else {}))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "divergence" and diagnosis.confidence == "high"
+    assert "Training diverged: the weights grew" in diagnosis.summary
+    assert "addmm in module '2' (Linear)" in diagnosis.summary
+    evidence = "\n".join(diagnosis.evidence)
+    assert "The weights' abs max (summed over modules) grew" in evidence
+    assert "The output abs max of '2' grew" in evidence
+    assert "Lower the learning rate" in diagnosis.suggestion[0]
+    assert any("clip_grad_norm_" in fix for fix in diagnosis.suggestion)
+
+
+def test_sentinel_mode_without_samples_cannot_tell_divergence_and_says_so():
+    diagnosis = _mlp_at_a_huge_learning_rate("sentinel").event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert any("sample_every=N" in line for line in diagnosis.evidence)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_transformer_encoder_at_learning_rate_20_diverges(mode):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                          nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=20.0)
+    x, y = torch.randn(8, 6, 16), torch.randint(0, 4, (8, 6))
+    with watch(model, mode, **({"sample_every": 1} if mode == "sentinel" else {})) as w:
+        for _ in range(12):
+            loss = nn.functional.cross_entropy(model(x).reshape(-1, 4), y.reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if w.events:
+                break
+    event = w.event
+    assert event.module == "0.layers.0.norm2"
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "divergence"
+    assert "native_layer_norm in module '0.layers.0.norm2'" in diagnosis.summary
+    assert "a square or a sum inside it passed float32's largest value" in diagnosis.summary
+    assert any(line.startswith("Grown most since first measured: ") for line in diagnosis.evidence)
+
+
+# ---------------------------------------------------------------------------- corrupted-weight
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_written_nan_between_batches_names_the_batch_after_which(mode):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(6, 4)
+    with watch(model, mode) as w:
+        for batch in range(4):
+            model(x)
+            if batch == 2:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, diagnosis.kind, diagnosis.confidence) == (3, "corrupted-weight", "high")
+    assert diagnosis.summary.startswith("'2.weight' became NaN between batch 2 and batch 3")
+    evidence = "\n".join(diagnosis.evidence)
+    assert "finite" in evidence and "when batch 2 ran" in evidence
+    assert "version counter of 2.weight moved after batch 2" in evidence
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_adam_with_a_tiny_eps_in_float16_corrupts_the_weights(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    w = train_until_an_event(model, optimizer, torch.randn(16, 8).half(),
+                             torch.randn(16, 1).half(), 5, mode)
+    event = w.event
+    assert (event.batch, event.origin, event.kind) == (1, "weight", "inf")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert "between batch 0 and batch 1" in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("Adam/AdamW on float16 weights: its eps=1e-8 is 0")
+
+
+# ---------------------------------------------------------------------------- bad-data
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_in_some_rows_of_the_data_names_the_rows(mode):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(6, 4)
+    x[2, 1] = x[4, 0] = math.nan
+    with watch(model, mode) as w:
+        model(torch.randn(6, 4))
+        model(x)
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence, diagnosis.rows) == ("bad-data", "high", [2, 4])
+    assert diagnosis.summary == ("The batch's input[0] holds NaN in rows 2, 4: it came with the "
+                                 "data, not from the model.")
+    assert diagnosis.evidence == ["input[0] (float32 (6, 4)): 2 NaN in rows 2, 4 of 6."]
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(extra)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inf_in_a_keyword_input_is_bad_data(mode):
+    model = TwoInputs()
+    extra = torch.randn(5, 3)
+    extra[3, 2] = math.inf
+    with watch(model, mode) as w:
+        model(torch.randn(5, 4), extra=extra)
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("bad-data", [3])
+    assert "kwarg:extra" in diagnosis.summary
+    assert any("allow_inf" in fix for fix in diagnosis.suggestion)  # an Inf may be a mask
+
+
+def test_without_held_batches_bad_data_names_the_input_but_not_the_rows():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(6, 4)
+    x[1, 1] = math.nan
+    with nw.watch(model, on_nan="record", keep_batches=0) as w:
+        model(x)
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence, diagnosis.rows) == ("bad-data", "medium", [])
+    assert "input[0]" in diagnosis.summary
+
+
+# ---------------------------------------------------------------------------- loss
+def bce_by_hand(out: torch.Tensor) -> torch.Tensor:
+    p = torch.sigmoid(out)
+    return -torch.log(1 - p).mean()  # float16: sigmoid rounds to 1, log(0) = -inf
+
+
+def saturated_model() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[2].weight.fill_(3.0)
+        model[2].bias.fill_(0.0)
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loss_made_outside_the_model_says_so_and_how_to_trace_it(mode):
+    model = saturated_model()
+    with watch(model, mode, backward=True) as w:
+        bce_by_hand(model(torch.full((6, 4), 3.0).half())).backward()
+        traced = w.replay(0, loss_fn=bce_by_hand)
+    event = w.event
+    assert event.is_backward and event.diagnosis.kind == "loss"
+    assert "made in the loss, outside the model" in event.summary()
+    assert "watch with loss_fn=... or replay(0, loss_fn=...)" in event.summary()
+    assert event.diagnosis.summary.startswith("Made in the loss, outside the model: the gradient "
+                                              "reaching the model's output")
+    assert "w.replay(0, loss_fn=...)" in event.diagnosis.suggestion[0]
+    # Replayed with the loss, the trace names the log at its line.
+    first = traced.first_bad
+    assert (first["op"], first["phase"]) == ("log", "loss")
+    assert first["source"] == line_of(bce_by_hand, "torch.log")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_loss_fn_the_automatic_replay_names_the_loss_op(mode):
+    model = saturated_model()
+    with watch(model, mode, backward=True, loss_fn=bce_by_hand) as w:
+        bce_by_hand(model(torch.full((6, 4), 3.0).half())).backward()
+    event = w.event
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "loss" and diagnosis.confidence == "high"
+    where = line_of(bce_by_hand, "torch.log")
+    # The gradient that reaches the model is born in log's gradient (1 / 0), at the log's line.
+    assert diagnosis.summary.startswith(
+        f"Made in the loss, outside the model: log's gradient (div) in loss_fn at {where} made "
+        "the first NaN/Inf: the gradient of log is infinite at the edge of its domain (0)")
+    assert event.summary().endswith(f"; first bad op div at {where}")
+    assert "BCEWithLogitsLoss" in diagnosis.suggestion[0]
+    if mode == "sentinel":  # its own replay ran the loss: the event's trace shows it
+        trace = event.trace
+        assert (trace.first_bad["op"], trace.first_bad["phase"]) == ("div", "backward")
+        assert trace.first_bad_grad_of == "LogBackward0"
+
+
+def test_replay_on_nan_with_loss_fn_replays_a_backward_event_through_the_loss():
+    model = saturated_model()
+    with nw.watch(model, on_nan="record", backward=True, replay_on_nan=True,
+                  loss_fn=bce_by_hand) as w:
+        bce_by_hand(model(torch.full((6, 4), 3.0).half())).backward()
+    trace = w.event.trace
+    assert trace is not None and trace.reproduced
+    assert (trace.first_bad["op"], trace.first_bad["phase"]) == ("div", "backward")
+    assert trace.first_bad_grad_of == "LogBackward0"
+    assert trace.first_bad["source"] == line_of(bce_by_hand, "torch.log")
+
+
+def test_an_evaluation_forward_is_replayed_without_the_training_loss():
+    # loss_fn's closure fits the training batches; an evaluation batch of another size must
+    # still be replayed (without the loss) when its output is NaN.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    targets = torch.zeros(8, 1)
+    with watch(model, "sentinel", loss_fn=lambda out: ((out - targets) ** 2).mean()) as w:
+        model(torch.randn(8, 4))
+        x = torch.randn(3, 4)
+        x[1, 0] = math.nan
+        with torch.no_grad():
+            model(x)
+    event = w.event
+    assert event.note == "" and event.trace is not None and event.trace.reproduced
+    assert event.diagnosis.kind == "bad-data" and event.diagnosis.rows == [1]
+
+
+def test_loss_fn_must_be_a_function():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="loss_fn must be a function of the model's output"):
+        nw.watch(model, loss_fn=3)
+    with pytest.raises(TypeError, match="got the class MSELoss"):
+        nw.watch(model, loss_fn=nn.MSELoss)
+
+
+# ---------------------------------------------------------------------------- unknown
+def test_without_a_replay_a_nan_from_finite_inputs_stays_unknown_and_says_how_to_see_more():
+    model = AcosOfTanh()
+    with nw.watch(model, on_nan="record", keep_batches=0) as w:
+        model(torch.randn(5, 4) * 5)
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("unknown", "low")
+    assert "keep_batches >= 1" in diagnosis.suggestion[0]
+
+
+class NanOnce(nn.Module):
+    """Makes NaN on its second call only: a replay cannot repeat it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fc(x) * (math.nan if self.calls == 2 else 1.0)
+
+
+def test_a_nan_the_replay_does_not_meet_again_is_unknown_and_says_why():
+    model = NanOnce()
+    with watch(model, "sentinel") as w:
+        model(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("unknown", "low")
+    assert diagnosis.evidence[0].startswith("The replay did not reproduce it: the replay ran "
+                                            "the same inputs, RNG states and weights")
+
+
+def test_without_a_replay_an_inf_from_finite_inputs_is_read_from_the_frame_as_an_overflow():
+    model = nn.Linear(4, 4)
+    with torch.no_grad():
+        model.weight.fill_(1e30)
+    with nw.watch(model, on_nan="record", keep_batches=0) as w:
+        model(torch.full((2, 4), 1e10))
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("overflow", "medium")
+    assert "made ±inf from finite inputs and weights" in diagnosis.summary
+    assert "Its inputs reached 1e+10 (float32 max 3.4028e+38)." in diagnosis.evidence
+
+
+# ---------------------------------------------------------------------------- where it shows
+def test_report_prints_the_diagnosis_after_the_summary_line():
+    model = LogOfRelu()
+    with watch(model, "full") as w:
+        model(torch.randn(8, 4))
+    lines = w.report().split("\n")
+    assert lines[0].startswith("nanwidget: inf in batch 0")
+    assert lines[1].startswith("Diagnosis (domain, high confidence): log in module '<root>'")
+    assert lines[2].startswith("  - log input self (float32): from 0 to ")
+    assert any(line.startswith("  Try: Keep the argument of log") for line in lines[2:6])
+
+
+def test_recordings_keep_the_diagnosis_and_older_ones_load_without_it(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(6, 4)
+    x[3, 0] = math.nan
+    with nw.watch(model, on_nan="record", log_dir=tmp_path / "run") as w:
+        model(x)
+    loaded = nw.load_run(tmp_path / "run").events[0]
+    assert loaded.diagnosis == w.event.diagnosis and loaded.diagnosis.rows == [3]
+    assert "Diagnosis (bad-data, high confidence)" in nw.load_run(tmp_path / "run").report(loaded)
+    for path in (tmp_path / "run").rglob("event-*.json"):  # as an older version wrote it
+        meta = json.loads(path.read_text())
+        del meta["diagnosis"]
+        path.write_text(json.dumps(meta))
+    assert nw.load_run(tmp_path / "run").events[0].diagnosis is None
+
+
+def test_the_command_line_report_prints_the_diagnosis(tmp_path, capsys):
+    from nanwidget.cli import main
+    model = LogOfRelu()
+    with nw.watch(model, on_nan="record", log_dir=tmp_path / "run"):
+        model(torch.randn(8, 4))
+    assert main(["report", str(tmp_path / "run")]) == 0
+    assert "Diagnosis (domain, high confidence): log in module '<root>'" in capsys.readouterr().out
+
+
+def test_the_browser_status_names_the_kind():
+    pytest.importorskip("ipywidgets")
+    model = LogOfRelu()
+    with watch(model, "full") as w:
+        model(torch.randn(8, 4))
+    status = nw.FrameBrowser(w).status.value
+    assert "<span class='nw-diagnosis'><b>domain</b>: log in module" in status
+
+
+def test_a_clean_run_pays_no_diagnosis(tiny_mlp):
+    with nw.watch(tiny_mlp, on_nan="record") as w:
+        for _ in range(3):
+            tiny_mlp(torch.randn(2, 16))
+    diagnoser = w.parts.diagnoser
+    assert diagnoser.replays == 0 and not w.events
+    assert [b for b, _ in diagnoser.weights.series] == [0, 1, 2]  # one float per batch
