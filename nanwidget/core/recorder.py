@@ -229,7 +229,8 @@ class Recorder:
 
     ``skip``: module classes and class names not hooked (never the root). ``on_nan``: "raise",
     "warn" or "record". ``abort_after``: raise :class:`AbortAfterBatch` at the first finished
-    batch whose number is at or past it. ``max_events``: events kept (more are counted).
+    batch whose number is at or past it, or at the end of a root forward in a batch past it.
+    ``max_events``: events kept (more are counted).
     ``allow_inf``: module name globs and module classes whose outputs may hold ±inf on purpose.
     ``root_only``: hook only the root (sentinel mode); :meth:`attach_module_hooks` hooks every
     module for the batches recorded in full. ``entry``: the module whose call is one batch when
@@ -859,10 +860,14 @@ class Recorder:
                 raise NanDetected(event)
             if self.on_nan in ("raise", "warn"):
                 warnings.warn(f"nanwidget: {event.summary()}", NanWarning, stacklevel=5)
-        if raising and finished and self.abort_after is not None and not self._aborted \
-                and batch >= self.abort_after:
+        # abort_after: at the end of the batch numbered abort_after or later, and at the end of
+        # any root forward past it (a batch numbered with set_batch() beyond it, as transformers
+        # does it).
+        limit = self.abort_after
+        if raising and limit is not None and not self._aborted and (
+                (finished and batch >= limit) or (reason == "forward" and batch > limit)):
             self._aborted = True
-            raise AbortAfterBatch(batch, self.abort_after)
+            raise AbortAfterBatch(batch, limit)
 
     def _record_event_locked(self, event: NanEvent) -> None:
         if not self.records.add_event(event):
