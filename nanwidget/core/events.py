@@ -33,8 +33,9 @@ class NanEvent:
 
     ``trace`` is a :class:`~nanwidget.core.trace.Trace` when the batch was replayed
     (``replay_on_nan=True``, and every sentinel-mode event), else None. ``peer_rank`` is set
-    when ``origin == "peer"``: the rank whose NaN/Inf made this one stop; the other fields then
-    describe that rank's event. ``note``: what could not be checked, "" when nothing;
+    when ``origin == "peer"``: the rank whose NaN/Inf made this one stop; ``batch`` is then this
+    rank's own batch, ``peer_batch`` the finder's (ranks that ran different numbers of forwards
+    count batches differently), and the other fields describe the finder's event. ``note``: what could not be checked, "" when nothing;
     ``frames_note``: why earlier frames are missing from ``frames``, "" when none are.
     """
 
@@ -52,6 +53,7 @@ class NanEvent:
     trace: Any = field(default=None, repr=False)
     frame: int = 0  # index of the event's own frame within its batch
     peer_rank: int | None = None
+    peer_batch: int | None = None  # origin "peer": the batch number on the rank that found it
     # What could not be checked, in one sentence ("" when nothing): e.g. a sentinel-mode event
     # that the eager replay did not reproduce. Part of the summary.
     note: str = ""
@@ -75,9 +77,13 @@ class NanEvent:
         """One line naming batch, module, role, kind and origin."""
         phase = " (backward)" if self.is_backward else ""
         if self.origin == "peer":
-            return (f"{self.kind} in batch {self.batch} on rank {self.peer_rank}{phase} at module "
-                    f"'{self.module_label}' ({self.module_type}, call {self.call}), {self.role} "
-                    f"(found on rank {self.peer_rank}; rank {self.rank} stops with it)")
+            same = self.peer_batch is None or self.peer_batch == self.batch
+            where = (f"in batch {self.batch} on rank {self.peer_rank}" if same
+                     else f"on rank {self.peer_rank} in its batch {self.peer_batch}")
+            own = "" if same else f" in its batch {self.batch}"
+            return (f"{self.kind} {where}{phase} at module '{self.module_label}' "
+                    f"({self.module_type}, call {self.call}), {self.role} (found on rank "
+                    f"{self.peer_rank}; rank {self.rank} stops with it{own})")
         rank = f" on rank {self.rank}" if self.rank else ""
         text = (f"{self.kind} in batch {self.batch}{rank}{phase} at module '{self.module_label}' "
                 f"({self.module_type}, call {self.call}), {self.role}: {self.origin_words}")
@@ -97,10 +103,11 @@ class NanEvent:
 
 def event_fields(event: NanEvent) -> dict[str, Any]:
     """The plain fields of ``event`` (:data:`~nanwidget.core.schema.EVENT_FIELDS`, plus
-    ``peer_rank``, ``note`` and ``frames_note``): what is written to disk and sent to other
-    ranks."""
+    ``peer_rank``, ``peer_batch``, ``note`` and ``frames_note``): what is written to disk and
+    sent to other ranks."""
     fields = {name: getattr(event, name) for name in EVENT_FIELDS}
     fields["peer_rank"] = event.peer_rank
+    fields["peer_batch"] = event.peer_batch
     fields["note"] = event.note
     fields["frames_note"] = event.frames_note
     return fields
@@ -112,6 +119,7 @@ def event_from_fields(fields: dict[str, Any], frames: pd.DataFrame | None = None
     values = {name: fields[name] for name in EVENT_FIELDS}
     return NanEvent(frames=frames if frames is not None else pd.DataFrame(columns=FRAME_COLUMNS),
                     trace=trace, peer_rank=fields.get("peer_rank"),
+                    peer_batch=fields.get("peer_batch"),
                     note=fields.get("note") or "", frames_note=fields.get("frames_note") or "",
                     **values)
 
