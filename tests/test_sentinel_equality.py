@@ -8,6 +8,7 @@ event (batch, module, call, role, kind, origin, frames), ``report()`` and the tr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Callable
@@ -331,3 +332,35 @@ def test_without_snapshots_a_training_run_shows_the_failing_batch_and_says_why_n
     assert "frames before batch 3 not shown" in sentinel.frames_note
     assert "weights changed since it ran; snapshot_weights=True keeps copies" in sentinel.frames_note
     assert sentinel.note == "" and sentinel.frames_note not in sentinel.summary()
+
+
+def _record_forward_nan_then_backward(mode: str, on_nan: str, loss: Callable) -> tuple[list, int]:
+    """One training batch whose forward meets a NaN bias (recorded or warned, so its backward
+    runs): the events recorded and the NanWarnings issued."""
+    torch.manual_seed(0)
+    model = TinyMLP()
+    with torch.no_grad():
+        model.fc1.bias[0] = float("nan")
+    x = torch.randn(4, 16)
+    with nw.watch(model, mode=mode, on_nan=on_nan, backward=True) as watch:
+        with pytest.warns() if on_nan == "warn" else contextlib.nullcontext() as caught:
+            loss(model(x)).backward()
+    warned = sum(issubclass(w.category, nw.NanWarning) for w in caught) if caught else 0
+    return [tuple(getattr(e, f) for f in EVENT_FIELDS) for e in watch.events], warned
+
+
+@pytest.mark.parametrize("on_nan", ["record", "warn"])
+@pytest.mark.parametrize("loss", ["sum", "square"])
+def test_a_recorded_forward_event_is_not_recorded_again_by_the_backward_check(on_nan, loss):
+    # The NaN bias makes NaN weight gradients: the sentinel's gradient check meets them at the
+    # end of the backward pass. Full mode records the forward event once (and, when the NaN
+    # reaches the gradients between modules, the backward event): so must the sentinel.
+    loss_fn = (lambda out: out.sum()) if loss == "sum" else (lambda out: out.square().sum())
+    full = _record_forward_nan_then_backward("full", on_nan, loss_fn)
+    sentinel = _record_forward_nan_then_backward("sentinel", on_nan, loss_fn)
+    assert sentinel == full
+    events, warned = full
+    assert [(e[1], e[6], e[7]) for e in events] == (
+        [("fc1", "weight", False)] if loss == "sum" else
+        [("fc1", "weight", False), ("head", "grad", True)])
+    assert warned == (len(events) if on_nan == "warn" else 0)

@@ -339,13 +339,19 @@ class Sentinel(Feature):
             return self._found(self._grad_event(batch, bad, _replay_failed(batch, error)),
                                None, None)
         self.replays += 1
-        if batch in self._full_batches:
-            # Its forward frames were recorded live: only the backward ones are new (recorded
-            # whatever the verdict, as full mode would have).
+        forward_event = self._forward_event_recorded(batch)
+        if batch in self._full_batches or forward_event:
+            # Its forward frames were recorded live, or taken with its forward event: only the
+            # backward ones are new (recorded whatever the verdict, as full mode would have).
+            # The verdict is theirs alone: a forward event already recorded is not found again
+            # (the non-finite gradients came from it).
+            forward = [f for f in frames if f.phase != "backward"]
             frames = [f for f in frames if f.phase == "backward"]
             context = None
-            found = self.recorder.find_event(frames)
+            found = self.recorder.find_event(frames, _after(forward, self.recorder.max_frames))
             taken = [frames]
+            if found is None and forward_event:
+                return Finding(None, taken)  # full mode records no second event either
         else:
             context = _Context(self, batch)
             found = self.recorder.find_event(frames, context.window)
@@ -358,6 +364,12 @@ class Sentinel(Feature):
         if context is not None and context.missing:
             found.frames_note = context.missing
         return self._found(found, trace, found, taken, started)
+
+    def _forward_event_recorded(self, batch: int) -> bool:
+        """Whether an event of ``batch``'s forward pass is recorded already (on_nan "warn" or
+        "record" let its backward pass run)."""
+        return any(e.batch == batch and not e.is_backward and e.origin != "peer"
+                   for e in self.recorder.events)
 
     def context(self, batch: int, needed: int) -> tuple[list[Frame], list[list[Frame]], str]:
         """Up to ``needed`` frames of the batches that ran before ``batch``, oldest first, as
@@ -492,6 +504,16 @@ class Sentinel(Feature):
         self._deferred.clear()
         self._check = None
         self._own_event = None
+
+
+def _after(forward: list[Frame], limit: int) -> Any:
+    """The window of a backward event: up to ``limit`` frames ending with its own, the batch's
+    forward frames before its backward ones (as full mode's ring holds them)."""
+    def window(batch_frames: list[Frame], position: int) -> list[Frame]:
+        joined = forward + batch_frames
+        end = len(forward) + position + 1
+        return joined[max(0, end - limit): end]
+    return window
 
 
 class _Context:
