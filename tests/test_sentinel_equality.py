@@ -364,3 +364,44 @@ def test_a_recorded_forward_event_is_not_recorded_again_by_the_backward_check(on
         [("fc1", "weight", False)] if loss == "sum" else
         [("fc1", "weight", False), ("head", "grad", True)])
     assert warned == (len(events) if on_nan == "warn" else 0)
+
+
+class _Scaled(nn.Module):
+    """A parametrization: the weight as stored, times 2."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2.0
+
+
+def _parametrized_run(mode: str) -> tuple[nw.NanEvent, bool]:
+    """Batches under ``parametrize.cached()``; before the third a NaN is written into the
+    stored weight, so the third batch's cached weight is NaN. The event, and whether the
+    weight cached by the live forward was still the cached one after the automatic replay."""
+    parametrize = torch.nn.utils.parametrize
+    torch.manual_seed(0)
+    model = TinyMLP()
+    parametrize.register_parametrization(model.fc2, "weight", _Scaled())
+    x = torch.randn(4, 16)
+    seen: list[torch.Tensor] = []  # the weight fc2 used, per call (live ones first)
+    model.fc2.register_forward_hook(lambda module, args, output: seen.append(module.weight))
+    options = {"mode": "sentinel"} if mode == "sentinel" else {"replay_on_nan": True}
+    with nw.watch(model, on_nan="record", snapshot_weights=True, **options) as watch:
+        for _ in range(2):
+            with parametrize.cached():  # one block per step, as the docs use it
+                model(x)
+        with torch.no_grad():
+            model.fc2.parametrizations.weight.original[3, 5] = float("nan")
+        with parametrize.cached():
+            model(x)  # batch 2, replayed at its end
+            kept = model.fc2.weight is seen[2]  # the weight cached by the live forward
+    return watch.event, kept
+
+
+def test_parametrize_cached_weights_are_recomputed_by_the_replay_as_full_mode_names_them():
+    full, full_kept = _parametrized_run("full")
+    sentinel, sentinel_kept = _parametrized_run("sentinel")
+    assert (full.batch, full.module, full.role, full.origin) == (
+        2, "fc2.parametrizations.weight", "original", "weight")
+    assert_same_event(full, sentinel)
+    assert full.trace.reproduced and sentinel.trace.reproduced
+    assert full_kept and sentinel_kept

@@ -101,6 +101,26 @@ def eager_calls() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def own_parametrization_cache() -> Iterator[None]:
+    """Inside ``torch.nn.utils.parametrize.cached()``, a parametrized weight is computed once
+    and reused until the block ends; a replay inside such a block (an automatic one, at the end
+    of the forward) would reuse the weight the live forward computed from the model's own
+    tensors. While inside, that cache starts empty (the replay computes its weights from its own
+    stand-ins, once, as the live forward did) and is put back afterwards."""
+    parametrize = sys.modules.get("torch.nn.utils.parametrize")
+    if parametrize is None or not getattr(parametrize, "_cache_enabled", 0) \
+            or not isinstance(getattr(parametrize, "_cache", None), dict):
+        yield
+        return
+    saved = parametrize._cache
+    parametrize._cache = {}
+    try:
+        yield
+    finally:
+        parametrize._cache = saved
+
+
 class ReplayFrames(FrameSink):
     """The :class:`~nanwidget.core.grads.backward.FrameSink` of a replay, over its
     :class:`OpRecorder`: a replay's backward frames are recorded by the very code that records
@@ -228,7 +248,7 @@ class _Replay:
         backward: BackwardFrames | None = None
         loss_value: float | None = None
         try:
-            with self.recorder.suspend(), eager_calls():
+            with self.recorder.suspend(), eager_calls(), own_parametrization_cache():
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 for module in {id(m): m for m in root.modules()}.values():
