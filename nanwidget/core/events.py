@@ -22,9 +22,10 @@ ORIGIN_WORDS = {
 }
 
 # The start of the ``note`` of an event whose origin nothing verified: a sentinel-mode event
-# seen in the model's outputs that no replay explained (refused, failed, or met finite values).
-UNVERIFIED_NOTES = ("not replayed", "not reproduced")
-_UNVERIFIED_WORDS = "found in the model's outputs (where it was made was not checked)"
+# seen in the model's outputs that no replay explained (refused, failed, or met finite values),
+# or an output event of a module inside which modules added after watch() run unwatched.
+UNVERIFIED_NOTES = ("not replayed", "not reproduced", "not checked")
+_UNVERIFIED_WORDS = "found in {where} outputs (where it was made was not checked)"
 
 
 @dataclass
@@ -70,7 +71,7 @@ class NanEvent:
     def origin_words(self) -> str:
         """The origin in words; for an output event no replay explained, only where it was seen."""
         if self.origin == "output" and self.note.startswith(UNVERIFIED_NOTES):
-            return _UNVERIFIED_WORDS
+            return _UNVERIFIED_WORDS.format(where="the model's" if self.module == "" else "its")
         return ORIGIN_WORDS.get(self.origin, self.origin)
 
     def summary(self) -> str:

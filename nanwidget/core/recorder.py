@@ -293,6 +293,9 @@ class Recorder:
         self._compiled_in_place = getattr(model, "_compiled_call_impl", None) is not None
 
         skip_classes, skip_names = skip
+        # Every module of the model when it was watched (skipped ones too), for
+        # structure_changes(); held, so that an id is never reused while it is compared.
+        self._initial_modules = {id(module): (name, module) for name, module in model.named_modules()}
         modules: list[tuple[str, nn.Module]] = []
         for name, module in model.named_modules():
             if module is not model and (isinstance(module, skip_classes)
@@ -342,6 +345,16 @@ class Recorder:
     def batch(self) -> int:
         """The batch being recorded (or about to be): 0-based."""
         return self._batch
+
+    def structure_changes(self) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+        """Modules added to the model since it was watched (name, module: not hooked, so they
+        record no frames; a replaced one counts as added), and the names of those removed (or
+        replaced). Walks the model: for event time, not hooks."""
+        now = {id(module): (name, module) for name, module in self.model.named_modules()}
+        initial = self._initial_modules
+        added = [(name, module) for key, (name, module) in now.items() if key not in initial]
+        removed = [name for key, (name, _) in initial.items() if key not in now]
+        return added, removed
 
     @property
     def module_hooks_attached(self) -> bool:

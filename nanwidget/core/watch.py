@@ -6,7 +6,9 @@
 - persistence (:mod:`.persist`): ``log_dir`` spooling;
 - consensus (:mod:`.consensus`): every DDP rank stops at the same batch;
 - sentinel (:mod:`.sentinel`): ``mode="sentinel"`` and compiled models: only the root's outputs
-  and the gradients are checked, and a failing batch is replayed for the detail.
+  and the gradients are checked, and a failing batch is replayed for the detail;
+- model changes (:mod:`.structure`): a module added or replaced after ``watch()`` is named in
+  the event it affects.
 
 Each feature is a plain object that sees the recorder through its public API; the order they
 are added in is the order they review an event (the replay attaches its trace, then the
@@ -37,6 +39,7 @@ from .options import (MAX_EVENTS, MODES, OPTIONS, SkipTypesWarning, WatchOptions
                       options_help, signature_of_options, split_classes)
 from .sentinel import Sentinel, compiled_in_place, has_compiled_parts, is_compile_wrapper
 from .state import watching_recorders
+from .structure import ModelChanges
 from .trace import Trace
 from .viewer import open_browser
 
@@ -160,6 +163,9 @@ class NanWatch:
         options = self.options
         capture = replayer = backward = writer = consensus = sentinel = None
         sentinel_mode = options.mode == "sentinel"
+        # First to review an event: a module added after watch() is named before the others
+        # (replay, consensus, files) see the event.
+        recorder.add_feature(ModelChanges(recorder))
         keep = max(options.keep_batches, 1 if options.replay_on_nan or sentinel_mode else 0)
         if keep or options.trace_batches or options.snapshot_weights:
             capture = recorder.add_feature(BatchCapture(
