@@ -72,6 +72,7 @@ from .ranks import current_rank
 from .records import Finding, Records
 from .state import watched_modules
 from .stats import PendingStats
+from .writes import track_optimizer_steps, untrack_optimizer_steps
 
 __all__ = ["Recorder", "Feature", "Finding", "ModuleInfo", "ConcurrentForwardError",
            "AlreadyWatchedError", "CompiledCallError", "watched_by", "in_backward_pass",
@@ -264,6 +265,9 @@ class Recorder:
         self._refresh_callbacks()
         self._lock = threading.RLock()
         self._closed = False
+        # Fused optimizers write weights without version counters: count every step while
+        # this recorder is open (core.writes), so that cached weight measurements renew.
+        track_optimizer_steps()
         self._suspended = 0
         self._suspended_thread: int | None = None
         self._aborted = False
@@ -771,6 +775,11 @@ class Recorder:
                         on_batch_output(self._batch, output)
                     except Exception as error:
                         self.internal_error(error)
+                if self.model.training and torch.is_grad_enabled():
+                    try:  # a backward pass through it renews the trainable weights' numbers
+                        self.entries.after_forward(output)
+                    except Exception as error:
+                        self.internal_error(error)
             finished = self._batch
             advance = not self._manual_batches
             event = self._resolve_locked(finished, advance=advance)
@@ -994,6 +1003,7 @@ class Recorder:
             except Exception as error:  # closing must always succeed
                 self.internal_error(error)
             self._closed = True
+            untrack_optimizer_steps()
             for handle in self._handles + self._module_handles + self._direct_handles:
                 handle.remove()
             self._handles.clear()

@@ -23,6 +23,7 @@ from ..schema import OPS_COLUMNS, OPS_DTYPES
 from ..stats import version_of
 from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
+from ..writes import written_since
 from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, WeightSlots, layouts_of
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
@@ -220,7 +221,8 @@ class _Replay:
                 changes.append(f"{name}: {how} since the batch ran")
                 changed.append(name)
                 continue
-            if snapshot is not None or version_of(tensor) == first.weight_versions[i]:
+            if snapshot is not None or (version_of(tensor) == first.weight_versions[i]
+                                        and not written_since(tensor, first.steps)):
                 continue
             if end_versions.get(i) == version_of(tensor):
                 updated.append(name)
