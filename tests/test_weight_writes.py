@@ -198,8 +198,9 @@ def test_a_validation_forward_after_a_fused_step_shows_the_stepped_weights(mode)
     _assert_shown(seen, after_step)
 
 
-def test_inference_forwards_measure_the_weights_once():
-    # Nothing wrote them: no optimizer step, no backward pass (the cache holds).
+@pytest.mark.parametrize("inference", ["eval", "no_grad"])
+def test_inference_forwards_measure_the_weights_once(inference):
+    # Nothing wrote them and no training forward ran: the measurements are reused.
     from nanwidget.core import entries
     model = _model()
     measured = []
@@ -213,7 +214,11 @@ def test_inference_forwards_measure_the_weights_once():
         entries.EntryBuilder.tensor_entry = counting
         try:
             for _ in range(4):
-                model(torch.randn(2, 16))  # training mode, grad enabled, no backward
+                if inference == "eval":
+                    model.eval()(torch.randn(2, 16))
+                else:
+                    with torch.no_grad():
+                        model(torch.randn(2, 16))
         finally:
             entries.EntryBuilder.tensor_entry = original
     assert len(measured) == 4  # two Linear layers, weight and bias, once

@@ -96,12 +96,12 @@ class EntryBuilder:
     counter moved (any in-place write: foreach and for-loop optimizers, ``load_state_dict``,
     ``torch._foreach_*_``), its storage changed (``p.data = ...``), any optimizer stepped
     (fused kernels move no version counter: :mod:`~nanwidget.core.writes` counts the steps),
-    or, for a parameter that requires grad, a backward pass ran through a training forward's
-    output since (:meth:`after_forward`: an update the watch cannot see, such as
-    ``p.data -= lr * p.grad``, is then measured too). Inference forwards, and forwards no
-    backward pass follows, reuse the measurements. Buffers are measured every call, since
-    BatchNorm updates its running statistics without bumping theirs. Callers hold the
-    recorder's lock.
+    or, for a parameter that requires grad, a new training forward began (grad enabled, model
+    in training mode: :meth:`new_forward`), so that an update the watch cannot see, such as
+    ``p.data -= lr * p.grad`` or a custom kernel, shows in the next training batch. A training
+    loop re-measures those parameters after every optimizer step anyway; inference forwards
+    reuse the measurements. Buffers are measured every call, since BatchNorm updates its
+    running statistics without bumping theirs. Callers hold the recorder's lock.
     """
 
     def __init__(self, pending: PendingStats, cache_weights: bool = True) -> None:
@@ -111,25 +111,17 @@ class EntryBuilder:
         # generation) of its last measurement.
         self._weight_cache: dict[int, tuple[torch.Tensor, int, int, Entry, bool, int]] = {}
         # Generations: a measurement is reused while its own is current. Frozen parameters'
-        # moves on at every optimizer step; trainable ones' also at every backward pass.
+        # moves on at every optimizer step; trainable ones' also at every training forward.
         self._steps_seen = _STEPS.count
         self._generation = 0
         self._training_generation = 0
         self.unread_roles: list[str] = []  # leaves left unread (iterators), for one warning
 
-    def after_forward(self, output: Any) -> None:
-        """A root forward with grad enabled returned ``output``: once a backward pass runs
-        through it, the parameters that require grad are measured again at their next call
-        (whatever updates them after the backward pass, seen or not). One gradient hook on the
-        output per batch; nothing when no backward pass follows."""
-        leaf = output if isinstance(output, _Tensor) else next(
-            (value for _, value in iter_leaves(output, "output")
-             if isinstance(value, _Tensor) and value.requires_grad), None)
-        if leaf is not None and leaf.requires_grad and leaf.grad_fn is not None:
-            leaf.register_hook(self._backward_ran)  # on the graph: gone with it
-
-    def _backward_ran(self, grad: Any) -> None:
-        self._training_generation += 1
+    def new_forward(self, training: bool) -> None:
+        """A root forward begins; ``training``: grad enabled and the model in training mode
+        (its parameters that require grad are measured once in it: see the class docstring)."""
+        if training:
+            self._training_generation += 1
 
     # ------------------------------------------------------------------ one tensor
     def tensor_entry(self, role: str, tensor: torch.Tensor) -> Entry:

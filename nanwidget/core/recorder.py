@@ -577,6 +577,8 @@ class Recorder:
                     self._exception_at_start = sys.exc_info()[1]
                     for on_batch_start in self._on_batch_start:
                         on_batch_start(self._batch, args, kwargs)
+                    # A training forward measures its trainable weights once (core.entries).
+                    self.entries.new_forward(self.model.training and torch.is_grad_enabled())
                     # The model's inputs as handed over, before any module can write into them.
                     if self._records_frames():
                         self._measure_inputs_now(module, args, kwargs)
@@ -775,11 +777,7 @@ class Recorder:
                         on_batch_output(self._batch, output)
                     except Exception as error:
                         self.internal_error(error)
-                if self.model.training and torch.is_grad_enabled():
-                    try:  # a backward pass through it renews the trainable weights' numbers
-                        self.entries.after_forward(output)
-                    except Exception as error:
-                        self.internal_error(error)
+
             finished = self._batch
             advance = not self._manual_batches
             event = self._resolve_locked(finished, advance=advance)
