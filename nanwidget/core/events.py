@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 
 from .schema import EVENT_FIELDS, FRAME_COLUMNS
 
-__all__ = ["NanEvent", "GradEvent", "NanDetected", "NanWarning", "AbortAfterBatch",
-           "ORIGIN_WORDS", "UNVERIFIED_NOTES", "event_fields", "event_from_fields"]
+__all__ = ["NanEvent", "GradEvent", "ScalerSkip", "NanDetected", "NanWarning", "AbortAfterBatch",
+           "ORIGIN_WORDS", "UNVERIFIED_NOTES", "LOSS_ROLE", "event_fields", "event_from_fields"]
 
 ORIGIN_WORDS = {
     "output": "made here from finite inputs and weights",
@@ -26,6 +26,10 @@ ORIGIN_WORDS = {
 # or an output event of a module inside which modules added after watch() run unwatched.
 UNVERIFIED_NOTES = ("not replayed", "not reproduced", "not checked")
 _UNVERIFIED_WORDS = "found in {where} outputs (where it was made was not checked)"
+# The role of an event found in the loss computed from the model's outputs (outside the model:
+# the loss a GradScaler scales, or the one a training callback checks).
+LOSS_ROLE = "loss"
+_LOSS_WORDS = "made outside the model, in the loss computed from its outputs"
 
 
 @dataclass
@@ -70,6 +74,8 @@ class NanEvent:
     @property
     def origin_words(self) -> str:
         """The origin in words; for an output event no replay explained, only where it was seen."""
+        if self.origin == "output" and self.module == "" and self.role == LOSS_ROLE:
+            return _LOSS_WORDS
         if self.origin == "output" and self.note.startswith(UNVERIFIED_NOTES):
             return _UNVERIFIED_WORDS.format(where="the model's" if self.module == "" else "its")
         return ORIGIN_WORDS.get(self.origin, self.origin)
@@ -134,6 +140,15 @@ class GradEvent:
     norm: float
     threshold: float | None
     rank: int = 0
+
+
+class ScalerSkip(NamedTuple):
+    """An optimizer step a ``torch.amp.GradScaler`` skipped because the gradients overflowed
+    (it lowered its scale): what the scaler is for, not an event."""
+
+    batch: int
+    scale_before: float
+    scale_after: float
 
 
 class NanDetected(FloatingPointError):

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from .consensus import Consensus, consensus_wanted
-from .events import GradEvent, NanEvent
-from .grads import BackwardFrames, GradNorms
+from .events import GradEvent, NanEvent, ScalerSkip
+from .grads import BackwardFrames, GradNorms, ScalerHint, ScalerWatch, skips_summary
 from .persist import RecordingWriter
 from .recorder import Feature, Recorder
 from .replay import BatchCapture, Replayer, ReplayError
@@ -121,6 +121,7 @@ class WatchParts:
     writer: RecordingWriter | None
     consensus: Consensus | None
     sentinel: Sentinel | None = None
+    scaler: ScalerWatch | None = None
 
 
 class NanWatch:
@@ -161,7 +162,7 @@ class NanWatch:
         """Add the features the options ask for, in review order."""
         recorder = self._recorder
         options = self.options
-        capture = replayer = backward = writer = consensus = sentinel = None
+        capture = replayer = backward = writer = consensus = sentinel = scaler = None
         sentinel_mode = options.mode == "sentinel"
         # First to review an event: a module added after watch() is named before the others
         # (replay, consensus, files) see the event.
@@ -185,7 +186,15 @@ class NanWatch:
             sentinel = recorder.add_feature(Sentinel(
                 recorder, capture, sample_every=options.sample_every, backward=options.backward,
                 compiled=bool(self.compiled),
-                defer_reads="never" if with_consensus else "device"))
+                defer_reads="never" if with_consensus else "device",
+                defer_grad_replays=options.grad_scaler is not None))
+        # Before the consensus: a gradient overflow the scaler skips is no event on any rank.
+        if options.grad_scaler is not None:
+            scaler = recorder.add_feature(ScalerWatch(
+                recorder, options.grad_scaler, patience=options.scaler_patience,
+                detail=sentinel.detail_grad_event if sentinel is not None else None))
+        elif options.backward:
+            recorder.add_feature(ScalerHint())
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))
         if options.log_dir is not None and options.log_dir != "":
@@ -193,7 +202,7 @@ class NanWatch:
                 recorder, options.log_dir, options=options.manifest(),
                 grad_history=grads.history_table))
         return WatchParts(capture=capture, replayer=replayer, backward=backward, grads=grads,
-                          writer=writer, consensus=consensus, sentinel=sentinel)
+                          writer=writer, consensus=consensus, sentinel=sentinel, scaler=scaler)
 
     # ------------------------------------------------------------------ composition
     @property
@@ -292,16 +301,19 @@ class NanWatch:
         """
         event = event or self.event
         recorder = self._recorder
+        skipped = skips_summary(self.scaler_skips)
         traced = [self.frames(batch=batch) for batch in recorder.recorded_trace_batches
                   if event is None or batch < event.batch]
         trace_frames = pd.concat(traced, ignore_index=True) if traced else None
         if event is not None:
             if trace_frames is not None:
                 trace_frames = trace_frames[trace_frames["rank"] == event.rank]
-            return format_event_report(event, event.frames, trace_frames=trace_frames)
-        held = self.frames()
-        last = recorder.batch if recorder.manual_batches else recorder.batch - 1
-        return format_event_report(None, held, batch=last, trace_frames=trace_frames)
+            text = format_event_report(event, event.frames, trace_frames=trace_frames)
+        else:
+            held = self.frames()
+            last = recorder.batch if recorder.manual_batches else recorder.batch - 1
+            text = format_event_report(None, held, batch=last, trace_frames=trace_frames)
+        return f"{text}\n{skipped}" if skipped else text
 
     # ------------------------------------------------------------------ replay
     def replay(self, batch: int, *, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Trace:
@@ -351,6 +363,13 @@ class NanWatch:
         if consensus is not None and self.on_nan == "raise":
             return consensus.any_rank(flagged)
         return flagged
+
+    @property
+    def scaler_skips(self) -> list[ScalerSkip]:
+        """The optimizer steps the ``grad_scaler`` skipped on overflow, oldest first: ``batch``,
+        ``scale_before``, ``scale_after`` (not events; empty without a ``grad_scaler``)."""
+        scaler = self._parts.scaler
+        return list(scaler.skips) if scaler is not None else []
 
     @property
     def grad_events(self) -> list[GradEvent]:

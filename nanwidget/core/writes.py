@@ -8,7 +8,8 @@ parameters without moving the counters. So, while any watch is live, one process
 (``torch.optim.optimizer.register_optimizer_step_post_hook``, run after the step of every
 optimizer, subclasses included) counts steps and marks the parameters of the optimizer that
 stepped (:class:`~nanwidget.core.state.StepLog`). A step the optimizer did not take (a
-``GradScaler`` skipping it) marks nothing. Cost: one short loop over the optimizer's
+``GradScaler`` skipping it) marks nothing; nor does a wrapper's step (accelerate's), whose
+inner optimizer's own step counts. Cost: one short loop over the optimizer's
 parameters per step; nothing per module call.
 """
 
@@ -21,13 +22,23 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .state import optimizer_steps
 
-__all__ = ["track_optimizer_steps", "untrack_optimizer_steps", "steps_taken", "written_since"]
+__all__ = ["track_optimizer_steps", "untrack_optimizer_steps", "steps_taken", "written_since",
+           "wraps_an_optimizer"]
 
 _LOG = optimizer_steps()
 _MAX_MARKS = 1 << 20  # parameters remembered at most (ids of long-gone tensors are dropped)
 
 
+def wraps_an_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` only wraps another one (accelerate's ``AcceleratedOptimizer`` is
+    an Optimizer subclass whose ``step()`` hands over to the inner one, or to a GradScaler that
+    may skip it): its step hooks say nothing, the inner optimizer's hooks do."""
+    return isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+
+
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if wraps_an_optimizer(optimizer):
+        return
     log = _LOG
     log.count += 1
     count = log.count

@@ -12,6 +12,7 @@ import ipywidgets as widgets
 import numpy as np
 import pandas as pd
 
+from ..core.grads import skips_summary
 from ..plots import plot_frames, plot_history
 from ..plots.common import display_width, figure_png, module_label
 from ..plots.frames import DEFAULT_WINDOW
@@ -377,7 +378,9 @@ class FrameBrowser(widgets.VBox):
             words = f"<span class='nw-alert' style='{ALERT}'>NaN/Inf in these frames</span>"
         else:
             words = "no NaN/Inf seen"
-        return f"{held} · {words}"
+        watch = self.source.watch
+        skipped = skips_summary(watch.scaler_skips) if watch is not None else ""
+        return f"{held} · {words}" + (f" · {html.escape(skipped, quote=False)}" if skipped else "")
 
     def _render_status(self) -> None:
         self.status.value = self._status_text()

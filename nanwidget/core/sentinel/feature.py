@@ -84,7 +84,8 @@ class Sentinel(Feature):
 
     def __init__(self, recorder: Recorder, capture: BatchCapture, *,
                  sample_every: int | None = None, backward: bool = False,
-                 compiled: bool = False, defer_reads: str = "device") -> None:
+                 compiled: bool = False, defer_reads: str = "device",
+                 defer_grad_replays: bool = False) -> None:
         if defer_reads not in DEFER_CHOICES:
             raise ValueError(f"defer_reads must be one of {DEFER_CHOICES}, got {defer_reads!r}")
         self.recorder = recorder
@@ -94,6 +95,10 @@ class Sentinel(Feature):
         self.backward = backward
         self.compiled = compiled
         self.defer_reads = defer_reads
+        # With a GradScaler: a gradient event is replayed only once the scaler did not skip
+        # its step (detail_grad_event), not at every overflow it skips on purpose.
+        self.defer_grad_replays = defer_grad_replays
+        self._deferred_grad: tuple[NanEvent, int, Any, list[BadTensor]] | None = None
         # What the tests and the benchmark read: forwards checked, host reads of device
         # numbers, gradient checks, replays run and how long the last event's replay took.
         self.checks = 0
@@ -127,6 +132,8 @@ class Sentinel(Feature):
 
     # ------------------------------------------------------------------ hot path (under the lock)
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
+        if self._deferred_grad is not None and self._deferred_grad[1] != batch:
+            self._deferred_grad = None  # its step is over: the scaler skipped it
         if batch != self._forward_batch:
             self._forward_batch = batch
             self._forward_index = 0
@@ -269,7 +276,11 @@ class Sentinel(Feature):
                     break
             if finding.event is None:
                 bad_grads = grad_check.read()
-                if bad_grads:
+                if bad_grads and self.defer_grad_replays:
+                    event = self._grad_event(batch, bad_grads, "")
+                    self._deferred_grad = (event, batch, grads, bad_grads)
+                    finding = Finding(event)
+                elif bad_grads:
                     finding = self._backward_event(batch, grads, bad_grads)
         except Exception as error:
             recorder.internal_error(error)
@@ -278,6 +289,15 @@ class Sentinel(Feature):
         # where the DDP consensus exchanges its flag on every rank (gradients differ between
         # ranks under FSDP2 and no_sync(), so the others may not have found anything).
         recorder.conclude(batch, finding, reason="backward", raising=True)
+
+    def detail_grad_event(self, event: NanEvent) -> Finding:
+        """The gradient event found at the end of a backward pass and held (a GradScaler
+        decides whether it is one), replayed now into its full detail."""
+        deferred, self._deferred_grad = self._deferred_grad, None
+        if deferred is None or deferred[0] is not event:
+            return Finding(event)
+        _, batch, grads, bad = deferred
+        return self._backward_event(batch, grads, bad)
 
     # ------------------------------------------------------------------ replays
     def _found(self, event: NanEvent, trace: Trace | None, found: NanEvent | None,
@@ -500,6 +520,7 @@ class Sentinel(Feature):
         return Finding(None, [frames])
 
     def close(self) -> None:
+        self._deferred_grad = None
         self._output_grads.clear()
         self._deferred.clear()
         self._check = None
