@@ -234,3 +234,26 @@ def test_the_browser_status_mentions_the_skips():
             warnings.simplefilter("ignore")
             status = watch.browse().status.value
     assert "GradScaler skipped 4 steps on overflow (batches 0–3" in status
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_check_grad_norms_leaves_an_overflow_to_the_scaler(mode):
+    # A loop that skips scaler.step() on a flagged norm would break the scaler (update() with
+    # no inf check recorded): an overflow is the scaler's, not flagged; the history keeps it.
+    torch.manual_seed(0)
+    model, scaler = Net(), _scaler()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    flags = []
+    with nw.watch(model, mode=mode, grad_scaler=scaler, grad_norm_warn=1e30) as watch:
+        for _ in range(3):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().square().mean()
+            scaler.scale(loss).backward()
+            flags.append(watch.check_grad_norms())
+            if not flags[-1]:
+                scaler.step(optimizer)
+            scaler.update()
+        history = watch.grad_history()
+    assert flags == [False, False, False] and watch.grad_events == []
+    assert history["nonfinite"].any() and len(watch.scaler_skips) == 3

@@ -179,7 +179,8 @@ class NanWatch:
                 recorder.add_feature(replayer)
         if options.backward and not sentinel_mode:
             backward = recorder.add_feature(BackwardFrames(recorder))
-        grads = recorder.add_feature(GradNorms(recorder, threshold=options.grad_norm_warn))
+        grads = recorder.add_feature(GradNorms(recorder, threshold=options.grad_norm_warn,
+                                               scaler=options.grad_scaler))
         with_consensus = consensus_wanted()
         if sentinel_mode:
             assert capture is not None
@@ -356,7 +357,9 @@ class NanWatch:
         ranks stop together), call it on every rank: they agree (one all-reduce), so each
         returns True when any rank flagged a norm (FSDP2 ranks measure their own gradient
         shards) and they all skip the same step. With "warn" or "record" the answer is this
-        rank's own (the training callbacks make their decision together themselves).
+        rank's own (the training callbacks make their decision together themselves). With
+        ``grad_scaler``, a non-finite norm is an overflow the scaler skips the step for: not
+        flagged (it stays in :meth:`grad_history`).
         """
         flagged = self._parts.grads.check()
         consensus = self._parts.consensus

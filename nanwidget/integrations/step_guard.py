@@ -285,12 +285,6 @@ class StepGuard:
                 found.grad_events = [GradEvent(batch=watch.batch, param="(not listed: grad_events "
                                                "is full)", norm=math.nan, threshold=None,
                                                rank=self.rank)]
-            scaler = watch.grad_scaler
-            if found.grad_events and scaler is not None and scaler.is_enabled():
-                # A float16 gradient overflow: the GradScaler skips this step itself and lowers
-                # its scale (listed in watch.scaler_skips). Too many skips in a row, or a
-                # non-finite loss, come back as the watch's own events.
-                found.grad_events = []
             if found.grad_events:
                 found.grads_with_values = sum(p.grad is not None for p in self.model.parameters())
         return found
