@@ -147,7 +147,9 @@ def test_a_non_finite_loss_from_finite_outputs_is_an_event(mode, backward, loss)
     assert "the loss handed to grad_scaler.scale() is nan: no overflow the scaler can skip" \
         in str(caught.value)
     if backward and loss == "nan gradients":  # the gradient frames' event, with the loss said
-        assert event.is_backward and event.origin == "grad"
+        # The loss's NaN gradient reached the model's output (the root's and fc2's).
+        assert (event.module, event.role, event.origin, event.is_backward) == (
+            "fc2", "grad_output[0]", "grad", True)
     else:  # the loss itself is the event
         assert (event.module, event.role, event.origin) == ("", "loss", "output")
         assert "made outside the model, in the loss computed from its outputs" in str(caught.value)

@@ -273,15 +273,26 @@ def test_a_replay_after_a_fused_step_says_the_weights_changed():
 
 
 def test_the_step_hook_is_on_while_a_watch_is_and_off_after():
+    import gc
     from torch.optim import optimizer as torch_optimizer
-    before = len(torch_optimizer._global_optimizer_post_hooks)
+    from nanwidget.core.state import optimizer_steps
+    log = optimizer_steps()
+    gc.collect()  # watches earlier tests dropped unclosed let go when collected
+    users = log.users
+
+    def registered() -> bool:
+        return any(hook is log_hook for hook in torch_optimizer._global_optimizer_post_hooks.values())
     first, second = _model(), _model()
     with nw.watch(first):
+        log_hook = next(iter(torch_optimizer._global_optimizer_post_hooks.values()))
         with nw.watch(second):
-            assert len(torch_optimizer._global_optimizer_post_hooks) == before + 1
-        assert len(torch_optimizer._global_optimizer_post_hooks) == before + 1
-    assert len(torch_optimizer._global_optimizer_post_hooks) == before
-    assert hook_count(first) == hook_count(second) == 0
+            assert log.users == users + 2 and registered()
+        assert log.users == users + 1 and registered()
+    assert log.users == users and registered() == (users > 0)
+    nw.watch(_model())  # model and watch dropped without close(): let go when collected
+    gc.collect()
+    assert log.users == users
+    assert hook_count(first) == 0
 
 
 def test_the_trainers_default_fused_adamw_frames_show_each_steps_weights(tmp_path):

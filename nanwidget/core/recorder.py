@@ -72,7 +72,7 @@ from .ranks import current_rank
 from .records import Finding, Records
 from .state import watched_modules
 from .stats import PendingStats
-from .writes import track_optimizer_steps, untrack_optimizer_steps
+from .writes import track_optimizer_steps
 
 __all__ = ["Recorder", "Feature", "Finding", "ModuleInfo", "ConcurrentForwardError",
            "AlreadyWatchedError", "CompiledCallError", "watched_by", "in_backward_pass",
@@ -266,8 +266,10 @@ class Recorder:
         self._lock = threading.RLock()
         self._closed = False
         # Fused optimizers write weights without version counters: count every step while
-        # this recorder is open (core.writes), so that cached weight measurements renew.
-        track_optimizer_steps()
+        # this recorder is open (core.writes), so that cached weight measurements renew; also
+        # let go when the recorder is collected without close().
+        self._step_tracking = track_optimizer_steps()
+        weakref.finalize(self, self._step_tracking.release)
         self._suspended = 0
         self._suspended_thread: int | None = None
         self._aborted = False
@@ -1001,7 +1003,7 @@ class Recorder:
             except Exception as error:  # closing must always succeed
                 self.internal_error(error)
             self._closed = True
-            untrack_optimizer_steps()
+            self._step_tracking.release()
             for handle in self._handles + self._module_handles + self._direct_handles:
                 handle.remove()
             self._handles.clear()

@@ -187,13 +187,14 @@ class NanWatch:
             sentinel = recorder.add_feature(Sentinel(
                 recorder, capture, sample_every=options.sample_every, backward=options.backward,
                 compiled=bool(self.compiled),
-                defer_reads="never" if with_consensus else "device",
-                defer_grad_replays=options.grad_scaler is not None))
+                defer_reads="never" if with_consensus else "device"))
         # Before the consensus: a gradient overflow the scaler skips is no event on any rank.
         if options.grad_scaler is not None:
             scaler = recorder.add_feature(ScalerWatch(
                 recorder, options.grad_scaler, patience=options.scaler_patience,
                 detail=sentinel.detail_grad_event if sentinel is not None else None))
+            if sentinel is not None:
+                sentinel.defer_grad_replays = scaler.overflow_possible
         elif options.backward:
             recorder.add_feature(ScalerHint())
         if with_consensus:

@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .state import optimizer_steps
 
-__all__ = ["track_optimizer_steps", "untrack_optimizer_steps", "steps_taken", "written_since",
+__all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "written_since",
            "wraps_an_optimizer"]
 
 _LOG = optimizer_steps()
@@ -53,22 +53,34 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         pass
 
 
-def track_optimizer_steps() -> None:
+class StepTracking:
+    """One watch's wish for the step hook (:func:`track_optimizer_steps`); :meth:`release` it
+    when the watch closes (or is collected unclosed); a second release does nothing."""
+
+    __slots__ = ("released",)
+
+    def __init__(self) -> None:
+        self.released = False
+        log = _LOG
+        log.users += 1
+        if log.handle is None:
+            log.handle = register_optimizer_step_post_hook(_after_step)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        log = _LOG
+        log.users = max(0, log.users - 1)
+        if not log.users and log.handle is not None:  # the hook comes off with the last one
+            log.handle.remove()
+            log.handle = None
+            log.marks.clear()
+
+
+def track_optimizer_steps() -> StepTracking:
     """A watch starts: the step hook is on while any watch wants it."""
-    log = _LOG
-    log.users += 1
-    if log.handle is None:
-        log.handle = register_optimizer_step_post_hook(_after_step)
-
-
-def untrack_optimizer_steps() -> None:
-    """A watch closed; the hook comes off with the last one."""
-    log = _LOG
-    log.users = max(0, log.users - 1)
-    if not log.users and log.handle is not None:
-        log.handle.remove()
-        log.handle = None
-        log.marks.clear()
+    return StepTracking()
 
 
 def steps_taken() -> int:

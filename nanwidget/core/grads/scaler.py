@@ -88,8 +88,10 @@ class ScalerWatch(Feature):
         self.skips: list[ScalerSkip] = []
         self.skips_dropped = 0
         self.in_a_row = 0  # skipped steps since the last step the optimizer took
+        # The loss of the running step, as it went through scale(); read once (_loss_kind).
         self._loss: torch.Tensor | None = None
         self._loss_batch: int | None = None
+        self._loss_read: str | None = None  # its verdict once read: "nan", "inf"... or None
         self._last_batch = recorder.batch
         self._held: NanEvent | None = None  # a gradient event waiting for the scaler
         # The scale after the last update() (a skipped step lowers it): one host read per
@@ -112,9 +114,24 @@ class ScalerWatch(Feature):
     def _scale(self, outputs: Any) -> Any:
         scaled = self._original("scale")(outputs)
         if isinstance(outputs, torch.Tensor) and not self.recorder.closed:
-            self._loss = outputs.detach()  # read once, before the step or at update()
+            self._loss = outputs.detach()  # read once: at a gradient event, the step or update()
             self._loss_batch = self._last_batch
+            self._loss_read = None
         return scaled
+
+    def _loss_kind(self) -> str | None:
+        """"nan", "inf" or "nan+inf" when the step's loss is non-finite, else None (one host
+        read per step, at the first asking)."""
+        if self._loss is not None:
+            self._loss_read = _non_finite(self._loss)
+            self._loss = None
+        return self._loss_read
+
+    def overflow_possible(self, batch: int) -> bool:
+        """Whether a gradient event of ``batch`` may be an overflow the scaler skips (it scales,
+        and the loss it scaled is finite): the sentinel then replays it only once it is one."""
+        return self.scaler.is_enabled() and not (self._loss_batch == batch
+                                                 and self._loss_kind() is not None)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """An optimizer is about to step, called by the scaler (or directly). A non-finite loss
@@ -124,9 +141,8 @@ class ScalerWatch(Feature):
         with an event held)."""
         if self.recorder.closed or wraps_an_optimizer(optimizer):
             return  # a wrapper's step (accelerate's) hands over to the scaler: not yet
-        loss, self._loss = self._loss, None
         batch = self._loss_batch if self._loss_batch is not None else self._last_batch
-        event = self._loss_event(batch, loss, self._held)
+        event = self._loss_event(batch, self._held)
         if event is None and self._held is not None:
             # The scaler hands a fused optimizer its verdict as optimizer.found_inf (or, the
             # older way, itself as the grad_scaler keyword): the step then skips by itself.
@@ -148,12 +164,12 @@ class ScalerWatch(Feature):
             return result
         before, after = self._scale_now, self.scaler.get_scale()
         self._scale_now = after
-        loss, self._loss = self._loss, None  # still here: no optimizer step was taken
         batch = self._loss_batch if self._loss_batch is not None else self._last_batch
         held, self._held = self._held, None
         if new_scale is not None or before is None or after >= before:
             self.in_a_row = 0  # the step was taken (or the user set the scale)
-            event = self._loss_event(batch, loss, held) or held
+            event = self._loss_event(batch, held) or held
+            self._step_over()
             if event is not None:  # the step was taken with it: an event all the same
                 self._record(event.batch, event)
             return result
@@ -162,24 +178,28 @@ class ScalerWatch(Feature):
         else:
             self.skips_dropped += 1
         self.in_a_row += 1
-        event = self._loss_event(batch, loss, held)
+        event = self._loss_event(batch, held)
         if event is None and self.in_a_row % self.patience == 0:
             event = self._patience_event(batch, held, after)
+        self._step_over()
         if event is not None:
             self._record(event.batch, event)
         return result
+
+    def _step_over(self) -> None:
+        self._loss = self._loss_batch = self._loss_read = None
 
     # ------------------------------------------------------------------ Feature
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
         self._last_batch = batch
 
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
-        if reason != "backward" or event is None or not event.is_backward:
+        if reason != "backward" or event is None or not event.is_backward \
+                or not self.scaler.is_enabled():
             return event
-        loss = self._loss if self._loss_batch == event.batch else None
-        kind = _non_finite(loss)
+        kind = self._loss_kind() if self._loss_batch == event.batch else None
         if kind is not None:  # a non-finite loss is no overflow: the event stands
-            self._loss = None
+            self._loss_read = None  # said here, not again at the step
             event.note = _joined(event.note, _loss_words(kind))
             return event
         self._held = event  # the scaler decides at its step: skipped, or an event
@@ -196,7 +216,7 @@ class ScalerWatch(Feature):
                 else:
                     self.scaler.__dict__[name] = own
         self._held = None
-        self._loss = None
+        self._step_over()
 
     # ------------------------------------------------------------------ events
     def _record(self, batch: int, event: NanEvent) -> None:
@@ -213,11 +233,12 @@ class ScalerWatch(Feature):
                 finding.event.note = _joined(finding.event.note, event.note)
         self.recorder.conclude(batch, finding, reason="grad_scaler", raising=True)
 
-    def _loss_event(self, batch: int, loss: torch.Tensor | None,
-                    held: NanEvent | None) -> NanEvent | None:
-        kind = _non_finite(loss)
+    def _loss_event(self, batch: int, held: NanEvent | None) -> NanEvent | None:
+        """The event of a non-finite loss (read now, once), or None."""
+        kind = self._loss_kind()
         if kind is None:
             return None
+        self._loss_read = None  # one event per loss
         if held is not None:
             held.note = _joined(held.note, _loss_words(kind))
             return held

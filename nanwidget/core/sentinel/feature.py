@@ -44,6 +44,7 @@ no compiled re-run.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,7 +86,7 @@ class Sentinel(Feature):
     def __init__(self, recorder: Recorder, capture: BatchCapture, *,
                  sample_every: int | None = None, backward: bool = False,
                  compiled: bool = False, defer_reads: str = "device",
-                 defer_grad_replays: bool = False) -> None:
+                 defer_grad_replays: Callable[[int], bool] | None = None) -> None:
         if defer_reads not in DEFER_CHOICES:
             raise ValueError(f"defer_reads must be one of {DEFER_CHOICES}, got {defer_reads!r}")
         self.recorder = recorder
@@ -95,8 +96,9 @@ class Sentinel(Feature):
         self.backward = backward
         self.compiled = compiled
         self.defer_reads = defer_reads
-        # With a GradScaler: a gradient event is replayed only once the scaler did not skip
-        # its step (detail_grad_event), not at every overflow it skips on purpose.
+        # With a GradScaler: defer_grad_replays(batch) says whether a gradient event of that
+        # batch may be an overflow the scaler skips; it is then replayed only once the scaler
+        # did not skip its step (detail_grad_event), not at every overflow skipped on purpose.
         self.defer_grad_replays = defer_grad_replays
         self._deferred_grad: tuple[NanEvent, int, Any, list[BadTensor]] | None = None
         # What the tests and the benchmark read: forwards checked, host reads of device
@@ -276,7 +278,8 @@ class Sentinel(Feature):
                     break
             if finding.event is None:
                 bad_grads = grad_check.read()
-                if bad_grads and self.defer_grad_replays:
+                if bad_grads and self.defer_grad_replays is not None \
+                        and self.defer_grad_replays(batch):
                     event = self._grad_event(batch, bad_grads, "")
                     self._deferred_grad = (event, batch, grads, bad_grads)
                     finding = Finding(event)
