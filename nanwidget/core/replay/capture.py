@@ -57,6 +57,7 @@ class ForwardCapture:
         self.end_input_versions: list[int] | None = None
         self.end_buffer_versions: list[int] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
+        self.steps = 0  # optimizer steps seen when it started (core.writes)
 
 
 class HeldBatch:
