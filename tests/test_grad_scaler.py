@@ -152,7 +152,8 @@ def test_a_non_finite_loss_from_finite_outputs_is_an_event(mode, backward, loss)
             "fc2", "grad_output[0]", "grad", True)
     else:  # the loss itself is the event
         assert (event.module, event.role, event.origin) == ("", "loss", "output")
-        assert "made outside the model, in the loss computed from its outputs" in str(caught.value)
+        assert "made outside the model, in the loss computed from its outputs" \
+            in str(caught.value)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step applied
     assert watch.scaler_skips == ([nw.ScalerSkip(0, 256.0, 128.0)] if loss == "nan gradients"
                                   and not backward else [])

@@ -97,7 +97,8 @@ def test_a_new_nan_module_upstream_is_named_in_the_input_event_it_causes():
             model.a.weight[0, 0] = float("inf")
             model.a.weight[1, 0] = -float("inf")
     event = _run("full", poison_a)
-    assert (event.module, event.role, event.kind, event.origin) == ("a", "weight", "inf", "weight")
+    assert (event.module, event.role, event.kind, event.origin) == (
+        "a", "weight", "inf", "weight")
 
 
 def test_an_unchanged_model_gets_no_note():

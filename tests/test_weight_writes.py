@@ -38,7 +38,8 @@ def _forms(name: str) -> list[str]:
     return forms or ["for-loop"]
 
 
-CASES = [(name, form) for name in OPTIMIZERS if hasattr(torch.optim, name) for form in _forms(name)]
+CASES = [(name, form) for name in OPTIMIZERS if hasattr(torch.optim, name)
+         for form in _forms(name)]
 
 
 def _model() -> nn.Module:
@@ -281,7 +282,8 @@ def test_the_step_hook_is_on_while_a_watch_is_and_off_after():
     users = log.users
 
     def registered() -> bool:
-        return any(hook is log_hook for hook in torch_optimizer._global_optimizer_post_hooks.values())
+        hooks = torch_optimizer._global_optimizer_post_hooks.values()
+        return any(hook is log_hook for hook in hooks)
     first, second = _model(), _model()
     with nw.watch(first):
         log_hook = next(iter(torch_optimizer._global_optimizer_post_hooks.values()))

@@ -40,8 +40,9 @@ class NanEvent:
     (``replay_on_nan=True``, and every sentinel-mode event), else None. ``peer_rank`` is set
     when ``origin == "peer"``: the rank whose NaN/Inf made this one stop; ``batch`` is then this
     rank's own batch, ``peer_batch`` the finder's (ranks that ran different numbers of forwards
-    count batches differently), and the other fields describe the finder's event. ``note``: what could not be checked, "" when nothing;
-    ``frames_note``: why earlier frames are missing from ``frames``, "" when none are.
+    count batches differently), and the other fields describe the finder's event. ``note``:
+    what could not be checked, "" when nothing; ``frames_note``: why earlier frames are
+    missing from ``frames``, "" when none are.
     """
 
     batch: int

@@ -301,7 +301,8 @@ class Recorder:
         skip_classes, skip_names = skip
         # Every module of the model when it was watched (skipped ones too), for
         # structure_changes(); held, so that an id is never reused while it is compared.
-        self._initial_modules = {id(module): (name, module) for name, module in model.named_modules()}
+        self._initial_modules = {id(module): (name, module)
+                                 for name, module in model.named_modules()}
         modules: list[tuple[str, nn.Module]] = []
         for name, module in model.named_modules():
             if module is not model and (isinstance(module, skip_classes)

@@ -75,7 +75,8 @@ class ModelChanges(Feature):
                 return event
         changes = []
         if added:
-            changes.append(f"added or replaced after watch(), running unwatched: {_listed(added)}")
+            changes.append("added or replaced after watch(), running unwatched: "
+                           + _listed(added))
         if removed:
             changes.append(f"removed or replaced after watch(): {', '.join(removed[:_SHOWN])}")
         said = "; ".join(changes) + "; watch the model again to record them"

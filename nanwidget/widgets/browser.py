@@ -380,7 +380,8 @@ class FrameBrowser(widgets.VBox):
             words = "no NaN/Inf seen"
         watch = self.source.watch
         skipped = skips_summary(watch.scaler_skips) if watch is not None else ""
-        return f"{held} · {words}" + (f" · {html.escape(skipped, quote=False)}" if skipped else "")
+        skipped = f" · {html.escape(skipped, quote=False)}" if skipped else ""
+        return f"{held} · {words}{skipped}"
 
     def _render_status(self) -> None:
         self.status.value = self._status_text()

@@ -58,8 +58,9 @@ def skips_summary(skips: list[ScalerSkip]) -> str:
     first, last = skips[0], skips[-1]
     batches = f"batch {first.batch}" if len(skips) == 1 else \
         f"batches {first.batch}–{last.batch}"
-    return (f"GradScaler skipped {len(skips)} step{'s' if len(skips) > 1 else ''} on "
-            f"overflow ({batches}; scale {first.scale_before:.10g} → {last.scale_after:.10g}): not events")
+    steps = "step" if len(skips) == 1 else "steps"
+    return (f"GradScaler skipped {len(skips)} {steps} on overflow ({batches}; scale "
+            f"{first.scale_before:.10g} → {last.scale_after:.10g}): not events")
 
 
 def _non_finite(tensor: torch.Tensor | None) -> str | None:
@@ -109,7 +110,9 @@ class ScalerWatch(Feature):
     # ------------------------------------------------------------------ the scaler's calls
     def _original(self, name: str) -> Any:
         own = self._wrapped[name]
-        return own if own is not _ABSENT else getattr(type(self.scaler), name).__get__(self.scaler)
+        if own is not _ABSENT:
+            return own
+        return getattr(type(self.scaler), name).__get__(self.scaler)
 
     def _scale(self, outputs: Any) -> Any:
         scaled = self._original("scale")(outputs)
