@@ -260,3 +260,17 @@ def test_check_grad_norms_leaves_an_overflow_to_the_scaler(mode):
         history = watch.grad_history()
     assert flags == [False, False, False] and watch.grad_events == []
     assert history["nonfinite"].any() and len(watch.scaler_skips) == 3
+
+
+def test_a_watch_dropped_unclosed_lets_go_of_the_scaler_when_collected():
+    import gc
+    from torch.optim import optimizer as torch_optimizer
+    scaler = _scaler()
+    hooks = len(torch_optimizer._global_optimizer_pre_hooks)
+    nw.watch(Net(), backward=True, grad_scaler=scaler)  # model and watch dropped at once
+    assert "scale" in scaler.__dict__ and len(torch_optimizer._global_optimizer_pre_hooks) == \
+        hooks + 1
+    gc.collect()
+    assert "scale" not in scaler.__dict__ and "update" not in scaler.__dict__
+    assert len(torch_optimizer._global_optimizer_pre_hooks) == hooks
+    _train(Net(), scaler, 2)  # the scaler works as ever

@@ -30,6 +30,7 @@ of a run with a GradScaler in the caller's frames, how to tell the watch about t
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -99,20 +100,23 @@ class ScalerWatch(Feature):
         # step, at update(), where the scaler is done with the step.
         self._scale_now = scaler.get_scale() if scaler.is_enabled() else None
         # The scaler instance's own scale/update while watched (the class's stay untouched);
-        # what the instance held itself before (another wrapper) is put back on close.
-        self._wrappers = {"scale": self._scale, "update": self._update}
-        self._wrapped: dict[str, Any] = {}
+        # what the instance held itself before (another wrapper) is put back on close. The
+        # wrappers and the optimizer hook reach this watch weakly: a watch dropped unclosed is
+        # collected, and then lets go of the scaler and the hook (the finalizer).
+        me = weakref.ref(self)
+        self._wrapped: dict[str, Any] = {name: scaler.__dict__.get(name, _ABSENT)
+                                         for name in ("scale", "update")}
+        self._wrappers = {name: _weakly(me, f"_{name}", _original(scaler, self._wrapped, name))
+                          for name in ("scale", "update")}
         for name, wrapper in self._wrappers.items():
-            self._wrapped[name] = scaler.__dict__.get(name, _ABSENT)
             setattr(scaler, name, wrapper)
-        self._pre_step = register_optimizer_step_pre_hook(self._before_step)
+        pre_step = register_optimizer_step_pre_hook(_weakly(me, "_before_step", _nothing))
+        self._let_go = weakref.finalize(self, _let_go, scaler, self._wrapped, self._wrappers,
+                                        pre_step)
 
     # ------------------------------------------------------------------ the scaler's calls
     def _original(self, name: str) -> Any:
-        own = self._wrapped[name]
-        if own is not _ABSENT:
-            return own
-        return getattr(type(self.scaler), name).__get__(self.scaler)
+        return _original(self.scaler, self._wrapped, name)
 
     def _scale(self, outputs: Any) -> Any:
         scaled = self._original("scale")(outputs)
@@ -209,15 +213,7 @@ class ScalerWatch(Feature):
         return None
 
     def close(self) -> None:
-        self._pre_step.remove()
-        for name, own in self._wrapped.items():
-            # Put back only our own wrapper: one set on top of it since stays (it calls ours,
-            # which then passes every call through).
-            if self.scaler.__dict__.get(name) is self._wrappers[name]:
-                if own is _ABSENT:
-                    del self.scaler.__dict__[name]
-                else:
-                    self.scaler.__dict__[name] = own
+        self._let_go()
         self._held = None
         self._step_over()
 
@@ -273,6 +269,40 @@ class ScalerWatch(Feature):
             if kind is not None:
                 return name, kind
         return "", "inf"
+
+
+def _original(scaler: Any, wrapped: dict[str, Any], name: str) -> Any:
+    """The scaler's own method ``name``: what the instance held before, or its class's."""
+    own = wrapped[name]
+    if own is not _ABSENT:
+        return own
+    return getattr(type(scaler), name).__get__(scaler)
+
+
+def _weakly(feature: weakref.ref, method: str, fallback: Any) -> Callable[..., Any]:
+    """Calls ``feature``'s ``method`` while it lives, else ``fallback``."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        alive = feature()
+        if alive is None:
+            return fallback(*args, **kwargs)
+        return getattr(alive, method)(*args, **kwargs)
+    return call
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _let_go(scaler: Any, wrapped: dict[str, Any], wrappers: dict[str, Any], pre_step: Any) -> None:
+    """Remove the optimizer hook; put back the scaler's own methods where ours still sit (one
+    set on top of ours since stays: it calls ours, which then passes every call through)."""
+    pre_step.remove()
+    for name, own in wrapped.items():
+        if scaler.__dict__.get(name) is wrappers[name]:
+            if own is _ABSENT:
+                del scaler.__dict__[name]
+            else:
+                scaler.__dict__[name] = own
 
 
 def _loss_words(kind: str) -> str:
