@@ -293,7 +293,8 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _let_go(scaler: Any, wrapped: dict[str, Any], wrappers: dict[str, Any], pre_step: Any) -> None:
+def _let_go(scaler: Any, wrapped: dict[str, Any], wrappers: dict[str, Any],
+            pre_step: Any) -> None:
     """Remove the optimizer hook; put back the scaler's own methods where ours still sit (one
     set on top of ours since stays: it calls ours, which then passes every call through)."""
     pre_step.remove()
