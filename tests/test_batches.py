@@ -194,7 +194,7 @@ def test_one_model_from_two_threads_never_mixes_their_frames_in_a_batch() -> Non
     assert sizes.drop_duplicates("batch")["size"].value_counts().to_dict() == {2: target, 3: target}
 
 
-def test_abort_after_fires_at_the_first_finished_batch_at_or_past_it_with_set_batch() -> None:
+def test_abort_after_fires_at_the_first_forward_past_it_with_set_batch() -> None:
     model = TinyMLP()
     x = torch.randn(4, 16)
     with nw.watch(model, abort_after=5, max_frames=1000) as w:
@@ -206,10 +206,34 @@ def test_abort_after_fires_at_the_first_finished_batch_at_or_past_it_with_set_ba
                 for _ in range(4):
                     model(x)
         frames = w.frames()
-    # set_batch(12) ended batch 8, the first finished batch numbered 5 or more; batch 4 did not.
+    # Batch 4 is not past 5: its four forwards ran; the first forward of batch 8 is past it.
     assert caught.value.batch == 8 and caught.value.abort_after == 5
-    assert started == [0, 4, 8] and w.batch == 12
-    assert frames.groupby("batch")["frame"].nunique().to_dict() == {0: 24, 4: 24, 8: 24}
+    assert started == [0, 4, 8] and w.batch == 8
+    assert frames.groupby("batch")["frame"].nunique().to_dict() == {0: 24, 4: 24, 8: 6}
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_abort_after_fires_at_the_end_of_a_forward_numbered_past_it(mode) -> None:
+    model = TinyMLP()
+    x = torch.randn(4, 16)
+    with nw.watch(model, abort_after=1, mode=mode) as w:
+        w.set_batch(0)
+        model(x)
+        w.set_batch(2)  # batch 0 ended, below 1: no abort at this boundary
+        with pytest.raises(nw.AbortAfterBatch) as caught:
+            model(x)  # a forward in batch 2, past 1: transformers stops here too
+        assert caught.value.batch == 2 and caught.value.abort_after == 1
+        model(x)  # raised once
+
+
+def test_abort_after_a_set_batch_boundary_at_or_past_it_still_fires() -> None:
+    model = TinyMLP()
+    with nw.watch(model, abort_after=1) as w:
+        w.set_batch(1)
+        model(torch.randn(4, 16))  # batch 1 is not past 1: it may have more forwards
+        with pytest.raises(nw.AbortAfterBatch) as caught:
+            w.set_batch(2)
+    assert caught.value.batch == 1
 
 
 def test_step_after_each_forward_numbers_batches_without_a_gap_and_aborts() -> None:

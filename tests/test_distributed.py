@@ -244,6 +244,30 @@ def test_sentinel_mode_stops_both_ranks_at_the_same_batch_with_the_replayed_even
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_uneven_forwards_per_rank_give_each_rank_its_own_batch_and_the_finders_as_peer_batch(
+        tmp_path, mode):
+    # Rank 1 runs 3 validation forwards (no grad, no exchange) first: its training batch 3 is
+    # its watch batch 6, while rank 0 is at its own batch 3 when both stop.
+    finished = _torchrun(["-m", "nanwidget.examples.ddp_nan", "--mode", mode,
+                          "--log-dir", str(tmp_path / "log"), "--nan-rank", "1",
+                          "--nan-batch", "3", "--batches", "6", "--extra-evals", "3"])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    results = _results(finished.stdout)
+    assert [results[rank]["stopped_at"] for rank in (0, 1)] == [3, 3]
+    assert (results[1]["origin"], results[1]["event_batch"], results[1]["peer_batch"]) == (
+        "output", 6, None)
+    assert (results[0]["origin"], results[0]["event_batch"], results[0]["peer_batch"]) == (
+        "peer", 3, 6)
+    assert results[0]["event_batch"] == results[0]["watch_batch"] - 1  # its own count
+    assert "nan on rank 1 in its batch 6 at module 'norm'" in results[0]["message"]
+    assert "(found on rank 1; rank 0 stops with it in its batch 3)" in results[0]["message"]
+    run = nw.load_run(tmp_path / "log")
+    assert sorted((e.rank, e.batch, e.origin, e.peer_batch) for e in run.events) == [
+        (0, 3, "peer", 6), (1, 6, "output", None)]
+
+
+@pytest.mark.slow
 def test_watch_on_rank_0_alone_turns_the_consensus_off_instead_of_hanging():
     # Rank 0's flag all-reduce would otherwise pair with rank 1's gradient all-reduce.
     finished = _torchrun(["-m", "nanwidget.examples.ddp_nan", "--watch-ranks", "0",
@@ -338,6 +362,13 @@ def test_peer_event_names_the_rank_that_found_it():
     assert text.startswith("nan in batch 3 on rank 0 at module 'norm'")
     assert text.endswith("(found on rank 0; rank 1 stops with it)")
     assert str(nw.NanDetected(event)).count("rank 0") == 2
+    # Ranks that ran different numbers of forwards: this rank's batch, and the finder's.
+    uneven = nw.NanEvent(batch=12, module="norm", module_type="Standardize", call=0,
+                         role="output", kind="nan", origin="peer", rank=0, peer_rank=1,
+                         peer_batch=15)
+    assert uneven.summary() == ("nan on rank 1 in its batch 15 at module 'norm' (Standardize, "
+                                "call 0), output (found on rank 1; rank 0 stops with it in its "
+                                "batch 12)")
 
 
 class _ShardedScale(nn.Module):

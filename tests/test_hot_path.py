@@ -102,7 +102,7 @@ def test_no_sync_inside_module_hooks():
 
 
 def test_weights_are_measured_only_when_their_version_changes(reduction_path, monkeypatch):
-    model = nn.Linear(8, 8)
+    model = nn.Linear(8, 8).eval()  # inference: a training forward measures them once each
     measured = spy_measured(monkeypatch)
     with nw.watch(model, max_frames=100) as w:
         x = torch.randn(2, 8)

@@ -158,3 +158,21 @@ def test_ddp_with_two_cpu_processes_stops_both_at_step_3(tmp_path):
     assert results[1]["changed"] == [f"{POISONED}.weight"] and results[0]["changed"] == []
     run = nw.load_run(results[0]["log_dir"])
     assert run.ranks == [0, 1] and run.event.rank == 1 and run.event.module == POISONED
+
+
+def test_16_mixed_gradient_overflows_the_plugins_scaler_skips_do_not_stop_the_fit(tmp_path):
+    # Lightning makes no GradScaler on CPU: the precision plugin is given the one it makes on
+    # a GPU. The scale starts at 2**22 and overflows float16 gradients a few times.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    import torch
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 22)
+    model = TinyRegressor()
+    callback = NanWatchCallback(log_dir=False, backward=True)
+    fit = _fit(tmp_path, model, [callback],
+               plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert callback.stop is None and fit.global_step == 8
+    assert callback.watch.grad_scaler is scaler  # found by the callback
+    skips = callback.watch.scaler_skips
+    assert skips and skips[0].scale_before == 2.0 ** 22
+    assert skips[-1].scale_after == scaler.get_scale()
+    assert not callback.watch.events and hook_count(model) == 0

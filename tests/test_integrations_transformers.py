@@ -452,3 +452,22 @@ def test_ddp_under_torchrun_stops_both_ranks_at_step_3(tmp_path):
     run = nw.load_run(results[0]["log_dir"])
     assert run.ranks == [0, 1] and run.event.module == GPT2_POISONED
     assert (Path(results[0]["log_dir"]) / "stop-rank-00001.json").is_file()
+
+
+def test_fp16_gradient_overflows_the_accelerators_scaler_skips_do_not_stop_training(tmp_path):
+    # accelerate does no float16 loss scaling on CPU: the Trainer's accelerator is given the
+    # GradScaler (and autocast) it makes on a GPU. The scale starts at 2**24 and overflows.
+    model = tiny_gpt2()
+    callback = NanWatchCallback(log_dir=False, backward=True)
+    trainer = transformers.Trainer(model=model, args=training_args(str(tmp_path / "out"),
+                                                                   max_steps=6, fp16=True),
+                                   train_dataset=TokenDataset(32), callbacks=[callback])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True
+    trainer.train()
+    assert callback.stop is None and trainer.state.global_step == 6
+    assert callback.watch.grad_scaler is scaler  # found by the callback
+    skips = callback.watch.scaler_skips
+    assert skips and [s.batch for s in skips] == list(range(len(skips)))
+    assert skips[-1].scale_after == scaler.get_scale() < 2.0 ** 24
+    assert not callback.watch.events and hook_count(model) == 0

@@ -8,6 +8,7 @@ event (batch, module, call, role, kind, origin, frames), ``report()`` and the tr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Callable
@@ -342,3 +343,76 @@ def test_without_snapshots_a_training_run_shows_the_failing_batch_and_says_why_n
     assert "frames before batch 3 not shown" in sentinel.frames_note
     assert "weights changed since it ran; snapshot_weights=True keeps copies" in sentinel.frames_note
     assert sentinel.note == "" and sentinel.frames_note not in sentinel.summary()
+
+
+def _record_forward_nan_then_backward(mode: str, on_nan: str, loss: Callable) -> tuple[list, int]:
+    """One training batch whose forward meets a NaN bias (recorded or warned, so its backward
+    runs): the events recorded and the NanWarnings issued."""
+    torch.manual_seed(0)
+    model = TinyMLP()
+    with torch.no_grad():
+        model.fc1.bias[0] = float("nan")
+    x = torch.randn(4, 16)
+    with nw.watch(model, mode=mode, on_nan=on_nan, backward=True) as watch:
+        with pytest.warns() if on_nan == "warn" else contextlib.nullcontext() as caught:
+            loss(model(x)).backward()
+    warned = sum(issubclass(w.category, nw.NanWarning) for w in caught) if caught else 0
+    return [tuple(getattr(e, f) for f in EVENT_FIELDS) for e in watch.events], warned
+
+
+@pytest.mark.parametrize("on_nan", ["record", "warn"])
+@pytest.mark.parametrize("loss", ["sum", "square"])
+def test_a_recorded_forward_event_is_not_recorded_again_by_the_backward_check(on_nan, loss):
+    # The NaN bias makes NaN weight gradients: the sentinel's gradient check meets them at the
+    # end of the backward pass. Full mode records the forward event once (and, when the NaN
+    # reaches the gradients between modules, the backward event): so must the sentinel.
+    loss_fn = (lambda out: out.sum()) if loss == "sum" else (lambda out: out.square().sum())
+    full = _record_forward_nan_then_backward("full", on_nan, loss_fn)
+    sentinel = _record_forward_nan_then_backward("sentinel", on_nan, loss_fn)
+    assert sentinel == full
+    events, warned = full
+    assert [(e[1], e[6], e[7]) for e in events] == (
+        [("fc1", "weight", False)] if loss == "sum" else
+        [("fc1", "weight", False), ("head", "grad", True)])
+    assert warned == (len(events) if on_nan == "warn" else 0)
+
+
+class _Scaled(nn.Module):
+    """A parametrization: the weight as stored, times 2."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2.0
+
+
+def _parametrized_run(mode: str) -> tuple[nw.NanEvent, bool]:
+    """Batches under ``parametrize.cached()``; before the third a NaN is written into the
+    stored weight, so the third batch's cached weight is NaN. The event, and whether the
+    weight cached by the live forward was still the cached one after the automatic replay."""
+    parametrize = torch.nn.utils.parametrize
+    torch.manual_seed(0)
+    model = TinyMLP()
+    parametrize.register_parametrization(model.fc2, "weight", _Scaled())
+    x = torch.randn(4, 16)
+    seen: list[torch.Tensor] = []  # the weight fc2 used, per call (live ones first)
+    model.fc2.register_forward_hook(lambda module, args, output: seen.append(module.weight))
+    options = {"mode": "sentinel"} if mode == "sentinel" else {"replay_on_nan": True}
+    with nw.watch(model, on_nan="record", snapshot_weights=True, **options) as watch:
+        for _ in range(2):
+            with parametrize.cached():  # one block per step, as the docs use it
+                model(x)
+        with torch.no_grad():
+            model.fc2.parametrizations.weight.original[3, 5] = float("nan")
+        with parametrize.cached():
+            model(x)  # batch 2, replayed at its end
+            kept = model.fc2.weight is seen[2]  # the weight cached by the live forward
+    return watch.event, kept
+
+
+def test_parametrize_cached_weights_are_recomputed_by_the_replay_as_full_mode_names_them():
+    full, full_kept = _parametrized_run("full")
+    sentinel, sentinel_kept = _parametrized_run("sentinel")
+    assert (full.batch, full.module, full.role, full.origin) == (
+        2, "fc2.parametrizations.weight", "original", "weight")
+    assert_same_event(full, sentinel)
+    assert full.trace.reproduced and sentinel.trace.reproduced
+    assert full_kept and sentinel_kept

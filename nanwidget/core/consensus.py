@@ -10,7 +10,8 @@ DDP's and FSDP2's own gradient reductions have finished, so no collective of the
 pending). When the flag is set, the ranks exchange the offending event (only then, with
 ``all_gather_object``) and each raises :class:`NanDetected` at the same boundary: out of the
 forward, or out of ``loss.backward()``, before any optimizer step. A healthy rank records and
-raises an event with ``origin="peer"`` whose ``peer_rank`` names the rank that found it. No
+raises an event with ``origin="peer"`` whose ``peer_rank`` names the rank that found it (its
+``batch`` is this rank's own, ``peer_batch`` the finder's). No
 rank leaves before the exchange, and after it every rank raises, so no collective is ever
 issued towards a rank that has left.
 
@@ -157,7 +158,10 @@ class Consensus(Feature):
         found = [p for p in payloads if p is not None]
         first = min(found, key=lambda p: (p["batch"], p["rank"]))
         frames = pd.DataFrame(first.pop("frames"))
-        fields = dict(first, origin="peer", peer_rank=first["rank"], rank=dist.get_rank())
+        # This rank's own batch number: ranks that ran different numbers of forwards (extra
+        # validation batches on one) count batches differently; the finder's is peer_batch.
+        fields = dict(first, origin="peer", peer_rank=first["rank"], peer_batch=first["batch"],
+                      batch=batch, rank=dist.get_rank())
         return event_from_fields(fields, frames)
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .schema import LOCAL_SHARD, WRITTEN_HERE
+from .state import optimizer_steps
 from .stats import PLAIN_TENSOR_TYPES, PendingStats, TensorStats, classify, local_shard, version_of
 from .walk import Unread, iter_leaves
 
@@ -67,6 +68,7 @@ class Entry(tuple):
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
+_STEPS = optimizer_steps()  # optimizer steps seen in this process (core.writes counts them)
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 
 
@@ -90,17 +92,36 @@ def non_tensor_entry(role: str, leaf: Any) -> Entry:
 class EntryBuilder:
     """Builds entries whose stats come from one :class:`PendingStats` (one per recorder).
 
-    Parameters are measured again only when their version counter moved (an optimizer step
-    bumps it); buffers every call, since BatchNorm updates its running statistics without
-    bumping theirs. Callers hold the recorder's lock.
+    A parameter's measurement is reused until something may have written it: its version
+    counter moved (any in-place write: foreach and for-loop optimizers, ``load_state_dict``,
+    ``torch._foreach_*_``), its storage changed (``p.data = ...``), any optimizer stepped
+    (fused kernels move no version counter: :mod:`~nanwidget.core.writes` counts the steps),
+    or, for a parameter that requires grad, a new training forward began (grad enabled, model
+    in training mode: :meth:`new_forward`), so that an update the watch cannot see, such as
+    ``p.data -= lr * p.grad`` or a custom kernel, shows in the next training batch. A training
+    loop re-measures those parameters after every optimizer step anyway; inference forwards
+    reuse the measurements. Buffers are measured every call, since BatchNorm updates its
+    running statistics without bumping theirs. Callers hold the recorder's lock.
     """
 
     def __init__(self, pending: PendingStats, cache_weights: bool = True) -> None:
         self.pending = pending
         self.cache_weights = cache_weights
-        # id(parameter) -> (parameter, version, storage pointer, entry) of its last measurement.
-        self._weight_cache: dict[int, tuple[torch.Tensor, int, int, Entry]] = {}
+        # id(parameter) -> (parameter, version, storage pointer, entry, requires grad,
+        # generation) of its last measurement.
+        self._weight_cache: dict[int, tuple[torch.Tensor, int, int, Entry, bool, int]] = {}
+        # Generations: a measurement is reused while its own is current. Frozen parameters'
+        # moves on at every optimizer step; trainable ones' also at every training forward.
+        self._steps_seen = _STEPS.count
+        self._generation = 0
+        self._training_generation = 0
         self.unread_roles: list[str] = []  # leaves left unread (iterators), for one warning
+
+    def new_forward(self, training: bool) -> None:
+        """A root forward begins; ``training``: grad enabled and the model in training mode
+        (its parameters that require grad are measured once in it: see the class docstring)."""
+        if training:
+            self._training_generation += 1
 
     # ------------------------------------------------------------------ one tensor
     def tensor_entry(self, role: str, tensor: torch.Tensor) -> Entry:
@@ -173,6 +194,11 @@ class EntryBuilder:
         ``cache_weights=False``: measure the parameters on every call (FSDP2 gathers new values
         into the same tensors, version counters kept, and may reuse the same storage)."""
         cache = self._weight_cache
+        if _STEPS.count != self._steps_seen:  # an optimizer stepped since: measure again
+            self._steps_seen = _STEPS.count
+            self._generation += 1
+            self._training_generation += 1
+        generation, training_generation = self._generation, self._training_generation
         for group in (module._parameters, module._buffers):
             if not group:
                 continue
@@ -188,17 +214,20 @@ class EntryBuilder:
                     pointer = tensor.data_ptr()
                 except Exception:  # wrapper subclasses: never served from the cache
                     pointer = -1
-                # Weights change once per optimizer step at most: re-measure only then (the
-                # version counter moved, or the storage was swapped through ``.data``), and
-                # reuse the whole entry (same stats object) until then.
+                # Weights change once per optimizer step at most: re-measure only when they
+                # may have (see the class docstring), and reuse the whole entry (same stats
+                # object) until then.
                 if cached is not None and cached[0] is tensor and cached[2] == pointer \
                         and cached[1] == version_of(tensor) and cached[3].role == name \
+                        and cached[5] == (training_generation if cached[4] else generation) \
                         and pointer != -1:
                     entries.append(cached[3])
                     continue
                 entry = self.tensor_entry(name, tensor)
                 if entry.stats is not None and pointer != -1:
-                    cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry)
+                    trainable = tensor.requires_grad
+                    cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry, trainable,
+                                         training_generation if trainable else generation)
                 entries.append(entry)
 
     def forward_entries(self, module: nn.Module, has_state: bool, args: tuple, kwargs: dict,

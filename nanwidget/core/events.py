@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pandas as pd
 
 from .schema import EVENT_FIELDS, FRAME_COLUMNS
 
-__all__ = ["NanEvent", "Diagnosis", "GradEvent", "NanDetected", "NanWarning", "AbortAfterBatch",
-           "ORIGIN_WORDS", "UNVERIFIED_NOTES", "DIAGNOSIS_KINDS", "CONFIDENCES", "LOSS_WORDS",
-           "event_fields", "event_from_fields"]
+__all__ = ["NanEvent", "Diagnosis", "GradEvent", "ScalerSkip", "NanDetected", "NanWarning",
+           "AbortAfterBatch", "ORIGIN_WORDS", "UNVERIFIED_NOTES", "DIAGNOSIS_KINDS",
+           "CONFIDENCES", "LOSS_WORDS", "LOSS_ROLE", "event_fields", "event_from_fields"]
 
 ORIGIN_WORDS = {
     "output": "made here from finite inputs and weights",
@@ -97,9 +97,14 @@ class Diagnosis:
 
 
 # The start of the ``note`` of an event whose origin nothing verified: a sentinel-mode event
-# seen in the model's outputs that no replay explained (refused, failed, or met finite values).
-UNVERIFIED_NOTES = ("not replayed", "not reproduced")
-_UNVERIFIED_WORDS = "found in the model's outputs (where it was made was not checked)"
+# seen in the model's outputs that no replay explained (refused, failed, or met finite values),
+# or an output event of a module inside which modules added after watch() run unwatched.
+UNVERIFIED_NOTES = ("not replayed", "not reproduced", "not checked")
+_UNVERIFIED_WORDS = "found in {where} outputs (where it was made was not checked)"
+# The role of an event found in the loss computed from the model's outputs (outside the model:
+# the loss a GradScaler scales, or the one a training callback checks).
+LOSS_ROLE = "loss"
+_LOSS_WORDS = "made outside the model, in the loss computed from its outputs"
 
 
 @dataclass
@@ -108,10 +113,12 @@ class NanEvent:
 
     ``trace`` is a :class:`~nanwidget.core.trace.Trace` when the batch was replayed
     (``replay_on_nan=True``, and every sentinel-mode event), else None. ``peer_rank`` is set
-    when ``origin == "peer"``: the rank whose NaN/Inf made this one stop; the other fields then
-    describe that rank's event. ``note``: what could not be checked, "" when nothing;
-    ``frames_note``: why earlier frames are missing from ``frames``, "" when none are.
-    ``diagnosis``: why it happened (a :class:`Diagnosis`), made when the event is recorded.
+    when ``origin == "peer"``: the rank whose NaN/Inf made this one stop; ``batch`` is then this
+    rank's own batch, ``peer_batch`` the finder's (ranks that ran different numbers of forwards
+    count batches differently), and the other fields describe the finder's event. ``note``:
+    what could not be checked, "" when nothing; ``frames_note``: why earlier frames are
+    missing from ``frames``, "" when none are. ``diagnosis``: why it happened (a
+    :class:`Diagnosis`), made when the event is recorded.
     """
 
     batch: int
@@ -128,6 +135,7 @@ class NanEvent:
     trace: Any = field(default=None, repr=False)
     frame: int = 0  # index of the event's own frame within its batch
     peer_rank: int | None = None
+    peer_batch: int | None = None  # origin "peer": the batch number on the rank that found it
     # What could not be checked, in one sentence ("" when nothing): e.g. a sentinel-mode event
     # that the eager replay did not reproduce. Part of the summary.
     note: str = ""
@@ -146,8 +154,10 @@ class NanEvent:
     @property
     def origin_words(self) -> str:
         """The origin in words; for an output event no replay explained, only where it was seen."""
+        if self.origin == "output" and self.module == "" and self.role == LOSS_ROLE:
+            return _LOSS_WORDS
         if self.origin == "output" and self.note.startswith(UNVERIFIED_NOTES):
-            return _UNVERIFIED_WORDS
+            return _UNVERIFIED_WORDS.format(where="the model's" if self.module == "" else "its")
         if self.made_in_loss:
             return LOSS_WORDS
         return ORIGIN_WORDS.get(self.origin, self.origin)
@@ -162,9 +172,13 @@ class NanEvent:
         """One line naming batch, module, role, kind and origin."""
         phase = " (backward)" if self.is_backward else ""
         if self.origin == "peer":
-            return (f"{self.kind} in batch {self.batch} on rank {self.peer_rank}{phase} at module "
-                    f"'{self.module_label}' ({self.module_type}, call {self.call}), {self.role} "
-                    f"(found on rank {self.peer_rank}; rank {self.rank} stops with it)")
+            same = self.peer_batch is None or self.peer_batch == self.batch
+            where = (f"in batch {self.batch} on rank {self.peer_rank}" if same
+                     else f"on rank {self.peer_rank} in its batch {self.peer_batch}")
+            own = "" if same else f" in its batch {self.batch}"
+            return (f"{self.kind} {where}{phase} at module '{self.module_label}' "
+                    f"({self.module_type}, call {self.call}), {self.role} (found on rank "
+                    f"{self.peer_rank}; rank {self.rank} stops with it{own})")
         rank = f" on rank {self.rank}" if self.rank else ""
         text = (f"{self.kind} in batch {self.batch}{rank}{phase} at module '{self.module_label}' "
                 f"({self.module_type}, call {self.call}), {self.role}: {self.origin_words}")
@@ -189,10 +203,11 @@ class NanEvent:
 
 def event_fields(event: NanEvent) -> dict[str, Any]:
     """The plain fields of ``event`` (:data:`~nanwidget.core.schema.EVENT_FIELDS`, plus
-    ``peer_rank``, ``note`` and ``frames_note``): what is written to disk and sent to other
-    ranks."""
+    ``peer_rank``, ``peer_batch``, ``note`` and ``frames_note``): what is written to disk and
+    sent to other ranks."""
     fields = {name: getattr(event, name) for name in EVENT_FIELDS}
     fields["peer_rank"] = event.peer_rank
+    fields["peer_batch"] = event.peer_batch
     fields["note"] = event.note
     fields["frames_note"] = event.frames_note
     fields["diagnosis"] = event.diagnosis.fields() if event.diagnosis is not None else None
@@ -206,6 +221,7 @@ def event_from_fields(fields: dict[str, Any], frames: pd.DataFrame | None = None
     values = {name: fields[name] for name in EVENT_FIELDS}
     return NanEvent(frames=frames if frames is not None else pd.DataFrame(columns=FRAME_COLUMNS),
                     trace=trace, peer_rank=fields.get("peer_rank"),
+                    peer_batch=fields.get("peer_batch"),
                     note=fields.get("note") or "", frames_note=fields.get("frames_note") or "",
                     diagnosis=Diagnosis.from_fields(fields.get("diagnosis")), **values)
 
@@ -219,6 +235,15 @@ class GradEvent:
     norm: float
     threshold: float | None
     rank: int = 0
+
+
+class ScalerSkip(NamedTuple):
+    """An optimizer step a ``torch.amp.GradScaler`` skipped because the gradients overflowed
+    (it lowered its scale): what the scaler is for, not an event."""
+
+    batch: int
+    scale_before: float
+    scale_after: float
 
 
 class NanDetected(FloatingPointError):

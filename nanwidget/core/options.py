@@ -232,6 +232,30 @@ def _allow_inf(name: str, value: Any, model: nn.Module | None) -> tuple[str | ty
     return tuple(dict.fromkeys(items))
 
 
+def _grad_scaler(name: str, value: Any, model: Any) -> Any:
+    """A ``torch.amp.GradScaler`` (or any scaler with its ``scale`` / ``update`` /
+    ``get_scale`` methods), or an object holding one as ``.scaler`` (accelerate's
+    ``Accelerator``, Lightning's mixed-precision plugin): the scaler, or None when it holds
+    none (no float16 loss scaling to watch)."""
+    if value is None:
+        return None
+    if not _is_scaler(value) and hasattr(value, "scaler"):
+        held = value.scaler
+        if held is None:
+            return None
+        value = held
+    if not _is_scaler(value):
+        raise TypeError(f"{name} takes a torch.amp.GradScaler (or an object holding one as "
+                        f".scaler, such as accelerate's Accelerator), got {value!r} "
+                        f"({type(value).__name__})")
+    return value
+
+
+def _is_scaler(value: Any) -> bool:
+    return all(callable(getattr(value, method, None))
+               for method in ("scale", "update", "get_scale", "is_enabled"))
+
+
 def split_classes(items: tuple[str | type, ...]) -> tuple[tuple[str, ...], tuple[type, ...]]:
     """The strings and the classes of a ``skip_types`` or ``allow_inf`` value, apart."""
     return (tuple(i for i in items if isinstance(i, str)),
@@ -399,6 +423,13 @@ class WatchOptions:
         flag=Flag(("--loss-fn",), str, lookup=True, metavar="NAME",
                   help="a function of the notebook, loss_fn(output) -> loss: automatic replays "
                        "run it and its backward, so a NaN made in the loss is traced"))
+    grad_scaler: Any = option(
+        None, "a torch.amp.GradScaler (or an Accelerator holding one): a gradient NaN/Inf in a "
+              "step it skips (lowering its scale) is not an event; skips are listed in "
+              "w.scaler_skips", _grad_scaler,
+        manifest=lambda value: None if value is None else type(value).__name__)
+    scaler_patience: int = option(
+        8, "with grad_scaler: this many skipped steps in a row are an event", whole(1))
 
     def __post_init__(self) -> None:
         for declared in OPTIONS.values():  # rules between options, as declared

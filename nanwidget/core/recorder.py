@@ -72,6 +72,7 @@ from .ranks import current_rank
 from .records import Finding, Records
 from .state import watched_modules
 from .stats import PendingStats
+from .writes import track_optimizer_steps
 
 __all__ = ["Recorder", "Feature", "Finding", "ModuleInfo", "ConcurrentForwardError",
            "AlreadyWatchedError", "CompiledCallError", "watched_by", "in_backward_pass",
@@ -235,7 +236,8 @@ class Recorder:
 
     ``skip``: module classes and class names not hooked (never the root). ``on_nan``: "raise",
     "warn" or "record". ``abort_after``: raise :class:`AbortAfterBatch` at the first finished
-    batch whose number is at or past it. ``max_events``: events kept (more are counted).
+    batch whose number is at or past it, or at the end of a root forward in a batch past it.
+    ``max_events``: events kept (more are counted).
     ``allow_inf``: module name globs and module classes whose outputs may hold ±inf on purpose.
     ``root_only``: hook only the root (sentinel mode); :meth:`attach_module_hooks` hooks every
     module for the batches recorded in full. ``entry``: the module whose call is one batch when
@@ -269,6 +271,11 @@ class Recorder:
         self._refresh_callbacks()
         self._lock = threading.RLock()
         self._closed = False
+        # Fused optimizers write weights without version counters: count every step while
+        # this recorder is open (core.writes), so that cached weight measurements renew; also
+        # let go when the recorder is collected without close().
+        self._step_tracking = track_optimizer_steps()
+        weakref.finalize(self, self._step_tracking.release)
         self._suspended = 0
         self._suspended_thread: int | None = None
         self._aborted = False
@@ -298,6 +305,10 @@ class Recorder:
         self._compiled_in_place = getattr(model, "_compiled_call_impl", None) is not None
 
         skip_classes, skip_names = skip
+        # Every module of the model when it was watched (skipped ones too), for
+        # structure_changes(); held, so that an id is never reused while it is compared.
+        self._initial_modules = {id(module): (name, module)
+                                 for name, module in model.named_modules()}
         modules: list[tuple[str, nn.Module]] = []
         for name, module in model.named_modules():
             if module is not model and (isinstance(module, skip_classes)
@@ -347,6 +358,16 @@ class Recorder:
     def batch(self) -> int:
         """The batch being recorded (or about to be): 0-based."""
         return self._batch
+
+    def structure_changes(self) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+        """Modules added to the model since it was watched (name, module: not hooked, so they
+        record no frames; a replaced one counts as added), and the names of those removed (or
+        replaced). Walks the model: for event time, not hooks."""
+        now = {id(module): (name, module) for name, module in self.model.named_modules()}
+        initial = self._initial_modules
+        added = [(name, module) for key, (name, module) in now.items() if key not in initial]
+        removed = [name for key, (name, _) in initial.items() if key not in now]
+        return added, removed
 
     @property
     def module_hooks_attached(self) -> bool:
@@ -566,6 +587,8 @@ class Recorder:
                     self._exception_at_start = sys.exc_info()[1]
                     for on_batch_start in self._on_batch_start:
                         on_batch_start(self._batch, args, kwargs)
+                    # A training forward measures its trainable weights once (core.entries).
+                    self.entries.new_forward(self.model.training and torch.is_grad_enabled())
                     # The model's inputs as handed over, before any module can write into them.
                     if self._records_frames():
                         self._measure_inputs_now(module, args, kwargs)
@@ -764,6 +787,7 @@ class Recorder:
                         on_batch_output(self._batch, output)
                     except Exception as error:
                         self.internal_error(error)
+
             finished = self._batch
             advance = not self._manual_batches
             event = self._resolve_locked(finished, advance=advance)
@@ -866,10 +890,14 @@ class Recorder:
                 raise NanDetected(event)
             if self.on_nan in ("raise", "warn"):
                 warnings.warn(f"nanwidget: {event.summary()}", NanWarning, stacklevel=5)
-        if raising and finished and self.abort_after is not None and not self._aborted \
-                and batch >= self.abort_after:
+        # abort_after: at the end of the batch numbered abort_after or later, and at the end of
+        # any root forward past it (a batch numbered with set_batch() beyond it, as transformers
+        # does it).
+        limit = self.abort_after
+        if raising and limit is not None and not self._aborted and (
+                (finished and batch >= limit) or (reason == "forward" and batch > limit)):
             self._aborted = True
-            raise AbortAfterBatch(batch, self.abort_after)
+            raise AbortAfterBatch(batch, limit)
 
     def _record_event_locked(self, event: NanEvent) -> None:
         if not self.records.add_event(event):
@@ -995,6 +1023,7 @@ class Recorder:
             except Exception as error:  # closing must always succeed
                 self.internal_error(error)
             self._closed = True
+            self._step_tracking.release()
             for handle in self._handles + self._module_handles + self._direct_handles:
                 handle.remove()
             self._handles.clear()

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
     from .recorder import Recorder
 
 __all__ = ["watched_modules", "watching_recorders", "set_browser_opener", "browser_opener",
-           "training_guards", "use_parquet", "parquet_wanted"]
+           "training_guards", "use_parquet", "parquet_wanted", "StepLog", "optimizer_steps"]
 
 # Every module hooked by a live recorder. Why: a second watch on the same module would record
 # every call twice, so it is refused (AlreadyWatchedError); and the live watches
@@ -86,3 +86,30 @@ def use_parquet(enabled: bool) -> None:
 def parquet_wanted() -> bool:
     """Whether :func:`use_parquet` left parquet on."""
     return _parquet_wanted
+
+
+# Optimizer steps taken while a watch is live. Why: fused optimizer kernels (``fused=True``)
+# write the parameters without moving their version counters, and any watch must learn of a
+# step whoever made the optimizer: one process-wide optimizer-step hook (core.writes) counts
+# the steps here and marks the parameters each step's optimizer holds. Ids, not references:
+# a mark outliving its parameter only costs one extra measurement of a tensor reusing its id.
+class StepLog:
+    """``count``: optimizer steps seen; ``marks``: id(parameter) -> ``count`` after the last
+    step of an optimizer holding it; ``users``: watches that asked for the hook
+    (``handle``: the hook while any does)."""
+
+    __slots__ = ("count", "marks", "users", "handle")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.marks: dict[int, int] = {}
+        self.users = 0
+        self.handle: Any = None
+
+
+_OPTIMIZER_STEPS = StepLog()
+
+
+def optimizer_steps() -> StepLog:
+    """The process's :class:`StepLog` (core.writes keeps it)."""
+    return _OPTIMIZER_STEPS

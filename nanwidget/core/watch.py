@@ -8,6 +8,8 @@
 - sentinel (:mod:`.sentinel`): ``mode="sentinel"`` and compiled models: only the root's outputs
   and the gradients are checked, and a failing batch is replayed for the detail;
 - diagnosis (:mod:`.diagnosis`): every event's ``diagnosis`` (why it happened).
+- model changes (:mod:`.structure`): a module added or replaced after ``watch()`` is named in
+  the event it affects.
 
 Each feature is a plain object that sees the recorder through its public API; the order they
 are added in is the order they review an event (the replay attaches its trace, then the
@@ -29,8 +31,8 @@ from torch import nn
 
 from .consensus import Consensus, consensus_wanted
 from .diagnosis import Diagnoser
-from .events import GradEvent, NanEvent
-from .grads import BackwardFrames, GradNorms
+from .events import GradEvent, NanEvent, ScalerSkip
+from .grads import BackwardFrames, GradNorms, ScalerHint, ScalerWatch, skips_summary
 from .persist import RecordingWriter
 from .recorder import Feature, Recorder
 from .replay import BatchCapture, Replayer, ReplayError
@@ -39,6 +41,7 @@ from .options import (MAX_EVENTS, MODES, OPTIONS, SkipTypesWarning, WatchOptions
                       options_help, signature_of_options, split_classes)
 from .sentinel import Sentinel, compiled_in_place, has_compiled_parts, is_compile_wrapper
 from .state import watching_recorders
+from .structure import ModelChanges
 from .trace import Trace
 from .viewer import open_browser
 
@@ -121,6 +124,7 @@ class WatchParts:
     consensus: Consensus | None
     sentinel: Sentinel | None = None
     diagnoser: Diagnoser | None = None
+    scaler: ScalerWatch | None = None
 
 
 class NanWatch:
@@ -161,8 +165,11 @@ class NanWatch:
         """Add the features the options ask for, in review order."""
         recorder = self._recorder
         options = self.options
-        capture = replayer = backward = writer = consensus = sentinel = None
+        capture = replayer = backward = writer = consensus = sentinel = scaler = None
         sentinel_mode = options.mode == "sentinel"
+        # First to review an event: a module added after watch() is named before the others
+        # (replay, consensus, files) see the event.
+        recorder.add_feature(ModelChanges(recorder))
         keep = max(options.keep_batches, 1 if options.replay_on_nan or sentinel_mode else 0)
         if keep or options.trace_batches or options.snapshot_weights:
             capture = recorder.add_feature(BatchCapture(
@@ -176,7 +183,8 @@ class NanWatch:
                 recorder.add_feature(replayer)
         if options.backward and not sentinel_mode:
             backward = recorder.add_feature(BackwardFrames(recorder))
-        grads = recorder.add_feature(GradNorms(recorder, threshold=options.grad_norm_warn))
+        grads = recorder.add_feature(GradNorms(recorder, threshold=options.grad_norm_warn,
+                                               scaler=options.grad_scaler))
         with_consensus = consensus_wanted()
         if sentinel_mode:
             assert capture is not None
@@ -184,6 +192,15 @@ class NanWatch:
                 recorder, capture, sample_every=options.sample_every, backward=options.backward,
                 compiled=bool(self.compiled), loss_fn=options.loss_fn,
                 defer_reads="never" if with_consensus else "device"))
+        # Before the consensus: a gradient overflow the scaler skips is no event on any rank.
+        if options.grad_scaler is not None:
+            scaler = recorder.add_feature(ScalerWatch(
+                recorder, options.grad_scaler, patience=options.scaler_patience,
+                detail=sentinel.detail_grad_event if sentinel is not None else None))
+            if sentinel is not None:
+                sentinel.defer_grad_replays = scaler.overflow_possible
+        elif options.backward:
+            recorder.add_feature(ScalerHint())
         # After the traces are attached (replay, sentinel), before the other ranks hear of the
         # event and before it is written: every event gets its diagnosis.
         diagnoser = recorder.add_feature(Diagnoser(
@@ -196,7 +213,7 @@ class NanWatch:
                 recorder, options.log_dir, options=options.manifest(),
                 grad_history=grads.history_table))
         return WatchParts(capture=capture, replayer=replayer, backward=backward, grads=grads,
-                          writer=writer, consensus=consensus, sentinel=sentinel,
+                          writer=writer, consensus=consensus, sentinel=sentinel, scaler=scaler,
                           diagnoser=diagnoser)
 
     # ------------------------------------------------------------------ composition
@@ -296,16 +313,19 @@ class NanWatch:
         """
         event = event or self.event
         recorder = self._recorder
+        skipped = skips_summary(self.scaler_skips)
         traced = [self.frames(batch=batch) for batch in recorder.recorded_trace_batches
                   if event is None or batch < event.batch]
         trace_frames = pd.concat(traced, ignore_index=True) if traced else None
         if event is not None:
             if trace_frames is not None:
                 trace_frames = trace_frames[trace_frames["rank"] == event.rank]
-            return format_event_report(event, event.frames, trace_frames=trace_frames)
-        held = self.frames()
-        last = recorder.batch if recorder.manual_batches else recorder.batch - 1
-        return format_event_report(None, held, batch=last, trace_frames=trace_frames)
+            text = format_event_report(event, event.frames, trace_frames=trace_frames)
+        else:
+            held = self.frames()
+            last = recorder.batch if recorder.manual_batches else recorder.batch - 1
+            text = format_event_report(None, held, batch=last, trace_frames=trace_frames)
+        return f"{text}\n{skipped}" if skipped else text
 
     # ------------------------------------------------------------------ replay
     def replay(self, batch: int, *, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Trace:
@@ -348,13 +368,22 @@ class NanWatch:
         ranks stop together), call it on every rank: they agree (one all-reduce), so each
         returns True when any rank flagged a norm (FSDP2 ranks measure their own gradient
         shards) and they all skip the same step. With "warn" or "record" the answer is this
-        rank's own (the training callbacks make their decision together themselves).
+        rank's own (the training callbacks make their decision together themselves). With
+        ``grad_scaler``, a non-finite norm is an overflow the scaler skips the step for: not
+        flagged (it stays in :meth:`grad_history`).
         """
         flagged = self._parts.grads.check()
         consensus = self._parts.consensus
         if consensus is not None and self.on_nan == "raise":
             return consensus.any_rank(flagged)
         return flagged
+
+    @property
+    def scaler_skips(self) -> list[ScalerSkip]:
+        """The optimizer steps the ``grad_scaler`` skipped on overflow, oldest first: ``batch``,
+        ``scale_before``, ``scale_after`` (not events; empty without a ``grad_scaler``)."""
+        scaler = self._parts.scaler
+        return list(scaler.skips) if scaler is not None else []
 
     @property
     def grad_events(self) -> list[GradEvent]:

@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="ranks that watch the model: 'all' (the right way) or e.g. '0'")
     parser.add_argument("--mode", default="full", choices=["full", "sentinel"],
                         help="the watch's mode (default full)")
+    parser.add_argument("--extra-evals", type=int, default=0,
+                        help="evaluation forwards (no grad) that rank --nan-rank runs before "
+                             "training and the others do not: uneven batch numbers per rank")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds before a collective counts as hung (default 60)")
     return parser.parse_args(argv)
@@ -109,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
                    backward=args.backward or in_backward) if watching
           else contextlib.nullcontext()) as watch:
         try:
+            if rank == args.nan_rank and args.extra_evals:
+                model.eval()  # validation on this rank only: no collective, no consensus
+                with torch.no_grad():
+                    for _ in range(args.extra_evals):
+                        model(torch.randn(8, 16, generator=data).to(device))
+                model.train()
             for batch in range(args.batches):
                 x = torch.randn(8, 16, generator=data)
                 if rank == args.nan_rank and batch == args.nan_batch:
@@ -128,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             event = error.event
             result.update(stopped_at=batch, exception="NanDetected",
                           event_batch=event.batch, event_rank=event.rank,
-                          peer_rank=event.peer_rank, module=event.module, origin=event.origin,
+                          peer_rank=event.peer_rank, peer_batch=event.peer_batch,
+                          watch_batch=watch.batch, module=event.module, origin=event.origin,
                           role=event.role, is_backward=event.is_backward,
                           recorded=[(e.rank, e.origin) for e in watch.events], message=str(error),
                           traced=event.trace is not None)

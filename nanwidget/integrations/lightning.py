@@ -85,8 +85,13 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
         self._current_batch = None
         self._trends_logged_step = trainer.global_step
         self._trends_from_batch = 0
+        options = dict(self.watch_options)
+        # 16-mixed precision: the precision plugin's GradScaler skips overflowing steps.
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and "grad_scaler" not in options:
+            options["grad_scaler"] = scaler
         self._guard = StepGuard(pl_module, on_nan=self.on_nan, log_dir=log_dir,
-                                watch_options=self.watch_options, owner=self)
+                                watch_options=options, owner=self)
         self.watch = self._guard.watch
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -167,6 +167,10 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
             # The model the training loop calls: a torch.compile wrapper with
             # torch_compile=True (accelerate compiles it in prepare(), before on_train_begin).
             outer = getattr(trainer, "model_wrapped", None)
+        # float16 AMP: the accelerator's GradScaler skips overflowing steps on purpose.
+        scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
+        if scaler is not None and "grad_scaler" not in options:
+            options["grad_scaler"] = scaler
         if not isinstance(outer, torch.nn.Module) or not _compiled(outer) \
                 or not any(module is model for module in outer.modules()):
             outer = model  # DDP (the hooks go on the module inside) or an eager model

@@ -13,6 +13,7 @@ import ipywidgets as widgets
 import numpy as np
 import pandas as pd
 
+from ..core.grads import skips_summary
 from ..plots import plot_frames, plot_history
 from ..plots.common import display_width, figure_png, module_label
 from ..plots.frames import DEFAULT_WINDOW
@@ -408,7 +409,10 @@ class FrameBrowser(widgets.VBox):
             words = f"<span class='nw-alert' style='{ALERT}'>NaN/Inf in these frames</span>"
         else:
             words = "no NaN/Inf seen"
-        return f"{held} · {words}"
+        watch = self.source.watch
+        skipped = skips_summary(watch.scaler_skips) if watch is not None else ""
+        skipped = f" · {html.escape(skipped, quote=False)}" if skipped else ""
+        return f"{held} · {words}{skipped}"
 
     def _render_status(self) -> None:
         self.status.value = self._status_text()

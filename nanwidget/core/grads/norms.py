@@ -1,11 +1,13 @@
 """Gradient norms (``check_grad_norms``): after ``loss.backward()``, the L2 norm of every parameter
 gradient in one batched reduction (``torch._foreach_norm`` per device and dtype, accumulated in
 float64) and one host copy. A :class:`GradEvent` is recorded for each non-finite norm and each
-norm above ``grad_norm_warn``; norms go into a bounded history."""
+norm above ``grad_norm_warn``; norms go into a bounded history. With a ``grad_scaler`` a
+non-finite norm is the scaler's to skip (an overflow of the scaled gradients): not flagged."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pandas as pd
 import torch
@@ -36,9 +38,13 @@ def empty_grad_history() -> pd.DataFrame:
 class GradNorms(Feature):
     """Gradient-norm checks, their events and history for one watch."""
 
-    def __init__(self, recorder: Recorder, *, threshold: float | None) -> None:
+    def __init__(self, recorder: Recorder, *, threshold: float | None,
+                 scaler: Any = None) -> None:
         self.recorder = recorder
         self.threshold = threshold
+        # A GradScaler (grad_scaler=): a non-finite norm is an overflow it skips the step for,
+        # not flagged here (it is still in the history).
+        self.scaler = scaler
         self.history: History | None = None  # created on the first check (parameter names)
         self._param_index: dict[str, int] = {}
         self.events: list[GradEvent] = []
@@ -67,6 +73,7 @@ class GradNorms(Feature):
         threshold = self.threshold
         rank = recorder.rank
         flagged = False
+        scaled = self.scaler is not None and self.scaler.is_enabled()
         with recorder.lock:
             if self.history is None:
                 names = [name for name, _ in recorder.model.named_parameters()]
@@ -81,7 +88,7 @@ class GradNorms(Feature):
                 position = index.get(name)
                 if position is not None:
                     history.record(batch, position, norm, norm, not finite)
-                if finite and (threshold is None or norm <= threshold):
+                if (finite or scaled) and (threshold is None or not finite or norm <= threshold):
                     continue
                 flagged = True
                 if self._flagged_batch != batch:

@@ -18,6 +18,7 @@ from ..frames import Frame
 from ..recorder import Feature
 from ..stats import version_of
 from ..walk import iter_leaves
+from ..writes import steps_taken
 
 __all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "layouts_of", "ReplayError",
            "BatchNotHeldError", "InputModifiedError", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
@@ -49,13 +50,14 @@ class ForwardCapture:
     __slots__ = ("args", "kwargs", "inputs", "input_versions", "end_input_versions", "cpu_rng",
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
                  "weight_versions", "weight_layout", "end_buffer_versions", "snapshot",
-                 "needs_grad")
+                 "needs_grad", "steps")
 
     def __init__(self) -> None:
         self.needs_grad: frozenset | set = frozenset()  # positions / keys of detached inputs that required grad
         self.end_input_versions: list[int] | None = None
         self.end_buffer_versions: list[int] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
+        self.steps = 0  # optimizer steps seen when it started (core.writes)
 
 
 class HeldBatch:
@@ -207,6 +209,7 @@ class BatchCapture(Feature):
         weights = self.slots.read()
         capture.weights = weights
         capture.weight_versions = versions_of(weights)
+        capture.steps = steps_taken()  # fused optimizer steps move no version counter
         # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a version bump.
         capture.weight_layout = layouts_of(weights)
         if self.snapshot_weights:

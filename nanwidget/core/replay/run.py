@@ -23,6 +23,7 @@ from ..schema import OPS_COLUMNS, OPS_DTYPES
 from ..stats import version_of
 from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
+from ..writes import written_since
 from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, WeightSlots, layouts_of
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
@@ -165,6 +166,26 @@ def _explain(trace: Trace, recorder: OpRecorder, found: NanEvent | None,
     trace.weights_last_finite = _last_finite(expected, lineage.came_with, trace.batch)
 
 
+@contextlib.contextmanager
+def own_parametrization_cache() -> Iterator[None]:
+    """Inside ``torch.nn.utils.parametrize.cached()``, a parametrized weight is computed once
+    and reused until the block ends; a replay inside such a block (an automatic one, at the end
+    of the forward) would reuse the weight the live forward computed from the model's own
+    tensors. While inside, that cache starts empty (the replay computes its weights from its own
+    stand-ins, once, as the live forward did) and is put back afterwards."""
+    parametrize = sys.modules.get("torch.nn.utils.parametrize")
+    if parametrize is None or not getattr(parametrize, "_cache_enabled", 0) \
+            or not isinstance(getattr(parametrize, "_cache", None), dict):
+        yield
+        return
+    saved = parametrize._cache
+    parametrize._cache = {}
+    try:
+        yield
+    finally:
+        parametrize._cache = saved
+
+
 class ReplayFrames(FrameSink):
     """The :class:`~nanwidget.core.grads.backward.FrameSink` of a replay, over its
     :class:`OpRecorder`: a replay's backward frames are recorded by the very code that records
@@ -264,7 +285,8 @@ class _Replay:
                 changes.append(f"{name}: {how} since the batch ran")
                 changed.append(name)
                 continue
-            if snapshot is not None or version_of(tensor) == first.weight_versions[i]:
+            if snapshot is not None or (version_of(tensor) == first.weight_versions[i]
+                                        and not written_since(tensor, first.steps)):
                 continue
             if end_versions.get(i) == version_of(tensor):
                 updated.append(name)
@@ -292,7 +314,7 @@ class _Replay:
         backward: BackwardFrames | None = None
         loss_value: float | None = None
         try:
-            with self.recorder.suspend(), eager_calls():
+            with self.recorder.suspend(), eager_calls(), own_parametrization_cache():
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 recorder.name_sources("weight", zip(slots.names, slots.read()))

@@ -50,6 +50,7 @@ no compiled re-run.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,7 +94,8 @@ class Sentinel(Feature):
     def __init__(self, recorder: Recorder, capture: BatchCapture, *,
                  sample_every: int | None = None, backward: bool = False,
                  compiled: bool = False, defer_reads: str = "device",
-                 loss_fn: Any = None) -> None:
+                 loss_fn: Any = None,
+                 defer_grad_replays: Callable[[int], bool] | None = None) -> None:
         if defer_reads not in DEFER_CHOICES:
             raise ValueError(f"defer_reads must be one of {DEFER_CHOICES}, got {defer_reads!r}")
         self.recorder = recorder
@@ -104,6 +106,11 @@ class Sentinel(Feature):
         self.compiled = compiled
         self.defer_reads = defer_reads
         self.loss_fn = loss_fn
+        # With a GradScaler: defer_grad_replays(batch) says whether a gradient event of that
+        # batch may be an overflow the scaler skips; it is then replayed only once the scaler
+        # did not skip its step (detail_grad_event), not at every overflow skipped on purpose.
+        self.defer_grad_replays = defer_grad_replays
+        self._deferred_grad: tuple[NanEvent, int, Any, list[BadTensor]] | None = None
         # What the tests and the benchmark read: forwards checked, host reads of device
         # numbers, gradient checks, replays run and how long the last event's replay took.
         self.checks = 0
@@ -143,6 +150,8 @@ class Sentinel(Feature):
 
     # ------------------------------------------------------------------ hot path (under the lock)
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
+        if self._deferred_grad is not None and self._deferred_grad[1] != batch:
+            self._deferred_grad = None  # its step is over: the scaler skipped it
         if batch != self._forward_batch:
             self._forward_batch = batch
             self._forward_index = 0
@@ -296,7 +305,12 @@ class Sentinel(Feature):
                     break
             if finding.event is None:
                 bad_grads = grad_check.read()
-                if bad_grads:
+                if bad_grads and self.defer_grad_replays is not None \
+                        and self.defer_grad_replays(batch):
+                    event = self._grad_event(batch, bad_grads, "")
+                    self._deferred_grad = (event, batch, grads, bad_grads)
+                    finding = Finding(event)
+                elif bad_grads:
                     finding = self._backward_event(batch, grads, bad_grads)
         except Exception as error:
             recorder.internal_error(error)
@@ -305,6 +319,15 @@ class Sentinel(Feature):
         # where the DDP consensus exchanges its flag on every rank (gradients differ between
         # ranks under FSDP2 and no_sync(), so the others may not have found anything).
         recorder.conclude(batch, finding, reason="backward", raising=True)
+
+    def detail_grad_event(self, event: NanEvent) -> Finding:
+        """The gradient event found at the end of a backward pass and held (a GradScaler
+        decides whether it is one), replayed now into its full detail."""
+        deferred, self._deferred_grad = self._deferred_grad, None
+        if deferred is None or deferred[0] is not event:
+            return Finding(event)
+        _, batch, grads, bad = deferred
+        return self._backward_event(batch, grads, bad)
 
     # ------------------------------------------------------------------ replays
     def _found(self, event: NanEvent, replayed: Replayed | None, found: NanEvent | None,
@@ -370,13 +393,19 @@ class Sentinel(Feature):
                                None, None)
         self.replays += 1
         frames = replayed.frames
-        if batch in self._full_batches:
-            # Its forward frames were recorded live: only the backward ones are new (recorded
-            # whatever the verdict, as full mode would have).
+        forward_event = self._forward_event_recorded(batch)
+        if batch in self._full_batches or forward_event:
+            # Its forward frames were recorded live, or taken with its forward event: only the
+            # backward ones are new (recorded whatever the verdict, as full mode would have).
+            # The verdict is theirs alone: a forward event already recorded is not found again
+            # (the non-finite gradients came from it).
+            forward = [f for f in frames if f.phase != "backward"]
             frames = [f for f in frames if f.phase == "backward"]
             context = None
-            found = self.recorder.find_event(frames)
+            found = self.recorder.find_event(frames, _after(forward, self.recorder.max_frames))
             taken = [frames]
+            if found is None and forward_event:
+                return Finding(None, taken)  # full mode records no second event either
         else:
             context = _Context(self, batch)
             found = self.recorder.find_event(frames, context.window)
@@ -389,6 +418,12 @@ class Sentinel(Feature):
         if context is not None and context.missing:
             found.frames_note = context.missing
         return self._found(found, replayed, found, taken, started)
+
+    def _forward_event_recorded(self, batch: int) -> bool:
+        """Whether an event of ``batch``'s forward pass is recorded already (on_nan "warn" or
+        "record" let its backward pass run)."""
+        return any(e.batch == batch and not e.is_backward and e.origin != "peer"
+                   for e in self.recorder.events)
 
     def context(self, batch: int, needed: int) -> tuple[list[Frame], list[list[Frame]], str]:
         """Up to ``needed`` frames of the batches that ran before ``batch``, oldest first, as
@@ -520,10 +555,21 @@ class Sentinel(Feature):
         return Finding(None, [frames])
 
     def close(self) -> None:
+        self._deferred_grad = None
         self._output_grads.clear()
         self._deferred.clear()
         self._check = None
         self._own_event = None
+
+
+def _after(forward: list[Frame], limit: int) -> Any:
+    """The window of a backward event: up to ``limit`` frames ending with its own, the batch's
+    forward frames before its backward ones (as full mode's ring holds them)."""
+    def window(batch_frames: list[Frame], position: int) -> list[Frame]:
+        joined = forward + batch_frames
+        end = len(forward) + position + 1
+        return joined[max(0, end - limit): end]
+    return window
 
 
 class _Context:

@@ -1,0 +1,364 @@
+"""AMP loss scaling: the steps a ``torch.amp.GradScaler`` skips on purpose are not events.
+
+A float16 run multiplies its loss by a large scale before ``backward()``; when the gradients
+overflow, the scaler's ``step()`` skips the optimizer step and ``update()`` lowers the scale.
+That is how the scaler finds its scale (it starts at 65536 and overflows on purpose), so with
+``grad_scaler=scaler``:
+
+- a gradient event at the end of a backward pass (backward frames, or the sentinel's gradient
+  check) is held until the scaler decides: when it skips the step, the event is dropped and the
+  step is listed in ``w.scaler_skips`` (batch, scale before, scale after); when the scaler
+  found the gradients finite, the held event is recorded and raised from ``optimizer.step()``,
+  before the step applies;
+- the loss is held as it goes through ``scaler.scale(loss)`` (the scaler instance's ``scale``
+  and ``update`` are wrapped while the watch is open) and read once per step (before the
+  optimizer steps, or at ``update()`` when the step was skipped; at the end of the backward
+  pass when a gradient event needs it): a non-finite loss is an event, no overflow to skip;
+- the ``scaler_patience``-th skipped step in a row is an event too (the scale keeps falling:
+  the gradients are non-finite whatever the scale), raised from ``scaler.update()``.
+
+A forward event is an event as ever: the scale only multiplies the loss. A skipped step is
+told by the scale: ``update()`` lowers it exactly when the step was skipped (a fused optimizer
+is called even then, and skips inside its kernel). Cost: one host read of the scale per
+``update()`` and one of the loss per step (single numbers; free on CPU); the scaler's
+``found_inf`` only while a gradient event is held.
+
+Without ``grad_scaler``, :class:`ScalerHint` adds to an Inf gradient event of a float16 run, or
+of a run with a GradScaler in the caller's frames, how to tell the watch about the scaler.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..detect import event_kind
+from ..events import LOSS_ROLE, NanEvent, ScalerSkip
+from ..recorder import Feature, Finding, Recorder
+from ..stats import measure_tensor
+from ..writes import wraps_an_optimizer
+
+__all__ = ["ScalerWatch", "ScalerHint", "skips_summary", "PASS_THE_SCALER"]
+
+PASS_THE_SCALER = ("if a torch.amp.GradScaler scales this loss, pass it: "
+                   "nw.watch(model, grad_scaler=scaler) (an overflow in a step the scaler skips "
+                   "is then no event)")
+_SKIPS_KEPT = 10_000
+_STACK_DEPTH = 40  # caller frames searched for a GradScaler
+
+
+def skips_summary(skips: list[ScalerSkip]) -> str:
+    """One line on the steps a GradScaler skipped ("" when none)."""
+    if not skips:
+        return ""
+    first, last = skips[0], skips[-1]
+    batches = f"batch {first.batch}" if len(skips) == 1 else \
+        f"batches {first.batch}–{last.batch}"
+    steps = "step" if len(skips) == 1 else "steps"
+    return (f"GradScaler skipped {len(skips)} {steps} on overflow ({batches}; scale "
+            f"{first.scale_before:.10g} → {last.scale_after:.10g}): not events")
+
+
+def _non_finite(tensor: torch.Tensor | None) -> str | None:
+    """"nan", "inf" or "nan+inf" when ``tensor`` holds such values, else None (a host read)."""
+    if tensor is None or not (tensor.is_floating_point() or tensor.is_complex()) \
+            or not tensor.numel():
+        return None
+    stats = measure_tensor(tensor)
+    return event_kind(stats.nan, stats.inf) if stats.nan or stats.inf else None
+
+
+class ScalerWatch(Feature):
+    """Watches one GradScaler for a watch (see the module docstring).
+
+    ``detail``: turns a held gradient event into the event to record, with the frames its
+    replay made (the sentinel replays a gradient event only once it is one); None: recorded as
+    held.
+    """
+
+    def __init__(self, recorder: Recorder, scaler: Any, *, patience: int,
+                 detail: Callable[[NanEvent], Finding] | None = None) -> None:
+        self.recorder = recorder
+        self.scaler = scaler
+        self.patience = patience
+        self.detail = detail
+        self.skips: list[ScalerSkip] = []
+        self.skips_dropped = 0
+        self.in_a_row = 0  # skipped steps since the last step the optimizer took
+        # The loss of the running step, as it went through scale(); read once (_loss_kind).
+        self._loss: torch.Tensor | None = None
+        self._loss_batch: int | None = None
+        self._loss_read: str | None = None  # its verdict once read: "nan", "inf"... or None
+        self._last_batch = recorder.batch
+        self._held: NanEvent | None = None  # a gradient event waiting for the scaler
+        # The scale after the last update() (a skipped step lowers it): one host read per
+        # step, at update(), where the scaler is done with the step.
+        self._scale_now = scaler.get_scale() if scaler.is_enabled() else None
+        # The scaler instance's own scale/update while watched (the class's stay untouched);
+        # what the instance held itself before (another wrapper) is put back on close. The
+        # wrappers and the optimizer hook reach this watch weakly: a watch dropped unclosed is
+        # collected, and then lets go of the scaler and the hook (the finalizer).
+        me = weakref.ref(self)
+        self._wrapped: dict[str, Any] = {name: scaler.__dict__.get(name, _ABSENT)
+                                         for name in ("scale", "update")}
+        self._wrappers = {name: _weakly(me, f"_{name}", _original(scaler, self._wrapped, name))
+                          for name in ("scale", "update")}
+        for name, wrapper in self._wrappers.items():
+            setattr(scaler, name, wrapper)
+        pre_step = register_optimizer_step_pre_hook(_weakly(me, "_before_step", _nothing))
+        self._let_go = weakref.finalize(self, _let_go, scaler, self._wrapped, self._wrappers,
+                                        pre_step)
+
+    # ------------------------------------------------------------------ the scaler's calls
+    def _original(self, name: str) -> Any:
+        return _original(self.scaler, self._wrapped, name)
+
+    def _scale(self, outputs: Any) -> Any:
+        scaled = self._original("scale")(outputs)
+        if isinstance(outputs, torch.Tensor) and not self.recorder.closed:
+            self._loss = outputs.detach()  # read once: at a gradient event, the step or update()
+            self._loss_batch = self._last_batch
+            self._loss_read = None
+        return scaled
+
+    def _loss_kind(self) -> str | None:
+        """"nan", "inf" or "nan+inf" when the step's loss is non-finite, else None (one host
+        read per step, at the first asking)."""
+        if self._loss is not None:
+            self._loss_read = _non_finite(self._loss)
+            self._loss = None
+        return self._loss_read
+
+    def overflow_possible(self, batch: int) -> bool:
+        """Whether a gradient event of ``batch`` may be an overflow the scaler skips (it scales,
+        and the loss it scaled is finite): the sentinel then replays it only once it is one."""
+        return self.scaler.is_enabled() and not (self._loss_batch == batch
+                                                 and self._loss_kind() is not None)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """An optimizer is about to step, called by the scaler (or directly). A non-finite loss
+        is no overflow: an event, raised before the step applies. So is a held gradient event
+        when the scaler found the gradients finite: a fused optimizer is called even when the
+        scaler skips, handed its ``found_inf`` to skip by itself, so that flag is read (only
+        with an event held)."""
+        if self.recorder.closed or wraps_an_optimizer(optimizer):
+            return  # a wrapper's step (accelerate's) hands over to the scaler: not yet
+        batch = self._loss_batch if self._loss_batch is not None else self._last_batch
+        event = self._loss_event(batch, self._held)
+        if event is None and self._held is not None:
+            # The scaler hands a fused optimizer its verdict as optimizer.found_inf (or, the
+            # older way, itself as the grad_scaler keyword): the step then skips by itself.
+            found_inf = getattr(optimizer, "found_inf", None)
+            if isinstance(found_inf, torch.Tensor) and bool(found_inf.sum() > 0):
+                return  # skipped inside the kernel: update() lists the skip
+            if (kwargs or {}).get("grad_scaler") is not None:
+                return  # the optimizer asks the scaler itself: update() tells
+            event = self._held
+            event.note = _joined(event.note, "the GradScaler did not skip this step")
+        if event is not None:
+            self._held = None
+            self._record(event.batch, event)
+
+    def _update(self, new_scale: Any = None) -> Any:
+        update = self._original("update")
+        result = update(new_scale)
+        if self.recorder.closed or not self.scaler.is_enabled():
+            return result
+        before, after = self._scale_now, self.scaler.get_scale()
+        self._scale_now = after
+        batch = self._loss_batch if self._loss_batch is not None else self._last_batch
+        held, self._held = self._held, None
+        if new_scale is not None or before is None or after >= before:
+            self.in_a_row = 0  # the step was taken (or the user set the scale)
+            event = self._loss_event(batch, held) or held
+            self._step_over()
+            if event is not None:  # the step was taken with it: an event all the same
+                self._record(event.batch, event)
+            return result
+        if len(self.skips) < _SKIPS_KEPT:
+            self.skips.append(ScalerSkip(batch, before, after))
+        else:
+            self.skips_dropped += 1
+        self.in_a_row += 1
+        event = self._loss_event(batch, held)
+        if event is None and self.in_a_row % self.patience == 0:
+            event = self._patience_event(batch, held, after)
+        self._step_over()
+        if event is not None:
+            self._record(event.batch, event)
+        return result
+
+    def _step_over(self) -> None:
+        self._loss = self._loss_batch = self._loss_read = None
+
+    # ------------------------------------------------------------------ Feature
+    def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
+        self._last_batch = batch
+
+    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
+        if reason != "backward" or event is None or not event.is_backward \
+                or not self.scaler.is_enabled():
+            return event
+        kind = self._loss_kind() if self._loss_batch == event.batch else None
+        if kind is not None:  # a non-finite loss is no overflow: the event stands
+            self._loss_read = None  # said here, not again at the step
+            event.note = _joined(event.note, _loss_words(kind))
+            return event
+        self._held = event  # the scaler decides at its step: skipped, or an event
+        return None
+
+    def close(self) -> None:
+        self._let_go()
+        self._held = None
+        self._step_over()
+
+    # ------------------------------------------------------------------ events
+    def _record(self, batch: int, event: NanEvent) -> None:
+        finding = Finding(event)
+        if self.detail is not None and event.is_backward:
+            try:
+                finding = self.detail(event)
+            except Exception as error:  # the event stands without its detail
+                self.recorder.internal_error(error)
+                finding = Finding(event)
+            if finding.event is None:
+                finding.event = event
+            elif finding.event is not event:
+                finding.event.note = _joined(finding.event.note, event.note)
+        self.recorder.conclude(batch, finding, reason="grad_scaler", raising=True)
+
+    def _loss_event(self, batch: int, held: NanEvent | None) -> NanEvent | None:
+        """The event of a non-finite loss (read now, once), or None."""
+        kind = self._loss_kind()
+        if kind is None:
+            return None
+        self._loss_read = None  # one event per loss
+        if held is not None:
+            held.note = _joined(held.note, _loss_words(kind))
+            return held
+        if any(e.batch == batch and not e.is_backward for e in self.recorder.events):
+            return None  # the forward's own event said it already
+        root = self.recorder.modules[0]
+        return NanEvent(batch=batch, module=root.name, module_type=root.type_name, call=0,
+                        role=LOSS_ROLE, kind=kind, origin="output", rank=self.recorder.rank,
+                        note=_loss_words(kind))
+
+    def _patience_event(self, batch: int, held: NanEvent | None, after: float) -> NanEvent:
+        words = (f"the GradScaler skipped {self.in_a_row} steps in a row (scale now {after:g}): "
+                 "the gradients stay non-finite whatever the scale")
+        if held is not None:
+            held.note = _joined(held.note, words)
+            return held
+        name, kind = self._first_bad_gradient()
+        module, _, role = name.rpartition(".")
+        info = next((i for i in self.recorder.modules if i.name == module), None)
+        return NanEvent(batch=batch, module=module,
+                        module_type=info.type_name if info is not None else "", call=0,
+                        role=role, kind=kind, origin="grad", is_backward=True,
+                        rank=self.recorder.rank, note=words)
+
+    def _first_bad_gradient(self) -> tuple[str, str]:
+        """(parameter name, kind) of the first non-finite gradient (event time only)."""
+        for name, parameter in self.recorder.model.named_parameters():
+            kind = _non_finite(parameter.grad)
+            if kind is not None:
+                return name, kind
+        return "", "inf"
+
+
+def _original(scaler: Any, wrapped: dict[str, Any], name: str) -> Any:
+    """The scaler's own method ``name``: what the instance held before, or its class's."""
+    own = wrapped[name]
+    if own is not _ABSENT:
+        return own
+    return getattr(type(scaler), name).__get__(scaler)
+
+
+def _weakly(feature: weakref.ref, method: str, fallback: Any) -> Callable[..., Any]:
+    """Calls ``feature``'s ``method`` while it lives, else ``fallback``."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        alive = feature()
+        if alive is None:
+            return fallback(*args, **kwargs)
+        return getattr(alive, method)(*args, **kwargs)
+    return call
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _let_go(scaler: Any, wrapped: dict[str, Any], wrappers: dict[str, Any],
+            pre_step: Any) -> None:
+    """Remove the optimizer hook; put back the scaler's own methods where ours still sit (one
+    set on top of ours since stays: it calls ours, which then passes every call through)."""
+    pre_step.remove()
+    for name, own in wrapped.items():
+        if scaler.__dict__.get(name) is wrappers[name]:
+            if own is _ABSENT:
+                del scaler.__dict__[name]
+            else:
+                scaler.__dict__[name] = own
+
+
+def _loss_words(kind: str) -> str:
+    return (f"the loss handed to grad_scaler.scale() is {kind}: no overflow the scaler can "
+            "skip")
+
+
+def _joined(note: str, words: str) -> str:
+    return f"{note}; {words}" if note else words
+
+
+class _Absent:
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return "<absent>"
+
+
+_ABSENT = _Absent()
+
+
+class ScalerHint(Feature):
+    """Without ``grad_scaler``: an Inf gradient event of a float16 run, or of a run with a
+    GradScaler among the caller's variables, says how to pass the scaler to the watch."""
+
+    def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
+        if event is None or not event.is_backward or "inf" not in event.kind \
+                or PASS_THE_SCALER in event.note:
+            return event
+        if _float16_frames(event) or _scaler_in_callers():
+            event.note = _joined(event.note, PASS_THE_SCALER)
+        return event
+
+
+def _float16_frames(event: NanEvent) -> bool:
+    frames = event.frames
+    return frames is not None and "dtype" in getattr(frames, "columns", ()) \
+        and bool((frames["dtype"] == "float16").any())
+
+
+def _enabled_scaler(value: Any) -> bool:
+    return isinstance(value, torch.amp.GradScaler) and value.is_enabled()
+
+
+def _scaler_in_callers() -> bool:
+    """Whether a frame on the stack holds an enabled GradScaler, or an object holding one as
+    its own ``scaler`` attribute (accelerate's Accelerator); read without calling anything."""
+    frame = sys._getframe(1)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return False
+        for value in list(frame.f_locals.values()):
+            try:
+                own = vars(value) if hasattr(value, "__dict__") else {}
+                if _enabled_scaler(value) or _enabled_scaler(own.get("scaler")):
+                    return True
+            except Exception:  # an odd object: not a scaler
+                continue
+        frame = frame.f_back
+    return False

@@ -1,0 +1,93 @@
+"""Writes to weights that no version counter shows: optimizer steps.
+
+A watch re-measures a parameter when its version counter moves (every in-place write does
+that: ``foreach`` and for-loop optimizers, ``load_state_dict``, ``torch._foreach_*_``, a write
+under ``torch.no_grad()``) or its storage changes (``p.data = ...``). Fused optimizer kernels
+(``SGD/Adam/AdamW/Adagrad(fused=True)``, transformers' ``adamw_torch_fused``) write the
+parameters without moving the counters. So, while any watch is live, one process-wide hook
+(``torch.optim.optimizer.register_optimizer_step_post_hook``, run after the step of every
+optimizer, subclasses included) counts steps and marks the parameters of the optimizer that
+stepped (:class:`~nanwidget.core.state.StepLog`). A step the optimizer did not take (a
+``GradScaler`` skipping it) marks nothing; nor does a wrapper's step (accelerate's), whose
+inner optimizer's own step counts. Cost: one short loop over the optimizer's
+parameters per step; nothing per module call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .state import optimizer_steps
+
+__all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "written_since",
+           "wraps_an_optimizer"]
+
+_LOG = optimizer_steps()
+_MAX_MARKS = 1 << 20  # parameters remembered at most (ids of long-gone tensors are dropped)
+
+
+def wraps_an_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` only wraps another one (accelerate's ``AcceleratedOptimizer`` is
+    an Optimizer subclass whose ``step()`` hands over to the inner one, or to a GradScaler that
+    may skip it): its step hooks say nothing, the inner optimizer's hooks do."""
+    return isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if wraps_an_optimizer(optimizer):
+        return
+    log = _LOG
+    log.count += 1
+    count = log.count
+    marks = log.marks
+    if len(marks) > _MAX_MARKS:
+        marks.clear()  # forgetting marks only makes held batches look unchanged since
+    try:
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                marks[id(parameter)] = count
+    except Exception:  # an optimizer-like object without torch's param_groups: counted only
+        pass
+
+
+class StepTracking:
+    """One watch's wish for the step hook (:func:`track_optimizer_steps`); :meth:`release` it
+    when the watch closes (or is collected unclosed); a second release does nothing."""
+
+    __slots__ = ("released",)
+
+    def __init__(self) -> None:
+        self.released = False
+        log = _LOG
+        log.users += 1
+        if log.handle is None:
+            log.handle = register_optimizer_step_post_hook(_after_step)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        log = _LOG
+        log.users = max(0, log.users - 1)
+        if not log.users and log.handle is not None:  # the hook comes off with the last one
+            log.handle.remove()
+            log.handle = None
+            log.marks.clear()
+
+
+def track_optimizer_steps() -> StepTracking:
+    """A watch starts: the step hook is on while any watch wants it."""
+    return StepTracking()
+
+
+def steps_taken() -> int:
+    """Optimizer steps seen so far (while watches were live)."""
+    return _LOG.count
+
+
+def written_since(tensor: torch.Tensor, count: int) -> bool:
+    """Whether an optimizer holding ``tensor`` stepped after :func:`steps_taken` was ``count``."""
+    return _LOG.marks.get(id(tensor), 0) > count

@@ -1,0 +1,276 @@
+"""AMP loss scaling: a GradScaler's skipped steps are not events (float16 autocast on CPU).
+
+``torch.amp.GradScaler("cpu")`` with ``torch.autocast("cpu", dtype=torch.float16)`` behaves as
+on a GPU: a large initial scale overflows the float16 gradients, the scaler skips the optimizer
+step and halves its scale, until the gradients fit.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+
+from conftest import hook_count
+
+MODES = ["full", "sentinel"]
+
+
+class RootMeanSquare(nn.Module):
+    """x * sqrt(mean(x**2)) per row: finite forward; a row of zeros gives a NaN gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sqrt((x * x).mean(dim=-1, keepdim=True))
+
+
+class Net(nn.Module):
+    def __init__(self, trap: bool = False) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.rms = RootMeanSquare() if trap else nn.Identity()
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.rms(self.fc1(x))))
+
+
+def _train(model: nn.Module, scaler: torch.amp.GradScaler | None, batches: int, *,
+           bad_input_at: int | None = None, loss_fn=None, fused: bool = False) -> list[float]:
+    """An AMP loop (float16 autocast on CPU); the scale after each step. ``fused``: Adam with
+    fused=True, which the scaler calls even on a step it skips (the kernel skips it)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=True) if fused else \
+        torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(1)
+    scales = []
+    for batch in range(batches):
+        x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
+        if batch == bad_input_at:
+            x[2, 3] = float("nan")
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+            loss = (loss_fn or nn.functional.mse_loss)(out.float(), y)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        scales.append(scaler.get_scale() if scaler is not None else 1.0)
+    return scales
+
+
+def _scaler(init_scale: float = 2.0 ** 24) -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=init_scale)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_without_grad_scaler_the_first_overflow_stops_the_run_and_says_to_pass_it(mode):
+    torch.manual_seed(0)
+    model, scaler = Net(), _scaler()
+    with nw.watch(model, backward=True, mode=mode) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            _train(model, scaler, 3)
+    assert watch.event.batch == 0 and watch.event.is_backward and "inf" in watch.event.kind
+    assert "pass it: nw.watch(model, grad_scaler=scaler)" in str(caught.value)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_the_scaler_skips_are_listed_not_events(mode, fused):
+    torch.manual_seed(0)
+    reference = Net()
+    expected_scales = _train(reference, _scaler(), 12, fused=fused)  # unwatched
+    torch.manual_seed(0)
+    model, scaler = Net(), _scaler()
+    with nw.watch(model, backward=True, mode=mode, grad_scaler=scaler) as watch:
+        scales = _train(model, scaler, 12, fused=fused)
+        report = watch.report()
+        skips = watch.scaler_skips
+    assert scales == expected_scales  # the run itself is unchanged
+    assert not watch.events
+    # Every halving of the scale is one skipped step, listed with its batch and both scales.
+    halvings = [(batch, before, after) for batch, (before, after) in
+                enumerate(zip([2.0 ** 24] + scales, scales)) if after < before]
+    assert [tuple(s) for s in skips] == halvings and len(halvings) >= 3
+    assert skips[0] == nw.ScalerSkip(batch=0, scale_before=2.0 ** 24, scale_after=2.0 ** 23)
+    assert report.splitlines()[-1] == (
+        f"GradScaler skipped {len(skips)} steps on overflow (batches {skips[0].batch}–"
+        f"{skips[-1].batch}; scale 16777216 → {skips[-1].scale_after:.10g}): not events")
+    assert "scale" not in scaler.__dict__ and "update" not in scaler.__dict__  # put back
+    assert hook_count(model) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_patience_th_skipped_step_in_a_row_is_an_event(mode):
+    # A row of zeros through the trap: a NaN gradient at every step, whatever the scale.
+    torch.manual_seed(0)
+    model, scaler = Net(trap=True), _scaler(init_scale=256.0)
+    original = model.fc1.forward
+    model.fc1.forward = lambda x: original(x) * (torch.arange(8)[:, None] != 5)  # row 5: zeros
+    with nw.watch(model, backward=True, mode=mode, grad_scaler=scaler,
+                  scaler_patience=3) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            _train(model, scaler, 6)
+    assert len(watch.scaler_skips) == 3 and watch.scaler_skips[-1].batch == 2
+    event = caught.value.event
+    assert (event.batch, event.module, event.role, event.origin, event.is_backward) == (
+        2, "rms", "grad_input[0]", "grad", True)
+    assert "the GradScaler skipped 3 steps in a row (scale now 32)" in str(caught.value)
+    assert watch.events == [event]
+
+
+# A NaN loss made outside the model from its finite outputs: log(-1) gives zero gradients
+# (the scaler steps), sqrt(-1) NaN ones (the scaler skips).
+BAD_LOSSES = {"finite gradients": lambda out, y: torch.log(out.sum() * 0.0 - 1.0),
+              "nan gradients": lambda out, y: torch.sqrt(out.sum() * 0.0 - 1.0)}
+
+
+@pytest.mark.parametrize("loss", sorted(BAD_LOSSES))
+@pytest.mark.parametrize("backward", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_non_finite_loss_from_finite_outputs_is_an_event(mode, backward, loss):
+    torch.manual_seed(0)
+    model, scaler = Net(), _scaler(init_scale=256.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with nw.watch(model, backward=backward, mode=mode, grad_scaler=scaler) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            _train(model, scaler, 3, loss_fn=BAD_LOSSES[loss])
+    event = caught.value.event
+    assert event.batch == 0 and watch.events == [event]
+    assert "the loss handed to grad_scaler.scale() is nan: no overflow the scaler can skip" \
+        in str(caught.value)
+    if backward and loss == "nan gradients":  # the gradient frames' event, with the loss said
+        # The loss's NaN gradient reached the model's output (the root's and fc2's).
+        assert (event.module, event.role, event.origin, event.is_backward) == (
+            "fc2", "grad_output[0]", "grad", True)
+    else:  # the loss itself is the event
+        assert (event.module, event.role, event.origin) == ("", "loss", "output")
+        assert "made outside the model, in the loss computed from its outputs" \
+            in str(caught.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step applied
+    assert watch.scaler_skips == ([nw.ScalerSkip(0, 256.0, 128.0)] if loss == "nan gradients"
+                                  and not backward else [])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_non_finite_forward_is_an_event_as_without_a_scaler(mode):
+    torch.manual_seed(0)
+    model, scaler = Net(), _scaler(init_scale=256.0)
+    with nw.watch(model, backward=True, mode=mode, grad_scaler=scaler) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            _train(model, scaler, 4, bad_input_at=2)
+    event = caught.value.event
+    assert (event.batch, event.module, event.origin, event.is_backward) == (2, "fc1", "input",
+                                                                            False)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])
+def test_a_gradient_event_the_scaler_does_not_skip_is_raised_before_the_step(fused):
+    # An Inf gradient between modules that never reaches a parameter: the scaler sees finite
+    # gradients and steps; the backward frames saw the Inf, so the step is stopped.
+    class SquareRoot(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sqrt(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), SquareRoot(), nn.Linear(32, 4))
+    scaler = _scaler(init_scale=1.0)
+    with nw.watch(model, backward=True, grad_scaler=scaler) as watch:
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(nw.NanDetected) as caught:
+            _train(model, scaler, 2, fused=fused)
+    event = caught.value.event
+    assert (event.batch, event.module, event.role, event.kind) == (0, "2", "grad_input[0]", "inf")
+    assert "the GradScaler did not skip this step" in str(caught.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # never applied
+    assert watch.scaler_skips == []
+
+
+def test_the_hint_is_given_for_a_float32_run_with_a_scaler_in_the_callers_variables():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    scaler = _scaler(init_scale=2.0 ** 127)  # float32 gradients overflow too
+    with nw.watch(model, backward=True) as watch:
+        x = torch.randn(8, 16)
+        with pytest.raises(nw.NanDetected) as caught:
+            scaler.scale(model(x).square().sum() * 1e4).backward()
+    assert "grad_scaler=scaler" in str(caught.value)
+    del scaler  # no scaler anywhere: a float32 Inf gradient gets no hint
+    with nw.watch(model, backward=True) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            (model(x).square().mean() * 2.0 ** 127 * 4).backward()
+    assert "grad_scaler" not in str(caught.value) and watch.event.is_backward
+
+
+def test_grad_scaler_takes_an_object_holding_one_and_refuses_anything_else():
+    class Holder:
+        def __init__(self, scaler):
+            self.scaler = scaler
+
+    model = Net()
+    scaler = _scaler()
+    with nw.watch(model, grad_scaler=Holder(scaler)) as watch:
+        assert watch.grad_scaler is scaler
+    with nw.watch(model, grad_scaler=Holder(None)) as watch:
+        assert watch.grad_scaler is None and watch.parts.scaler is None
+    with pytest.raises(TypeError, match="grad_scaler takes a torch.amp.GradScaler"):
+        nw.watch(model, grad_scaler="scaler")
+    with pytest.raises(ValueError, match="scaler_patience must be at least 1"):
+        nw.watch(model, grad_scaler=scaler, scaler_patience=0)
+    assert hook_count(model) == 0
+
+
+def test_the_browser_status_mentions_the_skips():
+    pytest.importorskip("ipywidgets")
+    torch.manual_seed(0)
+    model, scaler = Net(), _scaler()
+    with nw.watch(model, backward=True, grad_scaler=scaler) as watch:
+        _train(model, scaler, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            status = watch.browse().status.value
+    assert "GradScaler skipped 4 steps on overflow (batches 0–3" in status
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_check_grad_norms_leaves_an_overflow_to_the_scaler(mode):
+    # A loop that skips scaler.step() on a flagged norm would break the scaler (update() with
+    # no inf check recorded): an overflow is the scaler's, not flagged; the history keeps it.
+    torch.manual_seed(0)
+    model, scaler = Net(), _scaler()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    flags = []
+    with nw.watch(model, mode=mode, grad_scaler=scaler, grad_norm_warn=1e30) as watch:
+        for _ in range(3):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().square().mean()
+            scaler.scale(loss).backward()
+            flags.append(watch.check_grad_norms())
+            if not flags[-1]:
+                scaler.step(optimizer)
+            scaler.update()
+        history = watch.grad_history()
+    assert flags == [False, False, False] and watch.grad_events == []
+    assert history["nonfinite"].any() and len(watch.scaler_skips) == 3
+
+
+def test_a_watch_dropped_unclosed_lets_go_of_the_scaler_when_collected():
+    import gc
+    from torch.optim import optimizer as torch_optimizer
+    scaler = _scaler()
+    hooks = len(torch_optimizer._global_optimizer_pre_hooks)
+    nw.watch(Net(), backward=True, grad_scaler=scaler)  # model and watch dropped at once
+    assert "scale" in scaler.__dict__ and len(torch_optimizer._global_optimizer_pre_hooks) == \
+        hooks + 1
+    gc.collect()
+    assert "scale" not in scaler.__dict__ and "update" not in scaler.__dict__
+    assert len(torch_optimizer._global_optimizer_pre_hooks) == hooks
+    _train(Net(), scaler, 2)  # the scaler works as ever

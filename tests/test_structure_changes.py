@@ -1,0 +1,109 @@
+"""A module added, replaced or removed after watch() is named in the event it affects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+
+MADE_HERE = "made here from finite inputs and weights"
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.inner(x))
+        extra = getattr(self, "extra", None)
+        return extra(x) if extra is not None else x
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.block = Block()
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.block(torch.relu(self.a(x))))
+
+
+class NegativeSqrt(nn.Module):
+    """Finite weights, NaN output: sqrt of a negative number."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(self.proj(x) - 10.0)
+
+
+def _run(mode: str, change) -> nw.NanEvent:
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(3, 8)
+    with nw.watch(model, mode=mode, on_nan="record") as watch:
+        model(x)
+        change(model)
+        model(x)
+    assert len(watch.events) == 1
+    return watch.event
+
+
+def _nan_bias_b(model: Net) -> None:
+    model.b = nn.Linear(8, 4)
+    with torch.no_grad():
+        model.b.bias[2] = float("nan")
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_replaced_module_with_a_nan_bias_is_named_with_its_bias(mode):
+    event = _run(mode, _nan_bias_b)
+    assert (event.batch, event.module, event.module_type, event.role, event.kind,
+            event.origin) == (1, "b", "Linear", "bias", "nan", "weight")
+    assert "added or replaced after watch(): it runs unwatched" in event.summary()
+    assert MADE_HERE not in event.summary()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_new_module_with_finite_weights_making_a_nan_is_named_never_made_here(mode):
+    event = _run(mode, lambda model: setattr(model, "b", NegativeSqrt()))
+    assert (event.batch, event.module, event.origin) == (1, "", "output")
+    text = event.summary()
+    assert MADE_HERE not in text
+    assert ("'b' (NegativeSqrt)" if mode == "full" else "modules added or replaced: b") in text
+    assert "found in the model's outputs (where it was made was not checked)" in text
+
+
+def test_a_module_added_inside_a_watched_block_is_named_in_that_blocks_event():
+    event = _run("full", lambda model: setattr(model.block, "extra", NegativeSqrt(8)))
+    assert (event.module, event.origin) == ("block", "output")
+    text = event.summary()
+    assert "found in its outputs (where it was made was not checked)" in text
+    assert "added or replaced after watch(), running unwatched: 'block.extra' (NegativeSqrt)" \
+        in text and MADE_HERE not in text
+
+
+def test_a_new_nan_module_upstream_is_named_in_the_input_event_it_causes():
+    def poison_a(model: Net) -> None:
+        model.a = nn.Linear(8, 8)
+        with torch.no_grad():
+            model.a.weight[0, 0] = float("inf")
+            model.a.weight[1, 0] = -float("inf")
+    event = _run("full", poison_a)
+    assert (event.module, event.role, event.kind, event.origin) == (
+        "a", "weight", "inf", "weight")
+
+
+def test_an_unchanged_model_gets_no_note():
+    def poison(model: Net) -> None:
+        with torch.no_grad():
+            model.b.bias[0] = float("nan")
+    event = _run("full", poison)
+    assert (event.module, event.role, event.origin, event.note) == ("b", "bias", "weight", "")
