@@ -12,14 +12,19 @@ done_step() { printf 'setup       ok (%ss so far)\n' "$((SECONDS - started))"; }
 if "$PY" -c "import torch" 2>/dev/null; then
   step 1 "torch: already installed ($("$PY" -c 'import torch; print(torch.__version__)'))"
 else
-  # PyTorch's CPU index first (a few hundred MB, not the multi-GB CUDA build PyPI serves);
-  # where only PyPI is reachable, the pinned release (a local CPU wheel on our CI machines).
+  # PyTorch's CPU index first (a few hundred MB, not the multi-GB CUDA build PyPI serves),
+  # where it answers: one quiet look with a short timeout, not pip's retries against a
+  # closed network. Elsewhere the pinned release from PyPI (a local CPU wheel on our machines).
   step 1 "torch: installing the CPU build (a few hundred MB; the longest step, minutes on a slow link)"
-  cpu_index="--retries 1 --timeout 20 --index-url https://download.pytorch.org/whl/cpu"
-  "$PY" -m pip install -q $cpu_index torch==2.13.0 \
-    || "$PY" -m pip install -q $cpu_index "torch>=2.2" \
-    || { echo "setup       PyTorch's CPU index is not reachable: trying PyPI"; \
-         "$PY" -m pip install -q torch==2.13.0; }
+  cpu_index=https://download.pytorch.org/whl/cpu
+  if "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5).close()' \
+       "$cpu_index/torch/" >/dev/null 2>&1; then
+    "$PY" -m pip install -q --index-url "$cpu_index" torch==2.13.0 \
+      || "$PY" -m pip install -q --index-url "$cpu_index" "torch>=2.10"
+  else
+    echo "setup       PyTorch's CPU index (download.pytorch.org) is not reachable: torch==2.13.0 from PyPI"
+    "$PY" -m pip install -q torch==2.13.0
+  fi
   done_step
 fi
 
