@@ -22,7 +22,8 @@ else
     "$PY" -m pip install -q --index-url "$cpu_index" torch==2.13.0 \
       || "$PY" -m pip install -q --index-url "$cpu_index" "torch>=2.10"
   else
-    echo "setup       PyTorch's CPU index (download.pytorch.org) is not reachable: torch==2.13.0 from PyPI"
+    echo "setup       PyTorch's CPU index (download.pytorch.org) is not reachable:" \
+         "torch==2.13.0 from PyPI"
     "$PY" -m pip install -q torch==2.13.0
   fi
   done_step

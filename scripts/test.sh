@@ -25,8 +25,8 @@ run_pass() {
   "$PY" -m pytest "$@" 2>&1 | tee "$log"
   status=${PIPESTATUS[0]}
   # pytest's closing line ("3 failed, 620 passed in 412.3s", ruled with "=" when not -q)
-  closing=$(grep -E '^(=+ )?[0-9a-z ,]*(passed|failed|errors?|skipped|deselected|no tests ran)[0-9a-z ,]* in [0-9.]+s' \
-            "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+  local counts='[0-9a-z ,]*(passed|failed|errors?|skipped|deselected|no tests ran)[0-9a-z ,]*'
+  closing=$(grep -E "^(=+ )?$counts in [0-9.]+s" "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
   rm -f "$log"
   if [ "$status" -ne 0 ]; then failed=1; fi
   summaries+=("$(printf '%-28s %s (exit %s, %ss)' "$name:" "${closing:-no summary from pytest}" \
