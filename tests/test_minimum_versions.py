@@ -50,3 +50,10 @@ def test_binder_asks_for_the_declared_floors():
     binder = {name.lower(): _version(version)
               for name, version in re.findall(r"^([A-Za-z0-9_.-]+)>=([0-9.]+)", text, re.M)}
     assert binder == _declared_floors(), "binder/requirements.txt's floors differ from pyproject's"
+
+
+def test_setup_refuses_a_torch_older_than_the_declared_floor():
+    # scripts/setup.sh stops at an older torch rather than let pip fetch a CUDA build
+    text = (ROOT / "scripts" / "setup.sh").read_text(encoding="utf-8")
+    floor = re.search(r"^torch_floor=([0-9.]+)$", text, re.M)
+    assert floor and _version(floor.group(1)) == _declared_floors()["torch"]
