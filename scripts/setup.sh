@@ -9,17 +9,36 @@ started=$SECONDS
 step() { printf 'setup [%s/5] %s\n' "$1" "$2"; }
 done_step() { printf 'setup       ok (%ss so far)\n' "$((SECONDS - started))"; }
 
-if "$PY" -c "import torch" 2>/dev/null; then
-  step 1 "torch: already installed ($("$PY" -c 'import torch; print(torch.__version__)'))"
+# pyproject.toml's floor: an older torch would make pip fetch PyPI's CUDA build in step 2.
+torch_floor=2.10
+installed=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true)
+at_least_floor() {  # "2.13.0+cpu" against "2.10": major and minor
+  "$PY" -c 'import sys; major_minor = lambda v: [int(p) for p in v.split("+")[0].split(".")[:2]]
+sys.exit(major_minor(sys.argv[1]) < major_minor(sys.argv[2]))' "$1" "$torch_floor"
+}
+if [ -n "$installed" ] && ! at_least_floor "$installed"; then
+  # Which build replaces it (CPU, or CUDA for a GPU) is the owner's choice, not this script's.
+  echo "setup: torch $installed is older than the $torch_floor nanwidget needs. Upgrade it" \
+       "first (the CPU build: $PY -m pip install -U --index-url" \
+       "https://download.pytorch.org/whl/cpu torch), then run this again." >&2
+  exit 1
+elif [ -n "$installed" ]; then
+  step 1 "torch: already installed ($installed)"
 else
-  # PyTorch's CPU index first (a few hundred MB, not the multi-GB CUDA build PyPI serves);
-  # where only PyPI is reachable, the pinned release (a local CPU wheel on our CI machines).
+  # PyTorch's CPU index first (a few hundred MB, not the multi-GB CUDA build PyPI serves),
+  # where it answers: one quiet look with a short timeout, not pip's retries against a
+  # closed network. Elsewhere the pinned release from PyPI (a local CPU wheel on our machines).
   step 1 "torch: installing the CPU build (a few hundred MB; the longest step, minutes on a slow link)"
-  cpu_index="--retries 1 --timeout 20 --index-url https://download.pytorch.org/whl/cpu"
-  "$PY" -m pip install -q $cpu_index torch==2.13.0 \
-    || "$PY" -m pip install -q $cpu_index "torch>=2.2" \
-    || { echo "setup       PyTorch's CPU index is not reachable: trying PyPI"; \
-         "$PY" -m pip install -q torch==2.13.0; }
+  cpu_index=https://download.pytorch.org/whl/cpu
+  if "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5).close()' \
+       "$cpu_index/torch/" >/dev/null 2>&1; then
+    "$PY" -m pip install -q --index-url "$cpu_index" torch==2.13.0 \
+      || "$PY" -m pip install -q --index-url "$cpu_index" "torch>=$torch_floor"
+  else
+    echo "setup       PyTorch's CPU index (download.pytorch.org) is not reachable:" \
+         "torch==2.13.0 from PyPI"
+    "$PY" -m pip install -q torch==2.13.0
+  fi
   done_step
 fi
 

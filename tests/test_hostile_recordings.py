@@ -134,9 +134,13 @@ HOSTILE = {
 # opening a FIFO retries through signals), so the parent reports that case as stuck.
 _CHILD = r"""
 import contextlib, io, json, os, resource, sys, threading, time
-resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 from nanwidget.cli import main as cli_main
 from nanwidget.core.persist import RunLoadError, load_run
+# 3 GiB of address space beyond what the imports mapped: a CUDA build of torch maps more than
+# 3 GiB of libraries before any case runs, a CPU build far less.
+with open("/proc/self/statm") as statm:
+    mapped = int(statm.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (3 << 30), mapped + (3 << 30)))
 
 current = {"name": None, "since": time.monotonic()}
 

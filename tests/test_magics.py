@@ -412,15 +412,31 @@ def test_interrupting_a_cell_prints_one_line_and_shows_the_browser(ip):
     assert set(watch.frames()["batch"]) >= {0, 1, 2, 3}
 
 
-def test_tracebacks_in_a_cell_name_the_cell_and_the_line_as_ipython_does(ip):
-    cell = "%%nanwatch model\nmodel(torch.randn(2, 16))\n1 / 0\n"
+def _traceback_text(ip, cell):
+    """Run ``cell`` as cell In[N] of a session; (N, what IPython printed, colours removed)."""
     with capture_output() as captured:
         result = ip.run_cell(cell, store_history=True)
     assert isinstance(result.error_in_exec, ZeroDivisionError)
-    number = result.execution_count
-    text = re.sub(r"\x1b\[[0-9;]*m", "", captured.stdout + captured.stderr)  # no colours
-    assert f"Cell In[{number}], line 3" in text
-    assert "Cell In[0]" not in text
+    return result.execution_count, re.sub(r"\x1b\[[0-9;]*m", "", captured.stdout + captured.stderr)
+
+
+def _cells_named(text):
+    """The cell numbers a traceback names: "Cell In[5], line 3" (IPython 8.5+), "Input In [5]"."""
+    return set(re.findall(r"In ?\[(\d+)\]", text))
+
+
+@pytest.mark.parametrize("body", ["model(torch.randn(2, 16))\n1 / 0\n",
+                                  "await asyncio.sleep(0)\n1 / 0\n"], ids=["plain", "await"])
+def test_tracebacks_in_a_cell_name_the_cell_and_the_line_as_ipython_does(ip, body):
+    ip.run_cell("import asyncio")
+    # How this IPython names the line of a cell in a traceback (its format changed within 8.x)
+    plain, plain_text = _traceback_text(ip, "x = 1\nx\n1 / 0\n")
+    ipython_header = next(line for line in plain_text.splitlines() if f"[{plain}]" in line)
+    number, text = _traceback_text(ip, "%%nanwatch model\n" + body)
+    assert ipython_header.replace(f"[{plain}]", f"[{number}]") in text
+    assert "----> 3 1 / 0" in text  # the line as numbered in the cell the user sees
+    # IPython 9 counts a cell before running it: no frame may name the next cell (or In[0])
+    assert _cells_named(text) == {str(number)}
     assert "magic.py" not in text  # the magic's own frames are hidden, as IPython's are
 
 

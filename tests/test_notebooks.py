@@ -20,8 +20,7 @@ TOUR = ["01_quickstart.ipynb", "02_fp16_overflow.ipynb", "03_trace_replay.ipynb"
 CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
 
 
-def _code_cells(path: Path) -> list[dict]:
-    notebook = json.loads(path.read_text(encoding="utf-8"))
+def _code_cells_of(notebook: dict) -> list[dict]:
     return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
 
 
@@ -41,26 +40,56 @@ def test_the_demo_points_at_a_notebook_that_exists():
     assert (ROOT / hinted).is_file(), hinted
 
 
+def storage_problem(name: str, notebook: dict) -> str | None:
+    """What is wrong with how notebooks/<name> is stored, said with the command that fixes it;
+    None when it is stored as committed."""
+    refresh = f"python scripts/refresh_notebooks.py notebooks/{name}"
+    saved = (f"Jupyter stores them when a notebook is saved after a run. Store it stripped: "
+             f"{refresh} --strip-only (or without --strip-only to re-run it and refresh the "
+             "checked outputs), or git checkout the file")
+    if "widgets" in notebook["metadata"]:
+        return f"notebooks/{name} stores widget state; {saved}"
+    cells = _code_cells_of(notebook)
+    if not any(_is_checked(cell) for cell in cells):
+        return (f"notebooks/{name}: no cell is checked by nbval; mark deterministic ones "
+                f"{CHECK_MARKER}")
+    for cell in cells:
+        where = f"notebooks/{name}, cell {_source(cell)[:60]!r}"
+        if _is_checked(cell):
+            # the stored text is nbval's reference; nbval skips comparing a cell stored as unrun
+            if not cell["outputs"] or cell["execution_count"] is None:
+                return (f"{where} is checked by nbval but stored without its reference output "
+                        f"or execution count; run {refresh}")
+            kinds = {output["output_type"] for output in cell["outputs"]}
+            if not kinds <= {"stream", "execute_result"}:
+                return f"{where} is checked by nbval but stores {sorted(kinds)}; only text compares"
+        elif cell["outputs"] or cell["execution_count"] is not None:
+            return (f"{where} stores its outputs or execution count "
+                    f"({cell['execution_count']}); {saved}")
+    return None
+
+
 @pytest.mark.parametrize("name", TOUR)
 def test_tour_notebook_is_stored_without_outputs_except_checked_cells(name):
     path = NOTEBOOKS / name
     if not path.exists():
         pytest.fail(f"notebooks/{name} is missing")
-    notebook = json.loads(path.read_text(encoding="utf-8"))
-    assert "widgets" not in notebook["metadata"], "widget state stored: strip the notebook"
-    cells = _code_cells(path)
-    checked = [cell for cell in cells if _is_checked(cell)]
-    assert checked, "no cell is checked by nbval; mark deterministic ones # NBVAL_CHECK_OUTPUT"
-    for cell in cells:
-        if _is_checked(cell):
-            # the stored text is nbval's reference; nbval skips comparing a cell stored as unrun
-            assert cell["outputs"], f"checked cell has no reference output: {_source(cell)[:60]}"
-            assert cell["execution_count"] is not None, _source(cell)[:60]
-            kinds = {output["output_type"] for output in cell["outputs"]}
-            assert kinds <= {"stream", "execute_result"}, kinds
-        else:
-            assert cell["outputs"] == [], f"outputs stored: {_source(cell)[:60]}"
-            assert cell["execution_count"] is None, _source(cell)[:60]
+    problem = storage_problem(name, json.loads(path.read_text(encoding="utf-8")))
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
+
+
+def test_a_tour_notebook_saved_after_a_run_is_told_how_to_refresh():
+    name = TOUR[0]
+    notebook = json.loads((NOTEBOOKS / name).read_text(encoding="utf-8"))
+    unchecked = next(cell for cell in _code_cells_of(notebook) if not _is_checked(cell))
+    unchecked["execution_count"] = 1  # what saving after a run stores, outputs or not
+    problem = storage_problem(name, notebook)
+    assert problem is not None
+    assert "stores its outputs or execution count (1)" in problem
+    assert f"python scripts/refresh_notebooks.py notebooks/{name} --strip-only" in problem
+    notebook["metadata"]["widgets"] = {"state": {}}
+    assert "stores widget state" in storage_problem(name, notebook)
 
 
 def test_refresh_script_strips_everything_but_checked_outputs(tmp_path):

@@ -230,6 +230,7 @@ class NanwatchMagics(Magics):
         into ``await <this>(line, cell)``, so IPython runs them as it runs any async cell, in
         Jupyter (on the kernel's loop) and in a terminal.
         """
+        __tracebackhide__ = True
         try:
             prepared = self._prepare(line, cell)
             if prepared is None:
@@ -313,6 +314,7 @@ class NanwatchMagics(Magics):
 
     def _run_async_cell_now(self, name: str, model: Any, options: dict[str, Any], cell: str) -> Any:
         """An async cell that reached the magic directly (not through the input transformer)."""
+        __tracebackhide__ = True
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -403,7 +405,7 @@ class NanwatchMagics(Magics):
         tree = ast.increment_lineno(tree, 1)
         if last is not None:
             ast.increment_lineno(last, 1)
-        filename = shell.compile.cache(source, shell.execution_count)
+        filename = shell.compile.cache(source, _running_cell_number(shell))
         flags = _TOP_LEVEL_AWAIT if allow_await else 0
         body = compile(tree, filename, "exec", flags=flags)
         final = compile(last, filename, "eval", flags=flags) if last is not None else None
@@ -418,6 +420,7 @@ class NanwatchMagics(Magics):
 
     async def _execute_async(self, cell: str) -> Any:
         """:meth:`_execute` for a cell with top-level ``await``."""
+        __tracebackhide__ = True
         body, final, namespace = self._compile(cell, allow_await=True)
         result = eval(body, namespace)
         if inspect.iscoroutine(result):
@@ -431,6 +434,19 @@ class NanwatchMagics(Magics):
 # IPython's help formatter starts the usage with "::" (reStructuredText, for its own docs); in
 # %nanwatch? that is noise.
 NanwatchMagics.nanwatch.__doc__ = NanwatchMagics.nanwatch.__doc__.replace("::\n\n  %", "%", 1)
+
+
+def _running_cell_number(shell: Any) -> int:
+    """The number IPython gave the cell now running (its In[N]).
+
+    Not ``shell.execution_count``: IPython 9.18 counts a cell before running it (the count
+    then names the next cell), IPython 8 after. The running cell's ExecutionResult holds its
+    number on both; it is there only while ``run_cell`` runs a cell, hence the count outside.
+    """
+    running = getattr(shell.displayhook, "exec_result", None)
+    number = getattr(running, "execution_count", None)
+    return number if number is not None else shell.execution_count
+
 
 _TOP_LEVEL_AWAIT = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
 _CELL_MAGIC_LINE = re.compile(r"^%%nanwatch(?:\s+(?P<line>.*))?$")
