@@ -366,6 +366,12 @@ class WatchOptions:
         needs=Needs("mode", "sentinel", "sentinel mode", "full mode records every batch already"),
         flag=Flag(("--sample-every",), parse_number(int),
                   help="with --sentinel: record every Nth batch in full (trends, FrameBrowser)"))
+    early_warning: bool = option(
+        True, "warn (never stop) when an output nears its dtype's largest value or grows "
+              "towards it geometrically: w.warnings, nw.EarlyWarningIssued", switch,
+        flag=Flag(("--no-early-warning",), value=False,
+                  help="no early warnings (an output near its dtype's largest value, or "
+                       "growing towards it)"))
 
     def __post_init__(self) -> None:
         for declared in OPTIONS.values():  # rules between options, as declared

@@ -6,7 +6,9 @@
 - persistence (:mod:`.persist`): ``log_dir`` spooling;
 - consensus (:mod:`.consensus`): every DDP rank stops at the same batch;
 - sentinel (:mod:`.sentinel`): ``mode="sentinel"`` and compiled models: only the root's outputs
-  and the gradients are checked, and a failing batch is replayed for the detail.
+  and the gradients are checked, and a failing batch is replayed for the detail;
+- early warning (:mod:`.early_warning`): an output near its dtype's largest value, or growing
+  towards it (``early_warning=True``, the default).
 
 Each feature is a plain object that sees the recorder through its public API; the order they
 are added in is the order they review an event (the replay attaches its trace, then the
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from .consensus import Consensus, consensus_wanted
+from .early_warning import EarlyWarning, EarlyWarnings
 from .events import GradEvent, NanEvent
 from .grads import BackwardFrames, GradNorms
 from .persist import RecordingWriter
@@ -118,6 +121,7 @@ class WatchParts:
     writer: RecordingWriter | None
     consensus: Consensus | None
     sentinel: Sentinel | None = None
+    early_warning: EarlyWarnings | None = None
 
 
 class NanWatch:
@@ -158,7 +162,7 @@ class NanWatch:
         """Add the features the options ask for, in review order."""
         recorder = self._recorder
         options = self.options
-        capture = replayer = backward = writer = consensus = sentinel = None
+        capture = replayer = backward = writer = consensus = sentinel = early = None
         sentinel_mode = options.mode == "sentinel"
         keep = max(options.keep_batches, 1 if options.replay_on_nan or sentinel_mode else 0)
         if keep or options.trace_batches or options.snapshot_weights:
@@ -182,12 +186,18 @@ class NanWatch:
                 defer_reads="never" if with_consensus else "device"))
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))
+        if options.early_warning:
+            # Before the writer: a warning made at a batch's end is written with that batch.
+            root_dtype = (lambda: sentinel.outputs_dtype) if sentinel is not None else None
+            early = recorder.add_feature(EarlyWarnings(recorder, root_dtype=root_dtype))
         if options.log_dir is not None and options.log_dir != "":
             writer = recorder.add_feature(RecordingWriter(
                 recorder, options.log_dir, options=options.manifest(),
-                grad_history=grads.history_table))
+                grad_history=grads.history_table,
+                early_warnings=(lambda: early.warnings) if early is not None else None))
         return WatchParts(capture=capture, replayer=replayer, backward=backward, grads=grads,
-                          writer=writer, consensus=consensus, sentinel=sentinel)
+                          writer=writer, consensus=consensus, sentinel=sentinel,
+                          early_warning=early)
 
     # ------------------------------------------------------------------ composition
     @property
@@ -240,6 +250,17 @@ class NanWatch:
     def events_dropped(self) -> int:
         """Events past ``max_events``, counted but not kept."""
         return self._recorder.events_dropped
+
+    @property
+    def warnings(self) -> list[EarlyWarning]:
+        """Early warnings so far (:class:`~nanwidget.core.early_warning.EarlyWarning`, once per
+        module and reason): outputs near their dtype's largest value, or growing towards it.
+        Empty with ``early_warning=False``. ``pd.DataFrame(w.warnings)`` tabulates them."""
+        early = self._parts.early_warning
+        if early is None:
+            return []
+        with self._recorder.lock:
+            return list(early.warnings)
 
     @property
     def interrupted_batches(self) -> list[int]:
