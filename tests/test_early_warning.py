@@ -484,3 +484,44 @@ def test_manual_batch_numbers_are_followed():
                 model(x)
                 model.gain *= 10.0
     assert watched.warnings == []  # 10x per 5 batches is 1.6x per batch: no growth
+
+
+# ---------------------------------------------------------------------------- plots and browser
+def _warned_without_event() -> nw.NanWatch:
+    """A root whose output grows 10x per batch: a growth warning at batch 3, no NaN yet."""
+    return _grow(Scaled(torch.float32), 10.0, 6)
+
+
+def test_the_history_plot_marks_each_warning_and_the_first_one():
+    from nanwidget.plots import plot_history
+    watched = _warned_without_event()
+    assert watched.events == [] and len(watched.warnings) == 1
+    warning = watched.warnings[0]
+    for given in (watched.warnings, pd.DataFrame(watched.warnings)):
+        ax = plot_history(watched.history(), [""], warnings=given).axes[0]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "early warning" in legend and f"first warning: batch {warning.batch}" in legend
+        rings = [line for line in ax.lines if line.get_label() == "early warning"]
+        assert [tuple(xy) for xy in rings[0].get_xydata()] == [(warning.batch, warning.abs_max)]
+    # A warning on a module that is not drawn is not marked.
+    ax = plot_history(watched.history(), ["fc"], warnings=watched.warnings).axes[0]
+    assert "early warning" not in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_the_browser_shows_the_warnings_of_a_watch_and_of_a_recording(tmp_path):
+    from nanwidget.widgets import FrameBrowser
+    model = Scaled(torch.float32)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model, log_dir=tmp_path) as watched:
+            for _ in range(6):
+                model(x)
+                model.gain *= 10.0
+    for source in (watched, load_run(tmp_path)):
+        browser = FrameBrowser(source)
+        assert "early warning, batch 3: output of '&lt;root&gt;'" in browser.status.value
+        assert "nw-warning" in browser.status.value and "no NaN/Inf seen" in browser.status.value
+        browser.plot_choice.value = "history"
+        assert bytes(browser.history_image.value).startswith(b"\x89PNG")
+        assert "early warning, batch 3" in browser.static_html()

@@ -157,3 +157,28 @@ def test_ddp_with_two_cpu_processes_stops_both_at_step_3(tmp_path):
     assert results[1]["changed"] == [f"{POISONED}.weight"] and results[0]["changed"] == []
     run = nw.load_run(results[0]["log_dir"])
     assert run.ranks == [0, 1] and run.event.rank == 1 and run.event.module == POISONED
+
+
+class GrowWeight(pl.Callback):
+    """Multiplies ``net.0``'s weight by 10 at each training batch: its output grows 10x a step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import torch
+        with torch.no_grad():
+            pl_module.net[0].weight.mul_(10.0)
+
+
+def test_early_warnings_go_to_the_trainer_loggers(tmp_path):
+    logger = pl.loggers.CSVLogger(str(tmp_path / "logs"))
+    callback = NanWatchCallback(log_dir=False)
+    with pytest.warns(nw.EarlyWarningIssued, match="'net.0'"):
+        fit = _fit(tmp_path, TinyRegressor(), [GrowWeight(), callback], logger=logger,
+                   max_steps=6)
+    assert fit.global_step == 6 and callback.stop is None  # a warning never stops training
+    warning = callback.watch.warnings[0]
+    assert (warning.module, warning.reason) == ("net.0", "growth")
+    import pandas as pd
+    metrics = pd.read_csv(Path(logger.log_dir) / "metrics.csv")
+    rows = metrics.dropna(subset=["nanwidget/early_warning/net.0/growth"])
+    assert list(rows["nanwidget/early_warning/net.0/growth"]) == pytest.approx([warning.abs_max])
+    assert list(rows["nanwidget/early_warnings"]) == [len(callback.watch.warnings)]

@@ -151,23 +151,24 @@ def growth_rate(batches: list[int], logs: list[float]) -> float:
 
 
 class _Series:
-    """The last :data:`WINDOW` measured batches of one module's output abs max."""
+    """One module's recent output abs max: the batches of its current run of rises (the last
+    :data:`WINDOW` at most) and the limits of its output dtype."""
 
-    __slots__ = ("batches", "values", "rises", "last_batch", "last_value")
+    __slots__ = ("batches", "values", "rises", "fast", "last_batch", "last_value", "limits")
 
     def __init__(self) -> None:
         self.batches: deque[int] = deque(maxlen=WINDOW)
         self.values: deque[float] = deque(maxlen=WINDOW)
         self.rises = 0  # batches in a row whose abs max rose
+        # Whether a rise in the run was at least MIN_GROWTH per batch: the fitted rate (a median
+        # of pairwise slopes, each an average of the steps between) cannot be larger than the
+        # fastest step, so without one there is nothing to fit.
+        self.fast = False
         self.last_batch = -1
         self.last_value = math.inf
-
-    def add(self, batch: int, value: float) -> None:
-        self.rises = self.rises + 1 if value > self.last_value else 0
-        self.batches.append(batch)
-        self.values.append(value)
-        self.last_batch = batch
-        self.last_value = value
+        # (largest, near-limit threshold, extreme threshold) of the tightest float dtype its
+        # outputs had; None until one is seen.
+        self.limits: tuple[float, float, float] | None = None
 
     def rate(self, points: int) -> float:
         """Growth rate (log per batch) fitted over the last ``points`` batches."""
@@ -178,18 +179,24 @@ class _Series:
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
 def _user_stacklevel() -> int:
-    """The stacklevel of the first caller outside nanwidget and torch (the user's forward or
-    training step), so the warning points at their line."""
+    """The stacklevel of the first caller outside nanwidget, torch and installed packages (the
+    user's forward call or ``trainer.train()`` line), so the warning points at their line; else
+    the first outside nanwidget and torch."""
     frame, level = sys._getframe(1), 1
+    outside_torch = None
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if not path.startswith((_PACKAGE_DIR, _TORCH_DIR)):
-            return level
+            if outside_torch is None:
+                outside_torch = level
+            if not any(part in path for part in _INSTALLED):
+                return level
         frame, level = frame.f_back, level + 1
-    return 1
+    return outside_torch or 1
 
 
 # ---------------------------------------------------------------------------- the feature
@@ -198,6 +205,13 @@ class EarlyWarnings(Feature):
 
     ``root_dtype``: the dtype of the root output whose magnitude the sentinel reports each batch
     (:meth:`on_output_magnitude`); None outside sentinel mode.
+
+    Per batch it reads the history row the recorder just filled (one number per module: the
+    largest |x| of its outputs) and keeps, per module, the current run of rises; only a module
+    whose value could warn (near its dtype's limit, or three rises with a fast one) is looked up
+    in the batch's frames for its exact output, role and dtype. Module dtypes are read from the
+    frames of the first batch, of every :data:`_DTYPES_EVERY`-th one, and of a module seen for
+    the first time.
     """
 
     def __init__(self, recorder: Recorder, *,
@@ -208,12 +222,17 @@ class EarlyWarnings(Feature):
         self.warnings: list[EarlyWarning] = []
         self._unissued: list[EarlyWarning] = []
         self._warned: set[tuple[str, str]] = set()
-        self._said: set[tuple[int, str, float]] = set()  # (batch, reason, abs max) warned
-        self._series: dict[str, _Series] = {}
-        self._inf_allowed = recorder.inf_allowed
+        self._said: list[tuple[int, str, float, str]] = []  # (batch, reason, abs max, module)
+        self._names = list(recorder.module_names)
+        self._index = {name: i for i, name in enumerate(self._names)}
+        self._series = [_Series() for _ in self._names]
+        self._inf_allowed = frozenset(self._index[name] for name in recorder.inf_allowed
+                                      if name in self._index)
+        self._history = recorder.records.history
         # dtype -> (largest value, near-limit threshold, extreme threshold); None: not a float
         self._limits: dict[Any, tuple[float, float, float] | None] = {}
-        # Frames resolved within a batch (a flush), folded in when the batch ends.
+        self._batches_seen = 0
+        # Frames resolved within a batch (a flush), looked at with the batch's own.
         self._early: list[Frame] = []
 
     # ------------------------------------------------------------------ under the lock
@@ -224,19 +243,54 @@ class EarlyWarnings(Feature):
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         if self._early:
             frames, self._early = self._early + frames, []
-        if frames:
-            self._take(frames)
+        if not frames:
+            return  # sentinel mode between sampled batches: on_output_magnitude reads the root
+        try:
+            row = self._history.current_row(batch)
+            if row is None:
+                return
+            if self._batches_seen % _DTYPES_EVERY == 0:
+                self._learn_dtypes(frames)
+            self._batches_seen += 1
+            self._look(batch, row, frames)
+        except Exception as error:  # a warning must never break the run
+            self.recorder.internal_error(error)
 
     def on_frames_replayed(self, frames: list[Frame]) -> None:
-        self._take(frames)
+        """Frames a sentinel replay made (a compiled model's sampled batch, the batches around
+        an event): each batch's largest outputs, as a history row would hold them."""
+        try:
+            rows: dict[int, dict[int, list]] = {}
+            index = self._index
+            for frame in frames:
+                if frame.phase != "forward" or frame.module not in index:
+                    continue
+                slot = rows.setdefault(frame.batch, {}).setdefault(
+                    index[frame.module], [-math.inf, math.inf, False])
+                for entry in frame.outputs():
+                    stats = entry.stats
+                    if stats is not None:
+                        slot[0] = max(slot[0], stats.abs_max if stats.abs_max == stats.abs_max
+                                      else -math.inf)
+                        slot[2] = slot[2] or stats.nan or stats.inf
+            self._learn_dtypes(frames)
+            for batch in sorted(rows):
+                self._look(batch, rows[batch], frames)
+        except Exception as error:  # a warning must never break the run
+            self.recorder.internal_error(error)
 
     def on_output_magnitude(self, batch: int, module: str, abs_max: float,
                             abs_min: float) -> None:
         try:
             dtype = self.root_dtype() if self.root_dtype is not None else None
             limits = self._limits_of(dtype)
-            if limits is not None and abs_max == abs_max:
-                self._check(batch, module, "output", dtype, limits, abs_max)
+            index = self._index.get(module)
+            if limits is None or index is None or not abs_max > 0:
+                return
+            series = self._series[index]
+            series.limits = _tighter(series.limits, limits)
+            if self._observe(series, batch, abs_max):
+                self._decide(batch, index, abs_max, "output", dtype, limits)
         except Exception as error:  # a warning must never break the run
             self.recorder.internal_error(error)
 
@@ -250,78 +304,104 @@ class EarlyWarnings(Feature):
             self._limits[dtype] = limits
         return limits
 
-    def _take(self, frames: Iterable[Frame]) -> None:
-        """The largest finite output of each module in each batch of ``frames``, checked."""
-        try:
-            largest: dict[tuple[int, str], list] = {}
-            tainted: set[int] = set()
-            inf_allowed = self._inf_allowed
-            limits_of = self._limits.get
-            for frame in frames:
-                if frame.phase != "forward":
-                    continue
-                entries = frame.entries
-                for position in range(frame.first_output, len(entries)):
-                    entry = entries[position]
-                    stats = entry[1]
-                    if stats is None:
-                        continue
-                    if stats.nan or (stats.inf and frame.module not in inf_allowed):
-                        tainted.add(frame.batch)
-                    value = stats.finite_abs_max
-                    if not value > 0:
-                        continue
-                    dtype = entry[2]
-                    limits = limits_of(dtype, False)
-                    if limits is False:
-                        limits = self._limits_of(dtype)
-                    if limits is None:
-                        continue
-                    key = (frame.batch, frame.module)
-                    slot = largest.get(key)
-                    if slot is None:
-                        largest[key] = [value, entry[0], dtype, limits]
-                    elif value > slot[0]:
-                        slot[:] = [value, entry[0], dtype, limits]
-            for (batch, module), (value, role, dtype, limits) in sorted(
-                    largest.items(), key=lambda item: item[0][0]):
-                if batch not in tainted:
-                    self._check(batch, module, role, dtype, limits, value)
-        except Exception as error:  # a warning must never break the run
-            self.recorder.internal_error(error)
+    def _learn_dtypes(self, frames: Iterable[Frame]) -> None:
+        """Each module's tightest float output dtype (float16 over float32 under autocast)."""
+        index, series = self._index, self._series
+        for frame in frames:
+            position = index.get(frame.module)
+            if frame.phase != "forward" or position is None:
+                continue
+            for entry in frame.outputs():
+                limits = self._limits_of(entry.dtype)
+                if limits is not None:
+                    series[position].limits = _tighter(series[position].limits, limits)
 
-    def _check(self, batch: int, module: str, role: str, dtype: Any,
-               limits: tuple[float, float, float], value: float) -> None:
-        """One module's largest finite output in ``batch``: add it to its series and warn."""
-        series = self._series.get(module)
-        if series is None:
-            series = self._series[module] = _Series()
-        if batch <= series.last_batch:
-            return  # an earlier batch seen again (a replay of it): its trend point is there
-        if not value > 0:
-            series.rises = 0
+    def _look(self, batch: int, row: dict[int, list], frames: list[Frame]) -> None:
+        """A finished batch's history row: extend each module's run; check the few that could
+        warn against the batch's frames. A batch with a NaN/Inf output warns about nothing."""
+        candidates = None
+        tainted = False
+        series_of = self._series
+        allowed = self._inf_allowed
+        for index, slot in row.items():
+            value = slot[0]
+            if slot[2] and index not in allowed:
+                tainted = True
+            series = series_of[index]
+            if series.limits is None:
+                if value > 0 and value != math.inf:
+                    self._learn_dtypes(frames)  # a module seen for the first time
+                if series.limits is None:
+                    continue
+            if self._observe(series, batch, value):
+                if candidates is None:
+                    candidates = []
+                candidates.append(index)
+        if candidates is None or tainted:
             return
-        series.add(batch, value)
+        for index in candidates:
+            exact = _largest_output(frames, self._names[index], batch)
+            if exact is not None:
+                value, role, dtype = exact
+                limits = self._limits_of(dtype)
+                if limits is not None:
+                    self._decide(batch, index, value, role, dtype, limits)
+
+    @staticmethod
+    def _observe(series: _Series, batch: int, value: float) -> bool:
+        """Add ``value`` (a module's largest output in ``batch``) to its run; whether it could
+        warn now (by the module's tightest dtype: the caller checks the exact one)."""
+        if batch <= series.last_batch or not value > 0 or value == math.inf:
+            if batch > series.last_batch:  # zero, or nothing finite: the run breaks
+                series.rises = 0
+                series.fast = False
+                series.last_value = math.inf
+                series.last_batch = batch
+            return False  # an earlier batch seen again (a replay): its point is in already
+        last = series.last_value
+        if value > last:
+            series.rises += 1
+            gap = batch - series.last_batch
+            if value >= last * (MIN_GROWTH if gap == 1 else MIN_GROWTH ** gap):
+                series.fast = True
+        else:
+            series.rises = 0
+            series.fast = False
+        series.batches.append(batch)
+        series.values.append(value)
+        series.last_batch = batch
+        series.last_value = value
+        limits = series.limits
+        return (value >= limits[1]) or (series.rises >= MIN_RISES and series.fast)
+
+    def _decide(self, batch: int, index: int, value: float, role: str, dtype: Any,
+                limits: tuple[float, float, float]) -> None:
+        """Warn about module ``index`` when its exact output (``value`` of ``dtype``) is near
+        the limit or grows fast enough to pass it within the horizon."""
+        module = self._names[index]
+        series = self._series[index]
         largest, near, extreme = limits
-        if near <= value < extreme and (module, "near-limit") not in self._warned:
-            rate = series.rate(min(series.rises + 1, WINDOW)) if series.rises else 0.0
+        if value >= extreme:
+            return  # the dtype's extreme written on purpose (a mask)
+        points = min(series.rises + 1, WINDOW)
+        rate = series.rate(points) if series.rises else 0.0
+        if value >= near and (module, "near-limit") not in self._warned:
             self._warn(batch, module, role, "near-limit", value, dtype, largest, rate)
-        if series.rises >= MIN_RISES and (module, "growth") not in self._warned:
-            rate = series.rate(min(series.rises + 1, WINDOW))
-            if rate >= _LOG_MIN_GROWTH and value < extreme \
-                    and math.log(largest / value) <= HORIZON * rate:
-                self._warn(batch, module, role, "growth", value, dtype, largest, rate)
+        if series.rises >= MIN_RISES and series.fast and (module, "growth") not in self._warned \
+                and rate >= _LOG_MIN_GROWTH and math.log(largest / value) <= HORIZON * rate:
+            self._warn(batch, module, role, "growth", value, dtype, largest, rate)
 
     def _warn(self, batch: int, module: str, role: str, reason: str, value: float, dtype: Any,
               largest: float, rate: float) -> None:
         self._warned.add((module, reason))
-        # The same tensor handed up through its containers (a Sequential's output is its last
+        # A container whose output is (or is made of) what a module inside it already warned
+        # about in this batch, or the same tensor handed on (a Sequential's output is its last
         # child's): one warning, for the innermost module (children's frames come first).
-        said = (batch, reason, value)
-        if said in self._said:
+        said = [s for s in self._said if s[0] == batch]
+        if any(r == reason and (v == value or _inside(m, module)) for _, r, v, m in said):
+            self._said = said
             return
-        self._said = {s for s in self._said if s[0] == batch}
-        self._said.add(said)
+        self._said = said + [(batch, reason, value, module)]
         growing = rate > 0
         warning = EarlyWarning(
             batch=batch, module=module, role=role, reason=reason, abs_max=float(value),
@@ -356,3 +436,34 @@ class EarlyWarnings(Feature):
         except Exception:  # closing must always succeed
             pass
         self._early = []
+
+
+_DTYPES_EVERY = 64  # batches between two reads of the modules' output dtypes
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether module ``name`` lies inside module ``outer`` ("" is the root)."""
+    return name != outer and (outer == "" or name.startswith(outer + "."))
+
+
+def _tighter(limits: tuple[float, float, float] | None,
+             other: tuple[float, float, float]) -> tuple[float, float, float]:
+    return other if limits is None or other[0] < limits[0] else limits
+
+
+def _largest_output(frames: Iterable[Frame], module: str,
+                    batch: int) -> tuple[float, str, Any] | None:
+    """The largest finite |x| among ``module``'s float outputs in ``batch``: value, role, dtype."""
+    best = None
+    for frame in frames:
+        if frame.module != module or frame.batch != batch or frame.phase != "forward":
+            continue
+        for entry in frame.outputs():
+            stats = entry.stats
+            dtype = entry.dtype
+            if stats is None or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                continue
+            value = stats.finite_abs_max
+            if value > 0 and (best is None or value > best[0]):
+                best = (value, entry.role, dtype)
+    return best
