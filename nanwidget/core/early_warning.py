@@ -237,8 +237,8 @@ class EarlyWarnings(Feature):
 
     # ------------------------------------------------------------------ under the lock
     def on_frames_resolved(self, frames: list[Frame]) -> None:
-        if frames:
-            self._early.extend(frames)
+        # A flush within a batch: its forward frames are looked at with the rest of the batch.
+        self._early.extend(frame for frame in frames if frame.phase == "forward")
 
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         if self._early:
