@@ -525,3 +525,28 @@ def test_the_browser_shows_the_warnings_of_a_watch_and_of_a_recording(tmp_path):
         browser.plot_choice.value = "history"
         assert bytes(browser.history_image.value).startswith(b"\x89PNG")
         assert "early warning, batch 3" in browser.static_html()
+
+
+class Classifier(nn.Module):
+    """Returns class ids (an integer output) next to logits that grow 10x a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.fc(x)
+        return logits, logits.argmax(-1)
+
+
+def test_integer_outputs_are_no_trend_and_float_ones_still_warn():
+    model = Classifier()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model) as watched:
+            for _ in range(6):
+                model(x)
+                with torch.no_grad():
+                    model.fc.weight.mul_(10.0)
+    assert [(w.module, w.role, w.reason) for w in watched.warnings] == [("fc", "output", "growth")]

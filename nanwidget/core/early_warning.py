@@ -20,13 +20,18 @@ Two reasons, each given once per module (a warning never stops the run):
     before it overflows; in float32 a value growing that slowly needs over 100 batches from 1
     to the limit anyway.
 
-Where the numbers come from: nothing is measured for this. Full mode reads the stats the watch
-resolved for every module's outputs at the end of each batch (a few Python comparisons per
-module); sentinel mode reads the root's outputs, which the sentinel measures every batch, and
-every module on the batches it records in full (``sample_every``). A batch whose outputs
-already hold a NaN/Inf gets no warning: its event says more. The records are
-:class:`EarlyWarning` (``w.warnings``); each is also issued once as a Python warning of
-category :class:`EarlyWarningIssued`, outside the recorder's lock, when the batch's check ends.
+Where the numbers come from: nothing is measured for this, and nothing is read from a device.
+Full mode reads each finished batch's history row (the largest |x| of every module's outputs,
+which the recorder folds anyway: a few Python comparisons per module) and looks in the batch's
+frames only for a module that could warn (its exact value, output role and dtype); sentinel
+mode reads the root's outputs, which the sentinel measures every batch, and every module on
+the batches it records in full (``sample_every``). A batch whose outputs already hold a
+NaN/Inf gets no warning: its event says more. Of a module and a container around it that warn
+for the same reason in the same batch (the same values handed up), the innermost speaks.
+
+The records are :class:`EarlyWarning` (``w.warnings``); each is also issued once as a Python
+warning of category :class:`EarlyWarningIssued`, outside the recorder's lock, when the batch's
+check ends (a filter that turns it into an error does not stop the run).
 """
 
 from __future__ import annotations
@@ -154,7 +159,8 @@ class _Series:
     """One module's recent output abs max: the batches of its current run of rises (the last
     :data:`WINDOW` at most) and the limits of its output dtype."""
 
-    __slots__ = ("batches", "values", "rises", "fast", "last_batch", "last_value", "limits")
+    __slots__ = ("batches", "values", "rises", "fast", "last_batch", "last_value", "limits",
+                 "looked_up")
 
     def __init__(self) -> None:
         self.batches: deque[int] = deque(maxlen=WINDOW)
@@ -167,8 +173,9 @@ class _Series:
         self.last_batch = -1
         self.last_value = math.inf
         # (largest, near-limit threshold, extreme threshold) of the tightest float dtype its
-        # outputs had; None until one is seen.
+        # outputs had; None until one is seen (or never: outputs that are no float tensors).
         self.limits: tuple[float, float, float] | None = None
+        self.looked_up = False  # whether its frames were read for their dtypes
 
     def rate(self, points: int) -> float:
         """Growth rate (log per batch) fitted over the last ``points`` batches."""
@@ -311,6 +318,7 @@ class EarlyWarnings(Feature):
             position = index.get(frame.module)
             if frame.phase != "forward" or position is None:
                 continue
+            series[position].looked_up = True
             for entry in frame.outputs():
                 limits = self._limits_of(entry.dtype)
                 if limits is not None:
@@ -329,10 +337,10 @@ class EarlyWarnings(Feature):
                 tainted = True
             series = series_of[index]
             if series.limits is None:
-                if value > 0 and value != math.inf:
+                if not series.looked_up:
                     self._learn_dtypes(frames)  # a module seen for the first time
                 if series.limits is None:
-                    continue
+                    continue  # no float output (token ids, a mask of bools)
             if self._observe(series, batch, value):
                 if candidates is None:
                     candidates = []
