@@ -550,3 +550,12 @@ def test_integer_outputs_are_no_trend_and_float_ones_still_warn():
                 with torch.no_grad():
                     model.fc.weight.mul_(10.0)
     assert [(w.module, w.role, w.reason) for w in watched.warnings] == [("fc", "output", "growth")]
+
+
+def test_the_report_command_lists_the_warnings_before_the_events(tmp_path, capsys):
+    from nanwidget.cli import main as cli_main
+    watched = _grow(Scaled(), 1.5, 60, log_dir=tmp_path)
+    assert cli_main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert str(watched.warnings[0]) in out
+    assert out.index(str(watched.warnings[0])) < out.index("=== event 1 of 1")
