@@ -559,3 +559,19 @@ def test_the_report_command_lists_the_warnings_before_the_events(tmp_path, capsy
     out = capsys.readouterr().out
     assert str(watched.warnings[0]) in out
     assert out.index(str(watched.warnings[0])) < out.index("=== event 1 of 1")
+
+
+def test_an_output_that_starts_at_zero_grows_from_its_first_nonzero_value():
+    """A zero-initialised output (a LoRA B matrix, a ReZero gate) is no run of rises from 0."""
+    model = Scaled(torch.float32)
+    model.gain = 0.0
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as issued:
+        warnings.simplefilter("always")
+        with nw.watch(model) as watched:
+            for batch in range(8):
+                model(x)
+                model.gain = 10.0 ** batch  # 0, then 1, 10, 100, ...
+    assert not [w for w in issued if "internal error" in str(w.message)]
+    growth = [w for w in watched.warnings if w.reason == "growth"]
+    assert growth and growth[0].batch == 4  # rises at batches 2, 3 and 4: the zero is no start

@@ -41,7 +41,7 @@ import os
 import sys
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,35 +155,6 @@ def growth_rate(batches: list[int], logs: list[float]) -> float:
     return slopes[middle] if len(slopes) % 2 else (slopes[middle - 1] + slopes[middle]) / 2
 
 
-class _Series:
-    """One module's recent output abs max: the batches of its current run of rises (the last
-    :data:`WINDOW` at most) and the limits of its output dtype."""
-
-    __slots__ = ("batches", "values", "rises", "fast", "last_batch", "last_value", "limits",
-                 "looked_up")
-
-    def __init__(self) -> None:
-        self.batches: deque[int] = deque(maxlen=WINDOW)
-        self.values: deque[float] = deque(maxlen=WINDOW)
-        self.rises = 0  # batches in a row whose abs max rose
-        # Whether a rise in the run was at least MIN_GROWTH per batch: the fitted rate (a median
-        # of pairwise slopes, each an average of the steps between) cannot be larger than the
-        # fastest step, so without one there is nothing to fit.
-        self.fast = False
-        self.last_batch = -1
-        self.last_value = math.inf
-        # (largest, near-limit threshold, extreme threshold) of the tightest float dtype its
-        # outputs had; None until one is seen (or never: outputs that are no float tensors).
-        self.limits: tuple[float, float, float] | None = None
-        self.looked_up = False  # whether its frames were read for their dtypes
-
-    def rate(self, points: int) -> float:
-        """Growth rate (log per batch) fitted over the last ``points`` batches."""
-        batches = list(self.batches)[-points:]
-        logs = [math.log(v) for v in list(self.values)[-points:]]
-        return growth_rate(batches, logs)
-
-
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
@@ -210,8 +181,9 @@ def _user_stacklevel() -> int:
 class EarlyWarnings(Feature):
     """The early-warning part of a watch (see the module docstring).
 
-    ``root_dtype``: the dtype of the root output whose magnitude the sentinel reports each batch
-    (:meth:`on_output_magnitude`); None outside sentinel mode.
+    ``root_output``: what reports the root's output magnitude each batch
+    (:meth:`on_output_magnitude`), the sentinel: its ``outputs_dtype`` is their dtype; None
+    outside sentinel mode.
 
     Per batch it reads the history row the recorder just filled (one number per module: the
     largest |x| of its outputs) and keeps, per module, the current run of rises; only a module
@@ -221,10 +193,9 @@ class EarlyWarnings(Feature):
     the first time.
     """
 
-    def __init__(self, recorder: Recorder, *,
-                 root_dtype: Callable[[], torch.dtype | None] | None = None) -> None:
+    def __init__(self, recorder: Recorder, *, root_output: Any = None) -> None:
         self.recorder = recorder
-        self.root_dtype = root_dtype
+        self.root_output = root_output
         #: Every warning so far, oldest first (once per module and reason).
         self.warnings: list[EarlyWarning] = []
         self._unissued: list[EarlyWarning] = []
@@ -232,13 +203,33 @@ class EarlyWarnings(Feature):
         self._said: list[tuple[int, str, float, str]] = []  # (batch, reason, abs max, module)
         self._names = list(recorder.module_names)
         self._index = {name: i for i, name in enumerate(self._names)}
-        self._series = [_Series() for _ in self._names]
         self._inf_allowed = frozenset(self._index[name] for name in recorder.inf_allowed
                                       if name in self._index)
         self._history = recorder.records.history
+        # Per module, by index (plain lists: the per-batch pass touches as little as it can).
+        count = len(self._names)
+        self._last_batch = [-1] * count
+        self._last_value = [math.inf] * count
+        self._rises = [0] * count  # batches in a row whose abs max rose
+        # Whether a rise in the current run was at least MIN_GROWTH per batch: the fitted rate
+        # (a median of pairwise slopes, each an average of the steps between its two batches)
+        # cannot exceed the fastest step, so without one there is nothing to fit.
+        self._fast = [False] * count
+        # (batch, abs max) of the current run of rises, its last WINDOW at most.
+        self._runs: list[deque[tuple[int, float]]] = [deque(maxlen=WINDOW) for _ in range(count)]
+        # (largest, near-limit threshold, extreme threshold) of the tightest float dtype of the
+        # module's outputs (None: none seen; its near threshold alone, inf when none).
+        self._module_limits: list[tuple[float, float, float] | None] = [None] * count
+        self._near = [math.inf] * count  # inf also once its near-limit warning is made
+        self._growth_said = [False] * count
+        self._looked_up = [False] * count  # whether its frames were read for their dtypes
+        # The lists above in one attribute: the per-batch pass loads them at once.
+        self._state = (self._last_batch, self._last_value, self._rises, self._fast, self._runs,
+                       self._near, self._growth_said, self._looked_up)
         # dtype -> (largest value, near-limit threshold, extreme threshold); None: not a float
-        self._limits: dict[Any, tuple[float, float, float] | None] = {}
+        self._dtype_limits: dict[Any, tuple[float, float, float] | None] = {}
         self._batches_seen = 0
+        self._latest = -1  # the latest batch looked at: an earlier one is a replay's
         # Frames resolved within a batch (a flush), looked at with the batch's own.
         self._early: list[Frame] = []
 
@@ -289,65 +280,113 @@ class EarlyWarnings(Feature):
     def on_output_magnitude(self, batch: int, module: str, abs_max: float,
                             abs_min: float) -> None:
         try:
-            dtype = self.root_dtype() if self.root_dtype is not None else None
-            limits = self._limits_of(dtype)
             index = self._index.get(module)
-            if limits is None or index is None or not abs_max > 0:
+            dtype = getattr(self.root_output, "outputs_dtype", None)
+            limits = self._dtype_limits.get(dtype) or self._limits_of(dtype)
+            if limits is None or index is None:
                 return
-            series = self._series[index]
-            series.limits = _tighter(series.limits, limits)
-            if self._observe(series, batch, abs_max):
-                self._decide(batch, index, abs_max, "output", dtype, limits)
+            if limits is not self._module_limits[index]:
+                self._tighten(index, limits)
+                self._looked_up[index] = True  # its dtype comes from the sentinel
+            last = self._last_value[index]
+            if batch > self._latest and not 0 < last < abs_max < math.inf \
+                    and not self._near[index] <= abs_max < math.inf:
+                # Most batches: no rise, far from the limit (what _look does then, without
+                # building a row for it).
+                self._latest = self._last_batch[index] = batch
+                self._last_value[index] = abs_max
+                self._rises[index] = 0
+                self._fast[index] = False
+                return
+            self._look(batch, {index: [abs_max, abs_min, False]}, (), (dtype, limits))
         except Exception as error:  # a warning must never break the run
             self.recorder.internal_error(error)
 
     def _limits_of(self, dtype: Any) -> tuple[float, float, float] | None:
-        limits = self._limits.get(dtype, False)
+        limits = self._dtype_limits.get(dtype, False)
         if limits is False:
             limits = None
             if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
                 largest = float(torch.finfo(dtype).max)
                 limits = (largest, largest / NEAR_FACTOR, largest * _EXTREME)
-            self._limits[dtype] = limits
+            self._dtype_limits[dtype] = limits
         return limits
+
+    def _tighten(self, index: int, limits: tuple[float, float, float]) -> None:
+        known = self._module_limits[index]
+        if known is None or limits[0] < known[0]:
+            self._module_limits[index] = limits
+            if (self._names[index], "near-limit") not in self._warned:
+                self._near[index] = limits[1]
 
     def _learn_dtypes(self, frames: Iterable[Frame]) -> None:
         """Each module's tightest float output dtype (float16 over float32 under autocast)."""
-        index, series = self._index, self._series
+        index = self._index
         for frame in frames:
             position = index.get(frame.module)
             if frame.phase != "forward" or position is None:
                 continue
-            series[position].looked_up = True
+            self._looked_up[position] = True
             for entry in frame.outputs():
                 limits = self._limits_of(entry.dtype)
                 if limits is not None:
-                    series[position].limits = _tighter(series[position].limits, limits)
+                    self._tighten(position, limits)
 
-    def _look(self, batch: int, row: dict[int, list], frames: list[Frame]) -> None:
-        """A finished batch's history row: extend each module's run; check the few that could
-        warn against the batch's frames. A batch with a NaN/Inf output warns about nothing."""
+    def _look(self, batch: int, row: dict[int, list], frames: Iterable[Frame],
+              known: tuple[Any, tuple[float, float, float]] | None = None) -> None:
+        """A finished batch's row (module index -> [abs max, abs min, non-finite], as the
+        history holds it): extend each module's run of rises, and check the few modules that
+        could warn against the batch's frames for their exact output (``known``: the dtype and
+        limits of the values when no frames say it, the sentinel's root). A batch with a
+        NaN/Inf output warns about nothing.
+
+        This runs for every module after every batch, so it keeps to local lists and numbers:
+        a module whose abs max did not rise costs a few comparisons.
+        """
+        if batch <= self._latest:
+            return  # an earlier batch seen again (a replay): its points are in already
+        self._latest = batch
         candidates = None
         tainted = False
-        series_of = self._series
         allowed = self._inf_allowed
+        last_batches, last_values, rises_of, fast, runs, near, growth_said, looked_up = \
+            self._state
+        inf = math.inf
         for index, slot in row.items():
             value = slot[0]
             if slot[2] and index not in allowed:
                 tainted = True
-            series = series_of[index]
-            if series.limits is None:
-                if not series.looked_up:
-                    self._learn_dtypes(frames)  # a module seen for the first time
-                if series.limits is None:
-                    continue  # no float output (token ids, a mask of bools)
-            if self._observe(series, batch, value):
-                if candidates is None:
-                    candidates = []
-                candidates.append(index)
+            if not looked_up[index]:
+                self._learn_dtypes(frames)  # a module seen for the first time
+            last = last_values[index]
+            last_values[index] = value
+            last_batch = last_batches[index]
+            last_batches[index] = batch
+            if not 0 < last < value < inf:  # no rise: zero, nothing finite, or not larger
+                if rises_of[index]:
+                    rises_of[index] = 0
+                    fast[index] = False
+                if near[index] <= value < inf:
+                    candidates = (candidates or []) + [index]
+                continue
+            rises = rises_of[index] = rises_of[index] + 1
+            run = runs[index]
+            if rises == 1:  # a new run: it starts at the batch before
+                run.clear()
+                run.append((last_batch, last))
+            run.append((batch, value))
+            gap = batch - last_batch
+            if value >= last * (MIN_GROWTH if gap == 1 else MIN_GROWTH ** gap):
+                fast[index] = True
+            if value >= near[index] or (rises >= MIN_RISES and fast[index]
+                                        and not growth_said[index]):
+                candidates = (candidates or []) + [index]
         if candidates is None or tainted:
             return
         for index in candidates:
+            if known is not None:
+                self._decide(batch, index, row[index][0], "output", *known)
+                continue
             exact = _largest_output(frames, self._names[index], batch)
             if exact is not None:
                 value, role, dtype = exact
@@ -355,49 +394,30 @@ class EarlyWarnings(Feature):
                 if limits is not None:
                     self._decide(batch, index, value, role, dtype, limits)
 
-    @staticmethod
-    def _observe(series: _Series, batch: int, value: float) -> bool:
-        """Add ``value`` (a module's largest output in ``batch``) to its run; whether it could
-        warn now (by the module's tightest dtype: the caller checks the exact one)."""
-        if batch <= series.last_batch or not value > 0 or value == math.inf:
-            if batch > series.last_batch:  # zero, or nothing finite: the run breaks
-                series.rises = 0
-                series.fast = False
-                series.last_value = math.inf
-                series.last_batch = batch
-            return False  # an earlier batch seen again (a replay): its point is in already
-        last = series.last_value
-        if value > last:
-            series.rises += 1
-            gap = batch - series.last_batch
-            if value >= last * (MIN_GROWTH if gap == 1 else MIN_GROWTH ** gap):
-                series.fast = True
-        else:
-            series.rises = 0
-            series.fast = False
-        series.batches.append(batch)
-        series.values.append(value)
-        series.last_batch = batch
-        series.last_value = value
-        limits = series.limits
-        return (value >= limits[1]) or (series.rises >= MIN_RISES and series.fast)
+    def _rate(self, index: int) -> float:
+        """Growth rate (log per batch) fitted over module ``index``'s run of rises."""
+        run = self._runs[index]
+        if not self._rises[index] or len(run) < 2:
+            return 0.0
+        return growth_rate([batch for batch, _ in run], [math.log(value) for _, value in run])
 
     def _decide(self, batch: int, index: int, value: float, role: str, dtype: Any,
                 limits: tuple[float, float, float]) -> None:
         """Warn about module ``index`` when its exact output (``value`` of ``dtype``) is near
         the limit or grows fast enough to pass it within the horizon."""
         module = self._names[index]
-        series = self._series[index]
         largest, near, extreme = limits
-        if value >= extreme:
+        if not 0 < value < extreme:
             return  # the dtype's extreme written on purpose (a mask)
-        points = min(series.rises + 1, WINDOW)
-        rate = series.rate(points) if series.rises else 0.0
+        rate = self._rate(index)
         if value >= near and (module, "near-limit") not in self._warned:
             self._warn(batch, module, role, "near-limit", value, dtype, largest, rate)
-        if series.rises >= MIN_RISES and series.fast and (module, "growth") not in self._warned \
+            self._near[index] = math.inf  # said: no longer a candidate for it
+        if self._rises[index] >= MIN_RISES and self._fast[index] \
+                and (module, "growth") not in self._warned \
                 and rate >= _LOG_MIN_GROWTH and math.log(largest / value) <= HORIZON * rate:
             self._warn(batch, module, role, "growth", value, dtype, largest, rate)
+            self._growth_said[index] = True
 
     def _warn(self, batch: int, module: str, role: str, reason: str, value: float, dtype: Any,
               largest: float, rate: float) -> None:
@@ -452,11 +472,6 @@ _DTYPES_EVERY = 64  # batches between two reads of the modules' output dtypes
 def _inside(name: str, outer: str) -> bool:
     """Whether module ``name`` lies inside module ``outer`` ("" is the root)."""
     return name != outer and (outer == "" or name.startswith(outer + "."))
-
-
-def _tighter(limits: tuple[float, float, float] | None,
-             other: tuple[float, float, float]) -> tuple[float, float, float]:
-    return other if limits is None or other[0] < limits[0] else limits
 
 
 def _largest_output(frames: Iterable[Frame], module: str,

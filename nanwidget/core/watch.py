@@ -188,8 +188,7 @@ class NanWatch:
             consensus = recorder.add_feature(Consensus(recorder))
         if options.early_warning:
             # Before the writer: a warning made at a batch's end is written with that batch.
-            root_dtype = (lambda: sentinel.outputs_dtype) if sentinel is not None else None
-            early = recorder.add_feature(EarlyWarnings(recorder, root_dtype=root_dtype))
+            early = recorder.add_feature(EarlyWarnings(recorder, root_output=sentinel))
         if options.log_dir is not None and options.log_dir != "":
             writer = recorder.add_feature(RecordingWriter(
                 recorder, options.log_dir, options=options.manifest(),
