@@ -575,3 +575,18 @@ def test_an_output_that_starts_at_zero_grows_from_its_first_nonzero_value():
     assert not [w for w in issued if "internal error" in str(w.message)]
     growth = [w for w in watched.warnings if w.reason == "growth"]
     assert growth and growth[0].batch == 4  # rises at batches 2, 3 and 4: the zero is no start
+
+
+def test_batch_numbers_that_start_again_start_a_new_series():
+    """set_batch(i) with i counted within each epoch: every epoch is looked at again."""
+    model = Scaled(torch.float32)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model) as watched:
+            for epoch in range(2):
+                for batch in range(5):
+                    watched.set_batch(batch)
+                    model(x)
+                    model.gain *= 10.0 if epoch == 1 else 1.0
+    assert [(w.batch, w.reason) for w in watched.warnings] == [(3, "growth")]

@@ -218,7 +218,7 @@ class EarlyWarnings(Feature):
         # (batch, abs max) of the current run of rises, its last WINDOW at most.
         self._runs: list[deque[tuple[int, float]]] = [deque(maxlen=WINDOW) for _ in range(count)]
         # (largest, near-limit threshold, extreme threshold) of the tightest float dtype of the
-        # module's outputs (None: none seen; its near threshold alone, inf when none).
+        # module's outputs (None: none seen); _near holds the threshold alone (inf: none known).
         self._module_limits: list[tuple[float, float, float] | None] = [None] * count
         self._near = [math.inf] * count  # inf also once its near-limit warning is made
         self._growth_said = [False] * count
@@ -250,6 +250,8 @@ class EarlyWarnings(Feature):
             if self._batches_seen % _DTYPES_EVERY == 0:
                 self._learn_dtypes(frames)
             self._batches_seen += 1
+            if batch <= self._latest:
+                self._restart()  # numbered again from lower down (set_batch): a new series
             self._look(batch, row, frames)
         except Exception as error:  # a warning must never break the run
             self.recorder.internal_error(error)
@@ -301,6 +303,15 @@ class EarlyWarnings(Feature):
             self._look(batch, {index: [abs_max, abs_min, False]}, (), (dtype, limits))
         except Exception as error:  # a warning must never break the run
             self.recorder.internal_error(error)
+
+    def _restart(self) -> None:
+        """Forget every module's run of rises (the batch numbers started again)."""
+        count = len(self._names)
+        self._last_batch[:] = [-1] * count
+        self._last_value[:] = [math.inf] * count
+        self._rises[:] = [0] * count
+        self._fast[:] = [False] * count
+        self._latest = -1
 
     def _limits_of(self, dtype: Any) -> tuple[float, float, float] | None:
         limits = self._dtype_limits.get(dtype, False)
