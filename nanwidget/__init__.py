@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .core.early_warning import EarlyWarning, EarlyWarningIssued
 from .core.events import AbortAfterBatch, GradEvent, NanDetected, NanEvent, NanWarning, ScalerSkip
 from .core.persist import Run, RunLoadError, load_run
 from .core.recorder import CompiledCallError, ConcurrentForwardError
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "watch", "NanWatch", "NanEvent", "GradEvent", "ScalerSkip", "NanDetected", "NanWarning",
     "AbortAfterBatch",
+    "EarlyWarning", "EarlyWarningIssued",
     "ConcurrentForwardError", "CompiledCallError", "detect_overflow", "load_run", "Run", "RunLoadError", "Trace",
     "FrameBrowser", "train_with_nan_guard", "live_watches", "load_ipython_extension",
     "unload_ipython_extension", "__version__",

@@ -176,3 +176,28 @@ def test_16_mixed_gradient_overflows_the_plugins_scaler_skips_do_not_stop_the_fi
     assert skips and skips[0].scale_before == 2.0 ** 22
     assert skips[-1].scale_after == scaler.get_scale()
     assert not callback.watch.events and hook_count(model) == 0
+
+
+class GrowWeight(pl.Callback):
+    """Multiplies ``net.0``'s weight by 10 at each training batch: its output grows 10x a step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import torch
+        with torch.no_grad():
+            pl_module.net[0].weight.mul_(10.0)
+
+
+def test_early_warnings_go_to_the_trainer_loggers(tmp_path):
+    logger = pl.loggers.CSVLogger(str(tmp_path / "logs"))
+    callback = NanWatchCallback(log_dir=False)
+    with pytest.warns(nw.EarlyWarningIssued, match="'net.0'"):
+        fit = _fit(tmp_path, TinyRegressor(), [GrowWeight(), callback], logger=logger,
+                   max_steps=6)
+    assert fit.global_step == 6 and callback.stop is None  # a warning never stops training
+    warning = callback.watch.warnings[0]
+    assert (warning.module, warning.reason) == ("net.0", "growth")
+    import pandas as pd
+    metrics = pd.read_csv(Path(logger.log_dir) / "metrics.csv")
+    rows = metrics.dropna(subset=["nanwidget/early_warning/net.0/growth"])
+    assert list(rows["nanwidget/early_warning/net.0/growth"]) == pytest.approx([warning.abs_max])
+    assert list(rows["nanwidget/early_warnings"]) == [len(callback.watch.warnings)]

@@ -471,3 +471,49 @@ def test_fp16_gradient_overflows_the_accelerators_scaler_skips_do_not_stop_train
     assert skips and [s.batch for s in skips] == list(range(len(skips)))
     assert skips[-1].scale_after == scaler.get_scale() < 2.0 ** 24
     assert not callback.watch.events and hook_count(model) == 0
+
+
+class GrowWeight(transformers.TrainerCallback):
+    """Multiplies a module's weight by ``factor`` when each optimizer step begins: its output
+    grows geometrically, as under a learning rate that is too high."""
+
+    def __init__(self, module: str, factor: float = 10.0) -> None:
+        self.module, self.factor = module, factor
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad():
+            dict(model.named_modules())[self.module].weight.mul_(self.factor)
+
+
+class SeenLogs(transformers.TrainerCallback):
+    """What a ``report_to`` integration receives: it sits before the user's callbacks."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def test_early_warnings_reach_what_report_to_integrations_see(tmp_path):
+    grown = "transformer.h.1.mlp.c_proj"
+    seen, callback = SeenLogs(), NanWatchCallback(log_dir=False)
+    with pytest.warns(nw.EarlyWarningIssued, match=grown):
+        trainer = _train(tmp_path, tiny_gpt2(), [seen, GrowWeight(grown), callback])
+    assert trainer.state.global_step == 6 and callback.stop is None  # a warning never stops
+    warning = callback.watch.warnings[0]
+    assert (warning.module, warning.reason) == (grown, "growth")
+    key = f"nanwidget/early_warning/{grown}/growth"
+    logged = [logs for logs in seen.logs if key in logs]
+    assert len(logged) == 1 and logged[0][key] == pytest.approx(warning.abs_max)
+    assert logged[0]["nanwidget/early_warnings"] == len(callback.watch.warnings)
+    texts = [e["nanwidget_early_warning"] for e in trainer.state.log_history
+             if "nanwidget_early_warning" in e]
+    assert texts == [str(w) for w in callback.watch.warnings]
+
+
+def test_early_warning_false_logs_none(tmp_path):
+    seen, callback = SeenLogs(), NanWatchCallback(log_dir=False, early_warning=False)
+    _train(tmp_path, tiny_gpt2(), [seen, GrowWeight("transformer.h.1.mlp.c_proj"), callback])
+    assert callback.watch.warnings == []
+    assert not any(key.startswith("nanwidget") for logs in seen.logs for key in logs)

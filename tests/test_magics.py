@@ -536,3 +536,27 @@ def test_help_texts_speak_the_users_words(ip):
     for option in nw.watch.__signature__.parameters:
         if option != "model":
             assert f"{option}=" in watch_help  # every option, with its default and one line
+
+
+def test_no_early_warning_flag_turns_the_warnings_off(ip):
+    run(ip, "%nanwatch model --no-early-warning")
+    watch = ip.user_ns["_nanwatch"]
+    assert watch.early_warning is False and watch.parts.early_warning is None
+    run(ip, "%nanwatch --off model")
+    run(ip, "%nanwatch model")
+    assert ip.user_ns["_nanwatch"].early_warning is True
+    assert "--no-early-warning" in ip.find_line_magic("nanwatch").__doc__
+
+
+def test_the_live_status_counts_early_warnings(ip):
+    cell = ("%%nanwatch model\n"
+            "for _ in range(6):\n"
+            "    model(torch.randn(2, 16))\n"
+            "    with torch.no_grad():\n"
+            "        model.head.weight.mul_(10.0)\n")
+    with capture_output() as captured, pytest.warns(nw.EarlyWarningIssued, match="'head'"):
+        run(ip, cell)
+    watch = ip.user_ns["_nanwatch"]
+    assert [w.module for w in watch.warnings] == ["head"]
+    lines = [o.data["text/plain"] for o in captured.outputs if "text/plain" in o.data]
+    assert any("1 early warning (first: 'head' growth at batch 3)" in line for line in lines)

@@ -34,3 +34,8 @@ def test_readme_api_tour_runs_and_its_printed_line_is_true(tmp_path, monkeypatch
     assert namespace["run"].events == [] and namespace["run"].ranks == [0]
     assert namespace["trace"].first_bad["op"] == "sqrt"  # the op the comment blames
     assert "2 0 input[0] input True" in printed.getvalue()  # the sentinel snippet's comment
+    # The early-warning snippet: the warning comes long before the NaN, as its comment shows.
+    warned = re.search(r"early warning, batch (\d+): output of '0' \(float32\) grows",
+                       printed.getvalue())
+    nan_batch = re.search(r"first NaN/Inf: batch (\d+)", printed.getvalue())
+    assert warned and nan_batch and int(warned.group(1)) <= int(nan_batch.group(1)) - 10

@@ -1,4 +1,5 @@
-"""``python -m nanwidget report LOG_DIR``: print the events and reports a log_dir holds.
+"""``python -m nanwidget report LOG_DIR``: print the early warnings, events and reports a log_dir
+holds.
 
 A recording may come from elsewhere: everything printed has its control characters escaped
 (module names are whatever ``add_module`` accepted), and a folder that cannot be read ends
@@ -59,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     _say(f"nanwidget recording {recording.log_dir}: model {recording.model_class}, "
          f"ranks {recording.ranks} of world size {recording.world_size}, "
          f"{batches} batch(es) recorded, {len(events)} event(s)")
+    for warning in recording.warnings:  # early warnings: what came before the events
+        if args.rank is None or warning.rank == args.rank:
+            _say(str(warning))
     if not events:
         _say("No NaN/Inf recorded.")
         frames = recording.frames(rank=args.rank)

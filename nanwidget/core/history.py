@@ -150,6 +150,13 @@ class History:
             if nonfinite:
                 slot[2] = True
 
+    def current_row(self, batch: int) -> dict[int, list] | None:
+        """The row of ``batch`` while it is being accumulated: module index -> [abs_max,
+        abs_min, nonfinite] of its outputs so far (abs_max -inf where only NaN was seen); None
+        when no row of ``batch`` is open. For reading only (features read a finished batch's
+        magnitudes here instead of going through its frames again)."""
+        return self._current if self._current_batch == batch else None
+
     def commit(self) -> None:
         """Close the batch being accumulated (called when a new batch starts or on read)."""
         if self._current_batch is None:

@@ -430,6 +430,12 @@ class WatchOptions:
         manifest=lambda value: None if value is None else type(value).__name__)
     scaler_patience: int = option(
         8, "with grad_scaler: this many skipped steps in a row are an event", whole(1))
+    early_warning: bool = option(
+        True, "warn (never stop) when an output nears its dtype's largest value or grows "
+              "towards it geometrically: w.warnings, nw.EarlyWarningIssued", switch,
+        flag=Flag(("--no-early-warning",), value=False,
+                  help="no early warnings (an output near its dtype's largest value, or "
+                       "growing towards it)"))
 
     def __post_init__(self) -> None:
         for declared in OPTIONS.values():  # rules between options, as declared

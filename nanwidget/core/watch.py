@@ -10,6 +10,8 @@
 - diagnosis (:mod:`.diagnosis`): every event's ``diagnosis`` (why it happened).
 - model changes (:mod:`.structure`): a module added or replaced after ``watch()`` is named in
   the event it affects.
+- early warning (:mod:`.early_warning`): an output near its dtype's largest value, or growing
+  towards it (``early_warning=True``, the default).
 
 Each feature is a plain object that sees the recorder through its public API; the order they
 are added in is the order they review an event (the replay attaches its trace, then the
@@ -31,6 +33,7 @@ from torch import nn
 
 from .consensus import Consensus, consensus_wanted
 from .diagnosis import Diagnoser
+from .early_warning import EarlyWarning, EarlyWarnings
 from .events import GradEvent, NanEvent, ScalerSkip
 from .grads import BackwardFrames, GradNorms, ScalerHint, ScalerWatch, skips_summary
 from .persist import RecordingWriter
@@ -125,6 +128,7 @@ class WatchParts:
     sentinel: Sentinel | None = None
     diagnoser: Diagnoser | None = None
     scaler: ScalerWatch | None = None
+    early_warning: EarlyWarnings | None = None
 
 
 class NanWatch:
@@ -165,7 +169,7 @@ class NanWatch:
         """Add the features the options ask for, in review order."""
         recorder = self._recorder
         options = self.options
-        capture = replayer = backward = writer = consensus = sentinel = scaler = None
+        capture = replayer = backward = writer = consensus = sentinel = scaler = early = None
         sentinel_mode = options.mode == "sentinel"
         # First to review an event: a module added after watch() is named before the others
         # (replay, consensus, files) see the event.
@@ -208,13 +212,17 @@ class NanWatch:
             replay=replayer.trace_for if replayer is not None and not sentinel_mode else None))
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))
+        if options.early_warning:
+            # Before the writer: a warning made at a batch's end is written with that batch.
+            early = recorder.add_feature(EarlyWarnings(recorder, root_output=sentinel))
         if options.log_dir is not None and options.log_dir != "":
             writer = recorder.add_feature(RecordingWriter(
                 recorder, options.log_dir, options=options.manifest(),
-                grad_history=grads.history_table))
+                grad_history=grads.history_table,
+                early_warnings=(lambda: early.warnings) if early is not None else None))
         return WatchParts(capture=capture, replayer=replayer, backward=backward, grads=grads,
                           writer=writer, consensus=consensus, sentinel=sentinel, scaler=scaler,
-                          diagnoser=diagnoser)
+                          diagnoser=diagnoser, early_warning=early)
 
     # ------------------------------------------------------------------ composition
     @property
@@ -267,6 +275,17 @@ class NanWatch:
     def events_dropped(self) -> int:
         """Events past ``max_events``, counted but not kept."""
         return self._recorder.events_dropped
+
+    @property
+    def warnings(self) -> list[EarlyWarning]:
+        """Early warnings so far (:class:`~nanwidget.core.early_warning.EarlyWarning`, once per
+        module and reason): outputs near their dtype's largest value, or growing towards it.
+        Empty with ``early_warning=False``. ``pd.DataFrame(w.warnings)`` tabulates them."""
+        early = self._parts.early_warning
+        if early is None:
+            return []
+        with self._recorder.lock:
+            return list(early.warnings)
 
     @property
     def interrupted_batches(self) -> list[int]:

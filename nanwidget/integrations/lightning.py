@@ -15,7 +15,11 @@ gradient norms are checked. Lightning syncs ``trainer.should_stop`` across ranks
 step): at a finding on any rank, every rank drops the step's gradients, so the optimizer step
 changes nothing, and sets ``trainer.should_stop`` at the same step. Validation is checked at
 ``on_validation_end``. ``log_trends=True`` logs the per-module abs-max of the watched modules to
-``trainer.loggers`` every ``trends_every`` steps. The hooks come off at ``on_fit_end`` and at
+``trainer.loggers`` every ``trends_every`` steps. Early warnings (an output near its dtype's
+largest value, or growing towards it; ``early_warning=False`` turns them off) go to
+``trainer.loggers`` as metrics when they are made (``nanwidget/early_warnings``, the count, and
+``nanwidget/early_warning/<module>/<reason>``, the abs max seen), at the end of the training
+batch or of the validation that made them. The hooks come off at ``on_fit_end`` and at
 ``on_exception``.
 """
 
@@ -31,7 +35,7 @@ import torch
 from nanwidget import AbortAfterBatch, NanWatch
 
 from .step_guard import (GuardedCallback, StepGuard, TrainingStop, check_callback_options,
-                         recording_dir)
+                         recording_dir, warning_metrics)
 
 __all__ = ["NanWatchCallback"]
 
@@ -156,6 +160,7 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
         if not self._active():
             return
         self._check_abort()
+        self._log_warnings(trainer)
         if self.log_trends and trainer.global_step >= self._trends_logged_step + self.trends_every:
             self._log_trends(trainer)
 
@@ -175,6 +180,7 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
         if not self._active():
             return
         self._finish_batch()
+        self._log_warnings(trainer)
         found = guard.findings(check_grads=False)
         if not guard.stops or self.stop is not None:  # the first stop is the one that counts
             return
@@ -197,6 +203,14 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
             error = self._guard.exception_for(stop, decision)
             self.close()
             raise error
+
+    def _log_warnings(self, trainer: pl.Trainer) -> None:
+        """New early warnings, as metrics, to every logger of the trainer."""
+        fresh = self._guard.new_warnings()
+        if fresh and trainer.loggers:
+            metrics = warning_metrics(fresh, len(self.watch.warnings))
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     def _log_trends(self, trainer: pl.Trainer) -> None:
         """Per-module abs-max of the batches since the last log, to every logger of the trainer."""

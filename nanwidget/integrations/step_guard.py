@@ -10,7 +10,10 @@ the step's gradients (so the optimizer step that follows changes nothing) and st
 at the same step.
 
 Only nanwidget's public API is used: ``nw.watch``, ``NanWatch.events``, ``check_grad_norms``,
-``grad_events``, ``frames``, ``report``, ``set_batch`` and ``close``.
+``grad_events``, ``frames``, ``report``, ``set_batch``, ``warnings`` and ``close``.
+
+Early warnings (``NanWatch.warnings``) never stop anything: the callbacks pass the new ones on
+to the framework's loggers as metrics (:func:`warning_metrics`) at the points they look.
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ import torch
 from torch import nn
 
 import nanwidget as nw
-from nanwidget import GradEvent, NanDetected, NanEvent, NanWatch
+from nanwidget import EarlyWarning, GradEvent, NanDetected, NanEvent, NanWatch
 from nanwidget.core.events import Diagnosis, event_fields, event_from_fields
 from nanwidget.core.options import ON_NAN_CHOICES as WATCH_ON_NAN_CHOICES
 from nanwidget.core.options import WatchOptions, check_option_names
 from nanwidget.core.state import training_guards
 
 __all__ = ["ON_NAN_CHOICES", "TrainingStop", "Findings", "StepGuard", "BatchLog",
-           "GuardedCallback", "check_callback_options", "fresh_run_dir", "recording_dir", "logger"]
+           "GuardedCallback", "check_callback_options", "fresh_run_dir", "recording_dir", "logger",
+           "warning_metrics"]
 
 logger = logging.getLogger("nanwidget.integrations")
 
@@ -160,6 +164,16 @@ class BatchLog:
         return pd.DataFrame(list(self._rows), columns=self.COLUMNS)
 
 
+def warning_metrics(fresh: list[EarlyWarning], total: int) -> dict[str, float]:
+    """New early warnings as numbers a logger plots: ``nanwidget/early_warnings`` (how many so
+    far) and, per warning, ``nanwidget/early_warning/<module>/<reason>``: the abs max it saw."""
+    metrics = {"nanwidget/early_warnings": float(total)}
+    for warning in fresh:
+        metrics[f"nanwidget/early_warning/{warning.module_label}/{warning.reason}"] = \
+            float(warning.abs_max)
+    return metrics
+
+
 def _rank_and_world() -> tuple[int, int]:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
@@ -236,6 +250,7 @@ class StepGuard:
         self.batches = BatchLog()
         self._events_seen = 0
         self._grads_seen = 0
+        self._warnings_seen = 0
         self._losses: list[str] = []
         self._flag: torch.Tensor | None = None
         self.exchanges = 0  # flag all-reduces done (the tests count them)
@@ -291,6 +306,13 @@ class StepGuard:
             if found.grad_events:
                 found.grads_with_values = sum(p.grad is not None for p in self.model.parameters())
         return found
+
+    def new_warnings(self) -> list[EarlyWarning]:
+        """Early warnings the watch made since the last call (never a reason to stop)."""
+        made = self.watch.warnings
+        fresh = made[self._warnings_seen:]
+        self._warnings_seen = len(made)
+        return fresh
 
     def reason(self, found: Findings) -> str | None:
         """The finding in one line, with the framework step of its batch."""

@@ -20,6 +20,13 @@ The stop is logged (with the report on the rank that found it), appended to
 ``<output_dir>/nanwidget/run-N`` unless ``log_dir`` says otherwise (``log_dir=False``: none).
 The hooks come off at ``on_train_end``.
 
+Early warnings (an output near its dtype's largest value, or growing towards it;
+``early_warning=False`` turns them off) never stop training: after each optimizer step, each
+evaluation and at the end of training the new ones are logged through ``Trainer.log`` as
+numbers, so that every ``report_to`` integration records them (``nanwidget/early_warnings``, the
+count so far, and ``nanwidget/early_warning/<module>/<reason>``, the abs max seen), and their
+text is appended to ``state.log_history`` (``nanwidget_early_warning``).
+
 ``TrainingArguments(torch_compile=True)``: the training loop then calls a ``torch.compile``
 wrapper around the model, made by accelerate in ``Trainer._prepare_for_training`` (its
 ``prepare()``), before ``on_train_begin``; callbacks still get the uncompiled ``trainer.model``.
@@ -79,6 +86,7 @@ from .step_guard import (
     check_callback_options,
     recording_dir,
     logger,
+    warning_metrics,
 )
 
 __all__ = ["NanWatchCallback"]
@@ -208,6 +216,8 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
         self._note_eval(state)
+        if self._guard is not None and not self._guard.closed:
+            self._log_warnings(state)
         self.close()
 
     # ------------------------------------------------------------------ training steps
@@ -259,6 +269,8 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
         # Whatever evaluates after this step (Trainer._maybe_log_save_evaluate) runs before the
         # next on_step_begin.
         self._watch_evaluation()
+        if self._guard is not None and not self._guard.closed:
+            self._log_warnings(state)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
@@ -278,6 +290,7 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
         if guard is None or guard.closed:
             return
         self._note_eval(state)
+        self._log_warnings(state)
         watched_batches, self._eval_index = self._eval_index, 0
         found = guard.findings(check_grads=False)
         if self._eval_direct and not watched_batches and not found:
@@ -292,6 +305,19 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
                        decision)
 
     # ------------------------------------------------------------------ helpers
+    def _log_warnings(self, state: TrainerState) -> None:
+        """New early warnings: their numbers through ``Trainer.log`` (every ``report_to``
+        integration sees them), their text in ``state.log_history``."""
+        fresh = self._guard.new_warnings()
+        if not fresh:
+            return
+        for warning in fresh:
+            state.log_history.append({"nanwidget_early_warning": str(warning),
+                                      "step": state.global_step})
+        trainer = self._calling_trainer()
+        if trainer is not None:
+            trainer.log(warning_metrics(fresh, len(self.watch.warnings)))
+
     def _watch_evaluation(self) -> None:
         """Count direct calls of the uncompiled model (evaluation during train()) as batches,
         until :meth:`_unwatch_evaluation`; only when the watch is on a compile wrapper."""

@@ -340,7 +340,8 @@ class NanwatchMagics(Magics):
                 handle.update({"text/plain": text}, raw=True)
 
         live = LiveStatus(name, emit, interval=self.refresh_seconds,
-                          sentinel=watched.parts.sentinel)
+                          sentinel=watched.parts.sentinel,
+                          early_warnings=lambda: watched.warnings)
         watched.add_feature(live)
         return watched, live
 

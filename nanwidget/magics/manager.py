@@ -50,12 +50,14 @@ class LiveStatus(Feature):
     ``emit(text)`` is called at most once per ``interval`` seconds (plus once at the end
     through :meth:`finish`), never once per batch. With ``sentinel`` (the watch's sentinel
     part, sentinel mode) the magnitude is what the sentinel checks each batch: the model's
-    outputs.
+    outputs. ``early_warnings`` returns the watch's early warnings, which the line counts.
     """
 
     def __init__(self, name: str, emit: Callable[[str], None], interval: float = 0.3,
-                 clock: Callable[[], float] = time.monotonic, sentinel: Any = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, sentinel: Any = None,
+                 early_warnings: Callable[[], list] | None = None) -> None:
         self.name = name
+        self.early_warnings = early_warnings
         self.emit = emit
         self.interval = interval
         self.clock = clock
@@ -109,7 +111,7 @@ class LiveStatus(Feature):
         In sentinel mode it says what the sentinel checks (the model's outputs) and, when it
         does not check gradients, what it cannot see: a loss made outside the model.
         """
-        events = f"{self.events} event{'s' if self.events != 1 else ''}"
+        events = f"{self.events} event{'s' if self.events != 1 else ''}" + self._warnings_words()
         seen = f"nanwatch {self.name}: {self.batches} batch{'es' if self.batches != 1 else ''} seen"
         if self.sentinel is not None:
             size = describe_magnitude(self.largest, self.largest_dtype) if self.largest \
@@ -123,6 +125,16 @@ class LiveStatus(Feature):
         size = describe_magnitude(self.largest, self.largest_dtype) if self.largest \
             else "none measured yet"
         return f"{seen} · largest |x| among module outputs: {size}{where} · {events}"
+
+    def _warnings_words(self) -> str:
+        """" · 2 early warnings (first: 'fc2' growth at batch 9)", or "" when none."""
+        early = self.early_warnings() if self.early_warnings is not None else []
+        if not early:
+            return ""
+        first = early[0]
+        count = len(early)
+        return (f" · {count} early warning{'s' if count != 1 else ''} (first: "
+                f"{first.module_label!r} {first.reason} at batch {first.batch})")
 
     def finish(self, outcome: str = "done") -> None:
         """The last update: the same line, saying how the cell ended."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -55,9 +56,22 @@ def neighbour_modules(history: pd.DataFrame, module: str, count: int = 5) -> lis
     return others[before:before + count]
 
 
+WARNING_COLOR = "darkorange"
+
+
+def _warnings_table(warnings: Sequence[Any] | pd.DataFrame | None) -> pd.DataFrame:
+    """Early warnings (``w.warnings`` or a DataFrame of them) as a table: batch, module,
+    abs_max, reason."""
+    table = warnings if isinstance(warnings, pd.DataFrame) else pd.DataFrame(list(warnings or []))
+    if table.empty or not {"batch", "module", "abs_max"} <= set(table.columns):
+        return pd.DataFrame(columns=["batch", "module", "abs_max", "reason"])
+    return table
+
+
 def plot_history(history: pd.DataFrame, modules: Sequence[str] | None = None, *,
                  dtype: torch.dtype | str | None = None, count: int = 5,
-                 title: str | None = None, around: str | None = None) -> Figure:
+                 title: str | None = None, around: str | None = None,
+                 warnings: Sequence[Any] | pd.DataFrame | None = None) -> Figure:
     """abs max per batch of module outputs, log scale.
 
     Modules drawn: ``modules`` when given; else ``around`` (e.g. the event's module) and its
@@ -66,7 +80,8 @@ def plot_history(history: pd.DataFrame, modules: Sequence[str] | None = None, *,
     the history's bounded memory) is drawn as a horizontal bar over that range at its maximum,
     joined to its neighbours at the window's middle. Batches where a module's output held a
     NaN/Inf are red triangles along the top. ``dtype`` draws that dtype's largest value as a
-    dashed line.
+    dashed line. ``warnings`` (``w.warnings``): each early warning on a drawn module is an
+    orange ring at its batch and value, and the first one a dotted orange line.
     """
     figure, ax = new_figure()
     if modules is not None:
@@ -108,6 +123,17 @@ def plot_history(history: pd.DataFrame, modules: Sequence[str] | None = None, *,
         if bad.any():
             ax.plot(middle[bad], np.full(int(bad.sum()), 0.965), "v", color="red", markersize=6,
                     clip_on=False, transform=ax.get_xaxis_transform())
+        plotted = np.concatenate([plotted, values])
+    early = _warnings_table(warnings)
+    early = early[early["module"].isin(chosen)]
+    if not early.empty:
+        values = early["abs_max"].to_numpy(dtype=np.float64)
+        ax.plot(early["batch"].to_numpy(dtype=np.float64), values, "o", markersize=9,
+                markerfacecolor="none", markeredgecolor=WARNING_COLOR, markeredgewidth=2,
+                label="early warning", zorder=5)
+        first_warning = float(early["batch"].min())
+        ax.axvline(first_warning, color=WARNING_COLOR, linestyle=":", linewidth=1.5,
+                   label=f"first warning: batch {first_warning:.0f}")
         plotted = np.concatenate([plotted, values])
     if table["nonfinite"].astype(bool).any():
         first = float(table.loc[table["nonfinite"].astype(bool), "batch"].min())

@@ -20,7 +20,7 @@ from ..plots.frames import DEFAULT_WINDOW
 from ..plots.history import neighbour_modules
 from .sources import BrowserSource, open_source
 from .table import FrameIndex, layer_pattern, layer_pattern_problem
-from .theme import ALERT, MUTED, PLOT_IMAGE, STYLESHEET
+from .theme import ALERT, MUTED, PLOT_IMAGE, STYLESHEET, WARNING
 
 __all__ = ["FrameBrowser"]
 
@@ -412,7 +412,16 @@ class FrameBrowser(widgets.VBox):
         watch = self.source.watch
         skipped = skips_summary(watch.scaler_skips) if watch is not None else ""
         skipped = f" · {html.escape(skipped, quote=False)}" if skipped else ""
-        return f"{held} · {words}{skipped}"
+        return f"{held} · {words}{skipped}{self._warnings_text()}"
+
+    def _warnings_text(self) -> str:
+        """The early warnings in the status: the first one in full, how many more."""
+        early = self.source.warnings
+        if not early:
+            return ""
+        more = f" (+{len(early) - 1} more: see the history plot)" if len(early) > 1 else ""
+        return (f"<br><span class='nw-warning' style='{WARNING}'>"
+                f"{html.escape(str(early[0]), quote=False)}</span>{more}")
 
     def _render_status(self) -> None:
         self.status.value = self._status_text()
@@ -519,11 +528,15 @@ class FrameBrowser(widgets.VBox):
         return names[:6]
 
     def _event_module(self) -> str | None:
+        """The module the history plot centres on: the event's, the first bad frame's, or
+        the first early warning's."""
         if self.source.events:
             return self.source.events[0].module
         bad = np.flatnonzero(self.index.frame_bad)
         if bad.size:
             return str(self.index.module[self.index.first_rows[int(bad[0])]])
+        if self.source.warnings:
+            return self.source.warnings[0].module
         return None
 
     def _ensure_history_png(self) -> str:
@@ -546,7 +559,7 @@ class FrameBrowser(widgets.VBox):
                 if not rows.empty else pd.Series([], dtype=object)
             dtype = output_dtypes.iloc[-1] if len(output_dtypes) else None
             figure = plot_history(history, modules or None, dtype=dtype or None,
-                                  around=self._event_module())
+                                  around=self._event_module(), warnings=self.source.warnings)
             self._history_png = figure_png(figure, transparent=True)
             self.history_image.value = self._history_png
             self.history_image.layout.width = f"{display_width(figure)}px"

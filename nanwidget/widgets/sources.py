@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from ..core.early_warning import EarlyWarning
 from ..core.events import NanEvent
 from ..core.persist import Run
 from ..core.trace import Trace
@@ -32,6 +33,8 @@ class BrowserSource:
     refreshable: bool = False
     # Why re-running is not possible from this source ("" when it is).
     no_replay_reason: str = ""
+    # Early warnings of the run (a watch's or a recording's), oldest first.
+    warnings: list[EarlyWarning] = field(default_factory=list)
 
 
 def _event_label(event: NanEvent, number: int) -> str:
@@ -58,7 +61,7 @@ def open_source(source: Any) -> BrowserSource:
         for batch in sorted(watch.trace_batches):
             views[f"trace batch {batch}"] = (lambda b=batch: watch.frames(batch=b))
         return BrowserSource(views=views, events=events, history=watch.history, watch=watch,
-                             refreshable=True)
+                             refreshable=True, warnings=watch.warnings)
     if isinstance(source, pd.DataFrame):
         return BrowserSource(views={"frames": lambda: source},
                              no_replay_reason="re-running needs a live watch (this browser "
@@ -76,7 +79,7 @@ def open_source(source: Any) -> BrowserSource:
         views = _event_views(events)
         views["frames held (latest)"] = source.frames
         return BrowserSource(views=views, events=events, history=source.history,
-                             refreshable=True,
+                             refreshable=True, warnings=source.warnings,
                              no_replay_reason="re-running needs a live watch (a loaded run "
                                               "holds no model)")
     raise TypeError("FrameBrowser opens a NanWatch, a loaded Run, a Trace, a NanEvent or a frames "

@@ -14,11 +14,14 @@ stay dark on white.
 
 from __future__ import annotations
 
-__all__ = ["STYLESHEET", "ALERT", "MUTED", "NONFINITE_ROW", "NEAR_LIMIT_ROW", "PLOT_IMAGE"]
+__all__ = ["STYLESHEET", "ALERT", "MUTED", "WARNING", "NONFINITE_ROW", "NEAR_LIMIT_ROW",
+           "PLOT_IMAGE"]
 
 # Inline styles that still read well where the stylesheet is stripped (e.g. a sanitizer).
 ALERT = "color:var(--nw-alert-fg,#b00000)"
 MUTED = "color:var(--nw-muted,#666)"
+# An early warning: the orange of the history plot's warning rings, readable on both themes.
+WARNING = "color:var(--nw-warning-fg,#a64b00)"
 NONFINITE_ROW = "background:var(--nw-alert-bg,#ffd6d6);color:var(--nw-alert-fg,#8b0000);font-weight:bold"
 NEAR_LIMIT_ROW = "background:var(--nw-near-bg,#fff1c2)"
 
@@ -38,12 +41,14 @@ STYLESHEET = f"""
   --nw-muted: var(--jp-content-font-color2, #666);
   --nw-marker: rgba(255, 152, 0, 0.30);
   --nw-marker-edge: #e65100;
+  --nw-warning-fg: #a64b00;
 }}
 {_DARK.format('.nw-browser')}, {_DARK.format('.nw-static')} {{
   --nw-alert-fg: var(--jp-error-color2, #e57373);
   --nw-alert-bg: rgba(244, 67, 54, 0.15);
   --nw-near-bg: rgba(255, 183, 77, 0.22);
   --nw-marker-edge: #ffb74d;
+  --nw-warning-fg: #ffb74d;
 }}
 {_DARK.format(_PLOTS)}, {_DARK.format(_STATIC_PLOTS)} {{
   filter: invert(1) hue-rotate(180deg); background: transparent !important;

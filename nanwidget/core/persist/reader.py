@@ -12,6 +12,7 @@ from typing import Any, Callable, TypeVar
 
 import pandas as pd
 
+from ..early_warning import REASONS, WARNING_FIELDS, EarlyWarning, warning_from_fields
 from ..events import Diagnosis, NanEvent, event_from_fields
 from ..frames import empty_frames
 from ..history import empty_history
@@ -21,8 +22,9 @@ from ..trace import TENSOR_COLUMNS, Trace, empty_ops
 from ..viewer import open_browser
 from .tables import (CHUNK_FILE, EVENT_FILE, FORMAT_NAME, FORMAT_VERSION,
                      FRAME_KINDS_REQUIRED,
-                     HISTORY_KINDS, OPS_KINDS, RANK_DIR, RunLoadError, frames_from_table, inside,
-                     ops_from_table, read_json, read_table)
+                     HISTORY_KINDS, OPS_KINDS, RANK_DIR, WARNINGS_FILE, WARNINGS_FORMAT_NAME,
+                     RunLoadError, frames_from_table, inside, ops_from_table, read_json,
+                     read_table)
 
 __all__ = ["Run", "load_run", "RunLoadError"]
 
@@ -157,6 +159,30 @@ def _event_from_file(path: Path, directory: Path, root: Path) -> NanEvent:
     return event_from_fields(fields, frames, trace)
 
 
+def _warnings_from_file(path: Path, root: Path, rank: int) -> list[EarlyWarning]:
+    """A rank's early warnings; every field checked."""
+    data = read_json(path, root)
+    if not isinstance(data, dict) or data.get("format") != WARNINGS_FORMAT_NAME:
+        raise RunLoadError(f"{path}: not a nanwidget warnings file (no \"format\": "
+                           f"\"{WARNINGS_FORMAT_NAME}\")")
+    items = data.get("warnings")
+    if not isinstance(items, list):
+        raise RunLoadError(f"{path}: \"warnings\" must be a list")
+    found = []
+    for item in items:
+        if not isinstance(item, dict):
+            raise RunLoadError(f"{path}: each warning must be a JSON object")
+        fields = {name: _checked(path, item, name, kind) for name, kind in WARNING_FIELDS.items()}
+        if fields["reason"] not in REASONS:
+            raise RunLoadError(f"{path}: a warning's reason must be one of "
+                               f"{', '.join(REASONS)}, got {fields['reason']!r}")
+        if fields["rank"] != rank:
+            raise RunLoadError(f"{path}: a warning says rank {fields['rank']}, the recording "
+                               f"is rank {rank}'s")
+        found.append(warning_from_fields(fields))
+    return found
+
+
 def _is_folder(path: Path, root: Path) -> bool:
     """A real folder inside the recording (a link to one is followed only when it stays inside)."""
     if not os.path.isdir(path):
@@ -203,6 +229,7 @@ class Run:
         history: list[pd.DataFrame] = []
         grads: list[pd.DataFrame] = []
         events: list[NanEvent] = []
+        early: list[EarlyWarning] = []
         for directory in rank_dirs:
             manifest_path = directory / "manifest.json"
             if not os.path.lexists(manifest_path):
@@ -234,9 +261,14 @@ class Run:
                 elif EVENT_FILE.match(path.name):
                     events.append(_checked_file(
                         path, lambda: _event_from_file(path, directory, root)))
+                elif path.name == WARNINGS_FILE:  # recordings made before them have none
+                    early.extend(_checked_file(
+                        path, lambda: _warnings_from_file(path, root, rank)))
         # A rank that stopped for a peer ("peer" events) sorts after the rank that found it.
         events.sort(key=lambda e: (e.batch, e.origin == "peer", e.rank))
         self._events = events
+        early.sort(key=lambda w: (w.batch, w.rank))
+        self._warnings = early
         self._frames = self._merge_frames(frames + [e.frames for e in events])
         self._history = self._merge_history(history)
         self._grads = (pd.concat(grads, ignore_index=True).sort_values(["batch", "rank"],
@@ -313,6 +345,12 @@ class Run:
         """The first event (lowest batch; the rank that found it before those that stopped with
         it; then lowest rank), or None."""
         return self._events[0] if self._events else None
+
+    @property
+    def warnings(self) -> list[EarlyWarning]:
+        """The early warnings the run recorded, by batch (none in recordings made before
+        nanwidget had them, or with ``early_warning=False``)."""
+        return list(self._warnings)
 
     def grad_history(self) -> pd.DataFrame:
         """Gradient norms per batch and parameter, when the run recorded them."""

@@ -36,7 +36,7 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "TABLE_FORMAT_NAME", "RunLoadError",
            "read_table", "write_json", "read_json", "shape_text", "shape_tuple",
            "frame_rows_columns", "table_columns", "frames_from_table", "ops_from_table",
            "use_parquet", "parquet_enabled", "read_file", "inside", "MAX_TABLE_BYTES",
-           "MAX_DOCUMENT_BYTES"]
+           "MAX_DOCUMENT_BYTES", "WARNINGS_FILE", "WARNINGS_FORMAT_NAME"]
 
 FORMAT_NAME = "nanwidget-log"
 FORMAT_VERSION = 1
@@ -56,6 +56,8 @@ OPS_KINDS["shape"] = "str"
 RANK_DIR = re.compile(r"^rank-(\d{5,})$")
 CHUNK_FILE = re.compile(r"^(history|frames|grads)-(\d{6,})\.(parquet|json)$")
 EVENT_FILE = re.compile(r"^event-(\d{6,})\.json$")
+WARNINGS_FILE = "warnings.json"  # a rank's early warnings (recordings before them have none)
+WARNINGS_FORMAT_NAME = "nanwidget-warnings"
 
 def parquet_enabled() -> bool:
     """Whether new tables are written as parquet (pyarrow is there and

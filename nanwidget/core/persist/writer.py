@@ -10,8 +10,9 @@ Layout: one folder per rank, so ranks never share a file::
     DIR/rank-00000/event-000000.frames.parquet   ... the frames that led to it
     DIR/rank-00000/event-000000.trace-frames.parquet ... and its replay, when it has one
     DIR/rank-00000/event-000000.trace-ops.parquet
+    DIR/rank-00000/warnings.json             the early warnings (rewritten whole when one is added)
 
-Chunks are flushed every ``NANWIDGET_FLUSH_BATCHES`` batches (default 200) or
+A new early warning is written at the end of the batch that made it. Chunks are flushed every ``NANWIDGET_FLUSH_BATCHES`` batches (default 200) or
 ``NANWIDGET_FLUSH_SECONDS`` seconds (default 10), at every event and when the watch closes; a
 process killed with SIGKILL loses at most the chunk not yet flushed.
 """
@@ -31,6 +32,7 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
+from ..early_warning import EarlyWarning, warning_fields
 from ..events import NanEvent, event_fields
 from ..frames import Frame
 from ..ranks import launched_rank, launched_world_size
@@ -38,7 +40,8 @@ from ..recorder import Feature, Recorder
 from ..schema import FRAME_COLUMNS, OPS_COLUMNS
 from ..trace import Trace
 from .tables import (FORMAT_NAME, FORMAT_VERSION, FRAME_KINDS, HISTORY_KINDS, OPS_KINDS,
-                     frame_rows_columns, parquet_enabled, table_columns, write_json, write_table)
+                     WARNINGS_FILE, WARNINGS_FORMAT_NAME, frame_rows_columns, parquet_enabled,
+                     table_columns, write_json, write_table)
 
 __all__ = ["RecordingWriter", "trace_fields"]
 
@@ -81,13 +84,17 @@ class RecordingWriter(Feature):
     """Spools a watch's records to ``log_dir/rank-NNNNN/`` as the run goes.
 
     ``options``: the watch's options, written to the manifest. ``grad_history``: returns the
-    gradient-norm history to spool (None: the watch records none).
+    gradient-norm history to spool (None: the watch records none). ``early_warnings``: returns
+    the early warnings so far (None: the watch makes none).
     """
 
     def __init__(self, recorder: Recorder, log_dir: str | os.PathLike, *,
                  options: dict[str, Any],
-                 grad_history: Callable[[], pd.DataFrame] | None = None) -> None:
+                 grad_history: Callable[[], pd.DataFrame] | None = None,
+                 early_warnings: Callable[[], list[EarlyWarning]] | None = None) -> None:
         self.recorder = recorder
+        self.early_warnings = early_warnings
+        self._warnings_written = 0
         self.log_dir = Path(log_dir)
         self.rank = launched_rank()
         self.world_size = launched_world_size()
@@ -147,6 +154,7 @@ class RecordingWriter(Feature):
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         try:
             self._collect(frames)
+            self._write_warnings()
             self._batches_pending += 1
             if (self._batches_pending >= self.every_batches
                     or time.monotonic() - self._last_flush >= self.every_seconds):
@@ -260,6 +268,7 @@ class RecordingWriter(Feature):
         if self._frame_rows:
             self._write_chunk("frames", frame_rows_columns(self._frame_rows), FRAME_KINDS)
             self._frame_rows = []
+        self._write_warnings()
         if self.grad_history is not None and (
                 force or time.monotonic() - self._last_grads_flush >= self.every_seconds):
             # Reading the gradient history builds a table of all it holds: by time only.
@@ -267,6 +276,18 @@ class RecordingWriter(Feature):
             self._last_grads_flush = time.monotonic()
         self._batches_pending = 0
         self._last_flush = time.monotonic()
+
+    def _write_warnings(self) -> None:
+        """Rewrite the warnings file when a warning was added since it was written."""
+        if self.early_warnings is None:
+            return
+        made = self.early_warnings()
+        if len(made) == self._warnings_written:
+            return
+        write_json(self.directory / WARNINGS_FILE, {
+            "format": WARNINGS_FORMAT_NAME, "version": FORMAT_VERSION,
+            "warnings": [warning_fields(w) for w in made]})
+        self._warnings_written = len(made)
 
     def _flush_grads(self) -> None:
         table = self.grad_history() if self.grad_history is not None else None

@@ -1,0 +1,503 @@
+"""Early warning: say, before a value overflows, which module's output is heading there.
+
+Two reasons, each given once per module (a warning never stops the run):
+
+- ``"near-limit"``: an output's largest finite |x| is within a factor :data:`NEAR_FACTOR` (4)
+  of its dtype's largest value (``torch.finfo(dtype).max``: float16 65504, bfloat16 and float32
+  3.4e38). A value at its dtype's very extreme is a mask written on purpose (``finfo.min``) and
+  does not count.
+- ``"growth"``: a module's output abs max has grown geometrically, so that at the fitted rate it
+  would pass its dtype's largest within :data:`HORIZON` (50) batches. Healthy training also
+  grows its activations (logits sharpen, early transients), but slower and not for long; what
+  counts as growth here is what a blow-up looks like and healthy runs do not (the tuning is
+  written up in the README):
+
+  * the abs max rose in each of the last :data:`MIN_RISES` (3) measured batches;
+  * the rate is a robust fit (the median of the pairwise slopes of log abs max against the
+    batch number, Theil-Sen) over that run of rises, its last :data:`WINDOW` (8) batches at
+    most, and is at least :data:`MIN_GROWTH` (2x) per batch. Slower growth is left to the
+    near-limit check, which a value growing at under 2x per batch meets more than two batches
+    before it overflows; in float32 a value growing that slowly needs over 100 batches from 1
+    to the limit anyway.
+
+Where the numbers come from: nothing is measured for this, and nothing is read from a device.
+Full mode reads each finished batch's history row (the largest |x| of every module's outputs,
+which the recorder folds anyway: a few Python comparisons per module) and looks in the batch's
+frames only for a module that could warn (its exact value, output role and dtype); sentinel
+mode reads the root's outputs, which the sentinel measures every batch, and every module on
+the batches it records in full (``sample_every``). A batch whose outputs already hold a
+NaN/Inf gets no warning: its event says more. Of a module and a container around it that warn
+for the same reason in the same batch (the same values handed up), the innermost speaks.
+
+The records are :class:`EarlyWarning` (``w.warnings``); each is also issued once as a Python
+warning of category :class:`EarlyWarningIssued`, outside the recorder's lock, when the batch's
+check ends (a filter that turns it into an error does not stop the run).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .frames import Frame
+from .recorder import Feature, Recorder
+
+__all__ = ["EarlyWarning", "EarlyWarningIssued", "EarlyWarnings", "REASONS", "NEAR_FACTOR",
+           "HORIZON", "WINDOW", "MIN_RISES", "MIN_GROWTH", "growth_rate", "WARNING_FIELDS",
+           "warning_fields", "warning_from_fields"]
+
+REASONS = ("near-limit", "growth")
+NEAR_FACTOR = 4.0  # "near-limit": within this factor of the dtype's largest value
+HORIZON = 50  # "growth": would pass the dtype's largest within this many batches
+WINDOW = 8  # the most batches the growth rate is fitted over
+MIN_RISES = 3  # rises in a row before a growth is fitted
+MIN_GROWTH = 2.0  # slowest growth per batch that counts (slower: the near-limit check)
+# A value this close to its dtype's largest is that extreme written on purpose (a mask filled
+# with finfo.min), not a value that grew there: a growing value passes through the near zone.
+_EXTREME = 1.0 / 1.01
+
+_LOG_MIN_GROWTH = math.log(MIN_GROWTH)
+
+
+class EarlyWarningIssued(UserWarning):
+    """Issued once per :class:`EarlyWarning`: an output is near its dtype's largest value, or
+    growing towards it (the run goes on)."""
+
+
+@dataclass(frozen=True)
+class EarlyWarning:
+    """An output heading for overflow, seen at ``batch``.
+
+    ``reason``: "near-limit" (``abs_max`` within a factor 4 of ``limit``) or "growth" (the abs
+    max grows ``growth_per_batch``-fold per batch, so that it passes ``limit`` in about
+    ``batches_to_limit`` batches). ``role`` names the output ("output", "output[0]",
+    "output.logits", ...); ``limit`` is the largest finite value of its ``dtype``.
+    ``growth_per_batch`` and ``batches_to_limit`` are NaN when the value is not growing (a
+    near-limit warning on a value seen once). ``pd.DataFrame(w.warnings)`` tabulates them.
+    """
+
+    batch: int
+    module: str
+    role: str
+    reason: str
+    abs_max: float
+    limit: float
+    growth_per_batch: float
+    batches_to_limit: float
+    dtype: str = ""
+    rank: int = 0
+
+    @property
+    def module_label(self) -> str:
+        """The module as a user reads it: its name, or "<root>" for the model itself."""
+        return self.module or "<root>"
+
+    def summary(self) -> str:
+        """One line: where, what, and how soon."""
+        dtype = self.dtype or "its dtype"
+        where = f"batch {self.batch}" + (f" on rank {self.rank}" if self.rank else "")
+        what = f"{self.role} of '{self.module_label}' ({self.dtype})" if self.dtype else \
+            f"{self.role} of '{self.module_label}'"
+        if self.reason == "growth":
+            text = (f"{what} grows {self.growth_per_batch:.3g}x per batch (abs max "
+                    f"{self.abs_max:.3g}); at that rate it passes {dtype}'s largest "
+                    f"{self.limit:.6g} in about {self.batches_to_limit:.0f} batches")
+        else:
+            text = (f"{what} reached abs max {self.abs_max:.3g}, within a factor "
+                    f"{NEAR_FACTOR:g} of {dtype}'s largest {self.limit:.6g}")
+            if self.batches_to_limit == self.batches_to_limit:
+                text += (f" (growing {self.growth_per_batch:.3g}x per batch: about "
+                         f"{self.batches_to_limit:.0f} batches left)")
+        return f"early warning, {where}: {text}"
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+# The fields a recording stores, with their JSON kinds (floats may be written as integers).
+WARNING_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "batch": int, "module": str, "role": str, "reason": str, "abs_max": (int, float),
+    "limit": (int, float), "growth_per_batch": (int, float), "batches_to_limit": (int, float),
+    "dtype": str, "rank": int}
+
+
+def warning_fields(warning: EarlyWarning) -> dict[str, Any]:
+    """The fields of ``warning`` as plain data (what a recording writes)."""
+    return {name: getattr(warning, name) for name in WARNING_FIELDS}
+
+
+def warning_from_fields(fields: dict[str, Any]) -> EarlyWarning:
+    """An :class:`EarlyWarning` from :func:`warning_fields` (checked by the caller)."""
+    values = {name: fields[name] for name in WARNING_FIELDS}
+    for name in ("abs_max", "limit", "growth_per_batch", "batches_to_limit"):
+        values[name] = float(values[name])
+    return EarlyWarning(**values)
+
+
+# ---------------------------------------------------------------------------- the fit
+def growth_rate(batches: list[int], logs: list[float]) -> float:
+    """Theil-Sen slope of ``logs`` (natural log of abs max) against ``batches``: the median of
+    the pairwise slopes, so that one odd batch does not make a trend."""
+    slopes = sorted((logs[j] - logs[i]) / (batches[j] - batches[i])
+                    for i in range(len(batches)) for j in range(i + 1, len(batches))
+                    if batches[j] != batches[i])
+    if not slopes:
+        return 0.0
+    middle = len(slopes) // 2
+    return slopes[middle] if len(slopes) % 2 else (slopes[middle - 1] + slopes[middle]) / 2
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first caller outside nanwidget, torch and installed packages (the
+    user's forward call or ``trainer.train()`` line), so the warning points at their line; else
+    the first outside nanwidget and torch."""
+    frame, level = sys._getframe(1), 1
+    outside_torch = None
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+            if outside_torch is None:
+                outside_torch = level
+            if not any(part in path for part in _INSTALLED):
+                return level
+        frame, level = frame.f_back, level + 1
+    return outside_torch or 1
+
+
+# ---------------------------------------------------------------------------- the feature
+class EarlyWarnings(Feature):
+    """The early-warning part of a watch (see the module docstring).
+
+    ``root_output``: what reports the root's output magnitude each batch
+    (:meth:`on_output_magnitude`), the sentinel: its ``outputs_dtype`` is their dtype; None
+    outside sentinel mode.
+
+    Per batch it reads the history row the recorder just filled (one number per module: the
+    largest |x| of its outputs) and keeps, per module, the current run of rises; only a module
+    whose value could warn (near its dtype's limit, or three rises with a fast one) is looked up
+    in the batch's frames for its exact output, role and dtype. Module dtypes are read from the
+    frames of the first batch, of every :data:`_DTYPES_EVERY`-th one, and of a module seen for
+    the first time.
+    """
+
+    def __init__(self, recorder: Recorder, *, root_output: Any = None) -> None:
+        self.recorder = recorder
+        self.root_output = root_output
+        #: Every warning so far, oldest first (once per module and reason).
+        self.warnings: list[EarlyWarning] = []
+        self._unissued: list[EarlyWarning] = []
+        self._warned: set[tuple[str, str]] = set()
+        self._said: list[tuple[int, str, float, str]] = []  # (batch, reason, abs max, module)
+        self._names = list(recorder.module_names)
+        self._index = {name: i for i, name in enumerate(self._names)}
+        self._inf_allowed = frozenset(self._index[name] for name in recorder.inf_allowed
+                                      if name in self._index)
+        self._history = recorder.records.history
+        # Per module, by index (plain lists: the per-batch pass touches as little as it can).
+        count = len(self._names)
+        self._last_batch = [-1] * count
+        self._last_value = [math.inf] * count
+        self._rises = [0] * count  # batches in a row whose abs max rose
+        # Whether a rise in the current run was at least MIN_GROWTH per batch: the fitted rate
+        # (a median of pairwise slopes, each an average of the steps between its two batches)
+        # cannot exceed the fastest step, so without one there is nothing to fit.
+        self._fast = [False] * count
+        # (batch, abs max) of the current run of rises, its last WINDOW at most.
+        self._runs: list[deque[tuple[int, float]]] = [deque(maxlen=WINDOW) for _ in range(count)]
+        # (largest, near-limit threshold, extreme threshold) of the tightest float dtype of the
+        # module's outputs (None: none seen); _near holds the threshold alone (inf: none known).
+        self._module_limits: list[tuple[float, float, float] | None] = [None] * count
+        self._near = [math.inf] * count  # inf also once its near-limit warning is made
+        self._growth_said = [False] * count
+        self._looked_up = [False] * count  # whether its frames were read for their dtypes
+        # The lists above in one attribute: the per-batch pass loads them at once.
+        self._state = (self._last_batch, self._last_value, self._rises, self._fast, self._runs,
+                       self._near, self._growth_said, self._looked_up)
+        # dtype -> (largest value, near-limit threshold, extreme threshold); None: not a float
+        self._dtype_limits: dict[Any, tuple[float, float, float] | None] = {}
+        self._batches_seen = 0
+        self._latest = -1  # the latest batch looked at: an earlier one is a replay's
+        # Frames resolved within a batch (a flush), looked at with the batch's own.
+        self._early: list[Frame] = []
+
+    # ------------------------------------------------------------------ under the lock
+    def on_frames_resolved(self, frames: list[Frame]) -> None:
+        # A flush within a batch: its forward frames are looked at with the rest of the batch.
+        self._early.extend(frame for frame in frames if frame.phase == "forward")
+
+    def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
+        if self._early:
+            frames, self._early = self._early + frames, []
+        if not frames:
+            return  # sentinel mode between sampled batches: on_output_magnitude reads the root
+        try:
+            row = self._history.current_row(batch)
+            if row is None:
+                return
+            if self._batches_seen % _DTYPES_EVERY == 0:
+                self._learn_dtypes(frames)
+            self._batches_seen += 1
+            if batch <= self._latest:
+                self._restart()  # numbered again from lower down (set_batch): a new series
+            self._look(batch, row, frames)
+        except Exception as error:  # a warning must never break the run
+            self.recorder.internal_error(error)
+
+    def on_frames_replayed(self, frames: list[Frame]) -> None:
+        """Frames a sentinel replay made (a compiled model's sampled batch, the batches around
+        an event): each batch's largest outputs, as a history row would hold them."""
+        try:
+            rows: dict[int, dict[int, list]] = {}
+            index = self._index
+            for frame in frames:
+                if frame.phase != "forward" or frame.module not in index:
+                    continue
+                slot = rows.setdefault(frame.batch, {}).setdefault(
+                    index[frame.module], [-math.inf, math.inf, False])
+                for entry in frame.outputs():
+                    stats = entry.stats
+                    if stats is not None:
+                        slot[0] = max(slot[0], stats.abs_max if stats.abs_max == stats.abs_max
+                                      else -math.inf)
+                        slot[2] = slot[2] or stats.nan or stats.inf
+            self._learn_dtypes(frames)
+            for batch in sorted(rows):
+                self._look(batch, rows[batch], frames)
+        except Exception as error:  # a warning must never break the run
+            self.recorder.internal_error(error)
+
+    def on_output_magnitude(self, batch: int, module: str, abs_max: float,
+                            abs_min: float) -> None:
+        try:
+            index = self._index.get(module)
+            dtype = getattr(self.root_output, "outputs_dtype", None)
+            limits = self._dtype_limits.get(dtype) or self._limits_of(dtype)
+            if limits is None or index is None:
+                return
+            if limits is not self._module_limits[index]:
+                self._tighten(index, limits)
+                self._looked_up[index] = True  # its dtype comes from the sentinel
+            last = self._last_value[index]
+            if batch > self._latest and not 0 < last < abs_max < math.inf \
+                    and not self._near[index] <= abs_max < math.inf:
+                # Most batches: no rise, far from the limit (what _look does then, without
+                # building a row for it).
+                self._latest = self._last_batch[index] = batch
+                self._last_value[index] = abs_max
+                self._rises[index] = 0
+                self._fast[index] = False
+                return
+            self._look(batch, {index: [abs_max, abs_min, False]}, (), (dtype, limits))
+        except Exception as error:  # a warning must never break the run
+            self.recorder.internal_error(error)
+
+    def _restart(self) -> None:
+        """Forget every module's run of rises (the batch numbers started again)."""
+        count = len(self._names)
+        self._last_batch[:] = [-1] * count
+        self._last_value[:] = [math.inf] * count
+        self._rises[:] = [0] * count
+        self._fast[:] = [False] * count
+        self._latest = -1
+
+    def _limits_of(self, dtype: Any) -> tuple[float, float, float] | None:
+        limits = self._dtype_limits.get(dtype, False)
+        if limits is False:
+            limits = None
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                largest = float(torch.finfo(dtype).max)
+                limits = (largest, largest / NEAR_FACTOR, largest * _EXTREME)
+            self._dtype_limits[dtype] = limits
+        return limits
+
+    def _tighten(self, index: int, limits: tuple[float, float, float]) -> None:
+        known = self._module_limits[index]
+        if known is None or limits[0] < known[0]:
+            self._module_limits[index] = limits
+            if (self._names[index], "near-limit") not in self._warned:
+                self._near[index] = limits[1]
+
+    def _learn_dtypes(self, frames: Iterable[Frame]) -> None:
+        """Each module's tightest float output dtype (float16 over float32 under autocast)."""
+        index = self._index
+        for frame in frames:
+            position = index.get(frame.module)
+            if frame.phase != "forward" or position is None:
+                continue
+            self._looked_up[position] = True
+            for entry in frame.outputs():
+                limits = self._limits_of(entry.dtype)
+                if limits is not None:
+                    self._tighten(position, limits)
+
+    def _look(self, batch: int, row: dict[int, list], frames: Iterable[Frame],
+              known: tuple[Any, tuple[float, float, float]] | None = None) -> None:
+        """A finished batch's row (module index -> [abs max, abs min, non-finite], as the
+        history holds it): extend each module's run of rises, and check the few modules that
+        could warn against the batch's frames for their exact output (``known``: the dtype and
+        limits of the values when no frames say it, the sentinel's root). A batch with a
+        NaN/Inf output warns about nothing.
+
+        This runs for every module after every batch, so it keeps to local lists and numbers:
+        a module whose abs max did not rise costs a few comparisons.
+        """
+        if batch <= self._latest:
+            return  # an earlier batch seen again (a replay): its points are in already
+        self._latest = batch
+        candidates = None
+        tainted = False
+        allowed = self._inf_allowed
+        last_batches, last_values, rises_of, fast, runs, near, growth_said, looked_up = \
+            self._state
+        inf = math.inf
+        for index, slot in row.items():
+            value = slot[0]
+            if slot[2] and index not in allowed:
+                tainted = True
+            if not looked_up[index]:
+                self._learn_dtypes(frames)  # a module seen for the first time
+            last = last_values[index]
+            last_values[index] = value
+            last_batch = last_batches[index]
+            last_batches[index] = batch
+            if not 0 < last < value < inf:  # no rise: zero, nothing finite, or not larger
+                if rises_of[index]:
+                    rises_of[index] = 0
+                    fast[index] = False
+                if near[index] <= value < inf:
+                    candidates = (candidates or []) + [index]
+                continue
+            rises = rises_of[index] = rises_of[index] + 1
+            run = runs[index]
+            if rises == 1:  # a new run: it starts at the batch before
+                run.clear()
+                run.append((last_batch, last))
+            run.append((batch, value))
+            gap = batch - last_batch
+            if value >= last * (MIN_GROWTH if gap == 1 else MIN_GROWTH ** gap):
+                fast[index] = True
+            if value >= near[index] or (rises >= MIN_RISES and fast[index]
+                                        and not growth_said[index]):
+                candidates = (candidates or []) + [index]
+        if candidates is None or tainted:
+            return
+        for index in candidates:
+            if known is not None:
+                self._decide(batch, index, row[index][0], "output", *known)
+                continue
+            exact = _largest_output(frames, self._names[index], batch)
+            if exact is not None:
+                value, role, dtype = exact
+                limits = self._limits_of(dtype)
+                if limits is not None:
+                    self._decide(batch, index, value, role, dtype, limits)
+
+    def _rate(self, index: int) -> float:
+        """Growth rate (log per batch) fitted over module ``index``'s run of rises."""
+        run = self._runs[index]
+        if not self._rises[index] or len(run) < 2:
+            return 0.0
+        return growth_rate([batch for batch, _ in run], [math.log(value) for _, value in run])
+
+    def _decide(self, batch: int, index: int, value: float, role: str, dtype: Any,
+                limits: tuple[float, float, float]) -> None:
+        """Warn about module ``index`` when its exact output (``value`` of ``dtype``) is near
+        the limit or grows fast enough to pass it within the horizon."""
+        module = self._names[index]
+        largest, near, extreme = limits
+        if not 0 < value < extreme:
+            return  # the dtype's extreme written on purpose (a mask)
+        rate = self._rate(index)
+        if value >= near and (module, "near-limit") not in self._warned:
+            self._warn(batch, module, role, "near-limit", value, dtype, largest, rate)
+            self._near[index] = math.inf  # said: no longer a candidate for it
+        if self._rises[index] >= MIN_RISES and self._fast[index] \
+                and (module, "growth") not in self._warned \
+                and rate >= _LOG_MIN_GROWTH and math.log(largest / value) <= HORIZON * rate:
+            self._warn(batch, module, role, "growth", value, dtype, largest, rate)
+            self._growth_said[index] = True
+
+    def _warn(self, batch: int, module: str, role: str, reason: str, value: float, dtype: Any,
+              largest: float, rate: float) -> None:
+        self._warned.add((module, reason))
+        # A container whose output is (or is made of) what a module inside it already warned
+        # about in this batch, or the same tensor handed on (a Sequential's output is its last
+        # child's): one warning, for the innermost module (children's frames come first).
+        said = [s for s in self._said if s[0] == batch]
+        if any(r == reason and (v == value or _inside(m, module)) for _, r, v, m in said):
+            self._said = said
+            return
+        self._said = said + [(batch, reason, value, module)]
+        growing = rate > 0
+        warning = EarlyWarning(
+            batch=batch, module=module, role=role, reason=reason, abs_max=float(value),
+            limit=largest, growth_per_batch=math.exp(rate) if growing else math.nan,
+            batches_to_limit=math.log(largest / value) / rate if growing else math.nan,
+            dtype=str(dtype).replace("torch.", ""), rank=self.recorder.rank)
+        self.warnings.append(warning)
+        self._unissued.append(warning)
+
+    # ------------------------------------------------------------------ outside the lock
+    def review_event(self, batch: int, event: Any, reason: str) -> Any:
+        if self._unissued:
+            self.issue()
+        return event
+
+    def issue(self) -> None:
+        """Issue the warnings recorded since the last call as Python warnings (once each)."""
+        with self.recorder.lock:
+            unissued, self._unissued = self._unissued, []
+        if not unissued:
+            return
+        level = _user_stacklevel()
+        for warning in unissued:
+            try:
+                warnings.warn(f"nanwidget: {warning}", EarlyWarningIssued, stacklevel=level)
+            except Exception:  # a filter that turns warnings into errors: the run goes on
+                pass
+
+    def close(self) -> None:
+        try:
+            self.issue()
+        except Exception:  # closing must always succeed
+            pass
+        self._early = []
+
+
+_DTYPES_EVERY = 64  # batches between two reads of the modules' output dtypes
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether module ``name`` lies inside module ``outer`` ("" is the root)."""
+    return name != outer and (outer == "" or name.startswith(outer + "."))
+
+
+def _largest_output(frames: Iterable[Frame], module: str,
+                    batch: int) -> tuple[float, str, Any] | None:
+    """The largest finite |x| among ``module``'s float outputs in ``batch``: value, role, dtype."""
+    best = None
+    for frame in frames:
+        if frame.module != module or frame.batch != batch or frame.phase != "forward":
+            continue
+        for entry in frame.outputs():
+            stats = entry.stats
+            dtype = entry.dtype
+            if stats is None or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                continue
+            value = stats.finite_abs_max
+            if value > 0 and (best is None or value > best[0]):
+                best = (value, entry.role, dtype)
+    return best

@@ -1,0 +1,592 @@
+"""Early warning (``early_warning=True``, the default): an output near its dtype's largest value,
+or growing geometrically towards it, is warned about before it overflows, once per module and
+reason, without stopping the run; healthy training never warns."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+from nanwidget.core.early_warning import MIN_GROWTH, EarlyWarnings, growth_rate
+from nanwidget.core.persist import RunLoadError, load_run
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: a second thread only adds overhead on a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+CONTRACT_FIELDS = ["batch", "module", "role", "reason", "abs_max", "limit", "growth_per_batch",
+                   "batches_to_limit"]
+
+
+# ---------------------------------------------------------------------------- models and data
+def _classification(count: int, dtype: torch.dtype = torch.float32) -> list[tuple]:
+    generator = torch.Generator().manual_seed(1)
+    teacher = torch.randn(16, 4, generator=generator)
+    batches = []
+    for _ in range(count):
+        x = torch.randn(32, 16, generator=generator)
+        batches.append((x.to(dtype), (x @ teacher).argmax(1)))
+    return batches
+
+
+def _regression(count: int, dtype: torch.dtype = torch.float32) -> list[tuple]:
+    generator = torch.Generator().manual_seed(3)
+    teacher = torch.randn(16, 4, generator=generator)
+    batches = []
+    for _ in range(count):
+        x = torch.randn(32, 16, generator=generator)
+        batches.append((x.to(dtype), (x @ teacher).to(dtype)))
+    return batches
+
+
+def _tokens(count: int, vocab: int = 50, length: int = 16) -> list[tuple]:
+    """Sequences that count up (next token = this one + 1): learnable, so training moves."""
+    generator = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(count):
+        start = torch.randint(0, vocab, (8, 1), generator=generator)
+        sequence = (start + torch.arange(length + 1)) % vocab
+        batches.append((sequence[:, :-1], sequence[:, 1:]))
+    return batches
+
+
+def _mlp(width: int = 32, activation: type[nn.Module] = nn.ReLU,
+         dtype: torch.dtype = torch.float32) -> nn.Module:
+    return nn.Sequential(nn.Linear(16, width), activation(), nn.Linear(width, width),
+                         activation(), nn.Linear(width, 4)).to(dtype)
+
+
+class CausalMask(nn.Module):
+    """The causal mask as a module output: -inf above the diagonal (allowed with allow_inf)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+
+
+class CausalEncoder(nn.Module):
+    """A tiny language model on nn.TransformerEncoder with a causal -inf mask."""
+
+    def __init__(self, vocab: int = 50, width: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mask = CausalMask()
+        layer = nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = self.mask(tokens)
+        return self.head(self.encoder(self.embed(tokens), mask=mask, is_causal=True))
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                       targets.reshape(-1))
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple], loss_fn,
+           steps: int, *, lr_at=None, **options) -> tuple[nw.NanWatch, list]:
+    """Train until the first NaN/Inf event (recorded, not raised); the Python warnings issued."""
+    with warnings.catch_warnings(record=True) as issued:
+        warnings.simplefilter("always")
+        with nw.watch(model, on_nan="record", **options) as watched:
+            for step in range(steps):
+                if lr_at is not None:
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr_at(step)
+                x, y = batches[step % len(batches)]
+                loss = loss_fn(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if watched.events:
+                    break
+    return watched, [w for w in issued if issubclass(w.category, nw.EarlyWarningIssued)]
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.float(), y.float())
+
+
+def _ramped_lr(peak: float, over: int = 40):
+    """A linear learning-rate warm-up to ``peak``: fine at first, too high later."""
+    return lambda step: peak * min(1.0, (step + 1) / over)
+
+
+# ---------------------------------------------------------------------------- healthy runs
+def _healthy_mlp(**options):
+    torch.manual_seed(0)
+    model = _mlp()
+    return _train(model, torch.optim.Adam(model.parameters(), 1e-3), _classification(50),
+                  nn.functional.cross_entropy, 150, **options)
+
+
+def _healthy_encoder(**options):
+    torch.manual_seed(0)
+    model = CausalEncoder()
+    return _train(model, torch.optim.Adam(model.parameters(), 1e-3), _tokens(50), _lm_loss, 150,
+                  allow_inf=["mask"], **options)
+
+
+def _healthy_gpt2(**options):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50,
+                                     n_positions=32, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)  # random weights, nothing downloaded
+    return _train(model, torch.optim.AdamW(model.parameters(), 3e-4), _tokens(50),
+                  lambda out, y: _lm_loss(out.logits, y), 100, **options)
+
+
+def _healthy_float16_mlp_sgd(**options):
+    torch.manual_seed(0)
+    model = _mlp(64, dtype=torch.float16)
+    return _train(model, torch.optim.SGD(model.parameters(), 0.05, momentum=0.9),
+                  _classification(50, torch.float16),
+                  lambda out, y: nn.functional.cross_entropy(out.float(), y), 150, **options)
+
+
+def _healthy_float16_mlp_adam(**options):
+    # Its logits grow fastest of the healthy runs (about 1.5x per batch early on).
+    torch.manual_seed(0)
+    model = _mlp(64, dtype=torch.float16)
+    return _train(model, torch.optim.Adam(model.parameters(), 1e-3, eps=1e-4),
+                  _classification(50, torch.float16),
+                  lambda out, y: nn.functional.cross_entropy(out.float(), y), 150, **options)
+
+
+HEALTHY = {"mlp": _healthy_mlp, "transformer-encoder": _healthy_encoder, "gpt2": _healthy_gpt2,
+           "float16-mlp-sgd": _healthy_float16_mlp_sgd,
+           "float16-mlp-adam": _healthy_float16_mlp_adam}
+
+
+@pytest.mark.parametrize("run", list(HEALTHY))
+def test_healthy_training_never_warns(run):
+    watched, issued = HEALTHY[run]()
+    assert watched.events == []  # it trained to the end
+    assert watched.batch >= 100
+    assert watched.warnings == [] and issued == []
+
+
+def test_healthy_training_never_warns_in_sentinel_mode_either():
+    for run in ("transformer-encoder", "float16-mlp-adam"):
+        watched, issued = HEALTHY[run](mode="sentinel", sample_every=5)
+        assert watched.events == [] and watched.warnings == [] and issued == []
+
+
+# ---------------------------------------------------------------------------- gradual failures
+def _mlp_learning_rate_blowup(**options):
+    torch.manual_seed(0)
+    model = _mlp(64, nn.Tanh)
+    return _train(model, torch.optim.SGD(model.parameters(), 0.05), _regression(50), _mse, 200,
+                  lr_at=_ramped_lr(2.0), **options)
+
+
+def _encoder_learning_rate_blowup(**options):
+    torch.manual_seed(0)
+    model = CausalEncoder()
+    return _train(model, torch.optim.SGD(model.parameters(), 20.0), _tokens(50), _lm_loss, 100,
+                  allow_inf=["mask"], **options)
+
+
+def _float16_overflow(**options):
+    torch.manual_seed(0)
+    model = _mlp(64, nn.Tanh, torch.float16)
+    return _train(model, torch.optim.SGD(model.parameters(), 0.05), _regression(50, torch.float16),
+                  _mse, 200, lr_at=_ramped_lr(2.0), **options)
+
+
+FAILING = {"mlp-learning-rate": _mlp_learning_rate_blowup,
+           "transformer-encoder-learning-rate": _encoder_learning_rate_blowup,
+           "float16-overflow": _float16_overflow}
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("run", list(FAILING))
+def test_gradual_failures_are_warned_about_two_batches_before_the_nan(run, mode):
+    watched, issued = FAILING[run](mode=mode)
+    event = watched.event
+    assert event is not None, "the run must fail for this test to mean anything"
+    first = watched.warnings[0]
+    assert first.batch <= event.batch - 2, (str(first), event.summary())
+    assert first.reason in ("growth", "near-limit") and first.abs_max < first.limit
+    if mode == "sentinel":
+        assert first.module == ""  # between sampled batches only the root's outputs are read
+    # Each record issued exactly once, as a Python warning pointing at the user's line.
+    assert [str(w.message) for w in issued] == [f"nanwidget: {w}" for w in watched.warnings]
+    assert {w.filename for w in issued} == {__file__}
+
+
+def test_the_float16_run_is_warned_about_in_float16_terms():
+    watched, _ = _float16_overflow()
+    event = watched.event
+    assert all(w.dtype == "float16" and w.limit == 65504.0 for w in watched.warnings)
+    # Its activations neared float16's largest value in the batch before the NaN.
+    near = [w for w in watched.warnings if w.reason == "near-limit"]
+    assert near and near[0].batch == event.batch - 1 and near[0].abs_max >= 65504 / 4
+
+
+def test_a_growth_warning_says_how_fast_and_how_soon():
+    watched, _ = _encoder_learning_rate_blowup()
+    warning = next(w for w in watched.warnings if w.reason == "growth")
+    assert warning.growth_per_batch >= MIN_GROWTH
+    assert warning.limit == float(torch.finfo(torch.float32).max)
+    expected = math.log(warning.limit / warning.abs_max) / math.log(warning.growth_per_batch)
+    assert warning.batches_to_limit == pytest.approx(expected)
+    assert 0 < warning.batches_to_limit <= 50
+    # The history agrees: the module's abs max did grow that fast up to the warning.
+    history = watched.history()
+    rows = history[(history["module"] == warning.module) & (history["batch"] <= warning.batch)]
+    values = rows.sort_values("batch")["abs_max"].tolist()
+    assert values[-1] == pytest.approx(warning.abs_max)
+    assert values[-1] / values[-4] >= MIN_GROWTH ** 3
+
+
+# ---------------------------------------------------------------------------- the two reasons
+class Scaled(nn.Module):
+    """A float16 layer whose output is multiplied by ``gain``: the test raises it each batch."""
+
+    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).to(dtype)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.gain
+
+
+def _grow(model: Scaled, factor: float, batches: int, **options) -> nw.NanWatch:
+    x = torch.randn(4, 8).to(model.fc.weight.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model, on_nan="record", **options) as watched:
+            for _ in range(batches):
+                model(x)
+                model.gain *= factor
+                if watched.events:
+                    break
+    return watched
+
+
+def test_a_slow_float16_growth_is_warned_about_near_the_limit():
+    watched = _grow(Scaled(), 1.5, 60)
+    assert watched.event is not None and watched.event.kind == "inf"
+    first = watched.warnings[0]
+    # 1.5x per batch is under the growth threshold: the near-limit check says it, in time.
+    assert first.reason == "near-limit" and first.batch <= watched.event.batch - 2
+    assert 65504 / 4 <= first.abs_max < 65504 and first.dtype == "float16"
+    assert first.growth_per_batch == pytest.approx(1.5, rel=0.01)
+    assert first.batches_to_limit == pytest.approx(
+        math.log(65504 / first.abs_max) / math.log(first.growth_per_batch))
+    assert [w.reason for w in watched.warnings] == ["near-limit"]  # once per module and reason
+    assert {w.module for w in watched.warnings} == {""}  # the gain is the root's own
+
+
+def test_a_fast_growth_is_warned_about_long_before_the_limit():
+    watched = _grow(Scaled(torch.float32), 10.0, 60)
+    assert watched.event is not None
+    growth = [w for w in watched.warnings if w.reason == "growth"]
+    assert growth and growth[0].batch == 3  # three rises in a row, the earliest it can tell
+    assert growth[0].growth_per_batch == pytest.approx(10.0, rel=0.01)
+    assert growth[0].abs_max < 1e6 and watched.event.batch - growth[0].batch > 30
+
+
+@pytest.mark.parametrize("factor", [1.2, 1.9])
+def test_growth_slower_than_the_threshold_is_no_growth_warning(factor):
+    watched = _grow(Scaled(torch.float32), factor, 40)
+    assert watched.warnings == []
+
+
+class Spiky(nn.Module):
+    """Outputs of a steady size with one huge spike (a bad batch, not a trend)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fc(x) * (1e12 if self.calls == 6 else 1.0)
+
+
+def test_a_one_batch_spike_is_not_a_growth():
+    model = Spiky()
+    with nw.watch(model) as watched:
+        for _ in range(20):
+            model(torch.randn(4, 8))
+    assert watched.warnings == []
+
+
+class Masked(nn.Module):
+    """Fills masked scores with the dtype's most negative value, as attention code does."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.fc(x)
+        mask = torch.ones_like(scores, dtype=torch.bool).triu(1)
+        return scores.masked_fill(mask, torch.finfo(scores.dtype).min)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_mask_at_the_dtype_extreme_is_not_near_the_limit(dtype):
+    model = Masked(dtype)
+    with nw.watch(model) as watched:
+        for _ in range(10):
+            model(torch.randn(4, 8).to(dtype))
+    assert watched.history()["abs_max"].max() == float(torch.finfo(dtype).max)
+    assert watched.warnings == []
+
+
+def test_growth_rate_is_the_median_of_the_pairwise_slopes():
+    logs = [0.0, 1.0, 2.0, 3.0, 30.0]  # one odd batch in five does not make the trend
+    assert growth_rate([0, 1, 2, 3, 4], logs) == pytest.approx(1.0)
+    assert growth_rate([0, 2, 4], [0.0, 2.0, 4.0]) == pytest.approx(1.0)  # per batch, not point
+
+
+# ---------------------------------------------------------------------------- never stopping
+def test_a_warning_never_stops_the_run_even_when_warnings_are_errors():
+    model = Scaled(torch.float32)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nw.EarlyWarningIssued)
+        with nw.watch(model, on_nan="record") as watched:
+            for _ in range(8):
+                model(x)
+                model.gain *= 10.0
+    assert watched.batch == 8 and watched.warnings and watched.events == []
+
+
+def test_no_early_warning_when_turned_off():
+    with warnings.catch_warnings(record=True) as issued:
+        warnings.simplefilter("always")
+        watched = _grow(Scaled(), 1.5, 60, early_warning=False)
+    assert watched.event is not None
+    assert watched.warnings == [] and watched.parts.early_warning is None
+    assert not watched.early_warning
+    assert not [w for w in issued if issubclass(w.category, nw.EarlyWarningIssued)]
+    assert not any(isinstance(f, EarlyWarnings) for f in watched.recorder.features)
+
+
+def test_a_batch_that_already_holds_the_nan_gets_no_warning():
+    watched = _grow(Scaled(), 300.0, 10)  # 1 -> 300 -> 9e4: overflows with no batch in between
+    assert watched.event is not None and watched.warnings == []
+
+
+# ---------------------------------------------------------------------------- showing them
+def test_warnings_tabulate_and_read_in_one_line():
+    watched = _grow(Scaled(), 1.5, 60)
+    table = pd.DataFrame(watched.warnings)
+    assert list(table.columns[:len(CONTRACT_FIELDS)]) == CONTRACT_FIELDS
+    assert table.loc[0, "module"] == "" and table.loc[0, "reason"] == "near-limit"
+    text = str(watched.warnings[0])
+    assert "\n" not in text and text.startswith("early warning, batch ")
+    assert "'<root>'" in text and "float16" in text and "65504" in text
+
+
+def test_a_recording_keeps_the_warnings(tmp_path):
+    watched = _grow(Scaled(), 1.5, 60, log_dir=tmp_path / "run")
+    loaded = load_run(tmp_path / "run").warnings
+    assert [str(w) for w in loaded] == [str(w) for w in watched.warnings] != []
+    assert pd.DataFrame(loaded).equals(pd.DataFrame(watched.warnings))
+
+
+def test_a_warning_is_on_disk_at_the_end_of_its_batch(tmp_path):
+    model = Scaled(torch.float32)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        watched = nw.watch(model, log_dir=tmp_path)
+        for _ in range(4):
+            model(x)
+            model.gain *= 10.0
+        assert watched.warnings
+        assert [str(w) for w in load_run(tmp_path).warnings] == [str(w) for w in watched.warnings]
+        watched.close()
+
+
+def test_recordings_without_warnings_load_with_none(tiny_mlp, tmp_path):
+    with nw.watch(tiny_mlp, log_dir=tmp_path / "off", early_warning=False):
+        tiny_mlp(torch.randn(2, 16))
+    assert not list((tmp_path / "off").rglob("warnings.json"))
+    assert load_run(tmp_path / "off").warnings == []
+
+
+@pytest.mark.parametrize("damage", [
+    {"format": "something else", "warnings": []},
+    {"format": "nanwidget-warnings", "version": 1, "warnings": [{"batch": "3"}]},
+    {"format": "nanwidget-warnings", "version": 1, "warnings": "none"},
+])
+def test_a_damaged_warnings_file_is_named(tmp_path, damage):
+    _grow(Scaled(), 1.5, 60, log_dir=tmp_path)
+    path = next(tmp_path.rglob("warnings.json"))
+    path.write_text(json.dumps(damage))
+    with pytest.raises(RunLoadError, match="warnings.json"):
+        load_run(tmp_path)
+
+
+def test_a_warning_of_an_unknown_reason_is_refused(tmp_path):
+    _grow(Scaled(), 1.5, 60, log_dir=tmp_path)
+    path = next(tmp_path.rglob("warnings.json"))
+    data = json.loads(path.read_text())
+    data["warnings"][0]["reason"] = "gut feeling"
+    path.write_text(json.dumps(data))
+    with pytest.raises(RunLoadError, match="reason"):
+        load_run(tmp_path)
+
+
+def test_sentinel_mode_reads_every_module_on_sampled_batches():
+    model = nn.Sequential(Scaled(), nn.Identity())
+    x = torch.randn(4, 8).half()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model, on_nan="record", mode="sentinel", sample_every=4) as watched:
+            for _ in range(60):
+                model(x)
+                model[0].gain *= 1.5
+                if watched.events:
+                    break
+    modules = {w.module for w in watched.warnings}
+    assert "" in modules  # the root, read every batch
+    assert modules <= {"", "0", "0.fc", "1"}
+    assert all(w.batch % 4 == 0 for w in watched.warnings if w.module)  # sampled batches only
+
+
+def test_the_python_warning_category_is_a_user_warning():
+    assert issubclass(nw.EarlyWarningIssued, UserWarning)
+    assert nw.EarlyWarning.__dataclass_fields__.keys() >= set(CONTRACT_FIELDS)
+
+
+def test_manual_batch_numbers_are_followed():
+    model = Scaled(torch.float32)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model) as watched:
+            for batch in range(0, 40, 5):  # every 5th batch runs: 10x per 5 batches is slow
+                watched.set_batch(batch)
+                model(x)
+                model.gain *= 10.0
+    assert watched.warnings == []  # 10x per 5 batches is 1.6x per batch: no growth
+
+
+# ---------------------------------------------------------------------------- plots and browser
+def _warned_without_event() -> nw.NanWatch:
+    """A root whose output grows 10x per batch: a growth warning at batch 3, no NaN yet."""
+    return _grow(Scaled(torch.float32), 10.0, 6)
+
+
+def test_the_history_plot_marks_each_warning_and_the_first_one():
+    from nanwidget.plots import plot_history
+    watched = _warned_without_event()
+    assert watched.events == [] and len(watched.warnings) == 1
+    warning = watched.warnings[0]
+    for given in (watched.warnings, pd.DataFrame(watched.warnings)):
+        ax = plot_history(watched.history(), [""], warnings=given).axes[0]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "early warning" in legend and f"first warning: batch {warning.batch}" in legend
+        rings = [line for line in ax.lines if line.get_label() == "early warning"]
+        assert [tuple(xy) for xy in rings[0].get_xydata()] == [(warning.batch, warning.abs_max)]
+    # A warning on a module that is not drawn is not marked.
+    ax = plot_history(watched.history(), ["fc"], warnings=watched.warnings).axes[0]
+    assert "early warning" not in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_the_browser_shows_the_warnings_of_a_watch_and_of_a_recording(tmp_path):
+    from nanwidget.widgets import FrameBrowser
+    model = Scaled(torch.float32)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model, log_dir=tmp_path) as watched:
+            for _ in range(6):
+                model(x)
+                model.gain *= 10.0
+    for source in (watched, load_run(tmp_path)):
+        browser = FrameBrowser(source)
+        assert "early warning, batch 3: output of '&lt;root&gt;'" in browser.status.value
+        assert "nw-warning" in browser.status.value and "no NaN/Inf seen" in browser.status.value
+        browser.plot_choice.value = "history"
+        assert bytes(browser.history_image.value).startswith(b"\x89PNG")
+        assert "early warning, batch 3" in browser.static_html()
+
+
+class Classifier(nn.Module):
+    """Returns class ids (an integer output) next to logits that grow 10x a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.fc(x)
+        return logits, logits.argmax(-1)
+
+
+def test_integer_outputs_are_no_trend_and_float_ones_still_warn():
+    model = Classifier()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model) as watched:
+            for _ in range(6):
+                model(x)
+                with torch.no_grad():
+                    model.fc.weight.mul_(10.0)
+    assert [(w.module, w.role, w.reason) for w in watched.warnings] == [("fc", "output", "growth")]
+
+
+def test_the_report_command_lists_the_warnings_before_the_events(tmp_path, capsys):
+    from nanwidget.cli import main as cli_main
+    watched = _grow(Scaled(), 1.5, 60, log_dir=tmp_path)
+    assert cli_main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert str(watched.warnings[0]) in out
+    assert out.index(str(watched.warnings[0])) < out.index("=== event 1 of 1")
+
+
+def test_an_output_that_starts_at_zero_grows_from_its_first_nonzero_value():
+    """A zero-initialised output (a LoRA B matrix, a ReZero gate) is no run of rises from 0."""
+    model = Scaled(torch.float32)
+    model.gain = 0.0
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as issued:
+        warnings.simplefilter("always")
+        with nw.watch(model) as watched:
+            for batch in range(8):
+                model(x)
+                model.gain = 10.0 ** batch  # 0, then 1, 10, 100, ...
+    assert not [w for w in issued if "internal error" in str(w.message)]
+    growth = [w for w in watched.warnings if w.reason == "growth"]
+    assert growth and growth[0].batch == 4  # rises at batches 2, 3 and 4: the zero is no start
+
+
+def test_batch_numbers_that_start_again_start_a_new_series():
+    """set_batch(i) with i counted within each epoch: every epoch is looked at again."""
+    model = Scaled(torch.float32)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model) as watched:
+            for epoch in range(2):
+                for batch in range(5):
+                    watched.set_batch(batch)
+                    model(x)
+                    model.gain *= 10.0 if epoch == 1 else 1.0
+    assert [(w.batch, w.reason) for w in watched.warnings] == [(3, "growth")]
