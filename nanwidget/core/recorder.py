@@ -64,6 +64,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from .copies import copy_without_watch, stop_copying_without_watch
 from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
@@ -343,9 +344,11 @@ class Recorder:
             for info in self.modules:
                 self._infos[id(info.module)] = info
                 _WATCHED[info.module] = weakref.ref(self)
+                copy_without_watch(info.module)
             if self.entry is not model:
                 self._infos[id(self.entry)] = self.modules[0]
                 _WATCHED[self.entry] = weakref.ref(self)
+                copy_without_watch(self.entry)
             self._install_root_hooks()
             if not root_only:
                 self.attach_module_hooks()
@@ -1033,6 +1036,7 @@ class Recorder:
                 reference = _WATCHED.get(module)
                 if reference is not None and reference() is self:
                     del _WATCHED[module]
+                    stop_copying_without_watch(module)
             features = list(reversed(self._features))
         for feature in features:
             try:

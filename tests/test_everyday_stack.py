@@ -1,0 +1,104 @@
+"""The stack people use around a watched model: copies and checkpoints, caches passed to the
+forward and replayed, exporters and tracers, TorchScript parts, tensor subclasses, compiled
+wrappers, recordings that outlive the watch (issue 23). Each in full and sentinel mode where
+both apply."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+from nanwidget.core.copies import is_nanwidget_hook
+
+from conftest import TinyMLP, hook_count
+
+MODES = ["full", "sentinel"]
+
+
+def _nanwidget_hooks(model: nn.Module) -> int:
+    """Hooks of nanwidget's own on any module of ``model``."""
+    return sum(is_nanwidget_hook(hook) for module in model.modules()
+               for table in (module._forward_hooks, module._forward_pre_hooks)
+               for hook in table.values())
+
+
+# ------------------------------------------------------------------ copies (item 6)
+def _users_own_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    return None
+
+
+def _copies(model: nn.Module) -> dict[str, nn.Module]:
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    return {"deepcopy": copy.deepcopy(model), "pickle": pickle.loads(pickle.dumps(model)),
+            "torch.save": torch.load(saved, weights_only=False)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_watched_model_copies_pickles_and_saves_unwatched_and_stays_watched(mode):
+    model = TinyMLP()
+    model.fc2.register_forward_hook(_users_own_hook)
+    x = torch.randn(4, 16)
+    with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+        model(x).sum().backward()
+        copies = _copies(model)
+        for how, twin in copies.items():
+            assert _nanwidget_hooks(twin) == 0, how
+            assert list(twin.fc2._forward_hooks.values()) == [_users_own_hook], how
+            assert "__getstate__" not in twin.__dict__, how
+            assert torch.equal(twin(x), model(x)), how
+            with torch.no_grad():
+                twin.fc2.bias[0] = float("nan")  # the copy is not watched: no event
+            twin(x)
+        assert w.events == [] and _nanwidget_hooks(model) > 0
+        with torch.no_grad():
+            model.fc2.bias[0] = float("nan")
+        model(x)
+    assert (w.event.module, w.event.role) == ("fc2", "bias")
+    assert hook_count(model) == 1 and "__getstate__" not in model.__dict__
+
+
+def test_an_ema_copy_every_step_and_a_best_model_checkpoint_under_a_watch():
+    model = TinyMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16)
+    with nw.watch(model, mode="sentinel", backward=True) as w:
+        ema = torch.optim.swa_utils.AveragedModel(model)  # deep-copies the watched model
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+            ema.update_parameters(model)
+            best = copy.deepcopy(model)
+        assert w.batch == 3 and _nanwidget_hooks(ema) == 0 and _nanwidget_hooks(best) == 0
+        assert torch.equal(best(x), model(x))
+
+
+def test_a_saved_watched_model_loads_where_nanwidget_is_not_imported(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with nw.watch(model, backward=True):
+        torch.save(model, tmp_path / "model.pt")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)
+        out = model(torch.ones(1, 4))
+        assert "nanwidget" not in sys.modules, "unpickling imported nanwidget"
+        print(sum(len(m._forward_hooks) for m in model.modules()), tuple(out.shape))
+        """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "(1,", "2)"]
