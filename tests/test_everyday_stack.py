@@ -102,3 +102,41 @@ def test_a_saved_watched_model_loads_where_nanwidget_is_not_imported(tmp_path):
                           env=env, cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["0", "(1,", "2)"]
+
+
+# ------------------------------------------------------------------ tracers (item 8)
+def _graph_sizes(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.trace's deprecation and tracer notes
+        return {
+            "export": len(torch.export.export(model, (x,)).graph.nodes),
+            "export strict": len(torch.export.export(model, (x,), strict=True).graph.nodes),
+            "fx": len(torch.fx.symbolic_trace(model).graph.nodes),
+            "jit": len(list(torch.jit.trace(model, (x,)).graph.nodes())),
+        }
+
+
+class _InplaceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exporters_and_tracers_see_the_unwatched_model(mode):
+    model = _InplaceNet()
+    x = torch.randn(2, 16)
+    unwatched = _graph_sizes(model, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, mode=mode, backward=True) as w:
+            assert _graph_sizes(model, x) == unwatched
+            assert w.batch == 0 and w.frames().empty and w.held_batches() == []
+            model(x).sum().backward()  # the watch records again once the tracers are done
+            assert w.batch == 1 and w.held_batches() == [0]
+            assert not w.frames().empty or mode == "sentinel"
+    nanwidget_notes = [str(c.message) for c in caught if "nanwidget" in str(c.message)]
+    assert nanwidget_notes == []  # no internal error, no GuardOnDataDependentSymNode

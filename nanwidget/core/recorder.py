@@ -106,6 +106,53 @@ class CompiledCallError(RuntimeError):
     """A watched module runs inside compiled code that the watch was not made for."""
 
 
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
+# What torch.compiler.is_exporting() returns, read as an attribute on every module call.
+_export_flag = torch.compiler if hasattr(torch.compiler, "_is_exporting_flag") else \
+    type("_NoExport", (), {"_is_exporting_flag": False})
+_jit_tracing_state = getattr(torch._C, "_get_tracing_state", lambda: None)
+
+
+def _fx_symbolic_tracing() -> bool:
+    symbolic = sys.modules.get("torch.fx._symbolic_trace")
+    probe = getattr(symbolic, "is_fx_symbolic_tracing", None)
+    return probe is not None and bool(probe())
+
+
+def tracing() -> bool:
+    """Whether a tracer is running the model to capture a graph of it (``torch.export``,
+    ``torch.jit.trace``, ``torch.fx.symbolic_trace``): a watch stands aside, so that nothing of
+    its own lands in the graph and the capture counts as no batch. ``is_exporting`` comes first:
+    under ``torch.export``'s strict mode Dynamo traces the hook, reads it as a constant and
+    never looks at the rest."""
+    return _is_exporting() or _jit_tracing_state() is not None or _fx_symbolic_tracing()
+
+
+_trace_check: list[Any] = []  # the code object of torch.jit.trace's check run, once found
+
+
+def _checking_a_trace(caller: Any) -> bool:
+    """Whether ``torch.jit.trace`` (``check_trace=True``) is running the model eagerly to
+    compare it with the trace it just made: part of tracing, not a batch. ``caller``: the frame
+    that called the root module's hooks."""
+    if not _trace_check:
+        check = getattr(sys.modules.get("torch.jit._trace"), "_check_trace", None)
+        check = getattr(check, "__wrapped__", check)  # under torch.no_grad()'s decorator
+        consts = getattr(getattr(check, "__code__", None), "co_consts", ())
+        _trace_check.append(next((c for c in consts if getattr(c, "co_name", "") ==
+                                  "run_mod_and_filter_tensor_outputs"), None))
+    code = _trace_check[0]
+    frame = caller
+    for _ in range(4):  # the hooks' caller, Module.__call__, then the check's own function
+        if frame is None or code is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _in_optimized_module() -> bool:
     """Whether a ``torch.compile`` wrapper's call is running its compiled code (not while
     ``torch.compiler.set_stance("force_eager")`` runs it eagerly, hooks included)."""
@@ -279,6 +326,7 @@ class Recorder:
         weakref.finalize(self, self._step_tracking.release)
         self._suspended = 0
         self._suspended_thread: int | None = None
+        self._aside_thread: int | None = None  # a tracer runs the model on it (see tracing())
         self._aborted = False
         self._warned_internal = False
         # Batch state: one forward at a time (see the module docstring).
@@ -493,8 +541,9 @@ class Recorder:
 
     @property
     def suspended(self) -> bool:
-        """True while a :meth:`suspend` block runs (a trace-mode replay)."""
-        return self._suspended > 0
+        """True while a :meth:`suspend` block runs (a trace-mode replay), or while a tracer
+        runs the model (``torch.export``, ``torch.jit.trace``: the watch stands aside)."""
+        return self._suspended > 0 or self._aside_thread is not None
 
     @property
     def lock(self) -> threading.RLock:
@@ -558,10 +607,17 @@ class Recorder:
             # The compile wrapper is called: off with the original module's hooks before its
             # compiled code runs (Dynamo would trace them if it compiled now).
             self.detach_direct_call_hooks()
+        if _is_exporting():
+            # Strict export runs this hook under Dynamo: nothing to do but return.
+            return None if _dynamo_compiling() else self._stand_aside()
+        if self._aside_thread is not None:
+            self._aside_thread = None  # a traced call that never returned (it raised past us)
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
         if "torch._dynamo" in sys.modules:
             self._refuse_compiled_call()
+        if tracing() or _checking_a_trace(sys._getframe(1)):
+            return self._stand_aside()
         refusal = None
         try:
             with self._lock:
@@ -603,6 +659,12 @@ class Recorder:
                 "a watch records one forward at a time (frames of two threads would mix in one "
                 "batch). Run the forwards one after the other, or watch a separate model copy "
                 "per thread")
+        return None
+
+    def _stand_aside(self) -> None:
+        """A tracer runs the model (see :func:`tracing`): no batch starts, nothing is
+        recorded; features read :attr:`suspended` as True until the root call returns."""
+        self._aside_thread = _get_ident()
         return None
 
     def _refuse_compiled_call(self) -> None:
@@ -655,7 +717,11 @@ class Recorder:
         info.pre_entries.append(entries)
 
     def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if _is_exporting():
+            return None
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
+            return None
+        if not self._root_depth and (self._aside_thread is not None or tracing()):
             return None
         try:
             with self._lock:
@@ -665,6 +731,8 @@ class Recorder:
         return None
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if _export_flag._is_exporting_flag:
+            return None  # torch.export traces the model (under Dynamo, in strict mode)
         info = self._infos.get(id(module))
         if info is None or self._closed:
             return None
@@ -674,6 +742,10 @@ class Recorder:
         if self._root_thread != thread or not self._root_depth:
             if _graph_task_id() >= 0:
                 return None  # a recomputation during backward (torch.utils.checkpoint)
+            if self._aside_thread == thread or tracing():
+                if info.is_root:
+                    self._aside_thread = None
+                return None  # a tracer runs the model: the watch stands aside
             # Not inside this thread's own root forward: a call refused with
             # ConcurrentForwardError unwinds through always_call hooks, recording nothing.
             if isinstance(sys.exc_info()[1], (ConcurrentForwardError, CompiledCallError)):
