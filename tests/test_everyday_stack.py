@@ -140,3 +140,26 @@ def test_exporters_and_tracers_see_the_unwatched_model(mode):
             assert not w.frames().empty or mode == "sentinel"
     nanwidget_notes = [str(c.message) for c in caught if "nanwidget" in str(c.message)]
     assert nanwidget_notes == []  # no internal error, no GuardOnDataDependentSymNode
+
+
+# ------------------------------------------------------------------ compiled wrappers (item 11)
+def test_watching_the_original_of_an_already_compiled_container_refuses_the_compiled_call():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    compiled_model = torch.compile(model, backend="eager")  # Dynamo's part only: fast
+    x = torch.randn(4, 16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled_model(x)  # compiled before the watch: Dynamo inlined the container's call
+        bad = x.clone()
+        bad[0, 0] = float("nan")
+        for mode in MODES:
+            with nw.watch(model, mode=mode) as w:
+                with pytest.raises(nw.CompiledCallError, match=r"you watched cm._orig_mod"):
+                    compiled_model(bad)  # would run compiled code with no hook: NaN unseen
+                assert w.events == [] and w.batch == 0
+                assert _nanwidget_hooks(copy.deepcopy(compiled_model)) == 0
+                with torch.compiler.set_stance("force_eager"):
+                    compiled_model(x)  # run eagerly: the hooks run, the batch counts
+                assert w.batch == 1
+            assert hook_count(compiled_model) == 0 and "__getstate__" not in vars(compiled_model)
+            assert torch.isnan(compiled_model(bad)).any()  # closed: the compiled call runs

@@ -69,6 +69,8 @@ from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
+from .graph_capture import checking_a_trace, compile_wrappers_of, dynamo_compiling, \
+    export_flag, is_exporting, tracing
 from .ranks import current_rank
 from .records import Finding, Records
 from .state import watched_modules
@@ -106,51 +108,8 @@ class CompiledCallError(RuntimeError):
     """A watched module runs inside compiled code that the watch was not made for."""
 
 
-_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
-_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
-# What torch.compiler.is_exporting() returns, read as an attribute on every module call.
-_export_flag = torch.compiler if hasattr(torch.compiler, "_is_exporting_flag") else \
-    type("_NoExport", (), {"_is_exporting_flag": False})
-_jit_tracing_state = getattr(torch._C, "_get_tracing_state", lambda: None)
-
-
-def _fx_symbolic_tracing() -> bool:
-    symbolic = sys.modules.get("torch.fx._symbolic_trace")
-    probe = getattr(symbolic, "is_fx_symbolic_tracing", None)
-    return probe is not None and bool(probe())
-
-
-def tracing() -> bool:
-    """Whether a tracer is running the model to capture a graph of it (``torch.export``,
-    ``torch.jit.trace``, ``torch.fx.symbolic_trace``): a watch stands aside, so that nothing of
-    its own lands in the graph and the capture counts as no batch. ``is_exporting`` comes first:
-    under ``torch.export``'s strict mode Dynamo traces the hook, reads it as a constant and
-    never looks at the rest."""
-    return _is_exporting() or _jit_tracing_state() is not None or _fx_symbolic_tracing()
-
-
-_trace_check: list[Any] = []  # the code object of torch.jit.trace's check run, once found
-
-
-def _checking_a_trace(caller: Any) -> bool:
-    """Whether ``torch.jit.trace`` (``check_trace=True``) is running the model eagerly to
-    compare it with the trace it just made: part of tracing, not a batch. ``caller``: the frame
-    that called the root module's hooks."""
-    if not _trace_check:
-        check = getattr(sys.modules.get("torch.jit._trace"), "_check_trace", None)
-        check = getattr(check, "__wrapped__", check)  # under torch.no_grad()'s decorator
-        consts = getattr(getattr(check, "__code__", None), "co_consts", ())
-        _trace_check.append(next((c for c in consts if getattr(c, "co_name", "") ==
-                                  "run_mod_and_filter_tensor_outputs"), None))
-    code = _trace_check[0]
-    frame = caller
-    for _ in range(4):  # the hooks' caller, Module.__call__, then the check's own function
-        if frame is None or code is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+_INSIDE_A_WRAPPER = ("runs inside a torch.compile'd model: you watched cm._orig_mod (or compiled "
+                     "the model after nw.watch()) and called the compiled one")
 
 
 def _in_optimized_module() -> bool:
@@ -348,6 +307,8 @@ class Recorder:
         self._direct_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._direct_call = False  # the running (or last) batch came through them
         self._module_handles: list[torch.utils.hooks.RemovableHandle] = []
+        # torch.compile wrappers whose calls are refused (see _refuse_wrapper_call).
+        self._wrappers: list[weakref.ref[nn.Module]] = []
         self._infos: dict[int, ModuleInfo] = {}
         # A module compiled in place (module.compile()) runs its hooks under Dynamo's frame
         # callback: its root hooks are wrapped so Dynamo never traces them (no graph, no break).
@@ -519,6 +480,11 @@ class Recorder:
         self._handles.append(entry.register_forward_pre_hook(pre_hook, with_kwargs=True))
         self._handles.append(entry.register_forward_hook(
             forward_hook, with_kwargs=True, always_call=True, prepend=is_fsdp_unit(entry)))
+        if entry is self.model:
+            for wrapper in compile_wrappers_of(entry):
+                self._handles.append(wrapper.register_forward_pre_hook(self._refuse_wrapper_call))
+                copy_without_watch(wrapper)
+                self._wrappers.append(weakref.ref(wrapper))
 
     def _records_frames(self) -> bool:
         """Whether this batch's frames are recorded (always, unless ``root_only`` and no
@@ -607,16 +573,16 @@ class Recorder:
             # The compile wrapper is called: off with the original module's hooks before its
             # compiled code runs (Dynamo would trace them if it compiled now).
             self.detach_direct_call_hooks()
-        if _is_exporting():
+        if is_exporting():
             # Strict export runs this hook under Dynamo: nothing to do but return.
-            return None if _dynamo_compiling() else self._stand_aside()
+            return None if dynamo_compiling() else self._stand_aside()
         if self._aside_thread is not None:
             self._aside_thread = None  # a traced call that never returned (it raised past us)
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
         if "torch._dynamo" in sys.modules:
             self._refuse_compiled_call()
-        if tracing() or _checking_a_trace(sys._getframe(1)):
+        if tracing() or checking_a_trace(sys._getframe(1)):
             return self._stand_aside()
         refusal = None
         try:
@@ -676,16 +642,27 @@ class Recorder:
                 and not self._compiled_in_place and not _forced_eager(eval_frame):
             how = "was compiled in place with module.compile() after nw.watch()"
         elif self.entry is model and _in_optimized_module():
-            how = ("runs inside a torch.compile'd model: you watched cm._orig_mod (or compiled the "
-                   "model after nw.watch()) and called the compiled one")
+            how = _INSIDE_A_WRAPPER
         else:
             return
-        raise CompiledCallError(
-            f"nanwidget: the watched model ({type(model).__name__}) {how}. Compiled code skips "
-            "the hooks of the modules inside it, so this watch would miss NaNs silently (and "
-            "Dynamo tracing its hooks makes compiling slow). Close this watch (w.close()) and "
-            "watch the compiled model itself, after compiling: w = nw.watch(compiled_model) "
+        raise self._compiled_call_error(how)
+
+    def _compiled_call_error(self, how: str) -> CompiledCallError:
+        return CompiledCallError(
+            f"nanwidget: the watched model ({type(self.model).__name__}) {how}. Compiled code "
+            "skips the hooks of the modules inside it, so this watch would miss NaNs silently "
+            "(and Dynamo tracing its hooks makes compiling slow). Close this watch (w.close()) "
+            "and watch the compiled model itself, after compiling: w = nw.watch(compiled_model) "
             "(sentinel mode: no graph break, full detail by an eager replay)")
+
+    def _refuse_wrapper_call(self, wrapper: nn.Module, args: tuple) -> None:
+        """On a ``torch.compile`` wrapper of the watched model that compiled it before the
+        watch (see :func:`~nanwidget.core.graph_capture.compile_wrappers_of`): its compiled
+        code would run the model without any hook, so its calls are refused before it runs."""
+        if self._closed or self._skip_this_thread() \
+                or _forced_eager(sys.modules.get("torch._dynamo.eval_frame")):
+            return None  # closed, a replay, or set_stance("force_eager"): the hooks run
+        raise self._compiled_call_error(_INSIDE_A_WRAPPER)
 
     def _root_call_running(self, new_call: Any) -> bool:
         """Whether the outermost root call that opened the batch is still on its thread's
@@ -717,7 +694,7 @@ class Recorder:
         info.pre_entries.append(entries)
 
     def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if _is_exporting():
+        if is_exporting():
             return None
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
             return None
@@ -731,7 +708,7 @@ class Recorder:
         return None
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if _export_flag._is_exporting_flag:
+        if export_flag._is_exporting_flag:
             return None  # torch.export traces the model (under Dynamo, in strict mode)
         info = self._infos.get(id(module))
         if info is None or self._closed:
@@ -1109,6 +1086,10 @@ class Recorder:
                 if reference is not None and reference() is self:
                     del _WATCHED[module]
                     stop_copying_without_watch(module)
+            for reference in self._wrappers:
+                wrapper = reference()
+                if wrapper is not None:
+                    stop_copying_without_watch(wrapper)
             features = list(reversed(self._features))
         for feature in features:
             try:
