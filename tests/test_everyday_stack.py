@@ -163,3 +163,76 @@ def test_watching_the_original_of_an_already_compiled_container_refuses_the_comp
                 assert w.batch == 1
             assert hook_count(compiled_model) == 0 and "__getstate__" not in vars(compiled_model)
             assert torch.isnan(compiled_model(bad)).any()  # closed: the compiled call runs
+
+
+# ------------------------------------------------------------------ TorchScript, exported (item 9)
+class _SqrtBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.shift = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(self.lin(x).square() + self.shift)  # NaN once shift is very negative
+
+
+class _WithChild(nn.Module):
+    def __init__(self, child: nn.Module) -> None:
+        super().__init__()
+        self.a, self.child, self.b = nn.Linear(16, 16), child, nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.child(self.a(x)))
+
+
+def _torchscript(kind: str, x: torch.Tensor) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit's deprecation notes
+        block = _SqrtBlock()
+        return torch.jit.script(block) if kind == "script" else torch.jit.trace(block, (x,))
+
+
+@pytest.mark.parametrize("kind", ["script", "trace"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_torchscript_child_is_watched_as_one_module_and_replayed(kind, mode):
+    x = torch.randn(4, 16)
+    model = _WithChild(_torchscript(kind, x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+            model(x).sum().backward()
+            assert w.module_names == ["", "a", "child", "b"] and w.events == []
+            with torch.no_grad():
+                model.child.shift.fill_(-100.0)  # sqrt of negative numbers, inside TorchScript
+            model(x).sum().backward()
+            trace = w.replay(1)
+    assert [str(c.message) for c in caught if "nanwidget" in str(c.message)] == []
+    event = w.event
+    assert (event.batch, event.module, event.role, event.origin) == (1, "child", "output",
+                                                                      "output")
+    assert (trace.first_bad["op"], trace.first_bad["module"]) == ("sqrt", "child")
+    child_frame = w.frames().query("module == 'child' and phase == 'forward'")
+    assert {"lin.weight", "lin.bias", "shift", "input[0]", "output"} <= set(child_frame["role"])
+    assert hook_count(model) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_weight_inside_a_torchscript_child_is_named(mode):
+    x = torch.randn(4, 16)
+    model = _WithChild(_torchscript("trace", x))
+    with torch.no_grad():
+        model.child.lin.bias[3] = float("nan")
+    with nw.watch(model, mode=mode, on_nan="record") as w:
+        model(x)
+    assert (w.event.module, w.event.role, w.event.origin) == ("child", "lin.bias", "weight")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_exported_programs_module_names_the_nan_parameter(mode):
+    x = torch.randn(4, 16)
+    exported = torch.export.export(TinyMLP(), (x,)).module()
+    with torch.no_grad():
+        exported.get_submodule("fc2").bias[1] = float("nan")
+    with nw.watch(exported, mode=mode, on_nan="record") as w:
+        exported(x)
+    assert (w.event.module, w.event.role, w.event.origin) == ("", "fc2.bias", "weight")

@@ -71,6 +71,7 @@ from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
 from .graph_capture import checking_a_trace, compile_wrappers_of, dynamo_compiling, \
     export_flag, is_exporting, tracing
+from .opaque import add_forward_hook, add_forward_pre_hook, inside_torchscript, weights_of
 from .ranks import current_rank
 from .records import Finding, Records
 from .state import watched_modules
@@ -204,7 +205,7 @@ class ModuleInfo:
     """A watched module: its qualified name, class name and position in ``named_modules()``."""
 
     __slots__ = ("module", "name", "type_name", "index", "is_root", "has_state", "pre_entries",
-                 "sharded")
+                 "sharded", "weights")
 
     def __init__(self, module: nn.Module, name: str, index: int, is_root: bool,
                  sharded: bool = False) -> None:
@@ -213,8 +214,11 @@ class ModuleInfo:
         self.type_name = type(module).__name__
         self.index = index
         self.is_root = is_root
+        # Where its frames read their weights: the module, or what a TorchScript module or a
+        # GraphModule uses from inside it (see core.opaque).
+        self.weights = weights_of(module)
         # Own parameters or buffers (lazy modules hold uninitialised ones from the start).
-        self.has_state = bool(module._parameters) or bool(module._buffers)
+        self.has_state = bool(self.weights._parameters) or bool(self.weights._buffers)
         # Inside a module FSDP2 manages (``fully_shard``): its parameters are gathered into
         # the same tensors every forward, version counters kept, and freed after it.
         self.sharded = sharded
@@ -320,9 +324,12 @@ class Recorder:
         self._initial_modules = {id(module): (name, module)
                                  for name, module in model.named_modules()}
         modules: list[tuple[str, nn.Module]] = []
-        for name, module in model.named_modules():
+        named = list(model.named_modules())
+        hidden = inside_torchscript(named)  # their hooks never run: the TorchScript one is watched
+        for name, module in named:
             if module is not model and (isinstance(module, skip_classes)
-                                        or type(module).__name__ in skip_names):
+                                        or type(module).__name__ in skip_names
+                                        or name in hidden):
                 continue
             modules.append((name, module))
         for name, module in modules:
@@ -401,11 +408,11 @@ class Recorder:
                         continue  # the root's own hooks are always on (and measure its inputs)
                     module = info.module
                     if getattr(module, "inplace", False) is True:
-                        handles.append(module.register_forward_pre_hook(
-                            self._inplace_pre_hook, with_kwargs=True))
+                        handles.append(add_forward_pre_hook(
+                            module, self._inplace_pre_hook, with_kwargs=True))
                     # Before FSDP2's post-forward hook reshards: read the weights the forward used.
-                    handles.append(module.register_forward_hook(
-                        self._forward_hook, with_kwargs=True, always_call=True,
+                    handles.append(add_forward_hook(
+                        module, self._forward_hook, with_kwargs=True, always_call=True,
                         prepend=is_fsdp_unit(module)))
             except BaseException:
                 self.detach_module_hooks()
@@ -734,10 +741,9 @@ class Recorder:
             with self._lock:
                 if not is_root or self._records_frames():
                     measured = info.pre_entries.pop() if info.pre_entries else None
-                    if is_root and module is not info.module:
-                        module = info.module  # the compile wrapper's call: the model's frame
+                    # The module's weights (also for the compile wrapper's call: the model's).
                     entries, first_input, first_output = self.entries.forward_entries(
-                        module, info.has_state, args, kwargs, output, measured,
+                        info.weights, info.has_state, args, kwargs, output, measured,
                         cache_weights=not info.sharded)
                     self.record_frame(info, "forward", entries, first_output=first_output,
                                       first_input=first_input)
@@ -774,7 +780,7 @@ class Recorder:
         if info is None or not info.has_state:
             return None
         with self._lock:
-            return self.entries.measure_weights_now(info.module)
+            return self.entries.measure_weights_now(info.weights)
 
     # ------------------------------------------------------------------ recording (features)
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],

@@ -9,6 +9,7 @@ version counters of parameters and buffers. Tensors are copied only with
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,6 +72,28 @@ class HeldBatch:
         self.truncated = False
 
 
+class _Slots:
+    """A TorchScript module's ``_parameters`` / ``_buffers`` (a mapping without ``get``) as a
+    dict-like container of slots."""
+
+    __slots__ = ("mapping",)
+
+    def __init__(self, mapping: Any) -> None:
+        self.mapping = mapping
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(self.mapping.items())
+
+    def get(self, key: str) -> Any:
+        try:
+            return self.mapping[key]
+        except (KeyError, RuntimeError, AttributeError):
+            return None
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.mapping[key] = value
+
+
 class WeightSlots:
     """Every parameter and buffer slot of the model, read by dict lookups (no module walk)."""
 
@@ -81,6 +104,8 @@ class WeightSlots:
         self.is_buffer: list[bool] = []
         for module_name, module in root.named_modules():
             for is_buffer, container in ((False, module._parameters), (True, module._buffers)):
+                if not isinstance(container, dict):  # a TorchScript module's: no .get()
+                    container = _Slots(container)
                 for key, tensor in container.items():
                     if tensor is None:
                         continue

@@ -18,6 +18,7 @@ from ..events import NanEvent
 from ..entries import Entry
 from ..frames import Frame, frames_to_dataframe
 from ..grads.backward import BackwardFrames, FrameSink
+from ..opaque import add_forward_hook, add_forward_pre_hook, hookable_modules
 from ..recorder import ModuleInfo, Recorder
 from ..schema import OPS_COLUMNS, OPS_DTYPES
 from ..stats import version_of
@@ -318,10 +319,10 @@ class _Replay:
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 recorder.name_sources("weight", zip(slots.names, slots.read()))
-                for module in {id(m): m for m in root.modules()}.values():
-                    handles.append(module.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True))
-                    handles.append(module.register_forward_hook(recorder.post_hook, with_kwargs=True,
-                                                                always_call=True))
+                for module in hookable_modules(root):
+                    handles.append(add_forward_pre_hook(module, recorder.pre_hook, with_kwargs=True))
+                    handles.append(add_forward_hook(module, recorder.post_hook, with_kwargs=True,
+                                                    always_call=True))
                 if self.backward_frames:
                     # The live watch's own backward frames (gradient hooks on tensors), recorded
                     # into this replay's frames: the same frames, roles and order as full mode.
