@@ -236,3 +236,97 @@ def test_an_exported_programs_module_names_the_nan_parameter(mode):
     with nw.watch(exported, mode=mode, on_nan="record") as w:
         exported(x)
     assert (w.event.module, w.event.role, w.event.origin) == ("", "fc2.bias", "weight")
+
+
+# ------------------------------------------------------------------ tensor subclasses (item 10)
+class _Wrapped(torch.Tensor):
+    """A ``__torch_dispatch__`` wrapper subclass (no data of its own) around ``inner`` tensors;
+    ops run on the first one."""
+
+    @staticmethod
+    def __new__(cls, *inner: torch.Tensor) -> _Wrapped:
+        first = inner[0]
+        return torch.Tensor._make_wrapper_subclass(cls, first.shape, dtype=first.dtype,
+                                                   device=first.device)
+
+    def __init__(self, *inner: torch.Tensor) -> None:
+        self.names = [f"part{i}" for i in range(len(inner))]
+        for name, tensor in zip(self.names, inner):
+            setattr(self, name, tensor)
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return self.names, None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.part0 if isinstance(t, _Wrapped) else t  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args),
+                   **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        return torch.utils._pytree.tree_map(
+            lambda t: _Wrapped(t) if type(t) is torch.Tensor else t, out)
+
+
+class _Wrapping(nn.Module):
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        made = torch.sqrt(x)  # NaN where x < 0
+        return _Wrapped(made, *[made * 2 for _ in range(self.parts - 1)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_in_a_dispatch_wrapper_subclass_is_read_through_it(mode):
+    model = nn.Sequential(nn.Linear(16, 8), _Wrapping(parts=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, mode=mode, on_nan="record") as w:
+            model(torch.randn(4, 16))
+    assert [str(c.message) for c in caught if "nanwidget" in str(c.message)] == []
+    assert (w.event.module, w.event.role, w.event.origin) == ("1", "output", "output")
+    output = w.event.frames.query("module == '1' and role == 'output'").iloc[-1]
+    assert output["nan"] and output["note"] == ""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_subclass_whose_values_cannot_be_read_is_noted_and_warned_once(mode):
+    model = nn.Sequential(nn.Linear(16, 8), _Wrapping(parts=2))  # two inner tensors: which one?
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        with nw.watch(model, mode=mode, on_nan="record") as w:
+            for _ in range(3):
+                model(torch.randn(4, 16))
+    notes = [str(c.message) for c in caught if "nanwidget" in str(c.message)]
+    assert len(notes) == 1 and "_Wrapped" in notes[0] and "internal error" not in notes[0]
+    if mode == "full":
+        output = w.frames().query("module == '1' and role == 'output'").iloc[-1]
+        assert output["note"] == "not read"
+
+
+class _Counting(torch.Tensor):
+    """A ``__torch_function__`` subclass that counts the calls it sees."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        _Counting.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_measuring_a_torch_function_subclass_runs_none_of_its_code(mode):
+    model = TinyMLP()
+    x = torch.randn(4, 16).as_subclass(_Counting)
+    _Counting.calls = 0
+    model(x)
+    unwatched = _Counting.calls
+    with nw.watch(model, mode=mode, on_nan="record") as w:
+        _Counting.calls = 0
+        model(x)
+        assert _Counting.calls == unwatched  # the model's own ops only
+        with torch.no_grad():
+            model.fc2.bias[0] = float("inf")
+        model(x)
+    assert (w.event.batch, w.event.module) == (1, "fc2")

@@ -31,6 +31,7 @@ MAX_EVENT_BATCHES = 8
 MAX_FORWARDS_PER_BATCH = 64
 
 _Tensor = torch.Tensor
+_no_torch_function = torch._C.DisableTorchFunctionSubclass
 
 
 class ReplayError(RuntimeError):
@@ -135,11 +136,13 @@ class WeightSlots:
 
 
 def versions_of(tensors: list[torch.Tensor | None]) -> list[int]:
-    """Version counters (-1 for None and inference tensors)."""
-    try:
-        return [t._version for t in tensors]  # type: ignore[union-attr]
-    except (AttributeError, RuntimeError):  # a slot set to None since, or an inference tensor
-        return [-1 if t is None else version_of(t) for t in tensors]
+    """Version counters (-1 for None and inference tensors), read without running a tensor
+    subclass's ``__torch_function__``."""
+    with _no_torch_function():
+        try:
+            return [t._version for t in tensors]  # type: ignore[union-attr]
+        except (AttributeError, RuntimeError):  # a slot set to None since, or an inference tensor
+            return [-1 if t is None else version_of(t) for t in tensors]
 
 
 def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtype | None]]:
@@ -161,9 +164,10 @@ def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtyp
 
 
 def _made_by_autograd(args: tuple) -> bool:
-    for value in args:
-        if isinstance(value, _Tensor) and value.grad_fn is not None:
-            return True
+    with _no_torch_function():  # reading grad_fn runs no tensor subclass's own code
+        for value in args:
+            if isinstance(value, _Tensor) and value.grad_fn is not None:
+                return True
     return False
 
 
