@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["tracing", "is_exporting", "dynamo_compiling", "export_flag", "checking_a_trace",
-           "compile_wrappers_of"]
+__all__ = ["tracing", "captured", "is_exporting", "dynamo_compiling", "export_flag",
+           "checking_a_trace", "compile_wrappers_of"]
 
 #: ``torch.compiler.is_exporting()``: True while ``torch.export`` traces, under Dynamo too.
 is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
@@ -35,17 +35,28 @@ export_flag: Any = torch.compiler if hasattr(torch.compiler, "_is_exporting_flag
 _jit_tracing_state = getattr(torch._C, "_get_tracing_state", lambda: None)
 
 
-def _fx_symbolic_tracing() -> bool:
-    symbolic = sys.modules.get("torch.fx._symbolic_trace")
-    probe = getattr(symbolic, "is_fx_symbolic_tracing", None)
-    return probe is not None and bool(probe())
+# The modules whose flags say that fx or torch.jit.trace runs (both come with torch; the
+# stand-ins say "never" for a torch that moved them).
+_fx: Any = sys.modules.get("torch.fx._symbolic_trace") or types.SimpleNamespace(
+    _is_fx_tracing_flag=False)
+_jit: Any = sys.modules.get("torch.jit._trace") or types.SimpleNamespace(_trace_module_map=None)
 
 
 def tracing() -> bool:
     """Whether a graph capturer runs the model now (``torch.export``, ``torch.jit.trace``,
     ``torch.fx.symbolic_trace``). ``is_exporting`` comes first: under a strict export Dynamo
     traces the caller, reads it as a constant and never looks at the rest."""
-    return is_exporting() or _jit_tracing_state() is not None or _fx_symbolic_tracing()
+    return is_exporting() or _jit_tracing_state() is not None \
+        or (_fx._is_fx_tracing_flag and not dynamo_compiling())
+
+
+def captured(caller: Any) -> bool:
+    """For the root's hook, once :data:`is_exporting` said no: whether ``torch.jit.trace``
+    (its check run included, see :func:`checking_a_trace`) or ``torch.fx`` runs the model.
+    A few flag reads: it runs every batch."""
+    return _jit_tracing_state() is not None \
+        or (_jit._trace_module_map is not None and checking_a_trace(caller)) \
+        or (_fx._is_fx_tracing_flag and not dynamo_compiling())
 
 
 _trace_check: list[Any] = []  # the code object of torch.jit.trace's check run, once looked up
@@ -55,8 +66,10 @@ def checking_a_trace(caller: Any) -> bool:
     """Whether ``torch.jit.trace`` (``check_trace=True``) runs the model eagerly to compare it
     with the trace it just made: part of tracing, not a batch. ``caller``: the frame that
     called the root module's hooks."""
+    if _jit._trace_module_map is None:
+        return False  # set while torch.jit.trace runs, its check included
     if not _trace_check:
-        check = getattr(sys.modules.get("torch.jit._trace"), "_check_trace", None)
+        check = getattr(_jit, "_check_trace", None)
         check = getattr(check, "__wrapped__", check)  # under torch.no_grad()'s decorator
         constants = getattr(getattr(check, "__code__", None), "co_consts", ())
         _trace_check.append(next((c for c in constants if getattr(c, "co_name", "") ==

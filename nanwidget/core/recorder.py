@@ -69,8 +69,8 @@ from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
-from .graph_capture import checking_a_trace, compile_wrappers_of, dynamo_compiling, \
-    export_flag, is_exporting, tracing
+from .graph_capture import captured, compile_wrappers_of, dynamo_compiling, export_flag, \
+    is_exporting, tracing
 from .opaque import add_forward_hook, add_forward_pre_hook, inside_torchscript, weights_of
 from .ranks import current_rank
 from .records import Finding, Records
@@ -589,7 +589,7 @@ class Recorder:
             return None  # closed, a replay, or a recomputation during backward
         if "torch._dynamo" in sys.modules:
             self._refuse_compiled_call()
-        if tracing() or checking_a_trace(sys._getframe(1)):
+        if captured(sys._getframe(1)):
             return self._stand_aside()
         refusal = None
         try:

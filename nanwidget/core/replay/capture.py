@@ -32,6 +32,7 @@ MAX_FORWARDS_PER_BATCH = 64
 
 _Tensor = torch.Tensor
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 class ReplayError(RuntimeError):
@@ -136,13 +137,21 @@ class WeightSlots:
 
 
 def versions_of(tensors: list[torch.Tensor | None]) -> list[int]:
-    """Version counters (-1 for None and inference tensors), read without running a tensor
-    subclass's ``__torch_function__``."""
-    with _no_torch_function():
-        try:
-            return [t._version for t in tensors]  # type: ignore[union-attr]
-        except (AttributeError, RuntimeError):  # a slot set to None since, or an inference tensor
-            return [-1 if t is None else version_of(t) for t in tensors]
+    """Version counters (-1 for None and inference tensors)."""
+    try:
+        return [t._version for t in tensors]  # type: ignore[union-attr]
+    except (AttributeError, RuntimeError):  # a slot set to None since, or an inference tensor
+        return [-1 if t is None else version_of(t) for t in tensors]
+
+
+def _input_versions(tensors: list[torch.Tensor]) -> list[int]:
+    """Version counters of a forward's inputs, read without running a tensor subclass's own
+    ``__torch_function__``."""
+    for tensor in tensors:
+        if type(tensor) not in _PLAIN:
+            with _no_torch_function():
+                return versions_of(tensors)  # type: ignore[arg-type]
+    return versions_of(tensors)  # type: ignore[arg-type]
 
 
 def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtype | None]]:
@@ -164,9 +173,13 @@ def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtyp
 
 
 def _made_by_autograd(args: tuple) -> bool:
-    with _no_torch_function():  # reading grad_fn runs no tensor subclass's own code
-        for value in args:
-            if isinstance(value, _Tensor) and value.grad_fn is not None:
+    for value in args:
+        if isinstance(value, _Tensor):
+            if type(value) not in _PLAIN:
+                with _no_torch_function():  # runs no tensor subclass's own code
+                    if value.grad_fn is not None:
+                        return True
+            elif value.grad_fn is not None:
                 return True
     return False
 
@@ -208,7 +221,7 @@ class BatchCapture(Feature):
                                   if isinstance(v, _Tensor) and v.requires_grad}
             args = tuple(v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
                          for v in args)
-        if kwargs and any(isinstance(v, _Tensor) and v.grad_fn is not None for v in kwargs.values()):
+        if kwargs and _made_by_autograd(tuple(kwargs.values())):
             capture.needs_grad = capture.needs_grad | {k for k, v in kwargs.items()
                                                        if isinstance(v, _Tensor) and v.requires_grad}
             kwargs = {k: v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
@@ -228,7 +241,7 @@ class BatchCapture(Feature):
         capture.args = args
         capture.kwargs = kwargs
         capture.inputs = inputs
-        capture.input_versions = versions_of([t for _, t in inputs])
+        capture.input_versions = _input_versions([t for _, t in inputs])
         capture.cpu_rng = torch.get_rng_state()
         capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         capture.grad_enabled = torch.is_grad_enabled()
@@ -254,7 +267,7 @@ class BatchCapture(Feature):
             return
         last = held.forwards[-1]
         if last.end_input_versions is None:
-            last.end_input_versions = versions_of([t for _, t in last.inputs])
+            last.end_input_versions = _input_versions([t for _, t in last.inputs])
             if self.slots.buffer_positions:
                 weights = last.weights
                 last.end_buffer_versions = [
