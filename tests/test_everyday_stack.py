@@ -20,6 +20,7 @@ from torch import nn
 
 import nanwidget as nw
 from nanwidget.core.copies import is_nanwidget_hook
+from nanwidget.core.replay import ReplayError
 
 from conftest import TinyMLP, hook_count
 
@@ -330,3 +331,107 @@ def test_measuring_a_torch_function_subclass_runs_none_of_its_code(mode):
             model.fc2.bias[0] = float("inf")
         model(x)
     assert (w.event.batch, w.event.module) == (1, "fc2")
+
+
+# ------------------------------------------------------------------ replays on copies (item 7)
+def _tiny_gpt2(tied: bool) -> nn.Module:
+    """A 2-layer GPT-2 from a config (random weights) with a NaN in the unused vocabulary row
+    99: tied, every logit 99 is NaN (an event per forward); untied, only the input embedding
+    holds it (a weight event per forward in full mode)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
+                                     n_positions=64, bos_token_id=98, eos_token_id=98,
+                                     initializer_range=0.5, tie_word_embeddings=tied)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        model.transformer.wte.weight[99] = float("nan")
+    return model
+
+
+@pytest.mark.parametrize("beams, options, tied", [
+    (1, {"mode": "sentinel"}, True), (1, {"replay_on_nan": True}, True),
+    (2, {"mode": "sentinel"}, True), (2, {"replay_on_nan": True}, False)],
+    ids=["greedy-sentinel", "greedy-replay_on_nan", "beam-sentinel", "beam-replay_on_nan"])
+def test_generation_is_the_same_with_and_without_a_watch_that_replays(beams, options, tied):
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    settings = dict(max_new_tokens=10, do_sample=False, num_beams=beams, pad_token_id=0,
+                    remove_invalid_values=True, return_dict_in_generate=True, output_scores=True)
+    unwatched = _tiny_gpt2(tied).generate(prompt, **settings)
+    model = _tiny_gpt2(tied)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, on_nan="record", **options) as w:
+            watched = model.generate(prompt, **settings)
+    assert torch.equal(watched.sequences, unwatched.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(watched.scores, unwatched.scores))
+    assert watched.past_key_values.get_seq_length() == unwatched.past_key_values.get_seq_length()
+    replayed = [e for e in w.events if e.trace is not None]
+    assert replayed and all(e.trace.reproduced for e in replayed)  # the replays did run
+
+
+class _Notebook(nn.Module):
+    """Writes into the objects it is given: appends to a list, counts in a dict, and keeps
+    a running total on an object (as caches do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, seen: list, counts: dict, state: object) -> torch.Tensor:
+        out = self.fc(x)
+        seen.append(out.detach())
+        counts["calls"] = counts.get("calls", 0) + 1
+        state.total = state.total + out.detach().sum()
+        return torch.log(out)  # NaN where fc's output is negative
+
+
+class _State:
+    def __init__(self) -> None:
+        self.total = torch.zeros(())
+
+
+@pytest.mark.parametrize("options", [{"mode": "sentinel"}, {"replay_on_nan": True}],
+                         ids=["sentinel", "replay_on_nan"])
+def test_a_replay_leaves_the_callers_lists_dicts_and_objects_as_they_were(options):
+    model = _Notebook()
+    seen, counts, state = [], {}, _State()
+    x = torch.randn(4, 16)
+    with nw.watch(model, on_nan="record", keep_batches=2, **options) as w:
+        model(x, seen, counts, state)
+        model(x, seen, counts, state)
+        w.replay(0)
+        w.replay(1)
+    assert w.event is not None and w.event.trace is not None
+    assert len(seen) == 2 and counts == {"calls": 2}
+    assert torch.equal(state.total, 2 * model.fc(x).detach().sum())
+
+
+class _Locked:
+    """An input whose copy fails (it holds a lock)."""
+
+    def __init__(self) -> None:
+        import threading
+        self.lock = threading.Lock()
+
+
+class _TakesAnything(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, extra: object) -> torch.Tensor:
+        return torch.log(self.fc(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_whose_input_cannot_be_copied_is_refused_with_the_reason(mode):
+    model = _TakesAnything()
+    with nw.watch(model, on_nan="record", keep_batches=1, mode=mode) as w:
+        model(torch.randn(4, 16), _Locked())
+        with pytest.raises(ReplayError, match=r"input\[1\].lock \(a lock, whose copy failed "
+                                              r".*could not be copied"):
+            w.replay(0)
+    if mode == "sentinel":
+        assert "could not be copied" in w.event.note

@@ -20,6 +20,7 @@ from ..recorder import Feature
 from ..stats import version_of
 from ..walk import iter_leaves
 from ..writes import steps_taken
+from .inputs import UncopiedInput, copy_structure, needs_copy
 
 __all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "layouts_of", "ReplayError",
            "BatchNotHeldError", "InputModifiedError", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
@@ -53,14 +54,30 @@ class ForwardCapture:
     __slots__ = ("args", "kwargs", "inputs", "input_versions", "end_input_versions", "cpu_rng",
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
                  "weight_versions", "weight_layout", "end_buffer_versions", "snapshot",
-                 "needs_grad", "steps")
+                 "needs_grad", "steps", "uncopied")
 
     def __init__(self) -> None:
+        self.uncopied = ""  # the first input that could not be copied, and why
+        self.kwargs: dict = {}
         self.needs_grad: frozenset | set = frozenset()  # positions / keys of detached inputs that required grad
         self.end_input_versions: list[int] | None = None
         self.end_buffer_versions: list[int] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
         self.steps = 0  # optimizer steps seen when it started (core.writes)
+
+
+def _held_copy(capture: ForwardCapture, role: str, value: Any, memo: dict[int, Any]) -> Any:
+    """The copy of an input's structure a held batch keeps (see :mod:`.inputs`); None, with
+    the reason in ``capture.uncopied``, when it cannot be copied."""
+    try:
+        return copy_structure(value, memo)
+    except UncopiedInput as error:
+        if not capture.uncopied:
+            capture.uncopied = f"{role}{error.where} ({error.why})"
+    except RecursionError:
+        if not capture.uncopied:
+            capture.uncopied = f"{role} (nested too deeply)"
+    return None
 
 
 class HeldBatch:
@@ -227,6 +244,7 @@ class BatchCapture(Feature):
             kwargs = {k: v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
                       for k, v in kwargs.items()}
         inputs: list[tuple[str, torch.Tensor]] = []
+        copies: dict[int, Any] | None = None  # one memo: objects shared by inputs stay shared
         for position, value in enumerate(args):
             role = f"input[{position}]"
             if isinstance(value, _Tensor):
@@ -234,10 +252,25 @@ class BatchCapture(Feature):
             elif not isinstance(value, (int, float, bool, str, type(None))):
                 inputs.extend((r, leaf) for r, leaf in iter_leaves(value, role)
                               if isinstance(leaf, _Tensor))
+                if needs_copy(value):
+                    if copies is None:
+                        copies, args = {}, list(args)  # type: ignore[assignment]
+                    args[position] = _held_copy(capture, role, value, copies)  # type: ignore[index]
+        if copies is not None:
+            args = tuple(args)
         if kwargs:
             for key, value in kwargs.items():
+                if isinstance(value, _Tensor):
+                    inputs.append(("kwarg:" + key, value))
+                    continue
                 inputs.extend((r, leaf) for r, leaf in iter_leaves(value, "kwarg:" + key)
                               if isinstance(leaf, _Tensor))
+                if needs_copy(value):
+                    if copies is None:
+                        copies = {}
+                    if kwargs is not capture.kwargs:
+                        kwargs = capture.kwargs = dict(kwargs)
+                    kwargs[key] = _held_copy(capture, "kwarg:" + key, value, copies)
         capture.args = args
         capture.kwargs = kwargs
         capture.inputs = inputs
@@ -353,6 +386,13 @@ class BatchCapture(Feature):
             raise ReplayError(f"batch {batch} ran its root forward more than "
                               f"{MAX_FORWARDS_PER_BATCH} times; only the first ones were held, "
                               "so it cannot be replayed faithfully")
+        for capture in held.forwards:
+            if capture.uncopied:
+                raise ReplayError(
+                    f"cannot replay batch {batch}: its {capture.uncopied} could not be copied "
+                    "when the batch ran, and a replay must not run the forward on your own "
+                    "object (the forward may change it). Pass tensors, lists, dicts or objects "
+                    "that copy.copy() can copy")
         _check_inputs(held)
         return held
 
