@@ -435,3 +435,48 @@ def test_a_batch_whose_input_cannot_be_copied_is_refused_with_the_reason(mode):
             w.replay(0)
     if mode == "sentinel":
         assert "could not be copied" in w.event.note
+
+
+# ------------------------------------------------------------------ recordings (item 12)
+_TRAIN_THREE_BATCHES = """
+import torch
+from torch import nn
+import nanwidget as nw
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+w = nw.watch(model, log_dir={log_dir!r}, backward=True, mode={mode!r})
+for _ in range(3):
+    model(torch.randn(8, 16)).square().mean().backward()
+    w.check_grad_norms()
+    model.zero_grad()
+"""
+
+
+def _complete(log_dir, mode: str) -> None:
+    """Nothing lost: every batch's history (full mode records one), every gradient norm, and
+    the manifest finalised."""
+    run = nw.load_run(log_dir)
+    if mode == "full":
+        assert sorted(run.history()["batch"].unique()) == [0, 1, 2]
+    assert sorted(run.grad_history()["batch"].unique()) == [0, 1, 2]
+    manifest = run.manifests[0]
+    assert manifest.get("closed") and manifest.get("batches") == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_recording_is_complete_at_interpreter_exit_without_close(tmp_path, mode):
+    script = _TRAIN_THREE_BATCHES.format(log_dir=str(tmp_path / "run"), mode=mode)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert done.returncode == 0, done.stderr
+    _complete(tmp_path / "run", mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_recording_is_complete_when_a_dropped_watch_is_collected(tmp_path, mode):
+    import gc
+    namespace: dict = {}
+    exec(_TRAIN_THREE_BATCHES.format(log_dir=str(tmp_path / "run"), mode=mode), namespace)
+    namespace.clear()  # the model and the watch dropped, never closed
+    gc.collect()
+    _complete(tmp_path / "run", mode)
