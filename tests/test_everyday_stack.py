@@ -480,3 +480,103 @@ def test_a_recording_is_complete_when_a_dropped_watch_is_collected(tmp_path, mod
     namespace.clear()  # the model and the watch dropped, never closed
     gc.collect()
     _complete(tmp_path / "run", mode)
+
+
+# ------------------------------------------------------------------ smaller ones (item 15)
+class _MaskedScores(nn.Module):
+    """Returns scores with -inf where masked, on purpose (as attention scores are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.fc(x)
+        return scores.masked_fill(torch.arange(8) >= 6, float("-inf"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allow_inf_with_the_roots_name_lets_the_root_return_inf(mode):
+    model = _MaskedScores()
+    x = torch.randn(4, 16)
+    with nw.watch(model, mode=mode, on_nan="record", allow_inf=[""]) as allowed:
+        model(x)
+        assert allowed.events == []
+        with torch.no_grad():
+            model.fc.bias[0] = float("nan")
+        model(x)  # a NaN is still an event
+    assert (allowed.event.batch, allowed.event.kind) == (1, "nan")
+    with torch.no_grad():
+        model.fc.bias[0] = 0.0
+    with nw.watch(model, mode=mode, on_nan="record") as strict:
+        model(x)
+    assert strict.event.kind == "inf"
+
+
+class _OddNames(nn.Module):
+    """Module names holding a terminal escape and matplotlib mathtext."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module("\x1b[31mred\x1b[0m", nn.Linear(16, 8))
+        self.add_module("$\\frac{a}{$", nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, "$\\frac{a}{$")(getattr(self, "\x1b[31mred\x1b[0m")(x))
+
+
+def _odd_recording(log_dir) -> nw.NanWatch:
+    model = _OddNames()
+    with torch.no_grad():
+        getattr(model, "$\\frac{a}{$").bias[0] = float("nan")
+    with nw.watch(model, log_dir=log_dir, on_nan="record") as w:
+        model(torch.randn(4, 16))
+    return w
+
+
+def test_a_recordings_report_escapes_control_characters_in_module_names(tmp_path):
+    _odd_recording(tmp_path)
+    report = nw.load_run(tmp_path).report()
+    assert "\x1b" not in report and "\\x1b[31mred\\x1b[0m" in report
+
+
+def test_the_browser_shows_module_names_that_look_like_mathtext(tmp_path):
+    pytest.importorskip("ipywidgets")
+    from nanwidget.widgets import FrameBrowser
+    w = _odd_recording(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for source in (w, nw.load_run(tmp_path)):
+            browser = FrameBrowser(source)
+            browser.plot_choice.value = "history"
+            assert bytes(browser.frames_image.value).startswith(b"\x89PNG")
+            assert bytes(browser.history_image.value).startswith(b"\x89PNG")
+    assert not [c for c in caught if "Glyph" in str(c.message)]  # the escape is written out
+
+
+def test_load_run_reads_events_without_the_optional_fields(tmp_path):
+    import json
+    _odd_recording(tmp_path)
+    path = tmp_path / "rank-00000" / "event-000000.json"
+    meta = json.loads(path.read_text())
+    for optional in ("frame", "is_backward", "rank", "peer_rank", "note", "frames_note"):
+        meta.pop(optional)
+    meta["written_by_a_newer_nanwidget"] = {"anything": 1}
+    path.write_text(json.dumps(meta))
+    event = nw.load_run(tmp_path).event
+    assert (event.module, event.role, event.frame, event.rank) == ("$\\frac{a}{$", "bias", 0, 0)
+
+
+def test_grad_history_takes_in_parameters_added_after_the_first_check():
+    model = TinyMLP()
+    x = torch.randn(4, 16)
+    with nw.watch(model) as w:
+        model(x).sum().backward()
+        w.check_grad_norms()
+        model.extra = nn.Linear(4, 4)
+        (model(x).sum() + model.extra(model(x)).sum()).backward()
+        w.check_grad_norms()
+        history = w.grad_history()
+    assert set(history.query("batch == 2")["param"]) >= {"extra.weight", "extra.bias",
+                                                          "fc1.weight"}
+    assert "extra.weight" not in set(history.query("batch == 0")["param"])
