@@ -50,12 +50,12 @@ def tracing() -> bool:
         or (_fx._is_fx_tracing_flag and not dynamo_compiling())
 
 
-def captured(caller: Any) -> bool:
-    """For the root's hook, once :data:`is_exporting` said no: whether ``torch.jit.trace``
-    (its check run included, see :func:`checking_a_trace`) or ``torch.fx`` runs the model.
-    A few flag reads: it runs every batch."""
+def captured() -> bool:
+    """For the root's pre-hook (called from it), once :data:`export_flag` said no: whether
+    ``torch.jit.trace`` (its check run included, see :func:`checking_a_trace`) or ``torch.fx``
+    runs the model. A few flag reads: it runs every batch."""
     return _jit_tracing_state() is not None \
-        or (_jit._trace_module_map is not None and checking_a_trace(caller)) \
+        or (_jit._trace_module_map is not None and checking_a_trace(sys._getframe(2))) \
         or (_fx._is_fx_tracing_flag and not dynamo_compiling())
 
 

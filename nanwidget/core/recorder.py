@@ -69,8 +69,7 @@ from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
-from .graph_capture import captured, compile_wrappers_of, dynamo_compiling, export_flag, \
-    is_exporting, tracing
+from .graph_capture import captured, compile_wrappers_of, dynamo_compiling, export_flag, tracing
 from .opaque import add_forward_hook, add_forward_pre_hook, inside_torchscript, weights_of
 from .ranks import current_rank
 from .records import Finding, Records
@@ -580,7 +579,7 @@ class Recorder:
             # The compile wrapper is called: off with the original module's hooks before its
             # compiled code runs (Dynamo would trace them if it compiled now).
             self.detach_direct_call_hooks()
-        if is_exporting():
+        if export_flag._is_exporting_flag:
             # Strict export runs this hook under Dynamo: nothing to do but return.
             return None if dynamo_compiling() else self._stand_aside()
         if self._aside_thread is not None:
@@ -589,7 +588,7 @@ class Recorder:
             return None  # closed, a replay, or a recomputation during backward
         if "torch._dynamo" in sys.modules:
             self._refuse_compiled_call()
-        if captured(sys._getframe(1)):
+        if captured():
             return self._stand_aside()
         refusal = None
         try:
@@ -701,7 +700,7 @@ class Recorder:
         info.pre_entries.append(entries)
 
     def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if is_exporting():
+        if export_flag._is_exporting_flag:
             return None
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
             return None
