@@ -128,7 +128,7 @@ def test_quickstart_run_top_to_bottom_leaves_its_first_event_replayable():
     first_watch = None
     try:
         with capture_output():
-            for cell in _code_cells(NOTEBOOKS / "01_quickstart.ipynb"):
+            for cell in _code_cells_of(json.loads((NOTEBOOKS / "01_quickstart.ipynb").read_text())):
                 source = _source(cell).replace("%matplotlib inline", "")
                 shell.run_cell(source)  # the %%nanwatch cell stops at the NaN, as it should
                 if first_watch is None and "_nanwatch" in shell.user_ns:

@@ -10,25 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import unicodedata
 
 from ..core.persist import RunLoadError, load_run
-
-# Categories a terminal acts on instead of showing: controls, format (bidi overrides), separators.
-_HIDDEN_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
-
-
-def printable(text: str, keep_newlines: bool = True) -> str:
-    """``text`` with every control or format character written as an escape (``\\x1b``)."""
-    out = []
-    for char in text:
-        if char == "\n" and keep_newlines:
-            out.append(char)
-        elif unicodedata.category(char) in _HIDDEN_CATEGORIES:
-            out.append(repr(char)[1:-1])  # none of these is printable: repr escapes it
-        else:
-            out.append(char)
-    return "".join(out)
+from ..core.report import printable
 
 
 def _say(text: str = "") -> None:

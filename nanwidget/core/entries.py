@@ -18,7 +18,8 @@ from torch import nn
 
 from .schema import LOCAL_SHARD, WRITTEN_HERE
 from .state import optimizer_steps
-from .stats import PLAIN_TENSOR_TYPES, PendingStats, TensorStats, classify, local_shard, version_of
+from .stats import (PLAIN_TENSOR_TYPES, PendingStats, TensorStats, classify, local_shard,
+                    plain_view, version_of)
 from .walk import Unread, iter_leaves
 
 __all__ = ["Entry", "EntryBuilder", "non_tensor_entry"]
@@ -126,21 +127,38 @@ class EntryBuilder:
     # ------------------------------------------------------------------ one tensor
     def tensor_entry(self, role: str, tensor: torch.Tensor) -> Entry:
         """Entry for one tensor: measured now when measurable, else with its note."""
-        dtype = tensor.dtype
-        # Fast path for the common case, in the order of the cheapest checks; classify() has
-        # the full rules and runs only for tensors that fail one of them.
-        if dtype.is_floating_point and tensor.layout is _STRIDED and not tensor.is_meta \
-                and not tensor.is_nested and tensor.numel() \
-                and type(tensor) in PLAIN_TENSOR_TYPES:
-            return Entry((role, self.pending.add(tensor), dtype, tensor.shape, ""))
-        local = local_shard(tensor)
-        if local is not tensor:  # a DTensor: this rank's shard, its shape, said in the note
-            return self.tensor_entry(role, local).replace(note=LOCAL_SHARD)
+        if type(tensor) in PLAIN_TENSOR_TYPES:
+            dtype = tensor.dtype
+            # Fast path for the common case, in the order of the cheapest checks; classify()
+            # has the full rules and runs only for tensors that fail one of them.
+            if dtype.is_floating_point and tensor.layout is _STRIDED and not tensor.is_meta \
+                    and not tensor.is_nested and tensor.numel():
+                return Entry((role, self.pending.add(tensor), dtype, tensor.shape, ""))
+        else:
+            local = local_shard(tensor)
+            if local is not tensor:  # a DTensor: this rank's shard, its shape, said in the note
+                return self.tensor_entry(role, local).replace(note=LOCAL_SHARD)
+            plain = plain_view(tensor)  # a subclass: its values, without its own code running
+            if plain is None:
+                return self._unread_subclass(role, tensor)
+            tensor = plain
+            dtype = tensor.dtype
         note = classify(tensor)
         shape = _shape_of(tensor)
         if note:
             return Entry((role, None, dtype, shape, note))
         return Entry((role, self.pending.add(tensor), dtype, shape, ""))
+
+    def _unread_subclass(self, role: str, tensor: torch.Tensor) -> Entry:
+        """The entry of a tensor subclass whose values cannot be read (no single inner tensor
+        holds them): noted "not read", and named in the watch's one warning about such values."""
+        self.unread_roles.append(f"{role} ({type(tensor).__name__}: a tensor subclass whose "
+                                 "values nanwidget cannot read)")
+        try:
+            dtype, shape = tensor.dtype, _shape_of(tensor)
+        except Exception:
+            dtype = shape = None
+        return Entry((role, None, dtype, shape, "not read"))
 
     def leaf_entry(self, role: str, leaf: Any) -> Entry:
         """Entry for any leaf of an input or output structure."""
@@ -154,9 +172,14 @@ class EntryBuilder:
         """Entry for a gradient: measured without being held (the backward pass frees it)."""
         if not isinstance(grad, _Tensor):
             return non_tensor_entry(role, grad)
-        local = local_shard(grad)
-        if local is not grad:  # a DTensor gradient: this rank's shard
-            return self.grad_entry(role, local).replace(note=LOCAL_SHARD)
+        if type(grad) not in PLAIN_TENSOR_TYPES:
+            local = local_shard(grad)
+            if local is not grad:  # a DTensor gradient: this rank's shard
+                return self.grad_entry(role, local).replace(note=LOCAL_SHARD)
+            plain = plain_view(grad)
+            if plain is None:
+                return self._unread_subclass(role, grad)
+            grad = plain
         note = classify(grad)
         shape = _shape_of(grad)
         if note:

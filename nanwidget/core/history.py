@@ -81,6 +81,14 @@ class _Rows:
         self.batch[row], self.batch_end[row] = batch, batch_end
         self.abs_max[row], self.abs_min[row], self.flags[row] = abs_max, abs_min, flags
 
+    def widen(self, count: int) -> None:
+        """Add ``count`` module columns, empty in every row held."""
+        rows = len(self.batch)
+        self.abs_max = np.concatenate([self.abs_max, np.full((rows, count), -np.inf)], axis=1)
+        self.abs_min = np.concatenate([self.abs_min, np.full((rows, count), np.inf)], axis=1)
+        self.flags = np.concatenate([self.flags, np.zeros((rows, count), dtype=np.uint8)], axis=1)
+        self.n_modules += count
+
     def pop_front(self, count: int) -> tuple[np.ndarray, ...]:
         """Remove and return the oldest ``count`` rows."""
         count = min(count, self.size)
@@ -124,6 +132,15 @@ class History:
         # Closed batches not yet written to the arrays (written in blocks).
         self._closed_rows: list[tuple[int, dict[int, list]]] = []
         self._latest_batch = -1  # the highest batch closed so far
+
+    def add_modules(self, modules: list[str], module_types: list[str]) -> None:
+        """Track more modules (or parameters) from now on; their indices follow the others'."""
+        if not modules:
+            return
+        self.modules = list(self.modules) + list(modules)
+        self.module_types = list(self.module_types) + list(module_types)
+        for rows in (self._full, self._windows):
+            rows.widen(len(modules))
 
     def record(self, batch: int, module_index: int, abs_max: float, abs_min: float,
                nonfinite: bool) -> None:

@@ -64,10 +64,13 @@ import pandas as pd
 import torch
 from torch import nn
 
+from .copies import copy_without_watch, stop_copying_without_watch
 from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
+from .graph_capture import captured, compile_wrappers_of, dynamo_compiling, export_flag, tracing
+from .opaque import add_forward_hook, add_forward_pre_hook, inside_torchscript, weights_of
 from .ranks import current_rank
 from .records import Finding, Records
 from .state import watched_modules
@@ -103,6 +106,10 @@ class AlreadyWatchedError(RuntimeError):
 
 class CompiledCallError(RuntimeError):
     """A watched module runs inside compiled code that the watch was not made for."""
+
+
+_INSIDE_A_WRAPPER = ("runs inside a torch.compile'd model: you watched cm._orig_mod (or compiled "
+                     "the model after nw.watch()) and called the compiled one")
 
 
 def _in_optimized_module() -> bool:
@@ -197,7 +204,7 @@ class ModuleInfo:
     """A watched module: its qualified name, class name and position in ``named_modules()``."""
 
     __slots__ = ("module", "name", "type_name", "index", "is_root", "has_state", "pre_entries",
-                 "sharded")
+                 "sharded", "weights")
 
     def __init__(self, module: nn.Module, name: str, index: int, is_root: bool,
                  sharded: bool = False) -> None:
@@ -206,8 +213,11 @@ class ModuleInfo:
         self.type_name = type(module).__name__
         self.index = index
         self.is_root = is_root
+        # Where its frames read their weights: the module, or what a TorchScript module or a
+        # GraphModule uses from inside it (see core.opaque).
+        self.weights = weights_of(module)
         # Own parameters or buffers (lazy modules hold uninitialised ones from the start).
-        self.has_state = bool(module._parameters) or bool(module._buffers)
+        self.has_state = bool(self.weights._parameters) or bool(self.weights._buffers)
         # Inside a module FSDP2 manages (``fully_shard``): its parameters are gathered into
         # the same tensors every forward, version counters kept, and freed after it.
         self.sharded = sharded
@@ -278,6 +288,7 @@ class Recorder:
         weakref.finalize(self, self._step_tracking.release)
         self._suspended = 0
         self._suspended_thread: int | None = None
+        self._aside_thread: int | None = None  # a tracer runs the model on it (see tracing())
         self._aborted = False
         self._warned_internal = False
         # Batch state: one forward at a time (see the module docstring).
@@ -299,6 +310,8 @@ class Recorder:
         self._direct_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._direct_call = False  # the running (or last) batch came through them
         self._module_handles: list[torch.utils.hooks.RemovableHandle] = []
+        # torch.compile wrappers whose calls are refused (see _refuse_wrapper_call).
+        self._wrappers: list[weakref.ref[nn.Module]] = []
         self._infos: dict[int, ModuleInfo] = {}
         # A module compiled in place (module.compile()) runs its hooks under Dynamo's frame
         # callback: its root hooks are wrapped so Dynamo never traces them (no graph, no break).
@@ -310,9 +323,12 @@ class Recorder:
         self._initial_modules = {id(module): (name, module)
                                  for name, module in model.named_modules()}
         modules: list[tuple[str, nn.Module]] = []
-        for name, module in model.named_modules():
+        named = list(model.named_modules())
+        hidden = inside_torchscript(named)  # their hooks never run: the TorchScript one is watched
+        for name, module in named:
             if module is not model and (isinstance(module, skip_classes)
-                                        or type(module).__name__ in skip_names):
+                                        or type(module).__name__ in skip_names
+                                        or name in hidden):
                 continue
             modules.append((name, module))
         for name, module in modules:
@@ -343,9 +359,11 @@ class Recorder:
             for info in self.modules:
                 self._infos[id(info.module)] = info
                 _WATCHED[info.module] = weakref.ref(self)
+                copy_without_watch(info.module)
             if self.entry is not model:
                 self._infos[id(self.entry)] = self.modules[0]
                 _WATCHED[self.entry] = weakref.ref(self)
+                copy_without_watch(self.entry)
             self._install_root_hooks()
             if not root_only:
                 self.attach_module_hooks()
@@ -389,11 +407,11 @@ class Recorder:
                         continue  # the root's own hooks are always on (and measure its inputs)
                     module = info.module
                     if getattr(module, "inplace", False) is True:
-                        handles.append(module.register_forward_pre_hook(
-                            self._inplace_pre_hook, with_kwargs=True))
+                        handles.append(add_forward_pre_hook(
+                            module, self._inplace_pre_hook, with_kwargs=True))
                     # Before FSDP2's post-forward hook reshards: read the weights the forward used.
-                    handles.append(module.register_forward_hook(
-                        self._forward_hook, with_kwargs=True, always_call=True,
+                    handles.append(add_forward_hook(
+                        module, self._forward_hook, with_kwargs=True, always_call=True,
                         prepend=is_fsdp_unit(module)))
             except BaseException:
                 self.detach_module_hooks()
@@ -468,6 +486,11 @@ class Recorder:
         self._handles.append(entry.register_forward_pre_hook(pre_hook, with_kwargs=True))
         self._handles.append(entry.register_forward_hook(
             forward_hook, with_kwargs=True, always_call=True, prepend=is_fsdp_unit(entry)))
+        if entry is self.model:
+            for wrapper in compile_wrappers_of(entry):
+                self._handles.append(wrapper.register_forward_pre_hook(self._refuse_wrapper_call))
+                copy_without_watch(wrapper)
+                self._wrappers.append(weakref.ref(wrapper))
 
     def _records_frames(self) -> bool:
         """Whether this batch's frames are recorded (always, unless ``root_only`` and no
@@ -490,8 +513,9 @@ class Recorder:
 
     @property
     def suspended(self) -> bool:
-        """True while a :meth:`suspend` block runs (a trace-mode replay)."""
-        return self._suspended > 0
+        """True while a :meth:`suspend` block runs (a trace-mode replay), or while a tracer
+        runs the model (``torch.export``, ``torch.jit.trace``: the watch stands aside)."""
+        return self._suspended > 0 or self._aside_thread is not None
 
     @property
     def lock(self) -> threading.RLock:
@@ -555,10 +579,17 @@ class Recorder:
             # The compile wrapper is called: off with the original module's hooks before its
             # compiled code runs (Dynamo would trace them if it compiled now).
             self.detach_direct_call_hooks()
+        if export_flag._is_exporting_flag:
+            # Strict export runs this hook under Dynamo: nothing to do but return.
+            return None if dynamo_compiling() else self._stand_aside()
+        if self._aside_thread is not None:
+            self._aside_thread = None  # a traced call that never returned (it raised past us)
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
         if "torch._dynamo" in sys.modules:
             self._refuse_compiled_call()
+        if captured():
+            return self._stand_aside()
         refusal = None
         try:
             with self._lock:
@@ -602,6 +633,12 @@ class Recorder:
                 "per thread")
         return None
 
+    def _stand_aside(self) -> None:
+        """A tracer runs the model (see :func:`tracing`): no batch starts, nothing is
+        recorded; features read :attr:`suspended` as True until the root call returns."""
+        self._aside_thread = _get_ident()
+        return None
+
     def _refuse_compiled_call(self) -> None:
         """A watch whose hooks sit inside a compiled call sees nothing of its submodules:
         compiled code skips their hooks (or Dynamo traces them, with graph breaks)."""
@@ -611,16 +648,27 @@ class Recorder:
                 and not self._compiled_in_place and not _forced_eager(eval_frame):
             how = "was compiled in place with module.compile() after nw.watch()"
         elif self.entry is model and _in_optimized_module():
-            how = ("runs inside a torch.compile'd model: you watched cm._orig_mod (or compiled the "
-                   "model after nw.watch()) and called the compiled one")
+            how = _INSIDE_A_WRAPPER
         else:
             return
-        raise CompiledCallError(
-            f"nanwidget: the watched model ({type(model).__name__}) {how}. Compiled code skips "
-            "the hooks of the modules inside it, so this watch would miss NaNs silently (and "
-            "Dynamo tracing its hooks makes compiling slow). Close this watch (w.close()) and "
-            "watch the compiled model itself, after compiling: w = nw.watch(compiled_model) "
+        raise self._compiled_call_error(how)
+
+    def _compiled_call_error(self, how: str) -> CompiledCallError:
+        return CompiledCallError(
+            f"nanwidget: the watched model ({type(self.model).__name__}) {how}. Compiled code "
+            "skips the hooks of the modules inside it, so this watch would miss NaNs silently "
+            "(and Dynamo tracing its hooks makes compiling slow). Close this watch (w.close()) "
+            "and watch the compiled model itself, after compiling: w = nw.watch(compiled_model) "
             "(sentinel mode: no graph break, full detail by an eager replay)")
+
+    def _refuse_wrapper_call(self, wrapper: nn.Module, args: tuple) -> None:
+        """On a ``torch.compile`` wrapper of the watched model that compiled it before the
+        watch (see :func:`~nanwidget.core.graph_capture.compile_wrappers_of`): its compiled
+        code would run the model without any hook, so its calls are refused before it runs."""
+        if self._closed or self._skip_this_thread() \
+                or _forced_eager(sys.modules.get("torch._dynamo.eval_frame")):
+            return None  # closed, a replay, or set_stance("force_eager"): the hooks run
+        raise self._compiled_call_error(_INSIDE_A_WRAPPER)
 
     def _root_call_running(self, new_call: Any) -> bool:
         """Whether the outermost root call that opened the batch is still on its thread's
@@ -652,7 +700,11 @@ class Recorder:
         info.pre_entries.append(entries)
 
     def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if export_flag._is_exporting_flag:
+            return None
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
+            return None
+        if not self._root_depth and (self._aside_thread is not None or tracing()):
             return None
         try:
             with self._lock:
@@ -662,6 +714,8 @@ class Recorder:
         return None
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if export_flag._is_exporting_flag:
+            return None  # torch.export traces the model (under Dynamo, in strict mode)
         info = self._infos.get(id(module))
         if info is None or self._closed:
             return None
@@ -671,6 +725,10 @@ class Recorder:
         if self._root_thread != thread or not self._root_depth:
             if _graph_task_id() >= 0:
                 return None  # a recomputation during backward (torch.utils.checkpoint)
+            if self._aside_thread == thread or tracing():
+                if info.is_root:
+                    self._aside_thread = None
+                return None  # a tracer runs the model: the watch stands aside
             # Not inside this thread's own root forward: a call refused with
             # ConcurrentForwardError unwinds through always_call hooks, recording nothing.
             if isinstance(sys.exc_info()[1], (ConcurrentForwardError, CompiledCallError)):
@@ -682,10 +740,9 @@ class Recorder:
             with self._lock:
                 if not is_root or self._records_frames():
                     measured = info.pre_entries.pop() if info.pre_entries else None
-                    if is_root and module is not info.module:
-                        module = info.module  # the compile wrapper's call: the model's frame
+                    # The module's weights (also for the compile wrapper's call: the model's).
                     entries, first_input, first_output = self.entries.forward_entries(
-                        module, info.has_state, args, kwargs, output, measured,
+                        info.weights, info.has_state, args, kwargs, output, measured,
                         cache_weights=not info.sharded)
                     self.record_frame(info, "forward", entries, first_output=first_output,
                                       first_input=first_input)
@@ -722,7 +779,7 @@ class Recorder:
         if info is None or not info.has_state:
             return None
         with self._lock:
-            return self.entries.measure_weights_now(info.module)
+            return self.entries.measure_weights_now(info.weights)
 
     # ------------------------------------------------------------------ recording (features)
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
@@ -1033,6 +1090,11 @@ class Recorder:
                 reference = _WATCHED.get(module)
                 if reference is not None and reference() is self:
                     del _WATCHED[module]
+                    stop_copying_without_watch(module)
+            for reference in self._wrappers:
+                wrapper = reference()
+                if wrapper is not None:
+                    stop_copying_without_watch(wrapper)
             features = list(reversed(self._features))
         for feature in features:
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 from typing import Any
 
 import pandas as pd
@@ -11,7 +12,23 @@ import torch
 from .events import NanEvent
 from .schema import LEAF_NOTES, NO_STATS_NOTES
 
-__all__ = ["format_frames", "format_event_report", "detect_overflow"]
+__all__ = ["format_frames", "format_event_report", "detect_overflow", "printable"]
+
+# Categories a terminal acts on instead of showing: controls, format (bidi overrides), separators.
+_HIDDEN_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
+
+
+def printable(text: str, keep_newlines: bool = True) -> str:
+    """``text`` with every control or format character written as an escape (``\\x1b``)."""
+    out = []
+    for char in text:
+        if char == "\n" and keep_newlines:
+            out.append(char)
+        elif unicodedata.category(char) in _HIDDEN_CATEGORIES:
+            out.append(repr(char)[1:-1])  # none of these is printable: repr escapes it
+        else:
+            out.append(char)
+    return "".join(out)
 
 _HEADER_INDENT = " " * 17  # transformers prints frame headers after this prefix
 _COLUMNS_HEADER = f"{'abs min':8} {'abs max':8} metadata"

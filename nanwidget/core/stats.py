@@ -32,7 +32,7 @@ from .schema import CHANGED_LATER, PENDING
 
 __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of",
            "storage_holds", "measure_tensor", "PENDING_BYTES_LIMIT", "PLAIN_TENSOR_TYPES",
-           "local_shard"]
+           "local_shard", "plain_view"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
@@ -167,6 +167,42 @@ def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
 
 # Tensor classes read directly; any other class is a subclass that may need a closer look.
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_NO_DISPATCH = torch.Tensor.__torch_dispatch__  # what a class without __torch_dispatch__ has
+_no_torch_function = torch._C.DisableTorchFunctionSubclass
+
+
+def plain_view(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A tensor subclass's values as a plain ``torch.Tensor``, read without running the
+    subclass's own code; the tensor itself when it needs no view (plain, nested); None when
+    its values cannot be read.
+
+    A ``__torch_function__`` subclass holds its data like a plain tensor: it is viewed as one
+    (same storage and version counter), so that measuring it does not go through its
+    ``__torch_function__`` on every metadata read. A ``__torch_dispatch__`` wrapper
+    (``_make_wrapper_subclass``) has no data of its own: it is read through the one inner
+    floating-point tensor of its shape that ``__tensor_flatten__`` names."""
+    kind = type(tensor)
+    if kind in PLAIN_TENSOR_TYPES:
+        return tensor
+    if getattr(kind, "__torch_dispatch__", _NO_DISPATCH) is _NO_DISPATCH:
+        with _no_torch_function():
+            return tensor.as_subclass(torch.Tensor)
+    if tensor.is_nested:
+        return tensor  # nested tensors are read as such (their packed values)
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    try:
+        names = flatten()[0]
+        inner = [getattr(tensor, name) for name in names]
+        shape = tensor.shape
+    except Exception:
+        return None
+    matching = [t for t in inner if isinstance(t, torch.Tensor) and t.dtype == tensor.dtype
+                and t.shape == shape]
+    if len(matching) != 1:
+        return None
+    return plain_view(matching[0])
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -186,6 +222,10 @@ def _values_of(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """The real tensor whose magnitudes are the tensor's, and whether implicit zeros exist
     (sparse tensors store only their non-zero values)."""
     values = _unwrapped(tensor)
+    if type(values) not in PLAIN_TENSOR_TYPES:
+        plain = plain_view(values)
+        if plain is not None:
+            values = plain
     implicit_zero = False
     if values.is_nested:
         try:

@@ -13,6 +13,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from ..core.report import printable
 from ..core.schema import ROLE_GROUPS, role_groups
 from ..core.stats import dtype_max
 
@@ -150,19 +151,21 @@ def module_label(name: str) -> str:
 
 
 def short_label(name: str, limit: int = LABEL_CHARS) -> str:
-    """A module label of at most ``limit`` characters. A longer one keeps its start (which
-    part of the model) and its end (the most specific part) with "…" between them, the end
-    starting at a whole name where it can: "transformer.h.0.mlp.c_fc" -> "transfo…h.0.mlp.c_fc".
+    """A module label of at most ``limit`` characters, as matplotlib text. A longer one keeps
+    its start (which part of the model) and its end (the most specific part) with "…" between
+    them, the end starting at a whole name where it can: "transformer.h.0.mlp.c_fc" ->
+    "transfo…h.0.mlp.c_fc". A ``$`` in a name is shown, never read as mathtext, and control
+    characters are written as escapes.
     """
-    label = module_label(name)
-    if len(label) <= limit:
-        return label
-    keep = limit - 1  # characters besides the "…"
-    end = label[-(keep - max(4, keep // 3)):]  # at least 4 characters of the start stay
-    dot = end.find(".")
-    if 0 <= dot <= len(end) // 3 and dot < len(end) - 1:
-        end = end[dot + 1:]  # "rs.0.norm2" -> "0.norm2": no broken name at the cut
-    return label[:keep - len(end)] + "…" + end
+    label = printable(module_label(name), keep_newlines=False)  # no control characters
+    if len(label) > limit:
+        keep = limit - 1  # characters besides the "…"
+        end = label[-(keep - max(4, keep // 3)):]  # at least 4 characters of the start stay
+        dot = end.find(".")
+        if 0 <= dot <= len(end) // 3 and dot < len(end) - 1:
+            end = end[dot + 1:]  # "rs.0.norm2" -> "0.norm2": no broken name at the cut
+        label = label[:keep - len(end)] + "…" + end
+    return label.replace("$", r"\$")
 
 
 def outside_legend(ax: Axes) -> None:

@@ -61,6 +61,7 @@ from torch import nn
 
 from ..entries import Entry
 from ..frames import Frame
+from ..opaque import add_forward_hook, add_forward_pre_hook
 from ..recorder import Feature, ModuleInfo, in_backward_pass
 from ..walk import iter_leaves
 
@@ -202,12 +203,12 @@ class BackwardFrames(Feature):
                 inplace = getattr(module, "inplace", False) is True
                 if inplace:
                     # Its input is overwritten by its forward: hook the input before that.
-                    self._handles.append(module.register_forward_pre_hook(
-                        partial(self._inplace_pre_hook, info), with_kwargs=True))
+                    self._handles.append(add_forward_pre_hook(
+                        module, partial(self._inplace_pre_hook, info), with_kwargs=True))
                 # On the root, run before the recorder's own hook counts the next batch.
                 hook = partial(self._inplace_forward_hook if inplace else self._forward_hook, info)
-                self._handles.append(module.register_forward_hook(
-                    hook, with_kwargs=True, prepend=info.is_root))
+                self._handles.append(add_forward_hook(
+                    module, hook, with_kwargs=True, prepend=info.is_root))
         except BaseException:
             self.close()
             raise

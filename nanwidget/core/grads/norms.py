@@ -83,6 +83,11 @@ class GradNorms(Feature):
                                        max_windows=GRAD_HISTORY_WINDOWS,
                                        window=GRAD_HISTORY_WINDOW)
             history, index = self.history, self._param_index
+            added = [name for name, _ in named if name not in index]
+            if added:  # parameters added to the model since the first check
+                first = len(index)
+                index.update({name: first + i for i, name in enumerate(added)})
+                history.add_modules(added, ["parameter"] * len(added))
             for (name, _), norm in zip(named, norms):
                 finite = math.isfinite(norm)
                 position = index.get(name)

@@ -16,7 +16,7 @@ from ..early_warning import REASONS, WARNING_FIELDS, EarlyWarning, warning_from_
 from ..events import Diagnosis, NanEvent, event_from_fields
 from ..frames import empty_frames
 from ..history import empty_history
-from ..report import format_event_report
+from ..report import format_event_report, printable
 from ..schema import EVENT_FIELDS, HISTORY_COLUMNS
 from ..trace import TENSOR_COLUMNS, Trace, empty_ops
 from ..viewer import open_browser
@@ -135,12 +135,15 @@ def _trace_from_file(path: Path, meta: Any, directory: Path, root: Path) -> Trac
                  found=_checked(path, meta, "found", str))
 
 
-def _event_from_file(path: Path, directory: Path, root: Path) -> NanEvent:
+def _event_from_file(path: Path, directory: Path, root: Path, rank: int) -> NanEvent:
     meta = read_json(path, root)
     if not isinstance(meta, dict):
         raise RunLoadError(f"{path}: an event must be a JSON object")
-    fields: dict[str, Any] = {name: _checked(path, meta, name, kind)
-                              for name, kind in EVENT_FIELDS.items()}
+    # Fields a writer may leave out (older or newer ones): what a missing one means.
+    missing_means = {"is_backward": False, "frame": 0, "rank": rank}
+    fields: dict[str, Any] = {
+        name: missing_means[name] if name in missing_means and meta.get(name) is None
+        else _checked(path, meta, name, kind) for name, kind in EVENT_FIELDS.items()}
     fields["peer_rank"] = _checked(path, meta, "peer_rank", int, optional=True)
     fields["peer_batch"] = _checked(path, meta, "peer_batch", int, optional=True)  # newer files
     for name in ("note", "frames_note"):  # older files have neither
@@ -260,7 +263,7 @@ class Run:
                         grads.append(table if "rank" in table else table.assign(rank=rank))
                 elif EVENT_FILE.match(path.name):
                     events.append(_checked_file(
-                        path, lambda: _event_from_file(path, directory, root)))
+                        path, lambda: _event_from_file(path, directory, root, rank)))
                 elif path.name == WARNINGS_FILE:  # recordings made before them have none
                     early.extend(_checked_file(
                         path, lambda: _warnings_from_file(path, root, rank)))
@@ -362,8 +365,14 @@ class Run:
     def report(self, event: NanEvent | None = None) -> str:
         """An event's report (default: the first event), or the recorded frames when none.
 
-        As :meth:`NanWatch.report`: the trace batches recorded before the event come first.
+        As :meth:`NanWatch.report`: the trace batches recorded before the event come first. A
+        recording may come from elsewhere: control characters in it (module names are
+        whatever ``add_module`` accepted) are written as escapes (``\\x1b``), never sent
+        to the terminal.
         """
+        return printable(self._report(event))
+
+    def _report(self, event: NanEvent | None) -> str:
         event = event or self.event
         frames = self._frames
         traced = pd.Series(False, index=frames.index)

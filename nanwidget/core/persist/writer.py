@@ -14,7 +14,9 @@ Layout: one folder per rank, so ranks never share a file::
 
 A new early warning is written at the end of the batch that made it. Chunks are flushed every ``NANWIDGET_FLUSH_BATCHES`` batches (default 200) or
 ``NANWIDGET_FLUSH_SECONDS`` seconds (default 10), at every event and when the watch closes; a
-process killed with SIGKILL loses at most the chunk not yet flushed.
+process killed with SIGKILL loses at most the chunk not yet flushed. A watch that is never
+closed completes its recording anyway (everything flushed, the manifest finalised): when the
+dropped watch is garbage collected, or at interpreter exit.
 """
 
 from __future__ import annotations
@@ -131,12 +133,21 @@ class RecordingWriter(Feature):
         write_json(self.directory / "manifest.json", self.manifest)
         reference = weakref.ref(self)
 
-        def flush_at_exit() -> None:
+        def close_at_exit() -> None:
             writer = reference()
-            if writer is not None and not writer._closed:
-                writer.flush()
-        self._atexit = flush_at_exit
-        atexit.register(flush_at_exit)
+            if writer is not None:
+                writer.close()
+        self._atexit = close_at_exit
+        atexit.register(close_at_exit)
+
+    def __del__(self) -> None:
+        # A watch dropped without close(): its model, recorder and this writer are collected
+        # together, all still whole while finalizers run, so the recording is completed now.
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # never raise from a finalizer
+                pass
 
     # Feature ------------------------------------------------------------------------------
     def on_frames_resolved(self, frames: list[Frame]) -> None:

@@ -9,6 +9,7 @@ version counters of parameters and buffers. Tensors are copied only with
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ from ..recorder import Feature
 from ..stats import version_of
 from ..walk import iter_leaves
 from ..writes import steps_taken
+from .inputs import UncopiedInput, copy_structure, needs_copy
 
 __all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "layouts_of", "ReplayError",
            "BatchNotHeldError", "InputModifiedError", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
@@ -30,6 +32,8 @@ MAX_EVENT_BATCHES = 8
 MAX_FORWARDS_PER_BATCH = 64
 
 _Tensor = torch.Tensor
+_no_torch_function = torch._C.DisableTorchFunctionSubclass
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 class ReplayError(RuntimeError):
@@ -50,14 +54,30 @@ class ForwardCapture:
     __slots__ = ("args", "kwargs", "inputs", "input_versions", "end_input_versions", "cpu_rng",
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
                  "weight_versions", "weight_layout", "end_buffer_versions", "snapshot",
-                 "needs_grad", "steps")
+                 "needs_grad", "steps", "uncopied")
 
     def __init__(self) -> None:
+        self.uncopied = ""  # the first input that could not be copied, and why
+        self.kwargs: dict = {}
         self.needs_grad: frozenset | set = frozenset()  # positions / keys of detached inputs that required grad
         self.end_input_versions: list[int] | None = None
         self.end_buffer_versions: list[int] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
         self.steps = 0  # optimizer steps seen when it started (core.writes)
+
+
+def _held_copy(capture: ForwardCapture, role: str, value: Any, memo: dict[int, Any]) -> Any:
+    """The copy of an input's structure a held batch keeps (see :mod:`.inputs`); None, with
+    the reason in ``capture.uncopied``, when it cannot be copied."""
+    try:
+        return copy_structure(value, memo)
+    except UncopiedInput as error:
+        if not capture.uncopied:
+            capture.uncopied = f"{role}{error.where} ({error.why})"
+    except RecursionError:
+        if not capture.uncopied:
+            capture.uncopied = f"{role} (nested too deeply)"
+    return None
 
 
 class HeldBatch:
@@ -71,6 +91,28 @@ class HeldBatch:
         self.truncated = False
 
 
+class _Slots:
+    """A TorchScript module's ``_parameters`` / ``_buffers`` (a mapping without ``get``) as a
+    dict-like container of slots."""
+
+    __slots__ = ("mapping",)
+
+    def __init__(self, mapping: Any) -> None:
+        self.mapping = mapping
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(self.mapping.items())
+
+    def get(self, key: str) -> Any:
+        try:
+            return self.mapping[key]
+        except (KeyError, RuntimeError, AttributeError):
+            return None
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.mapping[key] = value
+
+
 class WeightSlots:
     """Every parameter and buffer slot of the model, read by dict lookups (no module walk)."""
 
@@ -81,6 +123,8 @@ class WeightSlots:
         self.is_buffer: list[bool] = []
         for module_name, module in root.named_modules():
             for is_buffer, container in ((False, module._parameters), (True, module._buffers)):
+                if not isinstance(container, dict):  # a TorchScript module's: no .get()
+                    container = _Slots(container)
                 for key, tensor in container.items():
                     if tensor is None:
                         continue
@@ -117,6 +161,16 @@ def versions_of(tensors: list[torch.Tensor | None]) -> list[int]:
         return [-1 if t is None else version_of(t) for t in tensors]
 
 
+def _input_versions(tensors: list[torch.Tensor]) -> list[int]:
+    """Version counters of a forward's inputs, read without running a tensor subclass's own
+    ``__torch_function__``."""
+    for tensor in tensors:
+        if type(tensor) not in _PLAIN:
+            with _no_torch_function():
+                return versions_of(tensors)  # type: ignore[arg-type]
+    return versions_of(tensors)  # type: ignore[arg-type]
+
+
 def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtype | None]]:
     """(storage pointer, dtype) of each tensor; (-1, None) for None or a pointer-less subclass."""
     try:  # the usual case, in one pass
@@ -137,8 +191,13 @@ def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtyp
 
 def _made_by_autograd(args: tuple) -> bool:
     for value in args:
-        if isinstance(value, _Tensor) and value.grad_fn is not None:
-            return True
+        if isinstance(value, _Tensor):
+            if type(value) not in _PLAIN:
+                with _no_torch_function():  # runs no tensor subclass's own code
+                    if value.grad_fn is not None:
+                        return True
+            elif value.grad_fn is not None:
+                return True
     return False
 
 
@@ -179,12 +238,13 @@ class BatchCapture(Feature):
                                   if isinstance(v, _Tensor) and v.requires_grad}
             args = tuple(v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
                          for v in args)
-        if kwargs and any(isinstance(v, _Tensor) and v.grad_fn is not None for v in kwargs.values()):
+        if kwargs and _made_by_autograd(tuple(kwargs.values())):
             capture.needs_grad = capture.needs_grad | {k for k, v in kwargs.items()
                                                        if isinstance(v, _Tensor) and v.requires_grad}
             kwargs = {k: v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
                       for k, v in kwargs.items()}
         inputs: list[tuple[str, torch.Tensor]] = []
+        copies: dict[int, Any] | None = None  # one memo: objects shared by inputs stay shared
         for position, value in enumerate(args):
             role = f"input[{position}]"
             if isinstance(value, _Tensor):
@@ -192,14 +252,29 @@ class BatchCapture(Feature):
             elif not isinstance(value, (int, float, bool, str, type(None))):
                 inputs.extend((r, leaf) for r, leaf in iter_leaves(value, role)
                               if isinstance(leaf, _Tensor))
+                if needs_copy(value):
+                    if copies is None:
+                        copies, args = {}, list(args)  # type: ignore[assignment]
+                    args[position] = _held_copy(capture, role, value, copies)  # type: ignore[index]
+        if copies is not None:
+            args = tuple(args)
         if kwargs:
             for key, value in kwargs.items():
+                if isinstance(value, _Tensor):
+                    inputs.append(("kwarg:" + key, value))
+                    continue
                 inputs.extend((r, leaf) for r, leaf in iter_leaves(value, "kwarg:" + key)
                               if isinstance(leaf, _Tensor))
+                if needs_copy(value):
+                    if copies is None:
+                        copies = {}
+                    if kwargs is not capture.kwargs:
+                        kwargs = capture.kwargs = dict(kwargs)
+                    kwargs[key] = _held_copy(capture, "kwarg:" + key, value, copies)
         capture.args = args
         capture.kwargs = kwargs
         capture.inputs = inputs
-        capture.input_versions = versions_of([t for _, t in inputs])
+        capture.input_versions = _input_versions([t for _, t in inputs])
         capture.cpu_rng = torch.get_rng_state()
         capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         capture.grad_enabled = torch.is_grad_enabled()
@@ -225,7 +300,7 @@ class BatchCapture(Feature):
             return
         last = held.forwards[-1]
         if last.end_input_versions is None:
-            last.end_input_versions = versions_of([t for _, t in last.inputs])
+            last.end_input_versions = _input_versions([t for _, t in last.inputs])
             if self.slots.buffer_positions:
                 weights = last.weights
                 last.end_buffer_versions = [
@@ -311,6 +386,13 @@ class BatchCapture(Feature):
             raise ReplayError(f"batch {batch} ran its root forward more than "
                               f"{MAX_FORWARDS_PER_BATCH} times; only the first ones were held, "
                               "so it cannot be replayed faithfully")
+        for capture in held.forwards:
+            if capture.uncopied:
+                raise ReplayError(
+                    f"cannot replay batch {batch}: its {capture.uncopied} could not be copied "
+                    "when the batch ran, and a replay must not run the forward on your own "
+                    "object (the forward may change it). Pass tensors, lists, dicts or objects "
+                    "that copy.copy() can copy")
         _check_inputs(held)
         return held
 

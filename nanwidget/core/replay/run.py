@@ -18,6 +18,7 @@ from ..events import NanEvent
 from ..entries import Entry
 from ..frames import Frame, frames_to_dataframe
 from ..grads.backward import BackwardFrames, FrameSink
+from ..opaque import add_forward_hook, add_forward_pre_hook, hookable_modules
 from ..recorder import ModuleInfo, Recorder
 from ..schema import OPS_COLUMNS, OPS_DTYPES
 from ..stats import version_of
@@ -25,6 +26,7 @@ from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
 from ..writes import written_since
 from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, WeightSlots, layouts_of
+from .inputs import UncopiedInput, copy_structure
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
 
@@ -318,10 +320,10 @@ class _Replay:
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 recorder.name_sources("weight", zip(slots.names, slots.read()))
-                for module in {id(m): m for m in root.modules()}.values():
-                    handles.append(module.register_forward_pre_hook(recorder.pre_hook, with_kwargs=True))
-                    handles.append(module.register_forward_hook(recorder.post_hook, with_kwargs=True,
-                                                                always_call=True))
+                for module in hookable_modules(root):
+                    handles.append(add_forward_pre_hook(module, recorder.pre_hook, with_kwargs=True))
+                    handles.append(add_forward_hook(module, recorder.post_hook, with_kwargs=True,
+                                                    always_call=True))
                 if self.backward_frames:
                     # The live watch's own backward frames (gradient hooks on tensors), recorded
                     # into this replay's frames: the same frames, roles and order as full mode.
@@ -439,11 +441,14 @@ def set_forward_state(capture: ForwardCapture, slots: WeightSlots) -> None:
 
 
 def forward_arguments(capture: ForwardCapture) -> tuple[tuple, dict]:
-    """The held inputs as a replay passes them: same data, ``requires_grad`` as it was, and
-    no gradient ever lands on the user's own tensors."""
+    """The held inputs as a replay passes them: same data, ``requires_grad`` as it was, no
+    gradient ever lands on the user's own tensors, and other inputs (caches, dicts, lists,
+    objects) are fresh copies of the held copies (see :mod:`.inputs`): what the replayed
+    forward changes belongs to this replay alone."""
     needs_grad = capture.needs_grad
-    args = tuple(_fresh(v, i in needs_grad) for i, v in enumerate(capture.args))
-    kwargs = ({k: _fresh(v, k in needs_grad) for k, v in capture.kwargs.items()}
+    memo: dict[int, Any] = {}
+    args = tuple(_fresh(v, i in needs_grad, memo) for i, v in enumerate(capture.args))
+    kwargs = ({k: _fresh(v, k in needs_grad, memo) for k, v in capture.kwargs.items()}
               if capture.kwargs else {})
     return args, kwargs
 
@@ -479,14 +484,18 @@ def _with_running_stats(names: list[str], slots: WeightSlots) -> list[str]:
     return result
 
 
-def _fresh(value: Any, needed_grad: bool) -> Any:
-    """A top-level tensor input as the replay passes it: same data, requires_grad as it was,
-    and no gradient ever lands on the user's own tensor."""
+def _fresh(value: Any, needed_grad: bool, memo: dict[int, Any]) -> Any:
+    """A top-level input as the replay passes it: a tensor with the same data, requires_grad
+    as it was, no gradient ever landing on the user's own tensor; anything else a copy of
+    its structure."""
     if isinstance(value, _Tensor):
         fresh = value.detach()
         if (value.requires_grad or needed_grad) and fresh.is_floating_point():
             fresh.requires_grad_(True)
         return fresh
-    return value
+    try:
+        return copy_structure(value, memo)
+    except (UncopiedInput, RecursionError) as error:  # copied once already: should not happen
+        raise ReplayError(f"cannot replay: an input could not be copied again ({error})") from None
 
 

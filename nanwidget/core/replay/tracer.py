@@ -180,7 +180,8 @@ class OpRecorder:
         self.paused = True
         try:
             entries, first_input, first_output = self.entries.forward_entries(
-                module, info.has_state, args, kwargs, output, measured.pop() if measured else None)
+                info.weights, info.has_state, args, kwargs, output,
+                measured.pop() if measured else None)
         finally:
             self.paused = False
         self.record_frame(info, "forward", entries, first_output=first_output,

@@ -21,13 +21,14 @@ its magnitude, at no extra read.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from .. import native
-from ..stats import local_shard, measure_tensor
+from ..stats import PLAIN_TENSOR_TYPES, local_shard, measure_tensor, plain_view
 from ..walk import iter_leaves
 
 __all__ = ["NonFiniteCheck", "BadTensor", "float_leaves", "checkable", "device_numbers"]
@@ -57,8 +58,17 @@ class BadTensor:
 
 def checkable(tensor: torch.Tensor) -> torch.Tensor | None:
     """The dense real tensor whose values decide whether ``tensor`` holds a NaN/Inf, or None
-    when it holds no floating-point values (integers, bools, meta or empty tensors)."""
-    tensor = local_shard(tensor)  # a DTensor (FSDP2 gradients): this rank's shard, no collective
+    when it holds no floating-point values (integers, bools, meta or empty tensors), or when it
+    is a tensor subclass whose values cannot be read (warned about once per class)."""
+    if type(tensor) not in PLAIN_TENSOR_TYPES:
+        tensor = local_shard(tensor)  # a DTensor (FSDP2 gradients): this rank's shard
+        plain = plain_view(tensor)  # other subclasses: their values, without their own code
+        if plain is None:
+            warnings.warn(f"nanwidget: values of {type(tensor).__name__} (a tensor subclass "
+                          "nanwidget cannot read) are not checked for NaN/Inf", RuntimeWarning,
+                          stacklevel=2)
+            return None
+        tensor = plain
     try:
         if getattr(tensor, "is_nested", False):
             try:

@@ -1,0 +1,93 @@
+"""Copies of a watched model are not watched: ``copy.deepcopy``, ``pickle``, ``torch.save(model)``.
+
+A watch's hooks are methods of its recorder, which holds locks and the native kernel's buffers:
+none of that can be copied or pickled, and a copy should not be watched anyway (an EMA copy or a
+best-model checkpoint is another model). So every module a watch hooks gets, for as long as the
+watch lasts, an ``__getstate__`` of its own (``copy`` and ``pickle`` look it up on the instance,
+whose ``__dict__`` comes before the class): the module's state as its class gives it, less
+nanwidget's hook entries and less itself. A copy made from that state has the user's own hooks
+and none of ours, and unpickles where nanwidget is not installed. The original keeps its hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+from torch import nn
+
+__all__ = ["copy_without_watch", "stop_copying_without_watch", "is_nanwidget_hook"]
+
+_KEY = "__getstate__"
+_PACKAGE = __name__.split(".")[0]
+
+
+def is_nanwidget_hook(hook: Any) -> bool:
+    """Whether ``hook`` (a function, bound method, ``functools.partial`` or a wrapper made with
+    ``functools.wraps``, e.g. ``torch._dynamo.disable``) is nanwidget's own."""
+    for _ in range(8):  # partials of wrappers of methods: a few layers at most
+        if isinstance(hook, functools.partial):
+            hook = hook.func
+            continue
+        inner = getattr(hook, "__wrapped__", None)
+        owner = getattr(hook, "__module__", None) or ""
+        if owner == _PACKAGE or owner.startswith(_PACKAGE + "."):
+            return True
+        if inner is None:
+            return False
+        hook = inner
+    return False
+
+
+class _StateWithoutWatch:
+    """A watched module's ``__getstate__``: its class's state, without nanwidget's hooks."""
+
+    __slots__ = ("module", "__weakref__")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)  # the module holds this object: no cycle through it
+
+    def __call__(self) -> Any:
+        module = self.module()
+        if module is None:  # pragma: no cover - called through the module, so it is alive
+            return {}
+        state = type(module).__getstate__(module)
+        if isinstance(state, dict):
+            return _without_watch(state)
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
+            return (_without_watch(state[0]), state[1])  # (__dict__ state, __slots__ state)
+        return state
+
+
+def _without_watch(state: dict) -> dict:
+    """``state`` (a module's ``__dict__`` copy) without nanwidget's hook entries (and their
+    flags in the ``*_with_kwargs`` / ``*_always_called`` tables) and without this mechanism."""
+    state = dict(state)
+    if isinstance(state.get(_KEY), _StateWithoutWatch):
+        del state[_KEY]
+    tables = [name for name, value in state.items() if "hooks" in name and isinstance(value, dict)]
+    ours = {key for name in tables for key, hook in state[name].items()
+            if callable(hook) and is_nanwidget_hook(hook)}
+    if ours:
+        for name in tables:
+            table = state[name]
+            if any(key in ours for key in table):
+                cleaned = table.copy()
+                for key in ours:
+                    cleaned.pop(key, None)
+                state[name] = cleaned
+    return state
+
+
+def copy_without_watch(module: nn.Module) -> None:
+    """From now on, copies and pickles of ``module`` leave nanwidget's hooks out (idempotent;
+    a module with an instance-level ``__getstate__`` of its own is left as it is)."""
+    if _KEY not in module.__dict__:
+        module.__dict__[_KEY] = _StateWithoutWatch(module)
+
+
+def stop_copying_without_watch(module: nn.Module) -> None:
+    """Undo :func:`copy_without_watch` (the watch closed)."""
+    if isinstance(module.__dict__.get(_KEY), _StateWithoutWatch):
+        del module.__dict__[_KEY]

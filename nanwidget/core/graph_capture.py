@@ -1,0 +1,139 @@
+"""Others that run a watched model to capture or compile it, as the recorder's hooks see them.
+
+- Graph capturers (``torch.export``, strict or not; ``torch.jit.trace`` and the check run it
+  makes; ``torch.fx.symbolic_trace``) run the model to record a graph of it: the watch stands
+  aside (:func:`tracing`), so that none of its measuring lands in the graph and the capture is no
+  batch. Every probe here is a flag read or a call or two, cheap enough for the root's hook.
+- ``torch.compile`` wrappers (``OptimizedModule``) around a watched module: when the module is
+  a ``torch.nn`` container (``nn.Sequential`` ...), Dynamo compiles its whole call, hooks
+  included, and never guards on hooks; code it compiled before the watch keeps running without
+  them. :func:`compile_wrappers_of` finds such wrappers, so that the recorder can refuse their
+  calls as it refuses the other orders.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["tracing", "captured", "is_exporting", "dynamo_compiling", "export_flag",
+           "checking_a_trace", "compile_wrappers_of"]
+
+#: ``torch.compiler.is_exporting()``: True while ``torch.export`` traces, under Dynamo too.
+is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+#: True while Dynamo traces the code that asks (a strict export, ``torch.compile``).
+dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
+#: Holds ``_is_exporting_flag`` (what :data:`is_exporting` returns), read as an attribute where
+#: a function call would cost too much (every module call).
+export_flag: Any = torch.compiler if hasattr(torch.compiler, "_is_exporting_flag") else \
+    types.SimpleNamespace(_is_exporting_flag=False)
+_jit_tracing_state = getattr(torch._C, "_get_tracing_state", lambda: None)
+
+
+# The modules whose flags say that fx or torch.jit.trace runs (both come with torch; the
+# stand-ins say "never" for a torch that moved them).
+_fx: Any = sys.modules.get("torch.fx._symbolic_trace") or types.SimpleNamespace(
+    _is_fx_tracing_flag=False)
+_jit: Any = sys.modules.get("torch.jit._trace") or types.SimpleNamespace(_trace_module_map=None)
+
+
+def tracing() -> bool:
+    """Whether a graph capturer runs the model now (``torch.export``, ``torch.jit.trace``,
+    ``torch.fx.symbolic_trace``). ``is_exporting`` comes first: under a strict export Dynamo
+    traces the caller, reads it as a constant and never looks at the rest."""
+    return is_exporting() or _jit_tracing_state() is not None \
+        or (_fx._is_fx_tracing_flag and not dynamo_compiling())
+
+
+def captured() -> bool:
+    """For the root's pre-hook (called from it), once :data:`export_flag` said no: whether
+    ``torch.jit.trace`` (its check run included, see :func:`checking_a_trace`) or ``torch.fx``
+    runs the model. A few flag reads: it runs every batch."""
+    return _jit_tracing_state() is not None \
+        or (_jit._trace_module_map is not None and checking_a_trace(sys._getframe(2))) \
+        or (_fx._is_fx_tracing_flag and not dynamo_compiling())
+
+
+_trace_check: list[Any] = []  # the code object of torch.jit.trace's check run, once looked up
+
+
+def checking_a_trace(caller: Any) -> bool:
+    """Whether ``torch.jit.trace`` (``check_trace=True``) runs the model eagerly to compare it
+    with the trace it just made: part of tracing, not a batch. ``caller``: the frame that
+    called the root module's hooks."""
+    if _jit._trace_module_map is None:
+        return False  # set while torch.jit.trace runs, its check included
+    if not _trace_check:
+        check = getattr(_jit, "_check_trace", None)
+        check = getattr(check, "__wrapped__", check)  # under torch.no_grad()'s decorator
+        constants = getattr(getattr(check, "__code__", None), "co_consts", ())
+        _trace_check.append(next((c for c in constants if getattr(c, "co_name", "") ==
+                                  "run_mod_and_filter_tensor_outputs"), None))
+    code = _trace_check[0]
+    frame = caller
+    for _ in range(4):  # the hooks' caller, Module.__call__, then the check's own function
+        if frame is None or code is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _inlined_with_its_hooks(model: nn.Module) -> bool:
+    """Whether a ``torch.compile`` wrapper of ``model`` compiles the model's whole call, hooks
+    included (a ``torch.nn`` container; else only its forward compiles and the hooks run
+    eagerly), and compiled code of that kind exists in this process."""
+    try:
+        from torch._dynamo import config, eval_frame, external_utils, trace_rules
+    except ImportError:  # pragma: no cover - a torch without Dynamo
+        return False
+    if getattr(config, "wrap_top_frame", False):
+        return True
+    forward = getattr(model, "forward", None)
+    try:
+        if not (isinstance(forward, types.MethodType) and trace_rules.check(forward)):
+            return False
+        # Such calls compile one shared code object: without cache entries, nothing is
+        # compiled yet (the first compiled call will trace the hooks, and be refused then).
+        shared = external_utils.wrap_inline(_nothing).__code__
+        return bool(eval_frame._debug_get_cache_entry_list(shared))
+    except Exception:  # Dynamo's internals moved: look for wrappers anyway
+        return True
+
+
+def _nothing() -> None:
+    return None
+
+
+def _is_wrapper_of(candidate: Any, model: nn.Module) -> bool:
+    return isinstance(candidate, nn.Module) and type(candidate).__name__ == "OptimizedModule" \
+        and getattr(candidate, "_orig_mod", None) is model
+
+
+def compile_wrappers_of(model: nn.Module) -> list[nn.Module]:
+    """The live ``torch.compile`` wrappers of ``model`` whose compiled code may run it without
+    its hooks (see the module docstring); empty at no cost when Dynamo was never loaded or no
+    such code exists. Otherwise searches the heap (a wrapper holds the model in its
+    ``_modules``, and nothing leads from the model to it): tens of milliseconds, at watch time."""
+    if "torch._dynamo" not in sys.modules or not _inlined_with_its_hooks(model):
+        return []
+    found: dict[int, nn.Module] = {}
+    for holder in gc.get_referrers(model):
+        if not isinstance(holder, dict) or holder.get("_orig_mod") is not model:
+            continue
+        for owner in gc.get_referrers(holder):
+            if isinstance(owner, dict):  # the wrapper's __dict__, when Python made one
+                owners = [o for o in gc.get_referrers(owner) if getattr(o, "__dict__", None)
+                          is owner]
+            else:
+                owners = [owner]
+            for wrapper in owners:
+                if _is_wrapper_of(wrapper, model):
+                    found[id(wrapper)] = wrapper
+    return list(found.values())

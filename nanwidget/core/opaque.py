@@ -1,0 +1,132 @@
+"""Modules whose inside no hook sees, and the weights their own frame stands for.
+
+- A TorchScript module (``torch.jit.script``, ``torch.jit.trace``) runs compiled TorchScript
+  code: the hooks of its submodules never run. It is watched as one module, measured at its
+  boundary (its ``__call__`` runs hooks like any module's, though its ``register_*_hook``
+  methods refuse them: the hooks go on through ``nn.Module``'s own), and its frame's weights
+  are every parameter and buffer inside it, named from it (``0.weight``).
+- An ``fx.GraphModule`` (``torch.export``'s ``ep.module()``, ``fx.symbolic_trace``) reads
+  weights of submodules that never run a forward of their own (``get_attr``): its frame's
+  weights include them, so a NaN there is named (``0.weight``) instead of blamed on the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["is_torchscript", "inside_torchscript", "weights_of", "GatheredWeights",
+           "add_forward_hook", "add_forward_pre_hook", "hookable_modules"]
+
+_SCRIPT = torch.jit.ScriptModule
+
+
+def is_torchscript(module: nn.Module) -> bool:
+    """Whether ``module`` runs TorchScript code (scripted or traced)."""
+    return isinstance(module, _SCRIPT)
+
+
+def inside_torchscript(named: list[tuple[str, nn.Module]]) -> set[str]:
+    """Names of the modules strictly inside a TorchScript module (their hooks never run)."""
+    scripted = [name for name, module in named if is_torchscript(module)]
+    return {name for name, _ in named
+            if any(name != outer and (outer == "" or name.startswith(outer + "."))
+                   for outer in scripted)}
+
+
+def hookable_modules(root: nn.Module) -> list[nn.Module]:
+    """``root``'s modules, each once, less those inside TorchScript code."""
+    named = list(root.named_modules())
+    hidden = inside_torchscript(named)
+    return list({id(m): m for name, m in named if name not in hidden}.values())
+
+
+def add_forward_hook(module: nn.Module, hook: Callable[..., Any], **options: Any) -> Any:
+    """``module.register_forward_hook(hook, **options)``, for TorchScript modules too."""
+    if is_torchscript(module):
+        return nn.Module.register_forward_hook(module, hook, **options)
+    return module.register_forward_hook(hook, **options)
+
+
+def add_forward_pre_hook(module: nn.Module, hook: Callable[..., Any], **options: Any) -> Any:
+    """``module.register_forward_pre_hook(hook, **options)``, for TorchScript modules too."""
+    if is_torchscript(module):
+        return nn.Module.register_forward_pre_hook(module, hook, **options)
+    return module.register_forward_pre_hook(hook, **options)
+
+
+class GatheredWeights:
+    """Stands in for a module where a frame reads its weights (``_parameters``, ``_buffers``):
+    the tensors its forward uses from inside it, by their names from it, read fresh at every
+    call (a replaced parameter is seen)."""
+
+    __slots__ = ("parameter_slots", "buffer_slots")
+
+    def __init__(self, parameter_slots: list[tuple[str, Any, str]],
+                 buffer_slots: list[tuple[str, Any, str]]) -> None:
+        self.parameter_slots = parameter_slots  # (name, owning module, attribute)
+        self.buffer_slots = buffer_slots
+
+    @property
+    def _parameters(self) -> dict[str, torch.Tensor | None]:
+        return {name: getattr(owner, key, None) for name, owner, key in self.parameter_slots}
+
+    @property
+    def _buffers(self) -> dict[str, torch.Tensor | None]:
+        return {name: getattr(owner, key, None) for name, owner, key in self.buffer_slots}
+
+    def __bool__(self) -> bool:
+        return bool(self.parameter_slots or self.buffer_slots)
+
+
+def weights_of(module: nn.Module) -> nn.Module | GatheredWeights:
+    """What a frame of ``module`` reads its weights from: the module itself, or the
+    :class:`GatheredWeights` of a TorchScript module or a GraphModule (module docstring)."""
+    if is_torchscript(module):
+        return _script_weights(module)
+    if isinstance(module, torch.fx.GraphModule):
+        gathered = _graph_weights(module)
+        if gathered is not None:
+            return gathered
+    return module
+
+
+def _script_weights(module: nn.Module) -> GatheredWeights:
+    parameters: list[tuple[str, Any, str]] = []
+    buffers: list[tuple[str, Any, str]] = []
+    for prefix, owner in module.named_modules():
+        for key, _ in owner.named_parameters(recurse=False):
+            parameters.append((f"{prefix}.{key}" if prefix else key, owner, key))
+        for key, _ in owner.named_buffers(recurse=False):
+            buffers.append((f"{prefix}.{key}" if prefix else key, owner, key))
+    return GatheredWeights(parameters, buffers)
+
+
+def _graph_weights(module: nn.Module) -> GatheredWeights | None:
+    """The GraphModule's own weights plus those its graph reads from submodules; None when
+    it reads none of theirs (its own ``_parameters`` then say it all)."""
+    parameters = [(key, module, key) for key, value in module._parameters.items()
+                  if value is not None]
+    buffers = [(key, module, key) for key, value in module._buffers.items() if value is not None]
+    borrowed = False
+    seen: set[str] = set()
+    for node in module.graph.nodes:
+        target = node.target
+        if node.op != "get_attr" or not isinstance(target, str) or "." not in target \
+                or target in seen:
+            continue
+        seen.add(target)
+        path, _, key = target.rpartition(".")
+        try:
+            owner = module.get_submodule(path)
+        except AttributeError:
+            continue
+        if owner._parameters.get(key) is not None:
+            parameters.append((target, owner, key))
+            borrowed = True
+        elif owner._buffers.get(key) is not None:
+            buffers.append((target, owner, key))
+            borrowed = True
+    return GatheredWeights(parameters, buffers) if borrowed else None

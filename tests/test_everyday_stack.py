@@ -1,0 +1,582 @@
+"""The stack people use around a watched model: copies and checkpoints, caches passed to the
+forward and replayed, exporters and tracers, TorchScript parts, tensor subclasses, compiled
+wrappers, recordings that outlive the watch (issue 23). Each in full and sentinel mode where
+both apply."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nanwidget as nw
+from nanwidget.core.copies import is_nanwidget_hook
+from nanwidget.core.replay import ReplayError
+
+from conftest import TinyMLP, hook_count
+
+MODES = ["full", "sentinel"]
+
+
+def _nanwidget_hooks(model: nn.Module) -> int:
+    """Hooks of nanwidget's own on any module of ``model``."""
+    return sum(is_nanwidget_hook(hook) for module in model.modules()
+               for table in (module._forward_hooks, module._forward_pre_hooks)
+               for hook in table.values())
+
+
+# ------------------------------------------------------------------ copies (item 6)
+def _users_own_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    return None
+
+
+def _copies(model: nn.Module) -> dict[str, nn.Module]:
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    return {"deepcopy": copy.deepcopy(model), "pickle": pickle.loads(pickle.dumps(model)),
+            "torch.save": torch.load(saved, weights_only=False)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_watched_model_copies_pickles_and_saves_unwatched_and_stays_watched(mode):
+    model = TinyMLP()
+    model.fc2.register_forward_hook(_users_own_hook)
+    x = torch.randn(4, 16)
+    with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+        model(x).sum().backward()
+        copies = _copies(model)
+        for how, twin in copies.items():
+            assert _nanwidget_hooks(twin) == 0, how
+            assert list(twin.fc2._forward_hooks.values()) == [_users_own_hook], how
+            assert "__getstate__" not in twin.__dict__, how
+            assert torch.equal(twin(x), model(x)), how
+            with torch.no_grad():
+                twin.fc2.bias[0] = float("nan")  # the copy is not watched: no event
+            twin(x)
+        assert w.events == [] and _nanwidget_hooks(model) > 0
+        with torch.no_grad():
+            model.fc2.bias[0] = float("nan")
+        model(x)
+    assert (w.event.module, w.event.role) == ("fc2", "bias")
+    assert hook_count(model) == 1 and "__getstate__" not in model.__dict__
+
+
+def test_an_ema_copy_every_step_and_a_best_model_checkpoint_under_a_watch():
+    model = TinyMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16)
+    with nw.watch(model, mode="sentinel", backward=True) as w:
+        ema = torch.optim.swa_utils.AveragedModel(model)  # deep-copies the watched model
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+            ema.update_parameters(model)
+            best = copy.deepcopy(model)
+        assert w.batch == 3 and _nanwidget_hooks(ema) == 0 and _nanwidget_hooks(best) == 0
+        assert torch.equal(best(x), model(x))
+
+
+def test_a_saved_watched_model_loads_where_nanwidget_is_not_imported(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with nw.watch(model, backward=True):
+        torch.save(model, tmp_path / "model.pt")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)
+        out = model(torch.ones(1, 4))
+        assert "nanwidget" not in sys.modules, "unpickling imported nanwidget"
+        print(sum(len(m._forward_hooks) for m in model.modules()), tuple(out.shape))
+        """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "(1,", "2)"]
+
+
+# ------------------------------------------------------------------ tracers (item 8)
+def _graph_sizes(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.trace's deprecation and tracer notes
+        return {
+            "export": len(torch.export.export(model, (x,)).graph.nodes),
+            "export strict": len(torch.export.export(model, (x,), strict=True).graph.nodes),
+            "fx": len(torch.fx.symbolic_trace(model).graph.nodes),
+            "jit": len(list(torch.jit.trace(model, (x,)).graph.nodes())),
+        }
+
+
+class _InplaceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exporters_and_tracers_see_the_unwatched_model(mode):
+    model = _InplaceNet()
+    x = torch.randn(2, 16)
+    unwatched = _graph_sizes(model, x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, mode=mode, backward=True) as w:
+            assert _graph_sizes(model, x) == unwatched
+            assert w.batch == 0 and w.frames().empty and w.held_batches() == []
+            model(x).sum().backward()  # the watch records again once the tracers are done
+            assert w.batch == 1 and w.held_batches() == [0]
+            assert not w.frames().empty or mode == "sentinel"
+    nanwidget_notes = [str(c.message) for c in caught if "nanwidget" in str(c.message)]
+    assert nanwidget_notes == []  # no internal error, no GuardOnDataDependentSymNode
+
+
+# ------------------------------------------------------------------ compiled wrappers (item 11)
+def test_watching_the_original_of_an_already_compiled_container_refuses_the_compiled_call():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    compiled_model = torch.compile(model, backend="eager")  # Dynamo's part only: fast
+    x = torch.randn(4, 16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled_model(x)  # compiled before the watch: Dynamo inlined the container's call
+        bad = x.clone()
+        bad[0, 0] = float("nan")
+        for mode in MODES:
+            with nw.watch(model, mode=mode) as w:
+                with pytest.raises(nw.CompiledCallError, match=r"you watched cm._orig_mod"):
+                    compiled_model(bad)  # would run compiled code with no hook: NaN unseen
+                assert w.events == [] and w.batch == 0
+                assert _nanwidget_hooks(copy.deepcopy(compiled_model)) == 0
+                with torch.compiler.set_stance("force_eager"):
+                    compiled_model(x)  # run eagerly: the hooks run, the batch counts
+                assert w.batch == 1
+            assert hook_count(compiled_model) == 0 and "__getstate__" not in vars(compiled_model)
+            assert torch.isnan(compiled_model(bad)).any()  # closed: the compiled call runs
+
+
+# ------------------------------------------------------------------ TorchScript, exported (item 9)
+class _SqrtBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.shift = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(self.lin(x).square() + self.shift)  # NaN once shift is very negative
+
+
+class _WithChild(nn.Module):
+    def __init__(self, child: nn.Module) -> None:
+        super().__init__()
+        self.a, self.child, self.b = nn.Linear(16, 16), child, nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.child(self.a(x)))
+
+
+def _torchscript(kind: str, x: torch.Tensor) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit's deprecation notes
+        block = _SqrtBlock()
+        return torch.jit.script(block) if kind == "script" else torch.jit.trace(block, (x,))
+
+
+@pytest.mark.parametrize("kind", ["script", "trace"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_torchscript_child_is_watched_as_one_module_and_replayed(kind, mode):
+    x = torch.randn(4, 16)
+    model = _WithChild(_torchscript(kind, x))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+            model(x).sum().backward()
+            assert w.module_names == ["", "a", "child", "b"] and w.events == []
+            with torch.no_grad():
+                model.child.shift.fill_(-100.0)  # sqrt of negative numbers, inside TorchScript
+            model(x).sum().backward()
+            trace = w.replay(1)
+    assert [str(c.message) for c in caught if "nanwidget" in str(c.message)] == []
+    event = w.event
+    assert (event.batch, event.module, event.role, event.origin) == (1, "child", "output",
+                                                                      "output")
+    assert (trace.first_bad["op"], trace.first_bad["module"]) == ("sqrt", "child")
+    child_frame = w.frames().query("module == 'child' and phase == 'forward'")
+    assert {"lin.weight", "lin.bias", "shift", "input[0]", "output"} <= set(child_frame["role"])
+    assert hook_count(model) == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_weight_inside_a_torchscript_child_is_named(mode):
+    x = torch.randn(4, 16)
+    model = _WithChild(_torchscript("trace", x))
+    with torch.no_grad():
+        model.child.lin.bias[3] = float("nan")
+    with nw.watch(model, mode=mode, on_nan="record") as w:
+        model(x)
+    assert (w.event.module, w.event.role, w.event.origin) == ("child", "lin.bias", "weight")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_exported_programs_module_names_the_nan_parameter(mode):
+    x = torch.randn(4, 16)
+    exported = torch.export.export(TinyMLP(), (x,)).module()
+    with torch.no_grad():
+        exported.get_submodule("fc2").bias[1] = float("nan")
+    with nw.watch(exported, mode=mode, on_nan="record") as w:
+        exported(x)
+    assert (w.event.module, w.event.role, w.event.origin) == ("", "fc2.bias", "weight")
+
+
+# ------------------------------------------------------------------ tensor subclasses (item 10)
+class _Wrapped(torch.Tensor):
+    """A ``__torch_dispatch__`` wrapper subclass (no data of its own) around ``inner`` tensors;
+    ops run on the first one."""
+
+    @staticmethod
+    def __new__(cls, *inner: torch.Tensor) -> _Wrapped:
+        first = inner[0]
+        return torch.Tensor._make_wrapper_subclass(cls, first.shape, dtype=first.dtype,
+                                                   device=first.device)
+
+    def __init__(self, *inner: torch.Tensor) -> None:
+        self.names = [f"part{i}" for i in range(len(inner))]
+        for name, tensor in zip(self.names, inner):
+            setattr(self, name, tensor)
+
+    def __tensor_flatten__(self) -> tuple[list[str], None]:
+        return self.names, None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.part0 if isinstance(t, _Wrapped) else t  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args),
+                   **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        return torch.utils._pytree.tree_map(
+            lambda t: _Wrapped(t) if type(t) is torch.Tensor else t, out)
+
+
+class _Wrapping(nn.Module):
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        made = torch.sqrt(x)  # NaN where x < 0
+        return _Wrapped(made, *[made * 2 for _ in range(self.parts - 1)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_in_a_dispatch_wrapper_subclass_is_read_through_it(mode):
+    model = nn.Sequential(nn.Linear(16, 8), _Wrapping(parts=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, mode=mode, on_nan="record") as w:
+            model(torch.randn(4, 16))
+    assert [str(c.message) for c in caught if "nanwidget" in str(c.message)] == []
+    assert (w.event.module, w.event.role, w.event.origin) == ("1", "output", "output")
+    output = w.event.frames.query("module == '1' and role == 'output'").iloc[-1]
+    assert output["nan"] and output["note"] == ""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_subclass_whose_values_cannot_be_read_is_noted_and_warned_once(mode):
+    model = nn.Sequential(nn.Linear(16, 8), _Wrapping(parts=2))  # two inner tensors: which one?
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        with nw.watch(model, mode=mode, on_nan="record") as w:
+            for _ in range(3):
+                model(torch.randn(4, 16))
+    notes = [str(c.message) for c in caught if "nanwidget" in str(c.message)]
+    assert len(notes) == 1 and "_Wrapped" in notes[0] and "internal error" not in notes[0]
+    if mode == "full":
+        output = w.frames().query("module == '1' and role == 'output'").iloc[-1]
+        assert output["note"] == "not read"
+
+
+class _Counting(torch.Tensor):
+    """A ``__torch_function__`` subclass that counts the calls it sees."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        _Counting.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_measuring_a_torch_function_subclass_runs_none_of_its_code(mode):
+    model = TinyMLP()
+    x = torch.randn(4, 16).as_subclass(_Counting)
+    _Counting.calls = 0
+    model(x)
+    unwatched = _Counting.calls
+    with nw.watch(model, mode=mode, on_nan="record") as w:
+        _Counting.calls = 0
+        model(x)
+        assert _Counting.calls == unwatched  # the model's own ops only
+        with torch.no_grad():
+            model.fc2.bias[0] = float("inf")
+        model(x)
+    assert (w.event.batch, w.event.module) == (1, "fc2")
+
+
+# ------------------------------------------------------------------ replays on copies (item 7)
+def _tiny_gpt2(tied: bool) -> nn.Module:
+    """A 2-layer GPT-2 from a config (random weights) with a NaN in the unused vocabulary row
+    99: tied, every logit 99 is NaN (an event per forward); untied, only the input embedding
+    holds it (a weight event per forward in full mode)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100,
+                                     n_positions=64, bos_token_id=98, eos_token_id=98,
+                                     initializer_range=0.5, tie_word_embeddings=tied)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        model.transformer.wte.weight[99] = float("nan")
+    return model
+
+
+@pytest.mark.parametrize("beams, options, tied", [
+    (1, {"mode": "sentinel"}, True), (1, {"replay_on_nan": True}, True),
+    (2, {"mode": "sentinel"}, True), (2, {"replay_on_nan": True}, False)],
+    ids=["greedy-sentinel", "greedy-replay_on_nan", "beam-sentinel", "beam-replay_on_nan"])
+def test_generation_is_the_same_with_and_without_a_watch_that_replays(beams, options, tied):
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    settings = dict(max_new_tokens=10, do_sample=False, num_beams=beams, pad_token_id=0,
+                    remove_invalid_values=True, return_dict_in_generate=True, output_scores=True)
+    unwatched = _tiny_gpt2(tied).generate(prompt, **settings)
+    model = _tiny_gpt2(tied)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, on_nan="record", **options) as w:
+            watched = model.generate(prompt, **settings)
+    assert torch.equal(watched.sequences, unwatched.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(watched.scores, unwatched.scores))
+    assert watched.past_key_values.get_seq_length() == unwatched.past_key_values.get_seq_length()
+    replayed = [e for e in w.events if e.trace is not None]
+    assert replayed and all(e.trace.reproduced for e in replayed)  # the replays did run
+
+
+class _Notebook(nn.Module):
+    """Writes into the objects it is given: appends to a list, counts in a dict, and keeps
+    a running total on an object (as caches do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, seen: list, counts: dict, state: object) -> torch.Tensor:
+        out = self.fc(x)
+        seen.append(out.detach())
+        counts["calls"] = counts.get("calls", 0) + 1
+        state.total = state.total + out.detach().sum()
+        return torch.log(out)  # NaN where fc's output is negative
+
+
+class _State:
+    def __init__(self) -> None:
+        self.total = torch.zeros(())
+
+
+@pytest.mark.parametrize("options", [{"mode": "sentinel"}, {"replay_on_nan": True}],
+                         ids=["sentinel", "replay_on_nan"])
+def test_a_replay_leaves_the_callers_lists_dicts_and_objects_as_they_were(options):
+    model = _Notebook()
+    seen, counts, state = [], {}, _State()
+    x = torch.randn(4, 16)
+    with nw.watch(model, on_nan="record", keep_batches=2, **options) as w:
+        model(x, seen, counts, state)
+        model(x, seen, counts, state)
+        w.replay(0)
+        w.replay(1)
+    assert w.event is not None and w.event.trace is not None
+    assert len(seen) == 2 and counts == {"calls": 2}
+    assert torch.equal(state.total, 2 * model.fc(x).detach().sum())
+
+
+class _Locked:
+    """An input whose copy fails (it holds a lock)."""
+
+    def __init__(self) -> None:
+        import threading
+        self.lock = threading.Lock()
+
+
+class _TakesAnything(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, extra: object) -> torch.Tensor:
+        return torch.log(self.fc(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_whose_input_cannot_be_copied_is_refused_with_the_reason(mode):
+    model = _TakesAnything()
+    with nw.watch(model, on_nan="record", keep_batches=1, mode=mode) as w:
+        model(torch.randn(4, 16), _Locked())
+        with pytest.raises(ReplayError, match=r"input\[1\].lock \(a lock, whose copy failed "
+                                              r".*could not be copied"):
+            w.replay(0)
+    if mode == "sentinel":
+        assert "could not be copied" in w.event.note
+
+
+# ------------------------------------------------------------------ recordings (item 12)
+_TRAIN_THREE_BATCHES = """
+import torch
+from torch import nn
+import nanwidget as nw
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+w = nw.watch(model, log_dir={log_dir!r}, backward=True, mode={mode!r})
+for _ in range(3):
+    model(torch.randn(8, 16)).square().mean().backward()
+    w.check_grad_norms()
+    model.zero_grad()
+"""
+
+
+def _complete(log_dir, mode: str) -> None:
+    """Nothing lost: every batch's history (full mode records one), every gradient norm, and
+    the manifest finalised."""
+    run = nw.load_run(log_dir)
+    if mode == "full":
+        assert sorted(run.history()["batch"].unique()) == [0, 1, 2]
+    assert sorted(run.grad_history()["batch"].unique()) == [0, 1, 2]
+    manifest = run.manifests[0]
+    assert manifest.get("closed") and manifest.get("batches") == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_recording_is_complete_at_interpreter_exit_without_close(tmp_path, mode):
+    script = _TRAIN_THREE_BATCHES.format(log_dir=str(tmp_path / "run"), mode=mode)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert done.returncode == 0, done.stderr
+    _complete(tmp_path / "run", mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_recording_is_complete_when_a_dropped_watch_is_collected(tmp_path, mode):
+    import gc
+    namespace: dict = {}
+    exec(_TRAIN_THREE_BATCHES.format(log_dir=str(tmp_path / "run"), mode=mode), namespace)
+    namespace.clear()  # the model and the watch dropped, never closed
+    gc.collect()
+    _complete(tmp_path / "run", mode)
+
+
+# ------------------------------------------------------------------ smaller ones (item 15)
+class _MaskedScores(nn.Module):
+    """Returns scores with -inf where masked, on purpose (as attention scores are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.fc(x)
+        return scores.masked_fill(torch.arange(8) >= 6, float("-inf"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allow_inf_with_the_roots_name_lets_the_root_return_inf(mode):
+    model = _MaskedScores()
+    x = torch.randn(4, 16)
+    with nw.watch(model, mode=mode, on_nan="record", allow_inf=[""]) as allowed:
+        model(x)
+        assert allowed.events == []
+        with torch.no_grad():
+            model.fc.bias[0] = float("nan")
+        model(x)  # a NaN is still an event
+    assert (allowed.event.batch, allowed.event.kind) == (1, "nan")
+    with torch.no_grad():
+        model.fc.bias[0] = 0.0
+    with nw.watch(model, mode=mode, on_nan="record") as strict:
+        model(x)
+    assert strict.event.kind == "inf"
+
+
+class _OddNames(nn.Module):
+    """Module names holding a terminal escape and matplotlib mathtext."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module("\x1b[31mred\x1b[0m", nn.Linear(16, 8))
+        self.add_module("$\\frac{a}{$", nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, "$\\frac{a}{$")(getattr(self, "\x1b[31mred\x1b[0m")(x))
+
+
+def _odd_recording(log_dir) -> nw.NanWatch:
+    model = _OddNames()
+    with torch.no_grad():
+        getattr(model, "$\\frac{a}{$").bias[0] = float("nan")
+    with nw.watch(model, log_dir=log_dir, on_nan="record") as w:
+        model(torch.randn(4, 16))
+    return w
+
+
+def test_a_recordings_report_escapes_control_characters_in_module_names(tmp_path):
+    _odd_recording(tmp_path)
+    report = nw.load_run(tmp_path).report()
+    assert "\x1b" not in report and "\\x1b[31mred\\x1b[0m" in report
+
+
+def test_the_browser_shows_module_names_that_look_like_mathtext(tmp_path):
+    pytest.importorskip("ipywidgets")
+    from nanwidget.widgets import FrameBrowser
+    w = _odd_recording(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for source in (w, nw.load_run(tmp_path)):
+            browser = FrameBrowser(source)
+            browser.plot_choice.value = "history"
+            assert bytes(browser.frames_image.value).startswith(b"\x89PNG")
+            assert bytes(browser.history_image.value).startswith(b"\x89PNG")
+    assert not [c for c in caught if "Glyph" in str(c.message)]  # the escape is written out
+
+
+def test_load_run_reads_events_without_the_optional_fields(tmp_path):
+    import json
+    _odd_recording(tmp_path)
+    path = tmp_path / "rank-00000" / "event-000000.json"
+    meta = json.loads(path.read_text())
+    for optional in ("frame", "is_backward", "rank", "peer_rank", "note", "frames_note"):
+        meta.pop(optional)
+    meta["written_by_a_newer_nanwidget"] = {"anything": 1}
+    path.write_text(json.dumps(meta))
+    event = nw.load_run(tmp_path).event
+    assert (event.module, event.role, event.frame, event.rank) == ("$\\frac{a}{$", "bias", 0, 0)
+
+
+def test_grad_history_takes_in_parameters_added_after_the_first_check():
+    model = TinyMLP()
+    x = torch.randn(4, 16)
+    with nw.watch(model) as w:
+        model(x).sum().backward()
+        w.check_grad_norms()
+        model.extra = nn.Linear(4, 4)
+        (model(x).sum() + model.extra(model(x)).sum()).backward()
+        w.check_grad_norms()
+        history = w.grad_history()
+    assert set(history.query("batch == 2")["param"]) >= {"extra.weight", "extra.bias",
+                                                          "fc1.weight"}
+    assert "extra.weight" not in set(history.query("batch == 0")["param"])
