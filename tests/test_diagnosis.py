@@ -6,18 +6,17 @@ the diagnosis shown in the report and kept by recordings.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
-import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import nanwidget as nw
+from test_replay import line_of
 from test_report_golden import Overflowing  # exact weights: overflows float16 at scale 1e4
+from test_trace_lineage import bce_by_hand, saturated_model  # a loss outside the model
 
 MODES = ["full", "sentinel"]
 
@@ -26,13 +25,6 @@ def watch(model: nn.Module, mode: str, **options) -> nw.NanWatch:
     if mode == "sentinel":
         options["mode"] = "sentinel"
     return nw.watch(model, on_nan="record", **options)
-
-
-def line_of(function, text: str) -> str:
-    """``file:line`` of the line of ``function`` holding ``text``, as the trace names it."""
-    lines, start = inspect.getsourcelines(function)
-    offset = next(i for i, line in enumerate(lines) if text in line)
-    return f"{inspect.getsourcefile(function)}:{start + offset}"
 
 
 # ---------------------------------------------------------------------------- overflow
@@ -370,20 +362,6 @@ def test_without_held_batches_bad_data_names_the_input_but_not_the_rows():
 
 
 # ---------------------------------------------------------------------------- loss
-def bce_by_hand(out: torch.Tensor) -> torch.Tensor:
-    p = torch.sigmoid(out)
-    return -torch.log(1 - p).mean()  # float16: sigmoid rounds to 1, log(0) = -inf
-
-
-def saturated_model() -> nn.Module:
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).half()
-    with torch.no_grad():
-        model[0].weight.fill_(1.0)
-        model[2].weight.fill_(3.0)
-        model[2].bias.fill_(0.0)
-    return model
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_a_loss_made_outside_the_model_says_so_and_how_to_trace_it(mode):
     model = saturated_model()
