@@ -106,15 +106,20 @@ def test_a_saved_watched_model_loads_where_nanwidget_is_not_imported(tmp_path):
 
 
 # ------------------------------------------------------------------ tracers (item 8)
+_CAPTURERS = {
+    "export strict": lambda model, x: len(torch.export.export(model, (x,), strict=True)
+                                          .graph.nodes),
+    "export": lambda model, x: len(torch.export.export(model, (x,)).graph.nodes),
+    "fx": lambda model, x: len(torch.fx.symbolic_trace(model).graph.nodes),
+    "jit": lambda model, x: len(list(torch.jit.trace(model, (x,)).graph.nodes())),
+}
+
+
 def _graph_sizes(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """Each capturer's graph size; a strict export first, as a user's first capture."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.jit.trace's deprecation and tracer notes
-        return {
-            "export": len(torch.export.export(model, (x,)).graph.nodes),
-            "export strict": len(torch.export.export(model, (x,), strict=True).graph.nodes),
-            "fx": len(torch.fx.symbolic_trace(model).graph.nodes),
-            "jit": len(list(torch.jit.trace(model, (x,)).graph.nodes())),
-        }
+        return {name: capture(model, x) for name, capture in _CAPTURERS.items()}
 
 
 class _InplaceNet(nn.Module):
@@ -136,6 +141,9 @@ def test_exporters_and_tracers_see_the_unwatched_model(mode):
         with nw.watch(model, mode=mode, backward=True) as w:
             assert _graph_sizes(model, x) == unwatched
             assert w.batch == 0 and w.frames().empty and w.held_batches() == []
+            for name in ("export", "export strict"):
+                _CAPTURERS[name](model, x)
+                assert not w.recorder.suspended, name  # it stood aside for the capture only
             model(x).sum().backward()  # the watch records again once the tracers are done
             assert w.batch == 1 and w.held_batches() == [0]
             assert not w.frames().empty or mode == "sentinel"
@@ -251,12 +259,13 @@ class _Wrapped(torch.Tensor):
                                                    device=first.device)
 
     def __init__(self, *inner: torch.Tensor) -> None:
-        self.names = [f"part{i}" for i in range(len(inner))]
-        for name, tensor in zip(self.names, inner):
+        # Not ``names``: torch 2.10 reads that as the tensor's dimension names.
+        self.part_names = [f"part{i}" for i in range(len(inner))]
+        for name, tensor in zip(self.part_names, inner):
             setattr(self, name, tensor)
 
     def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return self.names, None
+        return self.part_names, None
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -46,15 +46,34 @@ def hookable_modules(root: nn.Module) -> list[nn.Module]:
 def add_forward_hook(module: nn.Module, hook: Callable[..., Any], **options: Any) -> Any:
     """``module.register_forward_hook(hook, **options)``, for TorchScript modules too."""
     if is_torchscript(module):
-        return nn.Module.register_forward_hook(module, hook, **options)
-    return module.register_forward_hook(hook, **options)
+        handle = nn.Module.register_forward_hook(module, hook, **options)
+    else:
+        handle = module.register_forward_hook(hook, **options)
+    if options.get("prepend"):
+        _insertion_order_as_run(module._forward_hooks)
+    return handle
 
 
 def add_forward_pre_hook(module: nn.Module, hook: Callable[..., Any], **options: Any) -> Any:
     """``module.register_forward_pre_hook(hook, **options)``, for TorchScript modules too."""
     if is_torchscript(module):
-        return nn.Module.register_forward_pre_hook(module, hook, **options)
-    return module.register_forward_pre_hook(hook, **options)
+        handle = nn.Module.register_forward_pre_hook(module, hook, **options)
+    else:
+        handle = module.register_forward_pre_hook(hook, **options)
+    if options.get("prepend"):
+        _insertion_order_as_run(module._forward_pre_hooks)
+    return handle
+
+
+def _insertion_order_as_run(hooks: Any) -> None:
+    """A prepended hook moves to the front of the ``OrderedDict`` the module runs its hooks
+    from, while the plain dict order under it stays as inserted. Dynamo before torch 2.11
+    (strict ``torch.export``, ``torch.compile``) runs hooks in the one order and names their
+    guards by position in the other: the guards then fail to build (pytorch#170429).
+    Inserted again in the order they run, both orders agree."""
+    items = list(hooks.items())
+    hooks.clear()
+    hooks.update(items)
 
 
 class GatheredWeights:

@@ -461,8 +461,8 @@ class Recorder:
             try:
                 handles.append(model.register_forward_pre_hook(self._root_pre_hook,
                                                                with_kwargs=True))
-                handles.append(model.register_forward_hook(
-                    self._forward_hook, with_kwargs=True, always_call=True,
+                handles.append(add_forward_hook(
+                    model, self._forward_hook, with_kwargs=True, always_call=True,
                     prepend=is_fsdp_unit(model)))
             except BaseException:
                 self.detach_direct_call_hooks()
@@ -484,8 +484,9 @@ class Recorder:
             forward_hook = torch._dynamo.disable(forward_hook)
         entry = self.entry
         self._handles.append(entry.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        self._handles.append(entry.register_forward_hook(
-            forward_hook, with_kwargs=True, always_call=True, prepend=is_fsdp_unit(entry)))
+        self._handles.append(add_forward_hook(
+            entry, forward_hook, with_kwargs=True, always_call=True,
+            prepend=is_fsdp_unit(entry)))
         if entry is self.model:
             for wrapper in compile_wrappers_of(entry):
                 self._handles.append(wrapper.register_forward_pre_hook(self._refuse_wrapper_call))
@@ -715,7 +716,12 @@ class Recorder:
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if export_flag._is_exporting_flag:
-            return None  # torch.export traces the model (under Dynamo, in strict mode)
+            # torch.export traces the model (under Dynamo, in strict mode): when the root
+            # returns from a non-strict export, the watch no longer stands aside.
+            if self._aside_thread is not None and (module is self.entry or module is self.model) \
+                    and not dynamo_compiling():
+                self._aside_thread = None
+            return None
         info = self._infos.get(id(module))
         if info is None or self._closed:
             return None

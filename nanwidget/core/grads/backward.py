@@ -61,6 +61,7 @@ from torch import nn
 
 from ..entries import Entry
 from ..frames import Frame
+from ..graph_capture import export_flag
 from ..opaque import add_forward_hook, add_forward_pre_hook
 from ..recorder import Feature, ModuleInfo, in_backward_pass
 from ..walk import iter_leaves
@@ -139,6 +140,15 @@ def _input_targets(args: tuple, kwargs: dict | None, targets: list[tuple[str, _T
             _grad_targets(value, f"kwarg:{key}", targets)
 
 
+def _bound_to(method: Any, info: ModuleInfo) -> Any:
+    """A module hook that calls ``method(info, *hook_args)``. A closure, not a
+    ``functools.partial``: under a strict ``torch.export`` Dynamo traces module hooks, and
+    torch 2.10 fails building its guard on a partial hook's arguments."""
+    def hook(*args: Any) -> None:
+        return method(info, *args)
+    return hook
+
+
 _GRAD_INPUT_ROLES = tuple(f"grad_input[{i}]" for i in range(8))
 # Hooked tensors remembered per batch (one hook per tensor version feeds every frame using it).
 _MAX_HOOKED = 65_536
@@ -204,9 +214,10 @@ class BackwardFrames(Feature):
                 if inplace:
                     # Its input is overwritten by its forward: hook the input before that.
                     self._handles.append(add_forward_pre_hook(
-                        module, partial(self._inplace_pre_hook, info), with_kwargs=True))
+                        module, _bound_to(self._inplace_pre_hook, info), with_kwargs=True))
                 # On the root, run before the recorder's own hook counts the next batch.
-                hook = partial(self._inplace_forward_hook if inplace else self._forward_hook, info)
+                hook = _bound_to(self._inplace_forward_hook if inplace else self._forward_hook,
+                                 info)
                 self._handles.append(add_forward_hook(
                     module, hook, with_kwargs=True, prepend=info.is_root))
         except BaseException:
@@ -215,6 +226,8 @@ class BackwardFrames(Feature):
 
     # ------------------------------------------------------------------ forward side
     def _skip(self) -> bool:
+        if export_flag._is_exporting_flag:
+            return True  # torch.export traces the model (under Dynamo, in strict mode)
         if self.closed or not _grad_enabled() or self.recorder.suspended:
             return True
         return _graph_task_id() >= 0 and _recomputing_without_a_graph()
@@ -300,6 +313,8 @@ class BackwardFrames(Feature):
 
     def _forward_hook(self, info: ModuleInfo, module: nn.Module, args: tuple, kwargs: dict,
                       output: Any) -> None:
+        if export_flag._is_exporting_flag:
+            return None  # torch.export traces the model (under Dynamo, in strict mode)
         if self.closed or not _grad_enabled() or self.recorder.suspended:
             return None
         if _graph_task_id() >= 0 and _recomputing_without_a_graph():
