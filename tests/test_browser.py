@@ -293,7 +293,8 @@ CONTRAST_JS = """(element) => {
   return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
 }"""
 
-README_PICTURES = {"framebrowser.png", "lab-1280x800.png", "lab-dark.png", "lab-reopened.png"}
+README_PICTURES = {"framebrowser.png", "lab-1280x800.png", "lab-dark.png", "lab-reopened.png",
+                   "lab-diagnosis.png"}
 
 # Whether anything is drawn in the outermost pixels of a plot picture (a label cut by the
 # figure's edge leaves ink there): the image as the page has it, read back through a canvas.
@@ -896,6 +897,10 @@ def test_lab_from_a_nan_to_module_op_line_and_why(lab, chromium):
                 _save_screenshot(page, f"lab-diagnosis-{'dark' if dark else 'light'}.png")
         finally:
             _set_theme(page, dark=False)
+        # the README's picture: the lines printed above the FrameBrowser, then the browser
+        browser.evaluate("e => { e.scrollIntoView({block: 'start'});"
+                         " e.closest('.jp-WindowedPanel-outer').scrollBy(0, -110); }")
+        _save_screenshot(page, "lab-diagnosis.png")
         print(f"\nre-run click to the trace headline: {replayed:.2f} s")
 
 
