@@ -5,7 +5,9 @@ JupyterLab (one server for the module) covers what a notebook user meets: the co
 CSV names them, the export reaching the browser as a download in one click, the dark theme's
 contrast and plots, long module names, an invalid layer pattern, controls inside their column,
 Kernel > Interrupt on a %%nanwatch cell, a sentinel cell's status, the quickstart under Run All,
-the demo's and the Trainer callback's reports, the gradient-norm plot, and a saved notebook
+the demo's and the Trainer callback's reports, the gradient-norm plot, an option typo that leaves
+the running %nanwatch as it was, the help texts (nw.watch?, %nanwatch?), the way from a NaN to
+its module, op, line and why (early warnings, diagnosis, first fix, replay), and a saved notebook
 reopened without its widgets. Voila covers the widget's controls end to end. Screenshots go to
 artifacts/ (NANWIDGET_UPDATE_SCREENSHOT=1 also copies them to docs/).
 """
@@ -313,6 +315,21 @@ EDGE_INK_JS = """(img) => {
   for (let y = 0; y < canvas.height; y++)
     for (const x of [0, 1, canvas.width - 2, canvas.width - 1]) if (ink(x, y)) return true;
   return false;
+}"""
+
+# How many pixels of a plot picture are drawn in the early warnings' orange (matplotlib's
+# "darkorange", 255/140/0; the module lines' orange is 255/127/14), read back through a canvas.
+WARNING_INK_JS = """(img) => {
+  const canvas = document.createElement('canvas');
+  canvas.width = img.naturalWidth; canvas.height = img.naturalHeight;
+  const context = canvas.getContext('2d');
+  context.drawImage(img, 0, 0);
+  const {data} = context.getImageData(0, 0, canvas.width, canvas.height);
+  let count = 0;
+  for (let i = 0; i < data.length; i += 4)
+    if (data[i + 3] > 200 && data[i] > 250 && Math.abs(data[i + 1] - 140) <= 3 && data[i + 2] <= 3)
+      count++;
+  return count;
 }"""
 
 # Every part of the controls column inside that column (a clipped border, a button pushed out).
@@ -884,6 +901,13 @@ def test_lab_from_a_nan_to_module_op_line_and_why(lab, chromium):
         head.wait_for()
         replayed = time.perf_counter() - started
         assert head.inner_text() == f"first bad op: sum in module pool at {where}"
+        # the history plot marks the early warnings (orange rings, a dotted line at the first)
+        browser.locator(".nw-plot-choice button", has_text="history").click()
+        history = browser.locator(".nw-plot-history")
+        page.wait_for_function("(i) => i.complete && i.naturalWidth > 400 && i.offsetParent",
+                               arg=history.element_handle())
+        assert history.evaluate(WARNING_INK_JS) >= 50
+        browser.locator(".nw-plot-choice button", has_text="frames").click()
         try:
             for dark in (False, True):
                 _set_theme(page, dark)
