@@ -371,8 +371,9 @@ def _wait_until_idle(page) -> None:
 
 
 def _wait_until_every_cell_ran(page) -> None:
-    """Until every cell has its number (Run All leaves a cell queued later as "[ ]")."""
-    page.wait_for_function("() => { const p = [...document.querySelectorAll('.jp-InputPrompt')];"
+    """Until every code cell has its number (Run All leaves a cell queued later as "[ ]")."""
+    page.wait_for_function("() => { const p = [...document.querySelectorAll("
+                           "'.jp-CodeCell .jp-InputPrompt')];"
                            " return p.length && p.every(e => /\\[\\d+\\]/.test(e.textContent)); }",
                            timeout=TIMEOUT_MS * 3)
 
@@ -436,7 +437,8 @@ def lab(tmp_path_factory):
     _tag_raises_exception(write_notebook(folder / "typo_and_help.ipynb", TYPO_SETUP, TYPO_CELL,
                                          AFTER_TYPO, WATCH_HELP, MAGIC_HELP), cell=1)
     write_notebook(folder / "diagnosis.ipynb", DIAGNOSIS_SETUP, DIAGNOSIS_CELL)
-    shutil.copyfile(ROOT / "notebooks" / "01_quickstart.ipynb", folder / "01_quickstart.ipynb")
+    for tour in ("01_quickstart.ipynb", "08_why_nan.ipynb"):
+        shutil.copyfile(ROOT / "notebooks" / tour, folder / tour)
     server = start_lab(folder)
     server.folder = folder
     try:
@@ -872,7 +874,8 @@ def test_lab_from_a_nan_to_module_op_line_and_why(lab, chromium):
         # warned while it ran, batches before the NaN; then the stop says where and why
         warned = re.search(r"early warning, batch (\d+): output of '(\w+)' \(float16\)", output)
         assert warned, output[:1500]
-        stop = output.index("NanDetected: inf in batch 15 at module 'pool' (SumPool, call 0), output")
+        stop = output.index("NanDetected: inf in batch 15 at module 'pool' (SumPool, call 0), "
+                            "output")
         assert output.index(warned.group(0)) < stop and int(warned.group(1)) <= 13
         why = re.search(r"Why \(overflow\): sum in module 'pool' \(SumPool\) at (.+?) "
                         r"overflowed float16.*? Try: (.+)", output[stop:])
@@ -883,7 +886,8 @@ def test_lab_from_a_nan_to_module_op_line_and_why(lab, chromium):
         text = status.inner_text()
         assert "inf in batch 15 at module 'pool'" in text and f"first bad op sum at {where}" in text
         diagnosis = status.locator(".nw-diagnosis")
-        assert diagnosis.inner_text().startswith(f"overflow: sum in module 'pool' (SumPool) at {where}")
+        assert diagnosis.inner_text().startswith(
+            f"overflow: sum in module 'pool' (SumPool) at {where}")
         assert "Try: " in diagnosis.inner_text() and "bfloat16" in diagnosis.inner_text()
         # the why on its own line, the status's lines set close (not 28 px apart)
         starts = diagnosis.evaluate("e => e.getClientRects()[0].left")  # its first line's start
@@ -926,6 +930,47 @@ def test_lab_from_a_nan_to_module_op_line_and_why(lab, chromium):
                          " e.closest('.jp-WindowedPanel-outer').scrollBy(0, -110); }")
         _save_screenshot(page, "lab-diagnosis.png")
         print(f"\nre-run click to the trace headline: {replayed:.2f} s")
+
+
+def test_lab_why_nan_notebook_under_run_all_says_why_and_warned_before(lab, chromium):
+    with _lab_notebook(lab, chromium, "08_why_nan.ipynb") as page:
+        _wait_until_every_cell_ran(page)
+        cells = page.locator(".jp-Notebook .jp-CodeCell")
+        texts = [cells.nth(i).locator(".jp-Cell-outputArea").inner_text()
+                 for i in range(cells.count())]
+        stopped = [i for i, text in enumerate(texts) if "NanDetected" in text]
+        assert len(stopped) == 1, stopped  # the %%nanwatch cell, tagged raises-exception
+        for i, text in enumerate(texts):
+            assert "Traceback" not in text, (i, text[-800:])
+        divergence = texts[stopped[0]]
+        # warned at batch 15 (stdout and stderr arrive as two blocks: the batch numbers tell)
+        assert "early warning, batch 15: output of 'fc1'" in divergence
+        assert "3 early warnings (first: 'fc1'" in divergence  # the cell's live status line
+        assert "NanDetected: nan in batch 40 at module 'fc1'" in divergence
+        assert "Why (divergence): Training diverged" in divergence
+        browser = cells.nth(stopped[0]).locator(".nw-browser")
+        status = browser.locator(".nw-status")
+        assert status.locator(".nw-diagnosis").inner_text().startswith(
+            "divergence: Training diverged: the weights grew")
+        assert "Try: Lower the learning rate" in status.locator(".nw-fix").inner_text()
+        assert status.locator(".nw-warning").inner_text().startswith(
+            "early warning, batch 15: output of 'fc1'")
+        # the cells after it leave the diverged model alone: its batch replays as it ran
+        browser.locator(".nw-rerun").click()
+        head = browser.locator(".nw-trace-head")
+        head.filter(has_text="trace of batch 40").wait_for()
+        assert "it came with the weights fc1.weight, fc1.bias" in head.inner_text()
+        line_height, font_size = head.evaluate(
+            "e => [getComputedStyle(e).lineHeight, getComputedStyle(e).fontSize].map(parseFloat)")
+        assert line_height <= 1.5 * font_size, (line_height, font_size)  # a paragraph, not a list
+        assert "not reproduced" not in browser.locator(".nw-trace").inner_text()
+        # every figure of the notebook is drawn
+        pictures = page.locator(".jp-OutputArea-output img")
+        assert pictures.count() >= 3  # the browser's plot, plot_history, ...
+        page.wait_for_function("() => [...document.querySelectorAll('.jp-OutputArea-output img')]"
+                               ".every(i => i.complete && i.naturalWidth > 100)")
+        browser.evaluate("e => e.scrollIntoView({block: 'start'})")
+        _save_screenshot(page, "lab-why-nan-notebook.png")
 
 
 def test_lab_reopened_notebook_shows_the_static_copy(lab, chromium):
