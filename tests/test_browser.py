@@ -5,7 +5,9 @@ JupyterLab (one server for the module) covers what a notebook user meets: the co
 CSV names them, the export reaching the browser as a download in one click, the dark theme's
 contrast and plots, long module names, an invalid layer pattern, controls inside their column,
 Kernel > Interrupt on a %%nanwatch cell, a sentinel cell's status, the quickstart under Run All,
-the demo's and the Trainer callback's reports, the gradient-norm plot, and a saved notebook
+the demo's and the Trainer callback's reports, the gradient-norm plot, an option typo that leaves
+the running %nanwatch as it was, the help texts (nw.watch?, %nanwatch?), the way from a NaN to
+its module, op, line and why (early warnings, diagnosis, first fix, replay), and a saved notebook
 reopened without its widgets. Voila covers the widget's controls end to end. Screenshots go to
 artifacts/ (NANWIDGET_UPDATE_SCREENSHOT=1 also copies them to docs/).
 """
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import io
+import json
 import os
 import re
 import shutil
@@ -216,6 +220,56 @@ for step in range(100_000):
 """
 AFTER_INTERRUPT = "print('this cell ran after the interrupt')"
 
+# Issue 27 items 5 and 9 as a notebook user meets them: a typo in the options of a running
+# %nanwatch (the cell is tagged raises-exception so that Run All goes on), then the help texts.
+TYPO_SETUP = """\
+import torch
+from torch import nn
+import nanwidget as nw
+%load_ext nanwidget
+torch.manual_seed(0)
+seq = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+%nanwatch seq -n 7
+seq(torch.randn(2, 16));
+"""
+TYPO_CELL = "%nanwatch seq --skip Relu"
+AFTER_TYPO = """\
+seq(torch.randn(2, 16))
+%nanwatch
+print(f"closed={_nanwatch.closed} max_frames={_nanwatch.max_frames} batches={_nanwatch.batch}")
+"""
+WATCH_HELP = "nw.watch?"
+MAGIC_HELP = "%nanwatch?"
+
+# From a NaN to the module, op, line and why: a float16 model whose sum pooling overflows as
+# its inputs grow 1.5x per batch, trained under %%nanwatch (the first cell's line 10 is the sum).
+DIAGNOSIS_SETUP = """\
+from collections import OrderedDict
+import torch
+from torch import nn
+import nanwidget as nw
+%load_ext nanwidget
+
+
+class SumPool(nn.Module):
+    def forward(self, x):
+        return x.sum(dim=1)  # over the 512 positions
+
+
+torch.manual_seed(0)
+model = nn.Sequential(OrderedDict(project=nn.Linear(16, 64), act=nn.GELU(), pool=SumPool(),
+                                  head=nn.Linear(64, 4))).half().eval()
+signal = torch.randn(8, 512, 16)
+"""
+DIAGNOSIS_CELL = """\
+%%nanwatch model
+with torch.no_grad():
+    for batch in range(20):
+        model((signal * 1.5 ** batch).half())
+"""
+DIAGNOSIS_SUM_LINE = next(number for number, text in enumerate(DIAGNOSIS_SETUP.splitlines(), 1)
+                          if "x.sum(dim=1)" in text)
+
 # WCAG contrast of an element's text against what is really behind it (backgrounds composited
 # up the tree until an opaque one).
 CONTRAST_JS = """(element) => {
@@ -241,7 +295,8 @@ CONTRAST_JS = """(element) => {
   return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
 }"""
 
-README_PICTURES = {"framebrowser.png", "lab-1280x800.png", "lab-dark.png", "lab-reopened.png"}
+README_PICTURES = {"framebrowser.png", "lab-1280x800.png", "lab-dark.png", "lab-reopened.png",
+                   "lab-diagnosis.png"}
 
 # Whether anything is drawn in the outermost pixels of a plot picture (a label cut by the
 # figure's edge leaves ink there): the image as the page has it, read back through a canvas.
@@ -260,6 +315,21 @@ EDGE_INK_JS = """(img) => {
   for (let y = 0; y < canvas.height; y++)
     for (const x of [0, 1, canvas.width - 2, canvas.width - 1]) if (ink(x, y)) return true;
   return false;
+}"""
+
+# How many pixels of a plot picture are drawn in the early warnings' orange (matplotlib's
+# "darkorange", 255/140/0; the module lines' orange is 255/127/14), read back through a canvas.
+WARNING_INK_JS = """(img) => {
+  const canvas = document.createElement('canvas');
+  canvas.width = img.naturalWidth; canvas.height = img.naturalHeight;
+  const context = canvas.getContext('2d');
+  context.drawImage(img, 0, 0);
+  const {data} = context.getImageData(0, 0, canvas.width, canvas.height);
+  let count = 0;
+  for (let i = 0; i < data.length; i += 4)
+    if (data[i + 3] > 200 && data[i] > 250 && Math.abs(data[i + 1] - 140) <= 3 && data[i + 2] <= 3)
+      count++;
+  return count;
 }"""
 
 # Every part of the controls column inside that column (a clipped border, a button pushed out).
@@ -300,6 +370,14 @@ def _wait_until_idle(page) -> None:
                            timeout=TIMEOUT_MS * 3)
 
 
+def _wait_until_every_cell_ran(page) -> None:
+    """Until every code cell has its number (Run All leaves a cell queued later as "[ ]")."""
+    page.wait_for_function("() => { const p = [...document.querySelectorAll("
+                           "'.jp-CodeCell .jp-InputPrompt')];"
+                           " return p.length && p.every(e => /\\[\\d+\\]/.test(e.textContent)); }",
+                           timeout=TIMEOUT_MS * 3)
+
+
 @contextlib.contextmanager
 def _lab_notebook(lab, chromium, notebook: str):
     """``notebook`` opened alone in JupyterLab at 1280x800 with every cell started; the theme
@@ -323,6 +401,13 @@ def _save_screenshot(page_or_locator, name: str) -> Path:
         (ROOT / "docs").mkdir(exist_ok=True)
         shutil.copyfile(path, ROOT / "docs" / name)
     return path
+
+
+def _tag_raises_exception(path: Path, cell: int) -> None:
+    """Tag a cell ``raises-exception``: JupyterLab's Run All goes on past its error."""
+    notebook = json.loads(path.read_text())
+    notebook["cells"][cell]["metadata"]["tags"] = ["raises-exception"]
+    path.write_text(json.dumps(notebook))
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -349,7 +434,11 @@ def lab(tmp_path_factory):
     write_notebook(folder / "long_names.ipynb", LONG_NAMES, LONG_NAMES_HISTORY)
     write_notebook(folder / "sentinel.ipynb", SENTINEL_SETUP, SENTINEL_CELL)
     write_notebook(folder / "reports.ipynb", DEMO_REPORT, TRAINER_REPORT, GRAD_NORMS)
-    shutil.copyfile(ROOT / "notebooks" / "01_quickstart.ipynb", folder / "01_quickstart.ipynb")
+    _tag_raises_exception(write_notebook(folder / "typo_and_help.ipynb", TYPO_SETUP, TYPO_CELL,
+                                         AFTER_TYPO, WATCH_HELP, MAGIC_HELP), cell=1)
+    write_notebook(folder / "diagnosis.ipynb", DIAGNOSIS_SETUP, DIAGNOSIS_CELL)
+    for tour in ("01_quickstart.ipynb", "08_why_nan.ipynb"):
+        shutil.copyfile(ROOT / "notebooks" / tour, folder / tour)
     server = start_lab(folder)
     server.folder = folder
     try:
@@ -707,6 +796,188 @@ def test_lab_reports_and_the_gradient_norm_plot_read_as_they_should(lab, chromiu
             assert not figure.evaluate(EDGE_INK_JS)
             assert (_luminance(figure) < 0.3) if dark else (_luminance(figure) > 0.8)
             _save_screenshot(page, f"lab-grad-norms-{'dark' if dark else 'light'}.png")
+
+
+@pytest.fixture(scope="module")
+def typo_and_help_page(lab, chromium):
+    """typo_and_help.ipynb run to the end in JupyterLab at 1280x800."""
+    with _lab_notebook(lab, chromium, "typo_and_help.ipynb") as page:
+        _wait_until_every_cell_ran(page)
+        yield page
+
+
+def _output_text(page, cell: int) -> str:
+    return page.locator(".jp-Notebook .jp-CodeCell").nth(cell).locator(
+        ".jp-Cell-outputArea").inner_text()
+
+
+def _readable_in_both_themes(page, cell: int, screenshot: str) -> None:
+    """Every output of the cell keeps WCAG AA contrast in the light and the dark theme."""
+    code_cell = page.locator(".jp-Notebook .jp-CodeCell").nth(cell)
+    outputs = code_cell.locator(".jp-OutputArea-output pre")
+    outputs.first.wait_for()
+    try:
+        for dark in (False, True):
+            _set_theme(page, dark)
+            code_cell.evaluate("e => e.scrollIntoView({block: 'start'})")
+            for number in range(outputs.count()):
+                contrast = outputs.nth(number).evaluate(CONTRAST_JS)
+                assert contrast >= 4.5, (screenshot, dark, number, contrast)
+            _save_screenshot(page, f"{screenshot}-{'dark' if dark else 'light'}.png")
+    finally:
+        _set_theme(page, dark=False)
+
+
+def test_lab_an_option_typo_leaves_the_running_watch_as_it_was(typo_and_help_page):
+    page = typo_and_help_page
+    answer = [line for line in _output_text(page, 1).splitlines() if line.strip()]
+    assert answer == ["UsageError: --skip: this model has no module "
+                      "of class 'Relu', so it skips nothing; did you mean 'ReLU'?"], answer
+    # the watch started in the first cell still records, with its options
+    after = _output_text(page, 2)
+    assert re.search(r"^seq: <NanWatch watching", after, re.M), after
+    assert "closed=False max_frames=7 batches=2" in after, after
+    _readable_in_both_themes(page, 1, "lab-option-typo")
+
+
+def test_lab_help_texts_speak_the_users_words(typo_and_help_page):
+    page = typo_and_help_page
+    watch_help = _output_text(page, 3)
+    assert "Docstring:" in watch_help, watch_help[:400]
+    assert "contract" not in watch_help.lower() and ":class:" not in watch_help, watch_help
+    documented = watch_help[watch_help.index("Docstring:"):]
+    for option in nw_watch_options():
+        assert f"{option}=" in documented, option  # each option, with its default and one line
+    magic_help = _output_text(page, 4).splitlines()
+    docstring = magic_help.index("Docstring:")
+    assert magic_help[docstring + 1].startswith("%nanwatch MODEL [options]"), magic_help[:8]
+    assert "::" not in [line.strip() for line in magic_help], magic_help[:8]
+    assert any("--no-early-warning" in line for line in magic_help)
+    _readable_in_both_themes(page, 3, "lab-watch-help")
+    _readable_in_both_themes(page, 4, "lab-nanwatch-help")
+
+
+def nw_watch_options() -> list[str]:
+    """The options nw.watch takes, as this checkout declares them (the kernel runs the same)."""
+    import nanwidget
+    return [name for name in inspect.signature(nanwidget.watch).parameters if name != "model"]
+
+
+def test_lab_from_a_nan_to_module_op_line_and_why(lab, chromium):
+    with _lab_notebook(lab, chromium, "diagnosis.ipynb") as page:
+        ran_all = time.perf_counter()
+        _wait_until_every_cell_ran(page)
+        watched = page.locator(".jp-Notebook .jp-CodeCell").nth(1)
+        browser = watched.locator(".nw-browser")
+        browser.wait_for(state="visible")
+        browser.locator(".nw-status .nw-diagnosis").wait_for(state="visible")
+        to_why = time.perf_counter() - ran_all
+        output = watched.locator(".jp-Cell-outputArea").inner_text()
+        where = f"cell In[1], line {DIAGNOSIS_SUM_LINE}"
+        # warned while it ran, batches before the NaN; then the stop says where and why
+        warned = re.search(r"early warning, batch (\d+): output of '(\w+)' \(float16\)", output)
+        assert warned, output[:1500]
+        stop = output.index("NanDetected: inf in batch 15 at module 'pool' (SumPool, call 0), "
+                            "output")
+        assert output.index(warned.group(0)) < stop and int(warned.group(1)) <= 13
+        why = re.search(r"Why \(overflow\): sum in module 'pool' \(SumPool\) at (.+?) "
+                        r"overflowed float16.*? Try: (.+)", output[stop:])
+        assert why and why.group(1) == where, output[stop:stop + 800]
+        assert "bfloat16" in why.group(2)
+        # the FrameBrowser's status line says the same: module, op, line, why, the fix to try
+        status = browser.locator(".nw-status")
+        text = status.inner_text()
+        assert "inf in batch 15 at module 'pool'" in text and f"first bad op sum at {where}" in text
+        diagnosis = status.locator(".nw-diagnosis")
+        assert diagnosis.inner_text().startswith(
+            f"overflow: sum in module 'pool' (SumPool) at {where}")
+        assert "Try: " in diagnosis.inner_text() and "bfloat16" in diagnosis.inner_text()
+        # the why on its own line, the status's lines set close (not 28 px apart)
+        starts = diagnosis.evaluate("e => e.getClientRects()[0].left")  # its first line's start
+        assert starts == pytest.approx(status.bounding_box()["x"], abs=2)
+        line_height, font_size = status.locator(".widget-html-content").evaluate(
+            "e => [getComputedStyle(e).lineHeight, getComputedStyle(e).fontSize]"
+            ".map(parseFloat)")
+        assert line_height <= 1.5 * font_size, (line_height, font_size)
+        early = status.locator(".nw-warning")
+        assert early.inner_text().startswith(f"early warning, batch {warned.group(1)}:")
+        # one click more: the replay names the op and the line in the trace pane
+        started = time.perf_counter()
+        browser.locator(".nw-rerun").click()
+        head = browser.locator(".nw-trace-head").filter(has_text="first bad op")
+        head.wait_for()
+        replayed = time.perf_counter() - started
+        # Run All to "where and why" on screen, then one click to the op's line: well under
+        # the minute a new user should need (the rest of that minute is reading)
+        assert to_why + replayed < 30, (to_why, replayed)
+        assert head.inner_text() == f"first bad op: sum in module pool at {where}"
+        # the history plot marks the early warnings (orange rings, a dotted line at the first)
+        browser.locator(".nw-plot-choice button", has_text="history").click()
+        history = browser.locator(".nw-plot-history")
+        page.wait_for_function("(i) => i.complete && i.naturalWidth > 400 && i.offsetParent",
+                               arg=history.element_handle())
+        assert history.evaluate(WARNING_INK_JS) >= 50
+        browser.locator(".nw-plot-choice button", has_text="frames").click()
+        try:
+            for dark in (False, True):
+                _set_theme(page, dark)
+                browser.evaluate("e => e.scrollIntoView({block: 'start'})")
+                notebook = _box(page, ".jp-NotebookPanel-notebook")
+                for part in (diagnosis, early, head):
+                    box = part.bounding_box()
+                    assert box and notebook["y"] - 1 <= box["y"] and \
+                        box["y"] + box["height"] <= notebook["y"] + notebook["height"] + 1, box
+                    assert part.evaluate(CONTRAST_JS) >= 4.5, (dark, part)
+                _save_screenshot(page, f"lab-diagnosis-{'dark' if dark else 'light'}.png")
+        finally:
+            _set_theme(page, dark=False)
+        # the README's picture: the lines printed above the FrameBrowser, then the browser
+        browser.evaluate("e => { e.scrollIntoView({block: 'start'});"
+                         " e.closest('.jp-WindowedPanel-outer').scrollBy(0, -110); }")
+        _save_screenshot(page, "lab-diagnosis.png")
+        print(f"\nRun All to the diagnosis on screen: {to_why:.1f} s;"
+              f" re-run click to the trace headline: {replayed:.2f} s")
+
+
+def test_lab_why_nan_notebook_under_run_all_says_why_and_warned_before(lab, chromium):
+    with _lab_notebook(lab, chromium, "08_why_nan.ipynb") as page:
+        _wait_until_every_cell_ran(page)
+        cells = page.locator(".jp-Notebook .jp-CodeCell")
+        texts = [cells.nth(i).locator(".jp-Cell-outputArea").inner_text()
+                 for i in range(cells.count())]
+        stopped = [i for i, text in enumerate(texts) if "NanDetected" in text]
+        assert len(stopped) == 1, stopped  # the %%nanwatch cell, tagged raises-exception
+        for i, text in enumerate(texts):
+            assert "Traceback" not in text, (i, text[-800:])
+        divergence = texts[stopped[0]]
+        # warned at batch 15 (stdout and stderr arrive as two blocks: the batch numbers tell)
+        assert "early warning, batch 15: output of 'fc1'" in divergence
+        assert "3 early warnings (first: 'fc1'" in divergence  # the cell's live status line
+        assert "NanDetected: nan in batch 40 at module 'fc1'" in divergence
+        assert "Why (divergence): Training diverged" in divergence
+        browser = cells.nth(stopped[0]).locator(".nw-browser")
+        status = browser.locator(".nw-status")
+        assert status.locator(".nw-diagnosis").inner_text().startswith(
+            "divergence: Training diverged: the weights grew")
+        assert "Try: Lower the learning rate" in status.locator(".nw-fix").inner_text()
+        assert status.locator(".nw-warning").inner_text().startswith(
+            "early warning, batch 15: output of 'fc1'")
+        # the cells after it leave the diverged model alone: its batch replays as it ran
+        browser.locator(".nw-rerun").click()
+        head = browser.locator(".nw-trace-head")
+        head.filter(has_text="trace of batch 40").wait_for()
+        assert "it came with the weights fc1.weight, fc1.bias" in head.inner_text()
+        line_height, font_size = head.evaluate(
+            "e => [getComputedStyle(e).lineHeight, getComputedStyle(e).fontSize].map(parseFloat)")
+        assert line_height <= 1.5 * font_size, (line_height, font_size)  # a paragraph, not a list
+        assert "not reproduced" not in browser.locator(".nw-trace").inner_text()
+        # every figure of the notebook is drawn
+        pictures = page.locator(".jp-OutputArea-output img")
+        assert pictures.count() >= 3  # the browser's plot, plot_history, ...
+        page.wait_for_function("() => [...document.querySelectorAll('.jp-OutputArea-output img')]"
+                               ".every(i => i.complete && i.naturalWidth > 100)")
+        browser.evaluate("e => e.scrollIntoView({block: 'start'})")
+        _save_screenshot(page, "lab-why-nan-notebook.png")
 
 
 def test_lab_reopened_notebook_shows_the_static_copy(lab, chromium):

@@ -6,6 +6,7 @@ the diagnosis shown in the report and kept by recordings.
 
 from __future__ import annotations
 
+import html
 import json
 import math
 
@@ -521,13 +522,17 @@ def test_the_command_line_report_prints_the_diagnosis(tmp_path, capsys):
     assert "Diagnosis (domain, high confidence): log in module '<root>'" in capsys.readouterr().out
 
 
-def test_the_browser_status_names_the_kind():
+def test_the_browser_status_names_the_kind_and_the_first_fix():
     pytest.importorskip("ipywidgets")
     model = LogOfRelu()
     with watch(model, "full") as w:
         model(torch.randn(8, 4))
     status = nw.FrameBrowser(w).status.value
     assert "<span class='nw-diagnosis'><b>domain</b>: log in module" in status
+    # and the first fix to try, as the %%nanwatch stop message gives it
+    first_fix = w.event.diagnosis.suggestion[0]
+    assert first_fix.startswith("Keep the argument of log")
+    assert f"<span class='nw-fix'><b>Try:</b> {html.escape(first_fix, quote=False)}</span>" in status
 
 
 def test_a_clean_run_pays_no_diagnosis(tiny_mlp):

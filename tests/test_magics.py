@@ -533,6 +533,7 @@ def test_help_texts_speak_the_users_words(ip):
     assert magic_help.startswith("%nanwatch MODEL [options]") and "::" not in magic_help
     watch_help = nw.watch.__doc__
     assert "contract" not in watch_help
+    assert ":class:" not in watch_help  # Sphinx roles are noise in nw.watch?
     for option in nw.watch.__signature__.parameters:
         if option != "model":
             assert f"{option}=" in watch_help  # every option, with its default and one line

@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 TOUR = ["01_quickstart.ipynb", "02_fp16_overflow.ipynb", "03_trace_replay.ipynb",
-        "04_gradients.ipynb", "05_distributed_offline.ipynb", "07_sentinel_compiled.ipynb"]
+        "04_gradients.ipynb", "05_distributed_offline.ipynb", "07_sentinel_compiled.ipynb",
+        "08_why_nan.ipynb"]
 CHECK_MARKER = "# NBVAL_CHECK_OUTPUT"
 
 

@@ -451,7 +451,7 @@ def watch(model: nn.Module, **options: Any) -> NanWatch:
 watch.__signature__ = signature_of_options(  # type: ignore[attr-defined]
     [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
 watch.__doc__ = f"""Start watching ``model`` (an ``nn.Module``): a frame per module call, a check at
-    every batch end; returns the :class:`NanWatch`. Also a context manager:
+    every batch end; returns the ``NanWatch``. Also a context manager:
     ``with nw.watch(model) as w: ...`` removes the hooks when the block ends.
 
     Options (all keyword-only; defaults shown):

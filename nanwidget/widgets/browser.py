@@ -403,8 +403,12 @@ class FrameBrowser(widgets.VBox):
                      f"{html.escape(events[0].summary(), quote=False)}</span>{more}")
             diagnosis = getattr(events[0], "diagnosis", None)
             if diagnosis is not None:
-                words += (f" · <span class='nw-diagnosis'><b>{html.escape(diagnosis.kind)}</b>: "
-                          f"{html.escape(diagnosis.summary, quote=False)}</span>")
+                # the first fix too, as the %%nanwatch stop message gives it: why, then what to try
+                fix = (" <span class='nw-fix'><b>Try:</b> "
+                       f"{html.escape(diagnosis.suggestion[0], quote=False)}</span>"
+                       if diagnosis.suggestion else "")
+                words += (f"<br><span class='nw-diagnosis'><b>{html.escape(diagnosis.kind)}</b>: "
+                          f"{html.escape(diagnosis.summary, quote=False)}{fix}</span>")
         elif index.frame_bad.any():
             words = f"<span class='nw-alert' style='{ALERT}'>NaN/Inf in these frames</span>"
         else:

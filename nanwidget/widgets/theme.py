@@ -60,6 +60,7 @@ STYLESHEET = f"""
 .nw-static .nw-table th {{ padding: 1px 8px; font-family: var(--jp-code-font-family, monospace);
   font-size: 12px; line-height: 1.35; }}
 .nw-browser .nw-frame-table {{ max-height: 290px; overflow: auto; }}
+.nw-browser .nw-status .widget-html-content, .nw-browser .nw-trace-head {{ line-height: 1.45; }}
 .nw-browser .nw-frame-head {{ margin: 2px 0 4px 0; }}
 .nw-browser .nw-plot-stack {{ position: relative; }}
 .nw-browser .nw-marker-layer, .nw-browser .nw-marker-layer > .widget-html-content {{
