@@ -21,8 +21,9 @@ from . import benchmark
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=",".join(benchmark.MODELS),
-                        help="comma-separated: mlp, transformer, gpt2, gpt2-compiled (default: "
-                             "all four; gpt2-compiled compiles GPT-2 with torch.compile first)")
+                        help="comma-separated: mlp, transformer, gpt2-small, gpt2, gpt2-compiled "
+                             "(default: all five; gpt2-small has a 2000-token vocabulary; "
+                             "gpt2-compiled compiles GPT-2 with torch.compile first)")
     parser.add_argument("--modes", default="forward,train",
                         help="comma-separated: forward, train (default: both)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -88,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(result.format_table(markdown=args.markdown))
     print()
-    if result.compared:
+    for line in result.skipped:
+        print(line)
+    if result.compared and any(row.versus for row in result.rows):
         print(f"This tree against {args.compare} ({result.compared}), timed in the same rounds "
               "(median of new/old block time; below 1.000: faster now):")
         print(result.format_versus(markdown=args.markdown))
@@ -98,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
           f"{benchmark.OVERHEAD_SHARE_TARGET:.2f} of DebugUnderflowOverflow's (nw/DUO overhead column); "
           f"sentinel mode <= {benchmark.SENTINEL_TARGET:.2f}x on every row (on train rows it also "
           "checks the gradients; on compiled rows the baseline is the compiled model).")
+    print("nw µs/call: what nanwidget's full watch adds per module forward call of a step; "
+          "sentinel µs/batch: what sentinel mode adds per step (both from the median ratio "
+          "and the baseline time).")
     data = result.to_dict()
     if "gpt2" in models and not args.no_replay:
         progress("replaying a failing GPT-2 batch (sentinel mode)")
