@@ -881,9 +881,15 @@ class Recorder:
             for on_frames_resolved in self._on_frames_resolved:
                 on_frames_resolved(frames)
         if advance:
-            self._remember_counters(self._counters)
+            counters = self._counters
             self._batch += 1
-            self._counters = _Counters(self._batch)
+            if counters.next_frame or counters.calls:
+                self._remember_counters(counters)
+                self._counters = _Counters(self._batch)
+            else:  # nothing recorded in it (sentinel mode): the same counters go on
+                if self._recent:
+                    self._recent.pop(counters.batch, None)
+                counters.batch = self._batch
         return event
 
     def find_event(self, frames: list[Frame], window: Window | None = None) -> NanEvent | None:

@@ -61,7 +61,7 @@ from ..frames import Frame, frames_to_dataframe
 from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
 from ..replay.run import Replayed, automatic_loss, replay_frames
-from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
+from .check import BadTensor, NonFiniteCheck, checkable, clean_range, float_leaves
 from .compiled import rerun_compiled
 
 __all__ = ["Sentinel", "DEFER_CHOICES"]
@@ -73,6 +73,7 @@ def _replay_failed(batch: int, error: Exception) -> str:
     text = text if len(text) <= 200 else text[:197] + "..."
     return f"not replayed: the replay of batch {batch} failed ({type(error).__name__}: {text})"
 
+_Tensor = torch.Tensor
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 # When the output check of a training forward is read: "device" (only when it waits for a
@@ -134,6 +135,9 @@ class Sentinel(Feature):
         self._forward_index = 0
         # (batch, forward index, check) of the root forward that just returned.
         self._check: tuple[int, int, NonFiniteCheck] | None = None
+        # (batch, abs min, abs max, dtype) of a root output found clean at once (the common
+        # case: one tensor the native kernel read), instead of a check.
+        self._clean: tuple[int, float, float, torch.dtype] | None = None
         # Checks whose read waits for the end of the backward pass (see the module docstring).
         self._deferred: list[tuple[int, int, NonFiniteCheck]] = []
         # batch -> per root forward: the gradient each output leaf received (by role).
@@ -172,6 +176,16 @@ class Sentinel(Feature):
             self._detach()
 
     def on_batch_output(self, batch: int, output: Any) -> None:
+        if type(output) is _Tensor and self._hooked_batch != batch and not (
+                self.backward and output.requires_grad and torch.is_grad_enabled()):
+            # The common case (one plain tensor, no gradient to wait for): the native kernel
+            # reads it now and a clean result is all that is kept.
+            clean = clean_range(output, self._result)
+            if clean is not None:
+                self.checks += 1
+                self._check = None
+                self._clean = (batch, clean[0], clean[1], output.dtype)
+                return
         leaves = float_leaves(output)
         forward = self._forward_index
         check = None
@@ -213,6 +227,12 @@ class Sentinel(Feature):
         backward never came); a NaN/Inf is replayed into its event and frames."""
         if reason != "forward":
             return None
+        clean, self._clean = self._clean, None
+        if clean is not None and event is None and not self._deferred:
+            self._show_clean(*clean)  # the common case, in short
+            return None if self._replay_sample != batch else self._record_by_replay(batch)
+        if clean is not None:
+            self._show_clean(*clean)
         pending, self._check = self._check, None
         stale = [d for d in self._deferred if d[0] != batch]  # a backward never came for them
         if stale:
@@ -253,9 +273,12 @@ class Sentinel(Feature):
     def _show_outputs(self, batch: int, check: NonFiniteCheck) -> None:
         """A clean check's magnitude: the root's row in the history, and the latest values."""
         if check.abs_max == check.abs_max:  # measured (not NaN)
-            self.outputs_batch, self.outputs_abs_max = batch, check.abs_max
-            self.outputs_dtype = check.abs_max_dtype
-            self.recorder.add_history_row(batch, self._root_name, check.abs_max, check.abs_min)
+            self._show_clean(batch, check.abs_min, check.abs_max, check.abs_max_dtype)
+
+    def _show_clean(self, batch: int, abs_min: float, abs_max: float,
+                    dtype: torch.dtype | None) -> None:
+        self.outputs_batch, self.outputs_abs_max, self.outputs_dtype = batch, abs_max, dtype
+        self.recorder.add_history_row(batch, self._root_name, abs_max, abs_min)
 
     # ------------------------------------------------------------------ gradients
     def _grad_hook(self, batch: int, slot: dict[str, torch.Tensor], role: str) -> Any:
@@ -559,6 +582,7 @@ class Sentinel(Feature):
         self._output_grads.clear()
         self._deferred.clear()
         self._check = None
+        self._clean = None
         self._own_event = None
 
 
