@@ -71,6 +71,7 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided
 _STEPS = optimizer_steps()  # optimizer steps seen in this process (core.writes counts them)
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
+_SCALARS = (str, bytes, int, float, bool, complex)  # leaves as iter_leaves yields them
 
 
 def _shape_of(tensor: torch.Tensor) -> Any:
@@ -195,13 +196,21 @@ class EntryBuilder:
             role = _INPUT_ROLES[position] if position < 16 else f"input[{position}]"
             if isinstance(value, _Tensor):
                 entries.append(tensor_entry(role, value))
+            elif value is None or isinstance(value, _SCALARS):
+                entries.append(non_tensor_entry(role, value))
             else:
                 for leaf_role, leaf in iter_leaves(value, role):
                     entries.append(self.leaf_entry(leaf_role, leaf))
         if kwargs:
             for key, value in kwargs.items():
-                for leaf_role, leaf in iter_leaves(value, "kwarg:" + key):
-                    entries.append(self.leaf_entry(leaf_role, leaf))
+                # One tensor, None or a flag (most keyword inputs): no walk.
+                if isinstance(value, _Tensor):
+                    entries.append(tensor_entry("kwarg:" + key, value))
+                elif value is None or isinstance(value, _SCALARS):
+                    entries.append(non_tensor_entry("kwarg:" + key, value))
+                else:
+                    for leaf_role, leaf in iter_leaves(value, "kwarg:" + key):
+                        entries.append(self.leaf_entry(leaf_role, leaf))
 
     def output_entries(self, output: Any, entries: list[Entry]) -> None:
         """Append the entries of a module's output structure (``output``, ``output[1]`` ...)."""

@@ -39,7 +39,7 @@ class Unread:
 
 def iter_leaves(value: Any, role: str) -> Iterator[tuple[str, Any]]:
     """Yield ``(role, leaf)`` for every tensor, None or other leaf object inside ``value``."""
-    if isinstance(value, _Tensor):  # the common case first: one check, no bookkeeping
+    if isinstance(value, _Tensor) or isinstance(value, _SCALARS):  # no bookkeeping for a leaf
         yield role, value
         return
     # A stack of iterators over (role, child) pairs keeps the leaves in document order.
