@@ -113,11 +113,10 @@ def clean_range(tensor: torch.Tensor, result: Any) -> tuple[float, float] | None
     """(abs min, abs max) of a plain tensor the native kernel reads, when every value is
     finite; None when the kernel cannot read it or it holds a NaN or an Inf (the general
     check then says which)."""
-    if tensor.layout is not _STRIDED or tensor.is_nested or not native.available() \
-            or not native.eligible(tensor):
+    if tensor.layout is not _STRIDED or tensor.is_nested or not native.available():
         return None
-    low, high = native.abs_range(tensor, result)
-    return (low, high) if high < math.inf else None
+    found = native.contiguous_range(tensor, result)
+    return found if found is not None and found[1] < math.inf else None
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
