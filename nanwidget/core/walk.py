@@ -72,8 +72,53 @@ def iter_leaves(value: Any, role: str) -> Iterator[tuple[str, Any]]:
         stack.append((key, expanded))
 
 
+# How a value of each type is walked, decided once per type (the walk meets the same few
+# types on every module call: a transformers cache object and its layers, tuples, devices).
+_SEQUENCE, _MAPPING, _SET, _DATACLASS, _ITERATOR, _LEAF, _ATTRIBUTES = range(7)
+_KINDS: dict[type, int] = {}
+
+
+def _kind_of_type(kind: type) -> int:
+    if issubclass(kind, (tuple, list)):
+        return _SEQUENCE
+    if issubclass(kind, Mapping):
+        return _MAPPING
+    if issubclass(kind, (set, frozenset)):
+        return _SET
+    if dataclasses.is_dataclass(kind) and not issubclass(kind, type):
+        return _DATACLASS
+    if issubclass(kind, Iterator):
+        return _ITERATOR
+    if issubclass(kind, _OPAQUE) or any("__call__" in vars(k) for k in kind.__mro__):
+        return _LEAF
+    return _ATTRIBUTES
+
+
 def _children(value: Any, role: str) -> Iterator[tuple[str, Any]] | Unread | None:
     """The (role, child) pairs of a container; Unread for iterators; None for a plain leaf."""
+    kind = type(value)
+    if kind is value.__class__:  # else a proxy that says it is something else: the long way
+        known = _KINDS.get(kind)
+        if known is None:
+            try:
+                known = _KINDS[kind] = _kind_of_type(kind)
+            except Exception:  # an odd metaclass: the long way
+                known = -1
+        if known == _LEAF:
+            return None
+        if known == _ATTRIBUTES:
+            attributes = getattr(value, "__dict__", None)
+            if isinstance(attributes, dict) and attributes:
+                return ((f"{role}.{name}", item) for name, item in list(attributes.items())
+                        if not name.startswith("_"))
+            return None
+        if known == _SEQUENCE:
+            return ((f"{role}[{index}]", item) for index, item in enumerate(value))
+    return _children_by_checks(value, role)
+
+
+def _children_by_checks(value: Any, role: str) -> Iterator[tuple[str, Any]] | Unread | None:
+    """:func:`_children` by checking the value itself (every kind, in order)."""
     if isinstance(value, (tuple, list)):
         return ((f"{role}[{index}]", item) for index, item in enumerate(value))
     if isinstance(value, Mapping):
