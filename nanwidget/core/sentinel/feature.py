@@ -92,6 +92,8 @@ class Sentinel(Feature):
     loss's own ops are traced).
     """
 
+    reviews_without_event = False  # its review only adds to an event
+
     def __init__(self, recorder: Recorder, capture: BatchCapture, *,
                  sample_every: int | None = None, backward: bool = False,
                  compiled: bool = False, defer_reads: str = "device",
