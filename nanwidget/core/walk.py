@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_leaves", "Unread"]
+__all__ = ["iter_leaves", "Unread", "kind_of", "SEQUENCE", "ATTRIBUTES", "LEAF", "OTHER"]
 
 _Tensor = torch.Tensor
 _SCALARS = (str, bytes, int, float, bool, complex, type(None))
@@ -37,13 +37,16 @@ class Unread:
         self.why = why
 
 
-def iter_leaves(value: Any, role: str) -> Iterator[tuple[str, Any]]:
-    """Yield ``(role, leaf)`` for every tensor, None or other leaf object inside ``value``."""
+def iter_leaves(value: Any, role: str,
+                inside: set[int] | frozenset[int] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """Yield ``(role, leaf)`` for every tensor, None or other leaf object inside ``value``.
+    ``inside``: ids of the containers ``value`` sits in, when a caller walks the outer levels
+    itself (a repeat of one of them is a leaf noted as a cycle, as here)."""
     if isinstance(value, _Tensor) or isinstance(value, _SCALARS):  # no bookkeeping for a leaf
         yield role, value
         return
     # A stack of iterators over (role, child) pairs keeps the leaves in document order.
-    open_containers: set[int] = set()
+    open_containers: set[int] = set(inside)
     stack: list[tuple[int | None, Iterator[tuple[str, Any]]]] = [(None, iter(((role, value),)))]
     while stack:
         owner, children = stack[-1]
@@ -92,6 +95,28 @@ def _kind_of_type(kind: type) -> int:
     if issubclass(kind, _OPAQUE) or any("__call__" in vars(k) for k in kind.__mro__):
         return _LEAF
     return _ATTRIBUTES
+
+
+# What kind_of() tells a caller that walks values itself: a tuple or list, an object whose
+# public attributes are its children (or a leaf, when it has none), a leaf, or anything else
+# (ask iter_leaves).
+SEQUENCE, ATTRIBUTES, LEAF, OTHER = _SEQUENCE, _ATTRIBUTES, _LEAF, -1
+
+
+def kind_of(value: Any) -> int:
+    """How :func:`iter_leaves` walks a value that is neither a tensor nor a scalar: one of
+    :data:`SEQUENCE`, :data:`ATTRIBUTES`, :data:`LEAF`, or :data:`OTHER` (mappings, sets,
+    dataclasses, iterators, proxies: walk it with :func:`iter_leaves`)."""
+    kind = type(value)
+    if kind is not value.__class__:  # a proxy that says it is something else
+        return OTHER
+    known = _KINDS.get(kind)
+    if known is None:
+        try:
+            known = _KINDS[kind] = _kind_of_type(kind)
+        except Exception:  # an odd metaclass: the long way
+            known = OTHER
+    return known if known in (_SEQUENCE, _ATTRIBUTES, _LEAF) else OTHER
 
 
 def _children(value: Any, role: str) -> Iterator[tuple[str, Any]] | Unread | None:
