@@ -173,3 +173,13 @@ def test_compare_with_an_old_tree_skips_what_it_cannot_build_with_one_line(tmp_p
     assert any("skipping sentinel" in line and "mode" in line for line in skipped)
     assert any("skipping nanwidget_backward" in line for line in skipped)
     assert all(set(row.versus) == {"nanwidget"} for row in result.rows)
+
+
+def test_cpu_clock_times_this_process_only_and_refuses_a_gpu(capsys):
+    assert main(["bench", "--quick", "--models", "mlp", "--modes", "forward", "--rounds", "1",
+                 "--block-ms", "2", "--clock", "cpu", "--no-replay"]) == 0
+    assert "timed by CPU time" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="CPU work only"):
+        bench.run_benchmark(["mlp"], ["forward"], rounds=1, device="cuda", clock="cpu")
+    with pytest.raises(ValueError, match="clock must be one of"):
+        bench.run_benchmark(["mlp"], ["forward"], rounds=1, clock="sundial")

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", metavar="REF",
                         help="also time the watch variants of git revision REF (e.g. main, "
                              "HEAD~1) in the same rounds, and print new/REF per row")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed time (default); cpu: this process's CPU time, which "
+                             "leaves out what other processes take on a shared machine (CPU only)")
     parser.add_argument("--no-replay", action="store_true",
                         help="skip timing the replay of a failing GPT-2 batch into full detail")
 
@@ -77,12 +80,16 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr, flush=True)
 
+    if args.clock == "cpu" and not args.device.startswith("cpu"):
+        raise SystemExit("nanwidget bench: --clock cpu times CPU work only; use the wall clock "
+                         "on a GPU")
     print(f"nanwidget bench: {rounds} interleaved rounds, blocks of ~{block_ms:g} ms, "
           f"{warmup} warm-up step(s); ratio = median over rounds of variant / baseline time",
           file=sys.stderr, flush=True)
     result = benchmark.run_benchmark(models, modes, rounds=rounds, block_seconds=block_ms / 1e3,
                                      warmup=warmup, seed=args.seed, device=args.device,
-                                     progress=progress, compare=args.compare)
+                                     progress=progress, compare=args.compare,
+                                     clock=args.clock)
     print(f"Environment: {result.format_environment()}")
     print("MultiheadAttention fast path disabled so every variant runs the same kernels; "
           f"GPT-2 input {benchmark.GPT2_INPUT[0]}x{benchmark.GPT2_INPUT[1]} tokens.")

@@ -513,8 +513,11 @@ class HookLeak(AssertionError):
     """A variant left hooks or anomaly mode behind; its neighbours' numbers would be wrong."""
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def _measure(case: Case, variant: Variant, steps: int, warmup: int, seed: int,
-             device: str) -> float:
+             device: str, clock: Callable[[], float] = time.perf_counter) -> float:
     """Restore weights and RNG, attach the variant, warm up, time ``steps`` steps; seconds."""
     hooks_before = hook_count(case.model)
     with torch.no_grad():
@@ -524,11 +527,11 @@ def _measure(case: Case, variant: Variant, steps: int, warmup: int, seed: int,
         for _ in range(warmup):
             case.step()
         _synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         for _ in range(steps):
             case.step()
         _synchronize(device)
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
     left = hook_count(case.model) - hooks_before
     if left or torch.is_anomaly_enabled():
         raise HookLeak(f"{variant.name} left {left} hook(s) on the {case.model_name} model"
@@ -563,10 +566,18 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
                   device: str = "cpu", variants: Sequence[str] | None = None,
                   progress: Callable[[str], None] | None = None,
                   compare: str | None = None,
-                  compare_repo: str | os.PathLike | None = None) -> BenchResult:
+                  compare_repo: str | os.PathLike | None = None,
+                  clock: str = "wall") -> BenchResult:
     """Measure every (model, mode) against every variant; see the module docstring.
     ``compare``: a git revision (of ``compare_repo``, by default this tree's repository)
-    whose watch variants run in the same rounds; one it cannot run is skipped with a line."""
+    whose watch variants run in the same rounds; one it cannot run is skipped with a line.
+    ``clock``: "wall" (elapsed time) or "cpu" (this process's CPU time: on a shared machine
+    it leaves out the time other processes take; CPU device only)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    if clock == "cpu" and not device.startswith("cpu"):
+        raise ValueError("clock='cpu' times CPU work only; use the wall clock on a GPU")
+    timer = CLOCKS[clock]
     unknown = [m for m in models if m not in _BUILDERS]
     if unknown:
         raise ValueError(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
@@ -621,7 +632,8 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
                     order = list(runnable)
                     order_rng.shuffle(order)
                     for variant in order:
-                        times[variant.name].append(_measure(case, variant, steps, warmup, seed, device))
+                        times[variant.name].append(_measure(case, variant, steps, warmup, seed,
+                                                            device, timer))
                 base = times["baseline"]
                 ratios = {name: statistics.median(t / b for t, b in zip(block, base))
                           for name, block in times.items() if name != "baseline"}
@@ -632,7 +644,9 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
                                      statistics.median(base) / steps * 1e3, ratios, times,
                                      versus, case.module_calls))
                 del case
-    return BenchResult(rows, environment(device), names, compared, skipped)
+    info = environment(device)
+    info["clock"] = clock
+    return BenchResult(rows, info, names, compared, skipped)
 
 
 def _builds(case: Case, variant: Variant, seed: int, device: str, compared: str,
@@ -790,6 +804,8 @@ class BenchResult:
                  f"{env['cpu_count']} CPUs ({env['cpu']})", f"device {env['device']}"]
         if "gpu" in env:
             parts.append(env["gpu"])
+        if env.get("clock") == "cpu":
+            parts.append("timed by CPU time")
         if "native_kernel" in env:  # which reduction path the CPU numbers measured
             parts.append("native kernel " + ("in use" if env["native_kernel"].startswith("native kernel in use")
                                              else "not in use (torch path)"))
