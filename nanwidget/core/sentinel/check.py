@@ -157,8 +157,11 @@ class NonFiniteCheck:
             if values is None:
                 continue
             self.checked += 1
-            if direct and native.eligible(values):
-                low, high = native.abs_range(values, result)  # reads the data, no autograd
+            found = native.contiguous_range(values, result) if direct else None  # the usual
+            if found is None and direct and native.eligible(values):  # any dense layout
+                found = native.abs_range(values, result)
+            if found is not None:  # read by the kernel where it lies, no autograd
+                low, high = found
                 if high != high:
                     self.bad.append(BadTensor(label, True, _has_inf(values), position))
                 elif high == math.inf:

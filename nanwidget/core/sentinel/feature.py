@@ -178,15 +178,17 @@ class Sentinel(Feature):
             self._detach()
 
     def on_batch_output(self, batch: int, output: Any) -> None:
-        if type(output) is _Tensor and self._hooked_batch != batch and not (
-                self.backward and output.requires_grad and torch.is_grad_enabled()):
-            # The common case (one plain tensor, no gradient to wait for): the native kernel
-            # reads it now and a clean result is all that is kept.
+        if type(output) is _Tensor and self._hooked_batch != batch \
+                and self.defer_reads != "always":
+            # The common case (one plain tensor on CPU): the native kernel reads it now and a
+            # clean result is all that is kept (its check would not wait for the backward pass).
             clean = clean_range(output, self._result)
             if clean is not None:
                 self.checks += 1
                 self._check = None
                 self._clean = (batch, clean[0], clean[1], output.dtype)
+                if self.backward and output.requires_grad and torch.is_grad_enabled():
+                    self._hook_output_grads(batch, self._forward_index, [("output", output)])
                 return
         leaves = float_leaves(output)
         forward = self._forward_index
@@ -199,12 +201,7 @@ class Sentinel(Feature):
         if self.backward and torch.is_grad_enabled():
             needing = [(role, leaf) for role, leaf, _ in leaves if leaf.requires_grad]
             if needing:
-                grads = self._output_grads.setdefault(batch, [])
-                grads.extend([None] * (forward + 1 - len(grads)))
-                slot: dict[str, torch.Tensor] = {}
-                grads[forward] = slot
-                for role, leaf in needing:
-                    leaf.register_hook(self._grad_hook(batch, slot, role))
+                self._hook_output_grads(batch, forward, needing)
                 hooked = True
         if check is not None:
             # A training forward's check on a device is read with the gradients' (one read per
@@ -214,6 +211,17 @@ class Sentinel(Feature):
                 self._deferred.append((batch, forward, check))
             else:
                 self._check = (batch, forward, check)
+
+    def _hook_output_grads(self, batch: int, forward: int,
+                           needing: list[tuple[str, torch.Tensor]]) -> None:
+        """Hold the gradient each of these output leaves receives (for a backward replay)
+        and check the parameters' gradients when the backward pass through them ends."""
+        grads = self._output_grads.setdefault(batch, [])
+        grads.extend([None] * (forward + 1 - len(grads)))
+        slot: dict[str, torch.Tensor] = {}
+        grads[forward] = slot
+        for role, leaf in needing:
+            leaf.register_hook(self._grad_hook(batch, slot, role))
 
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         if self._hooked_batch == batch:
