@@ -83,6 +83,27 @@ def test_only_dense_plain_cpu_float_tensors_are_eligible():
     assert not native.eligible(grid.as_subclass(Tagged))
 
 
+@needs_kernel
+def test_contiguous_range_reads_what_abs_range_reads_and_leaves_the_rest_to_it():
+    out = native.result_buffer()
+    grid = torch.randn(6, 8)
+    grid[1, 2] = -7.5
+    for tensor in (grid, nn.Parameter(grid.clone()), grid.half(), grid[2:4]):
+        assert native.contiguous_range(tensor, out) == native.abs_range(tensor, out)
+    nan = grid.clone()
+    nan[0, 0] = float("nan")
+    assert native.contiguous_range(nan, out)[1] != native.contiguous_range(nan, out)[1]
+
+    class Tagged(torch.Tensor):
+        pass
+
+    # the general rules decide these: transposed, strided with gaps, integers, empty, meta,
+    # a subclass
+    for other in (grid.t(), grid[:, ::2], grid.to(torch.int32), torch.empty(0),
+                  torch.empty(3, device="meta"), grid.as_subclass(Tagged)):
+        assert native.contiguous_range(other, out) is None
+
+
 def test_big_tensors_go_to_torchs_threads_when_it_has_more_than_two():
     big = torch.empty(native._ONE_THREAD_ELEMENTS + 1)
     threads = torch.get_num_threads()

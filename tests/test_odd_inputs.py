@@ -244,3 +244,54 @@ def test_a_tensor_whose_storage_was_freed_gets_a_note_not_a_crash(reduction_path
     scale = frames[(frames.module == "0") & (frames.role == "scale")].iloc[0]
     assert scale.note == "storage freed" and scale.abs_max != scale.abs_max
     assert (frames[frames.role != "scale"].note == "").all()
+
+
+def test_structures_walked_directly_give_the_entries_iter_leaves_gives():
+    # EntryBuilder walks tuples, lists and plain objects itself (a transformers cache object
+    # on every call): same roles, order, notes and cycle marks as the generic walk.
+    import dataclasses
+    from collections import OrderedDict
+
+    from nanwidget.core.entries import EntryBuilder
+    from nanwidget.core.stats import PendingStats
+    from nanwidget.core.walk import iter_leaves
+
+    class Layer:
+        def __init__(self) -> None:
+            self.keys, self.values, self._hidden = torch.ones(2), None, torch.zeros(1)
+            self.is_initialized, self.device = True, torch.device("cpu")
+
+    class Cache:
+        def __init__(self) -> None:
+            self.layers = [Layer(), Layer()]
+            self.extra = {"k": torch.ones(1), 2: [1]}
+
+    @dataclasses.dataclass
+    class Pair:
+        x: torch.Tensor
+        y: int = 0
+
+    class Slotted:
+        __slots__ = ("q",)
+
+    loop: list = [1]
+    loop.append(loop)
+    itself = Cache()
+    itself.again = itself
+    mapping: dict = {"a": [1]}
+    mapping["me"] = mapping
+    deep = inner = []
+    for _ in range(60):
+        nested = [torch.ones(1)]
+        inner.append(nested)
+        inner = nested
+    for value in (Cache(), [Pair(torch.ones(2)), Slotted(), torch.float32, len, iter([1])],
+                  loop, itself, [mapping], deep, (torch.ones(1), None, "s"),
+                  OrderedDict(a=torch.ones(1)), {1, 2}):
+        generic, direct = EntryBuilder(PendingStats()), EntryBuilder(PendingStats())
+        expected = [generic.leaf_entry(role, leaf) for role, leaf in iter_leaves(value, "output")]
+        got: list = []
+        direct.structure_entries(value, "output", got)
+        assert [(e.role, e.dtype, e.shape, e.note) for e in got] == \
+            [(e.role, e.dtype, e.shape, e.note) for e in expected]
+        assert direct.unread_roles == generic.unread_roles

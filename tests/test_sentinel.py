@@ -258,6 +258,27 @@ def test_every_backward_end_is_reviewed_also_when_nothing_was_found():
         (0, "backward", False), (1, "backward", False), (2, "backward", False)]
 
 
+def test_a_feature_that_only_adds_to_events_is_not_asked_about_batches_without_one():
+    from nanwidget.core.recorder import Feature
+
+    class Reviews(Feature):
+        def __init__(self, without_event: bool) -> None:
+            self.reviews_without_event = without_event
+            self.seen: list[tuple[int, bool]] = []
+
+        def review_event(self, batch, event, reason):
+            self.seen.append((batch, event is not None))
+            return event
+
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 1))
+    with nw.watch(model, mode="sentinel", on_nan="record") as w:
+        every, events_only = w.add_feature(Reviews(True)), w.add_feature(Reviews(False))
+        model(torch.randn(4, 16))
+        model(torch.full((4, 16), float("nan")))
+    assert every.seen == [(0, False), (1, True)]
+    assert events_only.seen == [(1, True)]
+
+
 def test_a_nan_that_never_reaches_outputs_or_gradients_is_not_an_event_in_sentinel_mode():
     class BlowUp(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

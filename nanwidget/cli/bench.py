@@ -21,8 +21,9 @@ from . import benchmark
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=",".join(benchmark.MODELS),
-                        help="comma-separated: mlp, transformer, gpt2, gpt2-compiled (default: "
-                             "all four; gpt2-compiled compiles GPT-2 with torch.compile first)")
+                        help="comma-separated: mlp, transformer, gpt2-small, gpt2, gpt2-compiled "
+                             "(default: all five; gpt2-small has a 2000-token vocabulary; "
+                             "gpt2-compiled compiles GPT-2 with torch.compile first)")
     parser.add_argument("--modes", default="forward,train",
                         help="comma-separated: forward, train (default: both)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -42,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", metavar="REF",
                         help="also time the watch variants of git revision REF (e.g. main, "
                              "HEAD~1) in the same rounds, and print new/REF per row")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed time (default); cpu: this process's CPU time, which "
+                             "leaves out what other processes take on a shared machine (CPU only)")
     parser.add_argument("--no-replay", action="store_true",
                         help="skip timing the replay of a failing GPT-2 batch into full detail")
 
@@ -76,19 +80,25 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr, flush=True)
 
+    if args.clock == "cpu" and not args.device.startswith("cpu"):
+        raise SystemExit("nanwidget bench: --clock cpu times CPU work only; use the wall clock "
+                         "on a GPU")
     print(f"nanwidget bench: {rounds} interleaved rounds, blocks of ~{block_ms:g} ms, "
           f"{warmup} warm-up step(s); ratio = median over rounds of variant / baseline time",
           file=sys.stderr, flush=True)
     result = benchmark.run_benchmark(models, modes, rounds=rounds, block_seconds=block_ms / 1e3,
                                      warmup=warmup, seed=args.seed, device=args.device,
-                                     progress=progress, compare=args.compare)
+                                     progress=progress, compare=args.compare,
+                                     clock=args.clock)
     print(f"Environment: {result.format_environment()}")
     print("MultiheadAttention fast path disabled so every variant runs the same kernels; "
           f"GPT-2 input {benchmark.GPT2_INPUT[0]}x{benchmark.GPT2_INPUT[1]} tokens.")
     print()
     print(result.format_table(markdown=args.markdown))
     print()
-    if result.compared:
+    for line in result.skipped:
+        print(line)
+    if result.compared and any(row.versus for row in result.rows):
         print(f"This tree against {args.compare} ({result.compared}), timed in the same rounds "
               "(median of new/old block time; below 1.000: faster now):")
         print(result.format_versus(markdown=args.markdown))
@@ -98,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
           f"{benchmark.OVERHEAD_SHARE_TARGET:.2f} of DebugUnderflowOverflow's (nw/DUO overhead column); "
           f"sentinel mode <= {benchmark.SENTINEL_TARGET:.2f}x on every row (on train rows it also "
           "checks the gradients; on compiled rows the baseline is the compiled model).")
+    print("nw µs/call: what nanwidget's full watch adds per module forward call of a step; "
+          "sentinel µs/batch: what sentinel mode adds per step (both from the median ratio "
+          "and the baseline time).")
     data = result.to_dict()
     if "gpt2" in models and not args.no_replay:
         progress("replaying a failing GPT-2 batch (sentinel mode)")

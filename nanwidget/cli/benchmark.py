@@ -23,6 +23,7 @@ import importlib
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -47,7 +48,9 @@ __all__ = ["MODELS", "COMPILED_MODELS", "MODES", "VARIANTS", "TARGETS", "SENTINE
 
 # "gpt2-compiled": the GPT-2 model under torch.compile; its baseline is the compiled model
 # alone, and only the sentinel watch can ride along (the other tools need module hooks).
-MODELS = ("mlp", "transformer", "gpt2", "gpt2-compiled")
+# "gpt2-small": the same GPT-2 with a 2000-token vocabulary (about 15x less work per step, the
+# LM head no longer dominating): per-module costs weigh there as on a GPU.
+MODELS = ("mlp", "transformer", "gpt2-small", "gpt2", "gpt2-compiled")
 COMPILED_MODELS = ("gpt2-compiled",)
 MODES = ("forward", "train")
 # Column order of the table; "dbg" and "anomaly" drop out when they cannot run.
@@ -63,15 +66,17 @@ VARIANT_LABELS = {
     "anomaly": "detect_anomaly",
 }
 # Targets for nanwidget's ratio, per (model, mode); forward rows share one.
-TARGETS = {("mlp", "train"): 1.25, ("transformer", "train"): 1.10, ("gpt2", "train"): 1.10}
+TARGETS = {("mlp", "train"): 1.25, ("transformer", "train"): 1.10, ("gpt2", "train"): 1.10,
+           ("gpt2-small", "train"): 1.25}
 FORWARD_TARGET = 1.30
 # The sentinel watch (outputs, and gradients on train rows) on every row, compiled ones too.
 SENTINEL_TARGET = 1.03
 # nanwidget's overhead (ratio - 1) may be at most this share of DebugUnderflowOverflow's.
-OVERHEAD_SHARE_TARGET = 0.25
+OVERHEAD_SHARE_TARGET = 0.10
 # A failing batch of the GPT-2 model replayed into full detail (frames and op trace).
 REPLAY_TARGET_SECONDS = 2.0
 GPT2_INPUT = (4, 64)
+GPT2_SMALL_VOCAB = 2000
 
 
 def target_ratio(model: str, mode: str) -> float | None:
@@ -92,6 +97,7 @@ class Case:
     step: Callable[[], None]
     state: dict[str, torch.Tensor]
     description: str
+    module_calls: int = 0  # module forward calls per step (what full mode hooks)
 
 
 def _mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Tensor], str]:
@@ -112,9 +118,12 @@ def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., t
         "nn.TransformerEncoder 4 layers, d_model 128, nhead 4, ffn 512, batch 8x64, MSE"
 
 
-def _gpt2() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Tensor], str]:
+def _gpt2(vocab_size: int | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...],
+                                                   Callable[..., torch.Tensor], str]:
     from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(n_layer=4, n_embd=128, n_head=4)
+    small = {} if vocab_size is None else {"vocab_size": vocab_size, "bos_token_id": vocab_size - 1,
+                                           "eos_token_id": vocab_size - 1}
+    config = GPT2Config(n_layer=4, n_embd=128, n_head=4, **small)
     model = GPT2LMHeadModel(config)  # random weights, nothing downloaded
     tokens = torch.randint(0, config.vocab_size, GPT2_INPUT)
 
@@ -123,11 +132,14 @@ def _gpt2() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Te
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            tokens[:, 1:].reshape(-1))
 
-    return model, (tokens,), loss, (f"GPT-2 (n_layer 4, n_embd 128, n_head 4, random weights), "
-                                    f"tokens {GPT2_INPUT[0]}x{GPT2_INPUT[1]}, LM loss")
+    return model, (tokens,), loss, (f"GPT-2 (n_layer 4, n_embd 128, n_head 4, vocab "
+                                    f"{config.vocab_size}, random weights), tokens "
+                                    f"{GPT2_INPUT[0]}x{GPT2_INPUT[1]}, LM loss")
 
 
-_BUILDERS = {"mlp": _mlp, "transformer": _transformer, "gpt2": _gpt2, "gpt2-compiled": _gpt2}
+_BUILDERS = {"mlp": _mlp, "transformer": _transformer,
+             "gpt2-small": lambda: _gpt2(vocab_size=GPT2_SMALL_VOCAB), "gpt2": _gpt2,
+             "gpt2-compiled": _gpt2}
 
 
 def build_case(model_name: str, mode: str, device: str = "cpu", seed: int = 0) -> Case:
@@ -136,6 +148,7 @@ def build_case(model_name: str, mode: str, device: str = "cpu", seed: int = 0) -
     torch.manual_seed(seed)
     model, inputs, loss_fn, description = _BUILDERS[model_name]()
     model.to(device)
+    module_calls = _module_calls(model, tuple(t.to(device) for t in inputs))
     if model_name in COMPILED_MODELS:
         model = torch.compile(model)
         description = "torch.compile'd " + description
@@ -160,7 +173,26 @@ def build_case(model_name: str, mode: str, device: str = "cpu", seed: int = 0) -
     else:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return Case(model_name, mode, model, step, state, description)
+    return Case(model_name, mode, model, step, state, description, module_calls)
+
+
+def _module_calls(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+    """How many module forward calls one forward of ``model`` makes (eager, no_grad, eval
+    mode: nothing changes, not even BatchNorm's running statistics; the caller sets the mode)."""
+    calls = [0]
+    model.eval()
+
+    def count(module: nn.Module, args: tuple) -> None:
+        calls[0] += 1
+
+    handles = [m.register_forward_pre_hook(count) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls[0]
 
 
 # ------------------------------------------------------------------------------------- variants
@@ -317,11 +349,31 @@ def load_revision(ref: str, repo: str | os.PathLike | None = None) -> tuple[Any,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
     shutil.move(os.path.join(folder, "nanwidget"), os.path.join(folder, name))
+    _rename_absolute_imports(os.path.join(folder, name), name)
     sys.path.insert(0, folder)
     try:
         return importlib.import_module(name), commit
     finally:
         sys.path.remove(folder)
+
+
+def _rename_absolute_imports(package: str, name: str) -> None:
+    """Point an old tree's absolute references to its own package (``import nanwidget``,
+    ``from nanwidget.x``, ``__import__("nanwidget.core.x")``) at ``name``, so that it never
+    reaches into this tree's modules."""
+    dotted = re.compile(r"(?<![\w/.-])nanwidget(?=\.[A-Za-z_])")
+    statement = re.compile(r"\b(import|from) nanwidget\b")
+    for folder, _, files in os.walk(package):
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(folder, file)
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+            renamed = statement.sub(rf"\1 {name}", dotted.sub(name, text))
+            if renamed != text:
+                with open(path, "w", encoding="utf-8") as handle:
+                    handle.write(renamed)
 
 
 def available_variants() -> list[str]:
@@ -347,10 +399,21 @@ class BenchRow:
     block_seconds: dict[str, list[float]] = field(default_factory=dict, repr=False)
     # variant -> median over rounds of its block time / the compared revision's ("compare")
     versus: dict[str, float] = field(default_factory=dict)
+    module_calls: int = 0  # module forward calls per step
 
     @property
     def target(self) -> float | None:
         return target_ratio(self.model, self.mode)
+
+    def overhead_us(self, variant: str) -> float | None:
+        """Microseconds ``variant`` adds to one step (median ratio - 1, times the baseline)."""
+        ratio = self.ratios.get(variant)
+        return None if ratio is None else (ratio - 1.0) * self.baseline_ms * 1e3
+
+    def us_per_module_call(self, variant: str = "nanwidget") -> float | None:
+        """Microseconds ``variant`` adds per module forward call of a step."""
+        added = self.overhead_us(variant)
+        return None if added is None or not self.module_calls else added / self.module_calls
 
     def sentinel_verdict(self) -> str:
         """PASS or MISS against :data:`SENTINEL_TARGET`."""
@@ -387,7 +450,9 @@ class BenchRow:
                 "target": self.target, "overhead_share": self.overhead_share,
                 "verdict": self.verdict(), "sentinel_target": SENTINEL_TARGET,
                 "sentinel_verdict": self.sentinel_verdict(), "block_seconds": self.block_seconds,
-                "versus": self.versus}
+                "versus": self.versus, "module_calls": self.module_calls,
+                "sentinel_us_per_batch": self.overhead_us("sentinel"),
+                "nanwidget_us_per_module_call": self.us_per_module_call()}
 
 
 def environment(device: str = "cpu") -> dict[str, Any]:
@@ -448,8 +513,11 @@ class HookLeak(AssertionError):
     """A variant left hooks or anomaly mode behind; its neighbours' numbers would be wrong."""
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def _measure(case: Case, variant: Variant, steps: int, warmup: int, seed: int,
-             device: str) -> float:
+             device: str, clock: Callable[[], float] = time.perf_counter) -> float:
     """Restore weights and RNG, attach the variant, warm up, time ``steps`` steps; seconds."""
     hooks_before = hook_count(case.model)
     with torch.no_grad():
@@ -459,11 +527,11 @@ def _measure(case: Case, variant: Variant, steps: int, warmup: int, seed: int,
         for _ in range(warmup):
             case.step()
         _synchronize(device)
-        start = time.perf_counter()
+        start = clock()
         for _ in range(steps):
             case.step()
         _synchronize(device)
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
     left = hook_count(case.model) - hooks_before
     if left or torch.is_anomaly_enabled():
         raise HookLeak(f"{variant.name} left {left} hook(s) on the {case.model_name} model"
@@ -497,9 +565,19 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
                   rounds: int = 15, block_seconds: float = 0.1, warmup: int = 2, seed: int = 0,
                   device: str = "cpu", variants: Sequence[str] | None = None,
                   progress: Callable[[str], None] | None = None,
-                  compare: str | None = None) -> BenchResult:
+                  compare: str | None = None,
+                  compare_repo: str | os.PathLike | None = None,
+                  clock: str = "wall") -> BenchResult:
     """Measure every (model, mode) against every variant; see the module docstring.
-    ``compare``: a git revision whose watch variants run in the same rounds."""
+    ``compare``: a git revision (of ``compare_repo``, by default this tree's repository)
+    whose watch variants run in the same rounds; one it cannot run is skipped with a line.
+    ``clock``: "wall" (elapsed time) or "cpu" (this process's CPU time: on a shared machine
+    it leaves out the time other processes take; CPU device only)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+    if clock == "cpu" and not device.startswith("cpu"):
+        raise ValueError("clock='cpu' times CPU work only; use the wall clock on a GPU")
+    timer = CLOCKS[clock]
     unknown = [m for m in models if m not in _BUILDERS]
     if unknown:
         raise ValueError(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
@@ -512,9 +590,23 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
         raise ValueError("the gpt2 model needs transformers (pip install 'nanwidget[bench]')")
     extra: dict[str, Variant] = {}
     compared = ""
+    skipped: list[str] = []  # one line per variant of the compared revision left out
+
+    def skip(line: str) -> None:
+        skipped.append(line)
+        if progress:
+            progress(line)
+
     if compare is not None:
-        revision, compared = load_revision(compare)
-        for name in WATCH_VARIANTS:
+        try:
+            revision, compared = load_revision(compare, compare_repo)
+        except ValueError:  # not a revision: the user's mistake, said as such
+            raise
+        except Exception as error:  # an old tree that does not import beside this one
+            revision = None
+            skip(f"--compare {compare}: skipped, that revision's nanwidget does not import "
+                 f"here ({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''})")
+        for name in WATCH_VARIANTS if hasattr(revision, "watch") else ():
             if name in names:
                 base = ALL_VARIANTS[name]
                 extra[f"{name}@ref"] = Variant(f"{name}@ref", _watching(name, revision.watch),
@@ -527,6 +619,10 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
                 case = build_case(model_name, mode, device=device, seed=seed)
                 runnable = [v for v in [ALL_VARIANTS[n] for n in names] + list(extra.values())
                             if v.runs_on(model_name, mode)]
+                for variant in [v for v in runnable if v.name in extra]:
+                    if not _builds(case, variant, seed, device, compared, skip):
+                        del extra[variant.name]  # said once; not tried on later rows
+                runnable = [v for v in runnable if not v.name.endswith("@ref") or v.name in extra]
                 steps = _steps_per_block(case, block_seconds, warmup, seed, device)
                 if progress:
                     progress(f"{model_name}/{mode}: {len(runnable)} variants x {rounds} rounds, "
@@ -536,7 +632,8 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
                     order = list(runnable)
                     order_rng.shuffle(order)
                     for variant in order:
-                        times[variant.name].append(_measure(case, variant, steps, warmup, seed, device))
+                        times[variant.name].append(_measure(case, variant, steps, warmup, seed,
+                                                            device, timer))
                 base = times["baseline"]
                 ratios = {name: statistics.median(t / b for t, b in zip(block, base))
                           for name, block in times.items() if name != "baseline"}
@@ -545,9 +642,28 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
                           for name, block in times.items() if name.endswith("@ref")}
                 rows.append(BenchRow(model_name, mode, case.description, steps, rounds,
                                      statistics.median(base) / steps * 1e3, ratios, times,
-                                     versus))
+                                     versus, case.module_calls))
                 del case
-    return BenchResult(rows, environment(device), names, compared)
+    info = environment(device)
+    info["clock"] = clock
+    return BenchResult(rows, info, names, compared, skipped)
+
+
+def _builds(case: Case, variant: Variant, seed: int, device: str, compared: str,
+            skip: Callable[[str], None]) -> bool:
+    """Whether ``variant`` (of an older revision, whose tree may lack a module or an option
+    this one has) attaches to ``case`` and runs a step; else one line says it is skipped."""
+    try:
+        _measure(case, variant, 1, 0, seed, device)
+    except HookLeak:
+        raise
+    except Exception as error:  # an old tree: a missing option, module or feature
+        reason = str(error).splitlines()[0] if str(error) else ""
+        skip(f"--compare {compared}: skipping {variant.name[:-4]} (that revision cannot run it "
+             f"on {case.model_name}/{case.mode}: {type(error).__name__}"
+             f"{': ' + reason[:120] if reason else ''})")
+        return False
+    return True
 
 
 @dataclass
@@ -615,13 +731,16 @@ class BenchResult:
     environment: dict[str, Any]
     variants: list[str]
     compared: str = ""  # the revision timed beside this tree ("" when none)
+    skipped: list[str] = field(default_factory=list)  # compared variants left out, and why
 
     def columns(self) -> list[str]:
         """Table header: case, baseline ms, one ratio per variant, share, verdict."""
         ratio_columns = [VARIANT_LABELS[v] for v in self.variants if v != "baseline"]
         share = ["nw/DUO overhead"] if "debug_underflow" in self.variants else []
         sentinel = ["sentinel vs 1.03x"] if "sentinel" in self.variants else []
-        return ["model/mode", "baseline ms", *ratio_columns, *share, "target",
+        costs = (["nw µs/call"] if "nanwidget" in self.variants else []) + \
+            (["sentinel µs/batch"] if "sentinel" in self.variants else [])
+        return ["model/mode", "baseline ms", *ratio_columns, *share, *costs, "target",
                 "nanwidget vs target", *sentinel]
 
     def table_cells(self) -> list[list[str]]:
@@ -636,6 +755,12 @@ class BenchResult:
             if "debug_underflow" in self.variants:
                 share = row.overhead_share
                 line.append("-" if share is None else f"{share:.2f}")
+            if "nanwidget" in self.variants:
+                per_call = row.us_per_module_call()
+                line.append("-" if per_call is None else f"{per_call:.2f}")
+            if "sentinel" in self.variants:
+                added = row.overhead_us("sentinel")
+                line.append("-" if added is None else f"{added:.1f}")
             line.append("-" if row.target is None else f"<={row.target:.2f}x")
             line.append(row.verdict())
             if "sentinel" in self.variants:
@@ -679,6 +804,8 @@ class BenchResult:
                  f"{env['cpu_count']} CPUs ({env['cpu']})", f"device {env['device']}"]
         if "gpu" in env:
             parts.append(env["gpu"])
+        if env.get("clock") == "cpu":
+            parts.append("timed by CPU time")
         if "native_kernel" in env:  # which reduction path the CPU numbers measured
             parts.append("native kernel " + ("in use" if env["native_kernel"].startswith("native kernel in use")
                                              else "not in use (torch path)"))
@@ -686,7 +813,7 @@ class BenchResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"environment": self.environment, "variants": self.variants,
-                "compared": self.compared,
+                "compared": self.compared, "compare_skipped": self.skipped,
                 "targets": {"forward": FORWARD_TARGET,
                             **{f"{m}/{mode}": t for (m, mode), t in TARGETS.items()},
                             "overhead_share": OVERHEAD_SHARE_TARGET,

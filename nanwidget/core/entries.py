@@ -20,7 +20,7 @@ from .schema import LOCAL_SHARD, WRITTEN_HERE
 from .state import optimizer_steps
 from .stats import (PLAIN_TENSOR_TYPES, PendingStats, TensorStats, classify, local_shard,
                     plain_view, version_of)
-from .walk import Unread, iter_leaves
+from .walk import ATTRIBUTES, LEAF, SEQUENCE, Unread, iter_leaves, kind_of
 
 __all__ = ["Entry", "EntryBuilder", "non_tensor_entry"]
 
@@ -71,6 +71,8 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided
 _STEPS = optimizer_steps()  # optimizer steps seen in this process (core.writes counts them)
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
+_SCALARS = (str, bytes, int, float, bool, complex)  # leaves as iter_leaves yields them
+_MAX_DIRECT_DEPTH = 32  # structure_entries recurses; deeper structures go to iter_leaves
 
 
 def _shape_of(tensor: torch.Tensor) -> Any:
@@ -128,6 +130,9 @@ class EntryBuilder:
     def tensor_entry(self, role: str, tensor: torch.Tensor) -> Entry:
         """Entry for one tensor: measured now when measurable, else with its note."""
         if type(tensor) in PLAIN_TENSOR_TYPES:
+            stats = self.pending.seen(tensor)
+            if stats is not None and not tensor.is_nested:  # measured already in this batch
+                return Entry((role, stats, tensor.dtype, tensor.shape, ""))
             dtype = tensor.dtype
             # Fast path for the common case, in the order of the cheapest checks; classify()
             # has the full rules and runs only for tensors that fail one of them.
@@ -195,21 +200,68 @@ class EntryBuilder:
             role = _INPUT_ROLES[position] if position < 16 else f"input[{position}]"
             if isinstance(value, _Tensor):
                 entries.append(tensor_entry(role, value))
+            elif value is None or isinstance(value, _SCALARS):
+                entries.append(non_tensor_entry(role, value))
             else:
-                for leaf_role, leaf in iter_leaves(value, role):
-                    entries.append(self.leaf_entry(leaf_role, leaf))
+                self.structure_entries(value, role, entries)
         if kwargs:
             for key, value in kwargs.items():
-                for leaf_role, leaf in iter_leaves(value, "kwarg:" + key):
-                    entries.append(self.leaf_entry(leaf_role, leaf))
+                # One tensor, None or a flag (most keyword inputs): no walk.
+                if isinstance(value, _Tensor):
+                    entries.append(tensor_entry("kwarg:" + key, value))
+                elif value is None or isinstance(value, _SCALARS):
+                    entries.append(non_tensor_entry("kwarg:" + key, value))
+                else:
+                    self.structure_entries(value, "kwarg:" + key, entries)
 
     def output_entries(self, output: Any, entries: list[Entry]) -> None:
         """Append the entries of a module's output structure (``output``, ``output[1]`` ...)."""
         if isinstance(output, _Tensor):
             entries.append(self.tensor_entry("output", output))
             return
-        for role, leaf in iter_leaves(output, "output"):
-            entries.append(self.leaf_entry(role, leaf))
+        self.structure_entries(output, "output", entries)
+
+    def structure_entries(self, value: Any, role: str, entries: list[Entry],
+                          _open: set[int] | None = None, _depth: int = 0) -> None:
+        """Append the entries of every leaf of ``value``, as :func:`iter_leaves` yields them
+        (same roles, same order), walking tuples, lists and plain objects here without its
+        bookkeeping: a transformers cache object is walked on every block and attention call.
+        Other containers, and anything nested deeper than a few levels, go to iter_leaves."""
+        if isinstance(value, _Tensor):
+            entries.append(self.tensor_entry(role, value))
+            return
+        if value is None or isinstance(value, _SCALARS):
+            entries.append(non_tensor_entry(role, value))
+            return
+        kind = kind_of(value)
+        if kind == LEAF:
+            entries.append(non_tensor_entry(role, value))
+            return
+        if kind == SEQUENCE:
+            children = [(f"{role}[{index}]", item) for index, item in enumerate(value)]
+        elif kind == ATTRIBUTES:
+            attributes = getattr(value, "__dict__", None)
+            if not isinstance(attributes, dict) or not attributes:
+                entries.append(non_tensor_entry(role, value))
+                return
+            children = [(f"{role}.{name}", item) for name, item in list(attributes.items())
+                        if not name.startswith("_")]
+        else:
+            kind = None
+        key = id(value)
+        if _open is None:
+            _open = set()
+        elif key in _open:
+            entries.append(self.leaf_entry(role, Unread("contains itself")))
+            return
+        if kind is None or _depth > _MAX_DIRECT_DEPTH:
+            for leaf_role, leaf in iter_leaves(value, role, _open):
+                entries.append(self.leaf_entry(leaf_role, leaf))
+            return
+        _open.add(key)
+        for child_role, child in children:
+            self.structure_entries(child, child_role, entries, _open, _depth + 1)
+        _open.discard(key)
 
     def weight_entries(self, module: nn.Module, entries: list[Entry],
                        cache_weights: bool = True) -> None:

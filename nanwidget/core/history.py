@@ -144,8 +144,22 @@ class History:
 
     def record(self, batch: int, module_index: int, abs_max: float, abs_min: float,
                nonfinite: bool) -> None:
-        """Fold one output's stats into the row of ``batch``."""
-        self.record_many(((batch, module_index, abs_max, abs_min, nonfinite),))
+        """Fold one output's stats into the row of ``batch`` (:meth:`record_many` for one row,
+        without building one: the sentinel calls it every batch)."""
+        if self._current_batch != batch:
+            self.commit()
+            self._current_batch = batch
+        slot = self._current.get(module_index)
+        if slot is None:
+            self._current[module_index] = [abs_max if abs_max == abs_max else -math.inf,
+                                           abs_min if abs_min == abs_min else math.inf, nonfinite]
+            return
+        if abs_max > slot[0]:
+            slot[0] = abs_max
+        if abs_min < slot[1]:
+            slot[1] = abs_min
+        if nonfinite:
+            slot[2] = True
 
     def record_many(self, rows: Iterable[tuple[int, int, float, float, bool]]) -> None:
         """:meth:`record` for (batch, module_index, abs_max, abs_min, nonfinite) rows."""

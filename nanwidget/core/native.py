@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["abs_range", "finite_range", "available", "eligible", "result_buffer", "status",
-           "MAX_ELEMENTS"]
+           "MAX_ELEMENTS", "contiguous_range"]
 
 _SOURCE = Path(__file__).with_name("_native") / "absrange.c"
 _ABI_VERSION = 3
@@ -110,6 +110,25 @@ def abs_range(tensor: torch.Tensor, out: ctypes.Array | None = None) -> tuple[fl
     if out is None:
         out = _Pair()
     kernel(tensor.data_ptr(), tensor.numel(), _KINDS[tensor.dtype], out)
+    return out[0], out[1]
+
+
+def contiguous_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, float] | None:
+    """:func:`abs_range` of a contiguous dense CPU float tensor (no subclass, at most
+    ``2**22`` elements), eligibility and read in one call (a per-batch check); None when the
+    kernel is not loaded yet or the tensor is not such a tensor: :func:`eligible` and
+    :func:`abs_range` then have the full rules."""
+    kernel = _kernel
+    if kernel is None or type(tensor) not in _PLAIN_TYPES or not tensor.is_cpu:
+        return None
+    kind = _KINDS.get(tensor.dtype)
+    count = tensor.numel()
+    if kind is None or not 0 < count <= _ONE_THREAD_ELEMENTS or not tensor.is_contiguous():
+        return None
+    pointer = tensor.data_ptr()
+    if not pointer:
+        return None
+    kernel(pointer, count, kind, out)
     return out[0], out[1]
 
 

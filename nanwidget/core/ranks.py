@@ -9,15 +9,18 @@ import torch
 __all__ = ["current_rank", "world_size", "distributed_ready", "launched_rank", "launched_world_size"]
 
 
+_dist = torch.distributed
+_AVAILABLE = _dist.is_available()  # a property of the torch build
+
+
 def distributed_ready() -> bool:
     """True when torch.distributed has an initialised default process group."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
+    return _AVAILABLE and _dist.is_initialized()
 
 
 def current_rank() -> int:
-    """torch.distributed rank, 0 without an initialised process group."""
-    return torch.distributed.get_rank() if distributed_ready() else 0
+    """torch.distributed rank, 0 without an initialised process group (read every batch)."""
+    return _dist.get_rank() if _AVAILABLE and _dist.is_initialized() else 0
 
 
 def world_size() -> int:

@@ -187,6 +187,10 @@ class Feature:
         recorder takes first. ``event``: what the recorder found itself. None: nothing."""
         return None
 
+    #: Whether :meth:`review_event` runs also when there is no event (a feature that only adds
+    #: detail to events says False: one call less on every batch).
+    reviews_without_event = True
+
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
         """Outside the lock, before an event is recorded: return the event to record (the one
         given, the same with more detail, another one, or None). ``reason`` says what ended:
@@ -567,7 +571,8 @@ class Recorder:
         self._on_frames_replayed = overriding("on_frames_replayed")
         self._on_output_magnitude = overriding("on_output_magnitude")
         self._find_event = overriding("find_event")
-        self._review_event = overriding("review_event")
+        self._review_event = [(review, getattr(review.__self__, "reviews_without_event", True))
+                              for review in overriding("review_event")]
         self._on_event = overriding("on_event")
 
     # ------------------------------------------------------------------ hooks (hot path)
@@ -887,9 +892,15 @@ class Recorder:
             for on_frames_resolved in self._on_frames_resolved:
                 on_frames_resolved(frames)
         if advance:
-            self._remember_counters(self._counters)
+            counters = self._counters
             self._batch += 1
-            self._counters = _Counters(self._batch)
+            if counters.next_frame or counters.calls:
+                self._remember_counters(counters)
+                self._counters = _Counters(self._batch)
+            else:  # nothing recorded in it (sentinel mode): the same counters go on
+                if self._recent:
+                    self._recent.pop(counters.batch, None)
+                counters.batch = self._batch
         return event
 
     def find_event(self, frames: list[Frame], window: Window | None = None) -> NanEvent | None:
@@ -939,7 +950,9 @@ class Recorder:
                 self._take_replayed(finding.frames)
             if event is None:
                 event = finding.event
-        for review_event in self._review_event:
+        for review_event, without_event in self._review_event:
+            if event is None and not without_event:
+                continue
             try:
                 event = review_event(batch, event, reason)
             except (NanDetected, AbortAfterBatch):

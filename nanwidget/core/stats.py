@@ -401,6 +401,18 @@ class PendingStats:
             pass
         return stats
 
+    def seen(self, tensor: torch.Tensor) -> TensorStats | None:
+        """The stats :meth:`add` gave this very tensor in this batch, in its current version
+        (a module's input that the previous module returned), or None."""
+        seen = self._seen.get(id(tensor))
+        if seen is None or seen[0]() is not tensor:
+            return None
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor: no version counter
+            version = -1
+        return seen[2] if seen[1] == version else None
+
     def last_seen(self, tensor: torch.Tensor) -> tuple[int, TensorStats] | None:
         """(version, stats) of this very tensor's last measurement in this batch, or None."""
         seen = self._seen.get(id(tensor))

@@ -52,6 +52,8 @@ def _first_non_finite(module: nn.Module) -> tuple[str, str] | None:
 class ModelChanges(Feature):
     """Names modules added, replaced or removed after ``watch()`` in the events they affect."""
 
+    reviews_without_event = False  # its review only adds to an event
+
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
 

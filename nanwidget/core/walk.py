@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_leaves", "Unread"]
+__all__ = ["iter_leaves", "Unread", "kind_of", "SEQUENCE", "ATTRIBUTES", "LEAF", "OTHER"]
 
 _Tensor = torch.Tensor
 _SCALARS = (str, bytes, int, float, bool, complex, type(None))
@@ -37,13 +37,16 @@ class Unread:
         self.why = why
 
 
-def iter_leaves(value: Any, role: str) -> Iterator[tuple[str, Any]]:
-    """Yield ``(role, leaf)`` for every tensor, None or other leaf object inside ``value``."""
-    if isinstance(value, _Tensor):  # the common case first: one check, no bookkeeping
+def iter_leaves(value: Any, role: str,
+                inside: set[int] | frozenset[int] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """Yield ``(role, leaf)`` for every tensor, None or other leaf object inside ``value``.
+    ``inside``: ids of the containers ``value`` sits in, when a caller walks the outer levels
+    itself (a repeat of one of them is a leaf noted as a cycle, as here)."""
+    if isinstance(value, _Tensor) or isinstance(value, _SCALARS):  # no bookkeeping for a leaf
         yield role, value
         return
     # A stack of iterators over (role, child) pairs keeps the leaves in document order.
-    open_containers: set[int] = set()
+    open_containers: set[int] = set(inside)
     stack: list[tuple[int | None, Iterator[tuple[str, Any]]]] = [(None, iter(((role, value),)))]
     while stack:
         owner, children = stack[-1]
@@ -72,8 +75,75 @@ def iter_leaves(value: Any, role: str) -> Iterator[tuple[str, Any]]:
         stack.append((key, expanded))
 
 
+# How a value of each type is walked, decided once per type (the walk meets the same few
+# types on every module call: a transformers cache object and its layers, tuples, devices).
+_SEQUENCE, _MAPPING, _SET, _DATACLASS, _ITERATOR, _LEAF, _ATTRIBUTES = range(7)
+_KINDS: dict[type, int] = {}
+
+
+def _kind_of_type(kind: type) -> int:
+    if issubclass(kind, (tuple, list)):
+        return _SEQUENCE
+    if issubclass(kind, Mapping):
+        return _MAPPING
+    if issubclass(kind, (set, frozenset)):
+        return _SET
+    if dataclasses.is_dataclass(kind) and not issubclass(kind, type):
+        return _DATACLASS
+    if issubclass(kind, Iterator):
+        return _ITERATOR
+    if issubclass(kind, _OPAQUE) or any("__call__" in vars(k) for k in kind.__mro__):
+        return _LEAF
+    return _ATTRIBUTES
+
+
+# What kind_of() tells a caller that walks values itself: a tuple or list, an object whose
+# public attributes are its children (or a leaf, when it has none), a leaf, or anything else
+# (ask iter_leaves).
+SEQUENCE, ATTRIBUTES, LEAF, OTHER = _SEQUENCE, _ATTRIBUTES, _LEAF, -1
+
+
+def kind_of(value: Any) -> int:
+    """How :func:`iter_leaves` walks a value that is neither a tensor nor a scalar: one of
+    :data:`SEQUENCE`, :data:`ATTRIBUTES`, :data:`LEAF`, or :data:`OTHER` (mappings, sets,
+    dataclasses, iterators, proxies: walk it with :func:`iter_leaves`)."""
+    kind = type(value)
+    if kind is not value.__class__:  # a proxy that says it is something else
+        return OTHER
+    known = _KINDS.get(kind)
+    if known is None:
+        try:
+            known = _KINDS[kind] = _kind_of_type(kind)
+        except Exception:  # an odd metaclass: the long way
+            known = OTHER
+    return known if known in (_SEQUENCE, _ATTRIBUTES, _LEAF) else OTHER
+
+
 def _children(value: Any, role: str) -> Iterator[tuple[str, Any]] | Unread | None:
     """The (role, child) pairs of a container; Unread for iterators; None for a plain leaf."""
+    kind = type(value)
+    if kind is value.__class__:  # else a proxy that says it is something else: the long way
+        known = _KINDS.get(kind)
+        if known is None:
+            try:
+                known = _KINDS[kind] = _kind_of_type(kind)
+            except Exception:  # an odd metaclass: the long way
+                known = -1
+        if known == _LEAF:
+            return None
+        if known == _ATTRIBUTES:
+            attributes = getattr(value, "__dict__", None)
+            if isinstance(attributes, dict) and attributes:
+                return ((f"{role}.{name}", item) for name, item in list(attributes.items())
+                        if not name.startswith("_"))
+            return None
+        if known == _SEQUENCE:
+            return ((f"{role}[{index}]", item) for index, item in enumerate(value))
+    return _children_by_checks(value, role)
+
+
+def _children_by_checks(value: Any, role: str) -> Iterator[tuple[str, Any]] | Unread | None:
+    """:func:`_children` by checking the value itself (every kind, in order)."""
     if isinstance(value, (tuple, list)):
         return ((f"{role}[{index}]", item) for index, item in enumerate(value))
     if isinstance(value, Mapping):

@@ -49,6 +49,8 @@ class Diagnoser(Feature):
     ``loss_fn``: the watch has one, so a replay of a gradient made in the loss names its op.
     """
 
+    reviews_without_event = False  # its review only adds to an event
+
     def __init__(self, recorder: Recorder, *, capture: Any = None,
                  replay: Callable[[NanEvent], Any] | None = None, sentinel: bool = False,
                  loss_fn: bool = False) -> None:

@@ -81,6 +81,8 @@ class ScalerWatch(Feature):
     held.
     """
 
+    reviews_without_event = False  # its review only adds to an event
+
     def __init__(self, recorder: Recorder, scaler: Any, *, patience: int,
                  detail: Callable[[NanEvent], Finding] | None = None) -> None:
         self.recorder = recorder
@@ -326,6 +328,8 @@ _ABSENT = _Absent()
 class ScalerHint(Feature):
     """Without ``grad_scaler``: an Inf gradient event of a float16 run, or of a run with a
     GradScaler among the caller's variables, says how to pass the scaler to the watch."""
+
+    reviews_without_event = False  # its review only adds to an event
 
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
         if event is None or not event.is_backward or "inf" not in event.kind \

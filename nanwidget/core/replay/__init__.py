@@ -41,6 +41,8 @@ class Replayer(Feature):
     step, so a closure sees its targets); it also lets a backward event be replayed.
     """
 
+    reviews_without_event = False  # its review only adds to an event
+
     def __init__(self, recorder: Recorder, capture: BatchCapture, *, replay_on_nan: bool,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
         self.recorder = recorder

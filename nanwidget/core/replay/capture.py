@@ -8,6 +8,7 @@ version counters of parameters and buffers. Tensors are copied only with
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from typing import Any
 
@@ -34,6 +35,14 @@ MAX_FORWARDS_PER_BATCH = 64
 _Tensor = torch.Tensor
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
 _PLAIN = (torch.Tensor, nn.Parameter)
+_version_getter = operator.attrgetter("_version")
+_training_getter = operator.attrgetter("training")
+_dtype_getter = operator.attrgetter("dtype")
+_data_ptr = torch.Tensor.data_ptr
+_call = operator.call
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+# The roles of positional inputs, made once (one string per batch is measurable here).
+_INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 
 
 class ReplayError(RuntimeError):
@@ -133,6 +142,7 @@ class WeightSlots:
                     self.names.append(f"{module_name}.{key}" if module_name else key)
                     self.is_buffer.append(is_buffer)
         self.buffer_positions = [i for i, flag in enumerate(self.is_buffer) if flag]
+        self._getters = [container.get for container in self.containers]
         self.root = root
         self.modules = list(root.modules())
         self.names_of_modules = {id(m): name for name, m in root.named_modules()}
@@ -150,13 +160,17 @@ class WeightSlots:
         return changes
 
     def read(self) -> list[torch.Tensor | None]:
-        return [container.get(key) for container, key in zip(self.containers, self.keys)]
+        return list(map(_call, self._getters, self.keys))  # one C loop (hot path)
+
+    def training_flags(self) -> list[bool]:
+        """Every module's ``training`` flag, in ``modules`` order."""
+        return list(map(_training_getter, self.modules))
 
 
 def versions_of(tensors: list[torch.Tensor | None]) -> list[int]:
     """Version counters (-1 for None and inference tensors)."""
     try:
-        return [t._version for t in tensors]  # type: ignore[union-attr]
+        return list(map(_version_getter, tensors))
     except (AttributeError, RuntimeError):  # a slot set to None since, or an inference tensor
         return [-1 if t is None else version_of(t) for t in tensors]
 
@@ -173,8 +187,8 @@ def _input_versions(tensors: list[torch.Tensor]) -> list[int]:
 
 def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtype | None]]:
     """(storage pointer, dtype) of each tensor; (-1, None) for None or a pointer-less subclass."""
-    try:  # the usual case, in one pass
-        return [(t.data_ptr(), t.dtype) for t in tensors]  # type: ignore[union-attr]
+    try:  # the usual case, in C loops
+        return list(zip(map(_data_ptr, tensors), map(_dtype_getter, tensors)))
     except Exception:
         pass
     layout = []
@@ -202,6 +216,8 @@ def _made_by_autograd(args: tuple) -> bool:
 
 
 def _autocast_state() -> tuple:
+    if _any_autocast is not None and not _any_autocast():
+        return ()
     state = []
     for device_type in ("cpu", "cuda"):
         if torch.is_autocast_enabled(device_type):
@@ -246,7 +262,7 @@ class BatchCapture(Feature):
         inputs: list[tuple[str, torch.Tensor]] = []
         copies: dict[int, Any] | None = None  # one memo: objects shared by inputs stay shared
         for position, value in enumerate(args):
-            role = f"input[{position}]"
+            role = _INPUT_ROLES[position] if position < 16 else f"input[{position}]"
             if isinstance(value, _Tensor):
                 inputs.append((role, value))
             elif not isinstance(value, (int, float, bool, str, type(None))):
@@ -280,7 +296,7 @@ class BatchCapture(Feature):
         capture.grad_enabled = torch.is_grad_enabled()
         capture.inference = torch.is_inference_mode_enabled()
         capture.autocast = _autocast_state()
-        capture.training = [m.training for m in self.slots.modules]
+        capture.training = self.slots.training_flags()
         weights = self.slots.read()
         capture.weights = weights
         capture.weight_versions = versions_of(weights)

@@ -31,7 +31,8 @@ from .. import native
 from ..stats import PLAIN_TENSOR_TYPES, local_shard, measure_tensor, plain_view
 from ..walk import iter_leaves
 
-__all__ = ["NonFiniteCheck", "BadTensor", "float_leaves", "checkable", "device_numbers"]
+__all__ = ["NonFiniteCheck", "BadTensor", "float_leaves", "checkable", "device_numbers",
+           "clean_range"]
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -108,6 +109,16 @@ def float_leaves(output: Any, role: str = "output") -> list[tuple[str, torch.Ten
     return found
 
 
+def clean_range(tensor: torch.Tensor, result: Any) -> tuple[float, float] | None:
+    """(abs min, abs max) of a plain tensor the native kernel reads, when every value is
+    finite; None when the kernel cannot read it or it holds a NaN or an Inf (the general
+    check then says which)."""
+    if tensor.layout is not _STRIDED or tensor.is_nested or not native.available():
+        return None
+    found = native.contiguous_range(tensor, result)
+    return found if found is not None and found[1] < math.inf else None
+
+
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -146,8 +157,11 @@ class NonFiniteCheck:
             if values is None:
                 continue
             self.checked += 1
-            if direct and native.eligible(values):
-                low, high = native.abs_range(values, result)  # reads the data, no autograd
+            found = native.contiguous_range(values, result) if direct else None  # the usual
+            if found is None and direct and native.eligible(values):  # any dense layout
+                found = native.abs_range(values, result)
+            if found is not None:  # read by the kernel where it lies, no autograd
+                low, high = found
                 if high != high:
                     self.bad.append(BadTensor(label, True, _has_inf(values), position))
                 elif high == math.inf:

@@ -61,7 +61,7 @@ from ..frames import Frame, frames_to_dataframe
 from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
 from ..replay.run import Replayed, automatic_loss, replay_frames
-from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
+from .check import BadTensor, NonFiniteCheck, checkable, clean_range, float_leaves
 from .compiled import rerun_compiled
 
 __all__ = ["Sentinel", "DEFER_CHOICES"]
@@ -73,6 +73,7 @@ def _replay_failed(batch: int, error: Exception) -> str:
     text = text if len(text) <= 200 else text[:197] + "..."
     return f"not replayed: the replay of batch {batch} failed ({type(error).__name__}: {text})"
 
+_Tensor = torch.Tensor
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 # When the output check of a training forward is read: "device" (only when it waits for a
@@ -90,6 +91,8 @@ class Sentinel(Feature):
     is replayed through it rather than from the gradients the outputs received, so that the
     loss's own ops are traced).
     """
+
+    reviews_without_event = False  # its review only adds to an event
 
     def __init__(self, recorder: Recorder, capture: BatchCapture, *,
                  sample_every: int | None = None, backward: bool = False,
@@ -134,6 +137,9 @@ class Sentinel(Feature):
         self._forward_index = 0
         # (batch, forward index, check) of the root forward that just returned.
         self._check: tuple[int, int, NonFiniteCheck] | None = None
+        # (batch, abs min, abs max, dtype) of a root output found clean at once (the common
+        # case: one tensor the native kernel read), instead of a check.
+        self._clean: tuple[int, float, float, torch.dtype] | None = None
         # Checks whose read waits for the end of the backward pass (see the module docstring).
         self._deferred: list[tuple[int, int, NonFiniteCheck]] = []
         # batch -> per root forward: the gradient each output leaf received (by role).
@@ -172,6 +178,18 @@ class Sentinel(Feature):
             self._detach()
 
     def on_batch_output(self, batch: int, output: Any) -> None:
+        if type(output) is _Tensor and self._hooked_batch != batch \
+                and self.defer_reads != "always":
+            # The common case (one plain tensor on CPU): the native kernel reads it now and a
+            # clean result is all that is kept (its check would not wait for the backward pass).
+            clean = clean_range(output, self._result)
+            if clean is not None:
+                self.checks += 1
+                self._check = None
+                self._clean = (batch, clean[0], clean[1], output.dtype)
+                if self.backward and output.requires_grad and torch.is_grad_enabled():
+                    self._hook_output_grads(batch, self._forward_index, [("output", output)])
+                return
         leaves = float_leaves(output)
         forward = self._forward_index
         check = None
@@ -183,12 +201,7 @@ class Sentinel(Feature):
         if self.backward and torch.is_grad_enabled():
             needing = [(role, leaf) for role, leaf, _ in leaves if leaf.requires_grad]
             if needing:
-                grads = self._output_grads.setdefault(batch, [])
-                grads.extend([None] * (forward + 1 - len(grads)))
-                slot: dict[str, torch.Tensor] = {}
-                grads[forward] = slot
-                for role, leaf in needing:
-                    leaf.register_hook(self._grad_hook(batch, slot, role))
+                self._hook_output_grads(batch, forward, needing)
                 hooked = True
         if check is not None:
             # A training forward's check on a device is read with the gradients' (one read per
@@ -198,6 +211,17 @@ class Sentinel(Feature):
                 self._deferred.append((batch, forward, check))
             else:
                 self._check = (batch, forward, check)
+
+    def _hook_output_grads(self, batch: int, forward: int,
+                           needing: list[tuple[str, torch.Tensor]]) -> None:
+        """Hold the gradient each of these output leaves receives (for a backward replay)
+        and check the parameters' gradients when the backward pass through them ends."""
+        grads = self._output_grads.setdefault(batch, [])
+        grads.extend([None] * (forward + 1 - len(grads)))
+        slot: dict[str, torch.Tensor] = {}
+        grads[forward] = slot
+        for role, leaf in needing:
+            leaf.register_hook(self._grad_hook(batch, slot, role))
 
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         if self._hooked_batch == batch:
@@ -213,6 +237,12 @@ class Sentinel(Feature):
         backward never came); a NaN/Inf is replayed into its event and frames."""
         if reason != "forward":
             return None
+        clean, self._clean = self._clean, None
+        if clean is not None and event is None and not self._deferred:
+            self._show_clean(*clean)  # the common case, in short
+            return None if self._replay_sample != batch else self._record_by_replay(batch)
+        if clean is not None:
+            self._show_clean(*clean)
         pending, self._check = self._check, None
         stale = [d for d in self._deferred if d[0] != batch]  # a backward never came for them
         if stale:
@@ -253,9 +283,12 @@ class Sentinel(Feature):
     def _show_outputs(self, batch: int, check: NonFiniteCheck) -> None:
         """A clean check's magnitude: the root's row in the history, and the latest values."""
         if check.abs_max == check.abs_max:  # measured (not NaN)
-            self.outputs_batch, self.outputs_abs_max = batch, check.abs_max
-            self.outputs_dtype = check.abs_max_dtype
-            self.recorder.add_history_row(batch, self._root_name, check.abs_max, check.abs_min)
+            self._show_clean(batch, check.abs_min, check.abs_max, check.abs_max_dtype)
+
+    def _show_clean(self, batch: int, abs_min: float, abs_max: float,
+                    dtype: torch.dtype | None) -> None:
+        self.outputs_batch, self.outputs_abs_max, self.outputs_dtype = batch, abs_max, dtype
+        self.recorder.add_history_row(batch, self._root_name, abs_max, abs_min)
 
     # ------------------------------------------------------------------ gradients
     def _grad_hook(self, batch: int, slot: dict[str, torch.Tensor], role: str) -> Any:
@@ -559,6 +592,7 @@ class Sentinel(Feature):
         self._output_grads.clear()
         self._deferred.clear()
         self._check = None
+        self._clean = None
         self._own_event = None
 
 
