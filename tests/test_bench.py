@@ -136,6 +136,11 @@ def test_rows_give_the_added_microseconds_per_batch_and_per_module_call():
     header, cells = result.columns(), result.table_cells()[0]
     assert cells[header.index("nw µs/call")] == "10.00"
     assert cells[header.index("sentinel µs/batch")] == "5.0"
+    # A row whose rounds ran faster watched than bare: the noise, not a negative cost.
+    noisy = bench.BenchRow("gpt2", "train", "", 1, 1, 300.0, {"nanwidget": 0.98, "sentinel": 0.99},
+                           module_calls=100)
+    cells = bench.BenchResult([noisy], {}, ["baseline", "nanwidget", "sentinel"]).table_cells()[0]
+    assert cells[header.index("nw µs/call")] == cells[header.index("sentinel µs/batch")] == "~0"
 
 
 def _old_revision(tmp_path):

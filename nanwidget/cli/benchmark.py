@@ -385,6 +385,14 @@ def available_variants() -> list[str]:
 
 
 # --------------------------------------------------------------------------------------- running
+def _cost_cell(cost: float | None, form: str) -> str:
+    """A cost column's cell: a cost measured below zero is the noise of the rounds (the watch
+    cannot make the step faster), shown as "~0" rather than a negative number."""
+    if cost is None:
+        return "-"
+    return "~0" if cost < 0 else form.format(cost)
+
+
 @dataclass
 class BenchRow:
     """One (model, mode): baseline step time and every variant's ratio to it."""
@@ -753,14 +761,11 @@ class BenchResult:
                 ratio = row.ratios.get(variant)
                 line.append("-" if ratio is None else f"{ratio:.2f}x")
             if "debug_underflow" in self.variants:
-                share = row.overhead_share
-                line.append("-" if share is None else f"{share:.2f}")
+                line.append(_cost_cell(row.overhead_share, "{:.2f}"))
             if "nanwidget" in self.variants:
-                per_call = row.us_per_module_call()
-                line.append("-" if per_call is None else f"{per_call:.2f}")
+                line.append(_cost_cell(row.us_per_module_call(), "{:.2f}"))
             if "sentinel" in self.variants:
-                added = row.overhead_us("sentinel")
-                line.append("-" if added is None else f"{added:.1f}")
+                line.append(_cost_cell(row.overhead_us("sentinel"), "{:.1f}"))
             line.append("-" if row.target is None else f"<={row.target:.2f}x")
             line.append(row.verdict())
             if "sentinel" in self.variants:
