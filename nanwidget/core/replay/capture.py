@@ -39,7 +39,8 @@ _version_getter = operator.attrgetter("_version")
 _training_getter = operator.attrgetter("training")
 _dtype_getter = operator.attrgetter("dtype")
 _data_ptr = torch.Tensor.data_ptr
-_call = operator.call
+# operator.call is Python 3.11's; the same, slower, before it
+_call = getattr(operator, "call", None) or (lambda getter, key: getter(key))
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
 # The roles of positional inputs, made once (one string per batch is measurable here).
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
