@@ -61,6 +61,9 @@ def checkable(tensor: torch.Tensor) -> torch.Tensor | None:
     """The dense real tensor whose values decide whether ``tensor`` holds a NaN/Inf, or None
     when it holds no floating-point values (integers, bools, meta or empty tensors), or when it
     is a tensor subclass whose values cannot be read (warned about once per class)."""
+    if type(tensor) is _Tensor and tensor.layout is _STRIDED and not tensor.is_nested \
+            and tensor.dtype.is_floating_point and not tensor.is_meta and tensor.numel():
+        return tensor  # the usual one (every gradient, every batch): what the rules below return
     if type(tensor) not in PLAIN_TENSOR_TYPES:
         tensor = local_shard(tensor)  # a DTensor (FSDP2 gradients): this rank's shard
         plain = plain_view(tensor)  # other subclasses: their values, without their own code
