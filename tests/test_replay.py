@@ -406,6 +406,16 @@ def test_batch_not_held_lists_the_held_batches():
             w.replay(0)
 
 
+def test_only_the_last_keep_batches_stay_held_when_none_is_pinned():
+    model = SqrtOfInput()
+    with nw.watch(model, mode="sentinel", on_nan="record", keep_batches=2) as w:
+        for batch in range(5):
+            model(torch.rand(2, 6))  # finite, no trace batches: the oldest go one by one
+            assert w.held_batches() == list(range(max(0, batch - 1), batch + 1))
+        assert w.events == []
+        assert w.replay(4).first_bad is None
+
+
 def test_event_batches_stay_held_beyond_keep_batches():
     model = SqrtOfInput()
     with nw.watch(model, on_nan="record", keep_batches=1) as w:

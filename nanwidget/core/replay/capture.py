@@ -248,6 +248,39 @@ class BatchCapture(Feature):
             held.truncated = True
             return
         capture = ForwardCapture()
+        first = args[0] if len(args) == 1 else None
+        if not kwargs and type(first) in _PLAIN and first.grad_fn is None:  # type: ignore[union-attr]
+            # The usual call, model(x): what _hold_inputs makes of it, without its loops.
+            capture.args = args
+            capture.kwargs = kwargs
+            capture.inputs = [("input[0]", first)]  # type: ignore[list-item]
+            capture.input_versions = [version_of(first)]  # type: ignore[arg-type]
+        else:
+            self._hold_inputs(capture, args, kwargs)
+        capture.cpu_rng = torch.get_rng_state()
+        capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        capture.grad_enabled = torch.is_grad_enabled()
+        capture.inference = torch.is_inference_mode_enabled()
+        capture.autocast = _autocast_state()
+        capture.training = self.slots.training_flags()
+        weights = self.slots.read()
+        capture.weights = weights
+        capture.weight_versions = versions_of(weights)
+        capture.steps = steps_taken()  # fused optimizer steps move no version counter
+        # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a version bump.
+        capture.weight_layout = layouts_of(weights)
+        if self.snapshot_weights:
+            capture.snapshot = self._snapshot(weights)
+        if held is None:
+            held = self.held[batch] = HeldBatch(batch)
+            self._evict()
+        held.forwards.append(capture)
+
+    @staticmethod
+    def _hold_inputs(capture: ForwardCapture, args: tuple, kwargs: dict) -> None:
+        """The root forward's inputs as ``capture`` holds them: references (detached aliases of
+        tensors made by autograd), copies of structures a forward may change, and the input
+        tensors by role with their version counters."""
         # Tensors made by autograd are held as detached aliases (same data and version counter)
         # so that a held batch does not keep the graph behind them alive.
         if _made_by_autograd(args):
@@ -292,24 +325,6 @@ class BatchCapture(Feature):
         capture.kwargs = kwargs
         capture.inputs = inputs
         capture.input_versions = _input_versions([t for _, t in inputs])
-        capture.cpu_rng = torch.get_rng_state()
-        capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        capture.grad_enabled = torch.is_grad_enabled()
-        capture.inference = torch.is_inference_mode_enabled()
-        capture.autocast = _autocast_state()
-        capture.training = self.slots.training_flags()
-        weights = self.slots.read()
-        capture.weights = weights
-        capture.weight_versions = versions_of(weights)
-        capture.steps = steps_taken()  # fused optimizer steps move no version counter
-        # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a version bump.
-        capture.weight_layout = layouts_of(weights)
-        if self.snapshot_weights:
-            capture.snapshot = self._snapshot(weights)
-        if held is None:
-            held = self.held[batch] = HeldBatch(batch)
-            self._evict()
-        held.forwards.append(capture)
 
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         held = self.held.get(batch)
@@ -317,7 +332,11 @@ class BatchCapture(Feature):
             return
         last = held.forwards[-1]
         if last.end_input_versions is None:
-            last.end_input_versions = _input_versions([t for _, t in last.inputs])
+            inputs = last.inputs
+            if len(inputs) == 1 and type(inputs[0][1]) in _PLAIN:  # model(x): no list to build
+                last.end_input_versions = [version_of(inputs[0][1])]
+            else:
+                last.end_input_versions = _input_versions([t for _, t in inputs])
             if self.slots.buffer_positions:
                 weights = last.weights
                 last.end_buffer_versions = [
@@ -329,11 +348,17 @@ class BatchCapture(Feature):
             self.event_batches.add(event.batch)
 
     def _evict(self) -> None:
-        if len(self.held) <= self.keep:
+        held = self.held
+        if len(held) <= self.keep:
             return
-        recent = [b for b in self.held if b not in self.event_batches and b not in self.trace_batches]
+        if not self.event_batches and not self.trace_batches:
+            # Nothing pinned (the usual case): the oldest go, with no list built per batch.
+            while len(held) > self.keep:
+                held.popitem(last=False)
+            return
+        recent = [b for b in held if b not in self.event_batches and b not in self.trace_batches]
         for batch in recent[:max(0, len(recent) - self.keep)]:
-            del self.held[batch]
+            del held[batch]
 
     def _snapshot(self, weights: list) -> list[torch.Tensor | None]:
         """Copies of every parameter and buffer (tied ones once).

@@ -61,6 +61,9 @@ def checkable(tensor: torch.Tensor) -> torch.Tensor | None:
     """The dense real tensor whose values decide whether ``tensor`` holds a NaN/Inf, or None
     when it holds no floating-point values (integers, bools, meta or empty tensors), or when it
     is a tensor subclass whose values cannot be read (warned about once per class)."""
+    if type(tensor) is _Tensor and tensor.layout is _STRIDED and not tensor.is_nested \
+            and tensor.dtype.is_floating_point and not tensor.is_meta and tensor.numel():
+        return tensor  # the usual one (every gradient, every batch): what the rules below return
     if type(tensor) not in PLAIN_TENSOR_TYPES:
         tensor = local_shard(tensor)  # a DTensor (FSDP2 gradients): this rank's shard
         plain = plain_view(tensor)  # other subclasses: their values, without their own code
@@ -153,11 +156,16 @@ class NonFiniteCheck:
         if direct and result is None:
             result = native.result_buffer()
         grouped: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, torch.Tensor]]] = {}
+        # Locals in the loop (one pass per gradient, every training step), stored once after it.
+        contiguous_range = native.contiguous_range
+        checked = 0
+        abs_max = abs_min = math.nan
+        abs_max_dtype = None
         for position, (label, values) in enumerate(items):
             if values is None:
                 continue
-            self.checked += 1
-            found = native.contiguous_range(values, result) if direct else None  # the usual
+            checked += 1
+            found = contiguous_range(values, result) if direct else None  # the usual
             if found is None and direct and native.eligible(values):  # any dense layout
                 found = native.abs_range(values, result)
             if found is not None:  # read by the kernel where it lies, no autograd
@@ -166,13 +174,15 @@ class NonFiniteCheck:
                     self.bad.append(BadTensor(label, True, _has_inf(values), position))
                 elif high == math.inf:
                     self.bad.append(BadTensor(label, False, True, position))
-                elif not high <= self.abs_max:  # also the first (abs_max NaN)
-                    self.abs_max, self.abs_max_dtype = high, values.dtype
-                if not low >= self.abs_min:
-                    self.abs_min = low
+                elif not high <= abs_max:  # also the first (abs_max NaN)
+                    abs_max, abs_max_dtype = high, values.dtype
+                if not low >= abs_min:
+                    abs_min = low
                 continue
             grouped.setdefault((values.device, values.dtype), []).append(
                 (position, label, values.detach()))
+        self.checked = checked
+        self.abs_max, self.abs_min, self.abs_max_dtype = abs_max, abs_min, abs_max_dtype
         if grouped:
             with torch.no_grad():
                 self._start_device(grouped, fused)

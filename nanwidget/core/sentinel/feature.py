@@ -314,13 +314,15 @@ class Sentinel(Feature):
         finding = Finding(None)
         try:
             grads = self._output_grads.pop(batch, None)
-            deferred = [d for d in self._deferred if d[0] == batch]
-            self._deferred = [d for d in self._deferred if d[0] != batch]
+            deferred = []
+            if self._deferred:  # none in the usual CPU step: no lists built for it
+                deferred = [d for d in self._deferred if d[0] == batch]
+                self._deferred = [d for d in self._deferred if d[0] != batch]
             slots = self.capture.slots.read()
-            params = [(self.capture.slots.names[i], slots[i]) for i in self._params
-                      if slots[i] is not None]
-            grad_check = NonFiniteCheck(((name, checkable(p.grad)) for name, p in params
-                                         if p.grad is not None), fused=True, result=self._grad_result)
+            names = self.capture.slots.names
+            grad_check = NonFiniteCheck(((names[i], checkable(slots[i].grad)) for i in self._params
+                                         if slots[i] is not None and slots[i].grad is not None),
+                                        fused=True, result=self._grad_result)
             self.grad_checks += 1
             waiting = [c for _, _, c in deferred if c.waiting] + \
                 ([grad_check] if grad_check.waiting else [])
