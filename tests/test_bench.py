@@ -37,7 +37,8 @@ def test_quick_bench_on_mlp_prints_every_variant_for_both_modes(capsys, tmp_path
     assert rows["mlp/forward"][3] == "-" and rows["mlp/forward"][7] == "-"
     assert rows["mlp/train"][3].endswith("x") and rows["mlp/train"][7].endswith("x")
     assert rows["mlp/train"][4].endswith("x")  # sentinel mode, with its gradient check
-    float(rows["mlp/train"][9]), float(rows["mlp/train"][10])  # the added microseconds
+    for added in rows["mlp/train"][9:11]:  # the added microseconds ("~0": under the noise)
+        assert added == "~0" or float(added) > 0
     assert rows["mlp/train"][11] == "<=1.25x"
     assert rows["mlp/train"][12] in ("PASS", "MISS")
     assert rows["mlp/train"][-1] in ("PASS", "(ratio>1.03)")
