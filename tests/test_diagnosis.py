@@ -523,7 +523,6 @@ def test_the_command_line_report_prints_the_diagnosis(tmp_path, capsys):
 
 
 def test_the_browser_status_names_the_kind_and_the_first_fix():
-    pytest.importorskip("ipywidgets")
     model = LogOfRelu()
     with watch(model, "full") as w:
         model(torch.randn(8, 4))

@@ -550,7 +550,6 @@ def test_a_recordings_report_escapes_control_characters_in_module_names(tmp_path
 
 
 def test_the_browser_shows_module_names_that_look_like_mathtext(tmp_path):
-    pytest.importorskip("ipywidgets")
     from nanwidget.widgets import FrameBrowser
     w = _odd_recording(tmp_path)
     with warnings.catch_warnings(record=True) as caught:

@@ -228,7 +228,6 @@ def test_grad_scaler_takes_an_object_holding_one_and_refuses_anything_else():
 
 
 def test_the_browser_status_mentions_the_skips():
-    pytest.importorskip("ipywidgets")
     torch.manual_seed(0)
     model, scaler = Net(), _scaler()
     with nw.watch(model, backward=True, grad_scaler=scaler) as watch:

@@ -472,7 +472,6 @@ def test_keep_batches_zero_still_holds_the_running_batch(tiny_mlp):
 
 
 def test_browser_on_a_sentinel_watch_shows_sampled_and_replayed_batches(tiny_mlp):
-    pytest.importorskip("ipywidgets")
     with nw.watch(tiny_mlp, mode="sentinel", sample_every=2, on_nan="record") as w:
         for x in _batches(6, nan_at=5):
             tiny_mlp(x)

@@ -141,7 +141,6 @@ def test_nan_always_counts_even_in_an_allowed_module():
 
 
 def test_report_and_browser_follow_the_event_not_the_mask():
-    pytest.importorskip("ipywidgets")
     torch.manual_seed(0)
     model = UserAttention()
     blocked = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1).expand(2, 5, 5).clone()
@@ -420,7 +419,6 @@ def test_changes_after_reset_parameters_as_in_the_quickstart():
 
 
 def test_a_replay_that_does_not_meet_the_event_says_why():
-    pytest.importorskip("ipywidgets")
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     with torch.no_grad():
         model[1].weight[0, 0] = NAN
