@@ -144,8 +144,7 @@ class History:
 
     def record(self, batch: int, module_index: int, abs_max: float, abs_min: float,
                nonfinite: bool) -> None:
-        """Fold one output's stats into the row of ``batch`` (:meth:`record_many` for one row,
-        without building one: the sentinel calls it every batch)."""
+        """Fold one output's stats into the row of ``batch``."""
         if self._current_batch != batch:
             self.commit()
             self._current_batch = batch
@@ -163,23 +162,9 @@ class History:
 
     def record_many(self, rows: Iterable[tuple[int, int, float, float, bool]]) -> None:
         """:meth:`record` for (batch, module_index, abs_max, abs_min, nonfinite) rows."""
-        current = self._current
-        for batch, module_index, abs_max, abs_min, nonfinite in rows:
-            if self._current_batch != batch:
-                self.commit()
-                self._current_batch = batch
-                current = self._current
-            slot = current.get(module_index)
-            if slot is None:
-                current[module_index] = [abs_max if abs_max == abs_max else -math.inf,
-                                         abs_min if abs_min == abs_min else math.inf, nonfinite]
-                continue
-            if abs_max > slot[0]:
-                slot[0] = abs_max
-            if abs_min < slot[1]:
-                slot[1] = abs_min
-            if nonfinite:
-                slot[2] = True
+        record = self.record
+        for row in rows:
+            record(*row)
 
     def current_row(self, batch: int) -> dict[int, list] | None:
         """The row of ``batch`` while it is being accumulated: module index -> [abs_max,

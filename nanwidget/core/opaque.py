@@ -45,23 +45,22 @@ def hookable_modules(root: nn.Module) -> list[nn.Module]:
 
 def add_forward_hook(module: nn.Module, hook: Callable[..., Any], **options: Any) -> Any:
     """``module.register_forward_hook(hook, **options)``, for TorchScript modules too."""
-    if is_torchscript(module):
-        handle = nn.Module.register_forward_hook(module, hook, **options)
-    else:
-        handle = module.register_forward_hook(hook, **options)
-    if options.get("prepend"):
-        _insertion_order_as_run(module._forward_hooks)
-    return handle
+    return _add_hook(module, "register_forward_hook", "_forward_hooks", hook, options)
 
 
 def add_forward_pre_hook(module: nn.Module, hook: Callable[..., Any], **options: Any) -> Any:
     """``module.register_forward_pre_hook(hook, **options)``, for TorchScript modules too."""
-    if is_torchscript(module):
-        handle = nn.Module.register_forward_pre_hook(module, hook, **options)
+    return _add_hook(module, "register_forward_pre_hook", "_forward_pre_hooks", hook, options)
+
+
+def _add_hook(module: nn.Module, register: str, hooks: str, hook: Callable[..., Any],
+              options: dict[str, Any]) -> Any:
+    if is_torchscript(module):  # its own register_* methods refuse hooks
+        handle = getattr(nn.Module, register)(module, hook, **options)
     else:
-        handle = module.register_forward_pre_hook(hook, **options)
+        handle = getattr(module, register)(hook, **options)
     if options.get("prepend"):
-        _insertion_order_as_run(module._forward_pre_hooks)
+        _insertion_order_as_run(getattr(module, hooks))
     return handle
 
 
