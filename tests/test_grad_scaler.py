@@ -163,7 +163,7 @@ def test_a_non_finite_loss_from_finite_outputs_is_an_event(mode, backward, loss)
 def test_a_non_finite_forward_is_an_event_as_without_a_scaler(mode):
     torch.manual_seed(0)
     model, scaler = Net(), _scaler(init_scale=256.0)
-    with nw.watch(model, backward=True, mode=mode, grad_scaler=scaler) as watch:
+    with nw.watch(model, backward=True, mode=mode, grad_scaler=scaler):
         with pytest.raises(nw.NanDetected) as caught:
             _train(model, scaler, 4, bad_input_at=2)
     event = caught.value.event

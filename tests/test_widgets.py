@@ -190,7 +190,6 @@ def test_the_frames_plot_marks_the_current_frame_and_follows_every_step(recorded
 
     assert browser.frame.value == 12
     assert _marker_centre(browser) == pytest.approx(plotted_at(12), abs=1e-3)
-    first_bad = browser.frame.value
     browser.prev.click()
     assert _marker_centre(browser) == pytest.approx(plotted_at(11), abs=1e-3)
     browser.frame.value = 3  # the slider

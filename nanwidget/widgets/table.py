@@ -13,7 +13,7 @@ from ..core.schema import note_has_stats
 from ..core.stats import dtype_max
 from ..plots.common import frame_keys, module_label, role_groups
 from ..plots.frames import frame_name
-from .theme import ALERT, MUTED, NEAR_LIMIT_ROW, NONFINITE_ROW
+from .theme import ALERT, NEAR_LIMIT_ROW, NONFINITE_ROW
 
 __all__ = ["FrameIndex", "NEAR_LIMIT_FRACTION", "layer_pattern", "layer_pattern_problem"]
 

@@ -116,9 +116,9 @@ def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: 
         fixes.append("Adam/AdamW on float16 weights: its eps=1e-8 is 0 in float16, so a step "
                      "divides by ~0. Use eps=1e-4 or larger, or keep the weights in float32 "
                      "(torch.autocast for float16 compute, with torch.amp.GradScaler).")
-    fixes.append(f"Catch the bad step before it writes the weights: watch with backward=True "
-                 f"(a non-finite gradient stops there), or call w.check_grad_norms() before "
-                 f"optimizer.step() and skip the step when it returns True.")
+    fixes.append("Catch the bad step before it writes the weights: watch with backward=True "
+                 "(a non-finite gradient stops there), or call w.check_grad_norms() before "
+                 "optimizer.step() and skip the step when it returns True.")
     fixes.append("Clip the gradients before the step: "
                  "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0); with float16, "
                  "torch.amp.GradScaler skips steps whose gradients hold Inf/NaN.")
