@@ -50,6 +50,7 @@ def spy_measured(monkeypatch) -> list[torch.Tensor]:
     from nanwidget.core.stats import AbsMeter
     measured: list[torch.Tensor] = []
     reduce_bits, abs_range = AbsMeter.reduce_bits, native.abs_range
+    contiguous_range = native.contiguous_range
 
     def spy_bits(self, tensor):
         measured.append(tensor)
@@ -59,8 +60,15 @@ def spy_measured(monkeypatch) -> list[torch.Tensor]:
         measured.append(tensor)
         return abs_range(tensor, out)
 
+    def spy_contiguous(tensor, out):
+        found = contiguous_range(tensor, out)
+        if found is not None:  # read; None: not such a tensor, abs_range or torch reads it
+            measured.append(tensor)
+        return found
+
     monkeypatch.setattr(AbsMeter, "reduce_bits", spy_bits)
     monkeypatch.setattr(native, "abs_range", spy_range)
+    monkeypatch.setattr(native, "contiguous_range", spy_contiguous)
     return measured
 
 

@@ -293,13 +293,13 @@ class EntryBuilder:
                 # may have (see the class docstring), and reuse the whole entry (same stats
                 # object) until then.
                 if cached is not None and cached[0] is tensor and cached[2] == pointer \
-                        and cached[1] == version_of(tensor) and cached[3].role == name \
+                        and pointer != -1 and cached[3][0] == name \
                         and cached[5] == (training_generation if cached[4] else generation) \
-                        and pointer != -1:
+                        and cached[1] == version_of(tensor):
                     entries.append(cached[3])
                     continue
                 entry = self.tensor_entry(name, tensor)
-                if entry.stats is not None and pointer != -1:
+                if entry[1] is not None and pointer != -1:
                     trainable = tensor.requires_grad
                     cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry, trainable,
                                          training_generation if trainable else generation)

@@ -415,8 +415,8 @@ class Recorder:
                             module, self._inplace_pre_hook, with_kwargs=True))
                     # Before FSDP2's post-forward hook reshards: read the weights the forward used.
                     handles.append(add_forward_hook(
-                        module, self._forward_hook, with_kwargs=True, always_call=True,
-                        prepend=is_fsdp_unit(module)))
+                        module, self._module_forward_hook(info), with_kwargs=True,
+                        always_call=True, prepend=is_fsdp_unit(module)))
             except BaseException:
                 self.detach_module_hooks()
                 raise
@@ -764,6 +764,56 @@ class Recorder:
         if is_root:
             self._finish_root(sys.exc_info()[1], output)
         return None
+
+    def _module_forward_hook(self, info: ModuleInfo) -> Any:
+        """The forward hook of ``info``'s module (not the root): what :meth:`_forward_hook`
+        does for it, with what stays the same for the module bound once, since it runs on every
+        module call."""
+        lock = self._lock
+        builder = self.entries
+        forward_entries = builder.forward_entries
+        weights, has_state, cache_weights = info.weights, info.has_state, not info.sharded
+        pre_entries = info.pre_entries
+        name, type_name, key = info.name, info.type_name, info.index
+        flag = export_flag
+
+        def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if flag._is_exporting_flag or self._closed:
+                return None  # torch.export traces the model; or the watch closed
+            thread = _get_ident()
+            if self._suspended and self._suspended_thread == thread:
+                return None
+            if self._root_thread != thread or not self._root_depth:
+                if _graph_task_id() >= 0:
+                    return None  # a recomputation during backward (torch.utils.checkpoint)
+                if self._aside_thread == thread or tracing():
+                    return None  # a tracer runs the model: the watch stands aside
+                # A call refused with ConcurrentForwardError unwinds through always_call hooks.
+                if isinstance(sys.exc_info()[1], (ConcurrentForwardError, CompiledCallError)):
+                    return None  # nothing ran: nothing to record
+                if self._root_depth:
+                    self._refuse_other_thread(info)
+            try:
+                with lock:
+                    entries, first_input, first_output = forward_entries(
+                        weights, has_state, args, kwargs, output,
+                        pre_entries.pop() if pre_entries else None, cache_weights)
+                    # record_frame(), inlined for the forward phase.
+                    counters = self._counters
+                    calls = counters.calls
+                    call = calls.get(key, 0)
+                    calls[key] = call + 1
+                    self._frames.append(Frame(self._rank, counters.batch, counters.next_frame,
+                                              name, type_name, call, "forward", entries,
+                                              first_output, first_input))
+                    counters.next_frame += 1
+                    if builder.unread_roles and not self._warned_unread:
+                        self._warn_unread()
+            except Exception as error:
+                self.internal_error(error)
+            return None
+
+        return _forward_hook
 
     def _refuse_other_thread(self, info: ModuleInfo) -> None:
         """A module ran in this thread while another thread's root forward may be running."""

@@ -63,14 +63,16 @@ class TensorStats:
 
     __slots__ = ("abs_min", "abs_max", "finite_abs_min", "finite_abs_max", "nan", "inf", "note")
 
-    def __init__(self) -> None:
-        self.abs_min: float = _NAN
-        self.abs_max: float = _NAN
-        self.finite_abs_min: float = _NAN
-        self.finite_abs_max: float = _NAN
+    def __init__(self, abs_min: float = _NAN, abs_max: float = _NAN, note: str = PENDING) -> None:
+        # TensorStats(low, high, ""): the stats of a tensor whose values are all finite, made
+        # in one call (the hooks' common case).
+        self.abs_min: float = abs_min
+        self.abs_max: float = abs_max
+        self.finite_abs_min: float = abs_min
+        self.finite_abs_max: float = abs_max
         self.nan: bool = False
         self.inf: bool = False
-        self.note: str = PENDING
+        self.note: str = note
 
     @property
     def nonfinite(self) -> bool:
@@ -375,21 +377,22 @@ class PendingStats:
         seen = self._seen.get(key)
         if seen is not None and seen[1] == version and seen[0]() is tensor:
             return seen[2]
-        stats = TensorStats()
-        try:
-            # The common case first, with nothing in between: a plain dense CPU float tensor
-            # read by the kernel (a functorch wrapper refuses its data pointer: general path).
-            if self._direct and native.eligible(tensor):
-                low, high = native.abs_range(tensor, self._result)
-            else:
-                low = high = _NAN
-        except Exception:
-            low = high = _NAN
-        if high == high and high != _INF:  # finite: set_finite(), inlined (every tensor)
-            stats.abs_min = stats.finite_abs_min = low
-            stats.abs_max = stats.finite_abs_max = high
-            stats.note = ""
+        found = None
+        if self._direct:
+            try:
+                # The common case first, with nothing in between: a plain contiguous CPU float
+                # tensor, checked and read by the kernel in one call; any other dense layout
+                # after the full check (a functorch wrapper refuses its data pointer: general
+                # path).
+                found = native.contiguous_range(tensor, self._result)
+                if found is None and native.eligible(tensor):
+                    found = native.abs_range(tensor, self._result)
+            except Exception:
+                found = None
+        if found is not None and found[1] < _INF:  # every value finite (a NaN fails the test)
+            stats = TensorStats(found[0], found[1], "")
         else:  # not read by the kernel, or a NaN/Inf to look at again: the general path
+            stats = TensorStats()
             try:
                 with torch.no_grad():
                     self._measure(tensor, version, stats, hold)
