@@ -66,6 +66,21 @@ def test_kernel_agrees_with_the_torch_path(dtype, shape, layout, specials, seed)
         assert (low, high) == (expected_low, expected_high)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_finds_the_extremes_at_every_position_of_its_blocks_and_tail(dtype):
+    # The kernel keeps several running min/max pairs side by side (a block of 4 to 64
+    # elements) and reads the elements past the last whole block one by one.
+    for length in (3, 31, 63, 64, 65, 129, 130):
+        values = torch.linspace(1.0, 2.0, length, dtype=torch.float64).to(dtype)
+        for position in range(length):
+            tensor = values.clone()
+            tensor[position] = -1e-3  # smallest magnitude, negative
+            tensor[length - 1 - position] = -3.0  # largest magnitude (wins a collision)
+            expected = _torch_path(tensor)
+            assert native.abs_range(tensor) == expected, (length, position)
+
+
 def test_only_dense_plain_cpu_float_tensors_are_eligible():
     grid = torch.randn(6, 8)
     assert native.eligible(grid) and native.eligible(grid.t()) and native.eligible(grid[2:4])
