@@ -294,10 +294,14 @@ class EntryBuilder:
                 # object) until then.
                 if cached is not None and cached[0] is tensor and cached[2] == pointer \
                         and pointer != -1 and cached[3][0] == name \
-                        and cached[5] == (training_generation if cached[4] else generation) \
-                        and cached[1] == version_of(tensor):
-                    entries.append(cached[3])
-                    continue
+                        and cached[5] == (training_generation if cached[4] else generation):
+                    try:  # version_of(), inlined
+                        version = tensor._version
+                    except RuntimeError:  # an inference tensor: no version counter
+                        version = -1
+                    if cached[1] == version:
+                        entries.append(cached[3])
+                        continue
                 entry = self.tensor_entry(name, tensor)
                 if entry[1] is not None and pointer != -1:
                     trainable = tensor.requires_grad

@@ -51,8 +51,17 @@ _ONE_THREAD_ELEMENTS = 1 << 22
 
 _KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_Pair = ctypes.c_double * 2
 _Triple = ctypes.c_double * 3
+
+
+class _Pair(ctypes.c_double * 2):  # type: ignore[misc]
+    """Two doubles the kernel writes, with their address at hand: handing the kernel a plain
+    integer spares ctypes a conversion on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.address = ctypes.addressof(self)
+
 
 _lock = threading.Lock()
 _kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
@@ -109,15 +118,15 @@ def abs_range(tensor: torch.Tensor, out: ctypes.Array | None = None) -> tuple[fl
         raise RuntimeError(f"the native kernel is not available: {_state}")
     if out is None:
         out = _Pair()
-    kernel(tensor.data_ptr(), tensor.numel(), _KINDS[tensor.dtype], out)
+    kernel(tensor.data_ptr(), tensor.numel(), _KINDS[tensor.dtype], getattr(out, "address", out))
     return out[0], out[1]
 
 
 def contiguous_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, float] | None:
     """:func:`abs_range` of a contiguous dense CPU float tensor (no subclass, at most
-    ``2**22`` elements), eligibility and read in one call (a per-batch check); None when the
+    ``2**22`` elements), eligibility and read in one call (every module call); None when the
     kernel is not loaded yet or the tensor is not such a tensor: :func:`eligible` and
-    :func:`abs_range` then have the full rules."""
+    :func:`abs_range` then have the full rules. ``out``: a :func:`result_buffer`."""
     kernel = _kernel
     if kernel is None or type(tensor) not in _PLAIN_TYPES or not tensor.is_cpu:
         return None
@@ -128,7 +137,7 @@ def contiguous_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, fl
     pointer = tensor.data_ptr()
     if not pointer:
         return None
-    kernel(pointer, count, kind, out)
+    kernel(pointer, count, kind, out.address)
     return out[0], out[1]
 
 
