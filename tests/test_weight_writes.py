@@ -202,17 +202,18 @@ def test_a_validation_forward_after_a_fused_step_shows_the_stepped_weights(mode)
 @pytest.mark.parametrize("inference", ["eval", "no_grad"])
 def test_inference_forwards_measure_the_weights_once(inference):
     # Nothing wrote them and no training forward ran: the measurements are reused.
-    from nanwidget.core import entries
+    from nanwidget.core.stats import PendingStats
     model = _model()
+    parameters = {id(p) for p in model.parameters()}
     measured = []
-    original = entries.EntryBuilder.tensor_entry
+    original = PendingStats.add
 
-    def counting(self, role, tensor):
-        if role in ("weight", "bias"):
-            measured.append(role)
-        return original(self, role, tensor)
+    def counting(self, tensor, hold=True):
+        if id(tensor) in parameters:
+            measured.append(tensor)
+        return original(self, tensor, hold)
     with nw.watch(model):
-        entries.EntryBuilder.tensor_entry = counting
+        PendingStats.add = counting
         try:
             for _ in range(4):
                 if inference == "eval":
@@ -221,7 +222,7 @@ def test_inference_forwards_measure_the_weights_once(inference):
                     with torch.no_grad():
                         model(torch.randn(2, 16))
         finally:
-            entries.EntryBuilder.tensor_entry = original
+            PendingStats.add = original
     assert len(measured) == 4  # two Linear layers, weight and bias, once
 
 

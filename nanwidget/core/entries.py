@@ -154,6 +154,17 @@ class EntryBuilder:
             return Entry((role, None, dtype, shape, note))
         return Entry((role, self.pending.add(tensor), dtype, shape, ""))
 
+    def _fresh_entry(self, role: str, tensor: torch.Tensor) -> Entry:
+        """:meth:`tensor_entry` of a tensor seldom measured already in this batch (an output,
+        a weight to measure again): the fast path's checks first, without the lookup that
+        ``add()`` makes anyway (it gives a tensor measured already its stats)."""
+        if type(tensor) in PLAIN_TENSOR_TYPES:
+            dtype = tensor.dtype
+            if dtype.is_floating_point and tensor.layout is _STRIDED and not tensor.is_meta \
+                    and not tensor.is_nested and tensor.numel():
+                return Entry((role, self.pending.add(tensor), dtype, tensor.shape, ""))
+        return self.tensor_entry(role, tensor)
+
     def _unread_subclass(self, role: str, tensor: torch.Tensor) -> Entry:
         """The entry of a tensor subclass whose values cannot be read (no single inner tensor
         holds them): noted "not read", and named in the watch's one warning about such values."""
@@ -282,7 +293,7 @@ class EntryBuilder:
                 if tensor is None:
                     continue
                 if not cacheable:
-                    entries.append(self.tensor_entry(name, tensor))
+                    entries.append(self._fresh_entry(name, tensor))
                     continue
                 cached = cache.get(id(tensor))
                 try:
@@ -302,7 +313,7 @@ class EntryBuilder:
                     if cached[1] == version:
                         entries.append(cached[3])
                         continue
-                entry = self.tensor_entry(name, tensor)
+                entry = self._fresh_entry(name, tensor)
                 if entry[1] is not None and pointer != -1:
                     trainable = tensor.requires_grad
                     cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry, trainable,
@@ -342,7 +353,7 @@ class EntryBuilder:
                         entries[index] = entry.replace(stats=found, note=WRITTEN_HERE)
         first_output = len(entries)
         if isinstance(output, _Tensor):  # output_entries(), inlined for the usual case
-            entries.append(self.tensor_entry("output", output))
+            entries.append(self._fresh_entry("output", output))
         else:
             self.output_entries(output, entries)
         return entries, first_input, first_output
