@@ -160,6 +160,46 @@ def test_both_paths_record_the_same_frames(path, monkeypatch):
     assert bool(rows.inf.iloc[0]) and not bool(rows.nan.iloc[0])
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_integer_kernel_gives_torchs_signed_range(dtype):
+    out = native.result_buffer()
+    info = torch.iinfo(dtype)
+    generator = torch.Generator().manual_seed(0)
+    for length in (1, 5, 31, 32, 33, 100):
+        values = torch.randint(-50, 50, (length,), generator=generator, dtype=dtype)
+        for position in range(length):
+            tensor = values.clone()
+            tensor[position] = info.min
+            tensor[length - 1 - position] = info.max
+            for case in (tensor, values, values.abs() + 3):
+                low, high = torch.aminmax(case)
+                expected = tuple(torch.stack((low, high)).double().tolist())
+                assert native.int_range(case, out) == expected, (length, position)
+    # not read here: torch reduces them
+    for other in (torch.arange(6, dtype=dtype).reshape(2, 3).t(), torch.arange(4, dtype=torch.int16),
+                  torch.empty(0, dtype=dtype)):
+        assert native.int_range(other, out) is None
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_both_paths_record_the_same_integer_entries(path, monkeypatch):
+    if path == "native" and not native.available():
+        pytest.skip(native.status())
+    if path == "torch":
+        monkeypatch.setattr(native, "available", lambda: False)
+    model = nn.Embedding(100, 4)
+    rows = []
+    for ids in (torch.tensor([[3, 7], [99, 12]]), torch.tensor([0, 5]),
+                torch.tensor([64], dtype=torch.int32)):
+        with nw.watch(model, on_nan="record") as w:
+            model(ids)
+            frame = w.frames()
+        rows.append(frame[frame.role == "input[0]"][["abs_min", "abs_max", "note"]].values.tolist())
+    # the magnitudes of the ids, whichever path read them
+    assert rows == [[[3.0, 99.0, ""]], [[0.0, 5.0, ""]], [[64.0, 64.0, ""]]]
+
+
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,

@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 
 __all__ = ["abs_range", "finite_range", "available", "eligible", "result_buffer", "status",
-           "MAX_ELEMENTS", "contiguous_range"]
+           "MAX_ELEMENTS", "contiguous_range", "int_range"]
 
 _SOURCE = Path(__file__).with_name("_native") / "absrange.c"
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 
 # The kernel runs on one thread. Up to 4M elements it beats torch's path on any thread count
 # we could measure; above that, torch's path (|x| and min/max on all of torch's threads) wins
@@ -50,6 +50,7 @@ MAX_ELEMENTS = 1 << 24
 _ONE_THREAD_ELEMENTS = 1 << 22
 
 _KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+_INT_KINDS = {torch.int32: 0, torch.int64: 1}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _Triple = ctypes.c_double * 3
 
@@ -66,6 +67,7 @@ class _Pair(ctypes.c_double * 2):  # type: ignore[misc]
 _lock = threading.Lock()
 _kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _finite_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_int_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _state = "not loaded"  # why the kernel is or is not in use, for status()
 
 
@@ -141,6 +143,25 @@ def contiguous_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, fl
     return out[0], out[1]
 
 
+def int_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, float] | None:
+    """(min, max) of a contiguous CPU int32 or int64 tensor (no subclass, at most ``2**22``
+    elements), signed and as floats (rounded to nearest, as torch converts them), read once;
+    None when the kernel is not loaded or the tensor is not such a tensor (torch then
+    reduces it). ``out``: a :func:`result_buffer`."""
+    kernel = _int_kernel
+    if kernel is None or type(tensor) not in _PLAIN_TYPES or not tensor.is_cpu:
+        return None
+    kind = _INT_KINDS.get(tensor.dtype)
+    count = tensor.numel()
+    if kind is None or not 0 < count <= _ONE_THREAD_ELEMENTS or not tensor.is_contiguous():
+        return None
+    pointer = tensor.data_ptr()
+    if not pointer:
+        return None
+    kernel(pointer, count, kind, out.address)
+    return out[0], out[1]
+
+
 def finite_range(tensor: torch.Tensor) -> tuple[float, float, bool]:
     """(finite abs min, finite abs max, holds an Inf) of an :func:`eligible` tensor, read once:
     the second look at a tensor holding a NaN or an Inf (inf and -inf bounds when no value is
@@ -159,7 +180,7 @@ def result_buffer() -> ctypes.Array:
 
 # ------------------------------------------------------------------------------- building
 def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _kernel, _finite_kernel, _state
+    global _kernel, _finite_kernel, _int_kernel, _state
     if _state != "not loaded":
         return _kernel
     with _lock:
@@ -170,8 +191,9 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
             return None
         try:
             library = _build_or_find()
-            kernel, finite_kernel = _bind(library)
-            problem = _self_test(kernel) or _self_test_finite(finite_kernel)
+            kernel, finite_kernel, int_kernel = _bind(library)
+            problem = _self_test(kernel) or _self_test_finite(finite_kernel) \
+                or _self_test_int(int_kernel)
         except _Unavailable as reason:
             _state = f"unavailable ({reason}): torch path"
             return None
@@ -181,7 +203,7 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         if problem:
             _state = f"disabled, self-test failed ({problem}): torch path"
             return None
-        _kernel, _finite_kernel = kernel, finite_kernel
+        _kernel, _finite_kernel, _int_kernel = kernel, finite_kernel, int_kernel
         _state = f"native kernel in use ({library})"
         return _kernel
 
@@ -260,18 +282,39 @@ def _compile(compiler: str, flags: list[str], target: Path, errors: list[str]) -
     return False
 
 
-def _bind(library: Path) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:  # type: ignore[name-defined]
+def _bind(library: Path) -> tuple[ctypes._CFuncPtr, ...]:  # type: ignore[name-defined]
     handle = ctypes.CDLL(str(library))
     handle.nanwidget_abi_version.restype = ctypes.c_int
     if handle.nanwidget_abi_version() != _ABI_VERSION:
         raise _Unavailable(f"{library.name} has another ABI version")
     kernels = []
-    for name in ("nanwidget_abs_range", "nanwidget_finite_range"):
+    for name in ("nanwidget_abs_range", "nanwidget_finite_range", "nanwidget_int_range"):
         kernel = getattr(handle, name)
         kernel.restype = ctypes.c_int
         kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         kernels.append(kernel)
-    return kernels[0], kernels[1]
+    return tuple(kernels)
+
+
+def _self_test_int(kernel: ctypes._CFuncPtr) -> str:  # type: ignore[name-defined]
+    """Compare the integer kernel with torch (min, max, converted to float as torch does)."""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in _INT_KINDS:
+        info = torch.iinfo(dtype)
+        for length in (1, 7, 33, 1000):
+            values = torch.randint(-1000, 1000, (length,), generator=generator, dtype=dtype)
+            for row in (values, values.abs(), values.neg() - 1):
+                extremes = row.clone()
+                extremes[(length * 5) // 7] = info.min
+                extremes[(length * 3) // 7] = info.max
+                for tensor in (row, extremes):
+                    out = _Pair()
+                    kernel(tensor.data_ptr(), tensor.numel(), _INT_KINDS[dtype], out)
+                    low, high = torch.aminmax(tensor)
+                    expected = tuple(torch.stack((low, high)).double().tolist())
+                    if (out[0], out[1]) != expected:
+                        return f"{dtype} x{length}: {(out[0], out[1])} != {expected}"
+    return ""
 
 
 def _self_test_finite(kernel: ctypes._CFuncPtr) -> str:  # type: ignore[name-defined]

@@ -428,8 +428,12 @@ class PendingStats:
         if values.numel() == 0:  # a sparse tensor with no stored value: all zeros
             stats.set_finite(0.0, 0.0)
             return
-        if not values.is_floating_point():  # integers: their signed range, read at resolve
-            low, high = torch.aminmax(values)
+        if not values.is_floating_point():  # integers: their signed range
+            found = native.int_range(values, self._result) if self._direct else None
+            if found is not None:  # read at once by the kernel; what _resolve makes of it
+                stats.set_finite(*_magnitudes(*found))
+                return
+            low, high = torch.aminmax(values)  # read at resolve
             self._queued.append(_Queued(stats, low, high, None, implicit_zero))
             return
         if self._direct and native.eligible(values):
@@ -474,6 +478,11 @@ class PendingStats:
                     item.stats.note = f"unsupported ({type(error).__name__})"
 
 
+def _magnitudes(low: float, high: float) -> tuple[float, float]:
+    """(abs min, abs max) of integers whose signed range is ``low`` to ``high``."""
+    return (0.0 if low <= 0 <= high else min(abs(low), abs(high)), max(abs(low), abs(high)))
+
+
 def _resolve(queued: list[_Queued]) -> None:
     by_device: dict[torch.device, list[_Queued]] = {}
     for item in queued:
@@ -497,9 +506,7 @@ def _resolve(queued: list[_Queued]) -> None:
             low, high = values[2 * slot], values[2 * slot + 1]
             stats = item.stats
             if item.dtype is None:  # integers: magnitudes from the signed range
-                low, high = (0.0 if low <= 0 <= high else min(abs(low), abs(high)),
-                             max(abs(low), abs(high)))
-                stats.set_finite(low, high)
+                stats.set_finite(*_magnitudes(low, high))
                 continue
             if item.implicit_zero:
                 low = 0.0

@@ -163,4 +163,49 @@ int nanwidget_finite_range(const void *data, int64_t n, int64_t kind, double *ou
     return 0;
 }
 
-int nanwidget_abi_version(void) { return 3; }
+/* Signed min and max of integers (their magnitudes follow from the two): one loop per
+ * width, independent running pairs as above. */
+#define NW_DEFINE_INT_RANGE(name, type, lanes)                                             \
+    NW_CLONES void name(const type *data, int64_t n, double *out) {                        \
+        type lows[lanes], highs[lanes];                                                    \
+        for (int j = 0; j < (lanes); j++) {                                                \
+            lows[j] = data[0];                                                             \
+            highs[j] = data[0];                                                            \
+        }                                                                                  \
+        int64_t i = 0;                                                                     \
+        for (; i + (lanes) <= n; i += (lanes)) {                                           \
+            for (int j = 0; j < (lanes); j++) {                                            \
+                type v = data[i + j];                                                      \
+                lows[j] = v < lows[j] ? v : lows[j];                                       \
+                highs[j] = v > highs[j] ? v : highs[j];                                    \
+            }                                                                              \
+        }                                                                                  \
+        type low = data[0], high = data[0];                                                \
+        for (int j = 0; j < (lanes); j++) {                                                \
+            low = lows[j] < low ? lows[j] : low;                                           \
+            high = highs[j] > high ? highs[j] : high;                                      \
+        }                                                                                  \
+        for (; i < n; i++) {                                                               \
+            type v = data[i];                                                              \
+            low = v < low ? v : low;                                                       \
+            high = v > high ? v : high;                                                    \
+        }                                                                                  \
+        out[0] = (double)low;                                                              \
+        out[1] = (double)high;                                                             \
+    }
+
+NW_DEFINE_INT_RANGE(nanwidget_irange32, int32_t, 32)
+NW_DEFINE_INT_RANGE(nanwidget_irange64, int64_t, 4)
+
+/* Signed min and max of `n` (> 0) integers at `data` into out[0], out[1], as doubles (rounded
+ * to nearest, as torch converts them). kind: 0 int32, 1 int64. Returns 0, or -1 for an
+ * unknown kind (out untouched). */
+int nanwidget_int_range(const void *data, int64_t n, int64_t kind, double *out) {
+    switch (kind) {
+    case 0: nanwidget_irange32((const int32_t *)data, n, out); return 0;
+    case 1: nanwidget_irange64((const int64_t *)data, n, out); return 0;
+    default: return -1;
+    }
+}
+
+int nanwidget_abi_version(void) { return 4; }
