@@ -16,8 +16,9 @@ the torch path: same numbers, only slower. A self-test against the torch path ru
 a library that disagrees is not used. :func:`status` says which path is active and why.
 
 Only dense CPU tensors of float16/bfloat16/float32/float64 of at most ``MAX_ELEMENTS``
-elements, exactly ``torch.Tensor`` or ``nn.Parameter`` (no subclasses that could hide their
-storage), are handed to the kernel; the caller keeps them alive during the call.
+elements (and, for their signed range, contiguous int32/int64 ones: :func:`int_range`),
+exactly ``torch.Tensor`` or ``nn.Parameter`` (no subclasses that could hide their storage),
+are handed to the kernel; the caller keeps them alive during the call.
 """
 
 from __future__ import annotations

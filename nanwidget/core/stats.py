@@ -3,8 +3,8 @@
 Every tensor a hook sees is measured *when the hook sees it*, so its stats describe the values
 that module saw even if something writes into the tensor later:
 
-- dense CPU float tensors: the native kernel reads them once, right there (no device, so
-  nothing to synchronise);
+- dense CPU float tensors (and contiguous CPU int32/int64 ones): the native kernel reads them
+  once, right there (no device, so nothing to synchronise);
 - everything else: two small reductions on the tensor's own device (|x| and one min/max over
   its bit patterns), kept as device scalars; :meth:`PendingStats.resolve` copies every result
   of the batch to the host at once, one transfer per device: the batch's single host sync.
