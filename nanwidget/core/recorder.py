@@ -922,10 +922,11 @@ class Recorder:
                 for on_frames_replayed in self._on_frames_replayed:
                     on_frames_replayed(list(frames))
 
-    def conclude(self, batch: int, finding: Finding, *, reason: str, raising: bool) -> None:
+    def conclude(self, batch: int, finding: Finding | None, *, reason: str,
+                 raising: bool) -> None:
         """Outside the lock: what a feature found on its own (e.g. at the end of a backward
-        pass): take its frames, let the features review its event, record it, and raise or
-        warn as ``on_nan`` says (only when ``raising``). ``reason`` as in
+        pass; None: nothing): take its frames, let the features review its event, record it,
+        and raise or warn as ``on_nan`` says (only when ``raising``). ``reason`` as in
         :meth:`Feature.review_event`."""
         self._conclude(batch, None, reason=reason, raising=raising, finished=False,
                        found=finding)
