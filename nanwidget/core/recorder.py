@@ -573,6 +573,9 @@ class Recorder:
         self._find_event = overriding("find_event")
         self._review_event = [(review, getattr(review.__self__, "reviews_without_event", True))
                               for review in overriding("review_event")]
+        first = next((i for i, (_, without) in enumerate(self._review_event) if without),
+                     len(self._review_event))
+        self._review_without_event = self._review_event[first:]
         self._on_event = overriding("on_event")
 
     # ------------------------------------------------------------------ hooks (hot path)
@@ -590,7 +593,8 @@ class Recorder:
             return None if dynamo_compiling() else self._stand_aside()
         if self._aside_thread is not None:
             self._aside_thread = None  # a traced call that never returned (it raised past us)
-        if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
+        if self._closed or (self._suspended and self._suspended_thread == _get_ident()) \
+                or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
         if "torch._dynamo" in sys.modules:
             self._refuse_compiled_call()
@@ -624,10 +628,11 @@ class Recorder:
                     self._exception_at_start = sys.exc_info()[1]
                     for on_batch_start in self._on_batch_start:
                         on_batch_start(self._batch, args, kwargs)
-                    # A training forward measures its trainable weights once (core.entries).
-                    self.entries.new_forward(self.model.training and torch.is_grad_enabled())
-                    # The model's inputs as handed over, before any module can write into them.
-                    if self._records_frames():
+                    if not self.root_only or self._module_handles:  # _records_frames()
+                        # A training forward measures its trainable weights once
+                        # (core.entries); nothing is measured in a batch without frames.
+                        self.entries.new_forward(self.model.training and torch.is_grad_enabled())
+                        # The model's inputs as handed over, before any module writes into them.
                         self._measure_inputs_now(module, args, kwargs)
         except Exception as error:  # never break the user's forward
             self.internal_error(error)
@@ -935,7 +940,7 @@ class Recorder:
                   finished: bool, found: Finding | None = None) -> None:
         """Outside the lock: features that check on their own report what they found (their
         frames are taken), features review the event, it is recorded, then raise/warn/go on."""
-        findings = [found] if found is not None else []
+        findings = None if found is None else [found]  # none on a clean batch: no list
         for find_event in self._find_event:
             try:
                 finding = find_event(batch, event, reason)
@@ -945,13 +950,17 @@ class Recorder:
                 self.internal_error(error)
                 continue
             if finding is not None:
-                findings.append(finding)
-        for finding in findings:
-            if finding.frames:
-                self._take_replayed(finding.frames)
-            if event is None:
-                event = finding.event
-        for review_event, without_event in self._review_event:
+                findings = [finding] if findings is None else findings + [finding]
+        if findings is not None:
+            for finding in findings:
+                if finding.frames:
+                    self._take_replayed(finding.frames)
+                if event is None:
+                    event = finding.event
+        # Without an event, the reviews before the first that runs without one are skipped
+        # (the loop below would skip them): on a clean batch only those that always run.
+        for review_event, without_event in (self._review_event if event is not None
+                                            else self._review_without_event):
             if event is None and not without_event:
                 continue
             try:

@@ -42,6 +42,9 @@ _data_ptr = torch.Tensor.data_ptr
 # operator.call is Python 3.11's; the same, slower, before it
 _call = getattr(operator, "call", None) or (lambda getter, key: getter(key))
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+_cpu_rng_state = torch.default_generator.get_state  # torch.get_rng_state(), without its wrapper
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
 # The roles of positional inputs, made once (one string per batch is measurable here).
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 
@@ -257,18 +260,26 @@ class BatchCapture(Feature):
             capture.input_versions = [version_of(first)]  # type: ignore[arg-type]
         else:
             self._hold_inputs(capture, args, kwargs)
-        capture.cpu_rng = torch.get_rng_state()
+        # Every batch: the reads below are inlined (WeightSlots.read, training_flags,
+        # versions_of, layouts_of in their usual case), each one C loop.
+        capture.cpu_rng = _cpu_rng_state()
         capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        capture.grad_enabled = torch.is_grad_enabled()
-        capture.inference = torch.is_inference_mode_enabled()
-        capture.autocast = _autocast_state()
-        capture.training = self.slots.training_flags()
-        weights = self.slots.read()
-        capture.weights = weights
-        capture.weight_versions = versions_of(weights)
+        capture.grad_enabled = _is_grad_enabled()
+        capture.inference = _is_inference_mode_enabled()
+        capture.autocast = () if _any_autocast is not None and not _any_autocast() \
+            else _autocast_state()
+        slots = self.slots
+        capture.training = list(map(_training_getter, slots.modules))
+        capture.weights = weights = list(map(_call, slots._getters, slots.keys))
+        try:
+            capture.weight_versions = list(map(_version_getter, weights))
+            # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a
+            # version bump.
+            capture.weight_layout = list(zip(map(_data_ptr, weights), map(_dtype_getter, weights)))
+        except Exception:  # a slot set to None, an inference tensor, a pointer-less subclass
+            capture.weight_versions = versions_of(weights)
+            capture.weight_layout = layouts_of(weights)
         capture.steps = steps_taken()  # fused optimizer steps move no version counter
-        # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a version bump.
-        capture.weight_layout = layouts_of(weights)
         if self.snapshot_weights:
             capture.snapshot = self._snapshot(weights)
         if held is None:
