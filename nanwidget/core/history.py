@@ -175,17 +175,21 @@ class History:
 
     def commit(self) -> None:
         """Close the batch being accumulated (called when a new batch starts or on read)."""
-        if self._current_batch is None:
+        batch = self._current_batch
+        if batch is None:
             return
-        batch, current = self._current_batch, self._current
+        current = self._current
         self._current_batch = None
         self._current = {}
         # A batch seen again (not the usual next one): one row per (batch, module) still.
-        if batch <= self._latest_batch and self._fold_into_earlier(batch, current):
-            return
-        self._latest_batch = max(self._latest_batch, batch)
-        self._closed_rows.append((batch, current))
-        if len(self._closed_rows) >= _WRITE_EVERY:
+        if batch <= self._latest_batch:
+            if self._fold_into_earlier(batch, current):
+                return
+        else:
+            self._latest_batch = batch
+        closed = self._closed_rows
+        closed.append((batch, current))
+        if len(closed) >= _WRITE_EVERY:
             self._write_closed_rows()
 
     def _fold_into_earlier(self, batch: int, current: dict[int, list]) -> bool:

@@ -1070,7 +1070,8 @@ class Recorder:
         with self._lock:
             if self._closed:
                 return
-            self.records.add_history_row(batch, module, abs_max, abs_min)
+            records = self.records
+            records.history.record(batch, records.name_index[module], abs_max, abs_min, False)
             for on_output_magnitude in self._on_output_magnitude:
                 on_output_magnitude(batch, module, abs_max, abs_min)
 

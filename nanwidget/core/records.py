@@ -49,7 +49,8 @@ class Records:
         self.trace_frames: dict[int, list[Frame]] = {}
         self.events: list[NanEvent] = []
         self.events_dropped = 0
-        self._name_index = {name: i for i, name in enumerate(module_names)}
+        #: module name -> its column in the history
+        self.name_index = {name: i for i, name in enumerate(module_names)}
 
     def take(self, frames: list[Frame], *, verdict: bool = True,
              window: Window | None = None) -> NanEvent | None:
@@ -58,7 +59,7 @@ class Records:
         default the ring's frames before them and theirs)."""
         event: NanEvent | None = None
         history_rows: list[tuple[int, int, float, float, bool]] = []
-        name_index = self._name_index
+        name_index = self.name_index
         trace_batches = self.trace_batches
         window = window or self.ring.window_ending_with
         for position, frame in enumerate(frames):
@@ -81,10 +82,6 @@ class Records:
         self.history.record_many(history_rows)
         self.ring.extend(frames)
         return event
-
-    def add_history_row(self, batch: int, module: str, abs_max: float, abs_min: float) -> None:
-        """Fold a module's output magnitude measured outside the frames into ``batch``'s row."""
-        self.history.record(batch, self._name_index[module], abs_max, abs_min, False)
 
     def add_event(self, event: NanEvent) -> bool:
         """Keep ``event`` (or count it past ``max_events``); False when it is kept already."""
