@@ -10,7 +10,6 @@ a 200-module model costs about 17 bytes x 200 x (10,100 + 1,000) = 38 MB.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
@@ -159,12 +158,6 @@ class History:
             slot[1] = abs_min
         if nonfinite:
             slot[2] = True
-
-    def record_many(self, rows: Iterable[tuple[int, int, float, float, bool]]) -> None:
-        """:meth:`record` for (batch, module_index, abs_max, abs_min, nonfinite) rows."""
-        record = self.record
-        for row in rows:
-            record(*row)
 
     def current_row(self, batch: int) -> dict[int, list] | None:
         """The row of ``batch`` while it is being accumulated: module index -> [abs_max,
