@@ -257,7 +257,10 @@ class BatchCapture(Feature):
             capture.args = args
             capture.kwargs = kwargs
             capture.inputs = [("input[0]", first)]  # type: ignore[list-item]
-            capture.input_versions = [version_of(first)]  # type: ignore[arg-type]
+            try:
+                capture.input_versions = [first._version]  # type: ignore[union-attr]
+            except RuntimeError:  # an inference tensor: no version counter (version_of)
+                capture.input_versions = [-1]
         else:
             self._hold_inputs(capture, args, kwargs)
         # Every batch: the reads below are inlined (WeightSlots.read, training_flags,
@@ -283,8 +286,14 @@ class BatchCapture(Feature):
         if self.snapshot_weights:
             capture.snapshot = self._snapshot(weights)
         if held is None:
-            held = self.held[batch] = HeldBatch(batch)
-            self._evict()
+            every = self.held
+            held = every[batch] = HeldBatch(batch)
+            if len(every) > self.keep:
+                if self.event_batches or self.trace_batches:
+                    self._evict_unpinned()
+                else:  # nothing pinned (the usual case): the oldest go, no list built
+                    while len(every) > self.keep:
+                        every.popitem(last=False)
         held.forwards.append(capture)
 
     @staticmethod
@@ -358,15 +367,9 @@ class BatchCapture(Feature):
         if event.batch in self.held and len(self.event_batches) < MAX_EVENT_BATCHES:
             self.event_batches.add(event.batch)
 
-    def _evict(self) -> None:
+    def _evict_unpinned(self) -> None:
+        """Past ``keep``: the oldest batches that neither an event nor ``trace_batches`` pins go."""
         held = self.held
-        if len(held) <= self.keep:
-            return
-        if not self.event_batches and not self.trace_batches:
-            # Nothing pinned (the usual case): the oldest go, with no list built per batch.
-            while len(held) > self.keep:
-                held.popitem(last=False)
-            return
         recent = [b for b in held if b not in self.event_batches and b not in self.trace_batches]
         for batch in recent[:max(0, len(recent) - self.keep)]:
             del held[batch]
