@@ -354,7 +354,10 @@ class BatchCapture(Feature):
         if last.end_input_versions is None:
             inputs = last.inputs
             if len(inputs) == 1 and type(inputs[0][1]) in _PLAIN:  # model(x): no list to build
-                last.end_input_versions = [version_of(inputs[0][1])]
+                try:
+                    last.end_input_versions = [inputs[0][1]._version]
+                except RuntimeError:  # an inference tensor: no version counter (version_of)
+                    last.end_input_versions = [-1]
             else:
                 last.end_input_versions = _input_versions([t for _, t in inputs])
             if self.slots.buffer_positions:
