@@ -112,10 +112,10 @@ _INSIDE_A_WRAPPER = ("runs inside a torch.compile'd model: you watched cm._orig_
                      "the model after nw.watch()) and called the compiled one")
 
 
-def _in_optimized_module() -> bool:
+def _in_optimized_module(eval_frame: Any) -> bool:
     """Whether a ``torch.compile`` wrapper's call is running its compiled code (not while
-    ``torch.compiler.set_stance("force_eager")`` runs it eagerly, hooks included)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    ``torch.compiler.set_stance("force_eager")`` runs it eagerly, hooks included);
+    ``eval_frame``: ``torch._dynamo.eval_frame`` (or None, not loaded)."""
     probe = getattr(eval_frame, "_is_in_optimized_module", None)
     return probe is not None and bool(probe()) and not _forced_eager(eval_frame)
 
@@ -596,7 +596,7 @@ class Recorder:
         if self._closed or (self._suspended and self._suspended_thread == _get_ident()) \
                 or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
-        if "torch._dynamo" in sys.modules:
+        if self.entry is self.model and "torch._dynamo" in sys.modules:
             self._refuse_compiled_call()
         if captured():
             return self._stand_aside()
@@ -652,13 +652,14 @@ class Recorder:
 
     def _refuse_compiled_call(self) -> None:
         """A watch whose hooks sit inside a compiled call sees nothing of its submodules:
-        compiled code skips their hooks (or Dynamo traces them, with graph breaks)."""
+        compiled code skips their hooks (or Dynamo traces them, with graph breaks). Only a
+        watch whose entry is the model itself (the caller checks)."""
         model = self.model
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        if self.entry is model and getattr(model, "_compiled_call_impl", None) is not None \
+        if getattr(model, "_compiled_call_impl", None) is not None \
                 and not self._compiled_in_place and not _forced_eager(eval_frame):
             how = "was compiled in place with module.compile() after nw.watch()"
-        elif self.entry is model and _in_optimized_module():
+        elif _in_optimized_module(eval_frame):
             how = _INSIDE_A_WRAPPER
         else:
             return

@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -231,7 +232,7 @@ class Sentinel(Feature):
         slot: dict[str, torch.Tensor] = {}
         grads[forward] = slot
         for role, leaf in needing:
-            leaf.register_hook(self._grad_hook(batch, slot, role))
+            leaf.register_hook(partial(self._output_grad, batch, slot, role))
 
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         if self._hooked_batch == batch:
@@ -298,18 +299,19 @@ class Sentinel(Feature):
         self.recorder.add_history_row(batch, self._root_name, abs_max, abs_min)
 
     # ------------------------------------------------------------------ gradients
-    def _grad_hook(self, batch: int, slot: dict[str, torch.Tensor], role: str) -> Any:
-        def hook(grad: torch.Tensor) -> None:
-            if self.recorder.closed:
-                return None
-            slot[role] = grad
-            task = _graph_task_id()
-            if self._queued_task != task:
-                self._queued_task = task
-                self._grad_batch = batch
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+    def _output_grad(self, batch: int, slot: dict[str, torch.Tensor], role: str,
+                     grad: torch.Tensor) -> None:
+        """The hook on an output leaf (bound to its batch, slot and role): hold the gradient
+        it received and queue the end-of-backward check once per backward pass."""
+        if self.recorder.closed:
             return None
-        return hook
+        slot[role] = grad
+        task = _graph_task_id()
+        if self._queued_task != task:
+            self._queued_task = task
+            self._grad_batch = batch
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        return None
 
     def _backward_done(self) -> None:
         """The autograd engine finished a backward pass through the outputs of ``_grad_batch``."""
