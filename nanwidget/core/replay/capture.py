@@ -166,10 +166,6 @@ class WeightSlots:
     def read(self) -> list[torch.Tensor | None]:
         return list(map(_call, self._getters, self.keys))  # one C loop (hot path)
 
-    def training_flags(self) -> list[bool]:
-        """Every module's ``training`` flag, in ``modules`` order."""
-        return list(map(_training_getter, self.modules))
-
 
 def versions_of(tensors: list[torch.Tensor | None]) -> list[int]:
     """Version counters (-1 for None and inference tensors)."""
@@ -263,8 +259,8 @@ class BatchCapture(Feature):
                 capture.input_versions = [-1]
         else:
             self._hold_inputs(capture, args, kwargs)
-        # Every batch: the reads below are inlined (WeightSlots.read, training_flags,
-        # versions_of, layouts_of in their usual case), each one C loop.
+        # Every batch: the reads below are inlined (WeightSlots.read, versions_of and
+        # layouts_of in their usual case), each one C loop; every module's training flag.
         capture.cpu_rng = _cpu_rng_state()
         capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         capture.grad_enabled = _is_grad_enabled()
