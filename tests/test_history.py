@@ -62,3 +62,27 @@ def test_module_whose_outputs_were_only_nan_has_nan_stats():
     history.record(0, 0, float("nan"), float("nan"), True)
     row = history.to_dataframe().iloc[0]
     assert np.isnan(row.abs_max) and np.isnan(row.abs_min) and row.nonfinite
+
+
+def test_the_table_does_not_depend_on_when_it_is_read():
+    # Closed rows are written to the arrays in blocks whose size depends on how many entries
+    # they hold (one entry per batch, as the sentinel records: hundreds at a time); reading
+    # writes them at once. Either way the same rows, windows and values come out.
+    def fed(n_modules: int, read_every: int | None) -> object:
+        history = History([f"m{i}" for i in range(n_modules)], ["Linear"] * n_modules,
+                          full_batches=300, window=40, max_windows=6)
+        for batch in range(1300):
+            for module in range(n_modules):
+                history.record(batch, module, float((batch * 7 + module) % 101), 0.5,
+                               batch % 211 == 0)
+            if batch % 50 == 9:  # a replayed earlier batch folded into its row
+                history.record(batch - 3, 0, 1000.0 + batch, 0.1, False)
+            if read_every and batch % read_every == 0:
+                history.to_dataframe()
+        return history.to_dataframe()
+
+    for n_modules in (1, 9):
+        once = fed(n_modules, None)
+        assert once.equals(fed(n_modules, 37))
+        assert once.batch.min() == 0 and once.batch_end.max() == 1299
+        assert once.abs_max.max() == 1000.0 + 1259

@@ -247,8 +247,9 @@ def test_a_tensor_whose_storage_was_freed_gets_a_note_not_a_crash(reduction_path
 
 
 def test_structures_walked_directly_give_the_entries_iter_leaves_gives():
-    # EntryBuilder walks tuples, lists and plain objects itself (a transformers cache object
-    # on every call): same roles, order, notes and cycle marks as the generic walk.
+    # EntryBuilder walks tuples, lists, mappings and plain objects itself (a transformers cache
+    # object on every call, a ModelOutput at every return): same roles, order, notes and cycle
+    # marks as the generic walk.
     import dataclasses
     from collections import OrderedDict
 
@@ -287,7 +288,9 @@ def test_structures_walked_directly_give_the_entries_iter_leaves_gives():
         inner = nested
     for value in (Cache(), [Pair(torch.ones(2)), Slotted(), torch.float32, len, iter([1])],
                   loop, itself, [mapping], deep, (torch.ones(1), None, "s"),
-                  OrderedDict(a=torch.ones(1)), {1, 2}):
+                  OrderedDict(a=torch.ones(1)), {1, 2},
+                  OrderedDict(logits=torch.ones(2), past_key_values=Cache()),
+                  {3: (torch.ones(1), iter([2])), "nested": {"deeper": [mapping]}}):
         generic, direct = EntryBuilder(PendingStats()), EntryBuilder(PendingStats())
         expected = [generic.leaf_entry(role, leaf) for role, leaf in iter_leaves(value, "output")]
         got: list = []

@@ -20,7 +20,7 @@ from .schema import LOCAL_SHARD, WRITTEN_HERE
 from .state import optimizer_steps
 from .stats import (PLAIN_TENSOR_TYPES, PendingStats, TensorStats, classify, local_shard,
                     plain_view, version_of)
-from .walk import ATTRIBUTES, LEAF, SEQUENCE, Unread, iter_leaves, kind_of
+from .walk import ATTRIBUTES, LEAF, MAPPING, SEQUENCE, Unread, iter_leaves, kind_of
 
 __all__ = ["Entry", "EntryBuilder", "non_tensor_entry"]
 
@@ -235,8 +235,9 @@ class EntryBuilder:
     def structure_entries(self, value: Any, role: str, entries: list[Entry],
                           _open: set[int] | None = None, _depth: int = 0) -> None:
         """Append the entries of every leaf of ``value``, as :func:`iter_leaves` yields them
-        (same roles, same order), walking tuples, lists and plain objects here without its
-        bookkeeping: a transformers cache object is walked on every block and attention call.
+        (same roles, same order), walking tuples, lists, mappings and plain objects here
+        without its bookkeeping: a transformers cache object is walked on every block and
+        attention call, a ModelOutput at every model's return.
         Other containers, and anything nested deeper than a few levels, go to iter_leaves."""
         if isinstance(value, _Tensor):
             entries.append(self.tensor_entry(role, value))
@@ -257,6 +258,9 @@ class EntryBuilder:
                 return
             children = [(f"{role}.{name}", item) for name, item in list(attributes.items())
                         if not name.startswith("_")]
+        elif kind == MAPPING:  # dicts and ModelOutputs (a model's outputs)
+            children = [(f"{role}.{key}" if isinstance(key, str) else f"{role}[{key!r}]", item)
+                        for key, item in list(value.items())]
         else:
             kind = None
         key = id(value)

@@ -10,7 +10,6 @@ a 200-module model costs about 17 bytes x 200 x (10,100 + 1,000) = 38 MB.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
@@ -26,7 +25,13 @@ def empty_history() -> pd.DataFrame:
 
 
 _SEEN, _NONFINITE = 1, 2
-_WRITE_EVERY = 64  # closed batches buffered before one vectorised write
+# Closed batches buffered before one vectorised write (~100 us, most of it fixed): from
+# _WRITE_ROWS on, once they hold _WRITE_ENTRIES (module, stats) entries or _MAX_WRITE_ROWS
+# rows (the sentinel's one root entry per batch: every 512 batches). More entries held would
+# cost more in garbage collection than the writes they save.
+_WRITE_ROWS = 64
+_WRITE_ENTRIES = 512
+_MAX_WRITE_ROWS = 1024
 # Rows looked back through for a batch recorded again after later ones (a replay of an earlier
 # batch, or the sentinel's per-batch root row followed by that batch's replayed frames).
 _FOLD_BACK = 8
@@ -131,6 +136,7 @@ class History:
         self._current: dict[int, list] = {}
         # Closed batches not yet written to the arrays (written in blocks).
         self._closed_rows: list[tuple[int, dict[int, list]]] = []
+        self._closed_entries = 0
         self._latest_batch = -1  # the highest batch closed so far
 
     def add_modules(self, modules: list[str], module_types: list[str]) -> None:
@@ -160,12 +166,6 @@ class History:
         if nonfinite:
             slot[2] = True
 
-    def record_many(self, rows: Iterable[tuple[int, int, float, float, bool]]) -> None:
-        """:meth:`record` for (batch, module_index, abs_max, abs_min, nonfinite) rows."""
-        record = self.record
-        for row in rows:
-            record(*row)
-
     def current_row(self, batch: int) -> dict[int, list] | None:
         """The row of ``batch`` while it is being accumulated: module index -> [abs_max,
         abs_min, nonfinite] of its outputs so far (abs_max -inf where only NaN was seen); None
@@ -175,17 +175,23 @@ class History:
 
     def commit(self) -> None:
         """Close the batch being accumulated (called when a new batch starts or on read)."""
-        if self._current_batch is None:
+        batch = self._current_batch
+        if batch is None:
             return
-        batch, current = self._current_batch, self._current
+        current = self._current
         self._current_batch = None
         self._current = {}
         # A batch seen again (not the usual next one): one row per (batch, module) still.
-        if batch <= self._latest_batch and self._fold_into_earlier(batch, current):
-            return
-        self._latest_batch = max(self._latest_batch, batch)
-        self._closed_rows.append((batch, current))
-        if len(self._closed_rows) >= _WRITE_EVERY:
+        if batch <= self._latest_batch:
+            if self._fold_into_earlier(batch, current):
+                return
+        else:
+            self._latest_batch = batch
+        closed = self._closed_rows
+        closed.append((batch, current))
+        self._closed_entries += len(current)
+        if len(closed) >= _WRITE_ROWS and (self._closed_entries >= _WRITE_ENTRIES
+                                           or len(closed) >= _MAX_WRITE_ROWS):
             self._write_closed_rows()
 
     def _fold_into_earlier(self, batch: int, current: dict[int, list]) -> bool:
@@ -215,6 +221,7 @@ class History:
     def _write_closed_rows(self) -> None:
         """Move closed batches into the arrays: one vectorised assignment per block of batches."""
         rows, self._closed_rows = self._closed_rows, []
+        self._closed_entries = 0
         block = max(1, self.full_batches)
         for first in range(0, len(rows), block):
             self._write_block(rows[first:first + block])

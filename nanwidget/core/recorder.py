@@ -112,10 +112,10 @@ _INSIDE_A_WRAPPER = ("runs inside a torch.compile'd model: you watched cm._orig_
                      "the model after nw.watch()) and called the compiled one")
 
 
-def _in_optimized_module() -> bool:
+def _in_optimized_module(eval_frame: Any) -> bool:
     """Whether a ``torch.compile`` wrapper's call is running its compiled code (not while
-    ``torch.compiler.set_stance("force_eager")`` runs it eagerly, hooks included)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    ``torch.compiler.set_stance("force_eager")`` runs it eagerly, hooks included);
+    ``eval_frame``: ``torch._dynamo.eval_frame`` (or None, not loaded)."""
     probe = getattr(eval_frame, "_is_in_optimized_module", None)
     return probe is not None and bool(probe()) and not _forced_eager(eval_frame)
 
@@ -573,6 +573,9 @@ class Recorder:
         self._find_event = overriding("find_event")
         self._review_event = [(review, getattr(review.__self__, "reviews_without_event", True))
                               for review in overriding("review_event")]
+        first = next((i for i, (_, without) in enumerate(self._review_event) if without),
+                     len(self._review_event))
+        self._review_without_event = self._review_event[first:]
         self._on_event = overriding("on_event")
 
     # ------------------------------------------------------------------ hooks (hot path)
@@ -590,9 +593,10 @@ class Recorder:
             return None if dynamo_compiling() else self._stand_aside()
         if self._aside_thread is not None:
             self._aside_thread = None  # a traced call that never returned (it raised past us)
-        if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
+        if self._closed or (self._suspended and self._suspended_thread == _get_ident()) \
+                or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
-        if "torch._dynamo" in sys.modules:
+        if self.entry is self.model and "torch._dynamo" in sys.modules:
             self._refuse_compiled_call()
         if captured():
             return self._stand_aside()
@@ -624,10 +628,11 @@ class Recorder:
                     self._exception_at_start = sys.exc_info()[1]
                     for on_batch_start in self._on_batch_start:
                         on_batch_start(self._batch, args, kwargs)
-                    # A training forward measures its trainable weights once (core.entries).
-                    self.entries.new_forward(self.model.training and torch.is_grad_enabled())
-                    # The model's inputs as handed over, before any module can write into them.
-                    if self._records_frames():
+                    if not self.root_only or self._module_handles:  # _records_frames()
+                        # A training forward measures its trainable weights once
+                        # (core.entries); nothing is measured in a batch without frames.
+                        self.entries.new_forward(self.model.training and torch.is_grad_enabled())
+                        # The model's inputs as handed over, before any module writes into them.
                         self._measure_inputs_now(module, args, kwargs)
         except Exception as error:  # never break the user's forward
             self.internal_error(error)
@@ -647,13 +652,14 @@ class Recorder:
 
     def _refuse_compiled_call(self) -> None:
         """A watch whose hooks sit inside a compiled call sees nothing of its submodules:
-        compiled code skips their hooks (or Dynamo traces them, with graph breaks)."""
+        compiled code skips their hooks (or Dynamo traces them, with graph breaks). Only a
+        watch whose entry is the model itself (the caller checks)."""
         model = self.model
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        if self.entry is model and getattr(model, "_compiled_call_impl", None) is not None \
+        if getattr(model, "_compiled_call_impl", None) is not None \
                 and not self._compiled_in_place and not _forced_eager(eval_frame):
             how = "was compiled in place with module.compile() after nw.watch()"
-        elif self.entry is model and _in_optimized_module():
+        elif _in_optimized_module(eval_frame):
             how = _INSIDE_A_WRAPPER
         else:
             return
@@ -972,10 +978,11 @@ class Recorder:
                 for on_frames_replayed in self._on_frames_replayed:
                     on_frames_replayed(list(frames))
 
-    def conclude(self, batch: int, finding: Finding, *, reason: str, raising: bool) -> None:
+    def conclude(self, batch: int, finding: Finding | None, *, reason: str,
+                 raising: bool) -> None:
         """Outside the lock: what a feature found on its own (e.g. at the end of a backward
-        pass): take its frames, let the features review its event, record it, and raise or
-        warn as ``on_nan`` says (only when ``raising``). ``reason`` as in
+        pass; None: nothing): take its frames, let the features review its event, record it,
+        and raise or warn as ``on_nan`` says (only when ``raising``). ``reason`` as in
         :meth:`Feature.review_event`."""
         self._conclude(batch, None, reason=reason, raising=raising, finished=False,
                        found=finding)
@@ -984,7 +991,7 @@ class Recorder:
                   finished: bool, found: Finding | None = None) -> None:
         """Outside the lock: features that check on their own report what they found (their
         frames are taken), features review the event, it is recorded, then raise/warn/go on."""
-        findings = [found] if found is not None else []
+        findings = None if found is None else [found]  # none on a clean batch: no list
         for find_event in self._find_event:
             try:
                 finding = find_event(batch, event, reason)
@@ -994,13 +1001,17 @@ class Recorder:
                 self.internal_error(error)
                 continue
             if finding is not None:
-                findings.append(finding)
-        for finding in findings:
-            if finding.frames:
-                self._take_replayed(finding.frames)
-            if event is None:
-                event = finding.event
-        for review_event, without_event in self._review_event:
+                findings = [finding] if findings is None else findings + [finding]
+        if findings is not None:
+            for finding in findings:
+                if finding.frames:
+                    self._take_replayed(finding.frames)
+                if event is None:
+                    event = finding.event
+        # Without an event, the reviews before the first that runs without one are skipped
+        # (the loop below would skip them): on a clean batch only those that always run.
+        for review_event, without_event in (self._review_event if event is not None
+                                            else self._review_without_event):
             if event is None and not without_event:
                 continue
             try:
@@ -1110,7 +1121,8 @@ class Recorder:
         with self._lock:
             if self._closed:
                 return
-            self.records.add_history_row(batch, module, abs_max, abs_min)
+            records = self.records
+            records.history.record(batch, records.name_index[module], abs_max, abs_min, False)
             for on_output_magnitude in self._on_output_magnitude:
                 on_output_magnitude(batch, module, abs_max, abs_min)
 

@@ -49,7 +49,8 @@ class Records:
         self.trace_frames: dict[int, list[Frame]] = {}
         self.events: list[NanEvent] = []
         self.events_dropped = 0
-        self._name_index = {name: i for i, name in enumerate(module_names)}
+        #: module name -> its column in the history
+        self.name_index = {name: i for i, name in enumerate(module_names)}
 
     def take(self, frames: list[Frame], *, verdict: bool = True,
              window: Window | None = None) -> NanEvent | None:
@@ -57,34 +58,36 @@ class Records:
         first event (not recorded yet), whose report shows ``window(frames, position)`` (by
         default the ring's frames before them and theirs)."""
         event: NanEvent | None = None
-        history_rows: list[tuple[int, int, float, float, bool]] = []
-        name_index = self._name_index
+        name_index = self.name_index
+        record = self.history.record
         trace_batches = self.trace_batches
         window = window or self.ring.window_ending_with
         for position, frame in enumerate(frames):
             bad = False
+            entries = frame.entries
             first_output = frame.first_output
-            for slot, entry in enumerate(frame.entries):
-                stats = entry.stats
-                if stats is None:
-                    continue
-                nonfinite = stats.nan or stats.inf
-                if nonfinite:
+            for slot in range(first_output):  # weights and inputs: only the verdict
+                stats = entries[slot][1]
+                if stats is not None and (stats.nan or stats.inf):
                     bad = True
-                if slot >= first_output:  # Frame.outputs(), inlined: this runs every batch
-                    history_rows.append((frame.batch, name_index[frame.module], stats.abs_max,
-                                         stats.abs_min, nonfinite))
+            if first_output < len(entries):  # outputs (Frame.outputs(), inlined): their row
+                column = None
+                for slot in range(first_output, len(entries)):
+                    stats = entries[slot][1]
+                    if stats is None:
+                        continue
+                    nonfinite = stats.nan or stats.inf
+                    if nonfinite:
+                        bad = True
+                    if column is None:
+                        column = name_index[frame.module]
+                    record(frame.batch, column, stats.abs_max, stats.abs_min, nonfinite)
             if bad and verdict and event is None:
                 event = self.detector.event_at(frames, position, window)
             if trace_batches and frame.batch in trace_batches:
                 self.trace_frames.setdefault(frame.batch, []).append(frame)
-        self.history.record_many(history_rows)
         self.ring.extend(frames)
         return event
-
-    def add_history_row(self, batch: int, module: str, abs_max: float, abs_min: float) -> None:
-        """Fold a module's output magnitude measured outside the frames into ``batch``'s row."""
-        self.history.record(batch, self._name_index[module], abs_max, abs_min, False)
 
     def add_event(self, event: NanEvent) -> bool:
         """Keep ``event`` (or count it past ``max_events``); False when it is kept already."""

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_leaves", "Unread", "kind_of", "SEQUENCE", "ATTRIBUTES", "LEAF", "OTHER"]
+__all__ = ["iter_leaves", "Unread", "kind_of", "SEQUENCE", "MAPPING", "ATTRIBUTES", "LEAF",
+           "OTHER"]
 
 _Tensor = torch.Tensor
 _SCALARS = (str, bytes, int, float, bool, complex, type(None))
@@ -97,16 +98,18 @@ def _kind_of_type(kind: type) -> int:
     return _ATTRIBUTES
 
 
-# What kind_of() tells a caller that walks values itself: a tuple or list, an object whose
-# public attributes are its children (or a leaf, when it has none), a leaf, or anything else
-# (ask iter_leaves).
-SEQUENCE, ATTRIBUTES, LEAF, OTHER = _SEQUENCE, _ATTRIBUTES, _LEAF, -1
+# What kind_of() tells a caller that walks values itself: a tuple or list, a mapping, an
+# object whose public attributes are its children (or a leaf, when it has none), a leaf, or
+# anything else (ask iter_leaves).
+SEQUENCE, MAPPING, ATTRIBUTES, LEAF, OTHER = _SEQUENCE, _MAPPING, _ATTRIBUTES, _LEAF, -1
+_WALKED_BY_CALLERS = (_SEQUENCE, _MAPPING, _ATTRIBUTES, _LEAF)
 
 
 def kind_of(value: Any) -> int:
     """How :func:`iter_leaves` walks a value that is neither a tensor nor a scalar: one of
-    :data:`SEQUENCE`, :data:`ATTRIBUTES`, :data:`LEAF`, or :data:`OTHER` (mappings, sets,
-    dataclasses, iterators, proxies: walk it with :func:`iter_leaves`)."""
+    :data:`SEQUENCE`, :data:`MAPPING` (children ``role.key``, or ``role[key!r]`` for a key that
+    is not a string, in ``items()`` order), :data:`ATTRIBUTES`, :data:`LEAF`, or :data:`OTHER`
+    (sets, dataclasses, iterators, proxies: walk it with :func:`iter_leaves`)."""
     kind = type(value)
     if kind is not value.__class__:  # a proxy that says it is something else
         return OTHER
@@ -116,7 +119,7 @@ def kind_of(value: Any) -> int:
             known = _KINDS[kind] = _kind_of_type(kind)
         except Exception:  # an odd metaclass: the long way
             known = OTHER
-    return known if known in (_SEQUENCE, _ATTRIBUTES, _LEAF) else OTHER
+    return known if known in _WALKED_BY_CALLERS else OTHER
 
 
 def _children(value: Any, role: str) -> Iterator[tuple[str, Any]] | Unread | None:

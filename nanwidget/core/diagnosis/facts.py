@@ -47,8 +47,9 @@ class WeightLog:
             count = frame.first_input  # weights come first; backward frames have none
             if count:
                 batch = frame.batch
-                for entry in frame.entries[:count]:
-                    stats = entry[1]
+                entries = frame.entries
+                for slot in range(count):  # no slice built (every batch in full mode)
+                    stats = entries[slot][1]
                     if stats is not None:
                         total += stats.abs_max
         if batch < 0:

@@ -42,6 +42,9 @@ _data_ptr = torch.Tensor.data_ptr
 # operator.call is Python 3.11's; the same, slower, before it
 _call = getattr(operator, "call", None) or (lambda getter, key: getter(key))
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+_cpu_rng_state = torch.default_generator.get_state  # torch.get_rng_state(), without its wrapper
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
 # The roles of positional inputs, made once (one string per batch is measurable here).
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 
@@ -163,10 +166,6 @@ class WeightSlots:
     def read(self) -> list[torch.Tensor | None]:
         return list(map(_call, self._getters, self.keys))  # one C loop (hot path)
 
-    def training_flags(self) -> list[bool]:
-        """Every module's ``training`` flag, in ``modules`` order."""
-        return list(map(_training_getter, self.modules))
-
 
 def versions_of(tensors: list[torch.Tensor | None]) -> list[int]:
     """Version counters (-1 for None and inference tensors)."""
@@ -254,26 +253,43 @@ class BatchCapture(Feature):
             capture.args = args
             capture.kwargs = kwargs
             capture.inputs = [("input[0]", first)]  # type: ignore[list-item]
-            capture.input_versions = [version_of(first)]  # type: ignore[arg-type]
+            try:
+                capture.input_versions = [first._version]  # type: ignore[union-attr]
+            except RuntimeError:  # an inference tensor: no version counter (version_of)
+                capture.input_versions = [-1]
         else:
             self._hold_inputs(capture, args, kwargs)
-        capture.cpu_rng = torch.get_rng_state()
+        # Every batch: the reads below are inlined (WeightSlots.read, versions_of and
+        # layouts_of in their usual case), each one C loop; every module's training flag.
+        capture.cpu_rng = _cpu_rng_state()
         capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        capture.grad_enabled = torch.is_grad_enabled()
-        capture.inference = torch.is_inference_mode_enabled()
-        capture.autocast = _autocast_state()
-        capture.training = self.slots.training_flags()
-        weights = self.slots.read()
-        capture.weights = weights
-        capture.weight_versions = versions_of(weights)
+        capture.grad_enabled = _is_grad_enabled()
+        capture.inference = _is_inference_mode_enabled()
+        capture.autocast = () if _any_autocast is not None and not _any_autocast() \
+            else _autocast_state()
+        slots = self.slots
+        capture.training = list(map(_training_getter, slots.modules))
+        capture.weights = weights = list(map(_call, slots._getters, slots.keys))
+        try:
+            capture.weight_versions = list(map(_version_getter, weights))
+            # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a
+            # version bump.
+            capture.weight_layout = list(zip(map(_data_ptr, weights), map(_dtype_getter, weights)))
+        except Exception:  # a slot set to None, an inference tensor, a pointer-less subclass
+            capture.weight_versions = versions_of(weights)
+            capture.weight_layout = layouts_of(weights)
         capture.steps = steps_taken()  # fused optimizer steps move no version counter
-        # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a version bump.
-        capture.weight_layout = layouts_of(weights)
         if self.snapshot_weights:
             capture.snapshot = self._snapshot(weights)
         if held is None:
-            held = self.held[batch] = HeldBatch(batch)
-            self._evict()
+            every = self.held
+            held = every[batch] = HeldBatch(batch)
+            if len(every) > self.keep:
+                if self.event_batches or self.trace_batches:
+                    self._evict_unpinned()
+                else:  # nothing pinned (the usual case): the oldest go, no list built
+                    while len(every) > self.keep:
+                        every.popitem(last=False)
         held.forwards.append(capture)
 
     @staticmethod
@@ -334,7 +350,10 @@ class BatchCapture(Feature):
         if last.end_input_versions is None:
             inputs = last.inputs
             if len(inputs) == 1 and type(inputs[0][1]) in _PLAIN:  # model(x): no list to build
-                last.end_input_versions = [version_of(inputs[0][1])]
+                try:
+                    last.end_input_versions = [inputs[0][1]._version]
+                except RuntimeError:  # an inference tensor: no version counter (version_of)
+                    last.end_input_versions = [-1]
             else:
                 last.end_input_versions = _input_versions([t for _, t in inputs])
             if self.slots.buffer_positions:
@@ -347,15 +366,9 @@ class BatchCapture(Feature):
         if event.batch in self.held and len(self.event_batches) < MAX_EVENT_BATCHES:
             self.event_batches.add(event.batch)
 
-    def _evict(self) -> None:
+    def _evict_unpinned(self) -> None:
+        """Past ``keep``: the oldest batches that neither an event nor ``trace_batches`` pins go."""
         held = self.held
-        if len(held) <= self.keep:
-            return
-        if not self.event_batches and not self.trace_batches:
-            # Nothing pinned (the usual case): the oldest go, with no list built per batch.
-            while len(held) > self.keep:
-                held.popitem(last=False)
-            return
         recent = [b for b in held if b not in self.event_batches and b not in self.trace_batches]
         for batch in recent[:max(0, len(recent) - self.keep)]:
             del held[batch]

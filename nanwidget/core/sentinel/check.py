@@ -31,8 +31,7 @@ from .. import native
 from ..stats import PLAIN_TENSOR_TYPES, local_shard, measure_tensor, plain_view
 from ..walk import iter_leaves
 
-__all__ = ["NonFiniteCheck", "BadTensor", "float_leaves", "checkable", "device_numbers",
-           "clean_range"]
+__all__ = ["NonFiniteCheck", "BadTensor", "float_leaves", "checkable", "device_numbers"]
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -110,16 +109,6 @@ def float_leaves(output: Any, role: str = "output") -> list[tuple[str, torch.Ten
             if values is not None:
                 found.append((leaf_role, leaf, values))
     return found
-
-
-def clean_range(tensor: torch.Tensor, result: Any) -> tuple[float, float] | None:
-    """(abs min, abs max) of a plain tensor the native kernel reads, when every value is
-    finite; None when the kernel cannot read it or it holds a NaN or an Inf (the general
-    check then says which)."""
-    if tensor.layout is not _STRIDED or tensor.is_nested or not native.available():
-        return None
-    found = native.contiguous_range(tensor, result)
-    return found if found is not None and found[1] < math.inf else None
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:

@@ -49,8 +49,10 @@ no compiled re-run.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -61,7 +63,7 @@ from ..frames import Frame, frames_to_dataframe
 from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
 from ..replay.run import Replayed, automatic_loss, replay_frames
-from .check import BadTensor, NonFiniteCheck, checkable, clean_range, float_leaves
+from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
 from .compiled import rerun_compiled
 
 __all__ = ["Sentinel", "DEFER_CHOICES"]
@@ -74,6 +76,9 @@ def _replay_failed(batch: int, error: Exception) -> str:
     return f"not replayed: the replay of batch {batch} failed ({type(error).__name__}: {text})"
 
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
+_INF = math.inf
+_contiguous_range = native.contiguous_range
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 # When the output check of a training forward is read: "device" (only when it waits for a
@@ -137,9 +142,10 @@ class Sentinel(Feature):
         self._forward_index = 0
         # (batch, forward index, check) of the root forward that just returned.
         self._check: tuple[int, int, NonFiniteCheck] | None = None
-        # (batch, abs min, abs max, dtype) of a root output found clean at once (the common
-        # case: one tensor the native kernel read), instead of a check.
-        self._clean: tuple[int, float, float, torch.dtype] | None = None
+        # The common case (one plain tensor on CPU, read by the native kernel at the forward's
+        # return, its row shown at once): whether it may be taken (not with reads deferred on
+        # purpose, nor without the kernel).
+        self._read_at_once = defer_reads != "always" and native.available()
         # Checks whose read waits for the end of the backward pass (see the module docstring).
         self._deferred: list[tuple[int, int, NonFiniteCheck]] = []
         # batch -> per root forward: the gradient each output leaf received (by role).
@@ -178,15 +184,20 @@ class Sentinel(Feature):
             self._detach()
 
     def on_batch_output(self, batch: int, output: Any) -> None:
-        if type(output) is _Tensor and self._hooked_batch != batch \
-                and self.defer_reads != "always":
-            # The common case (one plain tensor on CPU): the native kernel reads it now and a
-            # clean result is all that is kept (its check would not wait for the backward pass).
-            clean = clean_range(output, self._result)
-            if clean is not None:
+        if type(output) is _Tensor and self._read_at_once and self._hooked_batch != batch \
+                and output.layout is _STRIDED and not output.is_nested:
+            # The common case (one plain tensor on CPU): the native kernel reads it now; clean,
+            # its row is shown at once and nothing is kept (its check would not wait for the
+            # backward pass). Else (NaN/Inf, or a tensor the kernel does not take) the general
+            # check below says which.
+            clean = _contiguous_range(output, self._result)
+            if clean is not None and clean[1] < _INF:
                 self.checks += 1
                 self._check = None
-                self._clean = (batch, clean[0], clean[1], output.dtype)
+                # _show_clean, inlined (every batch)
+                self.outputs_batch, self.outputs_abs_max, self.outputs_dtype = \
+                    batch, clean[1], output.dtype
+                self.recorder.add_history_row(batch, self._root_name, clean[1], clean[0])
                 if self.backward and output.requires_grad and torch.is_grad_enabled():
                     self._hook_output_grads(batch, self._forward_index, [("output", output)])
                 return
@@ -221,7 +232,7 @@ class Sentinel(Feature):
         slot: dict[str, torch.Tensor] = {}
         grads[forward] = slot
         for role, leaf in needing:
-            leaf.register_hook(self._grad_hook(batch, slot, role))
+            leaf.register_hook(partial(self._output_grad, batch, slot, role))
 
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         if self._hooked_batch == batch:
@@ -237,13 +248,10 @@ class Sentinel(Feature):
         backward never came); a NaN/Inf is replayed into its event and frames."""
         if reason != "forward":
             return None
-        clean, self._clean = self._clean, None
-        if clean is not None and event is None and not self._deferred:
-            self._show_clean(*clean)  # the common case, in short
-            return None if self._replay_sample != batch else self._record_by_replay(batch)
-        if clean is not None:
-            self._show_clean(*clean)
         pending, self._check = self._check, None
+        if pending is None and event is None and not self._deferred:
+            # The common case, in short (a clean output read at once, shown already).
+            return None if self._replay_sample != batch else self._record_by_replay(batch)
         stale = [d for d in self._deferred if d[0] != batch]  # a backward never came for them
         if stale:
             self._deferred = [d for d in self._deferred if d[0] == batch]
@@ -291,18 +299,19 @@ class Sentinel(Feature):
         self.recorder.add_history_row(batch, self._root_name, abs_max, abs_min)
 
     # ------------------------------------------------------------------ gradients
-    def _grad_hook(self, batch: int, slot: dict[str, torch.Tensor], role: str) -> Any:
-        def hook(grad: torch.Tensor) -> None:
-            if self.recorder.closed:
-                return None
-            slot[role] = grad
-            task = _graph_task_id()
-            if self._queued_task != task:
-                self._queued_task = task
-                self._grad_batch = batch
-                torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+    def _output_grad(self, batch: int, slot: dict[str, torch.Tensor], role: str,
+                     grad: torch.Tensor) -> None:
+        """The hook on an output leaf (bound to its batch, slot and role): hold the gradient
+        it received and queue the end-of-backward check once per backward pass."""
+        if self.recorder.closed:
             return None
-        return hook
+        slot[role] = grad
+        task = _graph_task_id()
+        if self._queued_task != task:
+            self._queued_task = task
+            self._grad_batch = batch
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        return None
 
     def _backward_done(self) -> None:
         """The autograd engine finished a backward pass through the outputs of ``_grad_batch``."""
@@ -311,7 +320,7 @@ class Sentinel(Feature):
         batch = self._grad_batch
         if batch is None or recorder.closed:
             return
-        finding = Finding(None)
+        finding = None
         try:
             grads = self._output_grads.pop(batch, None)
             deferred = []
@@ -319,41 +328,69 @@ class Sentinel(Feature):
                 deferred = [d for d in self._deferred if d[0] == batch]
                 self._deferred = [d for d in self._deferred if d[0] != batch]
             slots = self.capture.slots.read()
-            names = self.capture.slots.names
-            grad_check = NonFiniteCheck(((names[i], checkable(slots[i].grad)) for i in self._params
-                                         if slots[i] is not None and slots[i].grad is not None),
-                                        fused=True, result=self._grad_result)
-            self.grad_checks += 1
-            waiting = [c for _, _, c in deferred if c.waiting] + \
-                ([grad_check] if grad_check.waiting else [])
-            if waiting:
-                self.reads += 1
-                NonFiniteCheck.read_together(waiting)
-            for forward_batch, forward, check in deferred:
-                bad = check.read()
-                if bad and self._root_may_hold_inf:
-                    bad = [b for b in bad if b.nan]
-                if not bad:
-                    self._show_outputs(forward_batch, check)
-                if bad:
-                    finding = self._forward_event(forward_batch, forward, bad)
-                    break
-            if finding.event is None:
-                bad_grads = grad_check.read()
-                if bad_grads and self.defer_grad_replays is not None \
-                        and self.defer_grad_replays(batch):
-                    event = self._grad_event(batch, bad_grads, "")
-                    self._deferred_grad = (event, batch, grads, bad_grads)
-                    finding = Finding(event)
-                elif bad_grads:
-                    finding = self._backward_event(batch, grads, bad_grads)
+            if deferred or not self._grads_clean(slots):
+                finding = self._check_backward(batch, grads, deferred, slots)
+            else:  # the usual CPU step: every gradient read by the kernel, all finite
+                self.grad_checks += 1
         except Exception as error:
             recorder.internal_error(error)
-            finding = Finding(None)
+            finding = None
         # Also with nothing found: the end of a backward pass is a boundary every rank reaches,
         # where the DDP consensus exchanges its flag on every rank (gradients differ between
         # ranks under FSDP2 and no_sync(), so the others may not have found anything).
         recorder.conclude(batch, finding, reason="backward", raising=True)
+
+    def _check_backward(self, batch: int, grads: list | None, deferred: list,
+                        slots: list) -> Finding | None:
+        """The general check at the end of a backward pass: the parameters' gradients and the
+        output checks that waited for it, read together; what they found, replayed."""
+        names = self.capture.slots.names
+        grad_check = NonFiniteCheck(((names[i], checkable(slots[i].grad)) for i in self._params
+                                     if slots[i] is not None and slots[i].grad is not None),
+                                    fused=True, result=self._grad_result)
+        self.grad_checks += 1
+        waiting = [c for _, _, c in deferred if c.waiting] + \
+            ([grad_check] if grad_check.waiting else [])
+        if waiting:
+            self.reads += 1
+            NonFiniteCheck.read_together(waiting)
+        finding = None
+        for forward_batch, forward, check in deferred:
+            bad = check.read()
+            if bad and self._root_may_hold_inf:
+                bad = [b for b in bad if b.nan]
+            if not bad:
+                self._show_outputs(forward_batch, check)
+            if bad:
+                finding = self._forward_event(forward_batch, forward, bad)
+                break
+        if finding is not None and finding.event is not None:
+            return finding
+        bad_grads = grad_check.read()
+        if bad_grads and self.defer_grad_replays is not None \
+                and self.defer_grad_replays(batch):
+            event = self._grad_event(batch, bad_grads, "")
+            self._deferred_grad = (event, batch, grads, bad_grads)
+            return Finding(event)
+        if bad_grads:
+            return self._backward_event(batch, grads, bad_grads)
+        return finding
+
+    def _grads_clean(self, slots: list) -> bool:
+        """Whether every parameter's gradient is a tensor the native kernel reads (dense,
+        contiguous, on CPU) and all of them are finite: the usual step, checked without a
+        :class:`NonFiniteCheck`. False also when one is not such a tensor (the general check
+        then looks at them all)."""
+        result = self._grad_result
+        for i in self._params:
+            param = slots[i]
+            grad = param.grad if param is not None else None
+            if grad is None:
+                continue
+            found = _contiguous_range(grad, result)
+            if found is None or not found[1] < _INF:
+                return False
+        return True
 
     def detail_grad_event(self, event: NanEvent) -> Finding:
         """The gradient event found at the end of a backward pass and held (a GradScaler
@@ -594,7 +631,6 @@ class Sentinel(Feature):
         self._output_grads.clear()
         self._deferred.clear()
         self._check = None
-        self._clean = None
         self._own_event = None
 
 
