@@ -35,6 +35,7 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -130,18 +131,7 @@ def contiguous_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, fl
     ``2**22`` elements), eligibility and read in one call (every module call); None when the
     kernel is not loaded yet or the tensor is not such a tensor: :func:`eligible` and
     :func:`abs_range` then have the full rules. ``out``: a :func:`result_buffer`."""
-    kernel = _kernel
-    if kernel is None or type(tensor) not in _PLAIN_TYPES or not tensor.is_cpu:
-        return None
-    kind = _KINDS.get(tensor.dtype)
-    count = tensor.numel()
-    if kind is None or not 0 < count <= _ONE_THREAD_ELEMENTS or not tensor.is_contiguous():
-        return None
-    pointer = tensor.data_ptr()
-    if not pointer:
-        return None
-    kernel(pointer, count, kind, out.address)
-    return out[0], out[1]
+    return _read_contiguous(_kernel, _KINDS, tensor, out)
 
 
 def int_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, float] | None:
@@ -149,10 +139,16 @@ def int_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, float] | 
     elements), signed and as floats (rounded to nearest, as torch converts them), read once;
     None when the kernel is not loaded or the tensor is not such a tensor (torch then
     reduces it). ``out``: a :func:`result_buffer`."""
-    kernel = _int_kernel
+    return _read_contiguous(_int_kernel, _INT_KINDS, tensor, out)
+
+
+def _read_contiguous(kernel: Any, kinds: dict[torch.dtype, int], tensor: torch.Tensor,
+                     out: ctypes.Array) -> tuple[float, float] | None:
+    """``kernel``'s two results for a contiguous plain CPU tensor of a dtype in ``kinds`` (at
+    most ``2**22`` elements, storage allocated), or None for any other tensor."""
     if kernel is None or type(tensor) not in _PLAIN_TYPES or not tensor.is_cpu:
         return None
-    kind = _INT_KINDS.get(tensor.dtype)
+    kind = kinds.get(tensor.dtype)
     count = tensor.numel()
     if kind is None or not 0 < count <= _ONE_THREAD_ELEMENTS or not tensor.is_contiguous():
         return None

@@ -739,19 +739,9 @@ class Recorder:
         thread = _get_ident()
         if self._suspended and self._suspended_thread == thread:
             return None
-        if self._root_thread != thread or not self._root_depth:
-            if _graph_task_id() >= 0:
-                return None  # a recomputation during backward (torch.utils.checkpoint)
-            if self._aside_thread == thread or tracing():
-                if info.is_root:
-                    self._aside_thread = None
-                return None  # a tracer runs the model: the watch stands aside
-            # Not inside this thread's own root forward: a call refused with
-            # ConcurrentForwardError unwinds through always_call hooks, recording nothing.
-            if isinstance(sys.exc_info()[1], (ConcurrentForwardError, CompiledCallError)):
-                return None  # nothing ran: nothing to record
-            if self._root_depth:
-                self._refuse_other_thread(info)
+        if (self._root_thread != thread or not self._root_depth) \
+                and self._skips_outside_own_forward(info, thread):
+            return None
         is_root = info.is_root
         try:
             with self._lock:
@@ -789,16 +779,9 @@ class Recorder:
             thread = _get_ident()
             if self._suspended and self._suspended_thread == thread:
                 return None
-            if self._root_thread != thread or not self._root_depth:
-                if _graph_task_id() >= 0:
-                    return None  # a recomputation during backward (torch.utils.checkpoint)
-                if self._aside_thread == thread or tracing():
-                    return None  # a tracer runs the model: the watch stands aside
-                # A call refused with ConcurrentForwardError unwinds through always_call hooks.
-                if isinstance(sys.exc_info()[1], (ConcurrentForwardError, CompiledCallError)):
-                    return None  # nothing ran: nothing to record
-                if self._root_depth:
-                    self._refuse_other_thread(info)
+            if (self._root_thread != thread or not self._root_depth) \
+                    and self._skips_outside_own_forward(info, thread):
+                return None
             try:
                 with lock:
                     entries, first_input, first_output = forward_entries(
@@ -820,6 +803,25 @@ class Recorder:
             return None
 
         return _forward_hook
+
+    def _skips_outside_own_forward(self, info: ModuleInfo, thread: int) -> bool:
+        """For a module's forward hook running outside this thread's own root forward: True
+        when the call is not to be recorded (a recomputation during backward, a tracer running
+        the model, a call refused before it ran); raises ConcurrentForwardError for a module
+        run while another thread's root forward may be running."""
+        if _graph_task_id() >= 0:
+            return True  # a recomputation during backward (torch.utils.checkpoint)
+        if self._aside_thread == thread or tracing():
+            if info.is_root:
+                self._aside_thread = None
+            return True  # a tracer runs the model: the watch stands aside
+        # A call refused with ConcurrentForwardError unwinds through always_call hooks,
+        # recording nothing.
+        if isinstance(sys.exc_info()[1], (ConcurrentForwardError, CompiledCallError)):
+            return True  # nothing ran: nothing to record
+        if self._root_depth:
+            self._refuse_other_thread(info)
+        return False
 
     def _refuse_other_thread(self, info: ModuleInfo) -> None:
         """A module ran in this thread while another thread's root forward may be running."""
