@@ -726,6 +726,9 @@ class Recorder:
         return None
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The root's forward hook (on the entry, and on the model for direct calls of a
+        compiled model's original): its frame when the batch records frames, then the batch's
+        end. Other modules have :meth:`_module_forward_hook`'s."""
         if export_flag._is_exporting_flag:
             # torch.export traces the model (under Dynamo, in strict mode): when the root
             # returns from a non-strict export, the watch no longer stands aside.
@@ -742,12 +745,11 @@ class Recorder:
         if (self._root_thread != thread or not self._root_depth) \
                 and self._skips_outside_own_forward(info, thread):
             return None
-        is_root = info.is_root
         try:
             with self._lock:
-                if not is_root or self._records_frames():
+                if self._records_frames():
                     measured = info.pre_entries.pop() if info.pre_entries else None
-                    # The module's weights (also for the compile wrapper's call: the model's).
+                    # The model's weights (also for the compile wrapper's call).
                     entries, first_input, first_output = self.entries.forward_entries(
                         info.weights, info.has_state, args, kwargs, output, measured,
                         cache_weights=not info.sharded)
@@ -757,8 +759,7 @@ class Recorder:
                         self._warn_unread()
         except Exception as error:
             self.internal_error(error)
-        if is_root:
-            self._finish_root(sys.exc_info()[1], output)
+        self._finish_root(sys.exc_info()[1], output)
         return None
 
     def _module_forward_hook(self, info: ModuleInfo) -> Any:

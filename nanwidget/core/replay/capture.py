@@ -247,37 +247,18 @@ class BatchCapture(Feature):
             held.truncated = True
             return
         capture = ForwardCapture()
-        first = args[0] if len(args) == 1 else None
-        if not kwargs and type(first) in _PLAIN and first.grad_fn is None:  # type: ignore[union-attr]
-            # The usual call, model(x): what _hold_inputs makes of it, without its loops.
-            capture.args = args
-            capture.kwargs = kwargs
-            capture.inputs = [("input[0]", first)]  # type: ignore[list-item]
-            try:
-                capture.input_versions = [first._version]  # type: ignore[union-attr]
-            except RuntimeError:  # an inference tensor: no version counter (version_of)
-                capture.input_versions = [-1]
-        else:
-            self._hold_inputs(capture, args, kwargs)
-        # Every batch: the reads below are inlined (WeightSlots.read, versions_of and
-        # layouts_of in their usual case), each one C loop; every module's training flag.
+        self._hold_inputs(capture, args, kwargs)
         capture.cpu_rng = _cpu_rng_state()
         capture.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         capture.grad_enabled = _is_grad_enabled()
         capture.inference = _is_inference_mode_enabled()
-        capture.autocast = () if _any_autocast is not None and not _any_autocast() \
-            else _autocast_state()
+        capture.autocast = _autocast_state()
         slots = self.slots
-        capture.training = list(map(_training_getter, slots.modules))
-        capture.weights = weights = list(map(_call, slots._getters, slots.keys))
-        try:
-            capture.weight_versions = list(map(_version_getter, weights))
-            # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a
-            # version bump.
-            capture.weight_layout = list(zip(map(_data_ptr, weights), map(_dtype_getter, weights)))
-        except Exception:  # a slot set to None, an inference tensor, a pointer-less subclass
-            capture.weight_versions = versions_of(weights)
-            capture.weight_layout = layouts_of(weights)
+        capture.training = list(map(_training_getter, slots.modules))  # one C loop
+        capture.weights = weights = slots.read()
+        capture.weight_versions = versions_of(weights)
+        # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a version bump.
+        capture.weight_layout = layouts_of(weights)
         capture.steps = steps_taken()  # fused optimizer steps move no version counter
         if self.snapshot_weights:
             capture.snapshot = self._snapshot(weights)
@@ -297,6 +278,15 @@ class BatchCapture(Feature):
         """The root forward's inputs as ``capture`` holds them: references (detached aliases of
         tensors made by autograd), copies of structures a forward may change, and the input
         tensors by role with their version counters."""
+        first = args[0] if len(args) == 1 else None
+        if not kwargs and type(first) in _PLAIN and first.grad_fn is None:  # type: ignore[union-attr]
+            # The usual call, model(x) (every batch): what the general path below makes of it,
+            # without its loops.
+            capture.args = args
+            capture.kwargs = kwargs
+            capture.inputs = [("input[0]", first)]  # type: ignore[list-item]
+            capture.input_versions = versions_of([first])
+            return
         # Tensors made by autograd are held as detached aliases (same data and version counter)
         # so that a held batch does not keep the graph behind them alive.
         if _made_by_autograd(args):
@@ -348,14 +338,7 @@ class BatchCapture(Feature):
             return
         last = held.forwards[-1]
         if last.end_input_versions is None:
-            inputs = last.inputs
-            if len(inputs) == 1 and type(inputs[0][1]) in _PLAIN:  # model(x): no list to build
-                try:
-                    last.end_input_versions = [inputs[0][1]._version]
-                except RuntimeError:  # an inference tensor: no version counter (version_of)
-                    last.end_input_versions = [-1]
-            else:
-                last.end_input_versions = _input_versions([t for _, t in inputs])
+            last.end_input_versions = _input_versions([t for _, t in last.inputs])
             if self.slots.buffer_positions:
                 weights = last.weights
                 last.end_buffer_versions = [
