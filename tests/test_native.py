@@ -131,12 +131,18 @@ def test_big_tensors_go_to_torchs_threads_when_it_has_more_than_two():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("path", ["native", "torch"])
-def test_both_paths_record_the_same_frames(path, monkeypatch):
-    if path == "native" and not native.available():
+@pytest.fixture(params=["native", "torch"])
+def measuring_path(request, monkeypatch):
+    """Each test runs once per path: the native kernel (skipped, saying why, where it cannot be
+    built here) and the torch ops a machine without a C compiler uses."""
+    if request.param == "native" and not native.available():
         pytest.skip(native.status())
-    if path == "torch":
+    if request.param == "torch":
         monkeypatch.setattr(native, "available", lambda: False)
+    return request.param
+
+
+def test_both_paths_record_the_same_frames(measuring_path):
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4).to(torch.float64))
 
@@ -182,12 +188,7 @@ def test_integer_kernel_gives_torchs_signed_range(dtype):
         assert native.int_range(other, out) is None
 
 
-@pytest.mark.parametrize("path", ["native", "torch"])
-def test_both_paths_record_the_same_integer_entries(path, monkeypatch):
-    if path == "native" and not native.available():
-        pytest.skip(native.status())
-    if path == "torch":
-        monkeypatch.setattr(native, "available", lambda: False)
+def test_both_paths_record_the_same_integer_entries(measuring_path):
     model = nn.Embedding(100, 4)
     rows = []
     for ids in (torch.tensor([[3, 7], [99, 12]]), torch.tensor([0, 5]),
