@@ -50,7 +50,7 @@ def spy_measured(monkeypatch) -> list[torch.Tensor]:
     from nanwidget.core.stats import AbsMeter
     measured: list[torch.Tensor] = []
     reduce_bits, abs_range = AbsMeter.reduce_bits, native.abs_range
-    contiguous_range = native.contiguous_range
+    read_floats = native.contiguous_reader()  # what the hooks call (bound when a watch starts)
 
     def spy_bits(self, tensor):
         measured.append(tensor)
@@ -61,14 +61,14 @@ def spy_measured(monkeypatch) -> list[torch.Tensor]:
         return abs_range(tensor, out)
 
     def spy_contiguous(tensor, out):
-        found = contiguous_range(tensor, out)
+        found = read_floats(tensor, out)
         if found is not None:  # read; None: not such a tensor, abs_range or torch reads it
             measured.append(tensor)
         return found
 
     monkeypatch.setattr(AbsMeter, "reduce_bits", spy_bits)
     monkeypatch.setattr(native, "abs_range", spy_range)
-    monkeypatch.setattr(native, "contiguous_range", spy_contiguous)
+    monkeypatch.setattr(native, "contiguous_reader", lambda: spy_contiguous)
     return measured
 
 
@@ -132,10 +132,12 @@ def test_input_that_is_the_previous_output_is_reduced_once(reduction_path, monke
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     for p in model.parameters():
         p.requires_grad_(False)
+    spied = spy_measured(monkeypatch)  # before the watch: its hooks take the reader then
     with nw.watch(model):
         model(torch.randn(2, 8))
-        measured = spy_measured(monkeypatch)
+        first = len(spied)
         model(torch.randn(2, 8))
+    measured = spied[first:]
     # x, linear0 out, tanh out, linear2 out: the root's input/output and each module's input
     # are the same tensors as outputs already queued.
     assert len(measured) == 4 and len({t.data_ptr() for t in measured}) == 4

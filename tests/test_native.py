@@ -119,6 +119,75 @@ def test_contiguous_range_reads_what_abs_range_reads_and_leaves_the_rest_to_it()
         assert native.contiguous_range(other, out) is None
 
 
+def _has_python_headers() -> bool:
+    import sysconfig
+    return Path(sysconfig.get_paths()["include"], "Python.h").exists()
+
+
+def test_where_pythons_headers_are_installed_the_hooks_read_in_one_c_call():
+    if not native.available():
+        pytest.skip(native.status())
+    if not _has_python_headers():
+        assert native.status().endswith("called through ctypes (Python's headers were not found)")
+        assert native.contiguous_reader() is native.contiguous_range
+        pytest.skip("no Python headers here: the ctypes path is the one in use")
+    assert native.status().endswith("read in one C call"), native.status()
+    assert native.contiguous_reader() is not native.contiguous_range
+    assert native.int_reader() is not native.int_range
+
+
+@needs_kernel
+def test_the_extensions_readers_take_and_decline_what_contiguous_range_does():
+    out = native.result_buffer()
+    read_floats, read_ints = native.contiguous_reader(), native.int_reader()
+    generator = torch.Generator().manual_seed(5)
+    grid = torch.randn(6, 8, generator=generator)
+    grid[4, 1] = -9.25
+    nan = grid.clone()
+    nan[5, 7] = float("nan")
+    freed = torch.randn(4)
+    freed.untyped_storage().resize_(0)  # FSDP frees storage between forwards: nothing to read
+
+    class Tagged(torch.Tensor):
+        pass
+
+    floats = [grid, grid[2:4], nn.Parameter(grid.clone()), grid.half(), grid.bfloat16(),
+              grid.double(), nan, torch.randn(70_000, generator=generator),  # GIL let go
+              grid.t(), grid[:, ::2], torch.empty(0), torch.empty(3, device="meta"),
+              grid.as_subclass(Tagged), grid.to(torch.int64), freed,
+              torch.empty(native._ONE_THREAD_ELEMENTS + 1)]  # past the one-thread limit
+    ints = [torch.arange(-5, 9), torch.tensor([torch.iinfo(torch.int64).min, 3]),
+            torch.arange(7, dtype=torch.int32), torch.arange(6).reshape(2, 3).t(),
+            torch.arange(4, dtype=torch.int16), torch.empty(0, dtype=torch.int64), grid]
+    for tensor in floats + ints:
+        for read, reference in ((read_floats, native.contiguous_range),
+                                (read_ints, native.int_range)):
+            expected = reference(tensor, out)
+            found = read(tensor, out)
+            if expected is not None and expected[1] != expected[1]:  # NaN: compare as text
+                assert repr(found) == repr(expected)
+            else:
+                assert found == expected, (tensor.dtype, tuple(tensor.shape))
+    assert read_floats(grid, out) == (grid.abs().min().item(), 9.25)
+    with pytest.raises(TypeError):
+        read_floats()
+
+
+def test_without_pythons_headers_the_ctypes_path_reads_the_same(tmp_path):
+    if not any(shutil.which(name) for name in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler on this machine")
+    cache = tmp_path / "cache"
+    no_headers = ("import sysconfig; paths = sysconfig.get_paths; "
+                  "sysconfig.get_paths = lambda *a, **k: {**paths(*a, **k), 'include': '/nowhere'}")
+    result = _run_python(no_headers + "\n" + textwrap.dedent(_RECORD),
+                         NANWIDGET_CACHE_DIR=str(cache))
+    assert result.returncode == 0, result.stderr
+    status, values = result.stdout.strip().splitlines()[-2:]
+    assert status.endswith("called through ctypes (Python's headers were not found)"), status
+    assert values == "0.5 8.0"
+    assert [p.name.split("-")[0] for p in cache.iterdir()] == ["absrange"]  # no extension built
+
+
 def test_big_tensors_go_to_torchs_threads_when_it_has_more_than_two():
     big = torch.empty(native._ONE_THREAD_ELEMENTS + 1)
     threads = torch.get_num_threads()

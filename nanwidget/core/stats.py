@@ -350,12 +350,15 @@ class PendingStats:
     callers hold the recorder's lock.
     """
 
-    __slots__ = ("_meter", "_direct", "_result", "_seen", "_queued", "_held_bytes")
+    __slots__ = ("_meter", "_direct", "_result", "_read_floats", "_read_ints", "_seen", "_queued",
+                 "_held_bytes")
 
     def __init__(self) -> None:
         self._meter = AbsMeter()
         self._direct = native.available()  # builds or loads the kernel now, not in the first batch
         self._result = native.result_buffer()
+        self._read_floats = native.contiguous_reader()
+        self._read_ints = native.int_reader()
         # id -> (weak reference, version, stats) of every tensor measured this batch.
         self._seen: dict[int, tuple[Any, int, TensorStats]] = {}
         self._queued: list[_Queued] = []
@@ -384,7 +387,7 @@ class PendingStats:
                 # tensor, checked and read by the kernel in one call; any other dense layout
                 # after the full check (a functorch wrapper refuses its data pointer: general
                 # path).
-                found = native.contiguous_range(tensor, self._result)
+                found = self._read_floats(tensor, self._result)
                 if found is None and native.eligible(tensor):
                     found = native.abs_range(tensor, self._result)
             except Exception:
@@ -429,7 +432,7 @@ class PendingStats:
             stats.set_finite(0.0, 0.0)
             return
         if not values.is_floating_point():  # integers: their signed range
-            found = native.int_range(values, self._result) if self._direct else None
+            found = self._read_ints(values, self._result) if self._direct else None
             if found is not None:  # read at once by the kernel; what _resolve makes of it
                 stats.set_finite(*_magnitudes(*found))
                 return

@@ -146,7 +146,7 @@ class NonFiniteCheck:
             result = native.result_buffer()
         grouped: dict[tuple[torch.device, torch.dtype], list[tuple[int, str, torch.Tensor]]] = {}
         # Locals in the loop (one pass per gradient, every training step), stored once after it.
-        contiguous_range = native.contiguous_range
+        contiguous_range = native.contiguous_reader()
         checked = 0
         abs_max = abs_min = math.nan
         abs_max_dtype = None

@@ -78,7 +78,6 @@ def _replay_failed(batch: int, error: Exception) -> str:
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
 _INF = math.inf
-_contiguous_range = native.contiguous_range
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 # When the output check of a training forward is read: "device" (only when it waits for a
@@ -146,6 +145,7 @@ class Sentinel(Feature):
         # return, its row shown at once): whether it may be taken (not with reads deferred on
         # purpose, nor without the kernel).
         self._read_at_once = defer_reads != "always" and native.available()
+        self._read_floats = native.contiguous_reader()
         # Checks whose read waits for the end of the backward pass (see the module docstring).
         self._deferred: list[tuple[int, int, NonFiniteCheck]] = []
         # batch -> per root forward: the gradient each output leaf received (by role).
@@ -190,7 +190,7 @@ class Sentinel(Feature):
             # its row is shown at once and nothing is kept (its check would not wait for the
             # backward pass). Else (NaN/Inf, or a tensor the kernel does not take) the general
             # check below says which.
-            clean = _contiguous_range(output, self._result)
+            clean = self._read_floats(output, self._result)
             if clean is not None and clean[1] < _INF:
                 self.checks += 1
                 self._check = None
@@ -381,13 +381,13 @@ class Sentinel(Feature):
         contiguous, on CPU) and all of them are finite: the usual step, checked without a
         :class:`NonFiniteCheck`. False also when one is not such a tensor (the general check
         then looks at them all)."""
-        result = self._grad_result
+        result, read = self._grad_result, self._read_floats
         for i in self._params:
             param = slots[i]
             grad = param.grad if param is not None else None
             if grad is None:
                 continue
-            found = _contiguous_range(grad, result)
+            found = read(grad, result)
             if found is None or not found[1] < _INF:
                 return False
         return True

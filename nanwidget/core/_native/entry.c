@@ -1,0 +1,146 @@
+/* The kernels of absrange.c as a CPython extension module: one call per tensor from the hooks.
+ *
+ * ctypes costs about a microsecond per call (argument conversion, libffi) before the kernel
+ * runs, and the checks that make a tensor safe to hand over (type, device, dtype, size,
+ * contiguity, storage) cost as much again as Python bytecode. Here both are one C function:
+ * the same checks, in the same order, through the tensor's own Python attributes (no torch
+ * headers: nothing here depends on torch's C++ layout), then the kernel.
+ *
+ * contiguous_range(tensor[, out]) and int_range(tensor[, out]) return what
+ * nanwidget.core.native.contiguous_range / int_range return: (low, high) as floats, or None for
+ * a tensor they do not take; an exception raised by one of the tensor's attributes propagates
+ * as it would there. `out` is accepted and ignored (same signature as the ctypes path).
+ * setup() is called once by native.py with the types, the dtype -> kind maps and the size limit.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "absrange.c"
+
+typedef int (*nw_kernel)(const void *, int64_t, int64_t, double *);
+
+static PyObject *tensor_type, *parameter_type, *float_kinds, *int_kinds;
+static PyObject *name_is_cpu, *name_dtype, *name_numel, *name_is_contiguous, *name_data_ptr;
+static long long max_elements;
+
+/* Above this many elements the read takes long enough to let other Python threads run. */
+#define NW_RELEASE_GIL_ELEMENTS (1 << 16)
+
+static PyObject *read_with(PyObject *tensor, PyObject *kinds, nw_kernel kernel) {
+    PyObject *type = (PyObject *)Py_TYPE(tensor);
+    if (tensor_type == NULL || (type != tensor_type && type != parameter_type))
+        Py_RETURN_NONE;
+    PyObject *value = PyObject_GetAttr(tensor, name_is_cpu);
+    if (value == NULL)
+        return NULL;
+    int on_cpu = value == Py_True;
+    Py_DECREF(value);
+    if (!on_cpu)
+        Py_RETURN_NONE;
+    value = PyObject_GetAttr(tensor, name_dtype);
+    if (value == NULL)
+        return NULL;
+    PyObject *kind_object = PyDict_GetItemWithError(kinds, value); /* borrowed */
+    Py_DECREF(value);
+    if (kind_object == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    long kind = PyLong_AsLong(kind_object);
+    if (kind == -1 && PyErr_Occurred())
+        return NULL;
+    value = PyObject_CallMethodNoArgs(tensor, name_numel);
+    if (value == NULL)
+        return NULL;
+    long long count = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    if (count <= 0 || count > max_elements)
+        Py_RETURN_NONE;
+    value = PyObject_CallMethodNoArgs(tensor, name_is_contiguous);
+    if (value == NULL)
+        return NULL;
+    int contiguous = value == Py_True;
+    Py_DECREF(value);
+    if (!contiguous)
+        Py_RETURN_NONE;
+    value = PyObject_CallMethodNoArgs(tensor, name_data_ptr);
+    if (value == NULL)
+        return NULL;
+    void *data = PyLong_AsVoidPtr(value);
+    Py_DECREF(value);
+    if (data == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE; /* storage freed (FSDP between forwards): nothing to read */
+    }
+    double out[2];
+    int status;
+    if (count >= NW_RELEASE_GIL_ELEMENTS) {
+        Py_BEGIN_ALLOW_THREADS
+        status = kernel(data, count, kind, out);
+        Py_END_ALLOW_THREADS
+    } else {
+        status = kernel(data, count, kind, out);
+    }
+    if (status != 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(dd)", out[0], out[1]);
+}
+
+static PyObject *contiguous_range(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "contiguous_range(tensor, out=None)");
+        return NULL;
+    }
+    return read_with(args[0], float_kinds, nanwidget_abs_range);
+}
+
+static PyObject *int_range(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "int_range(tensor, out=None)");
+        return NULL;
+    }
+    return read_with(args[0], int_kinds, nanwidget_int_range);
+}
+
+static PyObject *setup(PyObject *module, PyObject *args) {
+    PyObject *tensor, *parameter, *floats, *ints;
+    long long limit;
+    if (!PyArg_ParseTuple(args, "OOO!O!L", &tensor, &parameter, &PyDict_Type, &floats,
+                          &PyDict_Type, &ints, &limit))
+        return NULL;
+    if (name_is_cpu == NULL) {
+        name_is_cpu = PyUnicode_InternFromString("is_cpu");
+        name_dtype = PyUnicode_InternFromString("dtype");
+        name_numel = PyUnicode_InternFromString("numel");
+        name_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+        name_data_ptr = PyUnicode_InternFromString("data_ptr");
+        if (!name_is_cpu || !name_dtype || !name_numel || !name_is_contiguous || !name_data_ptr)
+            return NULL;
+    }
+    Py_INCREF(tensor);
+    Py_INCREF(parameter);
+    Py_INCREF(floats);
+    Py_INCREF(ints);
+    Py_XSETREF(tensor_type, tensor);
+    Py_XSETREF(parameter_type, parameter);
+    Py_XSETREF(float_kinds, floats);
+    Py_XSETREF(int_kinds, ints);
+    max_elements = limit;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"contiguous_range", (PyCFunction)(void (*)(void))contiguous_range, METH_FASTCALL, NULL},
+    {"int_range", (PyCFunction)(void (*)(void))int_range, METH_FASTCALL, NULL},
+    {"setup", setup, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef definition = {PyModuleDef_HEAD_INIT, "_nanwidget_entry", NULL, -1,
+                                        methods};
+
+PyMODINIT_FUNC PyInit__nanwidget_entry(void) { return PyModule_Create(&definition); }
