@@ -273,3 +273,25 @@ def test_a_watch_dropped_unclosed_lets_go_of_the_scaler_when_collected():
     assert "scale" not in scaler.__dict__ and "update" not in scaler.__dict__
     assert len(torch_optimizer._global_optimizer_pre_hooks) == hooks
     _train(Net(), scaler, 2)  # the scaler works as ever
+
+
+def test_a_copy_of_a_watched_scaler_acts_on_itself_and_pickles():
+    import copy
+    import pickle
+    scaler = _scaler()
+    model = Net()
+    loss = torch.tensor(3.0)
+    with nw.watch(model, backward=True, grad_scaler=scaler) as watch:
+        twin = copy.deepcopy(scaler)  # e.g. a checkpoint helper copying the training state
+        restored = pickle.loads(pickle.dumps(scaler))  # failed while watched, before
+        for copied in (twin, restored):
+            assert copied.scale(loss).item() == 3.0 * 2.0 ** 24  # its own (lazily made) scale
+            copied.update(new_scale=8.0)
+            assert copied.get_scale() == 8.0
+            assert copied.scale(loss).item() == 24.0
+        # the watched scaler is untouched by its copies, and still watched
+        assert scaler.get_scale() == 2.0 ** 24
+        _train(model, scaler, 3)
+        assert len(watch.scaler_skips) >= 1
+    assert "scale" not in scaler.__dict__ and "update" not in scaler.__dict__
+    pickle.dumps(twin)  # a copy made while watched pickles after the watch too

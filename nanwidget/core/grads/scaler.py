@@ -29,7 +29,9 @@ of a run with a GradScaler in the caller's frames, how to tell the watch about t
 
 from __future__ import annotations
 
+import copy
 import sys
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -108,7 +110,7 @@ class ScalerWatch(Feature):
         me = weakref.ref(self)
         self._wrapped: dict[str, Any] = {name: scaler.__dict__.get(name, _ABSENT)
                                          for name in ("scale", "update")}
-        self._wrappers = {name: _weakly(me, f"_{name}", _original(scaler, self._wrapped, name))
+        self._wrappers = {name: _ScalerMethod(me, scaler, name, self._wrapped[name])
                           for name in ("scale", "update")}
         for name, wrapper in self._wrappers.items():
             setattr(scaler, name, wrapper)
@@ -279,6 +281,40 @@ def _original(scaler: Any, wrapped: dict[str, Any], name: str) -> Any:
     if own is not _ABSENT:
         return own
     return getattr(type(scaler), name).__get__(scaler)
+
+
+class _ScalerMethod:
+    """The watch's ``scale`` or ``update`` on the scaler instance: the watch's method while the
+    watch lives, else the scaler's own. A copy of the scaler (``copy.deepcopy``, an EMA or
+    checkpoint helper, ``pickle``) gets the scaler's own method back, bound to the copy, as it
+    would have had without the watch: a copy never acts on the watched scaler, and pickles."""
+
+    __slots__ = ("feature", "scaler", "name", "own")
+
+    def __init__(self, feature: weakref.ref, scaler: Any, name: str, own: Any) -> None:
+        self.feature, self.scaler, self.name, self.own = feature, scaler, name, own
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        alive = self.feature()
+        if alive is None:
+            return _original(self.scaler, {self.name: self.own}, self.name)(*args, **kwargs)
+        return getattr(alive, f"_{self.name}")(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        if self.own is not _ABSENT:  # what the instance held itself before the watch
+            return copy.deepcopy(self.own, memo)
+        twin = memo.get(id(self.scaler), self.scaler)  # the scaler being copied, made already
+        return types.MethodType(getattr(type(twin), self.name), twin)
+
+    def __reduce__(self) -> tuple:
+        if self.own is not _ABSENT:
+            return _same, (self.own,)
+        # Unpickled while the scaler's own state is: the class's method, bound to the new one.
+        return getattr, (self.scaler, self.name)
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _weakly(feature: weakref.ref, method: str, fallback: Any) -> Callable[..., Any]:
