@@ -101,7 +101,7 @@ def test_loss_fn_is_a_function_of_the_notebook_named_by_loss_fn(ip):
     assert ip.user_ns["_nanwatch"].loss_fn is ip.user_ns["criterion"]
     with pytest.raises(UsageError, match="no variable named 'nope' in the notebook"):
         run(ip, "%nanwatch model --loss-fn nope")
-    with pytest.raises(UsageError, match="loss_fn must be a function of the model's output"):
+    with pytest.raises(UsageError, match="--loss-fn must be a function of the model's output"):
         run(ip, "%nanwatch model --loss-fn model.fc1.weight")
     ip.user_ns.pop("criterion")
 
@@ -138,30 +138,40 @@ def test_dotted_names_reach_a_model_inside_an_object(ip):
     ("%nanwatch not_a_model", "'not_a_model' is a list, not a torch.nn.Module"),
     ("%nanwatch model.nothing", "model has no attribute 'nothing'"),
     ("%nanwatch model -n many", "expected a whole number, got 'many'"),
-    ("%nanwatch model -n 0", "must be at least 1"),
+    ("%nanwatch model -n 0", "--frames must be at least 1"),  # the flag, not max_frames
+    ("%nanwatch count", "'count' is an int, not a torch.nn.Module"),
     ("%nanwatch model --on-nan sometimes", "invalid choice: 'sometimes'"),
     ("%nanwatch model --trace-batches 1,x", "batch numbers separated by commas"),
-    ("%nanwatch model --abort-after -2", "batch numbers start at 0"),
+    ("%nanwatch model --abort-after -2", "--abort-after must be at least 0.*batch numbers start at 0"),
     ("%nanwatch model --grad-norm -1", "positive finite number"),
     ("%nanwatch model --skip Relu", "--skip: this model has no module of class 'Relu', so it "
                                    "skips nothing; did you mean 'ReLU'?"),
     ("%nanwatch --off model", "%nanwatch --off model: there is no such watch"),
     ("%nanwatch --off nosuch", "%nanwatch --off nosuch: there is no such watch"),
     ('%nanwatch model --log-dir "abc', "could not read its options (No closing quotation)"),
-    ("%nanwatch model -n 99999999999999999999", "max_frames must be at least 1 and at most"),
+    ("%nanwatch model -n 99999999999999999999", "--frames must be at least 1 and at most"),
     ("%nanwatch model --bogus", "unrecognized arguments: --bogus"),
 ])
 def test_misuse_raises_usage_error_with_a_sentence(ip, line, message):
     ip.user_ns["not_a_model"] = [1, 2]
+    ip.user_ns["count"] = 3
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         run(ip, line)
     assert hook_count(ip.user_ns["model"]) == 0
 
 
+def test_a_cell_naming_a_missing_model_says_the_cell_magic(ip):
+    with pytest.raises(UsageError, match="define the model first, then %%nanwatch missing$"):
+        ip.run_cell_magic("nanwatch", "missing", "1 + 1")
+    with pytest.raises(UsageError, match="'count' is an int, not a torch.nn.Module; %%nanwatch"):
+        ip.user_ns["count"] = 3
+        ip.run_cell_magic("nanwatch", "count", "1 + 1")
+
+
 def test_log_dir_at_a_file_is_a_usage_error(ip, tmp_path):
     target = tmp_path / "notes.txt"
     target.write_text("mine")
-    with pytest.raises(UsageError, match="log_dir must be a directory; .*notes.txt. is a file"):
+    with pytest.raises(UsageError, match="--log-dir must be a directory; .*notes.txt. is a file"):
         run(ip, f"%nanwatch model --log-dir {target}")
     assert target.read_text() == "mine" and hook_count(ip.user_ns["model"]) == 0
 

@@ -262,8 +262,9 @@ class NanwatchMagics(Magics):
                 raise MagicUsageError("%%nanwatch needs a model: %%nanwatch MODEL [options]")
             self._list()
             return None
-        model = self.manager.lookup(self.shell.user_ns, args.model)
-        options = self._options(args)
+        magic = "%nanwatch" if cell is None else "%%nanwatch"
+        model = self.manager.lookup(self.shell.user_ns, args.model, magic)
+        options = self._options(args, magic)
         if cell is None:
             started, replaced = self.manager.start(args.model, model, options)
             self.shell.user_ns["_nanwatch"] = started
@@ -272,7 +273,7 @@ class NanwatchMagics(Magics):
         return args.model, model, options
 
     # ------------------------------------------------------------------ translation
-    def _options(self, args: argparse.Namespace) -> dict[str, Any]:
+    def _options(self, args: argparse.Namespace, magic: str = "%nanwatch") -> dict[str, Any]:
         """The watch options the flags name (the flags are declared with the options)."""
         options = {name: getattr(args, name) for name, declared in OPTIONS.items()
                    if declared.flag is not None and getattr(args, name) is not None}
@@ -280,7 +281,7 @@ class NanwatchMagics(Magics):
             flag = OPTIONS[name].flag
             if flag is not None and flag.lookup:  # a variable of the notebook, found by name
                 options[name] = self.manager.lookup_value(self.shell.user_ns, value,
-                                                          flag.names[-1])
+                                                          flag.names[-1], magic=magic)
         for name, declared in OPTIONS.items():
             needs = declared.needs
             if name in options and needs is not None and options.get(needs.option) != needs.value:

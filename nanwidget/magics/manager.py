@@ -21,7 +21,7 @@ from ..core.events import NanEvent
 from ..core.frames import Frame
 from ..core.stats import dtype_max
 from ..core.recorder import AlreadyWatchedError, Feature
-from ..core.options import SkipTypesWarning, WatchOptions
+from ..core.options import OPTIONS, SkipTypesWarning, WatchOptions
 from ..core.watch import NanWatch, live_watches, watch
 
 __all__ = ["WatchManager", "LiveStatus", "MagicUsageError", "describe_magnitude"]
@@ -142,6 +142,15 @@ class LiveStatus(Feature):
         self.emit(self.line().replace(f"nanwatch {self.name}:", f"nanwatch {self.name} {outcome}:", 1))
 
 
+def _in_flag_words(message: str) -> str:
+    """An option's error as the magic's user reads it: "max_frames must be ..." becomes
+    "--frames must be ..." (the flag they typed)."""
+    for name, declared in OPTIONS.items():
+        if declared.flag is not None and message.startswith(name + " "):
+            return declared.flag.names[-1] + message[len(name):]
+    return message
+
+
 class WatchManager:
     """The watches started by %nanwatch, by the variable name of their model."""
 
@@ -152,19 +161,22 @@ class WatchManager:
 
     # ------------------------------------------------------------------ lookup
     @staticmethod
-    def lookup(namespace: Mapping[str, Any], name: str) -> nn.Module:
-        """The nn.Module that ``name`` (a variable, or a dotted path like ``trainer.model``) names."""
+    def lookup(namespace: Mapping[str, Any], name: str, magic: str = "%nanwatch") -> nn.Module:
+        """The nn.Module that ``name`` (a variable, or a dotted path like ``trainer.model``) names.
+        ``magic``: how the user called it ("%nanwatch" or "%%nanwatch"), for the messages."""
         if not name or not _NAME.match(name):
-            raise MagicUsageError(f"%nanwatch needs the variable name of a model, got {name!r}")
-        value = WatchManager.lookup_value(namespace, name, "", what="the model")
+            raise MagicUsageError(f"{magic} needs the variable name of a model, got {name!r}")
+        value = WatchManager.lookup_value(namespace, name, "", what="the model", magic=magic)
         if not isinstance(value, nn.Module):
-            raise MagicUsageError(f"{name!r} is a {type(value).__name__}, not a torch.nn.Module; "
-                                  "%nanwatch watches a model")
+            kind = type(value).__name__
+            article = "an" if kind[:1].lower() in "aeiou" else "a"
+            raise MagicUsageError(f"{name!r} is {article} {kind}, not a torch.nn.Module; "
+                                  f"{magic} watches a model")
         return value
 
     @staticmethod
     def lookup_value(namespace: Mapping[str, Any], name: str, flag: str,
-                     what: str = "it") -> Any:
+                     what: str = "it", magic: str = "%nanwatch") -> Any:
         """The value that ``name`` (a variable, or a dotted path like ``losses.bce``) names in
         the notebook, for ``flag`` ("" for the model)."""
         given = f"{flag} {name}" if flag else name
@@ -174,7 +186,7 @@ class WatchManager:
         head, *rest = name.split(".")
         if head not in namespace:
             raise MagicUsageError(f"no variable named {head!r} in the notebook; define {what} "
-                                  f"first, then %nanwatch {'MODEL ' if flag else ''}{given}")
+                                  f"first, then {magic} {'MODEL ' if flag else ''}{given}")
         value = namespace[head]
         for position, attribute in enumerate(rest):
             try:
@@ -216,7 +228,7 @@ class WatchManager:
         except SkipTypesWarning as warning:
             raise MagicUsageError(str(warning).replace("skip_types:", "--skip:", 1)) from None
         except (TypeError, ValueError) as error:
-            raise MagicUsageError(str(error)) from None
+            raise MagicUsageError(_in_flag_words(str(error))) from None
         except OSError as error:  # the log directory: a used recording, no permission
             raise MagicUsageError(f"--log-dir {options.get('log_dir')}: "
                                   f"{error.strerror or error}"
