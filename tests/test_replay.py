@@ -378,6 +378,28 @@ def test_input_modified_in_place_is_refused():
             w.replay(0)
 
 
+def test_a_cache_the_model_fills_in_place_is_refused_with_advice_the_user_can_follow():
+    class StaticCacheModel(nn.Module):  # a static KV cache: written in place at every step
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor, past_key_values: torch.Tensor) -> torch.Tensor:
+            past_key_values[0].copy_(x[0])
+            return self.fc(x) + past_key_values.sum()
+
+    model = StaticCacheModel()
+    cache = torch.zeros(4, 3)
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(2, 3), past_key_values=cache)
+        with pytest.raises(InputModifiedError) as refused:
+            w.replay(0)
+    message = str(refused.value)
+    assert "kwarg:past_key_values" in message and "by the model's own forward" in message
+    assert "a cache the model fills in place" in message and "DynamicCache" in message
+    assert "clone() it" not in message  # the user hands no tensor they could clone
+
+
 def test_input_modified_by_the_forward_itself_is_refused_with_that_reason():
     class ScalesItsInput(nn.Module):
         def __init__(self) -> None:

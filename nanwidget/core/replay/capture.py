@@ -445,8 +445,17 @@ def _check_inputs(held: HeldBatch) -> None:
                       and capture.end_input_versions[k] == now)
             when = ("by the model's own forward while the batch ran" if during
                     else "after the batch ran (e.g. by the training loop)")
+            if "cache" in role.lower() or "past_key_value" in role.lower():
+                # A cache the model itself writes in place at every step (transformers'
+                # StaticCache): the user hands no tensor they could clone.
+                advice = ("It is a cache the model fills in place at every step (e.g. a static "
+                          "KV cache): while debugging, use one that is not written in place "
+                          "(transformers' default DynamicCache), or watch in full mode, whose "
+                          "frames are recorded as the batch runs and need no replay")
+            else:
+                advice = ("Give each batch its own tensor, or clone() it before changing it in "
+                          "place")
             raise InputModifiedError(
                 f"cannot replay batch {held.batch}: its {role} ({str(tensor.dtype).replace('torch.', '')} "
                 f"{tuple(tensor.shape)}) was modified in place {when} (version {version} -> {now}), "
-                "so a replay would run on different data. Give each batch its own tensor, or "
-                "clone() it before changing it in place")
+                f"so a replay would run on different data. {advice}")
