@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 
 import hypothesis.strategies as st
 import pytest
@@ -244,6 +247,32 @@ def test_a_tensor_whose_storage_was_freed_gets_a_note_not_a_crash(reduction_path
     scale = frames[(frames.module == "0") & (frames.role == "scale")].iloc[0]
     assert scale.note == "storage freed" and scale.abs_max != scale.abs_max
     assert (frames[frames.role != "scale"].note == "").all()
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_sentinel_leaves_an_output_whose_storage_was_freed_unread(reduction_path, backward):
+    # Such an output holds no values: the sentinel's check skipped it on the kernel path but
+    # ran torch ops on it on the other path, which crashed the process (segmentation fault).
+    code = textwrap.dedent(f"""
+        import torch, nanwidget as nw
+        from nanwidget.core import native
+        if {reduction_path == "torch"!r}:
+            native.available = lambda: False
+        class PassOn(torch.nn.Module):
+            def forward(self, x, y):
+                return x, y * 2
+        model = PassOn()
+        freed = torch.randn(5)
+        freed.untyped_storage().resize_(0)
+        with nw.watch(model, mode="sentinel", backward={backward!r}, on_nan="record") as w:
+            for _ in range(2):
+                model(freed, torch.ones(3))
+            print(w.event, w.history()["abs_max"].tolist())
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "None [2.0, 2.0]"  # y * 2 checked, the freed x skipped
 
 
 def test_structures_walked_directly_give_the_entries_iter_leaves_gives():

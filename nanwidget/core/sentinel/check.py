@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .. import native
-from ..stats import PLAIN_TENSOR_TYPES, local_shard, measure_tensor, plain_view
+from ..stats import PLAIN_TENSOR_TYPES, local_shard, measure_tensor, plain_view, storage_holds
 from ..walk import iter_leaves
 
 __all__ = ["NonFiniteCheck", "BadTensor", "float_leaves", "checkable", "device_numbers"]
@@ -98,15 +98,17 @@ def checkable(tensor: torch.Tensor) -> torch.Tensor | None:
 
 def float_leaves(output: Any, role: str = "output") -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """``(role, leaf, values)`` of every leaf of ``output`` (any structure) holding float
-    values; ``values`` is :func:`checkable` of the leaf."""
+    values; ``values`` is :func:`checkable` of the leaf. A leaf whose storage was freed (or
+    shrunk) holds no values to check: reading it would crash the process."""
     if type(output) is _Tensor and output.dtype.is_floating_point and output.layout is _STRIDED \
             and not output.is_meta and not output.is_nested and output.numel():
-        return [(role, output, output)]  # the common case: one dense float tensor
+        # the common case: one dense float tensor
+        return [(role, output, output)] if storage_holds(output) else []
     found = []
     for leaf_role, leaf in iter_leaves(output, role):
         if isinstance(leaf, _Tensor):
             values = checkable(leaf)
-            if values is not None:
+            if values is not None and storage_holds(values):
                 found.append((leaf_role, leaf, values))
     return found
 
