@@ -249,10 +249,13 @@ def test_a_tensor_whose_storage_was_freed_gets_a_note_not_a_crash(reduction_path
     assert (frames[frames.role != "scale"].note == "").all()
 
 
-@pytest.mark.parametrize("backward", [False, True])
-def test_sentinel_leaves_an_output_whose_storage_was_freed_unread(reduction_path, backward):
-    # Such an output holds no values: the sentinel's check skipped it on the kernel path but
-    # ran torch ops on it on the other path, which crashed the process (segmentation fault).
+@pytest.mark.parametrize("storage", ["freed", "shrunk"])
+@pytest.mark.parametrize("mode, backward", [("full", False), ("sentinel", False),
+                                            ("sentinel", True)])
+def test_an_output_whose_storage_was_freed_or_shrunk_is_left_unread(reduction_path, mode,
+                                                                    backward, storage):
+    # Such an output holds no values (or fewer than it claims): reading it crashed the process
+    # (segmentation fault) on the sentinel's torch path (freed) and on the kernel (shrunk).
     code = textwrap.dedent(f"""
         import torch, nanwidget as nw
         from nanwidget.core import native
@@ -262,17 +265,24 @@ def test_sentinel_leaves_an_output_whose_storage_was_freed_unread(reduction_path
             def forward(self, x, y):
                 return x, y * 2
         model = PassOn()
-        freed = torch.randn(5)
-        freed.untyped_storage().resize_(0)
-        with nw.watch(model, mode="sentinel", backward={backward!r}, on_nan="record") as w:
+        freed = torch.randn(1_000_000)
+        freed.untyped_storage().resize_({0 if storage == "freed" else 4})
+        with nw.watch(model, mode={mode!r}, backward={backward!r}, on_nan="record") as w:
             for _ in range(2):
                 model(freed, torch.ones(3))
-            print(w.event, w.history()["abs_max"].tolist())
+            history = w.history()
+            print(w.event, history[history.module == ""]["abs_max"].tolist())
+            if {mode!r} == "full":
+                frames = w.frames()
+                print(sorted(set(frames[frames.role == "output[0]"].note)))
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip() == "None [2.0, 2.0]"  # y * 2 checked, the freed x skipped
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "None [2.0, 2.0]"  # y * 2 checked, the freed x skipped
+    if mode == "full":
+        assert lines[1] == "['storage freed']"
 
 
 def test_structures_walked_directly_give_the_entries_iter_leaves_gives():

@@ -105,7 +105,16 @@ def eligible(tensor: torch.Tensor) -> bool:
         return False
     if not tensor.is_contiguous() and not _is_dense(tensor.shape, tensor.stride()):
         return False
-    return tensor.data_ptr() != 0  # 0: storage freed (FSDP between forwards), nothing to read
+    # 0: storage freed (FSDP between forwards), nothing to read. A dense tensor spans `count`
+    # elements from its offset, in any order.
+    return tensor.data_ptr() != 0 and _storage_holds(tensor, count)
+
+
+def _storage_holds(tensor: torch.Tensor, span: int) -> bool:
+    """Whether the storage holds ``span`` elements from the tensor's offset: one shrunk under
+    the tensor (``untyped_storage().resize_()``) would be read past its end."""
+    needed = (tensor.storage_offset() + span) * tensor.element_size()
+    return tensor.untyped_storage().nbytes() >= needed
 
 
 def _is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
@@ -175,7 +184,7 @@ def _read_contiguous(kernel: Any, kinds: dict[torch.dtype, int], tensor: torch.T
     if kind is None or not 0 < count <= _ONE_THREAD_ELEMENTS or not tensor.is_contiguous():
         return None
     pointer = tensor.data_ptr()
-    if not pointer:
+    if not pointer or not _storage_holds(tensor, count):
         return None
     kernel(pointer, count, kind, out.address)
     return out[0], out[1]

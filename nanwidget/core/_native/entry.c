@@ -4,7 +4,8 @@
  * runs, and the checks that make a tensor safe to hand over (type, device, dtype, size,
  * contiguity, storage) cost as much again as Python bytecode. Here both are one C function:
  * the same checks, in the same order, through the tensor's own Python attributes (no torch
- * headers: nothing here depends on torch's C++ layout), then the kernel.
+ * headers: nothing here depends on torch's C++ layout), then the kernel. The storage is checked
+ * to hold the elements (a tensor whose storage was shrunk under it is declined, never read).
  *
  * contiguous_range(tensor[, out]) and int_range(tensor[, out]) return what
  * nanwidget.core.native.contiguous_range / int_range return: (low, high) as floats, or None for
@@ -20,11 +21,41 @@
 typedef int (*nw_kernel)(const void *, int64_t, int64_t, double *);
 
 static PyObject *tensor_type, *parameter_type, *float_kinds, *int_kinds;
-static PyObject *name_is_cpu, *name_dtype, *name_numel, *name_is_contiguous, *name_data_ptr;
+static PyObject *name_is_cpu, *name_dtype, *name_numel, *name_is_contiguous, *name_data_ptr,
+    *name_storage_offset, *name_untyped_storage, *name_nbytes, *name_element_size;
 static long long max_elements;
 
 /* Above this many elements the read takes long enough to let other Python threads run. */
 #define NW_RELEASE_GIL_ELEMENTS (1 << 16)
+
+/* Call a method that returns an int; -1 with an exception set on failure. */
+static long long int_method(PyObject *object, PyObject *name) {
+    PyObject *value = PyObject_CallMethodNoArgs(object, name);
+    if (value == NULL)
+        return -1;
+    long long result = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    return result;
+}
+
+/* 0 when the tensor's storage holds its `count` elements from its offset, -1 when it does not
+ * (shrunk), -2 with an exception set. */
+static long long storage_bytes_needed(PyObject *tensor, long long count) {
+    long long offset = int_method(tensor, name_storage_offset);
+    if (offset == -1 && PyErr_Occurred())
+        return -2;
+    long long size = int_method(tensor, name_element_size);
+    if (size == -1 && PyErr_Occurred())
+        return -2;
+    PyObject *storage = PyObject_CallMethodNoArgs(tensor, name_untyped_storage);
+    if (storage == NULL)
+        return -2;
+    long long nbytes = int_method(storage, name_nbytes);
+    Py_DECREF(storage);
+    if (nbytes == -1 && PyErr_Occurred())
+        return -2;
+    return (offset + count) * size <= nbytes ? 0 : -1;
+}
 
 static PyObject *read_with(PyObject *tensor, PyObject *kinds, nw_kernel kernel) {
     PyObject *type = (PyObject *)Py_TYPE(tensor);
@@ -76,6 +107,13 @@ static PyObject *read_with(PyObject *tensor, PyObject *kinds, nw_kernel kernel) 
             return NULL;
         Py_RETURN_NONE; /* storage freed (FSDP between forwards): nothing to read */
     }
+    /* The storage must hold every element: one shrunk under the tensor (resize_) would be read
+     * past its end. */
+    long long needed = storage_bytes_needed(tensor, count);
+    if (needed == -2)
+        return NULL;
+    if (needed < 0)
+        Py_RETURN_NONE;
     double out[2];
     int status;
     if (count >= NW_RELEASE_GIL_ELEMENTS) {
@@ -118,7 +156,12 @@ static PyObject *setup(PyObject *module, PyObject *args) {
         name_numel = PyUnicode_InternFromString("numel");
         name_is_contiguous = PyUnicode_InternFromString("is_contiguous");
         name_data_ptr = PyUnicode_InternFromString("data_ptr");
-        if (!name_is_cpu || !name_dtype || !name_numel || !name_is_contiguous || !name_data_ptr)
+        name_storage_offset = PyUnicode_InternFromString("storage_offset");
+        name_untyped_storage = PyUnicode_InternFromString("untyped_storage");
+        name_nbytes = PyUnicode_InternFromString("nbytes");
+        name_element_size = PyUnicode_InternFromString("element_size");
+        if (!name_is_cpu || !name_dtype || !name_numel || !name_is_contiguous || !name_data_ptr
+            || !name_storage_offset || !name_untyped_storage || !name_nbytes || !name_element_size)
             return NULL;
     }
     Py_INCREF(tensor);
