@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import hypothesis.strategies as st
 import pytest
@@ -337,3 +338,48 @@ def test_structures_walked_directly_give_the_entries_iter_leaves_gives():
         assert [(e.role, e.dtype, e.shape, e.note) for e in got] == \
             [(e.role, e.dtype, e.shape, e.note) for e in expected]
         assert direct.unread_roles == generic.unread_roles
+
+
+class _PassOn(nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_an_uncoalesced_sparse_tensor_is_measured_as_its_dense_values(reduction_path):
+    # Duplicate indices add up: 1 + 2 at one place is a 3, and two large finite values there
+    # are an Inf (the raw stored values said 2 and "finite").
+    model = nn.Sequential(_PassOn())
+    index = torch.tensor([[0, 0], [1, 1]])
+    sums_to_three = torch.sparse_coo_tensor(index, torch.tensor([1.0, 2.0]), (3, 3))
+    overflows = torch.sparse_coo_tensor(index, torch.tensor([3e38, 3e38]), (3, 3))
+    with nw.watch(model, on_nan="record") as w:
+        model(sums_to_three)
+        measured = w.frames().iloc[-1]
+        model(overflows)
+        overflowed = w.frames().iloc[-1]
+    assert (measured.abs_min, measured.abs_max, bool(measured.inf)) == (0.0, 3.0, False)
+    assert bool(overflowed.inf) and w.event is not None and w.event.kind == "inf"
+    with nw.watch(model, mode="sentinel", on_nan="record") as w:
+        model(overflows)
+    assert w.event is not None and w.event.kind == "inf"
+
+
+@pytest.mark.parametrize("dtype", [getattr(torch, name) for name in ("uint16", "uint32", "uint64")
+                                   if hasattr(torch, name)])
+def test_wide_unsigned_integers_get_their_range(reduction_path, dtype):
+    model = nn.Sequential(_PassOn())
+    with nw.watch(model) as w:
+        model(torch.tensor([7, 3, 250], dtype=dtype))
+        frame = w.frames().iloc[-1]
+    assert (frame.abs_min, frame.abs_max, frame.note) == (3.0, 250.0, "")
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_in_a_float8_output_is_found_in_both_modes(reduction_path, mode):
+    model = nn.Sequential(_PassOn())
+    values = torch.tensor([1.0, float("nan"), -2.0]).to(torch.float8_e5m2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "internal error" warning either
+        with nw.watch(model, mode=mode, on_nan="record") as w:
+            model(values)
+    assert w.event is not None and w.event.kind == "nan"

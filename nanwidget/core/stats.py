@@ -46,6 +46,12 @@ _SCRATCH_MIN_ELEMENTS = 1 << 18  # below this a fresh allocation is as cheap as 
 # Integer types of the same width: the view under which |x| is reduced.
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
          torch.float64: torch.int64}
+# Unsigned integers wider than uint8, as what their magnitudes are read from: exact in int64
+# (uint64 above 2**63 does not fit: float64, exact to 2**53, as every float stat is).
+_WIDE_UNSIGNED = {dtype: torch.int64 for dtype in (getattr(torch, "uint16", None),
+                                                  getattr(torch, "uint32", None)) if dtype}
+if getattr(torch, "uint64", None) is not None:
+    _WIDE_UNSIGNED[torch.uint64] = torch.float64
 _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 _INF = math.inf
 _NAN = math.nan
@@ -235,6 +241,8 @@ def _values_of(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         except Exception:
             values = torch.cat([part.reshape(-1) for part in values.unbind()])
     elif values.layout is torch.sparse_coo:
+        if not values.is_coalesced():  # duplicate indices add up: their sums are the values
+            values = values.coalesce()
         stored = values._values()
         implicit_zero = stored.numel() < values.numel()
         values = stored
@@ -248,6 +256,8 @@ def _values_of(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         values = values.dequantize()
     elif values.is_floating_point() and values.dtype not in _BITS:
         values = values.float()  # float8 and friends: reductions need a real float
+    elif values.dtype in _WIDE_UNSIGNED:  # torch has no min/max for these on every device
+        values = values.to(_WIDE_UNSIGNED[values.dtype])
     return values, implicit_zero
 
 

@@ -82,7 +82,8 @@ def checkable(tensor: torch.Tensor) -> torch.Tensor | None:
                 packed = torch.cat([part.reshape(-1) for part in tensor.unbind()])
             tensor = packed
         elif tensor.layout is torch.sparse_coo:
-            tensor = tensor._values()
+            # duplicate indices add up (two finite values can make an Inf)
+            tensor = (tensor if tensor.is_coalesced() else tensor.coalesce())._values()
         elif tensor.layout is not torch.strided:  # compressed sparse layouts
             tensor = tensor.values()
     except (RuntimeError, AttributeError):
@@ -239,15 +240,20 @@ class NonFiniteCheck:
         return self.bad
 
 
+_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def device_numbers(tensors: list[torch.Tensor], dtype: torch.dtype, *, fused: bool) -> torch.Tensor:
     """One float64 number per tensor (all of ``dtype``, on one device), computed where they
     lie: non-finite whenever the tensor holds a NaN or an Inf. ``fused``: L2 norms by one
     ``torch._foreach_norm`` (non-finite, rarely, also when finite values overflow the
     accumulation); else each tensor's largest |x| (its infinity norm: a max keeps a NaN, and
     never overflows)."""
-    if fused and dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    if fused and dtype in _NORM_DTYPES:
         numbers = torch._foreach_norm(tensors, 2, dtype=_accumulator(dtype))
     else:
+        if dtype not in _NORM_DTYPES:  # float8 and friends: norms need a real float
+            tensors = [t.float() for t in tensors]
         numbers = [torch.linalg.vector_norm(t, math.inf) if t.numel() else t.new_zeros(())
                    for t in tensors]
     return torch.stack(numbers).double()
