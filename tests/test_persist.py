@@ -56,6 +56,7 @@ def test_single_process_recording_round_trips_frames_history_and_events(tiny_mlp
     pd.testing.assert_frame_equal(run.event.frames, watch.event.frames)
     assert run.report() == watch.report()
     assert "Detected inf/nan during batch_number=3" in run.report()
+    assert run.finished and run.notes == [] and run.events_dropped == 0
     # The last frames held at close are kept too, so frames() reaches the final batch.
     assert run.frames()["batch"].max() == 4
     assert isinstance(run.frames().loc[0, "shape"], tuple)
@@ -151,6 +152,86 @@ def test_sigkilled_recording_leaves_a_directory_that_loads(tmp_path):
     assert set(run.frames(batch=1)["module"]) == {"", "0", "1", "2"}
     manifest = json.loads((log_dir / "rank-00000" / "manifest.json").read_text())
     assert "closed" not in manifest  # it really died without closing
+    # ... and the loaded run says so, with the last batch it has on disk.
+    last = int(run.history()["batch"].max())
+    assert not run.finished and "not closed" in repr(run)
+    assert run.notes == [
+        "recording not closed: its process is still running, or it ended before closing the "
+        f"watch (killed, or a hard crash); the last batch on disk is {last}; records made after "
+        "the last flush may be missing"]
+    report = subprocess.run([sys.executable, "-m", "nanwidget", "report", str(log_dir)],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert report.stdout.splitlines()[1] == run.notes[0]
+
+
+def test_each_rank_says_whether_its_recording_was_closed(tiny_mlp, tmp_path, monkeypatch,
+                                                         capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with nw.watch(tiny_mlp, log_dir=str(tmp_path)):
+        tiny_mlp(torch.randn(4, 16))
+    monkeypatch.setenv("RANK", "1")
+    still_open = nw.watch(tiny_mlp, log_dir=str(tmp_path), on_nan="record")
+    try:
+        for _ in range(3):
+            tiny_mlp(torch.randn(4, 16))
+        tiny_mlp(torch.full((4, 16), float("nan")))  # an event: batches 0-3 flushed
+        run = load_run(tmp_path)
+        assert run.ranks == [0, 1] and not run.finished
+        assert len(run.notes) == 1 and run.notes[0].startswith(
+            "rank 1: recording not closed: its process is still running, or it ended before "
+            "closing the watch") and "the last batch on disk is 3;" in run.notes[0]
+        assert cli_main(["report", str(tmp_path)]) == 0
+        assert run.notes[0] in capsys.readouterr().out.splitlines()
+    finally:
+        still_open.close()
+    run = load_run(tmp_path)
+    assert run.finished and run.notes == []
+
+
+def test_disk_keeps_the_events_the_watch_keeps_and_counts_the_rest(tiny_mlp, tmp_path,
+                                                                   monkeypatch, capsys):
+    monkeypatch.setenv("NANWIDGET_FLUSH_BATCHES", "1")
+    watch = _train_with_nan(tiny_mlp, tmp_path, batches=3, nan_batch=0, max_events=2)
+    try:
+        for _ in range(4):
+            tiny_mlp(torch.full((4, 16), float("nan")))  # one event each batch
+        tiny_mlp(torch.randn(4, 16))  # a batch end flushes (the last event came after one)
+        assert len(watch.events) == 2 and watch.events_dropped == 3
+        run = load_run(tmp_path)  # still open: the count of the last flush
+        assert [e.batch for e in run.events] == [e.batch for e in watch.events] == [0, 3]
+        assert run.events_dropped == 3
+        assert "at least 3 later event(s) past max_events were counted but not kept " \
+               "(the first 2 are)" in run.notes
+    finally:
+        watch.close()
+    manifest = json.loads((tmp_path / "rank-00000" / "manifest.json").read_text())
+    assert (manifest["events"], manifest["events_dropped"]) == (2, 3)
+    assert len(list((tmp_path / "rank-00000").glob("event-*.json"))) == 2
+    run = load_run(tmp_path)
+    assert run.finished and run.events_dropped == 3 == watch.events_dropped
+    assert run.notes == ["3 later event(s) past max_events were counted but not kept "
+                         "(the first 2 are)"]
+    assert cli_main(["report", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == run.notes[0]
+
+
+def test_a_recording_where_an_older_writer_kept_every_event_counts_none_missing(tiny_mlp,
+                                                                                  tmp_path):
+    # Older nanwidget wrote every event and counted those past max_events in the manifest.
+    watch = _train_with_nan(tiny_mlp, tmp_path, batches=4, nan_batch=0, max_events=1)
+    tiny_mlp(torch.full((4, 16), float("nan")))
+    watch.close()
+    rank_dir = tmp_path / "rank-00000"
+    event = json.loads((rank_dir / "event-000000.json").read_text())
+    for suffix in (".json", ".frames.parquet"):
+        (rank_dir / f"event-000001{suffix}").write_bytes(
+            (rank_dir / f"event-000000{suffix}").read_bytes())
+    (rank_dir / "event-000001.json").write_text(
+        json.dumps(dict(event, frames_file="event-000001.frames.parquet")))
+    run = load_run(tmp_path)
+    assert len(run.events) == 2 and run.events_dropped == 0 and run.notes == []
 
 
 def test_leftover_temporary_files_are_ignored(tiny_mlp, tmp_path):
@@ -172,6 +253,8 @@ def _recorded_dir(tmp_path: Path) -> Path:
     ("event frames missing", "event-000000.frames.parquet"),
     ("event field wrong type", "event-000000.json"),
     ("column of the wrong type", "history-000001.parquet"),
+    ("manifest events_dropped negative", "manifest.json"),
+    ("manifest closed not text", "manifest.json"),
 ])
 def test_damaged_recording_raises_run_load_error_naming_the_file(tmp_path, damage, culprit):
     rank_dir = _recorded_dir(tmp_path)
@@ -190,6 +273,13 @@ def test_damaged_recording_raises_run_load_error_naming_the_file(tmp_path, damag
         meta = json.loads((rank_dir / culprit).read_text())
         meta["batch"] = "three"
         (rank_dir / culprit).write_text(json.dumps(meta))
+    elif damage.startswith("manifest "):
+        manifest = json.loads((rank_dir / culprit).read_text())
+        if damage.endswith("negative"):
+            manifest["events_dropped"] = -1
+        else:
+            manifest["closed"] = 1
+        (rank_dir / culprit).write_text(json.dumps(manifest))
     elif damage == "column of the wrong type":
         persist_tables.write_table(rank_dir / "history-000001", {"batch": ["a"], "module": ["x"]})
     with pytest.raises(RunLoadError, match=culprit.replace(".", r"\.")) as caught:

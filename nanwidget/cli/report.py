@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     _say(f"nanwidget recording {recording.log_dir}: model {recording.model_class}, "
          f"ranks {recording.ranks} of world size {recording.world_size}, "
          f"{batches} batch(es) recorded, {len(events)} event(s)")
+    for note in recording.notes:  # a rank not closed, events not kept: said, not an error
+        _say(note)
     for warning in recording.warnings:  # early warnings: what came before the events
         if args.rank is None or warning.rank == args.rank:
             _say(str(warning))

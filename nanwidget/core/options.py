@@ -393,8 +393,9 @@ class WatchOptions:
         None, "directory: spool frames, history and events to disk as they are made",
         _directory, flag=Flag(("--log-dir",), str, help="directory to spool the records to"),
         manifest=lambda value: None if value is None else os.fspath(value))
-    max_events: int = option(MAX_EVENTS, "events kept (more are counted in events_dropped)",
-                             whole(1))
+    max_events: int = option(
+        MAX_EVENTS, "events kept, the first ones, in memory and in log_dir alike (later ones are "
+                    "counted in events_dropped)", whole(1))
     snapshot_weights: bool = option(
         False, "copy the weights of held batches, so replays stay exact after optimizer steps",
         switch)

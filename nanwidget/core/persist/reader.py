@@ -48,6 +48,12 @@ def _check_manifest(path: Path, root: Path) -> dict:
     if manifest["rank"] >= manifest["world_size"]:
         raise RunLoadError(f"{path}: rank {manifest['rank']} is not below world size "
                            f"{manifest['world_size']}")
+    closed = manifest.get("closed")  # set when the recording was finalised (close(), exit)
+    if closed is not None and not isinstance(closed, str):
+        raise RunLoadError(f"{path}: 'closed' must be a time stamp (text), got {closed!r}")
+    dropped = manifest.get("events_dropped", 0)
+    if not isinstance(dropped, int) or isinstance(dropped, bool) or dropped < 0:
+        raise RunLoadError(f"{path}: 'events_dropped' must be an integer >= 0, got {dropped!r}")
     names = manifest.get("module_names", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise RunLoadError(f"{path}: 'module_names' must be a list of strings")
@@ -277,6 +283,46 @@ class Run:
         self._grads = (pd.concat(grads, ignore_index=True).sort_values(["batch", "rank"],
                                                                        kind="stable")
                        .reset_index(drop=True) if grads else None)
+        self._dropped = {rank: self._events_dropped(rank) for rank in self.manifests}
+        self._notes = [note for rank in self.ranks for note in self._rank_notes(rank)]
+
+    def _events_dropped(self, rank: int) -> int:
+        """Events of ``rank`` past max_events: counted by the watch, on disk in no file."""
+        manifest = self.manifests[rank]
+        kept = sum(1 for event in self._events if event.rank == rank)
+        if kept > _option(manifest, "max_events", kept):
+            return 0  # an older nanwidget wrote every event, counted or not: none is missing
+        return int(manifest.get("events_dropped", 0))
+
+    def _last_batch(self, rank: int) -> int | None:
+        """The last batch ``rank`` has anything of on disk (history, frames, events, grads)."""
+        found = [table.loc[table["rank"] == rank, column]
+                 for table, column in ((self._history, "batch_end"), (self._frames, "batch"),
+                                       (self.grad_history(), "batch")) if not table.empty]
+        found.append(pd.Series([e.batch for e in self._events if e.rank == rank], dtype="int64"))
+        batches = pd.concat(found, ignore_index=True)
+        return int(batches.max()) if not batches.empty else None
+
+    def _rank_notes(self, rank: int) -> list[str]:
+        manifest = self.manifests[rank]
+        closed = manifest.get("closed") is not None
+        whose = f"rank {rank}: " if len(self.manifests) > 1 or self.world_size > 1 else ""
+        notes = []
+        if not closed:
+            last = self._last_batch(rank)
+            held = "nothing was flushed yet" if last is None else (
+                f"the last batch on disk is {last}; records made after the last flush may be "
+                "missing")
+            notes.append(f"{whose}recording not closed: its process is still running, or it "
+                         f"ended before closing the watch (killed, or a hard crash); {held}")
+        dropped = self._dropped[rank]
+        if dropped:
+            limit = _option(manifest, "max_events", None)
+            count = f"{dropped}" if closed else f"at least {dropped}"
+            first = f"the first {limit} are" if limit is not None else "the first ones are"
+            notes.append(f"{whose}{count} later event(s) past max_events were counted but not "
+                         f"kept ({first})")
+        return notes
 
     @staticmethod
     def _merge_frames(parts: list[pd.DataFrame]) -> pd.DataFrame:
@@ -350,6 +396,25 @@ class Run:
         return self._events[0] if self._events else None
 
     @property
+    def events_dropped(self) -> int:
+        """Events past ``max_events``, counted but not kept (the disk keeps what the watch
+        kept), all ranks together; of a rank not closed, its count at its last flush."""
+        return sum(self._dropped.values())
+
+    @property
+    def finished(self) -> bool:
+        """True when every rank's recording was closed (``close()``, the watch collected, or
+        interpreter exit). False while a process still writes, or when one ended without it
+        (killed): then the records after its last flush may be missing (see ``notes``)."""
+        return all(m.get("closed") is not None for m in self.manifests.values())
+
+    @property
+    def notes(self) -> list[str]:
+        """What the recording lacks, in words, one line per rank and fact: a rank not closed
+        (with its last batch on disk), events counted past ``max_events``. Empty when whole."""
+        return list(self._notes)
+
+    @property
     def warnings(self) -> list[EarlyWarning]:
         """The early warnings the run recorded, by batch (none in recordings made before
         nanwidget had them, or with ``early_warning=False``)."""
@@ -397,8 +462,9 @@ class Run:
         return open_browser(self)
 
     def __repr__(self) -> str:
+        unfinished = "" if self.finished else ", not closed (see .notes)"
         return (f"<nanwidget.Run {str(self.log_dir)!r}: {self.model_class}, ranks {self.ranks}, "
-                f"{len(self._events)} event(s)>")
+                f"{len(self._events)} event(s){unfinished}>")
 
 
 def load_run(log_dir: str | os.PathLike) -> Run:

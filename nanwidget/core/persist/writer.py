@@ -12,11 +12,18 @@ Layout: one folder per rank, so ranks never share a file::
     DIR/rank-00000/event-000000.trace-ops.parquet
     DIR/rank-00000/warnings.json             the early warnings (rewritten whole when one is added)
 
-A new early warning is written at the end of the batch that made it. Chunks are flushed every ``NANWIDGET_FLUSH_BATCHES`` batches (default 200) or
-``NANWIDGET_FLUSH_SECONDS`` seconds (default 10), at every event and when the watch closes; a
-process killed with SIGKILL loses at most the chunk not yet flushed. A watch that is never
-closed completes its recording anyway (everything flushed, the manifest finalised): when the
-dropped watch is garbage collected, or at interpreter exit.
+A new early warning is written at the end of the batch that made it. Chunks are flushed every
+``NANWIDGET_FLUSH_BATCHES`` batches (default 200) or ``NANWIDGET_FLUSH_SECONDS`` seconds
+(default 10), at every event kept and when the watch closes; a process killed with SIGKILL loses
+at most the chunk not yet flushed. A watch that is never closed completes its recording anyway
+(everything flushed, the manifest finalised): when the dropped watch is garbage collected, or at
+interpreter exit. Only a finalised manifest has ``closed``; the reader says when a rank's has
+none (its process still running, or killed).
+
+Events: the disk keeps the events the watch keeps (the first ``max_events``), so a disk is
+never filled by a NaN that repeats every batch; the ones past it are counted in the manifest's
+``events_dropped``, rewritten at the flush after the count changed (so a killed run's count is
+that of its last flush).
 """
 
 from __future__ import annotations
@@ -111,6 +118,8 @@ class RecordingWriter(Feature):
         self.every_seconds = _env_number("NANWIDGET_FLUSH_SECONDS", 10.0)
         self._sequence = {"history": 0, "frames": 0, "grads": 0}
         self._events_written = 0
+        self._events_seen = 0  # events the recorder passed on (it keeps the first max_events)
+        self._dropped_in_manifest = 0
         self._frame_rows: list[tuple] = []
         # (batch, module, module_type) -> [abs_max, abs_min, nonfinite]
         self._history: dict[tuple[int, str, str], list] = {}
@@ -174,6 +183,10 @@ class RecordingWriter(Feature):
             self.recorder.internal_error(error)
 
     def on_event(self, event: NanEvent) -> None:
+        seen = self._events_seen
+        self._events_seen += 1
+        if seen >= self.recorder.max_events:
+            return  # counted, not kept (as in memory); the manifest counts it at the next flush
         try:
             self._write_event(event)
             self.flush(force=True)
@@ -280,6 +293,11 @@ class RecordingWriter(Feature):
             self._write_chunk("frames", frame_rows_columns(self._frame_rows), FRAME_KINDS)
             self._frame_rows = []
         self._write_warnings()
+        dropped = self.recorder.events_dropped
+        if dropped != self._dropped_in_manifest:
+            self.manifest["events_dropped"] = dropped
+            write_json(self.directory / "manifest.json", self.manifest)
+            self._dropped_in_manifest = dropped
         if self.grad_history is not None and (
                 force or time.monotonic() - self._last_grads_flush >= self.every_seconds):
             # Reading the gradient history builds a table of all it holds: by time only.
