@@ -162,6 +162,7 @@ def test_fsdp2_nan_in_one_ranks_shard_is_blamed_on_its_weight_and_every_rank_sto
     finished, log_dir = fsdp_nan_run
     assert finished.returncode == 0, finished.stdout + finished.stderr
     assert "Traceback" not in finished.stderr
+    assert "internal error" not in finished.stderr  # the diagnosis reads DTensor weights
     results = _results(finished.stdout)
     assert sorted(results) == [0, 1]
     for rank in (0, 1):
@@ -171,6 +172,7 @@ def test_fsdp2_nan_in_one_ranks_shard_is_blamed_on_its_weight_and_every_rank_sto
             "NanDetected", 3, 2)
         assert (result["event_batch"], result["module"], result["role"], result["origin"]) == (
             3, "fc2", "weight", "weight")
+        assert result["diagnosis"] == "corrupted-weight", result["diagnosis"]
         # The forward's view of the weight: gathered from both shards, measured before FSDP
         # frees it, on the native path (rank 0) and the torch path (rank 1) alike.
         assert result["fc2_weight_rows"] == [[b, [32, 32], b == 3, ""] for b in range(4)]
@@ -400,3 +402,24 @@ def test_dtensor_parameters_are_measured_on_this_ranks_shard_without_collectives
         model(torch.randn(4, 3))
     event = watch.event
     assert (event.batch, event.module, event.role, event.origin) == (1, "1", "scale", "weight")
+
+
+def test_diagnosis_reads_dtensor_weights_on_this_ranks_shard_and_names_bad_data(
+        single_rank_group):
+    # After three batches the diagnosis measures each module's weights; a DTensor weight
+    # (FSDP2) indexed as a whole failed in torch's sharding rules, so NaN in the data came out
+    # "unknown" ("the diagnosis failed") with an internal-error warning.
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), _ShardedScale(mesh))
+    with nw.watch(model, on_nan="record") as watch:
+        for _ in range(3):
+            model(torch.randn(4, 3))
+        bad = torch.randn(4, 3)
+        bad[2, 1] = float("nan")
+        model(bad)
+    event = watch.event
+    assert (event.batch, event.module, event.origin) == (3, "0", "input")
+    assert event.diagnosis.kind == "bad-data", event.diagnosis
+    assert event.diagnosis.rows == [2]

@@ -10,6 +10,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 pl = pytest.importorskip(
     "lightning.pytorch", reason="the Lightning callback needs the lightning extra: pip install -e .[lightning]")
@@ -71,6 +73,38 @@ def test_a_nan_loss_made_in_training_step_is_caught_there(tmp_path):
     fit = _fit(tmp_path, model, [callback])
     assert fit.global_step == 2 and callback.event is None
     assert callback.stop.reason.startswith("nan loss in batch 1 (training step 2, micro-batch 0)")
+
+
+class ThroughForward(TinyRegressor):
+    """TinyRegressor whose training_step calls the model's own forward, self(x)."""
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        if self.nan_loss_at is not None and self.trainer.global_step == self.nan_loss_at - 1:
+            loss = loss * torch.log(torch.tensor(-1.0))
+        return loss
+
+
+def test_a_nan_loss_in_sentinel_mode_says_what_the_sentinel_saw_not_that_no_module_did(tmp_path):
+    # TinyRegressor's training_step calls self.net(x): the root forward never runs, so the
+    # sentinel checked nothing and cannot tell where the NaN came from.
+    callback = NanWatchCallback(log_dir=False, mode="sentinel")
+    fit = _fit(tmp_path / "direct", TinyRegressor(nan_loss_at=2), [callback])
+    assert fit.global_step == 2 and callback.event is None
+    reason = callback.stop.reason
+    assert reason.startswith("nan loss in batch 1 (training step 2, micro-batch 0); ")
+    assert "no watched module output" not in reason and "saw none in this step" in reason
+    assert "where the NaN was made is unknown" in reason and "self(x)" in reason
+    # Through self(x) the sentinel saw the model's output finite: the NaN came after it.
+    callback = NanWatchCallback(log_dir=False, mode="sentinel")
+    fit = _fit(tmp_path / "forward", ThroughForward(nan_loss_at=2), [callback])
+    assert fit.global_step == 2 and callback.event is None
+    reason = callback.stop.reason
+    assert "no watched module output" not in reason and "which was finite in this step" in reason
 
 
 def test_gradient_accumulation_counts_micro_batches(tmp_path):

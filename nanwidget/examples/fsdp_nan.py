@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                           event_rank=event.rank, peer_rank=event.peer_rank, module=event.module,
                           origin=event.origin, role=event.role, is_backward=event.is_backward,
                           recorded=[(e.rank, e.origin) for e in watch.events], message=str(error),
-                          note=event.note)
+                          note=event.note,
+                          diagnosis=event.diagnosis.kind if event.diagnosis else None)
         frames = watch.frames()
         weights = frames[(frames.module == "fc2") & (frames.role == "weight")]
         result["fc2_weight_rows"] = weights[["batch", "shape", "nan", "note"]].values.tolist()

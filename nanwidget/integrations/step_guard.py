@@ -272,8 +272,27 @@ class StepGuard:
         if value.numel() and not bool(torch.isfinite(value).all()):
             kind = "nan" if bool(torch.isnan(value).any()) else "inf"
             self._losses.append(f"{kind} loss in batch {batch} ({self.batches.describe(batch)}); "
-                                "no watched module output was non-finite, so it was made by "
-                                "code outside the modules (training_step, the loss function)")
+                                + self._where_loss_was_made(batch))
+
+    def _where_loss_was_made(self, batch: int) -> str:
+        """What the watch can say about a non-finite loss that no event explains."""
+        if self.watch.mode != "sentinel":
+            return ("no watched module output was non-finite, so it was made by code outside "
+                    "the modules (training_step, the loss function)")
+        # The sentinel checks the root's output alone, and only when the root's forward runs:
+        # a training_step that calls submodules directly (self.net(x)) is not checked at all.
+        history = self.watch.history()
+        root = self.watch.module_names[0]
+        ran = bool(((history["module"] == root) & (history["batch"] == batch)).any())
+        if not ran:
+            return ("the sentinel (mode=\"sentinel\") checks the output of the model's own "
+                    "forward (self(x) / model(x)) and saw none in this step, so where the NaN "
+                    "was made is unknown: call the model through its forward in training_step, "
+                    "or watch with mode=\"full\" to check every module")
+        return ("the sentinel (mode=\"sentinel\") checks only the output of the model's own "
+                "forward (self(x) / model(x)), which was finite in this step: the NaN was made "
+                "after it (training_step, the loss function) or in a submodule that "
+                "training_step called directly; watch with mode=\"full\" to check every module")
 
     def findings(self, *, check_grads: bool) -> Findings:
         """What this rank found since the last call (and, if asked, in the gradients now)."""

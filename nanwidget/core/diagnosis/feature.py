@@ -20,6 +20,7 @@ import torch
 from ..events import Diagnosis, NanEvent
 from ..frames import Frame
 from ..recorder import Feature, Recorder
+from ..stats import local_shard
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
                     output_grad_bad, weight_names)
 from .rules import diagnose
@@ -210,7 +211,9 @@ class Diagnoser(Feature):
                     continue
                 largest = 0.0
                 for tensor in info.module.parameters(recurse=False):
-                    values = tensor.detach()
+                    # A DTensor (FSDP2) is read on this rank's shard: indexing the DTensor
+                    # itself fails, and reducing it would run a collective on one rank only.
+                    values = local_shard(tensor.detach())
                     if values.numel() and values.is_floating_point():
                         finite = values[torch.isfinite(values)]
                         if finite.numel():
