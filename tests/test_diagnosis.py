@@ -280,6 +280,36 @@ def test_a_transformer_encoder_at_learning_rate_20_diverges(mode):
 
 # ---------------------------------------------------------------------------- corrupted-weight
 @pytest.mark.parametrize("mode", MODES)
+def test_a_weight_written_nan_after_healthy_training_is_no_divergence(mode):
+    # 50 AdamW steps move the weights' abs max from their initialisation by a few percent per
+    # batch (over 2x in all): that climb is training, not a divergence.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    teacher = torch.randn(8, 4) * 5
+    options = {"sample_every": 5} if mode == "sentinel" else {}
+    losses = []
+    with watch(model, mode, **options) as w:
+        for step in range(52):
+            x = torch.randn(16, 8)
+            loss = nn.functional.mse_loss(model(x), x @ teacher)
+            losses.append(loss.item())
+            if w.events:
+                break
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step == 50:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+    assert min(losses) < losses[0] / 10  # it trained
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, diagnosis.kind) == (51, "corrupted-weight")
+    assert diagnosis.summary.startswith("'2.weight' became NaN between batch 50 and batch 51")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_weight_written_nan_between_batches_names_the_batch_after_which(mode):
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     x = torch.randn(6, 4)

@@ -75,9 +75,11 @@ class Growth:
         return self.ratio ** (1.0 / batches) if math.isfinite(self.ratio) else math.inf
 
 
-def growth_of(points: list[tuple[int, float]], least: float = 2.0) -> Growth | None:
+def growth_of(points: list[tuple[int, float]], least: float = 2.0,
+              per_batch: float = 1.0) -> Growth | None:
     """The climb ending at the last point (dips of up to 10% allowed), when the last value is
-    at least ``least`` times the value the climb started from, over at least two batches."""
+    at least ``least`` times the value the climb started from, over at least two batches, and
+    by at least ``per_batch`` per batch on average."""
     if len(points) < 3:
         return None
     start = len(points) - 1
@@ -90,7 +92,8 @@ def growth_of(points: list[tuple[int, float]], least: float = 2.0) -> Growth | N
     first, last = points[start], points[-1]
     if last[0] - first[0] < 2 or first[1] <= 0 or last[1] < least * first[1]:
         return None
-    return Growth(start=first, end=last)
+    growth = Growth(start=first, end=last)
+    return growth if growth.per_batch >= per_batch else None
 
 
 def _growth_line(what: str, growth: Growth) -> str:
@@ -109,9 +112,15 @@ def _no_history(facts: Facts) -> list[str]:
             "sample_every=N to keep that history."]
 
 
+# Weights that diverge grow fast before the NaN (at the learning rates that blow up, orders of
+# magnitude per batch); healthy training moves them from their initialisation by a few percent
+# per batch, which over many batches also adds up to 2x: no divergence.
+_DIVERGING_PER_BATCH = 1.1
+
+
 def _weights_growth(facts: Facts) -> Growth | None:
     points = [(b, v) for b, v in facts.weights.series if b <= facts.event.batch]
-    return growth_of(points)
+    return growth_of(points, per_batch=_DIVERGING_PER_BATCH)
 
 
 def _grown_modules(facts: Facts) -> list[str]:
