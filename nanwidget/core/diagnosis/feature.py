@@ -48,17 +48,19 @@ class Diagnoser(Feature):
     batches' inputs and weight versions), or None. ``replay``: makes a trace of an event's
     batch, or None when it cannot (full mode; None in sentinel mode, whose events carry theirs).
     ``loss_fn``: the watch has one, so a replay of a gradient made in the loss names its op.
+    ``sample_every``: sentinel mode's (what the diagnosis says it could not check).
     """
 
     reviews_without_event = False  # its review only adds to an event
 
     def __init__(self, recorder: Recorder, *, capture: Any = None,
                  replay: Callable[[NanEvent], Any] | None = None, sentinel: bool = False,
-                 loss_fn: bool = False) -> None:
+                 loss_fn: bool = False, sample_every: int | None = None) -> None:
         self.recorder = recorder
         self.capture = capture
         self.replay = replay
         self.sentinel = sentinel
+        self.sample_every = sample_every
         self.loss_fn = loss_fn
         self.weights = WeightLog()
         self.replays = 0
@@ -102,7 +104,7 @@ class Diagnoser(Feature):
         recorder = self.recorder
         root = recorder.modules[0].name
         facts = Facts(event=event, trace=event.trace, weights=self.weights,
-                      sentinel=self.sentinel)
+                      sentinel=self.sentinel, sample_every=self.sample_every)
         self._read_inputs(facts)
         if event.is_backward:
             facts.output_grad_bad = self._output_grad_bad(event, root)
