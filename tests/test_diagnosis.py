@@ -327,6 +327,78 @@ def test_a_weight_written_nan_between_batches_names_the_batch_after_which(mode):
     assert "version counter of 2.weight moved after batch 2" in evidence
 
 
+class _WithExtra(nn.Module):
+    """A model with a keyword input added to the data (bad data can come in through it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        return self.body(x + extra)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_stepped_nan_after_a_bad_data_batch_name_that_batch(mode):
+    # Batch 3 runs with finite weights on NaN data; its NaN gradients are stepped, so the
+    # weights are NaN from batch 4: the step after batch 3 did it, whatever batch 3's event was.
+    torch.manual_seed(0)
+    model = _WithExtra()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, mode) as w:
+        for batch in range(5):
+            extra = torch.zeros(4, 8)
+            if batch == 3:
+                extra[3, 1] = math.nan
+            loss = model(torch.randn(4, 8), extra=extra).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    first, second = w.events[:2]
+    assert (first.batch, first.diagnosis.kind) == (3, "bad-data")
+    diagnosis = second.diagnosis
+    assert (second.batch, second.origin, diagnosis.kind) == (4, "weight", "corrupted-weight")
+    assert "became NaN between batch 3 and batch 4" in diagnosis.summary
+    assert "when batch 3 ran" in "\n".join(diagnosis.evidence)
+
+
+def _weight_written_nan_after_batch_3(mode: str, **options) -> nw.NanWatch:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, mode, **options) as w:
+        for batch in range(6):
+            loss = model(torch.randn(4, 8)).square().mean()
+            if w.events:
+                break
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if batch == 3:
+                with torch.no_grad():
+                    model[2].weight[1, 3] = math.nan
+    return w
+
+
+@pytest.mark.parametrize("mode, sample_every", [("full", None), ("sentinel", 2)])
+def test_a_weight_written_nan_after_an_unsampled_batch_names_that_batch(mode, sample_every):
+    # Sentinel mode samples batches 0 and 2 in full; batch 3 is held and ran without an event,
+    # so it is the last batch that ran with the weight finite, not the sampled batch 2.
+    w = _weight_written_nan_after_batch_3(
+        mode, **({"sample_every": sample_every} if mode == "sentinel" else {}))
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, diagnosis.kind, diagnosis.confidence) == (4, "corrupted-weight", "high")
+    assert diagnosis.summary.startswith("'2.weight' became NaN between batch 3 and batch 4")
+    assert "version counter of 2.weight moved after batch 3" in "\n".join(diagnosis.evidence)
+
+
+def test_sentinel_mode_with_too_few_samples_says_how_many_not_that_it_had_no_sample_every():
+    evidence = _weight_written_nan_after_batch_3("sentinel", sample_every=2).event.diagnosis.evidence
+    assert not any("without sample_every" in line for line in evidence)
+    assert ("Sentinel mode (sample_every=2) had measured the weights of only 2 batches up to "
+            "batch 4, too few to check whether they grew") in "\n".join(evidence)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_adam_with_a_tiny_eps_in_float16_corrupts_the_weights(mode):
     torch.manual_seed(0)

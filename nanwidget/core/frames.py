@@ -16,7 +16,7 @@ import pandas as pd
 from .entries import Entry
 from .schema import FRAME_COLUMNS, FRAME_DTYPES, empty_table
 
-__all__ = ["Frame", "FrameBuffer", "frames_to_dataframe", "empty_frames"]
+__all__ = ["Frame", "FrameBuffer", "frames_to_dataframe", "empty_frames", "weights_finite_last"]
 
 _NAN = float("nan")
 
@@ -100,6 +100,21 @@ def frames_to_dataframe(frames: Iterable[Frame]) -> pd.DataFrame:
         return empty_frames()
     table = pd.DataFrame.from_records(rows, columns=FRAME_COLUMNS)
     return table.astype({name: dtype for name, dtype in FRAME_DTYPES.items() if dtype != "object"})
+
+
+def weights_finite_last(frames: pd.DataFrame | None, names: Iterable[str],
+                        before: int) -> dict[str, int]:
+    """Per weight of ``names`` (qualified: ``module.role``): the last batch before ``before``
+    whose forward frames in ``frames`` show it measured and finite (absent: none shows it)."""
+    names = set(names)
+    if frames is None or frames.empty or not names:
+        return {}
+    qualified = frames["module"].where(frames["module"] == "", frames["module"] + ".") + frames["role"]
+    finite = frames[(frames["phase"] == "forward") & (frames["batch"] < before)
+                    & qualified.isin(names) & ~frames["nan"] & ~frames["inf"]
+                    & frames["abs_max"].notna()]
+    return {name: int(last) for name, last in
+            finite.groupby(qualified[finite.index])["batch"].max().items()}
 
 
 class FrameBuffer:

@@ -209,6 +209,7 @@ class NanWatch:
         # event and before it is written: every event gets its diagnosis.
         diagnoser = recorder.add_feature(Diagnoser(
             recorder, capture=capture, sentinel=sentinel_mode, loss_fn=options.loss_fn is not None,
+            sample_every=options.sample_every if sentinel_mode else None,
             replay=replayer.trace_for if replayer is not None and not sentinel_mode else None))
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))

@@ -282,6 +282,7 @@ class Facts:
     # Non-finite weight name -> True when its version counter moved after that batch.
     weights_written: dict[str, bool] = field(default_factory=dict)
     sentinel: bool = False
+    sample_every: int | None = None  # sentinel mode's: one batch in N recorded in full
 
     def series(self, module: str) -> list[tuple[int, float]]:
         """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from ..events import Diagnosis, NanEvent
-from ..frames import Frame
+from ..frames import Frame, weights_finite_last
 from ..recorder import Feature, Recorder
 from ..stats import local_shard
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
@@ -48,17 +48,19 @@ class Diagnoser(Feature):
     batches' inputs and weight versions), or None. ``replay``: makes a trace of an event's
     batch, or None when it cannot (full mode; None in sentinel mode, whose events carry theirs).
     ``loss_fn``: the watch has one, so a replay of a gradient made in the loss names its op.
+    ``sample_every``: sentinel mode's (what the diagnosis says it could not check).
     """
 
     reviews_without_event = False  # its review only adds to an event
 
     def __init__(self, recorder: Recorder, *, capture: Any = None,
                  replay: Callable[[NanEvent], Any] | None = None, sentinel: bool = False,
-                 loss_fn: bool = False) -> None:
+                 loss_fn: bool = False, sample_every: int | None = None) -> None:
         self.recorder = recorder
         self.capture = capture
         self.replay = replay
         self.sentinel = sentinel
+        self.sample_every = sample_every
         self.loss_fn = loss_fn
         self.weights = WeightLog()
         self.replays = 0
@@ -102,7 +104,7 @@ class Diagnoser(Feature):
         recorder = self.recorder
         root = recorder.modules[0].name
         facts = Facts(event=event, trace=event.trace, weights=self.weights,
-                      sentinel=self.sentinel)
+                      sentinel=self.sentinel, sample_every=self.sample_every)
         self._read_inputs(facts)
         if event.is_backward:
             facts.output_grad_bad = self._output_grad_bad(event, root)
@@ -176,24 +178,34 @@ class Diagnoser(Feature):
 
     def _weights_last_finite(self, facts: Facts) -> None:
         """For each non-finite weight: the last batch that ran with it finite, and whether its
-        version counter moved after that batch."""
+        version counter moved after that batch. The latest batch any source shows wins: the
+        frames (the event's window, earlier events' windows, the trace's) that measured the
+        weight finite, whatever an event of that batch was about; and the batches before this
+        one that ran (recorded or held) without an event, whose weights were finite (a
+        non-finite weight is an event, or makes the outputs non-finite)."""
         event = facts.event
-        names = weight_names(event)
-        known = getattr(facts.trace, "weights_last_finite", None) or {}
-        eventful = {e.batch for e in self.recorder.events}
-        # Batches before this one that ran without an event: their weights were finite (a
-        # non-finite weight is an event, or makes the outputs non-finite).
+        # The weights the rules name: those the trace's value came with, else the event's own.
+        names = ([name for kind, name in getattr(facts.trace, "came_with", None) or []
+                  if kind == "weight"] or weight_names(event))
+        events = self.recorder.events
+        eventful = {e.batch for e in events}
         column = (facts.history_modules.index(event.module)
                   if event.module in facts.history_modules else None)
         ran = [b for row, b in enumerate(facts.history_batches)
                if column is not None and facts.history[row, column] == facts.history[row, column]]
         held = self.capture.held_batches() if self.capture is not None else []
-        clean = sorted(b for b in set(ran) | set(held) if b < event.batch and b not in eventful)
+        clean = [b for b in set(ran) | set(held) if b < event.batch and b not in eventful]
+        seen: dict[str, list[int]] = {name: [max(clean)] if clean else [] for name in names}
+        known = getattr(facts.trace, "weights_last_finite", None) or {}
+        windows = [event.frames] + [e.frames for e in events
+                                    if e is not event and e.batch < event.batch]
+        for found in [known] + [weights_finite_last(w, names, event.batch) for w in windows]:
+            for name, batch in found.items():
+                if name in seen:
+                    seen[name].append(int(batch))
         for name in names:
-            if name in known:
-                facts.weights_last_finite[name] = int(known[name])
-            elif clean:
-                facts.weights_last_finite[name] = clean[-1]
+            if seen[name]:
+                facts.weights_last_finite[name] = max(seen[name])
             last = facts.weights_last_finite.get(name)
             if last is not None and self.capture is not None:
                 then = {n: v for n, v, _ in self.capture.held_weights(last)}

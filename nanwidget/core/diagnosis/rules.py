@@ -107,6 +107,11 @@ def _no_history(facts: Facts) -> list[str]:
     recorded = len([b for b, _ in facts.weights.series if b <= facts.event.batch])
     if not facts.sentinel or recorded >= min(3, facts.event.batch + 1):
         return []  # as much as full mode would have had
+    if facts.sample_every:
+        return [f"Sentinel mode (sample_every={facts.sample_every}) had measured the weights of "
+                f"only {recorded} batch{'' if recorded == 1 else 'es'} up to batch "
+                f"{facts.event.batch}, too few to check whether they grew over the batches before "
+                "(a divergence); a smaller sample_every keeps more of that history."]
     return ["Sentinel mode records no batch in full without sample_every, so whether the weights "
             "grew over the batches before (a divergence) could not be checked; watch with "
             "sample_every=N to keep that history."]

@@ -16,7 +16,7 @@ from torch import nn
 from ..detect import Detector, first_event
 from ..events import NanEvent
 from ..entries import Entry
-from ..frames import Frame, frames_to_dataframe
+from ..frames import Frame, frames_to_dataframe, weights_finite_last
 from ..grads.backward import BackwardFrames, FrameSink
 from ..opaque import add_forward_hook, add_forward_pre_hook, hookable_modules
 from ..recorder import ModuleInfo, Recorder
@@ -407,15 +407,9 @@ def _last_finite(event: NanEvent | None, came_with: list[tuple[str, str]],
     frames in the event's window show it finite (the step, load or write after that batch
     made it non-finite). The same in every mode: the window is the event's own."""
     names = {name for kind, name in came_with if kind == "weight"}
-    if event is None or not names or event.frames.empty:
+    if event is None:
         return {}
-    frames = event.frames
-    qualified = frames["module"].where(frames["module"] == "", frames["module"] + ".") + frames["role"]
-    finite = frames[(frames["phase"] == "forward") & (frames["batch"] < batch)
-                    & qualified.isin(names) & ~frames["nan"] & ~frames["inf"]
-                    & frames["abs_max"].notna()]
-    return {name: int(last) for name, last in
-            finite.groupby(qualified[finite.index])["batch"].max().items()}
+    return weights_finite_last(event.frames, names, batch)
 
 
 def _input_leaves(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
