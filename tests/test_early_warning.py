@@ -295,6 +295,24 @@ def test_a_slow_float16_growth_is_warned_about_near_the_limit():
     assert {w.module for w in watched.warnings} == {""}  # the gain is the root's own
 
 
+def test_a_near_limit_warning_after_one_jump_gives_no_rate_from_it():
+    # The output dips, then one jump takes it into the near zone: one rise is no growth rate
+    # (it read 13x per batch here, "the limit in half a batch").
+    model = Scaled()
+    x = torch.randn(4, 8).half()
+    largest = float(model.fc(x).abs().max())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model, on_nan="record") as watched:
+            for target in (1000.0, 2000.0, 1500.0, 20000.0):
+                model.gain = target / largest
+                model(x)
+    near = [w for w in watched.warnings if w.reason == "near-limit"]
+    assert len(near) == 1 and near[0].batch == 3
+    assert math.isnan(near[0].growth_per_batch) and math.isnan(near[0].batches_to_limit)
+    assert "growing" not in str(near[0])
+
+
 def test_a_fast_growth_is_warned_about_long_before_the_limit():
     watched = _grow(Scaled(torch.float32), 10.0, 60)
     assert watched.event is not None

@@ -406,9 +406,10 @@ class EarlyWarnings(Feature):
                     self._decide(batch, index, value, role, dtype, limits)
 
     def _rate(self, index: int) -> float:
-        """Growth rate (log per batch) fitted over module ``index``'s run of rises."""
+        """Growth rate (log per batch) fitted over module ``index``'s run of rises; 0 (no
+        estimate) for a run of one rise: one jump out of a noisy series is no rate."""
         run = self._runs[index]
-        if not self._rises[index] or len(run) < 2:
+        if self._rises[index] < 2 or len(run) < 3:
             return 0.0
         return growth_rate([batch for batch, _ in run], [math.log(value) for _, value in run])
 
