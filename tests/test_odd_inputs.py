@@ -274,15 +274,37 @@ def test_an_output_whose_storage_was_freed_or_shrunk_is_left_unread(reduction_pa
                     history = w.history()
                     notes = sorted(set(w.frames().query("role == 'output[0]'").note))
                     print(w.event, history[history.module == ""]["abs_max"].tolist(), notes)
+                    model(held, torch.tensor([1.0, float("nan")]))  # the diagnosis reads inputs
+                    print(w.event.diagnosis.kind)
+        # A weight whose storage is freed after each forward (FSDP1 does so): the diagnosis
+        # measures the weights at an event after three batches.
+        class Frees(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.scale = torch.nn.Parameter(torch.ones(3))
+            def forward(self, x):
+                storage = self.scale.data.untyped_storage()
+                storage.resize_(12)  # gathered back before use (FSDP allocates it again)
+                self.scale.data.fill_(1.0)
+                y = x * self.scale
+                storage.resize_(0)
+                return y
+        model = Frees()
+        with nw.watch(model, on_nan="record") as w:
+            for batch in range(4):
+                model(torch.tensor([1.0, float("nan") if batch == 3 else 2.0, 3.0]))
+            print("freed weight", w.event.diagnosis.kind)
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, (result.stdout[-300:], result.stderr[-2000:])
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == 12
+    assert len(lines) == 19
     # y * 2 checked, the freed or shrunk x skipped (full mode notes it)
-    assert lines[1::2] == ["None [2.0, 2.0] ['storage freed']", "None [2.0, 2.0] []",
-                           "None [2.0, 2.0] []"] * 2
+    assert lines[1:18:3] == ["None [2.0, 2.0] ['storage freed']", "None [2.0, 2.0] []",
+                             "None [2.0, 2.0] []"] * 2
+    assert lines[2:18:3] == ["bad-data"] * 6  # the NaN in y, with x left unread
+    assert lines[18] == "freed weight bad-data"
 
 
 def test_structures_walked_directly_give_the_entries_iter_leaves_gives():

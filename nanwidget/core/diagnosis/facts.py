@@ -18,7 +18,7 @@ import torch
 
 from ..events import NanEvent
 from ..frames import Frame
-from ..stats import dtype_max
+from ..stats import dtype_max, storage_holds
 
 __all__ = ["Facts", "InputFacts", "OpFacts", "WeightLog", "describe_input", "op_facts",
            "output_grad_bad", "weight_names"]
@@ -104,9 +104,10 @@ def _rows_where(flags: torch.Tensor) -> list[int]:
 
 
 def describe_input(role: str, tensor: torch.Tensor) -> InputFacts | None:
-    """The facts of one input tensor (None for a tensor it cannot read: meta, sparse ...).
-    Reads the tensor once (a diagnosis runs only at an event)."""
-    if tensor.is_meta or tensor.is_sparse or tensor.is_nested or tensor.numel() == 0:
+    """The facts of one input tensor (None for a tensor it cannot read: meta, sparse, storage
+    freed ...). Reads the tensor once (a diagnosis runs only at an event)."""
+    if tensor.is_meta or tensor.is_sparse or tensor.is_nested or tensor.numel() == 0 \
+            or not storage_holds(tensor):
         return None
     facts = InputFacts(role=role, dtype=str(tensor.dtype).replace("torch.", ""),
                        shape=tuple(tensor.shape))

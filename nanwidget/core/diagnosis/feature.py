@@ -20,7 +20,7 @@ import torch
 from ..events import Diagnosis, NanEvent
 from ..frames import Frame, weights_finite_last
 from ..recorder import Feature, Recorder
-from ..stats import local_shard
+from ..stats import local_shard, storage_holds
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
                     output_grad_bad, weight_names)
 from .rules import diagnose
@@ -226,7 +226,8 @@ class Diagnoser(Feature):
                     # A DTensor (FSDP2) is read on this rank's shard: indexing the DTensor
                     # itself fails, and reducing it would run a collective on one rank only.
                     values = local_shard(tensor.detach())
-                    if values.numel() and values.is_floating_point():
+                    # storage freed between forwards (FSDP): nothing to read, reading crashes
+                    if values.numel() and values.is_floating_point() and storage_holds(values):
                         finite = values[torch.isfinite(values)]
                         if finite.numel():
                             largest = max(largest, float(finite.abs().max()))
