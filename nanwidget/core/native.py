@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 __all__ = ["abs_range", "finite_range", "available", "eligible", "result_buffer", "status",
-           "MAX_ELEMENTS", "contiguous_range", "int_range", "contiguous_reader", "int_reader"]
+           "MAX_ELEMENTS", "contiguous_range", "int_range", "contiguous_reader", "int_reader",
+           "storage_holds"]
 
 _SOURCE = Path(__file__).with_name("_native") / "absrange.c"
 _ENTRY_SOURCE = _SOURCE.with_name("entry.c")  # absrange.c as a Python extension
@@ -107,14 +108,22 @@ def eligible(tensor: torch.Tensor) -> bool:
         return False
     # 0: storage freed (FSDP between forwards), nothing to read. A dense tensor spans `count`
     # elements from its offset, in any order.
-    return tensor.data_ptr() != 0 and _storage_holds(tensor, count)
+    return tensor.data_ptr() != 0 and storage_holds(tensor, count)
 
 
-def _storage_holds(tensor: torch.Tensor, span: int) -> bool:
-    """Whether the storage holds ``span`` elements from the tensor's offset: one shrunk under
-    the tensor (``untyped_storage().resize_()``) would be read past its end."""
-    needed = (tensor.storage_offset() + span) * tensor.element_size()
-    return tensor.untyped_storage().nbytes() >= needed
+def storage_holds(tensor: torch.Tensor, span: int | None = None) -> bool:
+    """False when the tensor's storage is smaller than what the tensor spans (FSDP frees
+    parameter storage between forwards; ``untyped_storage().resize_()`` shrinks it): reading it,
+    even with torch's own ops, would crash the process. ``span``: the elements it spans from its
+    offset, where the caller knows it (a dense tensor: its numel)."""
+    try:
+        if span is None:
+            span = tensor.numel() if tensor.is_contiguous() else 1 + sum(
+                (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+        needed = (tensor.storage_offset() + span) * tensor.element_size()
+        return tensor.untyped_storage().nbytes() >= needed
+    except Exception:  # no storage to look at (a wrapper subclass): its own ops decide
+        return True
 
 
 def _is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
@@ -184,7 +193,7 @@ def _read_contiguous(kernel: Any, kinds: dict[torch.dtype, int], tensor: torch.T
     if kind is None or not 0 < count <= _ONE_THREAD_ELEMENTS or not tensor.is_contiguous():
         return None
     pointer = tensor.data_ptr()
-    if not pointer or not _storage_holds(tensor, count):
+    if not pointer or not storage_holds(tensor, count):
         return None
     kernel(pointer, count, kind, out.address)
     return out[0], out[1]

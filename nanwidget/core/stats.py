@@ -48,10 +48,8 @@ _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32:
          torch.float64: torch.int64}
 # Unsigned integers wider than uint8, as what their magnitudes are read from: exact in int64
 # (uint64 above 2**63 does not fit: float64, exact to 2**53, as every float stat is).
-_WIDE_UNSIGNED = {dtype: torch.int64 for dtype in (getattr(torch, "uint16", None),
-                                                  getattr(torch, "uint32", None)) if dtype}
-if getattr(torch, "uint64", None) is not None:
-    _WIDE_UNSIGNED[torch.uint64] = torch.float64
+_WIDE_UNSIGNED = {torch.uint16: torch.int64, torch.uint32: torch.int64,
+                  torch.uint64: torch.float64}
 _SPARSE_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 _INF = math.inf
 _NAN = math.nan
@@ -127,19 +125,8 @@ def classify(tensor: torch.Tensor) -> str:
     return ""
 
 
-def storage_holds(tensor: torch.Tensor) -> bool:
-    """False when the tensor's storage is smaller than the tensor (FSDP frees parameter storage
-    between forwards; ``storage().resize_(0)`` does the same): reading it, even with torch's own
-    ops, would crash the process."""
-    try:
-        if tensor.is_contiguous():
-            span = tensor.numel()
-        else:
-            span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-        needed = (tensor.storage_offset() + span) * tensor.element_size()
-        return tensor.untyped_storage().nbytes() >= needed
-    except Exception:  # no storage to look at (a wrapper subclass): its own ops decide
-        return True
+# One check for every reader: the kernel's (native) and torch's.
+storage_holds = native.storage_holds
 
 
 def version_of(tensor: torch.Tensor) -> int:

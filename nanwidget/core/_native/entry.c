@@ -38,23 +38,23 @@ static long long int_method(PyObject *object, PyObject *name) {
     return result;
 }
 
-/* 0 when the tensor's storage holds its `count` elements from its offset, -1 when it does not
- * (shrunk), -2 with an exception set. */
-static long long storage_bytes_needed(PyObject *tensor, long long count) {
+/* 1 when the tensor's storage holds its `count` elements from its offset, 0 when it does not
+ * (shrunk under it), -1 with an exception set (native.storage_holds, for a dense tensor). */
+static int storage_holds(PyObject *tensor, long long count) {
     long long offset = int_method(tensor, name_storage_offset);
     if (offset == -1 && PyErr_Occurred())
-        return -2;
+        return -1;
     long long size = int_method(tensor, name_element_size);
     if (size == -1 && PyErr_Occurred())
-        return -2;
+        return -1;
     PyObject *storage = PyObject_CallMethodNoArgs(tensor, name_untyped_storage);
     if (storage == NULL)
-        return -2;
+        return -1;
     long long nbytes = int_method(storage, name_nbytes);
     Py_DECREF(storage);
     if (nbytes == -1 && PyErr_Occurred())
-        return -2;
-    return (offset + count) * size <= nbytes ? 0 : -1;
+        return -1;
+    return (offset + count) * size <= nbytes;
 }
 
 static PyObject *read_with(PyObject *tensor, PyObject *kinds, nw_kernel kernel) {
@@ -109,10 +109,10 @@ static PyObject *read_with(PyObject *tensor, PyObject *kinds, nw_kernel kernel) 
     }
     /* The storage must hold every element: one shrunk under the tensor (resize_) would be read
      * past its end. */
-    long long needed = storage_bytes_needed(tensor, count);
-    if (needed == -2)
+    int holds = storage_holds(tensor, count);
+    if (holds < 0)
         return NULL;
-    if (needed < 0)
+    if (!holds)
         Py_RETURN_NONE;
     double out[2];
     int status;

@@ -445,13 +445,14 @@ def _check_inputs(held: HeldBatch) -> None:
                       and capture.end_input_versions[k] == now)
             when = ("by the model's own forward while the batch ran" if during
                     else "after the batch ran (e.g. by the training loop)")
-            if "cache" in role.lower() or "past_key_value" in role.lower():
-                # A cache the model itself writes in place at every step (transformers'
-                # StaticCache): the user hands no tensor they could clone.
-                advice = ("It is a cache the model fills in place at every step (e.g. a static "
-                          "KV cache): while debugging, use one that is not written in place "
-                          "(transformers' default DynamicCache), or watch in full mode, whose "
-                          "frames are recorded as the batch runs and need no replay")
+            if during:
+                # The model writes it itself (a static KV cache it fills at every step): a
+                # copy made by the caller would be written the same way.
+                advice = ("The model writes this input as it runs, so a copy would be written "
+                          "too: watch in full mode, whose frames are recorded as the batch runs "
+                          "and need no replay; for a cache the model fills in place at every "
+                          "step (a static KV cache), transformers' default DynamicCache is not "
+                          "written in place")
             else:
                 advice = ("Give each batch its own tensor, or clone() it before changing it in "
                           "place")
