@@ -207,3 +207,72 @@ def test_activations_past_the_byte_limit_are_measured_early_and_released(monkeyp
     assert (outputs.note == "").all()
     # The watch held no more than the limit: the early layers' outputs were let go.
     assert released[0] >= 3
+
+
+class _KeywordBlock(nn.Module):
+    """A block called the way transformers calls its layers: keyword inputs that are None or
+    flags beside the tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, attention_mask=None, use_cache=False, position=0):
+        return self.linear(x), None
+
+
+class _KeywordModel(nn.Module):
+    def __init__(self, blocks: int = 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_KeywordBlock() for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x, _ = block(x, attention_mask=None, use_cache=True, position=3)
+        return x
+
+
+def test_frames_share_their_shapes_and_non_tensor_entries():
+    # Every object a frame keeps counts towards the garbage collector's next run (a transformer
+    # made it run on most batches): an entry of None or of a flag, and a shape, are the same
+    # object in every frame that has them.
+    model = _KeywordModel().eval()
+    with nw.watch(model, max_frames=200) as w, torch.no_grad():
+        model(torch.randn(2, 8))
+        model(torch.randn(2, 8))
+        frames = [f for f in w.recorder.held_frames() if f.module.startswith("blocks.")
+                  and "linear" not in f.module]
+    assert len(frames) == 12
+    for role in ("kwarg:attention_mask", "kwarg:use_cache", "kwarg:position", "output[1]"):
+        entries = [e for f in frames for e in f.entries if e.role == role]
+        assert len(entries) == 12 and len({id(e) for e in entries}) == 1, role
+    assert [e.note for e in frames[0].entries if e.role.startswith("kwarg:")] == \
+        ["None", "not a tensor", "not a tensor"]
+    shapes = [e.shape for f in frames for e in f.entries if e.stats is not None]
+    assert len(shapes) == 24 and all(s == (2, 8) for s in shapes)
+    assert len({id(s) for s in shapes}) == 1
+
+
+def test_a_watched_forward_keeps_few_objects_per_module_call():
+    # What the garbage collector counts when a forward in full mode returns, per module call:
+    # the frame, its list, its new entries, stats and weak references (under eight here); a
+    # new entry per keyword and a new shape per entry made it about twelve.
+    import gc
+    model = _KeywordModel(blocks=16).eval()  # 33 module calls per forward
+    x = torch.randn(2, 8)
+    at_return = []
+    with nw.watch(model) as w, torch.no_grad():
+        # Runs before the watch's own hook resolves the batch (which lets older frames go).
+        model.register_forward_hook(lambda *_: at_return.append(gc.get_count()[0]),
+                                    prepend=True)
+        for _ in range(3):
+            model(x)
+        assert len([f for f in w.recorder.held_frames() if f.batch == 2]) == 21  # max_frames
+        gc.collect()
+        gc.disable()
+        try:
+            before = gc.get_count()[0]
+            model(x)
+        finally:
+            gc.enable()
+    assert at_return[-1] - before < 9 * 33

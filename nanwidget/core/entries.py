@@ -73,6 +73,23 @@ _STEPS = optimizer_steps()  # optimizer steps seen in this process (core.writes 
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 _SCALARS = (str, bytes, int, float, bool, complex)  # leaves as iter_leaves yields them
 _MAX_DIRECT_DEPTH = 32  # structure_entries recurses; deeper structures go to iter_leaves
+_MAX_SHARED_ENTRIES = 4096  # shared shapes and non-tensor entries (see below), at most
+
+
+# One torch.Size object per distinct shape, shared by the entries that have it: reading
+# ``tensor.shape`` makes a new object each time, and one kept per entry made the garbage
+# collector run on most batches of a transformer (each collection costs more than the lookups
+# of a whole batch). Bounded: emptied when full.
+_SHAPES: dict[torch.Size, torch.Size] = {}
+
+
+def _shared_shape(shape: torch.Size) -> torch.Size:
+    found = _SHAPES.get(shape)
+    if found is None:
+        if len(_SHAPES) >= _MAX_SHARED_ENTRIES:
+            _SHAPES.clear()
+        found = _SHAPES[shape] = shape
+    return found
 
 
 def _shape_of(tensor: torch.Tensor) -> Any:
@@ -80,16 +97,31 @@ def _shape_of(tensor: torch.Tensor) -> Any:
     if tensor.is_nested:
         return None
     try:
-        return tensor.shape
+        return _shared_shape(tensor.shape)
     except Exception:
         return None
+
+
+# Entries of leaves that are no tensors, by role, shared by every frame that has one (an Entry
+# is immutable): a transformers model hands each block and attention call several such
+# keyword inputs (None, flags, a cache object), and one new object per leaf per call made the
+# garbage collector run on most batches. Bounded: emptied when full (roles of huge structures).
+_NONE_ENTRIES: dict[str, Entry] = {}
+_OTHER_ENTRIES: dict[str, Entry] = {}
 
 
 def non_tensor_entry(role: str, leaf: Any) -> Entry:
     """The entry of a leaf that is not a tensor: no stats, a note saying what it is."""
     if isinstance(leaf, Unread):
         return Entry((role, None, None, None, "not read"))
-    return Entry((role, None, None, None, "None" if leaf is None else "not a tensor"))
+    shared = _NONE_ENTRIES if leaf is None else _OTHER_ENTRIES
+    entry = shared.get(role)
+    if entry is None:
+        if len(shared) >= _MAX_SHARED_ENTRIES:
+            shared.clear()
+        entry = shared[role] = Entry((role, None, None, None,
+                                      "None" if leaf is None else "not a tensor"))
+    return entry
 
 
 class EntryBuilder:
@@ -132,13 +164,14 @@ class EntryBuilder:
         if type(tensor) in PLAIN_TENSOR_TYPES:
             stats = self.pending.seen(tensor)
             if stats is not None and not tensor.is_nested:  # measured already in this batch
-                return Entry((role, stats, tensor.dtype, tensor.shape, ""))
+                return Entry((role, stats, tensor.dtype, _shared_shape(tensor.shape), ""))
             dtype = tensor.dtype
             # Fast path for the common case, in the order of the cheapest checks; classify()
             # has the full rules and runs only for tensors that fail one of them.
             if dtype.is_floating_point and tensor.layout is _STRIDED and not tensor.is_meta \
                     and not tensor.is_nested and tensor.numel():
-                return Entry((role, self.pending.add(tensor), dtype, tensor.shape, ""))
+                return Entry((role, self.pending.add(tensor), dtype, _shared_shape(tensor.shape),
+                              ""))
         else:
             local = local_shard(tensor)
             if local is not tensor:  # a DTensor: this rank's shard, its shape, said in the note
@@ -162,7 +195,8 @@ class EntryBuilder:
             dtype = tensor.dtype
             if dtype.is_floating_point and tensor.layout is _STRIDED and not tensor.is_meta \
                     and not tensor.is_nested and tensor.numel():
-                return Entry((role, self.pending.add(tensor), dtype, tensor.shape, ""))
+                return Entry((role, self.pending.add(tensor), dtype, _shared_shape(tensor.shape),
+                              ""))
         return self.tensor_entry(role, tensor)
 
     def _unread_subclass(self, role: str, tensor: torch.Tensor) -> Entry:

@@ -338,6 +338,14 @@ class _Queued:
         self.implicit_zero = implicit_zero
 
 
+class _Seen(weakref.ref):
+    """A weak reference to a tensor measured in this batch, with the version it was measured
+    in and its stats: one object per tensor (a tuple beside the reference made one more for the
+    garbage collector to count, on every module call)."""
+
+    __slots__ = ("version", "stats")
+
+
 class PendingStats:
     """The stats of one batch's tensors, measured as they are seen, read back once per batch.
 
@@ -356,8 +364,8 @@ class PendingStats:
         self._result = native.result_buffer()
         self._read_floats = native.contiguous_reader()
         self._read_ints = native.int_reader()
-        # id -> (weak reference, version, stats) of every tensor measured this batch.
-        self._seen: dict[int, tuple[Any, int, TensorStats]] = {}
+        # id -> weak reference (with version and stats) of every tensor measured this batch.
+        self._seen: dict[int, _Seen] = {}
         self._queued: list[_Queued] = []
         self._held_bytes = 0
 
@@ -375,8 +383,8 @@ class PendingStats:
             version = -1
         key = id(tensor)
         seen = self._seen.get(key)
-        if seen is not None and seen[1] == version and seen[0]() is tensor:
-            return seen[2]
+        if seen is not None and seen.version == version and seen() is tensor:
+            return seen.stats
         found = None
         if self._direct:
             try:
@@ -399,29 +407,30 @@ class PendingStats:
             except Exception as error:  # never break the forward; the cell says why
                 stats.note = f"unsupported ({type(error).__name__})"
         try:
-            self._seen[key] = (weakref.ref(tensor), version, stats)
+            seen = self._seen[key] = _Seen(tensor)
         except TypeError:  # no weak references to this kind of tensor: no reuse
-            pass
+            return stats
+        seen.version, seen.stats = version, stats
         return stats
 
     def seen(self, tensor: torch.Tensor) -> TensorStats | None:
         """The stats :meth:`add` gave this very tensor in this batch, in its current version
         (a module's input that the previous module returned), or None."""
         seen = self._seen.get(id(tensor))
-        if seen is None or seen[0]() is not tensor:
+        if seen is None or seen() is not tensor:
             return None
         try:
             version = tensor._version
         except RuntimeError:  # an inference tensor: no version counter
             version = -1
-        return seen[2] if seen[1] == version else None
+        return seen.stats if seen.version == version else None
 
     def last_seen(self, tensor: torch.Tensor) -> tuple[int, TensorStats] | None:
         """(version, stats) of this very tensor's last measurement in this batch, or None."""
         seen = self._seen.get(id(tensor))
-        if seen is None or seen[0]() is not tensor:
+        if seen is None or seen() is not tensor:
             return None
-        return seen[1], seen[2]
+        return seen.version, seen.stats
 
     def _measure(self, tensor: torch.Tensor, version: int, stats: TensorStats, hold: bool) -> None:
         values, implicit_zero = _values_of(tensor.detach())
