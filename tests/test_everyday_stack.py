@@ -151,6 +151,44 @@ def test_exporters_and_tracers_see_the_unwatched_model(mode):
     assert nanwidget_notes == []  # no internal error, no GuardOnDataDependentSymNode
 
 
+
+def test_the_fx_probe_reads_torch_2_15s_thread_local_flag(monkeypatch):
+    # torch 2.15 keeps "fx.symbolic_trace runs" in a thread-local (its module flag is gone):
+    # reading the old flag raised in the root's pre-hook, so every watched forward failed.
+    import threading
+    import types
+
+    from nanwidget.core import graph_capture
+    local = threading.local()
+    moved = types.SimpleNamespace(_is_fx_tracing_tls=local)
+    monkeypatch.setitem(sys.modules, "torch.fx._symbolic_trace", moved)
+    reads = graph_capture._fx_flag_reader()
+    assert reads() is False
+    local.flag = True
+    assert reads() is True
+    flagged = types.SimpleNamespace(_is_fx_tracing_flag=True)  # torch up to 2.14
+    monkeypatch.setitem(sys.modules, "torch.fx._symbolic_trace", flagged)
+    assert graph_capture._fx_flag_reader()() is True
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tracer_probe_that_fails_never_breaks_the_forward(mode, monkeypatch):
+    # A torch that moves what the probes read must not break the user's forward: the probes
+    # then say "no tracer" and the watch records as usual.
+    from nanwidget.core import graph_capture
+
+    def moved():
+        raise AttributeError("module 'torch.fx._symbolic_trace' has no attribute 'flag'")
+
+    monkeypatch.setattr(graph_capture, "fx_tracing", moved)
+    model = TinyMLP()
+    x = torch.randn(2, 16)
+    with nw.watch(model, mode=mode) as w:
+        out = model(x)
+    assert torch.equal(out, model(x)) and w.batch == 1
+    assert not w.frames().empty or mode == "sentinel"
+
+
 # ------------------------------------------------------------------ compiled wrappers (item 11)
 def test_watching_the_original_of_an_already_compiled_container_refuses_the_compiled_call():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

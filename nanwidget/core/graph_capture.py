@@ -16,12 +16,14 @@ from __future__ import annotations
 import gc
 import sys
 import types
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["tracing", "captured", "is_exporting", "dynamo_compiling", "export_flag",
+__all__ = ["tracing", "captured", "is_exporting", "dynamo_compiling", "export_flag", "fx_tracing",
            "checking_a_trace", "compile_wrappers_of"]
 
 #: ``torch.compiler.is_exporting()``: True while ``torch.export`` traces, under Dynamo too.
@@ -35,28 +37,50 @@ export_flag: Any = torch.compiler if hasattr(torch.compiler, "_is_exporting_flag
 _jit_tracing_state = getattr(torch._C, "_get_tracing_state", lambda: None)
 
 
-# The modules whose flags say that fx or torch.jit.trace runs (both come with torch; the
-# stand-ins say "never" for a torch that moved them).
-_fx: Any = sys.modules.get("torch.fx._symbolic_trace") or types.SimpleNamespace(
-    _is_fx_tracing_flag=False)
+def _fx_flag_reader() -> Callable[[], bool]:
+    """The cheapest read of "``torch.fx.symbolic_trace`` runs now" this torch offers: a module
+    flag up to torch 2.14, a thread-local one from 2.15 on (read through the public function
+    where neither is there; "never" where fx is missing)."""
+    fx = sys.modules.get("torch.fx._symbolic_trace")
+    if fx is None:
+        return lambda: False
+    if hasattr(fx, "_is_fx_tracing_flag"):
+        return lambda: fx._is_fx_tracing_flag
+    local = getattr(fx, "_is_fx_tracing_tls", None)
+    if local is not None:
+        return partial(getattr, local, "flag", False)  # one C call
+    return getattr(fx, "_get_is_fx_tracing", None) or (lambda: False)
+
+
+#: True while ``torch.fx.symbolic_trace`` (or an export through fx) runs, as torch says it.
+fx_tracing = _fx_flag_reader()
+# The module whose state says that torch.jit.trace runs (it comes with torch; the stand-in says
+# "never" for a torch that moved it).
 _jit: Any = sys.modules.get("torch.jit._trace") or types.SimpleNamespace(_trace_module_map=None)
 
 
 def tracing() -> bool:
     """Whether a graph capturer runs the model now (``torch.export``, ``torch.jit.trace``,
     ``torch.fx.symbolic_trace``). ``is_exporting`` comes first: under a strict export Dynamo
-    traces the caller, reads it as a constant and never looks at the rest."""
-    return is_exporting() or _jit_tracing_state() is not None \
-        or (_fx._is_fx_tracing_flag and not dynamo_compiling())
+    traces the caller, reads it as a constant and never looks at the rest. Never raises (a
+    torch that moved what it reads must not break the user's forward: then "no")."""
+    try:
+        return is_exporting() or _jit_tracing_state() is not None \
+            or (fx_tracing() and not dynamo_compiling())
+    except Exception:
+        return False
 
 
 def captured() -> bool:
     """For the root's pre-hook (called from it), once :data:`export_flag` said no: whether
     ``torch.jit.trace`` (its check run included, see :func:`checking_a_trace`) or ``torch.fx``
-    runs the model. A few flag reads: it runs every batch."""
-    return _jit_tracing_state() is not None \
-        or (_jit._trace_module_map is not None and checking_a_trace(sys._getframe(2))) \
-        or (_fx._is_fx_tracing_flag and not dynamo_compiling())
+    runs the model. A few flag reads: it runs every batch. Never raises (see :func:`tracing`)."""
+    try:
+        return _jit_tracing_state() is not None \
+            or (_jit._trace_module_map is not None and checking_a_trace(sys._getframe(2))) \
+            or (fx_tracing() and not dynamo_compiling())
+    except Exception:
+        return False
 
 
 _trace_check: list[Any] = []  # the code object of torch.jit.trace's check run, once looked up
