@@ -151,6 +151,8 @@ def test_dotted_names_reach_a_model_inside_an_object(ip):
     ('%nanwatch model --log-dir "abc', "could not read its options (No closing quotation)"),
     ("%nanwatch model -n 99999999999999999999", "--frames must be at least 1 and at most"),
     ("%nanwatch model --bogus", "unrecognized arguments: --bogus"),
+    ("%nanwatch --off -n 3", "--off stops a watch and takes no watch options (got --frames)"),
+    ("%nanwatch model --off --sentinel", "--off .* no watch options (got --sentinel)"),
 ])
 def test_misuse_raises_usage_error_with_a_sentence(ip, line, message):
     ip.user_ns["not_a_model"] = [1, 2]
@@ -181,6 +183,53 @@ def test_log_dir_holding_a_recording_is_a_usage_error(ip, tmp_path):
     with pytest.raises(UsageError, match="already holds a nanwidget recording"):
         run(ip, f"%nanwatch model --log-dir {tmp_path}")
     assert hook_count(ip.user_ns["model"]) == 0
+
+
+def test_quoted_option_values_lose_their_quotes_as_in_a_shell(ip, tmp_path, monkeypatch):
+    spaced = tmp_path / "runs" / "a b"
+    run(ip, f'%nanwatch model --log-dir "{spaced}" --skip \'ReLU\'')
+    watched = ip.user_ns["_nanwatch"]
+    assert str(watched.log_dir) == str(spaced) and watched.skip_types == ("ReLU",)
+    run(ip, "%nanwatch --off")
+    assert (spaced / "rank-00000" / "manifest.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no folder named '"'
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run(ip, "%nanwatch model --log-dir ~/home-runs")
+    run(ip, "%nanwatch --off")
+    assert (tmp_path / "home-runs" / "rank-00000" / "manifest.json").exists()
+
+
+def test_a_log_dir_that_cannot_be_used_leaves_the_running_watch_as_it_was(ip, tmp_path):
+    nw.watch(TinyMLP(), log_dir=str(tmp_path / "used")).close()
+    (tmp_path / "notes.txt").write_text("mine")
+    run(ip, "%nanwatch model -n 7")
+    watched = ip.user_ns["_nanwatch"]
+    hooks = hook_count(ip.user_ns["model"])
+    for bad in (tmp_path / "used", tmp_path / "notes.txt" / "sub"):
+        with pytest.raises(UsageError, match=f"--log-dir {bad}") as raised:
+            run(ip, f"%nanwatch model --log-dir {bad}")
+        assert "stopped" not in str(raised.value)
+        assert not watched.closed and hook_count(ip.user_ns["model"]) == hooks
+        assert ip.user_ns["_nanwatch"] is watched
+
+
+def test_a_wrapped_model_is_not_reported_as_rebound(ip):
+    run(ip, "compiled = torch.compile(model)")
+    with capture_output() as captured:
+        ip.run_cell("%nanwatch compiled")
+    assert "watching compiled in sentinel mode" in captured.stdout
+    assert "names another object" not in captured.stdout
+    with capture_output() as captured:
+        ip.run_cell("compiled = 1")
+    assert "compiled no longer names a model" in captured.stdout
+    ip.user_ns.pop("compiled")
+
+
+def test_a_part_of_a_model_the_magic_watches_names_that_watch(ip):
+    run(ip, "%nanwatch model")
+    with pytest.raises(UsageError, match=r"model\.fc1 is already watched by %nanwatch model; stop "
+                                         r"that watch first with: %nanwatch --off model"):
+        run(ip, "%nanwatch model.fc1")
 
 
 def test_off_stops_a_watch_made_with_nw_watch_on_that_model(ip):

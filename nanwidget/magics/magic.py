@@ -13,8 +13,9 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
+from IPython.utils.process import arg_split
 from traitlets import CaselessStrEnum, Float, Int
 
 from ..core.events import AbortAfterBatch, NanDetected
@@ -248,13 +249,20 @@ class NanwatchMagics(Magics):
     def _prepare(self, line: str, cell: str | None) -> tuple[str, Any, dict[str, Any]] | None:
         """Parse ``line``; handle --off and the listing; else (name, model, options) to watch."""
         try:
-            args = parse_argstring(self.nanwatch, line)
+            # Split as a shell does (IPython's default keeps the quotes): --log-dir "runs/a b"
+            # names the folder runs/a b, not one whose name starts with a quote.
+            args = self.nanwatch.parser.parse_args(arg_split(line, posix=True))
         except ValueError as error:  # shlex: an unterminated quote
             raise MagicUsageError(f"%nanwatch could not read its options ({error}): {line!r}; "
                                   "check the quotes") from None
         if args.off:
             if cell is not None:
                 raise MagicUsageError("--off is for the line magic: %nanwatch --off [MODEL]")
+            given = [declared.flag.names[-1] for name, declared in OPTIONS.items()
+                     if declared.flag is not None and getattr(args, name) is not None]
+            if given:
+                raise MagicUsageError(f"--off stops a watch and takes no watch options (got "
+                                      f"{', '.join(given)}): %nanwatch --off [MODEL]")
             self._stop(args.model)
             return None
         if args.model is None:

@@ -12,6 +12,7 @@ import math
 import re
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..core.frames import Frame
 from ..core.stats import dtype_max
 from ..core.recorder import AlreadyWatchedError, Feature
 from ..core.options import OPTIONS, SkipTypesWarning, WatchOptions
+from ..core.persist.writer import prepare_log_dir
 from ..core.watch import NanWatch, live_watches, watch
 
 __all__ = ["WatchManager", "LiveStatus", "MagicUsageError", "describe_magnitude"]
@@ -156,6 +158,9 @@ class WatchManager:
 
     def __init__(self) -> None:
         self.watches: dict[str, NanWatch] = {}
+        # name -> the object the name named when its watch started: for a torch.compile or
+        # DistributedDataParallel wrapper that is the wrapper, not the watch's model (inside it)
+        self._named: dict[str, weakref.ref[nn.Module]] = {}
         # name -> id of the object it named when the rebinding was last reported
         self._rebound_reported: dict[str, int | None] = {}
 
@@ -211,9 +216,12 @@ class WatchManager:
                 raise MagicUsageError(self._already_watched(model, name, error)) from None
 
     def check(self, model: nn.Module, options: dict[str, Any]) -> None:
-        """Check ``options`` for ``model`` as :meth:`make_watch` would, hooking nothing."""
+        """Check ``options`` for ``model`` as :meth:`make_watch` would, hooking nothing (the
+        log directory is made, as the watch would make it)."""
         with self._usage_errors(options):
-            WatchOptions.checked(model, **options)
+            checked = WatchOptions.checked(model, **options)
+            if checked.log_dir is not None:
+                prepare_log_dir(checked.log_dir)
 
     @staticmethod
     @contextlib.contextmanager
@@ -236,9 +244,11 @@ class WatchManager:
 
     def _already_watched(self, model: nn.Module, name: str, error: Exception) -> str:
         """Say which watch holds the model and the exact line that stops it."""
+        # The holder may watch a part of this model, or a model this one is a part of.
         modules = set(map(id, model.modules()))
         holder = next((held for held, watched in self.watches.items()
-                       if not watched.closed and id(watched.model) in modules), None)
+                       if not watched.closed and (id(watched.model) in modules or any(
+                           part is model for part in watched.model.modules()))), None)
         what = name or "this model"
         if holder is not None:
             return (f"{what} is already watched by %nanwatch {holder}; stop that watch first "
@@ -263,6 +273,7 @@ class WatchManager:
                 raise MagicUsageError(f"{error} (the earlier watch on {name} was stopped)") from None
             raise
         self.watches[name] = started
+        self._named[name] = weakref.ref(model)
         self._rebound_reported.pop(name, None)
         return started, previous is not None
 
@@ -286,6 +297,7 @@ class WatchManager:
             return [name]
         for key in names:
             self.watches.pop(key).close()
+            self._named.pop(key, None)
             self._rebound_reported.pop(key, None)
         return names
 
@@ -311,7 +323,8 @@ class WatchManager:
                 current: Any = self.lookup(namespace, name)
             except MagicUsageError:
                 current = None
-            if current is watched.model:
+            named = self._named.get(name)
+            if current is not None and current is (named() if named else watched.model):
                 self._rebound_reported.pop(name, None)
                 continue
             key = id(current) if current is not None else None
@@ -331,6 +344,7 @@ class WatchManager:
         for key in list(self.watches):
             self.watches.pop(key).close()
             closed += 1
+        self._named.clear()
         # Watches made with nw.watch() in the notebook too: unloading removes every hook.
         for other in live_watches():
             other.close()
