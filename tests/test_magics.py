@@ -55,6 +55,20 @@ def test_line_magic_starts_a_watch_and_prints_one_status_line(ip):
     assert watch.max_frames == 7 and not watch.closed
 
 
+def test_a_line_watch_stopping_again_shows_the_new_event_not_the_first(ip):
+    run(ip, "%nanwatch model")
+    with capture_output():
+        ip.run_cell(PLANT_NAN + "model(torch.randn(2, 16))")
+    with capture_output() as captured:
+        ip.run_cell("with torch.no_grad():\n    model.fc2.weight[0, 0] = 0.5\n"
+                    "    model.head.bias[1] = float('inf')\nmodel(torch.randn(2, 16))")
+    assert "NanDetected: inf in batch 1 at module 'head'" in captured.stderr
+    shown = [o.data["text/plain"] for o in captured.outputs
+             if "application/vnd.jupyter.widget-view+json" in o.data]
+    assert len(shown) == 1 and "inf in batch 1 at module 'head'" in shown[0]
+    assert "nan in batch 0" not in shown[0]
+
+
 def test_line_watch_catches_a_nan_in_a_later_cell(ip):
     run(ip, "%nanwatch model --on-nan record")
     run(ip, "for _ in range(2):\n    model(torch.randn(2, 16))\n" + PLANT_NAN

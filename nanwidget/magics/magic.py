@@ -95,8 +95,11 @@ def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
         if magics is not None:
             owner = next((w for w in magics.manager.watches.values()
                           if any(known is event for known in w.events)), None)
+        # The watch's browser opens at its first event; a later one (the line watch stopped
+        # before, the user fixed it and ran on) gets a browser of its own frames.
+        first = owner is not None and owner.events and owner.events[0] is event
         try:
-            display(owner.browse() if owner is not None else FrameBrowser(event))
+            display(owner.browse() if first else FrameBrowser(event))
         except Exception:  # the message below still says what happened
             pass
         lines = [f"NanDetected: {event.summary()}", *_diagnosis_line(event), _user_code_line(tb),
