@@ -310,7 +310,7 @@ def test_cell_stops_at_nan_shows_browser_and_one_line_error(ip):
     assert lines[1].startswith("Why (corrupted-weight): 'fc2.weight' became NaN between batch 2 "
                                "and batch 3") and " Try: " in lines[1]
     shown = [o.data.get("text/plain", "") for o in captured.outputs]
-    assert any(text.startswith("FrameBrowser(") for text in shown)
+    assert any(text.startswith("nanwidget FrameBrowser: ") for text in shown)
     browser_outputs = [o for o in captured.outputs
                        if "application/vnd.jupyter.widget-view+json" in o.data]
     assert browser_outputs
