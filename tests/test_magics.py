@@ -239,6 +239,21 @@ def test_a_wrapped_model_is_not_reported_as_rebound(ip):
     ip.user_ns.pop("compiled")
 
 
+@pytest.mark.parametrize("container, advice", [
+    ("torch.nn.ModuleDict({'net': model})", "(%nanwatch models.net)"),
+    ("torch.nn.ModuleList([model])", "(part = models[0], then %nanwatch part)"),
+])
+def test_a_container_without_a_forward_is_refused_not_watched_blind(ip, container, advice):
+    # Its own forward never runs, so no batch would end: a NaN passed unseen, "0 events".
+    run(ip, f"models = {container}")
+    for magic in ("%nanwatch models", "%%nanwatch models\nmodel(torch.randn(2, 16))"):
+        with pytest.raises(UsageError, match="has no forward of its own") as raised:
+            run(ip, magic)
+        assert advice in str(raised.value) and "w.step()" in str(raised.value)
+        assert hook_count(ip.user_ns["model"]) == 0
+    ip.user_ns.pop("models")
+
+
 def test_a_part_of_a_model_the_magic_watches_names_that_watch(ip):
     run(ip, "%nanwatch model")
     with pytest.raises(UsageError, match=r"model\.fc1 is already watched by %nanwatch model; stop "

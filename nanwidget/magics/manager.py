@@ -153,6 +153,24 @@ def _in_flag_words(message: str) -> str:
     return message
 
 
+def _refuse_forwardless(model: nn.Module, name: str) -> None:
+    """A container without a forward of its own (ModuleDict, ModuleList) is never called, so
+    no batch of it ever ends and nothing would be checked: the magic refuses it, naming the fix."""
+    if type(model).forward is not nn.Module.forward or "forward" in vars(model):
+        return  # (a torch.compile wrapper sets its forward on the instance)
+    what = name or "the model"
+    first = next(iter(model.named_children()), ("", None))[0]
+    inside = ""
+    if name and first.isidentifier():
+        inside = f" (%nanwatch {name}.{first})"
+    elif name and first.isdigit():
+        inside = f" (part = {name}[{first}], then %nanwatch part)"
+    raise MagicUsageError(
+        f"{what} is a {type(model).__name__}, which has no forward of its own: its batches never "
+        f"end, so %nanwatch would check nothing. Watch a model inside it{inside}, or use "
+        f"w = nw.watch({name or 'container'}) and call w.step() after each batch")
+
+
 class WatchManager:
     """The watches started by %nanwatch, by the variable name of their model."""
 
@@ -209,15 +227,17 @@ class WatchManager:
         A ``--skip`` class the model does not use is an error here (``nw.watch`` only warns):
         in a magic line it is a typo to fix before anything is hooked.
         """
+        _refuse_forwardless(model, name)
         with self._usage_errors(options):
             try:
                 return watch(model, **options)
             except AlreadyWatchedError as error:
                 raise MagicUsageError(self._already_watched(model, name, error)) from None
 
-    def check(self, model: nn.Module, options: dict[str, Any]) -> None:
+    def check(self, model: nn.Module, options: dict[str, Any], name: str = "") -> None:
         """Check ``options`` for ``model`` as :meth:`make_watch` would, hooking nothing (the
         log directory is made, as the watch would make it)."""
+        _refuse_forwardless(model, name)
         with self._usage_errors(options):
             checked = WatchOptions.checked(model, **options)
             if checked.log_dir is not None:
@@ -262,7 +282,7 @@ class WatchManager:
         Returns the watch and whether it replaced one. Options are checked first: a typo
         leaves the watch already held as it was.
         """
-        self.check(model, options)
+        self.check(model, options, name)
         previous = self.watches.pop(name, None)
         if previous is not None:
             previous.close()
