@@ -69,6 +69,19 @@ def test_a_line_watch_stopping_again_shows_the_new_event_not_the_first(ip):
     assert "nan in batch 0" not in shown[0]
 
 
+def test_a_line_watch_abort_after_reads_as_one_line_not_a_traceback(ip):
+    run(ip, "%nanwatch model --abort-after 0")
+    with capture_output() as captured:
+        result = ip.run_cell("for _ in range(3):\n    model(torch.randn(2, 16))")
+    assert isinstance(result.error_in_exec, nw.AbortAfterBatch)
+    lines = captured.stderr.splitlines()
+    assert lines[0] == "AbortAfterBatch: nanwidget: stopping after batch 0 (abort_after=0)"
+    assert re.fullmatch(r"  raised at cell In\[\d+\], line 2: model\(torch.randn\(2, 16\)\)",
+                        lines[1])
+    assert lines[2:] == ["(full traceback: %tb)"]
+    assert "Traceback" not in captured.stdout + captured.stderr
+
+
 def test_line_watch_catches_a_nan_in_a_later_cell(ip):
     run(ip, "%nanwatch model --on-nan record")
     run(ip, "for _ in range(2):\n    model(torch.randn(2, 16))\n" + PLANT_NAN

@@ -79,14 +79,17 @@ def _user_code_line(tb: Any) -> str:
 
 def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
                       tb_offset: int | None = None) -> None:
-    """IPython custom exception handler: NanDetected as one line and a FrameBrowser.
+    """IPython custom exception handler: NanDetected as one line and a FrameBrowser
+    (AbortAfterBatch, the stop that was asked for, as one line).
 
     Registered while the extension is loaded, so a line-mode ``%nanwatch`` that raises in a
     later cell reads the same as a ``%%nanwatch`` cell; ``%tb`` still shows the full traceback.
     """
     # What IPython records for any error, so that %tb and %debug find this one.
     sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb
-    if isinstance(value, NanInCell):
+    if isinstance(value, AbortAfterBatch):  # the stop a line watch's --abort-after asked for
+        lines = [f"AbortAfterBatch: {value}", _user_code_line(tb), "(full traceback: %tb)"]
+    elif isinstance(value, NanInCell):
         lines = value._render_traceback_()  # its cell already showed the browser
     else:
         event = value.event  # type: ignore[attr-defined]
@@ -105,6 +108,10 @@ def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
         lines = [f"NanDetected: {event.summary()}", *_diagnosis_line(event), _user_code_line(tb),
                  "(full traceback: %tb)"]
     print("\n".join(line for line in lines if line), file=sys.stderr)
+
+
+# Shown as one line (and a FrameBrowser for a NaN/Inf) instead of a traceback through torch.
+_SHOWN_SHORT = (NanDetected, AbortAfterBatch)
 
 
 def _argument_type(parse: Any) -> Any:
@@ -170,7 +177,7 @@ class NanwatchMagics(Magics):
         # NanDetected from any cell: one line and the browser. Only when no one else set a handler.
         self.owns_custom_exc = not shell.custom_exceptions
         if self.owns_custom_exc:
-            shell.set_custom_exc((NanDetected,), show_nan_detected)
+            shell.set_custom_exc(_SHOWN_SHORT, show_nan_detected)
         if self not in shell.configurables:
             shell.configurables.append(self)
         # %%nanwatch cells that await at top level run on IPython's event loop, as other cells do.
@@ -189,7 +196,7 @@ class NanwatchMagics(Magics):
         shell.magics_manager.registry.pop(type(self).__name__, None)
         if self in shell.configurables:
             shell.configurables.remove(self)
-        if self.owns_custom_exc and shell.custom_exceptions == (NanDetected,):
+        if self.owns_custom_exc and shell.custom_exceptions == _SHOWN_SHORT:
             shell.set_custom_exc((), None)
         if self._async_cell_rewriter in shell.input_transformers_cleanup:
             shell.input_transformers_cleanup.remove(self._async_cell_rewriter)
