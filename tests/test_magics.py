@@ -449,7 +449,11 @@ def test_unload_removes_the_magic_and_every_watch_hook(ip):
     run(ip, "%nanwatch model")
     run(ip, "w2 = nw.watch(torch.nn.Linear(2, 2))")
     w2 = ip.user_ns["w2"]
-    ip.run_line_magic("unload_ext", "nanwidget")
+    with capture_output() as captured:
+        ip.run_line_magic("unload_ext", "nanwidget")
+    # Said, so that after %reload_ext no one trusts a watch that is gone.
+    assert captured.stdout == ("nanwidget: unloaded; stopped watching model, 1 watch made with "
+                               "nw.watch()\n")
     assert hook_count(ip.user_ns["model"]) == 0
     assert w2.closed and hook_count(w2.model) == 0
     with pytest.raises(UsageError, match="not found"):

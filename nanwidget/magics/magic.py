@@ -188,7 +188,12 @@ class NanwatchMagics(Magics):
     def detach(self) -> None:
         """Undo :meth:`attach` and close every watch (every hook any watch added)."""
         shell = self.shell
-        self.manager.close_all()
+        names = list(self.manager.watches)
+        others = self.manager.close_all() - len(names)
+        if names or others:  # %reload_ext too: say that nothing is watched any more
+            stopped = names + ([f"{others} watch{'es' if others != 1 else ''} made with "
+                                "nw.watch()"] if others else [])
+            print(f"nanwidget: unloaded; stopped watching {', '.join(stopped)}")
         for kind in ("line", "cell"):
             table = shell.magics_manager.magics[kind]
             if getattr(table.get("nanwatch"), "__self__", None) is self:
