@@ -324,6 +324,26 @@ def test_without_autoawait_top_level_await_is_a_syntax_error_as_in_ipython(ip):
     assert hook_count(ip.user_ns["model"]) == 0
 
 
+@pytest.mark.parametrize("body, line, message", [
+    ("for _ in range(2)\n    model(torch.randn(2, 16))\n", 2, "SyntaxError: expected ':'"),
+    ("x = 1\nawait f()\n", 3, "SyntaxError: 'await' outside function"),
+])
+def test_a_cell_that_does_not_compile_reads_as_ipython_shows_it_and_starts_no_watch(
+        ip, body, line, message):
+    ip.autoawait = False
+    try:
+        with capture_output() as captured:
+            result = ip.run_cell("%%nanwatch model\n" + body)
+    finally:
+        ip.autoawait = True
+    assert isinstance(result.error_in_exec, SyntaxError)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", captured.stdout + captured.stderr)
+    assert re.search(rf"Cell In\[\d+\], line {line}\n", text) and text.rstrip().endswith(message)
+    assert "nanwidget" not in text and "Traceback" not in text
+    assert not captured.outputs  # no "nanwatch model: starting" line: no watch was made
+    assert hook_count(ip.user_ns["model"]) == 0
+
+
 def test_cell_stops_at_nan_shows_browser_and_one_line_error(ip):
     cell = ("%%nanwatch model\n"
             "for _ in range(3):\n    model(torch.randn(2, 16))\n" + PLANT_NAN

@@ -24,7 +24,8 @@ from ..widgets import FrameBrowser
 from ..core.options import ON_NAN_CHOICES, OPTIONS
 from .manager import LiveStatus, MagicUsageError, WatchManager
 
-__all__ = ["NanwatchMagics", "NanInCell", "CellInterrupted", "show_nan_detected", "find_magics",
+__all__ = ["NanwatchMagics", "NanInCell", "CellInterrupted", "CellSyntaxError", "show_nan_detected",
+           "find_magics",
            "make_async_cell_rewriter"]
 
 
@@ -66,6 +67,12 @@ class CellInterrupted(KeyboardInterrupt):
                 "(_nanwatch holds the watch)"]
 
 
+class CellSyntaxError(SyntaxError):
+    """A %%nanwatch cell that does not compile; no watch was started. The extension's handler
+    shows it as IPython shows any cell's SyntaxError (the cell's line and a caret), without the
+    magic's frames (IPython lists every frame of a SyntaxError raised by running code)."""
+
+
 def _user_code_line(tb: Any) -> str:
     """Where the user's code called into the model: the innermost frame outside torch, IPython
     and nanwidget."""
@@ -80,14 +87,17 @@ def _user_code_line(tb: Any) -> str:
 def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
                       tb_offset: int | None = None) -> None:
     """IPython custom exception handler: NanDetected as one line and a FrameBrowser
-    (AbortAfterBatch, the stop that was asked for, as one line).
+    (AbortAfterBatch, the stop that was asked for, as one line; a %%nanwatch cell's
+    SyntaxError as IPython shows a cell's).
 
     Registered while the extension is loaded, so a line-mode ``%nanwatch`` that raises in a
     later cell reads the same as a ``%%nanwatch`` cell; ``%tb`` still shows the full traceback.
     """
     # What IPython records for any error, so that %tb and %debug find this one.
     sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb
-    if isinstance(value, AbortAfterBatch):  # the stop a line watch's --abort-after asked for
+    if isinstance(value, CellSyntaxError):
+        lines = shell.SyntaxTB.structured_traceback(SyntaxError, value, [])
+    elif isinstance(value, AbortAfterBatch):  # the stop a line watch's --abort-after asked for
         lines = [f"AbortAfterBatch: {value}", _user_code_line(tb), "(full traceback: %tb)"]
     elif isinstance(value, NanInCell):
         lines = value._render_traceback_()  # its cell already showed the browser
@@ -111,7 +121,7 @@ def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
 
 
 # Shown as one line (and a FrameBrowser for a NaN/Inf) instead of a traceback through torch.
-_SHOWN_SHORT = (NanDetected, AbortAfterBatch)
+_SHOWN_SHORT = (NanDetected, AbortAfterBatch, CellSyntaxError)
 
 
 def _argument_type(parse: Any) -> Any:
@@ -252,9 +262,10 @@ class NanwatchMagics(Magics):
             if prepared is None:
                 return None
             name, model, options = prepared
+            compiled = self._compile(cell, allow_await=True)  # a SyntaxError starts no watch
             watched, live = self._start_cell(name, model, options)
             try:
-                result = await self._execute_async(cell)
+                result = await self._execute_async(compiled)
             except BaseException as error:
                 return self._cell_failed(watched, live, error)
             return self._cell_done(watched, live, result)
@@ -329,9 +340,10 @@ class NanwatchMagics(Magics):
 
     def _run_cell(self, name: str, model: Any, options: dict[str, Any], cell: str) -> Any:
         __tracebackhide__ = True
+        compiled = self._compile(cell, allow_await=False)  # a SyntaxError starts no watch
         watched, live = self._start_cell(name, model, options)
         try:
-            result = self._execute(cell)
+            result = self._execute(compiled)
         except BaseException as error:
             return self._cell_failed(watched, live, error)
         return self._cell_done(watched, live, result)
@@ -347,9 +359,10 @@ class NanwatchMagics(Magics):
             raise MagicUsageError("this %%nanwatch cell awaits at top level, but it was called while "
                                   "an event loop runs (run_cell_magic from code?); start the cell "
                                   "with %%nanwatch instead")
+        compiled = self._compile(cell, allow_await=True)
         watched, live = self._start_cell(name, model, options)
         try:
-            result = self.shell.loop_runner(self._execute_async(cell))
+            result = self.shell.loop_runner(self._execute_async(compiled))
         except BaseException as error:
             return self._cell_failed(watched, live, error)
         return self._cell_done(watched, live, result)
@@ -418,35 +431,37 @@ class NanwatchMagics(Magics):
         namespace; with ``allow_await`` top-level ``await`` is allowed (such code objects
         are coroutines), otherwise it is a SyntaxError as in plain Python."""
         shell = self.shell
-        source = shell.transform_cell(cell)
-        tree = ast.parse(source)
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
         # A file name IPython's line cache knows, under this cell's number, so that tracebacks
-        # read "Cell In[5], line 3"; the leading newline stands for the %%nanwatch line, so
-        # that line numbers match the cell as the user sees it.
-        source = "\n" + source
-        tree = ast.increment_lineno(tree, 1)
-        if last is not None:
-            ast.increment_lineno(last, 1)
+        # (a SyntaxError's too) read "Cell In[5], line 3"; the leading newline stands for the
+        # %%nanwatch line, so that line numbers match the cell as the user sees it.
+        source = "\n" + shell.transform_cell(cell)
         filename = shell.compile.cache(source, _running_cell_number(shell))
         flags = _TOP_LEVEL_AWAIT if allow_await else 0
-        body = compile(tree, filename, "exec", flags=flags)
-        final = compile(last, filename, "eval", flags=flags) if last is not None else None
+        try:
+            tree = ast.parse(source, filename)
+            last = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr):
+                last = ast.Expression(tree.body.pop().value)
+            body = compile(tree, filename, "exec", flags=flags)
+            final = compile(last, filename, "eval", flags=flags) if last is not None else None
+        except SyntaxError as error:
+            raise CellSyntaxError(error.msg, (error.filename, error.lineno, error.offset,
+                                              error.text, error.end_lineno,
+                                              error.end_offset)) from None
         return body, final, shell.user_ns
 
-    def _execute(self, cell: str) -> Any:
-        """Run the cell in the user namespace; return the value of a final expression."""
+    def _execute(self, compiled: tuple[Any, Any, dict[str, Any]]) -> Any:
+        """Run the cell (:meth:`_compile`'s) in the user namespace; return the value of a final
+        expression."""
         __tracebackhide__ = True
-        body, final, namespace = self._compile(cell, allow_await=False)
+        body, final, namespace = compiled
         exec(body, namespace)
         return eval(final, namespace) if final is not None else None
 
-    async def _execute_async(self, cell: str) -> Any:
+    async def _execute_async(self, compiled: tuple[Any, Any, dict[str, Any]]) -> Any:
         """:meth:`_execute` for a cell with top-level ``await``."""
         __tracebackhide__ = True
-        body, final, namespace = self._compile(cell, allow_await=True)
+        body, final, namespace = compiled
         result = eval(body, namespace)
         if inspect.iscoroutine(result):
             await result
