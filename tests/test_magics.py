@@ -55,6 +55,33 @@ def test_line_magic_starts_a_watch_and_prints_one_status_line(ip):
     assert watch.max_frames == 7 and not watch.closed
 
 
+def test_a_line_watch_stopping_again_shows_the_new_event_not_the_first(ip):
+    run(ip, "%nanwatch model")
+    with capture_output():
+        ip.run_cell(PLANT_NAN + "model(torch.randn(2, 16))")
+    with capture_output() as captured:
+        ip.run_cell("with torch.no_grad():\n    model.fc2.weight[0, 0] = 0.5\n"
+                    "    model.head.bias[1] = float('inf')\nmodel(torch.randn(2, 16))")
+    assert "NanDetected: inf in batch 1 at module 'head'" in captured.stderr
+    shown = [o.data["text/plain"] for o in captured.outputs
+             if "application/vnd.jupyter.widget-view+json" in o.data]
+    assert len(shown) == 1 and "inf in batch 1 at module 'head'" in shown[0]
+    assert "nan in batch 0" not in shown[0]
+
+
+def test_a_line_watch_abort_after_reads_as_one_line_not_a_traceback(ip):
+    run(ip, "%nanwatch model --abort-after 0")
+    with capture_output() as captured:
+        result = ip.run_cell("for _ in range(3):\n    model(torch.randn(2, 16))")
+    assert isinstance(result.error_in_exec, nw.AbortAfterBatch)
+    lines = captured.stderr.splitlines()
+    assert lines[0] == "AbortAfterBatch: nanwidget: stopping after batch 0 (abort_after=0)"
+    assert re.fullmatch(r"  raised at cell In\[\d+\], line 2: model\(torch.randn\(2, 16\)\)",
+                        lines[1])
+    assert lines[2:] == ["(full traceback: %tb)"]
+    assert "Traceback" not in captured.stdout + captured.stderr
+
+
 def test_line_watch_catches_a_nan_in_a_later_cell(ip):
     run(ip, "%nanwatch model --on-nan record")
     run(ip, "for _ in range(2):\n    model(torch.randn(2, 16))\n" + PLANT_NAN
@@ -151,6 +178,8 @@ def test_dotted_names_reach_a_model_inside_an_object(ip):
     ('%nanwatch model --log-dir "abc', "could not read its options (No closing quotation)"),
     ("%nanwatch model -n 99999999999999999999", "--frames must be at least 1 and at most"),
     ("%nanwatch model --bogus", "unrecognized arguments: --bogus"),
+    ("%nanwatch --off -n 3", "--off stops a watch and takes no watch options (got --frames)"),
+    ("%nanwatch model --off --sentinel", "--off .* no watch options (got --sentinel)"),
 ])
 def test_misuse_raises_usage_error_with_a_sentence(ip, line, message):
     ip.user_ns["not_a_model"] = [1, 2]
@@ -181,6 +210,68 @@ def test_log_dir_holding_a_recording_is_a_usage_error(ip, tmp_path):
     with pytest.raises(UsageError, match="already holds a nanwidget recording"):
         run(ip, f"%nanwatch model --log-dir {tmp_path}")
     assert hook_count(ip.user_ns["model"]) == 0
+
+
+def test_quoted_option_values_lose_their_quotes_as_in_a_shell(ip, tmp_path, monkeypatch):
+    spaced = tmp_path / "runs" / "a b"
+    run(ip, f'%nanwatch model --log-dir "{spaced}" --skip \'ReLU\'')
+    watched = ip.user_ns["_nanwatch"]
+    assert str(watched.log_dir) == str(spaced) and watched.skip_types == ("ReLU",)
+    run(ip, "%nanwatch --off")
+    assert (spaced / "rank-00000" / "manifest.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # no folder named '"'
+    monkeypatch.setenv("HOME", str(tmp_path))
+    run(ip, "%nanwatch model --log-dir ~/home-runs")
+    run(ip, "%nanwatch --off")
+    assert (tmp_path / "home-runs" / "rank-00000" / "manifest.json").exists()
+
+
+def test_a_log_dir_that_cannot_be_used_leaves_the_running_watch_as_it_was(ip, tmp_path):
+    nw.watch(TinyMLP(), log_dir=str(tmp_path / "used")).close()
+    (tmp_path / "notes.txt").write_text("mine")
+    run(ip, "%nanwatch model -n 7")
+    watched = ip.user_ns["_nanwatch"]
+    hooks = hook_count(ip.user_ns["model"])
+    for bad in (tmp_path / "used", tmp_path / "notes.txt" / "sub"):
+        with pytest.raises(UsageError, match=f"--log-dir {bad}") as raised:
+            run(ip, f"%nanwatch model --log-dir {bad}")
+        assert "stopped" not in str(raised.value)
+        assert not watched.closed and hook_count(ip.user_ns["model"]) == hooks
+        assert ip.user_ns["_nanwatch"] is watched
+
+
+def test_a_wrapped_model_is_not_reported_as_rebound(ip):
+    run(ip, "compiled = torch.compile(model)")
+    with capture_output() as captured:
+        ip.run_cell("%nanwatch compiled")
+    assert "watching compiled in sentinel mode" in captured.stdout
+    assert "names another object" not in captured.stdout
+    with capture_output() as captured:
+        ip.run_cell("compiled = 1")
+    assert "compiled no longer names a model" in captured.stdout
+    ip.user_ns.pop("compiled")
+
+
+@pytest.mark.parametrize("container, advice", [
+    ("torch.nn.ModuleDict({'net': model})", "(%nanwatch models.net)"),
+    ("torch.nn.ModuleList([model])", "(part = models[0], then %nanwatch part)"),
+])
+def test_a_container_without_a_forward_is_refused_not_watched_blind(ip, container, advice):
+    # Its own forward never runs, so no batch would end: a NaN passed unseen, "0 events".
+    run(ip, f"models = {container}")
+    for magic in ("%nanwatch models", "%%nanwatch models\nmodel(torch.randn(2, 16))"):
+        with pytest.raises(UsageError, match="has no forward of its own") as raised:
+            run(ip, magic)
+        assert advice in str(raised.value) and "w.step()" in str(raised.value)
+        assert hook_count(ip.user_ns["model"]) == 0
+    ip.user_ns.pop("models")
+
+
+def test_a_part_of_a_model_the_magic_watches_names_that_watch(ip):
+    run(ip, "%nanwatch model")
+    with pytest.raises(UsageError, match=r"model\.fc1 is already watched by %nanwatch model; stop "
+                                         r"that watch first with: %nanwatch --off model"):
+        run(ip, "%nanwatch model.fc1")
 
 
 def test_off_stops_a_watch_made_with_nw_watch_on_that_model(ip):
@@ -233,6 +324,26 @@ def test_without_autoawait_top_level_await_is_a_syntax_error_as_in_ipython(ip):
     assert hook_count(ip.user_ns["model"]) == 0
 
 
+@pytest.mark.parametrize("body, line, message", [
+    ("for _ in range(2)\n    model(torch.randn(2, 16))\n", 2, "SyntaxError: expected ':'"),
+    ("x = 1\nawait f()\n", 3, "SyntaxError: 'await' outside function"),
+])
+def test_a_cell_that_does_not_compile_reads_as_ipython_shows_it_and_starts_no_watch(
+        ip, body, line, message):
+    ip.autoawait = False
+    try:
+        with capture_output() as captured:
+            result = ip.run_cell("%%nanwatch model\n" + body)
+    finally:
+        ip.autoawait = True
+    assert isinstance(result.error_in_exec, SyntaxError)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", captured.stdout + captured.stderr)
+    assert re.search(rf"Cell In\[\d+\], line {line}\n", text) and text.rstrip().endswith(message)
+    assert "nanwidget" not in text and "Traceback" not in text
+    assert not captured.outputs  # no "nanwatch model: starting" line: no watch was made
+    assert hook_count(ip.user_ns["model"]) == 0
+
+
 def test_cell_stops_at_nan_shows_browser_and_one_line_error(ip):
     cell = ("%%nanwatch model\n"
             "for _ in range(3):\n    model(torch.randn(2, 16))\n" + PLANT_NAN
@@ -247,7 +358,7 @@ def test_cell_stops_at_nan_shows_browser_and_one_line_error(ip):
     assert lines[1].startswith("Why (corrupted-weight): 'fc2.weight' became NaN between batch 2 "
                                "and batch 3") and " Try: " in lines[1]
     shown = [o.data.get("text/plain", "") for o in captured.outputs]
-    assert any(text.startswith("FrameBrowser(") for text in shown)
+    assert any(text.startswith("nanwidget FrameBrowser: ") for text in shown)
     browser_outputs = [o for o in captured.outputs
                        if "application/vnd.jupyter.widget-view+json" in o.data]
     assert browser_outputs
@@ -358,7 +469,11 @@ def test_unload_removes_the_magic_and_every_watch_hook(ip):
     run(ip, "%nanwatch model")
     run(ip, "w2 = nw.watch(torch.nn.Linear(2, 2))")
     w2 = ip.user_ns["w2"]
-    ip.run_line_magic("unload_ext", "nanwidget")
+    with capture_output() as captured:
+        ip.run_line_magic("unload_ext", "nanwidget")
+    # Said, so that after %reload_ext no one trusts a watch that is gone.
+    assert captured.stdout == ("nanwidget: unloaded; stopped watching model, 1 watch made with "
+                               "nw.watch()\n")
     assert hook_count(ip.user_ns["model"]) == 0
     assert w2.closed and hook_count(w2.model) == 0
     with pytest.raises(UsageError, match="not found"):

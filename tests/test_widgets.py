@@ -279,6 +279,17 @@ def test_displaying_the_browser_leaves_the_widget_and_its_static_copy(recorded):
     assert len(captured.outputs) == 1
 
 
+def test_the_text_a_viewer_without_widgets_shows_is_the_status_in_words(recorded):
+    text = FrameBrowser(recorded)._repr_mimebundle_()["text/plain"]
+    assert text.startswith("nanwidget FrameBrowser: 12 frames (")
+    assert recorded.event.summary() in text and recorded.event.diagnosis.kind in text
+    assert "<" not in text and "&#" not in text and "children=" not in text
+    empty = nw.watch(TinyMLP())
+    assert FrameBrowser(empty)._repr_mimebundle_()["text/plain"] == (
+        "nanwidget FrameBrowser: no frames held · no NaN/Inf seen")
+    empty.close()
+
+
 def test_colours_come_from_the_jupyterlab_theme_with_a_dark_variant(recorded):
     browser = FrameBrowser(recorded, plots=False)
     sheet = browser.style.value

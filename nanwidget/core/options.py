@@ -391,7 +391,8 @@ class WatchOptions:
         False, "on an event, replay its batch in trace mode (event.trace)", switch)
     log_dir: str | os.PathLike | None = option(
         None, "directory: spool frames, history and events to disk as they are made",
-        _directory, flag=Flag(("--log-dir",), str, help="directory to spool the records to"),
+        _directory, flag=Flag(("--log-dir",), os.path.expanduser,
+                             help="directory to spool the records to"),
         manifest=lambda value: None if value is None else os.fspath(value))
     max_events: int = option(
         MAX_EVENTS, "events kept, the first ones, in memory and in log_dir alike (later ones are "

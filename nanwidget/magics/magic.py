@@ -13,8 +13,9 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, kwds, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
+from IPython.utils.process import arg_split
 from traitlets import CaselessStrEnum, Float, Int
 
 from ..core.events import AbortAfterBatch, NanDetected
@@ -23,7 +24,8 @@ from ..widgets import FrameBrowser
 from ..core.options import ON_NAN_CHOICES, OPTIONS
 from .manager import LiveStatus, MagicUsageError, WatchManager
 
-__all__ = ["NanwatchMagics", "NanInCell", "CellInterrupted", "show_nan_detected", "find_magics",
+__all__ = ["NanwatchMagics", "NanInCell", "CellInterrupted", "CellSyntaxError", "show_nan_detected",
+           "find_magics",
            "make_async_cell_rewriter"]
 
 
@@ -65,6 +67,12 @@ class CellInterrupted(KeyboardInterrupt):
                 "(_nanwatch holds the watch)"]
 
 
+class CellSyntaxError(SyntaxError):
+    """A %%nanwatch cell that does not compile; no watch was started. The extension's handler
+    shows it as IPython shows any cell's SyntaxError (the cell's line and a caret), without the
+    magic's frames (IPython lists every frame of a SyntaxError raised by running code)."""
+
+
 def _user_code_line(tb: Any) -> str:
     """Where the user's code called into the model: the innermost frame outside torch, IPython
     and nanwidget."""
@@ -78,14 +86,20 @@ def _user_code_line(tb: Any) -> str:
 
 def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
                       tb_offset: int | None = None) -> None:
-    """IPython custom exception handler: NanDetected as one line and a FrameBrowser.
+    """IPython custom exception handler: NanDetected as one line and a FrameBrowser
+    (AbortAfterBatch, the stop that was asked for, as one line; a %%nanwatch cell's
+    SyntaxError as IPython shows a cell's).
 
     Registered while the extension is loaded, so a line-mode ``%nanwatch`` that raises in a
     later cell reads the same as a ``%%nanwatch`` cell; ``%tb`` still shows the full traceback.
     """
     # What IPython records for any error, so that %tb and %debug find this one.
     sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb
-    if isinstance(value, NanInCell):
+    if isinstance(value, CellSyntaxError):
+        lines = shell.SyntaxTB.structured_traceback(SyntaxError, value, [])
+    elif isinstance(value, AbortAfterBatch):  # the stop a line watch's --abort-after asked for
+        lines = [f"AbortAfterBatch: {value}", _user_code_line(tb), "(full traceback: %tb)"]
+    elif isinstance(value, NanInCell):
         lines = value._render_traceback_()  # its cell already showed the browser
     else:
         event = value.event  # type: ignore[attr-defined]
@@ -94,13 +108,20 @@ def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
         if magics is not None:
             owner = next((w for w in magics.manager.watches.values()
                           if any(known is event for known in w.events)), None)
+        # The watch's browser opens at its first event; a later one (the line watch stopped
+        # before, the user fixed it and ran on) gets a browser of its own frames.
+        first = owner is not None and owner.events and owner.events[0] is event
         try:
-            display(owner.browse() if owner is not None else FrameBrowser(event))
+            display(owner.browse() if first else FrameBrowser(event))
         except Exception:  # the message below still says what happened
             pass
         lines = [f"NanDetected: {event.summary()}", *_diagnosis_line(event), _user_code_line(tb),
                  "(full traceback: %tb)"]
     print("\n".join(line for line in lines if line), file=sys.stderr)
+
+
+# Shown as one line (and a FrameBrowser for a NaN/Inf) instead of a traceback through torch.
+_SHOWN_SHORT = (NanDetected, AbortAfterBatch, CellSyntaxError)
 
 
 def _argument_type(parse: Any) -> Any:
@@ -166,7 +187,7 @@ class NanwatchMagics(Magics):
         # NanDetected from any cell: one line and the browser. Only when no one else set a handler.
         self.owns_custom_exc = not shell.custom_exceptions
         if self.owns_custom_exc:
-            shell.set_custom_exc((NanDetected,), show_nan_detected)
+            shell.set_custom_exc(_SHOWN_SHORT, show_nan_detected)
         if self not in shell.configurables:
             shell.configurables.append(self)
         # %%nanwatch cells that await at top level run on IPython's event loop, as other cells do.
@@ -177,7 +198,12 @@ class NanwatchMagics(Magics):
     def detach(self) -> None:
         """Undo :meth:`attach` and close every watch (every hook any watch added)."""
         shell = self.shell
-        self.manager.close_all()
+        names = list(self.manager.watches)
+        others = self.manager.close_all() - len(names)
+        if names or others:  # %reload_ext too: say that nothing is watched any more
+            stopped = names + ([f"{others} watch{'es' if others != 1 else ''} made with "
+                                "nw.watch()"] if others else [])
+            print(f"nanwidget: unloaded; stopped watching {', '.join(stopped)}")
         for kind in ("line", "cell"):
             table = shell.magics_manager.magics[kind]
             if getattr(table.get("nanwatch"), "__self__", None) is self:
@@ -185,7 +211,7 @@ class NanwatchMagics(Magics):
         shell.magics_manager.registry.pop(type(self).__name__, None)
         if self in shell.configurables:
             shell.configurables.remove(self)
-        if self.owns_custom_exc and shell.custom_exceptions == (NanDetected,):
+        if self.owns_custom_exc and shell.custom_exceptions == _SHOWN_SHORT:
             shell.set_custom_exc((), None)
         if self._async_cell_rewriter in shell.input_transformers_cleanup:
             shell.input_transformers_cleanup.remove(self._async_cell_rewriter)
@@ -236,9 +262,10 @@ class NanwatchMagics(Magics):
             if prepared is None:
                 return None
             name, model, options = prepared
+            compiled = self._compile(cell, allow_await=True)  # a SyntaxError starts no watch
             watched, live = self._start_cell(name, model, options)
             try:
-                result = await self._execute_async(cell)
+                result = await self._execute_async(compiled)
             except BaseException as error:
                 return self._cell_failed(watched, live, error)
             return self._cell_done(watched, live, result)
@@ -248,13 +275,20 @@ class NanwatchMagics(Magics):
     def _prepare(self, line: str, cell: str | None) -> tuple[str, Any, dict[str, Any]] | None:
         """Parse ``line``; handle --off and the listing; else (name, model, options) to watch."""
         try:
-            args = parse_argstring(self.nanwatch, line)
+            # Split as a shell does (IPython's default keeps the quotes): --log-dir "runs/a b"
+            # names the folder runs/a b, not one whose name starts with a quote.
+            args = self.nanwatch.parser.parse_args(arg_split(line, posix=True))
         except ValueError as error:  # shlex: an unterminated quote
             raise MagicUsageError(f"%nanwatch could not read its options ({error}): {line!r}; "
                                   "check the quotes") from None
         if args.off:
             if cell is not None:
                 raise MagicUsageError("--off is for the line magic: %nanwatch --off [MODEL]")
+            given = [declared.flag.names[-1] for name, declared in OPTIONS.items()
+                     if declared.flag is not None and getattr(args, name) is not None]
+            if given:
+                raise MagicUsageError(f"--off stops a watch and takes no watch options (got "
+                                      f"{', '.join(given)}): %nanwatch --off [MODEL]")
             self._stop(args.model)
             return None
         if args.model is None:
@@ -306,9 +340,10 @@ class NanwatchMagics(Magics):
 
     def _run_cell(self, name: str, model: Any, options: dict[str, Any], cell: str) -> Any:
         __tracebackhide__ = True
+        compiled = self._compile(cell, allow_await=False)  # a SyntaxError starts no watch
         watched, live = self._start_cell(name, model, options)
         try:
-            result = self._execute(cell)
+            result = self._execute(compiled)
         except BaseException as error:
             return self._cell_failed(watched, live, error)
         return self._cell_done(watched, live, result)
@@ -324,9 +359,10 @@ class NanwatchMagics(Magics):
             raise MagicUsageError("this %%nanwatch cell awaits at top level, but it was called while "
                                   "an event loop runs (run_cell_magic from code?); start the cell "
                                   "with %%nanwatch instead")
+        compiled = self._compile(cell, allow_await=True)
         watched, live = self._start_cell(name, model, options)
         try:
-            result = self.shell.loop_runner(self._execute_async(cell))
+            result = self.shell.loop_runner(self._execute_async(compiled))
         except BaseException as error:
             return self._cell_failed(watched, live, error)
         return self._cell_done(watched, live, result)
@@ -395,35 +431,37 @@ class NanwatchMagics(Magics):
         namespace; with ``allow_await`` top-level ``await`` is allowed (such code objects
         are coroutines), otherwise it is a SyntaxError as in plain Python."""
         shell = self.shell
-        source = shell.transform_cell(cell)
-        tree = ast.parse(source)
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
         # A file name IPython's line cache knows, under this cell's number, so that tracebacks
-        # read "Cell In[5], line 3"; the leading newline stands for the %%nanwatch line, so
-        # that line numbers match the cell as the user sees it.
-        source = "\n" + source
-        tree = ast.increment_lineno(tree, 1)
-        if last is not None:
-            ast.increment_lineno(last, 1)
+        # (a SyntaxError's too) read "Cell In[5], line 3"; the leading newline stands for the
+        # %%nanwatch line, so that line numbers match the cell as the user sees it.
+        source = "\n" + shell.transform_cell(cell)
         filename = shell.compile.cache(source, _running_cell_number(shell))
         flags = _TOP_LEVEL_AWAIT if allow_await else 0
-        body = compile(tree, filename, "exec", flags=flags)
-        final = compile(last, filename, "eval", flags=flags) if last is not None else None
+        try:
+            tree = ast.parse(source, filename)
+            last = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr):
+                last = ast.Expression(tree.body.pop().value)
+            body = compile(tree, filename, "exec", flags=flags)
+            final = compile(last, filename, "eval", flags=flags) if last is not None else None
+        except SyntaxError as error:
+            raise CellSyntaxError(error.msg, (error.filename, error.lineno, error.offset,
+                                              error.text, error.end_lineno,
+                                              error.end_offset)) from None
         return body, final, shell.user_ns
 
-    def _execute(self, cell: str) -> Any:
-        """Run the cell in the user namespace; return the value of a final expression."""
+    def _execute(self, compiled: tuple[Any, Any, dict[str, Any]]) -> Any:
+        """Run the cell (:meth:`_compile`'s) in the user namespace; return the value of a final
+        expression."""
         __tracebackhide__ = True
-        body, final, namespace = self._compile(cell, allow_await=False)
+        body, final, namespace = compiled
         exec(body, namespace)
         return eval(final, namespace) if final is not None else None
 
-    async def _execute_async(self, cell: str) -> Any:
+    async def _execute_async(self, compiled: tuple[Any, Any, dict[str, Any]]) -> Any:
         """:meth:`_execute` for a cell with top-level ``await``."""
         __tracebackhide__ = True
-        body, final, namespace = self._compile(cell, allow_await=True)
+        body, final, namespace = compiled
         result = eval(body, namespace)
         if inspect.iscoroutine(result):
             await result

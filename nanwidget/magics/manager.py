@@ -12,6 +12,7 @@ import math
 import re
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..core.frames import Frame
 from ..core.stats import dtype_max
 from ..core.recorder import AlreadyWatchedError, Feature
 from ..core.options import OPTIONS, SkipTypesWarning, WatchOptions
+from ..core.persist.writer import prepare_log_dir
 from ..core.watch import NanWatch, live_watches, watch
 
 __all__ = ["WatchManager", "LiveStatus", "MagicUsageError", "describe_magnitude"]
@@ -151,11 +153,32 @@ def _in_flag_words(message: str) -> str:
     return message
 
 
+def _refuse_forwardless(model: nn.Module, name: str) -> None:
+    """A container without a forward of its own (ModuleDict, ModuleList) is never called, so
+    no batch of it ever ends and nothing would be checked: the magic refuses it, naming the fix."""
+    if type(model).forward is not nn.Module.forward or "forward" in vars(model):
+        return  # (a torch.compile wrapper sets its forward on the instance)
+    what = name or "the model"
+    first = next(iter(model.named_children()), ("", None))[0]
+    inside = ""
+    if name and first.isidentifier():
+        inside = f" (%nanwatch {name}.{first})"
+    elif name and first.isdigit():
+        inside = f" (part = {name}[{first}], then %nanwatch part)"
+    raise MagicUsageError(
+        f"{what} is a {type(model).__name__}, which has no forward of its own: its batches never "
+        f"end, so %nanwatch would check nothing. Watch a model inside it{inside}, or use "
+        f"w = nw.watch({name or 'container'}) and call w.step() after each batch")
+
+
 class WatchManager:
     """The watches started by %nanwatch, by the variable name of their model."""
 
     def __init__(self) -> None:
         self.watches: dict[str, NanWatch] = {}
+        # name -> the object the name named when its watch started: for a torch.compile or
+        # DistributedDataParallel wrapper that is the wrapper, not the watch's model (inside it)
+        self._named: dict[str, weakref.ref[nn.Module]] = {}
         # name -> id of the object it named when the rebinding was last reported
         self._rebound_reported: dict[str, int | None] = {}
 
@@ -204,16 +227,21 @@ class WatchManager:
         A ``--skip`` class the model does not use is an error here (``nw.watch`` only warns):
         in a magic line it is a typo to fix before anything is hooked.
         """
+        _refuse_forwardless(model, name)
         with self._usage_errors(options):
             try:
                 return watch(model, **options)
             except AlreadyWatchedError as error:
                 raise MagicUsageError(self._already_watched(model, name, error)) from None
 
-    def check(self, model: nn.Module, options: dict[str, Any]) -> None:
-        """Check ``options`` for ``model`` as :meth:`make_watch` would, hooking nothing."""
+    def check(self, model: nn.Module, options: dict[str, Any], name: str = "") -> None:
+        """Check ``options`` for ``model`` as :meth:`make_watch` would, hooking nothing (the
+        log directory is made, as the watch would make it)."""
+        _refuse_forwardless(model, name)
         with self._usage_errors(options):
-            WatchOptions.checked(model, **options)
+            checked = WatchOptions.checked(model, **options)
+            if checked.log_dir is not None:
+                prepare_log_dir(checked.log_dir)
 
     @staticmethod
     @contextlib.contextmanager
@@ -236,9 +264,11 @@ class WatchManager:
 
     def _already_watched(self, model: nn.Module, name: str, error: Exception) -> str:
         """Say which watch holds the model and the exact line that stops it."""
+        # The holder may watch a part of this model, or a model this one is a part of.
         modules = set(map(id, model.modules()))
         holder = next((held for held, watched in self.watches.items()
-                       if not watched.closed and id(watched.model) in modules), None)
+                       if not watched.closed and (id(watched.model) in modules or any(
+                           part is model for part in watched.model.modules()))), None)
         what = name or "this model"
         if holder is not None:
             return (f"{what} is already watched by %nanwatch {holder}; stop that watch first "
@@ -252,7 +282,7 @@ class WatchManager:
         Returns the watch and whether it replaced one. Options are checked first: a typo
         leaves the watch already held as it was.
         """
-        self.check(model, options)
+        self.check(model, options, name)
         previous = self.watches.pop(name, None)
         if previous is not None:
             previous.close()
@@ -263,6 +293,7 @@ class WatchManager:
                 raise MagicUsageError(f"{error} (the earlier watch on {name} was stopped)") from None
             raise
         self.watches[name] = started
+        self._named[name] = weakref.ref(model)
         self._rebound_reported.pop(name, None)
         return started, previous is not None
 
@@ -286,6 +317,7 @@ class WatchManager:
             return [name]
         for key in names:
             self.watches.pop(key).close()
+            self._named.pop(key, None)
             self._rebound_reported.pop(key, None)
         return names
 
@@ -311,7 +343,8 @@ class WatchManager:
                 current: Any = self.lookup(namespace, name)
             except MagicUsageError:
                 current = None
-            if current is watched.model:
+            named = self._named.get(name)
+            if current is not None and current is (named() if named else watched.model):
                 self._rebound_reported.pop(name, None)
                 continue
             key = id(current) if current is not None else None
@@ -331,6 +364,7 @@ class WatchManager:
         for key in list(self.watches):
             self.watches.pop(key).close()
             closed += 1
+        self._named.clear()
         # Watches made with nw.watch() in the notebook too: unloading removes every hook.
         for other in live_watches():
             other.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -764,6 +765,19 @@ class FrameBrowser(widgets.VBox):
             parts.append(f"<div class='nw-static-trace'>{self.trace.value}</div>")
         parts.append("</div>")
         return "\n".join(parts)
+
+    def status_words(self) -> str:
+        """The status line as plain text (frames held, batch range, the event in words)."""
+        text = re.sub(r"<[^>]*>", "", self.status.value.replace("<br>", "\n"))
+        return html.unescape(text)
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any] | None:
+        """The widget; its text/plain (what a viewer without widgets shows: a terminal,
+        nbconvert to text) is the status in words, not ipywidgets' repr of every child."""
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if bundle is not None:
+            bundle["text/plain"] = f"nanwidget FrameBrowser: {self.status_words()}"
+        return bundle
 
     def _ipython_display_(self, **kwargs: Any) -> None:
         """Display the live widget, then its static copy (see :meth:`static_html`)."""

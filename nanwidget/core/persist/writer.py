@@ -52,7 +52,19 @@ from .tables import (FORMAT_NAME, FORMAT_VERSION, FRAME_KINDS, HISTORY_KINDS, OP
                      WARNINGS_FILE, WARNINGS_FORMAT_NAME, frame_rows_columns, parquet_enabled,
                      table_columns, write_json, write_table)
 
-__all__ = ["RecordingWriter", "trace_fields"]
+__all__ = ["RecordingWriter", "trace_fields", "prepare_log_dir"]
+
+
+def prepare_log_dir(log_dir: str | os.PathLike) -> Path:
+    """This rank's folder under ``log_dir``, created; raises FileExistsError when it already
+    holds a recording and OSError when it cannot be made, before any watch is touched."""
+    directory = Path(log_dir) / f"rank-{launched_rank():05d}"
+    if (directory / "manifest.json").exists():
+        raise FileExistsError(
+            f"{directory} already holds a nanwidget recording; pass a new log_dir "
+            "(or delete the old one) so two runs are never mixed")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def _env_number(name: str, default: float) -> float:
@@ -108,12 +120,7 @@ class RecordingWriter(Feature):
         self.rank = launched_rank()
         self.world_size = launched_world_size()
         self.grad_history = grad_history
-        self.directory = self.log_dir / f"rank-{self.rank:05d}"
-        if (self.directory / "manifest.json").exists():
-            raise FileExistsError(
-                f"{self.directory} already holds a nanwidget recording; pass a new log_dir "
-                "(or delete the old one) so two runs are never mixed")
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = prepare_log_dir(log_dir)
         self.every_batches = max(1, int(_env_number("NANWIDGET_FLUSH_BATCHES", 200)))
         self.every_seconds = _env_number("NANWIDGET_FLUSH_SECONDS", 10.0)
         self._sequence = {"history": 0, "frames": 0, "grads": 0}
