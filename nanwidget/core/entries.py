@@ -84,7 +84,10 @@ _SHAPES: dict[torch.Size, torch.Size] = {}
 
 
 def _shared_shape(shape: torch.Size) -> torch.Size:
-    found = _SHAPES.get(shape)
+    try:
+        found = _SHAPES.get(shape)
+    except TypeError:  # symbolic sizes (a fake tensor): no hash, kept as they are
+        return shape
     if found is None:
         if len(_SHAPES) >= _MAX_SHARED_ENTRIES:
             _SHAPES.clear()
