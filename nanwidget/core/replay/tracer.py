@@ -126,6 +126,9 @@ class OpRecorder:
         self.calls: dict[int, int] = {}
         self.rows: list[tuple] = []
         self.phase = "forward"
+        # Module calls running now during the backward phase: recomputations of checkpointed
+        # modules (torch.utils.checkpoint), which the live watch does not record again either.
+        self.recomputing = 0
         self.paused = False
         self.to_tag: list[tuple[list[torch.Tensor], tuple[str, str, str]]] = []
         # The first op whose output holds a NaN, and an Inf.
@@ -159,6 +162,9 @@ class OpRecorder:
     # -- module hooks
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.stack.append(self.names.get(id(module), ("?", type(module).__name__)))
+        if self.phase == "backward":
+            self.recomputing += 1  # its ops are named after it; no second forward frame
+            return
         info = self.infos.get(id(module))
         # As the live watch: the root's and in-place modules' inputs as handed over.
         if info is not None and (info.is_root or getattr(module, "inplace", False) is True):
@@ -173,6 +179,9 @@ class OpRecorder:
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self.stack:
             self.stack.pop()
+        if self.recomputing:
+            self.recomputing -= 1
+            return
         info = self.infos.get(id(module))
         if info is None:
             return
@@ -232,7 +241,15 @@ class OpRecorder:
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, output: Any, caller: Any) -> None:
         node = _current_autograd_node()
-        if node is not None:
+        if node is not None and self.recomputing:
+            # A checkpointed module recomputed within the backward pass: its ops belong to it,
+            # and so do the autograd nodes they make (reentrant checkpointing runs its backward
+            # through those nodes).
+            phase = "backward"
+            module, module_type = self.stack[-1]
+            source = user_source(caller)
+            node = None
+        elif node is not None:
             phase = "backward"
             tag = node.metadata.get(_NODE_KEY)
             module, module_type, forward_source = tag if tag else ("", "", "")
