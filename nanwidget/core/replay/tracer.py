@@ -288,7 +288,8 @@ class OpRecorder:
         index = len(self.rows)
         self.rows.append((index, phase, name, str(func), module, module_type,
                           str(first.dtype).replace("torch.", "") if first is not None else "",
-                          tuple(first.shape) if first is not None else (),
+                          tuple(first.shape) if first is not None and not first.is_nested
+                          else (),  # a nested tensor has no one shape
                           low, high, nan, inf, nan or inf, source))
         if nan or inf:
             self._link(index, func, args, kwargs, nan, measurable)
@@ -595,7 +596,7 @@ def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:
 def _describe(role: str, tensor: torch.Tensor) -> dict:
     """Signed finite range and non-finite counts of one tensor (the first bad op's report)."""
     info = {"role": role, "dtype": str(tensor.dtype).replace("torch.", ""),
-            "shape": tuple(tensor.shape), "numel": tensor.numel(), "min": math.nan,
+            "shape": () if tensor.is_nested else tuple(tensor.shape), "numel": tensor.numel(), "min": math.nan,
             "max": math.nan, "nan_count": 0, "inf_count": 0}
     if tensor.numel() == 0 or tensor.is_complex() or tensor.dtype is torch.bool:
         return info
