@@ -353,7 +353,7 @@ class Recorder:
             info.name for info in self.modules
             if any(fnmatch.fnmatchcase(info.name, p) for p in patterns)
             or (classes and isinstance(info.module, classes)))
-        self._detector = Detector(self.inf_allowed, self._weights_now)
+        self._detector = Detector(self.inf_allowed, self._weights_now, self.module_names)
         self._warned_unread = False
         #: The ring, trace batches' frames, history and events of the finished batches.
         self.records = Records(self.module_names, self.module_types, max_frames=max_frames,
