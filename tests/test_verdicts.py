@@ -260,11 +260,13 @@ def test_a_nan_weight_of_an_inner_module_used_without_being_called_is_a_weight_e
     with torch.no_grad():
         attention.out_proj.weight[0, 0] = NAN
     x = torch.randn(2, 5, 8)
-    with nw.watch(attention, mode=mode, on_nan="record") as w, torch.no_grad():
+    with nw.watch(attention, mode=mode, on_nan="record", replay_on_nan=True) as w, \
+            torch.no_grad():
         attention(x, x, x, need_weights=False)
     event = w.event
     assert (event.module, event.origin, event.role, event.kind) == (
         "", "weight", "out_proj.weight", "nan")
+    assert event.trace.reproduced
 
 
 def test_vit_position_embeddings_nan_is_blamed_on_the_embeddings():

@@ -56,14 +56,17 @@ class Detector:
 
     ``allow_inf``: qualified names of the modules whose outputs may hold ±inf on purpose.
     ``weights_now``: measures a module's own weights at event time (None: never re-measure).
-    ``module_names``: every watched module's qualified name (for the inner modules' weights).
+    ``module_names``: every watched module's qualified name, and ``inner_weights_now`` (by
+    default ``weights_now``): measures the weights of the modules inside an event's module.
     """
 
     def __init__(self, allow_inf: Iterable[str] = (), weights_now: WeightsNow | None = None,
-                 module_names: Iterable[str] = ()) -> None:
+                 module_names: Iterable[str] = (),
+                 inner_weights_now: WeightsNow | None = None) -> None:
         self.allow_inf = frozenset(allow_inf)
         self.weights_now = weights_now
         self.module_names = tuple(module_names)
+        self.inner_weights_now = inner_weights_now or weights_now
 
     def event_at(self, frames: list[Frame], position: int, window: Window) -> NanEvent | None:
         """The event of ``frames[position]`` (a frame holding a non-finite value), or None when
@@ -106,14 +109,15 @@ class Detector:
         entry named by its path under ``module``; None when all are finite. A module whose inner
         module's weight is bad without that module having had an event used the weight without
         calling it."""
-        if self.weights_now is None:
+        weights_now = self.inner_weights_now
+        if weights_now is None:
             return None
         prefix = len(module) + 1 if module else 0
         for name in self.module_names:
             if not _is_ancestor(module, name):
                 continue
             allowed = name in self.allow_inf
-            for entry in self.weights_now(name) or ():
+            for entry in weights_now(name) or ():
                 if _counts(entry, allowed):
                     return Entry((f"{name[prefix:]}.{entry.role}",) + tuple(entry[1:]))
         return None

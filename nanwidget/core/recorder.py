@@ -353,7 +353,7 @@ class Recorder:
             info.name for info in self.modules
             if any(fnmatch.fnmatchcase(info.name, p) for p in patterns)
             or (classes and isinstance(info.module, classes)))
-        self._detector = Detector(self.inf_allowed, self._weights_now, self.module_names)
+        self._detector = Detector(self.inf_allowed, self.weights_now, self.module_names)
         self._warned_unread = False
         #: The ring, trace batches' frames, history and events of the finished batches.
         self.records = Records(self.module_names, self.module_types, max_frames=max_frames,
@@ -843,8 +843,9 @@ class Recorder:
                       "of them) instead of iterators to have them checked", RuntimeWarning,
                       stacklevel=4)
 
-    def _weights_now(self, name: str) -> list[Entry] | None:
-        """The named module's own weights measured right now (event time only)."""
+    def weights_now(self, name: str) -> list[Entry] | None:
+        """The named module's own weights measured right now (event time only); None for a
+        module not watched or without parameters and buffers."""
         info = self._by_name.get(name)
         if info is None or not info.has_state:
             return None

@@ -55,8 +55,11 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
     # A backward event is met again only in backward frames (a replay with a loss records them).
     backward = expected is not None and expected.is_backward
     replayed = _Replay(recorder, capture, held, loss_fn, backward_frames=backward).run()
-    # The one verdict of this replay: the event its frames hold.
-    found = first_event(replayed.frames, Detector(recorder.inf_allowed))
+    # The one verdict of this replay: the event its frames hold (their own weights as the
+    # replay measured them; an inner module used without being called has none: measured now).
+    found = first_event(replayed.frames, Detector(
+        recorder.inf_allowed, module_names=recorder.module_names,
+        inner_weights_now=recorder.weights_now))
     return replayed.conclude(found, expected)
 
 
