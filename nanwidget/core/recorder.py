@@ -843,6 +843,13 @@ class Recorder:
                       "of them) instead of iterators to have them checked", RuntimeWarning,
                       stacklevel=4)
 
+    def forward_calls(self, info: ModuleInfo) -> int | None:
+        """Forward frames of ``info``'s module recorded so far in the root forward running
+        now; None when none runs (a recomputation during backward records no frames)."""
+        if not self._root_depth:
+            return None
+        return self._counters.calls.get(info.index, 0)
+
     def weights_now(self, name: str) -> list[Entry] | None:
         """The named module's own weights measured right now (event time only); None for a
         module not watched or without parameters and buffers."""
@@ -855,14 +862,15 @@ class Recorder:
     # ------------------------------------------------------------------ recording (features)
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
                      batch: int | None = None, first_output: int | None = None,
-                     first_input: int = 0) -> Frame:
+                     first_input: int = 0, call: int | None = None) -> Frame:
         """Append a frame for ``info``'s module; caller holds :attr:`lock`.
 
         ``batch`` files it under an earlier batch (backward frames that arrive after the root
         forward already counted the next one): its frame and call numbers continue after that
         batch's own (kept for the last few batches). ``first_input`` and ``first_output``:
         positions of the first input and the first output entry (forward frames: weights come
-        first, then inputs, then outputs).
+        first, then inputs, then outputs). ``call``: the frame's call number, where the caller
+        knows it (a backward frame: the forward call it belongs to); else counted here.
         """
         counters = self._counters
         if batch is not None and batch != counters.batch:
@@ -871,8 +879,10 @@ class Recorder:
                 counters = self._remember_counters(_Counters(batch))
         key = info.index if phase == "forward" else ~info.index
         calls = counters.calls
-        call = calls.get(key, 0)
-        calls[key] = call + 1
+        counted = calls.get(key, 0)
+        calls[key] = counted + 1
+        if call is None:
+            call = counted
         frame = Frame(self._rank, counters.batch, counters.next_frame, info.name, info.type_name,
                       call, phase, entries, first_output, first_input)
         counters.next_frame += 1

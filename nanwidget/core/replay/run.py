@@ -230,9 +230,12 @@ class ReplayFrames(FrameSink):
 
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
                      batch: int | None = None, first_output: int | None = None,
-                     first_input: int = 0) -> Frame:
+                     first_input: int = 0, call: int | None = None) -> Frame:
         return self.ops.record_frame(info, phase, entries, first_output=first_output,
-                                     first_input=first_input)
+                                     first_input=first_input, call=call)
+
+    def forward_calls(self, info: ModuleInfo) -> int | None:
+        return self.ops.forward_calls(info)
 
     def end_frames(self, batch: int, *, reason: str, raising: bool) -> None:
         """The replay resolves its frames itself, once it ran."""

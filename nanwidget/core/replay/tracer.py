@@ -198,15 +198,25 @@ class OpRecorder:
 
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
                      batch: int | None = None, first_output: int | None = None,
-                     first_input: int = 0) -> Frame:
-        """Append a frame for ``info``'s module (call numbers count per module and phase)."""
+                     first_input: int = 0, call: int | None = None) -> Frame:
+        """Append a frame for ``info``'s module (call numbers count per module and phase,
+        unless ``call`` says it: a backward frame's forward call)."""
         key = info.index if phase == "forward" else ~info.index
-        call = self.calls.get(key, 0)
-        self.calls[key] = call + 1
+        counted = self.calls.get(key, 0)
+        self.calls[key] = counted + 1
+        if call is None:
+            call = counted
         frame = Frame(self.rank, self.batch, len(self.frames), info.name, info.type_name, call,
                       phase, entries, first_output, first_input)
         self.frames.append(frame)
         return frame
+
+    def forward_calls(self, info: ModuleInfo) -> int | None:
+        """Forward frames of ``info``'s module recorded so far in this replay; None during its
+        backward (a recomputation records no frames)."""
+        if self.phase == "backward":
+            return None
+        return self.calls.get(info.index, 0)
 
     def resolve(self) -> None:
         """Measure the frames' queued tensors (after the replay ran, outside the tracer)."""
