@@ -564,3 +564,22 @@ def test_a_forward_within_vmap_or_grad_is_checked_and_its_nan_found(tiny_mlp, re
                 tiny_mlp.fc2.weight[0, 0] = float("nan")
             run()
     assert [(e.batch, e.kind) for e in w.events] == [(1, "nan")]
+
+
+def test_an_output_the_sentinel_cannot_read_is_said_once_not_passed_silently():
+    class Streaming(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor):
+            return {"logits": self.linear(x), "steps": (t for t in [x.log()])}
+
+    model = Streaming()
+    with nw.watch(model, mode="sentinel", on_nan="record"), \
+            pytest.warns(RuntimeWarning, match=r"not checked for NaN/Inf: output\.steps") \
+            as caught:
+        for _ in range(2):
+            output = model(torch.randn(3, 4))
+    assert len([c for c in caught if "not read" in str(c.message)]) == 1
+    assert next(output["steps"]).shape == (3, 4)  # not consumed

@@ -836,8 +836,14 @@ class Recorder:
             "one after the other, or watch a separate model copy per thread")
 
     def _warn_unread(self) -> None:
+        self.warn_unread(self.entries.unread_roles)
+
+    def warn_unread(self, unread: list[str]) -> None:
+        """Say once per watch which values (role and why) could not be read."""
+        if self._warned_unread:
+            return
         self._warned_unread = True
-        roles = ", ".join(self.entries.unread_roles[:5])
+        roles = ", ".join(unread[:5])
         warnings.warn(f"nanwidget: some values were not read and are not checked for NaN/Inf: "
                       f"{roles}. Their frames note them as 'not read'; return tensors (or lists "
                       "of them) instead of iterators to have them checked", RuntimeWarning,

@@ -204,7 +204,10 @@ class Sentinel(Feature):
                 if self.backward and output.requires_grad and torch.is_grad_enabled():
                     self._hook_output_grads(batch, self._forward_index, [("output", output)])
                 return
-        leaves = float_leaves(output)
+        unread: list[str] = []
+        leaves = float_leaves(output, unread=unread)
+        if unread:
+            self.recorder.warn_unread(unread)
         forward = self._forward_index
         check = None
         if self._hooked_batch != batch:  # a batch recorded in full is checked by its frames
