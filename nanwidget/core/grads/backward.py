@@ -29,8 +29,8 @@ Order, batch, blame
     registered), and its ``frame`` number continues after that batch's forward frames. Its
     ``call`` is the forward call whose gradients it holds (a cell run four times in a loop gets
     its backward frames in the order call 3, 2, 1, 0); a module recomputed by reentrant
-    checkpointing has no forward frame there, so its backward frames are numbered as they come. The event
-    of a backward pass is its first frame holding a non-finite gradient, refined by
+    checkpointing has no forward frame there, so its backward frames are numbered as they
+    come. The event of a backward pass is its first frame holding a non-finite gradient, refined by
     :func:`~nanwidget.core.detect.event_at`: a NaN born inside a module's backward shows as
     finite ``grad_output`` with non-finite ``grad_input`` there, and among nested modules that
     share the input the innermost is named. Two sibling modules that take the same tensor

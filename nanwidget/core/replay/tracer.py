@@ -606,7 +606,8 @@ def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:
 def _describe(role: str, tensor: torch.Tensor) -> dict:
     """Signed finite range and non-finite counts of one tensor (the first bad op's report)."""
     info = {"role": role, "dtype": str(tensor.dtype).replace("torch.", ""),
-            "shape": () if tensor.is_nested else tuple(tensor.shape), "numel": tensor.numel(), "min": math.nan,
+            "shape": () if tensor.is_nested else tuple(tensor.shape), "numel": tensor.numel(),
+            "min": math.nan,
             "max": math.nan, "nan_count": 0, "inf_count": 0}
     if tensor.numel() == 0 or tensor.is_complex() or tensor.dtype is torch.bool:
         return info
