@@ -128,6 +128,29 @@ def test_nan_born_in_a_checkpointed_backward_is_blamed_in_its_own_batch(reentran
     assert hook_count(model) == 0
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_replay_through_checkpointed_modules_records_each_forward_once_and_blames_the_maker(
+        reentrant: bool) -> None:
+    def replayed(model: nn.Module) -> nw.Trace:
+        with nw.watch(model, backward=True, on_nan="record", replay_on_nan=True,
+                      loss_fn=lambda output: output.sum()) as w:
+            model(x).sum().backward()
+        return w.event.trace
+
+    torch.manual_seed(0)
+    reference = CheckpointedEncoder(reentrant=None, sqrt_trap=True)
+    model = CheckpointedEncoder(reentrant=reentrant, sqrt_trap=True)
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(3, 5, 6)
+    trace, expected = replayed(model), replayed(reference)
+    # The replay's backward recomputes the checkpointed layers: no second forward frame.
+    assert _calls(trace.frames, "forward") == _calls(expected.frames, "forward")
+    assert _calls(trace.frames, "backward") == _calls(expected.frames, "backward")
+    # Reentrant checkpointing backpropagates through the recomputed graph: still the sqrt.
+    assert trace.reproduced
+    assert (trace.first_bad["op"], trace.first_bad["module"]) == ("div", "trap.sqrt")
+
+
 class RecursiveTree(nn.Module):
     """Applies itself to its own output ``depth`` times: a root module that calls itself."""
 

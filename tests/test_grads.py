@@ -454,3 +454,63 @@ def test_backward_frame_stats_are_the_gradients_abs_min_and_max(reduction_path) 
     for role, tensor in (("grad_output[0]", seen["out"]), ("grad_input[0]", seen["inp"])):
         assert rows.loc[role, "abs_max"] == tensor.abs().max().item()
         assert rows.loc[role, "abs_min"] == tensor.abs().min().item()
+
+
+class _NanGradientAtStep(torch.autograd.Function):
+    """Identity forward; the gradient of step ``bad`` (only) turns NaN."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, step: int, bad: int) -> torch.Tensor:
+        ctx.poisoned = step == bad
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad * math.nan if ctx.poisoned else grad), None, None
+
+
+class _StepCell(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, step: int) -> torch.Tensor:
+        return torch.tanh(_NanGradientAtStep.apply(self.linear(h), step, 1))
+
+
+class _Unrolled(nn.Module):
+    """One cell called four times per forward, as an RNN written as a Python loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = _StepCell()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for step in range(4):
+            h = self.cell(h, step)
+        return h
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_reused_modules_backward_frame_carries_the_call_whose_gradient_it_holds(mode):
+    # Backward runs the cell's calls last to first; the NaN is born in step 1's gradient.
+    model = _Unrolled()
+    seen: dict[int, float] = {}
+    h = torch.randn(2, 8)
+
+    def keep_output_grad(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: seen.__setitem__(args[1], grad.abs().max().item()))
+
+    with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+        handle = model.cell.register_forward_hook(keep_output_grad)
+        model(h).sum().backward()
+        handle.remove()
+    event = w.event
+    assert (event.module, event.call, event.role, event.origin) == ("cell", 1, "grad_input[0]",
+                                                                      "grad")
+    frames = event.frames
+    cell = frames[(frames.module == "cell") & (frames.phase == "backward")
+                  & (frames.role == "grad_output[0]")]
+    assert sorted(cell.call) == [1, 2, 3]  # the window ends at the event: call 0 comes later
+    for call, largest in zip(cell.call, cell.abs_max):
+        assert largest == pytest.approx(seen[call])

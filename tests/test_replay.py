@@ -514,3 +514,21 @@ def test_gpt2_replay_reproduces_frames_and_reports_its_time():
     sources = trace.ops["source"]
     assert sources.str.contains("modeling_gpt2.py").any()
     assert not sources.str.contains("/torch/").any()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_transformer_encoder_on_its_nested_tensor_fast_path_is_replayed(mode):
+    # Inference with a padding mask: the encoder packs its input into a nested tensor, whose
+    # ops the replay traces (they have no one shape).
+    encoder = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True), 2,
+        enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 8)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        encoder.layers[1].linear1.weight[0, 0] = float("nan")
+    with nw.watch(encoder, mode=mode, on_nan="record", replay_on_nan=True) as w, torch.no_grad():
+        encoder(x, src_key_padding_mask=padding)
+    event = w.event
+    assert (event.module, event.role, event.origin) == ("layers.1.linear1", "weight", "weight")
+    assert event.trace.reproduced

@@ -540,3 +540,46 @@ def test_allow_inf_on_the_root_lets_its_inf_outputs_pass_but_not_a_nan():
         assert w.events == [] and w.parts.sentinel.replays == 0
         model(torch.tensor([float("nan"), 1.0]))
     assert [(e.batch, e.kind) for e in w.events] == [(1, "nan")]
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad"])
+def test_a_forward_within_vmap_or_grad_is_checked_and_its_nan_found(tiny_mlp, reduction_path,
+                                                                      transform):
+    from torch.func import functional_call, grad, vmap
+    x = torch.randn(5, 16)
+
+    def run() -> torch.Tensor:
+        if transform == "vmap":
+            return vmap(tiny_mlp)(x)
+        params = {name: p.detach() for name, p in tiny_mlp.named_parameters()}
+        return grad(lambda p: functional_call(tiny_mlp, p, (x,)).sum())(params)["fc1.weight"]
+
+    expected = run()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no internal error: the wrapped output is read
+        with nw.watch(tiny_mlp, mode="sentinel", on_nan="record") as w:
+            assert torch.equal(run(), expected)
+            assert w.events == [] and w.history().abs_max.notna().all()
+            with torch.no_grad():
+                tiny_mlp.fc2.weight[0, 0] = float("nan")
+            run()
+    assert [(e.batch, e.kind) for e in w.events] == [(1, "nan")]
+
+
+def test_an_output_the_sentinel_cannot_read_is_said_once_not_passed_silently():
+    class Streaming(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor):
+            return {"logits": self.linear(x), "steps": (t for t in [x.log()])}
+
+    model = Streaming()
+    with nw.watch(model, mode="sentinel", on_nan="record"), \
+            pytest.warns(RuntimeWarning, match=r"not checked for NaN/Inf: output\.steps") \
+            as caught:
+        for _ in range(2):
+            output = model(torch.randn(3, 4))
+    assert len([c for c in caught if "not read" in str(c.message)]) == 1
+    assert next(output["steps"]).shape == (3, 4)  # not consumed

@@ -252,6 +252,23 @@ def test_nan_in_a_parents_own_parameter_is_blamed_on_the_parent(reduction_path):
                                                                           "weight", "pos")
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_weight_of_an_inner_module_used_without_being_called_is_a_weight_event(mode):
+    # MultiheadAttention reads out_proj.weight itself; out_proj never runs as a module.
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    with torch.no_grad():
+        attention.out_proj.weight[0, 0] = NAN
+    x = torch.randn(2, 5, 8)
+    with nw.watch(attention, mode=mode, on_nan="record", replay_on_nan=True) as w, \
+            torch.no_grad():
+        attention(x, x, x, need_weights=False)
+    event = w.event
+    assert (event.module, event.origin, event.role, event.kind) == (
+        "", "weight", "out_proj.weight", "nan")
+    assert event.trace.reproduced
+
+
 def test_vit_position_embeddings_nan_is_blamed_on_the_embeddings():
     transformers = pytest.importorskip("transformers", reason="transformers is the bench extra")
     transformers.logging.set_verbosity_error()

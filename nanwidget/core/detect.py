@@ -14,7 +14,9 @@ Blame, in this order:
   and a non-finite parameter of an enclosing module used in its own forward
   (``x + self.pos``) is blamed on that module;
 - "input": a non-finite value arrived through an input;
-- "output": the module made it from finite inputs and weights;
+- "output": the module made it from finite inputs and weights, its inner modules' included
+  (MultiheadAttention reads ``out_proj.weight`` without calling ``out_proj``: a non-finite
+  one, measured at event time, is the module's "weight", named ``out_proj.weight``);
 - "grad": found in a gradient (backward frames): in the frame of the module whose backward
   made it, when there is one (:func:`backward_birth`).
 """
@@ -54,11 +56,17 @@ class Detector:
 
     ``allow_inf``: qualified names of the modules whose outputs may hold ±inf on purpose.
     ``weights_now``: measures a module's own weights at event time (None: never re-measure).
+    ``module_names``: every watched module's qualified name, and ``inner_weights_now`` (by
+    default ``weights_now``): measures the weights of the modules inside an event's module.
     """
 
-    def __init__(self, allow_inf: Iterable[str] = (), weights_now: WeightsNow | None = None) -> None:
+    def __init__(self, allow_inf: Iterable[str] = (), weights_now: WeightsNow | None = None,
+                 module_names: Iterable[str] = (),
+                 inner_weights_now: WeightsNow | None = None) -> None:
         self.allow_inf = frozenset(allow_inf)
         self.weights_now = weights_now
+        self.module_names = tuple(module_names)
+        self.inner_weights_now = inner_weights_now or weights_now
 
     def event_at(self, frames: list[Frame], position: int, window: Window) -> NanEvent | None:
         """The event of ``frames[position]`` (a frame holding a non-finite value), or None when
@@ -91,7 +99,28 @@ class Detector:
             # Name the input that brought it (a NaN before an Inf: masks carry -inf on purpose).
             named = next((e for e in bad_inputs if e.stats.nan), bad_inputs[0])
             return self._event(frames, position, window, "input", named, bad_outputs)
+        inner = self._inner_bad_weight(frame.module)
+        if inner is not None:
+            return self._event(frames, position, window, "weight", inner, [inner])
         return self._event(frames, position, window, "output", bad_outputs[0], bad_outputs)
+
+    def _inner_bad_weight(self, module: str) -> Entry | None:
+        """A non-finite parameter or buffer of a module inside ``module``, measured now, as an
+        entry named by its path under ``module``; None when all are finite. A module whose inner
+        module's weight is bad without that module having had an event used the weight without
+        calling it."""
+        weights_now = self.inner_weights_now
+        if weights_now is None:
+            return None
+        prefix = len(module) + 1 if module else 0
+        for name in self.module_names:
+            if not _is_ancestor(module, name):
+                continue
+            allowed = name in self.allow_inf
+            for entry in weights_now(name) or ():
+                if _counts(entry, allowed):
+                    return Entry((f"{name[prefix:]}.{entry.role}",) + tuple(entry[1:]))
+        return None
 
     def _refresh_weights(self, frame: Frame, allowed: bool) -> bool:
         """Measure the frame's module's weights again; replace the frame's weight entries with

@@ -353,7 +353,7 @@ class Recorder:
             info.name for info in self.modules
             if any(fnmatch.fnmatchcase(info.name, p) for p in patterns)
             or (classes and isinstance(info.module, classes)))
-        self._detector = Detector(self.inf_allowed, self._weights_now)
+        self._detector = Detector(self.inf_allowed, self.weights_now, self.module_names)
         self._warned_unread = False
         #: The ring, trace batches' frames, history and events of the finished batches.
         self.records = Records(self.module_names, self.module_types, max_frames=max_frames,
@@ -836,15 +836,29 @@ class Recorder:
             "one after the other, or watch a separate model copy per thread")
 
     def _warn_unread(self) -> None:
+        self.warn_unread(self.entries.unread_roles)
+
+    def warn_unread(self, unread: list[str]) -> None:
+        """Say once per watch which values (role and why) could not be read."""
+        if self._warned_unread:
+            return
         self._warned_unread = True
-        roles = ", ".join(self.entries.unread_roles[:5])
+        roles = ", ".join(unread[:5])
         warnings.warn(f"nanwidget: some values were not read and are not checked for NaN/Inf: "
                       f"{roles}. Their frames note them as 'not read'; return tensors (or lists "
                       "of them) instead of iterators to have them checked", RuntimeWarning,
                       stacklevel=4)
 
-    def _weights_now(self, name: str) -> list[Entry] | None:
-        """The named module's own weights measured right now (event time only)."""
+    def forward_calls(self, info: ModuleInfo) -> int | None:
+        """Forward frames of ``info``'s module recorded so far in the root forward running
+        now; None when none runs (a recomputation during backward records no frames)."""
+        if not self._root_depth:
+            return None
+        return self._counters.calls.get(info.index, 0)
+
+    def weights_now(self, name: str) -> list[Entry] | None:
+        """The named module's own weights measured right now (event time only); None for a
+        module not watched or without parameters and buffers."""
         info = self._by_name.get(name)
         if info is None or not info.has_state:
             return None
@@ -854,14 +868,15 @@ class Recorder:
     # ------------------------------------------------------------------ recording (features)
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
                      batch: int | None = None, first_output: int | None = None,
-                     first_input: int = 0) -> Frame:
+                     first_input: int = 0, call: int | None = None) -> Frame:
         """Append a frame for ``info``'s module; caller holds :attr:`lock`.
 
         ``batch`` files it under an earlier batch (backward frames that arrive after the root
         forward already counted the next one): its frame and call numbers continue after that
         batch's own (kept for the last few batches). ``first_input`` and ``first_output``:
         positions of the first input and the first output entry (forward frames: weights come
-        first, then inputs, then outputs).
+        first, then inputs, then outputs). ``call``: the frame's call number, where the caller
+        knows it (a backward frame: the forward call it belongs to); else counted here.
         """
         counters = self._counters
         if batch is not None and batch != counters.batch:
@@ -870,8 +885,10 @@ class Recorder:
                 counters = self._remember_counters(_Counters(batch))
         key = info.index if phase == "forward" else ~info.index
         calls = counters.calls
-        call = calls.get(key, 0)
-        calls[key] = call + 1
+        counted = calls.get(key, 0)
+        calls[key] = counted + 1
+        if call is None:
+            call = counted
         frame = Frame(self._rank, counters.batch, counters.next_frame, info.name, info.type_name,
                       call, phase, entries, first_output, first_input)
         counters.next_frame += 1

@@ -147,12 +147,18 @@ def dtype_max(dtype: torch.dtype | str) -> float:
     return math.inf
 
 
-def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+def functorch_unwrapped(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor under functorch wrappers (vmap's batched tensors, grad's tracking tensors:
-    they refuse data pointers and host copies) and DTensors (this rank's shard)."""
+    they refuse data pointers and host copies); a vmap'd tensor's values include its batch."""
     if _functorch is not None:
         while _functorch.is_functorch_wrapped_tensor(tensor):
             tensor = _functorch.get_unwrapped(tensor)
+    return tensor
+
+
+def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`functorch_unwrapped`, and a DTensor's local shard (this rank's)."""
+    tensor = functorch_unwrapped(tensor)
     if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
         to_local = getattr(tensor, "to_local", None)
         if callable(to_local):

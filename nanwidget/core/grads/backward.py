@@ -26,8 +26,11 @@ Order, batch, blame
     ``grad_output``: the module's backward starts), so frames follow backward execution order;
     gradients arriving later (its ``grad_input``) fill the same frame before the pass resolves.
     Each frame belongs to the batch of the forward that built the graph (read when the hooks are
-    registered), and its ``frame`` number continues after that batch's forward frames. The event
-    of a backward pass is its first frame holding a non-finite gradient, refined by
+    registered), and its ``frame`` number continues after that batch's forward frames. Its
+    ``call`` is the forward call whose gradients it holds (a cell run four times in a loop gets
+    its backward frames in the order call 3, 2, 1, 0); a module recomputed by reentrant
+    checkpointing has no forward frame there, so its backward frames are numbered as they
+    come. The event of a backward pass is its first frame holding a non-finite gradient, refined by
     :func:`~nanwidget.core.detect.event_at`: a NaN born inside a module's backward shows as
     finite ``grad_output`` with non-finite ``grad_input`` there, and among nested modules that
     share the input the innermost is named. Two sibling modules that take the same tensor
@@ -97,14 +100,16 @@ class _PendingFrame:
     """The backward frame of one module call, waiting for its gradients.
 
     ``template``: one entry per hooked tensor (note "None" until its gradient arrives), outputs
-    first. ``frame``: the frame recorded for it in backward pass ``pass_id``.
+    first. ``frame``: the frame recorded for it in backward pass ``pass_id``. ``call``: the
+    forward call whose gradients it holds (None: a recomputation's, numbered as they come).
     """
 
-    __slots__ = ("info", "batch", "template", "frame", "pass_id")
+    __slots__ = ("info", "batch", "template", "frame", "pass_id", "call")
 
-    def __init__(self, info: ModuleInfo, batch: int | None) -> None:
+    def __init__(self, info: ModuleInfo, batch: int | None, call: int | None = None) -> None:
         self.info = info
         self.batch = batch  # None: registered during a recomputation (the pass's batch)
+        self.call = call
         self.template: list[Entry] = []
         self.frame: Any = None
         self.pass_id = -1
@@ -182,7 +187,9 @@ class FrameSink(Protocol):
 
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
                      batch: int | None = None, first_output: int | None = None,
-                     first_input: int = 0) -> Frame: ...
+                     first_input: int = 0, call: int | None = None) -> Frame: ...
+
+    def forward_calls(self, info: ModuleInfo) -> int | None: ...
 
     def end_frames(self, batch: int, *, reason: str, raising: bool) -> None: ...
 
@@ -232,16 +239,22 @@ class BackwardFrames(Feature):
             return True
         return _graph_task_id() >= 0 and _recomputing_without_a_graph()
 
-    def _new_pending(self, info: ModuleInfo) -> _PendingFrame:
+    def _new_pending(self, info: ModuleInfo, frame_recorded: bool) -> _PendingFrame:
+        """``frame_recorded``: whether the forward frame of this call is recorded already (the
+        recorder's hook runs first, except on the root and in an in-place module's pre-hook)."""
+        # The backward frame of a module's n-th call is its call n, in whatever order the
+        # gradients come (backward runs the calls of a reused module last to first).
+        calls = self.recorder.forward_calls(info)
+        call = None if calls is None else max(0, calls - frame_recorded)
         if _graph_task_id() < 0:
-            return _PendingFrame(info, self.recorder.batch)
+            return _PendingFrame(info, self.recorder.batch, call)
         # A recomputation (reentrant checkpoint): its frames go to the running pass's batch.
         if not self._queued:
             # None of our hooks has fired in this pass yet (the whole model is checkpointed):
             # resolve at the end of this, the outer, pass.
             with self.recorder.lock:
                 self._queue_resolution()
-        return _PendingFrame(info, None)
+        return _PendingFrame(info, None, call)
 
     def _hook(self, pending: _PendingFrame, targets: list[tuple[str, _Tensor]]) -> None:
         template = pending.template
@@ -280,7 +293,7 @@ class BackwardFrames(Feature):
         try:
             targets: list[tuple[str, _Tensor]] = []
             _input_targets(args, None, targets)
-            pending = self._new_pending(info)
+            pending = self._new_pending(info, False)
             # Slot 0 waits for the output (the same tensor, once written): outputs come first.
             pending.template.append(Entry(("grad_output[0]", None, None, None, _NO_GRADIENT)))
             self._hook(pending, targets)  # before the write: the gradient of the value received
@@ -328,7 +341,7 @@ class BackwardFrames(Feature):
                 _grad_targets(output, "output", targets)
             _input_targets(args, kwargs, targets)
             if targets:
-                self._hook(self._new_pending(info), targets)
+                self._hook(self._new_pending(info, not info.is_root), targets)
         except Exception as error:
             self.recorder.internal_error(error)
         return None
@@ -365,7 +378,7 @@ class BackwardFrames(Feature):
         if self._pass_batch is None:
             self._pass_batch = batch
         frame = self.recorder.record_frame(pending.info, "backward", list(pending.template),
-                                           batch=batch)
+                                           batch=batch, call=pending.call)
         pending.frame, pending.pass_id = frame, self._pass_id
         self._queue_resolution()
         return frame

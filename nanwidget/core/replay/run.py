@@ -55,8 +55,11 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
     # A backward event is met again only in backward frames (a replay with a loss records them).
     backward = expected is not None and expected.is_backward
     replayed = _Replay(recorder, capture, held, loss_fn, backward_frames=backward).run()
-    # The one verdict of this replay: the event its frames hold.
-    found = first_event(replayed.frames, Detector(recorder.inf_allowed))
+    # The one verdict of this replay: the event its frames hold (their own weights as the
+    # replay measured them; an inner module used without being called has none: measured now).
+    found = first_event(replayed.frames, Detector(
+        recorder.inf_allowed, module_names=recorder.module_names,
+        inner_weights_now=recorder.weights_now))
     return replayed.conclude(found, expected)
 
 
@@ -227,9 +230,12 @@ class ReplayFrames(FrameSink):
 
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
                      batch: int | None = None, first_output: int | None = None,
-                     first_input: int = 0) -> Frame:
+                     first_input: int = 0, call: int | None = None) -> Frame:
         return self.ops.record_frame(info, phase, entries, first_output=first_output,
-                                     first_input=first_input)
+                                     first_input=first_input, call=call)
+
+    def forward_calls(self, info: ModuleInfo) -> int | None:
+        return self.ops.forward_calls(info)
 
     def end_frames(self, batch: int, *, reason: str, raising: bool) -> None:
         """The replay resolves its frames itself, once it ran."""

@@ -126,6 +126,9 @@ class OpRecorder:
         self.calls: dict[int, int] = {}
         self.rows: list[tuple] = []
         self.phase = "forward"
+        # Module calls running now during the backward phase: recomputations of checkpointed
+        # modules (torch.utils.checkpoint), which the live watch does not record again either.
+        self.recomputing = 0
         self.paused = False
         self.to_tag: list[tuple[list[torch.Tensor], tuple[str, str, str]]] = []
         # The first op whose output holds a NaN, and an Inf.
@@ -159,6 +162,9 @@ class OpRecorder:
     # -- module hooks
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.stack.append(self.names.get(id(module), ("?", type(module).__name__)))
+        if self.phase == "backward":
+            self.recomputing += 1  # its ops are named after it; no second forward frame
+            return
         info = self.infos.get(id(module))
         # As the live watch: the root's and in-place modules' inputs as handed over.
         if info is not None and (info.is_root or getattr(module, "inplace", False) is True):
@@ -173,6 +179,9 @@ class OpRecorder:
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self.stack:
             self.stack.pop()
+        if self.recomputing:
+            self.recomputing -= 1
+            return
         info = self.infos.get(id(module))
         if info is None:
             return
@@ -189,15 +198,25 @@ class OpRecorder:
 
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
                      batch: int | None = None, first_output: int | None = None,
-                     first_input: int = 0) -> Frame:
-        """Append a frame for ``info``'s module (call numbers count per module and phase)."""
+                     first_input: int = 0, call: int | None = None) -> Frame:
+        """Append a frame for ``info``'s module (call numbers count per module and phase,
+        unless ``call`` says it: a backward frame's forward call)."""
         key = info.index if phase == "forward" else ~info.index
-        call = self.calls.get(key, 0)
-        self.calls[key] = call + 1
+        counted = self.calls.get(key, 0)
+        self.calls[key] = counted + 1
+        if call is None:
+            call = counted
         frame = Frame(self.rank, self.batch, len(self.frames), info.name, info.type_name, call,
                       phase, entries, first_output, first_input)
         self.frames.append(frame)
         return frame
+
+    def forward_calls(self, info: ModuleInfo) -> int | None:
+        """Forward frames of ``info``'s module recorded so far in this replay; None during its
+        backward (a recomputation records no frames)."""
+        if self.phase == "backward":
+            return None
+        return self.calls.get(info.index, 0)
 
     def resolve(self) -> None:
         """Measure the frames' queued tensors (after the replay ran, outside the tracer)."""
@@ -232,7 +251,15 @@ class OpRecorder:
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, output: Any, caller: Any) -> None:
         node = _current_autograd_node()
-        if node is not None:
+        if node is not None and self.recomputing:
+            # A checkpointed module recomputed within the backward pass: its ops belong to it,
+            # and so do the autograd nodes they make (reentrant checkpointing runs its backward
+            # through those nodes).
+            phase = "backward"
+            module, module_type = self.stack[-1]
+            source = user_source(caller)
+            node = None
+        elif node is not None:
             phase = "backward"
             tag = node.metadata.get(_NODE_KEY)
             module, module_type, forward_source = tag if tag else ("", "", "")
@@ -271,7 +298,8 @@ class OpRecorder:
         index = len(self.rows)
         self.rows.append((index, phase, name, str(func), module, module_type,
                           str(first.dtype).replace("torch.", "") if first is not None else "",
-                          tuple(first.shape) if first is not None else (),
+                          tuple(first.shape) if first is not None and not first.is_nested
+                          else (),  # a nested tensor has no one shape
                           low, high, nan, inf, nan or inf, source))
         if nan or inf:
             self._link(index, func, args, kwargs, nan, measurable)
@@ -578,7 +606,8 @@ def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:
 def _describe(role: str, tensor: torch.Tensor) -> dict:
     """Signed finite range and non-finite counts of one tensor (the first bad op's report)."""
     info = {"role": role, "dtype": str(tensor.dtype).replace("torch.", ""),
-            "shape": tuple(tensor.shape), "numel": tensor.numel(), "min": math.nan,
+            "shape": () if tensor.is_nested else tuple(tensor.shape), "numel": tensor.numel(),
+            "min": math.nan,
             "max": math.nan, "nan_count": 0, "inf_count": 0}
     if tensor.numel() == 0 or tensor.is_complex() or tensor.dtype is torch.bool:
         return info

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from .. import native
-from ..stats import PLAIN_TENSOR_TYPES, local_shard, measure_tensor, plain_view, storage_holds
-from ..walk import iter_leaves
+from ..stats import (PLAIN_TENSOR_TYPES, functorch_unwrapped, local_shard, measure_tensor,
+                     plain_view, storage_holds)
+from ..walk import Unread, iter_leaves
 
 __all__ = ["NonFiniteCheck", "BadTensor", "float_leaves", "checkable", "device_numbers"]
 
@@ -97,20 +98,25 @@ def checkable(tensor: torch.Tensor) -> torch.Tensor | None:
     return tensor
 
 
-def float_leaves(output: Any, role: str = "output") -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+def float_leaves(output: Any, role: str = "output", unread: list[str] | None = None
+                 ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """``(role, leaf, values)`` of every leaf of ``output`` (any structure) holding float
     values; ``values`` is :func:`checkable` of the leaf. A leaf whose storage was freed (or
-    shrunk) holds no values to check: reading it would crash the process."""
+    shrunk) holds no values to check: reading it would crash the process. ``unread``: gets
+    ``"role (why)"`` of each leaf that cannot be read (an iterator)."""
     if type(output) is _Tensor and output.dtype.is_floating_point and output.layout is _STRIDED \
             and not output.is_meta and not output.is_nested and output.numel():
-        # the common case: one dense float tensor
-        return [(role, output, output)] if storage_holds(output) else []
+        # the common case: one dense float tensor (within vmap or grad: the values it wraps)
+        values = functorch_unwrapped(output)
+        return [(role, output, values)] if storage_holds(values) else []
     found = []
     for leaf_role, leaf in iter_leaves(output, role):
         if isinstance(leaf, _Tensor):
-            values = checkable(leaf)
+            values = checkable(functorch_unwrapped(leaf))
             if values is not None and storage_holds(values):
                 found.append((leaf_role, leaf, values))
+        elif unread is not None and isinstance(leaf, Unread):
+            unread.append(f"{leaf_role} ({leaf.why})")
     return found
 
 

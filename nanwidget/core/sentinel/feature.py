@@ -190,7 +190,10 @@ class Sentinel(Feature):
             # its row is shown at once and nothing is kept (its check would not wait for the
             # backward pass). Else (NaN/Inf, or a tensor the kernel does not take) the general
             # check below says which.
-            clean = self._read_floats(output, self._result)
+            try:
+                clean = self._read_floats(output, self._result)
+            except RuntimeError:  # no data pointer (within vmap or grad): the general check
+                clean = None
             if clean is not None and clean[1] < _INF:
                 self.checks += 1
                 self._check = None
@@ -201,7 +204,10 @@ class Sentinel(Feature):
                 if self.backward and output.requires_grad and torch.is_grad_enabled():
                     self._hook_output_grads(batch, self._forward_index, [("output", output)])
                 return
-        leaves = float_leaves(output)
+        unread: list[str] = []
+        leaves = float_leaves(output, unread=unread)
+        if unread:
+            self.recorder.warn_unread(unread)
         forward = self._forward_index
         check = None
         if self._hooked_batch != batch:  # a batch recorded in full is checked by its frames
