@@ -514,3 +514,55 @@ def test_a_reused_modules_backward_frame_carries_the_call_whose_gradient_it_hold
     assert sorted(cell.call) == [1, 2, 3]  # the window ends at the event: call 0 comes later
     for call, largest in zip(cell.call, cell.abs_max):
         assert largest == pytest.approx(seen[call])
+
+
+class _NanGradient(torch.autograd.Function):
+    """Passes its input on; its backward makes NaN (a backward op that breaks)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class _BreaksInBackward(nn.Module):
+    def forward(self, x):
+        return _NanGradient.apply(x)
+
+
+class _ReturnsWhatItUsesInside(nn.Module):
+    """Returns a tensor it also uses further on (as a KV cache, or a seq2seq model's encoder
+    output, is returned and used inside): that output's gradient comes from inside too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.breaks, self.decoder = nn.Linear(4, 4), _BreaksInBackward(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        hidden = self.encoder(x)
+        return self.decoder(self.breaks(hidden)), hidden
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_made_inside_is_not_blamed_on_an_output_it_reaches_later(mode):
+    # The loss only uses the first output; the NaN that 'breaks' makes in backward reaches the
+    # second output's gradient late in the pass. It was filed in the model's first backward
+    # frame (opened when the loss's gradient arrived), so the event was the root's
+    # grad_output[1] and the diagnosis "made in the loss, outside the model".
+    # (The sentinel replays the batch through the watch's loss_fn: the gradient its outputs
+    # received holds the NaN made inside, so a replay from it would bring the NaN in from
+    # outside.)
+    torch.manual_seed(0)
+    model = _ReturnsWhatItUsesInside()
+    options = {"mode": "sentinel", "loss_fn": lambda outputs: outputs[0].sum()} \
+        if mode == "sentinel" else {}
+    with nw.watch(model, on_nan="record", backward=True, **options) as w:
+        out, _ = model(torch.randn(2, 4))
+        out.sum().backward()
+    event = w.event
+    assert event is not None and event.is_backward
+    assert event.module == "breaks" and event.role.startswith("grad_input"), event
+    assert event.diagnosis is not None and event.diagnosis.kind != "loss"

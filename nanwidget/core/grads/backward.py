@@ -209,6 +209,7 @@ class BackwardFrames(Feature):
         self._pass_batch: int | None = None  # batch of the first frame of the running pass
         self._last_forward_batch: int | None = None
         self._queued = False  # a final callback is queued for the running pass
+        self._last_opened: Any = None  # the frame the running pass opened last
         # id(tensor) -> (weak reference, version, subscribers) of the tensors hooked this
         # batch: a module's output is usually the next module's input, hooked once.
         self._hooked: dict[int, tuple[Any, int, _Subscribers]] = {}
@@ -356,11 +357,19 @@ class BackwardFrames(Feature):
         try:
             with recorder.lock:
                 measured = None
+                latest = self._last_opened  # before this gradient opened any frame
                 for pending, slot in subscribers:
                     frame = pending.frame
+                    role = pending.template[slot].role
                     if frame is None or pending.pass_id != self._pass_id:
                         frame = self._open_frame(pending)
-                    role = pending.template[slot].role
+                    elif frame is not latest and role.startswith("grad_output"):
+                        # A gradient reaching one of the module's outputs after other modules
+                        # ran their backward: that output is used further on inside the model
+                        # too (a KV cache, a seq2seq model's encoder output), so its gradient
+                        # comes from there as well. Its own frame, where it arrived: a NaN made
+                        # there is not taken for one this module received first.
+                        frame = self._open_frame(pending)
                     if measured is None:
                         measured = recorder.entries.grad_entry(role, grad)
                         frame.entries[slot] = measured
@@ -380,6 +389,7 @@ class BackwardFrames(Feature):
         frame = self.recorder.record_frame(pending.info, "backward", list(pending.template),
                                            batch=batch, call=pending.call)
         pending.frame, pending.pass_id = frame, self._pass_id
+        self._last_opened = frame
         self._queue_resolution()
         return frame
 
