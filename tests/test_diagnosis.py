@@ -430,6 +430,26 @@ def test_nan_in_some_rows_of_the_data_names_the_rows(mode):
     assert diagnosis.evidence == ["input[0] (float32 (6, 4)): 2 NaN in rows 2, 4 of 6."]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_the_backward_event_of_a_batch_whose_forward_had_one_takes_its_diagnosis(mode):
+    # on_nan="record" with backward=True: the NaN data of batch 1 makes a forward event, then
+    # the loss carries it into the gradient. That gradient was not made in the loss.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with watch(model, mode, backward=True) as w:
+        for batch in range(2):
+            x = torch.randn(6, 4)
+            if batch == 1:
+                x[3, 0] = math.nan
+            model(x).square().mean().backward()
+    forward, backward = w.events
+    assert (forward.is_backward, backward.is_backward, backward.batch) == (False, True, 1)
+    assert (backward.diagnosis.kind, backward.diagnosis.rows) == ("bad-data", [3])
+    assert backward.diagnosis.summary.startswith(
+        "The gradient of batch 1 is NaN because its forward already was")
+    assert "forward outputs of batch 1 were finite" not in "\n".join(backward.diagnosis.evidence)
+
+
 class TwoInputs(nn.Module):
     def __init__(self) -> None:
         super().__init__()

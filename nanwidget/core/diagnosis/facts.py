@@ -284,6 +284,9 @@ class Facts:
     weights_written: dict[str, bool] = field(default_factory=dict)
     sentinel: bool = False
     sample_every: int | None = None  # sentinel mode's: one batch in N recorded in full
+    # A backward event's batch already had a forward event (on_nan="record" or "warn"): the
+    # loss and its gradient carried that NaN/Inf on.
+    forward_event: NanEvent | None = None
 
     def series(self, module: str) -> list[tuple[int, float]]:
         """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""

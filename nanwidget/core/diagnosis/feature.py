@@ -107,6 +107,11 @@ class Diagnoser(Feature):
                       sentinel=self.sentinel, sample_every=self.sample_every)
         self._read_inputs(facts)
         if event.is_backward:
+            facts.forward_event = next(
+                (e for e in self.recorder.events if e.batch == event.batch and e.rank == event.rank
+                 and not e.is_backward and e.origin != "peer" and e.diagnosis is not None), None)
+            if facts.forward_event is not None:
+                return facts  # the forward's diagnosis says why
             facts.output_grad_bad = self._output_grad_bad(event, root)
         if (facts.trace is None and may_replay and self.replay is not None
                 and self.replays < MAX_DIAGNOSIS_REPLAYS and self._needs_op(facts)):

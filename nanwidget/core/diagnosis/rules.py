@@ -2,6 +2,8 @@
 
 Where before how (the contract's precedence):
 
+0. a backward event of a batch whose forward already made an event (``on_nan="record"`` or
+   ``"warn"``) takes the forward event's diagnosis: the loss carried that NaN/Inf on;
 1. ``loss``: a backward event whose gradient reached the model's output already non-finite
    (or whose first bad op ran in ``loss_fn``) was made outside the model, whatever op made it;
 2. ``bad-data``: the batch's inputs hold NaN (or an Inf that no op of the model made);
@@ -275,6 +277,25 @@ def _op_evidence(op: OpFacts) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the kinds
+def _after_forward(facts: Facts) -> Diagnosis | None:
+    """A backward event of a batch whose forward already made an event: the NaN/Inf of the
+    forward went through the loss into its gradient; the forward's diagnosis says why."""
+    event, forward = facts.event, facts.forward_event
+    if forward is None or forward.diagnosis is None:
+        return None
+    cause = forward.diagnosis
+    why = cause.summary[0].lower() + cause.summary[1:] if cause.summary.startswith("The ") \
+        else cause.summary
+    summary = (f"The gradient of batch {event.batch} is {_kind_words(event.kind)} because its "
+               f"forward already was (the event at module '{forward.module_label}' "
+               f"({forward.module_type}), {forward.role}): {why}")
+    evidence = [f"The forward of batch {event.batch} made an event first; the loss and its "
+                f"gradient carried its {_kind_words(forward.kind)} into '{event.module_label}' "
+                f"({event.module_type}), {event.role}."] + list(cause.evidence)
+    return Diagnosis(cause.kind, summary, evidence, list(cause.suggestion), rows=list(cause.rows),
+                     confidence=cause.confidence, op=cause.op)
+
+
 def _loss(facts: Facts) -> Diagnosis | None:
     event, op = facts.event, facts.op
     if not event.is_backward:
@@ -538,7 +559,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_loss, _bad_data, _weights, _from_op, _from_frames):
+    for rule in (_after_forward, _loss, _bad_data, _weights, _from_op, _from_frames):
         found = rule(facts)
         if found is not None:
             break
