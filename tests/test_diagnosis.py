@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import nanwidget as nw
+from nanwidget.core.diagnosis import MAX_DIAGNOSIS_REPLAYS
 from test_replay import line_of
 from test_report_golden import Overflowing  # exact weights: overflows float16 at scale 1e4
 from test_trace_lineage import bce_by_hand, saturated_model  # a loss outside the model
@@ -582,6 +583,32 @@ class NanOnce(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return self.fc(x) * (math.nan if self.calls == 2 else 1.0)
+
+
+def test_an_event_after_the_replays_are_spent_says_so_and_names_the_earlier_cause():
+    # A log of negative values in every batch, on_nan="record": the first events use the
+    # watch's diagnosis replays; a later one cannot name its op, and says why and what the
+    # same place was before.
+    class LogOfLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(self.fc(x)).sum(-1)
+
+    torch.manual_seed(0)
+    model = LogOfLinear()
+    with watch(model, "full") as w:
+        for _ in range(MAX_DIAGNOSIS_REPLAYS + 1):
+            model(torch.randn(4, 8))
+    *first, last = w.events
+    assert [e.diagnosis.kind for e in first] == ["domain"] * len(first)
+    assert last.diagnosis.kind == "unknown"
+    evidence = "\n".join(last.diagnosis.evidence)
+    assert "a watch replays at most 4 batches for its diagnoses" in evidence
+    assert (f"The event of batch {first[-1].batch} at the same module and role was diagnosed "
+            f"as domain: {first[-1].diagnosis.summary}") in evidence
 
 
 def test_a_nan_the_replay_does_not_meet_again_is_unknown_and_says_why():

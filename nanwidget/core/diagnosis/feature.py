@@ -114,11 +114,19 @@ class Diagnoser(Feature):
                 return facts  # the forward's diagnosis says why
             facts.output_grad_bad = self._output_grad_bad(event, root)
         if (facts.trace is None and may_replay and self.replay is not None
-                and self.replays < MAX_DIAGNOSIS_REPLAYS and self._needs_op(facts)):
-            self.replays += 1
-            facts.trace = self.replay(event)
-            if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
-                facts.output_grad_bad = _root_grad_bad(facts.trace.frames, event.batch, root)
+                and self._needs_op(facts)):
+            if self.replays < MAX_DIAGNOSIS_REPLAYS:
+                self.replays += 1
+                facts.trace = self.replay(event)
+                if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
+                    facts.output_grad_bad = _root_grad_bad(facts.trace.frames, event.batch, root)
+            else:
+                facts.replays_spent = MAX_DIAGNOSIS_REPLAYS
+                facts.same_place = next(
+                    (e for e in reversed(self.recorder.events) if e is not event
+                     and (e.module, e.role, e.is_backward) == (event.module, event.role,
+                                                               event.is_backward)
+                     and e.diagnosis is not None and e.diagnosis.kind != "unknown"), None)
         facts.op = op_facts(facts.trace)
         with recorder.lock:
             history = recorder.records.history

@@ -542,6 +542,15 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
             evidence.append(f"The replay did not reproduce it: {reason}.")
         elif event.note:
             evidence.append(event.note[0].upper() + event.note[1:] + ".")
+        if facts.replays_spent:
+            evidence.append(f"No replay was made to name the op: a watch replays at most "
+                            f"{facts.replays_spent} batches for its diagnoses, and earlier events "
+                            "used them.")
+        if facts.same_place is not None:
+            earlier = facts.same_place
+            evidence.append(f"The event of batch {earlier.batch} at the same module and role "
+                            f"was diagnosed as {earlier.diagnosis.kind}: "
+                            f"{earlier.diagnosis.summary}")
     return Diagnosis("unknown", summary, evidence,
                      fixes.unknown(event.batch, replayable, backward=event.is_backward),
                      confidence="low")
