@@ -254,6 +254,34 @@ def test_sentinel_mode_without_samples_cannot_tell_divergence_and_says_so():
     assert any("sample_every=N" in line for line in diagnosis.evidence)
 
 
+def test_sentinel_without_samples_shows_the_outputs_climb_before_a_nan_weight():
+    # A learning rate warmed up to too high: the weights go NaN in a step after the outputs
+    # climbed 1e12x. Without sample_every no weight was measured before, so the growth of the
+    # weights could not be checked: a written weight is no certainty, and the climb of the
+    # root's outputs (read every batch) is shown.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 4))
+    teacher = torch.randn(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with watch(model, "sentinel") as w:
+        for step in range(60):
+            optimizer.param_groups[0]["lr"] = min(2.0, 0.05 * (step + 1))
+            x = torch.randn(32, 16)
+            loss = nn.functional.mse_loss(model(x), x @ teacher)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if w.events:
+                break
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.origin, diagnosis.kind, diagnosis.confidence) == ("weight", "corrupted-weight",
+                                                                    "medium")
+    evidence = "\n".join(diagnosis.evidence)
+    assert "The output abs max of '<root>' grew" in evidence and "training diverged" in evidence
+    assert "sample_every=N" in evidence
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_transformer_encoder_at_learning_rate_20_diverges(mode):
     torch.manual_seed(0)

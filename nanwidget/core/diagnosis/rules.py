@@ -414,10 +414,20 @@ def _weights(facts: Facts) -> Diagnosis | None:
     else:
         summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran (an "
                    "optimizer step, a load or a write made it), not this batch's forward.")
-    evidence.extend(_no_history(facts))
+    unmeasured = _no_history(facts)
+    climb = None
+    if unmeasured:
+        # No weights measured before (sentinel mode): the model's output, read every batch, is
+        # shown when it climbed (a divergence's sign; a healthy fresh model climbs too).
+        climb = growth_of([(b, v) for b, v in facts.series("") if b < event.batch], least=4.0,
+                          per_batch=_DIVERGING_PER_BATCH)
+        if climb is not None:
+            evidence.append(_growth_line("The output abs max of '<root>'", climb) + ": if no "
+                            "write or load made the weight non-finite, training diverged.")
+    evidence.extend(unmeasured)
     return Diagnosis("corrupted-weight", summary, evidence,
                      fixes.corrupted_weight(names, dtype, batch, event.kind == "inf"),
-                     confidence="high" if batch is not None else "medium")
+                     confidence="high" if batch is not None and climb is None else "medium")
 
 
 def _weight_dtype(event: NanEvent) -> str:
