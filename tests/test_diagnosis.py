@@ -356,6 +356,25 @@ def test_a_weight_written_nan_between_batches_names_the_batch_after_which(mode):
     assert "version counter of 2.weight moved after batch 2" in evidence
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_still_nan_batches_later_names_the_first_batch_that_used_it(mode):
+    # on_nan="record": the weight written NaN after batch 1 makes an event in every batch after;
+    # batch 2 used it first, not batch 4.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(6, 4)
+    with watch(model, mode) as w:
+        for batch in range(5):
+            model(x)
+            if batch == 1:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+    assert [e.batch for e in w.events] == [2, 3, 4]
+    assert w.events[0].diagnosis.summary.endswith("batch 2 is the first to use it.")
+    assert w.events[2].diagnosis.summary == (
+        "'2.weight' became NaN between batch 1 and batch 2: the optimizer step, load or write "
+        "after batch 1 did it; batch 2 was the first to use it, and batch 4 still does.")
+
+
 class _WithExtra(nn.Module):
     """A model with a keyword input added to the data (bad data can come in through it)."""
 

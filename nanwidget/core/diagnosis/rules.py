@@ -408,9 +408,14 @@ def _weights(facts: Facts) -> Diagnosis | None:
         if any(facts.weights_written.get(n) for n in names):
             evidence.append(f"The version counter of {names[0]} moved after batch {batch} "
                             "(an in-place write: optimizer.step() or copy_).")
+        # A batch that ran in between used it first (on_nan="record": an event every batch).
+        first = min([b for b in facts.history_batches if batch < b < event.batch],
+                    default=event.batch)
+        used = (f"batch {first} is the first to use it." if first == event.batch else
+                f"batch {first} was the first to use it, and batch {event.batch} still does.")
         summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and batch "
-                   f"{event.batch}: the optimizer step, load or write after batch {batch} did "
-                   f"it; batch {event.batch} is the first to use it.")
+                   f"{first}: the optimizer step, load or write after batch {batch} did it; "
+                   f"{used}")
     else:
         summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran (an "
                    "optimizer step, a load or a write made it), not this batch's forward.")
