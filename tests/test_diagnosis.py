@@ -498,6 +498,36 @@ def test_the_backward_event_of_a_batch_whose_forward_had_one_takes_its_diagnosis
     assert "forward outputs of batch 1 were finite" not in "\n".join(backward.diagnosis.evidence)
 
 
+class _Huge(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1e39  # Inf in float32: an event
+
+
+class _InfClampedAway(nn.Module):
+    """An Inf inside the model, clamped before the output: the model's output stays finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.huge = _Huge()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.huge(x).clamp(-1e3, 1e3))
+
+
+def test_a_loss_nan_after_a_forward_event_whose_output_stayed_finite_is_the_loss():
+    # The forward's Inf never reached the output (full mode sees it; sentinel mode does not);
+    # the NaN gradient came from log(1 - p) of a saturated sigmoid in the loss.
+    torch.manual_seed(0)
+    model = _InfClampedAway()
+    with watch(model, "full", backward=True) as w:
+        p = torch.sigmoid(model(torch.randn(6, 4)) * 100)
+        (-torch.log(1 - p)).mean().backward()
+    forward, backward = w.events
+    assert (forward.module, forward.is_backward, backward.is_backward) == ("huge", False, True)
+    assert backward.diagnosis.kind == "loss"
+
+
 class TwoInputs(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ the diagnosis alone (the op and its line; not attached to the event), at most
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import pandas as pd
@@ -107,10 +108,12 @@ class Diagnoser(Feature):
                       sentinel=self.sentinel, sample_every=self.sample_every)
         self._read_inputs(facts)
         if event.is_backward:
-            facts.forward_event = next(
+            forward = next(
                 (e for e in self.recorder.events if e.batch == event.batch and e.rank == event.rank
                  and not e.is_backward and e.origin != "peer" and e.diagnosis is not None), None)
-            if facts.forward_event is not None:
+            # The loss carried it on only when the model's output was non-finite too.
+            if forward is not None and not self._output_finite(event.batch, root):
+                facts.forward_event = forward
                 return facts  # the forward's diagnosis says why
             facts.output_grad_bad = self._output_grad_bad(event, root)
         if (facts.trace is None and may_replay and self.replay is not None
@@ -138,6 +141,17 @@ class Diagnoser(Feature):
         if self.weights.first and len(self.weights.series) >= 3:  # divergence may be told
             self._weights_now(facts)
         return facts
+
+    def _output_finite(self, batch: int, root: str) -> bool:
+        """Whether the history shows the root's outputs of ``batch`` finite (False: non-finite,
+        or not in the history)."""
+        with self.recorder.lock:
+            history = self.recorder.records.history
+            batches, table = history.recent(HISTORY_BATCHES)
+            modules = list(history.modules)
+        if root not in modules or batch not in batches:
+            return False
+        return math.isfinite(float(table[batches.index(batch), modules.index(root)]))
 
     def _needs_op(self, facts: Facts) -> bool:
         """Whether the diagnosis needs the op that made the value (a replay): not for a weight
