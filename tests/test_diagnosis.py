@@ -498,6 +498,26 @@ def test_the_backward_event_of_a_batch_whose_forward_had_one_takes_its_diagnosis
     assert "forward outputs of batch 1 were finite" not in "\n".join(backward.diagnosis.evidence)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_with_gradient_accumulation_a_later_micro_batch_keeps_the_forwards_cause(mode):
+    # set_batch(i) and three forwards per batch: the second holds NaN data; the third's finite
+    # outputs do not make its batch's outputs finite.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with watch(model, mode, backward=True) as w:
+        w.set_batch(0)
+        for micro in range(3):
+            x = torch.randn(6, 4)
+            if micro == 1:
+                x[2, 0] = math.nan
+            model(x).square().mean().backward()
+    forward, backward = w.events[:2]
+    assert (forward.is_backward, backward.is_backward) == (False, True)
+    assert backward.diagnosis.kind == "bad-data"
+    assert backward.diagnosis.summary.startswith(
+        "The gradient of batch 0 is NaN because its forward already was")
+
+
 class _Huge(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 1e39  # Inf in float32: an event

@@ -143,15 +143,14 @@ class Diagnoser(Feature):
         return facts
 
     def _output_finite(self, batch: int, root: str) -> bool:
-        """Whether the history shows the root's outputs of ``batch`` finite (False: non-finite,
-        or not in the history)."""
+        """Whether the root's outputs of ``batch`` were all finite, as the history's row of the
+        batch (still open during its backward) says; False when it cannot tell."""
         with self.recorder.lock:
             history = self.recorder.records.history
-            batches, table = history.recent(HISTORY_BATCHES)
+            row = history.current_row(batch)
             modules = list(history.modules)
-        if root not in modules or batch not in batches:
-            return False
-        return math.isfinite(float(table[batches.index(batch), modules.index(root)]))
+            slot = row.get(modules.index(root)) if row is not None and root in modules else None
+            return slot is not None and not slot[2]
 
     def _needs_op(self, facts: Facts) -> bool:
         """Whether the diagnosis needs the op that made the value (a replay): not for a weight
