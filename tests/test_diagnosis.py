@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import nanwidget as nw
+from nanwidget.core.diagnosis import MAX_DIAGNOSIS_REPLAYS
 from test_replay import line_of
 from test_report_golden import Overflowing  # exact weights: overflows float16 at scale 1e4
 from test_trace_lineage import bce_by_hand, saturated_model  # a loss outside the model
@@ -253,6 +254,34 @@ def test_sentinel_mode_without_samples_cannot_tell_divergence_and_says_so():
     assert any("sample_every=N" in line for line in diagnosis.evidence)
 
 
+def test_sentinel_without_samples_shows_the_outputs_climb_before_a_nan_weight():
+    # A learning rate warmed up to too high: the weights go NaN in a step after the outputs
+    # climbed 1e12x. Without sample_every no weight was measured before, so the growth of the
+    # weights could not be checked: a written weight is no certainty, and the climb of the
+    # root's outputs (read every batch) is shown.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 4))
+    teacher = torch.randn(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with watch(model, "sentinel") as w:
+        for step in range(60):
+            optimizer.param_groups[0]["lr"] = min(2.0, 0.05 * (step + 1))
+            x = torch.randn(32, 16)
+            loss = nn.functional.mse_loss(model(x), x @ teacher)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if w.events:
+                break
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.origin, diagnosis.kind, diagnosis.confidence) == ("weight", "corrupted-weight",
+                                                                    "medium")
+    evidence = "\n".join(diagnosis.evidence)
+    assert "The output abs max of '<root>' grew" in evidence and "training diverged" in evidence
+    assert "sample_every=N" in evidence
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_transformer_encoder_at_learning_rate_20_diverges(mode):
     torch.manual_seed(0)
@@ -325,6 +354,25 @@ def test_a_weight_written_nan_between_batches_names_the_batch_after_which(mode):
     evidence = "\n".join(diagnosis.evidence)
     assert "finite" in evidence and "when batch 2 ran" in evidence
     assert "version counter of 2.weight moved after batch 2" in evidence
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_still_nan_batches_later_names_the_first_batch_that_used_it(mode):
+    # on_nan="record": the weight written NaN after batch 1 makes an event in every batch after;
+    # batch 2 used it first, not batch 4.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(6, 4)
+    with watch(model, mode) as w:
+        for batch in range(5):
+            model(x)
+            if batch == 1:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+    assert [e.batch for e in w.events] == [2, 3, 4]
+    assert w.events[0].diagnosis.summary.endswith("batch 2 is the first to use it.")
+    assert w.events[2].diagnosis.summary == (
+        "'2.weight' became NaN between batch 1 and batch 2: the optimizer step, load or write "
+        "after batch 1 did it; batch 2 was the first to use it, and batch 4 still does.")
 
 
 class _WithExtra(nn.Module):
@@ -428,6 +476,76 @@ def test_nan_in_some_rows_of_the_data_names_the_rows(mode):
     assert diagnosis.summary == ("The batch's input[0] holds NaN in rows 2, 4: it came with the "
                                  "data, not from the model.")
     assert diagnosis.evidence == ["input[0] (float32 (6, 4)): 2 NaN in rows 2, 4 of 6."]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_backward_event_of_a_batch_whose_forward_had_one_takes_its_diagnosis(mode):
+    # on_nan="record" with backward=True: the NaN data of batch 1 makes a forward event, then
+    # the loss carries it into the gradient. That gradient was not made in the loss.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with watch(model, mode, backward=True) as w:
+        for batch in range(2):
+            x = torch.randn(6, 4)
+            if batch == 1:
+                x[3, 0] = math.nan
+            model(x).square().mean().backward()
+    forward, backward = w.events
+    assert (forward.is_backward, backward.is_backward, backward.batch) == (False, True, 1)
+    assert (backward.diagnosis.kind, backward.diagnosis.rows) == ("bad-data", [3])
+    assert backward.diagnosis.summary.startswith(
+        "The gradient of batch 1 is NaN because its forward already was")
+    assert "forward outputs of batch 1 were finite" not in "\n".join(backward.diagnosis.evidence)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_gradient_accumulation_a_later_micro_batch_keeps_the_forwards_cause(mode):
+    # set_batch(i) and three forwards per batch: the second holds NaN data; the third's finite
+    # outputs do not make its batch's outputs finite.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with watch(model, mode, backward=True) as w:
+        w.set_batch(0)
+        for micro in range(3):
+            x = torch.randn(6, 4)
+            if micro == 1:
+                x[2, 0] = math.nan
+            model(x).square().mean().backward()
+    forward, backward = w.events[:2]
+    assert (forward.is_backward, backward.is_backward) == (False, True)
+    assert backward.diagnosis.kind == "bad-data"
+    assert backward.diagnosis.summary.startswith(
+        "The gradient of batch 0 is NaN because its forward already was")
+
+
+class _Huge(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1e39  # Inf in float32: an event
+
+
+class _InfClampedAway(nn.Module):
+    """An Inf inside the model, clamped before the output: the model's output stays finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.huge = _Huge()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.huge(x).clamp(-1e3, 1e3))
+
+
+def test_a_loss_nan_after_a_forward_event_whose_output_stayed_finite_is_the_loss():
+    # The forward's Inf never reached the output (full mode sees it; sentinel mode does not);
+    # the NaN gradient came from log(1 - p) of a saturated sigmoid in the loss.
+    torch.manual_seed(0)
+    model = _InfClampedAway()
+    with watch(model, "full", backward=True) as w:
+        p = torch.sigmoid(model(torch.randn(6, 4)) * 100)
+        (-torch.log(1 - p)).mean().backward()
+    forward, backward = w.events
+    assert (forward.module, forward.is_backward, backward.is_backward) == ("huge", False, True)
+    assert backward.diagnosis.kind == "loss"
 
 
 class TwoInputs(nn.Module):
@@ -562,6 +680,32 @@ class NanOnce(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return self.fc(x) * (math.nan if self.calls == 2 else 1.0)
+
+
+def test_an_event_after_the_replays_are_spent_says_so_and_names_the_earlier_cause():
+    # A log of negative values in every batch, on_nan="record": the first events use the
+    # watch's diagnosis replays; a later one cannot name its op, and says why and what the
+    # same place was before.
+    class LogOfLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(self.fc(x)).sum(-1)
+
+    torch.manual_seed(0)
+    model = LogOfLinear()
+    with watch(model, "full") as w:
+        for _ in range(MAX_DIAGNOSIS_REPLAYS + 1):
+            model(torch.randn(4, 8))
+    *first, last = w.events
+    assert [e.diagnosis.kind for e in first] == ["domain"] * len(first)
+    assert last.diagnosis.kind == "unknown"
+    evidence = "\n".join(last.diagnosis.evidence)
+    assert "a watch replays at most 4 batches for its diagnoses" in evidence
+    assert (f"The event of batch {first[-1].batch} at the same module and role was diagnosed "
+            f"as domain: {first[-1].diagnosis.summary}") in evidence
 
 
 def test_a_nan_the_replay_does_not_meet_again_is_unknown_and_says_why():

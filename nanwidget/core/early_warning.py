@@ -18,7 +18,9 @@ Two reasons, each given once per module (a warning never stops the run):
     most, and is at least :data:`MIN_GROWTH` (2x) per batch. Slower growth is left to the
     near-limit check, which a value growing at under 2x per batch meets more than two batches
     before it overflows; in float32 a value growing that slowly needs over 100 batches from 1
-    to the limit anyway.
+    to the limit anyway;
+  * the abs max is at least :data:`GROWTH_FLOOR` (1): a fresh model's outputs leaving a small
+    initialisation climb at 2-4x per batch for a few batches, far below any limit.
 
 Where the numbers come from: nothing is measured for this, and nothing is read from a device.
 Full mode reads each finished batch's history row (the largest |x| of every module's outputs,
@@ -51,8 +53,8 @@ from .frames import Frame
 from .recorder import Feature, Recorder
 
 __all__ = ["EarlyWarning", "EarlyWarningIssued", "EarlyWarnings", "REASONS", "NEAR_FACTOR",
-           "HORIZON", "WINDOW", "MIN_RISES", "MIN_GROWTH", "growth_rate", "WARNING_FIELDS",
-           "warning_fields", "warning_from_fields"]
+           "HORIZON", "WINDOW", "MIN_RISES", "MIN_GROWTH", "GROWTH_FLOOR", "growth_rate",
+           "WARNING_FIELDS", "warning_fields", "warning_from_fields"]
 
 REASONS = ("near-limit", "growth")
 NEAR_FACTOR = 4.0  # "near-limit": within this factor of the dtype's largest value
@@ -60,6 +62,11 @@ HORIZON = 50  # "growth": would pass the dtype's largest within this many batche
 WINDOW = 8  # the most batches the growth rate is fitted over
 MIN_RISES = 3  # rises in a row before a growth is fitted
 MIN_GROWTH = 2.0  # slowest growth per batch that counts (slower: the near-limit check)
+# Below this abs max no growth is warned about: a value under 1 is 16 doublings from float16's
+# largest (128 from float32's), and a fresh model's outputs leaving a small initialisation
+# climb there at 2-4x per batch for a few batches (faster at first under momentum). A blow-up
+# passes 1 with at least 8 batches to go at 4x per batch.
+GROWTH_FLOOR = 1.0
 # A value this close to its dtype's largest is that extreme written on purpose (a mask filled
 # with finfo.min), not a value that grew there: a growing value passes through the near zone.
 _EXTREME = 1.0 / 1.01
@@ -425,7 +432,7 @@ class EarlyWarnings(Feature):
         if value >= near and (module, "near-limit") not in self._warned:
             self._warn(batch, module, role, "near-limit", value, dtype, largest, rate)
             self._near[index] = math.inf  # said: no longer a candidate for it
-        if self._rises[index] >= MIN_RISES and self._fast[index] \
+        if self._rises[index] >= MIN_RISES and self._fast[index] and value >= GROWTH_FLOOR \
                 and (module, "growth") not in self._warned \
                 and rate >= _LOG_MIN_GROWTH and math.log(largest / value) <= HORIZON * rate:
             self._warn(batch, module, role, "growth", value, dtype, largest, rate)

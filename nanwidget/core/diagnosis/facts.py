@@ -284,6 +284,14 @@ class Facts:
     weights_written: dict[str, bool] = field(default_factory=dict)
     sentinel: bool = False
     sample_every: int | None = None  # sentinel mode's: one batch in N recorded in full
+    # A backward event's batch already had a forward event (on_nan="record" or "warn"): the
+    # loss and its gradient carried that NaN/Inf on.
+    forward_event: NanEvent | None = None
+    # The event needed a replay for its op, but the watch's diagnosis replays, this many, were
+    # all spent on earlier events (0: not spent).
+    replays_spent: int = 0
+    # The latest earlier event at the same module, role and phase with a known cause.
+    same_place: NanEvent | None = None
 
     def series(self, module: str) -> list[tuple[int, float]]:
         """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""

@@ -12,6 +12,7 @@ the diagnosis alone (the op and its line; not attached to the event), at most
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import pandas as pd
@@ -107,13 +108,28 @@ class Diagnoser(Feature):
                       sentinel=self.sentinel, sample_every=self.sample_every)
         self._read_inputs(facts)
         if event.is_backward:
+            forward = next(
+                (e for e in self.recorder.events if e.batch == event.batch and e.rank == event.rank
+                 and not e.is_backward and e.origin != "peer" and e.diagnosis is not None), None)
+            # The loss carried it on only when the model's output was non-finite too.
+            if forward is not None and not self._output_finite(event.batch, root):
+                facts.forward_event = forward
+                return facts  # the forward's diagnosis says why
             facts.output_grad_bad = self._output_grad_bad(event, root)
         if (facts.trace is None and may_replay and self.replay is not None
-                and self.replays < MAX_DIAGNOSIS_REPLAYS and self._needs_op(facts)):
-            self.replays += 1
-            facts.trace = self.replay(event)
-            if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
-                facts.output_grad_bad = _root_grad_bad(facts.trace.frames, event.batch, root)
+                and self._needs_op(facts)):
+            if self.replays < MAX_DIAGNOSIS_REPLAYS:
+                self.replays += 1
+                facts.trace = self.replay(event)
+                if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
+                    facts.output_grad_bad = _root_grad_bad(facts.trace.frames, event.batch, root)
+            else:
+                facts.replays_spent = MAX_DIAGNOSIS_REPLAYS
+                facts.same_place = next(
+                    (e for e in reversed(self.recorder.events) if e is not event
+                     and (e.module, e.role, e.is_backward) == (event.module, event.role,
+                                                               event.is_backward)
+                     and e.diagnosis is not None and e.diagnosis.kind != "unknown"), None)
         facts.op = op_facts(facts.trace)
         with recorder.lock:
             history = recorder.records.history
@@ -125,6 +141,16 @@ class Diagnoser(Feature):
         if self.weights.first and len(self.weights.series) >= 3:  # divergence may be told
             self._weights_now(facts)
         return facts
+
+    def _output_finite(self, batch: int, root: str) -> bool:
+        """Whether the root's outputs of ``batch`` were all finite, as the history's row of the
+        batch (still open during its backward) says; False when it cannot tell."""
+        with self.recorder.lock:
+            history = self.recorder.records.history
+            row = history.current_row(batch)
+            modules = list(history.modules)
+            slot = row.get(modules.index(root)) if row is not None and root in modules else None
+            return slot is not None and not slot[2]
 
     def _needs_op(self, facts: Facts) -> bool:
         """Whether the diagnosis needs the op that made the value (a replay): not for a weight

@@ -2,6 +2,8 @@
 
 Where before how (the contract's precedence):
 
+0. a backward event of a batch whose forward already made an event (``on_nan="record"`` or
+   ``"warn"``) takes the forward event's diagnosis: the loss carried that NaN/Inf on;
 1. ``loss``: a backward event whose gradient reached the model's output already non-finite
    (or whose first bad op ran in ``loss_fn``) was made outside the model, whatever op made it;
 2. ``bad-data``: the batch's inputs hold NaN (or an Inf that no op of the model made);
@@ -275,6 +277,25 @@ def _op_evidence(op: OpFacts) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the kinds
+def _after_forward(facts: Facts) -> Diagnosis | None:
+    """A backward event of a batch whose forward already made an event: the NaN/Inf of the
+    forward went through the loss into its gradient; the forward's diagnosis says why."""
+    event, forward = facts.event, facts.forward_event
+    if forward is None or forward.diagnosis is None:
+        return None
+    cause = forward.diagnosis
+    why = cause.summary[0].lower() + cause.summary[1:] if cause.summary.startswith("The ") \
+        else cause.summary
+    summary = (f"The gradient of batch {event.batch} is {_kind_words(event.kind)} because its "
+               f"forward already was (the event at module '{forward.module_label}' "
+               f"({forward.module_type}), {forward.role}): {why}")
+    evidence = [f"The forward of batch {event.batch} made an event first; the loss and its "
+                f"gradient carried its {_kind_words(forward.kind)} into '{event.module_label}' "
+                f"({event.module_type}), {event.role}."] + list(cause.evidence)
+    return Diagnosis(cause.kind, summary, evidence, list(cause.suggestion), rows=list(cause.rows),
+                     confidence=cause.confidence, op=cause.op)
+
+
 def _loss(facts: Facts) -> Diagnosis | None:
     event, op = facts.event, facts.op
     if not event.is_backward:
@@ -387,16 +408,31 @@ def _weights(facts: Facts) -> Diagnosis | None:
         if any(facts.weights_written.get(n) for n in names):
             evidence.append(f"The version counter of {names[0]} moved after batch {batch} "
                             "(an in-place write: optimizer.step() or copy_).")
+        # A batch that ran in between used it first (on_nan="record": an event every batch).
+        first = min([b for b in facts.history_batches if batch < b < event.batch],
+                    default=event.batch)
+        used = (f"batch {first} is the first to use it." if first == event.batch else
+                f"batch {first} was the first to use it, and batch {event.batch} still does.")
         summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and batch "
-                   f"{event.batch}: the optimizer step, load or write after batch {batch} did "
-                   f"it; batch {event.batch} is the first to use it.")
+                   f"{first}: the optimizer step, load or write after batch {batch} did it; "
+                   f"{used}")
     else:
         summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran (an "
                    "optimizer step, a load or a write made it), not this batch's forward.")
-    evidence.extend(_no_history(facts))
+    unmeasured = _no_history(facts)
+    climb = None
+    if unmeasured:
+        # No weights measured before (sentinel mode): the model's output, read every batch, is
+        # shown when it climbed (a divergence's sign; a healthy fresh model climbs too).
+        climb = growth_of([(b, v) for b, v in facts.series("") if b < event.batch], least=4.0,
+                          per_batch=_DIVERGING_PER_BATCH)
+        if climb is not None:
+            evidence.append(_growth_line("The output abs max of '<root>'", climb) + ": if no "
+                            "write or load made the weight non-finite, training diverged.")
+    evidence.extend(unmeasured)
     return Diagnosis("corrupted-weight", summary, evidence,
                      fixes.corrupted_weight(names, dtype, batch, event.kind == "inf"),
-                     confidence="high" if batch is not None else "medium")
+                     confidence="high" if batch is not None and climb is None else "medium")
 
 
 def _weight_dtype(event: NanEvent) -> str:
@@ -521,6 +557,15 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
             evidence.append(f"The replay did not reproduce it: {reason}.")
         elif event.note:
             evidence.append(event.note[0].upper() + event.note[1:] + ".")
+        if facts.replays_spent:
+            evidence.append(f"No replay was made to name the op: a watch replays at most "
+                            f"{facts.replays_spent} batches for its diagnoses, and earlier events "
+                            "used them.")
+        if facts.same_place is not None:
+            earlier = facts.same_place
+            evidence.append(f"The event of batch {earlier.batch} at the same module and role "
+                            f"was diagnosed as {earlier.diagnosis.kind}: "
+                            f"{earlier.diagnosis.summary}")
     return Diagnosis("unknown", summary, evidence,
                      fixes.unknown(event.batch, replayable, backward=event.is_backward),
                      confidence="low")
@@ -538,7 +583,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_loss, _bad_data, _weights, _from_op, _from_frames):
+    for rule in (_after_forward, _loss, _bad_data, _weights, _from_op, _from_frames):
         found = rule(facts)
         if found is not None:
             break
