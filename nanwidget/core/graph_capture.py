@@ -44,11 +44,12 @@ def _fx_flag_reader() -> Callable[[], bool]:
     fx = sys.modules.get("torch.fx._symbolic_trace")
     if fx is None:
         return lambda: False
+    # Each a C call, no Python frame: the root's pre-hook asks on every batch.
     if hasattr(fx, "_is_fx_tracing_flag"):
-        return lambda: fx._is_fx_tracing_flag
+        return partial(getattr, fx, "_is_fx_tracing_flag", False)
     local = getattr(fx, "_is_fx_tracing_tls", None)
     if local is not None:
-        return partial(getattr, local, "flag", False)  # one C call
+        return partial(getattr, local, "flag", False)
     return getattr(fx, "_get_is_fx_tracing", None) or (lambda: False)
 
 
