@@ -338,16 +338,22 @@ def test_a_weight_written_nan_after_healthy_training_is_no_divergence(mode):
     assert diagnosis.summary.startswith("'2.weight' became NaN between batch 50 and batch 51")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_weight_written_nan_between_batches_names_the_batch_after_which(mode):
+def _weight_written_nan(mode: str, batches: int, after: int):
+    """A watched run whose last Linear's weight is written NaN after batch ``after``."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     x = torch.randn(6, 4)
     with watch(model, mode) as w:
-        for batch in range(4):
+        for batch in range(batches):
             model(x)
-            if batch == 2:
+            if batch == after:
                 with torch.no_grad():
                     model[2].weight[0, 0] = math.nan
+    return w
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_written_nan_between_batches_names_the_batch_after_which(mode):
+    w = _weight_written_nan(mode, batches=4, after=2)
     diagnosis = w.event.diagnosis
     assert (w.event.batch, diagnosis.kind, diagnosis.confidence) == (3, "corrupted-weight", "high")
     assert diagnosis.summary.startswith("'2.weight' became NaN between batch 2 and batch 3")
@@ -360,14 +366,7 @@ def test_a_weight_written_nan_between_batches_names_the_batch_after_which(mode):
 def test_a_weight_still_nan_batches_later_names_the_first_batch_that_used_it(mode):
     # on_nan="record": the weight written NaN after batch 1 makes an event in every batch after;
     # batch 2 used it first, not batch 4.
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    x = torch.randn(6, 4)
-    with watch(model, mode) as w:
-        for batch in range(5):
-            model(x)
-            if batch == 1:
-                with torch.no_grad():
-                    model[2].weight[0, 0] = math.nan
+    w = _weight_written_nan(mode, batches=5, after=1)
     assert [e.batch for e in w.events] == [2, 3, 4]
     assert w.events[0].diagnosis.summary.endswith("batch 2 is the first to use it.")
     assert w.events[2].diagnosis.summary == (
