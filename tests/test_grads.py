@@ -546,19 +546,19 @@ class _ReturnsWhatItUsesInside(nn.Module):
         return self.decoder(self.breaks(hidden)), hidden
 
 
-@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("mode", ["full", "sentinel", "sentinel without loss_fn"])
 def test_a_nan_made_inside_is_not_blamed_on_an_output_it_reaches_later(mode):
     # The loss only uses the first output; the NaN that 'breaks' makes in backward reaches the
     # second output's gradient late in the pass. It was filed in the model's first backward
     # frame (opened when the loss's gradient arrived), so the event was the root's
     # grad_output[1] and the diagnosis "made in the loss, outside the model".
-    # (The sentinel replays the batch through the watch's loss_fn: the gradient its outputs
-    # received holds the NaN made inside, so a replay from it would bring the NaN in from
-    # outside.)
+    # Without a loss_fn the sentinel replays the backward from the gradients its outputs
+    # received: the second one's holds the NaN made inside, which the replay brings in from
+    # outside too; the replay still finds the op that made it, so the loss is not blamed.
     torch.manual_seed(0)
     model = _ReturnsWhatItUsesInside()
-    options = {"mode": "sentinel", "loss_fn": lambda outputs: outputs[0].sum()} \
-        if mode == "sentinel" else {}
+    options = {"full": {}, "sentinel": {"mode": "sentinel", "loss_fn": lambda out: out[0].sum()},
+               "sentinel without loss_fn": {"mode": "sentinel"}}[mode]
     with nw.watch(model, on_nan="record", backward=True, **options) as w:
         out, _ = model(torch.randn(2, 4))
         out.sum().backward()

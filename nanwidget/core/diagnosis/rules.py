@@ -305,6 +305,11 @@ def _loss(facts: Facts) -> Diagnosis | None:
     in_loss = op is not None and op.in_loss
     if not in_loss and not facts.output_grad_bad and not came:
         return None
+    if op is not None and not in_loss:
+        # The replay found the op of the model that made it from finite values: whatever
+        # the output's gradient held (an output used inside the model too, such as a KV
+        # cache, receives the NaN made inside), the loss did not make it.
+        return None
     evidence = []
     if in_loss:
         assert op is not None
