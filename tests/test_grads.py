@@ -566,3 +566,58 @@ def test_a_nan_made_inside_is_not_blamed_on_an_output_it_reaches_later(mode):
     assert event is not None and event.is_backward
     assert event.module == "breaks" and event.role.startswith("grad_input"), event
     assert event.diagnosis is not None and event.diagnosis.kind != "loss"
+
+
+class Cache:
+    """Stands for transformers' key/value cache base class (the watch knows it by its name)."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class DynamicCache(Cache):
+    pass
+
+
+class _CachingLayer(nn.Module):
+    def __init__(self, breaks: bool) -> None:
+        super().__init__()
+        self.key = nn.Linear(4, 4)
+        self.breaks = _BreaksInBackward() if breaks else nn.Identity()
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x, cache=None):
+        key = self.key(x)
+        cache.keys.append(key)
+        return self.out(self.breaks(key) + x)
+
+
+class _CachingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_CachingLayer(breaks=True), _CachingLayer(breaks=False)])
+
+    def forward(self, x):
+        cache = DynamicCache()
+        for layer in self.layers:
+            x = layer(x, cache=cache)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_kv_cache_handed_to_a_layer_is_no_input_of_its_backward_frame(mode):
+    # Every layer gets the whole cache: layer 1's backward frame (opened first) took the
+    # gradient of layer 0's keys as its 'grad_kwarg:cache.keys[0]', which arrives late in the
+    # pass, after layer 0's backward made the NaN: the event named layer 1.
+    torch.manual_seed(0)
+    model = _CachingModel()
+    options = {"mode": "sentinel", "loss_fn": lambda out: out.sum()} if mode == "sentinel" \
+        else {}
+    with nw.watch(model, on_nan="record", backward=True, **options) as w:
+        model(torch.randn(2, 4)).sum().backward()
+    event = w.event
+    assert event is not None and event.is_backward
+    assert event.module == "layers.0.breaks" and event.role.startswith("grad_input"), event
+    if mode == "full":
+        roles = w.frames().query("phase == 'backward'").role
+        assert not roles.str.startswith("grad_kwarg:cache").any()

@@ -132,17 +132,37 @@ def _grad_targets(value: Any, role: str, targets: list[tuple[str, _Tensor]]) -> 
             targets.append(("grad_" + leaf_role, leaf))
 
 
+# type -> whether it is a key/value cache (transformers' ``Cache`` and its subclasses).
+_KV_CACHE_TYPES: dict[type, bool] = {}
+
+
+def _is_kv_cache(value: Any) -> bool:
+    """Whether ``value`` is a key/value cache handed to a module (by class name: the core does
+    not import transformers)."""
+    kind = type(value)
+    known = _KV_CACHE_TYPES.get(kind)
+    if known is None:
+        known = _KV_CACHE_TYPES[kind] = any(c.__name__ == "Cache" for c in kind.__mro__)
+    return known
+
+
 def _input_targets(args: tuple, kwargs: dict | None, targets: list[tuple[str, _Tensor]]) -> None:
+    """The input tensors whose gradients a module's backward frame shows. A key/value cache
+    handed to a module is left out: every attention call gets the whole cache, so its frame
+    would show the gradients of the other layers' keys and values, which reach it late in the
+    pass (and one hook per cached tensor per call, layers squared per forward); the keys'
+    gradients show at the projections that made them."""
     for position, value in enumerate(args):
         if isinstance(value, _Tensor):  # the common case, without a call
             if value.requires_grad:
                 targets.append((_GRAD_INPUT_ROLES[position] if position < 8
                                 else f"grad_input[{position}]", value))
-        else:
+        elif value is not None and not _is_kv_cache(value):
             _grad_targets(value, f"input[{position}]", targets)
     if kwargs:
         for key, value in kwargs.items():
-            _grad_targets(value, f"kwarg:{key}", targets)
+            if isinstance(value, _Tensor) or value is None or not _is_kv_cache(value):
+                _grad_targets(value, f"kwarg:{key}", targets)
 
 
 def _bound_to(method: Any, info: ModuleInfo) -> Any:
