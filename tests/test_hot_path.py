@@ -255,9 +255,12 @@ def test_frames_share_their_shapes_and_non_tensor_entries():
 
 def test_a_watched_forward_keeps_few_objects_per_module_call():
     # What the garbage collector counts when a forward in full mode returns, per module call:
-    # the frame, its list, its new entries, stats and weak references (under eight here); a
-    # new entry per keyword and a new shape per entry made it about twelve.
+    # the frame, its list, its new entries, stats and weak references (under eight here, about
+    # ten on the torch path, which also keeps each tensor's pending reduction until the batch
+    # resolves); a new entry per keyword and a new shape per entry made it about twelve (14).
     import gc
+
+    from nanwidget.core import native
     model = _KeywordModel(blocks=16).eval()  # 33 module calls per forward
     x = torch.randn(2, 8)
     at_return = []
@@ -275,4 +278,4 @@ def test_a_watched_forward_keeps_few_objects_per_module_call():
             model(x)
         finally:
             gc.enable()
-    assert at_return[-1] - before < 9 * 33
+    assert at_return[-1] - before < (9 if native.available() else 12) * 33
