@@ -32,9 +32,11 @@ def tiny_mlp() -> TinyMLP:
 
 
 def hook_count(model: nn.Module) -> int:
-    """Forward/backward hooks currently registered on any module of ``model``."""
+    """Forward/backward hooks currently registered on any module of ``model``, and the
+    gradient hooks on its parameters."""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-               + len(getattr(m, "_backward_pre_hooks", {})) for m in model.modules())
+               + len(getattr(m, "_backward_pre_hooks", {})) for m in model.modules()) + \
+        sum(len(p._post_accumulate_grad_hooks or ()) for p in model.parameters())
 
 
 @pytest.fixture(params=["native", "torch"])

@@ -621,3 +621,148 @@ def test_a_kv_cache_handed_to_a_layer_is_no_input_of_its_backward_frame(mode):
     if mode == "full":
         roles = w.frames().query("phase == 'backward'").role
         assert not roles.str.startswith("grad_kwarg:cache").any()
+
+
+class _WideInput(nn.Module):
+    """Linear -> ReLU -> Linear whose first weight is tiny: inputs of 1e20 keep every activation
+    and every ``grad_input`` finite, but the first weight's gradient (input x gradient, summed
+    over the batch) passes float32's largest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.fc.weight.mul_(1e-12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.fc(x)))
+
+
+def _train_wide(mode: str, **options) -> tuple[list[nw.NanEvent], pd.DataFrame, list[bool]]:
+    model = _WideInput()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.full((8, 4), 1e20)
+    finite_weight_grad = []
+    with nw.watch(model, mode=mode, backward=True, on_nan="record", **options) as w:
+        for _ in range(2):
+            (model(x) * 1e19).sum().backward()
+            finite_weight_grad.append(bool(torch.isfinite(model.fc.weight.grad).all()))
+            optimizer.step()
+            optimizer.zero_grad()
+        frames = w.frames()
+    return w.events, frames, finite_weight_grad
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_weight_gradient_that_overflows_is_an_event_in_its_own_batch(mode) -> None:
+    # Every grad_input stays finite; only fc.weight's gradient overflows. Full mode saw it one
+    # batch late, as a weight the optimizer step made non-finite ("corrupted weight"); the
+    # sentinel saw it but its replay called it "not reproduced" (frames held no weight
+    # gradient).
+    events, frames, finite_weight_grad = _train_wide(mode)
+    assert finite_weight_grad[0] is False
+    first = events[0]
+    assert (first.batch, first.module, first.role, first.kind, first.origin, first.is_backward) \
+        == (0, "fc", "weight", "inf", "grad", True)
+    assert "not reproduced" not in str(first.note or "")
+    own = frames[(frames.batch == 0) & (frames.phase == "backward") & (frames.module == "fc")]
+    row = own.set_index("role").loc["weight"]
+    assert bool(row["inf"]) and not bool(row["nan"])
+    assert not own.set_index("role").loc["grad_output[0]", ["nan", "inf"]].any()
+
+
+def test_a_weight_gradient_overflow_is_diagnosed_as_an_overflow_with_the_loss() -> None:
+    events, _, _ = _train_wide("full", loss_fn=lambda output: (output * 1e19).sum())
+    diagnosis = events[0].diagnosis
+    assert diagnosis.kind == "overflow"
+    assert "backward" in diagnosis.summary and "'fc'" in diagnosis.summary
+
+
+def test_a_weight_gradient_overflow_without_the_loss_is_told_from_its_frames() -> None:
+    # No loss_fn: the replay cannot run the backward pass, so the frames must say it.
+    events, _, _ = _train_wide("full")
+    diagnosis = events[0].diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("overflow", "medium")
+    assert "'fc.weight'" in diagnosis.summary and "float32" in diagnosis.summary
+    assert any("1e+20" in line for line in diagnosis.evidence)  # the inputs' scale
+    assert any("mean over the batch" in line for line in diagnosis.suggestion)
+
+
+def test_backward_frames_hold_each_trainable_parameters_gradient_once() -> None:
+    torch.manual_seed(0)
+    embed = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = embed.weight  # tied: the embedding owns it (first in named_modules)
+    frozen = nn.Linear(4, 4)
+    frozen.requires_grad_(False)
+    attention = nn.MultiheadAttention(4, 1, batch_first=True)
+    model = nn.ModuleDict({"embed": embed, "frozen": frozen, "attn": attention, "head": head})
+
+    def run(tokens: torch.Tensor) -> torch.Tensor:
+        h = frozen(embed(tokens))
+        h = attention(h, h, h, need_weights=False)[0]
+        return head(h)
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return run(tokens)
+
+    wrapper = Wrapper()
+    tokens = torch.randint(0, 10, (2, 3))
+    with nw.watch(wrapper, backward=True, on_nan="record") as w:
+        wrapper(tokens).square().sum().backward()
+        frames = w.frames()
+    grads = frames[(frames.phase == "backward") & ~frames.role.str.startswith("grad_")]
+    by_module = grads.groupby("module")["role"].apply(sorted).to_dict()
+    assert by_module == {
+        "inner.embed": ["weight"],  # the tied weight, once, with its summed gradient
+        "inner.attn": ["in_proj_bias", "in_proj_weight"],
+        # out_proj's forward never runs (MultiheadAttention reads its weight): a frame of its own
+        "inner.attn.out_proj": ["bias", "weight"],
+    }
+    weight = grads[(grads.module == "inner.embed")].iloc[0]
+    assert weight["abs_max"] == embed.weight.grad.abs().max().item()
+    assert weight["abs_min"] == embed.weight.grad.abs().min().item()
+
+
+def _dropped_backward_watch() -> tuple:
+    """Weak references to a model and its backward watch, both dropped without ``close()``
+    after a step that makes an event (a helper: the event's GradScaler hint reads its callers'
+    locals, and a frame's snapshot of them lives as long as the frame)."""
+    import weakref
+    model = SqrtNet()
+    watch = nw.watch(model, backward=True, on_nan="record")
+    _step(model, torch.randn(4, 4))
+    return weakref.ref(model), weakref.ref(watch)
+
+
+def test_a_watch_with_backward_dropped_unclosed_lets_its_model_be_collected() -> None:
+    # The parameters' gradient hooks must not hold the model: the garbage collector does not
+    # see a tensor's hooks, so such a cycle would never be freed.
+    import gc
+    alive = _dropped_backward_watch()
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True]
+
+
+def test_a_model_saved_or_copied_under_a_backward_watch_carries_no_hook() -> None:
+    import copy
+    import io
+    model = SqrtNet()
+    with nw.watch(model, backward=True, on_nan="record"):
+        _step(model, torch.randn(4, 4))
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        twin = copy.deepcopy(model)
+    for copied in (loaded, twin):
+        assert hook_count(copied) == 0
+        _step(copied, torch.randn(4, 4))  # trains on its own

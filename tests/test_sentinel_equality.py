@@ -364,16 +364,18 @@ def _record_forward_nan_then_backward(mode: str, on_nan: str, loss: Callable) ->
 @pytest.mark.parametrize("loss", ["sum", "square"])
 def test_a_recorded_forward_event_is_not_recorded_again_by_the_backward_check(on_nan, loss):
     # The NaN bias makes NaN weight gradients: the sentinel's gradient check meets them at the
-    # end of the backward pass. Full mode records the forward event once (and, when the NaN
-    # reaches the gradients between modules, the backward event): so must the sentinel.
+    # end of the backward pass. Full mode records the forward event once, then the backward
+    # event where the NaN first shows in the gradients: the head's weight gradient (its input
+    # is NaN) with a sum loss, the gradient the head's output receives with a square loss. The
+    # sentinel must record the same two, nothing more.
     loss_fn = (lambda out: out.sum()) if loss == "sum" else (lambda out: out.square().sum())
     full = _record_forward_nan_then_backward("full", on_nan, loss_fn)
     sentinel = _record_forward_nan_then_backward("sentinel", on_nan, loss_fn)
     assert sentinel == full
     events, warned = full
-    assert [(e[1], e[6], e[7]) for e in events] == (
-        [("fc1", "weight", False)] if loss == "sum" else
-        [("fc1", "weight", False), ("head", "grad", True)])
+    assert [(e[1], e[4], e[6], e[7]) for e in events] == [
+        ("fc1", "bias", "weight", False),
+        ("head", "weight" if loss == "sum" else "grad_output[0]", "grad", True)]
     assert warned == (len(events) if on_nan == "warn" else 0)
 
 

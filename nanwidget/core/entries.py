@@ -225,7 +225,15 @@ class EntryBuilder:
         """Entry for a gradient: measured without being held (the backward pass frees it)."""
         if not isinstance(grad, _Tensor):
             return non_tensor_entry(role, grad)
-        if type(grad) not in PLAIN_TENSOR_TYPES:
+        if type(grad) in PLAIN_TENSOR_TYPES:
+            dtype = grad.dtype
+            # The common case (the checks of _fresh_entry's fast path); classify() has the
+            # full rules and runs only for gradients that fail one of them.
+            if dtype.is_floating_point and grad.layout is _STRIDED and not grad.is_meta \
+                    and not grad.is_nested and grad.numel():
+                return Entry((role, self.pending.add(grad, hold=False), dtype,
+                              _shared_shape(grad.shape), ""))
+        else:
             local = local_shard(grad)
             if local is not grad:  # a DTensor gradient: this rank's shard
                 return self.grad_entry(role, local).replace(note=LOCAL_SHARD)

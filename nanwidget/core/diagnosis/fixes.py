@@ -33,6 +33,18 @@ def overflow(module: str, dtype: str, at: str, op: str) -> list[str]:
     return fixes
 
 
+def weight_gradient_overflow(module: str, dtype: str) -> list[str]:
+    where = f"module '{module}'" if module else "the model"
+    fixes = [f"Normalise the inputs of {where}: a weight's gradient grows with the scale of "
+             "what the module receives, summed over the batch.",
+             "Reduce the loss with a mean over the batch instead of a sum (or divide it by the "
+             "batch size), so the gradients do not grow with the batch."]
+    if dtype in _LOW_PRECISION:
+        fixes.append("Under AMP, let torch.amp.GradScaler manage the loss scale (it skips a step "
+                     "whose gradients overflowed and lowers the scale), or train in bfloat16.")
+    return fixes
+
+
 def divergence(dtype: str) -> list[str]:
     fixes = ["Lower the learning rate (try 10x lower) or warm it up over the first steps "
              "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).",

@@ -14,7 +14,8 @@ Where before how (the contract's precedence):
    |x| > 1, division by 0, inf - inf ...), ``overflow`` (a finite value grew past its dtype's
    largest), which becomes ``divergence`` when the weights also grew;
 5. without an op, what the event's frame shows (an Inf from finite inputs: overflow; a
-   softmax-like module with masked inputs: masked-row);
+   softmax-like module with masked inputs: masked-row; a parameter's gradient that is Inf while
+   the gradient its module received is finite: overflow);
 6. ``unknown``.
 """
 
@@ -545,6 +546,42 @@ def _from_frames(facts: Facts) -> Diagnosis | None:
     return None
 
 
+def _weight_gradient(facts: Facts) -> Diagnosis | None:
+    """Without the op: a parameter's gradient that overflowed while the gradient the module
+    received stayed finite (a weight's gradient sums input x gradient over the whole batch, so
+    it can pass the dtype's largest where no activation or ``grad_input`` does)."""
+    event = facts.event
+    frames = event.frames
+    if not event.is_backward or event.origin != "grad" or event.kind != "inf" \
+            or event.role.startswith("grad_") or frames is None or frames.empty:
+        return None
+    own = frames[(frames["frame"] == event.frame) & (frames["batch"] == event.batch)]
+    mine = own[own["role"] == event.role]
+    received = own[own["role"].str.startswith("grad_output")]
+    if mine.empty or bool(received["nan"].any()) or bool(received["inf"].any()):
+        return None
+    dtype = str(mine["dtype"].iloc[0])
+    name = f"{event.module}.{event.role}" if event.module else event.role
+    label = f"module '{event.module_label}' ({event.module_type})"
+    evidence = []
+    if len(received):
+        evidence.append(f"The gradient that {label} received was finite: abs max "
+                        f"{_g(float(received['abs_max'].max()))}.")
+    forward = frames[(frames["batch"] == event.batch) & (frames["phase"] == "forward")
+                     & (frames["module"] == event.module) & (frames["call"] == event.call)
+                     & frames["role"].str.startswith(("input", "kwarg:"))]
+    if len(forward) and forward["finite_abs_max"].notna().any():
+        evidence.append(f"Its inputs in the forward reached {_g(float(forward['finite_abs_max'].max()))}.")
+    evidence.append(f"The gradient of '{name}' sums input x gradient over the batch; it passed "
+                    f"{dtype}'s largest value ({dtype_max(dtype):.5g}).")
+    return Diagnosis("overflow", f"The gradient of '{name}' overflowed {dtype} in the backward "
+                                 f"pass of batch {event.batch}: the gradient that {label} "
+                                 "received was finite, its product with the inputs summed over "
+                                 "the batch was not.",
+                     evidence, fixes.weight_gradient_overflow(event.module, dtype),
+                     confidence="medium")
+
+
 def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
     event, op = facts.event, facts.op
     evidence = []
@@ -588,7 +625,8 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_after_forward, _loss, _bad_data, _weights, _from_op, _from_frames):
+    for rule in (_after_forward, _loss, _bad_data, _weights, _from_op, _from_frames,
+                 _weight_gradient):
         found = rule(facts)
         if found is not None:
             break

@@ -20,6 +20,16 @@ Roles (phase ``"backward"``)
     and op that used that tensor, not only this module's share (measuring the share alone needs
     the input wrapping that forbids in-place writes). A gradient that never arrives (an output
     the loss does not use) shows the note "None".
+    ``weight``, ``bias`` (any own parameter by its name): the parameter's gradient, as the
+    optimizer will see it (``.grad`` once autograd has accumulated this pass's contribution),
+    measured by a hook on the parameter (``register_post_accumulate_grad_hook``). It goes into
+    the frame of the module that owns the parameter, the last one opened in the pass (a shared
+    parameter is owned by its first module in ``named_modules()`` order); a parameter used
+    without calling its module (``MultiheadAttention``'s ``out_proj.weight``) opens a frame of
+    its own. A weight gradient can overflow while every ``grad_input`` stays finite (it sums
+    over the batch): without this, the NaN showed only after the optimizer step, as a
+    corrupted weight one batch later. Frozen parameters have no gradient and no entry;
+    parameters FSDP2 shards get theirs by assignment, not accumulation, and have none either.
 
 Order, batch, blame
     A frame takes its place in the batch when its first gradient arrives (normally its
@@ -165,6 +175,18 @@ def _input_targets(args: tuple, kwargs: dict | None, targets: list[tuple[str, _T
                 _grad_targets(value, f"kwarg:{key}", targets)
 
 
+def _parameter_hook(feature: Any, owner: int) -> Any:
+    """The hook on a parameter (see :meth:`BackwardFrames._hook_parameters`): its feature held
+    weakly and its owner by position, nothing that leads back to the model. The garbage
+    collector does not see a tensor's hooks, so a hook holding the model would keep a model
+    and its watch alive forever once both are dropped without ``close()``."""
+    def hook(parameter: _Tensor) -> None:
+        live = feature()
+        if live is not None:
+            live._on_parameter_grad(owner, parameter)
+    return hook
+
+
 def _bound_to(method: Any, info: ModuleInfo) -> Any:
     """A module hook that calls ``method(info, *hook_args)``. A closure, not a
     ``functools.partial``: under a strict ``torch.export`` Dynamo traces module hooks, and
@@ -235,6 +257,10 @@ class BackwardFrames(Feature):
         self._hooked: dict[int, tuple[Any, int, _Subscribers]] = {}
         # id(module) -> stacks of pending frames opened by the pre-hook of an in-place module.
         self._opened: dict[int, list[_PendingFrame]] = {}
+        # ModuleInfo.index -> the frame the running pass opened last for that module (where its
+        # parameters' gradients go).
+        self._pass_frames: dict[int, Any] = {}
+        self._parameter_owners: list[tuple[ModuleInfo, str]] = []  # (module, name) per hook
         try:
             for info in recorder.modules:
                 module = info.module
@@ -248,9 +274,33 @@ class BackwardFrames(Feature):
                                  info)
                 self._handles.append(add_forward_hook(
                     module, hook, with_kwargs=True, prepend=info.is_root))
+            self._hook_parameters(recorder.modules)
         except BaseException:
             self.close()
             raise
+
+    def _hook_parameters(self, modules: list[ModuleInfo]) -> None:
+        """A hook on every trainable parameter, called once autograd has accumulated its
+        gradient in a pass (see the module docstring: ``weight``, ``bias``)."""
+        owned: set[int] = set()
+        for info in modules:
+            try:
+                parameters = list(info.weights._parameters.items())
+            except Exception:  # a container without items(): nothing to hook
+                continue
+            for name, parameter in parameters:
+                if not isinstance(parameter, _Tensor) or id(parameter) in owned:
+                    continue
+                owned.add(id(parameter))
+                if not parameter.requires_grad:
+                    continue
+                try:
+                    handle = parameter.register_post_accumulate_grad_hook(
+                        _parameter_hook(weakref.ref(self), len(self._parameter_owners)))
+                except Exception:  # not a leaf, or a subclass that refuses hooks: no entry
+                    continue
+                self._parameter_owners.append((info, name))
+                self._handles.append(handle)
 
     # ------------------------------------------------------------------ forward side
     def _skip(self) -> bool:
@@ -399,6 +449,34 @@ class BackwardFrames(Feature):
             recorder.internal_error(error)
         return None
 
+    def _on_parameter_grad(self, owner: int, parameter: _Tensor) -> None:
+        """A parameter's gradient is accumulated for this pass: its entry, in the frame of the
+        module that owns it (``self._parameter_owners[owner]``)."""
+        recorder = self.recorder
+        if self.closed or recorder.suspended:
+            return None
+        try:
+            info, name = self._parameter_owners[owner]
+            grad = parameter.grad
+            if grad is None:
+                return None
+            with recorder.lock:
+                entry = recorder.entries.grad_entry(name, grad)
+                frame = self._pass_frames.get(info.index)
+                if frame is None:  # used without calling its module: a frame of its own
+                    batch = self._pass_batch if self._pass_batch is not None \
+                        else self._forward_batch()
+                    if self._pass_batch is None:
+                        self._pass_batch = batch
+                    frame = self.recorder.record_frame(info, "backward", [], batch=batch)
+                    self._pass_frames[info.index] = frame
+                    self._queue_resolution()
+                frame.entries.append(entry)
+                frame.first_output = len(frame.entries)  # a backward frame has no outputs
+        except Exception as error:
+            recorder.internal_error(error)
+        return None
+
     def _open_frame(self, pending: _PendingFrame) -> Any:
         """The first gradient of this module call in this pass: its frame takes its place now."""
         batch = pending.batch
@@ -410,6 +488,7 @@ class BackwardFrames(Feature):
                                            batch=batch, call=pending.call)
         pending.frame, pending.pass_id = frame, self._pass_id
         self._last_opened = frame
+        self._pass_frames[pending.info.index] = frame
         self._queue_resolution()
         return frame
 
@@ -448,6 +527,7 @@ class BackwardFrames(Feature):
             self._pass_batch = None
             self._pass_id += 1
             self.passes += 1
+            self._pass_frames.clear()
             self._remove_leaf_hooks()
         if not self.closed:
             recorder.end_frames(batch, reason="backward", raising=raising)
@@ -462,6 +542,7 @@ class BackwardFrames(Feature):
             self._queued = False
             self._pass_batch = None
             self._pass_id += 1
+            self._pass_frames.clear()
 
     def _remove_leaf_hooks(self) -> None:
         for handle in self._leaf_handles:
@@ -476,3 +557,4 @@ class BackwardFrames(Feature):
         self._remove_leaf_hooks()
         self._opened.clear()
         self._hooked.clear()
+        self._pass_frames.clear()
