@@ -657,7 +657,7 @@ def _train_wide(mode: str, **options) -> tuple[list[nw.NanEvent], pd.DataFrame, 
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
-def test_a_weight_gradient_that_overflows_is_an_event_in_its_own_batch(mode) -> None:
+def test_a_weight_gradient_that_overflows_is_an_event_in_its_own_batch(mode, reduction_path) -> None:
     # Every grad_input stays finite; only fc.weight's gradient overflows. Full mode saw it one
     # batch late, as a weight the optimizer step made non-finite ("corrupted weight"); the
     # sentinel saw it but its replay called it "not reproduced" (frames held no weight

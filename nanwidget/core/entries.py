@@ -221,8 +221,10 @@ class EntryBuilder:
             self.unread_roles.append(f"{role} ({leaf.why})")
         return non_tensor_entry(role, leaf)
 
-    def grad_entry(self, role: str, grad: Any) -> Entry:
-        """Entry for a gradient: measured without being held (the backward pass frees it)."""
+    def grad_entry(self, role: str, grad: Any, hold: bool = False) -> Entry:
+        """Entry for a gradient: measured without being held (the backward pass frees it), or
+        with ``hold`` held until the pass resolves (a parameter's ``.grad``, alive anyway: on
+        a device its second look then runs only if it holds a NaN/Inf)."""
         if not isinstance(grad, _Tensor):
             return non_tensor_entry(role, grad)
         if type(grad) in PLAIN_TENSOR_TYPES:
@@ -231,12 +233,12 @@ class EntryBuilder:
             # full rules and runs only for gradients that fail one of them.
             if dtype.is_floating_point and grad.layout is _STRIDED and not grad.is_meta \
                     and not grad.is_nested and grad.numel():
-                return Entry((role, self.pending.add(grad, hold=False), dtype,
+                return Entry((role, self.pending.add(grad, hold=hold), dtype,
                               _shared_shape(grad.shape), ""))
         else:
             local = local_shard(grad)
             if local is not grad:  # a DTensor gradient: this rank's shard
-                return self.grad_entry(role, local).replace(note=LOCAL_SHARD)
+                return self.grad_entry(role, local, hold).replace(note=LOCAL_SHARD)
             plain = plain_view(grad)
             if plain is None:
                 return self._unread_subclass(role, grad)
@@ -245,7 +247,7 @@ class EntryBuilder:
         shape = _shape_of(grad)
         if note:
             return Entry((role, None, grad.dtype, shape, note))
-        return Entry((role, self.pending.add(grad, hold=False), grad.dtype, shape, ""))
+        return Entry((role, self.pending.add(grad, hold=hold), grad.dtype, shape, ""))
 
     # ------------------------------------------------------------------ a module call
     def input_entries(self, args: tuple, kwargs: dict | None, entries: list[Entry]) -> None:

@@ -202,8 +202,9 @@ _MAX_HOOKED = 65_536
 
 
 class GradEntries(Protocol):
-    def grad_entry(self, role: str, grad: Any) -> Entry:
-        """The entry of a gradient, measured without holding it."""
+    def grad_entry(self, role: str, grad: Any, hold: bool = False) -> Entry:
+        """The entry of a gradient, measured without holding it (``hold``: held until the
+        pass resolves)."""
 
 
 class FrameSink(Protocol):
@@ -461,7 +462,8 @@ class BackwardFrames(Feature):
             if grad is None:
                 return None
             with recorder.lock:
-                entry = recorder.entries.grad_entry(name, grad)
+                # .grad stays alive until the pass resolves: held, not looked at twice.
+                entry = recorder.entries.grad_entry(name, grad, hold=True)
                 frame = self._pass_frames.get(info.index)
                 if frame is None:  # used without calling its module: a frame of its own
                     batch = self._pass_batch if self._pass_batch is not None \

@@ -221,10 +221,10 @@ class ReplayFrames(FrameSink):
     def entries(self) -> ReplayFrames:
         return self  # grad_entry below
 
-    def grad_entry(self, role: str, grad: Any) -> Entry:
+    def grad_entry(self, role: str, grad: Any, hold: bool = False) -> Entry:
         self.ops.paused = True
         try:
-            return self.ops.entries.grad_entry(role, grad)
+            return self.ops.entries.grad_entry(role, grad, hold)
         finally:
             self.ops.paused = False
 
