@@ -88,7 +88,7 @@ def test_a_variant_that_leaks_hooks_stops_the_benchmark():
 
 def test_every_variant_leaves_the_model_and_anomaly_mode_as_it_found_them():
     case = bench.build_case("mlp", "train")
-    for name in bench.available_variants():
+    for name in bench.available_variants(floors=True):
         bench._measure(case, bench.ALL_VARIANTS[name], steps=1, warmup=1, seed=0, device="cpu")
         assert bench.hook_count(case.model) == 0, name
         assert not torch.is_anomaly_enabled(), name
@@ -189,3 +189,52 @@ def test_cpu_clock_times_this_process_only_and_refuses_a_gpu(capsys):
         bench.run_benchmark(["mlp"], ["forward"], rounds=1, device="cuda", clock="cpu")
     with pytest.raises(ValueError, match="clock must be one of"):
         bench.run_benchmark(["mlp"], ["forward"], rounds=1, clock="sundial")
+
+
+def test_floors_time_the_lean_stand_ins_and_give_their_columns(capsys):
+    from nanwidget.core import native
+    if not native.available():
+        pytest.skip(f"the floors need the native kernel: {native.status()}")
+    assert main(["bench", "--quick", "--models", "mlp", "--rounds", "1", "--block-ms", "2",
+                 "--clock", "cpu", "--no-replay", "--floors"]) == 0
+    out = capsys.readouterr().out
+    for column in ("full floor", "sentinel floor", "floor/DUO overhead", "sentinel floor µs/batch"):
+        assert column in out
+    result = bench.run_benchmark(["mlp"], ["train"], rounds=1, block_seconds=0.002, floors=True,
+                                 variants=["baseline", "debug_underflow", *bench.FLOOR_VARIANTS])
+    row = result.rows[0]
+    assert set(row.ratios) == {"debug_underflow", *bench.FLOOR_VARIANTS}
+    assert row.floor_share is not None and row.to_dict()["floor_share"] == row.floor_share
+    with pytest.raises(ValueError, match="CPU stand-ins"):
+        bench.run_benchmark(["mlp"], ["forward"], rounds=1, device="cuda", floors=True)
+
+
+@pytest.mark.parametrize("name", ["floor_full", "floor_sentinel"])
+def test_a_floor_stand_in_reads_what_its_watch_reads_and_changes_nothing(name, monkeypatch):
+    from nanwidget.core import native
+    if not native.available():
+        pytest.skip(f"the floors need the native kernel: {native.status()}")
+    read = native.contiguous_reader()
+    shapes: list[tuple] = []
+
+    def counting_reader() -> object:
+        def reader(tensor, result):
+            shapes.append(tuple(tensor.shape))
+            return read(tensor, result)
+        return reader
+
+    monkeypatch.setattr(native, "contiguous_reader", counting_reader)
+    torch.manual_seed(0)
+    model, inputs, loss_fn, _ = bench._BUILDERS["mlp"]()
+    case = bench.Case("mlp", "train", model, lambda: None, {}, "")
+    expected = model(*inputs)
+    with bench.ALL_VARIANTS[name].attach(case):
+        output = model(*inputs)
+        loss_fn(output).backward()
+    assert torch.equal(output, expected) and "forward" not in vars(model)
+    assert bench.hook_count(case.model) == 0
+    parameters = {tuple(p.shape) for p in case.model.parameters()}
+    if name == "floor_full":  # every weight, every module's input and output
+        assert parameters <= set(shapes) and (64, 64) in shapes and (64, 256) in shapes
+    else:  # the root's output, then every parameter's gradient
+        assert shapes[0] == (64, 10) and set(shapes[1:]) == parameters

@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="wall: elapsed time (default); cpu: this process's CPU time, which "
                              "leaves out what other processes take on a shared machine (CPU only)")
+    parser.add_argument("--floors", action="store_true",
+                        help="also time stand-ins of the leanest full and sentinel watches "
+                             "(columns floor/DUO overhead and sentinel floor µs/batch): what "
+                             "the targets are up against on this machine")
     parser.add_argument("--no-replay", action="store_true",
                         help="skip timing the replay of a failing GPT-2 batch into full detail")
 
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     result = benchmark.run_benchmark(models, modes, rounds=rounds, block_seconds=block_ms / 1e3,
                                      warmup=warmup, seed=args.seed, device=args.device,
                                      progress=progress, compare=args.compare,
-                                     clock=args.clock)
+                                     clock=args.clock, floors=args.floors)
     print(f"Environment: {result.format_environment()}")
     print("MultiheadAttention fast path disabled so every variant runs the same kernels; "
           f"GPT-2 input {benchmark.GPT2_INPUT[0]}x{benchmark.GPT2_INPUT[1]} tokens.")

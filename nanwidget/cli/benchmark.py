@@ -44,7 +44,8 @@ from ..core.watch import watch
 __all__ = ["MODELS", "COMPILED_MODELS", "MODES", "VARIANTS", "TARGETS", "SENTINEL_TARGET",
            "REPLAY_TARGET_SECONDS", "BenchRow", "BenchResult", "run_benchmark", "build_case",
            "available_variants", "transformers_available", "HookLeak", "environment",
-           "hook_count", "ReplayTiming", "replay_timing", "load_revision", "WATCH_VARIANTS"]
+           "hook_count", "ReplayTiming", "replay_timing", "load_revision", "WATCH_VARIANTS",
+           "FLOOR_VARIANTS"]
 
 # "gpt2-compiled": the GPT-2 model under torch.compile; its baseline is the compiled model
 # alone, and only the sentinel watch can ride along (the other tools need module hooks).
@@ -64,7 +65,12 @@ VARIANT_LABELS = {
     "isnan_hook": "isnan hook",
     "debug_underflow": "DebugUnderflowOverflow",
     "anomaly": "detect_anomaly",
+    "floor_full": "full floor",
+    "floor_sentinel": "sentinel floor",
 }
+# Stand-ins for the leanest full and sentinel watches we can build (``floors=True``,
+# ``bench --floors``): what the targets are measured against when a target looks out of reach.
+FLOOR_VARIANTS = ("floor_full", "floor_sentinel")
 # Targets for nanwidget's ratio, per (model, mode); forward rows share one.
 TARGETS = {("mlp", "train"): 1.25, ("transformer", "train"): 1.10, ("gpt2", "train"): 1.10,
            ("gpt2-small", "train"): 1.25}
@@ -294,6 +300,73 @@ def _anomaly(case: Case) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _floor_full(case: Case) -> Iterator[None]:
+    """The leanest full watch: one plain forward hook per module, the C reader on each weight
+    whose version moved and on every input and output tensor, a tuple per tensor into a list
+    cleared at each batch. No frames, no verdict, no replay, no history."""
+    read, result = native.contiguous_reader(), native.result_buffer()
+    seen: dict[int, tuple[int, Any]] = {}
+    rows: list[Any] = []
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        for parameter in module._parameters.values():
+            if parameter is not None:
+                version = parameter._version
+                known = seen.get(id(parameter))
+                if known is None or known[0] != version:
+                    seen[id(parameter)] = (version, read(parameter, result))
+        for value in args:
+            if type(value) is torch.Tensor:
+                rows.append(read(value, result))
+        for tensor in _tensors(output):
+            rows.append(read(tensor, result))
+
+    handles = [case.model.register_forward_pre_hook(lambda module, args: rows.clear())]
+    handles += [module.register_forward_hook(hook) for module in case.model.modules()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _floor_sentinel(case: Case) -> Iterator[None]:
+    """The leanest sentinel: the root's forward wrapped (no module hook), its inputs held by
+    reference with the CPU RNG state (what an exact replay of dropout needs), the C reader on
+    every output tensor; on train rows a hook on the first output queues one read of every
+    parameter's gradient at the end of the backward pass. No verdict, no history, no events."""
+    model, read, result = case.model, native.contiguous_reader(), native.result_buffer()
+    forward, rng_state = model.forward, torch.default_generator.get_state
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    held: list[Any] = [None]
+    queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+    def read_gradients() -> None:
+        for parameter in parameters:
+            if parameter.grad is not None:
+                read(parameter.grad, result)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        held[0] = (args, kwargs, rng_state())
+        output = forward(*args, **kwargs)
+        first = None
+        for tensor in _tensors(output):
+            read(tensor, result)
+            first = tensor if first is None else first
+        if first is not None and first.requires_grad and torch.is_grad_enabled():
+            first.register_hook(lambda grad: queue_callback(read_gradients))
+        return output
+
+    model.forward = wrapped
+    try:
+        yield
+    finally:
+        del model.forward
+        held[0] = None
+
+
 def transformers_available() -> bool:
     try:
         import transformers.debug_utils  # noqa: F401
@@ -323,6 +396,8 @@ ALL_VARIANTS = {
     "debug_underflow": Variant("debug_underflow", _debug_underflow),
     # Anomaly mode only checks backward; under no_grad it would time the baseline again.
     "anomaly": Variant("anomaly", _anomaly, modes=("train",)),
+    "floor_full": Variant("floor_full", _floor_full),
+    "floor_sentinel": Variant("floor_sentinel", _floor_sentinel),
 }
 
 
@@ -376,11 +451,14 @@ def _rename_absolute_imports(package: str, name: str) -> None:
                     handle.write(renamed)
 
 
-def available_variants() -> list[str]:
-    """Variant names that can run here (DebugUnderflowOverflow needs transformers)."""
+def available_variants(floors: bool = False) -> list[str]:
+    """Variant names that can run here (DebugUnderflowOverflow needs transformers; the floors,
+    with ``floors``, the native kernel)."""
     names = list(VARIANTS)
     if not transformers_available():
         names.remove("debug_underflow")
+    if floors and native.available():
+        names.extend(FLOOR_VARIANTS)
     return names
 
 
@@ -438,6 +516,14 @@ class BenchRow:
             return None
         return (ours - 1.0) / (theirs - 1.0)
 
+    @property
+    def floor_share(self) -> float | None:
+        """The full-mode floor's overhead over DebugUnderflowOverflow's, or None."""
+        floor, theirs = self.ratios.get("floor_full"), self.ratios.get("debug_underflow")
+        if floor is None or theirs is None or theirs <= 1.0:
+            return None
+        return (floor - 1.0) / (theirs - 1.0)
+
     def verdict(self) -> str:
         """PASS, or MISS with the target(s) missed."""
         missed = []
@@ -460,7 +546,9 @@ class BenchRow:
                 "sentinel_verdict": self.sentinel_verdict(), "block_seconds": self.block_seconds,
                 "versus": self.versus, "module_calls": self.module_calls,
                 "sentinel_us_per_batch": self.overhead_us("sentinel"),
-                "nanwidget_us_per_module_call": self.us_per_module_call()}
+                "nanwidget_us_per_module_call": self.us_per_module_call(),
+                "floor_share": self.floor_share,
+                "floor_sentinel_us_per_batch": self.overhead_us("floor_sentinel")}
 
 
 def environment(device: str = "cpu") -> dict[str, Any]:
@@ -575,12 +663,13 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
                   progress: Callable[[str], None] | None = None,
                   compare: str | None = None,
                   compare_repo: str | os.PathLike | None = None,
-                  clock: str = "wall") -> BenchResult:
+                  clock: str = "wall", floors: bool = False) -> BenchResult:
     """Measure every (model, mode) against every variant; see the module docstring.
     ``compare``: a git revision (of ``compare_repo``, by default this tree's repository)
     whose watch variants run in the same rounds; one it cannot run is skipped with a line.
     ``clock``: "wall" (elapsed time) or "cpu" (this process's CPU time: on a shared machine
-    it leaves out the time other processes take; CPU device only)."""
+    it leaves out the time other processes take; CPU device only). ``floors``: also time the
+    stand-ins of :data:`FLOOR_VARIANTS` (CPU with the native kernel only)."""
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     if clock == "cpu" and not device.startswith("cpu"):
@@ -591,7 +680,10 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
         raise ValueError(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    names = list(variants) if variants is not None else available_variants()
+    if floors and not device.startswith("cpu"):
+        raise ValueError("floors=True times CPU stand-ins (the native kernel reads CPU tensors); "
+                         "leave it out on a GPU")
+    names = list(variants) if variants is not None else available_variants(floors)
     if "baseline" not in names:
         names.insert(0, "baseline")
     if any(m.startswith("gpt2") for m in models) and not transformers_available():
@@ -605,6 +697,8 @@ def run_benchmark(models: Sequence[str] = MODELS, modes: Sequence[str] = MODES, 
         if progress:
             progress(line)
 
+    if floors and not native.available():
+        skip(f"floors: skipped, the native kernel is not in use ({native.status()})")
     if compare is not None:
         try:
             revision, compared = load_revision(compare, compare_repo)
@@ -745,9 +839,12 @@ class BenchResult:
         """Table header: case, baseline ms, one ratio per variant, share, verdict."""
         ratio_columns = [VARIANT_LABELS[v] for v in self.variants if v != "baseline"]
         share = ["nw/DUO overhead"] if "debug_underflow" in self.variants else []
+        if "debug_underflow" in self.variants and "floor_full" in self.variants:
+            share.append("floor/DUO overhead")
         sentinel = ["sentinel vs 1.03x"] if "sentinel" in self.variants else []
         costs = (["nw µs/call"] if "nanwidget" in self.variants else []) + \
-            (["sentinel µs/batch"] if "sentinel" in self.variants else [])
+            (["sentinel µs/batch"] if "sentinel" in self.variants else []) + \
+            (["sentinel floor µs/batch"] if "floor_sentinel" in self.variants else [])
         return ["model/mode", "baseline ms", *ratio_columns, *share, *costs, "target",
                 "nanwidget vs target", *sentinel]
 
@@ -762,10 +859,14 @@ class BenchResult:
                 line.append("-" if ratio is None else f"{ratio:.2f}x")
             if "debug_underflow" in self.variants:
                 line.append(_cost_cell(row.overhead_share, "{:.2f}"))
+                if "floor_full" in self.variants:
+                    line.append(_cost_cell(row.floor_share, "{:.2f}"))
             if "nanwidget" in self.variants:
                 line.append(_cost_cell(row.us_per_module_call(), "{:.2f}"))
             if "sentinel" in self.variants:
                 line.append(_cost_cell(row.overhead_us("sentinel"), "{:.1f}"))
+            if "floor_sentinel" in self.variants:
+                line.append(_cost_cell(row.overhead_us("floor_sentinel"), "{:.1f}"))
             line.append("-" if row.target is None else f"<={row.target:.2f}x")
             line.append(row.verdict())
             if "sentinel" in self.variants:
