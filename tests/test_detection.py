@@ -182,6 +182,13 @@ def test_report_without_event_dumps_the_frames_held(tiny_mlp):
     assert "No inf/nan detected" in text and "Last 2 forward frames:" in text
 
 
+def test_report_before_any_batch_says_none_ran(tiny_mlp):
+    with nw.watch(tiny_mlp) as w:
+        text = w.report()
+    assert text.splitlines()[0] == "No inf/nan detected: no batch has run under this watch yet"
+    assert "batch_number=-1" not in text
+
+
 def test_detect_overflow_prints_like_transformers(capsys):
     t = torch.tensor([1.0, float("nan"), float("inf")])
     assert nw.detect_overflow(t, "layer.3 output") is True

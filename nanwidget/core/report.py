@@ -110,8 +110,10 @@ def format_event_report(event: NanEvent | None, frames: pd.DataFrame, batch: int
         out.append("")
     if event is not None:
         out.append(f"Detected inf/nan during batch_number={event.batch}")
-    elif batch is not None:
+    elif batch is not None and batch >= 0:
         out.append(f"No inf/nan detected (batch_number={batch})")
+    elif batch is not None:  # batches are numbered from 0: none ran yet
+        out.append("No inf/nan detected: no batch has run under this watch yet")
     n_frames = 0 if frames.empty else frames.groupby(_FRAME_KEYS).ngroups
     phases = set(frames["phase"]) if not frames.empty else {"forward"}
     direction = "forward and backward" if len(phases) > 1 else phases.pop()
