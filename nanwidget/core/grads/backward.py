@@ -29,7 +29,8 @@ Roles (phase ``"backward"``)
     its own. A weight gradient can overflow while every ``grad_input`` stays finite (it sums
     over the batch): without this, the NaN showed only after the optimizer step, as a
     corrupted weight one batch later. Frozen parameters have no gradient and no entry;
-    parameters FSDP2 shards get theirs by assignment, not accumulation, and have none either.
+    parameters FSDP2 shards (DTensors) have none either: FSDP2 hands their hooks the gradient
+    reduced over the ranks, where another rank's NaN would look like this rank's own.
 
 Order, batch, blame
     A frame takes its place in the batch when its first gradient arrives (normally its
@@ -77,6 +78,7 @@ from ..frames import Frame
 from ..graph_capture import export_flag
 from ..opaque import add_forward_hook, add_forward_pre_hook
 from ..recorder import Feature, ModuleInfo, in_backward_pass
+from ..stats import is_distributed_tensor
 from ..walk import iter_leaves
 
 __all__ = ["FrameSink", "BackwardFrames"]
@@ -292,7 +294,10 @@ class BackwardFrames(Feature):
                 if not isinstance(parameter, _Tensor) or id(parameter) in owned:
                     continue
                 owned.add(id(parameter))
-                if not parameter.requires_grad:
+                if not parameter.requires_grad or is_distributed_tensor(parameter):
+                    # A sharded parameter (FSDP2): FSDP2 calls its hooks itself, with the
+                    # gradient reduced over the ranks, so another rank's NaN would show here
+                    # as this rank's own.
                     continue
                 try:
                     handle = parameter.register_post_accumulate_grad_hook(
