@@ -752,6 +752,25 @@ def test_backward_frames_hold_each_trainable_parameters_gradient_once() -> None:
     assert weight["abs_min"] == embed.weight.grad.abs().min().item()
 
 
+def test_a_parameter_unfrozen_while_watched_has_its_gradient_entries_and_stays_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model[0].requires_grad_(False)  # gradual unfreezing: the first layer trains later
+    x = torch.randn(3, 4)
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        assert not model[0].weight.requires_grad and model[0].weight.grad is None
+        model(x).sum().backward()
+        model[0].requires_grad_(True)
+        model(x).sum().backward()
+        frames = w.frames()
+    grads = frames[(frames.phase == "backward") & ~frames.role.str.startswith("grad_")]
+    first = grads[grads.module == "0"]
+    assert list(first.batch) == [1, 1] and sorted(first.role) == ["bias", "weight"]
+    assert first.set_index("role").loc["weight", "abs_max"] == \
+        model[0].weight.grad.abs().max().item()
+    assert hook_count(model) == 0
+
+
 def _dropped_backward_watch() -> tuple:
     """Weak references to a model and its backward watch, both dropped without ``close()``
     after a step that makes an event (a helper: the event's GradScaler hint reads its callers'

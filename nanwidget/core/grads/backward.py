@@ -28,7 +28,8 @@ Roles (phase ``"backward"``)
     without calling its module (``MultiheadAttention``'s ``out_proj.weight``) opens a frame of
     its own. A weight gradient can overflow while every ``grad_input`` stays finite (it sums
     over the batch): without this, the NaN showed only after the optimizer step, as a
-    corrupted weight one batch later. Frozen parameters have no gradient and no entry;
+    corrupted weight one batch later. Frozen parameters have no gradient and no entry (one
+    unfrozen while the watch is open has its entries from then on);
     parameters FSDP2 shards (DTensors) have none either: FSDP2 hands their hooks the gradient
     reduced over the ranks, where another rank's NaN would look like this rank's own.
 
@@ -294,16 +295,25 @@ class BackwardFrames(Feature):
                 if not isinstance(parameter, _Tensor) or id(parameter) in owned:
                     continue
                 owned.add(id(parameter))
-                if not parameter.requires_grad or is_distributed_tensor(parameter):
+                if is_distributed_tensor(parameter) \
+                        or not (parameter.is_floating_point() or parameter.is_complex()):
                     # A sharded parameter (FSDP2): FSDP2 calls its hooks itself, with the
                     # gradient reduced over the ranks, so another rank's NaN would show here
                     # as this rank's own.
                     continue
+                # A frozen parameter is hooked too, for when it is unfrozen (gradual
+                # unfreezing); PyTorch hooks only a tensor that requires grad, for a moment.
+                frozen = not parameter.requires_grad
                 try:
+                    if frozen:
+                        parameter.requires_grad_(True)
                     handle = parameter.register_post_accumulate_grad_hook(
                         _parameter_hook(weakref.ref(self), len(self._parameter_owners)))
                 except Exception:  # not a leaf, or a subclass that refuses hooks: no entry
                     continue
+                finally:
+                    if frozen:
+                        parameter.requires_grad_(False)
                 self._parameter_owners.append((info, name))
                 self._handles.append(handle)
 
