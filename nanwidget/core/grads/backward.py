@@ -31,7 +31,8 @@ Roles (phase ``"backward"``)
     corrupted weight one batch later. Frozen parameters have no gradient and no entry (one
     unfrozen while the watch is open has its entries from then on);
     parameters FSDP2 shards (DTensors) have none either: FSDP2 hands their hooks the gradient
-    reduced over the ranks, where another rank's NaN would look like this rank's own.
+    reduced over the ranks, where another rank's NaN would look like this rank's own. Nor do a
+    lazy module's parameters uninitialized when the watch starts (they refuse hooks).
 
 Order, batch, blame
     A frame takes its place in the batch when its first gradient arrives (normally its
