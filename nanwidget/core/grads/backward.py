@@ -308,13 +308,14 @@ class BackwardFrames(Feature):
                 try:
                     if frozen:
                         parameter.requires_grad_(True)
-                    handle = parameter.register_post_accumulate_grad_hook(
-                        _parameter_hook(weakref.ref(self), len(self._parameter_owners)))
+                    try:
+                        handle = parameter.register_post_accumulate_grad_hook(
+                            _parameter_hook(weakref.ref(self), len(self._parameter_owners)))
+                    finally:
+                        if frozen:
+                            parameter.requires_grad_(False)
                 except Exception:  # not a leaf, or a subclass that refuses hooks: no entry
                     continue
-                finally:
-                    if frozen:
-                        parameter.requires_grad_(False)
                 self._parameter_owners.append((info, name))
                 self._handles.append(handle)
 
