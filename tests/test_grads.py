@@ -691,6 +691,26 @@ def test_a_weight_gradient_overflow_without_the_loss_is_told_from_its_frames() -
     assert any("mean over the batch" in line for line in diagnosis.suggestion)
 
 
+def test_a_weight_gradient_overflow_under_autocast_is_told_in_the_dtype_it_was_computed_in():
+    # float32 parameters, float16 autocast: the weight's gradient is computed in float16 (it
+    # overflows at 65504) and only stored as float32; the words must say float16, and the
+    # fixes must name the GradScaler.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    x = torch.full((64, 4), 100.0)
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        (out.float().sum() * 1000).backward()
+    assert torch.isinf(model.weight.grad).any() and model.weight.grad.dtype == torch.float32
+    event = w.events[0]
+    assert (event.module, event.role, event.origin) == ("", "weight", "grad")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "overflow" and "overflowed float16" in diagnosis.summary
+    assert any("computed in float16, stored as float32" in line for line in diagnosis.evidence)
+    assert any("GradScaler" in line for line in diagnosis.suggestion)
+
+
 def test_backward_frames_hold_each_trainable_parameters_gradient_once() -> None:
     torch.manual_seed(0)
     embed = nn.Embedding(10, 4)
@@ -730,6 +750,25 @@ def test_backward_frames_hold_each_trainable_parameters_gradient_once() -> None:
     weight = grads[(grads.module == "inner.embed")].iloc[0]
     assert weight["abs_max"] == embed.weight.grad.abs().max().item()
     assert weight["abs_min"] == embed.weight.grad.abs().min().item()
+
+
+def test_a_parameter_unfrozen_while_watched_has_its_gradient_entries_and_stays_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model[0].requires_grad_(False)  # gradual unfreezing: the first layer trains later
+    x = torch.randn(3, 4)
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        assert not model[0].weight.requires_grad and model[0].weight.grad is None
+        model(x).sum().backward()
+        model[0].requires_grad_(True)
+        model(x).sum().backward()
+        frames = w.frames()
+    grads = frames[(frames.phase == "backward") & ~frames.role.str.startswith("grad_")]
+    first = grads[grads.module == "0"]
+    assert list(first.batch) == [1, 1] and sorted(first.role) == ["bias", "weight"]
+    assert first.set_index("role").loc["weight", "abs_max"] == \
+        model[0].weight.grad.abs().max().item()
+    assert hook_count(model) == 0
 
 
 def _dropped_backward_watch() -> tuple:

@@ -187,6 +187,22 @@ def test_frames_plot_one_point_per_frame_from_the_chosen_roles():
     np.testing.assert_allclose(abs_max_line.get_ydata(), expected)
 
 
+def test_frames_plot_of_a_parameters_name_draws_its_values_not_its_gradient():
+    # With backward=True a backward frame holds the weight's gradient under the role "weight":
+    # roles="weight" must draw the weights only, and "grads" the gradients.
+    model = TinyMLP()
+    with nw.watch(model, backward=True, on_nan="record") as watch:
+        model(torch.randn(4, 16)).square().sum().backward()
+        frames = watch.frames()
+    weights = frames[(frames["role"] == "weight") & (frames["phase"] == "forward")]
+    assert ((frames["role"] == "weight") & (frames["phase"] == "backward")).any()
+    line = plot_frames(frames, roles="weight", window=None).axes[0].lines[0]
+    np.testing.assert_allclose(line.get_ydata(), weights["abs_max"].to_numpy())
+    grads = frames[frames["phase"] == "backward"]
+    line = plot_frames(frames, roles="grads", window=None).axes[0].lines[0]
+    assert len(line.get_ydata()) == grads.groupby(["batch", "frame"]).ngroups
+
+
 def test_frames_plot_of_no_rows_says_so_without_empty_axes():
     model = TinyMLP()
     with _record(model, batches=1, nan_at=None) as watch:

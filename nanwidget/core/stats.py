@@ -32,7 +32,7 @@ from .schema import CHANGED_LATER, PENDING
 
 __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of",
            "storage_holds", "measure_tensor", "PENDING_BYTES_LIMIT", "PLAIN_TENSOR_TYPES",
-           "local_shard", "plain_view"]
+           "local_shard", "is_distributed_tensor", "plain_view"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
@@ -204,6 +204,12 @@ def plain_view(tensor: torch.Tensor) -> torch.Tensor | None:
     if len(matching) != 1:
         return None
     return plain_view(matching[0])
+
+
+def is_distributed_tensor(tensor: torch.Tensor) -> bool:
+    """A DTensor (FSDP2, tensor parallel): each rank holds a shard of it."""
+    return type(tensor) not in PLAIN_TENSOR_TYPES and hasattr(tensor, "placements") \
+        and hasattr(tensor, "to_local")
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from ..core.schema import role_group
 from .common import (FONT_SIZE, ROLE_GROUPS, SCREEN_DPI, fit_inside, frame_keys, limit_lines,
                      new_figure, outside_legend, readable_log_ticks, role_groups,
                      say_nothing_to_plot, short_label)
@@ -40,7 +41,11 @@ def _select_roles(frames: pd.DataFrame, roles: Iterable[str] | str | None) -> pd
         return frames
     wanted = {roles} if isinstance(roles, str) else set(roles)
     groups = role_groups(frames)
-    keep = groups.isin(wanted & set(ROLE_GROUPS)) | frames["role"].isin(wanted)
+    keep = groups.isin(wanted & set(ROLE_GROUPS))
+    for name in wanted - set(ROLE_GROUPS):
+        # A parameter's name ("weight") is also the role of its gradient in a backward frame:
+        # the name picks the rows of its own group, the weight's values, not its gradient.
+        keep |= (frames["role"] == name) & (groups == role_group(name))
     return frames[keep.to_numpy()]
 
 

@@ -560,7 +560,12 @@ def _weight_gradient(facts: Facts) -> Diagnosis | None:
     received = own[own["role"].str.startswith("grad_output")]
     if mine.empty or bool(received["nan"].any()) or bool(received["inf"].any()):
         return None
-    dtype = str(mine["dtype"].iloc[0])
+    dtype = stored = str(mine["dtype"].iloc[0])
+    # Under autocast a float32 parameter's gradient is computed in the float16 the module's
+    # gradients flow in, then accumulated as float32: it overflowed float16's largest.
+    for received_dtype in received["dtype"].dropna().astype(str).unique():
+        if dtype_max(received_dtype) < dtype_max(dtype):
+            dtype = received_dtype
     name = f"{event.module}.{event.role}" if event.module else event.role
     label = f"module '{event.module_label}' ({event.module_type})"
     evidence = []
@@ -572,12 +577,13 @@ def _weight_gradient(facts: Facts) -> Diagnosis | None:
                      & frames["role"].str.startswith(("input", "kwarg:"))]
     if len(forward) and forward["finite_abs_max"].notna().any():
         evidence.append(f"Its inputs in the forward reached {_g(float(forward['finite_abs_max'].max()))}.")
-    evidence.append(f"The gradient of '{name}' sums input x gradient over the batch; it passed "
-                    f"{dtype}'s largest value ({dtype_max(dtype):.5g}).")
+    computed = f" (computed in {dtype}, stored as {stored})" if dtype != stored else ""
+    evidence.append(f"The gradient of '{name}' sums over the batch (a weight's: input x "
+                    f"gradient); it passed {dtype}'s largest value ({dtype_max(dtype):.5g})"
+                    f"{computed}.")
     return Diagnosis("overflow", f"The gradient of '{name}' overflowed {dtype} in the backward "
                                  f"pass of batch {event.batch}: the gradient that {label} "
-                                 "received was finite, its product with the inputs summed over "
-                                 "the batch was not.",
+                                 "received was finite, its sum over the batch was not.",
                      evidence, fixes.weight_gradient_overflow(event.module, dtype),
                      confidence="medium")
 

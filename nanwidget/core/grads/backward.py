@@ -28,8 +28,11 @@ Roles (phase ``"backward"``)
     without calling its module (``MultiheadAttention``'s ``out_proj.weight``) opens a frame of
     its own. A weight gradient can overflow while every ``grad_input`` stays finite (it sums
     over the batch): without this, the NaN showed only after the optimizer step, as a
-    corrupted weight one batch later. Frozen parameters have no gradient and no entry;
-    parameters FSDP2 shards get theirs by assignment, not accumulation, and have none either.
+    corrupted weight one batch later. Frozen parameters have no gradient and no entry (one
+    unfrozen while the watch is open has its entries from then on);
+    parameters FSDP2 shards (DTensors) have none either: FSDP2 hands their hooks the gradient
+    reduced over the ranks, where another rank's NaN would look like this rank's own. Nor do a
+    lazy module's parameters uninitialized when the watch starts (they refuse hooks).
 
 Order, batch, blame
     A frame takes its place in the batch when its first gradient arrives (normally its
@@ -77,6 +80,7 @@ from ..frames import Frame
 from ..graph_capture import export_flag
 from ..opaque import add_forward_hook, add_forward_pre_hook
 from ..recorder import Feature, ModuleInfo, in_backward_pass
+from ..stats import is_distributed_tensor
 from ..walk import iter_leaves
 
 __all__ = ["FrameSink", "BackwardFrames"]
@@ -293,11 +297,24 @@ class BackwardFrames(Feature):
                 if not isinstance(parameter, _Tensor) or id(parameter) in owned:
                     continue
                 owned.add(id(parameter))
-                if not parameter.requires_grad:
+                if is_distributed_tensor(parameter) \
+                        or not (parameter.is_floating_point() or parameter.is_complex()):
+                    # A sharded parameter (FSDP2): FSDP2 calls its hooks itself, with the
+                    # gradient reduced over the ranks, so another rank's NaN would show here
+                    # as this rank's own.
                     continue
+                # A frozen parameter is hooked too, for when it is unfrozen (gradual
+                # unfreezing); PyTorch hooks only a tensor that requires grad, for a moment.
+                frozen = not parameter.requires_grad
                 try:
-                    handle = parameter.register_post_accumulate_grad_hook(
-                        _parameter_hook(weakref.ref(self), len(self._parameter_owners)))
+                    if frozen:
+                        parameter.requires_grad_(True)
+                    try:
+                        handle = parameter.register_post_accumulate_grad_hook(
+                            _parameter_hook(weakref.ref(self), len(self._parameter_owners)))
+                    finally:
+                        if frozen:
+                            parameter.requires_grad_(False)
                 except Exception:  # not a leaf, or a subclass that refuses hooks: no entry
                     continue
                 self._parameter_owners.append((info, name))
