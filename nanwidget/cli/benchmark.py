@@ -263,13 +263,20 @@ _sentinel = _watching("sentinel", watch)
 
 
 @contextlib.contextmanager
-def _isnan_hook(case: Case) -> Iterator[None]:
-    handles = [m.register_forward_hook(_isnan_recipe_hook) for m in case.model.modules()]
+def _removed_after(handles: list[Any]) -> Iterator[None]:
+    """Hold the block, then take these hook handles off."""
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def _isnan_hook(case: Case) -> Iterator[None]:
+    with _removed_after([m.register_forward_hook(_isnan_recipe_hook)
+                         for m in case.model.modules()]):
+        yield
 
 
 @contextlib.contextmanager
@@ -323,12 +330,8 @@ def _floor_full(case: Case) -> Iterator[None]:
             rows.append(read(tensor, result))
 
     handles = [case.model.register_forward_pre_hook(lambda module, args: rows.clear())]
-    handles += [module.register_forward_hook(hook) for module in case.model.modules()]
-    try:
+    with _removed_after(handles + [m.register_forward_hook(hook) for m in case.model.modules()]):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager
