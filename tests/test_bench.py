@@ -238,3 +238,16 @@ def test_a_floor_stand_in_reads_what_its_watch_reads_and_changes_nothing(name, m
         assert parameters <= set(shapes) and (64, 64) in shapes and (64, 256) in shapes
     else:  # the root's output, then every parameter's gradient
         assert shapes[0] == (64, 10) and set(shapes[1:]) == parameters
+
+
+def test_the_floors_read_a_tensor_above_the_c_readers_size_as_the_watches_do():
+    # The logits of a 50257-token vocabulary (12.8M floats) pass the C reader's 4M: the watches
+    # read them through ctypes, and a floor that skipped them measured a cost it never paid.
+    from nanwidget.core import native
+    if not native.available():
+        pytest.skip(f"the floors need the native kernel: {native.status()}")
+    torch.manual_seed(0)
+    logits = torch.randn(5_000_000)
+    assert native.contiguous_reader()(logits, native.result_buffer()) is None
+    low, high = bench._floor_reader()(logits)
+    assert (low, high) == (logits.abs().min().item(), logits.abs().max().item())

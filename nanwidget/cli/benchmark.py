@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -307,29 +308,61 @@ def _anomaly(case: Case) -> Iterator[None]:
         yield
 
 
+def _floor_reader() -> Callable[[torch.Tensor], Any]:
+    """What the watches read a CPU float tensor with: the C reader, else (a tensor above its
+    size, the logits of a large vocabulary) the kernel through ctypes when it takes the tensor,
+    else torch's largest |x|."""
+    read, result = native.contiguous_reader(), native.result_buffer()
+
+    def read_any(tensor: torch.Tensor) -> Any:
+        found = read(tensor, result)
+        if found is None and native.eligible(tensor):
+            found = native.abs_range(tensor, result)
+        if found is None and tensor.is_floating_point():
+            with torch.no_grad():
+                found = torch.linalg.vector_norm(tensor, float("inf"))
+        return found
+    return read_any
+
+
 @contextlib.contextmanager
 def _floor_full(case: Case) -> Iterator[None]:
     """The leanest full watch: one plain forward hook per module, the C reader on each weight
-    whose version moved and on every input and output tensor, a tuple per tensor into a list
+    whose version moved and on every input and output tensor not read yet in this batch (a
+    module's input is usually the previous module's output), a tuple per tensor into a list
     cleared at each batch. No frames, no verdict, no replay, no history."""
-    read, result = native.contiguous_reader(), native.result_buffer()
-    seen: dict[int, tuple[int, Any]] = {}
+    read = _floor_reader()
+    weights: dict[int, tuple[int, Any]] = {}
+    # id -> (weak reference, version, numbers): activations are not held past their use
+    batch: dict[int, tuple[Any, int, Any]] = {}
     rows: list[Any] = []
+
+    def measure(tensor: torch.Tensor) -> Any:
+        known = batch.get(id(tensor))
+        if known is not None and known[0]() is tensor and known[1] == tensor._version:
+            return known[2]
+        numbers = read(tensor)
+        batch[id(tensor)] = (weakref.ref(tensor), tensor._version, numbers)
+        return numbers
 
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
         for parameter in module._parameters.values():
             if parameter is not None:
                 version = parameter._version
-                known = seen.get(id(parameter))
+                known = weights.get(id(parameter))
                 if known is None or known[0] != version:
-                    seen[id(parameter)] = (version, read(parameter, result))
+                    weights[id(parameter)] = (version, read(parameter))
         for value in args:
             if type(value) is torch.Tensor:
-                rows.append(read(value, result))
+                rows.append(measure(value))
         for tensor in _tensors(output):
-            rows.append(read(tensor, result))
+            rows.append(measure(tensor))
 
-    handles = [case.model.register_forward_pre_hook(lambda module, args: rows.clear())]
+    def new_batch(module: nn.Module, args: tuple) -> None:
+        rows.clear()
+        batch.clear()
+
+    handles = [case.model.register_forward_pre_hook(new_batch)]
     with _removed_after(handles + [m.register_forward_hook(hook) for m in case.model.modules()]):
         yield
 
@@ -340,7 +373,7 @@ def _floor_sentinel(case: Case) -> Iterator[None]:
     reference with the CPU RNG state (what an exact replay of dropout needs), the C reader on
     every output tensor; on train rows a hook on the first output queues one read of every
     parameter's gradient at the end of the backward pass. No verdict, no history, no events."""
-    model, read, result = case.model, native.contiguous_reader(), native.result_buffer()
+    model, read = case.model, _floor_reader()
     forward, rng_state = model.forward, torch.default_generator.get_state
     parameters = [p for p in model.parameters() if p.requires_grad]
     held: list[Any] = [None]
@@ -349,14 +382,14 @@ def _floor_sentinel(case: Case) -> Iterator[None]:
     def read_gradients() -> None:
         for parameter in parameters:
             if parameter.grad is not None:
-                read(parameter.grad, result)
+                read(parameter.grad)
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         held[0] = (args, kwargs, rng_state())
         output = forward(*args, **kwargs)
         first = None
         for tensor in _tensors(output):
-            read(tensor, result)
+            read(tensor)
             first = tensor if first is None else first
         if first is not None and first.requires_grad and torch.is_grad_enabled():
             first.register_hook(lambda grad: queue_callback(read_gradients))
