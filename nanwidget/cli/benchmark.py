@@ -544,21 +544,22 @@ class BenchRow:
             return "-"
         return "PASS" if ratio <= SENTINEL_TARGET else f"MISS (ratio>{SENTINEL_TARGET:.2f})"
 
-    @property
-    def overhead_share(self) -> float | None:
-        """nanwidget's overhead (ratio - 1) over DebugUnderflowOverflow's, or None."""
-        ours, theirs = self.ratios.get("nanwidget"), self.ratios.get("debug_underflow")
+    def share_of_debug_underflow(self, variant: str) -> float | None:
+        """``variant``'s overhead (ratio - 1) over DebugUnderflowOverflow's, or None."""
+        ours, theirs = self.ratios.get(variant), self.ratios.get("debug_underflow")
         if ours is None or theirs is None or theirs <= 1.0:
             return None
         return (ours - 1.0) / (theirs - 1.0)
 
     @property
+    def overhead_share(self) -> float | None:
+        """nanwidget's overhead (ratio - 1) over DebugUnderflowOverflow's, or None."""
+        return self.share_of_debug_underflow("nanwidget")
+
+    @property
     def floor_share(self) -> float | None:
         """The full-mode floor's overhead over DebugUnderflowOverflow's, or None."""
-        floor, theirs = self.ratios.get("floor_full"), self.ratios.get("debug_underflow")
-        if floor is None or theirs is None or theirs <= 1.0:
-            return None
-        return (floor - 1.0) / (theirs - 1.0)
+        return self.share_of_debug_underflow("floor_full")
 
     def verdict(self) -> str:
         """PASS, or MISS with the target(s) missed."""

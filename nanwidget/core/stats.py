@@ -216,13 +216,10 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2, tensor parallel), read without a collective; any
     other tensor as it is. Reducing a DTensor itself would run collectives (or fail) inside a
     hook, where every rank does not necessarily arrive."""
-    if type(tensor) in PLAIN_TENSOR_TYPES or not hasattr(tensor, "placements"):
-        return tensor
-    to_local = getattr(tensor, "to_local", None)
-    if to_local is None:
+    if not is_distributed_tensor(tensor):
         return tensor
     with torch.no_grad():  # the local tensor itself, not an autograd view of it
-        return to_local()
+        return tensor.to_local()
 
 
 def _values_of(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -483,11 +483,8 @@ class BackwardFrames(Feature):
                 entry = recorder.entries.grad_entry(name, grad, hold=True)
                 frame = self._pass_frames.get(info.index)
                 if frame is None:  # used without calling its module: a frame of its own
-                    batch = self._pass_batch if self._pass_batch is not None \
-                        else self._forward_batch()
-                    if self._pass_batch is None:
-                        self._pass_batch = batch
-                    frame = self.recorder.record_frame(info, "backward", [], batch=batch)
+                    frame = self.recorder.record_frame(info, "backward", [],
+                                                       batch=self._in_this_pass(None))
                     self._pass_frames[info.index] = frame
                     self._queue_resolution()
                 frame.entries.append(entry)
@@ -498,18 +495,24 @@ class BackwardFrames(Feature):
 
     def _open_frame(self, pending: _PendingFrame) -> Any:
         """The first gradient of this module call in this pass: its frame takes its place now."""
-        batch = pending.batch
-        if batch is None:  # registered during a recomputation: the pass's batch
-            batch = self._pass_batch if self._pass_batch is not None else self._forward_batch()
-        if self._pass_batch is None:
-            self._pass_batch = batch
         frame = self.recorder.record_frame(pending.info, "backward", list(pending.template),
-                                           batch=batch, call=pending.call)
+                                           batch=self._in_this_pass(pending.batch),
+                                           call=pending.call)
         pending.frame, pending.pass_id = frame, self._pass_id
         self._last_opened = frame
         self._pass_frames[pending.info.index] = frame
         self._queue_resolution()
         return frame
+
+    def _in_this_pass(self, batch: int | None) -> int:
+        """The batch a frame opened now belongs to (``batch``, or for None, one registered
+        during a recomputation or a parameter's own frame, the running pass's); the pass takes
+        the batch of its first frame."""
+        if batch is None:
+            batch = self._pass_batch if self._pass_batch is not None else self._forward_batch()
+        if self._pass_batch is None:
+            self._pass_batch = batch
+        return batch
 
     def _forward_batch(self) -> int:
         if self._last_forward_batch is not None:
