@@ -786,3 +786,29 @@ def test_a_clean_run_pays_no_diagnosis(tiny_mlp):
     diagnoser = w.parts.diagnoser
     assert diagnoser.replays == 0 and not w.events
     assert [b for b, _ in diagnoser.weights.series] == [0, 1, 2]  # one float per batch
+
+
+def test_a_weight_non_finite_for_many_batches_is_diagnosed_at_the_same_cost_each_time(
+        monkeypatch):
+    """Each corrupted-weight event reads the earlier events' windows for the last batch its
+    weight was finite: once per window, not again at every later event (that made each
+    diagnosis slower than the last, 10x after 70 batches)."""
+    from nanwidget.core.diagnosis import feature
+    reads = []
+    real = feature.weights_finite_last
+    monkeypatch.setattr(feature, "weights_finite_last",
+                        lambda *args: reads.append(1) or real(*args))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(3, 4))
+        with torch.no_grad():
+            model[0].weight[1, 2] = float("nan")
+        for _ in range(30):
+            model(torch.randn(3, 4))
+    assert len(w.events) == 30
+    assert all(e.diagnosis.kind == "corrupted-weight" for e in w.events)
+    # The last finite batch stays the one before the corruption, for the last event too.
+    assert "batch 0" in w.events[-1].diagnosis.evidence[0] or any(
+        "batch 0" in line for line in w.events[-1].diagnosis.evidence)
+    assert len(reads) <= 2 * len(w.events)  # own window + the previous event's, each time

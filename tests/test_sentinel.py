@@ -583,3 +583,87 @@ def test_an_output_the_sentinel_cannot_read_is_said_once_not_passed_silently():
             output = model(torch.randn(3, 4))
     assert len([c for c in caught if "not read" in str(c.message)]) == 1
     assert next(output["steps"]).shape == (3, 4)  # not consumed
+
+
+# -- a cause that persists (on_nan "record" or "warn" let the run go on): told once in full,
+# then at every batch without a replay, in the place full mode names.
+def _small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _places(events):
+    return [(e.batch, e.module, e.role, e.origin, e.is_backward) for e in events]
+
+
+def test_a_weight_that_stays_non_finite_is_replayed_once_then_told_as_before():
+    inputs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    runs = {}
+    for mode in ("full", "sentinel"):
+        model = _small_model()
+        with nw.watch(model, mode=mode, on_nan="record", backward=True) as w:
+            with torch.no_grad():
+                model[0].weight[1, 2] = float("nan")
+            for x in inputs[:4]:
+                model(x).sum().backward()
+            replays_while_broken = w.parts.sentinel.replays if mode == "sentinel" else None
+            with torch.no_grad():  # mended: the next NaN is a new cause, looked at again
+                model[0].weight[1, 2] = 0.0
+                model.zero_grad()
+            model(inputs[4]).sum().backward()
+            bad = inputs[5].clone()
+            bad[0, 0] = float("nan")
+            model(bad).sum().backward()
+            runs[mode] = (w.events, replays_while_broken, w.parts.sentinel.replays
+                          if mode == "sentinel" else None)
+    full, (events, replays_while_broken, replays) = runs["full"][0], runs["sentinel"]
+    assert _places(events) == _places(full)  # the same events, in the same places
+    assert _places(events)[:2] == [(0, "0", "weight", "weight", False),
+                                   (0, "2", "weight", "grad", True)]
+    assert replays_while_broken == 2  # batch 0's forward and backward, not batches 1-3
+    for event in events[2:8]:
+        assert event.note.startswith("not replayed:"), event
+        assert event.diagnosis.kind == "corrupted-weight"
+    assert "0.weight found non-finite in batch 0 still is" in events[6].note
+    assert events[-2].batch == 5 and events[-2].origin == "input"  # batch 5, replayed again
+    assert not events[-2].note.startswith("not replayed") and replays > replays_while_broken
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_accumulated_into_a_non_finite_grad_are_not_replayed_again(set_to_none):
+    model = _small_model()
+    inputs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    inputs[0][0, 0] = float("nan")
+    inputs[4][1, 1] = float("nan")
+    with nw.watch(model, mode="sentinel", on_nan="record", backward=True) as w:
+        for step in range(2):  # two optimizer steps of four accumulated micro-batches
+            for x in inputs[4 * step: 4 * step + 4]:
+                model(x).sum().backward()
+            if step == 0:
+                replays_after_first_step = w.parts.sentinel.replays
+            model.zero_grad(set_to_none=set_to_none)
+    grads = [e for e in w.events if e.is_backward]
+    assert [e.batch for e in grads] == list(range(8))  # every pass with a NaN gradient
+    repeats = [e.batch for e in grads if e.note.startswith("not replayed")]
+    # Batches 1-3 and 5-7 only accumulated into the NaN of batches 0 and 4; zero_grad() in
+    # between (cleared, or zeroed in place) made batch 4's a new one, looked at again.
+    assert repeats == [1, 2, 3, 5, 6, 7]
+    assert "accumulated into since batch 4" in grads[-1].note
+    assert w.parts.sentinel.replays > replays_after_first_step
+
+
+def test_a_gradient_written_between_passes_is_a_new_cause():
+    """Anything besides the accumulation (here a clip that writes the NaN gradient in place)
+    makes the next pass's gradient event a new one: replayed."""
+    model = _small_model()
+    inputs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    inputs[0][0, 0] = float("nan")
+    with nw.watch(model, mode="sentinel", on_nan="record", backward=True) as w:
+        model(inputs[0]).sum().backward()
+        first = w.parts.sentinel.replays
+        with torch.no_grad():
+            model[2].weight.grad.mul_(0.5)
+        model(inputs[1]).sum().backward()
+    second = [e for e in w.events if e.is_backward][-1]
+    assert second.batch == 1 and not second.note.startswith("not replayed")
+    assert w.parts.sentinel.replays > first

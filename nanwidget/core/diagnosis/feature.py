@@ -66,6 +66,8 @@ class Diagnoser(Feature):
         self.weights = WeightLog()
         self.replays = 0
         self._resolved: list[Frame] = []  # the frames last resolved within a batch (backward)
+        # (earlier event, weight names) -> what its window says (see _finite_in_window).
+        self._window_findings: dict[tuple[int, frozenset], tuple[NanEvent, dict[str, int]]] = {}
 
     # ------------------------------------------------------------------ per batch (under the lock)
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
@@ -223,9 +225,13 @@ class Diagnoser(Feature):
         clean = [b for b in set(ran) | set(held) if b < event.batch and b not in eventful]
         seen: dict[str, list[int]] = {name: [max(clean)] if clean else [] for name in names}
         known = getattr(facts.trace, "weights_last_finite", None) or {}
-        windows = [event.frames] + [e.frames for e in events
-                                    if e is not event and e.batch < event.batch]
-        for found in [known] + [weights_finite_last(w, names, event.batch) for w in windows]:
+        found_in_windows = [weights_finite_last(event.frames, names, event.batch)] + [
+            self._finite_in_window(e, names) for e in events
+            if e is not event and e.batch < event.batch]
+        kept = {id(e) for e in events}  # only what the next events may ask for
+        self._window_findings = {key: value for key, value in self._window_findings.items()
+                                 if id(value[0]) in kept}
+        for found in [known] + found_in_windows:
             for name, batch in found.items():
                 if name in seen:
                     seen[name].append(int(batch))
@@ -238,6 +244,18 @@ class Diagnoser(Feature):
                 now = {n: v for n, v, _ in self.capture.held_weights(event.batch)}
                 if name in then and name in now:
                     facts.weights_written[name] = then[name] != now[name]
+
+    def _finite_in_window(self, earlier: NanEvent, names: list[str]) -> dict[str, int]:
+        """:func:`weights_finite_last` of an earlier event's window, read once per event and
+        weight names: a weight that stays non-finite makes an event every batch, and reading
+        every earlier window again at each of them made each diagnosis slower than the last."""
+        key = (id(earlier), frozenset(names))
+        cached = self._window_findings.get(key)
+        if cached is None or cached[0] is not earlier:
+            # Its window's frames all ran before this event's batch: nothing to cut.
+            cached = self._window_findings[key] = (
+                earlier, weights_finite_last(earlier.frames, names, earlier.batch + 1))
+        return cached[1]
 
     def _weights_now(self, facts: Facts) -> None:
         """Each module first seen by the weight log: its own weights' abs max now (the finite

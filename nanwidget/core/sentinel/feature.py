@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -67,6 +68,18 @@ from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
 from .compiled import rerun_compiled
 
 __all__ = ["Sentinel", "DEFER_CHOICES"]
+
+
+def _accumulated(before: tuple[Any, int, int] | None, now: tuple[Any, int, int] | None) -> bool:
+    """Whether a gradient's state ``now`` (see ``Sentinel._gradient_states``) is ``before``'s
+    after one accumulation into it and nothing else: the same tensor (alive: a weak reference
+    cannot mistake a new tensor at a reused address for it), the same storage, one version up
+    (the autograd engine adds into an existing ``.grad`` in place; zero_() would add one more)."""
+    if before is None or now is None:
+        return False
+    tensor = before[0]()
+    return tensor is not None and tensor is now[0]() and before[1] == now[1] \
+        and before[2] + 1 == now[2]
 
 
 def _replay_failed(batch: int, error: Exception) -> str:
@@ -153,6 +166,16 @@ class Sentinel(Feature):
         self._queued_task: int | None = None
         self._grad_batch: int | None = None
         self._own_event: NanEvent | None = None  # the last event the sentinel made itself
+        # The last forward and backward events it made (a cause that persists is not replayed
+        # at every later batch: see _persisting_weight, _persisting_gradient), and the batch
+        # whose forward event repeated one.
+        self._last_forward: NanEvent | None = None
+        self._last_backward: NanEvent | None = None
+        self._repeated_forward: int | None = None
+        self._forward_since = self._backward_since = 0  # where the repeated cause was found
+        # Parameter -> (its gradient, weakly; storage; version) when a backward pass ended with
+        # it non-finite: the next pass tells an accumulation into it from a new one.
+        self._bad_gradients: dict[str, tuple[Any, int, int]] = {}
         self._params = [i for i, is_buffer in enumerate(capture.slots.is_buffer) if not is_buffer]
         self._root_may_hold_inf = recorder.modules[0].name in recorder.inf_allowed
         # The kernel's output buffers, reused: one for forwards (under the lock), one for the
@@ -338,6 +361,8 @@ class Sentinel(Feature):
                 finding = self._check_backward(batch, grads, deferred, slots)
             else:  # the usual CPU step: every gradient read by the kernel, all finite
                 self.grad_checks += 1
+                if self._bad_gradients:
+                    self._bad_gradients = {}
         except Exception as error:
             recorder.internal_error(error)
             finding = None
@@ -373,12 +398,20 @@ class Sentinel(Feature):
         if finding is not None and finding.event is not None:
             return finding
         bad_grads = grad_check.read()
+        inherited = self._bad_gradients
+        self._bad_gradients = self._gradient_states(bad_grads, slots)
         if bad_grads and self.defer_grad_replays is not None \
                 and self.defer_grad_replays(batch):
             event = self._grad_event(batch, bad_grads, "")
             self._deferred_grad = (event, batch, grads, bad_grads)
             return Finding(event)
         if bad_grads:
+            if all(_accumulated(inherited.get(b.label), self._bad_gradients.get(b.label))
+                   for b in bad_grads):
+                # Every one was non-finite when the last pass ended and only accumulated
+                # since: no new cause to replay (zero_grad() clears them).
+                return self._found(self._repeated_gradient(batch, bad_grads), None, None,
+                                   repeat=True)
             return self._backward_event(batch, grads, bad_grads)
         return finding
 
@@ -409,7 +442,8 @@ class Sentinel(Feature):
 
     # ------------------------------------------------------------------ replays
     def _found(self, event: NanEvent, replayed: Replayed | None, found: NanEvent | None,
-               frames: list[list[Frame]] = (), started: float | None = None) -> Finding:
+               frames: list[list[Frame]] = (), started: float | None = None,
+               repeat: bool = False) -> Finding:
         """What the sentinel hands the recorder: ``event`` with the trace of ``replayed``
         explained by the verdict on its frames (``found``: whether and where the replay met the
         event), and the frames the replays made."""
@@ -418,10 +452,20 @@ class Sentinel(Feature):
         if started is not None:
             self.last_replay_seconds = time.perf_counter() - started
         self._own_event = event
+        if event.is_backward:
+            self._last_backward = event
+            self._backward_since = self._backward_since if repeat else event.batch
+        else:
+            self._last_forward = event
+            self._forward_since = self._forward_since if repeat else event.batch
         return Finding(event, frames)
 
     def _forward_event(self, batch: int, forward: int, bad: list[BadTensor]) -> Finding:
         """The event of a forward whose outputs held a NaN/Inf: replayed in full detail."""
+        repeat = self._persisting_weight(batch, forward)
+        if repeat is not None:
+            self._repeated_forward = batch
+            return self._found(repeat, None, None, repeat=True)
         started = time.perf_counter()
         try:
             held = self.capture.batch_to_replay(batch)
@@ -452,6 +496,9 @@ class Sentinel(Feature):
                         bad: list[BadTensor]) -> Finding:
         """The event of a backward pass that left a non-finite gradient: the batch's forward
         and backward replayed from the gradients its outputs received."""
+        repeat = self._persisting_gradient(batch, bad)
+        if repeat is not None:
+            return self._found(repeat, None, None, repeat=True)
         started = time.perf_counter()
         try:
             held = self.capture.batch_to_replay(batch)
@@ -496,6 +543,72 @@ class Sentinel(Feature):
         if context is not None and context.missing:
             found.frames_note = context.missing
         return self._found(found, replayed, found, taken, started)
+
+    # ------------------------------------------------------------------ causes that persist
+    def _persisting_weight(self, batch: int, forward: int) -> NanEvent | None:
+        """The event of a forward made non-finite by the weight the previous event found
+        non-finite, which still is: told without a replay. A corrupted weight stays so until
+        it is mended, and with on_nan "warn" or "record" every later batch would replay the
+        model to find it again. None when that is not the case (the batch is replayed)."""
+        last = self._last_forward
+        if last is None or last.origin != "weight" or last.batch >= batch or forward \
+                or (self.outputs_batch is not None and self.outputs_batch > last.batch):
+            return None  # no such event, or a clean batch since: a new cause to look for
+        entries = self.recorder.weights_now(last.module) or []
+        stats = next((e.stats for e in entries if e.role == last.role), None)
+        if stats is None or not (stats.nan or stats.inf):
+            return None
+        kind = "nan+inf" if stats.nan and stats.inf else ("nan" if stats.nan else "inf")
+        label = f"{last.module}.{last.role}" if last.module else last.role
+        return NanEvent(batch=batch, module=last.module, module_type=last.module_type,
+                        call=last.call, role=last.role, kind=kind, origin="weight",
+                        rank=self.recorder.rank,
+                        note=f"not replayed: the weight {label} found non-finite in batch "
+                             f"{self._forward_since} still is (that event has the frames and "
+                             "the trace)")
+
+    def _persisting_gradient(self, batch: int, bad: list[BadTensor]) -> NanEvent | None:
+        """The gradient event of a batch whose forward event repeated a persisting weight's
+        (see :meth:`_persisting_weight`): its gradients are non-finite for the same reason,
+        told without a replay. None otherwise."""
+        if self._repeated_forward != batch:
+            return None
+        return self._repeated_gradient(batch, bad)
+
+    def _repeated_gradient(self, batch: int, bad: list[BadTensor]) -> NanEvent:
+        """A gradient event that repeats the last one: in its place when its parameter is
+        still among the non-finite ones, else at the first of them; not replayed."""
+        last = self._last_backward
+        labels = [b.label for b in bad]
+        if last is not None:
+            label = f"{last.module}.{last.role}" if last.module else last.role
+            if label in labels:
+                bad = [bad[labels.index(label)]] + [b for b in bad if b.label != label]
+        since = f" since batch {self._backward_since}" if last is not None else ""
+        if self._repeated_forward == batch:
+            why = "its forward was made non-finite by the same weight as before"
+        else:
+            why = ("its non-finite gradients were non-finite when the last backward pass ended "
+                   f"and were only accumulated into{since} (zero_grad() clears them)")
+        return self._grad_event(batch, bad, f"not replayed: {why}")
+
+    def _gradient_states(self, bad: list[BadTensor], slots: list) -> dict[str, tuple[Any, int, int]]:
+        """(the tensor weakly, storage, version) of each non-finite parameter gradient, by
+        name."""
+        if not bad:
+            return {}
+        names = self.capture.slots.names
+        wanted = {b.label for b in bad}
+        states = {}
+        for i in self._params:
+            param = slots[i]
+            grad = param.grad if param is not None else None
+            if grad is not None and names[i] in wanted:
+                try:
+                    states[names[i]] = (weakref.ref(grad), grad.data_ptr(), grad._version)
+                except Exception:  # no storage or no version counter: never a repeat
+                    continue
+        return states
 
     def _forward_event_recorded(self, batch: int) -> bool:
         """Whether an event of ``batch``'s forward pass is recorded already (on_nan "warn" or
