@@ -423,3 +423,48 @@ def test_diagnosis_reads_dtensor_weights_on_this_ranks_shard_and_names_bad_data(
     assert (event.batch, event.module, event.origin) == (3, "0", "input")
     assert event.diagnosis.kind == "bad-data", event.diagnosis
     assert event.diagnosis.rows == [2]
+
+
+class _RowsOfShard(nn.Module):
+    """Takes a row-sharded DTensor (sequence or tensor parallelism) and works on this rank's rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.to_local())
+
+
+def test_diagnosis_reads_a_dtensor_input_on_this_ranks_shard_and_names_its_bad_rows(
+        single_rank_group):
+    # Read as a whole, a DTensor input failed in torch's sharding rules (nonzero): the input was
+    # dropped and NaN in the data came out "unknown".
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    model = _RowsOfShard()
+    with nw.watch(model, on_nan="record") as watch:
+        rows = torch.randn(3, 6)
+        rows[1, 2] = float("nan")
+        model(DTensor.from_local(rows, mesh, [Shard(0)], run_check=False))
+    diagnosis = watch.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("bad-data", [1]), diagnosis
+    assert diagnosis.evidence[0] == "input[0] (float32 (3, 6), local shard): 1 NaN in rows 1 of 3."
+
+
+@pytest.mark.slow
+def test_dtensor_input_nan_on_rank_1_is_diagnosed_there_without_a_collective():
+    # Rank 0 waits for rank 1 through the store (no collective): a collective in rank 1's
+    # diagnosis would hang until the group's 20 s timeout, and a failed read says "unknown".
+    finished = _torchrun([str(REPO / "tests/scripts/dtensor_input_nan.py")])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "internal error" not in finished.stderr
+    results = _results(finished.stdout)
+    assert results[0]["events"] == []
+    assert results[1]["events"] == [[1, 2, "fc", "input"]]
+    assert (results[1]["diagnosis"], results[1]["rows"]) == ("bad-data", [1]), results[1]
+    assert results[1]["evidence"] == ["input[0] (float32 (3, 6), local shard): 1 NaN in rows 1 "
+                                      "of 3."]
+    assert results[1]["seconds"] < 15  # no wait for a collective rank 0 never joins

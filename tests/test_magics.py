@@ -169,6 +169,13 @@ def test_dotted_names_reach_a_model_inside_an_object(ip):
     ("%nanwatch count", "'count' is an int, not a torch.nn.Module"),
     ("%nanwatch model --on-nan sometimes", "invalid choice: 'sometimes'"),
     ("%nanwatch model --trace-batches 1,x", "batch numbers separated by commas"),
+    # An empty part was dropped silently: "1,,2" watched batches 1 and 2, "" none.
+    ("%nanwatch model --trace-batches 1,,2", "batch numbers separated by commas .*got '1,,2'"),
+    ("%nanwatch model --trace-batches ,1", "batch numbers separated by commas .*got ',1'"),
+    ("%nanwatch model --trace-batches 1,", "batch numbers separated by commas .*got '1,'"),
+    ('%nanwatch model --trace-batches ""', "batch numbers separated by commas .*got ''"),
+    ("%nanwatch model --skip ReLU,,Dropout", "class names separated by commas .*'ReLU,,Dropout'"),
+    ("%nanwatch model --skip ReLU,", "class names separated by commas .*got 'ReLU,'"),
     ("%nanwatch model --abort-after -2", "--abort-after must be at least 0.*batch numbers start at 0"),
     ("%nanwatch model --grad-norm -1", "positive finite number"),
     ("%nanwatch model --skip Relu", "--skip: this model has no module of class 'Relu', so it "

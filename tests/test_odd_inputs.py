@@ -62,6 +62,61 @@ def test_int_complex_sparse_and_nested_tensors_are_measured(tensor, low, high):
     assert (row.finite_abs_min, row.finite_abs_max) == (low, high)
 
 
+class ScaleNested(nn.Module):
+    """Takes a nested tensor and returns one (a weight times each component)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.scale(x))
+
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided])
+def test_a_nested_tensor_has_its_shape_with_none_for_the_ragged_dimension(layout, tmp_path):
+    # Its shape was () in every frame, as if it were a scalar: two rows of 2 and 3 vectors of 4
+    # are (2, None, 4), in the frames, a replay's ops and a recording alike.
+    torch.manual_seed(0)
+    model = ScaleNested()
+    rows = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=layout)
+    with nw.watch(model, log_dir=tmp_path / "log", trace_batches=[0]) as watch:
+        out = model(rows)
+        frames = watch.frames(batch=0)
+        ops = watch.replay(0).ops
+    assert out.is_nested and [t.shape for t in out.unbind()] == [(2, 4), (3, 4)]
+    nested = frames[frames["role"].isin(["input[0]", "output"])]
+    assert len(nested) == 4 and set(nested["shape"]) == {(2, None, 4)}
+    assert set(frames.loc[frames["role"] == "weight", "shape"]) == {(4, 4)}
+    assert (2, None, 4) in set(ops["shape"])
+    stored = nw.load_run(tmp_path / "log").frames(batch=0)
+    assert stored["shape"].tolist() == frames["shape"].tolist()
+
+
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided])
+def test_a_module_taking_and_returning_a_nested_tensor_runs_backward_under_the_watch(layout):
+    # backward=True read a strided nested tensor's .shape, which raises: an internal error, and
+    # no gradient frames for the nested tensors.
+    torch.manual_seed(0)
+    model = ScaleNested()
+    rows = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=layout,
+                                      requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, backward=True, trace_batches=[0]) as watch:
+            out = model(rows)
+            torch.cat([part.reshape(-1) for part in out.unbind()]).sum().backward()
+            frames = watch.frames(batch=0)
+    assert not [w for w in caught if "internal error" in str(w.message)]
+    assert model.scale.weight.grad is not None and rows.grad is not None
+    backward = frames[frames["phase"] == "backward"]
+    grads = backward[backward["role"].isin(["grad_output[0]", "grad_input[0]"])]
+    assert len(grads) == 4 and set(grads["shape"]) == {(2, None, 4)}
+    root = grads[grads["module"] == ""].set_index("role")["abs_max"]
+    largest = torch.cat([part.reshape(-1) for part in rows.grad.unbind()]).abs().max()
+    assert (root["grad_output[0]"], root["grad_input[0]"]) == (1.0, float(largest))
+
+
 @pytest.mark.parametrize("make", [
     lambda: torch.tensor([1.0, float("nan"), 2.0]).to(torch.complex64),
     lambda: torch.sparse_coo_tensor([[0, 1]], [1.0, float("nan")], (4,)),

@@ -22,7 +22,7 @@ from .stats import (PLAIN_TENSOR_TYPES, PendingStats, TensorStats, classify, loc
                     plain_view, version_of)
 from .walk import ATTRIBUTES, LEAF, MAPPING, SEQUENCE, Unread, iter_leaves, kind_of
 
-__all__ = ["Entry", "EntryBuilder", "non_tensor_entry"]
+__all__ = ["Entry", "EntryBuilder", "non_tensor_entry", "nested_shape"]
 
 try:  # the C field reader namedtuple uses; a property where this Python has none
     from collections import _tuplegetter  # type: ignore[attr-defined]
@@ -95,10 +95,27 @@ def _shared_shape(shape: torch.Size) -> torch.Size:
     return found
 
 
+def nested_shape(tensor: torch.Tensor) -> tuple[int | None, ...]:
+    """A nested tensor's shape: the size of each dimension, None for a ragged one (no single
+    size: the components differ there), e.g. (2, None, 4) for two rows of 2 and 3 vectors."""
+    sizes: list[int | None] = []
+    for dim in range(tensor.dim()):
+        try:
+            size = tensor.size(dim)  # a jagged layout's ragged dim: a symbolic size ("j1")
+        except RuntimeError:  # a strided layout's ragged dim: "irregular", no size
+            size = None
+        sizes.append(size if type(size) is int else None)
+    return tuple(sizes)
+
+
 def _shape_of(tensor: torch.Tensor) -> Any:
-    """The tensor's shape, or None where it has none (nested tensors)."""
+    """The tensor's shape (a nested tensor's with None for its ragged dimensions), or None
+    where it has none."""
     if tensor.is_nested:
-        return None
+        try:
+            return nested_shape(tensor)
+        except Exception:
+            return None
     try:
         return _shared_shape(tensor.shape)
     except Exception:

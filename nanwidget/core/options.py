@@ -323,8 +323,9 @@ def parse_number(kind: type) -> Callable[[str], Any]:
 
 
 def parse_batches(text: str) -> tuple[int, ...]:
-    """"1,3" -> (1, 3). Raises ValueError with a sentence on anything else."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
+    """"1,3" -> (1, 3). Raises ValueError with a sentence on anything else, an empty part
+    ("1,,2", "1,", "") too."""
+    parts = [p.strip() for p in text.split(",")]
     try:
         batches = tuple(int(p) for p in parts)
     except ValueError:
@@ -336,10 +337,9 @@ def parse_batches(text: str) -> tuple[int, ...]:
 
 
 def parse_class_names(text: str) -> tuple[str, ...]:
-    """"Dropout,ReLU" -> ("Dropout", "ReLU")."""
-    names = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [n for n in names if not n.isidentifier()]
-    if bad or not names:
+    """"Dropout,ReLU" -> ("Dropout", "ReLU"). An empty part ("Dropout,,ReLU", "") is an error."""
+    names = tuple(p.strip() for p in text.split(","))
+    if not all(n.isidentifier() for n in names):
         raise ValueError(f"expected module class names separated by commas (e.g. Dropout,ReLU), "
                          f"got {text!r}")
     return names

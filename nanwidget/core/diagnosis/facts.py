@@ -18,7 +18,8 @@ import torch
 
 from ..events import NanEvent
 from ..frames import Frame
-from ..stats import dtype_max, storage_holds
+from ..schema import LOCAL_SHARD
+from ..stats import dtype_max, is_distributed_tensor, local_shard, storage_holds
 
 __all__ = ["Facts", "InputFacts", "OpFacts", "WeightLog", "describe_input", "op_facts",
            "output_grad_bad", "weight_names"]
@@ -87,6 +88,7 @@ class InputFacts:
     inf: int = 0
     rows: list[int] = field(default_factory=list)  # rows along dim 0 holding a NaN/Inf
     masked_rows: list[int] = field(default_factory=list)  # rows with a fully masked vector
+    note: str = ""  # "local shard": a DTensor, read on this rank's shard (shape and rows too)
 
 
 # Masks by keyword: True (or nonzero) means "masked" for PyTorch's padding masks, "keep" for
@@ -105,12 +107,17 @@ def _rows_where(flags: torch.Tensor) -> list[int]:
 
 def describe_input(role: str, tensor: torch.Tensor) -> InputFacts | None:
     """The facts of one input tensor (None for a tensor it cannot read: meta, sparse, storage
-    freed ...). Reads the tensor once (a diagnosis runs only at an event)."""
+    freed ...). Reads the tensor once (a diagnosis runs only at an event). A DTensor (tensor or
+    sequence parallelism) is read on this rank's shard: only the rank with the event gets here,
+    so nothing may ask the other ranks (and DTensor refuses ``nonzero``)."""
+    note = ""
+    if is_distributed_tensor(tensor):
+        tensor, note = local_shard(tensor), LOCAL_SHARD
     if tensor.is_meta or tensor.is_sparse or tensor.is_nested or tensor.numel() == 0 \
             or not storage_holds(tensor):
         return None
     facts = InputFacts(role=role, dtype=str(tensor.dtype).replace("torch.", ""),
-                       shape=tuple(tensor.shape))
+                       shape=tuple(tensor.shape), note=note)
     with torch.no_grad():
         values = tensor.detach()
         if values.is_floating_point():

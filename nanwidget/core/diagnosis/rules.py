@@ -367,7 +367,8 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
     for item in bad:
         counts = ", ".join(f"{n} {k}" for n, k in ((item.nan, "NaN"), (item.inf, "Inf")) if n)
         where = f" in rows {', '.join(map(str, item.rows[:12]))}" if item.rows else ""
-        evidence.append(f"{item.role} ({item.dtype} {item.shape}): {counts}{where} of "
+        shard = f", {item.note}" if item.note else ""
+        evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}): {counts}{where} of "
                         f"{item.shape[0] if item.shape else 1}.")
     suggestion = fixes.bad_data(roles, rows)
     if not any(i.nan for i in bad):

@@ -75,7 +75,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..entries import Entry
+from ..entries import Entry, nested_shape
 from ..frames import Frame
 from ..graph_capture import export_flag
 from ..opaque import add_forward_hook, add_forward_pre_hook
@@ -348,7 +348,9 @@ class BackwardFrames(Feature):
     def _hook(self, pending: _PendingFrame, targets: list[tuple[str, _Tensor]]) -> None:
         template = pending.template
         for role, tensor in targets:
-            template.append(Entry((role, None, tensor.dtype, tensor.shape, _NO_GRADIENT)))
+            # A strided nested tensor's .shape raises; a jagged one's holds a symbolic size.
+            shape = nested_shape(tensor) if tensor.is_nested else tensor.shape
+            template.append(Entry((role, None, tensor.dtype, shape, _NO_GRADIENT)))
             self._hook_tensor(pending, len(template) - 1, tensor)
 
     def _hook_tensor(self, pending: _PendingFrame, slot: int, tensor: _Tensor) -> None:
@@ -402,8 +404,9 @@ class BackwardFrames(Feature):
         try:
             if isinstance(output, _Tensor):
                 if output.requires_grad:
-                    pending.template[0] = Entry(("grad_output[0]", None, output.dtype,
-                                                 output.shape, _NO_GRADIENT))
+                    shape = nested_shape(output) if output.is_nested else output.shape
+                    pending.template[0] = Entry(("grad_output[0]", None, output.dtype, shape,
+                                                 _NO_GRADIENT))
                     self._hook_tensor(pending, 0, output)
             else:
                 targets: list[tuple[str, _Tensor]] = []

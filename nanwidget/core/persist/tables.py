@@ -290,19 +290,23 @@ def read_json(path: Path, within: Path | None = None, limit: int = MAX_DOCUMENT_
         raise RunLoadError(f"{path}: not valid JSON ({error})") from error
 
 
+# A ragged dimension of a nested tensor (None in the shape tuple), as the text stores it.
+RAGGED = "?"
+
+
 def shape_text(shape: Any) -> str:
-    """(2, 3) -> "2,3"."""
-    return ",".join(str(int(n)) for n in shape) if shape else ""
+    """(2, 3) -> "2,3"; a nested tensor's (2, None, 4) -> "2,?,4"."""
+    return ",".join(RAGGED if n is None else str(int(n)) for n in shape) if shape else ""
 
 
-def shape_tuple(text: str) -> tuple[int, ...]:
-    """"2,3" -> (2, 3); ValueError on anything else."""
+def shape_tuple(text: str) -> tuple[int | None, ...]:
+    """"2,3" -> (2, 3), "2,?,4" -> (2, None, 4); ValueError on anything else."""
     if not text:
         return ()
     parts = text.split(",")
-    if not all(part.isdigit() for part in parts):
+    if not all(part.isdigit() or part == RAGGED for part in parts):
         raise ValueError(f"shape {text!r} is not sizes separated by commas (e.g. '2,3')")
-    return tuple(int(part) for part in parts)
+    return tuple(None if part == RAGGED else int(part) for part in parts)
 
 
 def frame_rows_columns(rows: list[tuple]) -> dict[str, list]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..entries import Entry, EntryBuilder
+from ..entries import Entry, EntryBuilder, nested_shape
 from ..frames import Frame
 from ..recorder import ModuleInfo
 from ..schema import is_input_role
@@ -298,8 +298,8 @@ class OpRecorder:
         index = len(self.rows)
         self.rows.append((index, phase, name, str(func), module, module_type,
                           str(first.dtype).replace("torch.", "") if first is not None else "",
-                          tuple(first.shape) if first is not None and not first.is_nested
-                          else (),  # a nested tensor has no one shape
+                          () if first is None else nested_shape(first) if first.is_nested
+                          else tuple(first.shape),
                           low, high, nan, inf, nan or inf, source))
         if nan or inf:
             self._link(index, func, args, kwargs, nan, measurable)
