@@ -143,6 +143,29 @@ def test_warn_mode_warns_once_per_event_and_record_mode_is_silent(tiny_mlp):
         assert w.event.origin == "input"
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_that_repeats_in_the_same_place_is_warned_twice_then_recorded_quietly(
+        tiny_mlp, mode):
+    """A weight left non-finite makes an event at every batch: the first two warn (the
+    second says it repeats), the rest are recorded without burying the first in warnings; a
+    NaN in another place warns again."""
+    with nw.watch(tiny_mlp, on_nan="warn", mode=mode) as w:
+        with torch.no_grad():
+            tiny_mlp.fc1.weight[0, 0] = float("nan")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                tiny_mlp(torch.randn(2, 16))
+            with torch.no_grad():
+                tiny_mlp.fc1.weight[0, 0] = 0.0
+            tiny_mlp(torch.full((2, 16), float("nan")))
+        texts = [str(c.message) for c in caught if issubclass(c.category, nw.NanWarning)]
+    assert [e.batch for e in w.events] == list(range(7))
+    assert len(texts) == 3, texts
+    assert "batch 0" in texts[0] and "same place as in batch 0" in texts[1]
+    assert "batch 6" in texts[2] and "input[0]" in texts[2]
+
+
 def test_events_are_capped(tiny_mlp):
     bad = torch.full((1, 16), float("nan"))
     with nw.watch(tiny_mlp, on_nan="record") as w:

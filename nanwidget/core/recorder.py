@@ -294,6 +294,8 @@ class Recorder:
         self._suspended_thread: int | None = None
         self._aside_thread: int | None = None  # a tracer runs the model on it (see tracing())
         self._aborted = False
+        # Per pass (backward or not): (place, batch, repeated) of the last event warned about.
+        self._warned: dict[bool, tuple[tuple, int, bool]] = {}
         self._warned_internal = False
         # Batch state: one forward at a time (see the module docstring).
         self._batch = 0
@@ -1046,7 +1048,9 @@ class Recorder:
             if self.on_nan == "raise" and raising:
                 raise NanDetected(event)
             if self.on_nan in ("raise", "warn"):
-                warnings.warn(f"nanwidget: {event.summary()}", NanWarning, stacklevel=5)
+                text = self._warning_text(event)
+                if text:
+                    warnings.warn(text, NanWarning, stacklevel=5)
         # abort_after: at the end of the batch numbered abort_after or later, and at the end of
         # any root forward past it (a batch numbered with set_batch() beyond it, as transformers
         # does it).
@@ -1055,6 +1059,22 @@ class Recorder:
                 (finished and batch >= limit) or (reason == "forward" and batch > limit)):
             self._aborted = True
             raise AbortAfterBatch(batch, limit)
+
+    def _warning_text(self, event: NanEvent) -> str:
+        """The warning of an event; "" for one that repeats the last warned event of its pass
+        (forward or backward) in the same place in the next batch, after that repeat was said
+        once. A weight left non-finite makes an event at every batch, and a warning each would
+        bury the first one (the events stay in ``events``)."""
+        place = (event.module, event.role, event.origin, event.rank)
+        last = self._warned.get(event.is_backward)
+        repeat = last is not None and last[0] == place and 0 <= event.batch - last[1] <= 1
+        self._warned[event.is_backward] = (place, event.batch, repeat)
+        if not repeat:
+            return f"nanwidget: {event.summary()}"
+        if last[2]:
+            return ""  # said already: quiet until another place
+        return (f"nanwidget: {event.summary()}; the same place as in batch {last[1]}: later "
+                "events there, batch after batch, are recorded without a warning")
 
     def _record_event_locked(self, event: NanEvent) -> None:
         if not self.records.add_event(event):
