@@ -343,3 +343,23 @@ def test_the_patience_event_of_an_overflow_says_the_scale_and_what_overflowed(mo
         assert (event.module, event.role) == ("fc1", "weight")
         assert "the gradient of 'fc1.weight' is that large" in evidence
         assert any(fix.startswith("Run module 'fc1' in float32") for fix in diagnosis.suggestion)
+
+
+def test_without_backward_frames_the_patience_event_is_a_less_sure_overflow():
+    # No backward frames: the event is the first parameter (in order) whose gradient holds
+    # the Inf and the NaN it spread into, so where it overflowed is not told.
+    torch.manual_seed(0)
+    model, scaler = Net(), _scaler(init_scale=65536.0)
+    _too_large_for_float16(model, "output")
+    with nw.watch(model, grad_scaler=scaler):
+        with pytest.raises(nw.NanDetected) as caught:
+            _train(model, scaler, 20)
+    event = caught.value.event
+    diagnosis = event.diagnosis
+    assert (event.module, event.role, event.kind) == ("fc1", "weight", "nan+inf")
+    assert (diagnosis.kind, diagnosis.confidence) == ("overflow", "low")  # was "unknown"
+    assert "the gradient of 'fc1.weight' was still NaN and Inf at 512 (batch 7)" \
+        in diagnosis.summary
+    assert "65504 / 512 = 128: a gradient of the backward pass is that large" \
+        in "\n".join(diagnosis.evidence)
+    assert diagnosis.suggestion[-1].startswith("Run the module whose gradient overflows")

@@ -314,11 +314,11 @@ def _skipped_words(run: object) -> str:
 
 def _scaled_gradient(facts: Facts) -> Diagnosis | None:
     """The event of a GradScaler's ``scaler_patience``-th skipped step in a row with an Inf
-    gradient: the float16 gradients overflowed at every scale the scaler tried. (A NaN does
-    not come from the scale: the other rules tell it, and the skips are added to their
-    evidence.)"""
+    gradient: the float16 gradients overflowed at every scale the scaler tried (with NaN as
+    well: less sure). A NaN alone does not come from the scale: the other rules tell it, and
+    the skips are added to their evidence."""
     event, run, op = facts.event, facts.scaler_run, facts.op
-    if run is None or event.kind != "inf" or (op is not None and op.in_loss):
+    if run is None or "inf" not in event.kind or (op is not None and op.in_loss):
         return None
     came = [name for kind, name in getattr(facts.trace, "came_with", None) or []
             if kind == "output-grad"]
@@ -334,15 +334,18 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
         what = f"the gradient of '{event.module}.{event.role}'" if event.module \
             else f"the gradient of '{event.role}'"
     tried = run.scale_last
-    still = (f"{op.op} {op.place}{op.at} still made Inf" if op is not None
-             else f"{what} was still Inf")
+    kind = _kind_words(event.kind)
+    still = (f"{op.op} {op.place}{op.at} still made {kind}" if op is not None
+             else f"{what} was still {kind}")
+    # With NaN as well, the event's gradient may be one the Inf spread to, not where it was born.
+    sure_of_place = op is not None or event.kind == "inf"
     what_happened = (f"the gradients overflow {dtype} even at loss scale {tried:g}: "
                      f"{_skipped_words(run)}, and {still} at {tried:g} (batch {run.last_batch}).")
     evidence = []
     if run.scale_at_watch not in (None, run.scale_first):
         evidence.append(f"The scale was {run.scale_at_watch:.10g} when the watch began.")
     whose = ("the loss's gradient with respect to the model's output" if at_output
-             else what)
+             else what if sure_of_place else "a gradient of the backward pass")
     evidence.append(f"At scale {tried:g} a {dtype} gradient overflows ({_limit_text(dtype)}) "
                     f"where its unscaled value passes {limit:.5g} / {tried:g} = "
                     f"{_g(limit / tried)}: {whose} is that large"
@@ -367,11 +370,17 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
     else:
         evidence.append("The scaler took no step since the watch began: the gradients never "
                         f"fit {dtype} at the scales it tried.")
+    if event.kind != "inf":
+        evidence.append("It holds NaN too: an Inf that met 0 or another Inf further on in the "
+                        "backward pass (inf x 0, inf - inf) makes NaN, but so does an op outside "
+                        "its domain, which no scale helps; backward=True shows the first "
+                        "non-finite gradient.")
     if at_output and op is None:
         evidence.append("An Inf at every scale can also be the loss's own gradient (sqrt or "
                         "log at 0): a watch with loss_fn=... checks the loss's ops.")
     suggestion = fixes.scaled_gradient_overflow(
-        batch=event.batch, scale=tried, module=op.module if op is not None else event.module,
+        batch=event.batch, scale=tried,
+        module=op.module if op is not None else event.module if sure_of_place else "",
         at_output=at_output, output_near_limit=near, stepped_before=bool(run.steps_before),
         op_known=op is not None)
     grew = _weights_growth(facts)
@@ -381,9 +390,10 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
                                        f"{grew.per_batch:.3g}x per batch since batch "
                                        f"{grew.start[0]}, until {what_happened}", evidence,
                          fixes.divergence(dtype) + suggestion[:1], confidence="high")
+    confidence = ("low" if event.kind != "inf" else
+                  "high" if op is not None or not at_output else "medium")
     return Diagnosis("overflow", what_happened[0].upper() + what_happened[1:], evidence,
-                     suggestion,
-                     confidence="high" if op is not None or not at_output else "medium")
+                     suggestion, confidence=confidence)
 
 
 def _event_dtype(event: NanEvent) -> str:
