@@ -207,6 +207,26 @@ def test_fsdp2_in_sentinel_mode_stops_every_rank_before_the_step_without_a_repla
 
 
 @pytest.mark.slow
+def test_fsdp2_sentinel_blames_a_nan_made_in_the_loss_on_the_loss_without_a_replay():
+    # Rank 1 adds sqrt(-1) to its loss: its outputs were finite and the gradient they received
+    # NaN. No replay under FSDP2, but the sentinel held that gradient: the event is the
+    # root's grad_output, diagnosed "loss" as in full mode (it was "unknown", at fc1.weight).
+    finished = _torchrun(["-m", "nanwidget.examples.fsdp_nan", "--mode", "sentinel",
+                          "--nan-in", "loss", "--nan-rank", "1", "--nan-batch", "2",
+                          "--batches", "3"])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "internal error" not in finished.stderr
+    result = _results(finished.stdout)[1]
+    assert (result["stopped_at"], result["last_step"], result["is_backward"]) == (2, 1, True)
+    assert (result["module"], result["role"], result["origin"]) == ("", "grad_output[0]", "grad")
+    assert result["note"].startswith("not replayed: cannot replay a model sharded with FSDP2")
+    assert result["diagnosis"] == "loss", result["summary"]
+    assert result["summary"] == ("Made in the loss, outside the model: the gradient reaching "
+                                 "the model's output in batch 2 was already non-finite, and no "
+                                 "op of the model made it.")
+
+
+@pytest.mark.slow
 def test_fsdp2_nan_born_in_backward_stops_every_rank_out_of_loss_backward(tmp_path):
     finished = _torchrun(["-m", "nanwidget.examples.fsdp_nan", "--nan-in", "backward",
                           "--nan-rank", "1", "--nan-batch", "2", "--batches", "4"])

@@ -295,3 +295,71 @@ def test_a_copy_of_a_watched_scaler_acts_on_itself_and_pickles():
         assert len(watch.scaler_skips) >= 1
     assert "scale" not in scaler.__dict__ and "update" not in scaler.__dict__
     pickle.dumps(twin)  # a copy made while watched pickles after the watch too
+
+
+# Gradients that overflow float16 at every scale the scaler tries: the model's output is
+# ~1e4 ("output": the loss's gradient there passes 65504 / scale), or its inputs are ~3e3
+# ("weight": a weight's gradient sums them over the batch).
+def _too_large_for_float16(model: nn.Module, where: str) -> None:
+    with torch.no_grad():
+        if where == "output":
+            model.fc2.weight.mul_(25000.0)
+        else:
+            model.fc1.weight.mul_(1e-3)
+            original = model.fc1.forward
+            model.fc1.forward = lambda x: original(x * 3000.0)
+
+
+@pytest.mark.parametrize("where", ["output", "weight"])
+@pytest.mark.parametrize("mode", MODES)
+def test_the_patience_event_of_an_overflow_says_the_scale_and_what_overflowed(mode, where):
+    torch.manual_seed(0)
+    model, scaler = Net(), _scaler(init_scale=65536.0)
+    _too_large_for_float16(model, where)
+    with nw.watch(model, backward=True, mode=mode, grad_scaler=scaler) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            _train(model, scaler, 20)
+    event, skips = caught.value.event, watch.scaler_skips
+    tried, now = skips[-1].scale_before, skips[-1].scale_after
+    diagnosis = event.diagnosis
+    assert event.kind == "inf" and diagnosis.kind == "overflow"  # was "loss" (made outside)
+    assert diagnosis.summary.startswith(
+        f"The gradients overflow float16 even at loss scale {tried:g}: the GradScaler skipped 8 "
+        f"steps in a row (batches {skips[-8].batch}–{event.batch}), lowering its scale from "
+        f"{skips[-8].scale_before:g} to {now:g}, and ")
+    evidence = "\n".join(diagnosis.evidence)
+    assert f"where its unscaled value passes 65504 / {tried:g} = {65504 / tried:.3g}" in evidence
+    assert "The loss was finite" in evidence
+    assert diagnosis.suggestion[0].startswith("Autocast in bfloat16 instead of float16")
+    if where == "output":
+        assert (event.module, event.role) == ("fc2", "grad_output[0]")
+        assert "the gradient reaching the model's output ('fc2' (Linear), grad_output[0]) was " \
+            "still Inf" in diagnosis.summary
+        assert "the loss's gradient with respect to the model's output is that large" in evidence
+        assert "The scaler took no step since the watch began" in evidence
+        assert any("The model's output itself nearly overflows float16" in fix
+                   for fix in diagnosis.suggestion)
+    else:
+        assert (event.module, event.role) == ("fc1", "weight")
+        assert "the gradient of 'fc1.weight' is that large" in evidence
+        assert any(fix.startswith("Run module 'fc1' in float32") for fix in diagnosis.suggestion)
+
+
+def test_without_backward_frames_the_patience_event_is_a_less_sure_overflow():
+    # No backward frames: the event is the first parameter (in order) whose gradient holds
+    # the Inf and the NaN it spread into, so where it overflowed is not told.
+    torch.manual_seed(0)
+    model, scaler = Net(), _scaler(init_scale=65536.0)
+    _too_large_for_float16(model, "output")
+    with nw.watch(model, grad_scaler=scaler):
+        with pytest.raises(nw.NanDetected) as caught:
+            _train(model, scaler, 20)
+    event = caught.value.event
+    diagnosis = event.diagnosis
+    assert (event.module, event.role, event.kind) == ("fc1", "weight", "nan+inf")
+    assert (diagnosis.kind, diagnosis.confidence) == ("overflow", "low")  # was "unknown"
+    assert "the gradient of 'fc1.weight' was still NaN and Inf at 512 (batch 7)" \
+        in diagnosis.summary
+    assert "65504 / 512 = 128: a gradient of the backward pass is that large" \
+        in "\n".join(diagnosis.evidence)
+    assert diagnosis.suggestion[-1].startswith("Run the module whose gradient overflows")

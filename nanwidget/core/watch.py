@@ -210,6 +210,7 @@ class NanWatch:
         diagnoser = recorder.add_feature(Diagnoser(
             recorder, capture=capture, sentinel=sentinel_mode, loss_fn=options.loss_fn is not None,
             sample_every=options.sample_every if sentinel_mode else None,
+            scaler_run=scaler.patience_run if scaler is not None else None,
             replay=replayer.trace_for if replayer is not None and not sentinel_mode else None))
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))

@@ -11,7 +11,9 @@ rank ``--nan-rank`` writes a NaN into its own shard of ``fc2.weight`` (as a bad 
 would). The next forward gathers it: the watch finds it in ``fc2``'s weight (origin "weight"),
 and every rank stops at that batch, before its optimizer step. ``--nan-in backward`` plants a
 row of zeros in that rank's batch instead (see :mod:`nanwidget.examples.ddp_nan`): the NaN is
-born in ``rms``'s backward and every rank raises out of ``loss.backward()``.
+born in ``rms``'s backward and every rank raises out of ``loss.backward()``. ``--nan-in loss``
+adds ``sqrt(-1)`` to that rank's loss: a NaN made outside the model, whose gradient reaches
+the model's outputs already NaN.
 
 ``--torch-path-ranks 1`` makes rank 1 measure with torch ops instead of the native CPU kernel
 (as on a GPU, where tensors are read at the batch end, after FSDP has freed the gathered
@@ -40,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=6, help="training steps (default 6)")
     parser.add_argument("--nan-rank", type=int, default=1, help="rank whose shard turns NaN")
     parser.add_argument("--nan-batch", type=int, default=3, help="batch that is bad (-1: none)")
-    parser.add_argument("--nan-in", choices=("weight", "backward"), default="weight",
-                        help="a NaN in a weight shard (default) or born in backward")
+    parser.add_argument("--nan-in", choices=("weight", "backward", "loss"), default="weight",
+                        help="a NaN in a weight shard (default), born in backward, or in the loss")
     parser.add_argument("--torch-path-ranks", default="",
                         help="comma-separated ranks that measure with torch ops (NANWIDGET_NATIVE=0)")
     parser.add_argument("--mode", default="full", choices=["full", "sentinel"],
@@ -75,13 +77,17 @@ def main(argv: list[str] | None = None) -> int:
             for batch in range(args.batches):
                 x = torch.randn(8, 16, generator=data)
                 target = torch.randn(8, 4, generator=data)
-                if rank == args.nan_rank and batch == args.nan_batch:
+                bad = rank == args.nan_rank and batch == args.nan_batch
+                if bad and args.nan_in != "loss":
                     if in_backward:
                         x[0] = 0.0
                     else:
                         with torch.no_grad():  # this rank's half of fc2.weight only
                             model.fc2.weight.to_local()[0, 0] = float("nan")
-                loss = nn.functional.mse_loss(model(x), target)
+                output = model(x)
+                loss = nn.functional.mse_loss(output, target)
+                if bad and args.nan_in == "loss":  # finite outputs, a NaN loss and gradient
+                    loss = loss + torch.sqrt(output.sum() * 0.0 - 1.0)
                 optimizer.zero_grad()
                 loss.backward()
                 if watch.check_grad_norms():
@@ -96,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                           origin=event.origin, role=event.role, is_backward=event.is_backward,
                           recorded=[(e.rank, e.origin) for e in watch.events], message=str(error),
                           note=event.note,
-                          diagnosis=event.diagnosis.kind if event.diagnosis else None)
+                          diagnosis=event.diagnosis.kind if event.diagnosis else None,
+                          summary=event.diagnosis.summary if event.diagnosis else None)
         frames = watch.frames()
         weights = frames[(frames.module == "fc2") & (frames.role == "weight")]
         result["fc2_weight_rows"] = weights[["batch", "shape", "nan", "note"]].values.tolist()

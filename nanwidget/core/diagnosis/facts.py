@@ -299,6 +299,9 @@ class Facts:
     replays_spent: int = 0
     # The latest earlier event at the same module, role and phase with a known cause.
     same_place: NanEvent | None = None
+    # The event of a GradScaler's scaler_patience-th skipped step in a row: those steps
+    # (a grads.scaler.SkipRun: batches, scales, steps taken before, the loss).
+    scaler_run: Any = None
 
     def series(self, module: str) -> list[tuple[int, float]]:
         """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""

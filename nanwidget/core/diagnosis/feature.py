@@ -50,19 +50,23 @@ class Diagnoser(Feature):
     batch, or None when it cannot (full mode; None in sentinel mode, whose events carry theirs).
     ``loss_fn``: the watch has one, so a replay of a gradient made in the loss names its op.
     ``sample_every``: sentinel mode's (what the diagnosis says it could not check).
+    ``scaler_run``: with a GradScaler, the skipped steps behind an event of its
+    ``scaler_patience``-th skip in a row (None for any other event).
     """
 
     reviews_without_event = False  # its review only adds to an event
 
     def __init__(self, recorder: Recorder, *, capture: Any = None,
                  replay: Callable[[NanEvent], Any] | None = None, sentinel: bool = False,
-                 loss_fn: bool = False, sample_every: int | None = None) -> None:
+                 loss_fn: bool = False, sample_every: int | None = None,
+                 scaler_run: Callable[[NanEvent], Any] | None = None) -> None:
         self.recorder = recorder
         self.capture = capture
         self.replay = replay
         self.sentinel = sentinel
         self.sample_every = sample_every
         self.loss_fn = loss_fn
+        self.scaler_run = scaler_run
         self.weights = WeightLog()
         self.replays = 0
         self._resolved: list[Frame] = []  # the frames last resolved within a batch (backward)
@@ -107,7 +111,8 @@ class Diagnoser(Feature):
         recorder = self.recorder
         root = recorder.modules[0].name
         facts = Facts(event=event, trace=event.trace, weights=self.weights,
-                      sentinel=self.sentinel, sample_every=self.sample_every)
+                      sentinel=self.sentinel, sample_every=self.sample_every,
+                      scaler_run=self.scaler_run(event) if self.scaler_run else None)
         self._read_inputs(facts)
         if event.is_backward:
             forward = next(

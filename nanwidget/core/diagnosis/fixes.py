@@ -7,7 +7,7 @@ PyTorch documentation and the usual answers to these bugs; they name real APIs o
 
 from __future__ import annotations
 
-__all__ = ["overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
+__all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
            "loss", "unknown"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
@@ -42,6 +42,38 @@ def weight_gradient_overflow(module: str, dtype: str) -> list[str]:
     if dtype in _LOW_PRECISION:
         fixes.append("Under AMP, let torch.amp.GradScaler manage the loss scale (it skips a step "
                      "whose gradients overflowed and lowers the scale), or train in bfloat16.")
+    return fixes
+
+
+def scaled_gradient_overflow(*, batch: int, scale: float, module: str, at_output: bool,
+                             output_near_limit: str, stepped_before: bool,
+                             op_known: bool) -> list[str]:
+    """A GradScaler lowered its scale step after step and the float16 gradients still
+    overflowed: the model's values or the loss's gradient are too large for float16."""
+    fixes = ["Autocast in bfloat16 instead of float16: torch.autocast(device_type, "
+             "dtype=torch.bfloat16) has float32's range, so gradients this large fit, and it "
+             "needs no GradScaler."]
+    if output_near_limit:
+        fixes.append(f"The model's output itself nearly overflows float16 ({output_near_limit}): "
+                     "normalise before the last layer (nn.LayerNorm), or run the last layer in "
+                     "float32 (wrap it in torch.autocast(device_type, enabled=False) and pass "
+                     "it x.float()).")
+    if at_output:
+        fixes.append("Make the loss's gradient smaller: reduce the loss with a mean over the "
+                     "batch and elements (reduction='mean', not 'sum'), normalise the targets, "
+                     "and compute the loss in float32 (output.float()).")
+    else:
+        where = f"module '{module}'" if module else "the module whose gradient overflows"
+        if not op_known:
+            fixes.append(f"Find the op whose gradient overflows: replay the batch with its "
+                         f"backward at that scale, w.replay({batch}, loss_fn=lambda out: "
+                         f"criterion(out, targets) * {scale:g}).report().")
+        fixes.append(f"Run {where} in float32: wrap it in torch.autocast(device_type, "
+                     "enabled=False) and pass it x.float().")
+    if stepped_before:
+        fixes.append("The gradients grew after training had run: lower the learning rate, or "
+                     "clip them before the step (scaler.unscale_(optimizer), then "
+                     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)).")
     return fixes
 
 

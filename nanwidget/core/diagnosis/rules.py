@@ -3,7 +3,10 @@
 Where before how (the contract's precedence):
 
 0. a backward event of a batch whose forward already made an event (``on_nan="record"`` or
-   ``"warn"``) takes the forward event's diagnosis: the loss carried that NaN/Inf on;
+   ``"warn"``) takes the forward event's diagnosis: the loss carried that NaN/Inf on; the
+   event of a GradScaler's ``scaler_patience``-th skipped step in a row on Inf gradients is an
+   ``overflow`` of the scaled gradients (``divergence`` when the weights grew before), wherever
+   the Inf was born: the scale made it, not a loss op;
 1. ``loss``: a backward event whose gradient reached the model's output already non-finite
    (or whose first bad op ran in ``loss_fn``) was made outside the model, whatever op made it;
 2. ``bad-data``: the batch's inputs hold NaN (or an Inf that no op of the model made);
@@ -295,6 +298,112 @@ def _after_forward(facts: Facts) -> Diagnosis | None:
                 f"({event.module_type}), {event.role}."] + list(cause.evidence)
     return Diagnosis(cause.kind, summary, evidence, list(cause.suggestion), rows=list(cause.rows),
                      confidence=cause.confidence, op=cause.op)
+
+
+# A value within this factor of its dtype's largest has about 4 doublings of room left.
+_NEAR_LIMIT = 16.0
+
+
+def _skipped_words(run: object) -> str:
+    """The skipped steps of a GradScaler's patience event, in one sentence's words."""
+    batches = (f"batch {run.first_batch}" if run.first_batch == run.last_batch
+               else f"batches {run.first_batch}–{run.last_batch}")
+    return (f"the GradScaler skipped {run.skipped} steps in a row ({batches}), lowering its "
+            f"scale from {run.scale_first:.10g} to {run.scale_now:.10g}")
+
+
+def _scaled_gradient(facts: Facts) -> Diagnosis | None:
+    """The event of a GradScaler's ``scaler_patience``-th skipped step in a row with an Inf
+    gradient: the float16 gradients overflowed at every scale the scaler tried (with NaN as
+    well: less sure). A NaN alone does not come from the scale: the other rules tell it, and
+    the skips are added to their evidence."""
+    event, run, op = facts.event, facts.scaler_run, facts.op
+    if run is None or "inf" not in event.kind or (op is not None and op.in_loss):
+        return None
+    came = [name for kind, name in getattr(facts.trace, "came_with", None) or []
+            if kind == "output-grad"]
+    at_output = bool(facts.output_grad_bad or came) and op is None
+    dtype = _event_dtype(event)
+    limit = dtype_max(dtype)
+    label = f"'{event.module_label}' ({event.module_type}), {event.role}"
+    if at_output:
+        what = f"the gradient reaching the model's output ({label})"
+    elif event.role.startswith("grad_"):
+        what = f"the gradient at {label}"
+    else:
+        what = f"the gradient of '{event.module}.{event.role}'" if event.module \
+            else f"the gradient of '{event.role}'"
+    tried = run.scale_last
+    kind = _kind_words(event.kind)
+    still = (f"{op.op} {op.place}{op.at} still made {kind}" if op is not None
+             else f"{what} was still {kind}")
+    # With NaN as well, the event's gradient may be one the Inf spread to, not where it was born.
+    sure_of_place = op is not None or event.kind == "inf"
+    what_happened = (f"the gradients overflow {dtype} even at loss scale {tried:g}: "
+                     f"{_skipped_words(run)}, and {still} at {tried:g} (batch {run.last_batch}).")
+    evidence = []
+    if run.scale_at_watch not in (None, run.scale_first):
+        evidence.append(f"The scale was {run.scale_at_watch:.10g} when the watch began.")
+    whose = ("the loss's gradient with respect to the model's output" if at_output
+             else what if sure_of_place else "a gradient of the backward pass")
+    evidence.append(f"At scale {tried:g} a {dtype} gradient overflows ({_limit_text(dtype)}) "
+                    f"where its unscaled value passes {limit:.5g} / {tried:g} = "
+                    f"{_g(limit / tried)}: {whose} is that large"
+                    + (" even unscaled." if tried <= 1 else "."))
+    if op is not None:
+        evidence.extend(_op_evidence(op))
+    if run.loss is not None:
+        evidence.append(f"The loss was finite ({_g(run.loss)}), so no NaN/Inf came from the "
+                        "loss itself.")
+    near = ""
+    points = [(b, v) for b, v in facts.series("") if b <= event.batch]
+    if points:
+        batch, largest = points[-1]
+        evidence.append(f"The model's output reached abs max {_g(largest)} at batch {batch} "
+                        f"({_limit_text(dtype)}).")
+        if largest * _NEAR_LIMIT >= limit:
+            near = f"abs max {_g(largest)} of {limit:.5g}"
+    if run.steps_before:
+        evidence.append(f"The scaler took {run.steps_before} step"
+                        f"{'' if run.steps_before == 1 else 's'} since the watch began, before "
+                        f"these skips (the gradients fit {dtype} then): they grew since.")
+    else:
+        evidence.append("The scaler took no step since the watch began: the gradients never "
+                        f"fit {dtype} at the scales it tried.")
+    if event.kind != "inf":
+        evidence.append("It holds NaN too: an Inf that met 0 or another Inf further on in the "
+                        "backward pass (inf x 0, inf - inf) makes NaN, but so does an op outside "
+                        "its domain, which no scale helps; backward=True shows the first "
+                        "non-finite gradient.")
+    if at_output and op is None:
+        evidence.append("An Inf at every scale can also be the loss's own gradient (sqrt or "
+                        "log at 0): a watch with loss_fn=... checks the loss's ops.")
+    suggestion = fixes.scaled_gradient_overflow(
+        batch=event.batch, scale=tried,
+        module=op.module if op is not None else event.module if sure_of_place else "",
+        at_output=at_output, output_near_limit=near, stepped_before=bool(run.steps_before),
+        op_known=op is not None)
+    grew = _weights_growth(facts)
+    if grew is not None:
+        evidence.insert(0, _growth_line("The weights' abs max (summed over modules)", grew) + ".")
+        return Diagnosis("divergence", f"Training diverged: the weights grew "
+                                       f"{grew.per_batch:.3g}x per batch since batch "
+                                       f"{grew.start[0]}, until {what_happened}", evidence,
+                         fixes.divergence(dtype) + suggestion[:1], confidence="high")
+    confidence = ("low" if event.kind != "inf" else
+                  "high" if op is not None or not at_output else "medium")
+    return Diagnosis("overflow", what_happened[0].upper() + what_happened[1:], evidence,
+                     suggestion, confidence=confidence)
+
+
+def _event_dtype(event: NanEvent) -> str:
+    """The dtype of the event's own tensor, or float16 when the event's frames ran in it (a
+    parameter's float32 gradient accumulates what autocast computed in float16)."""
+    dtype = _weight_dtype(event)
+    frames = event.frames
+    if dtype in ("float16", "bfloat16") or frames is None or frames.empty:
+        return dtype or "float16"
+    return "float16" if bool((frames["dtype"] == "float16").any()) else dtype
 
 
 def _loss(facts: Facts) -> Diagnosis | None:
@@ -632,12 +741,18 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_after_forward, _loss, _bad_data, _weights, _from_op, _from_frames,
-                 _weight_gradient):
+    for rule in (_after_forward, _scaled_gradient, _loss, _bad_data, _weights, _from_op,
+                 _from_frames, _weight_gradient):
         found = rule(facts)
         if found is not None:
             break
     found = found or _unknown(facts, replayable)
+    run = facts.scaler_run
+    if run is not None and found.kind not in ("overflow", "divergence") \
+            and not any(line.startswith("The GradScaler skipped") for line in found.evidence):
+        found.evidence.append(f"{_skipped_words(run)[0].upper()}{_skipped_words(run)[1:]}: "
+                              f"a {_kind_words(event.kind)} gradient at every scale does not "
+                              "come from the scale.")
     op = facts.op
     if op is not None and getattr(facts.trace, "first_bad", None) is not None:
         where = f"at {op.source}" if op.source else "(no line of user code on the stack)"

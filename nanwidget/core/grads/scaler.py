@@ -34,7 +34,7 @@ import sys
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -45,7 +45,7 @@ from ..recorder import Feature, Finding, Recorder
 from ..stats import measure_tensor
 from ..writes import wraps_an_optimizer
 
-__all__ = ["ScalerWatch", "ScalerHint", "skips_summary", "PASS_THE_SCALER"]
+__all__ = ["ScalerWatch", "ScalerHint", "SkipRun", "skips_summary", "PASS_THE_SCALER"]
 
 PASS_THE_SCALER = ("if a torch.amp.GradScaler scales this loss, pass it: "
                    "nw.watch(model, grad_scaler=scaler) (an overflow in a step the scaler skips "
@@ -64,6 +64,21 @@ def skips_summary(skips: list[ScalerSkip]) -> str:
     steps = "step" if len(skips) == 1 else "steps"
     return (f"GradScaler skipped {len(skips)} {steps} on overflow ({batches}; scale "
             f"{first.scale_before:.10g} → {last.scale_after:.10g}): not events")
+
+
+class SkipRun(NamedTuple):
+    """The steps a GradScaler skipped in a row, up to the event the ``scaler_patience``-th
+    of them made: what the diagnosis of that event says in numbers."""
+
+    first_batch: int
+    last_batch: int
+    skipped: int
+    scale_first: float  # the scale the first skipped step ran at
+    scale_last: float  # the scale the last one ran at
+    scale_now: float  # after the last one
+    scale_at_watch: float | None  # when the watch began
+    steps_before: int  # optimizer steps the scaler took since the watch began, before the run
+    loss: float | None  # |loss| of the last skipped step (finite), when it was read
 
 
 def _non_finite(tensor: torch.Tensor | None) -> str | None:
@@ -94,6 +109,10 @@ class ScalerWatch(Feature):
         self.skips: list[ScalerSkip] = []
         self.skips_dropped = 0
         self.in_a_row = 0  # skipped steps since the last step the optimizer took
+        self.steps_taken = 0  # steps the optimizer took with the scaler since the watch began
+        self._run_start: tuple[int, float] | None = None  # (batch, scale) of the run's first skip
+        self._deciding: SkipRun | None = None  # while the patience event is recorded
+        self._loss_abs: float | None = None  # the last loss read, when finite
         # The loss of the running step, as it went through scale(); read once (_loss_kind).
         self._loss: torch.Tensor | None = None
         self._loss_batch: int | None = None
@@ -103,6 +122,7 @@ class ScalerWatch(Feature):
         # The scale after the last update() (a skipped step lowers it): one host read per
         # step, at update(), where the scaler is done with the step.
         self._scale_now = scaler.get_scale() if scaler.is_enabled() else None
+        self._scale_at_watch = self._scale_now
         # The scaler instance's own scale/update while watched (the class's stay untouched);
         # what the instance held itself before (another wrapper) is put back on close. The
         # wrappers and the optimizer hook reach this watch weakly: a watch dropped unclosed is
@@ -134,7 +154,7 @@ class ScalerWatch(Feature):
         """"nan", "inf" or "nan+inf" when the step's loss is non-finite, else None (one host
         read per step, at the first asking)."""
         if self._loss is not None:
-            self._loss_read = _non_finite(self._loss)
+            self._loss_read, self._loss_abs = _read_loss(self._loss)
             self._loss = None
         return self._loss_read
 
@@ -179,6 +199,7 @@ class ScalerWatch(Feature):
         held, self._held = self._held, None
         if new_scale is not None or before is None or after >= before:
             self.in_a_row = 0  # the step was taken (or the user set the scale)
+            self.steps_taken += 1
             event = self._loss_event(batch, held) or held
             self._step_over()
             if event is not None:  # the step was taken with it: an event all the same
@@ -189,16 +210,32 @@ class ScalerWatch(Feature):
         else:
             self.skips_dropped += 1
         self.in_a_row += 1
+        if self.in_a_row == 1:
+            self._run_start = (batch, before)
         event = self._loss_event(batch, held)
         if event is None and self.in_a_row % self.patience == 0:
             event = self._patience_event(batch, held, after)
+            start_batch, start_scale = self._run_start or (batch, before)
+            self._deciding = SkipRun(start_batch, batch, self.in_a_row, start_scale, before,
+                                     after, self._scale_at_watch, self.steps_taken,
+                                     self._loss_abs)
         self._step_over()
         if event is not None:
-            self._record(event.batch, event)
+            try:
+                self._record(event.batch, event)
+            finally:
+                self._deciding = None
         return result
 
+    def patience_run(self, event: NanEvent) -> SkipRun | None:
+        """The skipped steps behind ``event`` when it is the event of the
+        ``scaler_patience``-th skip in a row (asked while it is recorded), else None."""
+        run = self._deciding
+        return run if run is not None and event.is_backward and event.batch == run.last_batch \
+            else None
+
     def _step_over(self) -> None:
-        self._loss = self._loss_batch = self._loss_read = None
+        self._loss = self._loss_batch = self._loss_read = self._loss_abs = None
 
     # ------------------------------------------------------------------ Feature
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -273,6 +310,16 @@ class ScalerWatch(Feature):
             if kind is not None:
                 return name, kind
         return "", "inf"
+
+
+def _read_loss(loss: torch.Tensor) -> tuple[str | None, float | None]:
+    """("nan", "inf", "nan+inf" or None; its abs max when finite) of the loss (a host read)."""
+    if not (loss.is_floating_point() or loss.is_complex()) or not loss.numel():
+        return None, None
+    stats = measure_tensor(loss)
+    if stats.nan or stats.inf:
+        return event_kind(stats.nan, stats.inf), None
+    return None, float(stats.abs_max)
 
 
 def _original(scaler: Any, wrapped: dict[str, Any], name: str) -> Any:

@@ -59,11 +59,15 @@ from typing import Any
 import torch
 
 from .. import native
+from ..detect import event_kind
+from ..entries import Entry
 from ..events import NanEvent
 from ..frames import Frame, frames_to_dataframe
 from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
 from ..replay.run import Replayed, automatic_loss, replay_frames
+from ..schema import LOCAL_SHARD
+from ..stats import is_distributed_tensor, local_shard, measure_tensor
 from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
 from .compiled import rerun_compiled
 
@@ -503,7 +507,8 @@ class Sentinel(Feature):
         try:
             held = self.capture.batch_to_replay(batch)
         except ReplayError as error:
-            return self._found(self._grad_event(batch, bad, f"not replayed: {error}"), None, None)
+            return self._found(self._grad_event(batch, bad, f"not replayed: {error}", grads),
+                               None, None)
         loss_fn = automatic_loss(held, self.loss_fn)
         if not grads and loss_fn is None:
             return self._found(self._grad_event(
@@ -512,9 +517,10 @@ class Sentinel(Feature):
             replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True,
                                      output_grads=grads, backward_frames=True, loss_fn=loss_fn)
         except ReplayError as error:  # refused before running (FSDP2, a changed model)
-            return self._found(self._grad_event(batch, bad, f"not replayed: {error}"), None, None)
+            return self._found(self._grad_event(batch, bad, f"not replayed: {error}", grads),
+                               None, None)
         except Exception as error:  # the NaN was seen: a failed replay must not lose it
-            return self._found(self._grad_event(batch, bad, _replay_failed(batch, error)),
+            return self._found(self._grad_event(batch, bad, _replay_failed(batch, error), grads),
                                None, None)
         self.replays += 1
         frames = replayed.frames
@@ -714,8 +720,22 @@ class Sentinel(Feature):
                         role=first.label, kind=first.kind, origin="output",
                         rank=self.recorder.rank, note=note)
 
-    def _grad_event(self, batch: int, bad: list[BadTensor], note: str) -> NanEvent:
-        """A non-finite parameter gradient, named by its module and parameter."""
+    def _grad_event(self, batch: int, bad: list[BadTensor], note: str,
+                    grads: list | None = None) -> NanEvent:
+        """A non-finite parameter gradient, named by its module and parameter; or, when the
+        batch was not replayed and ``grads`` (what its outputs received) holds a non-finite
+        gradient, that gradient: it reached the model's output so (the root's backward frame
+        as the event's, as full mode records it), which the diagnosis reads as a NaN made
+        after the model, in the loss."""
+        received = self._output_grad_frame(batch, grads) if grads else None
+        if received is not None:
+            root = self.recorder.modules[0]
+            entry = next(e for e in received.entries if e.nonfinite)
+            return NanEvent(batch=batch, module=root.name, module_type=root.type_name,
+                            call=received.call, role=entry.role,
+                            kind=event_kind(entry.stats.nan, entry.stats.inf), origin="grad",
+                            is_backward=True, frames=frames_to_dataframe([received]),
+                            rank=self.recorder.rank, frame=received.index, note=note)
         first = bad[0]
         module_name, _, param = first.label.rpartition(".")
         info = next((i for i in self.recorder.modules if i.name == module_name), None)
@@ -723,6 +743,24 @@ class Sentinel(Feature):
                         module_type=info.type_name if info is not None else "", call=0,
                         role=param, kind=first.kind, origin="grad", is_backward=True,
                         rank=self.recorder.rank, note=note)
+
+    def _output_grad_frame(self, batch: int, grads: list) -> Frame | None:
+        """The root's backward frame of the first forward of ``batch`` whose outputs received
+        a non-finite gradient (measured now: an event's host reads), else None."""
+        root = self.recorder.modules[0]
+        for forward, slot in enumerate(grads):
+            entries = []
+            for role, grad in (slot or {}).items():
+                values = local_shard(grad) if is_distributed_tensor(grad) else grad
+                # A plain tensor's gradient is grad_output[0], as the backward frames name it.
+                name = "grad_output[0]" if role == "output" else f"grad_{role}"
+                entries.append(Entry((name, measure_tensor(values), grad.dtype,
+                                      tuple(grad.shape), LOCAL_SHARD if values is not grad
+                                      else "")))
+            if any(e.nonfinite for e in entries):
+                return Frame(self.recorder.rank, batch, 0, root.name, root.type_name, forward,
+                             "backward", entries)
+        return None
 
     def _attach_trace(self, event: NanEvent) -> None:
         try:
