@@ -468,3 +468,38 @@ def test_dtensor_input_nan_on_rank_1_is_diagnosed_there_without_a_collective():
     assert results[1]["evidence"] == ["input[0] (float32 (3, 6), local shard): 1 NaN in rows 1 "
                                       "of 3."]
     assert results[1]["seconds"] < 15  # no wait for a collective rank 0 never joins
+
+
+@pytest.mark.slow
+def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_hang():
+    # parallelize_module puts an all-reduce inside the forward. A replay on rank 1 alone ran it
+    # with no partner: it took rank 0's next batch, then rank 1 hung until the group's timeout
+    # (a gloo RuntimeError out of the training loop). Now each replay is refused before it runs.
+    finished = _torchrun([str(REPO / "tests/scripts/tp_nan.py"), "--timeout", "10"])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "internal error" not in finished.stderr
+    decoder = json.JSONDecoder()
+    results = {(r["scenario"], r["rank"]): r for r in
+               (decoder.raw_decode(chunk)[0] for chunk in finished.stdout.split("RESULT ")[1:])}
+    refusal = ("cannot replay a tensor-parallel model ('fc1.weight' is a DTensor over 2 ranks): "
+               "its forward exchanges values with the other ranks, and a replay runs on this "
+               "rank alone, so it would wait for the others forever (or take their next batch's "
+               "values). Replay an unsharded copy of the model on one process instead")
+    for scenario in ("full", "full-replay", "sentinel", "sentinel-backward"):
+        first, second = results[scenario, 0], results[scenario, 1]
+        assert first["error"] == second["error"] == "", (scenario, first, second)
+        assert first["events"] == [] and first["seconds"] < 5, (scenario, first)
+        assert second["seconds"] < 5 and not any(second["traced"]), (scenario, second)
+        if scenario.startswith("full"):
+            assert second["events"] == [[2, "norm", "output", "output"],
+                                        [3, "norm", "output", "output"]], second
+            assert second["notes"] == ["", ""]
+            assert "made here from finite inputs and weights" in second["summary"][0]
+        else:
+            assert second["events"][0] == [2, "", "output", "output"], second
+            assert second["notes"][0] == f"not replayed: {refusal}", second
+    backward = results["sentinel-backward", 1]
+    assert backward["events"][1] == [2, "fc1", "weight", "grad"], backward
+    assert backward["notes"][1] == f"not replayed: {refusal}"
+    assert results["full-replay", 1]["warnings"] == [
+        f"nanwidget: replay_on_nan could not replay batch {batch} (ReplayError: {refusal})" for batch in (2, 3)]
