@@ -425,6 +425,19 @@ def test_diagnosis_reads_dtensor_weights_on_this_ranks_shard_and_names_bad_data(
     assert event.diagnosis.rows == [2]
 
 
+def test_a_model_with_dtensor_weights_on_a_one_rank_mesh_is_still_replayed(single_rank_group):
+    # Only a DTensor over more than one rank makes a replay wait for others; one rank's is local.
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1,))
+    model = nn.Sequential(nn.Linear(3, 3), _ShardedScale(mesh))
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as watch:
+        bad = torch.randn(4, 3)
+        bad[1, 0] = float("inf")
+        model(bad - bad)  # inf - inf: NaN made by the sub, outside the modules
+    event = watch.event
+    assert event.trace is not None and event.trace.reproduced, event.note
+
+
 class _RowsOfShard(nn.Module):
     """Takes a row-sharded DTensor (sequence or tensor parallelism) and works on this rank's rows."""
 
@@ -475,6 +488,7 @@ def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_han
     # parallelize_module puts an all-reduce inside the forward. A replay on rank 1 alone ran it
     # with no partner: it took rank 0's next batch, then rank 1 hung until the group's timeout
     # (a gloo RuntimeError out of the training loop). Now each replay is refused before it runs.
+    # Rank 0 has no event in any scenario, so none of its ops waits for rank 1.
     finished = _torchrun([str(REPO / "tests/scripts/tp_nan.py"), "--timeout", "10"])
     assert finished.returncode == 0, finished.stdout + finished.stderr
     assert "internal error" not in finished.stderr
@@ -494,7 +508,11 @@ def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_han
             assert second["events"] == [[2, "norm", "output", "output"],
                                         [3, "norm", "output", "output"]], second
             assert second["notes"] == ["", ""]
+            # The diagnosis says what it can without the replay, and why none was made.
             assert "made here from finite inputs and weights" in second["summary"][0]
+            assert second["evidence"][0] == [f"No replay was made to name the op: {refusal}."]
+            assert second["suggestion"][0][0].startswith(
+                "Run batch 2 through an unsharded copy of the model"), second
         else:
             assert second["events"][0] == [2, "", "output", "output"], second
             assert second["notes"][0] == f"not replayed: {refusal}", second
@@ -502,4 +520,4 @@ def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_han
     assert backward["events"][1] == [2, "fc1", "weight", "grad"], backward
     assert backward["notes"][1] == f"not replayed: {refusal}"
     assert results["full-replay", 1]["warnings"] == [
-        f"nanwidget: replay_on_nan could not replay batch {batch} (ReplayError: {refusal})" for batch in (2, 3)]
+        f"nanwidget: replay_on_nan could not replay batch {batch} (ModelNotReplayableError: {refusal})" for batch in (2, 3)]

@@ -85,7 +85,10 @@ def run_scenario(name: str, rank: int, mesh, store) -> dict:
               "notes": [e.note for e in watch.events],
               "traced": [e.trace is not None for e in watch.events],
               "diagnosis": [e.diagnosis.kind if e.diagnosis else None for e in watch.events],
-              "summary": [e.diagnosis.summary if e.diagnosis else None for e in watch.events]}
+              "summary": [e.diagnosis.summary if e.diagnosis else None for e in watch.events],
+              "evidence": [list(e.diagnosis.evidence) if e.diagnosis else None
+                           for e in watch.events],
+              "suggestion": [list(e.diagnosis.suggestion) if e.diagnosis else None for e in watch.events]}
     # The ranks start the next scenario together (through the store: no collective).
     store.set(f"{name} {rank}", "done")
     store.wait([f"{name} {other}" for other in (0, 1)])

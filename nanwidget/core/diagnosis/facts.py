@@ -297,6 +297,9 @@ class Facts:
     # The event needed a replay for its op, but the watch's diagnosis replays, this many, were
     # all spent on earlier events (0: not spent).
     replays_spent: int = 0
+    # The event needed a replay for its op, but this process alone cannot run the model (FSDP2,
+    # tensor parallel): why ("": not refused).
+    replay_refused: str = ""
     # The latest earlier event at the same module, role and phase with a known cause.
     same_place: NanEvent | None = None
 

@@ -47,7 +47,8 @@ class Diagnoser(Feature):
 
     ``capture``: the watch's :class:`~nanwidget.core.replay.capture.BatchCapture` (the held
     batches' inputs and weight versions), or None. ``replay``: makes a trace of an event's
-    batch, or None when it cannot (full mode; None in sentinel mode, whose events carry theirs).
+    batch, or None when it cannot (full mode; None in sentinel mode, whose events carry theirs);
+    it raises when this process alone cannot run the model (the diagnosis says why).
     ``loss_fn``: the watch has one, so a replay of a gradient made in the loss names its op.
     ``sample_every``: sentinel mode's (what the diagnosis says it could not check).
     """
@@ -96,7 +97,7 @@ class Diagnoser(Feature):
         try:
             facts = self.facts(event, may_replay=may_replay)
             held = self.capture is not None and event.batch in self.capture.held_batches()
-            return diagnose(facts, replayable=held)
+            return diagnose(facts, replayable=held and not facts.replay_refused)
         except Exception as error:
             self.recorder.internal_error(error)
             return Diagnosis("unknown", f"The diagnosis failed ({type(error).__name__}: {error}).",
@@ -122,7 +123,11 @@ class Diagnoser(Feature):
                 and self._needs_op(facts)):
             if self.replays < MAX_DIAGNOSIS_REPLAYS:
                 self.replays += 1
-                facts.trace = self.replay(event)
+                try:
+                    facts.trace = self.replay(event)
+                except Exception as error:  # refused before running (FSDP2, tensor parallel)
+                    self.replays -= 1  # none ran
+                    facts.replay_refused = str(error)
                 if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
                     facts.output_grad_bad = _root_grad_bad(facts.trace.frames, event.batch, root)
             else:

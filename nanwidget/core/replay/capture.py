@@ -53,6 +53,11 @@ class ReplayError(RuntimeError):
     """A batch cannot be replayed (see the message for why and what to do)."""
 
 
+class ModelNotReplayableError(ReplayError):
+    """The model cannot run on this process alone (FSDP2, tensor parallel): no batch of it can
+    be replayed here."""
+
+
 class BatchNotHeldError(ReplayError):
     """The batch asked for is not (or no longer) held; the message lists the held ones."""
 

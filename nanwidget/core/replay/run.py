@@ -25,7 +25,8 @@ from ..stats import is_distributed_tensor, version_of
 from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
 from ..writes import written_since
-from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, WeightSlots, layouts_of
+from .capture import (BatchCapture, ForwardCapture, HeldBatch, ModelNotReplayableError, ReplayError,
+                      WeightSlots, layouts_of)
 from .inputs import UncopiedInput, copy_structure
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
@@ -123,7 +124,7 @@ def refuse_unreplayable(recorder: Recorder, capture: BatchCapture, held: HeldBat
     it."""
     sharded = [info.label for info in recorder.modules if info.sharded]
     if sharded:
-        raise ReplayError(
+        raise ModelNotReplayableError(
             f"cannot replay a model sharded with FSDP2 (fully_shard manages '{sharded[0]}'): "
             "its forward gathers parameters from every rank, and a replay runs on this rank "
             "alone, so it would wait for the others forever. Replay an unsharded copy of the "
@@ -131,7 +132,7 @@ def refuse_unreplayable(recorder: Recorder, capture: BatchCapture, held: HeldBat
     spread = _spread_over_ranks(recorder.model)
     if spread is not None:
         name, ranks = spread
-        raise ReplayError(
+        raise ModelNotReplayableError(
             f"cannot replay a tensor-parallel model ('{name}' is a DTensor over {ranks} ranks): "
             "its forward exchanges values with the other ranks, and a replay runs on this rank "
             "alone, so it would wait for the others forever (or take their next batch's values). "
