@@ -47,8 +47,7 @@ class Diagnoser(Feature):
 
     ``capture``: the watch's :class:`~nanwidget.core.replay.capture.BatchCapture` (the held
     batches' inputs and weight versions), or None. ``replay``: makes a trace of an event's
-    batch, or None when it cannot (full mode; None in sentinel mode, whose events carry theirs);
-    it raises when this process alone cannot run the model (the diagnosis says why).
+    batch, or None when it cannot (full mode; None in sentinel mode, whose events carry theirs).
     ``loss_fn``: the watch has one, so a replay of a gradient made in the loss names its op.
     ``sample_every``: sentinel mode's (what the diagnosis says it could not check).
     """
@@ -125,7 +124,7 @@ class Diagnoser(Feature):
                 self.replays += 1
                 try:
                     facts.trace = self.replay(event)
-                except Exception as error:  # refused before running (FSDP2, tensor parallel)
+                except Exception as error:  # this rank alone cannot run it (FSDP2, tensor parallel)
                     self.replays -= 1  # none ran
                     facts.replay_refused = str(error)
                 if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
