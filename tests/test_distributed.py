@@ -483,18 +483,25 @@ def test_dtensor_input_nan_on_rank_1_is_diagnosed_there_without_a_collective():
     assert results[1]["seconds"] < 15  # no wait for a collective rank 0 never joins
 
 
-@pytest.mark.slow
-def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_hang():
-    # parallelize_module puts an all-reduce inside the forward. A replay on rank 1 alone ran it
-    # with no partner: it took rank 0's next batch, then rank 1 hung until the group's timeout
-    # (a gloo RuntimeError out of the training loop). Now each replay is refused before it runs.
-    # Rank 0 has no event in any scenario, so none of its ops waits for rank 1.
+@pytest.fixture(scope="module")
+def tensor_parallel_run():
+    """One 2-rank job running tests/scripts/tp_nan.py's scenarios: (scenario, rank) -> result."""
     finished = _torchrun([str(REPO / "tests/scripts/tp_nan.py"), "--timeout", "10"])
     assert finished.returncode == 0, finished.stdout + finished.stderr
     assert "internal error" not in finished.stderr
     decoder = json.JSONDecoder()
-    results = {(r["scenario"], r["rank"]): r for r in
-               (decoder.raw_decode(chunk)[0] for chunk in finished.stdout.split("RESULT ")[1:])}
+    return {(r["scenario"], r["rank"]): r for r in
+            (decoder.raw_decode(chunk)[0] for chunk in finished.stdout.split("RESULT ")[1:])}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_hang(
+        tensor_parallel_run):
+    # parallelize_module puts an all-reduce inside the forward. A replay on rank 1 alone ran it
+    # with no partner: it took rank 0's next batch, then rank 1 hung until the group's timeout
+    # (a gloo RuntimeError out of the training loop). Now each replay is refused before it runs.
+    # Rank 0 has no event in any scenario, so none of its ops waits for rank 1.
+    results = tensor_parallel_run
     refusal = ("cannot replay a tensor-parallel model ('fc1.weight' is a DTensor over 2 ranks): "
                "its forward exchanges values with the other ranks, and a replay runs on this "
                "rank alone, so it would wait for the others forever (or take their next batch's "
@@ -520,4 +527,16 @@ def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_han
     assert backward["events"][1] == [2, "fc1", "weight", "grad"], backward
     assert backward["notes"][1] == f"not replayed: {refusal}"
     assert results["full-replay", 1]["warnings"] == [
-        f"nanwidget: replay_on_nan could not replay batch {batch} (ModelNotReplayableError: {refusal})" for batch in (2, 3)]
+        f"nanwidget: replay_on_nan could not replay batch {batch} (ModelNotReplayableError: "
+        f"{refusal})" for batch in (2, 3)]
+
+
+@pytest.mark.slow
+def test_a_rowwise_parallel_output_is_measured_once_its_all_reduce_has_ended(tensor_parallel_run):
+    # The hooks read the output (an AsyncCollectiveTensor) while its all-reduce still ran: 3 in 4
+    # batches measured this rank's partial sums, so a NaN arriving from the other rank was
+    # blamed on the next module.
+    for rank in (0, 1):
+        measure = tensor_parallel_run["measure", rank]
+        assert len(measure["measured"]) == 16
+        assert measure["measured"] == pytest.approx(measure["actual"], rel=1e-6), measure

@@ -5,10 +5,11 @@ copy of ``head`` (a plain layer after the all-reduce), so ``norm`` divides 0/0 t
 
 Each scenario (a watch option set, see ``SCENARIOS``) watches a fresh model with
 ``on_nan="record"`` (no consensus exchange). A replay of the batch on rank 1 alone would run the
-forward's all-reduce with no partner: it takes rank 0's next batch's values, then waits until
-the group's timeout (``--timeout``). Between scenarios the ranks meet through the store (no
-collective). Each rank prints one ``RESULT {json}`` line per scenario. Used by
-tests/test_distributed.py.
+forward's all-reduce with no partner: it takes rank 0's next batch's values, then waits until the
+group's timeout (``--timeout``). Between scenarios the ranks meet through the store (no
+collective). Scenario ``measure`` (no NaN) compares what the watch measured of a RowwiseParallel
+output, whose all-reduce may still run when the hooks see it, with the finished output. Each rank
+prints one ``RESULT {json}`` line per scenario. Used by tests/test_distributed.py.
 """
 
 import argparse
@@ -80,7 +81,8 @@ def run_scenario(name: str, rank: int, mesh, store) -> dict:
             error = f"{type(failure).__name__}: {failure}"[:300]
     result = {"scenario": name, "rank": rank, "seconds": round(time.monotonic() - started, 1),
               "error": error,
-              "warnings": [str(w.message) for w in caught if str(w.message).startswith("nanwidget")],
+              "warnings": [str(w.message) for w in caught
+                           if str(w.message).startswith("nanwidget")],
               "events": [(e.batch, e.module, e.role, e.origin) for e in watch.events],
               "notes": [e.note for e in watch.events],
               "traced": [e.trace is not None for e in watch.events],
@@ -88,16 +90,35 @@ def run_scenario(name: str, rank: int, mesh, store) -> dict:
               "summary": [e.diagnosis.summary if e.diagnosis else None for e in watch.events],
               "evidence": [list(e.diagnosis.evidence) if e.diagnosis else None
                            for e in watch.events],
-              "suggestion": [list(e.diagnosis.suggestion) if e.diagnosis else None for e in watch.events]}
+              "suggestion": [list(e.diagnosis.suggestion) if e.diagnosis else None
+                             for e in watch.events]}
     # The ranks start the next scenario together (through the store: no collective).
     store.set(f"{name} {rank}", "done")
     store.wait([f"{name} {other}" for other in (0, 1)])
     return result
 
 
+def measure_scenario(rank: int, mesh) -> dict:
+    """No NaN: what the watch measured of a RowwiseParallel layer's output (the result of an
+    all-reduce still running when the hooks see it) against that output once it is complete."""
+    torch.manual_seed(0)
+    model = parallelize_module(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 1024)), mesh,
+                               {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    data = torch.Generator().manual_seed(200)
+    actual = []
+    with torch.no_grad(), nw.watch(model, on_nan="record", max_frames=100) as watch:
+        for _ in range(16):
+            actual.append(model(torch.randn(64, 256, generator=data)).abs().max().item())
+    frames = watch.frames()
+    measured = frames[(frames.module == "1") & (frames.role == "output")].abs_max
+    return {"scenario": "measure", "rank": rank, "measured": [float(v) for v in measured],
+            "actual": actual}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenarios", nargs="*", help=f"of {', '.join(SCENARIOS)} (default: all)")
+    parser.add_argument("scenarios", nargs="*",
+                        help=f"of {', '.join(SCENARIOS)}, measure (default: all)")
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="seconds before a collective counts as hung (default 10)")
     args = parser.parse_args()
@@ -105,8 +126,9 @@ def main() -> int:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     store = dist.distributed_c10d._get_default_store()
-    for name in args.scenarios or SCENARIOS:
-        result = run_scenario(name, rank, mesh, store)
+    for name in args.scenarios or [*SCENARIOS, "measure"]:
+        result = (measure_scenario(rank, mesh) if name == "measure"
+                  else run_scenario(name, rank, mesh, store))
         sys.stdout.flush()
         os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result, default=str) + "\n").encode())
     dist.destroy_process_group()

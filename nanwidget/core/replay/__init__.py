@@ -26,7 +26,8 @@ from .capture import (BatchCapture, BatchNotHeldError, InputModifiedError, Model
                       ReplayError, MAX_EVENT_BATCHES, MAX_FORWARDS_PER_BATCH)
 from .run import automatic_loss, refuse_unreplayable, replay_held_batch
 
-__all__ = ["Replayer", "BatchCapture", "Trace", "ReplayError", "BatchNotHeldError", "ModelNotReplayableError",
+__all__ = ["Replayer", "BatchCapture", "Trace", "ReplayError", "BatchNotHeldError",
+           "ModelNotReplayableError",
            "InputModifiedError", "MAX_AUTO_REPLAYS", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
 
 # Automatic replays (``replay_on_nan=True``) per watch: a diverged run makes an event per batch.
