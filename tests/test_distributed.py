@@ -445,6 +445,19 @@ def test_diagnosis_reads_dtensor_weights_on_this_ranks_shard_and_names_bad_data(
     assert event.diagnosis.rows == [2]
 
 
+def test_a_model_with_dtensor_weights_on_a_one_rank_mesh_is_still_replayed(single_rank_group):
+    # Only a DTensor over more than one rank makes a replay wait for others; one rank's is local.
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1,))
+    model = nn.Sequential(nn.Linear(3, 3), _ShardedScale(mesh))
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as watch:
+        bad = torch.randn(4, 3)
+        bad[1, 0] = float("inf")
+        model(bad - bad)  # inf - inf: NaN made by the sub, outside the modules
+    event = watch.event
+    assert event.trace is not None and event.trace.reproduced, event.note
+
+
 class _RowsOfShard(nn.Module):
     """Takes a row-sharded DTensor (sequence or tensor parallelism) and works on this rank's rows."""
 
@@ -488,3 +501,62 @@ def test_dtensor_input_nan_on_rank_1_is_diagnosed_there_without_a_collective():
     assert results[1]["evidence"] == ["input[0] (float32 (3, 6), local shard): 1 NaN in rows 1 "
                                       "of 3."]
     assert results[1]["seconds"] < 15  # no wait for a collective rank 0 never joins
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_run():
+    """One 2-rank job running tests/scripts/tp_nan.py's scenarios: (scenario, rank) -> result."""
+    finished = _torchrun([str(REPO / "tests/scripts/tp_nan.py"), "--timeout", "10"])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "internal error" not in finished.stderr
+    decoder = json.JSONDecoder()
+    return {(r["scenario"], r["rank"]): r for r in
+            (decoder.raw_decode(chunk)[0] for chunk in finished.stdout.split("RESULT ")[1:])}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_hang(
+        tensor_parallel_run):
+    # parallelize_module puts an all-reduce inside the forward. A replay on rank 1 alone ran it
+    # with no partner: it took rank 0's next batch, then rank 1 hung until the group's timeout
+    # (a gloo RuntimeError out of the training loop). Now each replay is refused before it runs.
+    # Rank 0 has no event in any scenario, so none of its ops waits for rank 1.
+    results = tensor_parallel_run
+    refusal = ("cannot replay a tensor-parallel model ('fc1.weight' is a DTensor over 2 ranks): "
+               "its forward exchanges values with the other ranks, and a replay runs on this "
+               "rank alone, so it would wait for the others forever (or take their next batch's "
+               "values). Replay an unsharded copy of the model on one process instead")
+    for scenario in ("full", "full-replay", "sentinel", "sentinel-backward"):
+        first, second = results[scenario, 0], results[scenario, 1]
+        assert first["error"] == second["error"] == "", (scenario, first, second)
+        assert first["events"] == [] and first["seconds"] < 5, (scenario, first)
+        assert second["seconds"] < 5 and not any(second["traced"]), (scenario, second)
+        if scenario.startswith("full"):
+            assert second["events"] == [[2, "norm", "output", "output"],
+                                        [3, "norm", "output", "output"]], second
+            assert second["notes"] == ["", ""]
+            # The diagnosis says what it can without the replay, and why none was made.
+            assert "made here from finite inputs and weights" in second["summary"][0]
+            assert second["evidence"][0] == [f"No replay was made to name the op: {refusal}."]
+            assert second["suggestion"][0][0].startswith(
+                "Run batch 2 through an unsharded copy of the model"), second
+        else:
+            assert second["events"][0] == [2, "", "output", "output"], second
+            assert second["notes"][0] == f"not replayed: {refusal}", second
+    backward = results["sentinel-backward", 1]
+    assert backward["events"][1] == [2, "fc1", "weight", "grad"], backward
+    assert backward["notes"][1] == f"not replayed: {refusal}"
+    assert results["full-replay", 1]["warnings"] == [
+        f"nanwidget: replay_on_nan could not replay batch {batch} (ModelNotReplayableError: "
+        f"{refusal})" for batch in (2, 3)]
+
+
+@pytest.mark.slow
+def test_a_rowwise_parallel_output_is_measured_once_its_all_reduce_has_ended(tensor_parallel_run):
+    # The hooks read the output (an AsyncCollectiveTensor) while its all-reduce still ran: 3 in 4
+    # batches measured this rank's partial sums, so a NaN arriving from the other rank was
+    # blamed on the next module.
+    for rank in (0, 1):
+        measure = tensor_parallel_run["measure", rank]
+        assert len(measure["measured"]) == 16
+        assert measure["measured"] == pytest.approx(measure["actual"], rel=1e-6), measure

@@ -190,6 +190,11 @@ def plain_view(tensor: torch.Tensor) -> torch.Tensor | None:
             return tensor.as_subclass(torch.Tensor)
     if tensor.is_nested:
         return tensor  # nested tensors are read as such (their packed values)
+    if kind.__name__ == "AsyncCollectiveTensor" and hasattr(tensor, "trigger_wait"):
+        # The result of a collective still running (tensor parallel's RowwiseParallel output):
+        # its buffer holds this rank's partial values until the collective ends. Wait for it,
+        # as the next op that uses it would (on a GPU: the stream waits, the host does not).
+        return plain_view(tensor.trigger_wait())
     flatten = getattr(tensor, "__tensor_flatten__", None)
     if flatten is None:
         return None

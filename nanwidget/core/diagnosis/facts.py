@@ -275,6 +275,9 @@ class Facts:
     op: OpFacts | None = None
     # The gradient reaching the model's output held NaN/Inf (None: not seen).
     output_grad_bad: bool | None = None
+    # The event needed a replay for its op, but this process alone cannot run the model (FSDP2,
+    # tensor parallel): why ("": not refused).
+    replay_refused: str = ""
     inputs: list[InputFacts] = field(default_factory=list)
     inputs_held: bool = False  # the batch's inputs were read (rows can be told)
     # Root input entries of the batch's frames that held NaN/Inf (when the inputs were not held).

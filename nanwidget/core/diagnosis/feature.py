@@ -100,7 +100,7 @@ class Diagnoser(Feature):
         try:
             facts = self.facts(event, may_replay=may_replay)
             held = self.capture is not None and event.batch in self.capture.held_batches()
-            return diagnose(facts, replayable=held)
+            return diagnose(facts, replayable=held and not facts.replay_refused)
         except Exception as error:
             self.recorder.internal_error(error)
             return Diagnosis("unknown", f"The diagnosis failed ({type(error).__name__}: {error}).",
@@ -127,7 +127,11 @@ class Diagnoser(Feature):
                 and self._needs_op(facts)):
             if self.replays < MAX_DIAGNOSIS_REPLAYS:
                 self.replays += 1
-                facts.trace = self.replay(event)
+                try:
+                    facts.trace = self.replay(event)
+                except Exception as error:  # this rank alone cannot run it (FSDP2, tensor parallel)
+                    self.replays -= 1  # none ran
+                    facts.replay_refused = str(error)
                 if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
                     facts.output_grad_bad = _root_grad_bad(facts.trace.frames, event.batch, root)
             else:

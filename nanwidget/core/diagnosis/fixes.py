@@ -200,7 +200,12 @@ def loss(batch: int, op: str, traced: bool) -> list[str]:
     return fixes
 
 
-def unknown(batch: int, replayable: bool, backward: bool = False) -> list[str]:
+def unknown(batch: int, replayable: bool, backward: bool = False,
+            refused: bool = False) -> list[str]:
+    if refused:  # this process alone cannot run the model (FSDP2, tensor parallel)
+        return [f"Run batch {batch} through an unsharded copy of the model (the same weights) in "
+                f"one process, watched: w.replay({batch}).report() there names the first op that "
+                "made a NaN/Inf and its line."]
     if replayable and backward:
         return [f"Replay the batch with its loss to see every op of the backward pass: "
                 f"w.replay({batch}, loss_fn=...).report() names the first op that made a "

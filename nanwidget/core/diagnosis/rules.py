@@ -715,6 +715,8 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
             evidence.append(f"The replay did not reproduce it: {reason}.")
         elif event.note:
             evidence.append(event.note[0].upper() + event.note[1:] + ".")
+        if facts.replay_refused:
+            evidence.append(f"No replay was made to name the op: {facts.replay_refused}.")
         if facts.replays_spent:
             evidence.append(f"No replay was made to name the op: a watch replays at most "
                             f"{facts.replays_spent} batches for its diagnoses, and earlier events "
@@ -725,7 +727,8 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
                             f"was diagnosed as {earlier.diagnosis.kind}: "
                             f"{earlier.diagnosis.summary}")
     return Diagnosis("unknown", summary, evidence,
-                     fixes.unknown(event.batch, replayable, backward=event.is_backward),
+                     fixes.unknown(event.batch, replayable, backward=event.is_backward,
+                                   refused=bool(facts.replay_refused)),
                      confidence="low")
 
 

@@ -22,11 +22,12 @@ import torch
 from ..events import NanEvent
 from ..recorder import Feature, Recorder
 from ..trace import Trace
-from .capture import (BatchCapture, BatchNotHeldError, InputModifiedError, ReplayError,
-                      MAX_EVENT_BATCHES, MAX_FORWARDS_PER_BATCH)
+from .capture import (BatchCapture, BatchNotHeldError, InputModifiedError, ModelNotReplayableError,
+                      ReplayError, MAX_EVENT_BATCHES, MAX_FORWARDS_PER_BATCH)
 from .run import automatic_loss, refuse_unreplayable, replay_held_batch
 
 __all__ = ["Replayer", "BatchCapture", "Trace", "ReplayError", "BatchNotHeldError",
+           "ModelNotReplayableError",
            "InputModifiedError", "MAX_AUTO_REPLAYS", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
 
 # Automatic replays (``replay_on_nan=True``) per watch: a diverged run makes an event per batch.
@@ -82,11 +83,15 @@ class Replayer(Feature):
 
     def trace_for(self, event: NanEvent) -> Trace | None:
         """A replay of ``event``'s batch for its diagnosis (not attached to the event): None
-        when no automatic replay can run it, or when it fails."""
+        when no automatic replay can run it, or when it fails. Raises
+        :class:`ModelNotReplayableError` when this process alone cannot run the model (FSDP2,
+        tensor parallel): the diagnosis says why it made no replay."""
         if not self.can_replay(event):
             return None
         try:
             return self.replay_event(event)
+        except ModelNotReplayableError:
+            raise
         except Exception:  # the diagnosis goes on from the frames
             return None
 

@@ -24,7 +24,8 @@ from ..writes import steps_taken
 from .inputs import UncopiedInput, copy_structure, needs_copy
 
 __all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "layouts_of", "ReplayError",
-           "BatchNotHeldError", "InputModifiedError", "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
+           "BatchNotHeldError", "InputModifiedError", "ModelNotReplayableError",
+           "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
 
 # Event batches pinned for replay beyond the last ``keep_batches`` (the first ones: the first
 # event is the one users chase).
@@ -51,6 +52,11 @@ _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 
 class ReplayError(RuntimeError):
     """A batch cannot be replayed (see the message for why and what to do)."""
+
+
+class ModelNotReplayableError(ReplayError):
+    """The model cannot run on this process alone (FSDP2, tensor parallel): no batch of it can
+    be replayed here."""
 
 
 class BatchNotHeldError(ReplayError):

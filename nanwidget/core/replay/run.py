@@ -21,11 +21,12 @@ from ..grads.backward import BackwardFrames, FrameSink
 from ..opaque import add_forward_hook, add_forward_pre_hook, hookable_modules
 from ..recorder import ModuleInfo, Recorder
 from ..schema import OPS_COLUMNS, OPS_DTYPES
-from ..stats import version_of
+from ..stats import is_distributed_tensor, version_of
 from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
 from ..writes import written_since
-from .capture import BatchCapture, ForwardCapture, HeldBatch, ReplayError, WeightSlots, layouts_of
+from .capture import (BatchCapture, ForwardCapture, HeldBatch, ModelNotReplayableError, ReplayError,
+                      WeightSlots, layouts_of)
 from .inputs import UncopiedInput, copy_structure
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
@@ -118,19 +119,42 @@ class Replayed:
 def refuse_unreplayable(recorder: Recorder, capture: BatchCapture, held: HeldBatch) -> None:
     """Raise :class:`ReplayError` when ``held`` cannot be replayed faithfully on this process
     alone: a model sharded with FSDP2 (its forward would wait for the other ranks' all-gathers,
-    forever) or a model whose modules changed since the watch hooked it."""
+    forever), a tensor-parallel one (its forward's collectives would wait for the other ranks,
+    or take their next batch's values), or a model whose modules changed since the watch hooked
+    it."""
     sharded = [info.label for info in recorder.modules if info.sharded]
     if sharded:
-        raise ReplayError(
+        raise ModelNotReplayableError(
             f"cannot replay a model sharded with FSDP2 (fully_shard manages '{sharded[0]}'): "
             "its forward gathers parameters from every rank, and a replay runs on this rank "
             "alone, so it would wait for the others forever. Replay an unsharded copy of the "
             "model on one process instead")
+    spread = _spread_over_ranks(recorder.model)
+    if spread is not None:
+        name, ranks = spread
+        raise ModelNotReplayableError(
+            f"cannot replay a tensor-parallel model ('{name}' is a DTensor over {ranks} ranks): "
+            "its forward exchanges values with the other ranks, and a replay runs on this rank "
+            "alone, so it would wait for the others forever (or take their next batch's values). "
+            "Replay an unsharded copy of the model on one process instead")
     structure = capture.slots.structure_changes()
     if structure:
         raise ReplayError(f"cannot replay batch {held.batch}: the model is not the one this watch "
                           f"hooked ({'; '.join(structure)}), so a replay would run a different "
                           "model. Close the watch and watch the model again")
+
+
+def _spread_over_ranks(model: nn.Module) -> tuple[str, int] | None:
+    """The first parameter or buffer of ``model`` that is a DTensor over more than one rank
+    (``parallelize_module``: its forward runs collectives), and that rank count; None if none.
+    Read at an event only, never per batch."""
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if is_distributed_tensor(tensor):
+            mesh = getattr(tensor, "device_mesh", None)
+            ranks = mesh.size() if mesh is not None else 0
+            if ranks > 1:
+                return name, ranks
+    return None
 
 
 @contextlib.contextmanager
