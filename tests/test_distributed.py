@@ -543,6 +543,9 @@ def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_han
         else:
             assert second["events"][0] == [2, "", "output", "output"], second
             assert second["notes"][0] == f"not replayed: {refusal}", second
+            # Not w.replay(2), which would be refused the same way.
+            assert second["suggestion"][0][0].startswith(
+                "Run batch 2 through an unsharded copy of the model"), second
     backward = results["sentinel-backward", 1]
     assert backward["events"][1] == [2, "fc1", "weight", "grad"], backward
     assert backward["notes"][1] == f"not replayed: {refusal}"

@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import pandas as pd
@@ -39,6 +40,7 @@ from .grads import BackwardFrames, GradNorms, ScalerHint, ScalerWatch, skips_sum
 from .persist import RecordingWriter
 from .recorder import Feature, Recorder
 from .replay import BatchCapture, Replayer, ReplayError
+from .replay.run import unreplayable_reason
 from .report import format_event_report
 from .options import (MAX_EVENTS, MODES, OPTIONS, SkipTypesWarning, WatchOptions,
                       options_help, signature_of_options, split_classes)
@@ -211,7 +213,8 @@ class NanWatch:
             recorder, capture=capture, sentinel=sentinel_mode, loss_fn=options.loss_fn is not None,
             sample_every=options.sample_every if sentinel_mode else None,
             scaler_run=scaler.patience_run if scaler is not None else None,
-            replay=replayer.trace_for if replayer is not None and not sentinel_mode else None))
+            replay=replayer.trace_for if replayer is not None and not sentinel_mode else None,
+            unreplayable=partial(unreplayable_reason, recorder)))
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))
         if options.early_warning:

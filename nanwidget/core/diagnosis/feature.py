@@ -59,8 +59,12 @@ class Diagnoser(Feature):
     def __init__(self, recorder: Recorder, *, capture: Any = None,
                  replay: Callable[[NanEvent], Any] | None = None, sentinel: bool = False,
                  loss_fn: bool = False, sample_every: int | None = None,
-                 scaler_run: Callable[[NanEvent], Any] | None = None) -> None:
+                 scaler_run: Callable[[NanEvent], Any] | None = None,
+                 unreplayable: Callable[[], str] | None = None) -> None:
         self.recorder = recorder
+        # Why this process alone cannot replay the model ("" when it can): then the
+        # suggestions name what to do instead of a replay that would be refused.
+        self.unreplayable = unreplayable
         self.capture = capture
         self.replay = replay
         self.sentinel = sentinel
@@ -141,6 +145,8 @@ class Diagnoser(Feature):
                      and (e.module, e.role, e.is_backward) == (event.module, event.role,
                                                                event.is_backward)
                      and e.diagnosis is not None and e.diagnosis.kind != "unknown"), None)
+        if facts.trace is None and not facts.replay_refused and self.unreplayable is not None:
+            facts.replay_refused = self.unreplayable()  # e.g. a sentinel event not replayed
         facts.op = op_facts(facts.trace)
         with recorder.lock:
             history = recorder.records.history

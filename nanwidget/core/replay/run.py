@@ -31,7 +31,7 @@ from .inputs import UncopiedInput, copy_structure
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
 
-__all__ = ["replay_held_batch", "replay_frames", "refuse_unreplayable", "automatic_loss",
+__all__ = ["replay_held_batch", "replay_frames", "refuse_unreplayable", "unreplayable_reason", "automatic_loss",
            "eager_calls",
            "OutputGrads", "set_forward_state", "forward_arguments", "forward_modes",
            "ReplayFrames", "Replayed"]
@@ -122,26 +122,33 @@ def refuse_unreplayable(recorder: Recorder, capture: BatchCapture, held: HeldBat
     forever), a tensor-parallel one (its forward's collectives would wait for the other ranks,
     or take their next batch's values), or a model whose modules changed since the watch hooked
     it."""
-    sharded = [info.label for info in recorder.modules if info.sharded]
-    if sharded:
-        raise ModelNotReplayableError(
-            f"cannot replay a model sharded with FSDP2 (fully_shard manages '{sharded[0]}'): "
-            "its forward gathers parameters from every rank, and a replay runs on this rank "
-            "alone, so it would wait for the others forever. Replay an unsharded copy of the "
-            "model on one process instead")
-    spread = _spread_over_ranks(recorder.model)
-    if spread is not None:
-        name, ranks = spread
-        raise ModelNotReplayableError(
-            f"cannot replay a tensor-parallel model ('{name}' is a DTensor over {ranks} ranks): "
-            "its forward exchanges values with the other ranks, and a replay runs on this rank "
-            "alone, so it would wait for the others forever (or take their next batch's values). "
-            "Replay an unsharded copy of the model on one process instead")
+    refusal = unreplayable_reason(recorder)
+    if refusal:
+        raise ModelNotReplayableError(refusal)
     structure = capture.slots.structure_changes()
     if structure:
         raise ReplayError(f"cannot replay batch {held.batch}: the model is not the one this watch "
                           f"hooked ({'; '.join(structure)}), so a replay would run a different "
                           "model. Close the watch and watch the model again")
+
+
+def unreplayable_reason(recorder: Recorder) -> str:
+    """Why no batch of ``recorder``'s model can be replayed on this process alone (FSDP2, tensor
+    parallel), or "" when it can. Read at an event only: it walks the parameters."""
+    sharded = [info.label for info in recorder.modules if info.sharded]
+    if sharded:
+        return (f"cannot replay a model sharded with FSDP2 (fully_shard manages '{sharded[0]}'): "
+                "its forward gathers parameters from every rank, and a replay runs on this rank "
+                "alone, so it would wait for the others forever. Replay an unsharded copy of the "
+                "model on one process instead")
+    spread = _spread_over_ranks(recorder.model)
+    if spread is not None:
+        name, ranks = spread
+        return (f"cannot replay a tensor-parallel model ('{name}' is a DTensor over {ranks} "
+                "ranks): its forward exchanges values with the other ranks, and a replay runs on "
+                "this rank alone, so it would wait for the others forever (or take their next "
+                "batch's values). Replay an unsharded copy of the model on one process instead")
+    return ""
 
 
 def _spread_over_ranks(model: nn.Module) -> tuple[str, int] | None:
