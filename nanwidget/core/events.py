@@ -152,6 +152,19 @@ class NanEvent:
         return self.module or "<root>"
 
     @property
+    def qualified_role(self) -> str:
+        """The role qualified by its module, as ``named_parameters()`` names a weight
+        (``fc1.weight``; the role alone at the root)."""
+        return f"{self.module}.{self.role}" if self.module else self.role
+
+    def ran_in(self, dtype: str) -> bool:
+        """Whether a tensor of the event's frames has ``dtype`` (e.g. "float16": its frames
+        ran under float16 autocast)."""
+        frames = self.frames
+        return frames is not None and "dtype" in getattr(frames, "columns", ()) \
+            and bool((frames["dtype"] == dtype).any())
+
+    @property
     def origin_words(self) -> str:
         """The origin in words; for an output event no replay explained, only where it was seen."""
         if self.origin == "output" and self.module == "" and self.role == LOSS_ROLE:

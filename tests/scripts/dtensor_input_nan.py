@@ -8,8 +8,6 @@ fails outright (its sharding rules refuse ``nonzero``), which left the diagnosis
 """
 
 import datetime
-import json
-import os
 import sys
 import time
 
@@ -20,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import nanwidget as nw
+from results import emit
 
 NAN_BATCH = 2
 
@@ -61,8 +60,7 @@ def main() -> int:
         store.set("rank 1 done", "1")
     else:
         store.wait(["rank 1 done"])
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result, default=str) + "\n").encode())
+    emit(result)
     dist.destroy_process_group()
     return 0
 

@@ -14,8 +14,6 @@ prints one ``RESULT {json}`` line per scenario. Used by tests/test_distributed.p
 
 import argparse
 import datetime
-import json
-import os
 import sys
 import time
 import warnings
@@ -27,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import nanwidget as nw
+from results import emit
 
 NAN_BATCH = 2
 
@@ -129,8 +128,7 @@ def main() -> int:
     for name in args.scenarios or [*SCENARIOS, "measure"]:
         result = (measure_scenario(rank, mesh) if name == "measure"
                   else run_scenario(name, rank, mesh, store))
-        sys.stdout.flush()
-        os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result, default=str) + "\n").encode())
+        emit(result)
     dist.destroy_process_group()
     return 0
 

@@ -258,7 +258,7 @@ def weight_names(event: NanEvent) -> list[str]:
     """The qualified names of the non-finite weights in the event's own frame."""
     frames = event.frames
     if frames is None or frames.empty:
-        return [f"{event.module}.{event.role}" if event.module else event.role]
+        return [event.qualified_role]
     own = frames[(frames["frame"] == event.frame) & (frames["batch"] == event.batch)
                  & (frames["phase"] == "forward") & (frames["nan"] | frames["inf"])]
     roles = [r for r in own["role"] if not r.startswith(("input", "kwarg:", "output"))]

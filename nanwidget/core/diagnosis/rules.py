@@ -331,8 +331,7 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
     elif event.role.startswith("grad_"):
         what = f"the gradient at {label}"
     else:
-        what = f"the gradient of '{event.module}.{event.role}'" if event.module \
-            else f"the gradient of '{event.role}'"
+        what = f"the gradient of '{event.qualified_role}'"
     tried = run.scale_last
     kind = _kind_words(event.kind)
     still = (f"{op.op} {op.place}{op.at} still made {kind}" if op is not None
@@ -400,10 +399,10 @@ def _event_dtype(event: NanEvent) -> str:
     """The dtype of the event's own tensor, or float16 when the event's frames ran in it (a
     parameter's float32 gradient accumulates what autocast computed in float16)."""
     dtype = _weight_dtype(event)
+    if dtype not in ("float16", "bfloat16") and event.ran_in("float16"):
+        return "float16"
     frames = event.frames
-    if dtype in ("float16", "bfloat16") or frames is None or frames.empty:
-        return dtype or "float16"
-    return "float16" if bool((frames["dtype"] == "float16").any()) else dtype
+    return dtype or ("float16" if frames is None or frames.empty else dtype)
 
 
 def _loss(facts: Facts) -> Diagnosis | None:
@@ -676,7 +675,7 @@ def _weight_gradient(facts: Facts) -> Diagnosis | None:
     for received_dtype in received["dtype"].dropna().astype(str).unique():
         if dtype_max(received_dtype) < dtype_max(dtype):
             dtype = received_dtype
-    name = f"{event.module}.{event.role}" if event.module else event.role
+    name = event.qualified_role
     label = f"module '{event.module_label}' ({event.module_type})"
     evidence = []
     if len(received):
@@ -753,7 +752,8 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
     run = facts.scaler_run
     if run is not None and found.kind not in ("overflow", "divergence") \
             and not any(line.startswith("The GradScaler skipped") for line in found.evidence):
-        found.evidence.append(f"{_skipped_words(run)[0].upper()}{_skipped_words(run)[1:]}: "
+        skipped = _skipped_words(run)
+        found.evidence.append(f"{skipped[0].upper()}{skipped[1:]}: "
                               f"a {_kind_words(event.kind)} gradient at every scale does not "
                               "come from the scale.")
     op = facts.op

@@ -418,15 +418,9 @@ class ScalerHint(Feature):
         if event is None or not event.is_backward or "inf" not in event.kind \
                 or PASS_THE_SCALER in event.note:
             return event
-        if _float16_frames(event) or _scaler_in_callers():
+        if event.ran_in("float16") or _scaler_in_callers():
             event.note = _joined(event.note, PASS_THE_SCALER)
         return event
-
-
-def _float16_frames(event: NanEvent) -> bool:
-    frames = event.frames
-    return frames is not None and "dtype" in getattr(frames, "columns", ()) \
-        and bool((frames["dtype"] == "float16").any())
 
 
 def _enabled_scaler(value: Any) -> bool:

@@ -67,7 +67,7 @@ from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
 from ..replay.run import Replayed, automatic_loss, replay_frames
 from ..schema import LOCAL_SHARD
-from ..stats import is_distributed_tensor, local_shard, measure_tensor
+from ..stats import local_shard, measure_tensor
 from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
 from .compiled import rerun_compiled
 
@@ -171,7 +171,7 @@ class Sentinel(Feature):
         self._grad_batch: int | None = None
         self._own_event: NanEvent | None = None  # the last event the sentinel made itself
         # The last forward and backward events it made (a cause that persists is not replayed
-        # at every later batch: see _persisting_weight, _persisting_gradient), and the batch
+        # at every later batch: see _persisting_weight, _repeated_gradient), and the batch
         # whose forward event repeated one.
         self._last_forward: NanEvent | None = None
         self._last_backward: NanEvent | None = None
@@ -500,9 +500,10 @@ class Sentinel(Feature):
                         bad: list[BadTensor]) -> Finding:
         """The event of a backward pass that left a non-finite gradient: the batch's forward
         and backward replayed from the gradients its outputs received."""
-        repeat = self._persisting_gradient(batch, bad)
-        if repeat is not None:
-            return self._found(repeat, None, None, repeat=True)
+        if self._repeated_forward == batch:
+            # Its forward event repeated a persisting weight's (_persisting_weight): its
+            # gradients are non-finite for the same reason, told without a replay.
+            return self._found(self._repeated_gradient(batch, bad), None, None, repeat=True)
         started = time.perf_counter()
         try:
             held = self.capture.batch_to_replay(batch)
@@ -564,22 +565,13 @@ class Sentinel(Feature):
         stats = next((e.stats for e in entries if e.role == last.role), None)
         if stats is None or not (stats.nan or stats.inf):
             return None
-        kind = "nan+inf" if stats.nan and stats.inf else ("nan" if stats.nan else "inf")
-        label = f"{last.module}.{last.role}" if last.module else last.role
         return NanEvent(batch=batch, module=last.module, module_type=last.module_type,
-                        call=last.call, role=last.role, kind=kind, origin="weight",
-                        rank=self.recorder.rank,
-                        note=f"not replayed: the weight {label} found non-finite in batch "
+                        call=last.call, role=last.role, kind=event_kind(stats.nan, stats.inf),
+                        origin="weight", rank=self.recorder.rank,
+                        note=f"not replayed: the weight {last.qualified_role} found non-finite "
+                             f"in batch "
                              f"{self._forward_since} still is (that event has the frames and "
                              "the trace)")
-
-    def _persisting_gradient(self, batch: int, bad: list[BadTensor]) -> NanEvent | None:
-        """The gradient event of a batch whose forward event repeated a persisting weight's
-        (see :meth:`_persisting_weight`): its gradients are non-finite for the same reason,
-        told without a replay. None otherwise."""
-        if self._repeated_forward != batch:
-            return None
-        return self._repeated_gradient(batch, bad)
 
     def _repeated_gradient(self, batch: int, bad: list[BadTensor]) -> NanEvent:
         """A gradient event that repeats the last one: in its place when its parameter is
@@ -587,7 +579,7 @@ class Sentinel(Feature):
         last = self._last_backward
         labels = [b.label for b in bad]
         if last is not None:
-            label = f"{last.module}.{last.role}" if last.module else last.role
+            label = last.qualified_role
             if label in labels:
                 bad = [bad[labels.index(label)]] + [b for b in bad if b.label != label]
         since = f" since batch {self._backward_since}" if last is not None else ""
@@ -751,7 +743,7 @@ class Sentinel(Feature):
         for forward, slot in enumerate(grads):
             entries = []
             for role, grad in (slot or {}).items():
-                values = local_shard(grad) if is_distributed_tensor(grad) else grad
+                values = local_shard(grad)
                 # A plain tensor's gradient is grad_output[0], as the backward frames name it.
                 name = "grad_output[0]" if role == "output" else f"grad_{role}"
                 entries.append(Entry((name, measure_tensor(values), grad.dtype,
