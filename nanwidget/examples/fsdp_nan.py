@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         result["shards_finite"] = [bool(torch.isfinite(s).all()) for s in shards]
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result, default=str) + "\n").encode())
+    # NanDetected left the backward pass before FSDP waited for its gradient reduce-scatter:
+    # a barrier on the same group runs after it, so no collective is in flight at teardown
+    # (one was, now and then, and the process aborted as it exited).
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
