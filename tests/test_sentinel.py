@@ -183,6 +183,69 @@ def test_every_float_leaf_of_any_structure_is_checked_and_others_are_skipped():
     assert event.kind == "nan" and event.origin == "output"
 
 
+class _CacheLayer:  # a transformers cache layer's shape: tensors beside flags and a device
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys, self.values = keys, keys * 2
+        self.is_initialized, self.device, self.dtype = True, keys.device, keys.dtype
+        self._hidden = torch.full((2,), float("nan"))  # private: not a leaf
+
+
+class _Cache:
+    def __init__(self, layers: int) -> None:
+        self.layers = [_CacheLayer(torch.randn(2, 3)) for _ in range(layers)]
+        self.offloading, self.layer_class_to_replicate, self.empty = False, None, []
+
+
+class _IntFlag(int):  # a subclass of a scalar type: still no tensor in it
+    pass
+
+
+def _walked_by_iter_leaves(output, unread):
+    """float_leaves written with the general walk, as the reference."""
+    from nanwidget.core.sentinel import checkable
+    from nanwidget.core.stats import functorch_unwrapped
+    from nanwidget.core.walk import Unread, iter_leaves
+    found = []
+    for role, leaf in iter_leaves(output, "output"):
+        if isinstance(leaf, torch.Tensor):
+            values = checkable(functorch_unwrapped(leaf))
+            if values is not None and native.storage_holds(values):
+                found.append((role, leaf))
+        elif isinstance(leaf, Unread):
+            unread.append(f"{role} ({leaf.why})")
+    return found
+
+
+def test_the_output_walk_finds_the_leaves_of_the_general_walk_in_its_order():
+    from nanwidget.core.sentinel import float_leaves
+    t = torch.randn(3)
+    loop: list = [t]
+    loop.append(loop)
+    deep: object = t
+    for _ in range(40):  # past the walk's direct depth
+        deep = [deep, {"d": torch.ones(1)}]
+    freed = torch.randn(4)
+    freed.untyped_storage().resize_(0)
+    structures = [
+        {"logits": t, "cache": _Cache(3), "flag": _IntFlag(1)},
+        (t, [None, "s", 2.0, torch.device("cpu"), torch.float16, torch.arange(3)],
+         {1: t * 2, (2, 3): [torch.zeros(0), torch.zeros(2, device="meta")], "x": freed}),
+        Pair(value=t, extra={"s": {t}, "it": iter([t])}),
+        loop, deep, [_Cache(0), torch.complex(t, t), torch.tensor([True])],
+    ]
+    for structure in structures:
+        unread: list[str] = []
+        reference_unread: list[str] = []
+        walked = [(role, leaf) for role, leaf, _ in float_leaves(structure, unread=unread)]
+        reference = _walked_by_iter_leaves(structure, reference_unread)
+        assert [role for role, _ in walked] == [role for role, _ in reference]
+        assert all(a is b for (_, a), (_, b) in zip(walked, reference))
+        assert unread == reference_unread
+    roles = [role for role, _, _ in float_leaves(structures[0])]
+    assert roles == ["output.logits"] + [f"output.cache.layers[{i}].{name}" for i in range(3)
+                                         for name in ("keys", "values")]
+
+
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
 def test_a_nested_tensor_output_is_checked(layout):
     class Ragged(nn.Module):
