@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -418,3 +419,87 @@ def test_parametrize_cached_weights_are_recomputed_by_the_replay_as_full_mode_na
     assert_same_event(full, sentinel)
     assert full.trace.reproduced and sentinel.trace.reproduced
     assert full_kept and sentinel_kept
+
+
+# A model that returns a tensor it also uses inside (a key/value cache, hidden states): the
+# gradient a hook on that output holds is all of it, the inner part included. The sentinel's
+# backward replay must not send the inner part through twice.
+class _NanInBackward(torch.autograd.Function):
+    active = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan") if _NanInBackward.active else grad
+
+
+class _ReturnsWhatItUses(nn.Module):
+    def __init__(self, nan_below: bool) -> None:
+        super().__init__()
+        self.nan_below = nan_below
+        self.lin0, self.lin1, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.lin0(x)
+        if self.nan_below:  # the NaN is made in the backward pass below lin1
+            h = _NanInBackward.apply(h)
+        h = self.lin1(h)
+        out = self.head(h if self.nan_below else _NanInBackward.apply(h))
+        return out, h  # h is returned and used by head
+
+
+def _run_returning_model(mode: str, nan_below: bool, aux: str) -> nw.Watch:
+    torch.manual_seed(0)
+    model = _ReturnsWhatItUses(nan_below)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+            for step in range(3):
+                _NanInBackward.active = step == 2 and aux != "nan"
+                out, h = model(torch.randn(3, 4))
+                loss = out.sum()
+                if aux == "square":
+                    loss = loss + h.square().sum()
+                elif aux == "nan" and step == 2:
+                    loss = loss + (h * float("nan")).sum()
+                loss.backward()
+    _NanInBackward.active = False
+    return w
+
+
+def _rows(event, module: str) -> list[tuple[str, float]]:
+    frames = event.frames
+    rows = frames[frames.module.eq(module) & frames.batch.eq(event.batch)
+                  & frames.role.str.startswith("grad")]
+    return [(role, round(float(value), 6)) for role, value in zip(rows.role, rows.abs_max)]
+
+
+@pytest.mark.parametrize("aux", ["none", "square"])
+def test_a_replay_from_an_output_the_model_also_used_gives_the_live_gradients(aux):
+    full = _run_returning_model("full", nan_below=True, aux=aux).event
+    sentinel = _run_returning_model("sentinel", nan_below=True, aux=aux).event
+    assert (sentinel.batch, sentinel.module, sentinel.role) == (full.batch, full.module, full.role)
+    assert _rows(sentinel, "lin1") == _rows(full, "lin1") != []
+    assert sentinel.trace is not None and sentinel.trace.reproduced
+
+
+def test_a_nan_made_inside_the_backward_is_not_blamed_on_the_returned_tensors_gradient():
+    full = _run_returning_model("full", nan_below=False, aux="none").event
+    sentinel = _run_returning_model("sentinel", nan_below=False, aux="none").event
+    assert (sentinel.module, sentinel.role, sentinel.origin) == (full.module, full.role, "grad")
+    trace = sentinel.trace
+    # the op that made it (the multiplication in _NanInBackward's backward), not the gradient
+    # held for the returned h
+    assert trace.first_bad is not None and trace.first_bad["op"].startswith("mul")
+    assert ("output-grad", "output[1]") not in trace.came_with
+    assert sentinel.diagnosis.kind != "loss"
+
+
+def test_a_nan_sent_into_a_returned_tensor_by_the_loss_is_the_loss_in_both_modes():
+    full = _run_returning_model("full", nan_below=False, aux="nan").event
+    sentinel = _run_returning_model("sentinel", nan_below=False, aux="nan").event
+    assert full.diagnosis.kind == sentinel.diagnosis.kind == "loss"
+    assert "made in the loss" in str(sentinel.trace)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 import sys
 import threading
 import time
@@ -423,7 +424,7 @@ class _Replay:
                          if role in output_grads and isinstance(leaf, _Tensor) and leaf.requires_grad]
                 if pairs:
                     recorder.phase = "backward"
-                    torch.autograd.backward([leaf for leaf, _ in pairs], [grad for _, grad in pairs])
+                    backward_from_outputs(pairs)
                 return None
             if loss_fn is None:
                 return None
@@ -436,6 +437,88 @@ class _Replay:
             recorder.phase = "backward"
             loss.backward()
         return float(loss.detach())
+
+
+def backward_from_outputs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Run the backward pass of a replayed forward from the gradients its outputs received in
+    the live run (``(output leaf, gradient)``), so that every gradient, at the outputs and
+    upstream, equals the live one.
+
+    A gradient held by a hook on an output is that output's whole gradient: what the caller
+    sent in plus what the model's own later ops sent back when it also used the tensor inside
+    (a returned key/value cache, hidden states). Fed in as a seed, that inner part would flow
+    twice. So only the outputs no other output was computed from are seeds. Each of the others
+    gets its held gradient back from a hook that runs before any other hook on it (the frames'
+    hooks then read the live value), unless what the replay sent back to it is already
+    non-finite: then the NaN was made inside, and the replay's own value goes on, for the op
+    trace to find where."""
+    unique: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for leaf, grad in pairs:  # one tensor under two roles: one seed, not two
+        unique.setdefault(id(leaf), (leaf, grad))
+    pairs = list(unique.values())
+    inside = _used_inside([leaf for leaf, _ in pairs])
+    seeds = [pair for pair, used in zip(pairs, inside) if not used]
+    if not seeds:  # no edge found to tell them apart: every output a seed, as given
+        seeds, inside = pairs, [False] * len(pairs)
+    handles = []
+    try:
+        for (leaf, grad), used in zip(pairs, inside):
+            if used:
+                handle = leaf.register_hook(partial(_held_unless_nonfinite, grad))
+                handles.append(handle)
+                _run_first(getattr(leaf, "_backward_hooks", None), handle.id)
+        torch.autograd.backward([leaf for leaf, _ in seeds], [grad for _, grad in seeds])
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _held_unless_nonfinite(held: torch.Tensor, arrived: torch.Tensor) -> torch.Tensor | None:
+    with torch.no_grad():
+        return None if not bool(torch.isfinite(arrived).all()) else held
+
+
+def _used_inside(outputs: list[torch.Tensor]) -> list[bool]:
+    """For each output: whether another output's graph reaches it (the model computed another
+    output from it), by its gradient edge (node and output number)."""
+    get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    edges: list[tuple[Any, int]] = []
+    for tensor in outputs:
+        try:
+            edge = get_edge(tensor) if get_edge is not None else (tensor.grad_fn, tensor.output_nr)
+            edges.append((edge[0], edge[1]))
+        except Exception:  # no edge to look for: a seed
+            edges.append((None, 0))
+    reached: set[tuple[int, int]] = set()
+    seen: set[int] = set()
+    kept: list[Any] = []  # the nodes walked, alive while their ids are compared
+    stack = [tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        kept.append(node)
+        for next_node, number in node.next_functions:
+            if next_node is None:
+                continue
+            kept.append(next_node)
+            reached.add((id(next_node), number))
+            if id(next_node) not in seen:
+                stack.append(next_node)
+    return [node is not None and (id(node), number) in reached for node, number in edges]
+
+
+def _run_first(hooks: Any, key: int) -> None:
+    """Make the tensor hook ``key`` of ``hooks`` (a tensor's ``_backward_hooks``) run before the
+    others: autograd calls them in the order of the underlying dict (``move_to_end`` reorders
+    only the OrderedDict's own list), so the others are taken out and put back after it."""
+    if not isinstance(hooks, dict) or key not in hooks:
+        return
+    others = [(other, hook) for other, hook in hooks.items() if other != key]
+    for other, _ in others:
+        del hooks[other]
+    hooks.update(others)
 
 
 def _last_finite(event: NanEvent | None, came_with: list[tuple[str, str]],
