@@ -99,6 +99,13 @@ def test_unknown_model_is_one_clear_error():
         main(["bench", "--models", "resnet"])
 
 
+@pytest.mark.parametrize("flag,value", [("--models", "mlp,,gpt2"), ("--models", "mlp,"),
+                                        ("--models", "mlp,mlp"), ("--modes", "forward,,train")])
+def test_an_empty_or_repeated_part_in_a_list_is_one_clear_error(flag, value):
+    with pytest.raises(SystemExit, match="empty or repeated part"):
+        main(["bench", flag, value])
+
+
 def test_overhead_share_and_verdict_follow_the_issue_targets():
     row = bench.BenchRow("mlp", "train", "", 1, 1, 1.0,
                          {"nanwidget": 1.2, "debug_underflow": 3.0})

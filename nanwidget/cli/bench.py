@@ -55,11 +55,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _split(value: str, allowed: tuple[str, ...], what: str) -> list[str]:
-    items = [item.strip() for item in value.split(",") if item.strip()]
-    unknown = [item for item in items if item not in allowed]
-    if unknown or not items:
+    items = [item.strip() for item in value.split(",")]
+    unknown = [item for item in items if item and item not in allowed]
+    if unknown or not any(items):
         raise SystemExit(f"nanwidget bench: unknown {what} {', '.join(unknown) or '(none given)'}; "
                          f"choose from {', '.join(allowed)}")
+    if not all(items) or len(set(items)) < len(items):
+        # a typo such as "mlp,,gpt2" or "mlp,mlp": say so rather than time something else
+        raise SystemExit(f"nanwidget bench: --{what}s {value!r} has an empty or repeated part; "
+                         f"give each {what} once, separated by commas (e.g. "
+                         f"{','.join(allowed[:2])})")
     return items
 
 
