@@ -953,7 +953,12 @@ def test_lab_why_nan_notebook_under_run_all_says_why_and_warned_before(lab, chro
         # warned at batch 15 (stdout and stderr arrive as two blocks: the batch numbers tell)
         assert "early warning, batch 15: output of 'fc1'" in divergence
         assert "3 early warnings (first: 'fc1'" in divergence  # the cell's live status line
-        assert "NanDetected: nan in batch 40 at module 'fc1'" in divergence
+        # the batch it goes NaN in depends on the CPU's float rounding (39 or 40 on the
+        # machines we ran it on): the rest of the test follows it
+        found = re.search(r"NanDetected: nan in batch (\d+) at module 'fc1'", divergence)
+        assert found, divergence[-800:]
+        nan_batch = int(found.group(1))
+        assert 30 <= nan_batch <= 50, nan_batch
         assert "Why (divergence): Training diverged" in divergence
         browser = cells.nth(stopped[0]).locator(".nw-browser")
         status = browser.locator(".nw-status")
@@ -965,7 +970,7 @@ def test_lab_why_nan_notebook_under_run_all_says_why_and_warned_before(lab, chro
         # the cells after it leave the diverged model alone: its batch replays as it ran
         browser.locator(".nw-rerun").click()
         head = browser.locator(".nw-trace-head")
-        head.filter(has_text="trace of batch 40").wait_for()
+        head.filter(has_text=f"trace of batch {nan_batch}").wait_for()
         assert "it came with the weights fc1.weight, fc1.bias" in head.inner_text()
         line_height, font_size = head.evaluate(
             "e => [getComputedStyle(e).lineHeight, getComputedStyle(e).fontSize].map(parseFloat)")
