@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_leaves", "Unread", "kind_of", "SEQUENCE", "MAPPING", "ATTRIBUTES", "LEAF",
+__all__ = ["iter_leaves", "tensor_leaves", "Unread", "kind_of", "SEQUENCE", "MAPPING", "ATTRIBUTES", "LEAF",
            "OTHER"]
 
 _Tensor = torch.Tensor
@@ -166,3 +166,69 @@ def _children_by_checks(value: Any, role: str) -> Iterator[tuple[str, Any]] | Un
         return ((f"{role}.{name}", item) for name, item in list(attributes.items())
                 if not name.startswith("_"))
     return None
+
+
+# Values of these exact types hold no tensor: tensor_leaves leaves them out at once (a cache
+# layer's flags and device, a config's numbers); subclasses are looked at the long way.
+_HOLD_NO_TENSOR = frozenset({*_SCALARS, torch.device, torch.dtype})
+_MAX_DIRECT_DEPTH = 32  # tensor_leaves recurses; deeper structures go to iter_leaves
+
+
+def tensor_leaves(value: Any, role: str, unread: list[str] | None = None
+                  ) -> list[tuple[str, torch.Tensor]]:
+    """``(role, tensor)`` of every tensor leaf of ``value``: what :func:`iter_leaves` yields
+    for them (same roles, same order, cycles and iterators alike), without making the roles of
+    the other leaves (a model's output every batch: a ``ModelOutput`` holding a key/value cache
+    object, most of whose leaves are flags and devices). ``unread`` gets ``"role (why)"`` of
+    each leaf that cannot be read."""
+    found: list[tuple[str, torch.Tensor]] = []
+    _collect_tensors(value, role, found, unread, None, 0)
+    return found
+
+
+def _collect_tensors(value: Any, role: str, found: list[tuple[str, torch.Tensor]],
+                     unread: list[str] | None, open_containers: set[int] | None,
+                     depth: int) -> None:
+    if isinstance(value, _Tensor):
+        found.append((role, value))
+        return
+    if isinstance(value, _SCALARS):
+        return
+    kind = kind_of(value)
+    if kind == LEAF:
+        return
+    if kind == SEQUENCE:
+        children = [(f"{role}[{index}]", item) for index, item in enumerate(value)
+                    if type(item) not in _HOLD_NO_TENSOR]
+    elif kind == ATTRIBUTES:
+        attributes = getattr(value, "__dict__", None)
+        if not isinstance(attributes, dict) or not attributes:
+            return
+        children = [(f"{role}.{name}", item) for name, item in list(attributes.items())
+                    if type(item) not in _HOLD_NO_TENSOR and not name.startswith("_")]
+    elif kind == MAPPING:
+        children = [(f"{role}.{key}" if isinstance(key, str) else f"{role}[{key!r}]", item)
+                    for key, item in list(value.items()) if type(item) not in _HOLD_NO_TENSOR]
+    else:
+        children = None
+    if open_containers is None:
+        open_containers = set()
+    elif id(value) in open_containers:
+        if unread is not None:
+            unread.append(f"{role} (contains itself)")
+        return
+    if children is None or depth > _MAX_DIRECT_DEPTH:  # sets, dataclasses, iterators, proxies
+        for leaf_role, leaf in iter_leaves(value, role, open_containers):
+            if isinstance(leaf, _Tensor):
+                found.append((leaf_role, leaf))
+            elif unread is not None and isinstance(leaf, Unread):
+                unread.append(f"{leaf_role} ({leaf.why})")
+        return
+    key = id(value)
+    open_containers.add(key)
+    for child_role, child in children:
+        if isinstance(child, _Tensor):
+            found.append((child_role, child))
+        else:
+            _collect_tensors(child, child_role, found, unread, open_containers, depth + 1)
+    open_containers.discard(key)

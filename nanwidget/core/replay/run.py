@@ -481,17 +481,16 @@ def _held_unless_nonfinite(held: torch.Tensor, arrived: torch.Tensor) -> torch.T
 def _used_inside(outputs: list[torch.Tensor]) -> list[bool]:
     """For each output: whether another output's graph reaches it (the model computed another
     output from it), by its gradient edge (node and output number)."""
-    get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
     edges: list[tuple[Any, int]] = []
     for tensor in outputs:
         try:
-            edge = get_edge(tensor) if get_edge is not None else (tensor.grad_fn, tensor.output_nr)
+            edge = torch.autograd.graph.get_gradient_edge(tensor)
             edges.append((edge[0], edge[1]))
         except Exception:  # no edge to look for: a seed
             edges.append((None, 0))
     reached: set[tuple[int, int]] = set()
     seen: set[int] = set()
-    kept: list[Any] = []  # the nodes walked, alive while their ids are compared
+    kept: list[Any] = []  # the nodes walked (each pushed first), alive while ids are compared
     stack = [tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None]
     while stack:
         node = stack.pop()
@@ -502,7 +501,6 @@ def _used_inside(outputs: list[torch.Tensor]) -> list[bool]:
         for next_node, number in node.next_functions:
             if next_node is None:
                 continue
-            kept.append(next_node)
             reached.add((id(next_node), number))
             if id(next_node) not in seen:
                 stack.append(next_node)

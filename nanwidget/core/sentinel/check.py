@@ -30,18 +30,12 @@ import torch
 from .. import native
 from ..stats import (PLAIN_TENSOR_TYPES, functorch_unwrapped, local_shard, measure_tensor,
                      plain_view, storage_holds)
-from ..walk import ATTRIBUTES, LEAF, MAPPING, SEQUENCE, Unread, iter_leaves, kind_of
+from ..walk import tensor_leaves
 
 __all__ = ["NonFiniteCheck", "BadTensor", "float_leaves", "checkable", "device_numbers"]
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
-_SCALARS = (str, bytes, int, float, bool, complex)  # leaves as iter_leaves yields them
-_MAX_DIRECT_DEPTH = 32  # deeper structures go to iter_leaves (which has no recursion)
-# Values of these exact types hold no tensor: a walk leaves them out at once (a cache layer's
-# flags and device, a config's numbers); subclasses are looked at the long way.
-_HOLD_NO_TENSOR = frozenset({type(None), str, bytes, int, float, bool, complex, torch.device,
-                             torch.dtype})
 
 
 class BadTensor:
@@ -115,75 +109,12 @@ def float_leaves(output: Any, role: str = "output", unread: list[str] | None = N
         # the common case: one dense float tensor (within vmap or grad: the values it wraps)
         values = functorch_unwrapped(output)
         return [(role, output, values)] if storage_holds(values) else []
-    found: list[tuple[str, torch.Tensor, torch.Tensor]] = []
-    _collect_float_leaves(output, role, found, unread, None, 0)
+    found = []
+    for leaf_role, leaf in tensor_leaves(output, role, unread):
+        values = checkable(functorch_unwrapped(leaf))
+        if values is not None and storage_holds(values):
+            found.append((leaf_role, leaf, values))
     return found
-
-
-def _add_float_leaf(role: str, leaf: torch.Tensor,
-                    found: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-    values = checkable(functorch_unwrapped(leaf))
-    if values is not None and storage_holds(values):
-        found.append((role, leaf, values))
-
-
-def _collect_float_leaves(value: Any, role: str, found: list, unread: list[str] | None,
-                          open_containers: set[int] | None, depth: int) -> None:
-    """:func:`float_leaves` of a structure: the walk of :func:`iter_leaves` (same roles, same
-    order, cycles and iterators alike), with tuples, lists, mappings and plain objects walked
-    here. A model's output is one every batch (a ``ModelOutput`` holding a key/value cache
-    object and its layers), and most of its leaves are no tensors: their roles are not made."""
-    if isinstance(value, _Tensor):
-        _add_float_leaf(role, value, found)
-        return
-    if value is None or isinstance(value, _SCALARS):
-        return
-    kind = kind_of(value)
-    if kind == LEAF:
-        return
-    if kind == SEQUENCE:
-        children = [(index, item) for index, item in enumerate(value)
-                    if type(item) not in _HOLD_NO_TENSOR]
-    elif kind == ATTRIBUTES:
-        attributes = getattr(value, "__dict__", None)
-        if not isinstance(attributes, dict) or not attributes:
-            return
-        children = [(name, item) for name, item in list(attributes.items())
-                    if type(item) not in _HOLD_NO_TENSOR and not name.startswith("_")]
-    elif kind == MAPPING:
-        children = [(key, item) for key, item in list(value.items())
-                    if type(item) not in _HOLD_NO_TENSOR]
-    else:
-        children = None
-    if open_containers is None:
-        open_containers = set()
-    elif id(value) in open_containers:
-        if unread is not None:
-            unread.append(f"{role} (contains itself)")
-        return
-    if children is None or depth > _MAX_DIRECT_DEPTH:  # sets, dataclasses, iterators, proxies
-        for leaf_role, leaf in iter_leaves(value, role, open_containers):
-            if isinstance(leaf, _Tensor):
-                _add_float_leaf(leaf_role, leaf, found)
-            elif unread is not None and isinstance(leaf, Unread):
-                unread.append(f"{leaf_role} ({leaf.why})")
-        return
-    if not children:
-        return
-    key = id(value)
-    open_containers.add(key)
-    for name, child in children:
-        if kind == SEQUENCE:
-            child_role = f"{role}[{name}]"
-        elif kind == ATTRIBUTES or isinstance(name, str):
-            child_role = f"{role}.{name}"
-        else:
-            child_role = f"{role}[{name!r}]"
-        if isinstance(child, _Tensor):
-            _add_float_leaf(child_role, child, found)
-        else:
-            _collect_float_leaves(child, child_role, found, unread, open_containers, depth + 1)
-    open_containers.discard(key)
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
