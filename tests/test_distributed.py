@@ -514,23 +514,18 @@ def tensor_parallel_run():
             (decoder.raw_decode(chunk)[0] for chunk in finished.stdout.split("RESULT ")[1:])}
 
 
-@pytest.mark.slow
-def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_hang(
-        tensor_parallel_run):
-    # parallelize_module puts an all-reduce inside the forward. A replay on rank 1 alone ran it
-    # with no partner: it took rank 0's next batch, then rank 1 hung until the group's timeout
-    # (a gloo RuntimeError out of the training loop). Now each replay is refused before it runs.
-    # Rank 0 has no event in any scenario, so none of its ops waits for rank 1.
-    results = tensor_parallel_run
-    refusal = ("cannot replay a tensor-parallel model ('fc1.weight' is a DTensor over 2 ranks): "
-               "its forward exchanges values with the other ranks, and a replay runs on this "
-               "rank alone, so it would wait for the others forever (or take their next batch's "
-               "values). Replay an unsharded copy of the model on one process instead")
+def _assert_replays_refused(results: dict, prefix: str, refusal: str) -> None:
+    """tp_nan.py's four scenarios named ``prefix`` + option set: rank 1's events kept, each
+    replay refused with ``refusal`` before it ran, no rank waiting; rank 0 has no event in any
+    scenario, so none of its ops waits for rank 1."""
     for scenario in ("full", "full-replay", "sentinel", "sentinel-backward"):
-        first, second = results[scenario, 0], results[scenario, 1]
+        first, second = results[prefix + scenario, 0], results[prefix + scenario, 1]
         assert first["error"] == second["error"] == "", (scenario, first, second)
         assert first["events"] == [] and first["seconds"] < 5, (scenario, first)
         assert second["seconds"] < 5 and not any(second["traced"]), (scenario, second)
+        # Not w.replay(2), which would be refused the same way.
+        assert second["suggestion"][0][0].startswith(
+            "Run batch 2 through an unsharded copy of the model"), second
         if scenario.startswith("full"):
             assert second["events"] == [[2, "norm", "output", "output"],
                                         [3, "norm", "output", "output"]], second
@@ -538,20 +533,51 @@ def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_han
             # The diagnosis says what it can without the replay, and why none was made.
             assert "made here from finite inputs and weights" in second["summary"][0]
             assert second["evidence"][0] == [f"No replay was made to name the op: {refusal}."]
-            assert second["suggestion"][0][0].startswith(
-                "Run batch 2 through an unsharded copy of the model"), second
         else:
             assert second["events"][0] == [2, "", "output", "output"], second
             assert second["notes"][0] == f"not replayed: {refusal}", second
-            # Not w.replay(2), which would be refused the same way.
-            assert second["suggestion"][0][0].startswith(
-                "Run batch 2 through an unsharded copy of the model"), second
-    backward = results["sentinel-backward", 1]
+            assert second["evidence"][0] == [f"Not replayed: {refusal}."], second  # said once
+    backward = results[prefix + "sentinel-backward", 1]
     assert backward["events"][1] == [2, "fc1", "weight", "grad"], backward
     assert backward["notes"][1] == f"not replayed: {refusal}"
-    assert results["full-replay", 1]["warnings"] == [
+    assert results[prefix + "full-replay", 1]["warnings"] == [
         f"nanwidget: replay_on_nan could not replay batch {batch} (ModelNotReplayableError: "
         f"{refusal})" for batch in (2, 3)]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_nan_on_one_rank_is_kept_without_a_replay_that_would_hang(
+        tensor_parallel_run):
+    # parallelize_module puts an all-reduce inside the forward. A replay on rank 1 alone ran it
+    # with no partner: it took rank 0's next batch, then rank 1 hung until the group's timeout
+    # (a gloo RuntimeError out of the training loop). Now each replay is refused before it runs.
+    _assert_replays_refused(tensor_parallel_run, "", (
+        "cannot replay a tensor-parallel model ('fc1.weight' is a DTensor over 2 ranks): its "
+        "forward exchanges values with the other ranks, and a replay runs on this rank alone, so "
+        "it would wait for the others forever (or take their next batch's values). Replay an "
+        "unsharded copy of the model on one process instead"))
+
+
+@pytest.mark.slow
+def test_a_hand_written_parallel_layers_all_reduce_stops_the_replay_before_it_waits(
+        tensor_parallel_run):
+    # Megatron-style layers hold plain tensors: nothing seen before a replay says that fc2's
+    # forward all-reduces. A replay on rank 1 alone ran that all-reduce: it took rank 0's next
+    # batch's partial sums, then waited until the group's timeout (a gloo RuntimeError out of
+    # rank 1's training loop, and rank 0 gone). Now the replay stops at the collective, before
+    # it is issued, and later replays of the model are refused at once.
+    _assert_replays_refused(tensor_parallel_run, "hand-", (
+        "cannot replay a model whose forward or backward exchanges values with other ranks "
+        "('fc2' ran the collective c10d::allreduce_ over 2 ranks): a replay runs on this rank "
+        "alone, so it would wait for the others forever (or take their next batch's values). "
+        "Replay an unsharded copy of the model on one process instead"))
+    # The same layer all-reducing over a group of its own rank alone waits for no one: its
+    # replay runs, and names the op.
+    solo = tensor_parallel_run["solo-full", 1]
+    assert solo["error"] == "" and solo["seconds"] < 5, solo
+    assert solo["events"] == [[2, "norm", "output", "output"], [3, "norm", "output", "output"]]
+    assert solo["evidence"][0][2] == "div output: 10 NaN of 10 values (float32 max 3.4028e+38).", \
+        solo
 
 
 @pytest.mark.slow

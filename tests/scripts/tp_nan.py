@@ -3,6 +3,12 @@
 ``fc2``'s forward), and a NaN that only rank 1 sees: before batch ``NAN_BATCH`` rank 1 zeroes its
 copy of ``head`` (a plain layer after the all-reduce), so ``norm`` divides 0/0 there alone.
 
+The same scenarios run again (``hand-`` names) on a tensor-parallel model written by hand, the
+way Megatron-style layers are: plain tensors, each rank its shard of ``fc2``'s weight, and a
+``dist.all_reduce`` of the partial sums inside ``fc2``'s forward (no DTensor to see beforehand).
+``solo-full`` runs that model with the all-reduce over a group of this rank alone: no rank waits
+for another, so its replay is made.
+
 Each scenario (a watch option set, see ``SCENARIOS``) watches a fresh model with
 ``on_nan="record"`` (no consensus exchange). A replay of the batch on rank 1 alone would run the
 forward's all-reduce with no partner: it takes rank 0's next batch's values, then waits until the
@@ -49,6 +55,46 @@ class TensorParallelNet(nn.Module):
         return self.norm(self.head(torch.relu(self.fc2(torch.relu(self.fc1(x))))))
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """A row-parallel layer's all-reduce of its partial sums; its backward passes the gradient
+    on (Megatron's reduce-from-tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        total = partial.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear(8, 6)`` split by input features over the ranks of ``group``: each holds its
+    columns of the weight as a plain tensor and sums its partial products with the others'."""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        full = nn.Linear(8, 6)  # the same seeded layer on every rank
+        ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+        width = 8 // ranks
+        self.columns = slice(rank * width, (rank + 1) * width)
+        self.weight = nn.Parameter(full.weight[:, self.columns].detach().clone())
+        self.bias = nn.Parameter(full.bias.detach().clone())
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = x[:, self.columns] @ self.weight.t()
+        return _SumOverRanks.apply(partial, self.group) + self.bias
+
+
+class HandParallelNet(TensorParallelNet):
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.fc2 = RowParallelLinear(group)
+
+
 SCENARIOS = {  # name: the watch's options
     "full": dict(),
     "full-replay": dict(replay_on_nan=True),
@@ -57,11 +103,20 @@ SCENARIOS = {  # name: the watch's options
 }
 
 
-def run_scenario(name: str, rank: int, mesh, store) -> dict:
-    options = SCENARIOS[name]
+def build_model(name: str, mesh, own_group):
+    """The scenario's model: ``name``'s prefix says which (see the module's docstring)."""
     torch.manual_seed(0)
-    model = parallelize_module(TensorParallelNet(), mesh,
-                               {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    if name.startswith("hand-"):
+        return HandParallelNet(dist.group.WORLD)
+    if name.startswith("solo-"):
+        return HandParallelNet(own_group)
+    return parallelize_module(TensorParallelNet(), mesh,
+                              {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+
+def run_scenario(name: str, rank: int, mesh, store, own_group) -> dict:
+    options = SCENARIOS[name.split("-", 1)[1] if name.startswith(("hand-", "solo-")) else name]
+    model = build_model(name, mesh, own_group)
     data = torch.Generator().manual_seed(100)  # the same batches on every rank (replicated input)
     started = time.monotonic()
     error = ""
@@ -117,7 +172,7 @@ def measure_scenario(rank: int, mesh) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenarios", nargs="*",
-                        help=f"of {', '.join(SCENARIOS)}, measure (default: all)")
+                        help=f"of {', '.join(SCENARIOS)}, each also with hand-, solo-full, measure (default: all)")
     parser.add_argument("--timeout", type=float, default=10.0,
                         help="seconds before a collective counts as hung (default 10)")
     args = parser.parse_args()
@@ -125,9 +180,12 @@ def main() -> int:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     store = dist.distributed_c10d._get_default_store()
-    for name in args.scenarios or [*SCENARIOS, "measure"]:
+    # every rank makes every group: each rank's own group is the one it keeps
+    own_group = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]
+    everything = [*SCENARIOS, *(f"hand-{name}" for name in SCENARIOS), "solo-full", "measure"]
+    for name in args.scenarios or everything:
         result = (measure_scenario(rank, mesh) if name == "measure"
-                  else run_scenario(name, rank, mesh, store))
+                  else run_scenario(name, rank, mesh, store, own_group))
         emit(result)
     dist.destroy_process_group()
     return 0

@@ -714,7 +714,7 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
             evidence.append(f"The replay did not reproduce it: {reason}.")
         elif event.note:
             evidence.append(event.note[0].upper() + event.note[1:] + ".")
-        if facts.replay_refused:
+        if facts.replay_refused and facts.replay_refused not in event.note:  # said once
             evidence.append(f"No replay was made to name the op: {facts.replay_refused}.")
         if facts.replays_spent:
             evidence.append(f"No replay was made to name the op: a watch replays at most "

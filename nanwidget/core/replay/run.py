@@ -28,6 +28,7 @@ from ..walk import iter_leaves
 from ..writes import written_since
 from .capture import (BatchCapture, ForwardCapture, HeldBatch, ModelNotReplayableError, ReplayError,
                       WeightSlots, layouts_of)
+from .collectives import no_collectives, refused_collective
 from .inputs import UncopiedInput, copy_structure
 from .shadows import Shadows
 from .tracer import OpRecorder, OpTracer
@@ -135,7 +136,8 @@ def refuse_unreplayable(recorder: Recorder, capture: BatchCapture, held: HeldBat
 
 def unreplayable_reason(recorder: Recorder) -> str:
     """Why no batch of ``recorder``'s model can be replayed on this process alone (FSDP2, tensor
-    parallel), or "" when it can. Read at an event only: it walks the parameters."""
+    parallel, a collective an earlier replay met), or "" when it can. Read at an event only: it
+    walks the parameters."""
     sharded = [info.label for info in recorder.modules if info.sharded]
     if sharded:
         return (f"cannot replay a model sharded with FSDP2 (fully_shard manages '{sharded[0]}'): "
@@ -149,7 +151,7 @@ def unreplayable_reason(recorder: Recorder) -> str:
                 "ranks): its forward exchanges values with the other ranks, and a replay runs on "
                 "this rank alone, so it would wait for the others forever (or take their next "
                 "batch's values). Replay an unsharded copy of the model on one process instead")
-    return ""
+    return refused_collective(recorder.model)
 
 
 def _spread_over_ranks(model: nn.Module) -> tuple[str, int] | None:
@@ -354,7 +356,8 @@ class _Replay:
         backward: BackwardFrames | None = None
         loss_value: float | None = None
         try:
-            with self.recorder.suspend(), eager_calls(), own_parametrization_cache():
+            with self.recorder.suspend(), eager_calls(), own_parametrization_cache(), \
+                    no_collectives(root, partial(_running_now, recorder)):
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 recorder.name_sources("weight", zip(slots.names, slots.read()))
@@ -437,6 +440,14 @@ class _Replay:
             recorder.phase = "backward"
             loss.backward()
         return float(loss.detach())
+
+
+def _running_now(recorder: OpRecorder) -> str:
+    """The module a replay runs now, in words (for a refusal's message)."""
+    if recorder.phase != "forward":
+        return f"its {recorder.phase}"
+    name = recorder.stack[-1][0] if recorder.stack else ""
+    return f"'{name}'" if name else "its forward"
 
 
 def backward_from_outputs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
