@@ -273,6 +273,53 @@ def test_forward_writing_into_its_own_weights_is_undone_after_replay():
     assert "mul_" in set(trace.ops["op"])
 
 
+class KeepsPythonState(nn.Module):
+    """Counts its calls, logs them, caches its last input and fills a dict: Python state a
+    replay runs through. Its third call makes a NaN (a replay of that batch, on the count as it
+    is after it, does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+        self.log: list[int] = []
+        self.by_call: dict[int, float] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.log.append(self.calls)
+        self.by_call[self.calls] = float(x.sum())
+        self.last_input = x.detach()
+        out = self.fc(x)
+        return out * float("nan") if self.calls == 3 else out
+
+
+def _python_state(model: KeepsPythonState) -> tuple:
+    return model.calls, list(model.log), dict(model.by_call), model.last_input
+
+
+@pytest.mark.parametrize("options", [{}, {"replay_on_nan": True}, {"mode": "sentinel"}],
+                         ids=["full", "replay_on_nan", "sentinel"])
+def test_a_replay_leaves_the_modules_python_attributes_as_they_were(options):
+    # A replay ran the forward again: the counter went on by one, so every later batch ran on
+    # another count than without the watch (and the log and the dict grew).
+    batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(b)) for b in range(5)]
+    unwatched = KeepsPythonState()
+    expected = [unwatched(x) for x in batches]
+    model = KeepsPythonState()
+    model.load_state_dict(unwatched.state_dict())
+    with nw.watch(model, on_nan="record", **options) as w:
+        outputs = [model(x) for x in batches]
+        assert [e.batch for e in w.events] == [2]  # its diagnosis or check replayed batch 2
+        assert _python_state(model)[:3] == _python_state(unwatched)[:3]
+        assert torch.equal(model.last_input, batches[-1])
+        before = _python_state(model)
+        trace = w.replay(3)  # and one asked for
+        assert len(trace.ops) > 0 and _python_state(model) == before
+    for out, want in zip(outputs, expected):
+        torch.testing.assert_close(out, want, equal_nan=True, rtol=0, atol=0)
+
+
 def test_batch_with_two_forwards_replays_both():
     model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5))
     with nw.watch(model, on_nan="record", trace_batches=[0]) as w:

@@ -30,7 +30,7 @@ from .capture import (BatchCapture, ForwardCapture, HeldBatch, ModelNotReplayabl
                       WeightSlots, layouts_of)
 from .collectives import no_collectives, refused_collective
 from .inputs import UncopiedInput, copy_structure
-from .shadows import Shadows
+from .shadows import ModuleAttributes, Shadows
 from .tracer import OpRecorder, OpTracer
 
 __all__ = ["replay_held_batch", "replay_frames", "refuse_unreplayable", "unreplayable_reason", "automatic_loss",
@@ -351,6 +351,7 @@ class _Replay:
         saved_cpu_rng = torch.get_rng_state()
         saved_cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         saved_training = [m.training for m in slots.modules]
+        attributes = ModuleAttributes(root.modules())
         handles: list[Any] = []
         shadows: Shadows | None = None
         backward: BackwardFrames | None = None
@@ -390,6 +391,7 @@ class _Replay:
                 handle.remove()
             if shadows is not None:
                 shadows.restore()
+            attributes.restore()
             for module, flag in zip(slots.modules, saved_training):
                 module.training = flag
             torch.set_rng_state(saved_cpu_rng)

@@ -3,11 +3,14 @@
 A replay never touches the model's own tensors: it runs on *shadow* parameters (new Parameter
 objects over the same storage, so ``.grad``, ``requires_grad`` and version counters of the real
 ones stay as they are; an in-place write into a parameter's storage is saved first and undone
-afterwards) and on cloned buffers (BatchNorm running statistics).
+afterwards) and on cloned buffers (BatchNorm running statistics). The modules' own Python
+attributes (a call counter, a list a forward appends to, a cached tensor it rebinds) are put
+back as they were afterwards too (:class:`ModuleAttributes`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -15,7 +18,7 @@ from torch import nn
 
 from .capture import WeightSlots
 
-__all__ = ["Shadows", "tensors_in", "mutated_arguments"]
+__all__ = ["Shadows", "ModuleAttributes", "tensors_in", "mutated_arguments"]
 
 _Tensor = torch.Tensor
 
@@ -160,3 +163,47 @@ class Shadows:
                 original.grad = grad
 
 
+
+
+# What nn.Module keeps in every module's __dict__ (parameters, buffers, submodules, hook tables,
+# the training flag): the replay's own machinery swaps and restores those.
+_TORCH_OWN = frozenset(nn.Module().__dict__)
+_MISSING = object()
+
+
+class ModuleAttributes:
+    """The modules' own Python attributes as they are now, to be put back after a replay: a
+    forward that counts its calls, appends to a list, fills a dict or rebinds a cached tensor
+    would otherwise leave the model changed by the replay, and the training after it would
+    differ from a run without the watch. Bindings are put back, and the contents of lists and
+    dicts held directly; objects deeper down are not copied."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.saved: list[tuple[dict, dict[str, Any], dict[str, Any]]] = []
+        for module in modules:
+            state = module.__dict__
+            bindings = {key: value for key, value in state.items() if key not in _TORCH_OWN}
+            contents = {key: value.copy() for key, value in bindings.items()
+                        if type(value) is list or type(value) is dict}
+            self.saved.append((state, bindings, contents))
+
+    def restore(self) -> None:
+        for state, bindings, contents in self.saved:
+            for key in [key for key in state if key not in _TORCH_OWN and key not in bindings]:
+                del state[key]  # added by the replay
+            for key, value in bindings.items():
+                if state.get(key, _MISSING) is not value:
+                    state[key] = value
+            for key, items in contents.items():
+                container = bindings[key]
+                try:
+                    if type(container) is list:
+                        if len(container) != len(items) or any(
+                                now is not then for now, then in zip(container, items)):
+                            container[:] = items
+                    elif len(container) != len(items) or any(
+                            container.get(k, _MISSING) is not v for k, v in items.items()):
+                        container.clear()
+                        container.update(items)
+                except Exception:  # keys that cannot be compared: left as the replay left them
+                    continue
