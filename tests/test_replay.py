@@ -4,8 +4,10 @@ the model, the RNG and the watch exactly as they were."""
 from __future__ import annotations
 
 import inspect
+import random
 import time
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -274,9 +276,9 @@ def test_forward_writing_into_its_own_weights_is_undone_after_replay():
 
 
 class KeepsPythonState(nn.Module):
-    """Counts its calls, logs them, caches its last input and fills a dict: Python state a
-    replay runs through. Its third call makes a NaN (a replay of that batch, on the count as it
-    is after it, does not)."""
+    """Counts its calls, logs them, caches its last input, fills a dict and draws noise from
+    its own generator, Python's and NumPy's: state a replay runs through. Its third call makes
+    a NaN (a replay of that batch, on the count as it is after it, does not)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -284,18 +286,21 @@ class KeepsPythonState(nn.Module):
         self.calls = 0
         self.log: list[int] = []
         self.by_call: dict[int, float] = {}
+        self.noise = torch.Generator().manual_seed(7)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         self.log.append(self.calls)
         self.by_call[self.calls] = float(x.sum())
         self.last_input = x.detach()
-        out = self.fc(x)
+        scale = 1 + 0.1 * random.random() + 0.1 * float(numpy.random.rand())
+        out = self.fc(x + torch.randn(x.shape, generator=self.noise)) * scale
         return out * float("nan") if self.calls == 3 else out
 
 
 def _python_state(model: KeepsPythonState) -> tuple:
-    return model.calls, list(model.log), dict(model.by_call), model.last_input
+    return (model.calls, list(model.log), dict(model.by_call), model.last_input,
+            model.noise.get_state().tolist(), random.getstate(), str(numpy.random.get_state()))
 
 
 @pytest.mark.parametrize("options", [{}, {"replay_on_nan": True}, {"mode": "sentinel"}],
@@ -304,18 +309,25 @@ def test_a_replay_leaves_the_modules_python_attributes_as_they_were(options):
     # A replay ran the forward again: the counter went on by one, so every later batch ran on
     # another count than without the watch (and the log and the dict grew).
     batches = [torch.randn(2, 4, generator=torch.Generator().manual_seed(b)) for b in range(5)]
+    random.seed(3)
+    numpy.random.seed(3)
     unwatched = KeepsPythonState()
     expected = [unwatched(x) for x in batches]
+    unwatched_state = _python_state(unwatched)
+    random.seed(3)
+    numpy.random.seed(3)
     model = KeepsPythonState()
     model.load_state_dict(unwatched.state_dict())
     with nw.watch(model, on_nan="record", **options) as w:
         outputs = [model(x) for x in batches]
         assert [e.batch for e in w.events] == [2]  # its diagnosis or check replayed batch 2
-        assert _python_state(model)[:3] == _python_state(unwatched)[:3]
+        state = _python_state(model)
+        assert state[:3] == unwatched_state[:3] and state[4:] == unwatched_state[4:]
         assert torch.equal(model.last_input, batches[-1])
         before = _python_state(model)
         trace = w.replay(3)  # and one asked for
         assert len(trace.ops) > 0 and _python_state(model) == before
+        assert torch.equal(model.last_input, before[3])
     for out, want in zip(outputs, expected):
         torch.testing.assert_close(out, want, equal_nan=True, rtol=0, atol=0)
 

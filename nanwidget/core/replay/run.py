@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
+import random
 import sys
 import threading
 import time
@@ -350,6 +351,11 @@ class _Replay:
         recorder = OpRecorder(infos, held.batch, self.recorder.rank, names)
         saved_cpu_rng = torch.get_rng_state()
         saved_cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        # Python's and NumPy's global generators too: a forward may draw from them (layer drop,
+        # augmentation), and the training after the replay must draw what it would have.
+        saved_random = random.getstate()
+        numpy = sys.modules.get("numpy")
+        saved_numpy = numpy.random.get_state() if numpy is not None else None
         saved_training = [m.training for m in slots.modules]
         attributes = ModuleAttributes(root.modules())
         handles: list[Any] = []
@@ -397,6 +403,9 @@ class _Replay:
             torch.set_rng_state(saved_cpu_rng)
             if saved_cuda_rng is not None:
                 torch.cuda.set_rng_state_all(saved_cuda_rng)
+            random.setstate(saved_random)
+            if saved_numpy is not None:
+                numpy.random.set_state(saved_numpy)
         recorder.resolve()
         ops = pd.DataFrame.from_records(recorder.rows, columns=OPS_COLUMNS).astype(
             {name: dtype for name, dtype in OPS_DTYPES.items() if dtype != "object"})

@@ -176,18 +176,24 @@ class ModuleAttributes:
     forward that counts its calls, appends to a list, fills a dict or rebinds a cached tensor
     would otherwise leave the model changed by the replay, and the training after it would
     differ from a run without the watch. Bindings are put back, and the contents of lists and
-    dicts held directly; objects deeper down are not copied."""
+    dicts held directly, and the state of a ``torch.Generator`` held directly (a forward drawing
+    from it); objects deeper down are not copied."""
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.saved: list[tuple[dict, dict[str, Any], dict[str, Any]]] = []
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
         for module in modules:
             state = module.__dict__
             bindings = {key: value for key, value in state.items() if key not in _TORCH_OWN}
             contents = {key: value.copy() for key, value in bindings.items()
                         if type(value) is list or type(value) is dict}
             self.saved.append((state, bindings, contents))
+            self.generators.extend((value, value.get_state()) for value in bindings.values()
+                                   if isinstance(value, torch.Generator))
 
     def restore(self) -> None:
+        for generator, generator_state in self.generators:
+            generator.set_state(generator_state)
         for state, bindings, contents in self.saved:
             for key in [key for key in state if key not in _TORCH_OWN and key not in bindings]:
                 del state[key]  # added by the replay
