@@ -24,6 +24,8 @@ __all__ = ["no_collectives", "refused_collective"]
 # (dist.all_reduce and friends, DDP's reducer) and the functional ones (DTensor, compiled code).
 _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                           "_c10d_functional_autograd"})
+# Their ops that exchange nothing: waiting for a collective issued before the replay began.
+_NO_EXCHANGE = frozenset({"wait_tensor"})
 
 # model -> why its replays are refused (a collective met by one of them)
 _refused: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -75,7 +77,7 @@ class _CollectiveGuard(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace in _COLLECTIVES:
+        if func.namespace in _COLLECTIVES and func.name().split("::")[-1] not in _NO_EXCHANGE:
             ranks = _group_size(args, kwargs)
             if ranks is None or ranks > 1:
                 over = f"over {ranks} ranks" if ranks else "over other ranks"

@@ -163,8 +163,6 @@ class Shadows:
                 original.grad = grad
 
 
-
-
 # What nn.Module keeps in every module's __dict__ (parameters, buffers, submodules, hook tables,
 # the training flag): the replay's own machinery swaps and restores those.
 _TORCH_OWN = frozenset(nn.Module().__dict__)
