@@ -47,8 +47,11 @@ def _other_ranks() -> bool:
 def _group_size(args: tuple, kwargs: dict) -> int | None:
     """The rank count of the process group a collective's arguments name (a process group
     object, or a functional collective's group name); None when none is recognised."""
-    from torch._C._distributed_c10d import ProcessGroup
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    try:
+        from torch._C._distributed_c10d import ProcessGroup
+        from torch.distributed.distributed_c10d import _resolve_process_group
+    except ImportError:  # a torch that names them otherwise: every group counts as spanning
+        return None
     for value in (*args, *kwargs.values()):
         try:
             if isinstance(value, torch.ScriptObject):
