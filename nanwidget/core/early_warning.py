@@ -72,6 +72,7 @@ GROWTH_FLOOR = 1.0
 _EXTREME = 1.0 / 1.01
 
 _LOG_MIN_GROWTH = math.log(MIN_GROWTH)
+_LOG_LARGEST = math.log(sys.float_info.max)  # math.exp() past it raises OverflowError
 
 
 class EarlyWarningIssued(UserWarning):
@@ -394,7 +395,10 @@ class EarlyWarnings(Feature):
                 run.append((last_batch, last))
             run.append((batch, value))
             gap = batch - last_batch
-            if value >= last * (MIN_GROWTH if gap == 1 else MIN_GROWTH ** gap):
+            # Compared in logs past one batch: MIN_GROWTH ** gap overflows a float past 1023
+            # batches (a module that runs rarely, batch numbers set far apart).
+            if (value >= last * MIN_GROWTH) if gap == 1 else \
+                    (math.log(value) - math.log(last) >= gap * _LOG_MIN_GROWTH):
                 fast[index] = True
             if value >= near[index] or (rises >= MIN_RISES and fast[index]
                                         and not growth_said[index]):
@@ -452,7 +456,7 @@ class EarlyWarnings(Feature):
         growing = rate > 0
         warning = EarlyWarning(
             batch=batch, module=module, role=role, reason=reason, abs_max=float(value),
-            limit=largest, growth_per_batch=math.exp(rate) if growing else math.nan,
+            limit=largest, growth_per_batch=math.exp(min(rate, _LOG_LARGEST)) if growing else math.nan,
             batches_to_limit=math.log(largest / value) / rate if growing else math.nan,
             dtype=str(dtype).replace("torch.", ""), rank=self.recorder.rank)
         self.warnings.append(warning)
