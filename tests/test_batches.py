@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -270,3 +271,31 @@ def test_step_after_each_forward_numbers_batches_without_a_gap_and_aborts() -> N
     assert caught.value.batch == 3
     assert sorted(frames.batch.unique()) == [0, 1, 2, 3]
     assert w.batch == 4
+
+
+@pytest.mark.parametrize("counter", [np.int64(3), torch.tensor(3)], ids=["numpy", "torch"])
+def test_batch_numbers_from_a_loops_counter_are_taken_as_they_come(counter) -> None:
+    # A step counter is often a numpy or torch integer (an optimizer's 'step' state is a tensor).
+    torch.manual_seed(0)
+    model, x = TinyMLP(), torch.randn(2, 16)
+    with nw.watch(model, mode="sentinel", on_nan="record") as watched:
+        watched.set_batch(counter)
+        model(x)
+        assert watched.held_batches() == [3]
+        trace = watched.replay(counter)
+    assert type(watched.batch) is int and watched.batch == 3
+    assert trace.frames.batch.unique().tolist() == [3]
+    assert watched.history().batch.tolist() == [3]
+
+
+@pytest.mark.parametrize("value, error, words", [
+    (True, TypeError, "a bool"), (1.5, TypeError, "float"), ("3", TypeError, "str"),
+    (-1, ValueError, r"at least 0 \(batches count from 0\), got -1")])
+def test_a_batch_number_that_is_not_one_is_refused_in_one_line(value, error, words) -> None:
+    model = TinyMLP()
+    with nw.watch(model) as watched:
+        model(torch.randn(2, 16))
+        for call in (watched.set_batch, watched.replay):
+            with pytest.raises(error, match=words if error is ValueError else f".*{words}"):
+                call(value)
+        assert watched.batch == 1

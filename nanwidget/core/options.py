@@ -34,7 +34,8 @@ from torch import nn
 
 __all__ = ["WatchOptions", "Option", "Flag", "Needs", "OPTIONS", "OPTION_NAMES", "option",
            "ON_NAN_CHOICES", "MODES", "MAX_EVENTS", "MAX_FRAMES_LIMIT", "SkipTypesWarning",
-           "check_option_names", "signature_of_options", "options_help", "split_classes"]
+           "check_option_names", "signature_of_options", "options_help", "split_classes",
+           "batch_number"]
 
 ON_NAN_CHOICES = ("raise", "warn", "record")
 MODES = ("full", "sentinel")
@@ -113,6 +114,12 @@ def _whole_number(name: str, value: Any, *, least: int, most: int | None = None,
         bound = f"at least {least}" + (f" and at most {most:,}" if most is not None else "")
         raise ValueError(f"{name} must be {bound}{why}, got {number}")
     return number
+
+
+def batch_number(value: Any, name: str = "batch") -> int:
+    """``value`` as a batch number: a whole number >= 0, numpy and torch integers too (a loop's
+    step counter is often one); bools, floats and text refused."""
+    return _whole_number(name, value, least=0, why=" (batches count from 0)")
 
 
 def whole(least: int, most: int | None = None, *, optional: bool = False,

@@ -42,7 +42,7 @@ from .recorder import Feature, Recorder
 from .replay import BatchCapture, Replayer, ReplayError
 from .replay.run import unreplayable_reason
 from .report import format_event_report
-from .options import (MAX_EVENTS, MODES, OPTIONS, SkipTypesWarning, WatchOptions,
+from .options import (MAX_EVENTS, MODES, OPTIONS, SkipTypesWarning, WatchOptions, batch_number,
                       options_help, signature_of_options, split_classes)
 from .sentinel import Sentinel, compiled_in_place, has_compiled_parts, is_compile_wrapper
 from .state import watching_recorders
@@ -312,9 +312,7 @@ class NanWatch:
         From the first call on, the root forward no longer advances the count: use this for
         loops that call submodules directly or accumulate gradients over several forwards.
         """
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 0:
-            raise ValueError(f"batch must be an integer >= 0, got {batch!r}")
-        self._recorder.set_batch(batch)
+        self._recorder.set_batch(batch_number(batch))
 
     # ------------------------------------------------------------------ results
     def flush(self) -> None:

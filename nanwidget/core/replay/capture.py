@@ -17,6 +17,7 @@ from torch import nn
 
 from ..events import NanEvent
 from ..frames import Frame
+from ..options import batch_number
 from ..recorder import Feature
 from ..stats import version_of
 from ..walk import iter_leaves
@@ -416,8 +417,7 @@ class BatchCapture(Feature):
 
     def batch_to_replay(self, batch: int) -> HeldBatch:
         """The held batch, checked: raises a :class:`ReplayError` saying why it cannot run."""
-        if isinstance(batch, bool) or not isinstance(batch, int):
-            raise TypeError(f"replay takes a batch number (int), got {batch!r}")
+        batch = batch_number(batch)
         held = self.held.get(batch)
         if held is None or not held.forwards:
             listed = ", ".join(map(str, self.held_batches())) or "none"
