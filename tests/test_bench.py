@@ -256,6 +256,36 @@ def test_a_floor_stand_in_reads_what_its_watch_reads_and_changes_nothing(name, m
         assert shapes[0] == (64, 10) and set(shapes[1:]) == parameters
 
 
+
+def test_the_sentinel_floor_reads_every_output_tensor_the_sentinel_checks(monkeypatch):
+    # A transformers model's output holds a key/value cache object: the sentinel checks its
+    # tensors, so a floor that read only the logits measured less work than the check needs.
+    from nanwidget.core import native
+    from nanwidget.core.sentinel.check import float_leaves
+    if not native.available():
+        pytest.skip(f"the floors need the native kernel: {native.status()}")
+    pytest.importorskip("transformers")
+    read = native.contiguous_reader()
+    shapes: list[tuple] = []
+
+    def counting_reader() -> object:
+        def reader(tensor, result):
+            shapes.append(tuple(tensor.shape))
+            return read(tensor, result)
+        return reader
+
+    monkeypatch.setattr(native, "contiguous_reader", counting_reader)
+    torch.manual_seed(0)
+    model, inputs, _, _ = bench._BUILDERS["gpt2-small"]()
+    model.eval()
+    with torch.no_grad():
+        checked = sorted(tuple(values.shape) for _, _, values in float_leaves(model(*inputs)))
+    case = bench.Case("gpt2-small", "forward", model, lambda: None, {}, "")
+    with bench.ALL_VARIANTS["floor_sentinel"].attach(case), torch.no_grad():
+        model(*inputs)
+    assert len(checked) == 1 + 2 * model.config.n_layer  # the logits, each layer's keys, values
+    assert sorted(shapes) == checked
+
 def test_the_floors_read_a_tensor_above_the_c_readers_size_as_the_watches_do():
     # The logits of a 50257-token vocabulary (12.8M floats) pass the C reader's 4M: the watches
     # read them through ctypes, and a floor that skipped them measured a cost it never paid.

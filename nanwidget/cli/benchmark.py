@@ -226,6 +226,28 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+_HOLD_NO_TENSOR = (str, bytes, int, float, bool, type(None), torch.device, torch.dtype)
+
+
+def _output_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor of a model's output that the sentinel reads: :func:`_tensors`' and those
+    in objects' attributes too (the key/value cache object of a transformers model's output)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth > 8 or isinstance(value, _HOLD_NO_TENSOR):
+        return
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _output_tensors(item, depth + 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _output_tensors(item, depth + 1)
+    elif isinstance(getattr(value, "__dict__", None), dict):
+        for name, item in vars(value).items():
+            if not name.startswith("_"):
+                yield from _output_tensors(item, depth + 1)
+
+
 def _isnan_recipe_hook(module: nn.Module, args: tuple, output: Any) -> None:
     """The hook found in forum answers: two host syncs per floating-point output tensor."""
     for tensor in _tensors(output):
@@ -371,7 +393,7 @@ def _floor_full(case: Case) -> Iterator[None]:
 def _floor_sentinel(case: Case) -> Iterator[None]:
     """The leanest sentinel: the root's forward wrapped (no module hook), its inputs held by
     reference with the CPU RNG state (what an exact replay of dropout needs), the C reader on
-    every output tensor; on train rows a hook on the first output queues one read of every
+    every output tensor (a key/value cache object's too: the sentinel checks them); on train rows a hook on the first output queues one read of every
     parameter's gradient at the end of the backward pass. No verdict, no history, no events."""
     model, read = case.model, _floor_reader()
     forward, rng_state = model.forward, torch.default_generator.get_state
@@ -388,7 +410,7 @@ def _floor_sentinel(case: Case) -> Iterator[None]:
         held[0] = (args, kwargs, rng_state())
         output = forward(*args, **kwargs)
         first = None
-        for tensor in _tensors(output):
+        for tensor in _output_tensors(output):
             read(tensor)
             first = tensor if first is None else first
         if first is not None and first.requires_grad and torch.is_grad_enabled():
