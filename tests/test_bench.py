@@ -225,10 +225,12 @@ def test_floors_time_the_lean_stand_ins_and_give_their_columns(capsys):
         bench.run_benchmark(["mlp"], ["forward"], rounds=1, device="cuda", floors=True)
 
 
-@pytest.mark.parametrize("name", ["floor_full", "floor_sentinel"])
-def test_a_floor_stand_in_reads_what_its_watch_reads_and_changes_nothing(name, monkeypatch):
+@pytest.fixture
+def floor_reads(monkeypatch) -> list[tuple]:
+    """The shapes of the tensors the floors read with the C reader, in order (skips where the
+    native kernel is not in use: the floors are built on it, and the bench skips them too)."""
     from nanwidget.core import native
-    if not native.available():  # the stand-ins are built on it; the bench skips them too
+    if not native.available():
         pytest.skip(f"the floors need the native kernel: {native.status()}")
     read = native.contiguous_reader()
     shapes: list[tuple] = []
@@ -240,6 +242,12 @@ def test_a_floor_stand_in_reads_what_its_watch_reads_and_changes_nothing(name, m
         return reader
 
     monkeypatch.setattr(native, "contiguous_reader", counting_reader)
+    return shapes
+
+
+@pytest.mark.parametrize("name", ["floor_full", "floor_sentinel"])
+def test_a_floor_stand_in_reads_what_its_watch_reads_and_changes_nothing(name, floor_reads):
+    shapes = floor_reads
     torch.manual_seed(0)
     model, inputs, loss_fn, _ = bench._BUILDERS["mlp"]()
     case = bench.Case("mlp", "train", model, lambda: None, {}, "")
@@ -256,25 +264,12 @@ def test_a_floor_stand_in_reads_what_its_watch_reads_and_changes_nothing(name, m
         assert shapes[0] == (64, 10) and set(shapes[1:]) == parameters
 
 
-
-def test_the_sentinel_floor_reads_every_output_tensor_the_sentinel_checks(monkeypatch):
+def test_the_sentinel_floor_reads_every_output_tensor_the_sentinel_checks(floor_reads):
     # A transformers model's output holds a key/value cache object: the sentinel checks its
     # tensors, so a floor that read only the logits measured less work than the check needs.
-    from nanwidget.core import native
     from nanwidget.core.sentinel.check import float_leaves
-    if not native.available():
-        pytest.skip(f"the floors need the native kernel: {native.status()}")
-    pytest.importorskip("transformers")
-    read = native.contiguous_reader()
-    shapes: list[tuple] = []
-
-    def counting_reader() -> object:
-        def reader(tensor, result):
-            shapes.append(tuple(tensor.shape))
-            return read(tensor, result)
-        return reader
-
-    monkeypatch.setattr(native, "contiguous_reader", counting_reader)
+    pytest.importorskip("transformers")  # the GPT-2 rows are built with it, as in the bench
+    shapes = floor_reads
     torch.manual_seed(0)
     model, inputs, _, _ = bench._BUILDERS["gpt2-small"]()
     model.eval()
@@ -285,6 +280,7 @@ def test_the_sentinel_floor_reads_every_output_tensor_the_sentinel_checks(monkey
         model(*inputs)
     assert len(checked) == 1 + 2 * model.config.n_layer  # the logits, each layer's keys, values
     assert sorted(shapes) == checked
+
 
 def test_the_floors_read_a_tensor_above_the_c_readers_size_as_the_watches_do():
     # The logits of a 50257-token vocabulary (12.8M floats) pass the C reader's 4M: the watches

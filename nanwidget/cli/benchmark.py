@@ -214,38 +214,27 @@ def hook_count(model: nn.Module) -> int:
     return count
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in an output: tensors, tuples, lists, dicts and ModelOutput-like objects."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, dict):  # transformers' ModelOutput is an OrderedDict
-        for item in value.values():
-            yield from _tensors(item)
-
-
 _HOLD_NO_TENSOR = (str, bytes, int, float, bool, type(None), torch.device, torch.dtype)
 
 
-def _output_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Every tensor of a model's output that the sentinel reads: :func:`_tensors`' and those
-    in objects' attributes too (the key/value cache object of a transformers model's output)."""
+def _tensors(value: Any, objects: bool = False, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor in an output: tensors, tuples, lists, dicts and ModelOutput-like objects;
+    with ``objects``, also those in other objects' public attributes (the key/value cache
+    object of a transformers model's output, which the sentinel reads)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif depth > 8 or isinstance(value, _HOLD_NO_TENSOR):
         return
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _output_tensors(item, depth + 1)
-    elif isinstance(value, dict):
+            yield from _tensors(item, objects, depth + 1)
+    elif isinstance(value, dict):  # transformers' ModelOutput is an OrderedDict
         for item in value.values():
-            yield from _output_tensors(item, depth + 1)
-    elif isinstance(getattr(value, "__dict__", None), dict):
+            yield from _tensors(item, objects, depth + 1)
+    elif objects and isinstance(getattr(value, "__dict__", None), dict):
         for name, item in vars(value).items():
             if not name.startswith("_"):
-                yield from _output_tensors(item, depth + 1)
+                yield from _tensors(item, objects, depth + 1)
 
 
 def _isnan_recipe_hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -393,8 +382,9 @@ def _floor_full(case: Case) -> Iterator[None]:
 def _floor_sentinel(case: Case) -> Iterator[None]:
     """The leanest sentinel: the root's forward wrapped (no module hook), its inputs held by
     reference with the CPU RNG state (what an exact replay of dropout needs), the C reader on
-    every output tensor (a key/value cache object's too: the sentinel checks them); on train rows a hook on the first output queues one read of every
-    parameter's gradient at the end of the backward pass. No verdict, no history, no events."""
+    every output tensor (a key/value cache object's too: the sentinel checks them); on train
+    rows a hook on the first output queues one read of every parameter's gradient at the end
+    of the backward pass. No verdict, no history, no events."""
     model, read = case.model, _floor_reader()
     forward, rng_state = model.forward, torch.default_generator.get_state
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -410,7 +400,7 @@ def _floor_sentinel(case: Case) -> Iterator[None]:
         held[0] = (args, kwargs, rng_state())
         output = forward(*args, **kwargs)
         first = None
-        for tensor in _output_tensors(output):
+        for tensor in _tensors(output, objects=True):
             read(tensor)
             first = tensor if first is None else first
         if first is not None and first.requires_grad and torch.is_grad_enabled():

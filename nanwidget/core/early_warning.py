@@ -454,9 +454,10 @@ class EarlyWarnings(Feature):
             return
         self._said = said + [(batch, reason, value, module)]
         growing = rate > 0
+        growth = math.exp(min(rate, _LOG_LARGEST)) if growing else math.nan
         warning = EarlyWarning(
             batch=batch, module=module, role=role, reason=reason, abs_max=float(value),
-            limit=largest, growth_per_batch=math.exp(min(rate, _LOG_LARGEST)) if growing else math.nan,
+            limit=largest, growth_per_batch=growth,
             batches_to_limit=math.log(largest / value) / rate if growing else math.nan,
             dtype=str(dtype).replace("torch.", ""), rank=self.recorder.rank)
         self.warnings.append(warning)
