@@ -418,6 +418,26 @@ def test_generation_is_the_same_with_and_without_a_watch_that_replays(beams, opt
     assert replayed and all(e.trace.reproduced for e in replayed)  # the replays did run
 
 
+def test_generation_frames_hold_the_caches_tensors_and_none_of_its_flags():
+    # The key/value cache object reaches every block and attention call: its keys and values
+    # are rows of their frames (a NaN in a cache shows there), its flags, devices and unfilled
+    # layers are not (some twenty rows a frame before).
+    model = _tiny_gpt2(tied=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, on_nan="record", max_frames=400) as w:
+            model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
+            frames = w.frames()
+    attention = frames[frames.module == "transformer.h.1.attn"]
+    cached = attention[attention.role.str.contains(r"\.layers\[")]
+    assert len(cached) and (cached.note == "").all()
+    assert set(cached.role.str.extract(r"\.(keys|values)$")[0]) == {"keys", "values"}
+    assert cached.abs_max.notna().all()
+    noted = frames[frames.note != ""]
+    assert not noted.role.str.contains(r"\.layers\[|offloading|layer_class").any()
+
+
 class _Notebook(nn.Module):
     """Writes into the objects it is given: appends to a list, counts in a dict, and keeps
     a running total on an object (as caches do)."""

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import warnings
 
+from typing import Any
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -402,7 +404,19 @@ def test_structures_walked_directly_give_the_entries_iter_leaves_gives():
         nested = [torch.ones(1)]
         inner.append(nested)
         inner = nested
-    for value in (Cache(), [Pair(torch.ones(2)), Slotted(), torch.float32, len, iter([1])],
+    class Settings:  # a plain object without tensors
+        def __init__(self) -> None:
+            self.size, self.name, self.device, self.sizes = 4, "s", torch.device("cpu"), [1, 2]
+
+    class Batch:  # tensors beside flags, lists of numbers, an iterator and an inner object
+        def __init__(self) -> None:
+            self.ids, self.lengths, self.settings = torch.arange(3), [3, 1], Settings()
+            self.parts = [Settings(), {"mask": torch.ones(2), "n": 2}]
+            self.pending = iter([1])
+
+    for value in (Cache(), Settings(), Batch(), [Settings(), torch.ones(1), Batch()],
+                  {"config": Settings(), "batch": Batch()},
+                  [Pair(torch.ones(2)), Slotted(), torch.float32, len, iter([1])],
                   loop, itself, [mapping], deep, (torch.ones(1), None, "s"),
                   OrderedDict(a=torch.ones(1)), {1, 2},
                   OrderedDict(logits=torch.ones(2), past_key_values=Cache()),
@@ -414,6 +428,46 @@ def test_structures_walked_directly_give_the_entries_iter_leaves_gives():
         assert [(e.role, e.dtype, e.shape, e.note) for e in got] == \
             [(e.role, e.dtype, e.shape, e.note) for e in expected]
         assert direct.unread_roles == generic.unread_roles
+
+
+class _TakesObjects(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, batch: Any, settings: Any) -> Any:
+        out = self.fc(batch.x)
+        batch.seen = out.detach()  # an object the forward writes into, as caches do
+        return out
+
+
+class _Settings:
+    def __init__(self) -> None:
+        self.width, self.name, self.device, self.scales = 4, "wide", torch.device("cpu"), [1.0]
+
+
+class _Batch:
+    def __init__(self) -> None:
+        self.x, self.lengths, self.is_padded, self.settings = torch.ones(2, 4), [4, 4], False, \
+            _Settings()
+        self.extra = {"mask": torch.ones(2, dtype=torch.bool), "count": 2}
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "sentinel", "sample_every": 1}],
+                         ids=["full", "sentinel"])
+def test_a_plain_objects_tensors_get_rows_its_flags_and_settings_do_not(options):
+    # A plain object's attributes are walked for the tensors they hold; its numbers, flags,
+    # devices and inner settings are no data (a transformers cache would put some twenty such
+    # rows in every attention call's frame). An object with no tensor at all is one row.
+    model = _TakesObjects()
+    with nw.watch(model, on_nan="record", **options) as w:
+        model(_Batch(), settings=_Settings())
+        frames = w.frames()
+    root = frames[frames.module == ""]
+    roles = dict(zip(root.role, root.note))
+    assert roles == {"input[0].x": "", "input[0].extra.mask": "bool",
+                     "kwarg:settings": "not a tensor", "output": ""}
+    assert root.set_index("role").loc["input[0].x", "abs_max"] == 1.0
 
 
 class _PassOn(nn.Module):

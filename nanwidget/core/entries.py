@@ -297,31 +297,38 @@ class EntryBuilder:
         self.structure_entries(output, "output", entries)
 
     def structure_entries(self, value: Any, role: str, entries: list[Entry],
-                          _open: set[int] | None = None, _depth: int = 0) -> None:
+                          _open: set[int] | None = None, _depth: int = 0,
+                          _in_object: bool = False) -> None:
         """Append the entries of every leaf of ``value``, as :func:`iter_leaves` yields them
-        (same roles, same order), walking tuples, lists, mappings and plain objects here
-        without its bookkeeping: a transformers cache object is walked on every block and
-        attention call, a ModelOutput at every model's return.
-        Other containers, and anything nested deeper than a few levels, go to iter_leaves."""
+        (same roles, same order; inside a plain object, its tensors only), walking tuples,
+        lists, mappings and plain objects here without its bookkeeping: a transformers cache
+        object is walked on every block and attention call, a ModelOutput at every model's
+        return. Other containers, and anything nested deeper than a few levels, go to
+        iter_leaves."""
         if isinstance(value, _Tensor):
             entries.append(self.tensor_entry(role, value))
             return
         if value is None or isinstance(value, _SCALARS):
-            entries.append(non_tensor_entry(role, value))
+            if not _in_object:
+                entries.append(non_tensor_entry(role, value))
             return
         kind = kind_of(value)
         if kind == LEAF:
-            entries.append(non_tensor_entry(role, value))
+            if not _in_object:
+                entries.append(non_tensor_entry(role, value))
             return
+        object_root = False
         if kind == SEQUENCE:
             children = [(f"{role}[{index}]", item) for index, item in enumerate(value)]
         elif kind == ATTRIBUTES:
             attributes = getattr(value, "__dict__", None)
             if not isinstance(attributes, dict) or not attributes:
-                entries.append(non_tensor_entry(role, value))
+                if not _in_object:
+                    entries.append(non_tensor_entry(role, value))
                 return
             children = [(f"{role}.{name}", item) for name, item in list(attributes.items())
                         if not name.startswith("_")]
+            object_root = not _in_object
         elif kind == MAPPING:  # dicts and ModelOutputs (a model's outputs)
             children = [(f"{role}.{key}" if isinstance(key, str) else f"{role}[{key!r}]", item)
                         for key, item in list(value.items())]
@@ -334,13 +341,17 @@ class EntryBuilder:
             entries.append(self.leaf_entry(role, Unread("contains itself")))
             return
         if kind is None or _depth > _MAX_DIRECT_DEPTH:
-            for leaf_role, leaf in iter_leaves(value, role, _open):
+            for leaf_role, leaf in iter_leaves(value, role, _open, _in_object):
                 entries.append(self.leaf_entry(leaf_role, leaf))
             return
         _open.add(key)
+        before = len(entries)
+        within = _in_object or object_root
         for child_role, child in children:
-            self.structure_entries(child, child_role, entries, _open, _depth + 1)
+            self.structure_entries(child, child_role, entries, _open, _depth + 1, within)
         _open.discard(key)
+        if object_root and len(entries) == before:  # a plain object without tensors: one leaf
+            entries.append(non_tensor_entry(role, value))
 
     def weight_entries(self, module: nn.Module, entries: list[Entry],
                        cache_weights: bool = True) -> None:

@@ -6,6 +6,8 @@ of plain objects), ``output[3]`` (lists, tuples, non-string keys), ``output{0}``
 of a set, in iteration order).
 
 No depth or size limit hides a value: the walk is iterative (any depth) and visits every leaf.
+Inside a plain object (walked by its attributes) only the tensors are leaves; one without
+any is one leaf itself.
 A structure that contains itself is walked once (the repeat is a leaf noted as a cycle).
 Iterators and generators are not read, since reading would consume them: they come back as
 :class:`Unread` leaves, which the caller notes.
@@ -38,42 +40,69 @@ class Unread:
         self.why = why
 
 
-def iter_leaves(value: Any, role: str,
-                inside: set[int] | frozenset[int] = frozenset()) -> Iterator[tuple[str, Any]]:
+def iter_leaves(value: Any, role: str, inside: set[int] | frozenset[int] = frozenset(),
+                in_object: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield ``(role, leaf)`` for every tensor, None or other leaf object inside ``value``.
     ``inside``: ids of the containers ``value`` sits in, when a caller walks the outer levels
-    itself (a repeat of one of them is a leaf noted as a cycle, as here)."""
+    itself (a repeat of one of them is a leaf noted as a cycle, as here).
+
+    Inside a plain object (one walked by its attributes: a key/value cache and its layers,
+    a user's batch object) only tensors and unreadable leaves are yielded: its flags, devices
+    and unset attributes are its own business, not data (a transformers cache would add some
+    twenty of them to every attention call's frame). A plain object holding none of those is
+    one leaf itself. ``in_object``: ``value`` sits inside such an object (a caller walked the
+    outer levels)."""
     if isinstance(value, _Tensor) or isinstance(value, _SCALARS):  # no bookkeeping for a leaf
-        yield role, value
+        if not in_object or isinstance(value, _Tensor):
+            yield role, value
         return
-    # A stack of iterators over (role, child) pairs keeps the leaves in document order.
+    # A stack of iterators over (role, child) pairs keeps the leaves in document order; each
+    # level says whether it lies inside a plain object. The outermost plain object (``root``:
+    # its role, itself, and the leaves yielded inside it so far) is one leaf if none was.
     open_containers: set[int] = set(inside)
-    stack: list[tuple[int | None, Iterator[tuple[str, Any]]]] = [(None, iter(((role, value),)))]
+    stack: list[tuple[int | None, Iterator[tuple[str, Any]], bool]] = [
+        (None, iter(((role, value),)), in_object)]
+    root: list[Any] | None = None
     while stack:
-        owner, children = stack[-1]
+        owner, children, within = stack[-1]
         step = next(children, None)
         if step is None:
             stack.pop()
             if owner is not None:
                 open_containers.discard(owner)
+            if root is not None and len(stack) == root[3]:  # the outermost object is done
+                if not root[2]:
+                    yield root[0], root[1]
+                root = None
             continue
         child_role, child = step
         if isinstance(child, _Tensor) or isinstance(child, _SCALARS):
-            yield child_role, child
+            if not within or isinstance(child, _Tensor):
+                if root is not None:
+                    root[2] += 1
+                yield child_role, child
             continue
         expanded = _children(child, child_role)
         if expanded is None:
-            yield child_role, child
+            if not within:
+                yield child_role, child
             continue
         if isinstance(expanded, Unread):
+            if root is not None:
+                root[2] += 1
             yield child_role, expanded
             continue
         key = id(child)
         if key in open_containers:
+            if root is not None:
+                root[2] += 1
             yield child_role, Unread("contains itself")
             continue
         open_containers.add(key)
-        stack.append((key, expanded))
+        if not within and _KINDS.get(type(child)) == _ATTRIBUTES and type(child) is child.__class__:
+            root = [child_role, child, 0, len(stack)]  # role, object, leaves, depth
+            within = True
+        stack.append((key, expanded, within))
 
 
 # How a value of each type is walked, decided once per type (the walk meets the same few
