@@ -547,6 +547,86 @@ def test_a_loss_nan_after_a_forward_event_whose_output_stayed_finite_is_the_loss
     assert backward.diagnosis.kind == "loss"
 
 
+def _t5_whose_feed_forward_overflows() -> tuple[nn.Module, dict]:
+    """A float16 T5 encoder whose second block's feed-forward overflows: T5 clamps the Inf
+    after the block ("to enable fp16 training"), so its outputs stay finite."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0)
+    model = transformers.T5EncoderModel(config).half().eval()
+    with torch.no_grad():
+        feed_forward = model.encoder.block[1].layer[1].DenseReluDense
+        feed_forward.wi.weight.mul_(100.0)
+        feed_forward.wo.weight.mul_(600.0)
+    return model, {"input_ids": torch.randint(0, 64, (2, 12))}
+
+
+_T5_CARRIERS = ["encoder.block.1.layer.1", "encoder.block.1.layer.1.DenseReluDense",
+                "encoder.block.1.layer.1.DenseReluDense.wo", "encoder.block.1.layer.1.dropout"]
+
+
+def test_an_inf_the_model_clamps_away_says_the_outputs_stayed_finite_and_how_to_allow_it():
+    model, inputs = _t5_whose_feed_forward_overflows()
+    with torch.no_grad():
+        unwatched = model(**inputs).last_hidden_state
+        assert torch.isfinite(unwatched).all()
+        with watch(model, "full") as w:
+            model(**inputs)
+    event = w.event
+    assert (event.module, event.kind, event.diagnosis.kind) == (
+        "encoder.block.1.layer.1.DenseReluDense.wo", "inf", "overflow")
+    absorbed = [line for line in event.diagnosis.evidence if "stayed finite" in line]
+    assert len(absorbed) == 1 and "clamped, masked or replaced the Inf" in absorbed[0]
+    assert all(f"'{name}'" in absorbed[0] for name in _T5_CARRIERS)
+    allow = event.diagnosis.suggestion[-1]
+    assert f"allow_inf={_T5_CARRIERS!r}" in allow.replace('"', "'")
+    # Following it: no event, the same outputs (sentinel mode never saw it either).
+    for options in ({"allow_inf": _T5_CARRIERS}, {"mode": "sentinel"}):
+        with torch.no_grad(), nw.watch(model, **options) as w:
+            watched = model(**inputs).last_hidden_state
+        assert w.events == [] and torch.equal(watched, unwatched)
+
+
+class _Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # NaN where x < 0
+
+
+class _NanReplaced(nn.Module):
+    """A NaN made inside (log of a negative), replaced before the output by nan_to_num."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log = _Log()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nan_to_num(self.log(x), nan=0.0)
+
+
+def test_a_nan_replaced_before_the_output_says_so_and_offers_no_allow_inf():
+    model = _NanReplaced()
+    with watch(model, "full") as w:
+        out = model(torch.tensor([[1.0, -2.0, 3.0]]))
+    assert torch.isfinite(out).all()
+    diagnosis = w.event.diagnosis
+    assert (w.event.module, w.event.kind, diagnosis.kind) == ("log", "nan", "domain")
+    absorbed = [line for line in diagnosis.evidence if "stayed finite" in line]
+    assert len(absorbed) == 1 and "replaced the NaN" in absorbed[0]
+    assert absorbed[0].endswith("Outputs that held it: 'log'.")
+    assert not any("allow_inf" in fix for fix in diagnosis.suggestion)  # NaN always counts
+
+
+def test_an_inf_that_reaches_the_output_gets_no_word_of_being_absorbed():
+    model = Overflowing().half()
+    x = (torch.arange(8.0).reshape(2, 4) / 4).half()
+    with watch(model, "full") as w:
+        model(x, 1e4)
+    assert not any("stayed finite" in line for line in w.event.diagnosis.evidence)
+
+
 class TwoInputs(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -305,6 +305,10 @@ class Facts:
     # The event of a GradScaler's scaler_patience-th skipped step in a row: those steps
     # (a grads.scaler.SkipRun: batches, scales, steps taken before, the loss).
     scaler_run: Any = None
+    # A forward event whose batch's model outputs stayed finite (something after it clamped,
+    # masked or replaced the value): the modules whose outputs held NaN/Inf in that batch, in
+    # the model's order. Empty when the outputs were not finite or cannot be told.
+    absorbed_in: list[str] = field(default_factory=list)
 
     def series(self, module: str) -> list[tuple[int, float]]:
         """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""

@@ -127,6 +127,8 @@ class Diagnoser(Feature):
                 facts.forward_event = forward
                 return facts  # the forward's diagnosis says why
             facts.output_grad_bad = self._output_grad_bad(event, root)
+        elif event.origin != "peer":
+            facts.absorbed_in = self._absorbed_in(event.batch, root)
         if (facts.trace is None and may_replay and self.replay is not None
                 and self._needs_op(facts)):
             if self.replays < MAX_DIAGNOSIS_REPLAYS:
@@ -168,6 +170,20 @@ class Diagnoser(Feature):
             modules = list(history.modules)
             slot = row.get(modules.index(root)) if row is not None and root in modules else None
             return slot is not None and not slot[2]
+
+    def _absorbed_in(self, batch: int, root: str) -> list[str]:
+        """When the root's outputs of ``batch`` stayed finite although modules inside made a
+        NaN/Inf: those modules (see :attr:`~.facts.Facts.absorbed_in`); else empty."""
+        with self.recorder.lock:
+            history = self.recorder.records.history
+            row = history.current_row(batch)
+            if row is None or root not in history.modules:
+                return []
+            modules = list(history.modules)
+            slot = row.get(modules.index(root))
+            if slot is None or slot[2]:
+                return []
+            return [modules[i] for i in sorted(row) if row[i][2]]
 
     def _needs_op(self, facts: Facts) -> bool:
         """Whether the diagnosis needs the op that made the value (a replay): not for a weight

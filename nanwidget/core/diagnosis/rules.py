@@ -756,8 +756,29 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
         found.evidence.append(f"{skipped[0].upper()}{skipped[1:]}: "
                               f"a {_kind_words(event.kind)} gradient at every scale does not "
                               "come from the scale.")
+    if facts.absorbed_in:
+        _absorbed(facts, found)
     op = facts.op
     if op is not None and getattr(facts.trace, "first_bad", None) is not None:
         where = f"at {op.source}" if op.source else "(no line of user code on the stack)"
         found.op = f"{op.op} {where}"
     return found
+
+
+def _absorbed(facts: Facts, found: Diagnosis) -> None:
+    """A forward event whose model outputs stayed finite: say so (a run without a watch goes
+    on, so this is what the user sees), and, for an Inf, how to let the model absorb it."""
+    event, modules = facts.event, facts.absorbed_in
+    what = "NaN" if event.kind == "nan" else ("Inf" if event.kind == "inf" else "NaN/Inf")
+    shown = ", ".join(f"'{m}'" for m in modules[:8]) + (", ..." if len(modules) > 8 else "")
+    found.evidence.append(
+        f"The model's outputs stayed finite in batch {event.batch}: a later op clamped, masked "
+        f"or replaced the {what} (so a run without a watch goes on, with those values changed). "
+        f"Outputs that held it: {shown}.")
+    if event.kind == "inf":
+        names = ", ".join(f"'{m}'" for m in modules)
+        found.suggestion.append(
+            "If the model absorbs this Inf on purpose (transformers' T5 clamps float16 "
+            f"overflows after each block), let those outputs hold ±inf: nw.watch(model, "
+            f"allow_inf=[{names}]) (NaN still counts; name globs work too), or "
+            "mode='sentinel', which checks the model's outputs only.")
