@@ -77,6 +77,10 @@ def main() -> None:
     }
     sys.stdout.write("RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Left to the interpreter's exit, gloo's teardown once aborted a rank ("terminate
+        # called without an active exception") after its result was out.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
