@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import re
 import sys
@@ -24,6 +23,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import finish  # noqa: E402
 from trainer_nan import GPT2_POISONED, TokenDataset, hook_count, module_named, tiny_gpt2  # noqa: E402
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -75,12 +75,7 @@ def main() -> None:
         "event_module": watch.event.module if watch.event else None,
         "hooks_left": hooks_left, "report_printed": "Detected inf/nan" in printed.getvalue(),
     }
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        # Left to the interpreter's exit, gloo's teardown once aborted a rank ("terminate
-        # called without an active exception") after its result was out.
-        torch.distributed.destroy_process_group()
+    finish(result)
 
 
 if __name__ == "__main__":

@@ -8,14 +8,14 @@ Each process prints one ``RESULT {json}`` line.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import warnings
 
 import torch
 from torch import nn
 
 import lightning.pytorch as pl
+
+from results import finish
 
 POISONED = "net.2"
 
@@ -115,8 +115,7 @@ def main() -> None:
         "hooks": hook_count(model), "log_dir": str(callback.watch.log_dir),
         "exchanges": callback._guard.exchanges,
     }
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    finish(result)
 
 
 if __name__ == "__main__":

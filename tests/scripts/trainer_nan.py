@@ -10,9 +10,7 @@ The models are built from configs with random weights (no download): GPT-2 and B
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -20,6 +18,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+
+from results import finish  # noqa: E402
 
 GPT2_POISONED = "transformer.h.0.mlp.c_fc"
 BERT_POISONED = "bert.encoder.layer.0.intermediate.dense"
@@ -151,8 +151,7 @@ def main() -> None:
         "optimizer_steps": max((int(s["step"]) for s in trainer.optimizer.state.values()
                                 if "step" in s), default=0),
     }
-    sys.stdout.write("RESULT " + json.dumps(result) + "\n")
-    sys.stdout.flush()
+    finish(result)
 
 
 if __name__ == "__main__":
