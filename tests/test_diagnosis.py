@@ -409,6 +409,33 @@ def test_weights_stepped_nan_after_a_bad_data_batch_name_that_batch(mode):
     assert "when batch 3 ran" in "\n".join(diagnosis.evidence)
 
 
+def test_weights_stepped_nan_after_an_event_whose_frames_left_the_ring_name_that_batch():
+    # Batch 2 meets a NaN weight in layer 2, so its loss and every gradient are NaN, and the
+    # step after it makes every weight NaN. Layer 0's weights were measured finite in batch 2,
+    # but the ring (2 frames) no longer holds that frame, and batch 2 had an event: the weight
+    # log says so (it said "between batch 1 and batch 2"). Full mode: sentinel mode tells
+    # batch 3 as the persisting layer-2 weight, which it also is.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    with watch(model, "full", max_frames=2) as w:
+        for batch in range(4):
+            if batch == 2:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+            loss = (model(x) - y).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    first, second = w.events[:2]
+    assert (first.batch, first.module, second.batch, second.module) == (2, "2", 3, "0")
+    assert first.diagnosis.summary.startswith("'2.weight' became NaN between batch 1 and batch 2")
+    assert second.diagnosis.summary.startswith(
+        "'0.weight', '0.bias' became NaN between batch 2 and batch 3")
+    assert "finite when batch 2 ran" in "\n".join(second.diagnosis.evidence)
+
+
 def _weight_written_nan_after_batch_3(mode: str, **options) -> nw.NanWatch:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

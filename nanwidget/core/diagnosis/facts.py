@@ -33,26 +33,36 @@ class WeightLog:
     """The weights across batches, from the frames the watch records anyway (every batch in full
     mode; sampled and replayed batches in sentinel mode): per batch one float, the sum of the
     weights' abs max; per module, its weights' abs max the first time it was seen (recorded
-    once). Fed once per batch, never in a module hook."""
+    once); per module, the latest batch that measured all its weights finite. Fed once per
+    batch, never in a module hook."""
 
     def __init__(self, batches: int = WEIGHT_LOG_BATCHES) -> None:
         self.batches = batches
         self.series: list[tuple[int, float]] = []  # (batch, sum of the weights' abs max)
         self.first: dict[str, tuple[int, float]] = {}  # module -> (batch, its weights' abs max)
+        # module -> the latest batch whose frames measured its weights all finite: when a
+        # weight is found non-finite, the batch after which it broke, also when that batch's
+        # frames are long gone from the ring and the batch had an event of its own.
+        self.last_finite: dict[str, int] = {}
 
     def take(self, frames: list[Frame]) -> None:
         """Fold a batch's resolved frames in (the weight entries of forward frames)."""
         total = 0.0
         batch = -1
+        last_finite = self.last_finite
         for frame in frames:
             count = frame.first_input  # weights come first; backward frames have none
             if count:
                 batch = frame.batch
                 entries = frame.entries
+                own = 0.0
                 for slot in range(count):  # no slice built (every batch in full mode)
                     stats = entries[slot][1]
                     if stats is not None:
-                        total += stats.abs_max
+                        own += stats.abs_max
+                total += own
+                if own == own and own != math.inf and last_finite.get(frame.module, -1) < batch:
+                    last_finite[frame.module] = batch
         if batch < 0:
             return
         if not self.first:

@@ -266,6 +266,13 @@ class Diagnoser(Feature):
             for name, batch in found.items():
                 if name in seen:
                     seen[name].append(int(batch))
+        # The weight log saw every recorded batch's weights, also those whose frames left the
+        # ring: the latest batch before this one that measured the weight's module all finite.
+        logged = self.weights.last_finite
+        for name in names:
+            batch = logged.get(name.rpartition(".")[0], -1)  # own weights' roles hold no dot
+            if 0 <= batch < event.batch:
+                seen[name].append(batch)
         for name in names:
             if seen[name]:
                 facts.weights_last_finite[name] = max(seen[name])
