@@ -654,6 +654,45 @@ def test_an_inf_that_reaches_the_output_gets_no_word_of_being_absorbed():
     assert not any("stayed finite" in line for line in w.event.diagnosis.evidence)
 
 
+class _ScoresWithLoss(nn.Module):
+    """Computes its loss inside forward when given labels, as transformers' models do."""
+
+    def __init__(self, pixels: bool = False, ignore_index: int = -100) -> None:
+        super().__init__()
+        self.head = nn.Conv2d(4, 3, 1) if pixels else nn.Linear(4, 3)
+        self.ignore_index = ignore_index
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        logits = self.head(x)
+        loss = None if labels is None else nn.functional.cross_entropy(
+            logits, labels, ignore_index=self.ignore_index)
+        return {"logits": logits, "loss": loss}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pixels, ignore_index", [(False, -100), (True, 255)],
+                         ids=["tokens", "pixels"])
+def test_a_batch_whose_labels_are_all_ignored_is_a_mean_over_no_target(mode, pixels,
+                                                                       ignore_index):
+    # A prompt truncated before its answer, a crop with no labelled pixel: cross-entropy's mean
+    # over no counted target is 0/0, a NaN loss from finite logits (it was "unknown").
+    torch.manual_seed(0)
+    model = _ScoresWithLoss(pixels, ignore_index)
+    x = torch.randn(2, 4, 3, 3) if pixels else torch.randn(6, 4)
+    labels = torch.full((2, 3, 3) if pixels else (6,), ignore_index)
+    with watch(model, mode) as w:
+        model(x, labels=torch.zeros_like(labels))
+        model(x, labels=labels)
+    event = w.event
+    assert (event.batch, event.module, event.role) == (1, "", "output.loss")
+    diagnosis = event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("domain", "high")
+    default = " (the default ignore_index)" if ignore_index == -100 else ""
+    assert (f"every target of the batch is {ignore_index}{default}, so no target counted and "
+            "the mean over them is 0/0") in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("The batch has no target to learn from")
+
+
 class TwoInputs(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -125,6 +125,12 @@ def domain(op: str, at: str, backward: bool) -> list[str]:
                     "(sqrt or a norm of 0, a division by 0). Add an eps inside "
                     "(torch.sqrt(x + eps)) or use torch.linalg.vector_norm for a norm."] + guard
         return guard
+    if name in ("nll_loss_forward", "nll_loss2d_forward"):
+        return [f"The batch has no target to learn from (every label ignored: a prompt "
+                "truncated before its answer, rows that are all padding): drop such examples "
+                "from the data, or skip the step when (labels != ignore_index).sum() == 0.",
+                "Or average over the counted targets with a floor: F.cross_entropy(logits, "
+                "labels, reduction='sum') / (labels != ignore_index).sum().clamp_min(1)."]
     if name == "pow":
         return [f"pow{at} of a negative base with a fractional exponent is NaN, and of 0 with a "
                 "negative exponent inf: clamp the base (x.clamp_min(eps)) or use "

@@ -44,6 +44,9 @@ _INTENDED_INF = ("masked_fill", "fill", "full", "where", "index_put", "copy", "m
 _DOMAIN_NAMES = _LOG_OPS + _INVERSE_TRIG + _DIVISIONS + _VARIANCES + (
     "log1p", "sqrt", "rsqrt", "atanh", "acosh", "reciprocal", "pow", "erfinv", "logit", "xlogy",
     "lgamma", "digamma", "polygamma")
+# Losses that average over the targets they count (ignore_index, class weights): with none
+# counted, a mean divides 0 by 0.
+_COUNTED_MEAN_LOSSES = ("nll_loss_forward", "nll_loss2d_forward")
 _SOFTMAX_MODULES = ("Softmax", "LogSoftmax", "Softmin", "MultiheadAttention",
                     "TransformerEncoderLayer", "TransformerDecoderLayer")
 
@@ -169,9 +172,30 @@ def _event_point(facts: Facts, module: str) -> list[tuple[int, float]]:
 
 
 # ---------------------------------------------------------------------------- the op
+def _no_counted_target(op: OpFacts) -> tuple[str, str] | None:
+    """A cross-entropy / NLL mean over a batch in which no target counted: every target is the
+    ignore_index (or has class weight 0), so the mean is 0/0. None when that is not the case."""
+    if op.name not in _COUNTED_MEAN_LOSSES or not op.nan or len(op.outputs) < 2:
+        return None
+    weight = op.outputs[1]  # the op's total weight: how many targets counted
+    if weight.get("min") != 0 or weight.get("max") != 0:
+        return None
+    target = op.input_range(1)
+    if target is not None and target[0] == target[1]:
+        value = int(target[0])
+        which = " (the default ignore_index)" if value == -100 else ""
+        return (f"every target of the batch is {value}{which}, so no target counted and the mean "
+                "over them is 0/0", "high")
+    return "no target of the batch counted (ignore_index, or class weights of 0), so the mean " \
+        "over them is 0/0", "medium"
+
+
 def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     """Why the op's inputs were outside its domain, and how sure (None: they were not)."""
     name = op.name
+    counted = _no_counted_target(op)
+    if counted is not None:
+        return counted
     grad_of = op.grad_of.split("Backward")[0].lower() if op.grad_of else ""
     if op.phase == "backward" and grad_of in _DOMAIN_NAMES:
         return (f"the gradient of {grad_of} is infinite at the edge of its domain "
