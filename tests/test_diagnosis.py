@@ -693,6 +693,58 @@ def test_a_batch_whose_labels_are_all_ignored_is_a_mean_over_no_target(mode, pix
     assert diagnosis.suggestion[0].startswith("The batch has no target to learn from")
 
 
+class _Speech(nn.Module):
+    """A CTC head: log-probabilities (T, N, C) and the CTC loss of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+                target_lengths: torch.Tensor) -> torch.Tensor:
+        return nn.functional.ctc_loss(self.head(x).log_softmax(-1), targets, input_lengths,
+                                      target_lengths)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_ctc_target_longer_than_its_input_is_no_alignment_not_an_overflow(mode):
+    # 3 frames cannot spell 6 labels: CTC's loss is inf (it said "overflowed float32: keep the
+    # values smaller").
+    torch.manual_seed(0)
+    model = _Speech()
+    with watch(model, mode) as w:
+        model(torch.randn(3, 2, 4), torch.randint(1, 5, (2, 6)), torch.tensor([3, 3]),
+              torch.tensor([6, 2]))
+    diagnosis = w.event.diagnosis
+    assert (w.event.kind, diagnosis.kind, diagnosis.confidence) == ("inf", "domain", "high")
+    assert ("a sample has no alignment: its input is shorter than its target (input lengths 3 "
+            "to 3, target lengths 2 to 6)") in diagnosis.summary
+    assert "zero_infinity=True" in diagnosis.suggestion[0]
+
+
+class _SelectedMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)[keep].square().mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mean_over_an_empty_selection_is_0_over_0(mode):
+    torch.manual_seed(0)
+    model = _SelectedMean()
+    with watch(model, mode) as w:
+        model(torch.randn(5, 4), torch.ones(5, dtype=torch.bool))
+        model(torch.randn(5, 4), torch.zeros(5, dtype=torch.bool))  # nothing selected
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, diagnosis.kind, diagnosis.confidence) == (1, "domain", "high")
+    assert "mean over an empty tensor (shape (0, 3)): an average of no element is 0/0" in \
+        diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("Guard the reduction")
+
+
 class TwoInputs(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -92,8 +92,19 @@ def divergence(dtype: str) -> list[str]:
     return fixes
 
 
-def domain(op: str, at: str, backward: bool) -> list[str]:
+def domain(op: str, at: str, backward: bool, empty: bool = False) -> list[str]:
     name = op.lstrip("_")
+    if empty and name not in ("nll_loss_forward", "nll_loss2d_forward"):
+        return [f"Guard the reduction{at} against an empty selection: compute it only when "
+                "x.numel() > 0, or divide a sum by the count clamped to at least 1 "
+                "(x.sum() / mask.sum().clamp_min(1)).",
+                "If every batch should select something, look at the mask or filter before it "
+                "(a threshold no value passes, a class absent from the batch)."]
+    if name in ("ctc_loss", "cudnn_ctc_loss", "use_cudnn_ctc_loss"):
+        return ["Pass zero_infinity=True to F.ctc_loss / nn.CTCLoss: a sample without an "
+                "alignment then adds 0 to the loss and to the gradients.",
+                "Or drop the samples whose input length (after the model's downsampling) is "
+                "shorter than their target length plus one blank per repeated label."]
     if name in ("log", "log2", "log10", "log1p", "xlogy"):
         return [f"Keep the argument of {name}{at} positive: torch.{name}(x.clamp_min(eps)) or "
                 f"torch.{name}(x + eps), eps = 1e-6 (1e-4 in float16).",

@@ -47,6 +47,7 @@ _DOMAIN_NAMES = _LOG_OPS + _INVERSE_TRIG + _DIVISIONS + _VARIANCES + (
 # Losses that average over the targets they count (ignore_index, class weights): with none
 # counted, a mean divides 0 by 0.
 _COUNTED_MEAN_LOSSES = ("nll_loss_forward", "nll_loss2d_forward")
+_CTC_OPS = ("ctc_loss", "_ctc_loss", "_cudnn_ctc_loss", "_use_cudnn_ctc_loss")
 _SOFTMAX_MODULES = ("Softmax", "LogSoftmax", "Softmin", "MultiheadAttention",
                     "TransformerEncoderLayer", "TransformerDecoderLayer")
 
@@ -190,12 +191,34 @@ def _no_counted_target(op: OpFacts) -> tuple[str, str] | None:
         "over them is 0/0", "medium"
 
 
+def _no_alignment(op: OpFacts) -> tuple[str, str] | None:
+    """CTC's Inf: a sample whose input is too short for its target has no alignment, and its
+    loss is -log(0). None when the op is not a CTC loss that made an Inf."""
+    if op.name not in _CTC_OPS or not op.inf or op.inputs_hold_inf():
+        return None
+    lengths = {row["role"].split()[-1]: (row.get("min", math.nan), row.get("max", math.nan))
+               for row in op.inputs}
+    given, wanted = lengths.get("input_lengths"), lengths.get("target_lengths")
+    shown = ""
+    sure = "medium"
+    if given is not None and wanted is not None and not math.isnan(given[0] + wanted[1]):
+        shown = (f" (input lengths {_g(given[0])} to {_g(given[1])}, target lengths "
+                 f"{_g(wanted[0])} to {_g(wanted[1])})")
+        sure = "high" if given[0] < wanted[1] else "medium"
+    return (f"a sample has no alignment: its input is shorter than its target{shown}, counting "
+            "a blank between repeated labels, so its loss is -log(0) = inf", sure)
+
+
 def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     """Why the op's inputs were outside its domain, and how sure (None: they were not)."""
     name = op.name
-    counted = _no_counted_target(op)
-    if counted is not None:
-        return counted
+    special = _no_counted_target(op) or _no_alignment(op)
+    if special is not None:
+        return special
+    if op.nan and op.inputs and op.inputs[0].get("numel") == 0 and op.phase != "backward":
+        shape = tuple(op.inputs[0].get("shape") or ())
+        return (f"{name} over an empty tensor (shape {shape}): an average of no element is "
+                "0/0 (a mask or a filter kept nothing)", "high")
     grad_of = op.grad_of.split("Backward")[0].lower() if op.grad_of else ""
     if op.phase == "backward" and grad_of in _DOMAIN_NAMES:
         return (f"the gradient of {grad_of} is infinite at the edge of its domain "
@@ -607,10 +630,11 @@ def _from_op(facts: Facts) -> Diagnosis | None:
                                        f"all -inf: {reason}.", evidence, fixes.masked_row(),
                          rows=rows, confidence=confidence)
     if kind == "domain":
+        empty = bool(op.inputs) and op.inputs[0].get("numel") == 0
         return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain: "
                                    f"{reason}.", evidence,
                          fixes.domain(op.op if not op.grad_of else op.grad_of.split("Backward")[0].lower(),
-                                      op.at, backward=op.phase == "backward"),
+                                      op.at, backward=op.phase == "backward", empty=empty),
                          confidence=confidence)
     # An overflow: divergence when the weights grew over the batches before.
     modules = [op.module, event.module, ""]
