@@ -134,6 +134,27 @@ def test_acos_past_one_is_a_domain_error(mode):
     assert "clamp(-1 + eps, 1 - eps)" in diagnosis.suggestion[0]
 
 
+class _AngleOfSelf(nn.Module):
+    """acos of a unit vector's dot product with itself, a hair above 1 by rounding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        unit = nn.functional.normalize(self.fc(x), dim=-1)
+        return torch.acos((unit * unit).sum(-1) * 1.0000001)
+
+
+def test_acos_a_rounding_past_one_shows_the_digits_that_pass_it():
+    torch.manual_seed(0)
+    model = _AngleOfSelf()
+    with watch(model, "full") as w:
+        model(torch.randn(4, 4))
+    summary = w.event.diagnosis.summary
+    assert "to 1.0000001" in summary and "to 1 (" not in summary
+
+
 class NormOf(nn.Module):
     def __init__(self) -> None:
         super().__init__()

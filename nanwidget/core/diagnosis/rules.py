@@ -57,6 +57,12 @@ def _g(value: float) -> str:
     return f"{value:.3g}"
 
 
+def _g_edge(value: float) -> str:
+    """A number at the edge of a domain: enough digits that 1.0000001 does not read as 1."""
+    shown = _g(value)
+    return f"{value:.9g}" if float(shown) != value and abs(float(shown)) == 1 else shown
+
+
 def _limit_text(dtype: str) -> str:
     limit = dtype_max(dtype)
     return f"{dtype} max {limit:.5g}" if math.isfinite(limit) else dtype
@@ -237,11 +243,13 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     if name == "rsqrt" and low <= 0:
         return f"rsqrt of values down to {_g(low)} (rsqrt(0) = inf)", "high"
     if name in _INVERSE_TRIG and (low < -1 or high > 1):
-        return f"{name} of values from {_g(low)} to {_g(high)} (outside [-1, 1] gives NaN)", "high"
+        return (f"{name} of values from {_g_edge(low)} to {_g_edge(high)} (outside [-1, 1] "
+                "gives NaN)", "high")
     if name == "atanh" and (low <= -1 or high >= 1):
-        return f"atanh of values from {_g(low)} to {_g(high)} (at ±1 inf, beyond NaN)", "high"
+        return (f"atanh of values from {_g_edge(low)} to {_g_edge(high)} (at ±1 inf, beyond "
+                "NaN)", "high")
     if name == "acosh" and low < 1:
-        return f"acosh of values down to {_g(low)} (below 1 gives NaN)", "high"
+        return f"acosh of values down to {_g_edge(low)} (below 1 gives NaN)", "high"
     if (name == "erfinv" and (low <= -1 or high >= 1)) or (name == "logit" and (low < 0 or high > 1)):
         return f"{name} of values from {_g(low)} to {_g(high)}, outside its domain", "high"
     if name in _DIVISIONS or name == "reciprocal":
