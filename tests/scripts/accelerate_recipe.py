@@ -23,7 +23,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import finish  # noqa: E402
+from results import close_process_group, emit  # noqa: E402
 from trainer_nan import GPT2_POISONED, TokenDataset, hook_count, module_named, tiny_gpt2  # noqa: E402
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -75,8 +75,9 @@ def main() -> None:
         "event_module": watch.event.module if watch.event else None,
         "hooks_left": hooks_left, "report_printed": "Detected inf/nan" in printed.getvalue(),
     }
-    finish(result)
+    emit(result)
 
 
 if __name__ == "__main__":
     main()
+    close_process_group()

@@ -15,7 +15,7 @@ from torch import nn
 
 import lightning.pytorch as pl
 
-from results import finish
+from results import close_process_group, emit
 
 POISONED = "net.2"
 
@@ -115,8 +115,9 @@ def main() -> None:
         "hooks": hook_count(model), "log_dir": str(callback.watch.log_dir),
         "exchanges": callback._guard.exchanges,
     }
-    finish(result)
+    emit(result)
 
 
 if __name__ == "__main__":
     main()
+    close_process_group()

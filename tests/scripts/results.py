@@ -15,11 +15,15 @@ def emit(result: dict[str, Any]) -> None:
     os.write(sys.stdout.fileno(), ("RESULT " + json.dumps(result, default=str) + "\n").encode())
 
 
-def finish(result: dict[str, Any]) -> None:
-    """:func:`emit` ``result``, then close the process group, if any: left to the interpreter's
-    exit, gloo's teardown once aborted a rank ("terminate called without an active exception")
-    after its result was out, failing a test whose ranks had all passed."""
-    emit(result)
+
+def close_process_group() -> None:
+    """Close the process group, if any, once the script's models are gone (call it after
+    main() returns): left to the interpreter's exit, gloo's teardown once aborted a rank
+    ("terminate called without an active exception") after its result was out; closed while a
+    DDP model still lived, a rank hung in the model's teardown."""
+    import gc
+
     import torch.distributed as dist
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

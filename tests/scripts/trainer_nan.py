@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from results import finish  # noqa: E402
+from results import close_process_group, emit  # noqa: E402
 
 GPT2_POISONED = "transformer.h.0.mlp.c_fc"
 BERT_POISONED = "bert.encoder.layer.0.intermediate.dense"
@@ -151,8 +151,9 @@ def main() -> None:
         "optimizer_steps": max((int(s["step"]) for s in trainer.optimizer.state.values()
                                 if "step" in s), default=0),
     }
-    finish(result)
+    emit(result)
 
 
 if __name__ == "__main__":
     main()
+    close_process_group()
