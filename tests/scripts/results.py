@@ -20,10 +20,12 @@ def close_process_group() -> None:
     """Close the process group, if any, once the script's models are gone (call it after
     main() returns): left to the interpreter's exit, gloo's teardown once aborted a rank
     ("terminate called without an active exception") after its result was out; closed while a
-    DDP model still lived, a rank hung in the model's teardown."""
+    DDP model still lived, a rank hung in the model's teardown. The examples' scripts leave
+    the same way (nanwidget/examples/ddp_nan.py)."""
     import gc
 
     import torch.distributed as dist
     gc.collect()
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # leave together: no peer still talks to a rank tearing gloo down
         dist.destroy_process_group()
