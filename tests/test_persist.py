@@ -464,3 +464,25 @@ def test_recording_made_with_an_unusual_rank_is_written_where_load_run_finds_it(
     assert run.ranks == [0]
     assert [(e.rank, e.batch, e.module) for e in run.events] == [(0, 1, "fc1")]
     assert set(run.history()["batch"]) == {0, 1} == set(watch.history()["batch"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+def test_reading_a_recording_starts_no_arrow_thread(tiny_mlp, tmp_path):
+    # A short process that read parquet with arrow's thread pool could abort as it exited, its
+    # work done ("terminate called without an active exception": `python -m nanwidget report`
+    # exited -6 in CI). The reader decodes on the calling thread.
+    pytest.importorskip("pyarrow")
+    _train_with_nan(tiny_mlp, tmp_path).close()
+    assert list(tmp_path.rglob("*.parquet"))
+    script = ("import os, sys, nanwidget as nw\n"
+              "count = lambda: len(os.listdir('/proc/self/task'))\n"
+              "before = count()\n"
+              "run = nw.load_run(sys.argv[1])\n"
+              "run.frames(); run.history(); run.report()\n"
+              "print(before, count())\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = map(int, done.stdout.split())
+    assert after == before, (before, after)

@@ -204,7 +204,10 @@ def _read_parquet(path: Path, within: Path) -> dict[str, tuple[str, Any]]:
     parquet = _pq.ParquetFile(_pa.BufferReader(read_file(path, within, MAX_TABLE_BYTES)))
     schema = parquet.schema_arrow
     out: dict[str, tuple[str, Any]] = {}
-    table = parquet.read()
+    # One thread: arrow's thread pool, once started, can still hold a worker when a short
+    # process exits (`python -m nanwidget report`), which aborts it after its work is done
+    # ("terminate called without an active exception", apache/arrow#34314). The tables are small.
+    table = parquet.read(use_threads=False)
     for field in schema:
         type_name = str(field.type)
         kind = next((k for k, names in kinds.items() if type_name in names), None)
