@@ -15,7 +15,8 @@ What the sentinel checks is also what it shows: each checked batch's largest |x|
 root's outputs (measured by the check itself, no extra read) is the root's row of
 ``history()`` for that batch and :attr:`Sentinel.outputs_abs_max`. A NaN/Inf made outside the
 model, e.g. in a loss computed from its outputs, reaches no output: only the gradient check
-(``backward=True``) or the loss itself (the watch's ``loss_fn``) can see it.
+(``backward=True``) can see it, once its gradients are non-finite (the watch's ``loss_fn``
+runs in replays only, to name the loss's op).
 
 Where the host reads happen (at most one small read per batch): on CPU the native kernel reads
 each output where it lies, at the root forward's return (no device, nothing to wait for; without
