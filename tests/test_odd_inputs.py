@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 import warnings
-
 from typing import Any
 
 import hypothesis.strategies as st
