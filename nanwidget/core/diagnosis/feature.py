@@ -161,29 +161,28 @@ class Diagnoser(Feature):
             self._weights_now(facts)
         return facts
 
-    def _output_finite(self, batch: int, root: str) -> bool:
-        """Whether the root's outputs of ``batch`` were all finite, as the history's row of the
-        batch (still open during its backward) says; False when it cannot tell."""
+    def _nonfinite_outputs(self, batch: int, root: str) -> list[str] | None:
+        """The modules whose outputs held NaN/Inf in ``batch``, in the model's order, when the
+        history's row of the batch (still open during its backward) has the root's outputs;
+        None when it cannot tell."""
         with self.recorder.lock:
             history = self.recorder.records.history
             row = history.current_row(batch)
             modules = list(history.modules)
-            slot = row.get(modules.index(root)) if row is not None and root in modules else None
-            return slot is not None and not slot[2]
+            if row is None or root not in modules or modules.index(root) not in row:
+                return None
+            return [modules[i] for i in sorted(row) if row[i][2]]
+
+    def _output_finite(self, batch: int, root: str) -> bool:
+        """Whether the root's outputs of ``batch`` were all finite; False when it cannot tell."""
+        bad = self._nonfinite_outputs(batch, root)
+        return bad is not None and root not in bad
 
     def _absorbed_in(self, batch: int, root: str) -> list[str]:
         """When the root's outputs of ``batch`` stayed finite although modules inside made a
         NaN/Inf: those modules (see :attr:`~.facts.Facts.absorbed_in`); else empty."""
-        with self.recorder.lock:
-            history = self.recorder.records.history
-            row = history.current_row(batch)
-            if row is None or root not in history.modules:
-                return []
-            modules = list(history.modules)
-            slot = row.get(modules.index(root))
-            if slot is None or slot[2]:
-                return []
-            return [modules[i] for i in sorted(row) if row[i][2]]
+        bad = self._nonfinite_outputs(batch, root)
+        return bad if bad and root not in bad else []
 
     def _needs_op(self, facts: Facts) -> bool:
         """Whether the diagnosis needs the op that made the value (a replay): not for a weight

@@ -94,7 +94,7 @@ def divergence(dtype: str) -> list[str]:
 
 def domain(op: str, at: str, backward: bool, empty: bool = False) -> list[str]:
     name = op.lstrip("_")
-    if empty and name not in ("nll_loss_forward", "nll_loss2d_forward"):
+    if empty:
         return [f"Guard the reduction{at} against an empty selection: compute it only when "
                 "x.numel() > 0, or divide a sum by the count clamped to at least 1 "
                 "(x.sum() / mask.sum().clamp_min(1)).",

@@ -638,7 +638,9 @@ def _from_op(facts: Facts) -> Diagnosis | None:
                                        f"all -inf: {reason}.", evidence, fixes.masked_row(),
                          rows=rows, confidence=confidence)
     if kind == "domain":
-        empty = bool(op.inputs) and op.inputs[0].get("numel") == 0
+        # A mean over an empty selection (a loss over no counted target has its own fixes).
+        empty = bool(op.inputs) and op.inputs[0].get("numel") == 0 \
+            and op.name not in _COUNTED_MEAN_LOSSES
         return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain: "
                                    f"{reason}.", evidence,
                          fixes.domain(op.op if not op.grad_of else op.grad_of.split("Backward")[0].lower(),
