@@ -523,6 +523,20 @@ def test_nan_in_some_rows_of_the_data_names_the_rows(mode):
     assert diagnosis.summary == ("The batch's input[0] holds NaN in rows 2, 4: it came with the "
                                  "data, not from the model.")
     assert diagnosis.evidence == ["input[0] (float32 (6, 4)): 2 NaN in rows 2, 4 of 6."]
+    assert diagnosis.suggestion[0].startswith("Look at how rows 2, 4 of input[0] were made")
+
+
+def test_one_bad_row_of_the_data_is_named_as_one_row():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(6, 4)
+    x[3, 1] = math.inf
+    with watch(model, "full") as w:
+        model(x)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.summary == ("The batch's input[0] holds Inf in row 3: it came with the "
+                                 "data, not from the model.")
+    assert diagnosis.evidence == ["input[0] (float32 (6, 4)): 1 Inf in row 3 of 6."]
+    assert diagnosis.suggestion[0].startswith("Look at how row 3 of input[0] was made")
 
 
 @pytest.mark.parametrize("mode", MODES)

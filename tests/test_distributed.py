@@ -484,7 +484,7 @@ def test_diagnosis_reads_a_dtensor_input_on_this_ranks_shard_and_names_its_bad_r
         model(DTensor.from_local(rows, mesh, [Shard(0)], run_check=False))
     diagnosis = watch.event.diagnosis
     assert (diagnosis.kind, diagnosis.rows) == ("bad-data", [1]), diagnosis
-    assert diagnosis.evidence[0] == "input[0] (float32 (3, 6), local shard): 1 NaN in rows 1 of 3."
+    assert diagnosis.evidence[0] == "input[0] (float32 (3, 6), local shard): 1 NaN in row 1 of 3."
 
 
 @pytest.mark.slow
@@ -498,7 +498,7 @@ def test_dtensor_input_nan_on_rank_1_is_diagnosed_there_without_a_collective():
     assert results[0]["events"] == []
     assert results[1]["events"] == [[1, 2, "fc", "input"]]
     assert (results[1]["diagnosis"], results[1]["rows"]) == ("bad-data", [1]), results[1]
-    assert results[1]["evidence"] == ["input[0] (float32 (3, 6), local shard): 1 NaN in rows 1 "
+    assert results[1]["evidence"] == ["input[0] (float32 (3, 6), local shard): 1 NaN in row 1 "
                                       "of 3."]
     assert results[1]["seconds"] < 15  # no wait for a collective rank 0 never joins
 

@@ -188,10 +188,22 @@ def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: 
     return fixes
 
 
+def rows_named(rows: list[int], limit: int) -> str:
+    """"row 3" / "rows 2, 4 ..." (at most ``limit`` numbers)."""
+    more = " ..." if len(rows) > limit else ""
+    return f"row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows[:limit]))}{more}"
+
+
+def in_rows(rows: list[int], limit: int) -> str:
+    """" in row 3" / " in rows 2, 4 ..."; "" without rows."""
+    return f" in {rows_named(rows, limit)}" if rows else ""
+
+
 def bad_data(roles: list[str], rows: list[int]) -> list[str]:
     which = ", ".join(roles) or "the input"
-    shown = f"rows {', '.join(map(str, rows[:8]))}" if rows else "the rows that hold them"
-    return [f"Look at how {shown} of {which} were made: missing values, a division by zero or "
+    shown = (f"{rows_named(rows, 8)} of {which} {'was' if len(rows) == 1 else 'were'}" if rows
+             else f"the rows of {which} that hold NaN/Inf were")
+    return [f"Look at how {shown} made: missing values, a division by zero or "
             "log(0) in preprocessing, a corrupt file.",
             "Guard the data: assert torch.isfinite(x).all() in the Dataset or collate_fn, or "
             "clean it (torch.nan_to_num, or drop those rows) before the forward.",

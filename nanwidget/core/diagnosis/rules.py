@@ -521,15 +521,14 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
     roles = [i.role for i in bad]
     what = " and ".join(w for w, n in (("NaN", sum(i.nan for i in bad)),
                                        ("Inf", sum(i.inf for i in bad))) if n)
-    rows_text = f" in rows {', '.join(map(str, rows[:8]))}{' ...' if len(rows) > 8 else ''}" \
-        if rows else ""
+    rows_text = fixes.in_rows(rows, 8)
     verb = "holds" if len(roles) == 1 else "hold"
     summary = (f"The batch's {', '.join(roles)} {verb} {what}{rows_text}: it came with the "
                "data, not from the model.")
     evidence = []
     for item in bad:
         counts = ", ".join(f"{n} {k}" for n, k in ((item.nan, "NaN"), (item.inf, "Inf")) if n)
-        where = f" in rows {', '.join(map(str, item.rows[:12]))}" if item.rows else ""
+        where = fixes.in_rows(item.rows, 12)
         shard = f", {item.note}" if item.note else ""
         evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}): {counts}{where} of "
                         f"{item.shape[0] if item.shape else 1}.")
