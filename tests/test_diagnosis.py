@@ -232,6 +232,79 @@ def test_multihead_attention_with_an_all_padding_sequence_is_a_masked_row(mode):
     assert diagnosis.rows == [1]
 
 
+class _Proposals(nn.Module):
+    """Two-stage DETR style: box logits whose padded positions are set to +inf on purpose (a
+    sigmoid later reads them as 1, a top-k never picks them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.box = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.box(x).masked_fill(padding[..., None], float("inf"))
+
+
+class _TwoStage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proposals = _Proposals()
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> dict:
+        logits = self.proposals(x, padding)
+        return {"proposal_logits": logits, "boxes": torch.sigmoid(logits)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_inf_a_mask_writes_into_an_output_is_no_overflow_and_names_its_allow_inf(mode):
+    torch.manual_seed(0)
+    model = _TwoStage()
+    x, padding = torch.randn(2, 6, 8), torch.zeros(2, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    unwatched = model(x, padding)
+    with watch(model, mode) as w:
+        model(x, padding)
+    event = w.event
+    assert (event.module, event.kind) == ("proposals", "inf")
+    diagnosis = event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("masked-row", "high")
+    assert diagnosis.summary.startswith("masked_fill in module 'proposals' (_Proposals) at ")
+    assert line_of(_Proposals.forward, "masked_fill") in diagnosis.summary
+    assert diagnosis.summary.endswith("wrote Inf on purpose (a mask value), and module "
+                                      "'proposals' has it in its output: nothing overflowed.")
+    evidence = "\n".join(diagnosis.evidence)
+    assert "masked_fill input mask (bool): from 0 to 1." in evidence
+    assert "masked_fill output: 8 Inf of 48 values" in evidence
+    assert "Outputs that held it in batch 0: '<root>', 'proposals'." in evidence
+    assert "allow_inf=['', 'proposals']" in diagnosis.suggestion[0]
+    assert "torch.finfo(x.dtype).max" in diagnosis.suggestion[1]
+    # Following the suggestion: no event, the same outputs.
+    with nw.watch(model, mode=mode, allow_inf=["", "proposals"]) as w:
+        watched = model(x, padding)
+    assert w.events == []
+    assert all(torch.equal(watched[key], unwatched[key]) for key in unwatched)
+
+
+def test_a_real_overflow_in_a_mask_op_s_input_stays_an_overflow():
+    # masked_fill over an input that already overflowed: the Inf came in, it was not written.
+    model = nn.Sequential(nn.Linear(4, 4)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(3e4)
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x).masked_fill(x < -100, 0.0)
+
+    masked = Masked()
+    with watch(masked, "full") as w:
+        masked(torch.ones(2, 4).half())
+    assert w.event.diagnosis.kind == "overflow"
+    assert w.event.diagnosis.summary.startswith("addmm in module 'inner.0' (Linear)")
+
+
 # ---------------------------------------------------------------------------- divergence
 def _mlp_at_a_huge_learning_rate(mode: str, **options) -> nw.NanWatch:
     torch.manual_seed(0)
@@ -650,6 +723,44 @@ def test_an_inf_the_model_clamps_away_says_the_outputs_stayed_finite_and_how_to_
         with torch.no_grad(), nw.watch(model, **options) as w:
             watched = model(**inputs).last_hidden_state
         assert w.events == [] and torch.equal(watched, unwatched)
+
+
+def test_deformable_detr_s_padding_proposals_are_a_mask_not_an_overflow():
+    """transformers' two-stage Deformable DETR sets the proposals of padded pixels to +inf on
+    purpose and returns them (enc_outputs_coord_logits): the event says so, and its
+    allow_inf lets the model run on unchanged."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    backbone = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1], layer_type="basic",
+        out_features=["stage2", "stage3", "stage4"])
+    config = transformers.DeformableDetrConfig(
+        use_timm_backbone=False, backbone_config=backbone, d_model=32, encoder_layers=1,
+        decoder_layers=1, encoder_ffn_dim=16, decoder_ffn_dim=16, encoder_attention_heads=2,
+        decoder_attention_heads=2, num_queries=4, num_labels=2, two_stage=True,
+        with_box_refine=True, num_feature_levels=3, two_stage_num_proposals=4)
+    model = transformers.DeformableDetrForObjectDetection(config).eval()
+    pixels = torch.randn(2, 3, 96, 96)
+    mask = torch.ones(2, 96, 96, dtype=torch.long)
+    mask[1, :, 64:] = 0  # the second image is narrower: padded on the right
+    with torch.no_grad():
+        unwatched = model(pixel_values=pixels, pixel_mask=mask)
+        with watch(model, "full") as w:
+            model(pixel_values=pixels, pixel_mask=mask)
+    event = w.event
+    assert (event.module, event.role, event.kind) == ("model", "output.enc_outputs_coord_logits",
+                                                      "inf")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "masked-row" and diagnosis.summary.endswith("nothing overflowed.")
+    assert diagnosis.summary.startswith("masked_fill in module 'model' (DeformableDetrModel) at ")
+    assert "modeling_deformable_detr.py:" in diagnosis.summary
+    assert "allow_inf=['', 'model']" in diagnosis.suggestion[0]
+    with torch.no_grad(), nw.watch(model, allow_inf=["", "model"]) as w:
+        watched = model(pixel_values=pixels, pixel_mask=mask)
+    assert w.events == []
+    assert torch.equal(watched.logits, unwatched.logits)
+    assert torch.equal(watched.pred_boxes, unwatched.pred_boxes)
 
 
 class _Log(nn.Module):

@@ -319,6 +319,9 @@ class Facts:
     # masked or replaced the value): the modules whose outputs held NaN/Inf in that batch, in
     # the model's order. Empty when the outputs were not finite or cannot be told.
     absorbed_in: list[str] = field(default_factory=list)
+    # A forward event: every module whose outputs held NaN/Inf in its batch, the root's
+    # included, in the model's order (empty when it cannot be told).
+    outputs_holding: list[str] = field(default_factory=list)
 
     def series(self, module: str) -> list[tuple[int, float]]:
         """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""

@@ -128,7 +128,9 @@ class Diagnoser(Feature):
                 return facts  # the forward's diagnosis says why
             facts.output_grad_bad = self._output_grad_bad(event, root)
         elif event.origin != "peer":
-            facts.absorbed_in = self._absorbed_in(event.batch, root)
+            held = self._nonfinite_outputs(event.batch, root) or []
+            facts.outputs_holding = held
+            facts.absorbed_in = held if root not in held else []
         if (facts.trace is None and may_replay and self.replay is not None
                 and self._needs_op(facts)):
             if self.replays < MAX_DIAGNOSIS_REPLAYS:
@@ -177,12 +179,6 @@ class Diagnoser(Feature):
         """Whether the root's outputs of ``batch`` were all finite; False when it cannot tell."""
         bad = self._nonfinite_outputs(batch, root)
         return bad is not None and root not in bad
-
-    def _absorbed_in(self, batch: int, root: str) -> list[str]:
-        """When the root's outputs of ``batch`` stayed finite although modules inside made a
-        NaN/Inf: those modules (see :attr:`~.facts.Facts.absorbed_in`); else empty."""
-        bad = self._nonfinite_outputs(batch, root)
-        return bad if bad and root not in bad else []
 
     def _needs_op(self, facts: Facts) -> bool:
         """Whether the diagnosis needs the op that made the value (a replay): not for a weight

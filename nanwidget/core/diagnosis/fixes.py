@@ -170,6 +170,15 @@ def masked_row() -> list[str]:
             "True masks every key of that sequence; check the rows named here."]
 
 
+def written_inf(modules: list[str], op: str, at: str) -> list[str]:
+    names = ", ".join(f"'{m}'" for m in modules)
+    return [f"If the Inf is meant (the code after it reads it safely: a sigmoid, a min, a topk), "
+            f"let those outputs hold ±inf: nw.watch(model, allow_inf=[{names}]) (NaN still "
+            "counts; name globs work too).",
+            f"If not, write a finite value{at}: torch.finfo(x.dtype).max (or .min) instead of "
+            f"inf in {op}, so that no later op makes inf - inf or 0 x inf = NaN."]
+
+
 def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: bool) -> list[str]:
     after = f"after batch {batch}" if batch is not None else "before this batch"
     fixes = []

@@ -617,10 +617,36 @@ def _rows_masked(facts: Facts) -> list[int]:
     return sorted({r for i in facts.inputs for r in i.masked_rows})
 
 
+def _writes_inf(op: OpFacts) -> bool:
+    """Whether the op writes a value it was given (masked_fill, fill, full, where) and made an
+    Inf from finite inputs: the value was inf (a mask), nothing overflowed."""
+    return op.inf and not op.nan and op.name in _INTENDED_INF and not op.inputs_hold_inf()
+
+
+def _written_inf(facts: Facts, op: OpFacts) -> Diagnosis:
+    """An Inf a mask op wrote on purpose that left the module in its outputs (DETR-style
+    proposals masked with +inf before a sigmoid): a mask, not an overflow."""
+    event = facts.event
+    holding = facts.outputs_holding or list(dict.fromkeys([op.module, event.module]))
+    evidence = _op_evidence(op) + [
+        f"No input of {op.op} holds an Inf, so the Inf is the value it was told to write (inf, "
+        f"or a number too large for {op.dtype}): nothing overflowed."]
+    if facts.outputs_holding:
+        shown = ", ".join(f"'{m or '<root>'}'" for m in holding[:8])
+        evidence.append(f"Outputs that held it in batch {event.batch}: {shown}"
+                        f"{', ...' if len(holding) > 8 else ''}.")
+    summary = (f"{op.op} {op.place}{op.at} wrote Inf on purpose (a mask value), and module "
+               f"'{event.module or '<root>'}' has it in its {event.role}: nothing overflowed.")
+    return Diagnosis("masked-row", summary, evidence,
+                     fixes.written_inf(holding, op.op, op.at), confidence="high")
+
+
 def _from_op(facts: Facts) -> Diagnosis | None:
     op = facts.op
     if op is None or op.in_loss:
         return None
+    if _writes_inf(op):
+        return _written_inf(facts, op)
     found = _classify_op(op, getattr(facts.trace, "earlier_inf", None))
     if found is None:
         return None

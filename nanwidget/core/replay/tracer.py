@@ -609,7 +609,7 @@ def _describe(role: str, tensor: torch.Tensor) -> dict:
             "shape": () if tensor.is_nested else tuple(tensor.shape), "numel": tensor.numel(),
             "min": math.nan,
             "max": math.nan, "nan_count": 0, "inf_count": 0}
-    if tensor.numel() == 0 or tensor.is_complex() or tensor.dtype is torch.bool:
+    if tensor.numel() == 0 or tensor.is_complex():
         return info
     try:
         with torch.no_grad():
@@ -621,7 +621,7 @@ def _describe(role: str, tensor: torch.Tensor) -> dict:
                 high = finite.max().double() if finite.numel() else torch.tensor(math.nan)
                 numbers = torch.stack((low.cpu(), high.cpu(), nan_mask.sum().double().cpu(),
                                        inf_mask.sum().double().cpu())).tolist()
-            else:
+            else:  # integers; a bool mask reads 0 to 1 (False to True)
                 numbers = [float(values.min()), float(values.max()), 0, 0]
         info.update(min=numbers[0], max=numbers[1], nan_count=int(numbers[2]),
                     inf_count=int(numbers[3]))
