@@ -865,7 +865,31 @@ def test_a_ctc_target_longer_than_its_input_is_no_alignment_not_an_overflow(mode
     assert (w.event.kind, diagnosis.kind, diagnosis.confidence) == ("inf", "domain", "high")
     assert ("a sample has no alignment: its input is shorter than its target (input lengths 3 "
             "to 3, target lengths 2 to 6)") in diagnosis.summary
-    assert "zero_infinity=True" in diagnosis.suggestion[0]
+    assert diagnosis.suggestion[0].startswith("Pass zero_infinity=True to F.ctc_loss")
+
+
+def test_a_transformers_ctc_model_without_alignment_is_told_its_config_switch():
+    # Wav2Vec2ForCTC computes the CTC loss itself: the fix is its config, not F.ctc_loss's flag.
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, mask_time_prob=0.0)
+    model = transformers.Wav2Vec2ForCTC(config)
+    audio, labels = torch.randn(2, 400), torch.randint(1, 12, (2, 60))  # 39 frames, 60 labels
+    for mode in MODES:
+        with watch(model, mode) as w:
+            model(audio, labels=labels)
+        diagnosis = w.event.diagnosis
+        assert (w.event.role, diagnosis.kind) == ("output.loss", "domain"), mode
+        assert diagnosis.suggestion[0].startswith("Set ctc_zero_infinity=True in the model's "
+                                                  "config"), mode
+    model.config.ctc_zero_infinity = True  # following it: no event, a finite loss
+    with nw.watch(model) as w:
+        loss = model(audio, labels=labels).loss
+    assert w.events == [] and torch.isfinite(loss)
 
 
 class _SelectedMean(nn.Module):

@@ -101,8 +101,12 @@ def domain(op: str, at: str, backward: bool, empty: bool = False) -> list[str]:
                 "If every batch should select something, look at the mask or filter before it "
                 "(a threshold no value passes, a class absent from the batch)."]
     if name in ("ctc_loss", "cudnn_ctc_loss", "use_cudnn_ctc_loss"):
-        return ["Pass zero_infinity=True to F.ctc_loss / nn.CTCLoss: a sample without an "
-                "alignment then adds 0 to the loss and to the gradients.",
+        how = ("Pass zero_infinity=True to F.ctc_loss / nn.CTCLoss" if "/transformers/" not in
+               at.replace("\\", "/") else "Set ctc_zero_infinity=True in the model's config "
+               "(from_pretrained(..., ctc_zero_infinity=True), or model.config.ctc_zero_infinity "
+               "= True)")
+        return [f"{how}: a sample without an alignment then adds 0 to the loss and to the "
+                "gradients.",
                 "Or drop the samples whose input length (after the model's downsampling) is "
                 "shorter than their target length plus one blank per repeated label."]
     if name in ("log", "log2", "log10", "log1p", "xlogy"):
