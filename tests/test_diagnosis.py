@@ -182,6 +182,27 @@ def test_the_gradient_of_sqrt_at_zero_is_a_domain_error_in_the_backward_pass(mod
     assert "torch.sqrt(x + eps)" in diagnosis.suggestion[0]
 
 
+@pytest.mark.parametrize("replay_on_nan", [False, True])
+def test_full_mode_tells_a_backward_nan_without_a_loss_fn(replay_on_nan):
+    # The backward pass is replayed from the gradient the output received (it said "unknown:
+    # replay with loss_fn=..."); that gradient is held only while the pass runs.
+    model = NormOf()
+    x = torch.randn(5, 4)
+    x[2] = 0
+    with watch(model, "full", backward=True, replay_on_nan=replay_on_nan) as w:
+        model(x).sum().backward()
+        assert w.parts.backward.output_grads(0) is None  # let go with the pass
+    event = w.event
+    assert event.is_backward and event.diagnosis.kind == "domain"
+    assert "the gradient of sqrt is infinite at the edge of its domain (0)" in \
+        event.diagnosis.summary
+    assert line_of(NormOf.forward, "torch.sqrt") in event.diagnosis.summary
+    if replay_on_nan:  # the event's own trace, reproduced from that gradient
+        assert event.trace.reproduced and event.trace.first_bad["phase"] == "backward"
+    else:
+        assert event.trace is None
+
+
 # ---------------------------------------------------------------------------- masked-row
 class MaskedAttention(nn.Module):
     def __init__(self) -> None:

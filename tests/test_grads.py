@@ -681,9 +681,21 @@ def test_a_weight_gradient_overflow_is_diagnosed_as_an_overflow_with_the_loss() 
     assert "backward" in diagnosis.summary and "'fc'" in diagnosis.summary
 
 
-def test_a_weight_gradient_overflow_without_the_loss_is_told_from_its_frames() -> None:
-    # No loss_fn: the replay cannot run the backward pass, so the frames must say it.
+def test_a_weight_gradient_overflow_without_the_loss_is_replayed_from_the_output_gradient():
+    # No loss_fn: the diagnosis replays the backward pass from the gradient the output received
+    # (it said "overflow, medium" from the frames alone, without the op).
     events, _, _ = _train_wide("full")
+    diagnosis = events[0].diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("overflow", "high")
+    assert diagnosis.summary.startswith("mm in module 'fc' (Linear) during the backward pass at ")
+    assert "It ran in the backward of AddmmBackward0." in diagnosis.evidence
+    assert any("sums over the batch" in line for line in diagnosis.evidence)  # its frames' word
+    assert any("mean over the batch" in line for line in diagnosis.suggestion)
+
+
+def test_a_weight_gradient_overflow_without_a_replay_is_told_from_its_frames() -> None:
+    # No batch held (keep_batches=0), so no replay: the frames must say it.
+    events, _, _ = _train_wide("full", keep_batches=0)
     diagnosis = events[0].diagnosis
     assert (diagnosis.kind, diagnosis.confidence) == ("overflow", "medium")
     assert "'fc.weight'" in diagnosis.summary and "float32" in diagnosis.summary

@@ -181,14 +181,17 @@ class NanWatch:
             capture = recorder.add_feature(BatchCapture(
                 self.model, keep=keep, trace_batches=options.trace_batches,
                 snapshot_weights=options.snapshot_weights))
+        if options.backward and not sentinel_mode:
+            backward = recorder.add_feature(BackwardFrames(recorder))
+        if capture is not None:
             # In sentinel mode every event is replayed by the sentinel itself.
             replayer = Replayer(recorder, capture,
                                 replay_on_nan=options.replay_on_nan and not sentinel_mode,
-                                loss_fn=options.loss_fn)
+                                loss_fn=options.loss_fn,
+                                output_grads=backward.output_grads if backward is not None
+                                else None)
             if replayer.replay_on_nan:  # it reviews events only to replay them
                 recorder.add_feature(replayer)
-        if options.backward and not sentinel_mode:
-            backward = recorder.add_feature(BackwardFrames(recorder))
         grads = recorder.add_feature(GradNorms(recorder, threshold=options.grad_norm_warn,
                                                scaler=options.grad_scaler))
         with_consensus = consensus_wanted()

@@ -687,9 +687,13 @@ def _from_op(facts: Facts) -> Diagnosis | None:
             f"{event.batch} ({reason}).", evidence, fixes.divergence(op.dtype), confidence="high")
     evidence = evidence + _activation_lines(facts, modules)
     evidence.extend(_no_history(facts))
+    suggestion = fixes.overflow(op.module, op.dtype, op.at, op.name)
+    weight = _weight_gradient(facts) if op.phase == "backward" else None
+    if weight is not None:  # a weight's gradient: what its frames tell comes too
+        evidence.extend(weight.evidence)
+        suggestion = weight.suggestion + [s for s in suggestion if s not in weight.suggestion]
     return Diagnosis("overflow", f"{op.op} {op.place}{op.at} overflowed {op.dtype}: {reason}.",
-                     evidence, fixes.overflow(op.module, op.dtype, op.at, op.name),
-                     confidence=confidence)
+                     evidence, suggestion, confidence=confidence)
 
 
 def _from_frames(facts: Facts) -> Diagnosis | None:

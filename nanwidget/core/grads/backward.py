@@ -62,7 +62,10 @@ Resolution
     device; CPU gradients are read by the native kernel as they arrive) and lets the features
     review the outcome: the DDP consensus exchanges its flag there, so every rank stops before
     the optimizer step. With ``on_nan="raise"``, :class:`NanDetected` propagates out of
-    ``loss.backward()``. Gradients are measured without being held, so memory is freed as usual.
+    ``loss.backward()``. Gradients are measured without being held, so memory is freed as usual,
+    except the gradients the root's outputs received: they are held until the pass is resolved
+    (:meth:`BackwardFrames.output_grads`), so that a backward event can be replayed from them
+    without a loss function (the diagnosis names the op that made the NaN in the backward).
 """
 
 from __future__ import annotations
@@ -266,6 +269,9 @@ class BackwardFrames(Feature):
         # parameters' gradients go).
         self._pass_frames: dict[int, Any] = {}
         self._parameter_owners: list[tuple[ModuleInfo, str]] = []  # (module, name) per hook
+        # batch -> root forward call -> the gradient each root output received in the running
+        # pass, by the output's forward role ("output", "output.logits"); let go when it ends.
+        self._root_grads: dict[int, dict[int, dict[str, _Tensor]]] = {}
         try:
             for info in recorder.modules:
                 module = info.module
@@ -466,9 +472,30 @@ class BackwardFrames(Feature):
                         frame.entries[slot] = measured
                     else:
                         frame.entries[slot] = measured.replace(role=role)
+                    if pending.info.is_root and pending.batch is not None:
+                        self._hold_root_grad(pending, role, grad)
         except Exception as error:
             recorder.internal_error(error)
         return None
+
+    def _hold_root_grad(self, pending: _PendingFrame, role: str, grad: Any) -> None:
+        if not isinstance(grad, _Tensor) or not role.startswith("grad_output"):
+            return
+        calls = self._root_grads.setdefault(pending.batch, {})  # type: ignore[arg-type]
+        held = calls.setdefault(pending.call or 0, {})
+        output_role = role[len("grad_"):]
+        held[output_role] = grad
+        if output_role == "output[0]":  # a root returning one tensor: its forward role
+            held["output"] = grad
+
+    def output_grads(self, batch: int) -> list[dict[str, _Tensor] | None] | None:
+        """The gradients the root's outputs received in the running backward pass of
+        ``batch``, one mapping (output role -> gradient) per root forward of the batch, in
+        order; None when none arrived (or the pass is over: they are let go when it ends)."""
+        calls = self._root_grads.get(batch)
+        if not calls:
+            return None
+        return [calls.get(call) for call in range(max(calls) + 1)]
 
     def _on_parameter_grad(self, owner: int, parameter: _Tensor) -> None:
         """A parameter's gradient is accumulated for this pass: its entry, in the frame of the
@@ -554,8 +581,12 @@ class BackwardFrames(Feature):
             self.passes += 1
             self._pass_frames.clear()
             self._remove_leaf_hooks()
-        if not self.closed:
-            recorder.end_frames(batch, reason="backward", raising=raising)
+        try:
+            if not self.closed:
+                recorder.end_frames(batch, reason="backward", raising=raising)
+        finally:
+            with recorder.lock:
+                self._root_grads.clear()  # the pass is over: its gradients go
 
     # ------------------------------------------------------------------ Feature
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -568,6 +599,7 @@ class BackwardFrames(Feature):
             self._pass_batch = None
             self._pass_id += 1
             self._pass_frames.clear()
+            self._root_grads.clear()
 
     def _remove_leaf_hooks(self) -> None:
         for handle in self._leaf_handles:
@@ -583,3 +615,4 @@ class BackwardFrames(Feature):
         self._opened.clear()
         self._hooked.clear()
         self._pass_frames.clear()
+        self._root_grads.clear()

@@ -24,7 +24,7 @@ from ..recorder import Feature, Recorder
 from ..trace import Trace
 from .capture import (BatchCapture, BatchNotHeldError, InputModifiedError, ModelNotReplayableError,
                       ReplayError, MAX_EVENT_BATCHES, MAX_FORWARDS_PER_BATCH)
-from .run import automatic_loss, refuse_unreplayable, replay_held_batch
+from .run import OutputGrads, automatic_loss, refuse_unreplayable, replay_held_batch
 
 __all__ = ["Replayer", "BatchCapture", "Trace", "ReplayError", "BatchNotHeldError",
            "ModelNotReplayableError",
@@ -40,23 +40,30 @@ class Replayer(Feature):
 
     ``loss_fn``: the watch's loss function, run by every automatic replay (within the failing
     step, so a closure sees its targets); it also lets a backward event be replayed.
+    ``output_grads(batch)``: the gradients the root's outputs received in the running backward
+    pass of ``batch`` (:meth:`~nanwidget.core.grads.backward.BackwardFrames.output_grads`), or
+    None; without ``loss_fn`` a backward event is replayed from them.
     """
 
     reviews_without_event = False  # its review only adds to an event
 
     def __init__(self, recorder: Recorder, capture: BatchCapture, *, replay_on_nan: bool,
-                 loss_fn: Callable[[Any], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                 output_grads: Callable[[int], OutputGrads | None] | None = None) -> None:
         self.recorder = recorder
         self.capture = capture
         self.replay_on_nan = replay_on_nan
         self.loss_fn = loss_fn
+        self.output_grads = output_grads
         self.replaying = False
         self.auto_replays = 0
 
     def replay(self, batch: int, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-               expected: NanEvent | None = None) -> Trace:
+               expected: NanEvent | None = None,
+               output_grads: OutputGrads | None = None) -> Trace:
         """Re-run ``batch`` in trace mode (see :meth:`nanwidget.NanWatch.replay`); ``expected``:
-        the event the replay checks for (default: the batch's recorded event)."""
+        the event the replay checks for (default: the batch's recorded event);
+        ``output_grads``: see :func:`~.run.replay_held_batch`."""
         held = self.capture.batch_to_replay(batch)
         refuse_unreplayable(self.recorder, self.capture, held)
         if self.replaying:
@@ -64,22 +71,30 @@ class Replayer(Feature):
                               "inside the model while it is being replayed)")
         self.replaying = True
         try:
-            return replay_held_batch(self.recorder, self.capture, held, loss_fn, expected)
+            return replay_held_batch(self.recorder, self.capture, held, loss_fn, expected,
+                                     output_grads)
         finally:
             self.replaying = False
 
     def can_replay(self, event: NanEvent) -> bool:
         """Whether an automatic replay can run ``event``'s batch again: a forward event, or a
-        backward one with the watch's ``loss_fn`` (the backward pass needs the loss)."""
+        backward one with the watch's ``loss_fn`` or the gradients its outputs received (the
+        backward pass needs one of them)."""
         return (event.origin != "peer" and not self.replaying
-                and (not event.is_backward or self.loss_fn is not None)
+                and (not event.is_backward or self.loss_fn is not None
+                     or self._received(event.batch) is not None)
                 and event.batch in self.capture.held)
+
+    def _received(self, batch: int) -> OutputGrads | None:
+        return self.output_grads(batch) if self.output_grads is not None else None
 
     def replay_event(self, event: NanEvent) -> Trace:
         """An automatic replay of ``event``'s batch, with the watch's ``loss_fn`` when the batch
-        was a training step."""
+        was a training step; a backward event without it runs from the gradients the outputs
+        received."""
         loss_fn = automatic_loss(self.capture.batch_to_replay(event.batch), self.loss_fn)
-        return self.replay(event.batch, loss_fn, expected=event)
+        received = self._received(event.batch) if event.is_backward and loss_fn is None else None
+        return self.replay(event.batch, loss_fn, expected=event, output_grads=received)
 
     def trace_for(self, event: NanEvent) -> Trace | None:
         """A replay of ``event``'s batch for its diagnosis (not attached to the event): None

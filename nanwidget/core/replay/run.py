@@ -48,17 +48,21 @@ OutputGrads = list["dict[str, torch.Tensor] | None"]
 
 def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch,
                       loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                      expected: NanEvent | None = None) -> Trace:
+                      expected: NanEvent | None = None,
+                      output_grads: OutputGrads | None = None) -> Trace:
     """Re-run ``held`` under the op tracer; the model, RNG states and the recorder's own
     recording are left as they were. ``expected``: the event recorded for this batch (None:
-    the recorder's first forward event of the batch, if any), which the replay checks for."""
+    the recorder's first forward event of the batch, if any), which the replay checks for.
+    ``output_grads``: without ``loss_fn``, run each forward's backward pass from the gradients
+    its outputs received live (see :func:`replay_frames`)."""
     if expected is None:
         expected = next((e for e in recorder.events if e.batch == held.batch
                          and not e.is_backward and e.origin != "peer"), None)
     refuse_unreplayable(recorder, capture, held)
     # A backward event is met again only in backward frames (a replay with a loss records them).
     backward = expected is not None and expected.is_backward
-    replayed = _Replay(recorder, capture, held, loss_fn, backward_frames=backward).run()
+    replayed = _Replay(recorder, capture, held, loss_fn, backward_frames=backward,
+                       output_grads=None if loss_fn is not None else output_grads).run()
     # The one verdict of this replay: the event its frames hold (their own weights as the
     # replay measured them; an inner module used without being called has none: measured now).
     found = first_event(replayed.frames, Detector(
