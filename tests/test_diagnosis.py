@@ -363,6 +363,19 @@ def test_an_mlp_at_a_huge_learning_rate_diverges(mode):
     assert any("clip_grad_norm_" in fix for fix in diagnosis.suggestion)
 
 
+def test_a_model_keeping_an_additive_mask_as_a_buffer_can_still_diverge():
+    # Its -inf mask buffer made every batch's sum of the weights' abs max inf: no climb could
+    # be told, so a divergence read "overflow".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 1))
+    model.register_buffer("mask", torch.full((4, 4), -math.inf).triu(1))
+    w = train_until_an_event(model, torch.optim.SGD(model.parameters(), lr=5.0),
+                             torch.randn(16, 8), torch.randn(16, 1), 20, "full")
+    assert w.event.diagnosis.kind == "divergence"
+    assert "addmm in module '2' (Linear)" in w.event.diagnosis.summary
+
+
 def test_sentinel_mode_without_samples_cannot_tell_divergence_and_says_so():
     diagnosis = _mlp_at_a_huge_learning_rate("sentinel").event.diagnosis
     assert diagnosis.kind == "overflow"

@@ -128,6 +128,15 @@ def test_allow_inf_names_modules_whose_outputs_may_hold_inf(allow):
         assert w.events == []
 
 
+def test_allow_inf_given_a_class_name_says_to_pass_the_class():
+    with pytest.warns(RuntimeWarning, match="matches no module") as caught:
+        nw.watch(WithMaskBuilder(), allow_inf="MaskBuilder").close()
+    message = str(caught[0].message)
+    assert "'' is the root" in message
+    assert "'MaskBuilder' is a class name: pass the class itself, allow_inf=[MaskBuilder]" \
+        in message
+
+
 def test_nan_always_counts_even_in_an_allowed_module():
     class NanMask(MaskBuilder):
         def forward(self, blocked):
@@ -155,6 +164,68 @@ def test_report_and_browser_follow_the_event_not_the_mask():
     assert browser.jump_to_first_bad()
     shown = browser.index.table.iloc[browser.index.first_rows[browser.current_frame]]
     assert (shown["module"], shown["frame"]) == (event.module, event.frame)
+
+
+class CausalDecoder(nn.Module):
+    """Keeps its causal mask as a buffer of 0 and -inf, as openai-whisper's TextDecoder and
+    open_clip's text transformer do."""
+
+    def __init__(self, n: int = 6, d: int = 8) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.register_buffer("mask", torch.full((n, n), -INF).triu(1), persistent=False)
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attn(x, x, x, attn_mask=self.mask, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_additive_mask_kept_as_a_buffer_is_no_false_alarm(mode, reduction_path):
+    # It said: corrupted-weight, "'mask' holds Inf before batch 0 ran (an optimizer step, a
+    # load or a write made it)".
+    torch.manual_seed(0)
+    model = CausalDecoder()
+    with nw.watch(model, mode=mode, sample_every=1 if mode == "sentinel" else None) as w:
+        out = model(torch.randn(2, 6, 8))
+        frames = w.frames()
+    assert torch.isfinite(out).all() and w.events == []
+    mask = frames[(frames.module == "") & (frames.role == "mask")]
+    assert len(mask) == 1 and bool(mask.inf.iloc[0])  # recorded and flagged
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_event_beside_a_mask_buffer_is_blamed_on_its_cause(mode):
+    torch.manual_seed(0)
+    model = CausalDecoder()
+    with torch.no_grad():
+        model.out.weight[1, 2] = NAN
+    with nw.watch(model, mode=mode, on_nan="record") as w:
+        model(torch.randn(2, 6, 8))
+    event = w.event
+    assert (event.module, event.role, event.origin) == ("out", "weight", "weight")
+
+
+@pytest.mark.parametrize("write", ["nan", "inf in a finite buffer", "inf in a parameter"])
+def test_what_is_no_mask_still_counts(write):
+    # A NaN in the mask; an Inf in a buffer whose finite values are not all 0 (a running
+    # variance); a parameter of 0 and -inf values: each is an event.
+    torch.manual_seed(0)
+    model = CausalDecoder()
+    with torch.no_grad():
+        if write == "nan":
+            model.mask[0, 3] = NAN
+            expected = ("", "mask")
+        elif write == "inf in a finite buffer":
+            model.register_buffer("scale", torch.tensor([1.0, INF]))
+            expected = ("", "scale")
+        else:
+            model.out.bias.zero_()[0] = -INF
+            expected = ("out", "bias")
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(2, 6, 8))
+    event = w.event
+    assert (event.module, event.role, event.origin) == (*expected, "weight")
 
 
 # ----------------------------------------------------------------------- no silent miss

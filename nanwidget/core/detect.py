@@ -4,7 +4,11 @@ What is an event (the contract): a NaN or Inf in a module's **output**, in its *
 or buffer**, or in a **gradient**. A non-finite value that only enters a module (an attention
 mask of -inf) is flagged in the frames but is no event while the module's outputs stay finite;
 when they do not, the origin is "input". NaN always counts; an Inf in the outputs (or own
-buffers) of a module matched by ``allow_inf`` does not.
+buffers) of a module matched by ``allow_inf`` does not, nor one in an additive mask a module
+keeps as a buffer: a buffer whose values are all 0 or ±inf, both present (the causal mask
+``torch.full((n, n), -inf).triu(1)`` of openai-whisper's decoder and open_clip's text encoder,
+``nn.Transformer.generate_square_subsequent_mask``). It is flagged in the frames; NaN in it,
+or an Inf in a parameter, still counts.
 
 Blame, in this order:
 
@@ -34,6 +38,8 @@ __all__ = ["Detector", "Window", "event_kind", "first_event", "backward_birth"]
 Window = Callable[[list[Frame], int], list[Frame]]
 # Weights of the module with this qualified name, measured right now (None: not watched).
 WeightsNow = Callable[[str], "list[Entry] | None"]
+# Whether the module with this qualified name keeps a buffer (not a parameter) of this name.
+IsBuffer = Callable[[str, str], bool]
 
 
 def event_kind(nan: bool, inf: bool) -> str:
@@ -47,6 +53,14 @@ def _counts(entry: Entry, inf_allowed: bool) -> bool:
     return stats is not None and (stats.nan or (stats.inf and not inf_allowed))
 
 
+def additive_mask(entry: Entry) -> bool:
+    """Whether the entry's values are all 0 or ±inf, both present, and no NaN: an additive
+    attention mask (finite values all 0: their largest |x| is 0, their smallest too)."""
+    stats = entry.stats
+    return stats is not None and stats.inf and not stats.nan \
+        and stats.finite_abs_max == 0 and stats.abs_min == 0
+
+
 def _is_ancestor(name: str, child: str) -> bool:
     return name != child and (name == "" or child.startswith(name + "."))
 
@@ -58,15 +72,28 @@ class Detector:
     ``weights_now``: measures a module's own weights at event time (None: never re-measure).
     ``module_names``: every watched module's qualified name, and ``inner_weights_now`` (by
     default ``weights_now``): measures the weights of the modules inside an event's module.
+    ``is_buffer(module, role)``: whether that weight is a buffer (an additive mask kept as a
+    buffer is no event; None: every weight counts).
     """
 
     def __init__(self, allow_inf: Iterable[str] = (), weights_now: WeightsNow | None = None,
                  module_names: Iterable[str] = (),
-                 inner_weights_now: WeightsNow | None = None) -> None:
+                 inner_weights_now: WeightsNow | None = None,
+                 is_buffer: IsBuffer | None = None) -> None:
         self.allow_inf = frozenset(allow_inf)
         self.weights_now = weights_now
         self.module_names = tuple(module_names)
         self.inner_weights_now = inner_weights_now or weights_now
+        self.is_buffer = is_buffer
+
+    def _bad_weights(self, module: str, entries: Iterable[Entry], allowed: bool) -> list[Entry]:
+        """The weight entries of ``module`` whose NaN/Inf is an event (see the module
+        docstring: ``allow_inf``, additive masks kept as buffers)."""
+        bad = [e for e in entries if _counts(e, allowed)]
+        if bad and self.is_buffer is not None:
+            is_buffer = self.is_buffer
+            bad = [e for e in bad if not (additive_mask(e) and is_buffer(module, e.role))]
+        return bad
 
     def event_at(self, frames: list[Frame], position: int, window: Window) -> NanEvent | None:
         """The event of ``frames[position]`` (a frame holding a non-finite value), or None when
@@ -78,7 +105,7 @@ class Detector:
             return self._event(frames, position, window, "grad", bad[0], bad)
         allowed = frame.module in self.allow_inf
         outputs = frame.outputs()
-        bad_weights = [e for e in frame.weights() if _counts(e, allowed)]
+        bad_weights = self._bad_weights(frame.module, frame.weights(), allowed)
         if bad_weights:
             return self._event(frames, position, window, "weight", bad_weights[0], bad_weights)
         bad_outputs = [e for e in outputs if _counts(e, allowed)]
@@ -86,7 +113,7 @@ class Detector:
             return None  # finite outputs (or only an allowed Inf): flagged, not an event
         # A stale cached weight (written through .data) must not pass as "made here".
         if self._refresh_weights(frame, allowed):
-            bad_weights = [e for e in frame.weights() if _counts(e, allowed)]
+            bad_weights = self._bad_weights(frame.module, frame.weights(), allowed)
             return self._event(frames, position, window, "weight", bad_weights[0], bad_weights)
         bad_inputs = [e for e in frame.inputs() if e.nonfinite]
         if bad_inputs:
@@ -94,7 +121,8 @@ class Detector:
             if owner is not None:
                 owner_frame = frames[owner]
                 owner_allowed = owner_frame.module in self.allow_inf
-                culprits = [e for e in owner_frame.weights() if _counts(e, owner_allowed)]
+                culprits = self._bad_weights(owner_frame.module, owner_frame.weights(),
+                                             owner_allowed)
                 return self._event(frames, owner, window, "weight", culprits[0], culprits)
             # Name the input that brought it (a NaN before an Inf: masks carry -inf on purpose).
             named = next((e for e in bad_inputs if e.stats.nan), bad_inputs[0])
@@ -117,9 +145,8 @@ class Detector:
             if not _is_ancestor(module, name):
                 continue
             allowed = name in self.allow_inf
-            for entry in weights_now(name) or ():
-                if _counts(entry, allowed):
-                    return Entry((f"{name[prefix:]}.{entry.role}",) + tuple(entry[1:]))
+            for entry in self._bad_weights(name, weights_now(name) or (), allowed):
+                return Entry((f"{name[prefix:]}.{entry.role}",) + tuple(entry[1:]))
         return None
 
     def _refresh_weights(self, frame: Frame, allowed: bool) -> bool:
@@ -135,7 +162,7 @@ class Detector:
             entry = by_role.get(frame.entries[slot].role)
             if entry is not None:
                 frame.entries[slot] = entry
-        return any(_counts(entry, allowed) for entry in fresh)
+        return bool(self._bad_weights(frame.module, fresh, allowed))
 
     def _enclosing_with_bad_weights(self, frames: list[Frame], position: int) -> int | None:
         """Position of the innermost enclosing module's frame (later in the batch: parents
@@ -149,7 +176,7 @@ class Detector:
                 continue
             seen.add(frame.module)
             allowed = frame.module in self.allow_inf
-            if any(_counts(e, allowed) for e in frame.weights()) \
+            if self._bad_weights(frame.module, frame.weights(), allowed) \
                     or self._refresh_weights(frame, allowed):
                 return later
         return None

@@ -232,10 +232,15 @@ def _allow_inf(name: str, value: Any, model: nn.Module | None) -> tuple[str | ty
         unmatched += [c.__name__ for c in items if isinstance(c, type)
                       and not any(isinstance(m, c) for m in named.values())]
         if unmatched:
-            examples = ", ".join(repr(n) for n in list(named)[1:4]) or "''"
+            examples = ", ".join(repr(n) for n in list(named)[1:4])
+            examples = f"module names look like {examples}; '' is the root" if examples \
+                else "'' is the root"
+            classes = {type(m).__name__ for m in named.values()}
+            given = [p for p in unmatched if p in classes]
+            hint = (f"; {', '.join(repr(p) for p in given)} is a class name: pass the class "
+                    f"itself, {name}=[{given[0]}]") if given else ""
             _warn_caller(f"nanwidget: {name}={', '.join(unmatched)} matches no module of this "
-                         f"model, so it allows nothing (module names look like {examples})",
-                         RuntimeWarning)
+                         f"model, so it allows nothing ({examples}{hint})", RuntimeWarning)
     return tuple(dict.fromkeys(items))
 
 

@@ -355,7 +355,8 @@ class Recorder:
             info.name for info in self.modules
             if any(fnmatch.fnmatchcase(info.name, p) for p in patterns)
             or (classes and isinstance(info.module, classes)))
-        self._detector = Detector(self.inf_allowed, self.weights_now, self.module_names)
+        self._detector = Detector(self.inf_allowed, self.weights_now, self.module_names,
+                                  is_buffer=self.is_buffer)
         self._warned_unread = False
         #: The ring, trace batches' frames, history and events of the finished batches.
         self.records = Records(self.module_names, self.module_types, max_frames=max_frames,
@@ -857,6 +858,16 @@ class Recorder:
         if not self._root_depth:
             return None
         return self._counters.calls.get(info.index, 0)
+
+    def is_buffer(self, module: str, role: str) -> bool:
+        """Whether the named module keeps a buffer (not a parameter) called ``role``."""
+        info = self._by_name.get(module)
+        if info is None:
+            return False
+        try:
+            return role in info.weights._buffers and role not in info.weights._parameters
+        except Exception:  # a container that cannot tell
+            return False
 
     def weights_now(self, name: str) -> list[Entry] | None:
         """The named module's own weights measured right now (event time only); None for a

@@ -10,12 +10,15 @@ weight, the last batch that ran with it finite. The rules (:mod:`.rules`) only r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..detect import additive_mask
+from ..entries import Entry
 from ..events import NanEvent
 from ..frames import Frame
 from ..schema import LOCAL_SHARD
@@ -36,14 +39,22 @@ class WeightLog:
     once); per module, the latest batch that measured all its weights finite. Fed once per
     batch, never in a module hook."""
 
-    def __init__(self, batches: int = WEIGHT_LOG_BATCHES) -> None:
+    def __init__(self, batches: int = WEIGHT_LOG_BATCHES,
+                 is_buffer: Callable[[str, str], bool] | None = None) -> None:
         self.batches = batches
+        # Whether a module keeps a buffer of that name: an additive mask kept as a buffer
+        # (0 and ±inf on purpose: detect.additive_mask) adds nothing to the sums.
+        self.is_buffer = is_buffer
         self.series: list[tuple[int, float]] = []  # (batch, sum of the weights' abs max)
         self.first: dict[str, tuple[int, float]] = {}  # module -> (batch, its weights' abs max)
         # module -> the latest batch whose frames measured its weights all finite: when a
         # weight is found non-finite, the batch after which it broke, also when that batch's
         # frames are long gone from the ring and the batch had an event of its own.
         self.last_finite: dict[str, int] = {}
+
+    def _mask(self, module: str, entry: Entry) -> bool:
+        return self.is_buffer is not None and additive_mask(entry) \
+            and self.is_buffer(module, entry.role)
 
     def take(self, frames: list[Frame]) -> None:
         """Fold a batch's resolved frames in (the weight entries of forward frames)."""
@@ -59,7 +70,10 @@ class WeightLog:
                 for slot in range(count):  # no slice built (every batch in full mode)
                     stats = entries[slot][1]
                     if stats is not None:
-                        own += stats.abs_max
+                        value = stats.abs_max
+                        if value == math.inf and self._mask(frame.module, entries[slot]):
+                            continue
+                        own += value
                 total += own
                 if own == own and own != math.inf and last_finite.get(frame.module, -1) < batch:
                     last_finite[frame.module] = batch
@@ -82,7 +96,8 @@ class WeightLog:
             count = frame.first_input
             if not count or frame.module in self.first:
                 continue
-            values = [e[1].abs_max for e in frame.entries[:count] if e[1] is not None]
+            values = [e[1].abs_max for e in frame.entries[:count]
+                      if e[1] is not None and not self._mask(frame.module, e)]
             if values and all(v == v and v != math.inf for v in values):
                 self.first[frame.module] = (frame.batch, max(values))
 
@@ -264,8 +279,10 @@ def output_grad_bad(frames: list[Frame], batch: int, root: str) -> bool | None:
     return None
 
 
-def weight_names(event: NanEvent) -> list[str]:
-    """The qualified names of the non-finite weights in the event's own frame."""
+def weight_names(event: NanEvent, is_mask: Callable[[str], bool] | None = None) -> list[str]:
+    """The qualified names of the non-finite weights in the event's own frame, without those
+    ``is_mask`` says are additive masks kept as buffers (no event:
+    :func:`~nanwidget.core.detect.additive_mask`)."""
     frames = event.frames
     if frames is None or frames.empty:
         return [event.qualified_role]
@@ -273,7 +290,8 @@ def weight_names(event: NanEvent) -> list[str]:
                  & (frames["phase"] == "forward") & (frames["nan"] | frames["inf"])]
     roles = [r for r in own["role"] if not r.startswith(("input", "kwarg:", "output"))]
     roles = list(dict.fromkeys([event.role] + roles))
-    return [f"{event.module}.{role}" if event.module else role for role in roles]
+    names = [f"{event.module}.{role}" if event.module else role for role in roles]
+    return [n for n in names if is_mask is None or n == names[0] or not is_mask(n)]
 
 
 @dataclass
@@ -319,6 +337,9 @@ class Facts:
     # masked or replaced the value): the modules whose outputs held NaN/Inf in that batch, in
     # the model's order. Empty when the outputs were not finite or cannot be told.
     absorbed_in: list[str] = field(default_factory=list)
+    # Whether the weight of this qualified name is an additive mask kept as a buffer (no
+    # event, so no non-finite weight to name; :func:`~nanwidget.core.detect.additive_mask`).
+    is_mask: Callable[[str], bool] | None = None
     # A forward event: every module whose outputs held NaN/Inf in its batch, the root's
     # included, in the model's order (empty when it cannot be told).
     outputs_holding: list[str] = field(default_factory=list)

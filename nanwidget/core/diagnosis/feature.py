@@ -18,6 +18,7 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
+from ..detect import additive_mask
 from ..events import Diagnosis, NanEvent
 from ..frames import Frame, weights_finite_last
 from ..recorder import Feature, Recorder
@@ -71,7 +72,7 @@ class Diagnoser(Feature):
         self.sample_every = sample_every
         self.loss_fn = loss_fn
         self.scaler_run = scaler_run
-        self.weights = WeightLog()
+        self.weights = WeightLog(is_buffer=recorder.is_buffer)
         self.replays = 0
         self._resolved: list[Frame] = []  # the frames last resolved within a batch (backward)
         # (earlier event, weight names) -> what its window says (see _finite_in_window).
@@ -116,6 +117,7 @@ class Diagnoser(Feature):
         root = recorder.modules[0].name
         facts = Facts(event=event, trace=event.trace, weights=self.weights,
                       sentinel=self.sentinel, sample_every=self.sample_every,
+                      is_mask=self._is_mask,
                       scaler_run=self.scaler_run(event) if self.scaler_run else None)
         self._read_inputs(facts)
         if event.is_backward:
@@ -162,6 +164,15 @@ class Diagnoser(Feature):
         if self.weights.first and len(self.weights.series) >= 3:  # divergence may be told
             self._weights_now(facts)
         return facts
+
+    def _is_mask(self, weight: str) -> bool:
+        """Whether the weight of this qualified name is an additive mask kept as a buffer
+        (measured now: :func:`~nanwidget.core.detect.additive_mask`)."""
+        module, _, role = weight.rpartition(".")
+        if not self.recorder.is_buffer(module, role):
+            return False
+        entry = next((e for e in self.recorder.weights_now(module) or () if e.role == role), None)
+        return entry is not None and additive_mask(entry)
 
     def _nonfinite_outputs(self, batch: int, root: str) -> list[str] | None:
         """The modules whose outputs held NaN/Inf in ``batch``, in the model's order, when the
@@ -240,7 +251,8 @@ class Diagnoser(Feature):
         event = facts.event
         # The weights the rules name: those the trace's value came with, else the event's own.
         names = ([name for kind, name in getattr(facts.trace, "came_with", None) or []
-                  if kind == "weight"] or weight_names(event))
+                  if kind == "weight" and not self._is_mask(name)]
+                 or weight_names(event, self._is_mask))
         events = self.recorder.events
         eventful = {e.batch for e in events}
         column = (facts.history_modules.index(event.module)

@@ -543,10 +543,10 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
 def _weights(facts: Facts) -> Diagnosis | None:
     event = facts.event
     came = [name for kind, name in getattr(facts.trace, "came_with", None) or []
-            if kind == "weight"]
+            if kind == "weight" and not (facts.is_mask is not None and facts.is_mask(name))]
     if event.origin != "weight" and not came:
         return None
-    names = came or weight_names(event)
+    names = came or weight_names(event, facts.is_mask)
     dtype = _weight_dtype(event)
     grew = _weights_growth(facts)
     if grew is not None:

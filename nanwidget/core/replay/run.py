@@ -67,7 +67,7 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
     # replay measured them; an inner module used without being called has none: measured now).
     found = first_event(replayed.frames, Detector(
         recorder.inf_allowed, module_names=recorder.module_names,
-        inner_weights_now=recorder.weights_now))
+        inner_weights_now=recorder.weights_now, is_buffer=recorder.is_buffer))
     return replayed.conclude(found, expected)
 
 
