@@ -61,6 +61,7 @@ class WeightLog:
         total = 0.0
         batch = -1
         last_finite = self.last_finite
+        inf = math.inf
         for frame in frames:
             count = frame.first_input  # weights come first; backward frames have none
             if count:
@@ -71,7 +72,7 @@ class WeightLog:
                     stats = entries[slot][1]
                     if stats is not None:
                         value = stats.abs_max
-                        if value == math.inf and self._mask(frame.module, entries[slot]):
+                        if value == inf and self._mask(frame.module, entries[slot]):
                             continue
                         own += value
                 total += own
