@@ -203,6 +203,20 @@ def test_full_mode_tells_a_backward_nan_without_a_loss_fn(replay_on_nan):
         assert event.trace is None
 
 
+def test_output_gradients_past_the_limit_are_not_held(monkeypatch):
+    from nanwidget.core.grads import backward as backward_frames
+    monkeypatch.setattr(backward_frames, "MAX_HELD_OUTPUT_GRAD_BYTES", 16)  # the output's: 20
+    model = NormOf()
+    x = torch.randn(5, 4)
+    x[2] = 0
+    with watch(model, "full", backward=True) as w:
+        model(x).sum().backward()
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "unknown" and "loss_fn" in diagnosis.suggestion[0]
+    with watch(model, "full", backward=True, loss_fn=lambda out: out.sum()) as w:
+        assert not w.parts.backward.hold_output_grads  # the loss replays it: nothing held
+
+
 # ---------------------------------------------------------------------------- masked-row
 class MaskedAttention(nn.Module):
     def __init__(self) -> None:

@@ -182,7 +182,8 @@ class NanWatch:
                 self.model, keep=keep, trace_batches=options.trace_batches,
                 snapshot_weights=options.snapshot_weights))
         if options.backward and not sentinel_mode:
-            backward = recorder.add_feature(BackwardFrames(recorder))
+            backward = recorder.add_feature(BackwardFrames(
+                recorder, hold_output_grads=options.loss_fn is None and capture is not None))
         if capture is not None:
             # In sentinel mode every event is replayed by the sentinel itself.
             replayer = Replayer(recorder, capture,

@@ -63,9 +63,10 @@ Resolution
     review the outcome: the DDP consensus exchanges its flag there, so every rank stops before
     the optimizer step. With ``on_nan="raise"``, :class:`NanDetected` propagates out of
     ``loss.backward()``. Gradients are measured without being held, so memory is freed as usual,
-    except the gradients the root's outputs received: they are held until the pass is resolved
-    (:meth:`BackwardFrames.output_grads`), so that a backward event can be replayed from them
-    without a loss function (the diagnosis names the op that made the NaN in the backward).
+    except the gradients the root's outputs received: without a loss function they are held
+    until the pass is resolved (:meth:`BackwardFrames.output_grads`, up to
+    :data:`MAX_HELD_OUTPUT_GRAD_BYTES` per pass), so that a backward event can be replayed from
+    them (the diagnosis names the op that made the NaN in the backward).
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _NO_GRADIENT = "None"  # the note of a gradient that never arrived (the contract's "None")
 _MAX_LEAF_HOOKS = 4096  # hooks on leaf tensors waiting for a backward pass, at most
+# The root outputs' gradients held for a replay, per pass, at most (a language model's logits'
+# gradient can be gigabytes; past this the pass holds none and a replay needs the loss).
+MAX_HELD_OUTPUT_GRAD_BYTES = 1 << 30
 
 
 _top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -247,10 +251,13 @@ class FrameSink(Protocol):
 
 
 class BackwardFrames(Feature):
-    """Records a backward frame per module call per backward pass, from the first batch on."""
+    """Records a backward frame per module call per backward pass, from the first batch on.
+    ``hold_output_grads``: hold the gradients the root's outputs receive until the pass ends
+    (for a replay of a backward event without a loss function)."""
 
-    def __init__(self, recorder: FrameSink) -> None:
+    def __init__(self, recorder: FrameSink, *, hold_output_grads: bool = False) -> None:
         self.recorder = recorder
+        self.hold_output_grads = hold_output_grads
         self.closed = False
         self.passes = 0  # backward passes resolved (tests read it)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -272,6 +279,7 @@ class BackwardFrames(Feature):
         # batch -> root forward call -> the gradient each root output received in the running
         # pass, by the output's forward role ("output", "output.logits"); let go when it ends.
         self._root_grads: dict[int, dict[int, dict[str, _Tensor]]] = {}
+        self._held_bytes = 0  # theirs, in the running pass (-1: past the limit, none held)
         try:
             for info in recorder.modules:
                 module = info.module
@@ -472,14 +480,25 @@ class BackwardFrames(Feature):
                         frame.entries[slot] = measured
                     else:
                         frame.entries[slot] = measured.replace(role=role)
-                    if pending.info.is_root and pending.batch is not None:
+                    if pending.info.is_root and self.hold_output_grads \
+                            and pending.batch is not None:
                         self._hold_root_grad(pending, role, grad)
         except Exception as error:
             recorder.internal_error(error)
         return None
 
     def _hold_root_grad(self, pending: _PendingFrame, role: str, grad: Any) -> None:
-        if not isinstance(grad, _Tensor) or not role.startswith("grad_output"):
+        if not isinstance(grad, _Tensor) or not role.startswith("grad_output") \
+                or self._held_bytes < 0:
+            return
+        try:
+            size = grad.numel() * grad.element_size()
+        except Exception:  # a tensor without a size to tell (a subclass): not held
+            return
+        self._held_bytes += size
+        if self._held_bytes > MAX_HELD_OUTPUT_GRAD_BYTES:
+            self._root_grads.clear()
+            self._held_bytes = -1
             return
         calls = self._root_grads.setdefault(pending.batch, {})  # type: ignore[arg-type]
         held = calls.setdefault(pending.call or 0, {})
@@ -587,6 +606,7 @@ class BackwardFrames(Feature):
         finally:
             with recorder.lock:
                 self._root_grads.clear()  # the pass is over: its gradients go
+                self._held_bytes = 0
 
     # ------------------------------------------------------------------ Feature
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -600,6 +620,7 @@ class BackwardFrames(Feature):
             self._pass_id += 1
             self._pass_frames.clear()
             self._root_grads.clear()
+            self._held_bytes = 0
 
     def _remove_leaf_hooks(self) -> None:
         for handle in self._leaf_handles:
