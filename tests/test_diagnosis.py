@@ -630,6 +630,31 @@ def test_adam_with_a_tiny_eps_in_float16_corrupts_the_weights(mode):
     assert diagnosis.suggestion[0].startswith("Adam/AdamW on float16 weights: its eps=1e-8 is 0")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_float16_cast_that_overflowed_a_weight_is_named_as_such(mode):
+    # model.half() of weights past 65504: it said "corrupted weight (an optimizer step, a load
+    # or a write)", with Adam's eps and clipping as fixes, on a model that never trained under
+    # the watch. (The running variance alone would turn its channel to 0 without any NaN/Inf in
+    # the outputs; the Linear's weight makes the sentinel look, and its replay finds both.)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    with torch.no_grad():
+        model[1].running_var[3] = 1e5
+        model[3].weight[0, 1] = 7e4
+    model.half()
+    with watch(model, mode) as w, torch.no_grad():
+        model(torch.randn(3, 4).half())
+    event = w.event
+    assert (event.module, event.role, event.origin, event.kind) == ("1", "running_var", "weight",
+                                                                    "inf")
+    diagnosis = event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("overflow", "medium")
+    assert diagnosis.summary.startswith("'1.running_var' holds Inf in float16 from the first "
+                                        "batch watched: a value above float16's largest (65504)")
+    assert "torch.autocast" in diagnosis.suggestion[0] and "bfloat16" in diagnosis.suggestion[1]
+    assert not any("clip" in line.lower() for line in diagnosis.suggestion)
+
+
 # ---------------------------------------------------------------------------- bad-data
 @pytest.mark.parametrize("mode", MODES)
 def test_nan_in_some_rows_of_the_data_names_the_rows(mode):

@@ -183,6 +183,16 @@ def written_inf(modules: list[str], op: str, at: str) -> list[str]:
             f"inf in {op}, so that no later op makes inf - inf or 0 x inf = NaN."]
 
 
+def cast_to_float16(names: list[str]) -> list[str]:
+    name = names[0]
+    return ["Keep the weights in float32 and compute in float16 under torch.autocast(device_type, "
+            "dtype=torch.float16): it casts per op and keeps normalisation layers in float32.",
+            "Or cast to bfloat16 instead (the range of float32): model.to(torch.bfloat16), or "
+            "torch_dtype=torch.bfloat16 in from_pretrained.",
+            f"Or find the values in the float32 weights: (w.abs() > 65504).sum() for '{name}'; "
+            "keep the module that holds them in float32 (and hand it x.float()), or rescale them."]
+
+
 def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: bool) -> list[str]:
     after = f"after batch {batch}" if batch is not None else "before this batch"
     fixes = []

@@ -585,6 +585,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
         summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and batch "
                    f"{first}: the optimizer step, load or write after batch {batch} did it; "
                    f"{used}")
+    elif _cast_overflow(facts, dtype):
+        return _cast_to_float16(facts, names, shown, verb, evidence)
     else:
         summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran (an "
                    "optimizer step, a load or a write made it), not this batch's forward.")
@@ -602,6 +604,29 @@ def _weights(facts: Facts) -> Diagnosis | None:
     return Diagnosis("corrupted-weight", summary, evidence,
                      fixes.corrupted_weight(names, dtype, batch, event.kind == "inf"),
                      confidence="high" if batch is not None and climb is None else "medium")
+
+
+def _cast_overflow(facts: Facts, dtype: str) -> bool:
+    """A float16 weight holding Inf (no NaN) at the first batch the watch saw: nothing the
+    watch saw ran before it, and a float32 value past 65504 turns into inf when a model is cast
+    to float16."""
+    event = facts.event
+    return dtype == "float16" and event.kind == "inf" \
+        and not any(b < event.batch for b in facts.history_batches)
+
+
+def _cast_to_float16(facts: Facts, names: list[str], shown: str, verb: str,
+                     evidence: list[str]) -> Diagnosis:
+    event = facts.event
+    evidence.append(f"No batch ran before batch {event.batch} under this watch: what made "
+                    f"{'it' if len(names) == 1 else 'them'} Inf came before the watch (a cast "
+                    "to float16, a load, or training steps run before it).")
+    return Diagnosis(
+        "overflow",
+        f"{shown} {verb} Inf in float16 from the first batch watched: a value above float16's "
+        "largest (65504) becomes inf when a model is cast to float16 (model.half(), "
+        ".to(torch.float16), torch_dtype=torch.float16); a checkpoint holding inf reads the "
+        "same.", evidence, fixes.cast_to_float16(names), confidence="medium")
 
 
 def _weight_dtype(event: NanEvent) -> str:
