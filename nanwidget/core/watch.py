@@ -182,8 +182,11 @@ class NanWatch:
                 self.model, keep=keep, trace_batches=options.trace_batches,
                 snapshot_weights=options.snapshot_weights))
         if options.backward and not sentinel_mode:
+            # Held for replays of backward events: not when the loss replays them, nor when
+            # this process alone cannot replay the model (FSDP2, tensor parallel).
             backward = recorder.add_feature(BackwardFrames(
-                recorder, hold_output_grads=options.loss_fn is None and capture is not None))
+                recorder, hold_output_grads=options.loss_fn is None and capture is not None
+                and not unreplayable_reason(recorder)))
         if capture is not None:
             # In sentinel mode every event is replayed by the sentinel itself.
             replayer = Replayer(recorder, capture,
