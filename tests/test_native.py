@@ -341,3 +341,27 @@ def test_finite_range_reads_what_the_torch_second_look_computes(dtype):
             v if i < 2 else v > 0 for i, v in enumerate(_second_look(values).tolist()))
     nothing_finite = torch.tensor([float("nan"), float("inf")], dtype=dtype)
     assert native.finite_range(nothing_finite) == (float("inf"), float("-inf"), True)
+
+
+def test_weight_state_reads_what_the_capture_reads_in_python_or_declines():
+    """The extension's weight_state (the held batch's weights, versions, layouts and train
+    flags in one call) gives the Python reads' results, or None where those must decide."""
+    from nanwidget.core.replay.capture import WeightSlots, layouts_of, versions_of
+    weight_state = native.weight_state_reader()
+    if weight_state is None:
+        pytest.skip(native.status())
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2).double())
+    model[1].eval()
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    slots = WeightSlots(model)
+    weights, versions, layout, training = weight_state(slots.containers, slots.keys, slots.modules)
+    read = slots.read()
+    assert all(a is b for a, b in zip(weights, read)) and len(weights) == len(read)
+    assert versions == versions_of(read) and layout == layouts_of(read)
+    assert training == [m.training for m in slots.modules]
+    model[2].bias = None  # a slot set to None since: the Python path reads it
+    assert weight_state(slots.containers, slots.keys, slots.modules) is None
+    assert weight_state([model[0]._parameters], ["missing"], []) is None
+    with pytest.raises(TypeError):
+        weight_state([], [])

@@ -38,6 +38,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,12 @@ import torch
 
 __all__ = ["abs_range", "finite_range", "available", "eligible", "result_buffer", "status",
            "MAX_ELEMENTS", "contiguous_range", "int_range", "contiguous_reader", "int_reader",
-           "storage_holds"]
+           "storage_holds", "weight_state_reader"]
 
 _SOURCE = Path(__file__).with_name("_native") / "absrange.c"
 _ENTRY_SOURCE = _SOURCE.with_name("entry.c")  # absrange.c as a Python extension
 _ENTRY_MODULE = "_nanwidget_entry"
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 
 # The kernel runs on one thread. Up to 4M elements it beats torch's path on any thread count
 # we could measure; above that, torch's path (|x| and min/max on all of torch's threads) wins
@@ -78,8 +79,9 @@ _lock = threading.Lock()
 _kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _finite_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _int_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-# The extension's readers (contiguous_range and int_range in one C call), where it was built.
-_entry_readers: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+# The extension's readers (contiguous_range and int_range in one C call, and weight_state),
+# where it was built.
+_entry_readers: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
 _state = "not loaded"  # why the kernel is or is not in use, for status()
 
 
@@ -174,6 +176,17 @@ def int_reader() -> Callable[[torch.Tensor, ctypes.Array], tuple[float, float] |
     return _entry_readers[1] if _entry_readers is not None else int_range
 
 
+def weight_state_reader() -> Callable[[list, list, list], tuple[list, list, list, list] | None] | None:
+    """Where the kernel was built as a Python extension, its ``weight_state(containers, keys,
+    modules)``: in one C call, the tensors ``containers[i][keys[i]]``, their version counters,
+    their ``(data_ptr(), dtype)`` layouts and the modules' ``training`` flags, as four lists;
+    None (nothing read) when a container is not exactly a dict, a slot is missing or not exactly
+    a Tensor or Parameter, or an attribute raises: the caller's Python path then reads them (and
+    raises) as it always does. None without the extension (loads the kernel)."""
+    _load()
+    return _entry_readers[2] if _entry_readers is not None else None
+
+
 def int_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, float] | None:
     """(min, max) of a contiguous CPU int32 or int64 tensor (no subclass, at most ``2**22``
     elements), signed and as floats (rounded to nearest, as torch converts them), read once;
@@ -257,7 +270,8 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         return _kernel
 
 
-def _import_entry(library: Path) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def _import_entry(library: Path) -> tuple[Callable[..., Any], Callable[..., Any],
+                                          Callable[..., Any]]:
     """The readers of the library built from entry.c, imported as a Python extension."""
     loader = importlib.machinery.ExtensionFileLoader(_ENTRY_MODULE, str(library))
     spec = importlib.util.spec_from_loader(_ENTRY_MODULE, loader)
@@ -266,24 +280,25 @@ def _import_entry(library: Path) -> tuple[Callable[..., Any], Callable[..., Any]
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     module.setup(torch.Tensor, torch.nn.Parameter, _KINDS, _INT_KINDS, _ONE_THREAD_ELEMENTS)
-    return module.contiguous_range, module.int_range
+    return module.contiguous_range, module.int_range, module.weight_state
 
 
 class _Subclass(torch.Tensor):
     """A tensor subclass: the readers must decline it, as contiguous_range does."""
 
 
-def _self_test_entry(readers: tuple[Callable[..., Any], Callable[..., Any]],
+def _self_test_entry(readers: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]],
                      kernel: ctypes._CFuncPtr, int_kernel: ctypes._CFuncPtr) -> str:  # type: ignore[name-defined]
     """Compare the extension's readers with the ctypes path on tensors they must read and on
-    tensors they must decline; "" when they agree."""
+    tensors they must decline, and its weight_state with the Python reads; "" when they
+    agree."""
     generator = torch.Generator().manual_seed(0)
     floats = [torch.randn(33, generator=generator, dtype=torch.float64).to(dtype) for dtype in _KINDS]
     ints = [torch.randint(-1000, 1000, (7,), generator=generator, dtype=dtype) for dtype in _INT_KINDS]
     declined = [torch.arange(12.0).reshape(3, 4).t(), torch.empty(0), torch.empty(3, device="meta"),
                 torch.ones(3).as_subclass(_Subclass), torch.ones(2, dtype=torch.bool)]
     cases = floats + ints + declined + [torch.nn.Parameter(floats[2])]
-    read_floats, read_ints = readers
+    read_floats, read_ints, weight_state = readers
     out = _Pair()
     for tensor in cases:
         for read, (path, kinds) in ((read_floats, (kernel, _KINDS)), (read_ints, (int_kernel, _INT_KINDS))):
@@ -291,6 +306,35 @@ def _self_test_entry(readers: tuple[Callable[..., Any], Callable[..., Any]],
             found = read(tensor, out)
             if found != expected:
                 return f"{tensor.dtype} {tuple(tensor.shape)}: {found} != {expected}"
+    return _self_test_weight_state(weight_state)
+
+
+def _self_test_weight_state(weight_state: Callable[..., Any]) -> str:
+    """weight_state against the Python reads on a module with parameters, a buffer and an
+    eval-mode child, and on containers it must decline; "" when they agree."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2).half())
+    model[1].eval()
+    modules = list(model.modules())
+    containers, keys = [], []
+    for child in modules:
+        for container in (child._parameters, child._buffers):
+            for key in container:
+                containers.append(container)
+                keys.append(key)
+    weights = [container.get(key) for container, key in zip(containers, keys)]
+    expected = (weights, [t._version for t in weights], [(t.data_ptr(), t.dtype) for t in weights],
+                [m.training for m in modules])
+    found = weight_state(containers, keys, modules)
+    if found is None or len(found[0]) != len(weights) or any(
+            a is not b for a, b in zip(found[0], weights)) or tuple(found[1:]) != expected[1:]:
+        return f"weight_state: {found} != {expected}"
+    declined = [([{"w": None}], ["w"]), ([{}], ["w"]), ([OrderedDict(w=weights[0])], ["w"]),
+                ([{"w": torch.ones(1).as_subclass(_Subclass)}], ["w"])]
+    with torch.inference_mode():
+        declined.append(([{"w": torch.ones(1)}], ["w"]))  # no version counter
+    for containers, keys in declined:
+        if weight_state(containers, keys, modules) is not None:
+            return f"weight_state took {containers}"
     return ""
 
 

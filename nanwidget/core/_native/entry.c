@@ -12,6 +12,14 @@
  * a tensor they do not take; an exception raised by one of the tensor's attributes propagates
  * as it would there. `out` is accepted and ignored (same signature as the ctypes path).
  * setup() is called once by native.py with the types, the dtype -> kind maps and the size limit.
+ *
+ * weight_state(containers, keys, modules) reads what a held batch keeps of the weights in one
+ * call (nanwidget.core.replay.capture.BatchCapture.on_batch_start): a 4-tuple of lists, the
+ * tensors (containers[i][keys[i]]), their version counters (`_version`), their layouts
+ * ((data_ptr(), dtype) tuples) and the modules' `training` flags, read through the same Python
+ * attributes as the Python path. It returns None, for the Python path to read (and raise)
+ * as it does, whenever anything is unusual: a container that is not exactly a dict, a slot
+ * missing or not exactly a Tensor or Parameter, an attribute that raises.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,6 +29,7 @@
 typedef int (*nw_kernel)(const void *, int64_t, int64_t, double *);
 
 static PyObject *tensor_type, *parameter_type, *float_kinds, *int_kinds;
+static PyObject *name_version, *name_training;
 static PyObject *name_is_cpu, *name_dtype, *name_numel, *name_is_contiguous, *name_data_ptr,
     *name_storage_offset, *name_untyped_storage, *name_nbytes, *name_element_size;
 static long long max_elements;
@@ -144,6 +153,75 @@ static PyObject *int_range(PyObject *module, PyObject *const *args, Py_ssize_t n
     return read_with(args[0], int_kinds, nanwidget_int_range);
 }
 
+static PyObject *weight_state(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "weight_state(containers, keys, modules)");
+        return NULL;
+    }
+    PyObject *containers = args[0], *keys = args[1], *modules = args[2];
+    if (tensor_type == NULL || !PyList_CheckExact(containers) || !PyList_CheckExact(keys)
+        || !PyList_CheckExact(modules) || PyList_GET_SIZE(keys) != PyList_GET_SIZE(containers))
+        Py_RETURN_NONE;
+    Py_ssize_t count = PyList_GET_SIZE(containers), module_count = PyList_GET_SIZE(modules);
+    PyObject *weights = PyList_New(count), *versions = PyList_New(count);
+    PyObject *layout = PyList_New(count), *training = PyList_New(module_count);
+    PyObject *result = NULL;
+    if (weights == NULL || versions == NULL || layout == NULL || training == NULL)
+        goto done; /* out of memory: raised, as the Python path would */
+    for (Py_ssize_t i = 0; i < module_count; i++) {
+        PyObject *flag = PyObject_GetAttr(PyList_GET_ITEM(modules, i), name_training);
+        if (flag == NULL)
+            goto decline;
+        PyList_SET_ITEM(training, i, flag);
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *container = PyList_GET_ITEM(containers, i);
+        if (!PyDict_CheckExact(container))
+            goto decline;
+        PyObject *tensor = PyDict_GetItemWithError(container, PyList_GET_ITEM(keys, i));
+        if (tensor == NULL) /* missing (or an error): the Python path decides */
+            goto decline;
+        PyObject *type = (PyObject *)Py_TYPE(tensor);
+        if (type != tensor_type && type != parameter_type)
+            goto decline; /* None, or a subclass */
+        Py_INCREF(tensor);
+        PyList_SET_ITEM(weights, i, tensor);
+        PyObject *version = PyObject_GetAttr(tensor, name_version);
+        if (version == NULL)
+            goto decline; /* an inference tensor: no version counter */
+        PyList_SET_ITEM(versions, i, version);
+        PyObject *pointer = PyObject_CallMethodNoArgs(tensor, name_data_ptr);
+        if (pointer == NULL)
+            goto decline;
+        PyObject *dtype = PyObject_GetAttr(tensor, name_dtype);
+        if (dtype == NULL) {
+            Py_DECREF(pointer);
+            goto decline;
+        }
+        PyObject *pair = PyTuple_New(2);
+        if (pair == NULL) {
+            Py_DECREF(pointer);
+            Py_DECREF(dtype);
+            goto done;
+        }
+        PyTuple_SET_ITEM(pair, 0, pointer);
+        PyTuple_SET_ITEM(pair, 1, dtype);
+        PyList_SET_ITEM(layout, i, pair);
+    }
+    result = PyTuple_Pack(4, weights, versions, layout, training);
+    goto done;
+decline:
+    PyErr_Clear();
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    Py_XDECREF(weights);
+    Py_XDECREF(versions);
+    Py_XDECREF(layout);
+    Py_XDECREF(training);
+    return result;
+}
+
 static PyObject *setup(PyObject *module, PyObject *args) {
     PyObject *tensor, *parameter, *floats, *ints;
     long long limit;
@@ -160,8 +238,11 @@ static PyObject *setup(PyObject *module, PyObject *args) {
         name_untyped_storage = PyUnicode_InternFromString("untyped_storage");
         name_nbytes = PyUnicode_InternFromString("nbytes");
         name_element_size = PyUnicode_InternFromString("element_size");
+        name_version = PyUnicode_InternFromString("_version");
+        name_training = PyUnicode_InternFromString("training");
         if (!name_is_cpu || !name_dtype || !name_numel || !name_is_contiguous || !name_data_ptr
-            || !name_storage_offset || !name_untyped_storage || !name_nbytes || !name_element_size)
+            || !name_storage_offset || !name_untyped_storage || !name_nbytes || !name_element_size
+            || !name_version || !name_training)
             return NULL;
     }
     Py_INCREF(tensor);
@@ -179,6 +260,7 @@ static PyObject *setup(PyObject *module, PyObject *args) {
 static PyMethodDef methods[] = {
     {"contiguous_range", (PyCFunction)(void (*)(void))contiguous_range, METH_FASTCALL, NULL},
     {"int_range", (PyCFunction)(void (*)(void))int_range, METH_FASTCALL, NULL},
+    {"weight_state", (PyCFunction)(void (*)(void))weight_state, METH_FASTCALL, NULL},
     {"setup", setup, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import native
 from ..events import NanEvent
 from ..frames import Frame
 from ..options import batch_number
@@ -244,6 +245,8 @@ class BatchCapture(Feature):
         self.slots = WeightSlots(model)
         self.held: OrderedDict[int, HeldBatch] = OrderedDict()
         self.event_batches: set[int] = set()
+        # The weights' state in one C call (native.weight_state_reader), or None: Python reads.
+        self._weight_state = native.weight_state_reader()
 
     # -- hot path: every batch, under the recorder's lock
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -261,11 +264,19 @@ class BatchCapture(Feature):
         capture.inference = _is_inference_mode_enabled()
         capture.autocast = _autocast_state()
         slots = self.slots
-        capture.training = list(map(_training_getter, slots.modules))  # one C loop
-        capture.weights = weights = slots.read()
-        capture.weight_versions = versions_of(weights)
-        # Storage and dtype: ``p.data = t`` and ``model.float()`` swap them without a version bump.
-        capture.weight_layout = layouts_of(weights)
+        # Storage and dtype (the layout): ``p.data = t`` and ``model.float()`` swap them without
+        # a version bump. The native extension reads the usual model's in one call.
+        state = None if self._weight_state is None else self._weight_state(
+            slots.containers, slots.keys, slots.modules)
+        if state is None:
+            capture.training = list(map(_training_getter, slots.modules))  # one C loop
+            capture.weights = weights = slots.read()
+            capture.weight_versions = versions_of(weights)
+            capture.weight_layout = layouts_of(weights)
+        else:
+            capture.weights, capture.weight_versions, capture.weight_layout, capture.training = \
+                state
+            weights = capture.weights
         capture.steps = steps_taken()  # fused optimizer steps move no version counter
         if self.snapshot_weights:
             capture.snapshot = self._snapshot(weights)
