@@ -303,7 +303,10 @@ class BatchCapture(Feature):
             capture.args = args
             capture.kwargs = kwargs
             capture.inputs = [("input[0]", first)]  # type: ignore[list-item]
-            capture.input_versions = versions_of([first])
+            try:
+                capture.input_versions = [first._version]  # type: ignore[union-attr]
+            except (AttributeError, RuntimeError):  # an inference tensor: versions_of's -1
+                capture.input_versions = versions_of([first])
             return
         # Tensors made by autograd are held as detached aliases (same data and version counter)
         # so that a held batch does not keep the graph behind them alive.
@@ -356,7 +359,15 @@ class BatchCapture(Feature):
             return
         last = held.forwards[-1]
         if last.end_input_versions is None:
-            last.end_input_versions = _input_versions([t for _, t in last.inputs])
+            inputs = last.inputs
+            first = inputs[0][1] if len(inputs) == 1 else None
+            if type(first) in _PLAIN:  # model(x), the usual call: _input_versions, in short
+                try:
+                    last.end_input_versions = [first._version]  # type: ignore[union-attr]
+                except (AttributeError, RuntimeError):
+                    last.end_input_versions = versions_of([first])  # type: ignore[list-item]
+            else:
+                last.end_input_versions = _input_versions([t for _, t in inputs])
             if self.slots.buffer_positions:
                 weights = last.weights
                 last.end_buffer_versions = [
