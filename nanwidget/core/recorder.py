@@ -748,9 +748,12 @@ class Recorder:
         if (self._root_thread != thread or not self._root_depth) \
                 and self._skips_outside_own_forward(info, thread):
             return None
-        try:
-            with self._lock:
-                if self._records_frames():
+        # The exception propagating through this always_call hook, if any (read before the
+        # frame's try below, whose handled errors are not the forward's).
+        current_exception = sys.exc_info()[1]
+        with self._lock:  # one hold for the root's frame and the batch's end
+            if not self.root_only or self._module_handles:  # _records_frames()
+                try:
                     measured = info.pre_entries.pop() if info.pre_entries else None
                     # The model's weights (also for the compile wrapper's call).
                     entries, first_input, first_output = self.entries.forward_entries(
@@ -760,9 +763,13 @@ class Recorder:
                                       first_input=first_input)
                     if self.entries.unread_roles and not self._warned_unread:
                         self._warn_unread()
-        except Exception as error:
-            self.internal_error(error)
-        self._finish_root(sys.exc_info()[1], output)
+                except Exception as error:
+                    self.internal_error(error)
+            ended = self._finish_root_locked(current_exception, output)
+        if ended is not None:
+            finished, event, failing, advance = ended
+            self._conclude(finished, event, reason="forward", raising=not failing,
+                           finished=advance)
         return None
 
     def _module_forward_hook(self, info: ModuleInfo) -> Any:
@@ -922,33 +929,34 @@ class Recorder:
         return bool(self._frames) or len(self._pending) > 0
 
     # ------------------------------------------------------------------ batch boundaries
-    def _finish_root(self, current_exception: BaseException | None, output: Any = None) -> None:
+    def _finish_root_locked(self, current_exception: BaseException | None,
+                            output: Any = None) -> tuple[int, NanEvent | None, bool, bool] | None:
         """A root call returned ``output``: the outermost one ends the batch. The call count,
-        the features' look at the output, the resolve and the batch number move under one hold
-        of the lock, so that another thread's forward cannot start in between and land in this
-        batch."""
-        with self._lock:
-            if self._root_depth > 1:
-                self._root_depth -= 1
-                return
-            self._root_depth = 0
-            self._root_frame = None
-            start_exception, self._exception_at_start = self._exception_at_start, None
-            if self._closed:
-                return
-            # always_call hooks also run while an exception propagates: record, never raise then.
-            failing = current_exception is not None and current_exception is not start_exception
-            if not failing:
-                for on_batch_output in self._on_batch_output:
-                    try:
-                        on_batch_output(self._batch, output)
-                    except Exception as error:
-                        self.internal_error(error)
+        the features' look at the output, the resolve and the batch number move under the
+        caller's hold of the lock, so that another thread's forward cannot start in between and
+        land in this batch. Returns what the caller concludes outside the lock (the batch, its
+        event, whether the forward is failing, whether the batch number moved on), or None
+        when no batch ended."""
+        if self._root_depth > 1:
+            self._root_depth -= 1
+            return None
+        self._root_depth = 0
+        self._root_frame = None
+        start_exception, self._exception_at_start = self._exception_at_start, None
+        if self._closed:
+            return None
+        # always_call hooks also run while an exception propagates: record, never raise then.
+        failing = current_exception is not None and current_exception is not start_exception
+        if not failing:
+            for on_batch_output in self._on_batch_output:
+                try:
+                    on_batch_output(self._batch, output)
+                except Exception as error:
+                    self.internal_error(error)
 
-            finished = self._batch
-            advance = not self._manual_batches
-            event = self._resolve_locked(finished, advance=advance)
-        self._conclude(finished, event, reason="forward", raising=not failing, finished=advance)
+        finished = self._batch
+        advance = not self._manual_batches
+        return finished, self._resolve_locked(finished, advance=advance), failing, advance
 
     def _end_interrupted_locked(self) -> None:
         """Resolve the frames of a forward that never returned, in their own batch."""
