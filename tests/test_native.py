@@ -365,3 +365,21 @@ def test_weight_state_reads_what_the_capture_reads_in_python_or_declines():
     assert weight_state([model[0]._parameters], ["missing"], []) is None
     with pytest.raises(TypeError):
         weight_state([], [])
+
+
+def test_loading_the_kernel_leaves_the_global_rng_where_it_was():
+    """The self-tests at load make their tensors without the global generator: a watch
+    that loads the kernel must not change the user's random numbers."""
+    code = textwrap.dedent("""
+        import torch
+        torch.manual_seed(3)
+        expected = torch.rand(4)
+        torch.manual_seed(3)
+        from nanwidget.core import native
+        native.available()
+        print(torch.equal(torch.rand(4), expected), native.status())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("True "), done.stdout

@@ -310,17 +310,17 @@ def _self_test_entry(readers: tuple[Callable[..., Any], Callable[..., Any], Call
 
 
 def _self_test_weight_state(weight_state: Callable[..., Any]) -> str:
-    """weight_state against the Python reads on a module with parameters, a buffer and an
-    eval-mode child, and on containers it must decline; "" when they agree."""
-    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2).half())
-    model[1].eval()
-    modules = list(model.modules())
-    containers, keys = [], []
-    for child in modules:
-        for container in (child._parameters, child._buffers):
-            for key in container:
-                containers.append(container)
-                keys.append(key)
+    """weight_state against the Python reads on parameters, a half-precision buffer and a
+    module in eval mode, and on containers it must decline; "" when they agree. Made without
+    random numbers: loading the kernel must not move the user's RNG."""
+    parameter = torch.nn.Parameter(torch.zeros(2, 3))
+    bias = torch.nn.Parameter(torch.ones(2))
+    buffer = torch.zeros(2, dtype=torch.float16)
+    buffer.add_(1)
+    modules = [torch.nn.Module(), torch.nn.Module().eval()]
+    containers: list[dict] = [{"weight": parameter, "bias": bias}, {"running_mean": buffer}]
+    containers = [containers[0], containers[0], containers[1]]
+    keys = ["weight", "bias", "running_mean"]
     weights = [container.get(key) for container, key in zip(containers, keys)]
     expected = (weights, [t._version for t in weights], [(t.data_ptr(), t.dtype) for t in weights],
                 [m.training for m in modules])
