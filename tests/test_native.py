@@ -367,6 +367,60 @@ def test_weight_state_reads_what_the_capture_reads_in_python_or_declines():
         weight_state([], [])
 
 
+def test_grads_clean_in_one_c_call_agrees_with_the_python_loop():
+    """The extension's grads_clean (the sentinel's gradient check in one call) says what
+    native.grads_clean says with the C reader, raises what it raises, and leaves to it (None)
+    what is not its usual input."""
+    clean = native.grads_clean_reader()
+    if clean is None:
+        pytest.skip(native.status())
+    read, out = native.contiguous_reader(), native.result_buffer()
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2).double(), nn.Linear(2, 2).half())
+    params = list(model.parameters())
+    model.float()
+    model(torch.randn(5, 4)).sum().backward()
+    slots = [params[0], None, params[1], params[2], params[3], params[4], params[5]]
+    indices = [0, 1, 2, 3, 4, 5, 6]
+
+    def both() -> bool:
+        expected = native.grads_clean(slots, indices, read, out)
+        assert clean(slots, indices) is expected
+        return expected
+
+    assert both() is True
+    params[4].grad = None  # no gradient: skipped
+    assert both() is True
+    params[2].grad[1, 0] = float("nan")
+    assert both() is False
+    params[2].grad[1, 0] = float("-inf")
+    assert both() is False
+    params[2].grad[1, 0] = 0.5
+    params[0].grad = params[0].grad.t().contiguous().t()  # not contiguous: the general check
+    assert both() is False
+    params[0].grad = params[0].grad.contiguous()
+    params[5].grad = torch.zeros(2).as_subclass(torch.Tensor)
+    assert both() is True
+    storage = params[3].grad.untyped_storage()
+    storage.resize_(0)  # shrunk under the gradient: never read
+    assert both() is False
+    assert clean(slots, [0, 7]) is None and clean(slots, [-1]) is None
+    assert clean(tuple(slots), indices) is None and clean(slots, (0,)) is None
+    assert clean(slots, [True]) is None
+
+    class Raising(nn.Parameter):
+        @property
+        def grad(self):
+            raise RuntimeError("no gradient here")
+
+    slots[1] = Raising(torch.ones(1))
+    with pytest.raises(RuntimeError, match="no gradient here"):
+        native.grads_clean(slots, indices, read, out)
+    with pytest.raises(RuntimeError, match="no gradient here"):
+        clean(slots, indices)
+    with pytest.raises(TypeError):
+        clean(slots)
+
+
 def test_loading_the_kernel_leaves_the_global_rng_where_it_was():
     """The self-tests at load make their tensors without the global generator: a watch
     that loads the kernel must not change the user's random numbers."""

@@ -47,12 +47,12 @@ import torch
 
 __all__ = ["abs_range", "finite_range", "available", "eligible", "result_buffer", "status",
            "MAX_ELEMENTS", "contiguous_range", "int_range", "contiguous_reader", "int_reader",
-           "storage_holds", "weight_state_reader"]
+           "storage_holds", "weight_state_reader", "grads_clean", "grads_clean_reader"]
 
 _SOURCE = Path(__file__).with_name("_native") / "absrange.c"
 _ENTRY_SOURCE = _SOURCE.with_name("entry.c")  # absrange.c as a Python extension
 _ENTRY_MODULE = "_nanwidget_entry"
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 
 # The kernel runs on one thread. Up to 4M elements it beats torch's path on any thread count
 # we could measure; above that, torch's path (|x| and min/max on all of torch's threads) wins
@@ -64,6 +64,7 @@ _KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 
 _INT_KINDS = {torch.int32: 0, torch.int64: 1}
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _Triple = ctypes.c_double * 3
+_INF = float("inf")
 
 
 class _Pair(ctypes.c_double * 2):  # type: ignore[misc]
@@ -79,9 +80,9 @@ _lock = threading.Lock()
 _kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _finite_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _int_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
-# The extension's readers (contiguous_range and int_range in one C call, and weight_state),
-# where it was built.
-_entry_readers: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
+# The extension's readers (contiguous_range and int_range in one C call, weight_state and
+# grads_clean), where it was built.
+_entry_readers: tuple[Callable[..., Any], ...] | None = None
 _state = "not loaded"  # why the kernel is or is not in use, for status()
 
 
@@ -187,6 +188,31 @@ def weight_state_reader() -> Callable[[list, list, list], tuple[list, list, list
     return _entry_readers[2] if _entry_readers is not None else None
 
 
+def grads_clean_reader() -> Callable[[list, list], bool | None] | None:
+    """Where the kernel was built as a Python extension, its ``grads_clean(slots, indices)``:
+    :func:`grads_clean` with the extension's reader, in one C call (the sentinel's gradient
+    check, every backward pass); it returns None (nothing read) when ``slots`` or ``indices``
+    is not exactly a list or an index is not a plain int within ``slots``, for the caller's
+    Python loop to decide. None without the extension (loads the kernel)."""
+    _load()
+    return _entry_readers[3] if _entry_readers is not None else None
+
+
+def grads_clean(slots: list, indices: list, read: Callable[..., Any], out: ctypes.Array) -> bool:
+    """Whether the ``.grad`` of every ``slots[i]`` (``i`` in ``indices``; None slots and None
+    gradients skipped) is read by ``read`` (:func:`contiguous_reader`'s) and finite: False at
+    the first one it does not take (None) or whose abs max is not below +inf."""
+    for i in indices:
+        param = slots[i]
+        grad = param.grad if param is not None else None
+        if grad is None:
+            continue
+        found = read(grad, out)
+        if found is None or not found[1] < _INF:
+            return False
+    return True
+
+
 def int_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, float] | None:
     """(min, max) of a contiguous CPU int32 or int64 tensor (no subclass, at most ``2**22``
     elements), signed and as floats (rounded to nearest, as torch converts them), read once;
@@ -270,8 +296,7 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         return _kernel
 
 
-def _import_entry(library: Path) -> tuple[Callable[..., Any], Callable[..., Any],
-                                          Callable[..., Any]]:
+def _import_entry(library: Path) -> tuple[Callable[..., Any], ...]:
     """The readers of the library built from entry.c, imported as a Python extension."""
     loader = importlib.machinery.ExtensionFileLoader(_ENTRY_MODULE, str(library))
     spec = importlib.util.spec_from_loader(_ENTRY_MODULE, loader)
@@ -280,25 +305,25 @@ def _import_entry(library: Path) -> tuple[Callable[..., Any], Callable[..., Any]
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     module.setup(torch.Tensor, torch.nn.Parameter, _KINDS, _INT_KINDS, _ONE_THREAD_ELEMENTS)
-    return module.contiguous_range, module.int_range, module.weight_state
+    return module.contiguous_range, module.int_range, module.weight_state, module.grads_clean
 
 
 class _Subclass(torch.Tensor):
     """A tensor subclass: the readers must decline it, as contiguous_range does."""
 
 
-def _self_test_entry(readers: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]],
+def _self_test_entry(readers: tuple[Callable[..., Any], ...],
                      kernel: ctypes._CFuncPtr, int_kernel: ctypes._CFuncPtr) -> str:  # type: ignore[name-defined]
     """Compare the extension's readers with the ctypes path on tensors they must read and on
-    tensors they must decline, and its weight_state with the Python reads; "" when they
-    agree."""
+    tensors they must decline, its weight_state with the Python reads and its grads_clean with
+    :func:`grads_clean`; "" when they agree."""
     generator = torch.Generator().manual_seed(0)
     floats = [torch.randn(33, generator=generator, dtype=torch.float64).to(dtype) for dtype in _KINDS]
     ints = [torch.randint(-1000, 1000, (7,), generator=generator, dtype=dtype) for dtype in _INT_KINDS]
     declined = [torch.arange(12.0).reshape(3, 4).t(), torch.empty(0), torch.empty(3, device="meta"),
                 torch.ones(3).as_subclass(_Subclass), torch.ones(2, dtype=torch.bool)]
     cases = floats + ints + declined + [torch.nn.Parameter(floats[2])]
-    read_floats, read_ints, weight_state = readers
+    read_floats, read_ints, weight_state, clean = readers
     out = _Pair()
     for tensor in cases:
         for read, (path, kinds) in ((read_floats, (kernel, _KINDS)), (read_ints, (int_kernel, _INT_KINDS))):
@@ -306,7 +331,43 @@ def _self_test_entry(readers: tuple[Callable[..., Any], Callable[..., Any], Call
             found = read(tensor, out)
             if found != expected:
                 return f"{tensor.dtype} {tuple(tensor.shape)}: {found} != {expected}"
-    return _self_test_weight_state(weight_state)
+    return _self_test_weight_state(weight_state) or _self_test_grads_clean(clean, kernel)
+
+
+def _self_test_grads_clean(clean: Callable[..., Any], kernel: ctypes._CFuncPtr) -> str:  # type: ignore[name-defined]
+    """grads_clean against :func:`grads_clean` through the ctypes path, on gradients it must
+    take (finite, in every float width), must find non-finite (NaN, Inf) and must decline (not
+    contiguous, a subclass) and must leave to the Python loop; "" when they agree. Made without random
+    numbers: loading the kernel must not move the user's RNG."""
+    def parameter(grad: torch.Tensor | None) -> torch.nn.Parameter:
+        param = torch.nn.Parameter(torch.zeros(1))
+        if grad is not None:
+            param.data = torch.zeros(grad.shape, dtype=grad.dtype)
+            param.grad = grad
+        return param
+
+    finite = [torch.linspace(-3.0, 5.0, 37, dtype=dtype) for dtype in _KINDS]
+    nan, inf = finite[2].clone(), finite[3].clone()
+    nan[11] = float("nan")
+    inf[30] = float("-inf")
+    cases: list[list] = [[parameter(g) for g in finite], [None, parameter(None)] + [parameter(finite[0])],
+                         [parameter(finite[1]), parameter(nan)], [parameter(inf)],
+                         [parameter(torch.arange(12.0).reshape(3, 4).t())],
+                         [parameter(torch.ones(3).as_subclass(_Subclass))], []]
+    out = _Pair()
+    for number, slots in enumerate(cases):
+        indices = list(range(len(slots)))
+        expected = grads_clean(slots, indices,
+                               lambda tensor, buffer: _read_contiguous(kernel, _KINDS, tensor, buffer), out)
+        found = clean(slots, indices)
+        if found is not expected:
+            return f"grads_clean, case {number}: {found} != {expected}"
+    for number, (slots, indices) in enumerate((
+            ([parameter(finite[2])], [1]), ((parameter(finite[2]),), [0]),
+            ([parameter(finite[2])], (0,)), ([parameter(finite[2])], [-1]))):
+        if clean(slots, indices) is not None:
+            return f"grads_clean took declined case {number}"
+    return ""
 
 
 def _self_test_weight_state(weight_state: Callable[..., Any]) -> str:

@@ -208,4 +208,4 @@ int nanwidget_int_range(const void *data, int64_t n, int64_t kind, double *out) 
     }
 }
 
-int nanwidget_abi_version(void) { return 5; }
+int nanwidget_abi_version(void) { return 6; }

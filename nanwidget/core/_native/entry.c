@@ -13,6 +13,10 @@
  * as it would there. `out` is accepted and ignored (same signature as the ctypes path).
  * setup() is called once by native.py with the types, the dtype -> kind maps and the size limit.
  *
+ * grads_clean(slots, indices) is the sentinel's check of every parameter's gradient at the end
+ * of a backward pass (nanwidget.core.native.grads_clean's loop, with contiguous_range's checks
+ * and read per gradient) in one call.
+ *
  * weight_state(containers, keys, modules) reads what a held batch keeps of the weights in one
  * call (nanwidget.core.replay.capture.BatchCapture.on_batch_start): a 4-tuple of lists, the
  * tensors (containers[i][keys[i]]), their version counters (`_version`), their layouts
@@ -29,7 +33,7 @@
 typedef int (*nw_kernel)(const void *, int64_t, int64_t, double *);
 
 static PyObject *tensor_type, *parameter_type, *float_kinds, *int_kinds;
-static PyObject *name_version, *name_training;
+static PyObject *name_version, *name_training, *name_grad;
 static PyObject *name_is_cpu, *name_dtype, *name_numel, *name_is_contiguous, *name_data_ptr,
     *name_storage_offset, *name_untyped_storage, *name_nbytes, *name_element_size;
 static long long max_elements;
@@ -66,64 +70,58 @@ static int storage_holds(PyObject *tensor, long long count) {
     return (offset + count) * size <= nbytes;
 }
 
-static PyObject *read_with(PyObject *tensor, PyObject *kinds, nw_kernel kernel) {
+/* Check `tensor` as the readers do and read it with `kernel` into out: 1 when read, 0 when it
+ * is not a tensor they take (or the kernel declined it), -1 with an exception set when one of
+ * its attributes raised. */
+static int read_checked(PyObject *tensor, PyObject *kinds, nw_kernel kernel, double *out) {
     PyObject *type = (PyObject *)Py_TYPE(tensor);
     if (tensor_type == NULL || (type != tensor_type && type != parameter_type))
-        Py_RETURN_NONE;
+        return 0;
     PyObject *value = PyObject_GetAttr(tensor, name_is_cpu);
     if (value == NULL)
-        return NULL;
+        return -1;
     int on_cpu = value == Py_True;
     Py_DECREF(value);
     if (!on_cpu)
-        Py_RETURN_NONE;
+        return 0;
     value = PyObject_GetAttr(tensor, name_dtype);
     if (value == NULL)
-        return NULL;
+        return -1;
     PyObject *kind_object = PyDict_GetItemWithError(kinds, value); /* borrowed */
     Py_DECREF(value);
-    if (kind_object == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE;
-    }
+    if (kind_object == NULL)
+        return PyErr_Occurred() ? -1 : 0;
     long kind = PyLong_AsLong(kind_object);
     if (kind == -1 && PyErr_Occurred())
-        return NULL;
+        return -1;
     value = PyObject_CallMethodNoArgs(tensor, name_numel);
     if (value == NULL)
-        return NULL;
+        return -1;
     long long count = PyLong_AsLongLong(value);
     Py_DECREF(value);
     if (count == -1 && PyErr_Occurred())
-        return NULL;
+        return -1;
     if (count <= 0 || count > max_elements)
-        Py_RETURN_NONE;
+        return 0;
     value = PyObject_CallMethodNoArgs(tensor, name_is_contiguous);
     if (value == NULL)
-        return NULL;
+        return -1;
     int contiguous = value == Py_True;
     Py_DECREF(value);
     if (!contiguous)
-        Py_RETURN_NONE;
+        return 0;
     value = PyObject_CallMethodNoArgs(tensor, name_data_ptr);
     if (value == NULL)
-        return NULL;
+        return -1;
     void *data = PyLong_AsVoidPtr(value);
     Py_DECREF(value);
-    if (data == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE; /* storage freed (FSDP between forwards): nothing to read */
-    }
+    if (data == NULL)
+        return PyErr_Occurred() ? -1 : 0; /* storage freed (FSDP between forwards) */
     /* The storage must hold every element: one shrunk under the tensor (resize_) would be read
      * past its end. */
     int holds = storage_holds(tensor, count);
-    if (holds < 0)
-        return NULL;
-    if (!holds)
-        Py_RETURN_NONE;
-    double out[2];
+    if (holds <= 0)
+        return holds;
     int status;
     if (count >= NW_RELEASE_GIL_ELEMENTS) {
         Py_BEGIN_ALLOW_THREADS
@@ -132,7 +130,15 @@ static PyObject *read_with(PyObject *tensor, PyObject *kinds, nw_kernel kernel) 
     } else {
         status = kernel(data, count, kind, out);
     }
-    if (status != 0)
+    return status == 0;
+}
+
+static PyObject *read_with(PyObject *tensor, PyObject *kinds, nw_kernel kernel) {
+    double out[2];
+    int found = read_checked(tensor, kinds, kernel, out);
+    if (found < 0)
+        return NULL;
+    if (!found)
         Py_RETURN_NONE;
     return Py_BuildValue("(dd)", out[0], out[1]);
 }
@@ -151,6 +157,63 @@ static PyObject *int_range(PyObject *module, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     return read_with(args[0], int_kinds, nanwidget_int_range);
+}
+
+/* grads_clean(slots, indices): Sentinel._grads_clean's loop in one call. For each i of
+ * `indices` (a list of ints) whose slots[i] is not None and whose `.grad` is not None: False
+ * as soon as that gradient is not a tensor contiguous_range reads (it would return None) or
+ * its abs max is not below +inf (NaN or Inf); True when every one was read and finite.
+ * Exceptions raised by an attribute propagate, from the same gradient as in the Python loop.
+ * None (nothing read) when slots or indices is not exactly a list or an index is not a plain
+ * int within slots: the Python loop then does (and raises) what it does. */
+static PyObject *grads_clean(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "grads_clean(slots, indices)");
+        return NULL;
+    }
+    PyObject *slots = args[0], *indices = args[1];
+    if (tensor_type == NULL || !PyList_CheckExact(slots) || !PyList_CheckExact(indices))
+        Py_RETURN_NONE;
+    Py_ssize_t size = PyList_GET_SIZE(slots), count = PyList_GET_SIZE(indices);
+    for (Py_ssize_t j = 0; j < count; j++) {
+        PyObject *index = PyList_GET_ITEM(indices, j);
+        if (!PyLong_CheckExact(index))
+            Py_RETURN_NONE;
+        Py_ssize_t i = PyLong_AsSsize_t(index);
+        if (i == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if (i < 0 || i >= size)
+            Py_RETURN_NONE;
+    }
+    /* Both lists are the caller's own, not changed while this runs (a .grad property could
+     * run Python code: the sizes are checked again all the same). */
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(indices); j++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(indices, j));
+        if (i < 0 || i >= PyList_GET_SIZE(slots))
+            Py_RETURN_NONE;
+        PyObject *param = PyList_GET_ITEM(slots, i);
+        if (param == Py_None)
+            continue;
+        Py_INCREF(param);
+        PyObject *grad = PyObject_GetAttr(param, name_grad);
+        Py_DECREF(param);
+        if (grad == NULL)
+            return NULL;
+        if (grad == Py_None) {
+            Py_DECREF(grad);
+            continue;
+        }
+        double out[2];
+        int found = read_checked(grad, float_kinds, nanwidget_abs_range, out);
+        Py_DECREF(grad);
+        if (found < 0)
+            return NULL;
+        if (!found || !(out[1] < INFINITY))
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
 }
 
 static PyObject *weight_state(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -240,9 +303,10 @@ static PyObject *setup(PyObject *module, PyObject *args) {
         name_element_size = PyUnicode_InternFromString("element_size");
         name_version = PyUnicode_InternFromString("_version");
         name_training = PyUnicode_InternFromString("training");
+        name_grad = PyUnicode_InternFromString("grad");
         if (!name_is_cpu || !name_dtype || !name_numel || !name_is_contiguous || !name_data_ptr
             || !name_storage_offset || !name_untyped_storage || !name_nbytes || !name_element_size
-            || !name_version || !name_training)
+            || !name_version || !name_training || !name_grad)
             return NULL;
     }
     Py_INCREF(tensor);
@@ -261,6 +325,7 @@ static PyMethodDef methods[] = {
     {"contiguous_range", (PyCFunction)(void (*)(void))contiguous_range, METH_FASTCALL, NULL},
     {"int_range", (PyCFunction)(void (*)(void))int_range, METH_FASTCALL, NULL},
     {"weight_state", (PyCFunction)(void (*)(void))weight_state, METH_FASTCALL, NULL},
+    {"grads_clean", (PyCFunction)(void (*)(void))grads_clean, METH_FASTCALL, NULL},
     {"setup", setup, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -164,6 +164,7 @@ class Sentinel(Feature):
         # purpose, nor without the kernel).
         self._read_at_once = defer_reads != "always" and native.available()
         self._read_floats = native.contiguous_reader()
+        self._grads_clean_in_c = native.grads_clean_reader()  # None without the extension
         # Checks whose read waits for the end of the backward pass (see the module docstring).
         self._deferred: list[tuple[int, int, NonFiniteCheck]] = []
         # batch -> per root forward: the gradient each output leaf received (by role).
@@ -424,17 +425,12 @@ class Sentinel(Feature):
         """Whether every parameter's gradient is a tensor the native kernel reads (dense,
         contiguous, on CPU) and all of them are finite: the usual step, checked without a
         :class:`NonFiniteCheck`. False also when one is not such a tensor (the general check
-        then looks at them all)."""
-        result, read = self._grad_result, self._read_floats
-        for i in self._params:
-            param = slots[i]
-            grad = param.grad if param is not None else None
-            if grad is None:
-                continue
-            found = read(grad, result)
-            if found is None or not found[1] < _INF:
-                return False
-        return True
+        then looks at them all). In one C call where the extension is built."""
+        if self._grads_clean_in_c is not None:
+            clean = self._grads_clean_in_c(slots, self._params)
+            if clean is not None:
+                return clean
+        return native.grads_clean(slots, self._params, self._read_floats, self._grad_result)
 
     def detail_grad_event(self, event: NanEvent) -> Finding:
         """The gradient event found at the end of a backward pass and held (a GradScaler
