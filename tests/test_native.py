@@ -368,57 +368,63 @@ def test_weight_state_reads_what_the_capture_reads_in_python_or_declines():
 
 
 def test_grads_clean_in_one_c_call_agrees_with_the_python_loop():
-    """The extension's grads_clean (the sentinel's gradient check in one call) says what
-    native.grads_clean says with the C reader, raises what it raises, and leaves to it (None)
-    what is not its usual input."""
+    """The extension's grads_clean (the sentinel's gradient check in one call, on the weight
+    slots' containers and keys) says what native.grads_clean says with the C reader on the
+    slots, raises what it raises, and leaves to it (None) what is not its usual input."""
+    from nanwidget.core.replay.capture import WeightSlots
     clean = native.grads_clean_reader()
     if clean is None:
         pytest.skip(native.status())
     read, out = native.contiguous_reader(), native.result_buffer()
-    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2).double(), nn.Linear(2, 2).half())
-    params = list(model.parameters())
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2).double(),
+                          nn.Linear(2, 2).half())
     model.float()
     model(torch.randn(5, 4)).sum().backward()
-    slots = [params[0], None, params[1], params[2], params[3], params[4], params[5]]
-    indices = [0, 1, 2, 3, 4, 5, 6]
+    slots = WeightSlots(model)
+    indices = [i for i, is_buffer in enumerate(slots.is_buffer) if not is_buffer]
+    params = [slots.read()[i] for i in indices]
+    assert len(params) == 8
 
     def both() -> bool:
-        expected = native.grads_clean(slots, indices, read, out)
-        assert clean(slots, indices) is expected
+        expected = native.grads_clean(slots.read(), indices, read, out)
+        assert clean(slots.containers, slots.keys, indices) is expected
         return expected
 
     assert both() is True
     params[4].grad = None  # no gradient: skipped
     assert both() is True
-    params[2].grad[1, 0] = float("nan")
+    params[2].grad[1] = float("nan")
     assert both() is False
-    params[2].grad[1, 0] = float("-inf")
+    params[2].grad[1] = float("-inf")
     assert both() is False
-    params[2].grad[1, 0] = 0.5
+    params[2].grad[1] = 0.5
     params[0].grad = params[0].grad.t().contiguous().t()  # not contiguous: the general check
     assert both() is False
     params[0].grad = params[0].grad.contiguous()
-    params[5].grad = torch.zeros(2).as_subclass(torch.Tensor)
+    params[7].grad = torch.zeros(2).as_subclass(torch.Tensor)
     assert both() is True
-    storage = params[3].grad.untyped_storage()
+    model[3].bias = None  # a slot set to None since
+    assert both() is True
+    storage = params[5].grad.untyped_storage()
     storage.resize_(0)  # shrunk under the gradient: never read
     assert both() is False
-    assert clean(slots, [0, 7]) is None and clean(slots, [-1]) is None
-    assert clean(tuple(slots), indices) is None and clean(slots, (0,)) is None
-    assert clean(slots, [True]) is None
+    containers, keys = slots.containers, slots.keys
+    assert clean(containers, keys, [0, len(keys)]) is None and clean(containers, keys, [-1]) is None
+    assert clean(tuple(containers), keys, indices) is None and clean(containers, keys, (0,)) is None
+    assert clean(containers, keys[:-1], indices) is None and clean(containers, keys, [True]) is None
 
     class Raising(nn.Parameter):
         @property
         def grad(self):
             raise RuntimeError("no gradient here")
 
-    slots[1] = Raising(torch.ones(1))
+    model[0].bias = Raising(torch.ones(3))
     with pytest.raises(RuntimeError, match="no gradient here"):
-        native.grads_clean(slots, indices, read, out)
+        native.grads_clean(slots.read(), indices, read, out)
     with pytest.raises(RuntimeError, match="no gradient here"):
-        clean(slots, indices)
+        clean(containers, keys, indices)
     with pytest.raises(TypeError):
-        clean(slots)
+        clean(containers, keys)
 
 
 def test_loading_the_kernel_leaves_the_global_rng_where_it_was():

@@ -188,12 +188,14 @@ def weight_state_reader() -> Callable[[list, list, list], tuple[list, list, list
     return _entry_readers[2] if _entry_readers is not None else None
 
 
-def grads_clean_reader() -> Callable[[list, list], bool | None] | None:
-    """Where the kernel was built as a Python extension, its ``grads_clean(slots, indices)``:
-    :func:`grads_clean` with the extension's reader, in one C call (the sentinel's gradient
-    check, every backward pass); it returns None (nothing read) when ``slots`` or ``indices``
-    is not exactly a list or an index is not a plain int within ``slots``, for the caller's
-    Python loop to decide. None without the extension (loads the kernel)."""
+def grads_clean_reader() -> Callable[[list, list, list], bool | None] | None:
+    """Where the kernel was built as a Python extension, its ``grads_clean(containers, keys,
+    indices)``: :func:`grads_clean` of the parameters ``containers[i].get(keys[i])`` with the
+    extension's reader, in one C call (the sentinel's gradient check, every backward pass). It
+    returns None (nothing read) when an argument is not exactly a list, the lists' lengths
+    differ, an index is not a plain int within them or a container it names is not exactly a
+    dict, for the caller's Python path to decide. None without the extension (loads the
+    kernel)."""
     _load()
     return _entry_readers[3] if _entry_readers is not None else None
 
@@ -355,17 +357,26 @@ def _self_test_grads_clean(clean: Callable[..., Any], kernel: ctypes._CFuncPtr) 
                          [parameter(torch.arange(12.0).reshape(3, 4).t())],
                          [parameter(torch.ones(3).as_subclass(_Subclass))], []]
     out = _Pair()
+
+    def read(tensor: torch.Tensor, buffer: ctypes.Array) -> tuple[float, float] | None:
+        return _read_contiguous(kernel, _KINDS, tensor, buffer)
+
     for number, slots in enumerate(cases):
+        containers = [{"w": param} for param in slots]
+        keys = ["w"] * len(slots)
         indices = list(range(len(slots)))
-        expected = grads_clean(slots, indices,
-                               lambda tensor, buffer: _read_contiguous(kernel, _KINDS, tensor, buffer), out)
-        found = clean(slots, indices)
+        expected = grads_clean(slots, indices, read, out)
+        found = clean(containers, keys, indices)
         if found is not expected:
             return f"grads_clean, case {number}: {found} != {expected}"
-    for number, (slots, indices) in enumerate((
-            ([parameter(finite[2])], [1]), ((parameter(finite[2]),), [0]),
-            ([parameter(finite[2])], (0,)), ([parameter(finite[2])], [-1]))):
-        if clean(slots, indices) is not None:
+    finite_slot = [{"w": parameter(finite[2])}]
+    if clean(finite_slot + [{}], ["w", "w"], [0, 1]) is not True:  # missing: dict.get's None
+        return "grads_clean: a missing parameter is not skipped"
+    for number, (containers, keys, indices) in enumerate((
+            (finite_slot, ["w"], [1]), (finite_slot, ["w"], [-1]), (finite_slot, ["w"], (0,)),
+            (tuple(finite_slot), ["w"], [0]), (finite_slot, ["w", "w"], [0]),
+            ([OrderedDict(finite_slot[0])], ["w"], [0]), (finite_slot, ["w"], [True]))):
+        if clean(containers, keys, indices) is not None:
             return f"grads_clean took declined case {number}"
     return ""
 

@@ -13,9 +13,9 @@
  * as it would there. `out` is accepted and ignored (same signature as the ctypes path).
  * setup() is called once by native.py with the types, the dtype -> kind maps and the size limit.
  *
- * grads_clean(slots, indices) is the sentinel's check of every parameter's gradient at the end
- * of a backward pass (nanwidget.core.native.grads_clean's loop, with contiguous_range's checks
- * and read per gradient) in one call.
+ * grads_clean(containers, keys, indices) is the sentinel's check of every parameter's gradient at
+ * the end of a backward pass (nanwidget.core.native.grads_clean's loop over the parameters
+ * containers[i].get(keys[i]), with contiguous_range's checks and read per gradient) in one call.
  *
  * weight_state(containers, keys, modules) reads what a held batch keeps of the weights in one
  * call (nanwidget.core.replay.capture.BatchCapture.on_batch_start): a 4-tuple of lists, the
@@ -159,22 +159,25 @@ static PyObject *int_range(PyObject *module, PyObject *const *args, Py_ssize_t n
     return read_with(args[0], int_kinds, nanwidget_int_range);
 }
 
-/* grads_clean(slots, indices): Sentinel._grads_clean's loop in one call. For each i of
- * `indices` (a list of ints) whose slots[i] is not None and whose `.grad` is not None: False
- * as soon as that gradient is not a tensor contiguous_range reads (it would return None) or
- * its abs max is not below +inf (NaN or Inf); True when every one was read and finite.
- * Exceptions raised by an attribute propagate, from the same gradient as in the Python loop.
- * None (nothing read) when slots or indices is not exactly a list or an index is not a plain
- * int within slots: the Python loop then does (and raises) what it does. */
+/* grads_clean(containers, keys, indices): the sentinel's gradient check in one call. For each
+ * i of `indices` whose parameter containers[i].get(keys[i]) is not None and whose `.grad` is
+ * not None: False as soon as that gradient is not a tensor contiguous_range reads (it would
+ * return None) or its abs max is not below +inf (NaN or Inf); True when every one was read and
+ * finite (nanwidget.core.native.grads_clean on the parameters). Exceptions raised by an
+ * attribute propagate, from the same gradient as in the Python loop. None (nothing read) when
+ * an argument is not exactly a list, the lists' lengths differ, an index is not a plain int
+ * within them or a container it names is not exactly a dict: the caller's Python path then
+ * does (and raises) what it does. */
 static PyObject *grads_clean(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "grads_clean(slots, indices)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "grads_clean(containers, keys, indices)");
         return NULL;
     }
-    PyObject *slots = args[0], *indices = args[1];
-    if (tensor_type == NULL || !PyList_CheckExact(slots) || !PyList_CheckExact(indices))
+    PyObject *containers = args[0], *keys = args[1], *indices = args[2];
+    if (tensor_type == NULL || !PyList_CheckExact(containers) || !PyList_CheckExact(keys)
+        || !PyList_CheckExact(indices) || PyList_GET_SIZE(keys) != PyList_GET_SIZE(containers))
         Py_RETURN_NONE;
-    Py_ssize_t size = PyList_GET_SIZE(slots), count = PyList_GET_SIZE(indices);
+    Py_ssize_t size = PyList_GET_SIZE(containers), count = PyList_GET_SIZE(indices);
     for (Py_ssize_t j = 0; j < count; j++) {
         PyObject *index = PyList_GET_ITEM(indices, j);
         if (!PyLong_CheckExact(index))
@@ -184,16 +187,24 @@ static PyObject *grads_clean(PyObject *module, PyObject *const *args, Py_ssize_t
             PyErr_Clear();
             Py_RETURN_NONE;
         }
-        if (i < 0 || i >= size)
+        if (i < 0 || i >= size || !PyDict_CheckExact(PyList_GET_ITEM(containers, i)))
             Py_RETURN_NONE;
     }
-    /* Both lists are the caller's own, not changed while this runs (a .grad property could
-     * run Python code: the sizes are checked again all the same). */
+    /* The lists are the caller's own and not changed while this runs; a .grad property could
+     * run Python code, so they are checked again all the same. */
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(indices); j++) {
         Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(indices, j));
-        if (i < 0 || i >= PyList_GET_SIZE(slots))
+        if (i < 0 || i >= PyList_GET_SIZE(containers) || PyList_GET_SIZE(keys) <= i)
             Py_RETURN_NONE;
-        PyObject *param = PyList_GET_ITEM(slots, i);
+        PyObject *container = PyList_GET_ITEM(containers, i);
+        if (!PyDict_CheckExact(container))
+            Py_RETURN_NONE;
+        PyObject *param = PyDict_GetItemWithError(container, PyList_GET_ITEM(keys, i));
+        if (param == NULL) {
+            if (PyErr_Occurred())
+                return NULL; /* as dict.get raises */
+            continue;        /* missing: dict.get's None */
+        }
         if (param == Py_None)
             continue;
         Py_INCREF(param);

@@ -164,7 +164,6 @@ class Sentinel(Feature):
         # purpose, nor without the kernel).
         self._read_at_once = defer_reads != "always" and native.available()
         self._read_floats = native.contiguous_reader()
-        self._grads_clean_in_c = native.grads_clean_reader()  # None without the extension
         # Checks whose read waits for the end of the backward pass (see the module docstring).
         self._deferred: list[tuple[int, int, NonFiniteCheck]] = []
         # batch -> per root forward: the gradient each output leaf received (by role).
@@ -183,6 +182,10 @@ class Sentinel(Feature):
         # it non-finite: the next pass tells an accumulation into it from a new one.
         self._bad_gradients: dict[str, tuple[Any, int, int]] = {}
         self._params = [i for i, is_buffer in enumerate(capture.slots.is_buffer) if not is_buffer]
+        # The gradient check in one C call (None without the extension), on the slots'
+        # containers and keys (fixed for the capture's life).
+        self._grads_clean_in_c = native.grads_clean_reader()
+        self._slot_containers, self._slot_keys = capture.slots.containers, capture.slots.keys
         self._root_may_hold_inf = recorder.modules[0].name in recorder.inf_allowed
         # The kernel's output buffers, reused: one for forwards (under the lock), one for the
         # end of backward passes (autograd's thread).
@@ -362,13 +365,21 @@ class Sentinel(Feature):
             if self._deferred:  # none in the usual CPU step: no lists built for it
                 deferred = [d for d in self._deferred if d[0] == batch]
                 self._deferred = [d for d in self._deferred if d[0] != batch]
-            slots = self.capture.slots.read()
-            if deferred or not self._grads_clean(slots):
-                finding = self._check_backward(batch, grads, deferred, slots)
-            else:  # the usual CPU step: every gradient read by the kernel, all finite
+            # The usual CPU step: every gradient read by the kernel in one C call, from the
+            # parameters' slots (no list of them built), all finite. None: the Python path.
+            clean = None if deferred or self._grads_clean_in_c is None else \
+                self._grads_clean_in_c(self._slot_containers, self._slot_keys, self._params)
+            slots = None
+            if clean is None:
+                slots = self.capture.slots.read()
+                clean = not deferred and self._grads_clean(slots)
+            if clean:
                 self.grad_checks += 1
                 if self._bad_gradients:
                     self._bad_gradients = {}
+            else:
+                finding = self._check_backward(batch, grads, deferred, slots if slots is not None
+                                               else self.capture.slots.read())
         except Exception as error:
             recorder.internal_error(error)
             finding = None
@@ -425,11 +436,8 @@ class Sentinel(Feature):
         """Whether every parameter's gradient is a tensor the native kernel reads (dense,
         contiguous, on CPU) and all of them are finite: the usual step, checked without a
         :class:`NonFiniteCheck`. False also when one is not such a tensor (the general check
-        then looks at them all). In one C call where the extension is built."""
-        if self._grads_clean_in_c is not None:
-            clean = self._grads_clean_in_c(slots, self._params)
-            if clean is not None:
-                return clean
+        then looks at them all). The Python path of the extension's one C call (see
+        ``_backward_done``)."""
         return native.grads_clean(slots, self._params, self._read_floats, self._grad_result)
 
     def detail_grad_event(self, event: NanEvent) -> Finding:
