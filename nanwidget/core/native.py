@@ -338,9 +338,9 @@ def _self_test_entry(readers: tuple[Callable[..., Any], ...],
 
 def _self_test_grads_clean(clean: Callable[..., Any], kernel: ctypes._CFuncPtr) -> str:  # type: ignore[name-defined]
     """grads_clean against :func:`grads_clean` through the ctypes path, on gradients it must
-    take (finite, in every float width), must find non-finite (NaN, Inf) and must decline (not
-    contiguous, a subclass) and must leave to the Python loop; "" when they agree. Made without random
-    numbers: loading the kernel must not move the user's RNG."""
+    take (finite, in every float width), find non-finite (NaN, Inf) or decline (not contiguous,
+    a subclass), and on arguments it must leave to the Python path; "" when they agree. Made
+    without random numbers: loading the kernel must not move the user's RNG."""
     def parameter(grad: torch.Tensor | None) -> torch.nn.Parameter:
         param = torch.nn.Parameter(torch.zeros(1))
         if grad is not None:
@@ -352,7 +352,7 @@ def _self_test_grads_clean(clean: Callable[..., Any], kernel: ctypes._CFuncPtr) 
     nan, inf = finite[2].clone(), finite[3].clone()
     nan[11] = float("nan")
     inf[30] = float("-inf")
-    cases: list[list] = [[parameter(g) for g in finite], [None, parameter(None)] + [parameter(finite[0])],
+    cases: list[list] = [[parameter(g) for g in finite], [None, parameter(None), parameter(finite[0])],
                          [parameter(finite[1]), parameter(nan)], [parameter(inf)],
                          [parameter(torch.arange(12.0).reshape(3, 4).t())],
                          [parameter(torch.ones(3).as_subclass(_Subclass))], []]
