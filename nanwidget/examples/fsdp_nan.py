@@ -126,4 +126,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # torch keeps a DDP or FSDP model's process group, and gloo's threads, alive past
+    # destroy_process_group (2.13: even once the model is collected); torn down at interpreter
+    # exit, they abort a rank now and then after its work is done ("terminate called without
+    # an active exception", exit -6). Everything is written and closed by now: leave without
+    # that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

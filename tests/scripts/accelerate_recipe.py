@@ -23,7 +23,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import close_process_group, emit  # noqa: E402
+from results import close_process_group_and_exit, emit  # noqa: E402
 from trainer_nan import GPT2_POISONED, TokenDataset, hook_count, module_named, tiny_gpt2  # noqa: E402
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -80,4 +80,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    close_process_group()
+    close_process_group_and_exit()

@@ -15,7 +15,7 @@ from torch import nn
 
 import lightning.pytorch as pl
 
-from results import close_process_group, emit
+from results import close_process_group_and_exit, emit
 
 POISONED = "net.2"
 
@@ -120,4 +120,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    close_process_group()
+    close_process_group_and_exit()

@@ -16,12 +16,14 @@ def emit(result: dict[str, Any]) -> None:
 
 
 
-def close_process_group() -> None:
+def close_process_group_and_exit() -> None:
     """Close the process group, if any, once the script's models are gone (call it after
     main() returns): left to the interpreter's exit, gloo's teardown once aborted a rank
     ("terminate called without an active exception") after its result was out; closed while a
-    DDP model still lived, a rank hung in the model's teardown. The examples' scripts leave
-    the same way (nanwidget/examples/ddp_nan.py)."""
+    DDP model still lived, a rank hung in the model's teardown. Then leave without the
+    interpreter's teardown: torch keeps the group's gloo threads alive past
+    destroy_process_group once DDP used it, and tearing them down at exit still aborted a rank
+    now and then. The examples' scripts leave the same way (nanwidget/examples/ddp_nan.py)."""
     import gc
 
     import torch.distributed as dist
@@ -29,3 +31,6 @@ def close_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # leave together: no peer still talks to a rank tearing gloo down
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

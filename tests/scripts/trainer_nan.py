@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from results import close_process_group, emit  # noqa: E402
+from results import close_process_group_and_exit, emit  # noqa: E402
 
 GPT2_POISONED = "transformer.h.0.mlp.c_fc"
 BERT_POISONED = "bert.encoder.layer.0.intermediate.dense"
@@ -156,4 +156,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    close_process_group()
+    close_process_group_and_exit()
