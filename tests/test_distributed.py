@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -346,6 +347,38 @@ def test_watching_ddp_records_the_users_module_names(single_rank_group):
         # World size 1: nothing to agree on, so no per-batch all-reduce rides along.
         assert watch.parts.consensus is None
     assert hook_count(model) == 0 and hook_count(ddp) == 0
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_fsdp1_batch_replays_to_the_module_that_met_the_nan(single_rank_group, mode):
+    """FSDP1 (FullyShardedDataParallel, use_orig_params) makes its parameters' views under
+    no_grad and writes their flat base with grad on; asking such a view for its grad_fn
+    raises, and the trace's labelling of autograd nodes did, so every replay failed: the
+    sentinel's event stayed at the root's output with "not replayed: ... A view was created in
+    no_grad mode ...". Now both modes name the first module that met the NaN, with a trace."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FSDP1's deprecation notice
+        sharded = FullyShardedDataParallel(model, device_id=torch.device("cpu"),
+                                           use_orig_params=True)
+    optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    with nw.watch(sharded, mode=mode, backward=True, replay_on_nan=True) as watch:
+        with pytest.raises(nw.NanDetected) as raised:
+            for batch in range(4):
+                x = torch.randn(4, 8)
+                if batch == 2:
+                    x[1, 3] = float("nan")
+                sharded(x).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    event = raised.value.event
+    assert (event.batch, event.module, event.role, event.origin) == (
+        2, "_fsdp_wrapped_module.0", "input[0]", "input")
+    assert "not replayed" not in event.note
+    assert event.trace is not None and event.trace.reproduced
+    assert event.diagnosis.kind == "bad-data"
 
 
 def test_data_parallel_is_refused_with_a_pointer_to_ddp():

@@ -227,7 +227,13 @@ class OpRecorder:
         """Label the autograd nodes of the last forward op, so its backward ops find their module."""
         for tensors, tag in self.to_tag:
             for tensor in tensors:
-                node = tensor.grad_fn
+                try:
+                    node = tensor.grad_fn
+                except RuntimeError:
+                    # A view made under no_grad whose base was then written in place with grad
+                    # on (FSDP1's parameter views): autograd refuses to say. It cannot be
+                    # differentiated through either, so there is no node to label.
+                    continue
                 if node is not None:
                     metadata = node.metadata
                     if _NODE_KEY not in metadata:
