@@ -35,7 +35,7 @@ from torch import nn
 __all__ = ["WatchOptions", "Option", "Flag", "Needs", "OPTIONS", "OPTION_NAMES", "option",
            "ON_NAN_CHOICES", "MODES", "MAX_EVENTS", "MAX_FRAMES_LIMIT", "SkipTypesWarning",
            "check_option_names", "signature_of_options", "options_help", "split_classes",
-           "batch_number"]
+           "batch_number", "name_matches", "wrapper_names"]
 
 ON_NAN_CHOICES = ("raise", "warn", "record")
 MODES = ("full", "sentinel")
@@ -216,6 +216,32 @@ def _skip_types(name: str, value: Any, model: nn.Module | None) -> tuple[type | 
     return tuple(dict.fromkeys(items))
 
 
+# Modules that wrap the user's module and put their attribute in its name: FSDP1's units,
+# activation checkpointing's wrapper, a submodule compiled with torch.compile. A user names the
+# module as they wrote it ('blocks.1.mask', not 'blocks.1._checkpoint_wrapped_module.mask').
+_WRAPPER_SEGMENTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def name_matches(name: str, pattern: str) -> bool:
+    """Whether the module name glob ``pattern`` matches the module named ``name``, as written
+    or as the user wrote it (without the wrappers' segments: FSDP1, checkpoint_wrapper,
+    torch.compile'd submodules)."""
+    if fnmatch.fnmatchcase(name, pattern):
+        return True
+    parts = name.split(".")
+    if not _WRAPPER_SEGMENTS.intersection(parts):
+        return False
+    return fnmatch.fnmatchcase(".".join(p for p in parts if p not in _WRAPPER_SEGMENTS), pattern)
+
+
+def wrapper_names(names: list[str], chosen: set[str]) -> set[str]:
+    """The modules of ``names`` that wrap one of ``chosen`` (its name is theirs plus a wrapper's
+    segment, as FSDP1 and checkpoint_wrapper make): they return what it returns."""
+    return {name for name in names
+            if any((f"{name}.{segment}" if name else segment) in chosen
+                   for segment in _WRAPPER_SEGMENTS)}
+
+
 def _allow_inf(name: str, value: Any, model: nn.Module | None) -> tuple[str | type, ...]:
     """Module name globs and nn.Module classes whose outputs may hold ±inf (one, or several);
     one that matches no module of ``model`` warns (it would allow nothing). "" is the root."""
@@ -228,7 +254,7 @@ def _allow_inf(name: str, value: Any, model: nn.Module | None) -> tuple[str | ty
     if model is not None:
         named = dict(model.named_modules())
         unmatched = [p for p in items if isinstance(p, str)
-                     and not any(fnmatch.fnmatchcase(n, p) for n in named)]
+                     and not any(name_matches(n, p) for n in named)]
         unmatched += [c.__name__ for c in items if isinstance(c, type)
                       and not any(isinstance(m, c) for m in named.values())]
         if unmatched:

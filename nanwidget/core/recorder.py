@@ -52,7 +52,6 @@ Threads
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import sys
 import threading
 import warnings
@@ -71,6 +70,7 @@ from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
 from .graph_capture import captured, compile_wrappers_of, dynamo_compiling, export_flag, tracing
 from .opaque import add_forward_hook, add_forward_pre_hook, inside_torchscript, weights_of
+from .options import name_matches, wrapper_names
 from .ranks import current_rank
 from .records import Finding, Records
 from .state import watched_modules
@@ -351,10 +351,11 @@ class Recorder:
         self.module_types = [info.type_name for info in self.modules]
         self._by_name = {info.name: info for info in self.modules}
         patterns, classes = allow_inf
-        self.inf_allowed = frozenset(
-            info.name for info in self.modules
-            if any(fnmatch.fnmatchcase(info.name, p) for p in patterns)
-            or (classes and isinstance(info.module, classes)))
+        allowed = {info.name for info in self.modules
+                   if any(name_matches(info.name, p) for p in patterns)
+                   or (classes and isinstance(info.module, classes))}
+        # A wrapper (FSDP1's unit, checkpoint_wrapper) returns what the allowed module returns.
+        self.inf_allowed = frozenset(allowed | wrapper_names(self.module_names, allowed))
         self._detector = Detector(self.inf_allowed, self.weights_now, self.module_names,
                                   is_buffer=self.is_buffer)
         self._warned_unread = False
