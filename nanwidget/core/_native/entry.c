@@ -159,6 +159,18 @@ static PyObject *int_range(PyObject *module, PyObject *const *args, Py_ssize_t n
     return read_with(args[0], int_kinds, nanwidget_int_range);
 }
 
+/* The arguments of grads_clean and weight_state: three lists, the first two (the slots'
+ * containers and keys) as long as each other. 1 when they are; 0 when not (the caller returns
+ * None, for its Python path to decide); -1 with a TypeError when there are not three. */
+static int slot_lists(PyObject *const *args, Py_ssize_t nargs, const char *usage) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    return tensor_type != NULL && PyList_CheckExact(args[0]) && PyList_CheckExact(args[1])
+        && PyList_CheckExact(args[2]) && PyList_GET_SIZE(args[1]) == PyList_GET_SIZE(args[0]);
+}
+
 /* grads_clean(containers, keys, indices): the sentinel's gradient check in one call. For each
  * i of `indices` whose parameter containers[i].get(keys[i]) is not None and whose `.grad` is
  * not None: False as soon as that gradient is not a tensor contiguous_range reads (it would
@@ -169,14 +181,12 @@ static PyObject *int_range(PyObject *module, PyObject *const *args, Py_ssize_t n
  * within them or a container it names is not exactly a dict: the caller's Python path then
  * does (and raises) what it does. */
 static PyObject *grads_clean(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "grads_clean(containers, keys, indices)");
+    int usable = slot_lists(args, nargs, "grads_clean(containers, keys, indices)");
+    if (usable < 0)
         return NULL;
-    }
-    PyObject *containers = args[0], *keys = args[1], *indices = args[2];
-    if (tensor_type == NULL || !PyList_CheckExact(containers) || !PyList_CheckExact(keys)
-        || !PyList_CheckExact(indices) || PyList_GET_SIZE(keys) != PyList_GET_SIZE(containers))
+    if (!usable)
         Py_RETURN_NONE;
+    PyObject *containers = args[0], *keys = args[1], *indices = args[2];
     Py_ssize_t size = PyList_GET_SIZE(containers), count = PyList_GET_SIZE(indices);
     for (Py_ssize_t j = 0; j < count; j++) {
         PyObject *index = PyList_GET_ITEM(indices, j);
@@ -228,14 +238,12 @@ static PyObject *grads_clean(PyObject *module, PyObject *const *args, Py_ssize_t
 }
 
 static PyObject *weight_state(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "weight_state(containers, keys, modules)");
+    int usable = slot_lists(args, nargs, "weight_state(containers, keys, modules)");
+    if (usable < 0)
         return NULL;
-    }
-    PyObject *containers = args[0], *keys = args[1], *modules = args[2];
-    if (tensor_type == NULL || !PyList_CheckExact(containers) || !PyList_CheckExact(keys)
-        || !PyList_CheckExact(modules) || PyList_GET_SIZE(keys) != PyList_GET_SIZE(containers))
+    if (!usable)
         Py_RETURN_NONE;
+    PyObject *containers = args[0], *keys = args[1], *modules = args[2];
     Py_ssize_t count = PyList_GET_SIZE(containers), module_count = PyList_GET_SIZE(modules);
     PyObject *weights = PyList_New(count), *versions = PyList_New(count);
     PyObject *layout = PyList_New(count), *training = PyList_New(module_count);

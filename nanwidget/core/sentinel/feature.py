@@ -365,21 +365,12 @@ class Sentinel(Feature):
             if self._deferred:  # none in the usual CPU step: no lists built for it
                 deferred = [d for d in self._deferred if d[0] == batch]
                 self._deferred = [d for d in self._deferred if d[0] != batch]
-            # The usual CPU step: every gradient read by the kernel in one C call, from the
-            # parameters' slots (no list of them built), all finite. None: the Python path.
-            clean = None if deferred or self._grads_clean_in_c is None else \
-                self._grads_clean_in_c(self._slot_containers, self._slot_keys, self._params)
-            slots = None
-            if clean is None:
-                slots = self.capture.slots.read()
-                clean = not deferred and self._grads_clean(slots)
-            if clean:
+            if self._grads_clean(deferred):  # the usual CPU step
                 self.grad_checks += 1
                 if self._bad_gradients:
                     self._bad_gradients = {}
             else:
-                finding = self._check_backward(batch, grads, deferred, slots if slots is not None
-                                               else self.capture.slots.read())
+                finding = self._check_backward(batch, grads, deferred, self.capture.slots.read())
         except Exception as error:
             recorder.internal_error(error)
             finding = None
@@ -432,13 +423,20 @@ class Sentinel(Feature):
             return self._backward_event(batch, grads, bad_grads)
         return finding
 
-    def _grads_clean(self, slots: list) -> bool:
-        """Whether every parameter's gradient is a tensor the native kernel reads (dense,
-        contiguous, on CPU) and all of them are finite: the usual step, checked without a
-        :class:`NonFiniteCheck`. False also when one is not such a tensor (the general check
-        then looks at them all). The Python path of the extension's one C call (see
-        ``_backward_done``)."""
-        return native.grads_clean(slots, self._params, self._read_floats, self._grad_result)
+    def _grads_clean(self, deferred: list) -> bool:
+        """Whether, with no deferred finding, every parameter's gradient is a tensor the native
+        kernel reads (dense, contiguous, on CPU) and all of them are finite: the usual step,
+        checked without a :class:`NonFiniteCheck`, in one C call on the parameters' slots where
+        the extension is built (no list of them made). False also when one is not such a
+        tensor (the general check then looks at them all)."""
+        if deferred:
+            return False
+        if self._grads_clean_in_c is not None:
+            clean = self._grads_clean_in_c(self._slot_containers, self._slot_keys, self._params)
+            if clean is not None:
+                return clean
+        return native.grads_clean(self.capture.slots.read(), self._params, self._read_floats,
+                                  self._grad_result)
 
     def detail_grad_event(self, event: NanEvent) -> Finding:
         """The gradient event found at the end of a backward pass and held (a GradScaler
