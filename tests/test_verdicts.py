@@ -140,13 +140,12 @@ def test_allow_inf_given_a_class_name_says_to_pass_the_class():
 def test_allow_inf_takes_the_name_as_written_inside_a_checkpoint_wrapper():
     """Activation checkpointing's wrapper (as FSDP1's units and a compiled submodule do) puts
     its attribute into the names of what it wraps: 'mask_builder' is watched as
-    'mask_builder._checkpoint_wrapped_module'. allow_inf='mask_builder' named nothing there
-    (it warned "matches no module") and the wrapped mask stopped the model; it now matches
-    the module the user named. The wrapped name allows the wrapper too, which returns the
+    'mask_builder._checkpoint_wrapped_module'. allow_inf='mask_builder' matched only the
+    wrapper, and the wrapped mask stopped the model (under FSDP1, where no module is named as
+    written, it also warned "matches no module"); it now matches the module the user named. The wrapped name allows the wrapper too, which returns the
     same tensor (it stopped the model at the wrapper)."""
     mode = "full"  # the sentinel reads the root's outputs only: this softmax's are finite
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from nanwidget.core.options import name_matches
     blocked = torch.triu(torch.ones(3, 5, dtype=torch.bool), diagonal=1)
     for allow in ("mask_builder", "mask_builder._checkpoint_wrapped_module", "mask_*"):
         model = WithMaskBuilder()
@@ -163,7 +162,10 @@ def test_allow_inf_takes_the_name_as_written_inside_a_checkpoint_wrapper():
         model(torch.randn(3, 5), blocked)
     assert (w.event.kind, w.event.origin) == ("inf", "output")
     assert w.event.module == "mask_builder._checkpoint_wrapped_module"
-    # The wrappers' segments are dropped only as whole names, in any position.
+
+
+def test_allow_inf_drops_only_whole_wrapper_segments_anywhere_in_a_name():
+    from nanwidget.core.options import name_matches
     assert name_matches("_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.attn", "layers.0.attn")
     assert name_matches("encoder._orig_mod.mask", "encoder.mask")
     assert not name_matches("my_fsdp_wrapped_module_x.attn", "attn")
