@@ -182,6 +182,41 @@ def test_the_gradient_of_sqrt_at_zero_is_a_domain_error_in_the_backward_pass(mod
     assert "torch.sqrt(x + eps)" in diagnosis.suggestion[0]
 
 
+class LogWhereUsed(nn.Module):
+    """The where trap: the result of log is masked where its argument is 0, its gradient is
+    not (where passes log a gradient of 0 there, and log's backward divides it by 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.fc(x) * (x > 0)  # 0 wherever x is not positive
+        return torch.where(z > 0, torch.log(z), 0.0).sum(-1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_log_masked_by_where_is_told_to_guard_its_argument(mode):
+    torch.manual_seed(0)
+    model = LogWhereUsed()
+    x = torch.randn(6, 4)
+    with watch(model, mode, backward=True) as w:
+        out = model(x)
+        assert torch.isfinite(out).all()  # the forward is clean: only the gradient is NaN
+        out.sum().backward()
+    diagnosis = w.event.diagnosis
+    assert w.event.is_backward and diagnosis.kind == "domain"
+    assert "the gradient reaching log there was 0" in diagnosis.summary
+    assert line_of(LogWhereUsed.forward, "torch.log") in diagnosis.summary
+    assert "torch.log(torch.where(mask, x, 1))" in diagnosis.suggestion[0]
+    # Following it: no NaN gradient.
+    fixed = LogWhereUsed()
+    fixed.load_state_dict(model.state_dict())
+    z = fixed.fc(x) * (x > 0)
+    torch.where(z > 0, torch.log(torch.where(z > 0, z, 1.0)), 0.0).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in fixed.parameters())
+
+
 @pytest.mark.parametrize("replay_on_nan", [False, True])
 def test_full_mode_tells_a_backward_nan_without_a_loss_fn(replay_on_nan):
     # The backward pass is replayed from the gradient the output received (it said "unknown:

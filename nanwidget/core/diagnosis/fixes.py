@@ -92,8 +92,27 @@ def divergence(dtype: str) -> list[str]:
     return fixes
 
 
-def domain(op: str, at: str, backward: bool, empty: bool = False) -> list[str]:
+# A value inside each op's domain, away from its edge: what a guarded argument takes where the
+# result is not used (torch.where(mask, x, safe)).
+_SAFE_ARGUMENT = {"log1p": "0", "acos": "0", "asin": "0", "atanh": "0", "erfinv": "0",
+                  "acosh": "2", "logit": "0.5"}
+
+
+def domain(op: str, at: str, backward: bool, empty: bool = False,
+           unused_gradient: bool = False) -> list[str]:
     name = op.lstrip("_")
+    if unused_gradient and name not in ("var", "std", "var_mean", "std_mean", "ctc_loss"):
+        # The where trap: the result is masked after the op, its gradient is not.
+        call = f"torch.{name}" if name not in ("div", "true_divide") else "x / "
+        safe = _SAFE_ARGUMENT.get(name, "1")
+        guarded = (f"x / torch.where(mask, d, 1)" if call == "x / " else
+                   f"{call}(torch.where(mask, x, {safe}))")
+        unguarded = (f"torch.where(mask, x / d, 0)" if call == "x / " else
+                     f"torch.where(mask, {call}(x), 0)")
+        first = (f"Guard the argument of {name}{at}, not its result: {unguarded} still gives a "
+                 f"NaN gradient where x is at the edge (where passes {name} a gradient of 0, "
+                 f"and 0 x inf = NaN). Write {guarded} instead.")
+        return [first] + domain(op, at, backward, empty)
     if empty:
         return [f"Guard the reduction{at} against an empty selection: compute it only when "
                 "x.numel() > 0, or divide a sum by the count clamped to at least 1 "

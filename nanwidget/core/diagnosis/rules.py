@@ -215,6 +215,21 @@ def _no_alignment(op: OpFacts) -> tuple[str, str] | None:
             "a blank between repeated labels, so its loss is -log(0) = inf", sure)
 
 
+def _unused_gradient(op: OpFacts) -> bool:
+    """Whether a NaN made in the backward of an op with an infinite slope (log, sqrt, acos ...
+    at the edge of its domain) came from a gradient of 0 meeting that slope: every input
+    finite (a division can then only make NaN as 0/0), or a product of an Inf with an input
+    holding 0 (0 x inf). A gradient of 0 there means the op's value was dropped after it:
+    ``torch.where(x > 0, torch.log(x), 0)`` still passes log's backward a 0 where x is 0."""
+    if op.phase != "backward" or not op.nan:
+        return False
+    if any(int(row.get("nan_count", 0) or 0) for row in op.inputs):
+        return False  # a NaN arrived: not made here
+    zero_holders = [row for row in op.inputs if not int(row.get("inf_count", 0) or 0)
+                    and row.get("min", math.nan) <= 0 <= row.get("max", math.nan)]
+    return bool(zero_holders)
+
+
 def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     """Why the op's inputs were outside its domain, and how sure (None: they were not)."""
     name = op.name
@@ -227,8 +242,13 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
                 "0/0 (a mask or a filter kept nothing)", "high")
     grad_of = op.grad_of.split("Backward")[0].lower() if op.grad_of else ""
     if op.phase == "backward" and grad_of in _DOMAIN_NAMES:
-        return (f"the gradient of {grad_of} is infinite at the edge of its domain "
-                f"({'0' if grad_of in ('sqrt', 'rsqrt', 'log', 'pow', 'div') else '±1'})", "high")
+        edge = "0" if grad_of in ("sqrt", "rsqrt", "log", "pow", "div") else "±1"
+        if _unused_gradient(op):
+            return (f"the gradient of {grad_of} is infinite at the edge of its domain ({edge}), "
+                    f"and the gradient reaching {grad_of} there was 0: that value of {grad_of} "
+                    "is not used after it (torch.where, a mask or a slice dropped it), and "
+                    "0 x inf = NaN", "high")
+        return f"the gradient of {grad_of} is infinite at the edge of its domain ({edge})", "high"
     first = op.input_range(0)
     if first is None:
         return None
@@ -694,7 +714,8 @@ def _from_op(facts: Facts) -> Diagnosis | None:
         return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain: "
                                    f"{reason}.", evidence,
                          fixes.domain(op.op if not op.grad_of else op.grad_of.split("Backward")[0].lower(),
-                                      op.at, backward=op.phase == "backward", empty=empty),
+                                      op.at, backward=op.phase == "backward", empty=empty,
+                                      unused_gradient=bool(op.grad_of) and _unused_gradient(op)),
                          confidence=confidence)
     # An overflow: divergence when the weights grew over the batches before.
     modules = [op.module, event.module, ""]
