@@ -200,6 +200,33 @@ def test_healthy_training_never_warns_in_sentinel_mode_either():
         assert watched.events == [] and watched.warnings == [] and issued == []
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_switching_to_evaluation_starts_a_new_series(mode):
+    # A few training steps leave BatchNorm's running statistics far from the batch statistics
+    # (inputs centred at 100, momentum 0.1): the first evaluation forwards' outputs are 60x the
+    # training ones. That jump is the mode, not a growth (the same run trained on stays level).
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    data = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, mode=mode, on_nan="record") as w:
+            for _ in range(4):
+                x, y = torch.randn(16, 8, generator=data) + 100, torch.randn(16, 4, generator=data)
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+            model.eval()
+            with torch.no_grad():
+                outputs = [model(torch.randn(16, 8, generator=data) + 100) for _ in range(2)]
+    history = w.history()
+    root = history[history.module == ""].abs_max.tolist()
+    assert max(root[:4]) < 5 and min(o.abs().max().item() for o in outputs) > 100  # the jump
+    assert w.warnings == []
+    assert not [c for c in caught if issubclass(c.category, nw.EarlyWarningIssued)]
+
+
 # ---------------------------------------------------------------------------- gradual failures
 def _mlp_learning_rate_blowup(**options):
     torch.manual_seed(0)

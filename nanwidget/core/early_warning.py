@@ -20,7 +20,10 @@ Two reasons, each given once per module (a warning never stops the run):
     before it overflows; in float32 a value growing that slowly needs over 100 batches from 1
     to the limit anyway;
   * the abs max is at least :data:`GROWTH_FLOOR` (1): a fresh model's outputs leaving a small
-    initialisation climb at 2-4x per batch for a few batches, far below any limit.
+    initialisation climb at 2-4x per batch for a few batches, far below any limit;
+  * the batches are of one mode: a run of rises starts again when the model switches between
+    training and evaluation (``model.eval()``: BatchNorm's running statistics can put the
+    first evaluation outputs far above the training ones, a step, not a growth).
 
 Where the numbers come from: nothing is measured for this, and nothing is read from a device.
 Full mode reads each finished batch's history row (the largest |x| of every module's outputs,
@@ -238,6 +241,12 @@ class EarlyWarnings(Feature):
         self._dtype_limits: dict[Any, tuple[float, float, float] | None] = {}
         self._batches_seen = 0
         self._latest = -1  # the latest batch looked at: an earlier one is a replay's
+        # The model's training flag in the batches looked at (None: none yet). Outputs of a
+        # training and an evaluation forward are not one series: BatchNorm's running
+        # statistics (a fresh model's far from its batch statistics) can put an evaluation
+        # output orders of magnitude above the training ones, and dropout scales them.
+        self._model = recorder.model
+        self._training: bool | None = None
         # Frames resolved within a batch (a flush), looked at with the batch's own.
         self._early: list[Frame] = []
 
@@ -260,6 +269,8 @@ class EarlyWarnings(Feature):
             self._batches_seen += 1
             if batch <= self._latest:
                 self._restart()  # numbered again from lower down (set_batch): a new series
+            elif self._model.training != self._training:
+                self._switched_mode()
             self._look(batch, row, frames)
         except Exception as error:  # a warning must never break the run
             self.recorder.internal_error(error)
@@ -298,6 +309,8 @@ class EarlyWarnings(Feature):
             if limits is not self._module_limits[index]:
                 self._tighten(index, limits)
                 self._looked_up[index] = True  # its dtype comes from the sentinel
+            if self._model.training != self._training and batch > self._latest:
+                self._switched_mode()
             last = self._last_value[index]
             if batch > self._latest and not 0 < last < abs_max < math.inf \
                     and not self._near[index] <= abs_max < math.inf:
@@ -314,12 +327,21 @@ class EarlyWarnings(Feature):
 
     def _restart(self) -> None:
         """Forget every module's run of rises (the batch numbers started again)."""
+        self._forget_runs()
+        self._latest = -1
+
+    def _switched_mode(self) -> None:
+        """The model went from training to evaluation or back: a new series begins."""
+        if self._training is not None:
+            self._forget_runs()
+        self._training = bool(self._model.training)
+
+    def _forget_runs(self) -> None:
         count = len(self._names)
         self._last_batch[:] = [-1] * count
         self._last_value[:] = [math.inf] * count
         self._rises[:] = [0] * count
         self._fast[:] = [False] * count
-        self._latest = -1
 
     def _limits_of(self, dtype: Any) -> tuple[float, float, float] | None:
         limits = self._dtype_limits.get(dtype, False)
