@@ -227,6 +227,35 @@ def test_switching_to_evaluation_starts_a_new_series(mode):
     assert not [c for c in caught if issubclass(c.category, nw.EarlyWarningIssued)]
 
 
+def test_evaluating_between_training_steps_keeps_the_training_series():
+    # The README's learning-rate blow-up, evaluated after every step: the training forwards
+    # are still one series, warned about long before the NaN.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 4))
+    teacher = torch.randn(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model, on_nan="record") as w:
+            for step in range(100):
+                optimizer.param_groups[0]["lr"] = min(2.0, 0.05 * (step + 1))
+                model.train()
+                x = torch.randn(32, 16)
+                loss = nn.functional.mse_loss(model(x), x @ teacher)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(32, 16))
+                if w.event:
+                    break
+    assert w.event is not None and w.warnings
+    growth = [warning for warning in w.warnings if warning.reason == "growth"]
+    assert growth and growth[0].batch < w.event.batch - 4
+
+
 # ---------------------------------------------------------------------------- gradual failures
 def _mlp_learning_rate_blowup(**options):
     torch.manual_seed(0)

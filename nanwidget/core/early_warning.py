@@ -21,9 +21,9 @@ Two reasons, each given once per module (a warning never stops the run):
     to the limit anyway;
   * the abs max is at least :data:`GROWTH_FLOOR` (1): a fresh model's outputs leaving a small
     initialisation climb at 2-4x per batch for a few batches, far below any limit;
-  * the batches are of one mode: a run of rises starts again when the model switches between
-    training and evaluation (``model.eval()``: BatchNorm's running statistics can put the
-    first evaluation outputs far above the training ones, a step, not a growth).
+  * the batches are of one mode: training and evaluation forwards (``model.train()``,
+    ``model.eval()``) are two series, each with its own runs (BatchNorm's running statistics
+    can put the first evaluation outputs far above the training ones: a step, not a growth).
 
 Where the numbers come from: nothing is measured for this, and nothing is read from a device.
 Full mode reads each finished batch's history row (the largest |x| of every module's outputs,
@@ -247,6 +247,7 @@ class EarlyWarnings(Feature):
         # output orders of magnitude above the training ones, and dropout scales them.
         self._model = recorder.model
         self._training: bool | None = None
+        self._other_series: tuple[list, ...] | None = None  # the other mode's, while away
         # Frames resolved within a batch (a flush), looked at with the batch's own.
         self._early: list[Frame] = []
 
@@ -328,13 +329,25 @@ class EarlyWarnings(Feature):
     def _restart(self) -> None:
         """Forget every module's run of rises (the batch numbers started again)."""
         self._forget_runs()
+        self._other_series = None
         self._latest = -1
 
     def _switched_mode(self) -> None:
-        """The model went from training to evaluation or back: a new series begins."""
+        """The model went from training to evaluation or back: each mode's batches are a
+        series of their own, so the runs of this mode go on where it left them (a loop that
+        evaluates between steps still has its training series) and the other's wait."""
+        training = bool(self._model.training)
         if self._training is not None:
-            self._forget_runs()
-        self._training = bool(self._model.training)
+            lists = (self._last_batch, self._last_value, self._rises, self._fast, self._runs)
+            left = tuple(list(values) for values in lists)
+            resumed, self._other_series = self._other_series, left
+            if resumed is None:
+                self._forget_runs()
+                self._runs[:] = [deque(maxlen=WINDOW) for _ in self._runs]
+            else:
+                for values, saved in zip(lists, resumed):
+                    values[:] = saved
+        self._training = training
 
     def _forget_runs(self) -> None:
         count = len(self._names)
