@@ -299,3 +299,55 @@ def test_a_batch_number_that_is_not_one_is_refused_in_one_line(value, error, wor
             with pytest.raises(error, match=words if error is ValueError else f".*{words}"):
                 call(value)
         assert watched.batch == 1
+
+
+class FeaturesAndHead(nn.Module):
+    """A model also driven without its forward, as timm's are (model.forward_features(x)):
+    each pass calls two watched children directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(6, 8)
+        self.blocks = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.stem(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.forward_features(x))
+
+
+def test_a_nan_in_a_pass_without_the_root_forward_stops_that_pass() -> None:
+    # model.forward_features(x) never calls the root: the pass is checked when the outermost
+    # module running returns (it was only looked at by step(), frames() or close()).
+    torch.manual_seed(0)
+    model = FeaturesAndHead()
+    with torch.no_grad():
+        model.blocks[2].weight[0, 0] = float("nan")
+    x = torch.randn(4, 6)
+    with nw.watch(model, on_nan="raise") as w:
+        with pytest.raises(nw.NanDetected, match="module 'blocks.2'"):
+            model.forward_features(x)
+    with nw.watch(model, on_nan="record") as w:
+        for _ in range(3):
+            model.forward_features(x)
+            assert w.events and w.events[-1].batch == w.batch  # seen at once, in its own pass
+        assert [(e.batch, e.module, e.role) for e in w.events] == \
+            [(b, "blocks.2", "weight") for b in range(3)]  # one event per pass
+
+
+def test_passes_without_the_root_forward_are_batches_of_their_own() -> None:
+    torch.manual_seed(0)
+    model = FeaturesAndHead()
+    with nw.watch(model) as w:
+        with torch.no_grad():
+            for scale in (1.0, 10.0, 100.0):
+                model.forward_features(torch.full((4, 6), scale))
+            model(torch.ones(4, 6))  # a root forward afterwards counts as usual
+        history = w.history()
+    stem = history[history.module == "stem"].sort_values("batch")
+    assert stem.batch.tolist() == [0, 1, 2]
+    assert stem.abs_max.is_monotonic_increasing and stem.abs_max.iloc[2] > 50 * stem.abs_max.iloc[0]
+    assert set(history[history.module == "head"].batch) == {2}  # the forward ended batch 2
+    assert w.batch == 3

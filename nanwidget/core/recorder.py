@@ -83,6 +83,7 @@ __all__ = ["Recorder", "Feature", "Finding", "ModuleInfo", "ConcurrentForwardErr
 
 _get_ident = threading.get_ident
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_CALL_IMPL = nn.Module._call_impl.__code__  # the frame of every module call with hooks
 # Batches whose frame and call counters are kept for late backward frames (gradient
 # accumulation can backpropagate several earlier forwards in one pass).
 _RECENT_COUNTERS = 8
@@ -319,6 +320,10 @@ class Recorder:
         # torch.compile wrappers whose calls are refused (see _refuse_wrapper_call).
         self._wrappers: list[weakref.ref[nn.Module]] = []
         self._infos: dict[int, ModuleInfo] = {}
+        # Outermost modules whose calls outside a root forward returned in this batch (see
+        # _record_outside_root): one that runs again starts the next batch.
+        self._outside_returned: set[int] = set()
+        self._outside_event_batch = -1  # the batch whose outside calls made an event
         # A module compiled in place (module.compile()) runs its hooks under Dynamo's frame
         # callback: its root hooks are wrapped so Dynamo never traces them (no graph, no break).
         self._compiled_in_place = getattr(model, "_compiled_call_impl", None) is not None
@@ -791,9 +796,11 @@ class Recorder:
             thread = _get_ident()
             if self._suspended and self._suspended_thread == thread:
                 return None
-            if (self._root_thread != thread or not self._root_depth) \
-                    and self._skips_outside_own_forward(info, thread):
-                return None
+            if self._root_thread != thread or not self._root_depth:
+                if self._skips_outside_own_forward(info, thread):
+                    return None
+                if not self._root_depth:  # model.forward_features(x): no root forward runs
+                    return self._record_outside_root(info, module, args, kwargs, output)
             try:
                 with lock:
                     entries, first_input, first_output = forward_entries(
@@ -834,6 +841,64 @@ class Recorder:
         if self._root_depth:
             self._refuse_other_thread(info)
         return False
+
+    def _record_outside_root(self, info: ModuleInfo, module: nn.Module, args: tuple,
+                             kwargs: dict, output: Any) -> None:
+        """A watched module ran while no root forward runs: the model is driven through
+        another method (timm's ``model.forward_features(x)``, CLIP's
+        ``get_image_features``). Such a pass has no root call to end it, so the outermost
+        watched module running (found on the stack) stands for it: when its call returns,
+        the frames so far are checked (events raise or warn as ``on_nan`` says), and when an
+        outermost module that already returned in this batch runs again, a new pass began:
+        the batch ends (unless batches are numbered with step()/set_batch())."""
+        outermost = self._outermost_running(info)
+        ended = None
+        event = None
+        with self._lock:
+            if self._closed:
+                return None
+            if outermost.index in self._outside_returned and not self._root_depth:
+                finished, advance = self._batch, not self._manual_batches
+                ended = (finished, self._resolve_locked(finished, advance=advance), advance)
+            try:
+                measured = info.pre_entries.pop() if info.pre_entries else None
+                entries, first_input, first_output = self.entries.forward_entries(
+                    info.weights, info.has_state, args, kwargs, output, measured,
+                    cache_weights=not info.sharded)
+                self.record_frame(info, "forward", entries, first_output=first_output,
+                                  first_input=first_input)
+            except Exception as error:
+                self.internal_error(error)
+            returned = outermost is info
+            batch = self._batch
+            if returned:
+                self._outside_returned.add(info.index)
+                event = self._resolve_locked(None, advance=False)
+                # One event per batch, as a root forward gives: the pass's first.
+                if event is not None:
+                    if self._outside_event_batch == batch:
+                        event = None
+                    self._outside_event_batch = batch
+        if ended is not None:
+            self._conclude(ended[0], ended[1], reason="forward", raising=True,
+                           finished=ended[2])
+        if returned:
+            self._conclude(batch, event, reason="flush", raising=True, finished=False)
+        return None
+
+    def _outermost_running(self, info: ModuleInfo) -> ModuleInfo:
+        """The outermost watched module whose call is on this thread's stack (``info``'s own
+        module when none around it runs). Read from the frames of ``Module._call_impl``: only
+        for calls outside a root forward, which are rare."""
+        outermost = info
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL:
+                running = self._infos.get(id(frame.f_locals.get("self")))
+                if running is not None:
+                    outermost = running
+            frame = frame.f_back
+        return outermost
 
     def _refuse_other_thread(self, info: ModuleInfo) -> None:
         """A module ran in this thread while another thread's root forward may be running."""
@@ -984,6 +1049,8 @@ class Recorder:
         self._rank = current_rank()
         event = self.records.take(frames) if frames else None
         if ended is not None:
+            if self._outside_returned:
+                self._outside_returned = set()
             for on_batch_end in self._on_batch_end:
                 on_batch_end(ended, frames)
         else:
