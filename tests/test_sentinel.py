@@ -692,6 +692,31 @@ def test_a_weight_that_stays_non_finite_is_replayed_once_then_told_as_before():
     assert not events[-2].note.startswith("not replayed") and replays > replays_while_broken
 
 
+def test_a_weight_event_after_the_nan_spread_to_other_weights_names_the_first_of_them():
+    # A NaN written into the last layer; the optimizer step after that batch makes every
+    # weight NaN (its gradients were). The next batch's first bad weight is the first layer's:
+    # the sentinel replays it instead of repeating the last layer, then repeats it unreplayed.
+    inputs = [torch.randn(16, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    runs = {}
+    for mode in ("full", "sentinel"):
+        model = _small_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with nw.watch(model, mode=mode, on_nan="record", backward=True) as w:
+            with torch.no_grad():
+                model[2].weight[1, 2] = float("nan")
+            for x in inputs:
+                optimizer.zero_grad()
+                model(x).sum().backward()
+                optimizer.step()
+            runs[mode] = [e for e in w.events if not e.is_backward]
+    full, sentinel = runs["full"], runs["sentinel"]
+    assert _places(sentinel) == _places(full)
+    assert [(e.batch, e.module) for e in sentinel[:2]] == [(0, "2"), (1, "0")]
+    assert "became NaN between batch 0 and batch 1" in sentinel[1].diagnosis.summary
+    assert not sentinel[1].note.startswith("not replayed")
+    assert sentinel[2].note.startswith("not replayed: the weight 0.weight")
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_gradients_accumulated_into_a_non_finite_grad_are_not_replayed_again(set_to_none):
     model = _small_model()

@@ -177,6 +177,9 @@ class Sentinel(Feature):
         self._last_forward: NanEvent | None = None
         self._last_backward: NanEvent | None = None
         self._repeated_forward: int | None = None
+        # The weights holding a NaN/Inf when the last forward weight event was replayed: a
+        # repeat is told without a replay only while no other weight joined them.
+        self._bad_weights: frozenset[str] = frozenset()
         self._forward_since = self._backward_since = 0  # where the repeated cause was found
         # Parameter -> (its gradient, weakly; storage; version) when a backward pass ended with
         # it non-finite: the next pass tells an accumulation into it from a new one.
@@ -465,6 +468,8 @@ class Sentinel(Feature):
         else:
             self._last_forward = event
             self._forward_since = self._forward_since if repeat else event.batch
+            if not repeat and event.origin == "weight":
+                self._bad_weights = self._nonfinite_weights()
         return Finding(event, frames)
 
     def _forward_event(self, batch: int, forward: int, bad: list[BadTensor]) -> Finding:
@@ -568,6 +573,10 @@ class Sentinel(Feature):
         stats = next((e.stats for e in entries if e.role == last.role), None)
         if stats is None or not (stats.nan or stats.inf):
             return None
+        if not self._nonfinite_weights() <= self._bad_weights:
+            # More weights went bad since (an optimizer step spread the NaN): the first of
+            # them in this forward may be another, which only a replay can tell.
+            return None
         return NanEvent(batch=batch, module=last.module, module_type=last.module_type,
                         call=last.call, role=last.role, kind=event_kind(stats.nan, stats.inf),
                         origin="weight", rank=self.recorder.rank,
@@ -575,6 +584,16 @@ class Sentinel(Feature):
                              f"in batch "
                              f"{self._forward_since} still is (that event has the frames and "
                              "the trace)")
+
+    def _nonfinite_weights(self) -> frozenset[str]:
+        """The qualified names of every parameter and buffer holding a NaN/Inf now (at event
+        time only: it reads every weight)."""
+        bad = []
+        for info in self.recorder.modules:
+            for entry in self.recorder.weights_now(info.name) or ():
+                if entry.stats is not None and (entry.stats.nan or entry.stats.inf):
+                    bad.append(f"{info.name}.{entry.role}" if info.name else entry.role)
+        return frozenset(bad)
 
     def _repeated_gradient(self, batch: int, bad: list[BadTensor]) -> NanEvent:
         """A gradient event that repeats the last one: in its place when its parameter is
