@@ -857,9 +857,9 @@ class Recorder:
         with self._lock:
             if self._closed:
                 return None
-            if outermost.index in self._outside_returned and not self._root_depth:
-                finished, advance = self._batch, not self._manual_batches
-                ended = (finished, self._resolve_locked(finished, advance=advance), advance)
+            if outermost.index in self._outside_returned and not self._manual_batches:
+                finished = self._batch
+                ended = (finished, self._resolve_locked(finished, advance=True), True)
             try:
                 measured = info.pre_entries.pop() if info.pre_entries else None
                 entries, first_input, first_output = self.entries.forward_entries(
@@ -1194,7 +1194,10 @@ class Recorder:
         with self._lock:
             self._manual_batches = True
             finished = self._batch
-            event = self._resolve_locked(finished, advance=False) if self.has_unresolved else None
+            # A batch whose passes outside the root forward were checked already still ends
+            # here (its features see the batch end).
+            event = self._resolve_locked(finished, advance=False) \
+                if self.has_unresolved or self._outside_returned else None
             if batch != finished:
                 self._remember_counters(self._counters)
                 self._batch = batch
