@@ -1288,3 +1288,28 @@ def test_a_weight_non_finite_for_many_batches_is_diagnosed_at_the_same_cost_each
     assert "batch 0" in w.events[-1].diagnosis.evidence[0] or any(
         "batch 0" in line for line in w.events[-1].diagnosis.evidence)
     assert len(reads) <= 2 * len(w.events)  # own window + the previous event's, each time
+
+
+class ImagesList(nn.Module):
+    """Takes a list of CHW images, as torchvision's detection models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([self.conv(image) for image in images]).mean((1, 2, 3))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_bad_sample_of_a_list_of_images_is_its_place_in_the_list(mode):
+    torch.manual_seed(0)
+    model = ImagesList()
+    images = [torch.rand(3, 16, 16) for _ in range(4)]
+    images[1][2, 5, 5] = float("nan")  # image 1, channel 2
+    with watch(model, mode) as w:
+        model(images)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "bad-data" and diagnosis.rows == [1]
+    assert "input[0][1]" in diagnosis.summary
+    assert any("sample 1 of the list input[0]" in line for line in diagnosis.evidence)

@@ -115,6 +115,7 @@ class InputFacts:
     rows: list[int] = field(default_factory=list)  # rows along dim 0 holding a NaN/Inf
     masked_rows: list[int] = field(default_factory=list)  # rows with a fully masked vector
     note: str = ""  # "local shard": a DTensor, read on this rank's shard (shape and rows too)
+    sample_of: str = ""  # the list input it is one sample of (its rows: its index there)
 
 
 # Masks by keyword: True (or nonzero) means "masked" for PyTorch's padding masks, "keep" for

@@ -212,6 +212,14 @@ class Diagnoser(Feature):
                 facts.inputs.append(described)
         facts.inputs_held = bool(held)
         if held:
+            # A list of per-sample tensors (a list of images): a sample's row in the batch
+            # is its index in the list, not a row of its own tensor (a channel).
+            lists = self.capture.sample_lists(event.batch)
+            for item in facts.inputs if lists else ():
+                parent, _, index = item.role.rpartition("[")
+                if parent in lists and index[:-1].isdigit():
+                    item.sample_of = parent
+                    item.rows = [int(index[:-1])] if item.nan or item.inf else []
             return
         # Not held: the root's frame of the batch says which of its inputs held NaN (in the
         # event's window, the trace, or the ring: the root's frame is the batch's last).

@@ -548,8 +548,13 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
     evidence = []
     for item in bad:
         counts = ", ".join(f"{n} {k}" for n, k in ((item.nan, "NaN"), (item.inf, "Inf")) if n)
-        where = fixes.in_rows(item.rows, 12)
         shard = f", {item.note}" if item.note else ""
+        if item.sample_of:
+            evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}): {counts}; it is "
+                            f"sample {item.rows[0] if item.rows else '?'} of the list "
+                            f"{item.sample_of}.")
+            continue
+        where = fixes.in_rows(item.rows, 12)
         evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}): {counts}{where} of "
                         f"{item.shape[0] if item.shape else 1}.")
     suggestion = fixes.bad_data(roles, rows)

@@ -427,6 +427,20 @@ class BatchCapture(Feature):
             return []
         return [pair for capture in held.forwards for pair in capture.inputs]
 
+    def sample_lists(self, batch: int) -> dict[str, int]:
+        """The inputs of ``batch``'s root forward that are Python lists of tensors, one per
+        sample (torchvision's detection models take a list of images), by role, with their
+        length; empty when the batch is not held."""
+        held = self.held.get(batch)
+        if held is None or not held.forwards:
+            return {}
+        capture = held.forwards[0]
+        named = [(f"input[{i}]", value) for i, value in enumerate(capture.args)] + \
+            [(f"kwarg:{key}", value) for key, value in capture.kwargs.items()]
+        return {role: len(value) for role, value in named
+                if type(value) is list and len(value) > 1
+                and all(isinstance(item, torch.Tensor) for item in value)}
+
     def held_weights(self, batch: int) -> list[tuple[str, int, torch.Tensor | None]]:
         """(name, version counter, copy or None) of every parameter and buffer when ``batch``
         started (copies with ``snapshot_weights``); empty when the batch is not held."""
