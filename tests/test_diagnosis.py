@@ -1313,3 +1313,18 @@ def test_the_bad_sample_of_a_list_of_images_is_its_place_in_the_list(mode):
     assert diagnosis.kind == "bad-data" and diagnosis.rows == [1]
     assert "input[0][1]" in diagnosis.summary
     assert any("sample 1 of the list input[0]" in line for line in diagnosis.evidence)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_negative_running_var_is_named_as_the_domain_error_of_batch_norm(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    with torch.no_grad():
+        model[1].running_var[2] = -1.0  # a bad write: the channel's sqrt(var + eps) is NaN
+    with watch(model, mode) as w, torch.no_grad():
+        model(torch.randn(2, 3, 8, 8))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain" and diagnosis.confidence == "high"
+    assert "running_var holds negative values (down to -1)" in diagnosis.summary
+    assert any("running_var (float32): from -1 to 1" in line for line in diagnosis.evidence)
+    assert "running_var.clamp_(min=0)" in diagnosis.suggestion[0]

@@ -128,6 +128,12 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
                 "gradients.",
                 "Or drop the samples whose input length (after the model's downsampling) is "
                 "shorter than their target length plus one blank per repeated label."]
+    if "norm" in name:  # a normalisation over a negative running_var (see the reason)
+        return [f"Mend the running statistics{at}: a write or a load put a negative value in "
+                "running_var (BatchNorm's updates never do). Reload them from a good "
+                "checkpoint, or clamp them: module.running_var.clamp_(min=0).",
+                "Or recompute them: model.train() and a few forwards without gradients (with "
+                "momentum=None for an exact average), then model.eval()."]
     if name in ("log", "log2", "log10", "log1p", "xlogy"):
         return [f"Keep the argument of {name}{at} positive: torch.{name}(x.clamp_min(eps)) or "
                 f"torch.{name}(x + eps), eps = 1e-6 (1e-4 in float16).",

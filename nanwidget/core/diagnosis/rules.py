@@ -230,6 +230,15 @@ def _unused_gradient(op: OpFacts) -> bool:
     return bool(zero_holders)
 
 
+def _negative_running_var(op: OpFacts) -> dict | None:
+    """The running_var input of a normalisation op when it holds a negative value (it was
+    written or loaded so: BatchNorm's own updates keep it >= 0), else None."""
+    if "norm" not in op.name:
+        return None
+    return next((row for row in op.inputs if str(row.get("role", "")).endswith("running_var")
+                 and row.get("min", 0) < 0), None)
+
+
 def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     """Why the op's inputs were outside its domain, and how sure (None: they were not)."""
     name = op.name
@@ -249,6 +258,10 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
                     "is not used after it (torch.where, a mask or a slice dropped it), and "
                     "0 x inf = NaN", "high")
         return f"the gradient of {grad_of} is infinite at the edge of its domain ({edge})", "high"
+    variance = _negative_running_var(op)
+    if variance is not None:
+        return (f"its running_var holds negative values (down to {_g(variance['min'])}): a "
+                "variance is never negative, and the square root of one is NaN", "high")
     first = op.input_range(0)
     if first is None:
         return None
@@ -337,7 +350,10 @@ def _classify_op(op: OpFacts, earlier: object) -> tuple[str, str, str] | None:
 
 def _op_evidence(op: OpFacts) -> list[str]:
     lines = []
-    for row in op.inputs[:3]:
+    variance = _negative_running_var(op)
+    shown = op.inputs[:3] + ([variance] if variance is not None and variance not in op.inputs[:3]
+                             else [])
+    for row in shown:
         low, high = row.get("min", math.nan), row.get("max", math.nan)
         counts = [f"{n} {k}" for n, k in ((row.get("nan_count", 0), "NaN"),
                                            (row.get("inf_count", 0), "Inf")) if n]
