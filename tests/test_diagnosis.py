@@ -1328,3 +1328,36 @@ def test_a_negative_running_var_is_named_as_the_domain_error_of_batch_norm(mode)
     assert "running_var holds negative values (down to -1)" in diagnosis.summary
     assert any("running_var (float32): from -1 to 1" in line for line in diagnosis.evidence)
     assert "running_var.clamp_(min=0)" in diagnosis.suggestion[0]
+
+
+def _batch_norm_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2)).train()
+
+
+def test_a_running_var_overflowed_by_the_batch_is_blamed_on_that_forward():
+    # Inputs of 1e19 square past float32's largest: BatchNorm's running_var becomes Inf in
+    # the forward itself (the outputs, normalised by the batch, stay finite). No optimizer
+    # step or load ran: the diagnosis said one did.
+    model = _batch_norm_net()
+    with watch(model, "full") as w:
+        model(torch.randn(4, 3, 16, 16))
+        assert torch.isfinite(model(torch.randn(4, 3, 16, 16) * 1e19)).all()
+    event = w.event
+    assert (event.batch, event.module, event.role) == (1, "1", "running_var")
+    assert event.diagnosis.summary.startswith(
+        "'1.running_var' became Inf in batch 1's own forward: module '1' wrote it")
+    assert "reset_running_stats()" in event.diagnosis.suggestion[1]
+
+
+def test_a_running_var_loaded_non_finite_is_still_blamed_on_the_load():
+    model = _batch_norm_net()
+    with watch(model, "full") as w:
+        model(torch.randn(4, 3, 16, 16))
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        state["1.running_var"][3] = float("inf")
+        model.load_state_dict(state)
+        model(torch.randn(4, 3, 16, 16))
+    summary = w.event.diagnosis.summary
+    assert "became Inf between batch 0 and batch 1" in summary and "own forward" not in summary

@@ -322,6 +322,8 @@ class Facts:
     weights_last_finite: dict[str, int] = field(default_factory=dict)
     # Non-finite weight name -> True when its version counter moved after that batch.
     weights_written: dict[str, bool] = field(default_factory=dict)
+    # Buffers the event batch's own forward wrote into (BatchNorm's running statistics).
+    written_in_forward: set[str] = field(default_factory=set)
     sentinel: bool = False
     sample_every: int | None = None  # sentinel mode's: one batch in N recorded in full
     # A backward event's batch already had a forward event (on_nan="record" or "warn"): the

@@ -288,6 +288,8 @@ class Diagnoser(Feature):
             batch = logged.get(name.rpartition(".")[0], -1)  # own weights' roles hold no dot
             if 0 <= batch < event.batch:
                 seen[name].append(batch)
+        if self.capture is not None:
+            facts.written_in_forward = self.capture.buffers_written(event.batch) & set(names)
         for name in names:
             if seen[name]:
                 facts.weights_last_finite[name] = max(seen[name])

@@ -604,6 +604,9 @@ def _weights(facts: Facts) -> Diagnosis | None:
             f"{grew.start[0]} until {', '.join(names[:2])} became {_kind_words(event.kind)} "
             f"(used at batch {event.batch}).", evidence, fixes.divergence(dtype),
             confidence="high")
+    if names and all(n in facts.written_in_forward for n in names) \
+            and not any(facts.weights_written.get(n) for n in names):
+        return _written_by_forward(facts, names, dtype)
     last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
     batch = max(last) if last else None
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
@@ -645,6 +648,34 @@ def _weights(facts: Facts) -> Diagnosis | None:
     return Diagnosis("corrupted-weight", summary, evidence,
                      fixes.corrupted_weight(names, dtype, batch, event.kind == "inf"),
                      confidence="high" if batch is not None and climb is None else "medium")
+
+
+def _written_by_forward(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
+    """Buffers that the event batch's own forward made non-finite (BatchNorm's running
+    statistics, updated from the batch): no optimizer step or load did it."""
+    event = facts.event
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    what = _kind_words(event.kind)
+    module = event.module or "<root>"
+    evidence = [f"{shown} {'was' if len(names) == 1 else 'were'} finite when batch "
+                f"{event.batch} started, and its forward wrote into "
+                f"{'it' if len(names) == 1 else 'them'}: module '{module}' updates "
+                f"{'it' if len(names) == 1 else 'them'} from every training batch (BatchNorm's "
+                "running statistics), and nothing else wrote into "
+                f"{'it' if len(names) == 1 else 'them'} since the last finite batch."]
+    evidence.extend(_activation_lines(facts, [event.module]))
+    largest = "float16's 65504" if dtype == "float16" else f"{dtype or 'its dtype'}'s largest"
+    fixes_ = [f"Look at what module '{module}' got in batch {event.batch}: a running variance "
+              f"is a mean of squares, so inputs above the square root of {largest} overflow "
+              "it (and a NaN input makes it NaN). Normalise or clamp them before the module, "
+              "or drop the batch.",
+              f"Then mend the buffer: reload it from a checkpoint, or reset it "
+              f"(model.get_submodule('{module}').reset_running_stats()), since evaluation "
+              "uses it."]
+    return Diagnosis("corrupted-weight",
+                     f"{shown} became {what} in batch {event.batch}'s own forward: module "
+                     f"'{module}' wrote it from this batch's values (no optimizer step or load "
+                     "did it).", evidence, fixes_, confidence="high")
 
 
 def _cast_overflow(facts: Facts, dtype: str) -> bool:

@@ -441,6 +441,26 @@ class BatchCapture(Feature):
                 if type(value) is list and len(value) > 1
                 and all(isinstance(item, torch.Tensor) for item in value)}
 
+    def buffers_written(self, batch: int) -> set[str]:
+        """The buffers (by qualified name) that ``batch``'s root forwards wrote into (their
+        version counters moved between its start and its end: BatchNorm's running
+        statistics in training); empty when the batch is not held."""
+        held = self.held.get(batch)
+        if held is None or not held.forwards or held.forwards[-1].end_buffer_versions is None:
+            return set()
+        start, end = held.forwards[0].weight_versions, held.forwards[-1].end_buffer_versions
+        names = self.slots.names
+        written = {names[i] for i, after in zip(self.slots.buffer_positions, end)
+                   if i < len(start) and i < len(names) and after != start[i]}
+        # BatchNorm's kernel updates running_mean/var in place without a version bump; its
+        # num_batches_tracked counter moves with them.
+        for name in list(written):
+            module, _, role = name.rpartition(".")
+            if role == "num_batches_tracked":
+                prefix = module + "." if module else ""
+                written.update((prefix + "running_mean", prefix + "running_var"))
+        return written
+
     def held_weights(self, batch: int) -> list[tuple[str, int, torch.Tensor | None]]:
         """(name, version counter, copy or None) of every parameter and buffer when ``batch``
         started (copies with ``snapshot_weights``); empty when the batch is not held."""
