@@ -198,9 +198,11 @@ def test_sets_and_plain_objects_are_walked_and_iterators_are_noted_not_consumed(
     model = Echo()
     nan = torch.tensor([float("nan")])
     stream = iter([torch.ones(1)])
-    with nw.watch(model, on_nan="record") as w, pytest.warns(RuntimeWarning, match="not read"):
+    with nw.watch(model, on_nan="record") as w, \
+            pytest.warns(RuntimeWarning, match="not read") as caught:
         model(_Holder(nan), {torch.ones(1)}, stream)
         frames = w.frames().set_index("role")
+    assert caught[0].filename == __file__  # it points at the line that called the model
     assert frames.loc["input[0].extra.hidden", "nan"]
     assert frames.loc["input[1]{0}", "abs_max"] == 1.0
     assert frames.loc["input[2]", "note"] == "not read"

@@ -52,6 +52,7 @@ Threads
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import warnings
@@ -143,6 +144,19 @@ def watched_by(module: nn.Module) -> Recorder | None:
     reference = _WATCHED.get(module)
     owner = reference() if reference is not None else None
     return owner if owner is not None and not owner.closed else None
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _outside_level() -> int:
+    """The stacklevel of the caller's first frame outside nanwidget and torch (the line
+    that called the model), for a warning raised from a hook."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
 
 
 class Feature:
@@ -759,18 +773,8 @@ class Recorder:
         current_exception = sys.exc_info()[1]
         with self._lock:  # one hold for the root's frame and the batch's end
             if not self.root_only or self._module_handles:  # _records_frames()
-                try:
-                    measured = info.pre_entries.pop() if info.pre_entries else None
-                    # The model's weights (also for the compile wrapper's call).
-                    entries, first_input, first_output = self.entries.forward_entries(
-                        info.weights, info.has_state, args, kwargs, output, measured,
-                        cache_weights=not info.sharded)
-                    self.record_frame(info, "forward", entries, first_output=first_output,
-                                      first_input=first_input)
-                    if self.entries.unread_roles and not self._warned_unread:
-                        self._warn_unread()
-                except Exception as error:
-                    self.internal_error(error)
+                # The model's weights too (also for the compile wrapper's call).
+                self._record_forward_locked(info, args, kwargs, output)
             ended = self._finish_root_locked(current_exception, output)
         if ended is not None:
             finished, event, failing, advance = ended
@@ -860,15 +864,7 @@ class Recorder:
             if outermost.index in self._outside_returned and not self._manual_batches:
                 finished = self._batch
                 ended = (finished, self._resolve_locked(finished, advance=True), True)
-            try:
-                measured = info.pre_entries.pop() if info.pre_entries else None
-                entries, first_input, first_output = self.entries.forward_entries(
-                    info.weights, info.has_state, args, kwargs, output, measured,
-                    cache_weights=not info.sharded)
-                self.record_frame(info, "forward", entries, first_output=first_output,
-                                  first_input=first_input)
-            except Exception as error:
-                self.internal_error(error)
+            self._record_forward_locked(info, args, kwargs, output)
             returned = outermost is info
             batch = self._batch
             if returned:
@@ -885,6 +881,22 @@ class Recorder:
         if returned:
             self._conclude(batch, event, reason="flush", raising=True, finished=False)
         return None
+
+    def _record_forward_locked(self, info: ModuleInfo, args: tuple, kwargs: dict,
+                               output: Any) -> None:
+        """The forward frame of one call of ``info``'s module (caller holds the lock); a
+        failure is an internal error, never the user's forward's."""
+        try:
+            measured = info.pre_entries.pop() if info.pre_entries else None
+            entries, first_input, first_output = self.entries.forward_entries(
+                info.weights, info.has_state, args, kwargs, output, measured,
+                cache_weights=not info.sharded)
+            self.record_frame(info, "forward", entries, first_output=first_output,
+                              first_input=first_input)
+            if self.entries.unread_roles and not self._warned_unread:
+                self._warn_unread()
+        except Exception as error:
+            self.internal_error(error)
 
     def _outermost_running(self, info: ModuleInfo) -> ModuleInfo:
         """The outermost watched module whose call is on this thread's stack (``info``'s own
@@ -923,7 +935,7 @@ class Recorder:
         warnings.warn(f"nanwidget: some values were not read and are not checked for NaN/Inf: "
                       f"{roles}. Their frames note them as 'not read'; return tensors (or lists "
                       "of them) instead of iterators to have them checked", RuntimeWarning,
-                      stacklevel=4)
+                      stacklevel=_outside_level())
 
     def forward_calls(self, info: ModuleInfo) -> int | None:
         """Forward frames of ``info``'s module recorded so far in the root forward running
