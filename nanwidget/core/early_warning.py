@@ -42,7 +42,6 @@ check ends (a filter that turns it into an error does not stop the run).
 from __future__ import annotations
 
 import math
-import os
 import sys
 import warnings
 from collections import deque
@@ -54,6 +53,7 @@ import torch
 
 from .frames import Frame
 from .recorder import Feature, Recorder
+from .sourcelines import user_stacklevel
 
 __all__ = ["EarlyWarning", "EarlyWarningIssued", "EarlyWarnings", "REASONS", "NEAR_FACTOR",
            "HORIZON", "WINDOW", "MIN_RISES", "MIN_GROWTH", "GROWTH_FLOOR", "growth_rate",
@@ -166,28 +166,6 @@ def growth_rate(batches: list[int], logs: list[float]) -> float:
     return slopes[middle] if len(slopes) % 2 else (slopes[middle - 1] + slopes[middle]) / 2
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
-
-
-def _user_stacklevel() -> int:
-    """The stacklevel of the first caller outside nanwidget, torch and installed packages (the
-    user's forward call or ``trainer.train()`` line), so the warning points at their line; else
-    the first outside nanwidget and torch."""
-    frame, level = sys._getframe(1), 1
-    outside_torch = None
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith((_PACKAGE_DIR, _TORCH_DIR)):
-            if outside_torch is None:
-                outside_torch = level
-            if not any(part in path for part in _INSTALLED):
-                return level
-        frame, level = frame.f_back, level + 1
-    return outside_torch or 1
-
-
 # ---------------------------------------------------------------------------- the feature
 class EarlyWarnings(Feature):
     """The early-warning part of a watch (see the module docstring).
@@ -270,7 +248,7 @@ class EarlyWarnings(Feature):
             self._batches_seen += 1
             if batch <= self._latest:
                 self._restart()  # numbered again from lower down (set_batch): a new series
-            elif self._model.training != self._training:
+            if self._model.training != self._training:
                 self._switched_mode()
             self._look(batch, row, frames)
         except Exception as error:  # a warning must never break the run
@@ -510,7 +488,7 @@ class EarlyWarnings(Feature):
             unissued, self._unissued = self._unissued, []
         if not unissued:
             return
-        level = _user_stacklevel()
+        level = user_stacklevel()
         for warning in unissued:
             try:
                 warnings.warn(f"nanwidget: {warning}", EarlyWarningIssued, stacklevel=level)

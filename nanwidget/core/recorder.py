@@ -52,7 +52,6 @@ Threads
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import warnings
@@ -73,6 +72,7 @@ from .graph_capture import captured, compile_wrappers_of, dynamo_compiling, expo
 from .opaque import add_forward_hook, add_forward_pre_hook, inside_torchscript, weights_of
 from .options import name_matches, wrapper_names
 from .ranks import current_rank
+from .sourcelines import user_stacklevel
 from .records import Finding, Records
 from .state import watched_modules
 from .stats import PendingStats
@@ -144,19 +144,6 @@ def watched_by(module: nn.Module) -> Recorder | None:
     reference = _WATCHED.get(module)
     owner = reference() if reference is not None else None
     return owner if owner is not None and not owner.closed else None
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
-
-def _outside_level() -> int:
-    """The stacklevel of the caller's first frame outside nanwidget and torch (the line
-    that called the model), for a warning raised from a hook."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith((_PACKAGE_DIR, _TORCH_DIR)):
-        frame, level = frame.f_back, level + 1
-    return level if frame is not None else 1
 
 
 class Feature:
@@ -337,7 +324,6 @@ class Recorder:
         # Outermost modules whose calls outside a root forward returned in this batch (see
         # _record_outside_root): one that runs again starts the next batch.
         self._outside_returned: set[int] = set()
-        self._outside_event_batch = -1  # the batch whose outside calls made an event
         # A module compiled in place (module.compile()) runs its hooks under Dynamo's frame
         # callback: its root hooks are wrapped so Dynamo never traces them (no graph, no break).
         self._compiled_in_place = getattr(model, "_compiled_call_impl", None) is not None
@@ -804,7 +790,7 @@ class Recorder:
                 if self._skips_outside_own_forward(info, thread):
                     return None
                 if not self._root_depth:  # model.forward_features(x): no root forward runs
-                    return self._record_outside_root(info, module, args, kwargs, output)
+                    return self._record_outside_root(info, args, kwargs, output)
             try:
                 with lock:
                     entries, first_input, first_output = forward_entries(
@@ -846,8 +832,8 @@ class Recorder:
             self._refuse_other_thread(info)
         return False
 
-    def _record_outside_root(self, info: ModuleInfo, module: nn.Module, args: tuple,
-                             kwargs: dict, output: Any) -> None:
+    def _record_outside_root(self, info: ModuleInfo, args: tuple, kwargs: dict,
+                             output: Any) -> None:
         """A watched module ran while no root forward runs: the model is driven through
         another method (timm's ``model.forward_features(x)``, CLIP's
         ``get_image_features``). Such a pass has no root call to end it, so the outermost
@@ -870,11 +856,10 @@ class Recorder:
             if returned:
                 self._outside_returned.add(info.index)
                 event = self._resolve_locked(None, advance=False)
-                # One event per batch, as a root forward gives: the pass's first.
-                if event is not None:
-                    if self._outside_event_batch == batch:
-                        event = None
-                    self._outside_event_batch = batch
+                # One forward event per batch, as a root forward gives: the pass's first.
+                if event is not None and any(e.batch == batch and not e.is_backward
+                                             for e in self.records.events[-4:]):
+                    event = None
         if ended is not None:
             self._conclude(ended[0], ended[1], reason="forward", raising=True,
                            finished=ended[2])
@@ -935,7 +920,7 @@ class Recorder:
         warnings.warn(f"nanwidget: some values were not read and are not checked for NaN/Inf: "
                       f"{roles}. Their frames note them as 'not read'; return tensors (or lists "
                       "of them) instead of iterators to have them checked", RuntimeWarning,
-                      stacklevel=_outside_level())
+                      stacklevel=user_stacklevel())
 
     def forward_calls(self, info: ModuleInfo) -> int | None:
         """Forward frames of ``info``'s module recorded so far in the root forward running

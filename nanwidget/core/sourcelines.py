@@ -15,7 +15,8 @@ from types import FrameType, TracebackType
 
 import torch
 
-__all__ = ["user_source", "traceback_source", "format_source", "locate_source"]
+__all__ = ["user_source", "traceback_source", "format_source", "locate_source",
+           "user_stacklevel"]
 
 _USER, _SKIP, _STOP = 0, 1, 2
 
@@ -59,6 +60,29 @@ def _file_kind(filename: str) -> int:
             kind = _USER
     _KINDS[filename] = kind
     return kind
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH_PATH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning issued by the caller (from a hook, at a batch's end)
+    that points at the first frame outside nanwidget, torch and installed packages (the
+    user's forward call or ``trainer.train()`` line); else the first outside nanwidget and
+    torch."""
+    frame, level = sys._getframe(1), 1
+    outside_torch = None
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith((_PACKAGE_DIR, _TORCH_PATH)):
+            if outside_torch is None:
+                outside_torch = level
+            if not any(part in path for part in _INSTALLED):
+                return level
+        frame, level = frame.f_back, level + 1
+    return outside_torch or 1
 
 
 _IPYTHON_INPUT = re.compile(r"^<ipython-input-(\d+)-[0-9a-f]+>$")  # terminal IPython's cell names

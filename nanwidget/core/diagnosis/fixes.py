@@ -99,16 +99,21 @@ _SAFE_ARGUMENT = {"log1p": "0", "acos": "0", "asin": "0", "atanh": "0", "erfinv"
 
 
 def domain(op: str, at: str, backward: bool, empty: bool = False,
-           unused_gradient: bool = False) -> list[str]:
+           unused_gradient: bool = False, negative_running_var: bool = False) -> list[str]:
     name = op.lstrip("_")
+    if negative_running_var:
+        return [f"Mend the running statistics{at}: a write or a load put a negative value in "
+                "running_var (BatchNorm's updates never do). Reload them from a good "
+                "checkpoint, or clamp them: module.running_var.clamp_(min=0).",
+                "Or recompute them: model.train() and a few forwards without gradients (with "
+                "momentum=None for an exact average), then model.eval()."]
     if unused_gradient and name not in ("var", "std", "var_mean", "std_mean", "ctc_loss"):
         # The where trap: the result is masked after the op, its gradient is not.
-        call = f"torch.{name}" if name not in ("div", "true_divide") else "x / "
-        safe = _SAFE_ARGUMENT.get(name, "1")
-        guarded = (f"x / torch.where(mask, d, 1)" if call == "x / " else
-                   f"{call}(torch.where(mask, x, {safe}))")
-        unguarded = (f"torch.where(mask, x / d, 0)" if call == "x / " else
-                     f"torch.where(mask, {call}(x), 0)")
+        if name in ("div", "true_divide"):
+            unguarded, guarded = "torch.where(mask, x / d, 0)", "x / torch.where(mask, d, 1)"
+        else:
+            unguarded = f"torch.where(mask, torch.{name}(x), 0)"
+            guarded = f"torch.{name}(torch.where(mask, x, {_SAFE_ARGUMENT.get(name, '1')}))"
         first = (f"Guard the argument of {name}{at}, not its result: {unguarded} still gives a "
                  f"NaN gradient where x is at the edge (where passes {name} a gradient of 0, "
                  f"and 0 x inf = NaN). Write {guarded} instead.")
@@ -128,12 +133,6 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
                 "gradients.",
                 "Or drop the samples whose input length (after the model's downsampling) is "
                 "shorter than their target length plus one blank per repeated label."]
-    if "norm" in name:  # a normalisation over a negative running_var (see the reason)
-        return [f"Mend the running statistics{at}: a write or a load put a negative value in "
-                "running_var (BatchNorm's updates never do). Reload them from a good "
-                "checkpoint, or clamp them: module.running_var.clamp_(min=0).",
-                "Or recompute them: model.train() and a few forwards without gradients (with "
-                "momentum=None for an exact average), then model.eval()."]
     if name in ("log", "log2", "log10", "log1p", "xlogy"):
         return [f"Keep the argument of {name}{at} positive: torch.{name}(x.clamp_min(eps)) or "
                 f"torch.{name}(x + eps), eps = 1e-6 (1e-4 in float16).",

@@ -225,9 +225,8 @@ def _unused_gradient(op: OpFacts) -> bool:
         return False
     if any(int(row.get("nan_count", 0) or 0) for row in op.inputs):
         return False  # a NaN arrived: not made here
-    zero_holders = [row for row in op.inputs if not int(row.get("inf_count", 0) or 0)
-                    and row.get("min", math.nan) <= 0 <= row.get("max", math.nan)]
-    return bool(zero_holders)
+    return any(not int(row.get("inf_count", 0) or 0)
+               and row.get("min", math.nan) <= 0 <= row.get("max", math.nan) for row in op.inputs)
 
 
 def _negative_running_var(op: OpFacts) -> dict | None:
@@ -767,7 +766,8 @@ def _from_op(facts: Facts) -> Diagnosis | None:
                                    f"{reason}.", evidence,
                          fixes.domain(op.op if not op.grad_of else op.grad_of.split("Backward")[0].lower(),
                                       op.at, backward=op.phase == "backward", empty=empty,
-                                      unused_gradient=bool(op.grad_of) and _unused_gradient(op)),
+                                      unused_gradient=bool(op.grad_of) and _unused_gradient(op),
+                                      negative_running_var=_negative_running_var(op) is not None),
                          confidence=confidence)
     # An overflow: divergence when the weights grew over the batches before.
     modules = [op.module, event.module, ""]

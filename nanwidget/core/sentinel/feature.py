@@ -469,7 +469,7 @@ class Sentinel(Feature):
             self._last_forward = event
             self._forward_since = self._forward_since if repeat else event.batch
             if not repeat and event.origin == "weight":
-                self._bad_weights = self._nonfinite_weights()
+                self._bad_weights = frozenset(self._nonfinite_weights())
         return Finding(event, frames)
 
     def _forward_event(self, batch: int, forward: int, bad: list[BadTensor]) -> Finding:
@@ -569,13 +569,11 @@ class Sentinel(Feature):
         if last is None or last.origin != "weight" or last.batch >= batch or forward \
                 or (self.outputs_batch is not None and self.outputs_batch > last.batch):
             return None  # no such event, or a clean batch since: a new cause to look for
-        entries = self.recorder.weights_now(last.module) or []
-        stats = next((e.stats for e in entries if e.role == last.role), None)
-        if stats is None or not (stats.nan or stats.inf):
-            return None
-        if not self._nonfinite_weights() <= self._bad_weights:
-            # More weights went bad since (an optimizer step spread the NaN): the first of
-            # them in this forward may be another, which only a replay can tell.
+        bad = self._nonfinite_weights()
+        stats = bad.get(last.qualified_role)
+        if stats is None or not bad.keys() <= self._bad_weights:
+            # Mended, or more weights went bad since (an optimizer step spread the NaN): the
+            # first of them in this forward may be another, which only a replay can tell.
             return None
         return NanEvent(batch=batch, module=last.module, module_type=last.module_type,
                         call=last.call, role=last.role, kind=event_kind(stats.nan, stats.inf),
@@ -585,15 +583,15 @@ class Sentinel(Feature):
                              f"{self._forward_since} still is (that event has the frames and "
                              "the trace)")
 
-    def _nonfinite_weights(self) -> frozenset[str]:
-        """The qualified names of every parameter and buffer holding a NaN/Inf now (at event
-        time only: it reads every weight)."""
-        bad = []
+    def _nonfinite_weights(self) -> dict[str, Any]:
+        """The stats of every parameter and buffer holding a NaN/Inf now, by qualified name
+        (at event time only: it reads every weight)."""
+        bad = {}
         for info in self.recorder.modules:
             for entry in self.recorder.weights_now(info.name) or ():
                 if entry.stats is not None and (entry.stats.nan or entry.stats.inf):
-                    bad.append(f"{info.name}.{entry.role}" if info.name else entry.role)
-        return frozenset(bad)
+                    bad[f"{info.name}.{entry.role}" if info.name else entry.role] = entry.stats
+        return bad
 
     def _repeated_gradient(self, batch: int, bad: list[BadTensor]) -> NanEvent:
         """A gradient event that repeats the last one: in its place when its parameter is
