@@ -888,13 +888,16 @@ class Recorder:
         module when none around it runs). Read from the frames of ``Module._call_impl``: only
         for calls outside a root forward, which are rare."""
         outermost = info
-        frame = sys._getframe(2)
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL:
-                running = self._infos.get(id(frame.f_locals.get("self")))
-                if running is not None:
-                    outermost = running
-            frame = frame.f_back
+        try:
+            frame = sys._getframe(2)
+            while frame is not None:
+                if frame.f_code is _CALL_IMPL:
+                    running = self._infos.get(id(frame.f_locals.get("self")))
+                    if running is not None:
+                        outermost = running
+                frame = frame.f_back
+        except Exception as error:  # a frame that cannot be read: this call stands for itself
+            self.internal_error(error)
         return outermost
 
     def _refuse_other_thread(self, info: ModuleInfo) -> None:
