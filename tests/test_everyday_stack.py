@@ -87,6 +87,39 @@ def test_an_ema_copy_every_step_and_a_best_model_checkpoint_under_a_watch():
         assert torch.equal(best(x), model(x))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_deepcopy_of_a_watched_model_with_parametrized_layers_is_not_watched(mode):
+    # A parametrized module's class copies its __dict__ itself (parametrize's __deepcopy__):
+    # the copy kept the watch's hooks and reported into it, and a parametrized root, whose
+    # hooks are the recorder's methods, could not be copied at all (a lock).
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), weight_norm(nn.Linear(6, 3)),
+                          spectral_norm(nn.Linear(3, 3)))
+    root = weight_norm(nn.Linear(4, 3))
+    x = torch.randn(3, 4)
+    with nw.watch(model, mode=mode, backward=True) as w, \
+            nw.watch(root, mode=mode, backward=True) as w_root:
+        model(x).sum().backward()
+        root(x).sum().backward()
+        ema, root_copy = copy.deepcopy(model), copy.deepcopy(root)
+        for twin, original in ((ema, model), (root_copy, root)):
+            assert _nanwidget_hooks(twin) == 0
+            assert not any(key in m.__dict__ for m in twin.modules()
+                           for key in ("__getstate__", "__deepcopy__"))
+            assert torch.equal(twin(x), original(x))
+        with torch.no_grad():  # the copies' own NaN: nothing reaches the watches
+            ema[2].parametrizations.weight.original0.fill_(float("nan"))
+            root_copy.parametrizations.weight.original1.fill_(float("inf"))
+        assert torch.isnan(ema(x)).all() and not torch.isfinite(root_copy(x)).all()
+        assert w.events == [] and w_root.events == [] and w.batch == 2  # its own two only
+        assert torch.equal(copy.deepcopy(ema)(x).isnan(), ema(x).isnan())
+    assert hook_count(model) == 0 and hook_count(root) == 0
+    assert not any(key in m.__dict__ for m in model.modules()
+                   for key in ("__getstate__", "__deepcopy__"))
+
+
 def test_a_saved_watched_model_loads_where_nanwidget_is_not_imported(tmp_path):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     with nw.watch(model, backward=True):

@@ -7,6 +7,8 @@ watch lasts, an ``__getstate__`` of its own (``copy`` and ``pickle`` look it up 
 whose ``__dict__`` comes before the class): the module's state as its class gives it, less
 nanwidget's hook entries and less itself. A copy made from that state has the user's own hooks
 and none of ours, and unpickles where nanwidget is not installed. The original keeps its hooks.
+A module whose class copies itself (``__deepcopy__``: a parametrized module's) gets an
+``__deepcopy__`` of its own too, which cleans what the class's copy took.
 """
 
 from __future__ import annotations
@@ -80,14 +82,56 @@ def _without_watch(state: dict) -> dict:
     return state
 
 
+class _DeepcopyWithoutWatch:
+    """The ``__deepcopy__`` of a watched module whose class has one of its own (a
+    parametrized module's class copies ``__dict__`` directly, never asking ``__getstate__``):
+    the class's copy, made while nanwidget's objects copy as themselves (a hook that is a
+    recorder's method is never copied into), then cleaned of them."""
+
+    __slots__ = ("module", "__weakref__")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
+
+    def __call__(self, memo: dict) -> Any:
+        module = self.module()
+        copied = memo.get(id(module))
+        if copied is not None:
+            return copied
+        own = [value for name, value in module.__dict__.items()
+               if name in _KEYS and isinstance(value, _OURS)]
+        own += [hook for name, table in module.__dict__.items()
+                if "hooks" in name and isinstance(table, dict)
+                for hook in table.values() if callable(hook) and is_nanwidget_hook(hook)]
+        for value in own:
+            memo[id(value)] = value
+        replica = type(module).__deepcopy__(module, memo)
+        state = getattr(replica, "__dict__", None)
+        if isinstance(state, dict):
+            cleaned = _without_watch(state)
+            if isinstance(cleaned.get(_DEEPCOPY), _DeepcopyWithoutWatch):
+                del cleaned[_DEEPCOPY]
+            state.clear()
+            state.update(cleaned)
+        return replica
+
+
+_DEEPCOPY = "__deepcopy__"
+_KEYS = (_KEY, _DEEPCOPY)
+_OURS = (_StateWithoutWatch, _DeepcopyWithoutWatch)
+
+
 def copy_without_watch(module: nn.Module) -> None:
     """From now on, copies and pickles of ``module`` leave nanwidget's hooks out (idempotent;
     a module with an instance-level ``__getstate__`` of its own is left as it is)."""
     if _KEY not in module.__dict__:
         module.__dict__[_KEY] = _StateWithoutWatch(module)
+    if getattr(type(module), _DEEPCOPY, None) is not None and _DEEPCOPY not in module.__dict__:
+        module.__dict__[_DEEPCOPY] = _DeepcopyWithoutWatch(module)
 
 
 def stop_copying_without_watch(module: nn.Module) -> None:
     """Undo :func:`copy_without_watch` (the watch closed)."""
-    if isinstance(module.__dict__.get(_KEY), _StateWithoutWatch):
-        del module.__dict__[_KEY]
+    for key in _KEYS:
+        if isinstance(module.__dict__.get(key), _OURS):
+            del module.__dict__[key]
