@@ -73,12 +73,16 @@ class Records:
             if first_output < len(entries):  # outputs (Frame.outputs(), inlined): their row
                 column = None
                 for slot in range(first_output, len(entries)):
-                    stats = entries[slot][1]
+                    entry = entries[slot]
+                    stats = entry[1]
                     if stats is None:
                         continue
                     nonfinite = stats.nan or stats.inf
                     if nonfinite:
                         bad = True
+                    dtype = entry[2]
+                    if not (dtype.is_floating_point or dtype.is_complex):
+                        continue  # token ids, a PackedSequence's batch_sizes: no magnitude
                     if column is None:
                         column = name_index[frame.module]
                     record(frame.batch, column, stats.abs_max, stats.abs_min, nonfinite)
