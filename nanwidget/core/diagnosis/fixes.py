@@ -207,6 +207,15 @@ def written_inf(modules: list[str], op: str, at: str) -> list[str]:
             f"inf in {op}, so that no later op makes inf - inf or 0 x inf = NaN."]
 
 
+def written_inf_made_nan(module: str, op: str, at: str) -> list[str]:
+    return [f"Write a finite value{at}: torch.finfo(x.dtype).min (or .max) instead of inf in "
+            f"{op} (a padding value: pad_sequence / pad_packed_sequence(..., padding_value=0.0)), "
+            "so that no later op makes inf - inf or 0 x inf = NaN.",
+            f"Or keep those positions out of the arithmetic: mask them before module '{module}' "
+            "(torch.where(mask, x, 0) on its input), not only after it.",
+            "allow_inf does not help here: NaN always counts."]
+
+
 def cast_to_float16(names: list[str]) -> list[str]:
     name = names[0]
     return ["Keep the weights in float32 and compute in float16 under torch.autocast(device_type, "

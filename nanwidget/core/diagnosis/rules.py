@@ -731,8 +731,15 @@ def _written_inf(facts: Facts, op: OpFacts) -> Diagnosis:
         shown = ", ".join(f"'{m or '<root>'}'" for m in holding[:8])
         evidence.append(f"Outputs that held it in batch {event.batch}: {shown}"
                         f"{', ...' if len(holding) > 8 else ''}.")
+    module = event.module or "<root>"
+    if "nan" in event.kind:  # the Inf went on into arithmetic: inf - inf or 0 x inf
+        summary = (f"{op.op} {op.place}{op.at} wrote Inf on purpose (a mask or padding value), "
+                   f"and module '{module}' made NaN of it (inf - inf or 0 x inf) from its "
+                   f"{event.role}: nothing overflowed.")
+        return Diagnosis("masked-row", summary, evidence,
+                         fixes.written_inf_made_nan(module, op.op, op.at), confidence="high")
     summary = (f"{op.op} {op.place}{op.at} wrote Inf on purpose (a mask value), and module "
-               f"'{event.module or '<root>'}' has it in its {event.role}: nothing overflowed.")
+               f"'{module}' has it in its {event.role}: nothing overflowed.")
     return Diagnosis("masked-row", summary, evidence,
                      fixes.written_inf(holding, op.op, op.at), confidence="high")
 
