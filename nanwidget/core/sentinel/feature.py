@@ -594,20 +594,27 @@ class Sentinel(Feature):
         return bad
 
     def _repeated_gradient(self, batch: int, bad: list[BadTensor]) -> NanEvent:
-        """A gradient event that repeats the last one: in its place when its parameter is
-        still among the non-finite ones, else at the first of them; not replayed."""
+        """A gradient event that repeats the last one, not replayed: in its place when its
+        parameter is still among the non-finite ones, or when the forward repeated the last
+        one's (then the gradients go bad where they did then); else at the first of them."""
         last = self._last_backward
         labels = [b.label for b in bad]
-        if last is not None:
-            label = last.qualified_role
-            if label in labels:
-                bad = [bad[labels.index(label)]] + [b for b in bad if b.label != label]
         since = f" since batch {self._backward_since}" if last is not None else ""
         if self._repeated_forward == batch:
             why = "its forward was made non-finite by the same weight as before"
+            if last is not None and last.qualified_role not in labels:
+                # The same forward sends the same non-finite values back the same way: the
+                # last pass's first one (full mode's place: a grad_output, say), repeated.
+                return NanEvent(batch=batch, module=last.module, module_type=last.module_type,
+                                call=last.call, role=last.role, kind=last.kind, origin="grad",
+                                is_backward=True, rank=self.recorder.rank,
+                                note=f"not replayed: {why}")
         else:
             why = ("its non-finite gradients were non-finite when the last backward pass ended "
                    f"and were only accumulated into{since} (zero_grad() clears them)")
+        if last is not None and last.qualified_role in labels:
+            label = last.qualified_role
+            bad = [bad[labels.index(label)]] + [b for b in bad if b.label != label]
         return self._grad_event(batch, bad, f"not replayed: {why}")
 
     def _gradient_states(self, bad: list[BadTensor], slots: list) -> dict[str, tuple[Any, int, int]]:
