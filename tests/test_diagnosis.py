@@ -1351,6 +1351,38 @@ def test_a_running_var_overflowed_by_the_batch_is_blamed_on_that_forward():
     assert "reset_running_stats()" in event.diagnosis.suggestion[1]
 
 
+# (A training BatchNorm's outputs stay finite with a NaN running_mean: the sentinel, which
+# checks the outputs, sees nothing there.)
+@pytest.mark.parametrize("layer, mode", [("batch_norm", "full"), ("spectral_norm", "full"),
+                                         ("spectral_norm", "sentinel")])
+def test_a_buffer_non_finite_before_the_watch_is_not_blamed_on_the_first_forward(layer, mode):
+    # The first batch's forward writes into these buffers (running statistics, the power
+    # iteration's vectors), but from finite inputs: it cannot have made them NaN. The diagnosis
+    # said they were finite when batch 0 started and that batch 0 wrote NaN into them.
+    if layer == "batch_norm":
+        model = _batch_norm_net()
+        with torch.no_grad():
+            model[1].running_mean[1] = float("nan")  # a bad checkpoint, say
+        names = "'1.running_mean'"
+    else:
+        torch.manual_seed(0)
+        model = nn.Sequential(torch.nn.utils.parametrizations.spectral_norm(nn.Linear(4, 6)),
+                              nn.Tanh(), nn.Linear(6, 3))
+        with torch.no_grad():
+            model[0].parametrizations.weight[0]._v[1] = float("nan")
+        names = "'0.parametrizations.weight.0._u', '0.parametrizations.weight.0._v'"
+    with watch(model, mode) as w:
+        model(torch.randn(4, 3, 16, 16) if layer == "batch_norm" else torch.randn(5, 4))
+    diagnosis = w.event.diagnosis
+    assert w.event.batch == 0 and diagnosis.kind == "corrupted-weight"
+    assert diagnosis.summary.startswith(f"{names} hold")
+    assert "before batch 0 ran" in diagnosis.summary and "own forward" not in diagnosis.summary
+    assert not any("finite when batch 0 started" in line for line in diagnosis.evidence)
+    assert any("held NaN when the watch began" in line for line in diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("It was non-finite before the first batch watched")
+    assert not any("reset_running_stats" in fix for fix in diagnosis.suggestion)
+
+
 def test_a_running_var_loaded_non_finite_is_still_blamed_on_the_load():
     model = _batch_norm_net()
     with watch(model, "full") as w:

@@ -226,9 +226,16 @@ def cast_to_float16(names: list[str]) -> list[str]:
             "keep the module that holds them in float32 (and hand it x.float()), or rescale them."]
 
 
-def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: bool) -> list[str]:
+def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: bool,
+                     before_watch: bool = False) -> list[str]:
     after = f"after batch {batch}" if batch is not None else "before this batch"
     fixes = []
+    if before_watch:
+        name = names[0] if names else "the weight"
+        fixes.append(f"It was non-finite before the first batch watched: check what it came "
+                     f"from (a checkpoint: all(v.isfinite().all() for v in "
+                     f"state_dict.values()), or a write to {name} before nw.watch()), and "
+                     "reload or recompute it.")
     if dtype == "float16" and inf_only:
         fixes.append("Adam/AdamW on float16 weights: its eps=1e-8 is 0 in float16, so a step "
                      "divides by ~0. Use eps=1e-4 or larger, or keep the weights in float32 "

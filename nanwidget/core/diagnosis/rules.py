@@ -603,15 +603,20 @@ def _weights(facts: Facts) -> Diagnosis | None:
             f"{grew.start[0]} until {', '.join(names[:2])} became {_kind_words(event.kind)} "
             f"(used at batch {event.batch}).", evidence, fixes.divergence(dtype),
             confidence="high")
+    largest_input = _inputs_largest(facts)
+    # A forward whose inputs were finite and small (their squares too) updates a finite buffer
+    # into a finite one: a non-finite one was so before it ran.
+    tame = largest_input is not None and largest_input < math.sqrt(dtype_max(dtype or "float32"))
     if names and all(n in facts.written_in_forward for n in names) \
-            and not any(facts.weights_written.get(n) for n in names):
-        return _written_by_forward(facts, names, dtype)
+            and not any(facts.weights_written.get(n) for n in names) and not tame:
+        return _written_by_forward(facts, names, dtype, largest_input)
     last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
     batch = max(last) if last else None
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
     verb = "holds" if len(names) == 1 else "hold"
     evidence = [f"{shown} {verb} {_kind_words(event.kind)} at batch {event.batch}"
                 + (f" ({dtype})." if dtype else ".")]
+    before_watch = False  # non-finite already when the watch began
     if batch is not None:
         one = len(names) == 1
         evidence.append(f"{'It was' if one else 'They were'} finite when batch {batch} "
@@ -631,8 +636,19 @@ def _weights(facts: Facts) -> Diagnosis | None:
     elif _cast_overflow(facts, dtype):
         return _cast_to_float16(facts, names, shown, verb, evidence)
     else:
+        before_watch = not any(b < event.batch for b in facts.history_batches)
         summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran (an "
                    "optimizer step, a load or a write made it), not this batch's forward.")
+        if tame and any(n in facts.written_in_forward for n in names):
+            evidence.append(f"Batch {event.batch}'s forward wrote into "
+                            f"{'it' if len(names) == 1 else 'them'}, but from finite inputs of at "
+                            f"most {_g(largest_input)}: such an update keeps a finite value "
+                            "finite.")
+        if before_watch:
+            evidence.append(f"No batch ran before batch {event.batch} under this watch: "
+                            f"{'it' if len(names) == 1 else 'they'} held "
+                            f"{_kind_words(event.kind)} when the watch began (a checkpoint "
+                            "loaded, or a write before nw.watch()).")
     unmeasured = _no_history(facts)
     climb = None
     if unmeasured:
@@ -645,31 +661,62 @@ def _weights(facts: Facts) -> Diagnosis | None:
                             "write or load made the weight non-finite, training diverged.")
     evidence.extend(unmeasured)
     return Diagnosis("corrupted-weight", summary, evidence,
-                     fixes.corrupted_weight(names, dtype, batch, event.kind == "inf"),
+                     fixes.corrupted_weight(names, dtype, batch, event.kind == "inf",
+                                            before_watch=before_watch),
                      confidence="high" if batch is not None and climb is None else "medium")
 
 
-def _written_by_forward(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
+def _inputs_largest(facts: Facts) -> float | None:
+    """The largest |x| of the inputs of the event's own forward frame (NaN when one of them is
+    non-finite); None when the frame or its inputs are not among the event's frames."""
+    event = facts.event
+    frames = event.frames
+    if frames is None or frames.empty or event.is_backward:
+        return None
+    own = frames[(frames["frame"] == event.frame) & (frames["batch"] == event.batch)
+                 & (frames["phase"] == "forward")]
+    inputs = own[own["role"].str.startswith(("input", "kwarg:")) & own["abs_max"].notna()]
+    if inputs.empty:
+        return None
+    if bool(inputs["nan"].any()) or bool(inputs["inf"].any()):
+        return math.nan
+    return float(inputs["abs_max"].max())
+
+
+def _written_by_forward(facts: Facts, names: list[str], dtype: str,
+                        largest_input: float | None) -> Diagnosis:
     """Buffers that the event batch's own forward made non-finite (BatchNorm's running
     statistics, updated from the batch): no optimizer step or load did it."""
     event = facts.event
+    one = len(names) == 1
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
     what = _kind_words(event.kind)
     module = event.module or "<root>"
-    evidence = [f"{shown} {'was' if len(names) == 1 else 'were'} finite when batch "
-                f"{event.batch} started, and its forward wrote into "
-                f"{'it' if len(names) == 1 else 'them'}: module '{module}' updates "
-                f"{'it' if len(names) == 1 else 'them'} from every training batch (BatchNorm's "
-                "running statistics), and nothing else wrote into "
-                f"{'it' if len(names) == 1 else 'them'} since the last finite batch."]
+    running = all(n.rpartition(".")[2] in ("running_mean", "running_var") for n in names)
+    updated = (f"module '{module}' updates {'it' if one else 'them'} from every training batch"
+               + (" (BatchNorm's running statistics)" if running else ""))
+    if all(facts.weights_last_finite.get(n) == event.batch - 1 for n in names):
+        evidence = [f"{shown} {'was' if one else 'were'} finite when batch {event.batch} "
+                    f"started, and its forward wrote into {'it' if one else 'them'}: {updated}, "
+                    f"and nothing else wrote into {'it' if one else 'them'} since the last "
+                    "finite batch."]
+    else:
+        evidence = [f"Batch {event.batch}'s forward wrote into {'it' if one else 'them'}: "
+                    f"{updated}; no write or load moved {'it' if one else 'them'} since the "
+                    "last batch that ran."]
+    if largest_input is not None:
+        evidence.append(f"Its inputs in batch {event.batch} reached "
+                        f"{'NaN/Inf' if largest_input != largest_input else _g(largest_input)}"
+                        f" ({_limit_text(dtype or 'float32')}).")
     evidence.extend(_activation_lines(facts, [event.module]))
     largest = "float16's 65504" if dtype == "float16" else f"{dtype or 'its dtype'}'s largest"
+    reset = (f"reset it (model.get_submodule('{module}').reset_running_stats())" if running
+             else "recompute it")
     fixes_ = [f"Look at what module '{module}' got in batch {event.batch}: a running variance "
               f"is a mean of squares, so inputs above the square root of {largest} overflow "
               "it (and a NaN input makes it NaN). Normalise or clamp them before the module, "
               "or drop the batch.",
-              f"Then mend the buffer: reload it from a checkpoint, or reset it "
-              f"(model.get_submodule('{module}').reset_running_stats()), since evaluation "
+              f"Then mend the buffer: reload it from a checkpoint, or {reset}, since evaluation "
               "uses it."]
     return Diagnosis("corrupted-weight",
                      f"{shown} became {what} in batch {event.batch}'s own forward: module "
