@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import nanwidget as nw
+from nanwidget.core.replay import BatchNotHeldError
 from tests.conftest import TinyMLP, hook_count
 
 
@@ -335,6 +336,24 @@ def test_a_nan_in_a_pass_without_the_root_forward_stops_that_pass() -> None:
             assert w.events and w.events[-1].batch == w.batch  # seen at once, in its own pass
         assert [(e.batch, e.module, e.role) for e in w.events] == \
             [(b, "blocks.2", "weight") for b in range(3)]  # one event per pass
+
+
+def test_a_replay_of_a_pass_without_the_root_forward_says_why_it_cannot_run() -> None:
+    # Such a pass's inputs were never held (they are taken when the root's forward starts):
+    # the error advised keep_batches=N, and replay_on_nan left no trace without a word.
+    torch.manual_seed(0)
+    model = FeaturesAndHead()
+    with torch.no_grad():
+        model.blocks[2].weight[0, 0] = float("nan")
+    with nw.watch(model, on_nan="record", replay_on_nan=True, keep_batches=8) as w:
+        model.forward_features(torch.randn(4, 6))
+        event = w.event
+        assert event.trace is None and event.note.startswith("not replayed: the batch ran "
+                                                             "through another method")
+        with pytest.raises(BatchNotHeldError, match="another method than the watched "
+                                                       "model's forward") as refused:
+            w.replay(event.batch)
+        assert "keep_batches" not in str(refused.value)
 
 
 def test_passes_without_the_root_forward_are_batches_of_their_own() -> None:

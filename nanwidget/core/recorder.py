@@ -51,6 +51,7 @@ Threads
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import threading
@@ -324,6 +325,8 @@ class Recorder:
         # Outermost modules whose calls outside a root forward returned in this batch (see
         # _record_outside_root): one that runs again starts the next batch.
         self._outside_returned: set[int] = set()
+        # Recent batches whose passes ran without the root forward (read for replay errors).
+        self._outside_batches: collections.deque[int] = collections.deque(maxlen=64)
         # A module compiled in place (module.compile()) runs its hooks under Dynamo's frame
         # callback: its root hooks are wrapped so Dynamo never traces them (no graph, no break).
         self._compiled_in_place = getattr(model, "_compiled_call_impl", None) is not None
@@ -855,6 +858,8 @@ class Recorder:
             batch = self._batch
             if returned:
                 self._outside_returned.add(info.index)
+                if not self._outside_batches or self._outside_batches[-1] != batch:
+                    self._outside_batches.append(batch)
                 event = self._resolve_locked(None, advance=False)
                 # One forward event per batch, as a root forward gives: the pass's first.
                 if event is not None and any(e.batch == batch and not e.is_backward
@@ -924,6 +929,12 @@ class Recorder:
                       f"{roles}. Their frames note them as 'not read'; return tensors (or lists "
                       "of them) instead of iterators to have them checked", RuntimeWarning,
                       stacklevel=user_stacklevel())
+
+    def ran_outside_root(self, batch: int) -> bool:
+        """Whether watched modules ran ``batch`` (lately) while the root's forward did not: the
+        model driven through another method (peft's ``generate()``, timm's
+        ``forward_features()``)."""
+        return batch in self._outside_batches
 
     def forward_calls(self, info: ModuleInfo) -> int | None:
         """Forward frames of ``info``'s module recorded so far in the root forward running

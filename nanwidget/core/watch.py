@@ -181,6 +181,7 @@ class NanWatch:
             capture = recorder.add_feature(BatchCapture(
                 self.model, keep=keep, trace_batches=options.trace_batches,
                 snapshot_weights=options.snapshot_weights))
+            capture.ran_outside_root = recorder.ran_outside_root
         if options.backward and not sentinel_mode:
             # Held for replays of backward events: not when the loss replays them, nor when
             # this process alone cannot replay the model (FSDP2, tensor parallel).

@@ -112,7 +112,13 @@ class Replayer(Feature):
 
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
         if (event is None or not self.replay_on_nan or event.trace is not None
-                or not self.can_replay(event) or self.auto_replays >= MAX_AUTO_REPLAYS):
+                or self.auto_replays >= MAX_AUTO_REPLAYS):
+            return event
+        if not self.can_replay(event):
+            if not event.note and event.batch not in self.capture.held \
+                    and self.recorder.ran_outside_root(event.batch):
+                event.note = ("not replayed: the batch ran through another method than the "
+                              "watched model's forward, so its inputs were not held")
             return event
         self.auto_replays += 1
         try:

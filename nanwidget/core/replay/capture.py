@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -247,6 +248,9 @@ class BatchCapture(Feature):
         self.event_batches: set[int] = set()
         # The weights' state in one C call (native.weight_state_reader), or None: Python reads.
         self._weight_state = native.weight_state_reader()
+        #: Set by whoever composes the watch: whether a batch ran without the root's forward
+        #: (its inputs were never held), for the error that says so.
+        self.ran_outside_root: Callable[[int], bool] | None = None
 
     # -- hot path: every batch, under the recorder's lock
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -476,6 +480,14 @@ class BatchCapture(Feature):
         batch = batch_number(batch)
         held = self.held.get(batch)
         if held is None or not held.forwards:
+            if self.ran_outside_root is not None and self.ran_outside_root(batch):
+                raise BatchNotHeldError(
+                    f"batch {batch} ran through another method than the watched model's forward "
+                    "(peft's generate(), timm's forward_features(): its modules ran, the "
+                    "model's own forward did not), so its inputs were not held: a replay runs "
+                    "a forward again from the inputs it was called with. Call the model itself, "
+                    "or watch the module that method calls (for peft: "
+                    "nw.watch(model.base_model.model))")
             listed = ", ".join(map(str, self.held_batches())) or "none"
             raise BatchNotHeldError(
                 f"batch {batch} is not held for replay; held batches: {listed}. A watch holds "
