@@ -107,3 +107,29 @@ def test_an_unchanged_model_gets_no_note():
             model.b.bias[0] = float("nan")
     event = _run("full", poison)
     assert (event.module, event.role, event.origin, event.note) == ("b", "bias", "weight", "")
+
+
+class Adapter(nn.Module):
+    """What peft's get_peft_model() puts in a layer's place: the layer moves to base_layer."""
+
+    def __init__(self, base_layer: nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.lora = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora(x)
+
+
+def test_a_watched_module_moved_after_watch_is_told_to_sit_elsewhere():
+    # The event keeps the name the layer had when watched ('b'), which now names the adapter
+    # around it, a module that is not even watched: the note says where it sits now. (The
+    # sentinel does not replay a changed model: its root event names the added modules.)
+    def wrap_b(model: Net) -> None:
+        model.b = Adapter(model.b)
+        with torch.no_grad():
+            model.b.base_layer.bias[1] = float("nan")
+    event = _run("full", wrap_b)
+    assert (event.batch, event.module, event.role, event.origin) == (1, "b", "bias", "weight")
+    assert "module 'b' now sits at 'b.base_layer' (moved after watch()" in event.note
+    assert "now sits at 'b.base_layer'" in event.summary()

@@ -403,6 +403,14 @@ class Recorder:
         removed = [name for key, (name, _) in initial.items() if key not in now]
         return added, removed
 
+    def moved_modules(self) -> dict[str, str]:
+        """Watched modules that now sit at another path than when the model was watched (peft's
+        ``get_peft_model()`` and ``merge_and_unload()`` move layers): name when watched -> name
+        now. Frames and events keep the first. Walks the model: for event time, not hooks."""
+        initial = self._initial_modules
+        return {initial[id(module)][0]: name for name, module in self.model.named_modules()
+                if id(module) in initial and initial[id(module)][0] != name}
+
     @property
     def module_hooks_attached(self) -> bool:
         """Whether every watched module is hooked now (always, unless ``root_only``)."""

@@ -58,10 +58,17 @@ class ModelChanges(Feature):
         self.recorder = recorder
 
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
-        if event is None or event.origin not in ("output", "input") or event.is_backward:
+        if event is None or event.origin == "peer":
             return event
         added, removed = self.recorder.structure_changes()
         if not added and not removed:
+            return event
+        moved = self.recorder.moved_modules().get(event.module)
+        if moved is not None:  # the name it had when watched may now be another module's
+            said = (f"module '{event.module}' now sits at '{moved}' (moved after watch(); "
+                    "frames keep the name it had when watched)")
+            event.note = f"{event.note}; {said}" if event.note else said
+        if event.origin not in ("output", "input") or event.is_backward:
             return event
         inside = [(n, m) for n, m in added if _within(n, event.module)]
         suspects = inside if event.origin == "output" else added
