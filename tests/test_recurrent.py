@@ -122,3 +122,36 @@ def test_the_sentinel_repeats_a_spreading_nans_backward_events_where_full_mode_n
     sentinel = _events(mode="sentinel")
     assert len(full) == 8 and full[-1][:2] == (6, True)
     assert sentinel == full
+
+
+def _bad_data(model: nn.Module, *args) -> nw.NanEvent:
+    with nw.watch(model, on_nan="record") as w:
+        model(*args)
+    assert w.event.diagnosis.kind == "bad-data"
+    return w.event
+
+
+def test_bad_data_rows_of_a_recurrent_model_are_its_samples():
+    # Sample 2 alone holds the NaN each time. A seq-first input is (time, batch, features), a
+    # hidden state (layers, batch, hidden) even with batch_first, and a PackedSequence's data
+    # holds time step after time step: their dim 0 is no sample.
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 4)
+    x[1, 2, 0] = float("nan")
+    assert _bad_data(nn.LSTM(4, 6), x).diagnosis.rows == [2]
+
+    h0, c0 = torch.zeros(2, 5, 6), torch.zeros(2, 5, 6)
+    c0[1, 2, 0] = float("nan")
+    event = _bad_data(nn.LSTM(4, 6, num_layers=2, batch_first=True), torch.randn(5, 3, 4), (h0, c0))
+    assert event.diagnosis.rows == [2]
+    assert any("in row 2 of 5 along dim 1" in line for line in event.diagnosis.evidence)
+
+    padded = torch.randn(5, 7, 4)
+    padded[2, 1, 0] = float("nan")
+    packed = pack_padded_sequence(padded, torch.tensor([7, 3, 5, 1, 6]), batch_first=True,
+                                  enforce_sorted=False)
+    event = _bad_data(nn.GRU(4, 6), packed)
+    assert event.diagnosis.rows == [2]
+    assert any("PackedSequence of 5 samples): 1 NaN in sample 2" in line
+               for line in event.diagnosis.evidence)
+    assert "  Rows of the batch (its samples): 2" in event.diagnosis.lines()

@@ -65,7 +65,7 @@ class Diagnosis:
         lines.extend(f"  - {item}" for item in self.evidence)
         if self.rows:
             shown = ", ".join(map(str, self.rows[:20])) + (" ..." if len(self.rows) > 20 else "")
-            lines.append(f"  Rows of the batch (dim 0): {shown}")
+            lines.append(f"  Rows of the batch (its samples): {shown}")
         lines.extend(f"  Try: {item}" for item in self.suggestion)
         return lines
 

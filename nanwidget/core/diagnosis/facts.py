@@ -9,6 +9,8 @@ weight, the last batch that ran with it finite. The rules (:mod:`.rules`) only r
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,10 +114,12 @@ class InputFacts:
     shape: tuple
     nan: int = 0
     inf: int = 0
-    rows: list[int] = field(default_factory=list)  # rows along dim 0 holding a NaN/Inf
+    rows: list[int] = field(default_factory=list)  # samples (along batch_dim) with a NaN/Inf
     masked_rows: list[int] = field(default_factory=list)  # rows with a fully masked vector
     note: str = ""  # "local shard": a DTensor, read on this rank's shard (shape and rows too)
     sample_of: str = ""  # the list input it is one sample of (its rows: its index there)
+    batch_dim: int = 0  # the dim of the samples (1: a seq-first RNN's input, its hidden state)
+    packed_samples: int = 0  # the data of a PackedSequence of this many samples (rows mapped)
 
 
 # Masks by keyword: True (or nonzero) means "masked" for PyTorch's padding masks, "keep" for
@@ -124,34 +128,53 @@ _MASKED_WHEN_TRUE = ("key_padding_mask", "padding_mask")
 _KEPT_WHEN_TRUE = ("attention_mask",)
 
 
-def _rows_where(flags: torch.Tensor) -> list[int]:
-    """Rows along dim 0 where any of ``flags`` is set."""
-    if flags.dim() == 0:
+def _rows_where(flags: torch.Tensor, dim: int = 0) -> list[int]:
+    """Rows along ``dim`` where any of ``flags`` is set."""
+    if flags.dim() <= dim:
         return []
+    if dim:
+        flags = flags.movedim(dim, 0)
     per_row = flags.reshape(flags.shape[0], -1).any(dim=1) if flags.dim() > 1 else flags
     return [int(r) for r in torch.nonzero(per_row).flatten().tolist()]
 
 
-def describe_input(role: str, tensor: torch.Tensor) -> InputFacts | None:
+def packed_samples(rows: list[int], batch_sizes: list[int],
+                   sorted_indices: list[int] | None) -> list[int]:
+    """The samples that rows of a PackedSequence's ``data`` belong to: the data holds time
+    step after time step, each step the ``batch_sizes[t]`` samples still running, in sorted
+    order (``sorted_indices`` maps that order back to the batch's)."""
+    starts = list(itertools.accumulate(batch_sizes, initial=0))
+    found = set()
+    for row in rows:
+        step = bisect.bisect_right(starts, row) - 1
+        if 0 <= step < len(batch_sizes):
+            position = row - starts[step]
+            found.add(sorted_indices[position] if sorted_indices else position)
+    return sorted(found)
+
+
+def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> InputFacts | None:
     """The facts of one input tensor (None for a tensor it cannot read: meta, sparse, storage
-    freed ...). Reads the tensor once (a diagnosis runs only at an event). A DTensor (tensor or
-    sequence parallelism) is read on this rank's shard: only the rank with the event gets here,
-    so nothing may ask the other ranks (and DTensor refuses ``nonzero``)."""
+    freed ...), its rows along ``batch_dim``. Reads the tensor once (a diagnosis runs only at
+    an event). A DTensor (tensor or sequence parallelism) is read on this rank's shard: only
+    the rank with the event gets here, so nothing may ask the other ranks (and DTensor refuses
+    ``nonzero``)."""
     note = ""
     if is_distributed_tensor(tensor):
         tensor, note = local_shard(tensor), LOCAL_SHARD
     if tensor.is_meta or tensor.is_sparse or tensor.is_nested or tensor.numel() == 0 \
             or not storage_holds(tensor):
         return None
+    batch_dim = batch_dim if tensor.dim() > batch_dim else 0
     facts = InputFacts(role=role, dtype=str(tensor.dtype).replace("torch.", ""),
-                       shape=tuple(tensor.shape), note=note)
+                       shape=tuple(tensor.shape), note=note, batch_dim=batch_dim)
     with torch.no_grad():
         values = tensor.detach()
         if values.is_floating_point():
             nan, inf = torch.isnan(values), torch.isinf(values)
             facts.nan, facts.inf = int(nan.sum()), int(inf.sum())
             if facts.nan or facts.inf:
-                facts.rows = _rows_where(nan | inf)
+                facts.rows = _rows_where(nan | inf, batch_dim)
             if values.dim() >= 2 and facts.inf:
                 facts.masked_rows = _rows_where(torch.isneginf(values).all(dim=-1))
         elif values.dim() >= 2 and values.dtype in (torch.bool, torch.int64, torch.int32,

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import pandas as pd
 import torch
+from torch import nn
 
 from ..detect import additive_mask
 from ..events import Diagnosis, NanEvent
@@ -24,7 +25,7 @@ from ..frames import Frame, weights_finite_last
 from ..recorder import Feature, Recorder
 from ..stats import local_shard, storage_holds
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
-                    output_grad_bad, weight_names)
+                    output_grad_bad, packed_samples, weight_names)
 from .rules import diagnose
 
 __all__ = ["Diagnoser", "MAX_DIAGNOSIS_REPLAYS"]
@@ -203,15 +204,24 @@ class Diagnoser(Feature):
     def _read_inputs(self, facts: Facts) -> None:
         event = facts.event
         held = self.capture.held_inputs(event.batch) if self.capture is not None else []
+        batch_dim = self._batch_dims()
         for role, tensor in held:
             try:
-                described = describe_input(role, tensor)
+                described = describe_input(role, tensor, batch_dim(role, tensor))
             except Exception:  # a tensor that cannot be read here (inside vmap, say): skip it
                 continue
             if described is not None:
                 facts.inputs.append(described)
         facts.inputs_held = bool(held)
         if held:
+            packed = self.capture.packed_sequences(event.batch)
+            for item in facts.inputs if packed else ():
+                sequence = packed.get(item.role[:-3]) if item.role.endswith("[0]") else None
+                if sequence is not None:  # its data's rows are time steps of the samples
+                    order = sequence.sorted_indices
+                    item.rows = packed_samples(item.rows, sequence.batch_sizes.tolist(),
+                                               order.tolist() if order is not None else None)
+                    item.packed_samples = int(sequence.batch_sizes[0])
             # A list of per-sample tensors (a list of images): a sample's row in the batch
             # is its index in the list, not a row of its own tensor (a channel).
             lists = self.capture.sample_lists(event.batch)
@@ -239,6 +249,23 @@ class Diagnoser(Feature):
                 if roles:
                     facts.bad_input_roles = list(dict.fromkeys(roles))
                     return
+
+    def _batch_dims(self) -> Callable[[str, torch.Tensor], int]:
+        """The dim that holds the samples of each of the root's inputs: 1 for a recurrent root's
+        (nn.LSTM, nn.GRU, nn.RNN) hidden state, and for its input unless ``batch_first``
+        (batched, 3-D, tensors only); 0 for the rest."""
+        root = self.recorder.modules[0].module
+        if not isinstance(root, nn.RNNBase):
+            return lambda role, tensor: 0
+
+        def batch_dim(role: str, tensor: torch.Tensor) -> int:
+            if tensor.dim() != 3:
+                return 0
+            if role.startswith(("input[1]", "kwarg:hx")):  # (layers x directions, batch, hidden)
+                return 1
+            return 1 if role == "input[0]" and not root.batch_first else 0
+
+        return batch_dim
 
     def _output_grad_bad(self, event: NanEvent, root: str) -> bool | None:
         for frames in (event.frames, getattr(event.trace, "frames", None)):

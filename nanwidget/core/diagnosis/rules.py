@@ -569,9 +569,15 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
                             f"sample {item.rows[0] if item.rows else '?'} of the list "
                             f"{item.sample_of}.")
             continue
+        if item.packed_samples:
+            evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}, the data of a "
+                            f"PackedSequence of {item.packed_samples} samples): {counts}"
+                            f"{fixes.in_rows(item.rows, 12).replace(' row', ' sample')}.")
+            continue
         where = fixes.in_rows(item.rows, 12)
+        along = f" along dim {item.batch_dim}" if item.batch_dim else ""
         evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}): {counts}{where} of "
-                        f"{item.shape[0] if item.shape else 1}.")
+                        f"{item.shape[item.batch_dim] if item.shape else 1}{along}.")
     suggestion = fixes.bad_data(roles, rows)
     if not any(i.nan for i in bad):
         suggestion.append("If the Inf is meant (a -inf mask passed in), let its module hold it: "

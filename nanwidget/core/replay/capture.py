@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from .. import native
 from ..events import NanEvent
@@ -444,6 +445,17 @@ class BatchCapture(Feature):
         return {role: len(value) for role, value in named
                 if type(value) is list and len(value) > 1
                 and all(isinstance(item, torch.Tensor) for item in value)}
+
+    def packed_sequences(self, batch: int) -> dict[str, Any]:
+        """The inputs of ``batch``'s root forward that are PackedSequences, by role (their
+        ``data`` is the leaf ``role[0]``); empty when the batch is not held."""
+        held = self.held.get(batch)
+        if held is None or not held.forwards:
+            return {}
+        capture = held.forwards[0]
+        named = [(f"input[{i}]", value) for i, value in enumerate(capture.args)] + \
+            [(f"kwarg:{key}", value) for key, value in capture.kwargs.items()]
+        return {role: value for role, value in named if isinstance(value, PackedSequence)}
 
     def buffers_written(self, batch: int) -> set[str]:
         """The buffers (by qualified name) that ``batch``'s root forwards wrote into (their
