@@ -573,3 +573,31 @@ def test_snapshot_weights_keeps_replays_exact_after_optimizer_steps():
     columns = ["module", "role", "abs_min", "abs_max"]
     assert trace.snapshot_used and trace.changes == [] and trace.reproduced
     assert trace.frames[columns].equals(recorded[recorded.batch == 1][columns].reset_index(drop=True))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_buffers_a_forward_updates_from_a_bad_input_are_not_blamed(mode):
+    # A spectral norm's power iteration writes its _u/_v buffers from the weight it is handed
+    # (the parametrization's 'original' parameter): a NaN there made them NaN in the forward,
+    # and the event blamed _u/_v, "written after batch 1", never naming 'original'.
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.nn.utils.parametrizations.spectral_norm(nn.Linear(4, 8)),
+                          nn.Tanh(), nn.Linear(8, 3))
+    with nw.watch(model, on_nan="record", mode=mode) as w:
+        for batch in range(3):
+            if batch == 2:
+                with torch.no_grad():
+                    model[0].parametrizations.weight.original[3, 1] = float("nan")
+            model(torch.randn(5, 4))
+    event = w.event
+    assert (event.batch, event.module, event.role, event.origin) == (
+        2, "0.parametrizations.weight", "original", "weight")
+    assert event.diagnosis.summary.startswith("'0.parametrizations.weight.original' became NaN")
+    # The same for BatchNorm's running statistics updated from NaN data: the input is named.
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2))
+    x = torch.randn(6, 4)
+    x[3, 0] = float("nan")
+    with nw.watch(model, on_nan="record", mode=mode) as w:
+        model(x)
+    assert (w.event.role, w.event.origin, w.event.diagnosis.kind, w.event.diagnosis.rows) == (
+        "input[0]", "input", "bad-data", [3])

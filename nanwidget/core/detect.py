@@ -16,7 +16,9 @@ Blame, in this order:
   module itself, the weights of the module and of every enclosing module are measured again
   (a write through ``p.data`` moves no version counter, so a cached measurement can be stale),
   and a non-finite parameter of an enclosing module used in its own forward
-  (``x + self.pos``) is blamed on that module;
+  (``x + self.pos``) is blamed on that module. Non-finite buffers of a module whose input is
+  non-finite too are not blamed: its forward updated them from that input (running
+  statistics, a spectral norm's power iteration), so the input is;
 - "input": a non-finite value arrived through an input;
 - "output": the module made it from finite inputs and weights, its inner modules' included
   (MultiheadAttention reads ``out_proj.weight`` without calling ``out_proj``: a non-finite
@@ -106,13 +108,20 @@ class Detector:
         allowed = frame.module in self.allow_inf
         outputs = frame.outputs()
         bad_weights = self._bad_weights(frame.module, frame.weights(), allowed)
-        if bad_weights:
-            return self._event(frames, position, window, "weight", bad_weights[0], bad_weights)
         bad_outputs = [e for e in outputs if _counts(e, allowed)]
+        # Buffers a forward updates from its input (running statistics, a spectral norm's
+        # power iteration, an observer's range) turn non-finite with a non-finite input: the
+        # value arrived through the input, and the frames before (or the module around: the
+        # parameter a parametrization reads) say where from.
+        from_input = bool(bad_weights) and bool(bad_outputs) and self.is_buffer is not None \
+            and all(self.is_buffer(frame.module, e.role) for e in bad_weights) \
+            and any(e.nonfinite for e in frame.inputs())
+        if bad_weights and not from_input:
+            return self._event(frames, position, window, "weight", bad_weights[0], bad_weights)
         if not bad_outputs:
             return None  # finite outputs (or only an allowed Inf): flagged, not an event
         # A stale cached weight (written through .data) must not pass as "made here".
-        if self._refresh_weights(frame, allowed):
+        if not from_input and self._refresh_weights(frame, allowed):
             bad_weights = self._bad_weights(frame.module, frame.weights(), allowed)
             return self._event(frames, position, window, "weight", bad_weights[0], bad_weights)
         bad_inputs = [e for e in frame.inputs() if e.nonfinite]
