@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -1393,3 +1394,31 @@ def test_a_running_var_loaded_non_finite_is_still_blamed_on_the_load():
         model(torch.randn(4, 3, 16, 16))
     summary = w.event.diagnosis.summary
     assert "became Inf between batch 0 and batch 1" in summary and "own forward" not in summary
+
+
+@pytest.mark.parametrize("api", ["pre_hook", "parametrization"])
+def test_a_zero_direction_in_weight_norm_is_a_domain_error_of_that_layer(api):
+    # The old weight_norm computes the weight in a forward pre-hook of the layer: its op was
+    # named after the model around it (the replay's module hooks ran after the user's), and
+    # the 0/0 of a zero-norm slice of v read "unknown".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old API is deprecated
+        if api == "pre_hook":
+            torch.nn.utils.weight_norm(model[0])
+            direction, module = model[0].weight_v, "0"
+        else:
+            torch.nn.utils.parametrizations.weight_norm(model[0])
+            direction, module = (model[0].parametrizations.weight.original1,
+                                 "0.parametrizations.weight.0")
+    with torch.no_grad():
+        direction[2].zero_()
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        model(torch.randn(5, 4))
+    event = w.event
+    assert event.module == module and event.trace.first_bad["module"] == module
+    assert event.trace.first_bad["op"] == "_weight_norm_interface"
+    assert event.diagnosis.kind == "domain" and event.diagnosis.confidence == "high"
+    assert "a slice of v is all zeros" in event.diagnosis.summary
+    assert "is all zeros, so its norm is 0" in event.diagnosis.suggestion[0]

@@ -133,6 +133,13 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
                 "gradients.",
                 "Or drop the samples whose input length (after the model's downsampling) is "
                 "shorter than their target length plus one blank per repeated label."]
+    if name in ("weight_norm_interface", "weight_norm"):
+        return ["A slice of the weight-normalised layer's v (weight_v, or "
+                "parametrizations.weight.original1) is all zeros, so its norm is 0: "
+                "re-initialise that slice (or the layer) from a good checkpoint.",
+                "Find what zeroed it: a write or a load, or weight decay / pruning driving a "
+                "whole row to 0; a parametrization of your own can divide by "
+                "(norm + eps) instead."]
     if name in ("log", "log2", "log10", "log1p", "xlogy"):
         return [f"Keep the argument of {name}{at} positive: torch.{name}(x.clamp_min(eps)) or "
                 f"torch.{name}(x + eps), eps = 1e-6 (1e-4 in float16).",

@@ -37,6 +37,7 @@ __all__ = ["diagnose", "Growth", "growth_of"]
 _LOG_OPS = ("log", "log2", "log10")
 _INVERSE_TRIG = ("acos", "asin")
 _DIVISIONS = ("div", "true_divide", "remainder", "fmod", "floor_divide")
+_WEIGHT_NORMS = ("weight_norm_interface", "weight_norm")  # g * v / ||v||
 _VARIANCES = ("var", "std", "var_mean", "std_mean")
 _EXP_OPS = ("exp", "exp2", "expm1", "sinh", "cosh")
 # Ops that write an Inf on purpose (masks); an Inf they made that turns into NaN later is a mask.
@@ -292,6 +293,9 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
             certain = "high" if 0 in denominator else "medium"
             return (f"a division by zero{where}: the denominator ranges from "
                     f"{_g(denominator[0])} to {_g(denominator[1])} ({zero})", certain)
+    if name in _WEIGHT_NORMS and op.nan and not op.inputs_hold_inf():
+        return ("weight normalisation divides v by its norm, and a slice of v is all zeros "
+                "(norm 0: 0/0 = NaN)", "high")
     if name == "pow" and op.nan and low < 0:
         return f"pow of a negative base (down to {_g(low)}) with a fractional exponent", "high"
     if (name == "pow" and op.inf and low <= 0 <= high and not op.inputs_hold_inf()

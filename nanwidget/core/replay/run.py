@@ -373,6 +373,8 @@ class _Replay:
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 recorder.name_sources("weight", zip(slots.names, slots.read()))
                 for module in hookable_modules(root):
+                    handles.append(add_forward_pre_hook(module, recorder.enter_hook,
+                                                        with_kwargs=True, prepend=True))
                     handles.append(add_forward_pre_hook(module, recorder.pre_hook, with_kwargs=True))
                     handles.append(add_forward_hook(module, recorder.post_hook, with_kwargs=True,
                                                     always_call=True))

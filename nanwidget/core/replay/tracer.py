@@ -160,10 +160,17 @@ class OpRecorder:
         self.measured_inputs: dict[int, list[list[Entry]]] = {}
 
     # -- module hooks
-    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def enter_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The module's first pre-hook: its call begins, so that the ops of the user's own
+        pre-hooks (the old weight_norm's, prune's) are named after it (:meth:`post_hook`, an
+        always-called hook, ends it)."""
         self.stack.append(self.names.get(id(module), ("?", type(module).__name__)))
         if self.phase == "backward":
             self.recomputing += 1  # its ops are named after it; no second forward frame
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The module's last pre-hook: its inputs as the forward gets them."""
+        if self.phase == "backward":
             return
         info = self.infos.get(id(module))
         # As the live watch: the root's and in-place modules' inputs as handed over.
