@@ -679,3 +679,20 @@ def test_grad_history_takes_in_parameters_added_after_the_first_check():
     assert set(history.query("batch == 2")["param"]) >= {"extra.weight", "extra.bias",
                                                           "fc1.weight"}
     assert "extra.weight" not in set(history.query("batch == 0")["param"])
+
+
+def test_bad_data_under_vmap_is_told_and_its_replay_refused_plainly():
+    # torch.func.vmap runs the watched model on its own batched tensors: they cannot be read
+    # outside it (the diagnosis said "unknown") nor replayed (a raw functorch error).
+    from torch.func import vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(6, 4)
+    x[3, 0] = float("nan")
+    with nw.watch(model, on_nan="record") as w:
+        vmap(model)(x)
+        assert w.event.diagnosis.kind == "bad-data"
+        assert w.event.diagnosis.summary.startswith("The batch's input[0] already held NaN")
+        with pytest.raises(ReplayError, match="ran inside a torch.func transform"):
+            w.replay(w.event.batch)

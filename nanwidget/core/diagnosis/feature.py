@@ -205,15 +205,18 @@ class Diagnoser(Feature):
         event = facts.event
         held = self.capture.held_inputs(event.batch) if self.capture is not None else []
         batch_dim = self._batch_dims()
+        unreadable = 0
         for role, tensor in held:
             try:
                 described = describe_input(role, tensor, batch_dim(role, tensor))
-            except Exception:  # a tensor that cannot be read here (inside vmap, say): skip it
+            except Exception:  # a tensor that cannot be read here (a vmap's, say): skip it
+                unreadable += 1
                 continue
             if described is not None:
                 facts.inputs.append(described)
-        facts.inputs_held = bool(held)
-        if held:
+        # None read (a vmap's batched tensors): the root's frame says which held NaN, below.
+        facts.inputs_held = bool(held) and unreadable < len(held)
+        if facts.inputs_held:
             packed = self.capture.packed_sequences(event.batch)
             for item in facts.inputs if packed else ():
                 sequence = packed.get(item.role[:-3]) if item.role.endswith("[0]") else None

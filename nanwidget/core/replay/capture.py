@@ -521,8 +521,24 @@ class BatchCapture(Feature):
         return held
 
 
+def _transformed(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a torch.func transform's wrapper (a vmap's batched tensor, a
+    grad's tracked one): it escaped the transform with the batch's inputs."""
+    try:
+        return bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
+    except Exception:  # an older torch or an odd tensor: a plain one
+        return False
+
+
 def _check_inputs(held: HeldBatch) -> None:
     for capture in held.forwards:
+        for role, tensor in capture.inputs:
+            if _transformed(tensor):
+                raise ReplayError(
+                    f"cannot replay batch {held.batch}: it ran inside a torch.func transform "
+                    f"(vmap, grad, jacrev ...), and its {role} is that transform's own tensor, "
+                    "which cannot be used outside it. Run the plain batch through the model "
+                    "(model(x)) to replay it")
         for k, ((role, tensor), version) in enumerate(zip(capture.inputs, capture.input_versions)):
             now = version_of(tensor)
             if now == version:
