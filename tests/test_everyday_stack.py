@@ -696,3 +696,25 @@ def test_bad_data_under_vmap_is_told_and_its_replay_refused_plainly():
         assert w.event.diagnosis.summary.startswith("The batch's input[0] already held NaN")
         with pytest.raises(ReplayError, match="ran inside a torch.func transform"):
             w.replay(w.event.batch)
+
+
+def test_a_nan_fast_weight_of_functional_call_is_not_blamed_on_the_models_parameter():
+    # MAML's inner step runs the watched model through torch.func.functional_call with fast
+    # weights: a NaN in one of them read "the optimizer step, load or write after batch 0"
+    # made the (finite, never written) parameter non-finite.
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(6, 4)
+    with nw.watch(model, on_nan="record") as w:
+        model(x)
+        fast = {name: p.detach() - 0.1 for name, p in model.named_parameters()}
+        fast["2.weight"][1, 1] = float("nan")
+        functional_call(model, fast, (x,))
+    event = w.event
+    assert (event.batch, event.module, event.role, event.origin) == (1, "2", "weight", "weight")
+    assert "ran with another tensor in its place (torch.func.functional_call" \
+        in event.diagnosis.summary
+    assert "optimizer step" not in event.diagnosis.summary
+    assert torch.isfinite(model[2].weight).all()

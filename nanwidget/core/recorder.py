@@ -961,6 +961,19 @@ class Recorder:
         except Exception:  # a container that cannot tell
             return False
 
+    def substituted(self, module: str, role: str) -> bool:
+        """Whether the named module's parameter slot ``role`` holds, right now, a tensor that is
+        no ``nn.Parameter``: a stand-in a stateless call put there for its forward
+        (``torch.func.functional_call``, a meta-learning fast weight)."""
+        info = self._by_name.get(module)
+        if info is None:
+            return False
+        try:
+            tensor = info.weights._parameters.get(role)
+        except Exception:  # a container that cannot tell
+            return False
+        return isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter)
+
     def weights_now(self, name: str) -> list[Entry] | None:
         """The named module's own weights measured right now (event time only); None for a
         module not watched or without parameters and buffers."""

@@ -347,6 +347,9 @@ class Facts:
     weights_written: dict[str, bool] = field(default_factory=dict)
     # Buffers the event batch's own forward wrote into (BatchNorm's running statistics).
     written_in_forward: set[str] = field(default_factory=set)
+    # The event's non-finite weights whose slots hold stand-ins, not parameters (the forward
+    # runs with other tensors in their place: torch.func.functional_call).
+    substituted: set[str] = field(default_factory=set)
     sentinel: bool = False
     sample_every: int | None = None  # sentinel mode's: one batch in N recorded in full
     # A backward event's batch already had a forward event (on_nan="record" or "warn"): the

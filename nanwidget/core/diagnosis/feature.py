@@ -318,6 +318,9 @@ class Diagnoser(Feature):
             batch = logged.get(name.rpartition(".")[0], -1)  # own weights' roles hold no dot
             if 0 <= batch < event.batch:
                 seen[name].append(batch)
+        if event.origin == "weight":
+            facts.substituted = {name for name in names
+                                 if self.recorder.substituted(*name.rpartition(".")[::2])}
         if self.capture is not None:
             facts.written_in_forward = self.capture.buffers_written(event.batch) & set(names)
         for name in names:

@@ -598,6 +598,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
         return None
     names = came or weight_names(event, facts.is_mask)
     dtype = _weight_dtype(event)
+    if not came and names and all(n in facts.substituted for n in names):
+        return _substituted(facts, names)
     grew = _weights_growth(facts)
     if grew is not None:
         evidence = [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
@@ -691,6 +693,31 @@ def _inputs_largest(facts: Facts) -> float | None:
     if bool(inputs["nan"].any()) or bool(inputs["inf"].any()):
         return math.nan
     return float(inputs["abs_max"].max())
+
+
+def _substituted(facts: Facts, names: list[str]) -> Diagnosis:
+    """Weights non-finite in the forward, whose slots held stand-ins for the module's
+    parameters: the forward ran with other tensors in their place."""
+    event = facts.event
+    one = len(names) == 1
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    what = _kind_words(event.kind)
+    return Diagnosis(
+        "corrupted-weight",
+        f"{shown} held {what} in batch {event.batch}'s forward, which ran with another "
+        f"tensor in {'its' if one else 'their'} place (torch.func.functional_call, a stateless "
+        "call, a meta-learning fast weight): that tensor held it, not the module's own "
+        f"{'parameter' if one else 'parameters'}.",
+        [f"While batch {event.batch} ran, the module's {'slot' if one else 'slots'} for "
+         f"{shown} held a plain tensor, not its nn.Parameter: a stateless call puts its "
+         "tensors there for the forward and puts the parameters back after it."],
+        ["Check the tensors passed in the module's place (the parameters given to "
+         "torch.func.functional_call, an inner step's fast weights): torch.isfinite(t).all() "
+         "for each before the call.",
+         "If an inner optimisation step made them (MAML), guard it: a smaller inner learning "
+         "rate, inner gradients clamped (g.clamp(-c, c)), or the step skipped when a gradient "
+         "is non-finite; clip_grad_norm_ on the model does not see them."],
+        confidence="medium")
 
 
 def _written_by_forward(facts: Facts, names: list[str], dtype: str,
