@@ -279,3 +279,63 @@ def test_frames_dataframe_types_are_stable_when_empty(tiny_mlp):
     assert frames.empty and list(frames.columns) == FRAME_COLUMNS
     assert history.empty and "abs_max" in history.columns
     assert isinstance(frames, pd.DataFrame)
+
+
+class _State:
+    """A cache-like plain object of tensors that every block reads and updates."""
+
+    def __init__(self) -> None:
+        self.k = torch.ones(3)
+        self.v = torch.zeros(3)
+        self.ready = False
+
+
+class _UpdatingBlock(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x: torch.Tensor, state: _State) -> torch.Tensor:
+        if self.how == "replace":
+            state.k = state.k * 2  # a new tensor in the slot (DynamicCache's torch.cat)
+        elif self.how == "in place":
+            state.v.add_(1.5)  # the same tensor, a new version (StaticCache's index_copy_)
+        elif self.how == "new attribute":
+            state.extra = torch.full((3,), 7.0)
+        return x + 1
+
+
+class _CacheModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_UpdatingBlock(how) for how in
+                                    ("none", "replace", "none", "in place", "new attribute",
+                                     "none", "replace"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = _State()
+        for block in self.blocks:
+            x = block(x, state=state)
+        return x
+
+
+def test_a_cache_object_walked_at_every_block_shows_its_values_at_each_call():
+    # Plain objects of tensors seen again in a batch reuse their entries while their
+    # attributes are the same tensors in the same versions: a replaced, written or added
+    # tensor must show at once.
+    model = _CacheModel()
+    seen: list[dict[str, float]] = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, kwargs, output: seen.append(
+            {f"kwarg:state.{name}": float(value.abs().max())
+             for name, value in vars(kwargs["state"]).items() if isinstance(value, torch.Tensor)}),
+            with_kwargs=True)
+    with nw.watch(model, trace_batches=[1]) as w:
+        for _ in range(2):
+            seen.clear()
+            model(torch.zeros(2, 3))
+        frames = w.frames(batch=1)
+    for position, expected in enumerate(seen):
+        own = frames[(frames.module == f"blocks.{position}") & frames.role.str.startswith("kwarg:")]
+        assert dict(zip(own.role, own.abs_max)) == expected, position
+    assert seen[-1] == {"kwarg:state.k": 4.0, "kwarg:state.v": 1.5, "kwarg:state.extra": 7.0}

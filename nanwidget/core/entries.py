@@ -72,6 +72,7 @@ _STRIDED = torch.strided
 _STEPS = optimizer_steps()  # optimizer steps seen in this process (core.writes counts them)
 _INPUT_ROLES = tuple(f"input[{i}]" for i in range(16))
 _SCALARS = (str, bytes, int, float, bool, complex)  # leaves as iter_leaves yields them
+_NOT_IN_OBJECTS = _SCALARS + (torch.device, torch.dtype)  # no entry inside a plain object
 _MAX_DIRECT_DEPTH = 32  # structure_entries recurses; deeper structures go to iter_leaves
 _MAX_SHARED_ENTRIES = 4096  # shared shapes and non-tensor entries (see below), at most
 
@@ -93,6 +94,30 @@ def _shared_shape(shape: torch.Size) -> torch.Size:
             _SHAPES.clear()
         found = _SHAPES[shape] = shape
     return found
+
+
+def _snapshot(attributes: dict) -> list[tuple[Any, int | None]]:
+    """An object's attribute values, with the version counters of its tensors."""
+    return [(value, version_of(value) if isinstance(value, _Tensor) else None)
+            for value in list(attributes.values())]
+
+
+def _unchanged(attributes: dict, snapshot: list[tuple[Any, int | None]]) -> bool:
+    """Whether the object's attributes are the very values of ``snapshot``, its tensors in the
+    same versions."""
+    if len(attributes) != len(snapshot):
+        return False
+    for value, (then, version) in zip(attributes.values(), snapshot):
+        if value is not then:
+            return False
+        if version is not None:
+            try:  # version_of(), inlined
+                now = value._version
+            except RuntimeError:  # an inference tensor: no version counter
+                now = -1
+            if now != version:
+                return False
+    return True
 
 
 def nested_shape(tensor: torch.Tensor) -> tuple[int | None, ...]:
@@ -171,6 +196,16 @@ class EntryBuilder:
         self._generation = 0
         self._training_generation = 0
         self.unread_roles: list[str] = []  # leaves left unread (iterators), for one warning
+        # Role -> (object, its attribute values and their versions, its entries) of the plain
+        # objects of tensors walked this batch (a transformers cache's layers, walked again at
+        # every block and attention call): unchanged since, their entries are reused. Emptied
+        # at the end of each batch (end_batch()).
+        self._walked: dict[str, tuple[Any, list[tuple[Any, int | None]], list[Entry]]] = {}
+
+    def end_batch(self) -> None:
+        """The batch's stats were resolved: forget the objects walked in it."""
+        if self._walked:
+            self._walked = {}
 
     def new_forward(self, training: bool) -> None:
         """A root forward begins; ``training``: grad enabled and the model in training mode
@@ -312,6 +347,12 @@ class EntryBuilder:
             if not _in_object:
                 entries.append(non_tensor_entry(role, value))
             return
+        walked = self._walked.get(role) if self._walked else None
+        if walked is not None and walked[0] is value:
+            attributes = getattr(value, "__dict__", None)
+            if isinstance(attributes, dict) and _unchanged(attributes, walked[1]):
+                entries.extend(walked[2])
+                return
         kind = kind_of(value)
         if kind == LEAF:
             if not _in_object:
@@ -326,8 +367,12 @@ class EntryBuilder:
                 if not _in_object:
                     entries.append(non_tensor_entry(role, value))
                 return
+            # Inside an object only its tensors count: its flags, Nones, devices and dtypes
+            # are not walked (a transformers cache holds several per layer, walked at every
+            # block and attention call).
             children = [(f"{role}.{name}", item) for name, item in list(attributes.items())
-                        if not name.startswith("_")]
+                        if not (item is None or isinstance(item, _NOT_IN_OBJECTS)
+                                or name.startswith("_"))]
             object_root = not _in_object
         elif kind == MAPPING:  # dicts and ModelOutputs (a model's outputs)
             children = [(f"{role}.{key}" if isinstance(key, str) else f"{role}[{key!r}]", item)
@@ -352,6 +397,10 @@ class EntryBuilder:
         _open.discard(key)
         if object_root and len(entries) == before:  # a plain object without tensors: one leaf
             entries.append(non_tensor_entry(role, value))
+        if kind == ATTRIBUTES and all(type(child) in PLAIN_TENSOR_TYPES for _, child in children):
+            # Only tensors walked: the identities and versions of its attributes tell whether
+            # it changed (a list or dict inside could change without either).
+            self._walked[role] = (value, _snapshot(attributes), entries[before:])
 
     def weight_entries(self, module: nn.Module, entries: list[Entry],
                        cache_weights: bool = True) -> None:
