@@ -105,9 +105,11 @@ class Trace:
                     + (" ..." if len(self.changes) > 3 else ""))
         if self.found:
             return f"the replay met another event first: {self.found}"
+        loss = (", or the loss function this replay ran is not the one the batch ran"
+                if "(backward)" in self.expected else "")
         return ("the replay ran the same inputs, RNG states and weights and every value stayed "
                 "finite: the NaN/Inf depends on something a replay cannot repeat "
-                "(nondeterministic kernels, another thread or process writing the weights)")
+                f"(nondeterministic kernels, another thread or process writing the weights{loss})")
 
     def summary(self) -> str:
         """One line: the first bad op and where, where the value came from, or that every op
