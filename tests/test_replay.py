@@ -591,3 +591,19 @@ def test_a_transformer_encoder_on_its_nested_tensor_fast_path_is_replayed(mode):
     event = w.event
     assert (event.module, event.role, event.origin) == ("layers.1.linear1", "weight", "weight")
     assert event.trace.reproduced
+
+
+def test_a_manual_replay_of_a_backward_event_with_a_loss_checks_for_that_event():
+    # It looked for the batch's forward event only: with none, any replay read reproduced=True,
+    # also one whose every value stayed finite.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        (nn.functional.normalize(model(x), dim=-1).sum() * 3e38).backward()  # overflows
+        assert w.event.is_backward
+        same = w.replay(0, loss_fn=lambda out: nn.functional.normalize(out, dim=-1).sum() * 3e38)
+        finite = w.replay(0, loss_fn=lambda out: nn.functional.normalize(out, dim=-1).sum())
+    assert same.reproduced
+    assert not finite.reproduced and "(backward)" in finite.expected
+    assert "the loss function this replay ran is not the one the batch ran" in finite.summary()
