@@ -1072,9 +1072,10 @@ def test_a_loss_made_outside_the_model_says_so_and_how_to_trace_it(mode):
     assert event.diagnosis.summary.startswith("Made in the loss, outside the model: the gradient "
                                               "reaching the model's output")
     assert "w.replay(0, loss_fn=...)" in event.diagnosis.suggestion[0]
-    # Replayed with the loss, the trace names the log at its line.
+    # Replayed with the loss, the trace names log's gradient (as the automatic replay below)
+    # at the log's line.
     first = traced.first_bad
-    assert (first["op"], first["phase"]) == ("log", "loss")
+    assert traced.reproduced and (first["op"], first["phase"]) == ("div", "backward")
     assert first["source"] == line_of(bce_by_hand, "torch.log")
 
 
