@@ -1423,3 +1423,33 @@ def test_a_zero_direction_in_weight_norm_is_a_domain_error_of_that_layer(api):
     assert event.diagnosis.kind == "domain" and event.diagnosis.confidence == "high"
     assert "a slice of v is all zeros" in event.diagnosis.summary
     assert "is all zeros, so its norm is 0" in event.diagnosis.suggestion[0]
+
+
+class _InPlaceAfterLinear(nn.Module):
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.op == "pow_":
+            return h.pow_(-0.5)  # PyG's gcn_norm: deg.pow_(-0.5)
+        if self.op == "sqrt_":
+            return h.sqrt_()
+        return h.div_(h - h)
+
+
+@pytest.mark.parametrize("op, reason", [("pow_", "pow of a negative base"),
+                                        ("sqrt_", "sqrt of values down to"),
+                                        ("div_", "a division by zero")])
+def test_an_in_place_op_outside_its_domain_is_a_domain_error(op, reason):
+    # An in-place op's input is its output once it ran: its domain was read from the NaN it
+    # made ("unknown"; div_ read "overflow"), and its name (pow_) matched no rule.
+    torch.manual_seed(0)
+    model = _InPlaceAfterLinear(op)
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        model(torch.randn(5, 4))
+    diagnosis = w.event.diagnosis
+    assert w.event.trace.first_bad["op"] == op
+    assert diagnosis.kind == "domain" and reason in diagnosis.summary

@@ -216,8 +216,9 @@ class OpFacts:
 
     @property
     def name(self) -> str:
-        """The op's name without leading underscores (``_softmax`` -> ``softmax``)."""
-        return self.op.lstrip("_")
+        """The op's name without leading underscores (``_softmax`` -> ``softmax``) nor the
+        in-place variant's trailing one (``pow_`` -> ``pow``: the same domain)."""
+        return self.op.lstrip("_").rstrip("_")
 
     @property
     def limit(self) -> float:

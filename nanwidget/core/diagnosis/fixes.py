@@ -100,7 +100,7 @@ _SAFE_ARGUMENT = {"log1p": "0", "acos": "0", "asin": "0", "atanh": "0", "erfinv"
 
 def domain(op: str, at: str, backward: bool, empty: bool = False,
            unused_gradient: bool = False, negative_running_var: bool = False) -> list[str]:
-    name = op.lstrip("_")
+    name = op.lstrip("_").rstrip("_")  # pow_ is pow
     if negative_running_var:
         return [f"Mend the running statistics{at}: a write or a load put a negative value in "
                 "running_var (BatchNorm's updates never do). Reload them from a good "
@@ -286,7 +286,7 @@ def loss(batch: int, op: str, traced: bool) -> list[str]:
         fixes.append(f"Name the loss's op and line: watch with loss_fn=lambda out: "
                      f"criterion(out, targets) (automatic replays then run the loss), or now "
                      f"w.replay({batch}, loss_fn=...).")
-    name = op.lstrip("_")
+    name = op.lstrip("_").rstrip("_")  # pow_ is pow
     if not traced or name in ("log", "log2", "log10", "log1p", "div", "sigmoid", "softmax",
                               "binary_cross_entropy", "nll_loss"):
         fixes.append("Use the fused, stable losses on the logits: nn.BCEWithLogitsLoss instead "

@@ -43,6 +43,12 @@ _UNMEASURED_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty"
 # Among them: ops whose output is a copy of their first input in a new storage (its lineage
 # carries over), and ops that allocate a new storage (nothing written there yet).
 _COPY_OPS = frozenset({"clone", "contiguous", "lift_fresh_copy"})
+# In-place ops whose domain the diagnosis checks on their inputs: an in-place op's input is its
+# output once it ran, so these are described before they run (only these: replays stay fast).
+_DOMAIN_IN_PLACE = frozenset({"pow_", "sqrt_", "rsqrt_", "log_", "log2_", "log10_", "log1p_",
+                              "div_", "true_divide_", "reciprocal_", "remainder_", "fmod_",
+                              "floor_divide_", "acos_", "asin_", "atanh_", "acosh_", "erfinv_",
+                              "logit_"})
 _FRESH_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                         "empty_permuted"})
 # Births' tensors held (by reference) to describe the chosen one once the replay ran; past
@@ -146,6 +152,8 @@ class OpRecorder:
         self.storage_flags: dict[int, tuple[int, bool, bool]] = {}
         # Births' tensors, described when chosen: op index -> described now, or what to describe.
         self.births: dict[int, list[dict] | tuple] = {}
+        # (op, its inputs described) of a domain op about to run in place (before_op).
+        self.before_in_place: tuple[Any, list[dict]] | None = None
         self.held_bytes = 0
         # Frame stats -> (storage, the op that had last written a NaN/Inf there) when measured.
         self.frame_tensors: dict[int, tuple[int | None, int | None]] = {}
@@ -250,6 +258,8 @@ class OpRecorder:
     def before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
         if self.to_tag:
             self.tag_nodes()
+        if func.overloadpacket.__name__ in _DOMAIN_IN_PLACE:
+            self.before_in_place = (func, self._describe_paused(func, args, kwargs, []))
         shadows = self.shadows
         if shadows is not None and shadows.protected:
             positions, names = mutated_arguments(func)
@@ -429,6 +439,10 @@ class OpRecorder:
                     outputs: list[torch.Tensor]) -> None:
         """Keep what describing a birth needs: references while they are small (no host sync
         now: most births never reach the event), else its description, made now."""
+        before, self.before_in_place = self.before_in_place, None
+        if before is not None and before[0] is func:  # its inputs as they were before it ran
+            self.births[index] = before[1] + self._describe_paused(func, (), {}, outputs)
+            return
         size = sum(t.numel() * t.element_size() for v in list(args) + list(kwargs.values())
                    + outputs for t in tensors_in(v))
         if self.held_bytes + size <= _HELD_BIRTH_BYTES:
