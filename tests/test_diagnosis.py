@@ -1453,3 +1453,34 @@ def test_an_in_place_op_outside_its_domain_is_a_domain_error(op, reason):
     diagnosis = w.event.diagnosis
     assert w.event.trace.first_bad["op"] == op
     assert diagnosis.kind == "domain" and reason in diagnosis.summary
+
+
+class _ScaledLogits(nn.Module):
+    """CLIP's logits: a learnable log-scale, exponentiated."""
+
+    def __init__(self, log_scale: float, clamp: float | None = None) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.logit_scale = nn.Parameter(torch.tensor(log_scale))
+        self.clamp = clamp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.logit_scale if self.clamp is None else self.logit_scale.clamp(max=self.clamp)
+        return torch.exp(scale) * self.proj(x)
+
+
+def test_an_exp_overflow_is_told_a_clamp_below_log_of_the_largest():
+    # The fix said x.clamp(-1e4, 1e4) before exp: exp(1e4) is still inf.
+    torch.manual_seed(0)
+    model = _ScaledLogits(100.0)
+    x = torch.randn(3, 4)
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        model(x)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow" and w.event.trace.first_bad["op"] == "exp"
+    assert "torch.exp(x.clamp(max=80))" in diagnosis.suggestion[0]
+    assert not any("clamp(-1e4, 1e4)" in fix for fix in diagnosis.suggestion)
+    fixed = _ScaledLogits(100.0, clamp=80.0)
+    fixed.load_state_dict(model.state_dict())
+    with nw.watch(fixed, on_nan="raise"):
+        assert torch.isfinite(fixed(x)).all()

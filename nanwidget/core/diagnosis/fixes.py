@@ -13,6 +13,9 @@ __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "mask
 _LOW_PRECISION = ("float16", "bfloat16")
 
 
+_EXPONENTIALS = ("exp", "exp2", "expm1", "sinh", "cosh")
+
+
 def overflow(module: str, dtype: str, at: str, op: str) -> list[str]:
     where = f"module '{module}'" if module else "that part of the model"
     fixes = []
@@ -20,12 +23,21 @@ def overflow(module: str, dtype: str, at: str, op: str) -> list[str]:
         fixes.append(f"Run {where} in bfloat16 (same range as float32) or float32: under "
                      "torch.autocast, wrap it in torch.autocast(device_type, enabled=False) and "
                      "pass it x.float(); or autocast with dtype=torch.bfloat16.")
+    if op in _EXPONENTIALS:
+        # exp(x) overflows from x = log(largest) (11.1, 88.7, 709.8): a clamp stays below,
+        # with room for what multiplies the result.
+        bound = {"float16": 10, "float64": 700}.get(dtype, 80)
+        fixes.append(f"Clamp the exponent{at} below log of {dtype or 'the dtype'}'s largest: "
+                     f"torch.{op}(x.clamp(max={bound})); a learnable scale or temperature "
+                     "(CLIP's logit_scale.exp()) is clamped the same way, "
+                     "logit_scale.clamp(max=math.log(100)).exp().")
     if op in ("exp", "pow", "sum", "mean", "cumsum", "prod"):
         fixes.append(f"Use a stable form for {op}{at}: torch.logsumexp / softmax instead of exp "
                      "by hand, subtract the max first, or sum in float32 (dtype=torch.float32).")
-    fixes.append(f"Keep the values smaller before {op}{at}: scale them (e.g. divide attention "
-                 "scores by sqrt(d)), normalise the inputs, or clamp them "
-                 f"({'x.clamp(-6e4, 6e4)' if dtype == 'float16' else 'x.clamp(-1e4, 1e4)'}).")
+    if op not in _EXPONENTIALS:
+        fixes.append(f"Keep the values smaller before {op}{at}: scale them (e.g. divide "
+                     "attention scores by sqrt(d)), normalise the inputs, or clamp them "
+                     f"({'x.clamp(-6e4, 6e4)' if dtype == 'float16' else 'x.clamp(-1e4, 1e4)'}).")
     if dtype not in _LOW_PRECISION:
         fixes.append("A float32 value past 3.4e38 means runaway growth: look for a missing "
                      "normalisation, an input on the wrong scale, or weights that grew (see "
