@@ -154,6 +154,9 @@ def test_acos_a_rounding_past_one_shows_the_digits_that_pass_it():
         model(torch.randn(4, 4))
     summary = w.event.diagnosis.summary
     assert "to 1.0000001" in summary and "to 1 (" not in summary
+    # The evidence shows the same digits (it read "to 1.").
+    assert any("acos input self (float32): from" in line and "to 1.0000001" in line
+               for line in w.event.diagnosis.evidence)
 
 
 class NormOf(nn.Module):

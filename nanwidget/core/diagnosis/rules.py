@@ -360,7 +360,7 @@ def _op_evidence(op: OpFacts) -> list[str]:
         low, high = row.get("min", math.nan), row.get("max", math.nan)
         counts = [f"{n} {k}" for n, k in ((row.get("nan_count", 0), "NaN"),
                                            (row.get("inf_count", 0), "Inf")) if n]
-        shown = (f"from {_g(low)} to {_g(high)}" if low == low else "no finite value")
+        shown = (f"from {_g_edge(low)} to {_g_edge(high)}" if low == low else "no finite value")
         extra = f", {', '.join(counts)}" if counts else ""
         lines.append(f"{op.op} {row['role']} ({row.get('dtype', '')}): {shown}{extra}.")
     for row in op.outputs[:1]:
