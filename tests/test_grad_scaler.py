@@ -363,3 +363,57 @@ def test_without_backward_frames_the_patience_event_is_a_less_sure_overflow():
     assert "65504 / 512 = 128: a gradient of the backward pass is that large" \
         in "\n".join(diagnosis.evidence)
     assert diagnosis.suggestion[-1].startswith("Run the module whose gradient overflows")
+
+
+class _SmallHeadContrastive(nn.Module):
+    """SimCLR's shape with a projection head started small: float16 gradients through
+    F.normalize's backward overflow at a large loss scale (Inf, then NaN further on) until the
+    GradScaler has lowered it enough."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64))
+        self.head = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+        for layer in self.head:
+            if isinstance(layer, nn.Linear):
+                nn.init.normal_(layer.weight, std=1e-3)
+                nn.init.zeros_(layer.bias)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        z = nn.functional.normalize(self.head(self.enc(torch.cat([x1, x2]))), dim=-1)
+        similarity = z @ z.t() / 0.07
+        return similarity - 1e4 * torch.eye(similarity.shape[0], dtype=similarity.dtype)
+
+
+def test_a_scaler_whose_overflowed_gradients_turn_nan_is_told_an_overflow():
+    # At the patience-th skipped step the gradients held NaN alone (the Inf met 0 or another
+    # Inf on the way): read "unknown", with "non-finite whatever the scale" as evidence.
+    torch.manual_seed(0)
+    model = _SmallHeadContrastive()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    data = torch.Generator().manual_seed(1)
+    prototypes = torch.randn(6, 16, generator=data) * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, on_nan="record", grad_scaler=scaler) as w:
+            for _ in range(12):
+                x = prototypes[torch.randint(0, 6, (16,), generator=data)]
+                views = [x + 0.5 * torch.randn(16, 16, generator=data) for _ in range(2)]
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits = model(*views).float()
+                n = logits.shape[0] // 2
+                loss = nn.functional.cross_entropy(
+                    logits, torch.cat([torch.arange(n, 2 * n), torch.arange(0, n)]))
+                optimizer.zero_grad()
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                if w.events:
+                    break
+    event = w.event
+    assert event.kind == "nan" and len(w.scaler_skips) == 8
+    assert event.diagnosis.kind == "overflow"
+    assert event.diagnosis.summary.startswith("The gradients overflow float16 even at loss scale")
+    assert event.diagnosis.suggestion[0].startswith("Autocast in bfloat16")
+    assert "at every scale it tried" in event.note and "whatever the scale" not in event.note

@@ -407,12 +407,14 @@ def _skipped_words(run: object) -> str:
 
 
 def _scaled_gradient(facts: Facts) -> Diagnosis | None:
-    """The event of a GradScaler's ``scaler_patience``-th skipped step in a row with an Inf
-    gradient: the float16 gradients overflowed at every scale the scaler tried (with NaN as
-    well: less sure). A NaN alone does not come from the scale: the other rules tell it, and
-    the skips are added to their evidence."""
+    """The event of a GradScaler's ``scaler_patience``-th skipped step in a row with a
+    non-finite gradient: the float16 gradients overflowed at every scale the scaler tried.
+    With NaN as well, or NaN alone (an overflowed gradient that met 0 or another Inf further
+    on), less sure; a NaN that an op outside its domain made is left to the other rules."""
     event, run, op = facts.event, facts.scaler_run, facts.op
-    if run is None or "inf" not in event.kind or (op is not None and op.in_loss):
+    if run is None or (op is not None and op.in_loss):
+        return None
+    if "inf" not in event.kind and op is not None and _domain_reason(op) is not None:
         return None
     came = [name for kind, name in getattr(facts.trace, "came_with", None) or []
             if kind == "output-grad"]
@@ -464,7 +466,8 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
         evidence.append("The scaler took no step since the watch began: the gradients never "
                         f"fit {dtype} at the scales it tried.")
     if event.kind != "inf":
-        evidence.append("It holds NaN too: an Inf that met 0 or another Inf further on in the "
+        evidence.append(f"It holds NaN{' too' if 'inf' in event.kind else ''}: an Inf that met "
+                        "0 or another Inf further on in the "
                         "backward pass (inf x 0, inf - inf) makes NaN, but so does an op outside "
                         "its domain, which no scale helps; backward=True shows the first "
                         "non-finite gradient.")

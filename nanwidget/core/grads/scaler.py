@@ -15,7 +15,7 @@ That is how the scaler finds its scale (it starts at 65536 and overflows on purp
   optimizer steps, or at ``update()`` when the step was skipped; at the end of the backward
   pass when a gradient event needs it): a non-finite loss is an event, no overflow to skip;
 - the ``scaler_patience``-th skipped step in a row is an event too (the scale keeps falling:
-  the gradients are non-finite whatever the scale), raised from ``scaler.update()``.
+  the gradients stayed non-finite at every scale it tried), raised from ``scaler.update()``.
 
 A forward event is an event as ever: the scale only multiplies the loss. A skipped step is
 told by the scale: ``update()`` lowers it exactly when the step was skipped (a fused optimizer
@@ -291,7 +291,7 @@ class ScalerWatch(Feature):
 
     def _patience_event(self, batch: int, held: NanEvent | None, after: float) -> NanEvent:
         words = (f"the GradScaler skipped {self.in_a_row} steps in a row (scale now {after:g}): "
-                 "the gradients stay non-finite whatever the scale")
+                 "the gradients stayed non-finite at every scale it tried")
         if held is not None:
             held.note = _joined(held.note, words)
             return held
