@@ -513,3 +513,67 @@ def test_a_nan_in_a_float8_output_is_found_in_both_modes(reduction_path, mode):
         with nw.watch(model, mode=mode, on_nan="record") as w:
             model(values)
     assert w.event is not None and w.event.kind == "nan"
+
+
+class _GraphBatch:
+    """PyG's Data/Batch in miniature: its tensors in a private mapping, read and written as
+    attributes, and callable (``data(*keys)``), so that it looked like a function."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.__dict__["_store"] = dict(tensors)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self.__dict__["_store"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: torch.Tensor) -> None:
+        self.__dict__["_store"][name] = value
+
+    def __call__(self, *keys: str):
+        yield from ((key, self._store[key]) for key in keys or self._store)
+
+    def __copy__(self) -> "_GraphBatch":
+        return _GraphBatch(**self._store)
+
+
+class _WritesBack(nn.Module):
+    """A PyG-style forward that writes its results back into the batch it got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, data: _GraphBatch) -> torch.Tensor:
+        data.x = torch.relu(self.a(data.x))
+        data.x = torch.log(data.x - 0.5)  # NaN where x < 0.5
+        return self.head(data.x)
+
+
+def test_a_callable_data_batch_is_read_held_and_copied_like_data():
+    # A PyG Data batch is callable: it was kept as a function (a leaf, "not a tensor"), so
+    # its NaN data read "unknown", and replays ran on the caller's own object (after the
+    # forward had written its results into it) and rebound its attributes.
+    torch.manual_seed(0)
+    model = _WritesBack()
+    x = torch.randn(6, 8)
+    x[4, 1] = float("nan")
+    with nw.watch(model, on_nan="record") as w:
+        model(_GraphBatch(x=x, batch=torch.zeros(6, dtype=torch.long)))
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("bad-data", [4])
+    assert diagnosis.summary.startswith("The batch's input[0].x holds NaN in row 4")
+
+    clean = _GraphBatch(x=torch.randn(6, 8))
+    given = clean.x
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        model(clean)
+        trace = w.event.trace
+        assert trace.reproduced and trace.first_bad["op"] == "log"
+        clean.x = given  # the caller puts its batch back; a replay must not touch it
+        again = w.replay(0)
+    assert again.reproduced and clean.x is given
+    root_inputs = again.frames[(again.frames.module == "") & (again.frames.role == "input[0].x")]
+    assert float(root_inputs.abs_max.iloc[0]) == float(given.abs().max())

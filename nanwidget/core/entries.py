@@ -20,7 +20,8 @@ from .schema import LOCAL_SHARD, WRITTEN_HERE
 from .state import optimizer_steps
 from .stats import (PLAIN_TENSOR_TYPES, PendingStats, TensorStats, classify, local_shard,
                     plain_view, version_of)
-from .walk import ATTRIBUTES, LEAF, MAPPING, SEQUENCE, Unread, iter_leaves, kind_of
+from .walk import (ATTRIBUTES, LEAF, MAPPING, SEQUENCE, Unread, data_items, iter_leaves,
+                   kind_of)
 
 __all__ = ["Entry", "EntryBuilder", "non_tensor_entry", "nested_shape"]
 
@@ -355,9 +356,12 @@ class EntryBuilder:
                 return
         kind = kind_of(value)
         if kind == LEAF:
-            if not _in_object:
-                entries.append(non_tensor_entry(role, value))
-            return
+            items = data_items(value)
+            if items is None:
+                if not _in_object:
+                    entries.append(non_tensor_entry(role, value))
+                return
+            kind, value = MAPPING, dict(items)  # PyG's Data: walked as its mapping
         object_root = False
         if kind == SEQUENCE:
             children = [(f"{role}[{index}]", item) for index, item in enumerate(value)]

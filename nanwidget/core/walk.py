@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["iter_leaves", "tensor_leaves", "Unread", "kind_of", "SEQUENCE", "MAPPING", "ATTRIBUTES", "LEAF",
-           "OTHER"]
+__all__ = ["data_items", "iter_leaves", "tensor_leaves", "Unread", "kind_of", "SEQUENCE",
+           "MAPPING", "ATTRIBUTES", "LEAF", "OTHER"]
 
 _Tensor = torch.Tensor
 _SCALARS = (str, bytes, int, float, bool, complex, type(None))
@@ -134,6 +134,32 @@ SEQUENCE, MAPPING, ATTRIBUTES, LEAF, OTHER = _SEQUENCE, _MAPPING, _ATTRIBUTES, _
 _WALKED_BY_CALLERS = (_SEQUENCE, _MAPPING, _ATTRIBUTES, _LEAF)
 
 
+def data_items(value: Any) -> list[tuple[Any, Any]] | None:
+    """The (key, value) pairs of a callable object that keeps its data in a mapping among its
+    attributes (PyG's ``Data``/``Batch``: ``data(*keys)`` is callable, its tensors sit in its
+    ``_store``), walked as that mapping (``data.x``); None for a callable that holds no
+    tensors there (a function object: a leaf)."""
+    if isinstance(value, _OPAQUE):
+        return None
+    attributes = getattr(value, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return None
+    for item in list(attributes.values()):
+        if isinstance(item, Mapping) and not isinstance(item, type):
+            try:
+                items = list(item.items())
+            except Exception:  # a mapping that cannot list itself
+                continue
+            if any(isinstance(v, _Tensor) for _, v in items):
+                return items
+    return None
+
+
+def _mapping_children(items: list[tuple[Any, Any]], role: str) -> Iterator[tuple[str, Any]]:
+    return ((f"{role}.{key}" if isinstance(key, str) else f"{role}[{key!r}]", item)
+            for key, item in items)
+
+
 def kind_of(value: Any) -> int:
     """How :func:`iter_leaves` walks a value that is neither a tensor nor a scalar: one of
     :data:`SEQUENCE`, :data:`MAPPING` (children ``role.key``, or ``role[key!r]`` for a key that
@@ -162,7 +188,8 @@ def _children(value: Any, role: str) -> Iterator[tuple[str, Any]] | Unread | Non
             except Exception:  # an odd metaclass: the long way
                 known = -1
         if known == _LEAF:
-            return None
+            items = data_items(value)
+            return None if items is None else _mapping_children(items, role)
         if known == _ATTRIBUTES:
             attributes = getattr(value, "__dict__", None)
             if isinstance(attributes, dict) and attributes:
@@ -189,7 +216,8 @@ def _children_by_checks(value: Any, role: str) -> Iterator[tuple[str, Any]] | Un
     if isinstance(value, Iterator):
         return Unread(f"{type(value).__name__}: not read (reading would consume it)")
     if isinstance(value, _OPAQUE) or callable(value):
-        return None
+        items = data_items(value)
+        return None if items is None else _mapping_children(items, role)
     attributes = getattr(value, "__dict__", None)
     if isinstance(attributes, dict) and attributes:
         return ((f"{role}.{name}", item) for name, item in list(attributes.items())
@@ -225,7 +253,10 @@ def _collect_tensors(value: Any, role: str, found: list[tuple[str, torch.Tensor]
         return
     kind = kind_of(value)
     if kind == LEAF:
-        return
+        items = data_items(value)
+        if items is None:
+            return
+        kind, value = MAPPING, dict(items)  # PyG's Data: walked as its mapping
     if kind == SEQUENCE:
         children = [(f"{role}[{index}]", item) for index, item in enumerate(value)
                     if type(item) not in _HOLD_NO_TENSOR]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import copyreg
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 from typing import Any
 
@@ -46,8 +46,28 @@ class UncopiedInput(Exception):
 
 
 def needs_copy(value: Any) -> bool:
-    """Whether ``value`` (an input of the forward) is held as a copy of its structure."""
-    return not (isinstance(value, _SHARED) or callable(value))
+    """Whether ``value`` (an input of the forward) is held as a copy of its structure.
+    Callables are kept, except objects that hold data and only happen to be callable (a
+    PyG ``Data`` batch: ``data(*keys)``)."""
+    return not (isinstance(value, _SHARED) or (callable(value) and not _holds_data(value)))
+
+
+def _holds_data(value: Any) -> bool:
+    """Whether a callable object keeps tensors in its attributes, or in a mapping there (PyG
+    keeps a ``Data``'s in its ``_store``): data, not a function."""
+    attributes = getattr(value, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return False
+    for item in list(attributes.values()):
+        if isinstance(item, torch.Tensor):
+            return True
+        if isinstance(item, Mapping) and not isinstance(item, type):
+            try:
+                if any(isinstance(v, torch.Tensor) for v in list(item.values())[:64]):
+                    return True
+            except Exception:  # a mapping that cannot list its values
+                continue
+    return False
 
 
 def copy_structure(value: Any, memo: dict[int, Any] | None = None) -> Any:
