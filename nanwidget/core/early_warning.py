@@ -20,7 +20,9 @@ Two reasons, each given once per module (a warning never stops the run):
     before it overflows; in float32 a value growing that slowly needs over 100 batches from 1
     to the limit anyway;
   * the abs max is at least :data:`GROWTH_FLOOR` (1): a fresh model's outputs leaving a small
-    initialisation climb at 2-4x per batch for a few batches, far below any limit;
+    initialisation climb at 2-4x per batch for a few batches, far below any limit; and the
+    rate is fitted over the run's values of at least 1/16 only (a climb from near zero,
+    2e-7 to 1 in three batches, is no rate), three of them at least;
   * the batches are of one mode: training and evaluation forwards (``model.train()``,
     ``model.eval()``) are two series, each with its own runs (BatchNorm's running statistics
     can put the first evaluation outputs far above the training ones: a step, not a growth).
@@ -70,6 +72,8 @@ MIN_GROWTH = 2.0  # slowest growth per batch that counts (slower: the near-limit
 # climb there at 2-4x per batch for a few batches (faster at first under momentum). A blow-up
 # passes 1 with at least 8 batches to go at 4x per batch.
 GROWTH_FLOOR = 1.0
+# Points of a run below this are left out of the fitted rate (see EarlyWarnings._rate).
+_FIT_FLOOR = GROWTH_FLOOR / 16
 # A value this close to its dtype's largest is that extreme written on purpose (a mask filled
 # with finfo.min), not a value that grew there: a growing value passes through the near zone.
 _EXTREME = 1.0 / 1.01
@@ -434,6 +438,12 @@ class EarlyWarnings(Feature):
         estimate) for a run of one rise: one jump out of a noisy series is no rate."""
         run = self._runs[index]
         if self._rises[index] < 2 or len(run) < 3:
+            return 0.0
+        # Values far below the growth floor are a start from near zero (a fresh layer, a
+        # mean readout of centred features at 2e-7), not a rate: a climb from there to 1 in
+        # three batches fitted 45x per batch.
+        run = [(batch, value) for batch, value in run if value >= _FIT_FLOOR]
+        if len(run) < 3:
             return 0.0
         return growth_rate([batch for batch, _ in run], [math.log(value) for _, value in run])
 
