@@ -1487,3 +1487,27 @@ def test_an_exp_overflow_is_told_a_clamp_below_log_of_the_largest():
     fixed.load_state_dict(model.state_dict())
     with nw.watch(fixed, on_nan="raise"):
         assert torch.isfinite(fixed(x)).all()
+
+
+def test_weights_that_one_optimizer_step_blew_up_are_a_divergence():
+    # Adam at a learning rate of 1e12 moves every weight by about 1e12 in its first step: the
+    # next steps' NaN weights read "corrupted weight" with no word of the learning rate (a
+    # climb needed two batches). One user write that scales a weight stays no divergence (the
+    # GPT-2 test above). (Sentinel mode measures no weights of the batches before: it says so.)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e12)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    with watch(model, "full") as w:
+        for _ in range(4):
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if w.events:
+                break
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "divergence"
+    assert any("from batch 0" in line and "to batch 1" in line for line in diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("Lower the learning rate")

@@ -348,6 +348,8 @@ class Facts:
     weights_written: dict[str, bool] = field(default_factory=dict)
     # Buffers the event batch's own forward wrote into (BatchNorm's running statistics).
     written_in_forward: set[str] = field(default_factory=set)
+    # Optimizer steps taken when each held batch started (an optimizer step between two).
+    optimizer_steps: dict[int, int] = field(default_factory=dict)
     # The event's non-finite weights whose slots hold stand-ins, not parameters (the forward
     # runs with other tensors in their place: torch.func.functional_call).
     substituted: set[str] = field(default_factory=set)

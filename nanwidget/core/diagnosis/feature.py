@@ -164,6 +164,8 @@ class Diagnoser(Feature):
             self._weights_last_finite(facts)
         if self.weights.first and len(self.weights.series) >= 3:  # divergence may be told
             self._weights_now(facts)
+        if self.capture is not None and len(self.weights.series) >= 2:
+            facts.optimizer_steps = self.capture.optimizer_steps()
         return facts
 
     def _is_mask(self, weight: str) -> bool:

@@ -138,11 +138,24 @@ def _no_history(facts: Facts) -> list[str]:
 # magnitude per batch); healthy training moves them from their initialisation by a few percent
 # per batch, which over many batches also adds up to 2x: no divergence.
 _DIVERGING_PER_BATCH = 1.1
+_JUMP = 100.0  # one optimizer step that multiplies the weights' abs max by this: diverged
 
 
 def _weights_growth(facts: Facts) -> Growth | None:
+    """The weights' climb over the batches before the event, or their jump by
+    :data:`_JUMP` or more across one of the last optimizer steps (Adam at a learning rate of
+    1e12 moves every weight by about that much at once; a write of the user's is no step)."""
     points = [(b, v) for b, v in facts.weights.series if b <= facts.event.batch]
-    return growth_of(points, per_batch=_DIVERGING_PER_BATCH)
+    grew = growth_of(points, per_batch=_DIVERGING_PER_BATCH)
+    if grew is not None:
+        return grew
+    steps = facts.optimizer_steps
+    for before, after in list(zip(points, points[1:]))[-3:][::-1]:
+        stepped = steps.get(after[0], 0) > steps.get(before[0], math.inf)
+        if stepped and before[1] > 0 and math.isfinite(after[1]) \
+                and after[1] >= _JUMP * before[1]:
+            return Growth(start=before, end=after)
+    return None
 
 
 def _grown_modules(facts: Facts) -> list[str]:

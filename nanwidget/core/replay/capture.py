@@ -422,6 +422,11 @@ class BatchCapture(Feature):
         """Batch numbers that can be replayed now."""
         return sorted(b for b, held in self.held.items() if held.forwards)
 
+    def optimizer_steps(self) -> dict[int, int]:
+        """Optimizer steps taken in this process when each held batch started, by batch (a
+        step between two batches: the later one's number is larger)."""
+        return {b: held.forwards[0].steps for b, held in self.held.items() if held.forwards}
+
     def held_inputs(self, batch: int) -> list[tuple[str, torch.Tensor]]:
         """The input tensors of ``batch``'s root forwards by role (``input[0]``,
         ``kwarg:mask`` ...), as they ran; empty when the batch is not held or an input was
