@@ -437,30 +437,29 @@ class BatchCapture(Feature):
             return []
         return [pair for capture in held.forwards for pair in capture.inputs]
 
+    def _named_inputs(self, batch: int) -> list[tuple[str, Any]]:
+        """(role, value) of each argument of ``batch``'s first root forward, as it was held;
+        empty when the batch is not held."""
+        held = self.held.get(batch)
+        if held is None or not held.forwards:
+            return []
+        capture = held.forwards[0]
+        return [(f"input[{i}]", value) for i, value in enumerate(capture.args)] + \
+            [(f"kwarg:{key}", value) for key, value in capture.kwargs.items()]
+
     def sample_lists(self, batch: int) -> dict[str, int]:
         """The inputs of ``batch``'s root forward that are Python lists of tensors, one per
         sample (torchvision's detection models take a list of images), by role, with their
         length; empty when the batch is not held."""
-        held = self.held.get(batch)
-        if held is None or not held.forwards:
-            return {}
-        capture = held.forwards[0]
-        named = [(f"input[{i}]", value) for i, value in enumerate(capture.args)] + \
-            [(f"kwarg:{key}", value) for key, value in capture.kwargs.items()]
-        return {role: len(value) for role, value in named
+        return {role: len(value) for role, value in self._named_inputs(batch)
                 if type(value) is list and len(value) > 1
                 and all(isinstance(item, torch.Tensor) for item in value)}
 
     def packed_sequences(self, batch: int) -> dict[str, Any]:
         """The inputs of ``batch``'s root forward that are PackedSequences, by role (their
         ``data`` is the leaf ``role[0]``); empty when the batch is not held."""
-        held = self.held.get(batch)
-        if held is None or not held.forwards:
-            return {}
-        capture = held.forwards[0]
-        named = [(f"input[{i}]", value) for i, value in enumerate(capture.args)] + \
-            [(f"kwarg:{key}", value) for key, value in capture.kwargs.items()]
-        return {role: value for role, value in named if isinstance(value, PackedSequence)}
+        return {role: value for role, value in self._named_inputs(batch)
+                if isinstance(value, PackedSequence)}
 
     def buffers_written(self, batch: int) -> set[str]:
         """The buffers (by qualified name) that ``batch``'s root forwards wrote into (their
