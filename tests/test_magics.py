@@ -415,6 +415,19 @@ def test_sentinel_cell_status_shows_what_the_sentinel_checks_and_what_it_cannot_
     assert "largest |x| so far:" in final and "loss made outside" not in final
 
 
+def test_sentinel_status_counts_the_batches_recorded_in_full_too(ip):
+    # With --sample-every the sampled batches are checked by their frames, not the sentinel:
+    # the status line left them out (batch 0's 1e12 read 1e9).
+    cell = ("%%nanwatch model --sentinel --sample-every 2\n"
+            "outputs = [model(torch.randn(2, 16) * scale) for scale in (1e12, 1e9, 1.0, 1.0)]\n"
+            "largest = max(float(out.abs().max()) for out in outputs)\n")
+    with capture_output() as captured:
+        run(ip, cell)
+    final = captured.outputs[-1].data["text/plain"]
+    shown = float(re.search(r"largest \|x\| so far: (\S+) \(float32", final).group(1))
+    assert shown == pytest.approx(ip.user_ns["largest"], rel=1e-2)
+
+
 def test_cell_removes_hooks_when_the_cell_fails_for_another_reason(ip):
     with pytest.raises(ZeroDivisionError):
         run(ip, "%%nanwatch model\nmodel(torch.randn(2, 16))\n1 / 0\n")

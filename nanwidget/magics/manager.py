@@ -81,13 +81,14 @@ class LiveStatus(Feature):
         sentinel = self.sentinel
         if sentinel is not None:
             # The latest batch the sentinel read (on a GPU it may be the one before): only
-            # the model's outputs, the same in every batch, sampled or not.
+            # the model's outputs, the same in every batch, sampled or not. A batch recorded
+            # in full (sample_every) is checked by its frames, not the sentinel: its root's.
             checked = sentinel.outputs_abs_max
             if checked > largest:
                 largest = checked
                 self.largest_dtype = str(sentinel.outputs_dtype).replace("torch.", "")
                 self.largest_module = ""
-            frames = ()
+            frames = [frame for frame in frames if frame.module == ""]
         for frame in frames:
             if frame.phase != "forward":
                 continue
