@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
+import warnings
 
 import pandas as pd
 import pytest
@@ -339,3 +341,17 @@ def test_a_cache_object_walked_at_every_block_shows_its_values_at_each_call():
         own = frames[(frames.module == f"blocks.{position}") & frames.role.str.startswith("kwarg:")]
         assert dict(zip(own.role, own.abs_max)) == expected, position
     assert seen[-1] == {"kwarg:state.k": 4.0, "kwarg:state.v": 1.5, "kwarg:state.extra": 7.0}
+
+
+def test_a_nan_warning_points_at_the_line_that_called_the_model():
+    # on_nan="warn": the warning pointed inside torch (module.py, "return self._call_impl").
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, on_nan="warn"):
+            line = sys._getframe().f_lineno + 1
+            model(torch.randn(2, 4))
+    said = [c for c in caught if issubclass(c.category, nw.NanWarning)]
+    assert len(said) == 1 and (said[0].filename, said[0].lineno) == (__file__, line)

@@ -1170,7 +1170,7 @@ class Recorder:
             if self.on_nan in ("raise", "warn"):
                 text = self._warning_text(event)
                 if text:
-                    warnings.warn(text, NanWarning, stacklevel=5)
+                    warnings.warn(text, NanWarning, stacklevel=user_stacklevel())
         # abort_after: at the end of the batch numbered abort_after or later, and at the end of
         # any root forward past it (a batch numbered with set_batch() beyond it, as transformers
         # does it).
@@ -1356,4 +1356,4 @@ class Recorder:
             self._warned_internal = True
             warnings.warn(f"nanwidget: internal error while recording ({type(error).__name__}: "
                           f"{error}); your forward pass continues, some frames may be missing",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=user_stacklevel())

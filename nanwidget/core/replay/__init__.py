@@ -21,6 +21,7 @@ import torch
 
 from ..events import NanEvent
 from ..recorder import Feature, Recorder
+from ..sourcelines import user_stacklevel
 from ..trace import Trace
 from .capture import (BatchCapture, BatchNotHeldError, InputModifiedError, ModelNotReplayableError,
                       ReplayError, MAX_EVENT_BATCHES, MAX_FORWARDS_PER_BATCH)
@@ -125,5 +126,6 @@ class Replayer(Feature):
             event.trace = self.replay_event(event)
         except Exception as error:  # a failed replay must not hide the event itself
             warnings.warn(f"nanwidget: replay_on_nan could not replay batch {event.batch} "
-                          f"({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2)
+                          f"({type(error).__name__}: {error})", RuntimeWarning,
+                          stacklevel=user_stacklevel())
         return event
