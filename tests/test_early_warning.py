@@ -5,6 +5,7 @@ reason, without stopping the run; healthy training never warns."""
 from __future__ import annotations
 
 import json
+import dataclasses
 import math
 import warnings
 
@@ -738,3 +739,12 @@ def test_a_climb_from_near_zero_is_no_growth_rate():
             model.gain = target / largest
             model(x)
     assert watched.warnings == []
+
+
+def test_a_warning_counts_one_batch_in_the_singular():
+    soon = nw.EarlyWarning(batch=4, module="attn", role="output", reason="near-limit",
+                           abs_max=30000.0, limit=65504.0, growth_per_batch=2.5,
+                           batches_to_limit=0.85, dtype="float16")
+    assert soon.summary().endswith("(growing 2.5x per batch: about 1 batch left)")
+    later = dataclasses.replace(soon, reason="growth", batches_to_limit=12.2)
+    assert later.summary().endswith("in about 12 batches")

@@ -528,3 +528,11 @@ def test_ten_thousand_rows_build_fast_and_step_fast():
     # Targets are 1 s and 100 ms; the margins absorb a busy shared CI machine.
     assert build < 3.0
     assert np.median(steps) < 0.1
+
+
+def test_one_frame_held_is_said_in_the_singular():
+    model = nn.Linear(4, 2)
+    with nw.watch(model, max_frames=1) as w:
+        model(torch.randn(3, 4))
+    text = FrameBrowser(w)._repr_mimebundle_()["text/plain"]
+    assert text.startswith("nanwidget FrameBrowser: 1 frame (")

@@ -124,13 +124,13 @@ class EarlyWarning:
         if self.reason == "growth":
             text = (f"{what} grows {self.growth_per_batch:.3g}x per batch (abs max "
                     f"{self.abs_max:.3g}); at that rate it passes {dtype}'s largest "
-                    f"{self.limit:.6g} in about {self.batches_to_limit:.0f} batches")
+                    f"{self.limit:.6g} in about {_batches(self.batches_to_limit)}")
         else:
             text = (f"{what} reached abs max {self.abs_max:.3g}, within a factor "
                     f"{NEAR_FACTOR:g} of {dtype}'s largest {self.limit:.6g}")
             if self.batches_to_limit == self.batches_to_limit:
                 text += (f" (growing {self.growth_per_batch:.3g}x per batch: about "
-                         f"{self.batches_to_limit:.0f} batches left)")
+                         f"{_batches(self.batches_to_limit)} left)")
         return f"early warning, {where}: {text}"
 
     def __str__(self) -> str:
@@ -158,6 +158,12 @@ def warning_from_fields(fields: dict[str, Any]) -> EarlyWarning:
 
 
 # ---------------------------------------------------------------------------- the fit
+def _batches(count: float) -> str:
+    """"1 batch", "12 batches" (rounded)."""
+    shown = f"{count:.0f}"
+    return f"{shown} batch" if shown == "1" else f"{shown} batches"
+
+
 def growth_rate(batches: list[int], logs: list[float]) -> float:
     """Theil-Sen slope of ``logs`` (natural log of abs max) against ``batches``: the median of
     the pairwise slopes, so that one odd batch does not make a trend."""

@@ -391,7 +391,9 @@ class FrameBrowser(widgets.VBox):
             span = f"batch {batches[0]}" if batches[0] == batches[-1] else \
                 f"batches {batches[0]}–{batches[-1]}"
             ranks = f", ranks {index.ranks[0]}–{index.ranks[-1]}" if len(index.ranks) > 1 else ""
-            held = f"{index.n_frames} frames ({index.n_rows} tensors) held, {span}{ranks}"
+            frames = "1 frame" if index.n_frames == 1 else f"{index.n_frames} frames"
+            tensors = "1 tensor" if index.n_rows == 1 else f"{index.n_rows} tensors"
+            held = f"{frames} ({tensors}) held, {span}{ranks}"
             if len(self._visible) != index.n_frames:
                 held += f" · {len(self._visible)} match the filters"
             problem = self._layer_problem()
