@@ -187,6 +187,10 @@ def test_dotted_names_reach_a_model_inside_an_object(ip):
     ("%nanwatch model --bogus", "unrecognized arguments: --bogus"),
     ("%nanwatch --off -n 3", "--off stops a watch and takes no watch options (got --frames)"),
     ("%nanwatch model --off --sentinel", "--off .* no watch options (got --sentinel)"),
+    # argparse keeps the last of a repeated option: --frames 5 --frames 7 watched with 7.
+    ("%nanwatch model --frames 5 --frames 7", "--frames is given twice; give each option once"),
+    ("%nanwatch model -n 5 --frames=7", "--frames is given twice"),
+    ("%nanwatch model --sentinel --backward --sentinel", "--sentinel is given twice"),
 ])
 def test_misuse_raises_usage_error_with_a_sentence(ip, line, message):
     ip.user_ns["not_a_model"] = [1, 2]

@@ -154,6 +154,24 @@ def _option_flags(magic: Any) -> Any:
     return magic
 
 
+# Every spelling of each watch option's flag -> its long name (-n and --frames are one).
+_FLAG_NAMES = {spelling: declared.flag.names[-1] for declared in OPTIONS.values()
+               if declared.flag is not None for spelling in declared.flag.names}
+
+
+def _refuse_repeated(tokens: list[str]) -> None:
+    """An option given twice is a mistake to say, not a value to pick (argparse keeps the
+    last: --frames 5 --frames 7 watched with 7)."""
+    seen: set[str] = set()
+    for token in tokens:
+        name = _FLAG_NAMES.get(token.split("=", 1)[0]) if token.startswith("-") else None
+        if name is None:
+            continue
+        if name in seen:
+            raise MagicUsageError(f"{name} is given twice; give each option once")
+        seen.add(name)
+
+
 # argparse would list the optional MODEL last; the docs (and users) write it first.
 _USAGE = ("%(prog)s MODEL [options]\n"  # IPython's help formatter adds the first "%"
           "       %%%(prog)s --off [MODEL]\n"
@@ -277,10 +295,12 @@ class NanwatchMagics(Magics):
         try:
             # Split as a shell does (IPython's default keeps the quotes): --log-dir "runs/a b"
             # names the folder runs/a b, not one whose name starts with a quote.
-            args = self.nanwatch.parser.parse_args(arg_split(line, posix=True))
+            tokens = arg_split(line, posix=True)
         except ValueError as error:  # shlex: an unterminated quote
             raise MagicUsageError(f"%nanwatch could not read its options ({error}): {line!r}; "
                                   "check the quotes") from None
+        _refuse_repeated(tokens)
+        args = self.nanwatch.parser.parse_args(tokens)
         if args.off:
             if cell is not None:
                 raise MagicUsageError("--off is for the line magic: %nanwatch --off [MODEL]")
