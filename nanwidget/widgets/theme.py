@@ -74,6 +74,6 @@ STYLESHEET = f"""
 .nw-browser .nw-filter-layer.nw-invalid input {{ border-color: var(--nw-alert-fg); }}
 .nw-browser .nw-export-link a {{ font-weight: bold; }}
 .nw-browser .nw-trace pre {{ line-height: 1.3; max-height: 260px; overflow: auto;
-  font-size: 11px; }}
+  font-size: 11px; white-space: pre-wrap; word-break: normal; overflow-wrap: break-word; }}
 </style>
 """
