@@ -757,6 +757,10 @@ def test_lab_quickstart_run_all_then_the_first_browser_reruns_its_event(lab, chr
         text = first.locator(".nw-trace").inner_text()
         assert "not reproduced" not in text and "values changed" not in text, text[:400]
         assert head.inner_text().startswith("first bad op:")
+        # The report wraps between words (JupyterLab's own pre style broke words mid-way).
+        wrap = first.locator(".nw-trace pre").evaluate(
+            "e => [getComputedStyle(e).wordBreak, getComputedStyle(e).whiteSpace]")
+        assert wrap == ["normal", "pre-wrap"], wrap
         _set_theme(page, dark=True)
         assert first.locator(".nw-trace-head .nw-alert").evaluate(CONTRAST_JS) >= 4.5
         first.locator(".nw-trace").evaluate("e => e.scrollIntoView({block: 'center'})")
