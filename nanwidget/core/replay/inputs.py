@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import copy
 import copyreg
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 from typing import Any
 
 import torch
 from torch import nn
+
+from ..walk import data_items
 
 __all__ = ["copy_structure", "UncopiedInput", "needs_copy"]
 
@@ -58,16 +60,8 @@ def _holds_data(value: Any) -> bool:
     attributes = getattr(value, "__dict__", None)
     if not isinstance(attributes, dict):
         return False
-    for item in list(attributes.values()):
-        if isinstance(item, torch.Tensor):
-            return True
-        if isinstance(item, Mapping) and not isinstance(item, type):
-            try:
-                if any(isinstance(v, torch.Tensor) for v in list(item.values())[:64]):
-                    return True
-            except Exception:  # a mapping that cannot list its values
-                continue
-    return False
+    return any(isinstance(item, torch.Tensor) for item in list(attributes.values())) \
+        or data_items(value) is not None
 
 
 def copy_structure(value: Any, memo: dict[int, Any] | None = None) -> Any:
