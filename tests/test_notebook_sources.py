@@ -93,6 +93,6 @@ def test_a_trace_with_no_user_line_says_so_in_the_event_line():
     event = NanEvent(batch=0, module="2", module_type="Linear", call=0, role="output",
                      kind="nan", origin="output", trace=trace)
     summary = event.summary()
-    assert summary.endswith("first bad op log (no line of user code on the stack)")
+    assert summary.endswith("first bad op log (in library code, not a line of yours)")
     assert not summary.rstrip().endswith(" at")
-    assert "no line of user code on the stack" in trace.report()
+    assert "(in library code, not a line of yours)" in trace.report()

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 
-from .schema import EVENT_FIELDS, FRAME_COLUMNS
+from .schema import EVENT_FIELDS, FRAME_COLUMNS, NO_USER_LINE
 
 __all__ = ["NanEvent", "Diagnosis", "GradEvent", "ScalerSkip", "NanDetected", "NanWarning",
            "AbortAfterBatch", "ORIGIN_WORDS", "UNVERIFIED_NOTES", "DIAGNOSIS_KINDS",
@@ -198,7 +198,7 @@ class NanEvent:
         first = getattr(self.trace, "first_bad", None)
         if first is not None:
             where = (f"at {first['source']}" if first["source"]
-                     else "(no line of user code on the stack)")
+                     else NO_USER_LINE)
             text += f"; first bad op {first['op']} {where}"
         elif self.diagnosis is not None and self.diagnosis.op:  # named by the diagnosis' replay
             text += f"; first bad op {self.diagnosis.op}"

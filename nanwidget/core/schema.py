@@ -14,7 +14,7 @@ __all__ = [
     "FRAME_COLUMNS", "FRAME_DTYPES", "HISTORY_COLUMNS", "HISTORY_DTYPES",
     "GRAD_HISTORY_COLUMNS", "GRAD_HISTORY_DTYPES", "OPS_COLUMNS", "OPS_DTYPES",
     "column_kinds", "empty_table", "NOTES", "NOTES_WITH_STATS", "NO_STATS_NOTES", "LEAF_NOTES",
-    "note_has_stats", "PENDING",
+    "note_has_stats", "PENDING", "NO_USER_LINE",
     "CHANGED_LATER", "LOCAL_SHARD", "ROLE_GROUPS", "role_group", "role_groups", "is_input_role",
     "is_output_role", "EVENT_FIELDS", "ORIGINS", "KINDS",
 ]
@@ -66,6 +66,9 @@ def empty_table(columns: list[str], dtypes: dict[str, str]) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------- notes
 PENDING = "pending"  # internal: stats not measured yet (never in a resolved frame)
 CHANGED_LATER = "changed in place later"
+# Where a first bad op ran when no line of the user's code is on its stack (an op inside a
+# library's layer; a replay is called from nanwidget, not from the user's loop).
+NO_USER_LINE = "(in library code, not a line of yours)"
 WRITTEN_HERE = "written in place here"
 LOCAL_SHARD = "local shard"
 

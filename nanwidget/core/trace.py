@@ -9,7 +9,7 @@ import pandas as pd
 
 from .events import NanEvent
 from .report import format_frames
-from .schema import OPS_COLUMNS, OPS_DTYPES, empty_table
+from .schema import NO_USER_LINE, OPS_COLUMNS, OPS_DTYPES, empty_table
 from .sourcelines import locate_source
 
 __all__ = ["Trace", "TENSOR_COLUMNS", "empty_ops"]
@@ -217,7 +217,7 @@ class Trace:
                 if text:
                     lines.append(f"  {located[1]:>6} | {text}")
             else:
-                lines.append("  (no line of user code on the stack)")
+                lines.append(f"  {NO_USER_LINE}")
             for row in self.first_bad_tensors.itertuples(index=False):
                 counts = [f"{n} of {row.numel} {k}" for n, k in ((row.nan_count, "NaN"),
                                                                  (row.inf_count, "Inf")) if n]

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from ..events import Diagnosis, NanEvent
+from ..schema import NO_USER_LINE
 from ..stats import dtype_max
 from . import fixes
 from .facts import Facts, OpFacts, weight_names
@@ -1052,7 +1053,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
         _absorbed(facts, found)
     op = facts.op
     if op is not None and getattr(facts.trace, "first_bad", None) is not None:
-        where = f"at {op.source}" if op.source else "(no line of user code on the stack)"
+        where = f"at {op.source}" if op.source else NO_USER_LINE
         found.op = f"{op.op} {where}"
     return found
 
