@@ -1078,7 +1078,7 @@ class Recorder:
         frames, self._frames = self._frames, []
         if frames or len(self._pending):
             self._pending.resolve()
-        self.entries.end_batch()
+            self.entries.end_batch()  # the objects it walked went into these frames
         self._rank = current_rank()
         event = self.records.take(frames) if frames else None
         if ended is not None:
