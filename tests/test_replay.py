@@ -607,3 +607,39 @@ def test_a_manual_replay_of_a_backward_event_with_a_loss_checks_for_that_event()
     assert same.reproduced
     assert not finite.reproduced and "(backward)" in finite.expected
     assert "the loss function this replay ran is not the one the batch ran" in finite.summary()
+
+
+class NumpyLayerDrop(nn.Module):
+    """Layer drop drawn from NumPy's global generator (as wav2vec2 draws its time masks): the
+    second layer, which makes a NaN, runs when the draw is below 0.6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.first(x)
+        if numpy.random.rand() < 0.6:
+            x = self.second(x).log()
+        return x
+
+
+def test_a_replay_whose_forward_draws_from_numpy_says_its_draws_differ():
+    torch.manual_seed(0)
+    model = NumpyLayerDrop()
+    numpy.random.seed(0)  # draws 0.549 (the layer runs: NaN), then 0.715 (the replay skips it)
+    with nw.watch(model, keep_batches=1, on_nan="record") as w:
+        model(torch.randn(3, 4))
+        assert [e.batch for e in w.events] == [0]
+        state = str(numpy.random.get_state())
+        trace = w.replay(0)
+        assert str(numpy.random.get_state()) == state  # put back: the training draws as before
+    assert not trace.reproduced
+    assert "NumPy's global generator (np.random)" in trace.why_not_reproduced()
+    assert any("whose state a batch does not keep" in c for c in trace.changes)
+    # A forward that draws nothing has no such change.
+    quiet = nn.Linear(4, 4)
+    with nw.watch(quiet, keep_batches=1) as w:
+        quiet(torch.randn(2, 4))
+        assert w.replay(0).changes == []

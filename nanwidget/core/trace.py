@@ -101,7 +101,7 @@ class Trace:
         if not self.expected:
             return f"the replay found an event the run did not record: {self.found}"
         if self.changes:
-            return ("the model differs from when the batch ran: " + "; ".join(self.changes[:3])
+            return ("the replay differs from when the batch ran: " + "; ".join(self.changes[:3])
                     + (" ..." if len(self.changes) > 3 else ""))
         if self.found:
             return f"the replay met another event first: {self.found}"

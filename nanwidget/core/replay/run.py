@@ -411,6 +411,7 @@ class _Replay:
             attributes.restore()
             for module, flag in zip(slots.modules, saved_training):
                 module.training = flag
+            changes.extend(_unheld_draws(saved_random, numpy, saved_numpy))
             torch.set_rng_state(saved_cpu_rng)
             if saved_cuda_rng is not None:
                 torch.cuda.set_rng_state_all(saved_cuda_rng)
@@ -643,4 +644,18 @@ def _fresh(value: Any, needed_grad: bool, memo: dict[int, Any]) -> Any:
     except (UncopiedInput, RecursionError) as error:  # copied once already: should not happen
         raise ReplayError(f"cannot replay: an input could not be copied again ({error})") from None
 
+
+def _unheld_draws(saved_random: Any, numpy: Any, saved_numpy: Any) -> list[str]:
+    """What the replay drew from Python's and NumPy's global generators, as changes: a batch
+    keeps torch's RNG states only (reading NumPy's costs every batch), so those draws differ
+    from the batch's (wav2vec2's time masks come from ``np.random``)."""
+    drew = []
+    if random.getstate() != saved_random:
+        drew.append("Python's random module")
+    if numpy is not None and saved_numpy is not None:
+        now = numpy.random.get_state()
+        if now[2:] != saved_numpy[2:] or not numpy.array_equal(now[1], saved_numpy[1]):
+            drew.append("NumPy's global generator (np.random)")
+    return [f"the forward drew from {name}, whose state a batch does not keep: its random "
+            "choices (masks, layer drop) differ from the batch's" for name in drew]
 
