@@ -1386,6 +1386,8 @@ def test_a_buffer_non_finite_before_the_watch_is_not_blamed_on_the_first_forward
     assert any("held NaN when the watch began" in line for line in diagnosis.evidence)
     assert diagnosis.suggestion[0].startswith("It was non-finite before the first batch watched")
     assert not any("reset_running_stats" in fix for fix in diagnosis.suggestion)
+    # No step of this run wrote it: the steps' advice is for the run that saved it.
+    assert all(fix.startswith(("It was", "In the run that saved it")) for fix in diagnosis.suggestion)
 
 
 def test_a_running_var_loaded_non_finite_is_still_blamed_on_the_load():

@@ -259,14 +259,18 @@ def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: 
         fixes.append("Adam/AdamW on float16 weights: its eps=1e-8 is 0 in float16, so a step "
                      "divides by ~0. Use eps=1e-4 or larger, or keep the weights in float32 "
                      "(torch.autocast for float16 compute, with torch.amp.GradScaler).")
-    fixes.append("Catch the bad step before it writes the weights: watch with backward=True "
-                 "(a non-finite gradient stops there), or call w.check_grad_norms() before "
-                 "optimizer.step() and skip the step when it returns True.")
-    fixes.append("Clip the gradients before the step: "
+    # Before the watch, no step of this run wrote it: the steps' advice is for the run that
+    # saved the checkpoint, if one did.
+    within = "In the run that saved it: c" if before_watch else "C"
+    fixes.append(f"{within}atch the bad step before it writes the weights: watch with "
+                 "backward=True (a non-finite gradient stops there), or call w.check_grad_norms() "
+                 "before optimizer.step() and skip the step when it returns True.")
+    fixes.append(f"{within}lip the gradients before the step: "
                  "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0); with float16, "
                  "torch.amp.GradScaler skips steps whose gradients hold Inf/NaN.")
-    fixes.append(f"If no optimizer step ran {after}: look for a load_state_dict of a bad "
-                 f"checkpoint or an in-place write to {names[0] if names else 'the weight'}.")
+    if not before_watch:
+        fixes.append(f"If no optimizer step ran {after}: look for a load_state_dict of a bad "
+                     f"checkpoint or an in-place write to {names[0] if names else 'the weight'}.")
     return fixes
 
 
