@@ -764,6 +764,28 @@ def test_with_gradient_accumulation_a_later_micro_batch_keeps_the_forwards_cause
         "The gradient of batch 0 is NaN because its forward already was")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulation_blames_the_step_after_the_micro_batch_whose_gradient_went_nan(mode):
+    # Four micro-batches per step: micro-batch 6 makes a NaN gradient (sqrt at 0), micro-batch
+    # 7 adds to it, the step after 7 writes it into the weights, batch 8 runs on them. Batch 7's
+    # only events were in its backward: its forward ran on finite weights (sentinel said
+    # "between batch 6 and batch 7").
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(10)]
+    with watch(model, mode, backward=True) as w:
+        for i, (x, y) in enumerate(data):
+            scale = 0.0 if i == 6 else 1.0
+            (torch.sqrt(((model(x) - y) * scale).pow(2).sum()) / 4).backward()
+            if i % 4 == 3:
+                optimizer.step()
+                optimizer.zero_grad()
+    event = next(e for e in w.events if e.origin == "weight")
+    assert event.batch == 8 and event.diagnosis.kind == "corrupted-weight"
+    assert "between batch 7 and batch 8" in event.diagnosis.summary
+
+
 class _Huge(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 1e39  # Inf in float32: an event

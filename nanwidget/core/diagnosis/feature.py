@@ -294,7 +294,9 @@ class Diagnoser(Feature):
                   if kind == "weight" and not self._is_mask(name)]
                  or weight_names(event, self._is_mask))
         events = self.recorder.events
-        eventful = {e.batch for e in events}
+        # A batch whose events all came in its backward pass ran its forward on finite
+        # weights (a non-finite weight is a forward event): it counts as clean.
+        eventful = {e.batch for e in events if not e.is_backward}
         column = (facts.history_modules.index(event.module)
                   if event.module in facts.history_modules else None)
         ran = [b for row, b in enumerate(facts.history_batches)
