@@ -803,6 +803,28 @@ class _InfClampedAway(nn.Module):
         return self.fc(self.huge(x).clamp(-1e3, 1e3))
 
 
+def test_a_saturated_gan_loss_through_a_wrapper_driven_without_its_forward_is_the_loss():
+    # One watch on a ModuleDict of G and D (its forward never runs): D's sigmoid gives exactly
+    # 1.0 on a real batch, so log(1 - D(x)) is -inf in the loss. Watching D alone says "loss";
+    # through the wrapper the same event read "unknown" (it looked for the wrapper's gradient).
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1),
+                                  nn.Sigmoid())
+    with torch.no_grad():
+        discriminator[2].bias.fill_(40.0)  # saturated: sigmoid(40) is 1.0 in float32
+    gan = nn.ModuleDict({"G": generator, "D": discriminator})
+    with watch(gan, "full", backward=True) as w:
+        fake = generator(torch.randn(8, 4))
+        real = torch.randn(8, 8)
+        loss = -(torch.log(discriminator(fake.detach())) + torch.log(1 - discriminator(real)))
+        loss.mean().backward()
+    event = w.events[0]
+    assert (event.module, event.role, event.is_backward) == ("D.3", "grad_output[0]", True)
+    assert event.diagnosis.kind == "loss"
+    assert "BCEWithLogitsLoss" in " ".join(event.diagnosis.suggestion)
+
+
 def test_a_loss_nan_after_a_forward_event_whose_output_stayed_finite_is_the_loss():
     # The forward's Inf never reached the output (full mode sees it; sentinel mode does not);
     # the NaN gradient came from log(1 - p) of a saturated sigmoid in the loss.

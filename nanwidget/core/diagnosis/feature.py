@@ -115,7 +115,7 @@ class Diagnoser(Feature):
     def facts(self, event: NanEvent, *, may_replay: bool = False) -> Facts:
         """What the rules read about ``event`` (see :class:`~.facts.Facts`)."""
         recorder = self.recorder
-        root = recorder.modules[0].name
+        root = self._pass_root(event)
         facts = Facts(event=event, trace=event.trace, weights=self.weights,
                       sentinel=self.sentinel, sample_every=self.sample_every,
                       is_mask=self._is_mask,
@@ -176,6 +176,21 @@ class Diagnoser(Feature):
             return False
         entry = next((e for e in self.recorder.weights_now(module) or () if e.role == role), None)
         return entry is not None and additive_mask(entry)
+
+    def _pass_root(self, event: NanEvent) -> str:
+        """The module whose call was the event's pass: the root, or for a model driven without
+        its forward (a GAN's wrapper of G and D) the outermost module around the event's that
+        ran in its batch (its output is what the loss took)."""
+        root = self.recorder.modules[0].name
+        frames = event.frames
+        if not self.recorder.ran_outside_root(event.batch) or frames is None or frames.empty:
+            return root
+        ran = set(frames.loc[frames["batch"] == event.batch, "module"])
+        if root in ran:
+            return root
+        parts = event.module.split(".")
+        return next((name for name in (".".join(parts[:n]) for n in range(1, len(parts) + 1))
+                     if name in ran), root)
 
     def _nonfinite_outputs(self, batch: int, root: str) -> list[str] | None:
         """The modules whose outputs held NaN/Inf in ``batch``, in the model's order, when the
