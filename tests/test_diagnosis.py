@@ -786,6 +786,45 @@ def test_accumulation_blames_the_step_after_the_micro_batch_whose_gradient_went_
     assert "between batch 7 and batch 8" in event.diagnosis.summary
 
 
+def _accumulate_with_a_zero_gradient(mode: str, zero_after: set[int], zero_at: set[int]
+                                     ) -> nw.NanWatch:
+    """Micro-batches of sqrt(0 * error): a NaN gradient where ``zero_at`` has them, zero_grad()
+    (in place) after those in ``zero_after``, on_nan="record"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(8)]
+    with watch(model, mode, backward=True) as w:
+        for i, (x, y) in enumerate(data):
+            scale = 0.0 if i in zero_at else 1.0
+            (torch.sqrt(((model(x) - y) * scale).pow(2).sum()) / 4).backward()
+            if i in zero_after:
+                model.zero_grad(set_to_none=False)
+    return w
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gradient_only_accumulated_into_since_a_nan_pass_names_that_pass(mode):
+    # Micro-batch 6 makes NaN gradients (sqrt at 0 in the loss); micro-batch 7 only adds to
+    # them. Its event read "unknown", in full mode after a replay that "did not reproduce it"
+    # (the replay starts from fresh gradients).
+    w = _accumulate_with_a_zero_gradient(mode, zero_after={3}, zero_at={6})
+    first, later = w.events[0], w.events[1]
+    assert (first.batch, later.batch, later.is_backward) == (6, 7, True)
+    assert first.diagnosis.kind == later.diagnosis.kind == "loss"
+    assert f"'{later.qualified_role}' in batch 7 is NaN because batch 6's backward left it so" \
+        in later.diagnosis.summary
+    assert "reproduce" not in " ".join(later.diagnosis.evidence)
+    assert any("zero_grad()" in fix for fix in later.diagnosis.suggestion)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gradient_zeroed_in_place_between_two_nan_passes_is_not_carried_over(mode):
+    # zero_grad(set_to_none=False) keeps the tensor but zeroes it: batch 7 made its own NaN.
+    w = _accumulate_with_a_zero_gradient(mode, zero_after={3, 6}, zero_at={6, 7})
+    later = next(e for e in w.events if e.batch == 7 and e.is_backward)
+    assert "left it so" not in later.diagnosis.summary
+
+
 class _Huge(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 1e39  # Inf in float32: an event

@@ -358,6 +358,9 @@ class Facts:
     # A backward event's batch already had a forward event (on_nan="record" or "warn"): the
     # loss and its gradient carried that NaN/Inf on.
     forward_event: NanEvent | None = None
+    # A backward event at a parameter whose .grad an earlier pass left non-finite and this one
+    # only added to (no zero_grad() between: gradient accumulation): that pass's event.
+    accumulated_from: NanEvent | None = None
     # The event needed a replay for its op, but the watch's diagnosis replays, this many, were
     # all spent on earlier events (0: not spent).
     replays_spent: int = 0

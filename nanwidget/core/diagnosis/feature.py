@@ -13,6 +13,7 @@ the diagnosis alone (the op and its line; not attached to the event), at most
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable
 
 import pandas as pd
@@ -78,6 +79,9 @@ class Diagnoser(Feature):
         self._resolved: list[Frame] = []  # the frames last resolved within a batch (backward)
         # (earlier event, weight names) -> what its window says (see _finite_in_window).
         self._window_findings: dict[tuple[int, frozenset], tuple[NanEvent, dict[str, int]]] = {}
+        # Parameter name -> (its .grad weakly, storage, version, the event that explains it),
+        # for the gradients non-finite when the last backward event's pass ended.
+        self._bad_grads: dict[str, tuple[Any, int, int, NanEvent]] = {}
 
     # ------------------------------------------------------------------ per batch (under the lock)
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
@@ -121,6 +125,10 @@ class Diagnoser(Feature):
                       is_mask=self._is_mask,
                       scaler_run=self.scaler_run(event) if self.scaler_run else None)
         self._read_inputs(facts)
+        if event.is_backward and event.origin != "peer":
+            facts.accumulated_from = self._track_gradients(event)
+            if facts.accumulated_from is not None:
+                return facts  # the pass that made it non-finite says why
         if event.is_backward:
             forward = next(
                 (e for e in self.recorder.events if e.batch == event.batch and e.rank == event.rank
@@ -176,6 +184,33 @@ class Diagnoser(Feature):
             return False
         entry = next((e for e in self.recorder.weights_now(module) or () if e.role == role), None)
         return entry is not None and additive_mask(entry)
+
+    def _track_gradients(self, event: NanEvent) -> NanEvent | None:
+        """The earlier event whose non-finite parameter gradient ``event``'s pass only added to
+        (the same ``.grad`` tensor, one version up: zero_grad() replaces or zeroes it), or None;
+        and which parameter gradients are non-finite now, for the next backward event. Reads
+        the gradients once, at an event (never per batch); plain tensors only (a sharded
+        DTensor's reduction would need every rank)."""
+        named = [(name, p.grad) for name, p in self.recorder.model.named_parameters()
+                 if type(p.grad) is torch.Tensor and p.grad.is_floating_point()
+                 and p.grad.layout is torch.strided and p.grad.device.type != "meta"]
+        try:
+            bad = torch.stack([g.isfinite().all() for _, g in named]).logical_not().tolist() \
+                if named else []
+        except Exception:  # a dtype or device that cannot tell: nothing carried over
+            bad = [False] * len(named)
+        before, now = self._bad_grads, {}
+        for (name, grad), nonfinite in zip(named, bad):
+            if not nonfinite:
+                continue
+            prior = before.get(name)
+            carried = prior is not None and prior[0]() is grad \
+                and prior[1] == grad.data_ptr() and prior[2] + 1 == grad._version
+            now[name] = (weakref.ref(grad), grad.data_ptr(), grad._version,
+                         prior[3] if carried else event)  # type: ignore[index]
+        self._bad_grads = now
+        cause = now.get(event.qualified_role)
+        return cause[3] if cause is not None and cause[3] is not event else None
 
     def _pass_root(self, event: NanEvent) -> str:
         """The module whose call was the event's pass: the root, or for a model driven without

@@ -408,6 +408,31 @@ def _after_forward(facts: Facts) -> Diagnosis | None:
                      confidence=cause.confidence, op=cause.op)
 
 
+def _accumulated_gradient(facts: Facts) -> Diagnosis | None:
+    """A backward event at a parameter whose ``.grad`` an earlier pass left non-finite and this
+    pass only added to (gradient accumulation, no zero_grad() between): that pass's diagnosis
+    says why; this one says where the value came from."""
+    event, cause_event = facts.event, facts.accumulated_from
+    if cause_event is None or cause_event.diagnosis is None:
+        return None
+    cause = cause_event.diagnosis
+    why = cause.summary[0].lower() + cause.summary[1:] if cause.summary.startswith("The ") \
+        else cause.summary
+    name = event.qualified_role
+    summary = (f"The gradient of '{name}' in batch {event.batch} is {_kind_words(event.kind)} "
+               f"because batch {cause_event.batch}'s backward left it so and the passes since only "
+               f"added to it (no zero_grad() between them: gradient accumulation): {why}")
+    evidence = [f"'{name}'.grad is the tensor batch {cause_event.batch}'s backward made "
+                f"non-finite, only accumulated into since (zero_grad() replaces or zeroes it)."] \
+        + list(cause.evidence)
+    suggestion = list(cause.suggestion) + [
+        "Skip the optimizer step of an accumulation group whose gradients hold NaN/Inf "
+        "(w.check_grad_norms() before optimizer.step(), then optimizer.zero_grad()), so one bad "
+        "micro-batch does not reach the weights."]
+    return Diagnosis(cause.kind, summary, evidence, suggestion, rows=list(cause.rows),
+                     confidence=cause.confidence, op=cause.op)
+
+
 # A value within this factor of its dtype's largest has about 4 doublings of room left.
 _NEAR_LIMIT = 16.0
 
@@ -1036,7 +1061,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_after_forward, _scaled_gradient, _loss, _bad_data, _weights, _from_op,
+    for rule in (_after_forward, _accumulated_gradient, _scaled_gradient, _loss, _bad_data, _weights, _from_op,
                  _from_frames, _weight_gradient):
         found = rule(facts)
         if found is not None:
