@@ -1596,3 +1596,77 @@ def test_weights_that_one_optimizer_step_blew_up_are_a_divergence():
     assert diagnosis.kind == "divergence"
     assert any("from batch 0" in line and "to batch 1" in line for line in diagnosis.evidence)
     assert diagnosis.suggestion[0].startswith("Lower the learning rate")
+
+
+def test_batch_norms_batch_counter_is_no_weight_growth():
+    # num_batches_tracked (an integer buffer) counted 4.3 -> 15.3 as "the weights grew 1.12x
+    # per batch": a NaN written into a weight at batch 12 read "Training diverged".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, "full") as w:
+        for _ in range(12):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            model[2].weight[0, 0] = math.nan
+        model(torch.randn(4, 8))
+    assert w.events[0].diagnosis.kind == "corrupted-weight"
+    assert "between batch 11 and batch 12" in w.events[0].diagnosis.summary
+
+
+class _Float8Weight(nn.Module):
+    """A weight-only low-precision layer: its weight kept as a buffer in ``dtype``."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.float().t()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e5m2], ids=str)
+def test_a_finite_weight_cast_past_its_formats_largest_is_an_overflow_at_the_cast(dtype):
+    # 1e5 in a finite float32 checkpoint is inf in float8_e5m2 (largest 57344): float8 read
+    # "corrupted-weight ... check the checkpoint (all(v.isfinite()...)", which passes.
+    torch.manual_seed(0)
+    weight = torch.randn(8, 8)
+    weight[2, 3] = 1e5
+    model = nn.Sequential(nn.Linear(8, 8), _Float8Weight(weight, dtype))
+    with watch(model, "full") as w:
+        model(torch.randn(2, 8))
+    diagnosis = w.events[0].diagnosis
+    name = str(dtype).replace("torch.", "")
+    assert diagnosis.kind == "overflow"
+    assert f"Inf in {name} from the first batch watched: a value above {name}'s largest " \
+        f"({torch.finfo(dtype).max:.6g}) becomes inf" in diagnosis.summary
+    if dtype != torch.float16:
+        assert diagnosis.suggestion[0].startswith("Scale the values into float8_e5m2's range")
+
+
+class _ComplexKernel(nn.Module):
+    """An S4D-style kernel: exp of a complex parameter, its real part summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_a = nn.Parameter(torch.complex(-0.5 * torch.ones(4, 8), torch.ones(4, 8)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.exp(2.0 * self.log_a).real.sum(-1)
+
+
+def test_an_exp_of_a_complex_value_that_overflows_names_the_op_and_its_real_part():
+    # The trace found exp (complex64) but described its input as having no range: the
+    # diagnosis fell back to "made ±inf from finite inputs and weights".
+    torch.manual_seed(0)
+    model = nn.Sequential(_ComplexKernel(), nn.Linear(4, 2))
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        model(torch.randn(3, 4))
+        with torch.no_grad():
+            model[0].log_a[1, 2] = complex(200.0, 1.0)
+        model(torch.randn(3, 4))
+    diagnosis = w.events[0].diagnosis
+    assert diagnosis.kind == "overflow"
+    assert "exp of values up to 400: above 88.7" in diagnosis.summary

@@ -748,3 +748,79 @@ def test_a_warning_counts_one_batch_in_the_singular():
     assert soon.summary().endswith("(growing 2.5x per batch: about 1 batch left)")
     later = dataclasses.replace(soon, reason="growth", batches_to_limit=12.2)
     assert later.summary().endswith("in about 12 batches")
+
+
+class _DelayedFloat8Cast(nn.Module):
+    """Delayed scaling (TransformerEngine's, torchao's): the next scale is 448 / the recent abs
+    max, so the float8_e4m3fn values fill the format's range by design."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("amax_history", torch.ones(16))
+        self.register_buffer("scale", torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = self.scale.clone()
+        cast = (x * scale).to(torch.float8_e4m3fn)
+        with torch.no_grad():
+            self.amax_history.copy_(torch.cat([self.amax_history[1:], x.abs().amax()[None]]))
+            self.scale.fill_(448.0 / self.amax_history.max())
+        return cast, scale
+
+
+class _Float8Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.cast = _DelayedFloat8Cast()
+        self.last = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cast, scale = self.cast(self.first(x))
+        return self.last(cast.float() / scale)
+
+
+def test_float8_values_scaled_to_fill_their_range_get_no_warning():
+    # "reached abs max 416, within a factor 4 of float8_e4m3fn's largest 448": the recipe.
+    torch.manual_seed(0)
+    model = _Float8Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nw.watch(model, on_nan="record") as w:
+        for _ in range(20):
+            model(torch.randn(32, 16)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert w.events == [] and w.warnings == []
+    assert model.cast.scale.item() > 100  # the values did fill the range
+
+
+class _WithPackedFloat4(nn.Module):
+    """A float16 layer and a float4_e2m1fn_x2 output (torch.finfo has no max for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layer(x), torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="no float4 in this torch")
+def test_a_float4_output_leaves_the_other_outputs_warnings_and_the_browser_working():
+    # Its limit raised inside the early warning at every batch (an internal error each time,
+    # no warning ever) and in the FrameBrowser's and plot_frames' dtype limits.
+    torch.manual_seed(0)
+    model = _WithPackedFloat4().half()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, on_nan="record") as w:
+            for _ in range(20):
+                with torch.no_grad():
+                    model.layer.weight.mul_(2.0)
+                model(torch.ones(2, 4, dtype=torch.half))
+            assert [(x.module, x.reason) for x in w.warnings] == [("layer", "near-limit")]
+            nw.FrameBrowser(w)
+            nw.plots.plot_frames(w.frames())
+    assert not [x for x in caught if "internal error" in str(x.message)]
+    assert nw.core.dtype_max("float4_e2m1fn_x2") == math.inf
+    assert nw.core.dtype_max(torch.complex64) == torch.finfo(torch.float32).max

@@ -56,6 +56,7 @@ import torch
 from .frames import Frame
 from .recorder import Feature, Recorder
 from .sourcelines import user_stacklevel
+from .stats import dtype_max
 
 __all__ = ["EarlyWarning", "EarlyWarningIssued", "EarlyWarnings", "REASONS", "NEAR_FACTOR",
            "HORIZON", "WINDOW", "MIN_RISES", "MIN_GROWTH", "GROWTH_FLOOR", "growth_rate",
@@ -348,8 +349,11 @@ class EarlyWarnings(Feature):
         limits = self._dtype_limits.get(dtype, False)
         if limits is False:
             limits = None
-            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-                largest = float(torch.finfo(dtype).max)
+            largest = dtype_max(dtype) if isinstance(dtype, torch.dtype) \
+                and dtype.is_floating_point and dtype.itemsize > 1 else math.inf
+            # float8 / float4 values are scaled to fill their format on purpose (and e4m3fn
+            # saturates): no near-limit zone for them.
+            if math.isfinite(largest):
                 limits = (largest, largest / NEAR_FACTOR, largest * _EXTREME)
             self._dtype_limits[dtype] = limits
         return limits

@@ -142,8 +142,13 @@ def dtype_max(dtype: torch.dtype | str) -> float:
     """Largest finite value of a floating dtype (65504 for float16); inf for unknown names."""
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""), None)  # type: ignore[assignment]
+    if isinstance(dtype, torch.dtype) and dtype.is_complex:
+        dtype = dtype.to_real()  # complex values overflow when a component passes its float's max
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return float(torch.finfo(dtype).max)
+        try:
+            return float(torch.finfo(dtype).max)
+        except Exception:  # float4_e2m1fn_x2 and other packed types: finfo has no max
+            return math.inf
     return math.inf
 
 

@@ -72,7 +72,7 @@ class WeightLog:
                 own = 0.0
                 for slot in range(count):  # no slice built (every batch in full mode)
                     stats = entries[slot][1]
-                    if stats is not None:
+                    if stats is not None and _is_float_weight(entries[slot]):
                         value = stats.abs_max
                         if value == inf and self._mask(frame.module, entries[slot]):
                             continue
@@ -100,9 +100,17 @@ class WeightLog:
             if not count or frame.module in self.first:
                 continue
             values = [e[1].abs_max for e in frame.entries[:count]
-                      if e[1] is not None and not self._mask(frame.module, e)]
+                      if e[1] is not None and _is_float_weight(e)
+                      and not self._mask(frame.module, e)]
             if values and all(v == v and v != math.inf for v in values):
                 self.first[frame.module] = (frame.batch, max(values))
+
+
+def _is_float_weight(entry: Any) -> bool:
+    """A floating-point parameter or buffer: integer buffers (BatchNorm's num_batches_tracked,
+    step counters) count batches, not weight magnitudes, and are left out of the sums."""
+    dtype = entry.dtype
+    return not isinstance(dtype, torch.dtype) or dtype.is_floating_point or dtype.is_complex
 
 
 @dataclass

@@ -245,6 +245,15 @@ def cast_to_float16(names: list[str]) -> list[str]:
             "keep the module that holds them in float32 (and hand it x.float()), or rescale them."]
 
 
+def cast_to_float8(names: list[str], dtype: str, largest: str) -> list[str]:
+    name = names[0]
+    return [f"Scale the values into {dtype}'s range before the cast: scale = "
+            f"w.abs().amax() / {largest}, store (w / scale).to(torch.{dtype}) and multiply by "
+            "scale after casting back (a per-tensor or per-channel scale, as float8 recipes do).",
+            f"Or find the values in the float32 weights: (w.abs() > {largest}).sum() for "
+            f"'{name}', and keep that tensor in a wider dtype."]
+
+
 def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: bool,
                      before_watch: bool = False) -> list[str]:
     after = f"after batch {batch}" if batch is not None else "before this batch"

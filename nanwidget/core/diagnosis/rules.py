@@ -688,7 +688,7 @@ def _weights(facts: Facts) -> Diagnosis | None:
                    f"{first}: the optimizer step, load or write after batch {batch} did it; "
                    f"{used}")
     elif _cast_overflow(facts, dtype):
-        return _cast_to_float16(facts, names, shown, verb, evidence)
+        return _cast_to_low_precision(facts, names, shown, verb, evidence, dtype)
     else:
         before_watch = not any(b < event.batch for b in facts.history_batches)
         summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran (an "
@@ -803,27 +803,39 @@ def _written_by_forward(facts: Facts, names: list[str], dtype: str,
                      "did it).", evidence, fixes_, confidence="high")
 
 
+# Formats whose cast turns a value past their largest into inf (float8_e4m3fn and the fnuz
+# formats have no inf: NaN or saturation).
+_CASTS_TO_INF = ("float16", "float8_e5m2")
+
+
 def _cast_overflow(facts: Facts, dtype: str) -> bool:
-    """A float16 weight holding Inf (no NaN) at the first batch the watch saw: nothing the
-    watch saw ran before it, and a float32 value past 65504 turns into inf when a model is cast
-    to float16."""
+    """A float16 (or float8_e5m2) weight holding Inf (no NaN) at the first batch the watch saw:
+    nothing the watch saw ran before it, and a float32 value past the format's largest turns
+    into inf when a model is cast to it."""
     event = facts.event
-    return dtype == "float16" and event.kind == "inf" \
+    return dtype in _CASTS_TO_INF and event.kind == "inf" \
         and not any(b < event.batch for b in facts.history_batches)
 
 
-def _cast_to_float16(facts: Facts, names: list[str], shown: str, verb: str,
-                     evidence: list[str]) -> Diagnosis:
+def _cast_to_low_precision(facts: Facts, names: list[str], shown: str, verb: str,
+                           evidence: list[str], dtype: str) -> Diagnosis:
     event = facts.event
+    largest = f"{dtype_max(dtype):.6g}"
     evidence.append(f"No batch ran before batch {event.batch} under this watch: what made "
                     f"{'it' if len(names) == 1 else 'them'} Inf came before the watch (a cast "
-                    "to float16, a load, or training steps run before it).")
+                    f"to {dtype}, a load, or training steps run before it).")
+    if dtype == "float16":
+        how = ("when a model is cast to float16 (model.half(), .to(torch.float16), "
+               "torch_dtype=torch.float16)")
+        fixes_ = fixes.cast_to_float16(names)
+    else:
+        how = f"when a tensor is cast to {dtype} without a scale (.to(torch.{dtype}))"
+        fixes_ = fixes.cast_to_float8(names, dtype, largest)
     return Diagnosis(
         "overflow",
-        f"{shown} {verb} Inf in float16 from the first batch watched: a value above float16's "
-        "largest (65504) becomes inf when a model is cast to float16 (model.half(), "
-        ".to(torch.float16), torch_dtype=torch.float16); a checkpoint holding inf reads the "
-        "same.", evidence, fixes.cast_to_float16(names), confidence="medium")
+        f"{shown} {verb} Inf in {dtype} from the first batch watched: a value above {dtype}'s "
+        f"largest ({largest}) becomes inf {how}; a checkpoint holding inf reads the same.",
+        evidence, fixes_, confidence="medium")
 
 
 def _weight_dtype(event: NanEvent) -> str:

@@ -631,19 +631,21 @@ def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:
 
 
 def _describe(role: str, tensor: torch.Tensor) -> dict:
-    """Signed finite range and non-finite counts of one tensor (the first bad op's report)."""
+    """Signed finite range and non-finite counts of one tensor (the first bad op's report). A
+    complex tensor's range is its real part's (what exp overflows on); its counts are of
+    values with a non-finite part."""
     info = {"role": role, "dtype": str(tensor.dtype).replace("torch.", ""),
             "shape": () if tensor.is_nested else tuple(tensor.shape), "numel": tensor.numel(),
             "min": math.nan,
             "max": math.nan, "nan_count": 0, "inf_count": 0}
-    if tensor.numel() == 0 or tensor.is_complex():
+    if tensor.numel() == 0:
         return info
     try:
         with torch.no_grad():
             values = tensor.detach()
-            if values.is_floating_point():
+            if values.is_floating_point() or values.is_complex():
                 nan_mask, inf_mask = torch.isnan(values), torch.isinf(values)
-                finite = values[~(nan_mask | inf_mask)]
+                finite = (values.real if values.is_complex() else values)[~(nan_mask | inf_mask)]
                 low = finite.min().double() if finite.numel() else torch.tensor(math.nan)
                 high = finite.max().double() if finite.numel() else torch.tensor(math.nan)
                 numbers = torch.stack((low.cpu(), high.cpu(), nan_mask.sum().double().cpu(),
