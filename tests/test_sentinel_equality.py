@@ -502,3 +502,42 @@ def test_a_nan_sent_into_a_returned_tensor_by_the_loss_is_the_loss_in_both_modes
     sentinel = _run_returning_model("sentinel", nan_below=False, aux="nan").event
     assert full.diagnosis.kind == sentinel.diagnosis.kind == "loss"
     assert "made in the loss" in str(sentinel.trace)
+
+
+class _NormOfRow(nn.Module):
+    """sqrt of each row's sum of squares: its gradient is 0/0 = NaN at a row of zeros."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt((h ** 2).sum(-1, keepdim=True))
+
+
+def _siamese_first_event(mode: str, bad_branch: str) -> tuple[nw.NanWatch, nw.NanEvent]:
+    """A siamese step: model(a), model(b) (two batches, numbered automatically), one loss, one
+    backward; step 1's ``bad_branch`` input holds a zero row (0/0 in the backward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), _NormOfRow())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+            for step in range(3):
+                a, b = torch.randn(4, 8), torch.randn(4, 8)
+                if step == 1:
+                    (a if bad_branch == "a" else b)[2] = 0.0
+                optimizer.zero_grad()
+                (model(a) - model(b)).pow(2).mean().backward()
+                optimizer.step()
+    return w, w.events[0]
+
+
+@pytest.mark.parametrize("bad_branch", ["a", "b"])
+def test_one_backward_through_two_batches_names_the_batch_whose_graph_made_the_nan(bad_branch):
+    # The sentinel replayed the batch whose output the pass reached first (the second) only:
+    # a NaN born in the first batch's graph read "unknown", not reproduced, at batch 3.
+    _, full = _siamese_first_event("full", bad_branch)
+    _, sentinel = _siamese_first_event("sentinel", bad_branch)
+    assert full.batch == (2 if bad_branch == "a" else 3)
+    assert (sentinel.batch, sentinel.module, sentinel.role, sentinel.diagnosis.kind) == \
+        (full.batch, full.module, full.role, full.diagnosis.kind) == \
+        (full.batch, "2", "grad_input[0]", "domain")
+    assert sentinel.trace.reproduced

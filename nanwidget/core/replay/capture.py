@@ -35,6 +35,7 @@ __all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "layout
 # event is the one users chase).
 MAX_EVENT_BATCHES = 8
 # Root forward calls held per batch (several when a loop accumulates gradients with set_batch).
+MAX_AWAITING_BACKWARD = 4  # batches held for a backward pass that covers several
 MAX_FORWARDS_PER_BATCH = 64
 
 _Tensor = torch.Tensor
@@ -247,6 +248,9 @@ class BatchCapture(Feature):
         self.slots = WeightSlots(model)
         self.held: OrderedDict[int, HeldBatch] = OrderedDict()
         self.event_batches: set[int] = set()
+        #: Batches whose outputs wait for a backward pass that may cover several batches (a
+        #: siamese step: model(a), model(b), one loss): held past ``keep`` until it ends.
+        self.awaiting_backward: list[int] = []
         # The weights' state in one C call (native.weight_state_reader), or None: Python reads.
         self._weight_state = native.weight_state_reader()
         #: Set by whoever composes the watch: whether a batch ran without the root's forward
@@ -289,7 +293,7 @@ class BatchCapture(Feature):
             every = self.held
             held = every[batch] = HeldBatch(batch)
             if len(every) > self.keep:
-                if self.event_batches or self.trace_batches:
+                if self.event_batches or self.trace_batches or self.awaiting_backward:
                     self._evict_unpinned()
                 else:  # nothing pinned (the usual case): the oldest go, no list built
                     while len(every) > self.keep:
@@ -383,10 +387,30 @@ class BatchCapture(Feature):
         if event.batch in self.held and len(self.event_batches) < MAX_EVENT_BATCHES:
             self.event_batches.add(event.batch)
 
+    def await_backward(self, batch: int) -> None:
+        """Hold ``batch`` until :meth:`backward_came` (at most the latest four: outputs whose
+        backward never comes, an evaluation without no_grad(), let go in turn)."""
+        awaiting = self.awaiting_backward
+        if batch not in awaiting:
+            awaiting.append(batch)
+            if len(awaiting) > MAX_AWAITING_BACKWARD:
+                del awaiting[0]
+
+    def backward_came(self, batches: list[int]) -> None:
+        """The backward pass through these batches' outputs ended: they are held as usual."""
+        awaiting = self.awaiting_backward
+        if len(batches) == 1 and awaiting == batches:  # the usual step
+            awaiting.clear()
+        else:
+            self.awaiting_backward = [b for b in awaiting if b not in batches]
+
     def _evict_unpinned(self) -> None:
-        """Past ``keep``: the oldest batches that neither an event nor ``trace_batches`` pins go."""
+        """Past ``keep``: the oldest batches that neither an event, ``trace_batches`` nor a
+        backward pass still to come pins go."""
         held = self.held
-        recent = [b for b in held if b not in self.event_batches and b not in self.trace_batches]
+        awaiting = self.awaiting_backward
+        recent = [b for b in held if b not in self.event_batches and b not in self.trace_batches
+                  and b not in awaiting]
         for batch in recent[:max(0, len(recent) - self.keep)]:
             del held[batch]
 

@@ -170,6 +170,9 @@ class Sentinel(Feature):
         self._output_grads: dict[int, list[dict[str, torch.Tensor] | None]] = {}
         self._queued_task: int | None = None
         self._grad_batch: int | None = None
+        # The other batches whose outputs the same backward pass reached (model(a), model(b),
+        # one loss: two batches when batches are numbered automatically).
+        self._pass_batches: list[int] = []
         self._own_event: NanEvent | None = None  # the last event the sentinel made itself
         # The last forward and backward events it made (a cause that persists is not replayed
         # at every later batch: see _persisting_weight, _repeated_gradient), and the batch
@@ -203,7 +206,10 @@ class Sentinel(Feature):
             self._forward_batch = batch
             self._forward_index = 0
             if self._output_grads:  # a backward that never came: let its gradients go
-                self._output_grads = {b: g for b, g in self._output_grads.items() if b == batch}
+                # (those of batches still held for a pass that may cover them too, kept)
+                awaiting = self.capture.awaiting_backward
+                self._output_grads = {b: g for b, g in self._output_grads.items()
+                                      if b == batch or b in awaiting}
         else:
             self._forward_index += 1
         if self.compiled and self.recorder.direct_call and batch not in self._eager_batches:
@@ -269,6 +275,7 @@ class Sentinel(Feature):
         """Hold the gradient each of these output leaves receives (for a backward replay)
         and check the parameters' gradients when the backward pass through them ends."""
         grads = self._output_grads.setdefault(batch, [])
+        self.capture.await_backward(batch)
         grads.extend([None] * (forward + 1 - len(grads)))
         slot: dict[str, torch.Tensor] = {}
         grads[forward] = slot
@@ -351,7 +358,11 @@ class Sentinel(Feature):
         if self._queued_task != task:
             self._queued_task = task
             self._grad_batch = batch
+            if self._pass_batches:
+                self._pass_batches = []
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        elif batch != self._grad_batch and batch not in self._pass_batches:
+            self._pass_batches.append(batch)
         return None
 
     def _backward_done(self) -> None:
@@ -364,6 +375,8 @@ class Sentinel(Feature):
         finding = None
         try:
             grads = self._output_grads.pop(batch, None)
+            others = {b: self._output_grads.pop(b, None) for b in self._pass_batches}
+            self.capture.backward_came([batch, *others] if others else [batch])
             deferred = []
             if self._deferred:  # none in the usual CPU step: no lists built for it
                 deferred = [d for d in self._deferred if d[0] == batch]
@@ -373,7 +386,8 @@ class Sentinel(Feature):
                 if self._bad_gradients:
                     self._bad_gradients = {}
             else:
-                finding = self._check_backward(batch, grads, deferred, self.capture.slots.read())
+                finding = self._check_backward(batch, grads, deferred, self.capture.slots.read(),
+                                               others)
         except Exception as error:
             recorder.internal_error(error)
             finding = None
@@ -383,7 +397,8 @@ class Sentinel(Feature):
         recorder.conclude(batch, finding, reason="backward", raising=True)
 
     def _check_backward(self, batch: int, grads: list | None, deferred: list,
-                        slots: list) -> Finding | None:
+                        slots: list, others: dict[int, list | None] | None = None
+                        ) -> Finding | None:
         """The general check at the end of a backward pass: the parameters' gradients and the
         output checks that waited for it, read together; what they found, replayed."""
         names = self.capture.slots.names
@@ -423,8 +438,25 @@ class Sentinel(Feature):
                 # since: no new cause to replay (zero_grad() clears them).
                 return self._found(self._repeated_gradient(batch, bad_grads), None, None,
                                    repeat=True)
-            return self._backward_event(batch, grads, bad_grads)
+            return self._backward_event_of_pass(batch, grads, bad_grads, others)
         return finding
+
+    def _backward_event_of_pass(self, batch: int, grads: list | None, bad: list[BadTensor],
+                                others: dict[int, list | None] | None) -> Finding:
+        """The event of a backward pass that reached the outputs of ``batch`` (and of
+        ``others``: earlier batches of one step, numbered automatically): the batches are
+        replayed latest first (the order autograd runs their backward in, and so full mode's
+        verdict) until one meets a non-finite value."""
+        first = self._backward_event(batch, grads, bad)
+        for other in sorted(others or (), reverse=True):
+            event = first.event
+            if event is None or event.trace is None or event.trace.reproduced:
+                break
+            finding = self._backward_event(other, others[other], bad)  # type: ignore[index]
+            if finding.event is None or (finding.event.trace is not None
+                                         and finding.event.trace.reproduced):
+                return finding
+        return first
 
     def _grads_clean(self, deferred: list) -> bool:
         """Whether, with no deferred finding, every parameter's gradient is a tensor the native
