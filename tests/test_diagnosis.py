@@ -1670,3 +1670,59 @@ def test_an_exp_of_a_complex_value_that_overflows_names_the_op_and_its_real_part
     diagnosis = w.events[0].diagnosis
     assert diagnosis.kind == "overflow"
     assert "exp of values up to 400: above 88.7" in diagnosis.summary
+
+
+class _TokenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
+
+
+def _rare_token_nan(train: bool) -> nw.NanEvent:
+    """A checkpoint whose embedding row of token 15 holds NaN, loaded before a sentinel watch;
+    batches 0-2 do not use token 15, batch 3 does."""
+    torch.manual_seed(0)
+    model = _TokenModel()
+    with torch.no_grad():
+        model.embed.weight[15] = math.nan
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, "sentinel") as w:
+        for batch in range(4):
+            tokens = torch.randint(0, 15, (2, 5))
+            if batch == 3:
+                tokens[1, 2] = 15
+            if train:
+                model(tokens).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            else:
+                with torch.no_grad():
+                    model(tokens)
+    return w.events[0]
+
+
+def test_a_rare_tokens_nan_row_unused_until_now_is_not_blamed_on_the_batch_before():
+    # Sentinel mode measures no weights: batches 0-2 had finite outputs because they did not
+    # look token 15 up. It said "became NaN between batch 2 and batch 3: the optimizer step,
+    # load or write after batch 2 did it" (high confidence) in an inference loop.
+    event = _rare_token_nan(train=False)
+    diagnosis = event.diagnosis
+    assert (event.batch, event.module, diagnosis.kind) == (3, "embed", "corrupted-weight")
+    assert diagnosis.summary == (
+        "'embed.weight' holds NaN since before the watch began; batch 3 is the first to read "
+        "the bad values (no in-place write and no optimizer step in between).")
+    assert diagnosis.suggestion[0].startswith("It was non-finite before the first batch watched")
+    assert not any("finite when batch" in line for line in diagnosis.evidence)
+
+
+def test_a_rare_tokens_nan_row_with_optimizer_steps_between_is_only_likely_the_step():
+    # Written by every step after it: the step after batch 2 may have made it NaN, or batch 2
+    # may not have read it. Not said as a certainty.
+    diagnosis = _rare_token_nan(train=True).diagnosis
+    assert diagnosis.kind == "corrupted-weight" and diagnosis.confidence == "medium"
+    assert any("likely made it non-finite, unless batch 2 did not read the bad values" in line
+               for line in diagnosis.evidence)

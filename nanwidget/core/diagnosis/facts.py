@@ -352,6 +352,12 @@ class Facts:
     weights_now: dict[str, float] = field(default_factory=dict)
     # Non-finite weight name -> the last batch that ran with it finite.
     weights_last_finite: dict[str, int] = field(default_factory=dict)
+    # Sentinel mode: non-finite weight name -> the earliest held batch since which neither its
+    # version counter nor the optimizer's steps moved (it held the value then already).
+    unwritten_since: dict[str, int] = field(default_factory=dict)
+    # Sentinel mode: the weights whose last finite batch is known only from that batch's finite
+    # outputs (no frame measured them), a write after it: likely, not certain.
+    finite_by_outputs: set[str] = field(default_factory=set)
     # Non-finite weight name -> True when its version counter moved after that batch.
     weights_written: dict[str, bool] = field(default_factory=dict)
     # Buffers the event batch's own forward wrote into (BatchNorm's running statistics).

@@ -354,6 +354,10 @@ class Diagnoser(Feature):
         held = self.capture.held_batches() if self.capture is not None else []
         clean = [b for b in set(ran) | set(held) if b < event.batch and b not in eventful]
         seen: dict[str, list[int]] = {name: [max(clean)] if clean else [] for name in names}
+        if self.sentinel and self.capture is not None:
+            seen = self._sentinel_clean(facts, names, [b for b in clean if b in held], held)
+        by_outputs = {name: batches[0] for name, batches in seen.items() if batches} \
+            if self.sentinel else {}
         known = getattr(facts.trace, "weights_last_finite", None) or {}
         found_in_windows = [weights_finite_last(event.frames, names, event.batch)] + [
             self._finite_in_window(e, names) for e in events
@@ -380,12 +384,50 @@ class Diagnoser(Feature):
         for name in names:
             if seen[name]:
                 facts.weights_last_finite[name] = max(seen[name])
+                if by_outputs.get(name) == max(seen[name]) \
+                        and seen[name].count(by_outputs[name]) == 1 and self._partly_read(name):
+                    facts.finite_by_outputs.add(name)  # no frame measured it then
             last = facts.weights_last_finite.get(name)
             if last is not None and self.capture is not None:
                 then = {n: v for n, v, _ in self.capture.held_weights(last)}
                 now = {n: v for n, v, _ in self.capture.held_weights(event.batch)}
                 if name in then and name in now:
                     facts.weights_written[name] = then[name] != now[name]
+
+    def _partly_read(self, name: str) -> bool:
+        """Whether a batch may leave some of this weight's values unread, so that its finite
+        outputs do not show the weight finite: an embedding's rows (a lookup), a mixture of
+        experts' experts (one a batch routes no token to)."""
+        module = name.rpartition(".")[0]
+        if "expert" in name.lower():
+            return True
+        return any(info.name == module and isinstance(info.module, (nn.Embedding, nn.EmbeddingBag))
+                   for info in self.recorder.modules)
+
+    def _sentinel_clean(self, facts: Facts, names: list[str], clean: list[int],
+                        held: list[int]) -> dict[str, list[int]]:
+        """Sentinel mode measures no weights: a batch without an event read only finite values
+        of them, and a row of an embedding or an expert it did not use stays unseen. So such a
+        batch shows a weight finite only when the weight was written after it (its version
+        counter or the optimizer's steps moved); the earliest held batch since which it was
+        not goes into ``facts.unwritten_since``."""
+        event, capture = facts.event, self.capture
+        now = {n: v for n, v, _ in capture.held_weights(event.batch)}
+        steps = capture.optimizer_steps()
+
+        def written_after(batch: int, name: str) -> bool:
+            then = {n: v for n, v, _ in capture.held_weights(batch)}
+            return name not in then or name not in now or then[name] != now[name] \
+                or steps.get(batch) != steps.get(event.batch)
+
+        seen: dict[str, list[int]] = {}
+        for name in names:
+            proven = [b for b in clean if written_after(b, name)]
+            seen[name] = [max(proven)] if proven else []
+            unwritten = [b for b in held if b < event.batch and not written_after(b, name)]
+            if unwritten and not proven:
+                facts.unwritten_since[name] = min(unwritten)
+        return seen
 
     def _finite_in_window(self, earlier: NanEvent, names: list[str]) -> dict[str, int]:
         """:func:`weights_finite_last` of an earlier event's window, read once per event and

@@ -671,11 +671,22 @@ def _weights(facts: Facts) -> Diagnosis | None:
     evidence = [f"{shown} {verb} {_kind_words(event.kind)} at batch {event.batch}"
                 + (f" ({dtype})." if dtype else ".")]
     before_watch = False  # non-finite already when the watch began
+    likely = False  # the last finite batch known from its outputs alone (sentinel mode)
     if batch is not None:
         one = len(names) == 1
-        evidence.append(f"{'It was' if one else 'They were'} finite when batch {batch} "
-                        f"ran: the optimizer step, load or write after batch {batch} made "
-                        f"{'it' if one else 'them'} non-finite.")
+        likely = all(n in facts.finite_by_outputs for n in names
+                     if facts.weights_last_finite.get(n) == batch)
+        if likely:
+            evidence.append(f"Batch {batch}'s outputs were finite and "
+                            f"{'it was' if one else 'they were'} written after it (sentinel mode "
+                            "measures no weights): the optimizer step, load or write after batch "
+                            f"{batch} likely made {'it' if one else 'them'} non-finite, unless "
+                            f"batch {batch} did not read the bad values (an embedding row or an "
+                            "expert it did not use).")
+        else:
+            evidence.append(f"{'It was' if one else 'They were'} finite when batch {batch} "
+                            f"ran: the optimizer step, load or write after batch {batch} made "
+                            f"{'it' if one else 'them'} non-finite.")
         if any(facts.weights_written.get(n) for n in names):
             evidence.append(f"The version counter of {names[0]} moved after batch {batch} "
                             "(an in-place write: optimizer.step() or copy_).")
@@ -693,12 +704,29 @@ def _weights(facts: Facts) -> Diagnosis | None:
         before_watch = not any(b < event.batch for b in facts.history_batches)
         summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran (an "
                    "optimizer step, a load or a write made it), not this batch's forward.")
+        since = [facts.unwritten_since[n] for n in names if n in facts.unwritten_since]
+        if since and len(since) == len(names):
+            first_watched = min(facts.history_batches, default=min(since))
+            start = max(since)
+            before_watch = start <= first_watched
+            when = "when the watch began" if before_watch else f"when batch {start} ran"
+            held = "since before the watch began" if before_watch else \
+                f"since batch {start} at least"
+            summary = (f"{shown} {verb} {_kind_words(event.kind)} {held}; batch {event.batch} is "
+                       "the first to read the bad values (no in-place write and no optimizer "
+                       "step in between).")
+            evidence.append(
+                f"The version counter of {names[0]} has not moved since batch {start}, nor have "
+                f"the optimizer's steps: {'it' if len(names) == 1 else 'they'} held "
+                f"{_kind_words(event.kind)} {when} already. The batches before {event.batch} read "
+                "none of the bad values (an embedding row or an expert they did not use), and "
+                "sentinel mode measures no weights (a write through .data would not show).")
         if tame and any(n in facts.written_in_forward for n in names):
             evidence.append(f"Batch {event.batch}'s forward wrote into "
                             f"{'it' if len(names) == 1 else 'them'}, but from finite inputs of at "
                             f"most {_g(largest_input)}: such an update keeps a finite value "
                             "finite.")
-        if before_watch:
+        if before_watch and not since:
             evidence.append(f"No batch ran before batch {event.batch} under this watch: "
                             f"{'it' if len(names) == 1 else 'they'} held "
                             f"{_kind_words(event.kind)} when the watch began (a checkpoint "
@@ -717,7 +745,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
     return Diagnosis("corrupted-weight", summary, evidence,
                      fixes.corrupted_weight(names, dtype, batch, event.kind == "inf",
                                             before_watch=before_watch),
-                     confidence="high" if batch is not None and climb is None else "medium")
+                     confidence="high" if batch is not None and climb is None and not likely
+                     else "medium")
 
 
 def _inputs_largest(facts: Facts) -> float | None:
