@@ -1726,3 +1726,32 @@ def test_a_rare_tokens_nan_row_with_optimizer_steps_between_is_only_likely_the_s
     assert diagnosis.kind == "corrupted-weight" and diagnosis.confidence == "medium"
     assert any("likely made it non-finite, unless batch 2 did not read the bad values" in line
                for line in diagnosis.evidence)
+
+
+class _WritesItsCache(nn.Module):
+    """Writes each step into a cache passed in (a static key/value cache): a batch's inputs
+    change after it ran, so it cannot be replayed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.add_(x)
+        return self.layer(cache).log()  # NaN where the layer's output is negative
+
+
+def test_a_sentinel_event_whose_batch_cannot_be_replayed_does_not_suggest_replaying_it():
+    # It suggested w.replay(1) and replay_on_nan=True: the first raises, the second is what the
+    # sentinel did already.
+    torch.manual_seed(0)
+    model = _WritesItsCache()
+    cache = torch.zeros(2, 4)
+    with watch(model, "sentinel") as w:
+        with torch.no_grad():
+            model(torch.randn(2, 4), cache=cache)
+    event = w.events[0]
+    assert event.note.startswith("not replayed: ")
+    assert event.diagnosis.kind == "unknown"
+    assert event.diagnosis.suggestion[0].startswith("Watch in full mode")
+    assert not any("w.replay(" in fix or "replay_on_nan" in fix for fix in event.diagnosis.suggestion)

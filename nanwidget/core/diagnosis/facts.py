@@ -340,6 +340,8 @@ class Facts:
     # The event needed a replay for its op, but this process alone cannot run the model (FSDP2,
     # tensor parallel): why ("": not refused).
     replay_refused: str = ""
+    # The refusal is this process's alone (FSDP2, tensor parallel: the model is sharded).
+    replay_refused_sharded: bool = False
     inputs: list[InputFacts] = field(default_factory=list)
     inputs_held: bool = False  # the batch's inputs were read (rows can be told)
     # Root input entries of the batch's frames that held NaN/Inf (when the inputs were not held).

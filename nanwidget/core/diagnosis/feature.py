@@ -32,6 +32,9 @@ from .rules import diagnose
 __all__ = ["Diagnoser", "MAX_DIAGNOSIS_REPLAYS"]
 
 MAX_DIAGNOSIS_REPLAYS = 4  # a diverged run makes an event per batch
+_NOT_REPLAYED = "not replayed: "
+# A sentinel event that repeats an earlier one's cause (that one has the trace): no refusal.
+_REPEATED = ("not replayed: its ", "not replayed: the weight ")
 
 
 def _root_grad_bad(frames: Any, batch: int, root: str) -> bool | None:
@@ -162,6 +165,12 @@ class Diagnoser(Feature):
                      and e.diagnosis is not None and e.diagnosis.kind != "unknown"), None)
         if facts.trace is None and not facts.replay_refused and self.unreplayable is not None:
             facts.replay_refused = self.unreplayable()  # e.g. a sentinel event not replayed
+            facts.replay_refused_sharded = bool(facts.replay_refused)
+        if facts.trace is None and not facts.replay_refused and self.sentinel \
+                and event.note.startswith(_NOT_REPLAYED) \
+                and not event.note.startswith(_REPEATED):
+            # The sentinel tried and could not (a static cache written in place since)
+            facts.replay_refused = event.note[len(_NOT_REPLAYED):]
         facts.op = op_facts(facts.trace)
         with recorder.lock:
             history = recorder.records.history

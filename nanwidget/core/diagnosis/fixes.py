@@ -325,7 +325,11 @@ def loss(batch: int, op: str, traced: bool) -> list[str]:
 
 
 def unknown(batch: int, replayable: bool, backward: bool = False,
-            refused: bool = False) -> list[str]:
+            refused: bool = False, sharded: bool = True) -> list[str]:
+    if refused and not sharded:  # the batch cannot run again (an input written since)
+        return ["Watch in full mode (nw.watch(model), without mode='sentinel'): it records "
+                "every module's frames as the batch runs, so the module and tensor where the "
+                "NaN/Inf first appears are named without a replay."]
     if refused:  # this process alone cannot run the model (FSDP2, tensor parallel)
         return [f"Run batch {batch} through an unsharded copy of the model (the same weights) in "
                 f"one process, watched: w.replay({batch}).report() there names the first op that "

@@ -1086,7 +1086,8 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
                             f"{earlier.diagnosis.summary}")
     return Diagnosis("unknown", summary, evidence,
                      fixes.unknown(event.batch, replayable, backward=event.is_backward,
-                                   refused=bool(facts.replay_refused)),
+                                   refused=bool(facts.replay_refused),
+                                   sharded=facts.replay_refused_sharded),
                      confidence="low")
 
 
