@@ -135,6 +135,39 @@ def test_acos_past_one_is_a_domain_error(mode):
     assert "clamp(-1 + eps, 1 - eps)" in diagnosis.suggestion[0]
 
 
+class CountHead(nn.Module):
+    """A Poisson / negative binomial head whose rate (total_count) comes from softplus: at a
+    very negative logit it underflows to exactly 0, and log_prob takes xlogy(y, 0) / lgamma(0)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.kind = kind
+        with torch.no_grad():
+            self.fc.bias.fill_(-200.0)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        p = self.fc(x)
+        rate = nn.functional.softplus(p[:, 0])
+        if self.kind == "poisson":
+            return -torch.distributions.Poisson(rate, validate_args=False).log_prob(y).mean()
+        return -torch.distributions.NegativeBinomial(
+            rate, logits=p[:, 1], validate_args=False).log_prob(y).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind, op", [("poisson", "xlogy"), ("nb", "lgamma")])
+def test_a_count_likelihood_at_a_zero_rate_is_a_domain_error_not_an_overflow(mode, kind, op):
+    model = CountHead(kind)
+    with watch(model, mode) as w:
+        model(torch.randn(4, 4), torch.tensor([0.0, 2.0, 1.0, 3.0]))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain" and diagnosis.confidence == "high"
+    assert diagnosis.summary.startswith(op)
+    assert "clamp_min(eps)" in diagnosis.suggestion[0]
+    assert "x.clamp(-1e4" not in " ".join(diagnosis.suggestion)
+
+
 class _AngleOfSelf(nn.Module):
     """acos of a unit vector's dot product with itself, a hair above 1 by rounding."""
 

@@ -152,12 +152,24 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
                 "Find what zeroed it: a write or a load, or weight decay / pruning driving a "
                 "whole row to 0; a parametrization of your own can divide by "
                 "(norm + eps) instead."]
-    if name in ("log", "log2", "log10", "log1p", "xlogy"):
+    if name in ("xlogy", "special_xlog1py"):
+        return [f"Keep the second argument of {name}{at} above 0: a Poisson rate or a "
+                "probability from softplus / exp / sigmoid can underflow to exactly 0, so "
+                "floor it: F.softplus(x) + eps or rate.clamp_min(eps), eps = 1e-6.",
+                "Or compute the log-likelihood from the logits: PoissonNLLLoss(log_input=True), "
+                "Binomial/Categorical(logits=...) instead of probs."]
+    if name in ("log", "log2", "log10", "log1p"):
         return [f"Keep the argument of {name}{at} positive: torch.{name}(x.clamp_min(eps)) or "
                 f"torch.{name}(x + eps), eps = 1e-6 (1e-4 in float16).",
                 "For probabilities use the fused forms: F.log_softmax instead of log(softmax(x)), "
                 "F.logsigmoid instead of log(sigmoid(x)), nn.BCEWithLogitsLoss / "
                 "nn.CrossEntropyLoss on the logits."]
+    if name in ("lgamma", "digamma", "polygamma"):
+        return [f"Keep the argument of {name}{at} positive: a count/concentration parameter "
+                "(a negative binomial's total_count, a Gamma/Beta/Dirichlet concentration) from "
+                "softplus or squareplus can reach exactly 0, so add a floor: "
+                "F.softplus(x) + eps or .clamp_min(eps), eps = 1e-6.",
+                "Check the data too: a negative count target gives lgamma of a negative value."]
     if name in ("sqrt", "rsqrt"):
         if backward:
             return [f"The gradient of {name} is infinite at 0: add an eps inside, "

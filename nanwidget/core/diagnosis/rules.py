@@ -45,7 +45,7 @@ _EXP_OPS = ("exp", "exp2", "expm1", "sinh", "cosh")
 _INTENDED_INF = ("masked_fill", "fill", "full", "where", "index_put", "copy", "masked_scatter")
 _DOMAIN_NAMES = _LOG_OPS + _INVERSE_TRIG + _DIVISIONS + _VARIANCES + (
     "log1p", "sqrt", "rsqrt", "atanh", "acosh", "reciprocal", "pow", "erfinv", "logit", "xlogy",
-    "lgamma", "digamma", "polygamma")
+    "special_xlog1py", "lgamma", "digamma", "polygamma")
 # Losses that average over the targets they count (ignore_index, class weights): with none
 # counted, a mean divides 0 by 0.
 _COUNTED_MEAN_LOSSES = ("nll_loss_forward", "nll_loss2d_forward")
@@ -283,6 +283,17 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     if name in _LOG_OPS and low <= 0:
         what = "log(0) = -inf" if low == 0 else "a negative value gives NaN"
         return f"{name} of values down to {_g(low)} ({what})", "high"
+    if name in ("xlogy", "special_xlog1py"):
+        other = op.input_range(1)
+        edge = 0 if name == "xlogy" else -1
+        if other is not None and other[0] <= edge:
+            what = "log(0) = -inf where x != 0" if other[0] == edge else "a negative value gives NaN"
+            arg = "y" if name == "xlogy" else "1 + y"
+            return (f"{name}(x, y) with {arg} down to {_g(other[0] - edge)} ({what}: a rate or "
+                    "probability that reached 0)", "high")
+    if name in ("lgamma", "digamma", "polygamma") and low <= 0 and (op.inf or op.nan):
+        return (f"{name} of values down to {_g(low)} (a pole at 0 and at each negative integer: "
+                "a count or concentration parameter that reached 0)", "high")
     if name == "log1p" and low <= -1:
         return f"log1p of values down to {_g(low)} (log1p(-1) = -inf)", "high"
     if name == "sqrt" and low < 0:
