@@ -1788,3 +1788,40 @@ def test_a_sentinel_event_whose_batch_cannot_be_replayed_does_not_suggest_replay
     assert event.diagnosis.kind == "unknown"
     assert event.diagnosis.suggestion[0].startswith("Watch in full mode")
     assert not any("w.replay(" in fix or "replay_on_nan" in fix for fix in event.diagnosis.suggestion)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_running_statistics_a_bad_batch_wrote_are_blamed_on_that_batchs_data(mode):
+    # Batch 1 holds a NaN; the loop skips its optimizer step (the usual guard), but its forward
+    # had updated BatchNorm's running statistics already. The later events read "became NaN
+    # between batch 0 and batch 1: the optimizer step ... after batch 0" (sentinel: "They were
+    # finite when batch 2 ran"), with gradient clipping as the fix.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    with watch(model, mode) as w:
+        for step in range(4):
+            x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 1, generator=generator)
+            if step == 1:
+                x[2, 3] = math.nan
+            if step == 3:
+                model.eval()
+            loss = nn.functional.mse_loss(model(x), y)
+            if not torch.isfinite(loss):
+                optimizer.zero_grad()
+                continue
+            if model.training:
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    first, later = w.events[0], w.events[-1]
+    assert (first.batch, first.diagnosis.kind, first.diagnosis.rows) == (1, "bad-data", [2])
+    assert (later.batch, later.module, later.role) == (3, "1", "running_mean")
+    diagnosis = later.diagnosis
+    assert diagnosis.kind == "bad-data" and diagnosis.rows == [2]
+    assert diagnosis.summary.startswith(
+        "'1.running_mean', '1.running_var' hold NaN since batch 1's forward updated them")
+    assert "finite when batch" not in " ".join(diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith(
+        "Mend them: model.get_submodule('1').reset_running_stats()")

@@ -362,6 +362,9 @@ class Facts:
     finite_by_outputs: set[str] = field(default_factory=set)
     # Non-finite weight name -> True when its version counter moved after that batch.
     weights_written: dict[str, bool] = field(default_factory=dict)
+    # The earlier forward event whose batch's forward wrote these non-finite buffers after
+    # they were last seen finite (BatchNorm's running statistics updated from NaN data).
+    poisoned_by: NanEvent | None = None
     # Buffers the event batch's own forward wrote into (BatchNorm's running statistics).
     written_in_forward: set[str] = field(default_factory=set)
     # Optimizer steps taken when each held batch started (an optimizer step between two).

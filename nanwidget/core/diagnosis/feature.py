@@ -402,6 +402,25 @@ class Diagnoser(Feature):
                 now = {n: v for n, v, _ in self.capture.held_weights(event.batch)}
                 if name in then and name in now:
                     facts.weights_written[name] = then[name] != now[name]
+        facts.poisoned_by = self._poisoned_by(facts, names)
+
+    def _poisoned_by(self, facts: Facts, names: list[str]) -> NanEvent | None:
+        """The earliest earlier forward event whose batch's forward wrote into these buffers
+        (BatchNorm's running statistics, updated from that batch's NaN data) after the last
+        batch that showed them finite: that forward made them non-finite, not a step or a
+        load between batches."""
+        event = facts.event
+        if not names or event.origin != "weight" or self.capture is None \
+                or not all(self.recorder.is_buffer(*n.rpartition(".")[::2]) for n in names):
+            return None
+        last = max((facts.weights_last_finite.get(n, -1) for n in names), default=-1)
+        for earlier in sorted((e for e in self.recorder.events
+                               if last < e.batch < event.batch and not e.is_backward
+                               and e.origin != "peer" and e.diagnosis is not None),
+                              key=lambda e: e.batch):
+            if set(names) <= self.capture.buffers_written(earlier.batch):
+                return earlier
+        return None
 
     def _partly_read(self, name: str) -> bool:
         """Whether a batch may leave some of this weight's values unread, so that its finite
@@ -431,7 +450,10 @@ class Diagnoser(Feature):
 
         seen: dict[str, list[int]] = {}
         for name in names:
-            proven = [b for b in clean if written_after(b, name)]
+            # A training forward that updated a buffer (BatchNorm's running statistics) did not
+            # read it: its finite outputs say nothing of it.
+            proven = [b for b in clean if written_after(b, name)
+                      and name not in capture.buffers_written(b)]
             seen[name] = [max(proven)] if proven else []
             unwritten = [b for b in held if b < event.batch and not written_after(b, name)]
             if unwritten and not proven:

@@ -672,6 +672,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
     # A forward whose inputs were finite and small (their squares too) updates a finite buffer
     # into a finite one: a non-finite one was so before it ran.
     tame = largest_input is not None and largest_input < math.sqrt(dtype_max(dtype or "float32"))
+    if facts.poisoned_by is not None:
+        return _poisoned_by_earlier_forward(facts, names)
     if names and all(n in facts.written_in_forward for n in names) \
             and not any(facts.weights_written.get(n) for n in names) and not tame:
         return _written_by_forward(facts, names, dtype, largest_input)
@@ -800,6 +802,38 @@ def _substituted(facts: Facts, names: list[str]) -> Diagnosis:
          "rate, inner gradients clamped (g.clamp(-c, c)), or the step skipped when a gradient "
          "is non-finite; clip_grad_norm_ on the model does not see them."],
         confidence="medium")
+
+
+def _poisoned_by_earlier_forward(facts: Facts, names: list[str]) -> Diagnosis:
+    """Buffers an earlier batch's forward wrote while its values held NaN/Inf (BatchNorm
+    updates its running statistics from every training batch): every batch since uses them."""
+    event, cause_event = facts.event, facts.poisoned_by
+    cause = cause_event.diagnosis
+    one = len(names) == 1
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    module = names[0].rpartition(".")[0] or "<root>"
+    running = all(n.rpartition(".")[2] in ("running_mean", "running_var") for n in names)
+    what = "its running statistics" if running else "them"
+    why = cause.summary[0].lower() + cause.summary[1:] if cause.summary.startswith("The ") \
+        else cause.summary
+    summary = (f"{shown} {'holds' if one else 'hold'} {_kind_words(event.kind)} since batch "
+               f"{cause_event.batch}'s forward updated {'it' if one else 'them'} from its "
+               f"non-finite values (module '{module}' updates {what} from every training batch): "
+               f"{why}")
+    evidence = [f"Batch {cause_event.batch}'s forward wrote into {'it' if one else 'them'} "
+                f"while its values held {_kind_words(cause_event.kind)} (its event at module "
+                f"'{cause_event.module_label}', {cause_event.role}); no optimizer step updates "
+                f"{'it' if one else 'them'}, and every batch since runs with "
+                f"{'it' if one else 'them'}."] + list(cause.evidence)
+    reset = (f"model.get_submodule('{module}').reset_running_stats()" if running
+             else "recompute them")
+    fixes_ = [f"Mend them: {reset}, or reload them from a checkpoint saved before batch "
+              f"{cause_event.batch}. Skipping the optimizer step of a bad batch is too late for "
+              "them: its forward already wrote them, so keep such a batch out of the training "
+              "forward (check it before model(x)), or run it under model.eval()."] \
+        + list(cause.suggestion)
+    return Diagnosis(cause.kind, summary, evidence, fixes_, rows=list(cause.rows),
+                     confidence=cause.confidence, op=cause.op)
 
 
 def _written_by_forward(facts: Facts, names: list[str], dtype: str,
