@@ -1825,3 +1825,32 @@ def test_running_statistics_a_bad_batch_wrote_are_blamed_on_that_batchs_data(mod
     assert "finite when batch" not in " ".join(diagnosis.evidence)
     assert diagnosis.suggestion[0].startswith(
         "Mend them: model.get_submodule('1').reset_running_stats()")
+
+
+class _StepWithCache(nn.Module):
+    """A decoding step: adds its input into a cache it is handed (written in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.add_(x)
+        return self.layer(cache)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bad_data_beside_a_cache_written_in_place_is_still_read_with_its_rows(mode):
+    # The cache changed, so the batch cannot be replayed: the diagnosis read none of the
+    # inputs (sentinel "unknown", full mode bad-data without rows), not even the data beside it.
+    torch.manual_seed(0)
+    model = _StepWithCache()
+    cache = torch.zeros(3, 4)
+    with watch(model, mode) as w:
+        with torch.no_grad():
+            x = torch.randn(3, 4)
+            x[1, 2] = math.nan
+            model(x, cache=cache)
+    diagnosis = w.events[0].diagnosis
+    assert (diagnosis.kind, diagnosis.rows, diagnosis.confidence) == ("bad-data", [1], "high")
+    assert "input[0] holds NaN in row 1" in diagnosis.summary

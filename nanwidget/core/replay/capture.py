@@ -453,13 +453,16 @@ class BatchCapture(Feature):
 
     def held_inputs(self, batch: int) -> list[tuple[str, torch.Tensor]]:
         """The input tensors of ``batch``'s root forwards by role (``input[0]``,
-        ``kwarg:mask`` ...), as they ran; empty when the batch is not held or an input was
-        changed in place since."""
-        try:
-            held = self.batch_to_replay(batch)
-        except ReplayError:
+        ``kwarg:mask`` ...), as they ran: those not changed in place since (a cache the model
+        fills as it runs is left out, the data beside it kept); empty when the batch is not
+        held or cannot be read outside its run (a torch.func transform's)."""
+        held = self.held.get(batch_number(batch))
+        if held is None or not held.forwards \
+                or any(_transformed(t) for c in held.forwards for _, t in c.inputs):
             return []
-        return [pair for capture in held.forwards for pair in capture.inputs]
+        return [pair for capture in held.forwards
+                for pair, version in zip(capture.inputs, capture.input_versions)
+                if version_of(pair[1]) == version]
 
     def _named_inputs(self, batch: int) -> list[tuple[str, Any]]:
         """(role, value) of each argument of ``batch``'s first root forward, as it was held;
