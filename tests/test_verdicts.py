@@ -90,6 +90,12 @@ def test_a_fully_masked_row_turning_softmax_to_nan_is_an_input_event(reduction_p
     event = w.event
     assert (event.module, event.origin, event.kind, event.role) == ("softmax", "input", "nan",
                                                                      "input[0]")
+    # The kind is the outputs'; the headline says what arrived ("nan ... input[0]: arrived
+    # through an input" read as if a NaN had arrived).
+    assert event.summary().startswith(
+        "nan in batch 0 at module 'softmax' (Softmax, call 0), input[0]: arrived through an "
+        "input (from the data, an earlier module, or a functional op between modules); the "
+        "input holds inf, the module made nan of it")
 
 
 class MaskBuilder(nn.Module):

@@ -173,7 +173,30 @@ class NanEvent:
             return _UNVERIFIED_WORDS.format(where="the model's" if self.module == "" else "its")
         if self.made_in_loss:
             return LOSS_WORDS
-        return ORIGIN_WORDS.get(self.origin, self.origin)
+        words = ORIGIN_WORDS.get(self.origin, self.origin)
+        if self.origin == "input":
+            arrived = self._named_kind()
+            if arrived and arrived != self.kind:
+                # The kind is what the outputs hold: say what arrived when it differs (an Inf
+                # that the module's matmul or softmax made NaN of).
+                words += f"; the input holds {arrived}, the module made {self.kind} of it"
+        return words
+
+    def _named_kind(self) -> str:
+        """"nan", "inf" or "nan+inf": what the event's own tensor holds, from its frame in
+        ``frames`` ("" when the frame is not there)."""
+        frames = self.frames
+        if frames is None or not len(frames) or self.frame is None:
+            return ""
+        try:
+            own = frames[(frames["frame"] == self.frame) & (frames["batch"] == self.batch)
+                         & (frames["role"] == self.role)]
+            if own.empty:
+                return ""
+            nan, inf = bool(own["nan"].iloc[0]), bool(own["inf"].iloc[0])
+        except (KeyError, IndexError):
+            return ""
+        return "nan+inf" if nan and inf else ("nan" if nan else ("inf" if inf else ""))
 
     @property
     def made_in_loss(self) -> bool:
