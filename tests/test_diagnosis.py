@@ -1854,3 +1854,35 @@ def test_bad_data_beside_a_cache_written_in_place_is_still_read_with_its_rows(mo
     diagnosis = w.events[0].diagnosis
     assert (diagnosis.kind, diagnosis.rows, diagnosis.confidence) == ("bad-data", [1], "high")
     assert "input[0] holds NaN in row 1" in diagnosis.summary
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_an_lbfgs_step_wrote_inside_a_batch_are_not_blamed_on_a_checkpoint(mode):
+    # set_batch(step) numbers batches by optimizer step; LBFGS runs its closure four times per
+    # step, and a trial point whose exp(loss) overflows leaves NaN weights for the fourth. It
+    # said they "held NaN when the watch began (a checkpoint loaded ...)".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=50, max_iter=4, history_size=4)
+    x, y = torch.randn(32, 8), torch.randn(32, 1) * 3
+
+    def closure():
+        optimizer.zero_grad()
+        loss = torch.exp(nn.functional.mse_loss(model(x), y))
+        loss.backward()
+        return loss
+
+    with watch(model, mode) as w:
+        for step in range(3):
+            w.set_batch(step)
+            optimizer.step(closure)
+            if w.events:
+                break
+    event = w.events[0]
+    diagnosis = event.diagnosis
+    assert (event.batch, event.origin, diagnosis.kind) == (0, "weight", "corrupted-weight")
+    assert "within batch 0" in diagnosis.summary
+    assert "when the watch began" not in " ".join(diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("A step inside batch 0 wrote them: with LBFGS")
+    if mode == "full":
+        assert "between call 2 and call 3 of module '0'" in diagnosis.summary

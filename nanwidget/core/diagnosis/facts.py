@@ -354,6 +354,12 @@ class Facts:
     weights_now: dict[str, float] = field(default_factory=dict)
     # Non-finite weight name -> the last batch that ran with it finite.
     weights_last_finite: dict[str, int] = field(default_factory=dict)
+    # Non-finite weight name -> the last earlier call of its module in the event's own batch
+    # whose frame measured it finite (a step inside the batch wrote it: LBFGS, SAM).
+    finite_earlier_in_batch: dict[str, int] = field(default_factory=dict)
+    # Sentinel mode: non-finite weight name -> the root forward of the event's batch before
+    # which it was last written (a step between forwards of one batch; its frames unmeasured).
+    written_between_forwards: dict[str, int] = field(default_factory=dict)
     # Sentinel mode: non-finite weight name -> the earliest held batch since which neither its
     # version counter nor the optimizer's steps moved (it held the value then already).
     unwritten_since: dict[str, int] = field(default_factory=dict)

@@ -48,6 +48,25 @@ def _root_grad_bad(frames: Any, batch: int, root: str) -> bool | None:
     return bool((rows["nan"] | rows["inf"]).any())
 
 
+def _finite_in_earlier_call(event: NanEvent, names: list[str]) -> dict[str, int]:
+    """Per weight of ``names``: the last earlier call of its module in the event's batch whose
+    forward frame (in the event's window) measured it finite."""
+    frames = event.frames
+    if frames is None or frames.empty or event.is_backward:
+        return {}
+    rows = frames[(frames["batch"] == event.batch) & (frames["phase"] == "forward")]
+    found = {}
+    for name in names:
+        module, _, role = name.rpartition(".")
+        if module != event.module:
+            continue
+        own = rows[(rows["module"] == module) & (rows["role"] == role) & (rows["call"] < event.call)
+                   & ~rows["nan"] & ~rows["inf"] & rows["abs_max"].notna()]
+        if not own.empty:
+            found[name] = int(own["call"].max())
+    return found
+
+
 class Diagnoser(Feature):
     """Sets ``event.diagnosis`` on every event of a watch (see the module docstring).
 
@@ -403,6 +422,13 @@ class Diagnoser(Feature):
                 if name in then and name in now:
                     facts.weights_written[name] = then[name] != now[name]
         facts.poisoned_by = self._poisoned_by(facts, names)
+        facts.finite_earlier_in_batch = _finite_in_earlier_call(event, names)
+        if self.sentinel and self.capture is not None and not facts.finite_earlier_in_batch:
+            # A replay runs every forward of the batch on the weights as they are now: the
+            # held forwards' versions tell a write between them.
+            within = self.capture.written_between_forwards(event.batch)
+            if names and all(n in within for n in names):
+                facts.written_between_forwards = {n: within[n] for n in names}
 
     def _poisoned_by(self, facts: Facts, names: list[str]) -> NanEvent | None:
         """The earliest earlier forward event whose batch's forward wrote into these buffers

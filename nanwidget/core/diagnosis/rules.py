@@ -677,6 +677,9 @@ def _weights(facts: Facts) -> Diagnosis | None:
     if names and all(n in facts.written_in_forward for n in names) \
             and not any(facts.weights_written.get(n) for n in names) and not tame:
         return _written_by_forward(facts, names, dtype, largest_input)
+    if names and (all(n in facts.finite_earlier_in_batch for n in names)
+                  or all(n in facts.written_between_forwards for n in names)):
+        return _written_within_batch(facts, names, dtype)
     last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
     batch = max(last) if last else None
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
@@ -802,6 +805,44 @@ def _substituted(facts: Facts, names: list[str]) -> Diagnosis:
          "rate, inner gradients clamped (g.clamp(-c, c)), or the step skipped when a gradient "
          "is non-finite; clip_grad_norm_ on the model does not see them."],
         confidence="medium")
+
+
+def _written_within_batch(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
+    """Weights an earlier call of their module in the same batch measured finite: something
+    wrote them between two forwards of one batch (an optimizer step inside it)."""
+    event = facts.event
+    one = len(names) == 1
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    why = ("an optimizer step or a write between two forwards of the same batch did it (LBFGS "
+           "evaluates its closure several times per step; SAM perturbs the weights between its "
+           "two passes).")
+    if all(n in facts.finite_earlier_in_batch for n in names):
+        call = max(facts.finite_earlier_in_batch[n] for n in names)
+        summary = (f"{shown} became {_kind_words(event.kind)} within batch {event.batch}, "
+                   f"between call {call} and call {event.call} of module "
+                   f"'{event.module_label}': {why}")
+        evidence = [f"{shown} {'holds' if one else 'hold'} {_kind_words(event.kind)} at call "
+                    f"{event.call} of batch {event.batch}" + (f" ({dtype})." if dtype else "."),
+                    f"Call {call} of module '{event.module_label}' in the same batch measured "
+                    f"{'it' if one else 'them'} finite."]
+        confidence = "high"
+    else:  # sentinel mode: versions, not measurements
+        forward = max(facts.written_between_forwards[n] for n in names)
+        summary = (f"{shown} {'was' if one else 'were'} written within batch {event.batch}, "
+                   f"before its forward {forward} (of the model's calls in the batch), and "
+                   f"{'holds' if one else 'hold'} {_kind_words(event.kind)} now: likely {why}")
+        evidence = [f"{shown} {'holds' if one else 'hold'} {_kind_words(event.kind)} at batch "
+                    f"{event.batch}" + (f" ({dtype})." if dtype else "."),
+                    f"{'Its' if one else 'Their'} version counter or the optimizer's steps moved "
+                    f"between forward {forward - 1} and forward {forward} of batch "
+                    f"{event.batch}; the replay ran every forward on the weights as they are "
+                    "now (sentinel mode measures no weights as the batch runs)."]
+        confidence = "medium"
+    fixes_ = [f"A step inside batch {event.batch} wrote {'it' if one else 'them'}: with LBFGS, "
+              "pass line_search_fn='strong_wolfe' and a smaller lr so that no trial point "
+              "overflows; with SAM, a smaller rho; else lower the learning rate."]
+    fixes_ += fixes.corrupted_weight(names, dtype, event.batch, event.kind == "inf")[:2]
+    return Diagnosis("corrupted-weight", summary, evidence, fixes_, confidence=confidence)
 
 
 def _poisoned_by_earlier_forward(facts: Facts, names: list[str]) -> Diagnosis:

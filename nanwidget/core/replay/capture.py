@@ -508,6 +508,23 @@ class BatchCapture(Feature):
                 written.update((prefix + "running_mean", prefix + "running_var"))
         return written
 
+    def written_between_forwards(self, batch: int) -> dict[str, int]:
+        """The weights written between two root forwards of ``batch`` (an optimizer step inside
+        it: LBFGS's closure, SAM's two passes): name -> the last forward that started with
+        them changed (a version counter moved, or the optimizer stepped)."""
+        held = self.held.get(batch)
+        if held is None or len(held.forwards) < 2:
+            return {}
+        names = self.slots.names
+        written: dict[str, int] = {}
+        for k in range(1, len(held.forwards)):
+            before, after = held.forwards[k - 1], held.forwards[k]
+            stepped = before.steps != after.steps
+            for i, (then, now) in enumerate(zip(before.weight_versions, after.weight_versions)):
+                if i < len(names) and (stepped or then != now):
+                    written[names[i]] = k
+        return written
+
     def held_weights(self, batch: int) -> list[tuple[str, int, torch.Tensor | None]]:
         """(name, version counter, copy or None) of every parameter and buffer when ``batch``
         started (copies with ``snapshot_weights``); empty when the batch is not held."""
