@@ -1348,7 +1348,7 @@ def test_recordings_keep_the_diagnosis_and_older_ones_load_without_it(tmp_path):
     loaded = nw.load_run(tmp_path / "run").events[0]
     assert loaded.diagnosis == w.event.diagnosis and loaded.diagnosis.rows == [3]
     assert "Diagnosis (bad-data, high confidence)" in nw.load_run(tmp_path / "run").report(loaded)
-    for path in (tmp_path / "run").rglob("event-*.json"):  # as an older version wrote it
+    for path in (tmp_path / "run").rglob("event-[0-9]*[0-9].json"):  # as an older version wrote it
         meta = json.loads(path.read_text())
         del meta["diagnosis"]
         path.write_text(json.dumps(meta))
