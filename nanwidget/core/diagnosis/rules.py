@@ -400,23 +400,33 @@ def _op_evidence(op: OpFacts) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- the kinds
+def _carried(cause: Diagnosis, head: str, how: str, first: list[str] = (),
+             last: list[str] = ()) -> Diagnosis:
+    """An event whose value an earlier event's cause made (carried on by the loss, a gradient
+    accumulation, a buffer a forward wrote): that cause's diagnosis, after ``head`` (the
+    summary's start) and ``how`` (the first line of evidence), its fixes between ``first`` and
+    ``last``."""
+    why = cause.summary[0].lower() + cause.summary[1:] if cause.summary.startswith("The ") \
+        else cause.summary
+    return Diagnosis(cause.kind, f"{head}: {why}", [how] + list(cause.evidence),
+                     list(first) + list(cause.suggestion) + list(last), rows=list(cause.rows),
+                     confidence=cause.confidence, op=cause.op)
+
+
 def _after_forward(facts: Facts) -> Diagnosis | None:
     """A backward event of a batch whose forward already made an event: the NaN/Inf of the
     forward went through the loss into its gradient; the forward's diagnosis says why."""
     event, forward = facts.event, facts.forward_event
     if forward is None or forward.diagnosis is None:
         return None
-    cause = forward.diagnosis
-    why = cause.summary[0].lower() + cause.summary[1:] if cause.summary.startswith("The ") \
-        else cause.summary
-    summary = (f"The gradient of batch {event.batch} is {_kind_words(event.kind)} because its "
-               f"forward already was (the event at module '{forward.module_label}' "
-               f"({forward.module_type}), {forward.role}): {why}")
-    evidence = [f"The forward of batch {event.batch} made an event first; the loss and its "
-                f"gradient carried its {_kind_words(forward.kind)} into '{event.module_label}' "
-                f"({event.module_type}), {event.role}."] + list(cause.evidence)
-    return Diagnosis(cause.kind, summary, evidence, list(cause.suggestion), rows=list(cause.rows),
-                     confidence=cause.confidence, op=cause.op)
+    return _carried(
+        forward.diagnosis,
+        f"The gradient of batch {event.batch} is {_kind_words(event.kind)} because its forward "
+        f"already was (the event at module '{forward.module_label}' ({forward.module_type}), "
+        f"{forward.role})",
+        f"The forward of batch {event.batch} made an event first; the loss and its gradient "
+        f"carried its {_kind_words(forward.kind)} into '{event.module_label}' "
+        f"({event.module_type}), {event.role}.")
 
 
 def _accumulated_gradient(facts: Facts) -> Diagnosis | None:
@@ -426,22 +436,17 @@ def _accumulated_gradient(facts: Facts) -> Diagnosis | None:
     event, cause_event = facts.event, facts.accumulated_from
     if cause_event is None or cause_event.diagnosis is None:
         return None
-    cause = cause_event.diagnosis
-    why = cause.summary[0].lower() + cause.summary[1:] if cause.summary.startswith("The ") \
-        else cause.summary
     name = event.qualified_role
-    summary = (f"The gradient of '{name}' in batch {event.batch} is {_kind_words(event.kind)} "
-               f"because batch {cause_event.batch}'s backward left it so and the passes since only "
-               f"added to it (no zero_grad() between them: gradient accumulation): {why}")
-    evidence = [f"'{name}'.grad is the tensor batch {cause_event.batch}'s backward made "
-                f"non-finite, only accumulated into since (zero_grad() replaces or zeroes it)."] \
-        + list(cause.evidence)
-    suggestion = list(cause.suggestion) + [
-        "Skip the optimizer step of an accumulation group whose gradients hold NaN/Inf "
-        "(w.check_grad_norms() before optimizer.step(), then optimizer.zero_grad()), so one bad "
-        "micro-batch does not reach the weights."]
-    return Diagnosis(cause.kind, summary, evidence, suggestion, rows=list(cause.rows),
-                     confidence=cause.confidence, op=cause.op)
+    return _carried(
+        cause_event.diagnosis,
+        f"The gradient of '{name}' in batch {event.batch} is {_kind_words(event.kind)} because "
+        f"batch {cause_event.batch}'s backward left it so and the passes since only added to it "
+        "(no zero_grad() between them: gradient accumulation)",
+        f"'{name}'.grad is the tensor batch {cause_event.batch}'s backward made non-finite, only "
+        "accumulated into since (zero_grad() replaces or zeroes it).",
+        last=["Skip the optimizer step of an accumulation group whose gradients hold NaN/Inf "
+              "(w.check_grad_norms() before optimizer.step(), then optimizer.zero_grad()), so "
+              "one bad micro-batch does not reach the weights."])
 
 
 # A value within this factor of its dtype's largest has about 4 doublings of room left.
@@ -808,73 +813,68 @@ def _substituted(facts: Facts, names: list[str]) -> Diagnosis:
 
 
 def _written_within_batch(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
-    """Weights an earlier call of their module in the same batch measured finite: something
-    wrote them between two forwards of one batch (an optimizer step inside it)."""
+    """Weights an earlier call of their module in the same batch measured finite (full mode),
+    or whose versions moved between two forwards of the batch (sentinel mode): something wrote
+    them between two forwards of one batch (an optimizer step inside it)."""
     event = facts.event
     one = len(names) == 1
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    what = f"{'holds' if one else 'hold'} {_kind_words(event.kind)}"
     why = ("an optimizer step or a write between two forwards of the same batch did it (LBFGS "
            "evaluates its closure several times per step; SAM perturbs the weights between its "
            "two passes).")
-    if all(n in facts.finite_earlier_in_batch for n in names):
+    measured = all(n in facts.finite_earlier_in_batch for n in names)
+    if measured:
         call = max(facts.finite_earlier_in_batch[n] for n in names)
         summary = (f"{shown} became {_kind_words(event.kind)} within batch {event.batch}, "
                    f"between call {call} and call {event.call} of module "
                    f"'{event.module_label}': {why}")
-        evidence = [f"{shown} {'holds' if one else 'hold'} {_kind_words(event.kind)} at call "
-                    f"{event.call} of batch {event.batch}" + (f" ({dtype})." if dtype else "."),
-                    f"Call {call} of module '{event.module_label}' in the same batch measured "
-                    f"{'it' if one else 'them'} finite."]
-        confidence = "high"
+        where = f"call {event.call} of batch {event.batch}"
+        seen = (f"Call {call} of module '{event.module_label}' in the same batch measured "
+                f"{'it' if one else 'them'} finite.")
     else:  # sentinel mode: versions, not measurements
         forward = max(facts.written_between_forwards[n] for n in names)
         summary = (f"{shown} {'was' if one else 'were'} written within batch {event.batch}, "
                    f"before its forward {forward} (of the model's calls in the batch), and "
-                   f"{'holds' if one else 'hold'} {_kind_words(event.kind)} now: likely {why}")
-        evidence = [f"{shown} {'holds' if one else 'hold'} {_kind_words(event.kind)} at batch "
-                    f"{event.batch}" + (f" ({dtype})." if dtype else "."),
-                    f"{'Its' if one else 'Their'} version counter or the optimizer's steps moved "
-                    f"between forward {forward - 1} and forward {forward} of batch "
-                    f"{event.batch}; the replay ran every forward on the weights as they are "
-                    "now (sentinel mode measures no weights as the batch runs)."]
-        confidence = "medium"
+                   f"{what} now: likely {why}")
+        where = f"batch {event.batch}"
+        seen = (f"{'Its' if one else 'Their'} version counter or the optimizer's steps moved "
+                f"between forward {forward - 1} and forward {forward} of batch {event.batch}; "
+                "the replay ran every forward on the weights as they are now (sentinel mode "
+                "measures no weights as the batch runs).")
+    evidence = [f"{shown} {what} at {where}" + (f" ({dtype})." if dtype else "."), seen]
     fixes_ = [f"A step inside batch {event.batch} wrote {'it' if one else 'them'}: with LBFGS, "
               "pass line_search_fn='strong_wolfe' and a smaller lr so that no trial point "
               "overflows; with SAM, a smaller rho; else lower the learning rate."]
     fixes_ += fixes.corrupted_weight(names, dtype, event.batch, event.kind == "inf")[:2]
-    return Diagnosis("corrupted-weight", summary, evidence, fixes_, confidence=confidence)
+    return Diagnosis("corrupted-weight", summary, evidence, fixes_,
+                     confidence="high" if measured else "medium")
 
 
 def _poisoned_by_earlier_forward(facts: Facts, names: list[str]) -> Diagnosis:
     """Buffers an earlier batch's forward wrote while its values held NaN/Inf (BatchNorm
     updates its running statistics from every training batch): every batch since uses them."""
     event, cause_event = facts.event, facts.poisoned_by
-    cause = cause_event.diagnosis
     one = len(names) == 1
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
     module = names[0].rpartition(".")[0] or "<root>"
     running = all(n.rpartition(".")[2] in ("running_mean", "running_var") for n in names)
-    what = "its running statistics" if running else "them"
-    why = cause.summary[0].lower() + cause.summary[1:] if cause.summary.startswith("The ") \
-        else cause.summary
-    summary = (f"{shown} {'holds' if one else 'hold'} {_kind_words(event.kind)} since batch "
-               f"{cause_event.batch}'s forward updated {'it' if one else 'them'} from its "
-               f"non-finite values (module '{module}' updates {what} from every training batch): "
-               f"{why}")
-    evidence = [f"Batch {cause_event.batch}'s forward wrote into {'it' if one else 'them'} "
-                f"while its values held {_kind_words(cause_event.kind)} (its event at module "
-                f"'{cause_event.module_label}', {cause_event.role}); no optimizer step updates "
-                f"{'it' if one else 'them'}, and every batch since runs with "
-                f"{'it' if one else 'them'}."] + list(cause.evidence)
     reset = (f"model.get_submodule('{module}').reset_running_stats()" if running
              else "recompute them")
-    fixes_ = [f"Mend them: {reset}, or reload them from a checkpoint saved before batch "
-              f"{cause_event.batch}. Skipping the optimizer step of a bad batch is too late for "
-              "them: its forward already wrote them, so keep such a batch out of the training "
-              "forward (check it before model(x)), or run it under model.eval()."] \
-        + list(cause.suggestion)
-    return Diagnosis(cause.kind, summary, evidence, fixes_, rows=list(cause.rows),
-                     confidence=cause.confidence, op=cause.op)
+    return _carried(
+        cause_event.diagnosis,
+        f"{shown} {'holds' if one else 'hold'} {_kind_words(event.kind)} since batch "
+        f"{cause_event.batch}'s forward updated {'it' if one else 'them'} from its non-finite "
+        f"values (module '{module}' updates {'its running statistics' if running else 'them'} "
+        "from every training batch)",
+        f"Batch {cause_event.batch}'s forward wrote into {'it' if one else 'them'} while its "
+        f"values held {_kind_words(cause_event.kind)} (its event at module "
+        f"'{cause_event.module_label}', {cause_event.role}); no optimizer step updates "
+        f"{'it' if one else 'them'}, and every batch since runs with {'it' if one else 'them'}.",
+        first=[f"Mend them: {reset}, or reload them from a checkpoint saved before batch "
+               f"{cause_event.batch}. Skipping the optimizer step of a bad batch is too late for "
+               "them: its forward already wrote them, so keep such a batch out of the training "
+               "forward (check it before model(x)), or run it under model.eval()."])
 
 
 def _written_by_forward(facts: Facts, names: list[str], dtype: str,
