@@ -360,10 +360,18 @@ class Sentinel(Feature):
             self._grad_batch = batch
             if self._pass_batches:
                 self._pass_batches = []
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            # Requeued once it runs, so that it comes after DDP's / FSDP's own final callbacks
+            # (their reductions): raising before them leaves DDP's reducer mid-pass.
+            torch.autograd.Variable._execution_engine.queue_callback(self._requeue_last)
         elif batch != self._grad_batch and batch not in self._pass_batches:
             self._pass_batches.append(batch)
         return None
+
+    def _requeue_last(self) -> None:
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        except RuntimeError:
+            self._backward_done()
 
     def _backward_done(self) -> None:
         """The autograd engine finished a backward pass through the outputs of ``_grad_batch``."""
