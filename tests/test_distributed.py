@@ -638,3 +638,18 @@ def test_training_goes_on_under_ddp_after_a_backward_nan_was_raised_and_its_batc
     for (rank, mode), result in results.items():
         assert result["error"] == "", (rank, mode, result["error"])
         assert result["skipped"] == [2], (rank, mode)
+
+
+@pytest.mark.slow
+def test_parameter_gradient_frames_under_ddp_hold_the_all_reduced_grad():
+    # The frames held each rank's own gradient, measured before DDP's all-reduce: rank 0 read
+    # finite where its .grad (what the optimizer used) was NaN, and recorded no event for it.
+    finished = _torchrun([str(REPO / "tests/scripts/ddp_reduced_grads.py")])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    first = _results(finished.stdout)[0]
+    assert all(first["grad_nan"].values())
+    assert first["frame_nan"] == first["grad_nan"]
+    batch, origin, summary = first["event"]
+    assert (batch, origin) == (2, "grad")
+    assert "only after DDP averaged it over the ranks: rank 0's own gradients in batch 2 " \
+        "stayed finite" in summary

@@ -47,7 +47,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from .events import NanEvent, event_fields, event_from_fields
+from .events import NanEvent, event_fields, event_from_fields, gradient_only_reduced
 from .ranks import distributed_ready
 from .recorder import Feature, Recorder
 
@@ -88,6 +88,7 @@ def consensus_wanted() -> bool:
 
 def _payload(event: NanEvent) -> dict[str, Any]:
     payload = event_fields(event)
+    payload["only_reduced"] = gradient_only_reduced(event)
     frames = event.frames if isinstance(event.frames, pd.DataFrame) else pd.DataFrame()
     payload["frames"] = frames.to_dict("list")
     return payload
@@ -153,10 +154,14 @@ class Consensus(Feature):
         # Rare path: somebody found a NaN. Tell everyone what and where.
         payloads: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(payloads, _payload(event) if event is not None else None)
-        if event is not None:
-            return event
         found = [p for p in payloads if p is not None]
-        first = min(found, key=lambda p: (p["batch"], p["rank"]))
+        # A rank whose own gradients stayed finite and whose .grad the all-reduce made NaN
+        # takes the finder's event, as a rank that found nothing does.
+        made = [p for p in found if not p["only_reduced"]]
+        if event is not None and (not made or not gradient_only_reduced(event)):
+            return event
+        first = min(made or found, key=lambda p: (p["batch"], p["rank"]))
+        first.pop("only_reduced")
         frames = pd.DataFrame(first.pop("frames"))
         # This rank's own batch number: ranks that ran different numbers of forwards (extra
         # validation batches on one) count batches differently; the finder's is peer_batch.

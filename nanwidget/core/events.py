@@ -302,3 +302,17 @@ class AbortAfterBatch(RuntimeError):
         self.abort_after = batch if abort_after is None else abort_after
         super().__init__(f"nanwidget: stopping after batch {batch} "
                          f"(abort_after={self.abort_after})")
+
+
+def gradient_only_reduced(event: NanEvent) -> bool:
+    """Whether ``event`` is at a parameter's gradient while every module gradient (grad_output,
+    grad_input) of its batch's backward frames stayed finite: on one of several ranks, the
+    rank's own gradient was finite and DDP's all-reduce averaged another rank's NaN/Inf in."""
+    frames = event.frames
+    if not event.is_backward or event.origin != "grad" or event.role.startswith("grad_") \
+            or frames is None or frames.empty:
+        return False
+    own = frames[(frames["batch"] == event.batch) & (frames["phase"] == "backward")]
+    flowing = own[own["role"].str.startswith("grad_")]
+    return bool(len(flowing)) and not bool((flowing["nan"] | flowing["inf"]).any())
+

@@ -386,6 +386,9 @@ class Facts:
     # A backward event at a parameter whose .grad an earlier pass left non-finite and this one
     # only added to (no zero_grad() between: gradient accumulation): that pass's event.
     accumulated_from: NanEvent | None = None
+    # A backward event at a parameter's gradient, under several ranks, whose pass on this rank
+    # kept every module's gradient finite: DDP's all-reduce brought another rank's NaN in.
+    from_another_rank: bool = False
     # The event needed a replay for its op, but the watch's diagnosis replays, this many, were
     # all spent on earlier events (0: not spent).
     replays_spent: int = 0

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from ..detect import additive_mask
-from ..events import Diagnosis, NanEvent
+from ..events import Diagnosis, NanEvent, gradient_only_reduced
 from ..frames import Frame, weights_finite_last
+from ..ranks import world_size
 from ..recorder import Feature, Recorder
 from ..stats import local_shard, storage_holds
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
@@ -151,6 +152,9 @@ class Diagnoser(Feature):
             facts.accumulated_from = self._track_gradients(event)
             if facts.accumulated_from is not None:
                 return facts  # the pass that made it non-finite says why
+            facts.from_another_rank = world_size() > 1 and gradient_only_reduced(event)
+            if facts.from_another_rank:
+                return facts  # that rank's diagnosis says why
         if event.is_backward:
             forward = next(
                 (e for e in self.recorder.events if e.batch == event.batch and e.rank == event.rank
@@ -173,6 +177,7 @@ class Diagnoser(Feature):
                 except Exception as error:  # this rank alone cannot run it (FSDP2, tensor parallel)
                     self.replays -= 1  # none ran
                     facts.replay_refused = str(error)
+                    facts.replay_refused_sharded = True
                 if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
                     facts.output_grad_bad = _root_grad_bad(facts.trace.frames, event.batch, root)
             else:

@@ -449,6 +449,27 @@ def _accumulated_gradient(facts: Facts) -> Diagnosis | None:
               "one bad micro-batch does not reach the weights."])
 
 
+def _from_another_rank(facts: Facts) -> Diagnosis | None:
+    """A parameter's gradient that DDP's all-reduce made non-finite: this rank's own pass kept
+    every module's gradient finite, so another rank's was not."""
+    if not facts.from_another_rank:
+        return None
+    event = facts.event
+    name = event.qualified_role
+    return Diagnosis(
+        "unknown",
+        f"The gradient of '{name}' is {_kind_words(event.kind)} only after DDP averaged it over "
+        f"the ranks: rank {event.rank}'s own gradients in batch {event.batch} stayed finite, so "
+        "another rank's held it, and that rank's diagnosis says why.",
+        [f"Every module gradient (grad_output, grad_input) of rank {event.rank}'s backward pass "
+         f"in batch {event.batch} was finite; '{name}'.grad was written again after its own "
+         "gradient had been measured (DDP's all-reduce)."],
+        ["Read the other ranks' events: nw.load_run(log_dir).events (watch with log_dir=...) or "
+         "each rank's w.report(); with on_nan='raise' every rank stops at the batch in which any "
+         "rank found a NaN/Inf, and the finder's event is first."],
+        confidence="medium")
+
+
 # A value within this factor of its dtype's largest has about 4 doublings of room left.
 _NEAR_LIMIT = 16.0
 
@@ -1189,7 +1210,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_after_forward, _accumulated_gradient, _scaled_gradient, _loss, _bad_data, _weights, _from_op,
+    for rule in (_after_forward, _accumulated_gradient, _from_another_rank, _scaled_gradient, _loss, _bad_data, _weights, _from_op,
                  _from_frames, _weight_gradient):
         found = rule(facts)
         if found is not None:

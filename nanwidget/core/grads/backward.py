@@ -275,6 +275,10 @@ class BackwardFrames(Feature):
         # ModuleInfo.index -> the frame the running pass opened last for that module (where its
         # parameters' gradients go).
         self._pass_frames: dict[int, Any] = {}
+        # The parameter gradients measured in this pass: (frame, entry index, role, parameter,
+        # the .grad measured, its version then). One written again before the pass ends
+        # (DDP's all-reduce averages .grad after the hook) is measured again.
+        self._param_entries: list[tuple[Any, int, str, Any, Any, int]] = []
         self._parameter_owners: list[tuple[ModuleInfo, str]] = []  # (module, name) per hook
         # batch -> root forward call -> the gradient each root output received in the running
         # pass, by the output's forward role ("output", "output.logits"); let go when it ends.
@@ -538,6 +542,8 @@ class BackwardFrames(Feature):
                     self._queue_resolution()
                 frame.entries.append(entry)
                 frame.first_output = len(frame.entries)  # a backward frame has no outputs
+                self._param_entries.append((frame, len(frame.entries) - 1, name, parameter, grad,
+                                            grad._version))
         except Exception as error:
             recorder.internal_error(error)
         return None
@@ -600,6 +606,8 @@ class BackwardFrames(Feature):
             self.passes += 1
             self._pass_frames.clear()
             self._remove_leaf_hooks()
+            if self._param_entries:
+                self._measure_rewritten_grads()
         try:
             if not self.closed:
                 recorder.end_frames(batch, reason="backward", raising=raising)
@@ -607,6 +615,21 @@ class BackwardFrames(Feature):
             with recorder.lock:
                 self._root_grads.clear()  # the pass is over: its gradients go
                 self._held_bytes = 0
+
+    def _measure_rewritten_grads(self) -> None:
+        """At the end of the pass (after DDP's and FSDP's final callbacks): the parameter
+        gradients written since their hook measured them (DDP averages ``.grad`` over the
+        ranks after autograd accumulated it) are measured again, so that a frame holds the
+        ``.grad`` the optimizer will use. Caller holds the lock."""
+        entries, self._param_entries = self._param_entries, []
+        for frame, index, role, parameter, grad, version in entries:
+            now = parameter.grad
+            if now is grad and (now is None or now._version == version):
+                continue
+            try:
+                frame.entries[index] = self.recorder.entries.grad_entry(role, now, hold=True)
+            except Exception as error:
+                self.recorder.internal_error(error)
 
     # ------------------------------------------------------------------ Feature
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -619,6 +642,7 @@ class BackwardFrames(Feature):
             self._pass_batch = None
             self._pass_id += 1
             self._pass_frames.clear()
+            self._param_entries.clear()
             self._root_grads.clear()
             self._held_bytes = 0
 
@@ -636,4 +660,5 @@ class BackwardFrames(Feature):
         self._opened.clear()
         self._hooked.clear()
         self._pass_frames.clear()
+        self._param_entries.clear()
         self._root_grads.clear()
