@@ -1759,6 +1759,9 @@ def test_a_rare_tokens_nan_row_with_optimizer_steps_between_is_only_likely_the_s
     assert diagnosis.kind == "corrupted-weight" and diagnosis.confidence == "medium"
     assert any("likely made it non-finite, unless batch 2 did not read the bad values" in line
                for line in diagnosis.evidence)
+    assert diagnosis.summary.startswith(
+        "'embed.weight' holds NaN at batch 3, likely since the optimizer step, load or write "
+        "after batch 2 (or an earlier one")
 
 
 class _WritesItsCache(nn.Module):

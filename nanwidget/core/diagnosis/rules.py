@@ -737,9 +737,14 @@ def _weights(facts: Facts) -> Diagnosis | None:
                     default=event.batch)
         used = (f"batch {first} is the first to use it." if first == event.batch else
                 f"batch {first} was the first to use it, and batch {event.batch} still does.")
-        summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and batch "
-                   f"{first}: the optimizer step, load or write after batch {batch} did it; "
-                   f"{used}")
+        if likely:  # sentinel mode, an embedding or experts: not measured, only inferred
+            summary = (f"{shown} {verb} {_kind_words(event.kind)} at batch {event.batch}, likely "
+                       f"since the optimizer step, load or write after batch {batch} (or an "
+                       f"earlier one, if the batches since did not read the bad values); {used}")
+        else:
+            summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and "
+                       f"batch {first}: the optimizer step, load or write after batch {batch} did "
+                       f"it; {used}")
     elif _cast_overflow(facts, dtype):
         return _cast_to_low_precision(facts, names, shown, verb, evidence, dtype)
     else:
