@@ -235,3 +235,39 @@ def test_early_warnings_go_to_the_trainer_loggers(tmp_path):
     rows = metrics.dropna(subset=["nanwidget/early_warning/net.0/growth"])
     assert list(rows["nanwidget/early_warning/net.0/growth"]) == pytest.approx([warning.abs_max])
     assert list(rows["nanwidget/early_warnings"]) == [len(callback.watch.warnings)]
+
+
+class SqrtOfZeroAtBatch(pl.LightningModule):
+    """A regulariser sqrt(sum(out²)) whose output is zeroed at one batch: its gradient is NaN
+    (0/0), its loss finite."""
+
+    def __init__(self, bad_batch: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.bad_batch = bad_batch
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, index):
+        x, y = batch
+        out = self(x)
+        regulariser = out * 0 if index == self.bad_batch else out
+        return nn.functional.mse_loss(out, y) + 0.01 * torch.sqrt(regulariser.pow(2).sum())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_nan_gradient_in_an_accumulated_step_names_the_steps_micro_batches(tmp_path):
+    # Checked before the optimizer step, at its last micro-batch: it said "in batch 7" alone
+    # and blamed "gradient clipping or the DDP all-reduce" in a one-process run without either.
+    callback = NanWatchCallback(log_dir=False)
+    _fit(tmp_path, SqrtOfZeroAtBatch(bad_batch=5), [callback], accumulate_grad_batches=4)
+    reason = callback.stop.reason
+    assert callback.stop.step == 2
+    assert reason.startswith("non-finite gradient norm in batch 7 (training step 2, micro-batch "
+                             "3; the step's gradients accumulate batches 4-7, so any of them "
+                             "may hold it)")
+    assert "clipping" not in reason and "DDP" not in reason

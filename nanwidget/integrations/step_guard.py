@@ -38,6 +38,7 @@ from nanwidget import EarlyWarning, GradEvent, NanDetected, NanEvent, NanWatch
 from nanwidget.core.events import Diagnosis, event_fields, event_from_fields
 from nanwidget.core.options import ON_NAN_CHOICES as WATCH_ON_NAN_CHOICES
 from nanwidget.core.options import WatchOptions, check_option_names
+from nanwidget.core.ranks import world_size
 from nanwidget.core.state import training_guards
 
 __all__ = ["ON_NAN_CHOICES", "TrainingStop", "Findings", "StepGuard", "BatchLog",
@@ -116,9 +117,11 @@ class Findings:
             text = (f"non-finite gradient norm in batch {first.batch}: '{first.param}' "
                     f"({first.norm})")
             if count > 1 and count >= self.grads_with_values:
-                text += (f"; every one of the {count} gradients is non-finite (gradient "
-                         "clipping or the DDP all-reduce spreads one NaN to all): watch with "
-                         "backward=True to see where it began")
+                spread = "the loss and the backward pass" + (
+                    ", or the DDP all-reduce" if world_size() > 1 else "")
+                text += (f"; every one of the {count} gradients is non-finite (one NaN "
+                         f"reaches them all through {spread}): watch with backward=True to "
+                         "see where it began")
             elif count > 1:
                 text += f" and {count - 1} more parameter(s)"
             return text
@@ -156,6 +159,13 @@ class BatchLog:
                     return f"training step {step}, micro-batch {index}"
                 return f"evaluation after step {step}, batch {index}"
         return f"batch {batch}"
+
+    def step_of(self, batch: int) -> int | None:
+        """The training step ``batch`` belonged to (None: not a noted training batch)."""
+        for row in reversed(self._rows):
+            if row[0] == batch:
+                return row[2] if row[1] == "train" else None
+        return None
 
     def batches_of(self, phase: str, step: int) -> list[int]:
         return [row[0] for row in self._rows if row[1] == phase and row[2] == step]
@@ -340,6 +350,16 @@ class StepGuard:
             batch = found.events[0].batch
             text = text.replace(f"in batch {batch}",
                                 f"in batch {batch} ({self.batches.describe(batch)})", 1)
+        elif text is not None and found.grad_events:
+            # Read before the optimizer step: the gradients of every micro-batch of the step.
+            batch = found.grad_events[0].batch
+            where = self.batches.describe(batch)
+            step = self.batches.step_of(batch)
+            group = self.batches.batches_of("train", step) if step is not None else []
+            if len(group) > 1:
+                where += (f"; the step's gradients accumulate batches {min(group)}-{max(group)}, "
+                          "so any of them may hold it")
+            text = text.replace(f"in batch {batch}", f"in batch {batch} ({where})", 1)
         return text
 
     # ------------------------------------------------------------------ deciding together
