@@ -291,7 +291,7 @@ def test_torch_compile_checks_gradient_norms_before_the_optimizer_step(tmp_path,
     assert _dynamo_state() == before
     assert callback.watch.mode == "sentinel" and callback.watch.parts.sentinel.grad_checks == 3
     assert trainer.state.global_step == 3 and callback.stop.step == 3 and callback.event is None
-    assert "non-finite gradient norm in batch 2: 'transformer.wte.weight'" in callback.stop.reason
+    assert "non-finite gradient norm in batch 2 (training step 3, micro-batch 0): 'transformer.wte.weight'" in callback.stop.reason
     assert changed_parameters(model, poison.snapshot) == [] and _optimizer_steps(trainer) == 2
 
 

@@ -350,7 +350,7 @@ class StepGuard:
             batch = found.events[0].batch
             text = text.replace(f"in batch {batch}",
                                 f"in batch {batch} ({self.batches.describe(batch)})", 1)
-        elif text is not None and found.grad_events:
+        elif text is not None and found.grad_events and found.loss is None:
             # Read before the optimizer step: the gradients of every micro-batch of the step.
             batch = found.grad_events[0].batch
             where = self.batches.describe(batch)
