@@ -1889,3 +1889,38 @@ def test_weights_an_lbfgs_step_wrote_inside_a_batch_are_not_blamed_on_a_checkpoi
     assert diagnosis.suggestion[0].startswith("A step inside batch 0 wrote them: with LBFGS")
     if mode == "full":
         assert "between call 2 and call 3 of module '0'" in diagnosis.summary
+
+
+class _GanWithItsGenerator(nn.Module):
+    """A GAN whose forward is the generator's; the discriminator is called directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.G(z)
+
+
+def test_nan_data_into_a_module_called_outside_the_forward_points_at_watching_that_module():
+    # D(real) with a NaN row, D called directly after the model's forward in the same batch:
+    # it suggested w.replay(2), whose replay runs the forward only and "did not reproduce it:
+    # ... nondeterministic kernels", and said the model's outputs "stayed finite".
+    torch.manual_seed(0)
+    model = _GanWithItsGenerator()
+    with nw.watch(model, on_nan="record") as w:
+        for batch in range(3):
+            w.set_batch(batch)
+            real = torch.randn(8, 8)
+            if batch == 2:
+                real[2, 1] = math.nan
+            model.D(model(torch.randn(8, 4)))
+            model.D(real)
+    event = w.event
+    diagnosis = event.diagnosis
+    assert (event.batch, event.module, event.origin) == (2, "D.0", "input")
+    assert diagnosis.suggestion[0].startswith("Watch module 'D' as a model of its own")
+    evidence = " ".join(diagnosis.evidence)
+    assert "nondeterministic" not in evidence and "stayed finite" not in evidence
+    assert "ran outside the model's forward" in evidence

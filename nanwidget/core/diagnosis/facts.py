@@ -389,6 +389,9 @@ class Facts:
     # A backward event at a parameter's gradient, under several ranks, whose pass on this rank
     # kept every module's gradient finite: DDP's all-reduce brought another rank's NaN in.
     from_another_rank: bool = False
+    # The module called directly, outside the model's forward, whose pass the event is in (a
+    # GAN's discriminator): its inputs are not held, and a replay does not run it. "" if none.
+    outside_pass: str = ""
     # The event needed a replay for its op, but the watch's diagnosis replays, this many, were
     # all spent on earlier events (0: not spent).
     replays_spent: int = 0

@@ -143,10 +143,13 @@ class Diagnoser(Feature):
         """What the rules read about ``event`` (see :class:`~.facts.Facts`)."""
         recorder = self.recorder
         root = self._pass_root(event)
+        outside = root != recorder.modules[0].name
         facts = Facts(event=event, trace=event.trace, weights=self.weights,
                       sentinel=self.sentinel, sample_every=self.sample_every,
                       is_mask=self._is_mask,
                       scaler_run=self.scaler_run(event) if self.scaler_run else None)
+        if outside:
+            facts.outside_pass = root
         self._read_inputs(facts)
         if event.is_backward and event.origin != "peer":
             facts.accumulated_from = self._track_gradients(event)
@@ -253,9 +256,11 @@ class Diagnoser(Feature):
         frames = event.frames
         if not self.recorder.ran_outside_root(event.batch) or frames is None or frames.empty:
             return root
-        ran = set(frames.loc[frames["batch"] == event.batch, "module"])
-        if root in ran:
-            return root
+        batch = frames[(frames["batch"] == event.batch) & (frames["phase"] == "forward")]
+        ran = set(batch["module"])
+        root_frames = batch.loc[batch["module"] == root, "frame"]
+        if root in ran and (event.is_backward or root_frames.max() > event.frame):
+            return root  # the event ran inside the root's forward (or cannot be told apart)
         parts = event.module.split(".")
         return next((name for name in (".".join(parts[:n]) for n in range(1, len(parts) + 1))
                      if name in ran), root)

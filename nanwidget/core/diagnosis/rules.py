@@ -1196,11 +1196,19 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
             evidence.append(f"The event of batch {earlier.batch} at the same module and role "
                             f"was diagnosed as {earlier.diagnosis.kind}: "
                             f"{earlier.diagnosis.summary}")
-    return Diagnosis("unknown", summary, evidence,
-                     fixes.unknown(event.batch, replayable, backward=event.is_backward,
+    if facts.outside_pass:
+        outside = facts.outside_pass
+        evidence.append(f"Module '{outside}' ran outside the model's forward (called directly): "
+                        "its inputs are not held, and a replay runs the model's forward only.")
+        suggestion = [f"Watch module '{outside}' as a model of its own, instead of this "
+                      f"watch (w.close(), then nw.watch(model.get_submodule('{outside}'))): its "
+                      "inputs are then held, bad data in them is named with its rows, and its "
+                      "batches can be replayed."]
+    else:
+        suggestion = fixes.unknown(event.batch, replayable, backward=event.is_backward,
                                    refused=bool(facts.replay_refused),
-                                   sharded=facts.replay_refused_sharded),
-                     confidence="low")
+                                   sharded=facts.replay_refused_sharded)
+    return Diagnosis("unknown", summary, evidence, suggestion, confidence="low")
 
 
 def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:

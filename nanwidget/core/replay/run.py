@@ -412,6 +412,12 @@ class _Replay:
             for module, flag in zip(slots.modules, saved_training):
                 module.training = flag
             changes.extend(_unheld_draws(saved_random, numpy, saved_numpy))
+            outside = self.capture.ran_outside_root
+            if outside is not None and outside(held.batch):
+                changes.append("watched modules also ran outside the model's forward in this "
+                               "batch (called directly: a GAN's discriminator, model.encoder(x)); "
+                               "a replay runs the model's forward only, so their calls are not "
+                               "repeated")
             torch.set_rng_state(saved_cpu_rng)
             if saved_cuda_rng is not None:
                 torch.cuda.set_rng_state_all(saved_cuda_rng)
