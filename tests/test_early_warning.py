@@ -761,7 +761,9 @@ class _DelayedFloat8Cast(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = self.scale.clone()
-        cast = (x * scale).to(torch.float8_e4m3fn)
+        # Clamped to the format's range first, as the recipes do (torch before 2.13 casts a
+        # value past 448 to NaN rather than saturating).
+        cast = (x * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         with torch.no_grad():
             self.amax_history.copy_(torch.cat([self.amax_history[1:], x.abs().amax()[None]]))
             self.scale.fill_(448.0 / self.amax_history.max())
