@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -653,3 +654,25 @@ def test_parameter_gradient_frames_under_ddp_hold_the_all_reduced_grad():
     assert (batch, origin) == (2, "grad")
     assert "only after DDP averaged it over the ranks: rank 0's own gradients in batch 2 " \
         "stayed finite" in summary
+
+
+def test_a_nan_gradient_accumulated_under_ddp_no_sync_names_the_micro_batch_that_made_it(
+        single_rank_group):
+    # DDP names parameters "module.2.bias" while events say "2.bias", and its all-reduce at the
+    # group's last micro-batch writes .grad more than once: batch 7's carried NaN read "unknown".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(8)]
+    with nw.watch(ddp, backward=True, on_nan="record") as watch:
+        for micro, (x, y) in enumerate(data):
+            scale = 0.0 if micro == 6 else 1.0  # sqrt(0): a NaN gradient made in the loss
+            context = ddp.no_sync() if micro % 4 != 3 else contextlib.nullcontext()
+            with context:
+                (torch.sqrt(((ddp(x) - y) * scale).pow(2).sum()) / 4).backward()
+            if micro == 3:
+                ddp.zero_grad(set_to_none=False)
+    first, later = watch.events[0], watch.events[1]
+    assert (first.batch, later.batch, later.qualified_role) == (6, 7, "2.bias")
+    assert first.diagnosis.kind == later.diagnosis.kind == "loss"
+    assert "because batch 6's backward left it so" in later.diagnosis.summary

@@ -223,11 +223,14 @@ class Diagnoser(Feature):
 
     def _track_gradients(self, event: NanEvent) -> NanEvent | None:
         """The earlier event whose non-finite parameter gradient ``event``'s pass only added to
-        (the same ``.grad`` tensor, one version up: zero_grad() replaces or zeroes it), or None;
+        (the same ``.grad`` tensor, one version up, or more while the pass's own module
+        gradients stayed finite: zero_grad() replaces or zeroes it), or None;
         and which parameter gradients are non-finite now, for the next backward event. Reads
         the gradients once, at an event (never per batch); plain tensors only (a sharded
         DTensor's reduction would need every rank)."""
-        named = [(name, p.grad) for name, p in self.recorder.model.named_parameters()
+        named = [(f"{info.name}.{role}" if info.name else role, p.grad)
+                 for info in self.recorder.modules  # the names events use (DDP's unwrapped)
+                 for role, p in info.weights.named_parameters(recurse=False)
                  if type(p.grad) is torch.Tensor and p.grad.is_floating_point()
                  and p.grad.layout is torch.strided and p.grad.device.type != "meta"]
         try:
@@ -236,12 +239,16 @@ class Diagnoser(Feature):
         except Exception:  # a dtype or device that cannot tell: nothing carried over
             bad = [False] * len(named)
         before, now = self._bad_grads, {}
+        # More than one write since (DDP's all-reduce at the group's last micro-batch) still
+        # only carries it on when this pass's own module gradients stayed finite.
+        own_finite = gradient_only_reduced(event)
         for (name, grad), nonfinite in zip(named, bad):
             if not nonfinite:
                 continue
             prior = before.get(name)
             carried = prior is not None and prior[0]() is grad \
-                and prior[1] == grad.data_ptr() and prior[2] + 1 == grad._version
+                and prior[1] == grad.data_ptr() \
+                and (prior[2] + 1 == grad._version or (own_finite and prior[2] < grad._version))
             now[name] = (weakref.ref(grad), grad.data_ptr(), grad._version,
                          prior[3] if carried else event)  # type: ignore[index]
         self._bad_grads = now
