@@ -807,7 +807,6 @@ class _WithPackedFloat4(nn.Module):
         return self.layer(x), torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
 
 
-@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="no float4 in this torch")
 def test_a_float4_output_leaves_the_other_outputs_warnings_and_the_browser_working():
     # Its limit raised inside the early warning at every batch (an internal error each time,
     # no warning ever) and in the FrameBrowser's and plot_frames' dtype limits.

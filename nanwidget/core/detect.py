@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from .entries import Entry
-from .events import NanEvent
+from .events import NanEvent, event_kind
 from .frames import Frame, frames_to_dataframe
 
 __all__ = ["Detector", "Window", "event_kind", "first_event", "backward_birth"]
@@ -42,11 +42,6 @@ Window = Callable[[list[Frame], int], list[Frame]]
 WeightsNow = Callable[[str], "list[Entry] | None"]
 # Whether the module with this qualified name keeps a buffer (not a parameter) of this name.
 IsBuffer = Callable[[str, str], bool]
-
-
-def event_kind(nan: bool, inf: bool) -> str:
-    """"nan", "inf" or "nan+inf"."""
-    return "nan+inf" if nan and inf else ("nan" if nan else "inf")
 
 
 def _counts(entry: Entry, inf_allowed: bool) -> bool:

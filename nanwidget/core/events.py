@@ -10,7 +10,8 @@ import pandas as pd
 from .schema import EVENT_FIELDS, FRAME_COLUMNS, NO_USER_LINE
 
 __all__ = ["NanEvent", "Diagnosis", "GradEvent", "ScalerSkip", "NanDetected", "NanWarning",
-           "AbortAfterBatch", "ORIGIN_WORDS", "UNVERIFIED_NOTES", "DIAGNOSIS_KINDS",
+           "AbortAfterBatch", "ORIGIN_WORDS", "UNVERIFIED_NOTES", "NOT_REPLAYED", "REPEATED_NOTES",
+           "event_kind", "DIAGNOSIS_KINDS",
            "CONFIDENCES", "LOSS_WORDS", "LOSS_ROLE", "event_fields", "event_from_fields"]
 
 ORIGIN_WORDS = {
@@ -100,6 +101,15 @@ class Diagnosis:
 # seen in the model's outputs that no replay explained (refused, failed, or met finite values),
 # or an output event of a module inside which modules added after watch() run unwatched.
 UNVERIFIED_NOTES = ("not replayed", "not reproduced", "not checked")
+# A sentinel event's note when its batch was not replayed, and the starts of those that repeat
+# an earlier event's cause (that event holds the trace; the others say why none could run).
+NOT_REPLAYED = "not replayed: "
+REPEATED_NOTES = (NOT_REPLAYED + "its ", NOT_REPLAYED + "the weight ")
+
+
+def event_kind(nan: bool, inf: bool) -> str:
+    """"nan", "inf" or "nan+inf"."""
+    return "nan+inf" if nan and inf else ("nan" if nan else "inf")
 _UNVERIFIED_WORDS = "found in {where} outputs (where it was made was not checked)"
 # The role of an event found in the loss computed from the model's outputs (outside the model:
 # the loss a GradScaler scales, or the one a training callback checks).
@@ -196,7 +206,7 @@ class NanEvent:
             nan, inf = bool(own["nan"].iloc[0]), bool(own["inf"].iloc[0])
         except (KeyError, IndexError):
             return ""
-        return "nan+inf" if nan and inf else ("nan" if nan else ("inf" if inf else ""))
+        return event_kind(nan, inf) if nan or inf else ""
 
     @property
     def made_in_loss(self) -> bool:

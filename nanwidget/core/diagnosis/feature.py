@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ..detect import additive_mask
-from ..events import Diagnosis, NanEvent, gradient_only_reduced
+from ..events import (NOT_REPLAYED, REPEATED_NOTES, Diagnosis, NanEvent,
+                      gradient_only_reduced)
 from ..frames import Frame, weights_finite_last
 from ..ranks import world_size
 from ..recorder import Feature, Recorder
@@ -33,9 +34,6 @@ from .rules import diagnose
 __all__ = ["Diagnoser", "MAX_DIAGNOSIS_REPLAYS"]
 
 MAX_DIAGNOSIS_REPLAYS = 4  # a diverged run makes an event per batch
-_NOT_REPLAYED = "not replayed: "
-# A sentinel event that repeats an earlier one's cause (that one has the trace): no refusal.
-_REPEATED = ("not replayed: its ", "not replayed: the weight ")
 
 
 def _root_grad_bad(frames: Any, batch: int, root: str) -> bool | None:
@@ -194,10 +192,10 @@ class Diagnoser(Feature):
             facts.replay_refused = self.unreplayable()  # e.g. a sentinel event not replayed
             facts.replay_refused_sharded = bool(facts.replay_refused)
         if facts.trace is None and not facts.replay_refused and self.sentinel \
-                and event.note.startswith(_NOT_REPLAYED) \
-                and not event.note.startswith(_REPEATED):
+                and event.note.startswith(NOT_REPLAYED) \
+                and not event.note.startswith(REPEATED_NOTES):
             # The sentinel tried and could not (a static cache written in place since)
-            facts.replay_refused = event.note[len(_NOT_REPLAYED):]
+            facts.replay_refused = event.note[len(NOT_REPLAYED):]
         facts.op = op_facts(facts.trace)
         with recorder.lock:
             history = recorder.records.history
@@ -483,11 +481,14 @@ class Diagnoser(Feature):
         counter or the optimizer's steps moved); the earliest held batch since which it was
         not goes into ``facts.unwritten_since``."""
         event, capture = facts.event, self.capture
+        earlier = [b for b in held if b < event.batch]
+        versions = {b: {n: v for n, v, _ in capture.held_weights(b)} for b in earlier}
+        written_in = {b: capture.buffers_written(b) for b in clean}
         now = {n: v for n, v, _ in capture.held_weights(event.batch)}
         steps = capture.optimizer_steps()
 
         def written_after(batch: int, name: str) -> bool:
-            then = {n: v for n, v, _ in capture.held_weights(batch)}
+            then = versions[batch]
             return name not in then or name not in now or then[name] != now[name] \
                 or steps.get(batch) != steps.get(event.batch)
 
@@ -495,10 +496,9 @@ class Diagnoser(Feature):
         for name in names:
             # A training forward that updated a buffer (BatchNorm's running statistics) did not
             # read it: its finite outputs say nothing of it.
-            proven = [b for b in clean if written_after(b, name)
-                      and name not in capture.buffers_written(b)]
+            proven = [b for b in clean if written_after(b, name) and name not in written_in[b]]
             seen[name] = [max(proven)] if proven else []
-            unwritten = [b for b in held if b < event.batch and not written_after(b, name)]
+            unwritten = [b for b in earlier if not written_after(b, name)]
             if unwritten and not proven:
                 facts.unwritten_since[name] = min(unwritten)
         return seen

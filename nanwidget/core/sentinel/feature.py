@@ -62,7 +62,7 @@ import torch
 from .. import native
 from ..detect import event_kind
 from ..entries import Entry
-from ..events import NanEvent
+from ..events import NOT_REPLAYED, REPEATED_NOTES, NanEvent
 from ..frames import Frame, frames_to_dataframe
 from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
@@ -455,14 +455,16 @@ class Sentinel(Feature):
         ``others``: earlier batches of one step, numbered automatically): the batches are
         replayed latest first (the order autograd runs their backward in, and so full mode's
         verdict) until one meets a non-finite value."""
+        def met(finding: Finding) -> bool:  # no event to record, or a replay that met it
+            event = finding.event
+            return event is None or (event.trace is not None and event.trace.reproduced)
+
         first = self._backward_event(batch, grads, bad)
-        for other in sorted(others or (), reverse=True):
-            event = first.event
-            if event is None or event.trace is None or event.trace.reproduced:
-                break
-            finding = self._backward_event(other, others[other], bad)  # type: ignore[index]
-            if finding.event is None or (finding.event.trace is not None
-                                         and finding.event.trace.reproduced):
+        if not others or met(first) or first.event.trace is None:  # type: ignore[union-attr]
+            return first  # found, or not replayed at all (an earlier batch would not be either)
+        for other in sorted(others, reverse=True):
+            finding = self._backward_event(other, others[other], bad)
+            if met(finding):
                 return finding
         return first
 
@@ -618,7 +620,7 @@ class Sentinel(Feature):
         return NanEvent(batch=batch, module=last.module, module_type=last.module_type,
                         call=last.call, role=last.role, kind=event_kind(stats.nan, stats.inf),
                         origin="weight", rank=self.recorder.rank,
-                        note=f"not replayed: the weight {last.qualified_role} found non-finite "
+                        note=f"{REPEATED_NOTES[1]}{last.qualified_role} found non-finite "
                              f"in batch "
                              f"{self._forward_since} still is (that event has the frames and "
                              "the trace)")
@@ -648,14 +650,14 @@ class Sentinel(Feature):
                 return NanEvent(batch=batch, module=last.module, module_type=last.module_type,
                                 call=last.call, role=last.role, kind=last.kind, origin="grad",
                                 is_backward=True, rank=self.recorder.rank,
-                                note=f"not replayed: {why}")
+                                note=f"{NOT_REPLAYED}{why}")
         else:
             why = ("its non-finite gradients were non-finite when the last backward pass ended "
                    f"and were only accumulated into{since} (zero_grad() clears them)")
         if last is not None and last.qualified_role in labels:
             label = last.qualified_role
             bad = [bad[labels.index(label)]] + [b for b in bad if b.label != label]
-        return self._grad_event(batch, bad, f"not replayed: {why}")
+        return self._grad_event(batch, bad, f"{NOT_REPLAYED}{why}")  # why: "its ..."
 
     def _gradient_states(self, bad: list[BadTensor], slots: list) -> dict[str, tuple[Any, int, int]]:
         """(the tensor weakly, storage, version) of each non-finite parameter gradient, by
