@@ -228,8 +228,9 @@ class Diagnoser(Feature):
         DTensor's reduction would need every rank)."""
         named = [(f"{info.name}.{role}" if info.name else role, p.grad)
                  for info in self.recorder.modules  # the names events use (DDP's unwrapped)
-                 for role, p in info.weights.named_parameters(recurse=False)
-                 if type(p.grad) is torch.Tensor and p.grad.is_floating_point()
+                 # where frames read weights: a module, or a TorchScript child's gathered ones
+                 for role, p in info.weights._parameters.items()
+                 if p is not None and type(p.grad) is torch.Tensor and p.grad.is_floating_point()
                  and p.grad.layout is torch.strided and p.grad.device.type != "meta"]
         try:
             bad = torch.stack([g.isfinite().all() for _, g in named]).logical_not().tolist() \
