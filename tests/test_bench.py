@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -154,7 +157,6 @@ def test_rows_give_the_added_microseconds_per_batch_and_per_module_call():
 def _old_revision(tmp_path):
     """A git repository whose nanwidget is an old tree: absolute imports of its own package,
     a watch without the ``mode`` and ``backward`` options."""
-    import subprocess
     package = tmp_path / "nanwidget"
     package.mkdir()
     (package / "__init__.py").write_text("import nanwidget.old_watch as _w\nwatch = _w.watch\n")
@@ -186,6 +188,18 @@ def test_compare_with_an_old_tree_skips_what_it_cannot_build_with_one_line(tmp_p
     assert any("skipping sentinel" in line and "mode" in line for line in skipped)
     assert any("skipping nanwidget_backward" in line for line in skipped)
     assert all(set(row.versus) == {"nanwidget"} for row in result.rows)
+
+
+def test_compare_removes_its_copy_of_the_old_tree_at_exit(tmp_path):
+    repo = _old_revision(tmp_path)
+    script = ("import sys; from nanwidget.cli import benchmark as bench\n"
+              f"revision, _ = bench.load_revision('HEAD', {str(repo)!r})\n"
+              "print(revision.__file__)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True)
+    copied = pathlib.Path(done.stdout.strip())
+    assert copied.name == "__init__.py" and "nanwidget-compare-" in str(copied)
+    assert not copied.parent.parent.exists()
 
 
 def test_cpu_clock_times_this_process_only_and_refuses_a_gpu(capsys):

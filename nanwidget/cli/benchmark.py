@@ -18,6 +18,7 @@ can run it too.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import os
@@ -468,6 +469,8 @@ def load_revision(ref: str, repo: str | os.PathLike | None = None) -> tuple[Any,
     if name in sys.modules:
         return sys.modules[name], commit
     folder = tempfile.mkdtemp(prefix="nanwidget-compare-")
+    # Its modules may still import lazily while the bench runs: the copy goes at exit.
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     archive = subprocess.run(["git", "-C", repo, "archive", commit, "nanwidget"], check=True,
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
