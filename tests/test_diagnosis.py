@@ -219,6 +219,39 @@ def test_the_gradient_of_sqrt_at_zero_is_a_domain_error_in_the_backward_pass(mod
     assert "torch.sqrt(x + eps)" in diagnosis.suggestion[0]
 
 
+class RadialPinn(nn.Module):
+    """A PINN whose forward takes its output's gradient with respect to the inputs: the NaN is
+    born in sqrt's gradient at the origin, computed by the autograd.grad call two lines on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_(True)
+        radius = torch.sqrt((x * x).sum(-1, keepdim=True))  # infinite gradient at 0
+        u = self.net(torch.cat([radius, x], -1))
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        return torch.cat([u, du], -1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gradient_taken_in_the_forward_names_the_line_of_its_op(mode):
+    # It named the line calling torch.autograd.grad, and told to add an eps inside a sqrt there.
+    torch.manual_seed(0)
+    model = RadialPinn()
+    x = torch.rand(6, 2)
+    x[4] = 0
+    with watch(model, mode) as w:
+        model(x)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain"
+    assert "the gradient of sqrt is infinite at the edge of its domain (0)" in diagnosis.summary
+    sqrt_line = line_of(RadialPinn.forward, "torch.sqrt")
+    assert sqrt_line in diagnosis.summary and sqrt_line in diagnosis.suggestion[0]
+    assert line_of(RadialPinn.forward, "autograd.grad") not in diagnosis.summary
+
+
 class LogWhereUsed(nn.Module):
     """The where trap: the result of log is masked where its argument is 0, its gradient is
     not (where passes log a gradient of 0 there, and log's backward divides it by 0)."""

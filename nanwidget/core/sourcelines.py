@@ -15,7 +15,7 @@ from types import FrameType, TracebackType
 
 import torch
 
-__all__ = ["user_source", "traceback_source", "format_source", "locate_source",
+__all__ = ["user_source", "python_backward_source", "traceback_source", "format_source", "locate_source",
            "user_stacklevel"]
 
 _USER, _SKIP, _STOP = 0, 1, 2
@@ -143,6 +143,25 @@ def user_source(frame: FrameType | None) -> str:
             return ""
         frame = frame.f_back
     return ""
+
+
+def python_backward_source(frame: FrameType | None) -> str:
+    """The user ``file:line`` of an op run within a backward pass when user Python issued it
+    (a custom Function's ``backward``, a hook); "" when autograd's engine did, whose innermost
+    user frame is only the line that called ``backward()`` or ``torch.autograd.grad()``."""
+    while frame is not None:
+        code = frame.f_code
+        kind = _file_kind(code.co_filename)
+        if kind == _USER:
+            return format_source(code.co_filename, frame.f_lineno)
+        if kind == _STOP or code.co_name in _ENGINE_ENTRIES:
+            return ""
+        frame = frame.f_back
+    return ""
+
+
+# torch.autograd's Python entry into the engine (torch.autograd.graph).
+_ENGINE_ENTRIES = frozenset({"_engine_run_backward"})
 
 
 def traceback_source(tb: TracebackType | None) -> tuple[str, int] | None:

@@ -24,7 +24,7 @@ from ..entries import Entry, EntryBuilder, nested_shape
 from ..frames import Frame
 from ..recorder import ModuleInfo
 from ..schema import is_input_role
-from ..sourcelines import user_source
+from ..sourcelines import python_backward_source, user_source
 from ..stats import PendingStats, TensorStats, classify, measure_tensor, version_of
 from .shadows import Shadows, mutated_arguments, tensors_in
 
@@ -286,7 +286,9 @@ class OpRecorder:
             phase = "backward"
             tag = node.metadata.get(_NODE_KEY)
             module, module_type, forward_source = tag if tag else ("", "", "")
-            source = user_source(caller) or forward_source
+            # The line of the op whose gradient this is; a line in user Python only when it ran
+            # the op itself (not the line calling torch.autograd.grad in a PINN's forward).
+            source = python_backward_source(caller) or forward_source
         else:
             phase = self.phase
             module, module_type = self.stack[-1] if self.stack else ("", "")
