@@ -252,6 +252,68 @@ def test_a_gradient_taken_in_the_forward_names_the_line_of_its_op(mode):
     assert line_of(RadialPinn.forward, "autograd.grad") not in diagnosis.summary
 
 
+class SingularLogdet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        covariance = torch.ones(4, 4) * h.mean()  # rank one: determinant 0
+        return h * torch.logdet(covariance)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_logdet_of_a_singular_matrix_is_a_domain_error(mode):
+    # It read "overflow" with fixes about attention scores, for a matrix of 0.06s.
+    torch.manual_seed(0)
+    model = SingularLogdet()
+    with watch(model, mode) as w:
+        model(torch.randn(8, 4))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain"
+    assert "log-determinant of a singular matrix" in diagnosis.summary
+    assert line_of(SingularLogdet.forward, "torch.logdet") in diagnosis.summary
+    assert "A + eps * torch.eye(n)" in diagnosis.suggestion[0]
+
+
+class Decomposed(nn.Module):
+    """Eigenvectors (or singular vectors) of a matrix with one value repeated everywhere: their
+    gradient divides by the differences of the values."""
+
+    def __init__(self, decomposition: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.decomposition = decomposition
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        matrix = torch.eye(4) * h.mean()
+        if self.decomposition == "svd":
+            vectors = torch.linalg.svd(matrix)[0]
+        else:
+            vectors = torch.linalg.eigh(matrix)[1]
+        return h @ vectors
+
+
+@pytest.mark.parametrize("decomposition", ["eigh", "svd"])
+def test_a_repeated_eigenvalue_in_a_gradient_gets_fixes_that_separate_them(decomposition):
+    # The fix read "Keep the input of linalgeigh inside its domain (clamp it, or add an eps)",
+    # which leaves equal eigenvalues equal.
+    torch.manual_seed(0)
+    model = Decomposed(decomposition)
+    with watch(model, "full", backward=True) as w:
+        model(torch.randn(8, 4)).sum().backward()
+    diagnosis = w.event.diagnosis
+    values = "singular values" if decomposition == "svd" else "eigenvalues"
+    assert w.event.is_backward and diagnosis.kind == "domain"
+    assert f"the gradient of torch.linalg.{decomposition} divides by the differences of the " \
+        f"{values}" in diagnosis.summary
+    assert f"Separate the repeated {values}" in diagnosis.suggestion[0]
+    assert "linalgeigh" not in " ".join(diagnosis.suggestion)
+    assert ("svdvals" if decomposition == "svd" else "eigvalsh") in diagnosis.suggestion[1]
+
+
 class LogWhereUsed(nn.Module):
     """The where trap: the result of log is masked where its argument is 0, its gradient is
     not (where passes log a gradient of 0 there, and log's backward divides it by 0)."""

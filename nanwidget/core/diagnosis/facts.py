@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,7 +221,7 @@ class OpFacts:
     @property
     def grad_of_name(self) -> str:
         """The op whose gradient a backward op computed ("log" for LogBackward0), or ""."""
-        return self.grad_of.split("Backward")[0].lower() if self.grad_of else ""
+        return node_op_name(self.grad_of)
 
     @property
     def name(self) -> str:
@@ -289,6 +290,16 @@ def op_facts(trace: Any) -> OpFacts | None:
                    grad_of=grad_of, grad_of_loss=_grad_of_loss(trace, first, grad_of))
 
 
+_WORD_START = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def node_op_name(node: str) -> str:
+    """The op an autograd node is the gradient of, as torch names it: "log" for LogBackward0,
+    "linalg_eigh" for LinalgEighBackward0, "binary_cross_entropy" for
+    BinaryCrossEntropyBackward0; "" for no node."""
+    return _WORD_START.sub("_", node.split("Backward")[0]).lower() if node else ""
+
+
 def _grad_of_loss(trace: Any, first: Any, grad_of: str) -> bool:
     """Whether a backward op ran in the gradient of an op of ``loss_fn``: the op its node
     belongs to (``log`` for LogBackward0) ran in the loss phase at the same line."""
@@ -297,7 +308,7 @@ def _grad_of_loss(trace: Any, first: Any, grad_of: str) -> bool:
     ops = getattr(trace, "ops", None)
     if ops is None or not len(ops):
         return False
-    name = grad_of.split("Backward")[0].lower()
+    name = node_op_name(grad_of)
     maker = ops[(ops["source"] == first["source"]) & (ops["phase"] != "backward")
                 & (ops["op"].astype(str).str.lstrip("_") == name)]
     return bool(len(maker)) and bool((maker["phase"] == "loss").all())

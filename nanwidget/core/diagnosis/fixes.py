@@ -217,6 +217,23 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
                 "torch.finfo(dtype).min instead of -inf).",
                 "Replace a by-hand formula with its stable library form (F.softmax, "
                 "torch.logsumexp, F.log_softmax)."]
+    if name in ("linalg_eigh", "linalg_eig", "linalg_svd", "svd"):
+        values = "singular values" if "svd" in name else "eigenvalues"
+        only = "torch.linalg.svdvals" if "svd" in name else "torch.linalg.eigvalsh"
+        return [f"Separate the repeated {values} before the decomposition{at}: add a small "
+                "perturbation that differs per entry, e.g. A + 1e-6 * torch.diag(torch.arange("
+                "1, n + 1)) or a tiny random symmetric matrix. The same eps on the whole "
+                "diagonal (A + eps * I) shifts them all and leaves them equal.",
+                f"If only the {values} are used, take them with {only}: its gradient is defined "
+                "at repeated values. The vectors' gradient is not: at a repeated value any "
+                "vector of its subspace is a solution."]
+    if name in ("logdet", "linalg_slogdet", "_linalg_slogdet", "det", "linalg_det"):
+        return [f"The matrix{at} is singular (or, for logdet, its determinant is negative): add "
+                "jitter to its diagonal, A + eps * torch.eye(n) (eps = 1e-6 x its scale), or "
+                "build it positive definite (L @ L.T + eps * I) and take "
+                "2 * torch.log(torch.linalg.cholesky(A).diagonal(dim1=-2, dim2=-1)).sum(-1).",
+                "torch.linalg.slogdet returns the sign and log|det| separately: a negative "
+                "determinant then gives no NaN (log|det| is still -inf at det = 0)."]
     return [f"Keep the input of {name}{at} inside its domain (clamp it, or add an eps)."]
 
 

@@ -46,6 +46,10 @@ _INTENDED_INF = ("masked_fill", "fill", "full", "where", "index_put", "copy", "m
 _DOMAIN_NAMES = _LOG_OPS + _INVERSE_TRIG + _DIVISIONS + _VARIANCES + (
     "log1p", "sqrt", "rsqrt", "atanh", "acosh", "reciprocal", "pow", "erfinv", "logit", "xlogy",
     "special_xlog1py", "lgamma", "digamma", "polygamma")
+_LOG_DETERMINANTS = ("logdet", "linalg_slogdet")  # torch.logdet runs _linalg_slogdet
+# Decompositions whose gradient divides by the differences of their (eigen/singular) values.
+_SPECTRAL = {"linalg_eigh": "torch.linalg.eigh", "linalg_eig": "torch.linalg.eig",
+             "linalg_svd": "torch.linalg.svd", "svd": "torch.svd"}
 # Losses that average over the targets they count (ignore_index, class weights): with none
 # counted, a mean divides 0 by 0.
 _COUNTED_MEAN_LOSSES = ("nll_loss_forward", "nll_loss2d_forward")
@@ -263,7 +267,11 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
         shape = tuple(op.inputs[0].get("shape") or ())
         return (f"{name} over an empty tensor (shape {shape}): an average of no element is "
                 "0/0 (a mask or a filter kept nothing)", "high")
-    grad_of = op.grad_of.split("Backward")[0].lower() if op.grad_of else ""
+    grad_of = op.grad_of_name
+    if op.phase == "backward" and grad_of in _SPECTRAL:
+        values = "singular values" if "svd" in grad_of else "eigenvalues"
+        return (f"the gradient of {_SPECTRAL[grad_of]} divides by the differences of the "
+                f"{values}, and two of them are equal (a repeated value: 1/0 = inf)", "high")
     if op.phase == "backward" and grad_of in _DOMAIN_NAMES:
         edge = "0" if grad_of in ("sqrt", "rsqrt", "log", "pow", "div") else "±1"
         if _unused_gradient(op):
@@ -291,6 +299,13 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
             arg = "y" if name == "xlogy" else "1 + y"
             return (f"{name}(x, y) with {arg} down to {_g(other[0] - edge)} ({what}: a rate or "
                     "probability that reached 0)", "high")
+    if name in _LOG_DETERMINANTS and op.phase != "backward" and not op.inputs_hold_inf():
+        if op.inf:
+            return ("the log-determinant of a singular matrix (determinant 0: log 0 = -inf)",
+                    "high")
+        if op.nan:
+            return ("the log-determinant of a matrix whose determinant is negative (NaN; "
+                    "slogdet gives its sign)", "medium")
     if name in ("lgamma", "digamma", "polygamma") and low <= 0 and (op.inf or op.nan):
         return (f"{name} of values down to {_g(low)} (a pole at 0 and at each negative integer: "
                 "a count or concentration parameter that reached 0)", "high")
@@ -1050,7 +1065,7 @@ def _from_op(facts: Facts) -> Diagnosis | None:
             and op.name not in _COUNTED_MEAN_LOSSES
         return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain: "
                                    f"{reason}.", evidence,
-                         fixes.domain(op.op if not op.grad_of else op.grad_of.split("Backward")[0].lower(),
+                         fixes.domain(op.grad_of_name or op.op,
                                       op.at, backward=op.phase == "backward", empty=empty,
                                       unused_gradient=bool(op.grad_of) and _unused_gradient(op),
                                       negative_running_var=_negative_running_var(op) is not None),
