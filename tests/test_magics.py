@@ -712,3 +712,18 @@ def test_the_live_status_counts_early_warnings(ip):
     assert [w.module for w in watch.warnings] == ["head"]
     lines = [o.data["text/plain"] for o in captured.outputs if "text/plain" in o.data]
     assert any("1 early warning (first: 'head' growth at batch 3)" in line for line in lines)
+
+
+def test_a_trailing_comment_is_a_comment_as_in_the_readme(ip, tmp_path):
+    """README's notebook lines end in `# ...`: IPython hands the comment to the magic."""
+    with capture_output():
+        run(ip, "%nanwatch model --frames 50 --skip ReLU   # start watching; one status line")
+    watched = ip.user_ns["_nanwatch"]
+    assert watched.max_frames == 50 and watched.skip_types == ("ReLU",)
+    hashed = tmp_path / "runs#1"
+    with capture_output():
+        run(ip, f'%nanwatch model --log-dir {hashed} # a "#" inside a word is no comment')
+    assert str(ip.user_ns["_nanwatch"].log_dir) == str(hashed)
+    with capture_output():
+        run(ip, "%nanwatch --off model                        # stop")
+    assert nw.live_watches() == []

@@ -295,6 +295,10 @@ class NanwatchMagics(Magics):
         try:
             # Split as a shell does (IPython's default keeps the quotes): --log-dir "runs/a b"
             # names the folder runs/a b, not one whose name starts with a quote.
+            raw = arg_split(line, posix=False)  # quotes kept: a quoted '#' is no comment
+            comment = next((i for i, t in enumerate(raw) if t.startswith("#")), None)
+            if comment is not None:  # a trailing `# ...`, as Python and shells read it
+                line = " ".join(raw[:comment])
             tokens = arg_split(line, posix=True)
         except ValueError as error:  # shlex: an unterminated quote
             raise MagicUsageError(f"%nanwatch could not read its options ({error}): {line!r}; "
