@@ -718,3 +718,69 @@ def test_a_nan_fast_weight_of_functional_call_is_not_blamed_on_the_models_parame
         in event.diagnosis.summary
     assert "optimizer step" not in event.diagnosis.summary
     assert torch.isfinite(model[2].weight).all()
+
+
+# ------------------------------------------------- nn.TransformerEncoderLayer's fused fast path
+def _padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8)
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[0, 3:] = True
+    return x, padding
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_eval_encoder_layer_returns_the_same_bits_watched_and_its_padded_row_is_told(mode):
+    # Any hook on the layer or inside it turns torch's fused path off: the watched layer
+    # returned other bits, and a fully padded sample finite where unwatched it is NaN (no event).
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    x, padding = _padded_batch()
+    padding[1] = True  # sample 1 is all padding
+    with torch.no_grad():
+        expected = layer(x, src_key_padding_mask=padding)
+    assert expected[1].isnan().all() and not expected[0].isnan().any()
+    with nw.watch(layer, mode=mode, on_nan="record") as w, torch.no_grad():
+        out = layer(x, src_key_padding_mask=padding)
+    assert torch.equal(out.nan_to_num(7.0), expected.nan_to_num(7.0))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "masked-row" and diagnosis.rows == [1]
+    assert "forward" not in layer.__dict__ and _nanwidget_hooks(layer) == 0
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x), src_key_padding_mask=padding))
+
+
+def test_encoder_layers_inside_a_model_keep_their_fused_path_and_are_hooked_in_training():
+    model = _Encoder().eval()
+    x, padding = _padded_batch()
+    with torch.no_grad():
+        expected = model(x, padding)
+    with nw.watch(model, max_frames=1000) as w:
+        with torch.no_grad():
+            out = model(x, padding)  # fused: each layer measured as one module
+        assert torch.equal(out, expected)
+        copied = copy.deepcopy(model)
+        model(x, padding)  # autograd records: torch takes the modules' path, all hooked
+        model.train()
+        model(x, padding).sum().backward()
+        frames = w.frames()
+    fused = set(frames[frames.batch == 0].module)
+    assert {"encoder.layers.0", "encoder.layers.1", "head"} <= fused
+    assert not any(name.startswith("encoder.layers.0.") for name in fused)
+    for batch in (1, 2):
+        assert "encoder.layers.1.linear2" in set(frames[frames.batch == batch].module)
+    # Copies and the model after close keep no forward of ours.
+    assert not any("forward" in module.__dict__ for module in copied.modules())
+    assert not any("forward" in module.__dict__ for module in model.modules())
+    with torch.no_grad():
+        assert torch.equal(copied.eval()(x, padding), expected)

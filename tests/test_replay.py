@@ -586,10 +586,17 @@ def test_a_transformer_encoder_on_its_nested_tensor_fast_path_is_replayed(mode):
     padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
     with torch.no_grad():
         encoder.layers[1].linear1.weight[0, 0] = float("nan")
+        expected = encoder(x, src_key_padding_mask=padding)
     with nw.watch(encoder, mode=mode, on_nan="record", replay_on_nan=True) as w, torch.no_grad():
-        encoder(x, src_key_padding_mask=padding)
+        out = encoder(x, src_key_padding_mask=padding)
+    # The layers keep their fused path (core.fastpath): the same bits as unwatched, and in
+    # full mode the weight is named from the layer's frame, which ran as one module.
+    assert torch.equal(out.nan_to_num(7.0), expected.nan_to_num(7.0))
     event = w.event
-    assert (event.module, event.role, event.origin) == ("layers.1.linear1", "weight", "weight")
+    assert (event.module, event.role, event.origin) in [("layers.1.linear1", "weight", "weight"),
+                                                        ("layers.1", "linear1.weight", "weight")]
+    assert event.diagnosis.kind == "corrupted-weight"
+    assert "'layers.1.linear1.weight' holds NaN" in event.diagnosis.summary
     assert event.trace.reproduced
 
 

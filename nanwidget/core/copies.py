@@ -68,6 +68,13 @@ def _without_watch(state: dict) -> dict:
     state = dict(state)
     if isinstance(state.get(_KEY), _StateWithoutWatch):
         del state[_KEY]
+    forward = state.get("forward")
+    if forward is not None and is_nanwidget_hook(forward):  # core.fastpath's, while watched
+        previous = getattr(forward, "previous", None)
+        if previous is None:
+            del state["forward"]
+        else:
+            state["forward"] = previous
     tables = [name for name, value in state.items() if "hooks" in name and isinstance(value, dict)]
     ours = {key for name in tables for key, hook in state[name].items()
             if callable(hook) and is_nanwidget_hook(hook)}

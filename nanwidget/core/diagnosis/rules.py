@@ -366,7 +366,8 @@ def _overflow_reason(op: OpFacts) -> tuple[str, str] | None:
 def _classify_op(op: OpFacts, earlier: object) -> tuple[str, str, str] | None:
     """(kind, reason, confidence) of the value the op made, or None."""
     name = op.name
-    masking = "softmax" in name or "scaled_dot_product" in name or "attention" in name
+    masking = "softmax" in name or "scaled_dot_product" in name or "attention" in name \
+        or name == "transformer_encoder_layer_fwd"  # nn.TransformerEncoderLayer's fused path
     if masking and op.nan and op.inputs_hold_inf():
         return ("masked-row", "a row whose scores were all -inf (fully masked) gives 0/0 = NaN",
                 "high")
