@@ -96,6 +96,70 @@ def test_a_loss_made_outside_the_model_is_seen_only_with_backward():
     assert caught and caught[0].batch == 1 and caught[0].is_backward
 
 
+class LazyDensity:
+    """What a normalizing flow's forward returns (zuko's): no tensor that requires grad, only
+    the network and its conditioning input, which log_prob runs later."""
+
+    def __init__(self, net: nn.Module, context: torch.Tensor) -> None:
+        self.net = net
+        self.context = context
+
+    def log_prob(self, x: torch.Tensor) -> torch.Tensor:
+        return -(self.net(self.context) - x).pow(2).sum(-1)
+
+
+class LazyFlow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, context: torch.Tensor) -> LazyDensity:
+        return LazyDensity(self.net, context)
+
+
+def _parameter_hooks(model: nn.Module) -> int:
+    return sum(len(p._post_accumulate_grad_hooks or ()) for p in model.parameters())
+
+
+def test_gradients_are_checked_before_the_step_when_the_outputs_require_no_grad():
+    """A model returning an object whose later use runs its modules (a flow's distribution):
+    no output of it receives a gradient, yet its NaN gradients are caught when backward()
+    ends, before the optimizer step could spread them into the weights."""
+    torch.manual_seed(0)
+    flow = LazyFlow()
+    optimizer = torch.optim.SGD(flow.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    event = None
+    with nw.watch(flow, mode="sentinel", backward=True) as w:
+        for step in range(4):
+            x, context = torch.randn(8, 3, generator=generator), torch.randn(8, 2,
+                                                                           generator=generator)
+            if step == 2:
+                x[1, 0] = float("nan")  # bad data: only the loss and the gradients see it
+            optimizer.zero_grad()
+            loss = -flow(context).log_prob(x).mean()
+            try:
+                loss.backward()
+            except nw.NanDetected as error:
+                event = error.event
+                break
+            optimizer.step()
+        assert w.parts.sentinel.grad_checks == 3  # one per backward pass
+    assert event is not None and (event.batch, event.is_backward, event.origin) == \
+        (2, True, "grad")
+    assert event.note.startswith("not replayed: no gradient reached the model's outputs")
+    assert "loss_fn" in event.note  # what to do to see the op
+    assert all(bool(torch.isfinite(p).all()) for p in flow.parameters())  # no step took it
+    assert hook_count(flow) == 0  # the parameters' hooks went with the watch
+
+
+def test_outputs_that_require_grad_need_no_parameter_hooks(tiny_mlp):
+    with nw.watch(tiny_mlp, mode="sentinel", backward=True) as w:
+        for x in _batches(3):
+            tiny_mlp(x).square().mean().backward()
+        assert _parameter_hooks(tiny_mlp) == 0 and w.parts.sentinel.grad_checks == 3
+
+
 def test_sampled_batches_get_module_hooks_for_that_batch_only():
     model = nn.Sequential(HookSpy(), nn.ReLU(), nn.Linear(16, 4))
     with nw.watch(model, mode="sentinel", sample_every=3) as w:

@@ -5,8 +5,8 @@ Per batch, with no hook on any module but the root:
 - the root module's outputs: every float leaf of any structure (tensors, tuples, dicts,
   dataclasses, ``ModelOutput``) is checked for NaN/Inf (:class:`~.check.NonFiniteCheck`);
 - with ``backward=True``, the gradients: every parameter's ``.grad`` when the backward pass
-  ends (an autograd final callback queued by a hook on the outputs), before any optimizer step
-  can use them; the gradient each output received is held until then, so that a failing
+  ends (an autograd final callback queued by a hook on the outputs; when they hold no tensor
+  that requires grad, by hooks on the parameters), before any optimizer step can use them; the gradient each output received is held until then, so that a failing
   backward pass can be replayed without the loss function;
 - the batch itself stays held for replay (:class:`~nanwidget.core.replay.capture.BatchCapture`:
   references to the inputs, RNG states, modes, version counters).
@@ -87,11 +87,28 @@ def _accumulated(before: tuple[Any, int, int] | None, now: tuple[Any, int, int] 
         and before[2] + 1 == now[2]
 
 
+def _parameter_grad_hook(sentinel: Any) -> Any:
+    """The hook on a parameter (see :meth:`Sentinel._await_parameter_grads`): its sentinel
+    held weakly. The garbage collector does not see a tensor's hooks, so a hook holding the
+    sentinel would keep the model and its watch alive once both are dropped without close()."""
+    def hook(parameter: torch.Tensor) -> None:
+        live = sentinel()
+        if live is not None:
+            live._parameter_grad_arrived()
+    return hook
+
+
 def _replay_failed(batch: int, error: Exception) -> str:
     """The note of an event whose replay raised: what was seen stays the event."""
     text = " ".join(str(error).split())
     text = text if len(text) <= 200 else text[:197] + "..."
     return f"not replayed: the replay of batch {batch} failed ({type(error).__name__}: {text})"
+
+# The note of a gradient event whose outputs required no grad (see _await_parameter_grads).
+_NO_OUTPUT_GRADIENT = ("not replayed: no gradient reached the model's outputs (none of them "
+                       "requires grad: what the model returned ran its modules later, as a "
+                       "distribution's log_prob does); give the watch loss_fn (loss_fn(output) "
+                       "-> loss) to replay the batch through the loss")
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
@@ -169,6 +186,11 @@ class Sentinel(Feature):
         # batch -> per root forward: the gradient each output leaf received (by role).
         self._output_grads: dict[int, list[dict[str, torch.Tensor] | None]] = {}
         self._queued_task: int | None = None
+        # The hooks on the parameters that tell the end of a backward pass through outputs
+        # that require no grad (see _await_parameter_grads; None: not needed yet), and the
+        # latest batch whose outputs were such.
+        self._parameter_hooks: list[Any] | None = None
+        self._lazy_batch: int | None = None
         self._grad_batch: int | None = None
         # The other batches whose outputs the same backward pass reached (model(a), model(b),
         # one loss: two batches when batches are numbered automatically).
@@ -242,8 +264,11 @@ class Sentinel(Feature):
                 self.outputs_batch, self.outputs_abs_max, self.outputs_dtype = \
                     batch, clean[1], output.dtype
                 self.recorder.add_history_row(batch, self._root_name, clean[1], clean[0])
-                if self.backward and output.requires_grad and torch.is_grad_enabled():
-                    self._hook_output_grads(batch, self._forward_index, [("output", output)])
+                if self.backward and torch.is_grad_enabled():
+                    if output.requires_grad:
+                        self._hook_output_grads(batch, self._forward_index, [("output", output)])
+                    else:
+                        self._await_parameter_grads(batch)
                 return
         unread: list[str] = []
         leaves = float_leaves(output, unread=unread)
@@ -261,6 +286,8 @@ class Sentinel(Feature):
             if needing:
                 self._hook_output_grads(batch, forward, needing)
                 hooked = True
+            else:
+                self._await_parameter_grads(batch)
         if check is not None:
             # A training forward's check on a device is read with the gradients' (one read per
             # batch); one that never sees its backward is read at the next forward's return.
@@ -281,6 +308,43 @@ class Sentinel(Feature):
         grads[forward] = slot
         for role, leaf in needing:
             leaf.register_hook(partial(self._output_grad, batch, slot, role))
+
+    def _await_parameter_grads(self, batch: int) -> None:
+        """A training forward whose outputs hold no tensor that requires grad: it returned
+        something whose later use runs the modules (a distribution whose log_prob does, a
+        closure), so no output hook can tell when its backward pass ends. Hooks on the
+        trainable parameters do instead: installed at the first such forward (never in a model
+        whose outputs require grad), their first call in a pass queues the end-of-backward
+        check for the latest batch, as an output's gradient does."""
+        if self._parameter_hooks is None:
+            self._parameter_hooks = self._hook_parameters()
+        if self._parameter_hooks:
+            self._lazy_batch = batch
+            self.capture.await_backward(batch)
+
+    def _hook_parameters(self) -> list[Any]:
+        hook = _parameter_grad_hook(weakref.ref(self))
+        slots = self.capture.slots.read()
+        handles = []
+        for i in self._params:
+            parameter = slots[i]
+            if isinstance(parameter, _Tensor) and parameter.requires_grad:
+                try:
+                    handles.append(parameter.register_post_accumulate_grad_hook(hook))
+                except Exception:  # not a leaf, or a subclass that refuses hooks
+                    continue
+        return handles
+
+    def _parameter_grad_arrived(self) -> None:
+        """A parameter's gradient was accumulated: queue the end-of-backward check once per
+        pass, unless an output's gradient queued it already (outputs come first in a pass) or
+        the latest forward's outputs required grad (their hooks tell its pass)."""
+        batch = self._lazy_batch
+        if batch is None or batch != self._forward_batch or self.recorder.closed:
+            return
+        task = _graph_task_id()
+        if self._queued_task != task:
+            self._queue_backward_check(batch, task)
 
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         if self._hooked_batch == batch:
@@ -356,16 +420,19 @@ class Sentinel(Feature):
         slot[role] = grad
         task = _graph_task_id()
         if self._queued_task != task:
-            self._queued_task = task
-            self._grad_batch = batch
-            if self._pass_batches:
-                self._pass_batches = []
-            # Requeued once it runs, so that it comes after DDP's / FSDP's own final callbacks
-            # (their reductions): raising before them leaves DDP's reducer mid-pass.
-            torch.autograd.Variable._execution_engine.queue_callback(self._requeue_last)
+            self._queue_backward_check(batch, task)
         elif batch != self._grad_batch and batch not in self._pass_batches:
             self._pass_batches.append(batch)
         return None
+
+    def _queue_backward_check(self, batch: int, task: int) -> None:
+        self._queued_task = task
+        self._grad_batch = batch
+        if self._pass_batches:
+            self._pass_batches = []
+        # Requeued once it runs, so that it comes after DDP's / FSDP's own final callbacks
+        # (their reductions): raising before them leaves DDP's reducer mid-pass.
+        torch.autograd.Variable._execution_engine.queue_callback(self._requeue_last)
 
     def _requeue_last(self) -> None:
         try:
@@ -562,8 +629,7 @@ class Sentinel(Feature):
                                None, None)
         loss_fn = automatic_loss(held, self.loss_fn)
         if not grads and loss_fn is None:
-            return self._found(self._grad_event(
-                batch, bad, "not replayed: no gradient reached the outputs"), None, None)
+            return self._found(self._grad_event(batch, bad, _NO_OUTPUT_GRADIENT), None, None)
         try:
             replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True,
                                      output_grads=grads, backward_frames=True, loss_fn=loss_fn)
@@ -845,6 +911,10 @@ class Sentinel(Feature):
         return Finding(None, [frames])
 
     def close(self) -> None:
+        for handle in self._parameter_hooks or ():
+            handle.remove()
+        self._parameter_hooks = []
+        self._lazy_batch = None
         self._deferred_grad = None
         self._output_grads.clear()
         self._deferred.clear()
