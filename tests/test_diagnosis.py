@@ -252,6 +252,37 @@ def test_a_gradient_taken_in_the_forward_names_the_line_of_its_op(mode):
     assert line_of(RadialPinn.forward, "autograd.grad") not in diagnosis.summary
 
 
+class RadialLaplacianPinn(RadialPinn):
+    """Its second derivative too: that gradient runs back through the network's own gradient,
+    which holds sqrt's infinite one, so its modules' gradients go non-finite inside it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_(True)
+        radius = torch.sqrt((x * x).sum(-1, keepdim=True))  # infinite gradient at 0
+        u = self.net(torch.cat([radius, x], -1))
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        ddu = torch.autograd.grad(du[:, 0].sum(), x, create_graph=True)[0]
+        return torch.cat([u, ddu], -1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gradient_taken_in_the_forward_is_diagnosed_alike_with_backward_frames(mode):
+    # Full mode took the forward's own autograd.grad for the batch's backward pass: a backward
+    # event at the Tanh's grad_output, diagnosed 'unknown', with no trace.
+    torch.manual_seed(0)
+    model = RadialLaplacianPinn()
+    x = torch.rand(6, 2)
+    x[4] = 0
+    with watch(model, mode, backward=True, replay_on_nan=True) as w:
+        model(x).square().mean().backward()
+    event = w.events[0]
+    assert (event.module, event.role, event.is_backward) == ("", "output", False)
+    assert event.diagnosis.kind == "domain" and event.trace is not None
+    assert "the gradient of sqrt is infinite at the edge of its domain (0)" in \
+        event.diagnosis.summary
+    assert line_of(RadialLaplacianPinn.forward, "torch.sqrt") in event.diagnosis.summary
+
+
 class SingularLogdet(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import pandas as pd
@@ -88,6 +89,53 @@ def test_nan_born_in_backward_in_the_first_batch_is_an_event_naming_the_sqrt_mod
     assert order == ["head", "", "sqrt", "act", "fc"]
     sqrt = backward[backward.module == "sqrt"].set_index("role")
     assert not sqrt.loc["grad_output[0]", "inf"] and sqrt.loc["grad_input[0]", "inf"]
+
+
+class GradientInForward(nn.Module):
+    """A PINN's forward: its output's gradient with respect to the input, taken inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_(True)
+        u = self.net(x)
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        return torch.cat([u, du], -1)
+
+
+def test_a_gradient_taken_inside_the_forward_is_no_backward_pass_of_the_batch() -> None:
+    # Its frames were a second backward pass, recorded in the middle of the forward frames.
+    torch.manual_seed(0)
+    model = GradientInForward()
+    with nw.watch(model, backward=True) as w:
+        model(torch.randn(6, 2)).square().mean().backward()
+        frames = w.frames()
+        assert w.parts.backward.passes == 1
+    forward = frames[frames.phase == "forward"]
+    backward = frames[frames.phase == "backward"].drop_duplicates("frame")
+    # One backward frame per module call, all from loss.backward(), after the forward's.
+    assert sorted(backward.module) == ["", "net", "net.0", "net.1", "net.2"]
+    assert backward.frame.min() > forward.frame.max()
+
+
+def test_the_forwards_own_backward_pass_is_told_from_autograds_own_thread_too() -> None:
+    # On a GPU autograd runs a pass on a thread of its own, while the forward's thread waits.
+    seen: list[bool] = []
+
+    class AskFromAnotherThread(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            worker = threading.Thread(target=lambda: seen.append(w.recorder.root_forward_running))
+            worker.start()
+            worker.join()
+            return x * 2
+
+    model = AskFromAnotherThread()
+    with nw.watch(model, backward=True) as w:
+        model(torch.ones(2, requires_grad=True)).sum().backward()
+        seen.append(w.recorder.root_forward_running)  # after the forward: the batch's pass
+    assert seen == [True, False]
 
 
 def test_backward_nan_raises_nan_detected_out_of_loss_backward() -> None:

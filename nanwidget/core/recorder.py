@@ -1036,6 +1036,15 @@ class Recorder:
         return counters
 
     @property
+    def root_forward_running(self) -> bool:
+        """Whether the root's forward is running now, so that a backward pass running now is
+        the forward's own (``torch.autograd.grad`` in a PINN's forward), not the batch's. Asked
+        from any thread: on a GPU autograd runs the pass on a thread of its own while the
+        forward's waits. A forward that a KeyboardInterrupt left unfinished is not running (no
+        longer on its thread's stack)."""
+        return bool(self._root_depth) and self._root_call_running(None)
+
+    @property
     def has_unresolved(self) -> bool:
         """Whether frames or stats are waiting for the next resolve."""
         return bool(self._frames) or len(self._pending) > 0

@@ -49,6 +49,15 @@ Order, batch, blame
     share the input the innermost is named. Two sibling modules that take the same tensor
     cannot be told apart (both see its total gradient): the one whose backward ran first is named.
 
+A forward's own backward pass
+    A backward pass run inside the root's forward (``torch.autograd.grad(u, x,
+    create_graph=True)`` in a PINN) is part of that forward, not the batch's backward pass: its
+    gradients open no frames and end no pass (an event there was a backward event, with
+    nothing to replay). What it computes becomes the forward's values, where a NaN it makes is
+    found by the forward frames and its op by the replay. Told by
+    :attr:`FrameSink.root_forward_running`, asked only while no pass is open: at the first
+    gradient of the batch's own pass, not again in it.
+
 Recomputation (``torch.utils.checkpoint``)
     The recorder records no forward frames while autograd recomputes checkpointed modules. With
     reentrant checkpointing, the forward inside the checkpoint ran without grad, so the hooks go
@@ -235,6 +244,9 @@ class FrameSink(Protocol):
 
     @property
     def suspended(self) -> bool: ...
+
+    @property
+    def root_forward_running(self) -> bool: ...
 
     @property
     def entries(self) -> GradEntries: ...
@@ -463,6 +475,8 @@ class BackwardFrames(Feature):
         # replaying thread holds.
         if self.closed or recorder.suspended:
             return None
+        if not self._queued and recorder.root_forward_running:
+            return None  # the forward's own backward pass (module docstring)
         try:
             with recorder.lock:
                 measured = None
@@ -526,6 +540,8 @@ class BackwardFrames(Feature):
         recorder = self.recorder
         if self.closed or recorder.suspended:
             return None
+        if not self._queued and recorder.root_forward_running:
+            return None  # the forward's own backward pass (module docstring)
         try:
             info, name = self._parameter_owners[owner]
             grad = parameter.grad

@@ -262,6 +262,10 @@ class ReplayFrames(FrameSink):
         return False  # a replay records every gradient of its own backward pass
 
     @property
+    def root_forward_running(self) -> bool:
+        return self.ops.phase == "forward"
+
+    @property
     def entries(self) -> ReplayFrames:
         return self  # grad_entry below
 
