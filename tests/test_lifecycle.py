@@ -212,3 +212,23 @@ def test_forward_called_while_handling_an_exception_still_raises_nan_detected(ti
         except KeyError:
             with pytest.raises(nw.NanDetected):
                 tiny_mlp(bad)
+
+
+@pytest.mark.parametrize("mode", [None, "sentinel"])
+def test_a_root_forward_hook_added_after_the_watch_that_makes_the_output_nan_is_seen(mode):
+    """model(x) returns what the root's last forward hook makes of the output, also one the
+    user adds after watch(): a NaN it makes is the root's output event, and the user's hook
+    stays in place (and runs) after the watch is closed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with nw.watch(model, mode=mode) as w:
+        user_handle = model.register_forward_hook(lambda m, args, out: torch.log(out))
+        with pytest.raises(nw.NanDetected):
+            model(torch.randn(3, 4))
+        assert (w.event.module, w.event.role, w.event.origin) == ("", "output", "output")
+        assert w.event.diagnosis.kind == "domain"
+    assert list(model._forward_hooks) == [user_handle.id]
+    x = torch.randn(3, 4)
+    logged = model(x)
+    user_handle.remove()
+    torch.testing.assert_close(logged, torch.log(model(x)), equal_nan=True)

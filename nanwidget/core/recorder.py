@@ -319,6 +319,9 @@ class Recorder:
         # The root hooks on the original module while direct calls count (see the docstring).
         self._direct_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._direct_call = False  # the running (or last) batch came through them
+        # id(root module) -> the id of the watch's forward hook on it, moved back behind the
+        # user's own root forward hooks at each batch start (see _keep_forward_hook_last).
+        self._last_forward_hooks: dict[int, int] = {}
         self._module_handles: list[torch.utils.hooks.RemovableHandle] = []
         # Layers whose fused path the hooks would turn off (core.fastpath): the root, while
         # the watch lasts; the others, while module hooks are attached.
@@ -499,6 +502,8 @@ class Recorder:
                 handles.append(add_forward_hook(
                     model, self._forward_hook, with_kwargs=True, always_call=True,
                     prepend=is_fsdp_unit(model)))
+                if not is_fsdp_unit(model):
+                    self._last_forward_hooks[id(model)] = handles[-1].id
             except BaseException:
                 self.detach_direct_call_hooks()
                 raise
@@ -510,6 +515,8 @@ class Recorder:
             for handle in self._direct_handles:
                 handle.remove()
             self._direct_handles.clear()
+            if self.entry is not self.model:
+                self._last_forward_hooks.pop(id(self.model), None)
 
     def _install_root_hooks(self) -> None:
         pre_hook, forward_hook = self._root_pre_hook, self._forward_hook
@@ -525,6 +532,8 @@ class Recorder:
         self._handles.append(add_forward_hook(
             entry, forward_hook, with_kwargs=True, always_call=True,
             prepend=is_fsdp_unit(entry)))
+        if not is_fsdp_unit(entry):  # an FSDP unit's runs first, before it reshards
+            self._last_forward_hooks[id(entry)] = self._handles[-1].id
         if entry is self.model:
             for wrapper in compile_wrappers_of(entry):
                 self._handles.append(wrapper.register_forward_pre_hook(self._refuse_wrapper_call))
@@ -653,6 +662,10 @@ class Recorder:
                         # hook): its frames stay in its own batch, marked as interrupted.
                         self._end_interrupted_locked()
                 if refusal is None:
+                    last_hook = self._last_forward_hooks.get(id(module))
+                    if last_hook is not None \
+                            and next(reversed(module._forward_hooks), last_hook) != last_hook:
+                        self._keep_forward_hook_last(module, last_hook)
                     self._root_depth = 1
                     self._direct_call = module is not self.entry
                     self._root_frame = sys._getframe(1)
@@ -677,6 +690,18 @@ class Recorder:
                 "batch). Run the forwards one after the other, or watch a separate model copy "
                 "per thread")
         return None
+
+    @staticmethod
+    def _keep_forward_hook_last(module: nn.Module, hook_id: int) -> None:
+        """Move the watch's forward hook on the root (``hook_id``) behind those the user added
+        after the watch: model(x) returns what the last forward hook makes of the output (one
+        returning torch.log(out) can make the NaN), so that is what the watch must check. The
+        root pre-hook calls this at a batch start when the hook is not last already."""
+        hooks = module._forward_hooks
+        if hook_id in hooks:
+            # Popped and inserted: last in the OrderedDict's order and in the plain dict's under
+            # it, which Dynamo also reads (see core.opaque._insertion_order_as_run).
+            hooks[hook_id] = hooks.pop(hook_id)
 
     def _stand_aside(self) -> None:
         """A tracer runs the model (see :func:`tracing`): no batch starts, nothing is
