@@ -650,3 +650,73 @@ def test_a_replay_whose_forward_draws_from_numpy_says_its_draws_differ():
     with nw.watch(quiet, keep_batches=1) as w:
         quiet(torch.randn(2, 4))
         assert w.replay(0).changes == []
+
+
+class SqrtAfterFirst(nn.Module):
+    """``sqrt`` of a linear layer's output: a domain NaN between ``fc1`` and ``fc2``."""
+
+    def __init__(self, features: int = 4) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(features, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.sqrt(self.fc1(x)))
+
+
+def _abs_max(frames, module: str, role: str) -> float:
+    return frames[(frames.module == module) & (frames.role == role)].abs_max.iloc[0]
+
+
+@pytest.mark.parametrize("mode", [None, "sentinel"])
+def test_a_root_pre_hook_registered_before_the_watch_runs_once_in_a_replay(mode):
+    """The watch holds the inputs as the forward receives them, after the user's root
+    pre-hooks registered before it: a replay does not run those again (a hook that adds a
+    column would break the replay, one that scales would give other numbers)."""
+    torch.manual_seed(0)
+    model, x = SqrtAfterFirst(features=5), torch.randn(3, 4)
+    model.register_forward_pre_hook(lambda m, args: (torch.cat([torch.ones(3, 1), args[0]], 1),))
+    scale = model.register_forward_pre_hook(lambda m, args: (args[0] * 10,))
+    with nw.watch(model, on_nan="record", mode=mode) as w:
+        model(x)
+        trace = w.replay(0)
+        assert w.event.diagnosis.kind == "domain"
+    assert trace.first_bad["op"] == "sqrt" and trace.reproduced and trace.changes == []
+    received = (torch.cat([torch.ones(3, 1), x], 1) * 10).abs().max().item()  # by the forward
+    assert _abs_max(w.event.frames, "fc1", "input[0]") == received
+    assert _abs_max(trace.frames, "fc1", "input[0]") == received
+    assert _abs_max(trace.frames, "", "input[0]") == received  # the root's frame: the same
+    scale.remove()
+
+
+@pytest.mark.parametrize("mode", [None, "sentinel"])
+def test_a_global_pre_hook_runs_once_on_the_root_in_a_replay_and_on_every_other_module(mode):
+    """A global forward pre-hook runs before the watch's root pre-hook: the held inputs are
+    what it made of them, so the replay skips it on the root's call only; it still runs on
+    every submodule, and is torch's own again afterwards."""
+    calls: list[str] = []
+
+    def scale_root_inputs(module, args):
+        calls.append(type(module).__name__)
+        if isinstance(module, SqrtAfterFirst):
+            return (args[0] * 10,)
+        return None
+
+    torch.manual_seed(0)
+    model, x = SqrtAfterFirst(), torch.randn(3, 4)
+    handle = nn.modules.module.register_module_forward_pre_hook(scale_root_inputs)
+    try:
+        with nw.watch(model, on_nan="record", mode=mode) as w:
+            model(x)
+            live_calls = list(calls)
+            calls.clear()
+            trace = w.replay(0)
+            event_frames = w.event.frames
+        assert nn.modules.module._global_forward_pre_hooks[handle.id] is scale_root_inputs
+    finally:
+        handle.remove()
+    assert live_calls.count("SqrtAfterFirst") == 1 and "Linear" in live_calls
+    assert "SqrtAfterFirst" not in calls and "Linear" in calls  # the root's inputs were held after it
+    truth = (x * 10).abs().max().item()
+    assert _abs_max(event_frames, "fc1", "input[0]") == truth
+    assert _abs_max(trace.frames, "fc1", "input[0]") == truth
+    assert trace.first_bad["op"] == "sqrt" and trace.reproduced and trace.changes == []

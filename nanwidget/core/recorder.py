@@ -322,6 +322,7 @@ class Recorder:
         # id(root module) -> the id of the watch's forward hook on it, moved back behind the
         # user's own root forward hooks at each batch start (see _keep_forward_hook_last).
         self._last_forward_hooks: dict[int, int] = {}
+        self._root_pre_hook_id: int | None = None  # the watch's forward pre-hook on the entry
         self._module_handles: list[torch.utils.hooks.RemovableHandle] = []
         # Layers whose fused path the hooks would turn off (core.fastpath): the root, while
         # the watch lasts; the others, while module hooks are attached.
@@ -529,6 +530,7 @@ class Recorder:
             keep_fused_path(entry)
             self._fused_root = entry
         self._handles.append(entry.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        self._root_pre_hook_id = self._handles[-1].id
         self._handles.append(add_forward_hook(
             entry, forward_hook, with_kwargs=True, always_call=True,
             prepend=is_fsdp_unit(entry)))
@@ -539,6 +541,21 @@ class Recorder:
                 self._handles.append(wrapper.register_forward_pre_hook(self._refuse_wrapper_call))
                 copy_without_watch(wrapper)
                 self._wrappers.append(weakref.ref(wrapper))
+
+    def pre_hooks_before_held_inputs(self) -> tuple[list[int], list[int]]:
+        """The forward pre-hooks that run on the model before the watch's root pre-hook takes
+        a batch's inputs, so that a held batch holds what they made of them: (ids in torch's
+        global forward pre-hooks, ids in the model's own registered before the watch), in the
+        order they run. A replay calling the model must not run them again. None when the
+        entry is a compile wrapper: its inputs are taken there, before the model's hooks run.
+        For event time (reads torch's hook dicts)."""
+        if self.entry is not self.model or self._root_pre_hook_id is None:
+            return [], []
+        own = list(self.model._forward_pre_hooks)
+        if self._root_pre_hook_id not in own:
+            return [], []  # closed
+        return (list(nn.modules.module._global_forward_pre_hooks),
+                own[:own.index(self._root_pre_hook_id)])
 
     def _records_frames(self) -> bool:
         """Whether this batch's frames are recorded (always, unless ``root_only`` and no

@@ -371,6 +371,7 @@ class _Replay:
         saved_numpy = numpy.random.get_state() if numpy is not None else None
         saved_training = [m.training for m in slots.modules]
         attributes = ModuleAttributes(root.modules())
+        earlier_pre_hooks = _PreHooksRunOnce(root)
         handles: list[Any] = []
         shadows: Shadows | None = None
         backward: BackwardFrames | None = None
@@ -378,6 +379,8 @@ class _Replay:
         try:
             with self.recorder.suspend(), eager_calls(), own_parametrization_cache(), \
                     no_collectives(root, partial(_running_now, recorder)):
+                # Before this replay's own hooks go on the root (its first one is prepended).
+                earlier_pre_hooks.wrap(*self.recorder.pre_hooks_before_held_inputs())
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 recorder.name_sources("weight", zip(slots.names, slots.read()))
@@ -397,7 +400,8 @@ class _Replay:
                     if backward is not None:
                         backward.on_batch_start(held.batch, (), {})  # a new graph: hook afresh
                     try:
-                        loss_value = self._run_forward(root, capture, recorder, grads)
+                        with earlier_pre_hooks.skipped_once():
+                            loss_value = self._run_forward(root, capture, recorder, grads)
                     except Exception as error:
                         if not changes or isinstance(error, ReplayError):
                             raise
@@ -406,6 +410,7 @@ class _Replay:
                             f"{error}); the model changed since the batch ran: "
                             f"{'; '.join(changes[:4])}") from error
         finally:
+            earlier_pre_hooks.restore()
             if backward is not None:
                 backward.close()
             for handle in handles:
@@ -594,6 +599,57 @@ def set_forward_state(capture: ForwardCapture, slots: WeightSlots) -> None:
     torch.set_rng_state(capture.cpu_rng)
     if capture.cuda_rng is not None:
         torch.cuda.set_rng_state_all(capture.cuda_rng)
+
+
+class _PreHooksRunOnce:
+    """The forward pre-hooks that ran before the watch held a batch's inputs (every global
+    one, and the root's own registered before the watch: see
+    :meth:`Recorder.pre_hooks_before_held_inputs`). The held inputs are what they made, so a
+    replay's root call must not run them again (a hook that scales or extends the inputs
+    would apply twice). Each is wrapped in place (torch's order kept) to skip its next call on
+    the root in this thread inside :meth:`skipped_once`; every other call, of other modules,
+    of a root calling itself, or from other threads, runs it as usual. :meth:`restore` puts
+    the hooks back."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self._root = root
+        self._thread = threading.get_ident()
+        self._pending: set[int] = set()
+        self._wrapped: list[tuple[dict, int, Callable[..., Any], Callable[..., Any]]] = []
+
+    def wrap(self, global_ids: list[int], own_ids: list[int]) -> None:
+        """Wrap these hooks (by id; global ones, then the root's own)."""
+        for hooks, ids in ((nn.modules.module._global_forward_pre_hooks, global_ids),
+                           (self._root._forward_pre_hooks, own_ids)):
+            for hook_id in ids:
+                hook = hooks.get(hook_id)
+                if hook is not None:
+                    wrapper = partial(self._call, hook_id, hook)
+                    hooks[hook_id] = wrapper  # an existing key: its place in the order stays
+                    self._wrapped.append((hooks, hook_id, hook, wrapper))
+
+    def _call(self, hook_id: int, hook: Callable[..., Any], module: nn.Module, *rest: Any) -> Any:
+        if module is self._root and hook_id in self._pending \
+                and threading.get_ident() == self._thread:
+            self._pending.discard(hook_id)
+            return None  # the held inputs are what it made of them
+        return hook(module, *rest)
+
+    @contextlib.contextmanager
+    def skipped_once(self) -> Iterator[None]:
+        """Around one root forward of the replay: the wrapped hooks skip the root's call."""
+        self._pending = {hook_id for _, hook_id, _, _ in self._wrapped}
+        try:
+            yield
+        finally:
+            self._pending = set()
+
+    def restore(self) -> None:
+        """The hooks as they were (those removed meanwhile stay removed)."""
+        for hooks, hook_id, hook, wrapper in self._wrapped:
+            if hooks.get(hook_id) is wrapper:
+                hooks[hook_id] = hook
+        self._wrapped.clear()
 
 
 def forward_arguments(capture: ForwardCapture) -> tuple[tuple, dict]:
