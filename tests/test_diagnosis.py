@@ -401,6 +401,20 @@ def test_full_mode_tells_a_backward_nan_without_a_loss_fn(replay_on_nan):
         assert event.trace is None
 
 
+def test_a_loss_nan_replayed_from_a_single_outputs_gradient_names_it_as_the_frames_do():
+    # A root returning one tensor: its forward role is 'output'. The held gradient was kept
+    # under 'output[0]' too (its backward frame's grad_output[0]), and the replay named it
+    # that way: "(output[0])", where the frames and sentinel mode say "(output)".
+    model = saturated_model()
+    with watch(model, "full", backward=True, replay_on_nan=True) as w:
+        bce_by_hand(model(torch.full((6, 4), 3.0).half())).backward()
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "loss"
+    assert "the gradient reaching the model's output (output) in batch 0" in diagnosis.summary
+    assert set(w.frames().query("module == '' and phase == 'forward'").role) == {"input[0]",
+                                                                                 "output"}
+
+
 def test_output_gradients_past_the_limit_are_not_held(monkeypatch):
     from nanwidget.core.grads import backward as backward_frames
     monkeypatch.setattr(backward_frames, "MAX_HELD_OUTPUT_GRAD_BYTES", 16)  # the output's: 20

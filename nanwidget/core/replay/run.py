@@ -450,8 +450,6 @@ class _Replay:
         set_forward_state(capture, self.capture.slots)
         args, kwargs = forward_arguments(capture)
         recorder.name_sources("input", _input_leaves(args, kwargs))
-        if output_grads:
-            recorder.name_sources("output-grad", output_grads.items())
         backward = loss_fn is not None or bool(output_grads)
         with contextlib.ExitStack() as stack:
             stack.enter_context(forward_modes(capture, backward=backward))
@@ -461,8 +459,15 @@ class _Replay:
             output = root(*args, **kwargs)
             recorder.tag_nodes()
             if output_grads:
-                pairs = [(leaf, output_grads[role]) for role, leaf in iter_leaves(output, "output")
-                         if role in output_grads and isinstance(leaf, _Tensor) and leaf.requires_grad]
+                leaves = [(role, leaf) for role, leaf in iter_leaves(output, "output")
+                          if role in output_grads and isinstance(leaf, _Tensor)]
+                # A gradient is held under every role its output may have ("output[0]" and
+                # "output" for a root returning one tensor): named by the role the forward
+                # gives it, as the frames and the sentinel do; the others after, as fallbacks.
+                recorder.name_sources("output-grad", [(role, output_grads[role])
+                                                      for role, _ in leaves])
+                recorder.name_sources("output-grad", output_grads.items())
+                pairs = [(leaf, output_grads[role]) for role, leaf in leaves if leaf.requires_grad]
                 if pairs:
                     recorder.phase = "backward"
                     backward_from_outputs(pairs)
