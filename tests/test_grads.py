@@ -771,6 +771,43 @@ def test_a_weight_gradient_overflow_under_autocast_is_told_in_the_dtype_it_was_c
     assert any("GradScaler" in line for line in diagnosis.suggestion)
 
 
+class _SharedBodyActorCritic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh())
+        self.pi = nn.Linear(16, 2)
+        self.v = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.pi(h), self.v(h).squeeze(-1)
+
+
+@pytest.mark.filterwarnings(r"ignore:std\(\)")  # of one element: the NaN wanted here
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_that_enters_through_one_of_two_heads_on_a_shared_body_names_that_head(mode):
+    # The policy term's advantage is normalised by the std of one element (NaN): only 'pi'
+    # receives a NaN gradient. 'v' ran its backward first, and its grad_input (the body's
+    # output's total gradient, pi's NaN share included) made the event name 'v', which
+    # received a finite gradient.
+    torch.manual_seed(0)
+    model = _SharedBodyActorCritic()
+    with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+        logits, value = model(torch.randn(1, 4))
+        advantage = (1.0 - value).detach()
+        advantage = (advantage - advantage.mean()) / advantage.std()  # std of one element: NaN
+        policy_loss = -(torch.log_softmax(logits, -1)[:, 0] * advantage).mean()
+        (policy_loss + (1.0 - value).pow(2).mean()).backward()
+    event = w.events[0]
+    assert (event.module, event.role, event.is_backward) == ("pi", "grad_output[0]", True)
+    assert event.diagnosis.kind == "loss"
+    assert "the one 'pi' (Linear) received, grad_output[0]" in event.diagnosis.evidence[-1]
+    if mode == "full":
+        frames = w.frames()
+        received = frames[(frames.module == "v") & (frames.role == "grad_output[0]")]
+        assert not (received.nan | received.inf).any()  # 'v' received a finite gradient
+
+
 def test_backward_frames_hold_each_trainable_parameters_gradient_once() -> None:
     torch.manual_seed(0)
     embed = nn.Embedding(10, 4)

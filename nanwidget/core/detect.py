@@ -228,7 +228,9 @@ def backward_birth(frames: list[Frame], position: int) -> int:
     input is also its child's input holds that child's non-finite ``grad_input`` too (it is the
     input's total gradient). When the first frame has finite ``grad_output`` and non-finite
     ``grad_input``, the innermost later frame of a module inside it that shows the same pattern
-    is where the value was born.
+    is where the value was born. Unless a sibling that took the same input (an actor-critic's
+    two heads on one body) received a non-finite ``grad_output``: the input's total gradient
+    holds that sibling's share, so the value came in there (:func:`_entered_through_sibling`).
     """
     chosen = frames[position]
     if not _born_in_backward(chosen):
@@ -239,4 +241,32 @@ def backward_birth(frames: list[Frame], position: int) -> int:
         if frame.phase == "backward" and frame.batch == chosen.batch \
                 and _is_ancestor(chosen.module, frame.module) and _born_in_backward(frame):
             chosen, best = frame, later
-    return best
+    sibling = _entered_through_sibling(frames, best)
+    return best if sibling is None else sibling
+
+
+def _entered_through_sibling(frames: list[Frame], position: int) -> int | None:
+    """The later frame of a module beside ``frames[position]``'s (neither inside nor around
+    it) that holds the same non-finite input gradient (one measurement: the same tensor's total
+    gradient) and received a non-finite ``grad_output`` of its own; None when there is none.
+    Its backward opened after this frame's, but the shared input's gradient is summed only
+    once both ran, so this frame's non-finite ``grad_input`` says nothing of its own backward."""
+    chosen = frames[position]
+    shared = {id(entry.stats) for entry in chosen.nonfinite_entries()
+              if entry.role.startswith(("grad_input", "grad_kwarg"))}
+    if not shared:
+        return None
+    for later in range(position + 1, len(frames)):
+        frame = frames[later]
+        if frame.phase != "backward" or frame.batch != chosen.batch \
+                or _is_ancestor(chosen.module, frame.module) \
+                or _is_ancestor(frame.module, chosen.module) \
+                or (frame.module == chosen.module and frame.call == chosen.call):
+            continue
+        bad = frame.nonfinite_entries()
+        if any(e.role.startswith(("grad_input", "grad_kwarg")) and id(e.stats) in shared
+               for e in bad) \
+                and any(e.role.startswith("grad_output") and id(e.stats) not in shared
+                        for e in bad):
+            return later
+    return None

@@ -46,8 +46,10 @@ Order, batch, blame
     come. The event of a backward pass is its first frame holding a non-finite gradient, refined by
     :func:`~nanwidget.core.detect.event_at`: a NaN born inside a module's backward shows as
     finite ``grad_output`` with non-finite ``grad_input`` there, and among nested modules that
-    share the input the innermost is named. Two sibling modules that take the same tensor
-    cannot be told apart (both see its total gradient): the one whose backward ran first is named.
+    share the input the innermost is named. Two sibling modules that take the same tensor both
+    see its total gradient: when one of them received a non-finite ``grad_output``, the value came
+    in there and that one is named; else they cannot be told apart, and the one whose backward
+    ran first is named.
 
 A forward's own backward pass
     A backward pass run inside the root's forward (``torch.autograd.grad(u, x,
