@@ -771,6 +771,40 @@ def test_a_weight_gradient_overflow_under_autocast_is_told_in_the_dtype_it_was_c
     assert any("GradScaler" in line for line in diagnosis.suggestion)
 
 
+class _Critic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 32), nn.ReLU())
+        self.v = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.v(self.body(x)).squeeze(-1)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_weight_gradient_overflow_from_targets_on_a_large_scale_says_to_scale_them(mode):
+    # A float16 critic regressing on returns of ~1e5 with a mean loss: 'v' receives a gradient
+    # of ~1.25e4 per row, its inputs are small, and its bias's gradient sums that over the
+    # batch. The fixes led with "normalise the inputs of 'v'" and "use a mean instead of a
+    # sum": neither can help.
+    torch.manual_seed(0)
+    critic = _Critic().half()
+    observations = torch.randn(16, 4).half()
+    returns = 1e5 + 1000 * torch.rand(16)
+    with nw.watch(critic, mode=mode, backward=True, on_nan="record") as w:
+        (critic(observations).float() - returns).pow(2).mean().backward()
+    event = w.events[0]
+    assert (event.module, event.role, event.origin, event.is_backward) == ("v", "bias", "grad",
+                                                                            True)
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert diagnosis.suggestion[0].startswith("Scale down the gradient module 'v' receives (abs "
+                                              "max 1.2")
+    assert "float32" in diagnosis.suggestion[1]
+    assert not any(fix.startswith(("Normalise the inputs", "Reduce the loss with a mean"))
+                   for fix in diagnosis.suggestion)
+
+
 class _SharedBodyActorCritic(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -45,12 +45,35 @@ def overflow(module: str, dtype: str, at: str, op: str) -> list[str]:
     return fixes
 
 
-def weight_gradient_overflow(module: str, dtype: str) -> list[str]:
+def weight_gradient_overflow(module: str, dtype: str, received: float | None = None,
+                             inputs: float | None = None, bias: bool = False) -> list[str]:
+    """A parameter's gradient overflowed while the gradient its module received stayed finite.
+    ``received``: that gradient's abs max; ``inputs``: the module's inputs' abs max in the
+    forward (None: not known); ``bias``: the parameter adds to the output (its gradient sums
+    what the module received, whatever its inputs)."""
     where = f"module '{module}'" if module else "the model"
-    fixes = [f"Normalise the inputs of {where}: a weight's gradient grows with the scale of "
-             "what the module receives, summed over the batch.",
-             "Reduce the loss with a mean over the batch instead of a sum (or divide it by the "
-             "batch size), so the gradients do not grow with the batch."]
+    # The larger factor of input x gradient is the one to shrink.
+    from_the_loss = received is not None and (bias or (inputs is not None and received > inputs))
+    mean = ("If the loss sums over the batch (reduction='sum'), reduce it with a mean over the "
+            "batch instead (or divide it by the batch size), so the gradients do not grow with "
+            "the batch.")
+    fixes = []
+    if from_the_loss:
+        small = f", its inputs only {inputs:.3g}" if inputs is not None else ""
+        fixes.append(f"Scale down the gradient {where} receives (abs max {received:.3g}{small}): "
+                     "it comes from the loss (through the modules after it), so the loss or its "
+                     f"targets are likely on too large a scale for {dtype}. Normalise the "
+                     "regression targets (for value targets or returns, scale the rewards down "
+                     "or divide them by a running std of the returns), or multiply the loss by "
+                     "a smaller factor.")
+    else:
+        fixes.append(f"Normalise the inputs of {where}: a weight's gradient grows with the "
+                     "scale of what the module receives, summed over the batch.")
+    if dtype in _LOW_PRECISION:
+        fixes.append(f"Or run {where} in float32 (or the whole model in bfloat16, float32's "
+                     "range): its gradients then fit. Under torch.autocast, wrap it in "
+                     "torch.autocast(device_type, enabled=False) and pass it x.float().")
+    fixes.append(mean)
     if dtype in _LOW_PRECISION:
         fixes.append("Under AMP, let torch.amp.GradScaler manage the loss scale (it skips a step "
                      "whose gradients overflowed and lowers the scale), or train in bfloat16.")

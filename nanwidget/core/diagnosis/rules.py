@@ -1091,7 +1091,9 @@ def _from_op(facts: Facts) -> Diagnosis | None:
     weight = _weight_gradient(facts) if op.phase == "backward" else None
     if weight is not None:  # a weight's gradient: what its frames tell comes too
         evidence.extend(weight.evidence)
-        suggestion = weight.suggestion + [s for s in suggestion if s not in weight.suggestion]
+        # Its fixes only: the op's (a stable form of its sum, scaled attention scores) are for
+        # an op of the forward, not autograd's sum of a weight's gradient over the batch.
+        suggestion = weight.suggestion
     return Diagnosis("overflow", f"{op.op} {op.place}{op.at} overflowed {op.dtype}: {reason}.",
                      evidence, suggestion, confidence=confidence)
 
@@ -1165,14 +1167,17 @@ def _weight_gradient(facts: Facts) -> Diagnosis | None:
     name = event.qualified_role
     label = f"module '{event.module_label}' ({event.module_type})"
     evidence = []
-    if len(received):
+    received_max = inputs_max = None
+    if len(received) and received["abs_max"].notna().any():
+        received_max = float(received["abs_max"].max())
         evidence.append(f"The gradient that {label} received was finite: abs max "
-                        f"{_g(float(received['abs_max'].max()))}.")
+                        f"{_g(received_max)}.")
     forward = frames[(frames["batch"] == event.batch) & (frames["phase"] == "forward")
                      & (frames["module"] == event.module) & (frames["call"] == event.call)
                      & frames["role"].str.startswith(("input", "kwarg:"))]
     if len(forward) and forward["finite_abs_max"].notna().any():
-        evidence.append(f"Its inputs in the forward reached {_g(float(forward['finite_abs_max'].max()))}.")
+        inputs_max = float(forward["finite_abs_max"].max())
+        evidence.append(f"Its inputs in the forward reached {_g(inputs_max)}.")
     computed = f" (computed in {dtype}, stored as {stored})" if dtype != stored else ""
     evidence.append(f"The gradient of '{name}' sums over the batch (a weight's: input x "
                     f"gradient); it passed {dtype}'s largest value ({dtype_max(dtype):.5g})"
@@ -1180,7 +1185,9 @@ def _weight_gradient(facts: Facts) -> Diagnosis | None:
     return Diagnosis("overflow", f"The gradient of '{name}' overflowed {dtype} in the backward "
                                  f"pass of batch {event.batch}: the gradient that {label} "
                                  "received was finite, its sum over the batch was not.",
-                     evidence, fixes.weight_gradient_overflow(event.module, dtype),
+                     evidence, fixes.weight_gradient_overflow(
+                         event.module, dtype, received_max, inputs_max,
+                         bias=event.role.rpartition(".")[2] == "bias"),
                      confidence="medium")
 
 
