@@ -828,6 +828,53 @@ def test_sentinel_mode_with_too_few_samples_says_how_many_not_that_it_had_no_sam
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_weight_written_in_place_while_gradients_are_checked_points_at_the_write(mode):
+    # backward=True checked every gradient and none was non-finite (a target-network style
+    # write under no_grad made the NaN): the first fix said "watch with backward=True (a
+    # non-finite gradient stops there)", already on, and with no non-finite gradient to stop at.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(6, 4)
+    with watch(model, mode, backward=True) as w:
+        for batch in range(4):
+            if batch == 2:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+            loss = model(x).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    event = w.events[0]
+    assert (event.batch, event.origin, event.is_backward) == (2, "weight", False)
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert "none was non-finite" in "\n".join(diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("The watch checked every gradient (backward=True) "
+                                              "and none was non-finite")
+    assert "target-network, EMA or Polyak update" in diagnosis.suggestion[0]
+    assert not any("watch with backward=True" in fix for fix in diagnosis.suggestion)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_sgd_step_that_writes_inf_into_float16_weights_gets_no_adam_eps_advice(mode):
+    # The optimizer is SGD: the first fix was Adam's eps=1e-8 (0 in float16), which it has not.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-5)
+    x = torch.randn(16, 4).half()
+    y = torch.full((16, 1), 1e5)  # the bias's gradient, summed over the batch, passes 65504
+    w = train_until_an_event(model, optimizer, x, y, 4, mode)
+    event = w.event
+    assert (event.batch, event.origin, event.kind) == (1, "weight", "inf")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert diagnosis.suggestion[0].startswith("SGD on float16 weights: a gradient that overflowed "
+                                              "float16")
+    assert not any("eps=" in fix or "Adam" in fix for fix in diagnosis.suggestion)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_adam_with_a_tiny_eps_in_float16_corrupts_the_weights(mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
@@ -839,7 +886,8 @@ def test_adam_with_a_tiny_eps_in_float16_corrupts_the_weights(mode):
     diagnosis = event.diagnosis
     assert diagnosis.kind == "corrupted-weight"
     assert "between batch 0 and batch 1" in diagnosis.summary
-    assert diagnosis.suggestion[0].startswith("Adam/AdamW on float16 weights: its eps=1e-8 is 0")
+    assert diagnosis.suggestion[0].startswith("Adam on float16 weights: an eps of 1e-8 (the "
+                                              "default of Adam, AdamW and RMSprop) is 0")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -95,14 +95,16 @@ def parquet_wanted() -> bool:
 # a mark outliving its parameter only costs one extra measurement of a tensor reusing its id.
 class StepLog:
     """``count``: optimizer steps seen; ``marks``: id(parameter) -> ``count`` after the last
-    step of an optimizer holding it; ``users``: watches that asked for the hook
-    (``handle``: the hook while any does)."""
+    step of an optimizer holding it; ``kinds``: class name of each optimizer that stepped ->
+    whether it divides by an ``eps`` (what a diagnosis of a float16 weight gone Inf may
+    suggest); ``users``: watches that asked for the hook (``handle``: the hook while any does)."""
 
-    __slots__ = ("count", "marks", "users", "handle")
+    __slots__ = ("count", "marks", "kinds", "users", "handle")
 
     def __init__(self) -> None:
         self.count = 0
         self.marks: dict[int, int] = {}
+        self.kinds: dict[str, bool] = {}
         self.users = 0
         self.handle: Any = None
 

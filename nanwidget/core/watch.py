@@ -222,7 +222,8 @@ class NanWatch:
             sample_every=options.sample_every if sentinel_mode else None,
             scaler_run=scaler.patience_run if scaler is not None else None,
             replay=replayer.trace_for if replayer is not None and not sentinel_mode else None,
-            unreplayable=partial(unreplayable_reason, recorder)))
+            unreplayable=partial(unreplayable_reason, recorder),
+            checks_gradients=options.backward))
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))
         if options.early_warning:

@@ -9,8 +9,10 @@ parameters without moving the counters. So, while any watch is live, one process
 optimizer, subclasses included) counts steps and marks the parameters of the optimizer that
 stepped (:class:`~nanwidget.core.state.StepLog`). A step the optimizer did not take (a
 ``GradScaler`` skipping it) marks nothing; nor does a wrapper's step (accelerate's), whose
-inner optimizer's own step counts. Cost: one short loop over the optimizer's
-parameters per step; nothing per module call.
+inner optimizer's own step counts. The class names of the optimizers that stepped are kept too
+(whether each divides by an ``eps``: the diagnosis of a float16 weight gone Inf names the fix of
+the optimizer that ran). Cost: one short loop over the optimizer's parameters and one dict
+lookup per step; nothing per module call.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .state import optimizer_steps
 
 __all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "written_since",
-           "wraps_an_optimizer"]
+           "wraps_an_optimizer", "optimizers_stepped"]
 
 _LOG = optimizer_steps()
 _MAX_MARKS = 1 << 20  # parameters remembered at most (ids of long-gone tensors are dropped)
@@ -42,6 +44,9 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     log = _LOG
     log.count += 1
     count = log.count
+    kind = type(optimizer).__name__
+    if kind not in log.kinds:
+        log.kinds[kind] = _divides_by_eps(optimizer)
     marks = log.marks
     if len(marks) > _MAX_MARKS:
         marks.clear()  # forgetting marks only makes held batches look unchanged since
@@ -51,6 +56,13 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
                 marks[id(parameter)] = count
     except Exception:  # an optimizer-like object without torch's param_groups: counted only
         pass
+
+
+def _divides_by_eps(optimizer: Any) -> bool:
+    """Whether ``optimizer`` adds an ``eps`` to a denominator (Adam and its family, RMSprop,
+    Adagrad, Adadelta: an ``eps`` in their defaults); True when it cannot be told."""
+    defaults = getattr(optimizer, "defaults", None)
+    return not isinstance(defaults, dict) or "eps" in defaults
 
 
 class StepTracking:
@@ -76,6 +88,7 @@ class StepTracking:
             log.handle.remove()
             log.handle = None
             log.marks.clear()
+            log.kinds.clear()
 
 
 def track_optimizer_steps() -> StepTracking:
@@ -91,3 +104,9 @@ def steps_taken() -> int:
 def written_since(tensor: torch.Tensor, count: int) -> bool:
     """Whether an optimizer holding ``tensor`` stepped after :func:`steps_taken` was ``count``."""
     return _LOG.marks.get(id(tensor), 0) > count
+
+
+def optimizers_stepped() -> dict[str, bool]:
+    """The class names of the optimizers that stepped while watches were live (since the last
+    one closed), each with whether it divides by an ``eps``."""
+    return dict(_LOG.kinds)

@@ -386,6 +386,13 @@ class Facts:
     written_in_forward: set[str] = field(default_factory=set)
     # Optimizer steps taken when each held batch started (an optimizer step between two).
     optimizer_steps: dict[int, int] = field(default_factory=dict)
+    # The optimizers that stepped while watches were live: class name -> whether it divides by
+    # an eps (Adam, RMSprop ...; SGD does not). Empty: none seen.
+    optimizers: dict[str, bool] = field(default_factory=dict)
+    # The watch checks every backward pass's gradients (backward=True) ...
+    checks_gradients: bool = False
+    # ... and found a non-finite one before this event: its event (None: all were finite).
+    gradient_event_before: NanEvent | None = None
     # The event's non-finite weights whose slots hold stand-ins, not parameters (the forward
     # runs with other tensors in their place: torch.func.functional_call).
     substituted: set[str] = field(default_factory=set)

@@ -27,6 +27,7 @@ from ..frames import Frame, weights_finite_last
 from ..ranks import world_size
 from ..recorder import Feature, Recorder
 from ..stats import local_shard, storage_holds
+from ..writes import optimizers_stepped
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
                     output_grad_bad, packed_samples, weight_names)
 from .rules import diagnose
@@ -76,6 +77,7 @@ class Diagnoser(Feature):
     ``sample_every``: sentinel mode's (what the diagnosis says it could not check).
     ``scaler_run``: with a GradScaler, the skipped steps behind an event of its
     ``scaler_patience``-th skip in a row (None for any other event).
+    ``checks_gradients``: the watch checks every backward pass's gradients (``backward=True``).
     """
 
     reviews_without_event = False  # its review only adds to an event
@@ -84,8 +86,10 @@ class Diagnoser(Feature):
                  replay: Callable[[NanEvent], Any] | None = None, sentinel: bool = False,
                  loss_fn: bool = False, sample_every: int | None = None,
                  scaler_run: Callable[[NanEvent], Any] | None = None,
-                 unreplayable: Callable[[], str] | None = None) -> None:
+                 unreplayable: Callable[[], str] | None = None,
+                 checks_gradients: bool = False) -> None:
         self.recorder = recorder
+        self.checks_gradients = checks_gradients
         # Why this process alone cannot replay the model ("" when it can): then the
         # suggestions name what to do instead of a replay that would be refused.
         self.unreplayable = unreplayable
@@ -204,11 +208,23 @@ class Diagnoser(Feature):
         if event.origin == "weight" or any(kind == "weight" for kind, _ in
                                            getattr(facts.trace, "came_with", None) or []):
             self._weights_last_finite(facts)
+            facts.optimizers = optimizers_stepped()
+            facts.checks_gradients = self.checks_gradients
+            facts.gradient_event_before = self._gradient_event_before(event)
         if self.weights.first and len(self.weights.series) >= 3:  # divergence may be told
             self._weights_now(facts)
         if self.capture is not None and len(self.weights.series) >= 2:
             facts.optimizer_steps = self.capture.optimizer_steps()
         return facts
+
+    def _gradient_event_before(self, event: NanEvent) -> NanEvent | None:
+        """The latest backward event of this process before ``event`` (a non-finite gradient
+        the watch saw), or None."""
+        events = self.recorder.events
+        at = next((i for i, e in enumerate(events) if e is event), len(events))
+        earlier = events[:at]
+        return next((e for e in reversed(earlier) if e.is_backward and e.origin != "peer"
+                     and e.rank == event.rank and e.batch <= event.batch), None)
 
     def _is_mask(self, weight: str) -> bool:
         """Whether the weight of this qualified name is an additive mask kept as a buffer

@@ -306,32 +306,77 @@ def cast_to_float8(names: list[str], dtype: str, largest: str) -> list[str]:
             f"'{name}', and keep that tensor in a wider dtype."]
 
 
+def _float16_step(optimizers: dict[str, bool], gradients_checked: bool) -> list[str]:
+    """What can make a float16 weight Inf in an optimizer step, for the optimizers that stepped
+    (class name -> whether it divides by an eps; empty: none seen, so any may have)."""
+    fixes = []
+    with_eps = [name for name, eps in optimizers.items() if eps]
+    without_eps = [name for name, eps in optimizers.items() if not eps]
+    if with_eps or not optimizers:
+        who = "/".join(with_eps) or "Adam/AdamW"
+        fixes.append(f"{who} on float16 weights: an eps of 1e-8 (the default of Adam, AdamW and "
+                     "RMSprop) is 0 in float16, so a step divides by ~0. Use eps=1e-4 or larger, "
+                     "or keep the weights in float32 (torch.autocast for float16 compute, with "
+                     "torch.amp.GradScaler).")
+    if without_eps:
+        see = "" if gradients_checked else (" (watch with backward=True to see which gradient "
+                                            "overflowed)")
+        fixes.append(f"{'/'.join(without_eps)} on float16 weights: a gradient that overflowed "
+                     "float16 (a weight's gradient sums over the batch), or an update past "
+                     "65504, writes Inf in the step" + see + ". Keep the weights in float32 and "
+                     "compute in float16 under torch.autocast with torch.amp.GradScaler (it skips "
+                     "the steps whose gradients overflowed), lower the learning rate, or clip the "
+                     "gradients before the step.")
+    return fixes
+
+
 def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: bool,
-                     before_watch: bool = False) -> list[str]:
+                     before_watch: bool = False, *, gradients_checked: bool = False,
+                     gradients_finite: bool = False,
+                     optimizers: dict[str, bool] | None = None) -> list[str]:
+    """``gradients_checked``: the watch checks the gradients (backward=True);
+    ``gradients_finite``: and none was non-finite before the event. ``optimizers``: those that
+    stepped (class name -> whether it divides by an eps)."""
     after = f"after batch {batch}" if batch is not None else "before this batch"
+    name = names[0] if names else "the weight"
     fixes = []
     if before_watch:
-        name = names[0] if names else "the weight"
         fixes.append(f"It was non-finite before the first batch watched: check what it came "
                      f"from (a checkpoint: all(v.isfinite().all() for v in "
                      f"state_dict.values()), or a write to {name} before nw.watch()), and "
                      "reload or recompute it.")
+    elif gradients_checked and gradients_finite:
+        # No step ran on a non-finite gradient: the usual advice (catch that step) cannot help.
+        fixes.append(f"The watch checked every gradient (backward=True) and none was "
+                     "non-finite, so no step read a NaN/Inf gradient from backward: look for what "
+                     f"else wrote {name} {after}: a load_state_dict of a bad checkpoint, or an "
+                     "in-place write (a target-network, EMA or Polyak update, p.data = ..., a "
+                     "copy_ or an indexed write under torch.no_grad()); check its source with "
+                     "torch.isfinite(source).all() before writing.")
+        fixes.append("Or the optimizer step made it from finite gradients: a learning rate too "
+                     "large (or a schedule gone wrong), optimizer state gone non-finite "
+                     "(optimizer.state), or a float16 overflow in the update.")
     if dtype == "float16" and inf_only:
-        fixes.append("Adam/AdamW on float16 weights: its eps=1e-8 is 0 in float16, so a step "
-                     "divides by ~0. Use eps=1e-4 or larger, or keep the weights in float32 "
-                     "(torch.autocast for float16 compute, with torch.amp.GradScaler).")
+        fixes.extend(_float16_step(optimizers or {}, gradients_checked and not before_watch))
     # Before the watch, no step of this run wrote it: the steps' advice is for the run that
     # saved the checkpoint, if one did.
     within = "In the run that saved it: c" if before_watch else "C"
-    fixes.append(f"{within}atch the bad step before it writes the weights: watch with "
-                 "backward=True (a non-finite gradient stops there), or call w.check_grad_norms() "
-                 "before optimizer.step() and skip the step when it returns True.")
+    if before_watch or not gradients_checked:
+        fixes.append(f"{within}atch the bad step before it writes the weights: watch with "
+                     "backward=True (a non-finite gradient stops there), or call "
+                     "w.check_grad_norms() before optimizer.step() and skip the step when it "
+                     "returns True.")
+    elif not gradients_finite:
+        fixes.append("Catch the bad step before it writes the weights: backward=True saw a "
+                     "non-finite gradient before this (on_nan='raise' stops there), or call "
+                     "w.check_grad_norms() before optimizer.step() and skip the step when it "
+                     "returns True.")
     fixes.append(f"{within}lip the gradients before the step: "
                  "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0); with float16, "
                  "torch.amp.GradScaler skips steps whose gradients hold Inf/NaN.")
-    if not before_watch:
+    if not before_watch and not (gradients_checked and gradients_finite):
         fixes.append(f"If no optimizer step ran {after}: look for a load_state_dict of a bad "
-                     f"checkpoint or an in-place write to {names[0] if names else 'the weight'}.")
+                     f"checkpoint or an in-place write to {name}.")
     return fixes
 
 

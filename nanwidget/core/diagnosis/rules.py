@@ -805,11 +805,25 @@ def _weights(facts: Facts) -> Diagnosis | None:
             evidence.append(_growth_line("The output abs max of '<root>'", climb) + ": if no "
                             "write or load made the weight non-finite, training diverged.")
     evidence.extend(unmeasured)
+    gradients_finite = _gradients_finite(facts)
+    if gradients_finite and not before_watch:
+        evidence.append(f"The watch checked the gradients of every backward pass before batch "
+                        f"{event.batch}'s event (backward=True) and none was non-finite: no "
+                        "backward pass handed the optimizer a NaN/Inf gradient.")
     return Diagnosis("corrupted-weight", summary, evidence,
                      fixes.corrupted_weight(names, dtype, batch, event.kind == "inf",
-                                            before_watch=before_watch),
+                                            before_watch=before_watch,
+                                            gradients_checked=facts.checks_gradients,
+                                            gradients_finite=gradients_finite,
+                                            optimizers=facts.optimizers),
                      confidence="high" if batch is not None and climb is None and not likely
                      else "medium")
+
+
+def _gradients_finite(facts: Facts) -> bool:
+    """The watch checked the gradients (backward=True) and none was non-finite before the
+    event: no backward pass handed the optimizer a NaN/Inf."""
+    return facts.checks_gradients and facts.gradient_event_before is None
 
 
 def _inputs_largest(facts: Facts) -> float | None:
@@ -888,7 +902,10 @@ def _written_within_batch(facts: Facts, names: list[str], dtype: str) -> Diagnos
     fixes_ = [f"A step inside batch {event.batch} wrote {'it' if one else 'them'}: with LBFGS, "
               "pass line_search_fn='strong_wolfe' and a smaller lr so that no trial point "
               "overflows; with SAM, a smaller rho; else lower the learning rate."]
-    fixes_ += fixes.corrupted_weight(names, dtype, event.batch, event.kind == "inf")[:2]
+    fixes_ += fixes.corrupted_weight(names, dtype, event.batch, event.kind == "inf",
+                                     gradients_checked=facts.checks_gradients,
+                                     gradients_finite=_gradients_finite(facts),
+                                     optimizers=facts.optimizers)[:2]
     return Diagnosis("corrupted-weight", summary, evidence, fixes_,
                      confidence="high" if measured else "medium")
 
