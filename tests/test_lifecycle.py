@@ -204,6 +204,138 @@ def test_a_second_thread_entering_a_running_watched_forward_gets_a_clear_error()
     assert frames.groupby("batch")["frame"].nunique().to_dict() == {0: 6, 1: 6}
 
 
+# The thread of every forward of LogOfFirstColumn, replays included (outside the module: a
+# replay puts the module's own attributes back as they were).
+CALLERS: list[int] = []
+
+
+class LogOfFirstColumn(nn.Module):
+    """Two layers times log(x[:, 0]): a request with a negative first column is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        CALLERS.append(threading.get_ident())
+        return self.fc2(self.fc1(x)) * torch.log(x[:, :1])
+
+
+GOOD, BAD = torch.full((4, 8), 0.5), -torch.ones(4, 8)
+
+
+def test_another_threads_forward_waits_until_the_nan_batch_before_it_is_replayed():
+    from nanwidget.core.recorder import Feature
+
+    model = LogOfFirstColumn().eval()
+    with torch.no_grad():
+        expected = model(GOOD)
+    CALLERS.clear()
+    main, results, errors, others = threading.get_ident(), [], [], []
+
+    def healthy_request():
+        try:
+            with torch.no_grad():
+                results.append(model(GOOD))
+        except Exception as error:
+            errors.append(error)
+
+    class StartAnotherRequest(Feature):
+        # Runs after the NaN batch ended, before the review that replays it.
+        def find_event(self, batch, event, reason):
+            if event is not None and not others:
+                others.append(threading.Thread(target=healthy_request))
+                others[0].start()
+                others[0].join(0.5)  # time enough to run it, were it let in
+            return None
+
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        w.add_feature(StartAnotherRequest())
+        with torch.no_grad():
+            model(BAD)
+        others[0].join(10)
+    assert not errors and torch.equal(results[0], expected)
+    # The live NaN forward, its replay, then the other thread's: never inside the replay.
+    assert [caller == main for caller in CALLERS] == [True, True, False]
+    assert len(w.events) == 1 and w.events[0].trace is not None and w.batch == 2
+
+
+def test_a_forward_entered_while_a_replay_runs_waits_for_it_and_is_not_broken_by_its_hooks():
+    model = LogOfFirstColumn().eval()
+    with torch.no_grad():
+        expected = model(GOOD)
+    CALLERS.clear()
+    main, results, errors, others = threading.get_ident(), [], [], []
+
+    def healthy_request():
+        try:
+            with torch.no_grad():
+                results.append(model(GOOD))
+        except Exception as error:
+            errors.append(error)
+
+    def start_during_the_replay(module, args):
+        # The second forward on this thread is the sentinel's replay of the NaN batch: another
+        # thread calls the model now, and takes the module hooks the replay put on.
+        if threading.get_ident() == main and len(CALLERS) == 2 and not others:
+            others.append(threading.Thread(target=healthy_request))
+            others[0].start()
+            others[0].join(0.3)  # it waits at the root for the replay to end
+
+    handle = model.fc1.register_forward_pre_hook(start_during_the_replay)
+    with nw.watch(model, mode="sentinel", on_nan="record") as w:
+        with torch.no_grad():
+            model(BAD)
+        others[0].join(10)
+    handle.remove()
+    assert not errors and torch.equal(results[0], expected)
+    assert [caller == main for caller in CALLERS] == [True, True, False]
+    assert len(w.events) == 1 and w.events[0].trace is not None
+    # The replay's frames are its own forward's: fc1, fc2 and the root, once each.
+    frames = w.events[0].trace.frames
+    assert frames.groupby("frame").module.first().tolist() == ["fc1", "fc2", ""]
+
+
+def test_a_replay_asked_for_while_another_thread_runs_the_model_waits_for_that_forward():
+    model = LogOfFirstColumn().eval()
+    inside, release, replayed = threading.Event(), threading.Event(), threading.Event()
+    traces, errors = [], []
+
+    def hold(module, args, output):
+        if threading.current_thread().name == "held forward":
+            inside.set()
+            release.wait(10)
+
+    def forward_in_another_thread():
+        try:
+            with torch.no_grad():
+                model(GOOD)
+        except Exception as error:
+            errors.append(error)
+
+    def replay_batch_0():
+        traces.append(w.replay(0))
+        replayed.set()
+
+    handle = model.fc2.register_forward_hook(hold)
+    with nw.watch(model, on_nan="record", keep_batches=2) as w:
+        with torch.no_grad():
+            model(BAD)  # batch 0, held
+        forward = threading.Thread(target=forward_in_another_thread, name="held forward")
+        forward.start()
+        inside.wait(10)
+        replay = threading.Thread(target=replay_batch_0)
+        replay.start()
+        ran_meanwhile = replayed.wait(0.5)
+        release.set()
+        forward.join(10)
+        replay.join(10)
+    handle.remove()
+    assert not ran_meanwhile  # the replay waited for the other thread's forward to end
+    assert not errors and traces and traces[0].batch == 0 and w.batch == 2
+
+
 def test_forward_called_while_handling_an_exception_still_raises_nan_detected(tiny_mlp):
     bad = torch.full((1, 16), float("nan"))
     with nw.watch(tiny_mlp):

@@ -45,8 +45,11 @@ Threads
     thread's forward is running raises :class:`ConcurrentForwardError` before anything runs
     (frames of two threads would otherwise mix in one batch). Forwards from different threads
     one after the other are fine, and so is autograd's own threads running backward hooks or
-    recomputing checkpointed modules. A trace-mode replay holds the recorder's lock while it
-    runs, so another thread's forward waits for it.
+    recomputing checkpointed modules. A batch's end is concluded (its event found, reviewed,
+    replayed) before another thread's forward starts: that forward waits for it. A trace-mode
+    replay starts only when no other thread's forward runs and holds the recorder's lock while
+    it runs, so another thread's forward waits for it (a replay hooks the modules the other
+    forward would run).
 """
 
 from __future__ import annotations
@@ -288,6 +291,13 @@ class Recorder:
         self._features: list[Feature] = []
         self._refresh_callbacks()
         self._lock = threading.RLock()
+        # Signalled when a batch's conclusion ends (another thread's forward waits for it) and
+        # when a root forward ends (a replay waits for it); see the module docstring, Threads.
+        self._idle = threading.Condition(self._lock)
+        self._idle_waiters = 0
+        # The thread concluding the batch it just ended (finding, reviewing, replaying its
+        # event), or None: another thread's root forward waits until it is done.
+        self._concluding_thread: int | None = None
         self._closed = False
         # Fused optimizers write weights without version counters: count every step while
         # this recorder is open (core.writes), so that cached weight measurements renew; also
@@ -663,6 +673,8 @@ class Recorder:
         refusal = None
         try:
             with self._lock:
+                if self._concluding_thread is not None:
+                    self._wait_for_conclusion()
                 if self._closed:
                     return None
                 if self._root_depth:
@@ -829,11 +841,49 @@ class Recorder:
                 # The model's weights too (also for the compile wrapper's call).
                 self._record_forward_locked(info, args, kwargs, output)
             ended = self._finish_root_locked(current_exception, output)
-        if ended is not None:
-            finished, event, failing, advance = ended
+            if ended is None:
+                return None
+            # Marked under the hold that ended the batch: no other thread's forward starts
+            # before the conclusion (which may replay the batch on these modules) is done.
+            outer, self._concluding_thread = self._concluding_thread, thread
+            if self._idle_waiters:
+                self._idle.notify_all()  # a replay waiting for this forward to end
+        finished, event, failing, advance = ended
+        try:
             self._conclude(finished, event, reason="forward", raising=not failing,
                            finished=advance)
+        finally:
+            with self._lock:
+                self._concluding_thread = outer
+                if self._idle_waiters:
+                    self._idle.notify_all()
         return None
+
+    def _wait_for_conclusion(self) -> None:
+        """Caller holds the lock, at a root forward's start: while another thread concludes
+        the batch it ended, wait (the lock is let go meanwhile)."""
+        me = _get_ident()
+        self._idle_waiters += 1
+        try:
+            while self._concluding_thread is not None and self._concluding_thread != me \
+                    and not self._closed:
+                self._idle.wait(0.5)
+        finally:
+            self._idle_waiters -= 1
+
+    def _wait_for_other_forward(self) -> None:
+        """Caller holds the lock, before running the model on this thread: while another
+        thread's root forward runs, wait for its end (the lock is let go meanwhile; once it
+        is held again, no other forward can start). Re-checked every so often: a forward that
+        never returns (interrupted) wakes nobody."""
+        me = _get_ident()
+        self._idle_waiters += 1
+        try:
+            while self._root_depth and self._root_thread != me and not self._closed \
+                    and self._root_call_running(None):
+                self._idle.wait(0.1)
+        finally:
+            self._idle_waiters -= 1
 
     def _module_forward_hook(self, info: ModuleInfo) -> Any:
         """The forward hook of ``info``'s module (not the root): what :meth:`_forward_hook`
@@ -1364,8 +1414,11 @@ class Recorder:
     @contextlib.contextmanager
     def suspend(self) -> Iterator[None]:
         """While inside, this thread's hooks record nothing and the lock is held, so other
-        threads' forwards wait: batch count, ring, history and events stay put."""
+        threads' forwards wait: batch count, ring, history and events stay put. It begins
+        once no other thread's forward runs (the model run inside must not meet it)."""
         with self._lock:
+            if self._root_depth and self._root_thread != _get_ident():
+                self._wait_for_other_forward()
             outer = self._suspended_thread
             self._suspended += 1
             self._suspended_thread = _get_ident()

@@ -21,7 +21,7 @@ from ..entries import Entry
 from ..frames import Frame, frames_to_dataframe, weights_finite_last
 from ..grads.backward import BackwardFrames, FrameSink
 from ..opaque import add_forward_hook, add_forward_pre_hook, hookable_modules
-from ..recorder import ModuleInfo, Recorder
+from ..recorder import ModuleInfo, Recorder, in_backward_pass
 from ..schema import OPS_COLUMNS, OPS_DTYPES
 from ..stats import is_distributed_tensor, version_of
 from ..trace import TENSOR_COLUMNS, Trace
@@ -44,6 +44,25 @@ _Tensor = torch.Tensor
 # Per root forward of a held batch: the gradient that reached each output leaf (by role) in the
 # live backward pass, or None for a forward that had no backward.
 OutputGrads = list["dict[str, torch.Tensor] | None"]
+
+
+def _replay_calls_only(hook: Callable[..., None], recorder: OpRecorder,
+                       arity: int) -> Callable[..., None]:
+    """``hook`` for the module calls of the replay itself: those on this thread, and the
+    recomputations autograd runs on its own threads in the replay's backward. Another thread's
+    call of the model (waiting for the replay at its root pre-hook, or calling a submodule
+    directly) may have taken the module's hooks while the replay's were on and call them after
+    they came off, when torch no longer passes them the kwargs (``arity``: the arguments after
+    ``args``, kwargs included): such a call is none of the replay's, and is let be."""
+    thread = threading.get_ident()
+
+    def replay_call_only(module: nn.Module, args: tuple, *rest: Any) -> None:
+        if len(rest) == arity and (threading.get_ident() == thread or (
+                recorder.phase == "backward" and in_backward_pass())):
+            return hook(module, args, *rest)
+        return None
+
+    return replay_call_only
 
 
 def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch,
@@ -384,11 +403,15 @@ class _Replay:
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
                 recorder.name_sources("weight", zip(slots.names, slots.read()))
+                enter_hook, pre_hook, post_hook = (
+                    _replay_calls_only(hook, recorder, arity)
+                    for hook, arity in ((recorder.enter_hook, 1), (recorder.pre_hook, 1),
+                                        (recorder.post_hook, 2)))
                 for module in hookable_modules(root):
-                    handles.append(add_forward_pre_hook(module, recorder.enter_hook,
+                    handles.append(add_forward_pre_hook(module, enter_hook,
                                                         with_kwargs=True, prepend=True))
-                    handles.append(add_forward_pre_hook(module, recorder.pre_hook, with_kwargs=True))
-                    handles.append(add_forward_hook(module, recorder.post_hook, with_kwargs=True,
+                    handles.append(add_forward_pre_hook(module, pre_hook, with_kwargs=True))
+                    handles.append(add_forward_hook(module, post_hook, with_kwargs=True,
                                                     always_call=True))
                 if self.backward_frames:
                     # The live watch's own backward frames (gradient hooks on tensors), recorded
