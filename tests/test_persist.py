@@ -316,6 +316,34 @@ def test_loading_never_unpickles_what_the_directory_holds(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_writes_nothing_into_the_parents_recording(tiny_mlp, tmp_path):
+    # Hogwild or DataLoader workers calling the watched model: the folder, its rank and batch
+    # numbers are the parent's; the child's watch records in its own memory only.
+    w = nw.watch(tiny_mlp, log_dir=str(tmp_path), on_nan="record")
+    for _ in range(3):
+        tiny_mlp(torch.randn(4, 16))
+    pid = os.fork()
+    if pid == 0:  # the child: a NaN batch of its own, then close, as a worker would
+        code = 1
+        try:
+            tiny_mlp(torch.randn(4, 16))
+            tiny_mlp(torch.full((4, 16), float("nan")))
+            code = 0 if len(w.events) == 1 and w.batch == 5 else 3
+            w.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # the child recorded its event in memory
+    tiny_mlp(torch.randn(4, 16))
+    w.close()
+    run = load_run(tmp_path)
+    manifest = json.loads((tmp_path / "rank-00000" / "manifest.json").read_text())
+    assert run.events == [] and manifest["events"] == 0 and manifest["batches"] == 4
+    assert sorted(run.history().batch.unique()) == [0, 1, 2, 3]
+    assert not list((tmp_path / "rank-00000").glob("event-*"))
+
+
 def test_second_watch_refuses_to_mix_two_runs_in_one_log_dir(tiny_mlp, tmp_path):
     nw.watch(tiny_mlp, log_dir=str(tmp_path)).close()
     with pytest.raises(FileExistsError, match="already holds a nanwidget recording"):

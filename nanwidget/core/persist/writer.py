@@ -24,6 +24,10 @@ Events: the disk keeps the events the watch keeps (the first ``max_events``), so
 never filled by a NaN that repeats every batch; the ones past it are counted in the manifest's
 ``events_dropped``, rewritten at the flush after the count changed (so a killed run's count is
 that of its last flush).
+
+A forked child (Hogwild workers, DataLoader workers calling the watched model) inherits the
+watch and its writer: the child's writer writes nothing (the folder, its rank and its batch
+numbers are the parent's); the child's watch keeps recording in memory.
 """
 
 from __future__ import annotations
@@ -53,6 +57,18 @@ from .tables import (FORMAT_NAME, FORMAT_VERSION, FRAME_KINDS, HISTORY_KINDS, OP
                      table_columns, write_json, write_table)
 
 __all__ = ["RecordingWriter", "trace_fields", "prepare_log_dir"]
+
+# Writers of this process that are still open, so that a forked child stops them all.
+_OPEN_WRITERS: weakref.WeakSet[RecordingWriter] = weakref.WeakSet()
+
+
+def _stop_writers_in_forked_child() -> None:
+    for writer in list(_OPEN_WRITERS):
+        writer._stop_in_forked_child()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_stop_writers_in_forked_child)
 
 
 def prepare_log_dir(log_dir: str | os.PathLike) -> Path:
@@ -135,6 +151,7 @@ class RecordingWriter(Feature):
         self._last_grads_flush = self._last_flush
         self._grads_written_through = -1
         self._closed = False
+        self._in_forked_child = False
         self.manifest = {
             "format": FORMAT_NAME, "version": FORMAT_VERSION, "rank": self.rank,
             "world_size": self.world_size, "host": socket.gethostname(), "pid": os.getpid(),
@@ -155,6 +172,17 @@ class RecordingWriter(Feature):
                 writer.close()
         self._atexit = close_at_exit
         atexit.register(close_at_exit)
+        _OPEN_WRITERS.add(self)
+
+    def _stop_in_forked_child(self) -> None:
+        """In a forked child: the folder is the parent's, and so are the rank, the batch numbers
+        and what is pending (the parent writes it), so this copy writes nothing, ever; the
+        watch goes on recording in the child's memory."""
+        self._in_forked_child = True
+        self._closed = True
+        self._history = {}
+        self._frame_rows = []
+        atexit.unregister(self._atexit)
 
     def __del__(self) -> None:
         # A watch dropped without close(): its model, recorder and this writer are collected
@@ -166,6 +194,7 @@ class RecordingWriter(Feature):
                 pass
 
     # Feature ------------------------------------------------------------------------------
+    # Each returns at once once closed, which a forked child's copy is from its start.
     def on_frames_resolved(self, frames: list[Frame]) -> None:
         self._take(frames)
 
@@ -173,12 +202,16 @@ class RecordingWriter(Feature):
         self._take(frames)
 
     def _take(self, frames: list[Frame]) -> None:
+        if self._closed:
+            return
         try:
             self._collect(frames)
         except Exception as error:  # a full disk must not break the user's forward
             self.recorder.internal_error(error)
 
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
+        if self._closed:
+            return
         try:
             self._collect(frames)
             self._write_warnings()
@@ -190,6 +223,8 @@ class RecordingWriter(Feature):
             self.recorder.internal_error(error)
 
     def on_event(self, event: NanEvent) -> None:
+        if self._closed:
+            return
         seen = self._events_seen
         self._events_seen += 1
         if seen >= self.recorder.max_events:
@@ -218,9 +253,12 @@ class RecordingWriter(Feature):
         finally:
             self._closed = True
             atexit.unregister(self._atexit)
+            _OPEN_WRITERS.discard(self)
 
     def on_output_magnitude(self, batch: int, module: str, abs_max: float,
                             abs_min: float) -> None:
+        if self._closed:
+            return
         try:
             self._fold(batch, module, self.recorder.module_types[
                 self.recorder.module_names.index(module)], abs_max, abs_min, False)
@@ -284,8 +322,10 @@ class RecordingWriter(Feature):
         """Write what is pending as new chunk files (each written whole, then renamed).
 
         Gradient norms are written when ``force`` is set (events, close) or at most every
-        ``every_seconds``.
+        ``every_seconds``. Nothing in a forked child (see the module docstring).
         """
+        if self._in_forked_child:
+            return
         if self._history:
             keys = list(self._history)
             values = [self._history[k] for k in keys]
