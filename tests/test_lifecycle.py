@@ -336,6 +336,41 @@ def test_a_replay_asked_for_while_another_thread_runs_the_model_waits_for_that_f
     assert not errors and traces and traces[0].batch == 0 and w.batch == 2
 
 
+def test_a_submodule_called_from_another_thread_is_refused_saying_that_it_already_ran():
+    model = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 16), nn.Linear(16, 4)).train()
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(module, args, output):
+        if threading.current_thread() is threading.main_thread():
+            inside.set()
+            release.wait(10)
+
+    handle = model[2].register_forward_hook(hold)
+    caught, stats = [], []
+
+    def call_the_norm_directly():
+        inside.wait(10)
+        before = model[0].running_mean.clone()
+        try:
+            model[0](torch.randn(8, 16) + 3)
+        except nw.ConcurrentForwardError as error:
+            caught.append(error)
+        finally:
+            stats.append(not torch.equal(model[0].running_mean, before))
+            release.set()
+
+    with nw.watch(model):
+        other = threading.Thread(target=call_the_norm_directly)
+        other.start()
+        model(torch.randn(8, 16))
+        other.join()
+    handle.remove()
+    # The refusal comes after the call ran, and says so: its running stats moved.
+    assert len(caught) == 1 and stats == [True]
+    assert "had already run when it was refused" in str(caught[0])
+    assert "running statistics" in str(caught[0]) and "output is dropped" in str(caught[0])
+
+
 def test_forward_called_while_handling_an_exception_still_raises_nan_detected(tiny_mlp):
     bad = torch.full((1, 16), float("nan"))
     with nw.watch(tiny_mlp):

@@ -43,7 +43,8 @@ Direct calls of a compiled model's original module
 Threads
     One forward at a time: a watched forward that a second thread enters while another
     thread's forward is running raises :class:`ConcurrentForwardError` before anything runs
-    (frames of two threads would otherwise mix in one batch). Forwards from different threads
+    (frames of two threads would otherwise mix in one batch). A submodule that the second
+    thread calls directly is refused at its forward hook, after it ran (its output dropped). Forwards from different threads
     one after the other are fine, and so is autograd's own threads running backward hooks or
     recomputing checkpointed modules. A batch's end is concluded (its event found, reviewed,
     replayed) before another thread's forward starts: that forward waits for it. A trace-mode
@@ -1025,10 +1026,16 @@ class Recorder:
             owner = self._root_thread
             if not self._root_depth or owner == _get_ident() or not self._root_call_running(None):
                 return
+        # Refused at its forward hook: a pre-hook on every module to refuse it before it runs
+        # would cost every module call of every batch.
         raise ConcurrentForwardError(
-            f"nanwidget: module '{info.label}' ran in thread {_get_ident()} while thread {owner} "
-            "runs the watched model's forward; a watch records one forward at a time. Run them "
-            "one after the other, or watch a separate model copy per thread")
+            f"nanwidget: module '{info.label}' was called in thread {_get_ident()} while thread "
+            f"{owner} runs the watched model's forward; a watch records one forward at a time. "
+            "The call had already run when it was refused (a watch sees a submodule's call when "
+            "it returns): what it changes has changed (a train-mode BatchNorm's running "
+            "statistics), and its output is dropped. Call it after that forward returns "
+            "(knowing that a second call changes them again), or watch a separate model copy "
+            "per thread")
 
     def _warn_unread(self) -> None:
         self.warn_unread(self.entries.unread_roles)
