@@ -399,3 +399,43 @@ def test_a_root_forward_hook_added_after_the_watch_that_makes_the_output_nan_is_
     logged = model(x)
     user_handle.remove()
     torch.testing.assert_close(logged, torch.log(model(x)), equal_nan=True)
+
+
+def test_a_forward_that_raised_has_no_output_row_and_a_none_output_keeps_its_own():
+    class Refuses(nn.Module):
+        def forward(self, x):
+            raise ValueError("refused")
+
+    class ReturnsNone(nn.Module):
+        def forward(self, x):
+            return None
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.refuses, self.returns_none, self.lin = Refuses(), ReturnsNone(), nn.Linear(2, 2)
+
+        def forward(self, x, fail=False):
+            try:
+                self.refuses(x)
+            except ValueError:
+                self.returns_none(x)  # called while an exception is handled: it did return None
+            y = self.lin(x)
+            if fail:
+                raise RuntimeError("user error after the last module")
+            return y
+
+    torch.manual_seed(0)
+    model = Model()
+    with nw.watch(model, max_frames=100) as w:
+        model(torch.randn(1, 2))
+        with pytest.raises(RuntimeError, match="user error"):
+            model(torch.randn(1, 2), fail=True)
+        frames, report = w.frames(), w.report()
+    outputs = frames[frames.role == "output"]
+    # A call that raised returned nothing: no output row (it read 'None output' before).
+    assert "refuses" not in set(outputs.module)
+    assert set(outputs[outputs.module == ""].batch) == {0}
+    assert list(outputs[outputs.module == "returns_none"].note) == ["None", "None"]
+    assert "None output" in report  # returns_none's; the raised root call adds none
+    assert report.count("None output") == 2

@@ -96,6 +96,17 @@ _CALL_IMPL = nn.Module._call_impl.__code__  # the frame of every module call wit
 _RECENT_COUNTERS = 8
 
 
+def raised_out_of(module: nn.Module, error: BaseException | None) -> bool:
+    """Whether ``error`` is propagating out of ``module``'s call right now: an ``always_call``
+    forward hook runs then, with None for the output the forward never returned. The call's
+    own frame caught it (an exception the caller was already handling was caught elsewhere)."""
+    trace = getattr(error, "__traceback__", None)
+    if trace is None:
+        return False
+    frame = trace.tb_frame
+    return frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module
+
+
 def in_backward_pass() -> bool:
     """Whether autograd is executing a backward pass on this thread (a forward running now is
     a recomputation, e.g. by ``torch.utils.checkpoint``)."""
@@ -840,7 +851,8 @@ class Recorder:
         with self._lock:  # one hold for the root's frame and the batch's end
             if not self.root_only or self._module_handles:  # _records_frames()
                 # The model's weights too (also for the compile wrapper's call).
-                self._record_forward_locked(info, args, kwargs, output)
+                self._record_forward_locked(info, args, kwargs, output, raised=(
+                    output is None and raised_out_of(module, current_exception)))
             ended = self._finish_root_locked(current_exception, output)
             if ended is None:
                 return None
@@ -914,6 +926,8 @@ class Recorder:
                     entries, first_input, first_output = forward_entries(
                         weights, has_state, args, kwargs, output,
                         pre_entries.pop() if pre_entries else None, cache_weights)
+                    if output is None and raised_out_of(module, sys.exc_info()[1]):
+                        del entries[first_output:]  # it raised: no output, not a None one
                     # record_frame(), inlined for the forward phase.
                     counters = self._counters
                     calls = counters.calls
@@ -968,7 +982,8 @@ class Recorder:
             if outermost.index in self._outside_returned and not self._manual_batches:
                 finished = self._batch
                 ended = (finished, self._resolve_locked(finished, advance=True), True)
-            self._record_forward_locked(info, args, kwargs, output)
+            self._record_forward_locked(info, args, kwargs, output, raised=(
+                output is None and raised_out_of(info.module, sys.exc_info()[1])))
             returned = outermost is info
             batch = self._batch
             if returned:
@@ -988,14 +1003,17 @@ class Recorder:
         return None
 
     def _record_forward_locked(self, info: ModuleInfo, args: tuple, kwargs: dict,
-                               output: Any) -> None:
+                               output: Any, raised: bool = False) -> None:
         """The forward frame of one call of ``info``'s module (caller holds the lock); a
-        failure is an internal error, never the user's forward's."""
+        failure is an internal error, never the user's forward's. ``raised``: the call raised
+        (it returned nothing: no output rows, rather than a None output)."""
         try:
             measured = info.pre_entries.pop() if info.pre_entries else None
             entries, first_input, first_output = self.entries.forward_entries(
                 info.weights, info.has_state, args, kwargs, output, measured,
                 cache_weights=not info.sharded)
+            if raised:
+                del entries[first_output:]
             self.record_frame(info, "forward", entries, first_output=first_output,
                               first_input=first_input)
             if self.entries.unread_roles and not self._warned_unread:
