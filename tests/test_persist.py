@@ -447,6 +447,24 @@ def test_a_replay_on_nan_event_is_written_with_its_trace(tmp_path):
     assert "First non-finite op: sqrt" in run.report()
 
 
+def test_a_trace_that_stopped_where_the_forward_raised_is_read_back_so(tmp_path):
+    class RaisesOnNan(_SqrtBetweenLayers):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = super().forward(x)
+            if not torch.isfinite(h).all():
+                raise ValueError("non-finite state")
+            return h
+
+    torch.manual_seed(0)
+    model = RaisesOnNan()
+    with nw.watch(model, log_dir=str(tmp_path), replay_on_nan=True, on_nan="record"):
+        with pytest.raises(ValueError):
+            model(torch.randn(4, 6))
+    loaded = load_run(tmp_path).event.trace
+    assert loaded.raised == "the forward raised ValueError (non-finite state)"
+    assert loaded.first_bad["op"] == "sqrt"
+
+
 def test_an_event_whose_trace_file_points_elsewhere_is_refused(tmp_path):
     torch.manual_seed(0)
     model = _SqrtBetweenLayers()

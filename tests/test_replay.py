@@ -720,3 +720,41 @@ def test_a_global_pre_hook_runs_once_on_the_root_in_a_replay_and_on_every_other_
     assert _abs_max(event_frames, "fc1", "input[0]") == truth
     assert _abs_max(trace.frames, "fc1", "input[0]") == truth
     assert trace.first_bad["op"] == "sqrt" and trace.reproduced and trace.changes == []
+
+
+class AssertsFinite(nn.Module):
+    """Checks its state and raises once it went NaN (an ODE solver's step-size assert, a
+    distribution's argument check): the forward raises after the op that made the NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 8)
+        self.second = nn.Linear(8, 3)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.second(torch.sqrt(self.first(x) - 5))  # negative -> NaN
+        if not torch.isfinite(h).all():  # not an assert: pytest would rewrite its message
+            raise AssertionError("the state is not finite")
+        return self.head(h)
+
+
+@pytest.mark.parametrize("replay_on_nan", [False, True])
+def test_a_forward_that_raises_after_its_nan_is_replayed_up_to_the_exception(replay_on_nan):
+    torch.manual_seed(0)
+    model = AssertsFinite()
+    sqrt_line = line_of(AssertsFinite.forward, "torch.sqrt")
+    with nw.watch(model, replay_on_nan=replay_on_nan) as w:
+        with pytest.warns(nw.NanWarning), pytest.raises(AssertionError, match="not finite"):
+            model(torch.randn(4, 6))
+        event = w.event
+        assert (event.batch, event.module, event.role) == (0, "second", "input[0]")
+        assert (event.trace is not None) == replay_on_nan
+        # Its diagnosis replays the batch: the exception no longer hides the op.
+        assert event.diagnosis.kind == "domain"
+        assert "sqrt" in event.diagnosis.summary and sqrt_line in event.diagnosis.summary
+        trace = w.replay(0)  # kept the ops up to the exception, instead of raising it again
+    assert trace.first_bad["op"] == "sqrt" and trace.first_bad["source"] == sqrt_line
+    assert trace.raised == "the forward raised AssertionError (the state is not finite)"
+    assert "The replay stopped where the forward raised AssertionError" in trace.report()
+    assert "head" not in set(trace.frames.module)  # nothing after the exception ran

@@ -509,7 +509,7 @@ def test_an_event_the_replay_does_not_reproduce_says_so_plainly():
     assert not event.trace.reproduced and event.trace.expected.startswith("nan in batch 2")
 
 
-def test_a_replay_that_raises_keeps_the_event_it_was_asked_to_explain():
+def test_a_replay_that_raises_keeps_the_event_it_was_asked_to_explain_and_says_where_it_stopped():
     model = NanOnThirdCall(raise_later=True)
     with nw.watch(model, mode="sentinel") as w:
         xs = _batches(4)
@@ -522,8 +522,11 @@ def test_a_replay_that_raises_keeps_the_event_it_was_asked_to_explain():
     assert w.events == [event]
     assert (event.batch, event.module, event.role, event.kind, event.origin) == \
         (2, "", "output", "nan", "output")
-    assert event.note == ("not replayed: the replay of batch 2 failed (RuntimeError: external "
-                          "state is gone)")
+    # The replay ran until the model's code raised: what it checked before that is said.
+    assert event.note == ("not reproduced by an eager replay of batch 2: it stopped where the "
+                          "forward raised RuntimeError (external state is gone), and its 1 module "
+                          "frames and 0 ops before that stayed finite")
+    assert event.trace.raised == "the forward raised RuntimeError (external state is gone)"
     assert event.note in w.report()
     # Nothing checked where it was made: the summary does not say "made here".
     assert "output: found in the model's outputs (where it was made was not checked)" \
@@ -552,8 +555,9 @@ def test_a_backward_replay_that_raises_keeps_the_gradient_event():
                 break
     assert w.events == [event]
     assert (event.batch, event.origin, event.is_backward) == (2, "grad", True)
-    assert event.note == ("not replayed: the replay of batch 2 failed (RuntimeError: no second "
-                          "run)")
+    assert event.note == ("not reproduced by an eager replay of batch 2 (it stopped where the "
+                          "forward raised RuntimeError (no second run), and 2 module frames and 0 "
+                          "ops before that stayed finite)")
 
 
 def test_a_forward_nan_in_training_can_be_read_with_the_gradients_in_one_read(tiny_mlp,

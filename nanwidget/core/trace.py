@@ -57,6 +57,8 @@ class Trace:
     ``changes``: everything that differs from when the batch ran (parameter values, dtypes,
     storage, modules), in words; empty only when nothing did. ``weights_changed`` /
     ``changed_weights``: the parameters and buffers among them.
+    ``raised``: what the model's code raised in the replay, which stopped it there ("the forward
+    raised ValueError (...)"; the ops before it are traced, none after); "" when it ran through.
     """
 
     batch: int
@@ -81,6 +83,7 @@ class Trace:
     changes: list[str] = field(default_factory=list)
     expected: str = ""  # the recorded event the replay looked for ("" when none)
     found: str = ""  # the event the replay met ("" when none)
+    raised: str = ""  # what raised and stopped the replay ("" when it ran through)
 
     def set_verdict(self, expected: NanEvent | None, found: NanEvent | None) -> None:
         """The replay looked for ``expected`` (the recorded event; None: none was recorded) and
@@ -103,6 +106,8 @@ class Trace:
         if self.changes:
             return ("the replay differs from when the batch ran: " + "; ".join(self.changes[:3])
                     + (" ..." if len(self.changes) > 3 else ""))
+        if self.raised and not self.found:
+            return f"the replay stopped before it, where {self.raised}"
         if self.found:
             return f"the replay met another event first: {self.found}"
         loss = (", or the loss function this replay ran is not the one the batch ran"
@@ -128,7 +133,9 @@ class Trace:
                             "non-finite values were intended or allowed, like masks)")
                 return (f"trace of batch {self.batch}: no op made the first NaN/Inf; it came "
                         f"with the batch's data or the weights: {self.found}")
-            return f"trace of batch {self.batch}: all {len(self.ops)} ops produced finite values"
+            stopped = f" (it stopped where {self.raised})" if self.raised else ""
+            return (f"trace of batch {self.batch}: all {len(self.ops)} ops produced finite "
+                    f"values{stopped}")
         first = self.first_bad
         where = f" in module '{first['module'] or '<root>'}'" if first["phase"] != "loss" else " in loss_fn"
         return (f"trace of batch {self.batch}: first non-finite op {first['op']} "
@@ -185,6 +192,9 @@ class Trace:
         lines = [f"Trace of batch_number={self.batch} (replayed in trace mode: {len(self.ops)} ops, "
                  f"{self._frame_count()} module frames, {self.seconds:.2f} s)"]
         first = self.first_bad
+        if self.raised:
+            lines.append(f"The replay stopped where {self.raised}: the ops before it are "
+                         "traced, none after.")
         if not self.reproduced:
             lines.append(f"Not reproduced: the recorded event ({self.expected or 'none'}) did not "
                          f"happen again, because {self.why_not_reproduced()}.")

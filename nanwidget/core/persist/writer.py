@@ -113,6 +113,7 @@ def trace_fields(trace: Trace) -> dict[str, Any]:
         "changes": [str(c) for c in trace.changes],
         "expected": str(trace.expected),
         "found": str(trace.found),
+        "raised": str(trace.raised),
         "summary": trace.summary(),
     }
 

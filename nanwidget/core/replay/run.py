@@ -308,7 +308,9 @@ class ReplayFrames(FrameSink):
         """The replay resolves its frames itself, once it ran."""
 
     def internal_error(self, error: BaseException) -> None:
-        raise error  # the replay fails with it (ReplayError handling in the caller)
+        # The replay fails with it: a ReplayError, not taken for the model's own code raising.
+        raise ReplayError(f"the replay failed while recording its gradients "
+                          f"({type(error).__name__}: {error})") from error
 
 
 class _Replay:
@@ -395,6 +397,8 @@ class _Replay:
         shadows: Shadows | None = None
         backward: BackwardFrames | None = None
         loss_value: float | None = None
+        raised: Exception | None = None  # what the model's code raised, where, and the
+        raised_in, changes_then = ("forward", 0), []  # model's changes it may come from
         try:
             with self.recorder.suspend(), eager_calls(), own_parametrization_cache(), \
                     no_collectives(root, partial(_running_now, recorder)):
@@ -425,13 +429,15 @@ class _Replay:
                     try:
                         with earlier_pre_hooks.skipped_once():
                             loss_value = self._run_forward(root, capture, recorder, grads)
+                    except ReplayError:
+                        raise
                     except Exception as error:
-                        if not changes or isinstance(error, ReplayError):
-                            raise
-                        raise ReplayError(
-                            f"replaying batch {held.batch} failed ({type(error).__name__}: "
-                            f"{error}); the model changed since the batch ran: "
-                            f"{'; '.join(changes[:4])}") from error
+                        # The model's own code raised (an assert on a NaN state, a
+                        # distribution refusing NaN logits), often because of the NaN: the
+                        # ops traced until then name it. The replay stops there, as the batch did.
+                        raised, raised_in = error, (recorder.phase, position)
+                        changes_then = list(changes)
+                        break
         finally:
             earlier_pre_hooks.restore()
             if backward is not None:
@@ -459,11 +465,19 @@ class _Replay:
         recorder.resolve()
         ops = pd.DataFrame.from_records(recorder.rows, columns=OPS_COLUMNS).astype(
             {name: dtype for name, dtype in OPS_DTYPES.items() if dtype != "object"})
-        trace = Trace(batch=held.batch, frames=frames_to_dataframe(recorder.frames), ops=ops,
+        frames = frames_to_dataframe(recorder.frames)
+        if raised is not None and changes_then and not (
+                ops["nonfinite"].any() or frames["nan"].any() or frames["inf"].any()):
+            # No NaN/Inf before it: the model's change, not a NaN, most likely made it raise.
+            raise ReplayError(
+                f"replaying batch {held.batch} failed ({type(raised).__name__}: {raised}); the "
+                f"model changed since the batch ran: {'; '.join(changes_then[:4])}") from raised
+        trace = Trace(batch=held.batch, frames=frames, ops=ops,
                       weights_changed=bool(changed), changed_weights=changed,
                       buffers_updated=updated, snapshot_used=snapshot_used, loss=loss_value,
                       forwards=len(held.forwards), seconds=time.perf_counter() - started,
-                      changes=changes)
+                      changes=changes, raised="" if raised is None else _raised_words(
+                          *raised_in, raised, len(held.forwards)))
         return Replayed(trace, recorder.frames, recorder)
 
     def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder,
@@ -506,6 +520,16 @@ class _Replay:
             recorder.phase = "backward"
             loss.backward()
         return float(loss.detach())
+
+
+def _raised_words(phase: str, position: int, error: Exception, forwards: int) -> str:
+    """What raised in a replay and where, in words ("the forward raised ValueError: ...")."""
+    where = {"loss": "loss_fn", "backward": "the backward pass"}.get(phase, "the forward")
+    if forwards > 1 and phase == "forward":
+        where = f"forward {position + 1} of {forwards}"
+    text = " ".join(str(error).split())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{where} raised {type(error).__name__}" + (f" ({text})" if text else "")
 
 
 def _running_now(recorder: OpRecorder) -> str:

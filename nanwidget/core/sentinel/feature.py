@@ -110,6 +110,14 @@ _NO_OUTPUT_GRADIENT = ("not replayed: no gradient reached the model's outputs (n
                        "distribution's log_prob does); give the watch loss_fn (loss_fn(output) "
                        "-> loss) to replay the batch through the loss")
 
+
+def _stayed_finite(trace: Any, frames: list[Frame], its: str = "") -> str:
+    """What a replay that did not meet the NaN checked, in words."""
+    checked = f"{its}{len(frames)} module frames and {len(trace.ops)} ops"
+    if trace.raised:  # the model's code raised in the replay: the rest did not run
+        return f"it stopped where {trace.raised}, and {checked} before that stayed finite"
+    return f"{checked} stayed finite"
+
 _Tensor = torch.Tensor
 _STRIDED = torch.strided
 _INF = math.inf
@@ -660,8 +668,8 @@ class Sentinel(Feature):
             taken = context.replayed + [frames] if found is not None else []
         if found is None:
             event = self._grad_event(batch, bad, f"not reproduced by an eager replay of batch "
-                                                 f"{batch} ({len(frames)} module frames and "
-                                                 f"{len(replayed.trace.ops)} ops stayed finite)")
+                                                 f"{batch} "
+                                                 f"({_stayed_finite(replayed.trace, frames)})")
             return self._found(event, replayed, found, taken, started)
         if context is not None and context.missing:
             found.frames_note = context.missing
@@ -812,8 +820,8 @@ class Sentinel(Feature):
         """The event of a NaN the eager replay did not meet again: what was seen, where, and
         what the replay checked."""
         first = bad[0]
-        note = (f"not reproduced by an eager replay of batch {batch}: its {len(frames)} module "
-                f"frames and {len(trace.ops)} ops stayed finite")
+        note = (f"not reproduced by an eager replay of batch {batch}: "
+                f"{_stayed_finite(trace, frames, 'its ')}")
         if self.compiled and batch in self._eager_batches:
             note += ("; the batch ran eagerly (a direct call of the original module), so no "
                      "compiled re-run applies")
