@@ -823,3 +823,47 @@ def test_a_gradient_written_between_passes_is_a_new_cause():
     second = [e for e in w.events if e.is_backward][-1]
     assert second.batch == 1 and not second.note.startswith("not replayed")
     assert w.parts.sentinel.replays > first
+
+
+class PolicyRefusingNanLogits(nn.Module):
+    """A policy whose forward builds its action distribution: torch refuses NaN logits
+    (validate_args) with a ValueError inside the root forward, so no output is returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, width: int = 16) -> torch.distributions.Categorical:
+        if x.shape[1] != width:
+            raise RuntimeError("shape mismatch")  # an error of its own, NaN or not
+        return torch.distributions.Categorical(logits=self.lin(x), validate_args=True)
+
+
+def test_a_root_forward_that_raises_on_a_nan_input_is_an_event_as_in_full_mode():
+    xs = _batches(3, nan_at=1)
+    events = {}
+    for mode in ("full", "sentinel"):
+        torch.manual_seed(0)
+        model = PolicyRefusingNanLogits()
+        with nw.watch(model, mode=mode) as w:
+            model(xs[0])
+            # The forward raised, so the event is warned about (as full mode does), not raised.
+            with pytest.warns(nw.NanWarning), pytest.raises(ValueError, match="logits"):
+                model(xs[1])
+            model(xs[2])
+        events[mode] = [(e.batch, e.module, e.role, e.origin, e.diagnosis.kind) for e in w.events]
+    assert events["full"] == [(1, "lin", "input[0]", "input", "bad-data")]
+    assert events["sentinel"] == events["full"]  # found by a replay up to the exception
+    assert w.event.trace.raised.startswith("the forward raised ValueError")
+
+
+def test_a_root_forward_that_raises_on_finite_inputs_is_no_event_and_no_replay():
+    torch.manual_seed(0)
+    model = PolicyRefusingNanLogits()
+    with nw.watch(model, mode="sentinel") as w:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no NanWarning either
+            with pytest.raises(RuntimeError, match="shape mismatch"):
+                model(torch.randn(4, 16), width=8)
+        model(torch.randn(4, 16))  # the watch goes on
+        assert w.events == [] and w.parts.sentinel.replays == 0 and w.batch == 2

@@ -178,6 +178,11 @@ class Feature:
         """Under the lock: the outermost root forward of ``batch`` returned ``output`` (not
         called when it raised); runs before the batch's frames are resolved."""
 
+    def on_batch_raised(self, batch: int, error: BaseException) -> None:
+        """Under the lock: the outermost root forward of ``batch`` raised ``error`` (instead of
+        :meth:`on_batch_output`; the exception goes on to the caller); runs before the batch's
+        frames are resolved."""
+
     def before_resolve(self) -> None:
         """Under the lock: frames are about to be resolved (fill stats measured elsewhere)."""
 
@@ -647,6 +652,7 @@ class Recorder:
                     if getattr(type(f), name, base) is not base]
         self._on_batch_start = overriding("on_batch_start")
         self._on_batch_output = overriding("on_batch_output")
+        self._on_batch_raised = overriding("on_batch_raised")
         self._before_resolve = overriding("before_resolve")
         self._on_batch_end = overriding("on_batch_end")
         self._on_frames_resolved = overriding("on_frames_resolved")
@@ -1189,6 +1195,12 @@ class Recorder:
             for on_batch_output in self._on_batch_output:
                 try:
                     on_batch_output(self._batch, output)
+                except Exception as error:
+                    self.internal_error(error)
+        else:
+            for on_batch_raised in self._on_batch_raised:
+                try:
+                    on_batch_raised(self._batch, current_exception)
                 except Exception as error:
                     self.internal_error(error)
 

@@ -184,6 +184,8 @@ class Sentinel(Feature):
         self._forward_index = 0
         # (batch, forward index, check) of the root forward that just returned.
         self._check: tuple[int, int, NonFiniteCheck] | None = None
+        # (batch, forward index) of the root forward that just raised: no output to check.
+        self._raised: tuple[int, int] | None = None
         # The common case (one plain tensor on CPU, read by the native kernel at the forward's
         # return, its row shown at once): whether it may be taken (not with reads deferred on
         # purpose, nor without the kernel).
@@ -305,6 +307,10 @@ class Sentinel(Feature):
             else:
                 self._check = (batch, forward, check)
 
+    def on_batch_raised(self, batch: int, error: BaseException) -> None:
+        # Its inputs are checked at the verdict, outside the lock (a host read, only here).
+        self._raised = (batch, self._forward_index)
+
     def _hook_output_grads(self, batch: int, forward: int,
                            needing: list[tuple[str, torch.Tensor]]) -> None:
         """Hold the gradient each of these output leaves receives (for a backward replay)
@@ -368,6 +374,12 @@ class Sentinel(Feature):
         backward never came); a NaN/Inf is replayed into its event and frames."""
         if reason != "forward":
             return None
+        if self._raised is not None:  # the root forward raised: no output was checked
+            raised, self._raised = self._raised, None
+            if event is None and raised[0] == batch:
+                finding = self._raised_forward_event(batch, raised[1])
+                if finding is not None:
+                    return finding
         pending, self._check = self._check, None
         if pending is None and event is None and not self._deferred:
             # The common case, in short (a clean output read at once, shown already).
@@ -620,6 +632,54 @@ class Sentinel(Feature):
         if context.missing:
             found.frames_note = context.missing
         return self._found(found, replayed, found, context.replayed + [frames], started)
+
+    def _raised_forward_event(self, batch: int, forward: int) -> Finding | None:
+        """A root forward that raised left no output to check; its held inputs are checked (one
+        reduction each). A NaN/Inf there (a bad observation that made a distribution refuse its
+        logits) is replayed, up to the exception, into its event as full mode records it. None
+        when the inputs are finite: the exception is not this watch's (an OOM, a shape error)."""
+        held = self.capture.held.get(batch)
+        if held is None or forward >= len(held.forwards):
+            return None
+        check = NonFiniteCheck([(role, checkable(tensor)) for role, tensor
+                                in held.forwards[forward].inputs])
+        bad = check.read()
+        if bad and self._root_may_hold_inf:
+            bad = [b for b in bad if b.nan]
+        if not bad:
+            return None
+        started = time.perf_counter()
+        try:
+            replayed = replay_frames(self.recorder, self.capture,
+                                     self.capture.batch_to_replay(batch), trace_ops=True)
+        except ReplayError as error:  # refused (FSDP2, a changed model, an input written)
+            return self._found(self._bad_input_event(batch, forward, bad,
+                                                     f"not replayed: {error}"), None, None)
+        except Exception as error:  # the NaN was seen: a failed replay must not lose it
+            return self._found(self._bad_input_event(batch, forward, bad,
+                                                     _replay_failed(batch, error)), None, None)
+        self.replays += 1
+        frames = replayed.frames
+        context = _Context(self, batch)
+        found = self.recorder.find_event(frames, context.window)
+        if found is None:
+            event = self._bad_input_event(batch, forward, bad, (
+                f"not reproduced by an eager replay of batch {batch}: "
+                f"{_stayed_finite(replayed.trace, frames, 'its ')}"))
+            return self._found(event, replayed, found, started=started)
+        if context.missing:
+            found.frames_note = context.missing
+        return self._found(found, replayed, found, context.replayed + [frames], started)
+
+    def _bad_input_event(self, batch: int, forward: int, bad: list[BadTensor],
+                         note: str) -> NanEvent:
+        """The event of a non-finite input of the root forward (``bad``), where no replay
+        named the module that met it first."""
+        root = self.recorder.modules[0]
+        first = bad[0]
+        return NanEvent(batch=batch, module=root.name, module_type=root.type_name, call=forward,
+                        role=first.label, kind=first.kind, origin="input",
+                        rank=self.recorder.rank, note=note)
 
     def _backward_event(self, batch: int, grads: list | None,
                         bad: list[BadTensor]) -> Finding:
