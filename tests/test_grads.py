@@ -936,3 +936,50 @@ def test_a_model_saved_or_copied_under_a_backward_watch_carries_no_hook() -> Non
     for copied in (loaded, twin):
         assert hook_count(copied) == 0
         _step(copied, torch.randn(4, 4))  # trains on its own
+
+
+class RefusesNonFiniteGradient(torch.autograd.Function):
+    """Identity whose backward raises on a non-finite gradient (an adjoint ODE solver's
+    'non-finite values in state' assert): the backward pass raises after the NaN is made."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not torch.isfinite(grad).all():
+            raise FloatingPointError("non-finite gradient in the state")
+        return grad
+
+
+class SqrtAtZero(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(h - h) + h  # value h, gradient 0 * inf: NaN
+
+
+class StateNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.act, self.head = nn.Linear(4, 4), SqrtAtZero(), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(RefusesNonFiniteGradient.apply(self.first(x))))
+
+
+def test_a_backward_pass_that_raises_after_its_nan_gradient_shows_its_event() -> None:
+    torch.manual_seed(0)
+    model = StateNet()
+    with nw.watch(model, backward=True) as w:
+        loss = model(torch.randn(8, 4)).sum()
+        with pytest.raises(FloatingPointError):
+            loss.backward()  # autograd runs no end-of-pass callback: nothing resolved it
+        with pytest.warns(nw.NanWarning):  # the pass raised already: warned, not raised
+            events = w.events
+        assert [(e.batch, e.module, e.role, e.is_backward) for e in events] == \
+            [(0, "act", "grad_input[0]", True)]
+        assert not w.report().startswith("No inf/nan detected")
+        # Its diagnosis replays the batch's backward, up to the same exception.
+        assert events[0].diagnosis.kind == "domain" and "sqrt" in events[0].diagnosis.summary
+        model(torch.randn(8, 4))  # the next batch: no second event for the old pass
+        assert len(w.events) == 1

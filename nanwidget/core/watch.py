@@ -278,12 +278,21 @@ class NanWatch:
     @property
     def events(self) -> list[NanEvent]:
         """Every event so far (capped at ``max_events``; see ``events_dropped``)."""
+        self._end_failed_backward()
         return self._recorder.events
 
     @property
     def event(self) -> NanEvent | None:
         """The first event, or None."""
+        self._end_failed_backward()
         return self._recorder.event
+
+    def _end_failed_backward(self) -> None:
+        """A backward pass that raised left its frames unresolved (autograd ran no end for it):
+        resolved, with its event, before events or frames are read."""
+        backward = self._parts.backward
+        if backward is not None:
+            backward.end_failed_pass()
 
     @property
     def events_dropped(self) -> int:
@@ -326,14 +335,17 @@ class NanWatch:
     # ------------------------------------------------------------------ results
     def flush(self) -> None:
         """Resolve frames recorded since the last batch boundary (never raises NanDetected)."""
+        self._end_failed_backward()
         self._recorder.flush()
 
     def frames(self, batch: int | None = None) -> pd.DataFrame:
         """Frames in the ring buffer, or every frame of trace batch ``batch``."""
+        self._end_failed_backward()
         return self._recorder.frames_table(batch)
 
     def history(self) -> pd.DataFrame:
         """One row per (batch, module): abs_max, abs_min and nonfinite of its outputs."""
+        self._end_failed_backward()
         return self._recorder.history_table()
 
     def report(self, event: NanEvent | None = None) -> str:

@@ -280,6 +280,8 @@ class BackwardFrames(Feature):
         self._pass_batch: int | None = None  # batch of the first frame of the running pass
         self._last_forward_batch: int | None = None
         self._queued = False  # a final callback is queued for the running pass
+        # That callback, weakly: autograd lets it go unrun when the pass raises.
+        self._queued_callback: Any = None
         self._last_opened: Any = None  # the frame the running pass opened last
         # id(tensor) -> (weak reference, version, subscribers) of the tensors hooked this
         # batch: a module's output is usually the next module's input, hooked once.
@@ -596,18 +598,37 @@ class BackwardFrames(Feature):
         """Once per backward pass (caller holds the lock): resolve when autograd finishes it."""
         if self._queued:
             return
+        callback = self._requeue_last
         try:
-            _queue_callback(self._requeue_last)
+            _queue_callback(callback)
         except RuntimeError:  # not inside a backward pass after all: resolved by the next boundary
             return
         self._queued = True
+        self._queued_callback = weakref.ref(callback)
 
     def _requeue_last(self) -> None:
         # Final callbacks queued while they run go last: let DDP / FSDP finish their reductions.
+        callback = self._backward_done
         try:
-            _queue_callback(self._backward_done)
+            _queue_callback(callback)
         except RuntimeError:
             self._backward_done()
+            return
+        self._queued_callback = weakref.ref(callback)
+
+    def end_failed_pass(self) -> bool:
+        """End a backward pass that raised (a solver's assert on a NaN gradient): autograd then
+        drops the final callback that would have ended it, so its frames wait unresolved. Its
+        frames are resolved and its event recorded now, never raised (the pass raised already).
+        Returns whether there was one. For readers of the events (``w.events``, ``report()``),
+        outside any forward or backward pass."""
+        with self.recorder.lock:
+            callback = self._queued_callback
+            failed = self._queued and callback is not None and callback() is None \
+                and not self.closed
+        if failed:
+            self.end_backward(raising=False)
+        return failed
 
     def _backward_done(self) -> None:
         self.end_backward(raising=True)
@@ -618,6 +639,7 @@ class BackwardFrames(Feature):
         recorder = self.recorder
         with recorder.lock:
             self._queued = False
+            self._queued_callback = None
             batch = self._pass_batch if self._pass_batch is not None else self._forward_batch()
             self._pass_batch = None
             self._pass_id += 1
@@ -657,6 +679,7 @@ class BackwardFrames(Feature):
         if self._queued and not in_backward_pass():
             # The last pass never finished (an error inside backward): its callback is gone.
             self._queued = False
+            self._queued_callback = None
             self._pass_batch = None
             self._pass_id += 1
             self._pass_frames.clear()
