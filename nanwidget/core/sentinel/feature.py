@@ -104,6 +104,7 @@ def _replay_failed(batch: int, error: Exception) -> str:
     text = text if len(text) <= 200 else text[:197] + "..."
     return f"not replayed: the replay of batch {batch} failed ({type(error).__name__}: {text})"
 
+
 # The note of a gradient event whose outputs required no grad (see _await_parameter_grads).
 _NO_OUTPUT_GRADIENT = ("not replayed: no gradient reached the model's outputs (none of them "
                        "requires grad: what the model returned ran its modules later, as a "
