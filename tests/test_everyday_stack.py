@@ -413,6 +413,83 @@ def test_measuring_a_torch_function_subclass_runs_none_of_its_code(mode):
     assert (w.event.batch, w.event.module) == (1, "fc2")
 
 
+def _nanwidget_warnings(caught: list) -> list[str]:
+    return [str(c.message) for c in caught if "nanwidget" in str(c.message)]
+
+
+def test_expanded_weights_are_measured_through_the_tensor_they_hold():
+    # opacus' grad_sample_mode="ew" runs the model with torch's ExpandedWeight in every
+    # parameter slot; it refuses reads of its own attributes, which dropped every Linear's frame
+    # (an internal error) and blamed the data's NaN on the ReLU after the first Linear.
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    x[2, 1] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, on_nan="record") as w:
+            call_for_per_sample_grads(model, batch_size=4)(x)
+    assert _nanwidget_warnings(caught) == []
+    assert (w.event.module, w.event.role, w.event.origin) == ("0", "input[0]", "input")
+    weights = w.frames(batch=None).query("role == 'weight'").set_index("module")
+    assert list(weights.index) == ["0", "2"]
+    assert weights.loc["0", "abs_max"] == pytest.approx(model[0].weight.abs().max().item())
+
+
+class _RefusesAttributes(nn.Parameter):
+    """A parameter subclass whose ``__torch_function__`` refuses reads of its attributes
+    (``requires_grad``, ``_version``), as ExpandedWeight does."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "__get__":
+            raise RuntimeError("cannot handle function __get__")
+        with torch._C.DisableTorchFunctionSubclass():  # plain results, as ExpandedWeight's
+            return func(*args, **(kwargs or {}))
+
+
+def test_a_weight_refusing_reads_of_its_attributes_keeps_the_modules_frame():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    # Put in the slot as functional_call would (registering it reads its attributes).
+    model[0]._parameters["weight"] = _RefusesAttributes(model[0].weight.detach())
+    with torch.no_grad():
+        model[0].bias[1] = float("inf")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, on_nan="record") as w:
+            model(torch.randn(3, 8))
+    assert _nanwidget_warnings(caught) == []
+    frame = w.event.frames.query("module == '0'")
+    assert list(frame.role) == ["weight", "bias", "input[0]", "output"]
+    assert not frame.query("role == 'weight'").nan.any()
+    assert (w.event.module, w.event.role, w.event.origin) == ("0", "bias", "weight")
+
+
+def test_a_functional_call_stand_in_is_not_kept_alive_by_the_watch():
+    # Each inner step of a meta-learning loop (torch.func.functional_call) puts new tensors in
+    # the parameter slots: the watch kept every one of them (and its autograd graph) alive.
+    import gc
+    import weakref
+
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(6, 4)
+    with nw.watch(model, on_nan="record"):
+        fast = {name: p * 1.0 for name, p in model.named_parameters()}
+        functional_call(model, fast, (x,))
+        left = weakref.ref(fast["0.weight"])
+        del fast
+        for _ in range(5):  # past the batches held for replay (keep_batches=4)
+            model(x)
+        gc.collect()
+        assert left() is None
+
+
 # ------------------------------------------------------------------ replays on copies (item 7)
 def _tiny_gpt2(tied: bool) -> nn.Module:
     """A 2-layer GPT-2 from a config (random weights) with a NaN in the unused vocabulary row

@@ -424,33 +424,56 @@ class EntryBuilder:
             for name, tensor in group.items():
                 if tensor is None:
                     continue
-                if not cacheable:
-                    entries.append(self._fresh_entry(name, tensor))
-                    continue
-                cached = cache.get(id(tensor))
                 try:
-                    pointer = tensor.data_ptr()
-                except Exception:  # wrapper subclasses: never served from the cache
-                    pointer = -1
-                # Weights change once per optimizer step at most: re-measure only when they
-                # may have (see the class docstring), and reuse the whole entry (same stats
-                # object) until then.
-                if cached is not None and cached[0] is tensor and cached[2] == pointer \
-                        and pointer != -1 and cached[3][0] == name \
-                        and cached[5] == (training_generation if cached[4] else generation):
-                    try:  # version_of(), inlined
-                        version = tensor._version
-                    except RuntimeError:  # an inference tensor: no version counter
-                        version = -1
-                    if cached[1] == version:
-                        entries.append(cached[3])
+                    if not cacheable:
+                        entries.append(self._fresh_entry(name, tensor))
                         continue
-                entry = self._fresh_entry(name, tensor)
-                if entry[1] is not None and pointer != -1:
-                    trainable = tensor.requires_grad
-                    cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry, trainable,
-                                         training_generation if trainable else generation)
-                entries.append(entry)
+                    cached = cache.get(id(tensor))
+                    try:
+                        pointer = tensor.data_ptr()
+                    except Exception:  # wrapper subclasses: never served from the cache
+                        pointer = -1
+                    # Weights change once per optimizer step at most: re-measure only when
+                    # they may have (see the class docstring), and reuse the whole entry (same
+                    # stats object) until then.
+                    if cached is not None and cached[0] is tensor and cached[2] == pointer \
+                            and pointer != -1 and cached[3][0] == name \
+                            and cached[5] == (training_generation if cached[4] else generation):
+                        try:  # version_of(), inlined
+                            version = tensor._version
+                        except RuntimeError:  # an inference tensor: no version counter
+                            version = -1
+                        if cached[1] == version:
+                            entries.append(cached[3])
+                            continue
+                    entry = self._fresh_entry(name, tensor)
+                    # Only the module's own Parameters are kept: a stand-in in the slot
+                    # (torch.func.functional_call's tensors, opacus' ExpandedWeight) is made
+                    # anew for each call, so keeping it would only hold every one alive.
+                    if entry[1] is not None and pointer != -1 \
+                            and isinstance(tensor, nn.Parameter):
+                        trainable = tensor.requires_grad
+                        cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry,
+                                             trainable,
+                                             training_generation if trainable else generation)
+                    entries.append(entry)
+                except Exception:  # never the module's whole frame for one weight
+                    entries.append(self._uncached_weight_entry(name, tensor))
+
+    def _uncached_weight_entry(self, name: str, tensor: torch.Tensor) -> Entry:
+        """A weight whose cache bookkeeping failed (a tensor subclass refusing reads of its own
+        attributes) measured on its own; when even that fails, its row says so."""
+        try:
+            return self._fresh_entry(name, tensor)
+        except Exception as error:
+            return self._unreadable_weight(name, tensor, error)
+
+    def _unreadable_weight(self, name: str, tensor: torch.Tensor, error: Exception) -> Entry:
+        """The entry of a weight that could not be read: noted with the error, and named in
+        the watch's one warning about values left unchecked."""
+        why = f"{type(error).__name__}: {error}"
+        self.unread_roles.append(f"{name} ({type(tensor).__name__}: reading it failed, {why})")
+        return Entry((name, None, None, None, "not read"))
 
     def forward_entries(self, module: nn.Module, has_state: bool, args: tuple, kwargs: dict,
                         output: Any, measured_inputs: list[Entry] | None = None,
@@ -512,8 +535,17 @@ class EntryBuilder:
                 if tensor is None:
                     continue
                 self._weight_cache.pop(id(tensor), None)
-                note = classify(tensor)
-                stats = None if note else fresh.add(tensor)
-                entries.append(Entry((name, stats, tensor.dtype, _shape_of(tensor), note)))
+                try:
+                    if type(tensor) not in PLAIN_TENSOR_TYPES:
+                        # A subclass is read as the tensor it holds, none of its own code
+                        # running (ExpandedWeight refuses even reads of its attributes).
+                        view = plain_view(tensor)
+                        if view is not None:
+                            tensor = view
+                    note = classify(tensor)
+                    stats = None if note else fresh.add(tensor)
+                    entries.append(Entry((name, stats, tensor.dtype, _shape_of(tensor), note)))
+                except Exception as error:
+                    entries.append(self._unreadable_weight(name, tensor, error))
         fresh.resolve()
         return entries

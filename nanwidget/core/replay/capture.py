@@ -207,10 +207,14 @@ def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtyp
         if tensor is None:
             layout.append((-1, None))
             continue
-        try:
-            layout.append((tensor.data_ptr(), tensor.dtype))
-        except Exception:
-            layout.append((-1, tensor.dtype))
+        with _no_torch_function():  # a subclass's own code may refuse reads (ExpandedWeight)
+            try:
+                layout.append((tensor.data_ptr(), tensor.dtype))
+            except Exception:
+                try:
+                    layout.append((-1, tensor.dtype))
+                except Exception:
+                    layout.append((-1, None))
     return layout
 
 
