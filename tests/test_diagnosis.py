@@ -1515,6 +1515,57 @@ def test_without_a_replay_an_inf_from_finite_inputs_is_read_from_the_frame_as_an
     assert "Its inputs reached 1e+10 (float32 max 3.4028e+38)." in diagnosis.evidence
 
 
+class StoredWeightLinear(nn.Module):
+    """A linear layer whose weight is no parameter: ``__getattr__`` fetches it from a store
+    (as Pyro's PyroModule draws a PyroSample weight), so no frame measures it."""
+
+    def __init__(self, store: dict) -> None:
+        super().__init__()
+        self.__dict__["store"] = store
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            return self.__dict__["store"]["weight"]
+        return super().__getattr__(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
+@pytest.mark.parametrize("keep_batches", [0, 4])  # without a replay; with one that finds no op
+def test_a_nan_weight_no_frame_measured_is_not_said_to_be_finite(keep_batches):
+    # It read "made here from finite inputs and weights": no weight had been measured at all.
+    torch.manual_seed(0)
+    store = {"weight": torch.randn(2, 3)}
+    store["weight"][1, 1] = float("nan")
+    model = nn.Sequential(nn.Linear(4, 3), StoredWeightLinear(store))
+    with nw.watch(model, on_nan="record", keep_batches=keep_batches) as w:
+        model(torch.randn(5, 4))
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.module, event.role, event.origin) == ("1", "output", "output")
+    assert "finite inputs and weights" not in w.report()
+    assert "output: made here from finite inputs (it has no parameters or buffers, so no " \
+           "weight it reads was checked" in event.summary()
+    assert diagnosis.kind == "unknown"
+    assert diagnosis.suggestion[0].startswith("Check the tensors module '1' reads besides its "
+                                              "inputs")
+    replayed = "The replay made it again, and no op made it from finite values: it came with " \
+               "a tensor the watch does not measure." in diagnosis.evidence
+    assert replayed == bool(keep_batches)
+
+
+def test_a_weightless_module_whose_op_a_replay_names_is_not_said_to_hide_weights():
+    class Root(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sqrt(x)
+
+    model = Root()
+    with nw.watch(model, on_nan="record") as w:
+        model(-torch.ones(2, 3))
+    assert w.event.diagnosis.kind == "domain"
+    assert w.event.note == "" and "finite inputs and weights" in w.event.summary()
+
+
 # ---------------------------------------------------------------------------- where it shows
 def test_report_prints_the_diagnosis_after_the_summary_line():
     model = LogOfRelu()

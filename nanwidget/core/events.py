@@ -11,6 +11,7 @@ from .schema import EVENT_FIELDS, FRAME_COLUMNS, NO_USER_LINE
 
 __all__ = ["NanEvent", "Diagnosis", "GradEvent", "ScalerSkip", "NanDetected", "NanWarning",
            "AbortAfterBatch", "ORIGIN_WORDS", "UNVERIFIED_NOTES", "NOT_REPLAYED", "REPEATED_NOTES",
+           "NO_WEIGHTS_SEEN",
            "event_kind", "DIAGNOSIS_KINDS",
            "CONFIDENCES", "LOSS_WORDS", "LOSS_ROLE", "event_fields", "event_from_fields"]
 
@@ -107,6 +108,15 @@ NOT_REPLAYED = "not replayed: "
 REPEATED_NOTES = (NOT_REPLAYED + "its ", NOT_REPLAYED + "the weight ")
 
 
+# The note of an "output" event of a module that, with every module inside it, holds no
+# parameter or buffer, when no replayed op explains it: no weight it read was measured, so
+# "made here from finite inputs and weights" would claim what nothing checked.
+NO_WEIGHTS_SEEN = ("it has no parameters or buffers, so no weight it reads was checked: a tensor "
+                   "attribute, or one its __getattr__ fetches or samples as Pyro's PyroSample "
+                   "does")
+_NO_WEIGHTS_WORDS = "made here from finite inputs"
+
+
 def event_kind(nan: bool, inf: bool) -> str:
     """"nan", "inf" or "nan+inf"."""
     return "nan+inf" if nan and inf else ("nan" if nan else "inf")
@@ -183,6 +193,8 @@ class NanEvent:
             return _UNVERIFIED_WORDS.format(where="the model's" if self.module == "" else "its")
         if self.made_in_loss:
             return LOSS_WORDS
+        if self.origin == "output" and NO_WEIGHTS_SEEN in self.note:
+            return _NO_WEIGHTS_WORDS
         words = ORIGIN_WORDS.get(self.origin, self.origin)
         if self.origin == "input":
             arrived = self._named_kind()

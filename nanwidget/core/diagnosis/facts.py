@@ -428,6 +428,9 @@ class Facts:
     # A forward event: every module whose outputs held NaN/Inf in its batch, the root's
     # included, in the model's order (empty when it cannot be told).
     outputs_holding: list[str] = field(default_factory=list)
+    # An "output" event no replayed op explains, of a module that, with every module inside
+    # it, holds no parameter or buffer: no weight it read was measured (a PyroSample's).
+    weights_unseen: bool = False
 
     def series(self, module: str) -> list[tuple[int, float]]:
         """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from ..detect import additive_mask
-from ..events import (NOT_REPLAYED, REPEATED_NOTES, Diagnosis, NanEvent,
-                      gradient_only_reduced)
+from ..events import (LOSS_ROLE, NO_WEIGHTS_SEEN, NOT_REPLAYED, REPEATED_NOTES,
+                      UNVERIFIED_NOTES, Diagnosis, NanEvent, gradient_only_reduced)
 from ..frames import Frame, weights_finite_last
 from ..ranks import world_size
 from ..recorder import Feature, Recorder
@@ -134,6 +134,9 @@ class Diagnoser(Feature):
         """The diagnosis of ``event``; never raises (a failure is an "unknown" that says so)."""
         try:
             facts = self.facts(event, may_replay=may_replay)
+            if facts.weights_unseen:  # the event's own words must not claim them finite
+                event.note = f"{event.note}; {NO_WEIGHTS_SEEN}" if event.note \
+                    else NO_WEIGHTS_SEEN
             held = self.capture is not None and event.batch in self.capture.held_batches()
             return diagnose(facts, replayable=held and not facts.replay_refused)
         except Exception as error:
@@ -201,6 +204,7 @@ class Diagnoser(Feature):
             # The sentinel tried and could not (a static cache written in place since)
             facts.replay_refused = event.note[len(NOT_REPLAYED):]
         facts.op = op_facts(facts.trace)
+        facts.weights_unseen = facts.op is None and self._holds_no_weights(event)
         with recorder.lock:
             history = recorder.records.history
             facts.history_batches, facts.history = history.recent(HISTORY_BATCHES)
@@ -225,6 +229,24 @@ class Diagnoser(Feature):
         earlier = events[:at]
         return next((e for e in reversed(earlier) if e.is_backward and e.origin != "peer"
                      and e.rank == event.rank and e.batch <= event.batch), None)
+
+
+    def _holds_no_weights(self, event: NanEvent) -> bool:
+        """Whether ``event`` says its module made the value from finite inputs and weights while
+        that module, and every module inside it, holds no parameter or buffer now: the weights
+        its forward used (a PyroSample's, drawn in ``__getattr__``) were never measured."""
+        if event.origin != "output" or event.is_backward or event.role == LOSS_ROLE \
+                or event.note.startswith(UNVERIFIED_NOTES) or NO_WEIGHTS_SEEN in event.note:
+            return False
+        inside = event.module + "."
+        for info in self.recorder.modules:
+            if event.module and info.name != event.module and not info.name.startswith(inside):
+                continue
+            weights = info.weights
+            if any(t is not None for group in (weights._parameters, weights._buffers)
+                   for t in group.values()):
+                return False
+        return True
 
     def _is_mask(self, weight: str) -> bool:
         """Whether the weight of this qualified name is an additive mask kept as a buffer

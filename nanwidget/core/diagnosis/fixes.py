@@ -421,6 +421,13 @@ def loss(batch: int, op: str, traced: bool) -> list[str]:
     return fixes
 
 
+def unseen_weights(module: str) -> list[str]:
+    return [f"Check the tensors module '{module}' reads besides its inputs (a sampled weight, a "
+            "tensor attribute) with torch.isfinite(t).all() where its forward gets them; with "
+            "Pyro, check the guide's parameters (pyro.get_param_store()). A tensor registered "
+            "with register_buffer() or as an nn.Parameter is measured by the watch."]
+
+
 def unknown(batch: int, replayable: bool, backward: bool = False,
             refused: bool = False, sharded: bool = True) -> list[str]:
     if refused and not sharded:  # the batch cannot run again (an input written since)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..events import Diagnosis, NanEvent
+from ..events import NO_WEIGHTS_SEEN, Diagnosis, NanEvent
 from ..schema import NO_USER_LINE
 from ..stats import dtype_max
 from . import fixes
@@ -1153,11 +1153,16 @@ def _from_frames(facts: Facts) -> Diagnosis | None:
                               f"{dtype} at batch {event.batch}.",
                 [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
                 + evidence, fixes.divergence(dtype), confidence="medium")
-        return Diagnosis("overflow", f"{label} made ±inf from finite inputs and weights: a "
+        if facts.weights_unseen:  # an Inf in a weight nothing measured looks the same
+            evidence.append(f"{NO_WEIGHTS_SEEN[0].upper()}{NO_WEIGHTS_SEEN[1:]}.")
+        return Diagnosis("overflow", f"{label} made ±inf from finite inputs"
+                                     f"{'' if facts.weights_unseen else ' and weights'}: a "
                                      f"result passed {dtype}'s largest value "
                                      f"({dtype_max(dtype):.5g}).",
-                         evidence, fixes.overflow(event.module, dtype, "", "its op"),
-                         confidence="medium")
+                         evidence, (fixes.unseen_weights(event.module_label)
+                                    if facts.weights_unseen else [])
+                         + fixes.overflow(event.module, dtype, "", "its op"),
+                         confidence="low" if facts.weights_unseen else "medium")
     return None
 
 
@@ -1248,6 +1253,13 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
         suggestion = fixes.unknown(event.batch, replayable, backward=event.is_backward,
                                    refused=bool(facts.replay_refused),
                                    sharded=facts.replay_refused_sharded)
+    if facts.weights_unseen:
+        trace = facts.trace
+        if trace is not None and trace.reproduced:
+            evidence.append("The replay made it again, and no op made it from finite values: "
+                            "it came with a tensor the watch does not measure.")
+            suggestion = []  # a replay says no more
+        suggestion = fixes.unseen_weights(event.module_label) + suggestion
     return Diagnosis("unknown", summary, evidence, suggestion, confidence="low")
 
 
