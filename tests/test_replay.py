@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import inspect
 import random
+import sys
 import time
+import warnings
 
 import numpy
 import pytest
@@ -758,3 +760,90 @@ def test_a_forward_that_raises_after_its_nan_is_replayed_up_to_the_exception(rep
     assert trace.raised == "the forward raised AssertionError (the state is not finite)"
     assert "The replay stopped where the forward raised AssertionError" in trace.report()
     assert "head" not in set(trace.frames.module)  # nothing after the exception ran
+
+
+# ------------------------------------------------------------------ Pyro's effect handlers
+class _SiteRecorder:
+    """Stands in for Pyro's ``poutine.trace``: records each sample site once, as SVI's does."""
+
+    def __init__(self) -> None:
+        self.sites: list[str] = []
+
+    def process(self, name: str) -> None:
+        if name in self.sites:
+            raise RuntimeError(f"Multiple sample sites named '{name}'")
+        self.sites.append(name)
+
+
+class ReplayMessenger:
+    """Stands in for Pyro's ``poutine.replay`` (the guide's values): records nothing."""
+
+    def process(self, name: str) -> None:
+        pass
+
+
+class SampledScaleLog(nn.Module):
+    """Draws a sample site (as ``pyro.sample`` does, through the handler stack), then takes the
+    log of a linear layer's output: NaN where it is negative."""
+
+    def __init__(self, stack: list) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+        self.stack = stack
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for handler in reversed(self.stack):
+            handler.process("sigma")
+        return torch.log(self.fc(x)).squeeze(-1)
+
+
+@pytest.mark.parametrize("options", [{"replay_on_nan": True}, {"mode": "sentinel"}])
+def test_an_automatic_replay_runs_outside_pyros_handlers_and_puts_them_back(monkeypatch, options):
+    # Inside SVI's step every replay failed ("Multiple sample sites named 'sigma'": the step's
+    # poutine.trace saw the site again), so a log of a negative value read "unknown".
+    import types
+
+    runtime = types.ModuleType("pyro.poutine.runtime")
+    recorder, replayer = _SiteRecorder(), ReplayMessenger()
+    runtime._PYRO_STACK = [recorder, replayer]
+    monkeypatch.setitem(sys.modules, "pyro.poutine.runtime", runtime)
+    stack = runtime._PYRO_STACK
+    torch.manual_seed(0)
+    model = SampledScaleLog(stack)
+    with nw.watch(model, on_nan="record", **options) as w:
+        model(torch.randn(8, 3))
+    assert w.event.diagnosis.kind == "domain"
+    assert w.event.trace.first_bad["op"] == "log"
+    assert runtime._PYRO_STACK is stack and stack == [recorder, replayer]
+    assert recorder.sites == ["sigma"]  # the replay added no site to the step's trace
+
+
+def test_a_pyro_models_nan_inside_svi_step_is_replayed_and_named():
+    pyro = pytest.importorskip("pyro")
+    import pyro.distributions as dist
+    from pyro.infer import SVI, Trace_ELBO
+    from pyro.infer.autoguide import AutoNormal
+    from pyro.nn import PyroModule
+
+    class Regression(PyroModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = PyroModule[nn.Linear](3, 1)
+
+        def forward(self, x, y=None):
+            sigma = pyro.sample("sigma", dist.Uniform(0.1, 3.0))
+            mean = torch.log(self.lin(x).squeeze(-1))  # NaN where negative
+            with pyro.plate("data", x.shape[0]):
+                pyro.sample("obs", dist.Normal(mean, sigma, validate_args=False), obs=y)
+            return mean
+
+    pyro.set_rng_seed(0)
+    pyro.clear_param_store()
+    model = Regression()
+    svi = SVI(model, AutoNormal(model), pyro.optim.Adam({"lr": 0.01}), Trace_ELBO())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Pyro's "Encountered NaN: loss"
+        with nw.watch(model, on_nan="record", mode="sentinel") as w:
+            svi.step(torch.randn(20, 3), torch.randn(20))
+    assert w.event.diagnosis.kind == "domain"
+    assert w.event.diagnosis.op.startswith(f"log at {line_of(Regression.forward, 'torch.log(')}")

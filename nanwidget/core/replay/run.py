@@ -254,6 +254,31 @@ def own_parametrization_cache() -> Iterator[None]:
         parametrize._cache = saved
 
 
+# Pyro's effect handlers a replay keeps: those that hand a sample site the value a recorded
+# trace holds (SVI runs the model under the guide's), recording nothing themselves.
+_PYRO_HANDLERS_KEPT = ("ReplayMessenger",)
+
+
+@contextlib.contextmanager
+def outside_pyro_handlers() -> Iterator[None]:
+    """Pyro runs a model under effect handlers (SVI's ``poutine.trace`` records each sample
+    site once); an automatic replay at the end of the forward would run inside them and fail
+    ("Multiple sample sites named 'sigma'"), or add its sites to the step's trace. While inside,
+    Pyro's handler stack holds only the handlers that give sites their recorded values (the
+    guide's, in SVI), and is put back afterwards. Pyro is never imported here."""
+    runtime = sys.modules.get("pyro.poutine.runtime")
+    stack = getattr(runtime, "_PYRO_STACK", None)
+    if not isinstance(stack, list) or not stack:
+        yield
+        return
+    saved = stack[:]
+    stack[:] = [frame for frame in saved if type(frame).__name__ in _PYRO_HANDLERS_KEPT]
+    try:
+        yield
+    finally:
+        stack[:] = saved
+
+
 class ReplayFrames(FrameSink):
     """The :class:`~nanwidget.core.grads.backward.FrameSink` of a replay, over its
     :class:`OpRecorder`: a replay's backward frames are recorded by the very code that records
@@ -401,7 +426,7 @@ class _Replay:
         raised_in, changes_then = ("forward", 0), []  # model's changes it may come from
         try:
             with self.recorder.suspend(), eager_calls(), own_parametrization_cache(), \
-                    no_collectives(root, partial(_running_now, recorder)):
+                    outside_pyro_handlers(), no_collectives(root, partial(_running_now, recorder)):
                 # Before this replay's own hooks go on the root (its first one is prepended).
                 earlier_pre_hooks.wrap(*self.recorder.pre_hooks_before_held_inputs())
                 shadows = recorder.shadows = Shadows()
