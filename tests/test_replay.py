@@ -847,3 +847,28 @@ def test_a_pyro_models_nan_inside_svi_step_is_replayed_and_named():
             svi.step(torch.randn(20, 3), torch.randn(20))
     assert w.event.diagnosis.kind == "domain"
     assert w.event.diagnosis.op.startswith(f"log at {line_of(Regression.forward, 'torch.log(')}")
+
+
+class LogOfLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.lin(x)).squeeze(-1)  # NaN where negative
+
+
+def test_a_snapshot_replay_is_not_stopped_by_weights_written_non_finite_after_its_batch():
+    # The step after the NaN loss wrote NaN into lin; the replay ran with the snapshot (its own
+    # frame shows lin.weight finite) and made the NaN again, yet read "not reproduced: met
+    # another event first: lin.weight is non-finite" (the live weight, measured after it).
+    torch.manual_seed(0)
+    model = LogOfLinear()
+    with nw.watch(model, on_nan="record", snapshot_weights=True) as w:
+        model(torch.randn(8, 3))
+        with torch.no_grad():
+            model.lin.weight[0, 0] = float("nan")  # as that step would
+        trace = w.replay(0)
+    assert trace.reproduced and trace.first_bad["op"] == "log"
+    assert trace.first_bad["source"] == line_of(LogOfLinear.forward, "torch.log(")
+    assert torch.isnan(model.lin.weight[0, 0])  # the model's own weight, left as it was

@@ -23,7 +23,7 @@ from ..grads.backward import BackwardFrames, FrameSink
 from ..opaque import add_forward_hook, add_forward_pre_hook, hookable_modules
 from ..recorder import ModuleInfo, Recorder, in_backward_pass
 from ..schema import OPS_COLUMNS, OPS_DTYPES
-from ..stats import is_distributed_tensor, version_of
+from ..stats import is_distributed_tensor, measure_tensor, version_of
 from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
 from ..writes import written_since
@@ -88,11 +88,38 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
     replayed = _Replay(recorder, capture, held, loss_fn, backward_frames=backward,
                        output_grads=None if loss_fn is not None else output_grads).run()
     # The one verdict of this replay: the event its frames hold (their own weights as the
-    # replay measured them; an inner module used without being called has none: measured now).
+    # replay measured them; an inner module used without being called has none: measured now,
+    # as the replay had them).
     found = first_event(replayed.frames, Detector(
         recorder.inf_allowed, module_names=recorder.module_names,
-        inner_weights_now=recorder.weights_now, is_buffer=recorder.is_buffer))
+        inner_weights_now=replayed_weights(recorder, capture, held),
+        is_buffer=recorder.is_buffer))
     return replayed.conclude(found, expected)
+
+
+def replayed_weights(recorder: Recorder, capture: BatchCapture,
+                     held: HeldBatch) -> Callable[[str], list[Entry] | None]:
+    """Measures a module's own weights, now, as a replay of ``held`` had them: the copies
+    ``snapshot_weights=True`` took when the batch started (the live ones may have been written
+    since: the step after a NaN loss writes NaN into them), else the live ones."""
+    snapshot = held.forwards[0].snapshot
+    if not snapshot:
+        return recorder.weights_now
+    slots = capture.slots
+    # As Shadows.install takes them: a copy whose shape or dtype no longer fits is not used.
+    copies = {name: copy for name, copy, live in zip(slots.names, snapshot, slots.read())
+              if copy is not None and live is not None and copy.shape == live.shape
+              and copy.dtype == live.dtype}
+
+    def weights(module: str) -> list[Entry] | None:
+        entries = recorder.weights_now(module)
+        if not entries:
+            return entries
+        prefix = f"{module}." if module else ""
+        return [entry if (copy := copies.get(prefix + entry.role)) is None
+                else entry.replace(stats=measure_tensor(copy)) for entry in entries]
+
+    return weights
 
 
 def replay_frames(recorder: Recorder, capture: BatchCapture, held: HeldBatch, *,
