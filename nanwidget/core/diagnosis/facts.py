@@ -171,6 +171,8 @@ def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> Input
     note = ""
     if is_distributed_tensor(tensor):
         tensor, note = local_shard(tensor), LOCAL_SHARD
+    if tensor.layout is torch.sparse_coo and not tensor.is_meta and tensor.is_floating_point():
+        return _describe_sparse_input(role, tensor, batch_dim, note)
     if tensor.is_meta or tensor.is_sparse or tensor.is_nested or tensor.numel() == 0 \
             or not storage_holds(tensor):
         return None
@@ -193,6 +195,27 @@ def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> Input
                 facts.masked_rows = _rows_where((values != 0).all(dim=-1))
             elif any(key in name for key in _KEPT_WHEN_TRUE):
                 facts.masked_rows = _rows_where((values == 0).all(dim=-1))
+    return facts
+
+
+def _describe_sparse_input(role: str, tensor: torch.Tensor, batch_dim: int,
+                           note: str) -> InputFacts:
+    """A sparse COO input: its stored values (duplicates of an uncoalesced one added up), the
+    rows along ``batch_dim`` read from their indices."""
+    batch_dim = batch_dim if tensor.dim() > batch_dim else 0
+    facts = InputFacts(role=role, dtype=str(tensor.dtype).replace("torch.", ""),
+                       shape=tuple(tensor.shape), note=note, batch_dim=batch_dim)
+    with torch.no_grad():
+        values = tensor.detach().coalesce()
+        stored, indices = values._values(), values._indices()
+        nan, inf = torch.isnan(stored), torch.isinf(stored)
+        facts.nan, facts.inf = int(nan.sum()), int(inf.sum())
+        if facts.nan or facts.inf:
+            bad = nan | inf
+            while bad.dim() > 1:  # hybrid sparse: dense dimensions after the sparse ones
+                bad = bad.any(dim=-1)
+            if batch_dim < indices.shape[0]:
+                facts.rows = sorted(set(indices[batch_dim][bad].tolist()))
     return facts
 
 

@@ -522,14 +522,27 @@ class Diagnoser(Feature):
         event, capture = facts.event, self.capture
         earlier = [b for b in held if b < event.batch]
         versions = {b: {n: v for n, v, _ in capture.held_weights(b)} for b in earlier}
+        # A write a forward made into its own weight (max_norm's renorm) is no write between
+        # batches: for those, compare each held batch's end with the next one's start.
+        after = {b: capture.versions_after(b) for b in earlier}
         written_in = {b: capture.buffers_written(b) for b in clean}
         now = {n: v for n, v, _ in capture.held_weights(event.batch)}
         steps = capture.optimizer_steps()
 
         def written_after(batch: int, name: str) -> bool:
             then = versions[batch]
-            return name not in then or name not in now or then[name] != now[name] \
-                or steps.get(batch) != steps.get(event.batch)
+            if name in after[batch] and steps.get(batch) == steps.get(event.batch):
+                for k in range(batch, event.batch):
+                    ended = after.get(k, {}).get(name)
+                    started = (now if k + 1 == event.batch else versions.get(k + 1, {})).get(name)
+                    if ended is None or started is None or ended != started:
+                        return True
+                return False
+            # An optimizer steps parameters: a buffer it does not hold is written with a
+            # version bump (or by the forward itself: buffers_written).
+            stepped = steps.get(batch) != steps.get(event.batch) \
+                and not self.recorder.is_buffer(*name.rpartition(".")[::2])
+            return name not in then or name not in now or then[name] != now[name] or stepped
 
         seen: dict[str, list[int]] = {}
         for name in names:

@@ -778,6 +778,11 @@ def _weights(facts: Facts) -> Diagnosis | None:
             summary = (f"{shown} {verb} {_kind_words(event.kind)} {held}; batch {event.batch} is "
                        "the first to read the bad values (no in-place write and no optimizer "
                        "step in between).")
+            if before_watch and dtype in _CASTS_TO_INF and event.kind == "inf":
+                # Sentinel mode: unread until now, but Inf since before the watch, as full
+                # mode sees it at the first batch: a cast to float16 (or a checkpoint).
+                return _cast_to_low_precision(facts, names, shown, verb, evidence, dtype,
+                                              first_read=event.batch)
             evidence.append(
                 f"The version counter of {names[0]} has not moved since batch {start}, nor have "
                 f"the optimizer's steps: {'it' if len(names) == 1 else 'they'} held "
@@ -992,12 +997,20 @@ def _cast_overflow(facts: Facts, dtype: str) -> bool:
 
 
 def _cast_to_low_precision(facts: Facts, names: list[str], shown: str, verb: str,
-                           evidence: list[str], dtype: str) -> Diagnosis:
+                           evidence: list[str], dtype: str,
+                           first_read: int | None = None) -> Diagnosis:
     event = facts.event
     largest = f"{dtype_max(dtype):.6g}"
-    evidence.append(f"No batch ran before batch {event.batch} under this watch: what made "
-                    f"{'it' if len(names) == 1 else 'them'} Inf came before the watch (a cast "
-                    f"to {dtype}, a load, or training steps run before it).")
+    it = 'it' if len(names) == 1 else 'them'
+    if first_read is None:
+        evidence.append(f"No batch ran before batch {event.batch} under this watch: what made "
+                        f"{it} Inf came before the watch (a cast to {dtype}, a load, or "
+                        "training steps run before it).")
+    else:
+        evidence.append(f"No in-place write and no optimizer step since the watch began: what "
+                        f"made {it} Inf came before the watch (a cast to {dtype}, a load, or "
+                        f"training steps run before it); batch {first_read} is the first to "
+                        "read the bad values (an embedding row the batches before did not use).")
     if dtype == "float16":
         how = ("when a model is cast to float16 (model.half(), .to(torch.float16), "
                "torch_dtype=torch.float16)")

@@ -78,7 +78,7 @@ class ForwardCapture:
     __slots__ = ("args", "kwargs", "inputs", "input_versions", "end_input_versions", "cpu_rng",
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
                  "weight_versions", "weight_layout", "end_buffer_versions", "snapshot",
-                 "needs_grad", "steps", "uncopied")
+                 "needs_grad", "steps", "uncopied", "end_renormed_versions")
 
     def __init__(self) -> None:
         self.uncopied = ""  # the first input that could not be copied, and why
@@ -86,6 +86,7 @@ class ForwardCapture:
         self.needs_grad: frozenset | set = frozenset()  # positions / keys of detached inputs that required grad
         self.end_input_versions: list[int] | None = None
         self.end_buffer_versions: list[int] | None = None
+        self.end_renormed_versions: list[int] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
         self.steps = 0  # optimizer steps seen when it started (core.writes)
 
@@ -145,7 +146,12 @@ class WeightSlots:
         self.keys: list[str] = []
         self.names: list[str] = []
         self.is_buffer: list[bool] = []
+        # Weights their own module writes in place in its forward (nn.Embedding(max_norm=...)
+        # renormalises the rows it reads): their version moves within a batch, not after it.
+        self.renormed_positions: list[int] = []
         for module_name, module in root.named_modules():
+            renorms = isinstance(module, (nn.Embedding, nn.EmbeddingBag)) \
+                and getattr(module, "max_norm", None) is not None
             for is_buffer, container in ((False, module._parameters), (True, module._buffers)):
                 if not isinstance(container, dict):  # a TorchScript module's: no .get()
                     container = _Slots(container)
@@ -156,6 +162,8 @@ class WeightSlots:
                     self.keys.append(key)
                     self.names.append(f"{module_name}.{key}" if module_name else key)
                     self.is_buffer.append(is_buffer)
+                    if renorms and not is_buffer and key == "weight":
+                        self.renormed_positions.append(len(self.names) - 1)
         self.buffer_positions = [i for i, flag in enumerate(self.is_buffer) if flag]
         self._getters = [container.get for container in self.containers]
         self.root = root
@@ -381,6 +389,11 @@ class BatchCapture(Feature):
                     last.end_input_versions = versions_of([first])  # type: ignore[list-item]
             else:
                 last.end_input_versions = _input_versions([t for _, t in inputs])
+            if self.slots.renormed_positions:
+                weights = last.weights
+                last.end_renormed_versions = [
+                    -1 if weights[i] is None else version_of(weights[i])
+                    for i in self.slots.renormed_positions]
             if self.slots.buffer_positions:
                 weights = last.weights
                 last.end_buffer_versions = [
@@ -528,6 +541,16 @@ class BatchCapture(Feature):
                 if i < len(names) and (stepped or then != now):
                     written[names[i]] = k
         return written
+
+    def versions_after(self, batch: int) -> dict[str, int]:
+        """The version counters, when ``batch``'s last root forward ended, of the weights a
+        forward writes in place itself (nn.Embedding(max_norm=...)); empty when not held."""
+        held = self.held.get(batch)
+        if held is None or not held.forwards or held.forwards[-1].end_renormed_versions is None:
+            return {}
+        names = self.slots.names
+        return {names[i]: v for i, v in zip(self.slots.renormed_positions,
+                                              held.forwards[-1].end_renormed_versions)}
 
     def held_weights(self, batch: int) -> list[tuple[str, int, torch.Tensor | None]]:
         """(name, version counter, copy or None) of every parameter and buffer when ``batch``

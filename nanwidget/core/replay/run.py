@@ -32,7 +32,7 @@ from .capture import (BatchCapture, ForwardCapture, HeldBatch, ModelNotReplayabl
 from .collectives import no_collectives, refused_collective
 from .inputs import UncopiedInput, copy_structure
 from .shadows import ModuleAttributes, Shadows
-from .tracer import OpRecorder, OpTracer
+from .tracer import OpRecorder, OpTracer, WriteGuard
 
 __all__ = ["replay_held_batch", "replay_frames", "refuse_unreplayable", "unreplayable_reason", "automatic_loss",
            "eager_calls",
@@ -544,6 +544,8 @@ class _Replay:
             stack.enter_context(forward_modes(capture, backward=backward))
             if self.trace_ops:
                 stack.enter_context(OpTracer(recorder))
+            elif recorder.shadows is not None and recorder.shadows.protected:
+                stack.enter_context(WriteGuard(recorder.shadows))
             recorder.phase = "forward"
             output = root(*args, **kwargs)
             recorder.tag_nodes()

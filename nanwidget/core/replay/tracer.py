@@ -59,6 +59,10 @@ _HELD_BIRTH_BYTES = 64 << 20
 def storage_key(tensor: torch.Tensor) -> int | None:
     """The address of a tensor's storage: the same for every view of it; None without one."""
     try:
+        if tensor.layout is torch.sparse_coo:  # no storage of its own: its values' storage
+            tensor = tensor._values()
+        elif tensor.layout is not torch.strided and tensor.is_sparse_csr:
+            tensor = tensor.values()
         key = tensor.untyped_storage().data_ptr()
     except Exception:  # tensor subclasses without a storage
         return None
@@ -703,3 +707,31 @@ class OpTracer(TorchDispatchMode):
         output = func(*args, **kwargs)
         recorder.after_op(func, args, kwargs, output, sys._getframe(1))
         return output
+
+
+class WriteGuard(TorchDispatchMode):
+    """A replay without the op trace (frames only): measures nothing, but saves each protected
+    weight an op is about to write into (``embedding_renorm_`` in ``nn.Embedding(max_norm=...)``,
+    any in-place write a forward makes into a parameter), so that the replay restores it."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __init__(self, shadows: Shadows) -> None:
+        super().__init__()
+        self.shadows = shadows
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        positions, names = mutated_arguments(func)
+        if positions or names:
+            shadows = self.shadows
+            for position in positions:
+                if position < len(args):
+                    for tensor in tensors_in(args[position]):
+                        shadows.before_write(tensor)
+            for name in names:
+                for tensor in tensors_in(kwargs.get(name)):
+                    shadows.before_write(tensor)
+        return func(*args, **kwargs)
