@@ -155,3 +155,32 @@ def test_sentinel_does_not_blame_the_optimizer_for_a_buffer_it_does_not_hold():
     diagnosis = w.event.diagnosis
     assert (w.event.batch, w.event.role, diagnosis.kind) == (1, "logq", "corrupted-weight")
     assert "since before the watch began" in diagnosis.summary
+
+
+class TwoTowerWithTemperature(nn.Module):
+    def __init__(self, temperature: float):
+        super().__init__()
+        self.user, self.item = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.temperature = nn.Parameter(torch.tensor(temperature))
+
+    def forward(self, u, i):
+        cosine = nn.functional.normalize(self.user(u), dim=-1) \
+            @ nn.functional.normalize(self.item(i), dim=-1).T
+        return cosine / self.temperature  # in-batch softmax logits
+
+
+@pytest.mark.parametrize("dtype, temperature", [(torch.float16, 2e-6), (torch.float32, 1e-39)])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_collapsed_temperature_is_the_denominator_to_fix(mode, dtype, temperature):
+    # Cosine logits in [-1, 1] over a learned temperature near 0: the fixes said to clamp or
+    # scale the numerators (already within [-1, 1]) and nothing of the denominator.
+    torch.manual_seed(0)
+    model = TwoTowerWithTemperature(temperature).to(dtype)
+    with watch(model, mode) as w, torch.no_grad():
+        model(torch.randn(8, 8, dtype=dtype), torch.randn(8, 8, dtype=dtype))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert "its denominator is as small as" in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("Keep the denominator")
+    assert not any("Keep the values smaller" in fix or "runaway growth" in fix
+                   for fix in diagnosis.suggestion)

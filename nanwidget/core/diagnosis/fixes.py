@@ -16,9 +16,19 @@ _LOW_PRECISION = ("float16", "bfloat16")
 _EXPONENTIALS = ("exp", "exp2", "expm1", "sinh", "cosh")
 
 
-def overflow(module: str, dtype: str, at: str, op: str) -> list[str]:
+def overflow(module: str, dtype: str, at: str, op: str,
+             tiny_denominator: bool = False) -> list[str]:
     where = f"module '{module}'" if module else "that part of the model"
     fixes = []
+    if tiny_denominator:  # the numerators are moderate: the denominator is what to fix
+        fixes.append(f"Keep the denominator{at} away from 0: x / d.clamp_min(eps). A learned "
+                     "temperature gets a floor, t.clamp_min(0.01) or 0.01 + F.softplus(t) "
+                     "(CLIP learns its inverse, logit_scale, and clamps it at 100); a norm or a "
+                     "std gets an eps, x / (x.norm(dim=-1, keepdim=True) + eps).")
+        if dtype == "float16":
+            fixes.append(f"Run {where} in bfloat16 or float32: float16 passes 65504 as soon "
+                         "as a value of 1 is divided by less than 1.5e-5.")
+        return fixes
     if dtype == "float16":
         fixes.append(f"Run {where} in bfloat16 (same range as float32) or float32: under "
                      "torch.autocast, wrap it in torch.autocast(device_type, enabled=False) and "

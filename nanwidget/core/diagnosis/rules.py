@@ -346,10 +346,37 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     return None
 
 
+def _tiny_denominator(op: OpFacts) -> float | None:
+    """The smallest |denominator| of a division that overflowed because of it (a learned
+    temperature collapsed towards 0) while its numerators stayed moderate; None otherwise (a
+    denominator reaching 0 is a domain error)."""
+    if op.name in ("div", "true_divide"):
+        denominator, numerator = op.input_range(1), op.input_range(0)
+    elif op.name == "reciprocal":
+        denominator, numerator = op.input_range(0), (1.0, 1.0)
+    else:
+        return None
+    if denominator is None or numerator is None or denominator[0] <= 0 <= denominator[1]:
+        return None
+    smallest = min(abs(denominator[0]), abs(denominator[1]))
+    largest = max(abs(numerator[0]), abs(numerator[1]))
+    limit = op.limit
+    if not math.isfinite(limit) or largest >= math.sqrt(limit) or smallest >= 1 \
+            or largest < smallest * limit / 2:
+        return None
+    return smallest
+
+
 def _overflow_reason(op: OpFacts) -> tuple[str, str] | None:
     limit = op.limit
     if not math.isfinite(limit) or op.inputs_hold_inf():
         return None
+    tiny = _tiny_denominator(op)
+    if op.inf and tiny is not None:
+        numerator = op.input_range(0) if op.name != "reciprocal" else (1.0, 1.0)
+        return (f"its denominator is as small as {_g(tiny)}, and numerators up to "
+                f"{_g(max(abs(numerator[0]), abs(numerator[1])))} divided by it pass "
+                f"{op.dtype}'s largest value ({limit:.5g})", "high")
     largest = op.largest_input()
     if op.name in _EXP_OPS and largest > math.log(limit):
         return (f"{op.name} of values up to {_g(largest)}: above {_g(math.log(limit))} it passes "
@@ -1117,7 +1144,8 @@ def _from_op(facts: Facts) -> Diagnosis | None:
             f"{event.batch} ({reason}).", evidence, fixes.divergence(op.dtype), confidence="high")
     evidence = evidence + _activation_lines(facts, modules)
     evidence.extend(_no_history(facts))
-    suggestion = fixes.overflow(op.module, op.dtype, op.at, op.name)
+    suggestion = fixes.overflow(op.module, op.dtype, op.at, op.name,
+                                tiny_denominator=_tiny_denominator(op) is not None)
     weight = _weight_gradient(facts) if op.phase == "backward" else None
     if weight is not None:  # a weight's gradient: what its frames tell comes too
         evidence.extend(weight.evidence)
