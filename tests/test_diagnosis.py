@@ -1566,6 +1566,45 @@ def test_a_weightless_module_whose_op_a_replay_names_is_not_said_to_hide_weights
     assert w.event.note == "" and "finite inputs and weights" in w.event.summary()
 
 
+class _TimesTensorAttribute(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight  # a plain tensor attribute, set by the parent
+
+
+class _TiedByHand(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Parameter(torch.randn(4, 4))
+        self.scaled = _TimesTensorAttribute()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scaled.weight = self.base * 2
+        return self.head(self.scaled(x))
+
+
+@pytest.mark.parametrize("keep_batches", [0, 4])
+def test_a_weight_computed_from_another_modules_parameter_is_not_said_to_be_finite(
+        keep_batches):
+    # The module's weight is a tensor attribute made from the root's parameter: the event read
+    # "made here from finite inputs and weights" ('unknown'); a weightless module (x / norm)
+    # makes no such claim (its weights: none), and keeps its words.
+    torch.manual_seed(0)
+    model = _TiedByHand()
+    with torch.no_grad():
+        model.base[0, 0] = float("nan")
+    with nw.watch(model, on_nan="record", keep_batches=keep_batches) as w:
+        model(torch.randn(3, 4))
+    event = w.events[0]
+    assert (event.module, event.origin) == ("scaled", "output")
+    assert "finite inputs and weights" not in event.summary()
+    if keep_batches:  # the replay reads the parameter the attribute came from
+        assert event.diagnosis.kind == "corrupted-weight"
+        assert "'base' holds NaN" in event.diagnosis.summary
+    else:
+        assert event.diagnosis.suggestion[0].startswith("Check the tensors module 'scaled' reads")
+
+
 # ---------------------------------------------------------------------------- where it shows
 def test_report_prints_the_diagnosis_after_the_summary_line():
     model = LogOfRelu()

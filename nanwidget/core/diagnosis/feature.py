@@ -230,15 +230,17 @@ class Diagnoser(Feature):
         return next((e for e in reversed(earlier) if e.is_backward and e.origin != "peer"
                      and e.rank == event.rank and e.batch <= event.batch), None)
 
-
     def _holds_no_weights(self, event: NanEvent) -> bool:
         """Whether ``event`` says its module made the value from finite inputs and weights while
-        that module, and every module inside it, holds no parameter or buffer now: the weights
-        its forward used (a PyroSample's, drawn in ``__getattr__``) were never measured."""
+        that module, and every module inside it, holds no parameter or buffer now, and reads
+        tensors of another kind: a tensor attribute (a weight computed from another module's
+        parameter) or one its class's ``__getattr__`` makes (a PyroSample's, drawn there). Those
+        were never measured. A module with no weight at all (x / x.norm()) makes no such claim."""
         if event.origin != "output" or event.is_backward or event.role == LOSS_ROLE \
                 or event.note.startswith(UNVERIFIED_NOTES) or NO_WEIGHTS_SEEN in event.note:
             return False
         inside = event.module + "."
+        unmeasured = False
         for info in self.recorder.modules:
             if event.module and info.name != event.module and not info.name.startswith(inside):
                 continue
@@ -246,7 +248,10 @@ class Diagnoser(Feature):
             if any(t is not None for group in (weights._parameters, weights._buffers)
                    for t in group.values()):
                 return False
-        return True
+            module = info.module
+            unmeasured = unmeasured or type(module).__getattr__ is not nn.Module.__getattr__ \
+                or any(isinstance(value, torch.Tensor) for value in vars(module).values())
+        return unmeasured
 
     def _is_mask(self, weight: str) -> bool:
         """Whether the weight of this qualified name is an additive mask kept as a buffer
