@@ -6,6 +6,7 @@ both apply."""
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import os
 import pickle
@@ -861,3 +862,53 @@ def test_encoder_layers_inside_a_model_keep_their_fused_path_and_are_hooked_in_t
     assert not any("forward" in module.__dict__ for module in model.modules())
     with torch.no_grad():
         assert torch.equal(copied.eval()(x, padding), expected)
+
+
+def _wrap_forward_as_accelerate_does(module: nn.Module) -> None:
+    """accelerate's add_hook_to_module: the current forward kept as ``_old_forward``, an
+    instance-level forward calling it."""
+    module._old_forward = module.forward
+    module.forward = functools.partial(_new_forward, module)
+
+
+def _new_forward(module: nn.Module, *args, **kwargs):
+    return module._old_forward(*args, **kwargs)
+
+
+def test_a_forward_wrapper_set_while_watched_keeps_no_watch_in_copies_nor_after_close():
+    # A wrapper set after watch() kept the watch's stand-in forward: its deep copy computed
+    # with the original's weights, and after close torch.save(layer) failed (a weakref).
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    x, padding = _padded_batch()
+    w = nw.watch(layer)
+    _wrap_forward_as_accelerate_does(layer)
+    copied = copy.deepcopy(layer)
+    with torch.no_grad():
+        copied.linear2.bias.add_(1.0)
+        assert not torch.equal(copied(x, src_key_padding_mask=padding),
+                               layer(x, src_key_padding_mask=padding))
+        expected = layer(x, src_key_padding_mask=padding)
+    w.close()
+    layer.forward = layer._old_forward  # accelerate's remove_hook_from_module
+    del layer._old_forward
+    # What accelerate leaves unwatched too: the layer's own forward, bound.
+    assert layer.forward.__func__ is nn.TransformerEncoderLayer.forward
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(x, src_key_padding_mask=padding), expected)
+
+
+def test_sentinel_replays_an_encoder_layer_on_its_fused_path_and_tells_the_masked_row():
+    # The replay hooked every module without keeping the layers' fused path: it took the
+    # modules' path, which stays finite, and the event read "unknown ... not reproduced".
+    model = _Encoder().eval()
+    x, padding = _padded_batch()
+    padding[1] = True
+    with nw.watch(model, mode="sentinel", on_nan="record") as w, torch.no_grad():
+        model(x, padding)
+    assert w.event.diagnosis.kind == "masked-row"
+    assert not any("forward" in module.__dict__ for module in model.modules())

@@ -18,6 +18,9 @@ forward, after the layer's pre-hooks and before its forward hooks are read); cop
 
 from __future__ import annotations
 
+import copy
+import operator
+import types
 import weakref
 from typing import Any, Callable
 
@@ -97,10 +100,21 @@ class FusedPathKeeper:
         self.previous = previous
         self.users = 1  # the watches hooking the layer
 
+    def _unwatched(self, layer: nn.Module) -> Callable[..., Any]:
+        """The forward ``layer`` had before: the previous instance-level one, or its class's."""
+        return self.previous if self.previous is not None else \
+            types.MethodType(type(layer).forward, layer)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature() reads the layer's own
+        return self._unwatched(self.layer())
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         layer = self.layer()
-        forward = self.previous if self.previous is not None else \
-            type(layer).forward.__get__(layer)
+        forward = self._unwatched(layer)
+        if self.users <= 0:  # released, and put back by whoever held it (accelerate's hooks)
+            _unplug(layer, self)
+            return forward(*args, **kwargs)
         if torch.compiler.is_compiling() or not _fused_path_possible(layer, args, kwargs):
             return forward(*args, **kwargs)
         taken = _take_off_watch_hooks(layer)
@@ -110,25 +124,50 @@ class FusedPathKeeper:
             _put_back(taken)
 
 
-def keep_fused_path(layer: nn.Module) -> None:
+    # Someone may hold this forward where copies reach it (accelerate's hooks keep the forward
+    # they wrap as ``_old_forward``): a copy or a pickle gets the forward the layer had without
+    # the watch, bound to the copied layer.
+    def __deepcopy__(self, memo: dict) -> Callable[..., Any]:
+        layer = self.layer()
+        if self.previous is not None:
+            return copy.deepcopy(self.previous, memo)
+        copied = memo.get(id(layer), layer)
+        return types.MethodType(type(copied).forward, copied)
+
+    def __reduce__(self) -> tuple:
+        # Only torch's and Python's names: a pickle loads where nanwidget is not installed.
+        if self.previous is not None:
+            return operator.itemgetter(0), ([self.previous],)
+        # Rebuilt before the layer's state is set: its class's forward, bound to it.
+        return getattr, (self.layer(), "forward")
+
+
+def _unplug(layer: nn.Module, keeper: FusedPathKeeper) -> None:
+    """Take the released ``keeper`` out of ``layer``: as its forward, and where a wrapper set
+    after it keeps it (accelerate's ``_old_forward``), the forward it stood for instead."""
+    for key, value in list(layer.__dict__.items()):
+        if value is keeper:
+            if key == "forward" and keeper.previous is None:
+                del layer.__dict__[key]
+            else:
+                layer.__dict__[key] = keeper._unwatched(layer)
+
+
+def keep_fused_path(layer: nn.Module) -> FusedPathKeeper:
     """Run ``layer``'s forward as :class:`FusedPathKeeper` does, until as many
-    :func:`release_fused_path` calls (one per watch)."""
+    :func:`release_fused_path` calls (one per watch); the keeper to release."""
     current = layer.__dict__.get("forward")
     if isinstance(current, FusedPathKeeper):
         current.users += 1
-    else:
-        layer.__dict__["forward"] = FusedPathKeeper(layer, current)
+        return current
+    keeper = layer.__dict__["forward"] = FusedPathKeeper(layer, current)
+    return keeper
 
 
-def release_fused_path(layer: nn.Module) -> None:
+def release_fused_path(layer: nn.Module, keeper: FusedPathKeeper) -> None:
     """One watch is done with ``layer``; the last restores its forward. A forward someone set
-    after ours stays (it calls ours, which then finds no hooks of ours to take off)."""
-    current = layer.__dict__.get("forward")
-    if not isinstance(current, FusedPathKeeper):
-        return
-    current.users -= 1
-    if current.users <= 0:
-        if current.previous is None:
-            del layer.__dict__["forward"]
-        else:
-            layer.__dict__["forward"] = current.previous
+    after ours stays, and one that wraps ours (accelerate's) keeps calling it: it then calls the
+    layer's own forward and nothing more."""
+    keeper.users -= 1
+    if keeper.users <= 0:
+        _unplug(layer, keeper)

@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from .copies import copy_without_watch, stop_copying_without_watch
-from .fastpath import has_fused_path, keep_fused_path, release_fused_path
+from .fastpath import FusedPathKeeper, has_fused_path, keep_fused_path, release_fused_path
 from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
@@ -353,8 +353,8 @@ class Recorder:
         self._module_handles: list[torch.utils.hooks.RemovableHandle] = []
         # Layers whose fused path the hooks would turn off (core.fastpath): the root, while
         # the watch lasts; the others, while module hooks are attached.
-        self._fused_root: nn.Module | None = None
-        self._fused_layers: list[nn.Module] = []
+        self._fused_root: tuple[nn.Module, FusedPathKeeper] | None = None
+        self._fused_layers: list[tuple[nn.Module, FusedPathKeeper]] = []
         # torch.compile wrappers whose calls are refused (see _refuse_wrapper_call).
         self._wrappers: list[weakref.ref[nn.Module]] = []
         self._infos: dict[int, ModuleInfo] = {}
@@ -474,8 +474,7 @@ class Recorder:
                         module, self._module_forward_hook(info), with_kwargs=True,
                         always_call=True, prepend=is_fsdp_unit(module)))
                     if has_fused_path(module):
-                        keep_fused_path(module)
-                        self._fused_layers.append(module)
+                        self._fused_layers.append((module, keep_fused_path(module)))
             except BaseException:
                 self.detach_module_hooks()
                 raise
@@ -489,8 +488,8 @@ class Recorder:
             for info in self.modules:
                 if not info.is_root:
                     info.pre_entries.clear()
-            for layer in self._fused_layers:
-                release_fused_path(layer)
+            for layer, keeper in self._fused_layers:
+                release_fused_path(layer, keeper)
             self._fused_layers.clear()
 
     @property
@@ -554,8 +553,7 @@ class Recorder:
             forward_hook = torch._dynamo.disable(forward_hook)
         entry = self.entry
         if entry is self.model and has_fused_path(entry) and not self._compiled_in_place:
-            keep_fused_path(entry)
-            self._fused_root = entry
+            self._fused_root = (entry, keep_fused_path(entry))
         self._handles.append(entry.register_forward_pre_hook(pre_hook, with_kwargs=True))
         self._root_pre_hook_id = self._handles[-1].id
         self._handles.append(add_forward_hook(
@@ -1482,9 +1480,9 @@ class Recorder:
             self._step_tracking.release()
             for handle in self._handles + self._module_handles + self._direct_handles:
                 handle.remove()
-            for layer in self._fused_layers + [self._fused_root]:
-                if layer is not None:
-                    release_fused_path(layer)
+            for fused in self._fused_layers + [self._fused_root]:
+                if fused is not None:
+                    release_fused_path(*fused)
             self._fused_layers.clear()
             self._fused_root = None
             self._handles.clear()

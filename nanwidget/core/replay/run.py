@@ -20,6 +20,7 @@ from ..events import NanEvent
 from ..entries import Entry
 from ..frames import Frame, frames_to_dataframe, weights_finite_last
 from ..grads.backward import BackwardFrames, FrameSink
+from ..fastpath import FusedPathKeeper, has_fused_path, keep_fused_path, release_fused_path
 from ..opaque import add_forward_hook, add_forward_pre_hook, hookable_modules
 from ..recorder import ModuleInfo, Recorder, in_backward_pass
 from ..schema import OPS_COLUMNS, OPS_DTYPES
@@ -446,6 +447,7 @@ class _Replay:
         attributes = ModuleAttributes(root.modules())
         earlier_pre_hooks = _PreHooksRunOnce(root)
         handles: list[Any] = []
+        fused: list[tuple[nn.Module, FusedPathKeeper]] = []
         shadows: Shadows | None = None
         backward: BackwardFrames | None = None
         loss_value: float | None = None
@@ -469,6 +471,8 @@ class _Replay:
                     handles.append(add_forward_pre_hook(module, pre_hook, with_kwargs=True))
                     handles.append(add_forward_hook(module, post_hook, with_kwargs=True,
                                                     always_call=True))
+                    if has_fused_path(module):  # the batch ran its fused path: so does this
+                        fused.append((module, keep_fused_path(module)))
                 if self.backward_frames:
                     # The live watch's own backward frames (gradient hooks on tensors), recorded
                     # into this replay's frames: the same frames, roles and order as full mode.
@@ -496,6 +500,8 @@ class _Replay:
                 backward.close()
             for handle in handles:
                 handle.remove()
+            for layer, keeper in fused:
+                release_fused_path(layer, keeper)
             if shadows is not None:
                 shadows.restore()
             attributes.restore()
