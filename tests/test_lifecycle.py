@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -439,3 +440,38 @@ def test_a_forward_that_raised_has_no_output_row_and_a_none_output_keeps_its_own
     assert list(outputs[outputs.module == "returns_none"].note) == ["None", "None"]
     assert "None output" in report  # returns_none's; the raised root call adds none
     assert report.count("None output") == 2
+
+
+def test_replays_asked_for_by_two_threads_run_one_after_the_other():
+    # The second was refused: "a replay is already running (replay() cannot be called from
+    # inside the model ...)", though it was not called from inside the model.
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.05)  # long enough for the other thread's replay to arrive
+            return torch.sqrt(self.fc(x))
+
+    torch.manual_seed(0)
+    model = Slow()
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(3, 4))
+        start = threading.Barrier(2)
+        results: list = []
+
+        def replay() -> None:
+            start.wait()
+            try:
+                results.append(w.replay(0))
+            except Exception as error:  # noqa: BLE001 - the test reports it
+                results.append(error)
+
+        threads = [threading.Thread(target=replay) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert len(results) == 2 and all(isinstance(r, nw.Trace) and r.reproduced for r in results), \
+        results

@@ -14,6 +14,7 @@ batch again; the result is a :class:`~nanwidget.core.trace.Trace`.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -56,8 +57,15 @@ class Replayer(Feature):
         self.replay_on_nan = replay_on_nan
         self.loss_fn = loss_fn
         self.output_grads = output_grads
-        self.replaying = False
+        # The thread whose replay runs (None: none); another thread's replay waits its turn.
+        self._replaying_thread: int | None = None
+        self._turn = threading.Condition()
         self.auto_replays = 0
+
+    @property
+    def replaying(self) -> bool:
+        """Whether a replay runs now (in any thread)."""
+        return self._replaying_thread is not None
 
     def replay(self, batch: int, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                expected: NanEvent | None = None,
@@ -67,15 +75,21 @@ class Replayer(Feature):
         ``output_grads``: see :func:`~.run.replay_held_batch`."""
         held = self.capture.batch_to_replay(batch)
         refuse_unreplayable(self.recorder, self.capture, held)
-        if self.replaying:
-            raise ReplayError("a replay is already running (replay() cannot be called from "
-                              "inside the model while it is being replayed)")
-        self.replaying = True
+        me = threading.get_ident()
+        with self._turn:
+            while self._replaying_thread is not None:
+                if self._replaying_thread == me:
+                    raise ReplayError("a replay is already running (replay() cannot be called "
+                                      "from inside the model while it is being replayed)")
+                self._turn.wait()  # another thread's replay: one at a time, in turn
+            self._replaying_thread = me
         try:
             return replay_held_batch(self.recorder, self.capture, held, loss_fn, expected,
                                      output_grads)
         finally:
-            self.replaying = False
+            with self._turn:
+                self._replaying_thread = None
+                self._turn.notify_all()
 
     def can_replay(self, event: NanEvent) -> bool:
         """Whether an automatic replay can run ``event``'s batch again: a forward event, or a
