@@ -2202,3 +2202,21 @@ def test_nan_data_into_a_module_called_outside_the_forward_points_at_watching_th
     evidence = " ".join(diagnosis.evidence)
     assert "nondeterministic" not in evidence and "stayed finite" not in evidence
     assert "ran outside the model's forward" in evidence
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_adam_with_a_tiny_eps_in_float16_that_writes_nan_gets_the_eps_fix(mode):
+    # A feature that is always 0 gives its weights a gradient of 0: Adam's step there is
+    # 0 / (0 + eps), and eps=1e-8 is 0 in float16: NaN (next to the Inf of tiny gradients).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).half()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8)
+    x = torch.randn(16, 8)
+    x[:, 7] = 0
+    w = train_until_an_event(model, optimizer, x.half(), torch.randn(16, 1).half(), 5, mode)
+    event = w.event
+    assert (event.batch, event.origin) == (1, "weight") and "nan" in event.kind
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert diagnosis.suggestion[0].startswith("Adam on float16 weights: an eps of 1e-8 (the "
+                                              "default of Adam, AdamW and RMSprop) is 0")

@@ -330,3 +330,64 @@ def test_the_trainers_default_fused_adamw_frames_show_each_steps_weights(tmp_pat
         shown.append(float(row["abs_max"].iloc[0]))
     assert len(set(noted.seen)) == 4  # every step changed the embedding
     assert shown == pytest.approx(noted.seen, rel=1e-6)
+
+
+@pytest.mark.parametrize("how", ["no gradient", "frozen", "scaler skipped a fused step"])
+def test_a_step_that_wrote_no_parameter_is_no_change(how):
+    # The step hook marks only what a step writes: torch's optimizers skip a parameter without
+    # a gradient (a step before backward, a frozen parameter passed with model.parameters()),
+    # and a fused step under a GradScaler that found Inf/NaN writes nothing.
+    model = _model()
+    if how == "frozen":
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        model[2].weight.requires_grad_(True)
+    fused = how == "scaler skipped a fused step"
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.5, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    with nw.watch(model, backward=fused, grad_scaler=scaler if fused else None) as watch:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fused):
+            loss = model(torch.randn(8, 16)).float().square().mean()
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        if how == "frozen":
+            loss.backward()
+            optimizer.step()
+        elif fused:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            assert len(watch.scaler_skips) == 1
+        else:
+            optimizer.step()  # before backward: no gradient yet
+        trace = watch.replay(0)
+    unchanged = sorted(n for n, p in model.named_parameters() if torch.equal(p, before[n]))
+    assert sorted(trace.changed_weights) == sorted(set(before) - set(unchanged))
+
+
+def test_a_frozen_weight_bad_in_the_checkpoint_is_not_blamed_on_a_step():
+    # Sentinel mode: a frozen embedding row NaN since the load, first read at batch 4. The
+    # optimizer holds it (model.parameters()) but skipped it every step (no gradient).
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(10, 8), nn.Linear(8, 2)
+
+        def forward(self, t):
+            return self.fc(self.emb(t).mean(1))
+
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.emb.weight[7] = float("nan")
+    model.emb.weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with nw.watch(model, mode="sentinel", on_nan="record") as watch:
+        for batch in range(6):
+            t = torch.randint(0, 7, (4, 5)) if batch < 4 else torch.full((4, 5), 7)
+            optimizer.zero_grad()
+            model(t).square().mean().backward()
+            optimizer.step()
+    diagnosis = watch.event.diagnosis
+    assert (watch.event.batch, watch.event.module, diagnosis.kind) == (4, "emb", "corrupted-weight")
+    assert "no in-place write and no optimizer step in between" in diagnosis.summary
+    assert "likely since the optimizer step" not in diagnosis.summary

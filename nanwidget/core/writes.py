@@ -7,9 +7,11 @@ under ``torch.no_grad()``) or its storage changes (``p.data = ...``). Fused opti
 parameters without moving the counters. So, while any watch is live, one process-wide hook
 (``torch.optim.optimizer.register_optimizer_step_post_hook``, run after the step of every
 optimizer, subclasses included) counts steps and marks the parameters of the optimizer that
-stepped (:class:`~nanwidget.core.state.StepLog`). A step the optimizer did not take (a
-``GradScaler`` skipping it) marks nothing; nor does a wrapper's step (accelerate's), whose
-inner optimizer's own step counts. The class names of the optimizers that stepped are kept too
+stepped (:class:`~nanwidget.core.state.StepLog`), those with a gradient (torch's optimizers skip
+the others: frozen ones, a step before ``backward()``). A step the optimizer did not take (a
+``GradScaler`` skipping it, or a fused step it handed ``found_inf``: one read of that flag per
+such step) marks nothing; nor does a wrapper's step (accelerate's), whose inner optimizer's own
+step counts. The class names of the optimizers that stepped are kept too
 (whether each divides by an ``eps``: the diagnosis of a float16 weight gone Inf names the fix of
 the optimizer that ran). Cost: one short loop over the optimizer's parameters and one dict
 lookup per step; nothing per module call.
@@ -47,13 +49,21 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     kind = type(optimizer).__name__
     if kind not in log.kinds:
         log.kinds[kind] = _divides_by_eps(optimizer)
+    # A fused step under a GradScaler gets the scaler's found_inf (as an attribute of the
+    # optimizer while it steps): its kernel writes nothing when it is set.
+    found_inf = getattr(optimizer, "found_inf", None)
+    if isinstance(found_inf, torch.Tensor) and bool(found_inf.any()):
+        return  # a fused step under a GradScaler that found Inf/NaN: its kernel wrote nothing
     marks = log.marks
     if len(marks) > _MAX_MARKS:
         marks.clear()  # forgetting marks only makes held batches look unchanged since
     try:
         for group in optimizer.param_groups:
             for parameter in group["params"]:
-                marks[id(parameter)] = count
+                # torch's optimizers skip a parameter without a gradient (frozen, or a step
+                # before backward): it was not written
+                if getattr(parameter, "grad", None) is not None:
+                    marks[id(parameter)] = count
     except Exception:  # an optimizer-like object without torch's param_groups: counted only
         pass
 

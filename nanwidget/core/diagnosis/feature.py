@@ -27,7 +27,7 @@ from ..frames import Frame, weights_finite_last
 from ..ranks import world_size
 from ..recorder import Feature, Recorder
 from ..stats import local_shard, storage_holds
-from ..writes import optimizers_stepped
+from ..writes import optimizers_stepped, written_since
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
                     output_grad_bad, packed_samples, weight_names)
 from .rules import diagnose
@@ -533,6 +533,9 @@ class Diagnoser(Feature):
         written_in = {b: capture.buffers_written(b) for b in clean}
         now = {n: v for n, v, _ in capture.held_weights(event.batch)}
         steps = capture.optimizer_steps()
+        # The optimizer steps that wrote each parameter (one without a gradient is skipped):
+        tensors = {n: t for n, t in zip(capture.slots.names, capture.slots.read())
+                   if isinstance(t, torch.Tensor)}
 
         def written_after(batch: int, name: str) -> bool:
             then = versions[batch]
@@ -546,7 +549,9 @@ class Diagnoser(Feature):
             # An optimizer steps parameters: a buffer it does not hold is written with a
             # version bump (or by the forward itself: buffers_written).
             stepped = steps.get(batch) != steps.get(event.batch) \
-                and not self.recorder.is_buffer(*name.rpartition(".")[::2])
+                and not self.recorder.is_buffer(*name.rpartition(".")[::2]) \
+                and (name not in tensors or steps.get(batch) is None
+                     or written_since(tensors[name], steps[batch]))
             return name not in then or name not in now or then[name] != now[name] or stepped
 
         seen: dict[str, list[int]] = {}

@@ -366,7 +366,7 @@ def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: 
         fixes.append("Or the optimizer step made it from finite gradients: a learning rate too "
                      "large (or a schedule gone wrong), optimizer state gone non-finite "
                      "(optimizer.state), or a float16 overflow in the update.")
-    if dtype == "float16" and inf_only:
+    if dtype == "float16":  # an eps of 0 in float16 makes 0/0 = NaN as well as x/0 = Inf
         fixes.extend(_float16_step(optimizers or {}, gradients_checked and not before_watch))
     # Before the watch, no step of this run wrote it: the steps' advice is for the run that
     # saved the checkpoint, if one did.
