@@ -193,6 +193,82 @@ def test_a_gradient_event_the_scaler_does_not_skip_is_raised_before_the_step(fus
     assert watch.scaler_skips == []
 
 
+class _TwoParts(nn.Module):
+    """Two heads, one optimizer each, one GradScaler for both (torch's AMP docs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+def _train_two_parts(model: _TwoParts, scaler: torch.amp.GradScaler, *, fused: bool = False,
+                     b_through_the_scaler: bool = True) -> list[float]:
+    """Four batches; at batch 2 b's loss is 3000 times larger: b's float16 gradients overflow,
+    a's stay finite. ``b_through_the_scaler=False``: b's optimizer steps by itself."""
+    optimizers = [torch.optim.Adam(part.parameters(), lr=1e-3, fused=fused)
+                  for part in (model.a, model.b)]
+    data = torch.Generator().manual_seed(1)
+    scales = []
+    for batch in range(4):
+        x = torch.randn(16, 4, generator=data)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            ya, yb = model(x)
+            loss = ya.float().pow(2).mean() + yb.float().pow(2).mean() * (3e3 if batch == 2 else 1)
+        scaler.scale(loss).backward()
+        scaler.step(optimizers[0])
+        if b_through_the_scaler:
+            scaler.step(optimizers[1])
+        else:
+            scaler.unscale_(optimizers[1])
+            optimizers[1].step()
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adam", "fused-adam"])
+@pytest.mark.parametrize("mode", MODES)
+def test_one_scaler_for_two_optimizers_skips_only_the_overflowed_one_and_that_is_no_event(
+        mode, fused):
+    # The scaler steps a (finite gradients), skips b and lowers its scale: a's step is no sign
+    # that the scaler failed to skip.
+    torch.manual_seed(0)
+    expected_scales = _train_two_parts(_TwoParts(), _scaler(init_scale=65536.0), fused=fused)
+    torch.manual_seed(0)
+    model, scaler = _TwoParts(), _scaler(init_scale=65536.0)
+    with nw.watch(model, backward=True, mode=mode, grad_scaler=scaler) as watch:
+        scales = _train_two_parts(model, scaler, fused=fused)
+    assert scales == expected_scales and watch.events == []
+    assert watch.scaler_skips == [nw.ScalerSkip(2, 65536.0, 32768.0)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_optimizer_holding_the_overflow_stepping_past_the_scaler_is_an_event(mode):
+    # b's optimizer steps by itself, not through scaler.step(): unwatched, its Inf gradients
+    # apply and b's weights go NaN; watched, the step is stopped before it applies.
+    torch.manual_seed(0)
+    unwatched = _TwoParts()
+    _train_two_parts(unwatched, _scaler(init_scale=65536.0), b_through_the_scaler=False)
+    assert not all(p.isfinite().all() for p in unwatched.b.parameters())
+    torch.manual_seed(0)
+    model, scaler = _TwoParts(), _scaler(init_scale=65536.0)
+    with nw.watch(model, backward=True, mode=mode, grad_scaler=scaler) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            _train_two_parts(model, scaler, b_through_the_scaler=False)
+    event = caught.value.event
+    assert (event.batch, event.is_backward, event.module.split(".")[0]) == (2, True, "b")
+    assert "the GradScaler did not skip this step: this optimizer was about to step with " \
+        "non-finite gradients" in str(caught.value)
+    assert all(p.isfinite().all() for p in model.parameters())  # the bad step never applied
+    assert watch.events == [event] and watch.scaler_skips == []
+
+
 def test_the_hint_is_given_for_a_float32_run_with_a_scaler_in_the_callers_variables():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

@@ -9,7 +9,9 @@ That is how the scaler finds its scale (it starts at 65536 and overflows on purp
   check) is held until the scaler decides: when it skips the step, the event is dropped and the
   step is listed in ``w.scaler_skips`` (batch, scale before, scale after); when the scaler
   found the gradients finite, the held event is recorded and raised from ``optimizer.step()``,
-  before the step applies;
+  before the step applies. With one scaler for several optimizers, a step whose own gradients
+  are finite while another optimizer's are not decides nothing (the scaler skips that other
+  one); the step of an optimizer holding a non-finite gradient is an event;
 - the loss is held as it goes through ``scaler.scale(loss)`` (the scaler instance's ``scale``
   and ``update`` are wrapped while the watch is open) and read once per step (before the
   optimizer steps, or at ``update()`` when the step was skipped; at the end of the backward
@@ -21,7 +23,8 @@ A forward event is an event as ever: the scale only multiplies the loss. A skipp
 told by the scale: ``update()`` lowers it exactly when the step was skipped (a fused optimizer
 is called even then, and skips inside its kernel). Cost: one host read of the scale per
 ``update()`` and one of the loss per step (single numbers; free on CPU); the scaler's
-``found_inf`` only while a gradient event is held.
+``found_inf`` and, at a step the scaler takes, whether the gradients are finite (one read per
+device) only while a gradient event is held.
 
 Without ``grad_scaler``, :class:`ScalerHint` adds to an Inf gradient event of a float16 run, or
 of a run with a GradScaler in the caller's frames, how to tell the watch about the scaler.
@@ -182,11 +185,33 @@ class ScalerWatch(Feature):
                 return  # skipped inside the kernel: update() lists the skip
             if (kwargs or {}).get("grad_scaler") is not None:
                 return  # the optimizer asks the scaler itself: update() tells
+            stepped_bad = self._steps_a_bad_gradient(optimizer)
+            if stepped_bad is None:
+                return  # finite gradients here: the bad ones are another optimizer's to skip
             event = self._held
-            event.note = _joined(event.note, "the GradScaler did not skip this step")
+            event.note = _joined(event.note, "the GradScaler did not skip this step" + (
+                ": this optimizer was about to step with non-finite gradients (step it with "
+                "scaler.step(optimizer), which skips such a step)" if stepped_bad else ""))
         if event is not None:
             self._held = None
             self._record(event.batch, event)
+
+    def _steps_a_bad_gradient(self, optimizer: Any) -> bool | None:
+        """Whether a step of ``optimizer`` with a gradient event held is the step the scaler
+        should have skipped: True when it holds a non-finite gradient; False when no gradient
+        of the model or the optimizer is non-finite (the Inf reached no parameter, so the
+        scaler skips no step); None when only other parameters hold them (one GradScaler for
+        several optimizers: it skips their steps, not this one, and update() tells). One host
+        read per device, only while an event is held."""
+        try:
+            own = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"]]
+            bad = _with_non_finite_grads([*own, *self.recorder.model.parameters()])
+        except Exception as error:  # gradients it cannot read: the event stands, as before
+            self.recorder.internal_error(error)
+            return False
+        if any(id(p) in bad for p in own):
+            return True
+        return None if bad else False
 
     def _update(self, new_scale: Any = None) -> Any:
         update = self._original("update")
@@ -310,6 +335,26 @@ class ScalerWatch(Feature):
             if kind is not None:
                 return name, kind
         return "", "inf"
+
+
+def _with_non_finite_grads(parameters: list[Any]) -> set[int]:
+    """The ids of the parameters whose gradient holds a NaN or Inf (one host read per device:
+    event time only)."""
+    by_device: dict[torch.device, dict[int, torch.Tensor]] = {}
+    for parameter in parameters:
+        grad = getattr(parameter, "grad", None)
+        if not isinstance(grad, torch.Tensor) or not (grad.is_floating_point()
+                                                      or grad.is_complex()):
+            continue
+        if grad.layout != torch.strided:  # a sparse gradient: its stored values
+            grad = grad.coalesce().values() if grad.is_sparse else grad.to_dense()
+        by_device.setdefault(grad.device, {})[id(parameter)] = grad
+    bad: set[int] = set()
+    with torch.no_grad():
+        for grads in by_device.values():
+            flags = torch.stack([~torch.isfinite(g).all() for g in grads.values()]).tolist()
+            bad.update(key for key, flag in zip(grads, flags) if flag)
+    return bad
 
 
 def _read_loss(loss: torch.Tensor) -> tuple[str | None, float | None]:
