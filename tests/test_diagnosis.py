@@ -857,6 +857,59 @@ def test_a_weight_written_in_place_while_gradients_are_checked_points_at_the_wri
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad_lr, tensor_lr", [(math.nan, False), (math.inf, True)])
+def test_a_scheduler_that_sets_a_nonfinite_learning_rate_is_named(mode, bad_lr, tensor_lr):
+    # LambdaLR's lambda gives NaN (or Inf) at step 3: the step after batch 3 writes NaN into
+    # every weight from finite gradients. It was told as a write or a step with "catch the bad
+    # step: backward=True" and "clip the gradients", which cannot help; the lr went unread.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    lr = torch.tensor(0.1) if tensor_lr else 0.1  # a tensor lr on the CPU is read too
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr) if tensor_lr \
+        else torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: bad_lr if step == 3 else 1.0)
+    generator = torch.Generator().manual_seed(1)
+    with watch(model, mode, backward=True) as w:
+        for _ in range(6):
+            x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            scheduler.step()
+    event = w.event
+    diagnosis = event.diagnosis
+    shown = "nan" if math.isnan(bad_lr) else "inf"
+    kind = "Adam" if tensor_lr else "SGD"
+    assert (event.batch, event.origin, diagnosis.kind, diagnosis.confidence) == \
+        (4, "weight", "corrupted-weight", "high")
+    assert f"in the {kind} step after batch 3, which ran with a non-finite learning rate " \
+        f"(lr={shown})" in diagnosis.summary
+    assert f"Optimizer {kind} stepped with lr={shown} after batch 3" in "\n".join(
+        diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith(f"Find what set the learning rate to {shown}: ")
+    assert not any("clip" in fix or "backward=True" in fix for fix in diagnosis.suggestion)
+
+
+def test_a_nonfinite_learning_rate_of_a_step_that_wrote_nothing_is_not_blamed():
+    # A step with lr=nan that wrote no parameter (none had a gradient) marks none of them.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, "full") as w:
+        for batch in range(4):
+            model(torch.randn(3, 4))
+            if batch == 1:
+                optimizer.param_groups[0]["lr"] = math.nan
+                optimizer.step()  # no backward: no gradient, nothing written
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, diagnosis.kind) == (2, "corrupted-weight")
+    assert "learning rate" not in diagnosis.summary
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_an_sgd_step_that_writes_inf_into_float16_weights_gets_no_adam_eps_advice(mode):
     # The optimizer is SGD: the first fix was Adam's eps=1e-8 (0 in float16), which it has not.
     torch.manual_seed(0)

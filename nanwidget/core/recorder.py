@@ -1109,6 +1109,19 @@ class Recorder:
             return False
         return isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter)
 
+    def weight(self, module: str, role: str) -> torch.Tensor | None:
+        """The named module's own parameter or buffer ``role`` (event time only), or None."""
+        info = self._by_name.get(module)
+        if info is None:
+            return None
+        try:
+            tensor = info.weights._parameters.get(role)
+            if tensor is None:
+                tensor = info.weights._buffers.get(role)
+        except Exception:  # a container that cannot tell
+            return None
+        return tensor if isinstance(tensor, torch.Tensor) else None
+
     def weights_now(self, name: str) -> list[Entry] | None:
         """The named module's own weights measured right now (event time only); None for a
         module not watched or without parameters and buffers."""

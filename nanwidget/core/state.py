@@ -97,12 +97,15 @@ class StepLog:
     """``count``: optimizer steps seen; ``marks``: id(parameter) -> ``count`` after the last
     step of an optimizer holding it; ``kinds``: class name of each optimizer that stepped ->
     whether it divides by an ``eps`` (what a diagnosis of a float16 weight gone Inf may
-    suggest); ``users``: watches that asked for the hook (``handle``: the hook while any does)."""
+    suggest); ``users``: watches that asked for the hook (``handle``: the hook while any does);
+    ``bad_lr``: id(parameter) -> (``count``, optimizer class name, lr) of the last step that
+    wrote it with a NaN/Inf learning rate."""
 
-    __slots__ = ("count", "marks", "kinds", "users", "handle")
+    __slots__ = ("count", "marks", "kinds", "users", "handle", "bad_lr")
 
     def __init__(self) -> None:
         self.count = 0
+        self.bad_lr: dict[int, tuple[int, str, float]] = {}
         self.marks: dict[int, int] = {}
         self.kinds: dict[str, bool] = {}
         self.users = 0

@@ -13,12 +13,16 @@ the others: frozen ones, a step before ``backward()``). A step the optimizer did
 such step) marks nothing; nor does a wrapper's step (accelerate's), whose inner optimizer's own
 step counts. The class names of the optimizers that stepped are kept too
 (whether each divides by an ``eps``: the diagnosis of a float16 weight gone Inf names the fix of
-the optimizer that ran). Cost: one short loop over the optimizer's parameters and one dict
-lookup per step; nothing per module call.
+the optimizer that ran). A step whose param group had a non-finite learning rate (a
+scheduler's ``lr_lambda`` returning NaN) is remembered for the parameters it wrote (a float lr,
+or a tensor lr on the CPU: a GPU tensor's is never read, that would wait for the device).
+Cost: one short loop over the optimizer's parameters, one finiteness check of each group's lr
+and one dict lookup per step; nothing per module call.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .state import optimizer_steps
 
 __all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "written_since",
-           "wraps_an_optimizer", "optimizers_stepped"]
+           "wraps_an_optimizer", "optimizers_stepped", "nonfinite_lr_step"]
 
 _LOG = optimizer_steps()
 _MAX_MARKS = 1 << 20  # parameters remembered at most (ids of long-gone tensors are dropped)
@@ -57,15 +61,31 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     marks = log.marks
     if len(marks) > _MAX_MARKS:
         marks.clear()  # forgetting marks only makes held batches look unchanged since
+        log.bad_lr.clear()
     try:
         for group in optimizer.param_groups:
+            bad_lr = _nonfinite_lr(group.get("lr"))
             for parameter in group["params"]:
                 # torch's optimizers skip a parameter without a gradient (frozen, or a step
                 # before backward): it was not written
                 if getattr(parameter, "grad", None) is not None:
                     marks[id(parameter)] = count
+                    if bad_lr is not None:  # rare: only a step with a NaN/Inf lr gets here
+                        log.bad_lr[id(parameter)] = (count, kind, bad_lr)
     except Exception:  # an optimizer-like object without torch's param_groups: counted only
         pass
+
+
+def _nonfinite_lr(lr: Any) -> float | None:
+    """A param group's learning rate when it is NaN or Inf, else None. A tensor lr is read only
+    on the CPU (one on a GPU would make every step wait for the device: left unread)."""
+    if isinstance(lr, torch.Tensor):
+        if lr.device.type != "cpu" or lr.numel() != 1:
+            return None
+        lr = lr.item()  # on the CPU: no device sync
+    if isinstance(lr, (int, float)) and not math.isfinite(lr):
+        return float(lr)
+    return None
 
 
 def _divides_by_eps(optimizer: Any) -> bool:
@@ -98,6 +118,7 @@ class StepTracking:
             log.handle.remove()
             log.handle = None
             log.marks.clear()
+            log.bad_lr.clear()
             log.kinds.clear()
 
 
@@ -120,3 +141,9 @@ def optimizers_stepped() -> dict[str, bool]:
     """The class names of the optimizers that stepped while watches were live (since the last
     one closed), each with whether it divides by an ``eps``."""
     return dict(_LOG.kinds)
+
+
+def nonfinite_lr_step(tensor: torch.Tensor) -> tuple[int, str, float] | None:
+    """The last step that wrote ``tensor`` with a NaN/Inf learning rate in its param group:
+    (its :func:`steps_taken` count, the optimizer's class name, the lr); None if none did."""
+    return _LOG.bad_lr.get(id(tensor))

@@ -412,6 +412,9 @@ class Facts:
     # The optimizers that stepped while watches were live: class name -> whether it divides by
     # an eps (Adam, RMSprop ...; SGD does not). Empty: none seen.
     optimizers: dict[str, bool] = field(default_factory=dict)
+    # Non-finite weight name -> (optimizer class name, lr) of the optimizer step after its last
+    # finite batch that wrote it with a NaN/Inf learning rate (a scheduler gone wrong).
+    nonfinite_lr: dict[str, tuple[str, float]] = field(default_factory=dict)
     # The watch checks every backward pass's gradients (backward=True) ...
     checks_gradients: bool = False
     # ... and found a non-finite one before this event: its event (None: all were finite).

@@ -27,7 +27,7 @@ from ..frames import Frame, weights_finite_last
 from ..ranks import world_size
 from ..recorder import Feature, Recorder
 from ..stats import local_shard, storage_holds
-from ..writes import optimizers_stepped, written_since
+from ..writes import nonfinite_lr_step, optimizers_stepped, written_since
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
                     output_grad_bad, packed_samples, weight_names)
 from .rules import diagnose
@@ -212,6 +212,7 @@ class Diagnoser(Feature):
         if event.origin == "weight" or any(kind == "weight" for kind, _ in
                                            getattr(facts.trace, "came_with", None) or []):
             self._weights_last_finite(facts)
+            self._stepped_with_nonfinite_lr(facts)
             facts.optimizers = optimizers_stepped()
             facts.checks_gradients = self.checks_gradients
             facts.gradient_event_before = self._gradient_event_before(event)
@@ -488,6 +489,21 @@ class Diagnoser(Feature):
             within = self.capture.written_between_forwards(event.batch)
             if names and all(n in within for n in names):
                 facts.written_between_forwards = {n: within[n] for n in names}
+
+    def _stepped_with_nonfinite_lr(self, facts: Facts) -> None:
+        """The non-finite parameters an optimizer step with a NaN/Inf learning rate wrote after
+        their last finite batch (the step hook keeps that step for each parameter it wrote)."""
+        steps = self.capture.optimizer_steps() if self.capture is not None else {}
+        for name, last in facts.weights_last_finite.items():
+            tensor = self.recorder.weight(*name.rpartition(".")[::2])
+            step = nonfinite_lr_step(tensor) if tensor is not None else None
+            if step is None:
+                continue
+            count, kind, lr = step
+            # When the last finite batch is held, the step must come after it started.
+            if last in steps and count <= steps[last]:
+                continue
+            facts.nonfinite_lr[name] = (kind, lr)
 
     def _poisoned_by(self, facts: Facts, names: list[str]) -> NanEvent | None:
         """The earliest earlier forward event whose batch's forward wrote into these buffers

@@ -722,6 +722,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
     dtype = _weight_dtype(event)
     if not came and names and all(n in facts.substituted for n in names):
         return _substituted(facts, names)
+    if names and all(n in facts.nonfinite_lr for n in names):
+        return _stepped_with_nonfinite_lr(facts, names, dtype)
     grew = _weights_growth(facts)
     if grew is not None:
         evidence = [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
@@ -850,6 +852,44 @@ def _weights(facts: Facts) -> Diagnosis | None:
                                             optimizers=facts.optimizers),
                      confidence="high" if batch is not None and climb is None and not likely
                      else "medium")
+
+
+def _stepped_with_nonfinite_lr(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
+    """Parameters an optimizer step wrote with a NaN/Inf learning rate (a scheduler gone wrong):
+    that step made them non-finite, whatever the gradients were."""
+    event = facts.event
+    one = len(names) == 1
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    kind, lr = facts.nonfinite_lr[names[0]]
+    lrs = sorted({_g(facts.nonfinite_lr[n][1]) for n in names})
+    kinds = sorted({facts.nonfinite_lr[n][0] for n in names})
+    last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
+    batch = max(last) if last else None
+    after = f"after batch {batch}" if batch is not None else f"before batch {event.batch}"
+    stepped = f"{'/'.join(kinds)} stepped with lr={'/'.join(lrs)} {after}"
+    evidence = [f"{shown} {'holds' if one else 'hold'} {_kind_words(event.kind)} at batch "
+                f"{event.batch}" + (f" ({dtype})." if dtype else "."),
+                f"Optimizer {stepped}: its param group's learning rate was not finite, and the "
+                f"step wrote {'it' if one else 'them'} (the update is multiplied by the lr, so "
+                "every parameter of that group it updated became NaN/Inf)."]
+    if batch is not None:
+        evidence.append(f"{'It was' if one else 'They were'} finite when batch {batch} ran.")
+    first = f"batch {event.batch} is the first to use {'it' if one else 'them'}"
+    summary = (f"{shown} became {_kind_words(event.kind)} in the {'/'.join(kinds)} step {after}, "
+               f"which ran with a non-finite learning rate (lr={'/'.join(lrs)}); {first}.")
+    reload = (f"a checkpoint saved before that step (batch {batch} or earlier)"
+              if batch is not None else "a checkpoint saved before that step")
+    suggestion = [
+        "Find what set the learning rate to "
+        f"{'/'.join(lrs)}: a scheduler's formula (LambdaLR/MultiplicativeLR's lr_lambda dividing "
+        "by zero or overflowing at some step, a warmup of step / warmup_steps with "
+        "warmup_steps=0), OneCycleLR's or CosineAnnealingLR's parameters (total_steps, "
+        "steps_per_epoch, T_max of 0), or a value written into optimizer.param_groups[i]['lr']; "
+        "print [g['lr'] for g in optimizer.param_groups] each step to see when it turns.",
+        "Guard the step: skip optimizer.step() when any param group's lr is not finite "
+        "(math.isfinite(g['lr'])), and reload the weights from " + reload + ": that step wrote "
+        "NaN/Inf into every parameter it updated."]
+    return Diagnosis("corrupted-weight", summary, evidence, suggestion, confidence="high")
 
 
 def _gradients_finite(facts: Facts) -> bool:
