@@ -6,6 +6,7 @@ the diagnosis shown in the report and kept by recordings.
 
 from __future__ import annotations
 
+import copy
 import html
 import json
 import math
@@ -907,6 +908,81 @@ def test_a_nonfinite_learning_rate_of_a_step_that_wrote_nothing_is_not_blamed():
     diagnosis = w.event.diagnosis
     assert (w.event.batch, diagnosis.kind) == (2, "corrupted-weight")
     assert "learning rate" not in diagnosis.summary
+
+
+def _ema_copy_broken_by_its_student(mode: str, **options) -> nw.NanWatch:
+    """An EMA copy updated with torch._foreach_lerp_ (as timm's and diffusers' are), watched;
+    the student it follows gets an Inf bias after batch 2, which the next update brings in."""
+    torch.manual_seed(0)
+    student = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.05)
+    ema = copy.deepcopy(student).eval()
+    generator = torch.Generator().manual_seed(1)
+    with watch(ema, mode, **options) as w:
+        for batch in range(4):
+            x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(student(x), y).backward()
+            optimizer.step()
+            if batch == 2:
+                with torch.no_grad():
+                    student[2].bias[1] = math.inf
+            with torch.no_grad():
+                torch._foreach_lerp_(list(ema.parameters()), list(student.parameters()), 0.1)
+                ema(x)
+    return w
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_ema_copy_no_optimizer_steps_is_told_written_not_stepped(mode):
+    # No optimizer holds the EMA's parameters (the step hook marked only the student's), and no
+    # backward pass ran through it: it said "the optimizer step, load or write ... did it", led
+    # with "watch with backward=True / check_grad_norms()" and "clip the gradients", and with
+    # backward=True claimed it "checked the gradients of every backward pass".
+    w = _ema_copy_broken_by_its_student(mode, backward=True)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.origin, diagnosis.kind) == (2, "weight", "corrupted-weight")
+    assert diagnosis.summary.startswith("'2.bias' became Inf between batch 1 and batch 2: the "
+                                        "write, average or load after batch 1 did it")
+    evidence = "\n".join(diagnosis.evidence)
+    assert "No optimizer step wrote '2.bias' while the watch was live" in evidence
+    assert "No backward pass ran through the watched model" in evidence
+    assert "every backward pass" not in evidence
+    assert diagnosis.suggestion[0].startswith("No optimizer step wrote 2.bias: look for what "
+                                              "else wrote it after batch 1: an EMA")
+    assert not any("clip" in fix or "backward=True" in fix or "check_grad_norms" in fix
+                   for fix in diagnosis.suggestion)
+
+
+def test_an_averaged_models_buffer_gone_nan_is_told_written_not_stepped():
+    # AveragedModel(use_buffers=True) averages the BatchNorm's running_var too: a buffer is in
+    # no optimizer, yet the fixes were those of a bad optimizer step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    averaged = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9), use_buffers=True)
+    generator = torch.Generator().manual_seed(1)
+    with watch(averaged, "full") as w:
+        for batch in range(4):
+            x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            if batch == 2:
+                with torch.no_grad():
+                    model[1].running_var.fill_(math.nan)
+            averaged.update_parameters(model)
+            with torch.no_grad():
+                averaged.eval()(x)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.module, event.role, diagnosis.kind) == \
+        (2, "module.1", "running_var", "corrupted-weight")
+    assert "the write, average or load after batch 1 did it" in diagnosis.summary
+    assert "'module.1.running_var' is a buffer: no optimizer steps it" in "\n".join(
+        diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("No optimizer step wrote module.1.running_var")
+    assert not any("clip" in fix or "backward=True" in fix for fix in diagnosis.suggestion)
 
 
 @pytest.mark.parametrize("mode", MODES)

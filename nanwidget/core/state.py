@@ -98,13 +98,15 @@ class StepLog:
     step of an optimizer holding it; ``kinds``: class name of each optimizer that stepped ->
     whether it divides by an ``eps`` (what a diagnosis of a float16 weight gone Inf may
     suggest); ``users``: watches that asked for the hook (``handle``: the hook while any does);
-    ``bad_lr``: id(parameter) -> (``count``, optimizer class name, lr) of the last step that
-    wrote it with a NaN/Inf learning rate."""
+    ``marks_from``: every step after this ``count`` is in ``marks`` (they are dropped when the
+    last watch closes, or when too many are kept); ``bad_lr``: id(parameter) -> (``count``,
+    optimizer class name, lr) of the last step that wrote it with a NaN/Inf learning rate."""
 
-    __slots__ = ("count", "marks", "kinds", "users", "handle", "bad_lr")
+    __slots__ = ("count", "marks", "kinds", "users", "handle", "bad_lr", "marks_from")
 
     def __init__(self) -> None:
         self.count = 0
+        self.marks_from = 0
         self.bad_lr: dict[int, tuple[int, str, float]] = {}
         self.marks: dict[int, int] = {}
         self.kinds: dict[str, bool] = {}

@@ -223,7 +223,10 @@ class NanWatch:
             scaler_run=scaler.patience_run if scaler is not None else None,
             replay=replayer.trace_for if replayer is not None and not sentinel_mode else None,
             unreplayable=partial(unreplayable_reason, recorder),
-            checks_gradients=options.backward))
+            checks_gradients=options.backward,
+            backward_passes=(lambda: backward.passes) if backward is not None
+            else (lambda: sentinel.grad_checks) if sentinel is not None and options.backward
+            else None))
         if with_consensus:
             consensus = recorder.add_feature(Consensus(recorder))
         if options.early_warning:

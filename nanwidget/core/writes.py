@@ -31,7 +31,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .state import optimizer_steps
 
 __all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "written_since",
-           "wraps_an_optimizer", "optimizers_stepped", "nonfinite_lr_step"]
+           "wraps_an_optimizer", "optimizers_stepped", "nonfinite_lr_step", "last_step_writing",
+           "marks_kept_from"]
 
 _LOG = optimizer_steps()
 _MAX_MARKS = 1 << 20  # parameters remembered at most (ids of long-gone tensors are dropped)
@@ -62,6 +63,7 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if len(marks) > _MAX_MARKS:
         marks.clear()  # forgetting marks only makes held batches look unchanged since
         log.bad_lr.clear()
+        log.marks_from = count - 1  # the steps from this one on are all marked again
     try:
         for group in optimizer.param_groups:
             bad_lr = _nonfinite_lr(group.get("lr"))
@@ -120,6 +122,7 @@ class StepTracking:
             log.marks.clear()
             log.bad_lr.clear()
             log.kinds.clear()
+            log.marks_from = log.count
 
 
 def track_optimizer_steps() -> StepTracking:
@@ -147,3 +150,16 @@ def nonfinite_lr_step(tensor: torch.Tensor) -> tuple[int, str, float] | None:
     """The last step that wrote ``tensor`` with a NaN/Inf learning rate in its param group:
     (its :func:`steps_taken` count, the optimizer's class name, the lr); None if none did."""
     return _LOG.bad_lr.get(id(tensor))
+
+
+def last_step_writing(tensor: torch.Tensor) -> int | None:
+    """The :func:`steps_taken` count of the last optimizer step that wrote ``tensor``; None when
+    no step did since :func:`marks_kept_from`."""
+    return _LOG.marks.get(id(tensor))
+
+
+def marks_kept_from() -> int:
+    """Every step after this :func:`steps_taken` count is marked (marks are dropped when the
+    last watch closes, or when too many are kept): a parameter without a mark was written by
+    no optimizer step since then."""
+    return _LOG.marks_from

@@ -415,6 +415,12 @@ class Facts:
     # Non-finite weight name -> (optimizer class name, lr) of the optimizer step after its last
     # finite batch that wrote it with a NaN/Inf learning rate (a scheduler gone wrong).
     nonfinite_lr: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # Non-finite weight name no optimizer step wrote -> "buffer" (in no optimizer) or
+    # "parameter" (one without a gradient that no step the watch saw updated, while optimizer
+    # steps were seen: an EMA copy's, AveragedModel's): a write, an average or a load did it.
+    not_stepped: dict[str, str] = field(default_factory=dict)
+    # Backward passes the watch checked (backward=True); None when it does not count them.
+    backward_passes: int | None = None
     # The watch checks every backward pass's gradients (backward=True) ...
     checks_gradients: bool = False
     # ... and found a non-finite one before this event: its event (None: all were finite).

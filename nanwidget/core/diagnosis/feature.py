@@ -27,7 +27,8 @@ from ..frames import Frame, weights_finite_last
 from ..ranks import world_size
 from ..recorder import Feature, Recorder
 from ..stats import local_shard, storage_holds
-from ..writes import nonfinite_lr_step, optimizers_stepped, written_since
+from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_step,
+                      optimizers_stepped, steps_taken, written_since)
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
                     output_grad_bad, packed_samples, weight_names)
 from .rules import diagnose
@@ -77,7 +78,8 @@ class Diagnoser(Feature):
     ``sample_every``: sentinel mode's (what the diagnosis says it could not check).
     ``scaler_run``: with a GradScaler, the skipped steps behind an event of its
     ``scaler_patience``-th skip in a row (None for any other event).
-    ``checks_gradients``: the watch checks every backward pass's gradients (``backward=True``).
+    ``checks_gradients``: the watch checks every backward pass's gradients (``backward=True``);
+    ``backward_passes``: how many it checked so far (None: not counted).
     """
 
     reviews_without_event = False  # its review only adds to an event
@@ -87,9 +89,14 @@ class Diagnoser(Feature):
                  loss_fn: bool = False, sample_every: int | None = None,
                  scaler_run: Callable[[NanEvent], Any] | None = None,
                  unreplayable: Callable[[], str] | None = None,
-                 checks_gradients: bool = False) -> None:
+                 checks_gradients: bool = False,
+                 backward_passes: Callable[[], int] | None = None) -> None:
         self.recorder = recorder
         self.checks_gradients = checks_gradients
+        self.backward_passes = backward_passes
+        # Optimizer steps seen before this watch began: a parameter no step marked since is
+        # one no optimizer step wrote while it watched.
+        self.steps_at_start = steps_taken()
         # Why this process alone cannot replay the model ("" when it can): then the
         # suggestions name what to do instead of a replay that would be refused.
         self.unreplayable = unreplayable
@@ -213,8 +220,10 @@ class Diagnoser(Feature):
                                            getattr(facts.trace, "came_with", None) or []):
             self._weights_last_finite(facts)
             self._stepped_with_nonfinite_lr(facts)
+            self._not_stepped(facts)
             facts.optimizers = optimizers_stepped()
             facts.checks_gradients = self.checks_gradients
+            facts.backward_passes = self.backward_passes() if self.backward_passes else None
             facts.gradient_event_before = self._gradient_event_before(event)
         if self.weights.first and len(self.weights.series) >= 3:  # divergence may be told
             self._weights_now(facts)
@@ -504,6 +513,23 @@ class Diagnoser(Feature):
             if last in steps and count <= steps[last]:
                 continue
             facts.nonfinite_lr[name] = (kind, lr)
+
+    def _not_stepped(self, facts: Facts) -> None:
+        """The non-finite weights no optimizer step wrote (see ``Facts.not_stepped``). A
+        parameter counts only while optimizer steps were seen under the watch (an update torch's
+        step hook does not see, ``p.data -= lr * p.grad``, then marks nothing) and it holds no
+        gradient (such an update reads one)."""
+        steps_seen = steps_taken() > self.steps_at_start
+        complete = marks_kept_from() <= self.steps_at_start
+        for name in facts.weights_last_finite:
+            module, _, role = name.rpartition(".")
+            if self.recorder.is_buffer(module, role):
+                facts.not_stepped[name] = "buffer"
+                continue
+            tensor = self.recorder.weight(module, role)
+            if steps_seen and complete and tensor is not None and tensor.grad is None \
+                    and last_step_writing(tensor) is None:
+                facts.not_stepped[name] = "parameter"
 
     def _poisoned_by(self, facts: Facts, names: list[str]) -> NanEvent | None:
         """The earliest earlier forward event whose batch's forward wrote into these buffers

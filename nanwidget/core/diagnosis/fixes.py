@@ -341,15 +341,26 @@ def _float16_step(optimizers: dict[str, bool], gradients_checked: bool) -> list[
 
 
 def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: bool,
-                     before_watch: bool = False, *, gradients_checked: bool = False,
-                     gradients_finite: bool = False,
+                     before_watch: bool = False, *, stepped: bool = True,
+                     gradients_checked: bool = False, gradients_finite: bool = False,
                      optimizers: dict[str, bool] | None = None) -> list[str]:
-    """``gradients_checked``: the watch checks the gradients (backward=True);
-    ``gradients_finite``: and none was non-finite before the event. ``optimizers``: those that
-    stepped (class name -> whether it divides by an eps)."""
+    """``stepped``: an optimizer step may have written the weights (False: buffers, or
+    parameters no step updated: the step's fixes cannot help). ``gradients_checked``: the watch
+    checks the gradients (backward=True); ``gradients_finite``: and none was non-finite before
+    the event. ``optimizers``: those that stepped (class name -> whether it divides by an
+    eps)."""
     after = f"after batch {batch}" if batch is not None else "before this batch"
     name = names[0] if names else "the weight"
     fixes = []
+    if not stepped and not before_watch:
+        return [f"No optimizer step wrote {name}: look for what else wrote it {after}: an EMA "
+                "or AveragedModel update (update_parameters, torch._foreach_lerp_ from the "
+                "source model), a copy_ or p.data = ... from another model, or a "
+                "load_state_dict of a bad checkpoint. Check the source with "
+                "torch.isfinite(t).all() before the write, and skip the update when it is not.",
+                "If it averages or copies another model (an EMA of the model being trained), "
+                "that model went non-finite first: watch it too (nw.watch(model)) to find where; "
+                "then reload the copy from a checkpoint, or copy it again from finite weights."]
     if before_watch:
         fixes.append(f"It was non-finite before the first batch watched: check what it came "
                      f"from (a checkpoint: all(v.isfinite().all() for v in "

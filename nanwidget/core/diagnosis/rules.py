@@ -759,6 +759,9 @@ def _weights(facts: Facts) -> Diagnosis | None:
                 + (f" ({dtype})." if dtype else ".")]
     before_watch = False  # non-finite already when the watch began
     likely = False  # the last finite batch known from its outputs alone (sentinel mode)
+    # No optimizer step wrote them (buffers, an EMA copy's parameters): a write, average or load.
+    unstepped = bool(names) and all(n in facts.not_stepped for n in names)
+    made_by = "the write, average or load" if unstepped else "the optimizer step, load or write"
     if batch is not None:
         one = len(names) == 1
         likely = all(n in facts.finite_by_outputs for n in names
@@ -766,17 +769,21 @@ def _weights(facts: Facts) -> Diagnosis | None:
         if likely:
             evidence.append(f"Batch {batch}'s outputs were finite and "
                             f"{'it was' if one else 'they were'} written after it (sentinel mode "
-                            "measures no weights): the optimizer step, load or write after batch "
+                            f"measures no weights): {made_by} after batch "
                             f"{batch} likely made {'it' if one else 'them'} non-finite, unless "
                             f"batch {batch} did not read the bad values (an embedding row or an "
                             "expert it did not use).")
         else:
             evidence.append(f"{'It was' if one else 'They were'} finite when batch {batch} "
-                            f"ran: the optimizer step, load or write after batch {batch} made "
+                            f"ran: {made_by} after batch {batch} made "
                             f"{'it' if one else 'them'} non-finite.")
+        if unstepped:
+            evidence.append(_not_stepped_line(facts, names))
         if any(facts.weights_written.get(n) for n in names):
+            how = ("copy_, lerp_, an EMA or AveragedModel update, load_state_dict" if unstepped
+                   else "optimizer.step() or copy_")
             evidence.append(f"The version counter of {names[0]} moved after batch {batch} "
-                            "(an in-place write: optimizer.step() or copy_).")
+                            f"(an in-place write: {how}).")
         # A batch that ran in between used it first (on_nan="record": an event every batch).
         first = min([b for b in facts.history_batches if batch < b < event.batch],
                     default=event.batch)
@@ -784,11 +791,11 @@ def _weights(facts: Facts) -> Diagnosis | None:
                 f"batch {first} was the first to use it, and batch {event.batch} still does.")
         if likely:  # sentinel mode, an embedding or experts: not measured, only inferred
             summary = (f"{shown} {verb} {_kind_words(event.kind)} at batch {event.batch}, likely "
-                       f"since the optimizer step, load or write after batch {batch} (or an "
+                       f"since {made_by} after batch {batch} (or an "
                        f"earlier one, if the batches since did not read the bad values); {used}")
         else:
             summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and "
-                       f"batch {first}: the optimizer step, load or write after batch {batch} did "
+                       f"batch {first}: {made_by} after batch {batch} did "
                        f"it; {used}")
     elif _cast_overflow(facts, dtype):
         return _cast_to_low_precision(facts, names, shown, verb, evidence, dtype)
@@ -844,10 +851,15 @@ def _weights(facts: Facts) -> Diagnosis | None:
         evidence.append(f"The watch checked the gradients of every backward pass before batch "
                         f"{event.batch}'s event (backward=True) and none was non-finite: no "
                         "backward pass handed the optimizer a NaN/Inf gradient.")
+    elif _no_backward_pass(facts) and not before_watch:
+        evidence.append("No backward pass ran through the watched model (backward=True saw "
+                        "none): no gradient of it reached an optimizer.")
     return Diagnosis("corrupted-weight", summary, evidence,
                      fixes.corrupted_weight(names, dtype, batch, event.kind == "inf",
                                             before_watch=before_watch,
-                                            gradients_checked=facts.checks_gradients,
+                                            stepped=not unstepped,
+                                            gradients_checked=facts.checks_gradients
+                                            and not _no_backward_pass(facts),
                                             gradients_finite=gradients_finite,
                                             optimizers=facts.optimizers),
                      confidence="high" if batch is not None and climb is None and not likely
@@ -893,9 +905,31 @@ def _stepped_with_nonfinite_lr(facts: Facts, names: list[str], dtype: str) -> Di
 
 
 def _gradients_finite(facts: Facts) -> bool:
-    """The watch checked the gradients (backward=True) and none was non-finite before the
-    event: no backward pass handed the optimizer a NaN/Inf."""
-    return facts.checks_gradients and facts.gradient_event_before is None
+    """The watch checked the gradients (backward=True) of at least one backward pass and none
+    was non-finite before the event: no backward pass handed the optimizer a NaN/Inf."""
+    return facts.checks_gradients and facts.gradient_event_before is None \
+        and not _no_backward_pass(facts)
+
+
+def _no_backward_pass(facts: Facts) -> bool:
+    """The watch checks the gradients (backward=True), and no backward pass ran yet."""
+    return facts.checks_gradients and facts.backward_passes == 0
+
+
+def _not_stepped_line(facts: Facts, names: list[str]) -> str:
+    """Why no optimizer step wrote these weights (see ``Facts.not_stepped``)."""
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    one = len(names) == 1
+    buffers = [n for n in names if facts.not_stepped.get(n) == "buffer"]
+    if len(buffers) == len(names):
+        return (f"{shown} {'is a buffer' if one else 'are buffers'}: no optimizer steps "
+                f"{'it' if one else 'them'}; a write, an average (AveragedModel's "
+                "update_parameters with use_buffers=True) or a load did.")
+    return (f"No optimizer step wrote {shown} while the watch was live: optimizer steps ran, "
+            f"but none updated {'it' if one else 'them'} (the watch marks each parameter a "
+            f"torch.optim step updates), and {'it has' if one else 'they have'} no gradient: "
+            "a write did it, such as an EMA or AveragedModel update, a copy_ or a "
+            "load_state_dict.")
 
 
 def _inputs_largest(facts: Facts) -> float | None:
