@@ -1515,6 +1515,40 @@ def test_a_loss_made_outside_the_model_says_so_and_how_to_trace_it(mode):
     assert first["source"] == line_of(bce_by_hand, "torch.log")
 
 
+class EikonalInside(nn.Module):
+    """An SDF whose forward returns its spatial gradient (the normals) and an eikonal term made
+    from it: the gradient that output receives holds what the model's own sqrt made."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(3, 16), nn.Linear(16, 1)
+        with torch.no_grad():
+            self.l1.bias.fill_(-1.0)
+            self.l1.weight.mul_(0.1)  # every ReLU dead: the SDF is flat, its gradient 0
+
+    def forward(self, x):
+        x = x.requires_grad_(True)
+        y = self.l2(torch.relu(self.l1(x)))[..., 0]
+        g = torch.autograd.grad(y.sum(), x, create_graph=True)[0]
+        norm = (g * g).sum(-1).sqrt()  # its gradient at 0 is inf
+        return y, g, (norm - 1).square().mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_the_model_made_in_an_output_it_also_used_is_not_the_loss(mode):
+    # Full mode said "loss: made outside the model ... no op of the model made it" without a
+    # replay, because the root's grad_output[1] was NaN; sentinel mode's replay named sqrt.
+    torch.manual_seed(0)
+    model = EikonalInside()
+    with watch(model, mode, backward=True) as w:
+        y, _, eikonal = model(torch.randn(8, 3))
+        (y.abs().mean() + 0.1 * eikonal).backward()
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain"
+    assert "the gradient of sqrt is infinite at the edge of its domain (0)" in diagnosis.summary
+    assert line_of(EikonalInside.forward, ".sqrt()") in diagnosis.summary
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_with_loss_fn_the_automatic_replay_names_the_loss_op(mode):
     model = saturated_model()

@@ -49,6 +49,13 @@ def _root_grad_bad(frames: Any, batch: int, root: str) -> bool | None:
     return bool((rows["nan"] | rows["inf"]).any())
 
 
+def _born_in_backward(trace: Any) -> bool:
+    """Whether a replay's first bad op ran in the backward pass (an op of the model's own
+    backward made the NaN that reached an output it also used inside)."""
+    first = getattr(trace, "first_bad", None)
+    return first is not None and first.get("phase") == "backward"
+
+
 def _finite_in_earlier_call(event: NanEvent, names: list[str]) -> dict[str, int]:
     """Per weight of ``names``: the last earlier call of its module in the event's batch whose
     forward frame (in the event's window) measured it finite."""
@@ -195,6 +202,9 @@ class Diagnoser(Feature):
                     facts.replay_refused_sharded = True
                 if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
                     facts.output_grad_bad = _root_grad_bad(facts.trace.frames, event.batch, root)
+                elif event.is_backward and facts.output_grad_bad and not self.loss_fn \
+                        and not _born_in_backward(facts.trace):
+                    facts.trace = None  # no op of the model's backward made it: the loss did
             else:
                 facts.replays_spent = MAX_DIAGNOSIS_REPLAYS
                 facts.same_place = next(
@@ -348,7 +358,11 @@ class Diagnoser(Feature):
         event = facts.event
         if event.origin not in ("output", "input", "grad") or any(i.nan for i in facts.inputs):
             return False
-        return not (event.is_backward and facts.output_grad_bad and not self.loss_fn)
+        # A non-finite gradient at the root's output is made in the loss only when no op of
+        # the model added it: an output the model also used inside (an SDF's spatial gradient
+        # returned as normals and fed to an eikonal term) receives what the model's own
+        # backward made. The replay runs from the gradients the outputs received and tells.
+        return True
 
     def _read_inputs(self, facts: Facts) -> None:
         event = facts.event
