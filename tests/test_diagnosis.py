@@ -1270,6 +1270,44 @@ def test_an_inf_the_model_clamps_away_says_the_outputs_stayed_finite_and_how_to_
         assert w.events == [] and torch.equal(watched, unwatched)
 
 
+class _SaturatedDensity(nn.Module):
+    """A NeRF-style density: sigma = exp(raw) overflows, alpha = 1 - exp(-sigma) saturates at
+    1, so the output stays finite; exp's backward there is inf x 0 = NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raw = nn.Linear(3, 1)
+        self.density = _Exp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 1 - torch.exp(-self.density(self.raw(x)))
+
+
+class _Exp(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_exp_overflow_the_model_absorbs_is_not_told_to_be_allowed(mode):
+    # It said "a run without a watch goes on" and suggested allow_inf (or mode='sentinel', in
+    # sentinel mode): following it, the NaN gradient of the overflowed exp broke the weights.
+    torch.manual_seed(0)
+    model = _SaturatedDensity()
+    with torch.no_grad():
+        model.raw.bias.fill_(95.0)  # past log(float32's largest)
+    with watch(model, "full" if mode == "full" else "sentinel", backward=True) as w:
+        out = model(torch.randn(8, 3) * 0.1)
+        assert torch.isfinite(out).all()
+        out.sum().backward()
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert not any("allow_inf=" in fix or "mode='sentinel'" in fix for fix in diagnosis.suggestion)
+    assert any("the gradient through it is NaN" in line for line in diagnosis.evidence) \
+        or w.event.is_backward
+    assert not torch.isfinite(model.raw.weight.grad).all()  # what the advice would have hidden
+
+
 def test_deformable_detr_s_padding_proposals_are_a_mask_not_an_overflow():
     """transformers' two-stage Deformable DETR sets the proposals of padded pixels to +inf on
     purpose and returns them (enc_outputs_coord_logits): the event says so, and its

@@ -1418,14 +1418,25 @@ def _absorbed(facts: Facts, found: Diagnosis) -> None:
     event, modules = facts.event, facts.absorbed_in
     what = "NaN" if event.kind == "nan" else ("Inf" if event.kind == "inf" else "NaN/Inf")
     shown = ", ".join(f"'{m}'" for m in modules[:8]) + (", ..." if len(modules) > 8 else "")
+    # An exponential's slope at its overflow is inf: the gradient through it is NaN even
+    # where a later op clamped the value, so a training step does not go on.
+    exponential = facts.op.name if facts.op is not None and facts.op.name in _EXP_OPS else ""
+    goes_on = ("so a run without a watch goes on, with those values changed" if not exponential
+               else f"so the forward goes on; but {exponential}'s slope at its overflow is inf, "
+                    "so the gradient through it is NaN and a training step writes NaN")
     found.evidence.append(
         f"The model's outputs stayed finite in batch {event.batch}: a later op clamped, masked "
-        f"or replaced the {what} (so a run without a watch goes on, with those values changed). "
-        f"Outputs that held it: {shown}.")
-    if event.kind == "inf":
+        f"or replaced the {what} ({goes_on}). Outputs that held it: {shown}.")
+    if event.kind == "inf" and not exponential:
         names = ", ".join(f"'{m}'" for m in modules)
+        # Sentinel mode is this watch already; and a forward that absorbs an Inf can still
+        # give NaN gradients (the slope of exp at its overflow times a 0 is NaN).
+        sentinel = "" if facts.sentinel else \
+            ", or mode='sentinel', which checks the model's outputs only"
         found.suggestion.append(
             "If the model absorbs this Inf on purpose (transformers' T5 clamps float16 "
             f"overflows after each block), let those outputs hold ±inf: nw.watch(model, "
-            f"allow_inf=[{names}]) (NaN still counts; name globs work too), or "
-            "mode='sentinel', which checks the model's outputs only.")
+            f"allow_inf=[{names}]) (NaN still counts; name globs work too){sentinel}. In "
+            "training, a backward pass through the Inf can still make NaN gradients (exp's "
+            "slope at the overflow times 0): keep backward=True to see them, and prefer "
+            "keeping the value finite.")
