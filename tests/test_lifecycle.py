@@ -226,6 +226,22 @@ class LogOfFirstColumn(nn.Module):
 GOOD, BAD = torch.full((4, 8), 0.5), -torch.ones(4, 8)
 
 
+def _healthy_requests(model: nn.Module):
+    """A request another thread runs (model(GOOD) without gradients), what it returned and
+    what it raised."""
+    results: list = []
+    errors: list = []
+
+    def request() -> None:
+        try:
+            with torch.no_grad():
+                results.append(model(GOOD))
+        except Exception as error:
+            errors.append(error)
+
+    return request, results, errors
+
+
 def test_another_threads_forward_waits_until_the_nan_batch_before_it_is_replayed():
     from nanwidget.core.recorder import Feature
 
@@ -233,14 +249,8 @@ def test_another_threads_forward_waits_until_the_nan_batch_before_it_is_replayed
     with torch.no_grad():
         expected = model(GOOD)
     CALLERS.clear()
-    main, results, errors, others = threading.get_ident(), [], [], []
-
-    def healthy_request():
-        try:
-            with torch.no_grad():
-                results.append(model(GOOD))
-        except Exception as error:
-            errors.append(error)
+    main, others = threading.get_ident(), []
+    healthy_request, results, errors = _healthy_requests(model)
 
     class StartAnotherRequest(Feature):
         # Runs after the NaN batch ended, before the review that replays it.
@@ -267,14 +277,8 @@ def test_a_forward_entered_while_a_replay_runs_waits_for_it_and_is_not_broken_by
     with torch.no_grad():
         expected = model(GOOD)
     CALLERS.clear()
-    main, results, errors, others = threading.get_ident(), [], [], []
-
-    def healthy_request():
-        try:
-            with torch.no_grad():
-                results.append(model(GOOD))
-        except Exception as error:
-            errors.append(error)
+    main, others = threading.get_ident(), []
+    healthy_request, results, errors = _healthy_requests(model)
 
     def start_during_the_replay(module, args):
         # The second forward on this thread is the sentinel's replay of the NaN batch: another

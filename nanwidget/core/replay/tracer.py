@@ -266,15 +266,7 @@ class OpRecorder:
             self.before_in_place = (func, self._describe_paused(func, args, kwargs, []))
         shadows = self.shadows
         if shadows is not None and shadows.protected:
-            positions, names = mutated_arguments(func)
-            if positions:
-                for position in positions:
-                    if position < len(args):
-                        for tensor in tensors_in(args[position]):
-                            shadows.before_write(tensor)
-                for name in names:
-                    for tensor in tensors_in(kwargs.get(name)):
-                        shadows.before_write(tensor)
+            save_before_write(shadows, func, args, kwargs)
 
     def after_op(self, func: Any, args: tuple, kwargs: dict, output: Any, caller: Any) -> None:
         node = _current_autograd_node()
@@ -724,14 +716,17 @@ class WriteGuard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        positions, names = mutated_arguments(func)
-        if positions or names:
-            shadows = self.shadows
-            for position in positions:
-                if position < len(args):
-                    for tensor in tensors_in(args[position]):
-                        shadows.before_write(tensor)
-            for name in names:
-                for tensor in tensors_in(kwargs.get(name)):
-                    shadows.before_write(tensor)
+        save_before_write(self.shadows, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def save_before_write(shadows: Shadows, func: Any, args: tuple, kwargs: dict) -> None:
+    """Let ``shadows`` save each protected tensor ``func`` is about to write into."""
+    positions, names = mutated_arguments(func)
+    for position in positions:
+        if position < len(args):
+            for tensor in tensors_in(args[position]):
+                shadows.before_write(tensor)
+    for name in names:
+        for tensor in tensors_in(kwargs.get(name)):
+            shadows.before_write(tensor)
