@@ -346,6 +346,29 @@ def test_a_repeated_eigenvalue_in_a_gradient_gets_fixes_that_separate_them(decom
     assert ("svdvals" if decomposition == "svd" else "eigvalsh") in diagnosis.suggestion[1]
 
 
+class GaussianDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loc, self.scale = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        likelihood = torch.distributions.Normal(self.loc(z), self.scale(z), validate_args=False)
+        return -likelihood.log_prob(x).sum(-1)  # a scale below 0: log of a negative
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_log_inside_a_distributions_log_prob_names_its_parameter(mode):
+    # The fix told to clamp the argument of log at the log_prob line, which has no log in it.
+    torch.manual_seed(0)
+    model = GaussianDecoder()
+    with watch(model, mode) as w:
+        model(torch.randn(8, 4), torch.randn(8, 4))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain"
+    assert line_of(GaussianDecoder.forward, "log_prob") in diagnosis.suggestion[0]
+    assert "F.softplus(raw) + 1e-4" in diagnosis.suggestion[0]
+
+
 class LogWhereUsed(nn.Module):
     """The where trap: the result of log is masked where its argument is 0, its gradient is
     not (where passes log a gradient of 0 there, and log's backward divides it by 0)."""

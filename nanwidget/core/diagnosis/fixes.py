@@ -270,6 +270,14 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
     return [f"Keep the input of {name}{at} inside its domain (clamp it, or add an eps)."]
 
 
+def distribution_parameter(at: str) -> list[str]:
+    return [f"The op ran inside a torch.distributions method called{at}: a parameter of the "
+            "distribution left its domain (a scale, rate or concentration at or below 0, a "
+            "probability at 0 or 1). Keep it inside where it is made: scale = "
+            "F.softplus(raw) + 1e-4 (or a clamped log-scale's exp()); Categorical / Bernoulli("
+            "logits=...) instead of probs=...; validate_args=True raises at the bad value."]
+
+
 def masked_row() -> list[str]:
     return ["Fill masks with torch.finfo(scores.dtype).min instead of -inf: a fully masked row "
             "then gives a finite (uniform) softmax instead of NaN.",

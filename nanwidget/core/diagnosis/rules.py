@@ -24,11 +24,13 @@ Where before how (the contract's precedence):
 
 from __future__ import annotations
 
+import linecache
 import math
 from dataclasses import dataclass
 
 from ..events import NO_WEIGHTS_SEEN, Diagnosis, NanEvent
 from ..schema import NO_USER_LINE
+from ..sourcelines import locate_source
 from ..stats import dtype_max
 from . import fixes
 from .facts import Facts, OpFacts, weight_names
@@ -344,6 +346,20 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     if name in _VARIANCES and op.nan and not op.inputs_hold_inf():
         return f"{name} over a single element (it divides by n - 1 = 0)", "high"
     return None
+
+
+def _in_log_prob(op: OpFacts) -> bool:
+    """Whether the op ran inside a ``torch.distributions`` ``log_prob`` (or ``entropy``,
+    ``cdf``) called at its user line: that line names the call, not the op."""
+    # (xlogy, lgamma: their own fixes speak of a rate or a count already)
+    if op.name not in _LOG_OPS + ("log1p", "sqrt", "rsqrt", "div", "true_divide", "pow",
+                                  "reciprocal"):
+        return False
+    where = locate_source(op.source) if op.source else None
+    if where is None:
+        return False
+    text = linecache.getline(*where)
+    return any(call in text for call in (".log_prob(", ".entropy(", ".cdf(", ".icdf("))
 
 
 def _tiny_denominator(op: OpFacts) -> float | None:
@@ -1195,13 +1211,14 @@ def _from_op(facts: Facts) -> Diagnosis | None:
         # A mean over an empty selection (a loss over no counted target has its own fixes).
         empty = bool(op.inputs) and op.inputs[0].get("numel") == 0 \
             and op.name not in _COUNTED_MEAN_LOSSES
+        suggestion = fixes.domain(op.grad_of_name or op.op,
+                                  op.at, backward=op.phase == "backward", empty=empty,
+                                  unused_gradient=bool(op.grad_of) and _unused_gradient(op),
+                                  negative_running_var=_negative_running_var(op) is not None)
+        if _in_log_prob(op):  # the op's line has no log of the user's: the parameter is at fault
+            suggestion = fixes.distribution_parameter(op.at) + suggestion
         return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain: "
-                                   f"{reason}.", evidence,
-                         fixes.domain(op.grad_of_name or op.op,
-                                      op.at, backward=op.phase == "backward", empty=empty,
-                                      unused_gradient=bool(op.grad_of) and _unused_gradient(op),
-                                      negative_running_var=_negative_running_var(op) is not None),
-                         confidence=confidence)
+                                   f"{reason}.", evidence, suggestion, confidence=confidence)
     # An overflow: divergence when the weights grew over the batches before.
     modules = [op.module, event.module, ""]
     grew = _weights_growth(facts)
