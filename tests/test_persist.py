@@ -316,7 +316,7 @@ def test_loading_never_unpickles_what_the_directory_holds(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only: the test forks a child")
 def test_a_forked_child_writes_nothing_into_the_parents_recording(tiny_mlp, tmp_path):
     # Hogwild or DataLoader workers calling the watched model: the folder, its rank and batch
     # numbers are the parent's; the child's watch records in its own memory only.

@@ -819,7 +819,7 @@ def test_an_automatic_replay_runs_outside_pyros_handlers_and_puts_them_back(monk
 
 
 def test_a_pyro_models_nan_inside_svi_step_is_replayed_and_named():
-    pyro = pytest.importorskip("pyro")
+    pyro = pytest.importorskip("pyro", reason="pyro is optional, not in the dev extra")
     import pyro.distributions as dist
     from pyro.infer import SVI, Trace_ELBO
     from pyro.infer.autoguide import AutoNormal

@@ -7,6 +7,7 @@ line a NaN/Inf was raised from), so both name the same place the same way.
 
 from __future__ import annotations
 
+import linecache
 import os
 import re
 import sys
@@ -15,7 +16,7 @@ from types import FrameType, TracebackType
 
 import torch
 
-__all__ = ["user_source", "python_backward_source", "traceback_source", "format_source", "locate_source",
+__all__ = ["user_source", "python_backward_source", "traceback_source", "format_source", "locate_source", "source_text",
            "user_stacklevel"]
 
 _USER, _SKIP, _STOP = 0, 1, 2
@@ -129,6 +130,15 @@ def locate_source(source: str) -> tuple[str, int] | None:
         return found
     filename, _, line = source.rpartition(":")
     return (filename, int(line)) if filename and line.isdigit() else None
+
+
+def source_text(source: str) -> tuple[int, str] | None:
+    """The line number and the text (stripped) of the line a :func:`format_source` text names,
+    from the line cache; None when it names nothing readable."""
+    located = locate_source(source) if source else None
+    if located is None:
+        return None
+    return located[1], linecache.getline(*located).strip()
 
 
 def user_source(frame: FrameType | None) -> str:

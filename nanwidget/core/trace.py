@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import linecache
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -10,7 +9,7 @@ import pandas as pd
 from .events import NanEvent
 from .report import format_frames
 from .schema import NO_USER_LINE, OPS_COLUMNS, OPS_DTYPES, empty_table
-from .sourcelines import locate_source
+from .sourcelines import source_text
 
 __all__ = ["Trace", "TENSOR_COLUMNS", "empty_ops"]
 
@@ -222,10 +221,9 @@ class Trace:
             source = first["source"]
             if source:
                 lines.append(f"  at {source}")
-                located = locate_source(source)
-                text = linecache.getline(*located).strip() if located is not None else ""
+                line, text = source_text(source) or (0, "")
                 if text:
-                    lines.append(f"  {located[1]:>6} | {text}")
+                    lines.append(f"  {line:>6} | {text}")
             else:
                 lines.append(f"  {NO_USER_LINE}")
             for row in self.first_bad_tensors.itertuples(index=False):

@@ -24,13 +24,12 @@ Where before how (the contract's precedence):
 
 from __future__ import annotations
 
-import linecache
 import math
 from dataclasses import dataclass
 
 from ..events import NO_WEIGHTS_SEEN, Diagnosis, NanEvent
 from ..schema import NO_USER_LINE
-from ..sourcelines import locate_source
+from ..sourcelines import source_text
 from ..stats import dtype_max
 from . import fixes
 from .facts import Facts, OpFacts, weight_names
@@ -355,10 +354,7 @@ def _in_log_prob(op: OpFacts) -> bool:
     if op.name not in _LOG_OPS + ("log1p", "sqrt", "rsqrt", "div", "true_divide", "pow",
                                   "reciprocal"):
         return False
-    where = locate_source(op.source) if op.source else None
-    if where is None:
-        return False
-    text = linecache.getline(*where)
+    _, text = source_text(op.source) or (0, "")
     return any(call in text for call in (".log_prob(", ".entropy(", ".cdf(", ".icdf("))
 
 
