@@ -53,6 +53,21 @@ def test_misuse_names_the_option_and_hooks_nothing(tiny_mlp, options, error, mes
     assert hook_count(tiny_mlp) == 0 and nw.live_watches() == []
 
 
+@pytest.mark.parametrize("container", [nn.ModuleDict, nn.ModuleList])
+def test_sentinel_mode_refuses_a_root_without_a_forward(container):
+    """A GAN watched as ModuleDict({'G': G, 'D': D}) calls G and D, never the root: a sentinel
+    watch (it checks the root's calls only) would check nothing and say nothing."""
+    torch.manual_seed(0)
+    parts = [nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Linear(8, 1)]
+    model = container({"G": parts[0], "D": parts[1]} if container is nn.ModuleDict else parts)
+    with pytest.raises(ValueError, match=f"this {container.__name__} has no forward"):
+        nw.watch(model, mode="sentinel", backward=True)
+    assert hook_count(model) == 0 and nw.live_watches() == []
+    with nw.watch(model, on_nan="record") as w:  # full mode checks the modules' own calls
+        parts[1](parts[0](torch.full((2, 4), float("nan"))))
+    assert w.event is not None and w.event.module.endswith("0")
+
+
 def test_log_dir_at_a_file_is_refused_and_the_file_left_alone(tiny_mlp, tmp_path):
     target = tmp_path / "notes.txt"
     target.write_text("mine")

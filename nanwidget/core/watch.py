@@ -99,6 +99,16 @@ def _unwrap_model(model: Any) -> _Target:
 def _resolve_mode(mode: str | None, target: _Target) -> str:
     """The mode a watch runs in: as asked, or sentinel for a compiled model (with a note)."""
     if not target.compiled:
+        if mode == "sentinel" and type(target.root).forward is nn.Module.forward:
+            # Sentinel mode checks the root's calls only: a root without a forward is never
+            # called (its modules are), so the watch would check nothing, silently.
+            kind = type(target.root).__name__
+            raise ValueError(
+                f"mode='sentinel' checks the calls of the watched module, and this {kind} has "
+                "no forward: its modules are called one by one, so nothing would be checked. "
+                "Watch each model that is called on its own (a GAN's G and D: one "
+                "nw.watch(..., mode='sentinel') each), "
+                "or watch this one in full mode (nw.watch(model)), which checks every module call")
         return mode or "full"
     what = {"wrapper": "a torch.compile'd model", "in place": "a model compiled in place "
             "(module.compile())", "parts": "a model with compiled submodules "
