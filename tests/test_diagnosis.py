@@ -1042,6 +1042,43 @@ def test_adam_with_a_tiny_eps_in_float16_corrupts_the_weights(mode):
                                               "default of Adam, AdamW and RMSprop) is 0")
 
 
+class ExpertsSkippedWhenIdle(nn.Module):
+    """Two experts; ``idle`` names one the router sends no token (skipped, as hand-written
+    mixtures of experts do with ``if not rows.numel(): continue``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.idle: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(expert(x) for i, expert in enumerate(self.experts) if i != self.idle)
+
+
+def test_a_corrupted_expert_that_got_no_tokens_is_dated_by_the_batches_it_ran_in():
+    # Expert 1's weight was written NaN after batch 1 and the expert sat idle in batches 2 and
+    # 3: "finite when batch 3 ran ... the write after batch 3" was said with high confidence.
+    torch.manual_seed(0)
+    model = ExpertsSkippedWhenIdle()
+    w = nw.watch(model, on_nan="record")
+    for batch in range(5):
+        if batch == 2:
+            with torch.no_grad():
+                model.experts[1].weight[0, 0] = math.nan
+            model.idle = 1
+        if batch == 4:
+            model.idle = None
+        model(torch.randn(3, 4))
+    w.close()
+    event = w.event
+    assert (event.batch, event.module, event.role) == (4, "experts.1", "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert "between batch 1 and batch 4" in diagnosis.summary
+    assert "batch 4 is the first to use it" in diagnosis.summary
+    assert "It was finite when batch 1 ran" in " ".join(diagnosis.evidence)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_float16_cast_that_overflowed_a_weight_is_named_as_such(mode):
     # model.half() of weights past 65504: it said "corrupted weight (an optimizer step, a load

@@ -383,6 +383,8 @@ class Facts:
     history_batches: list[int] = field(default_factory=list)
     history_modules: list[str] = field(default_factory=list)
     history: np.ndarray = field(default_factory=lambda: np.empty((0, 0)))
+    # Full mode: recent batches in which the event's module did not run (an idle expert).
+    idle_batches: list[int] = field(default_factory=list)
     weights: WeightLog = field(default_factory=WeightLog)
     # Module -> its own weights' abs max now (finite values; measured at the event).
     weights_now: dict[str, float] = field(default_factory=dict)

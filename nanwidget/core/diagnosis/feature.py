@@ -463,7 +463,14 @@ class Diagnoser(Feature):
         ran = [b for row, b in enumerate(facts.history_batches)
                if column is not None and facts.history[row, column] == facts.history[row, column]]
         held = self.capture.held_batches() if self.capture is not None else []
-        clean = [b for b in set(ran) | set(held) if b < event.batch and b not in eventful]
+        # A held batch in which the module did not run (an expert the router sent no token)
+        # says nothing of its weights. Full mode's history tells which batches it ran in.
+        # (No value there may also be outputs that held only NaN: a batch with an event ran.)
+        idle = set() if column is None or self.sentinel else \
+            set(facts.history_batches).difference(ran, (e.batch for e in events))
+        facts.idle_batches = sorted(idle)
+        clean = [b for b in set(ran) | set(held)
+                 if b < event.batch and b not in eventful and b not in idle]
         seen: dict[str, list[int]] = {name: [max(clean)] if clean else [] for name in names}
         if self.sentinel and self.capture is not None:
             seen = self._sentinel_clean(facts, names, [b for b in clean if b in held], held)

@@ -797,8 +797,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
             evidence.append(f"The version counter of {names[0]} moved after batch {batch} "
                             f"(an in-place write: {how}).")
         # A batch that ran in between used it first (on_nan="record": an event every batch).
-        first = min([b for b in facts.history_batches if batch < b < event.batch],
-                    default=event.batch)
+        first = min([b for b in facts.history_batches if batch < b < event.batch
+                     and b not in facts.idle_batches], default=event.batch)
         used = (f"batch {first} is the first to use it." if first == event.batch else
                 f"batch {first} was the first to use it, and batch {event.batch} still does.")
         if likely:  # sentinel mode, an embedding or experts: not measured, only inferred
