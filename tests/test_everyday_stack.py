@@ -826,6 +826,25 @@ def test_an_eval_encoder_layer_returns_the_same_bits_watched_and_its_padded_row_
     assert "forward" not in layer.__dict__ and _nanwidget_hooks(layer) == 0
 
 
+def test_the_trace_of_a_fused_encoder_layer_names_the_op_that_made_the_nan():
+    # The NaN arrives as the padding mask's -inf (made by torch's own masked_fill_) and the
+    # fused layer makes NaN of it: the trace named the mask's masked_fill_ as the first bad op.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x, padding = _padded_batch()
+    padding[1] = True
+    with nw.watch(model, on_nan="record") as w, torch.no_grad():
+        model(x, src_key_padding_mask=padding)
+        trace = w.replay(0)
+    assert (w.event.module, w.event.origin, w.event.kind) == ("layers.0", "input", "nan")
+    assert trace.first_bad["op"] == "_transformer_encoder_layer_fwd"
+    assert trace.first_bad["module"] == "layers.0"
+    assert "first bad op _transformer_encoder_layer_fwd" in w.report()
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "masked-row" and diagnosis.rows == [1]
+
+
 class _Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()

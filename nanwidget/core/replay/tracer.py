@@ -593,6 +593,13 @@ class OpRecorder:
                      if not is_input_role(role) and stats is not None and (stats.nan or stats.inf)]
             return Lineage(came_with=named or [("weight", prefix + event.role)], followed=True)
         entry = next((e for e in frame.entries if e[0] == event.role), None)
+        if event.origin == "input" and event.kind == "nan" and entry is not None \
+                and entry[1] is not None and not entry[1].nan:
+            # The input brought Inf and the module made NaN of it (a fused attention over a
+            # fully masked row): that NaN was born in here, so its output is followed.
+            made = next((e for e in frame.entries[frame.first_output:]
+                         if e[1] is not None and e[1].nan), None)
+            entry = made or entry
         return self.follow(entry[1] if entry is not None else None)
 
     def last_nonfinite(self, phase: str) -> int | None:
