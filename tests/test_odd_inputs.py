@@ -515,6 +515,51 @@ def test_a_nan_in_a_float8_output_is_found_in_both_modes(reduction_path, mode):
     assert w.event is not None and w.event.kind == "nan"
 
 
+class _SpectralGain(nn.Module):
+    """Scales a complex spectrum by a learned real gain (an FNO-style spectral layer's step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(()))
+
+    def forward(self, spectrum: torch.Tensor) -> torch.Tensor:
+        return spectrum * self.gain.to(spectrum.real.dtype)
+
+
+@pytest.mark.parametrize("dtype, component", [(torch.complex64, 3e38), (torch.complex32, 5e4)],
+                         ids=str)
+def test_a_finite_complex_tensor_whose_magnitude_passes_its_float_max_is_no_event(
+        reduction_path, dtype, component):
+    # |3e38 + 3e38j| = 4.2e38 is past float32's max although both components are finite:
+    # full mode raised "inf ... input[0]" where torch.isfinite, the sentinel and
+    # detect_overflow all said finite. Magnitudes are now computed in float64.
+    real = torch.full((4,), component, dtype=dtype.to_real())
+    spectrum = torch.complex(real, real)
+    assert torch.isfinite(spectrum).all()
+    model = _SpectralGain()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32 is experimental
+        with nw.watch(model, on_nan="record") as w:
+            model(spectrum)
+            row = w.frames().set_index("role").loc["input[0]"]
+    assert w.event is None and not row.inf and not row.nan and row.note == ""
+    assert row.abs_max == pytest.approx(component * math.sqrt(2), rel=1e-3)
+
+
+@pytest.mark.parametrize("part, kind", [("real", "inf"), ("imag", "nan")])
+def test_a_non_finite_component_of_a_complex_tensor_is_still_an_event(reduction_path, part,
+                                                                       kind):
+    spectrum = torch.complex(torch.ones(4), torch.ones(4))
+    getattr(spectrum, part)[1] = math.inf if kind == "inf" else math.nan
+    model = nn.Sequential(_PassOn())
+    with nw.watch(model, on_nan="record") as w:
+        model(spectrum)
+        row = w.frames().query("module == ''").set_index("role").loc["input[0]"]
+    assert w.event is not None and (w.event.kind, w.event.role) == (kind, "input[0]")
+    assert (bool(row.nan), bool(row.inf)) == (kind == "nan", kind == "inf")
+    assert (row.finite_abs_min, row.finite_abs_max) == pytest.approx((2 ** 0.5, 2 ** 0.5))
+
+
 class _GraphBatch:
     """PyG's Data/Batch in miniature: its tensors in a private mapping, read and written as
     attributes, and callable (``data(*keys)``), so that it looked like a function."""

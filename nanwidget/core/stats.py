@@ -232,6 +232,29 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local()
 
 
+_FLOAT64_MAX = torch.finfo(torch.float64).max
+
+
+def _complex_magnitudes(values: torch.Tensor) -> torch.Tensor:
+    """|z| of a complex tensor, NaN where a component is NaN; float64 where |z| passes the
+    largest value of the components' dtype.
+
+    A finite value never overflows: |3e38 + 3e38j| = 4.2e38 passes float32's max although
+    both components are finite, and torch.abs makes it inf (an Inf the tensor does not hold);
+    such magnitudes are computed again in complex128 (one past even float64's max is kept at
+    that max). Whether the tensor holds a NaN or an Inf is its components': |nan + inf*j| is
+    inf to torch, NaN here (the value holds a NaN)."""
+    parts = torch.view_as_real(values.resolve_conj())
+    magnitudes = values.abs()
+    if values.dtype == torch.complex128:
+        magnitudes = torch.where(torch.isinf(magnitudes) & torch.isfinite(parts).all(-1),
+                                 _FLOAT64_MAX, magnitudes)
+    else:  # the same magnitudes wherever they fit (torch's, as |x| of a real tensor is)
+        magnitudes = torch.where(torch.isinf(magnitudes), values.to(torch.complex128).abs(),
+                                 magnitudes)
+    return torch.where(torch.isnan(parts).any(-1), _NAN, magnitudes)
+
+
 def _values_of(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """The real tensor whose magnitudes are the tensor's, and whether implicit zeros exist
     (sparse tensors store only their non-zero values)."""
@@ -256,8 +279,8 @@ def _values_of(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         stored = values.values()
         implicit_zero = stored.numel() < values.numel()
         values = stored
-    if values.is_complex():
-        values = values.abs()
+    if values.is_complex():  # rare: its own branch, off the real floats' path
+        values = _complex_magnitudes(values)
     elif values.is_quantized:
         values = values.dequantize()
     elif values.is_floating_point() and values.dtype not in _BITS:
