@@ -560,6 +560,54 @@ def test_a_non_finite_component_of_a_complex_tensor_is_still_an_event(reduction_
     assert (row.finite_abs_min, row.finite_abs_max) == pytest.approx((2 ** 0.5, 2 ** 0.5))
 
 
+class _LabelledEmbedding(nn.Module):
+    """Token ids in, the loss over labels that mark ignored positions with -100 (as
+    transformers' data collators do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.head = nn.Linear(8, 50)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.embed(ids))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten().long(),
+                                           ignore_index=-100)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16], ids=str)
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_integers_of_both_signs_get_their_smallest_magnitude(reduction_path, dtype, contiguous):
+    # abs_min was 0 for labels [17, 42, -100] (the signed range -100 to 42 holds 0), where the
+    # same values as float32 gave 17.
+    torch.manual_seed(0)
+    model = _LabelledEmbedding()
+    ids = torch.tensor([[5, 17, 42]])
+    labels = torch.tensor([[17, 42, -100]], dtype=dtype)
+    if not contiguous:
+        labels = torch.stack([labels, labels], -1)[..., 0]
+    with nw.watch(model) as w:
+        model(ids, labels)
+        rows = w.frames().query("module == ''").set_index("role")
+    assert (rows.loc["input[1]", "abs_min"], rows.loc["input[1]", "abs_max"]) == (17.0, 100.0)
+    assert (rows.loc["input[0]", "abs_min"], rows.loc["input[0]", "abs_max"]) == (5.0, 42.0)
+
+
+@pytest.mark.parametrize("values, low", [
+    ([-(2 ** 63), 5], 5.0),     # |x| of the type's minimum overflows in int64
+    ([-(2 ** 63), -3], 3.0),
+    ([-7, 0, 9], 0.0),
+    ([-2, 3], 2.0),
+])
+def test_the_smallest_magnitude_of_signed_integers_is_exact_at_the_types_edge(reduction_path,
+                                                                               values, low):
+    model = nn.Sequential(_PassOn())
+    with nw.watch(model) as w:
+        model(torch.tensor(values))
+        frame = w.frames().iloc[-1]
+    assert frame.abs_min == low and frame.note == ""
+
+
 class _GraphBatch:
     """PyG's Data/Batch in miniature: its tensors in a private mapping, read and written as
     attributes, and callable (``data(*keys)``), so that it looked like a function."""

@@ -15,7 +15,8 @@ the tensor is held until the batch resolves (up to ``PENDING_BYTES_LIMIT`` bytes
 second look is computed eagerly for each new tensor, still without a sync).
 
 Integer, complex, sparse, nested, quantized and float8 tensors are measured too (their values,
-magnitudes or stored values); functorch wrappers (``vmap``, ``grad``) and DTensors are read
+magnitudes or stored values; an integer tensor holding both signs gets its smallest |x| read
+when the batch resolves, one more host copy only then); functorch wrappers (``vmap``, ``grad``) and DTensors are read
 through to the tensor underneath. Only bool, meta and empty tensors get a note instead.
 """
 
@@ -482,10 +483,23 @@ class PendingStats:
         if not values.is_floating_point():  # integers: their signed range
             found = self._read_ints(values, self._result) if self._direct else None
             if found is not None:  # read at once by the kernel; what _resolve makes of it
-                stats.set_finite(*_magnitudes(*found))
+                low, high = found
+                if low < 0 < high:  # both signs (labels with -100): |x|.min() now, on CPU
+                    stats.set_finite(float(_int_abs_min(values)), max(-low, high))
+                else:
+                    stats.set_finite(*_magnitudes(low, high))
                 return
             low, high = torch.aminmax(values)  # read at resolve
-            self._queued.append(_Queued(stats, low, high, None, implicit_zero))
+            queued = _Queued(stats, low, high, None, implicit_zero)
+            # Kept for the smallest |x|, should the range hold both signs (token ids do not:
+            # nothing more for them); past the limit it is computed now (no sync either).
+            size = values.numel() * values.element_size()
+            if self._held_bytes + size <= PENDING_BYTES_LIMIT:
+                queued.held, queued.version = values, version_of(values)
+                self._held_bytes += size
+            else:
+                queued.extra = _int_abs_min(values)
+            self._queued.append(queued)
             return
         if self._direct and native.eligible(values):
             low, high = native.abs_range(values, self._result)
@@ -530,8 +544,19 @@ class PendingStats:
 
 
 def _magnitudes(low: float, high: float) -> tuple[float, float]:
-    """(abs min, abs max) of integers whose signed range is ``low`` to ``high``."""
+    """(abs min, abs max) of integers whose signed range is ``low`` to ``high``, when that
+    range does not hold both signs (then :func:`_int_abs_min` gives the abs min)."""
     return (0.0 if low <= 0 <= high else min(abs(low), abs(high)), max(abs(low), abs(high)))
+
+
+def _int_abs_min(values: torch.Tensor) -> torch.Tensor:
+    """The smallest |x| of signed integers, as a float64 scalar on their device (no sync): the
+    smallest non-negative value against the largest negative one, each side read on its own
+    (|x| of the type's minimum overflows: abs(-2**63) is -2**63)."""
+    info = torch.iinfo(values.dtype)
+    nonnegative = torch.where(values >= 0, values, info.max).amin().double()
+    negative = torch.where(values < 0, values, info.min).amax().double()
+    return torch.minimum(nonnegative, -negative)
 
 
 def _resolve(queued: list[_Queued]) -> None:
@@ -539,6 +564,7 @@ def _resolve(queued: list[_Queued]) -> None:
     for item in queued:
         by_device.setdefault(item.low.device, []).append(item)
     needs_look: list[_Queued] = []
+    both_signs: list[_Queued] = []  # integers holding both signs
     for items in by_device.values():
         # float64 [low, high] per item (bit patterns viewed as their dtype), then the eager
         # second looks: one tensor, one host copy.
@@ -550,14 +576,19 @@ def _resolve(queued: list[_Queued]) -> None:
             pairs = torch.stack([torch.stack((m.low, m.high)) for m in members])
             parts.append((pairs if dtype is None else pairs.view(dtype)).double().reshape(-1))
             order.extend(members)
-        extras = [item for item in items if item.extra is not None]
+        # An integer's extra (its smallest |x|) is read below, with the other integers'.
+        extras = [item for item in items if item.extra is not None and item.dtype is not None]
         parts.extend(item.extra for item in extras)
         values = torch.cat(parts).tolist()  # the batch's one host copy for this device
         for slot, item in enumerate(order):
             low, high = values[2 * slot], values[2 * slot + 1]
             stats = item.stats
             if item.dtype is None:  # integers: magnitudes from the signed range
-                stats.set_finite(*_magnitudes(low, high))
+                if low < 0 < high:  # both signs: the smallest |x| is read below
+                    stats.abs_min, stats.abs_max = low, high
+                    both_signs.append(item)
+                else:
+                    stats.set_finite(*_magnitudes(low, high))
                 continue
             if item.implicit_zero:
                 low = 0.0
@@ -569,6 +600,8 @@ def _resolve(queued: list[_Queued]) -> None:
         offset = 2 * len(order)
         for number, item in enumerate(extras):
             item.extra = values[offset + 3 * number: offset + 3 * number + 3]  # type: ignore[assignment]
+    if both_signs:
+        _resolve_int_abs_min(both_signs)
     if not needs_look:
         return
     # The second look of tensors that turned out to hold a NaN or an Inf (rare: bad batches).
@@ -600,6 +633,35 @@ def _resolve(queued: list[_Queued]) -> None:
                                  has_inf > 0)
         if note == CHANGED_LATER:
             item.stats.note = note
+
+
+def _resolve_int_abs_min(items: list[_Queued]) -> None:
+    """The smallest |x| of integer tensors whose range holds both signs (labels marking
+    ignored positions with -100): one more host copy per device, only for batches that have
+    such tensors."""
+    by_device: dict[torch.device, list[_Queued]] = {}
+    for item in items:
+        by_device.setdefault(item.low.device, []).append(item)
+    for members in by_device.values():
+        readable = []
+        for item in members:
+            if item.extra is None and not storage_holds(item.held):  # type: ignore[arg-type]
+                item.extra = torch.zeros((), dtype=torch.float64)  # values gone: 0 bounds it
+                item.held = None
+            elif item.extra is None:
+                readable.append(item)
+                item.extra = _int_abs_min(item.held)  # type: ignore[arg-type]
+        for item in readable:
+            if version_of(item.held) != item.version:  # type: ignore[arg-type]
+                item.stats.note = CHANGED_LATER  # read from values written after the hook
+        found = torch.stack([item.extra.to(members[0].low.device)  # type: ignore[union-attr]
+                             for item in members]).tolist()
+        for item, abs_min in zip(members, found):
+            note = item.stats.note
+            low, high = item.stats.abs_min, item.stats.abs_max
+            item.stats.set_finite(abs_min, max(-low, high))
+            if note == CHANGED_LATER:
+                item.stats.note = note
 
 
 def measure_tensor(tensor: torch.Tensor, pending: PendingStats | None = None) -> TensorStats:
