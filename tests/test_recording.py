@@ -274,6 +274,45 @@ def test_history_has_one_row_per_batch_and_module(tiny_mlp):
     assert not history.nonfinite.any()
 
 
+class _QuantizedMLP(nn.Module):
+    """An MLP for torch.ao eager static quantization, with an argmax head (integer output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quant = torch.ao.quantization.QuantStub()
+        self.fc1 = nn.Linear(8, 16)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(16, 4)
+        self.dequant = torch.ao.quantization.DeQuantStub()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.dequant(self.fc2(self.relu(self.fc1(self.quant(x)))))
+        return scores, scores.argmax(-1)
+
+
+def test_history_has_rows_for_modules_with_quantized_outputs():
+    # After torch.ao convert, quant, fc1, relu and fc2 return quint8 tensors: their frames had
+    # abs_max, but history() (what trend plots read) had rows for '' and dequant only.
+    torch.manual_seed(0)
+    quantization = torch.ao.quantization
+    model = _QuantizedMLP().eval()
+    model.qconfig = quantization.get_default_qconfig("x86")
+    quantization.prepare(model, inplace=True)
+    for _ in range(3):
+        model(torch.randn(4, 8))
+    quantization.convert(model, inplace=True)
+    with nw.watch(model) as w, torch.no_grad():
+        outs = [model(torch.randn(4, 8)) for _ in range(2)]
+        history, frames = w.history(), w.frames()
+    assert str(frames.query("module == 'fc2' and role == 'output'")["dtype"].iloc[0]) == "quint8"
+    assert sorted(set(history.module)) == ["", "dequant", "fc1", "fc2", "quant", "relu"]
+    fc2 = history[history.module == "fc2"].sort_values("batch")
+    assert fc2.abs_max.tolist() == pytest.approx([o[0].abs().max().item() for o in outs])
+    # The root's row is its scores' alone: the argmax (token-id-like integers) adds nothing.
+    root = history[history.module == ""].sort_values("batch")
+    assert root.abs_min.tolist() == pytest.approx([o[0].abs().min().item() for o in outs])
+
+
 def test_frames_dataframe_types_are_stable_when_empty(tiny_mlp):
     with nw.watch(tiny_mlp) as w:
         frames = w.frames()

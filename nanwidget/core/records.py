@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import pandas as pd
+import torch
 
 from .detect import Detector, Window
 from .events import NanEvent
@@ -20,6 +21,12 @@ from .frames import Frame, FrameBuffer, frames_to_dataframe
 from .history import History
 
 __all__ = ["Records", "Finding"]
+
+# Quantized outputs (torch.ao after convert) hold real values, measured dequantized: they get
+# history rows as float outputs do, unlike integers (token ids, an argmax).
+_QUANTIZED_DTYPES = frozenset(getattr(torch, name) for name in
+                              ("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
+                              if hasattr(torch, name))
 
 
 class Finding:
@@ -81,7 +88,8 @@ class Records:
                     if nonfinite:
                         bad = True
                     dtype = entry[2]
-                    if not (dtype.is_floating_point or dtype.is_complex):
+                    if not (dtype.is_floating_point or dtype.is_complex) \
+                            and dtype not in _QUANTIZED_DTYPES:
                         continue  # token ids, a PackedSequence's batch_sizes: no magnitude
                     if column is None:
                         column = name_index[frame.module]
