@@ -2218,6 +2218,73 @@ def test_a_finite_weight_cast_past_its_formats_largest_is_an_overflow_at_the_cas
         assert diagnosis.suggestion[0].startswith("Scale the values into float8_e5m2's range")
 
 
+class _Float8Batch(nn.Module):
+    """A linear layer fed float8 data (a float8 dataloader), widened before the matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x8: torch.Tensor) -> torch.Tensor:
+        return self.fc(x8.float())
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype, bits, what", [(torch.float8_e4m3fn, 0x7F, "NaN"),
+                                               (torch.float8_e5m2, 0x7C, "Inf"),
+                                               (torch.float8_e5m2, 0x7F, "NaN")],
+                         ids=["e4m3fn-nan", "e5m2-inf", "e5m2-nan"])
+def test_a_float8_batch_holding_nan_or_inf_is_bad_data_with_its_row(mode, dtype, bits, what):
+    # torch.isinf is not implemented for float8_e4m3fn (nor isneginf for e5m2): the rows were
+    # lost (rows=[], generic evidence), and an e5m2 Inf gave kind "unknown" with no evidence.
+    torch.manual_seed(0)
+    x = torch.randn(4, 8).to(dtype).view(torch.uint8).clone()
+    x[2, 3] = bits
+    model = _Float8Batch()
+    with watch(model, mode) as w, torch.no_grad():
+        model(x.view(dtype))
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("bad-data", [2])
+    assert f"1 {what} in row 2 of 4" in " ".join(diagnosis.evidence)
+
+
+class _Float8Activations(nn.Module):
+    """Activations stored in float8_e4m3fnuz between two layers, cast without a scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stored = self.fc1(x).to(torch.float8_e4m3fnuz)
+        return self.fc2(stored.float())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_overflowing_cast_to_float8_is_explained_as_a_cast_with_its_formats_limits(mode):
+    # The cast to float8_e4m3fnuz (largest 240) was "a square or a sum inside it passed ...",
+    # its fixes clamp(-1e4, 1e4) (still NaN in that format) and "a float32 value past 3.4e38",
+    # and the evidence "non-finite of 32 values" had no count.
+    torch.manual_seed(0)
+    model = _Float8Activations()
+    x = torch.randn(4, 8) * 1000
+    with watch(model, mode) as w:
+        model(x)
+    diagnosis = w.event.diagnosis
+    fixes = " ".join(diagnosis.suggestion)
+    stored = model.fc1(x).detach()
+    past = int((stored.abs() > 240).sum())
+    assert diagnosis.kind == "overflow" and "square or a sum" not in diagnosis.summary
+    assert "cast" in diagnosis.summary and "float8_e4m3fnuz's largest value (240)" \
+        in diagnosis.summary
+    assert line_of(_Float8Activations.forward, ".to(torch.float8_e4m3fnuz)") in diagnosis.summary
+    assert f"{past} NaN of 32 values (float8_e4m3fnuz max 240)" in " ".join(diagnosis.evidence)
+    assert "clamp(-1e4, 1e4)" not in fixes and "3.4e38" not in fixes
+    assert "x.clamp(-240, 240)" in fixes and "amax" in fixes
+    assert (stored.clamp(-240, 240).to(torch.float8_e4m3fnuz).float().isfinite()).all()
+
+
 class _ComplexKernel(nn.Module):
     """An S4D-style kernel: exp of a complex parameter, its real part summed."""
 

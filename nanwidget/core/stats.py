@@ -32,6 +32,7 @@ from . import native
 from .schema import CHANGED_LATER, PENDING
 
 __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of",
+           "widen_float8",
            "storage_holds", "measure_tensor", "PENDING_BYTES_LIMIT", "PLAIN_TENSOR_TYPES",
            "local_shard", "is_distributed_tensor", "plain_view"]
 
@@ -151,6 +152,16 @@ def dtype_max(dtype: torch.dtype | str) -> float:
         except Exception:  # float4_e2m1fn_x2 and other packed types: finfo has no max
             return math.inf
     return math.inf
+
+
+def widen_float8(values: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor (or another format torch implements few ops for) as a float32 copy,
+    which holds each of its values, NaN and Inf included; any other tensor as it is. For the
+    event's slow paths (a diagnosis, a replay's op report): torch.isinf and torch.isneginf are
+    not implemented for float8_e4m3fn and the fnuz formats, nor isneginf for float8_e5m2."""
+    if values.is_floating_point() and values.dtype not in _BITS:
+        return values.float()
+    return values
 
 
 def functorch_unwrapped(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..entries import Entry
 from ..events import NanEvent
 from ..frames import Frame
 from ..schema import LOCAL_SHARD
-from ..stats import dtype_max, is_distributed_tensor, local_shard, storage_holds
+from ..stats import dtype_max, is_distributed_tensor, local_shard, storage_holds, widen_float8
 
 __all__ = ["Facts", "InputFacts", "OpFacts", "WeightLog", "describe_input", "op_facts",
            "output_grad_bad", "weight_names"]
@@ -180,7 +180,7 @@ def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> Input
     facts = InputFacts(role=role, dtype=str(tensor.dtype).replace("torch.", ""),
                        shape=tuple(tensor.shape), note=note, batch_dim=batch_dim)
     with torch.no_grad():
-        values = tensor.detach()
+        values = widen_float8(tensor.detach())
         if values.is_floating_point():
             nan, inf = torch.isnan(values), torch.isinf(values)
             facts.nan, facts.inf = int(nan.sum()), int(inf.sum())
@@ -207,7 +207,7 @@ def _describe_sparse_input(role: str, tensor: torch.Tensor, batch_dim: int,
                        shape=tuple(tensor.shape), note=note, batch_dim=batch_dim)
     with torch.no_grad():
         values = tensor.detach().coalesce()
-        stored, indices = values._values(), values._indices()
+        stored, indices = widen_float8(values._values()), values._indices()
         nan, inf = torch.isnan(stored), torch.isinf(stored)
         facts.nan, facts.inf = int(nan.sum()), int(inf.sum())
         if facts.nan or facts.inf:

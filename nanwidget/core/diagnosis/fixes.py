@@ -7,6 +7,10 @@ PyTorch documentation and the usual answers to these bugs; they name real APIs o
 
 from __future__ import annotations
 
+import math
+
+from ..stats import dtype_max
+
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
            "loss", "unknown"]
 
@@ -44,15 +48,32 @@ def overflow(module: str, dtype: str, at: str, op: str,
     if op in ("exp", "pow", "sum", "mean", "cumsum", "prod"):
         fixes.append(f"Use a stable form for {op}{at}: torch.logsumexp / softmax instead of exp "
                      "by hand, subtract the max first, or sum in float32 (dtype=torch.float32).")
+    if dtype.startswith("float8"):  # its range is a few hundred (e4m3) to 57344 (e5m2)
+        return fixes + _float8_overflow(dtype, at, op)
     if op not in _EXPONENTIALS:
         fixes.append(f"Keep the values smaller before {op}{at}: scale them (e.g. divide "
                      "attention scores by sqrt(d)), normalise the inputs, or clamp them "
                      f"({'x.clamp(-6e4, 6e4)' if dtype == 'float16' else 'x.clamp(-1e4, 1e4)'}).")
     if dtype not in _LOW_PRECISION:
-        fixes.append("A float32 value past 3.4e38 means runaway growth: look for a missing "
+        limit = dtype_max(dtype or "float32")
+        largest = f"{dtype} value past {limit:.2g}".replace("e+", "e") if math.isfinite(limit) \
+            else "float32 value past 3.4e38"
+        fixes.append(f"A {largest} means runaway growth: look for a missing "
                      "normalisation, an input on the wrong scale, or weights that grew (see "
                      "the history: w.history()).")
     return fixes
+
+
+def _float8_overflow(dtype: str, at: str, op: str) -> list[str]:
+    """A float8 format's own limits: values are scaled into them before the cast, as float8
+    training recipes do, or clamped to its largest (past it: NaN, or inf in float8_e5m2)."""
+    largest = f"{dtype_max(dtype):g}"
+    return [f"Scale the values into {dtype}'s range before {op}{at}, as float8 recipes do: "
+            f"scale = x.abs().amax() / {largest} (per tensor, or per row with "
+            "amax(dim=-1, keepdim=True)), cast (x / scale).to(torch." + dtype + ") and "
+            "multiply by scale after casting back (torch._scaled_mm takes such scales).",
+            f"Or clamp to {dtype}'s largest before the cast: x.clamp(-{largest}, {largest}) "
+            "saturates the values past it instead of losing them."]
 
 
 def weight_gradient_overflow(module: str, dtype: str, received: float | None = None,

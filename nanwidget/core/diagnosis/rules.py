@@ -379,10 +379,33 @@ def _tiny_denominator(op: OpFacts) -> float | None:
     return smallest
 
 
+# aten ops that convert values to another dtype (x.to(dtype), x.half(), y.copy_(x) into a
+# narrower tensor): an overflow there is the cast itself, not arithmetic inside an op.
+_CASTS = ("to_copy", "to", "copy", "to_dtype", "type")
+
+
+def _cast_reason(op: OpFacts) -> tuple[str, str] | None:
+    """A cast to a narrower dtype of values past its largest (NaN in the float8 formats
+    without inf, inf in float16 and float8_e5m2)."""
+    if op.name not in _CASTS or not any(row.get("dtype", op.dtype) != op.dtype
+                                        for row in op.inputs):
+        return None
+    largest, limit = op.largest_input(), op.limit
+    if largest <= limit:
+        return None
+    became = "NaN" if op.nan else "inf"
+    no_inf = f" ({op.dtype} has no inf)" if op.nan and not op.inf else ""
+    return (f"the cast of values up to {_g(largest)} passed {op.dtype}'s largest value "
+            f"({limit:.5g}): past it a value becomes {became}{no_inf}", "high")
+
+
 def _overflow_reason(op: OpFacts) -> tuple[str, str] | None:
     limit = op.limit
     if not math.isfinite(limit) or op.inputs_hold_inf():
         return None
+    cast = _cast_reason(op)
+    if cast is not None:
+        return cast
     tiny = _tiny_denominator(op)
     if op.inf and tiny is not None:
         numerator = op.input_range(0) if op.name != "reciprocal" else (1.0, 1.0)

@@ -25,7 +25,7 @@ from ..frames import Frame
 from ..recorder import ModuleInfo
 from ..schema import is_input_role
 from ..sourcelines import python_backward_source, user_source
-from ..stats import PendingStats, TensorStats, classify, measure_tensor, version_of
+from ..stats import PendingStats, TensorStats, classify, measure_tensor, version_of, widen_float8
 from .shadows import Shadows, mutated_arguments, tensors_in
 
 __all__ = ["OpRecorder", "OpTracer", "Lineage", "storage_key"]
@@ -647,7 +647,7 @@ def _describe(role: str, tensor: torch.Tensor) -> dict:
         return info
     try:
         with torch.no_grad():
-            values = tensor.detach()
+            values = widen_float8(tensor.detach())  # float8 has no isinf, min or max
             if values.is_floating_point() or values.is_complex():
                 nan_mask, inf_mask = torch.isnan(values), torch.isinf(values)
                 finite = (values.real if values.is_complex() else values)[~(nan_mask | inf_mask)]
