@@ -503,6 +503,92 @@ def test_multihead_attention_with_an_all_padding_sequence_is_a_masked_row(mode):
     assert diagnosis.rows == [1]
 
 
+def _padding_with_an_empty_sequence() -> torch.Tensor:
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[0, 3:] = True
+    padding[1] = True  # sequence 1 is all padding
+    return padding
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_float_minus_inf_key_padding_mask_is_a_masked_row_not_bad_data(mode):
+    # A float key_padding_mask (-inf where padded) was called bad data "in rows 0, 1 ...: a
+    # corrupt file", with allow_inf as a fix (NaN always counts).
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(16, 2, batch_first=True)
+    padding = torch.zeros(3, 5).masked_fill(_padding_with_an_empty_sequence(), -math.inf)
+    with watch(attention, mode) as w, torch.no_grad():
+        x = torch.randn(3, 5, 16)
+        attention(x, x, x, key_padding_mask=padding)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows, diagnosis.confidence) == ("masked-row", [1], "high")
+    assert diagnosis.summary.startswith("_softmax in module '<root>' (MultiheadAttention) ran "
+                                        "over rows that were all -inf: row 1 of the batch is "
+                                        "fully masked (kwarg:key_padding_mask)")
+    assert not any("allow_inf" in fix for fix in diagnosis.suggestion)
+    assert "torch.finfo(scores.dtype).min" in diagnosis.suggestion[0]
+    # The event's line says the module made the NaN from the mask; none arrived with the data.
+    assert event.summary().startswith(
+        "nan in batch 0 at module '<root>' (MultiheadAttention, call 0), kwarg:key_padding_mask: "
+        "the module made nan from its mask input kwarg:key_padding_mask (-inf where masked, on "
+        "purpose)")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_causal_mask_beside_a_fully_padded_sequence_is_a_masked_row_not_bad_data(mode):
+    # The causal mask's -inf was "bad data in rows 0, 1, 2, 3" (rows of the 5x5 mask).
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    causal = nn.Transformer.generate_square_subsequent_mask(5)
+    with watch(encoder, mode) as w, torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: bool padding beside a float mask is deprecated
+        encoder(torch.randn(3, 5, 16), mask=causal,
+                src_key_padding_mask=_padding_with_an_empty_sequence())
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("masked-row", [1])
+    assert "row 1 of the batch is fully masked (kwarg:src_key_padding_mask)" in diagnosis.summary
+    assert "came with the mask passed in (kwarg:mask)" in diagnosis.summary
+
+
+class MaskAddedToScores(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(-1, -2) + mask[:, None, :]
+        return torch.softmax(scores, dim=-1) @ x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_additive_mask_passed_to_a_users_attention_names_its_softmax_line(mode):
+    torch.manual_seed(0)
+    model = MaskAddedToScores()
+    # Positional and unnamed: its values (0 and -inf) tell it is a mask.
+    mask = torch.zeros(3, 5).masked_fill(_padding_with_an_empty_sequence(), -math.inf)
+    with watch(model, mode) as w:
+        model(torch.randn(3, 5, 8), mask)
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("masked-row", [1])
+    assert diagnosis.summary.startswith("_softmax in module '<root>' (MaskAddedToScores) at ")
+    assert line_of(MaskAddedToScores.forward, "torch.softmax") in diagnosis.summary
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_data_beside_a_causal_mask_is_still_bad_data_of_the_data_alone(mode):
+    torch.manual_seed(0)
+    model = MaskAddedToScores()
+    causal = nn.Transformer.generate_square_subsequent_mask(5)[:3]  # (3, 5): one per sample
+    x = torch.randn(3, 5, 8)
+    x[2, 1, 4] = math.nan
+    with watch(model, mode) as w:
+        model(x, causal)
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("bad-data", [2])
+    assert diagnosis.summary.startswith("The batch's input[0] holds NaN in row 2:")
+
+
 class _Proposals(nn.Module):
     """Two-stage DETR style: box logits whose padded positions are set to +inf on purpose (a
     sigmoid later reads them as 1, a top-k never picks them)."""

@@ -198,6 +198,11 @@ class NanEvent:
         words = ORIGIN_WORDS.get(self.origin, self.origin)
         if self.origin == "input":
             arrived = self._named_kind()
+            if arrived == "inf" and "nan" in self.kind and self._named_mask():
+                # A mask passed in holds -inf on purpose: no NaN "arrived" from the data.
+                return (f"the module made {self.kind} from its mask input {self.role} (-inf "
+                        "where masked, on purpose): a row masked at every position gives 0/0 "
+                        "in a softmax")
             if arrived and arrived != self.kind:
                 # The kind is what the outputs hold: say what arrived when it differs (an Inf
                 # that the module's matmul or softmax made NaN of).
@@ -219,6 +224,20 @@ class NanEvent:
         except (KeyError, IndexError):
             return ""
         return event_kind(nan, inf) if nan or inf else ""
+
+    def _named_mask(self) -> bool:
+        """Whether the event's own tensor is an additive mask by its frame: Inf and no NaN,
+        named a mask or 0 wherever finite (only abs values are measured: the sign untold)."""
+        frames = self.frames
+        try:
+            own = frames[(frames["frame"] == self.frame) & (frames["batch"] == self.batch)
+                         & (frames["role"] == self.role)]
+            if own.empty or bool(own["nan"].iloc[0]) or not bool(own["inf"].iloc[0]):
+                return False
+            zeros = own["finite_abs_max"].iloc[0] == 0 and own["abs_min"].iloc[0] == 0
+        except (KeyError, IndexError, TypeError):
+            return False
+        return "mask" in self.role.lower() or bool(zeros)
 
     @property
     def made_in_loss(self) -> bool:

@@ -129,6 +129,9 @@ class InputFacts:
     sample_of: str = ""  # the list input it is one sample of (its rows: its index there)
     batch_dim: int = 0  # the dim of the samples (1: a seq-first RNN's input, its hidden state)
     packed_samples: int = 0  # the data of a PackedSequence of this many samples (rows mapped)
+    # An additive mask passed in (a float key_padding_mask, a causal mask): -inf on purpose,
+    # no data (see :func:`_holds_a_mask`).
+    mask: bool = False
 
 
 # Masks by keyword: True (or nonzero) means "masked" for PyTorch's padding masks, "keep" for
@@ -162,6 +165,19 @@ def packed_samples(rows: list[int], batch_sizes: list[int],
     return sorted(found)
 
 
+def _holds_a_mask(role: str, values: torch.Tensor) -> bool:
+    """Whether a float input holding -inf (and no NaN) is an additive mask, not data: no +inf,
+    and its name says mask (``attn_mask``, ``src_key_padding_mask``) or every other value is
+    0 or at the dtype's lowest (``torch.finfo(dtype).min``, as transformers fills masks)."""
+    if bool(torch.isposinf(values).any()):
+        return False
+    if "mask" in role.lower():
+        return True
+    finite = values[torch.isfinite(values)]
+    lowest = torch.finfo(values.dtype).min / 2
+    return bool(((finite == 0) | (finite <= lowest)).all())
+
+
 def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> InputFacts | None:
     """The facts of one input tensor (None for a tensor it cannot read: meta, sparse, storage
     freed ...), its rows along ``batch_dim``. Reads the tensor once (a diagnosis runs only at
@@ -188,6 +204,7 @@ def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> Input
                 facts.rows = _rows_where(nan | inf, batch_dim)
             if values.dim() >= 2 and facts.inf:
                 facts.masked_rows = _rows_where(torch.isneginf(values).all(dim=-1))
+            facts.mask = bool(facts.inf) and not facts.nan and _holds_a_mask(role, values)
         elif values.dim() >= 2 and values.dtype in (torch.bool, torch.int64, torch.int32,
                                                     torch.int8, torch.uint8):
             name = role.lower()

@@ -425,12 +425,17 @@ def _overflow_reason(op: OpFacts) -> tuple[str, str] | None:
     return None
 
 
+def _masks_rows(name: str) -> bool:
+    """Whether an op of this name (no leading underscore) normalises over rows a mask can
+    block everywhere: a softmax, an attention."""
+    return "softmax" in name or "scaled_dot_product" in name or "attention" in name \
+        or name == "transformer_encoder_layer_fwd"  # nn.TransformerEncoderLayer's fused path
+
+
 def _classify_op(op: OpFacts, earlier: object) -> tuple[str, str, str] | None:
     """(kind, reason, confidence) of the value the op made, or None."""
     name = op.name
-    masking = "softmax" in name or "scaled_dot_product" in name or "attention" in name \
-        or name == "transformer_encoder_layer_fwd"  # nn.TransformerEncoderLayer's fused path
-    if masking and op.nan and op.inputs_hold_inf():
+    if _masks_rows(name) and op.nan and op.inputs_hold_inf():
         return ("masked-row", "a row whose scores were all -inf (fully masked) gives 0/0 = NaN",
                 "high")
     domain = _domain_reason(op)
@@ -700,7 +705,8 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
     bad = [i for i in facts.inputs if i.nan]
     if not bad:
         made_by_op = facts.op is not None and not facts.op.in_loss
-        inf_inputs = [i for i in facts.inputs if i.inf]
+        # A -inf mask passed in is no bad data: a row it masks everywhere is a masked row.
+        inf_inputs = [i for i in facts.inputs if i.inf and not i.mask]
         if inf_inputs and (came or (not made_by_op and event.origin == "input"
                                     and not event.is_backward)):
             bad = [i for i in inf_inputs if not came or i.role in came] or inf_inputs
@@ -740,7 +746,7 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
         evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}): {counts}{where} of "
                         f"{item.shape[item.batch_dim] if item.shape else 1}{along}.")
     suggestion = fixes.bad_data(roles, rows)
-    if not any(i.nan for i in bad):
+    if not any(i.nan for i in bad) and event.kind == "inf":  # NaN counts: allow_inf no help
         suggestion.append("If the Inf is meant (a -inf mask passed in), let its module hold it: "
                           f"nw.watch(model, allow_inf=['{event.module}']).")
     return Diagnosis("bad-data", summary, evidence, suggestion, rows=rows,
@@ -1266,6 +1272,57 @@ def _from_op(facts: Facts) -> Diagnosis | None:
                      evidence, suggestion, confidence=confidence)
 
 
+def _first_nan_op(trace: object) -> object:
+    """The first forward op row of the trace whose output holds NaN (None when none does)."""
+    ops = getattr(trace, "ops", None)
+    if ops is None or not len(ops):
+        return None
+    made = ops[(ops["phase"] == "forward") & ops["nan"]]
+    return None if made.empty else made.iloc[0]
+
+
+def _masked_by_input(facts: Facts) -> Diagnosis | None:
+    """A NaN made from a -inf mask passed in (a float key_padding_mask, the causal mask of
+    nn.Transformer.generate_square_subsequent_mask): a softmax over a row the masks block
+    everywhere. The replay follows the NaN back to the mask, which no op made (so no op is
+    first_bad); the op that turned it into NaN is the trace's first NaN."""
+    event = facts.event
+    masks = [i for i in facts.inputs if i.mask]
+    if event.is_backward or "nan" not in event.kind or facts.op is not None or not masks \
+            or any(i.nan or (i.inf and not i.mask) for i in facts.inputs):
+        return None
+    roles = {i.role for i in masks}
+    came = getattr(facts.trace, "came_with", None) or []
+    if not came or any(kind != "input" or name not in roles for kind, name in came):
+        return None  # the replay did not trace the value back to the masks alone
+    made = _first_nan_op(facts.trace)
+    if made is None or not _masks_rows(str(made["op"]).lstrip("_")):
+        return None
+    module = str(made["module"]) or "<root>"
+    kind = f" ({made['module_type']})" if made["module_type"] else ""
+    at = f" at {made['source']}" if made["source"] else ""
+    shown = ", ".join(sorted(roles))
+    rows = _rows_masked(facts)
+    fully = sorted({i.role for i in facts.inputs if i.masked_rows})
+    evidence = [f"{i.role} ({i.dtype} {i.shape}): {i.inf} -inf and no NaN: a mask (-inf where "
+                "masked), not data." for i in masks]
+    if rows:
+        named = fixes.rows_named(rows, 12)
+        evidence.append(f"{named[0].upper()}{named[1:]} of the batch "
+                        f"{'has' if len(rows) == 1 else 'have'} a fully masked "
+                        f"{', '.join(fully)}.")
+        why = (f"{fixes.rows_named(rows, 8)} of the batch {'is' if len(rows) == 1 else 'are'} "
+               f"fully masked ({', '.join(fully)})")
+    else:
+        why = "the masks together block every position of a row"
+    return Diagnosis("masked-row",
+                     f"{made['op']} in module '{module}'{kind}{at} ran over rows that were all "
+                     f"-inf: {why}, and a row whose scores are all -inf gives 0/0 = NaN. The "
+                     f"-inf came with the mask passed in ({shown}), not with bad data.",
+                     evidence, fixes.masked_row(), rows=rows,
+                     confidence="high" if rows else "medium")
+
+
 def _from_frames(facts: Facts) -> Diagnosis | None:
     """Without the op: what the event's own frame shows."""
     event = facts.event
@@ -1427,7 +1484,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          confidence="low")
     found = None
     for rule in (_after_forward, _accumulated_gradient, _from_another_rank, _scaled_gradient, _loss, _bad_data, _weights, _from_op,
-                 _from_frames, _weight_gradient):
+                 _masked_by_input, _from_frames, _weight_gradient):
         found = rule(facts)
         if found is not None:
             break
