@@ -6,6 +6,7 @@ the diagnosis shown in the report and kept by recordings.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import html
 import json
@@ -2616,6 +2617,29 @@ def test_nan_data_into_a_module_called_outside_the_forward_points_at_watching_th
     evidence = " ".join(diagnosis.evidence)
     assert "nondeterministic" not in evidence and "stayed finite" not in evidence
     assert "ran outside the model's forward" in evidence
+
+
+@pytest.mark.parametrize("on_nan", ["record", "raise"])
+def test_a_module_dicts_discriminator_called_once_is_named_for_watching_not_its_first_layer(
+        on_nan):
+    # nn.ModuleDict({'G', 'D'}) watched whole, D(real) called once with a NaN sample: the
+    # advice named D's first Linear ('D.0'), the frame of D's own call being past the event's.
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh())
+    discriminator = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    real = torch.randn(8, 8)
+    real[3, 5] = math.nan
+    with nw.watch(nn.ModuleDict({"G": generator, "D": discriminator}), on_nan=on_nan) as w:
+        discriminator(generator(torch.randn(8, 4)))  # batch 0: clean
+        w.step()
+        with pytest.raises(nw.NanDetected) if on_nan == "raise" else contextlib.nullcontext():
+            discriminator(real)
+    event = w.event
+    diagnosis = event.diagnosis
+    assert (event.batch, event.module, event.origin) == (1, "D.0", "input")
+    assert diagnosis.suggestion[0].startswith("Watch module 'D' as a model of its own")
+    assert "nw.watch(model.get_submodule('D'))" in diagnosis.suggestion[0]
+    assert "Module 'D' ran outside the model's forward" in " ".join(diagnosis.evidence)
 
 
 @pytest.mark.parametrize("mode", MODES)

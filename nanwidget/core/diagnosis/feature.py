@@ -330,6 +330,10 @@ class Diagnoser(Feature):
         root_frames = batch.loc[batch["module"] == root, "frame"]
         if root in ran and (event.is_backward or root_frames.max() > event.frame):
             return root  # the event ran inside the root's forward (or cannot be told apart)
+        # The call that encloses the event's returns after it: its frame is past the event's
+        # window (in the ring, the pass's last frame), so the ring is read too.
+        ran |= {f.module for f in self.recorder.held_frames()
+                if f.batch == event.batch and f.phase == "forward" and f.index > event.frame}
         parts = event.module.split(".")
         return next((name for name in (".".join(parts[:n]) for n in range(1, len(parts) + 1))
                      if name in ran), root)
