@@ -590,6 +590,46 @@ def test_nan_data_beside_a_causal_mask_is_still_bad_data_of_the_data_alone(mode)
     assert diagnosis.summary.startswith("The batch's input[0] holds NaN in row 2:")
 
 
+class TwoMasksAdded(nn.Module):
+    """float16 attention whose padding mask, filled with torch.finfo(dtype).min as advised, is
+    added twice (the padding mask and an extended copy of it): min + min = -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / 4
+        mask = (1.0 - attention_mask[:, None, :].to(scores.dtype)) * torch.finfo(scores.dtype).min
+        scores = scores + mask + (torch.zeros_like(scores) + mask)
+        return scores.softmax(-1) @ self.v(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float16_masks_at_finfo_min_added_together_get_the_mask_fixes_not_bfloat16(mode):
+    # The fixes were bfloat16/float32 (min + min is -inf in every dtype: the mask follows the
+    # dtype) and scaling the scores; no rows were named.
+    torch.manual_seed(0)
+    model = TwoMasksAdded().half()
+    attention_mask = torch.ones(4, 5, dtype=torch.long)
+    attention_mask[1, 3:] = 0
+    attention_mask[2] = 0  # sample 2 attends nothing
+    with watch(model, mode) as w, torch.no_grad():
+        model(torch.randn(4, 5, 16, dtype=torch.float16), attention_mask=attention_mask)
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows, diagnosis.confidence) == ("overflow", [2], "high")
+    assert diagnosis.summary.startswith("add in module '<root>' (TwoMasksAdded) at ")
+    assert line_of(TwoMasksAdded.forward, "torch.zeros_like") in diagnosis.summary
+    assert diagnosis.summary.endswith("it added masks filled with float16's lowest value "
+                                      "(-65504), and min + min passed it: -inf.")
+    assert diagnosis.suggestion[0].startswith("Combine the masks without adding them at ")
+    assert "torch.minimum(mask_a, mask_b)" in diagnosis.suggestion[0]
+    assert "clamp_min(torch.finfo(scores.dtype).min)" in diagnosis.suggestion[1]
+    assert diagnosis.suggestion[2].startswith("Running it in bfloat16 or float32 does not help")
+    assert "Row 2 of the batch has a fully masked kwarg:attention_mask" in \
+        "\n".join(diagnosis.evidence)
+
+
 class _Proposals(nn.Module):
     """Two-stage DETR style: box logits whose padded positions are set to +inf on purpose (a
     sigmoid later reads them as 1, a top-k never picks them)."""

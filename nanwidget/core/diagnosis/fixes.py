@@ -308,6 +308,21 @@ def masked_row() -> list[str]:
             "True masks every key of that sequence; check the rows named here."]
 
 
+def summed_masks(at: str, both: bool) -> list[str]:
+    """Masks filled with ``torch.finfo(dtype).min`` added together (``both``), or one added to
+    scores below 0, that passed the dtype's lowest value."""
+    fixes = [f"Combine the masks without adding them{at}: torch.minimum(mask_a, mask_b), or "
+             "combine the boolean masks (keep_a & keep_b) and fill once: "
+             "scores.masked_fill(~keep, torch.finfo(scores.dtype).min).",
+             f"Or clamp the sum back to the lowest value{at}: (scores + mask).clamp_min("
+             "torch.finfo(scores.dtype).min)."]
+    if both:
+        fixes.append("Running it in bfloat16 or float32 does not help: the masks follow the "
+                     "dtype, and torch.finfo(dtype).min + torch.finfo(dtype).min is -inf in "
+                     "every dtype.")
+    return fixes + masked_row()[1:2]  # a fully masked row still needs its guard
+
+
 def written_inf(modules: list[str], op: str, at: str) -> list[str]:
     names = ", ".join(f"'{m}'" for m in modules)
     return [f"If the Inf is meant (the code after it reads it safely: a sigmoid, a min, a topk), "

@@ -1244,6 +1244,9 @@ def _from_op(facts: Facts) -> Diagnosis | None:
             suggestion = fixes.distribution_parameter(op.at) + suggestion
         return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain: "
                                    f"{reason}.", evidence, suggestion, confidence=confidence)
+    masks = _masks_summed(op)
+    if masks is not None:  # masks at the dtype's lowest: no growth made it
+        return _summed_masks(facts, op, evidence, both=masks)
     # An overflow: divergence when the weights grew over the batches before.
     modules = [op.module, event.module, ""]
     grew = _weights_growth(facts)
@@ -1321,6 +1324,47 @@ def _masked_by_input(facts: Facts) -> Diagnosis | None:
                      f"-inf came with the mask passed in ({shown}), not with bad data.",
                      evidence, fixes.masked_row(), rows=rows,
                      confidence="high" if rows else "medium")
+
+
+def _masks_summed(op: OpFacts) -> bool | None:
+    """Whether an add overflowed to -inf because an operand is a mask filled with the dtype's
+    lowest value (``torch.finfo(dtype).min``, within 1%) and the other is below 0:
+    True when both are such masks (min + min is -inf in every dtype, as the mask follows the
+    dtype), False when only one is; None for any other overflow."""
+    if op.name != "add" or not op.inf or op.inputs_hold_inf() or len(op.inputs) < 2:
+        return None
+    limit = op.limit
+    lows = [float(row.get("min", math.nan)) for row in op.inputs[:2]]
+    if not math.isfinite(limit) or any(low != low for low in lows) or sum(lows) >= -limit:
+        return None
+    lowest = [low <= -limit * 0.99 for low in lows]  # activations rarely land right there
+    return all(lowest) if any(lowest) else None
+
+
+def _summed_masks(facts: Facts, op: OpFacts, evidence: list[str], both: bool) -> Diagnosis:
+    """An add of masks filled with the dtype's lowest value (or of one such mask and scores
+    below 0) that passed it: -inf, and a row whose every score became -inf gives NaN in the
+    softmax after it. The fixes combine the masks without adding them."""
+    lowest = -op.limit
+    what = ("two operands at that value were added (masks combined by adding them): min + min "
+            "is -inf" if both else "an operand at that value (a mask) was added to values "
+                                   "below 0, which pushes it past the lowest: -inf")
+    evidence = evidence + [
+        f"Operands of {op.op} reach {op.dtype}'s lowest value ({lowest:.5g} = "
+        f"torch.finfo(torch.{op.dtype}).min, what masks are filled with): {what}."]
+    rows = _rows_masked(facts)
+    if rows:
+        fully = sorted({i.role for i in facts.inputs if i.masked_rows})
+        named = fixes.rows_named(rows, 12)
+        evidence.append(f"{named[0].upper()}{named[1:]} of the batch "
+                        f"{'has' if len(rows) == 1 else 'have'} a fully masked "
+                        f"{', '.join(fully)}: with every score -inf, a softmax over "
+                        f"{'it' if len(rows) == 1 else 'them'} is 0/0 = NaN.")
+    return Diagnosis(
+        "overflow", f"{op.op} {op.place}{op.at} overflowed {op.dtype}: it added masks filled "
+                    f"with {op.dtype}'s lowest value ({lowest:.5g}), "
+                    f"{'and min + min' if both else 'and the sum'} passed it: -inf.",
+        evidence, fixes.summed_masks(op.at, both), rows=rows, confidence="high")
 
 
 def _from_frames(facts: Facts) -> Diagnosis | None:
