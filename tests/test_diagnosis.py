@@ -1248,6 +1248,51 @@ def test_nan_in_some_rows_of_the_data_names_the_rows(mode):
     assert diagnosis.suggestion[0].startswith("Look at how rows 2, 4 of input[0] were made")
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
+def test_nan_in_one_sample_of_a_nested_tensor_is_bad_data_naming_that_sample(layout, mode):
+    # A jagged batch was "unknown: native_layer_norm made NaN from finite inputs" (its input
+    # unread), and the replay named native_layer_norm as the NaN's birth.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 4)).eval()
+    samples = [torch.randn(length, 16) for length in (3, 5, 2)]
+    samples[1][2, 3] = math.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: the strided layout is a prototype
+        batch = torch.nested.nested_tensor(samples, layout=layout)
+    with watch(model, mode) as w, torch.no_grad():
+        model(batch)
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows, diagnosis.confidence) == ("bad-data", [1], "high")
+    assert diagnosis.summary.startswith("The batch's input[0] holds NaN in row 1:")
+    assert diagnosis.evidence == ["input[0] (float32 (3, None, 16)): 1 NaN in row 1 of 3."]
+    trace = w.replay(0)
+    assert trace.first_bad is None  # a NaN that flowed in is no birth
+    assert trace.came_with == [("input", "input[0]")]
+
+
+class SqrtBetweenLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.sqrt(self.a(x)))
+
+
+def test_a_nan_born_in_an_op_on_a_jagged_tensor_is_told_from_the_ops_inputs():
+    # The op's nested input read as "no finite value": "unknown ... made NaN from finite inputs".
+    torch.manual_seed(0)
+    model = SqrtBetweenLinears()
+    batch = torch.nested.nested_tensor([torch.randn(n, 16) for n in (3, 5)], layout=torch.jagged)
+    with watch(model, "full") as w, torch.no_grad():
+        model(batch)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain"
+    assert diagnosis.summary.startswith("sqrt in module '<root>' (SqrtBetweenLinears) at ")
+    assert "sqrt of values down to -1.73 (a negative value gives NaN)" in diagnosis.summary
+
+
 def test_one_bad_row_of_the_data_is_named_as_one_row():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     x = torch.randn(6, 4)

@@ -34,7 +34,7 @@ from .schema import CHANGED_LATER, PENDING
 __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of",
            "widen_float8",
            "storage_holds", "measure_tensor", "PENDING_BYTES_LIMIT", "PLAIN_TENSOR_TYPES",
-           "local_shard", "is_distributed_tensor", "plain_view"]
+           "local_shard", "is_distributed_tensor", "plain_view", "nested_values"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
@@ -228,6 +228,16 @@ def plain_view(tensor: torch.Tensor) -> torch.Tensor | None:
     return plain_view(matching[0])
 
 
+def nested_values(tensor: torch.Tensor) -> torch.Tensor:
+    """A nested tensor's values as one plain tensor: its buffer of every component (a jagged
+    one's ``values()``, samples packed along its ragged dim), or its components flattened and
+    joined when it has no such buffer."""
+    try:
+        return tensor.values()
+    except Exception:
+        return torch.cat([part.reshape(-1) for part in tensor.unbind()])
+
+
 def is_distributed_tensor(tensor: torch.Tensor) -> bool:
     """A DTensor (FSDP2, tensor parallel): each rank holds a shard of it."""
     return type(tensor) not in PLAIN_TENSOR_TYPES and hasattr(tensor, "placements") \
@@ -277,10 +287,7 @@ def _values_of(tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
             values = plain
     implicit_zero = False
     if values.is_nested:
-        try:
-            values = values.values()  # jagged layout: one buffer of every component
-        except Exception:
-            values = torch.cat([part.reshape(-1) for part in values.unbind()])
+        values = nested_values(values)
     elif values.layout is torch.sparse_coo:
         if not values.is_coalesced():  # duplicate indices add up: their sums are the values
             values = values.coalesce()

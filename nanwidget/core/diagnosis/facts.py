@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from ..detect import additive_mask
-from ..entries import Entry
+from ..entries import Entry, nested_shape
 from ..events import NanEvent
 from ..frames import Frame
 from ..schema import LOCAL_SHARD
-from ..stats import dtype_max, is_distributed_tensor, local_shard, storage_holds, widen_float8
+from ..stats import (dtype_max, is_distributed_tensor, local_shard, nested_values, storage_holds,
+                     widen_float8)
 
 __all__ = ["Facts", "InputFacts", "OpFacts", "WeightLog", "describe_input", "op_facts",
            "output_grad_bad", "weight_names"]
@@ -189,6 +190,8 @@ def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> Input
         tensor, note = local_shard(tensor), LOCAL_SHARD
     if tensor.layout is torch.sparse_coo and not tensor.is_meta and tensor.is_floating_point():
         return _describe_sparse_input(role, tensor, batch_dim, note)
+    if tensor.is_nested and not tensor.is_meta and tensor.is_floating_point():
+        return _describe_nested_input(role, tensor, note)
     if tensor.is_meta or tensor.is_sparse or tensor.is_nested or tensor.numel() == 0 \
             or not storage_holds(tensor):
         return None
@@ -212,6 +215,37 @@ def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> Input
                 facts.masked_rows = _rows_where((values != 0).all(dim=-1))
             elif any(key in name for key in _KEPT_WHEN_TRUE):
                 facts.masked_rows = _rows_where((values == 0).all(dim=-1))
+    return facts
+
+
+def _describe_nested_input(role: str, tensor: torch.Tensor, note: str) -> InputFacts:
+    """A nested tensor input (torch.nested: one component per sample): its values, the rows
+    being the samples whose component holds NaN/Inf (a jagged one's packed values mapped to
+    their samples through its offsets)."""
+    facts = InputFacts(role=role, dtype=str(tensor.dtype).replace("torch.", ""),
+                       shape=nested_shape(tensor), note=note)
+    with torch.no_grad():
+        values = nested_values(tensor.detach())
+        nan, inf = torch.isnan(values), torch.isinf(values)
+        facts.nan, facts.inf = int(nan.sum()), int(inf.sum())
+        if not (facts.nan or facts.inf):
+            return facts
+        if tensor.layout is torch.jagged:
+            # Samples lie along the values' ragged dim (the nested dim less the batch's).
+            dim = getattr(tensor, "_ragged_idx", 1) - 1
+            offsets = tensor.offsets().tolist()
+            lengths = tensor.lengths()
+            ends = ([start + n for start, n in zip(offsets, lengths.tolist())]
+                    if lengths is not None else offsets[1:])
+            found = set()
+            for position in _rows_where(nan | inf, dim):
+                sample = bisect.bisect_right(offsets, position) - 1
+                if 0 <= sample < len(ends) and position < ends[sample]:
+                    found.add(sample)
+            facts.rows = sorted(found)
+        else:
+            facts.rows = [i for i, part in enumerate(tensor.detach().unbind())
+                          if not bool(torch.isfinite(part).all())]
     return facts
 
 

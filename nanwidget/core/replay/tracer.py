@@ -25,7 +25,8 @@ from ..frames import Frame
 from ..recorder import ModuleInfo
 from ..schema import is_input_role
 from ..sourcelines import python_backward_source, user_source
-from ..stats import PendingStats, TensorStats, classify, measure_tensor, version_of, widen_float8
+from ..stats import (PendingStats, TensorStats, classify, measure_tensor, nested_values,
+                     version_of, widen_float8)
 from .shadows import Shadows, mutated_arguments, tensors_in
 
 __all__ = ["OpRecorder", "OpTracer", "Lineage", "storage_key"]
@@ -62,6 +63,8 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         if tensor.layout is torch.sparse_coo:  # no storage of its own: its values' storage
             tensor = tensor._values()
         elif tensor.layout is not torch.strided and tensor.is_sparse_csr:
+            tensor = tensor.values()
+        elif tensor.is_nested and tensor.layout is torch.jagged:  # its values' storage
             tensor = tensor.values()
         key = tensor.untyped_storage().data_ptr()
     except Exception:  # tensor subclasses without a storage
@@ -647,7 +650,10 @@ def _describe(role: str, tensor: torch.Tensor) -> dict:
         return info
     try:
         with torch.no_grad():
-            values = widen_float8(tensor.detach())  # float8 has no isinf, min or max
+            values = tensor.detach()
+            if values.is_nested:  # its components' values (boolean indexing refuses it)
+                values = nested_values(values)
+            values = widen_float8(values)  # float8 has no isinf, min or max
             if values.is_floating_point() or values.is_complex():
                 nan_mask, inf_mask = torch.isnan(values), torch.isinf(values)
                 finite = (values.real if values.is_complex() else values)[~(nan_mask | inf_mask)]
