@@ -12,8 +12,8 @@ Where before how (the contract's precedence):
 2. ``bad-data``: the batch's inputs hold NaN (or an Inf that no op of the model made);
 3. a non-finite weight is ``divergence`` when the weights grew over the batches before (the
    optimizer drove them there), else ``corrupted-weight`` (a step, load or write broke it);
-4. the op that made the value (the trace's first bad op): ``masked-row`` (softmax over a row
-   that is all -inf), ``domain`` (log of <= 0, sqrt of < 0 or its gradient at 0, acos of
+4. the op that made the value (the trace's first bad op, or the first NaN made from a -inf
+   mask passed in): ``masked-row`` (softmax over a row that is all -inf), ``domain`` (log of <= 0, sqrt of < 0 or its gradient at 0, acos of
    |x| > 1, division by 0, inf - inf ...), ``overflow`` (a finite value grew past its dtype's
    largest), which becomes ``divergence`` when the weights also grew;
 5. without an op, what the event's frame shows (an Inf from finite inputs: overflow; a
@@ -1287,20 +1287,26 @@ def _first_nan_op(trace: object) -> object:
 def _masked_by_input(facts: Facts) -> Diagnosis | None:
     """A NaN made from a -inf mask passed in (a float key_padding_mask, the causal mask of
     nn.Transformer.generate_square_subsequent_mask): a softmax over a row the masks block
-    everywhere. The replay follows the NaN back to the mask, which no op made (so no op is
-    first_bad); the op that turned it into NaN is the trace's first NaN."""
+    everywhere. The op that turned it into NaN is the trace's first NaN: its first_bad when
+    the event's module made the NaN from the mask it received (the trace follows its output),
+    else the replay followed the NaN back to the mask, which no op made (no first_bad)."""
     event = facts.event
     masks = [i for i in facts.inputs if i.mask]
-    if event.is_backward or "nan" not in event.kind or facts.op is not None or not masks \
+    if event.is_backward or "nan" not in event.kind or not masks \
             or any(i.nan or (i.inf and not i.mask) for i in facts.inputs):
         return None
     roles = {i.role for i in masks}
-    came = getattr(facts.trace, "came_with", None) or []
-    if not came or any(kind != "input" or name not in roles for kind, name in came):
-        return None  # the replay did not trace the value back to the masks alone
     made = _first_nan_op(facts.trace)
     if made is None or not _masks_rows(str(made["op"]).lstrip("_")):
         return None
+    if facts.op is not None:
+        if event.origin != "input" or facts.op.phase != "forward" \
+                or facts.op.op != str(made["op"]) or facts.op.module != str(made["module"]):
+            return None
+    else:
+        came = getattr(facts.trace, "came_with", None) or []
+        if not came or any(kind != "input" or name not in roles for kind, name in came):
+            return None  # the replay did not trace the value back to the masks alone
     module = str(made["module"]) or "<root>"
     kind = f" ({made['module_type']})" if made["module_type"] else ""
     at = f" at {made['source']}" if made["source"] else ""
@@ -1527,8 +1533,8 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_after_forward, _accumulated_gradient, _from_another_rank, _scaled_gradient, _loss, _bad_data, _weights, _from_op,
-                 _masked_by_input, _from_frames, _weight_gradient):
+    for rule in (_after_forward, _accumulated_gradient, _from_another_rank, _scaled_gradient, _loss, _bad_data, _weights,
+                 _masked_by_input, _from_op, _from_frames, _weight_gradient):
         found = rule(facts)
         if found is not None:
             break
