@@ -277,6 +277,88 @@ def test_forward_writing_into_its_own_weights_is_undone_after_replay():
     assert "mul_" in set(trace.ops["op"])
 
 
+# ------------------------------------------------------------------------ modules outside the model
+def small_gan() -> tuple[nn.Module, nn.Module]:
+    """A DCGAN in miniature: the discriminator keeps BatchNorm running statistics."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.ConvTranspose2d(8, 8, 4, 1, 0), nn.BatchNorm2d(8), nn.ReLU(),
+                              nn.ConvTranspose2d(8, 1, 4, 2, 1), nn.Tanh())
+    discriminator = nn.Sequential(nn.Conv2d(1, 8, 4, 2, 1), nn.BatchNorm2d(8),
+                                  nn.LeakyReLU(0.2), nn.Conv2d(8, 1, 4, 1, 0), nn.Flatten(0))
+    return generator, discriminator
+
+
+def gan_optimizers(generator, discriminator) -> tuple:
+    return (torch.optim.Adam(generator.parameters(), 2e-4),
+            torch.optim.Adam(discriminator.parameters(), 2e-4))
+
+
+def gan_step(generator, discriminator, optimizers) -> None:
+    """One GAN step; the discriminator keeps the gradients of the generator's step."""
+    optimizer_g, optimizer_d = optimizers
+    real = torch.randn(6, 1, 8, 8).tanh()
+    fake = generator(torch.randn(6, 8, 1, 1))
+    optimizer_d.zero_grad()
+    (bce(discriminator(real), torch.ones(6))
+     + bce(discriminator(fake.detach()), torch.zeros(6))).backward()
+    optimizer_d.step()
+    optimizer_g.zero_grad()
+    bce(discriminator(fake), torch.ones(6)).backward()
+    optimizer_g.step()
+
+
+def bce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.binary_cross_entropy_with_logits(logits, targets)
+
+
+def generator_loss(discriminator):
+    """The generator's loss, as every GAN has it: it runs the discriminator."""
+    return lambda fake: bce(discriminator(fake), torch.ones(6))
+
+
+def nan_noise() -> torch.Tensor:
+    """Noise whose first sample holds a NaN: the generator's output is NaN."""
+    z = torch.randn(6, 8, 1, 1)
+    z[0, 0] = float("nan")
+    return z
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_generator_replay_whose_loss_runs_the_discriminator_leaves_it_as_it_was(mode):
+    # The generator's loss runs the discriminator (as in every GAN): the replay ran it in
+    # train mode, so its BatchNorm statistics took the replay's NaN batch and its .grad the
+    # replay's gradients.
+    generator, discriminator = small_gan()
+    optimizers = gan_optimizers(generator, discriminator)
+    with nw.watch(generator, mode=mode, on_nan="record") as w:
+        for _ in range(2):
+            gan_step(generator, discriminator, optimizers)
+        generator(nan_noise())  # the step is skipped; its batch is replayed below
+        assert [event.batch for event in w.events] == [2]
+        discriminator.get_submodule("3").bias.grad = None  # mixed: some grads set, some None
+        before = model_state(discriminator)
+        trace = w.replay(2, loss_fn=generator_loss(discriminator))
+        assert trace.reproduced and trace.loss is not None
+        assert_same_state(before, model_state(discriminator))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_automatic_replay_whose_loss_runs_the_discriminator_leaves_it_as_it_was(mode):
+    # replay_on_nan runs the watch's loss_fn within the failing step: with on_nan="record"
+    # training went on with the discriminator the replay had changed.
+    generator, discriminator = small_gan()
+    with nw.watch(generator, on_nan="record", mode=mode, replay_on_nan=True,
+                  loss_fn=generator_loss(discriminator)) as w:
+        for _ in range(2):
+            bce(discriminator(generator(torch.randn(6, 8, 1, 1))), torch.ones(6)).backward()
+        z = nan_noise()
+        before = model_state(discriminator)
+        generator(z)  # the NaN: replayed at once, through the discriminator
+        assert [event.batch for event in w.events] == [2]
+        assert w.events[0].trace is not None and w.events[0].trace.reproduced
+        assert_same_state(before, model_state(discriminator))
+
+
 class KeepsPythonState(nn.Module):
     """Counts its calls, logs them, caches its last input, fills a dict and draws noise from
     its own generator, Python's and NumPy's: state a replay runs through. Its third call makes

@@ -8,8 +8,9 @@ that measures every aten op, and names the first op whose output is not finite, 
 module and the innermost line of user code that called it.
 
 Parts: :mod:`.capture` holds batches (a feature of the recorder), :mod:`.shadows` keeps the
-model's own tensors untouched, :mod:`.tracer` measures ops and frames, :mod:`.run` runs a
-batch again; the result is a :class:`~nanwidget.core.trace.Trace`.
+model's own tensors untouched, :mod:`.outside` those of the modules a replay runs outside the
+model (a GAN's discriminator in the loss), :mod:`.tracer` measures ops and frames, :mod:`.run`
+runs a batch again; the result is a :class:`~nanwidget.core.trace.Trace`.
 """
 
 from __future__ import annotations

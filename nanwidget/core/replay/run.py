@@ -32,6 +32,7 @@ from .capture import (BatchCapture, ForwardCapture, HeldBatch, ModelNotReplayabl
                       WeightSlots, layouts_of)
 from .collectives import no_collectives, refused_collective
 from .inputs import UncopiedInput, copy_structure
+from .outside import OutsideModules
 from .shadows import ModuleAttributes, Shadows
 from .tracer import OpRecorder, OpTracer, WriteGuard
 
@@ -449,6 +450,7 @@ class _Replay:
         handles: list[Any] = []
         fused: list[tuple[nn.Module, FusedPathKeeper]] = []
         shadows: Shadows | None = None
+        outside: OutsideModules | None = None
         backward: BackwardFrames | None = None
         loss_value: float | None = None
         raised: Exception | None = None  # what the model's code raised, where, and the
@@ -460,6 +462,9 @@ class _Replay:
                 earlier_pre_hooks.wrap(*self.recorder.pre_hooks_before_held_inputs())
                 shadows = recorder.shadows = Shadows()
                 shadows.install(slots, held.forwards[0].snapshot or slots.read())
+                # Modules run outside the model (the loss_fn's discriminator) get stand-ins too.
+                outside = OutsideModules(root.modules(), shadows)
+                outside.start()
                 recorder.name_sources("weight", zip(slots.names, slots.read()))
                 enter_hook, pre_hook, post_hook = (
                     _replay_calls_only(hook, recorder, arity)
@@ -495,6 +500,8 @@ class _Replay:
                         changes_then = list(changes)
                         break
         finally:
+            if outside is not None:
+                outside.stop()
             earlier_pre_hooks.restore()
             if backward is not None:
                 backward.close()
@@ -504,6 +511,8 @@ class _Replay:
                 release_fused_path(layer, keeper)
             if shadows is not None:
                 shadows.restore()
+            if outside is not None:
+                outside.restore()
             attributes.restore()
             for module, flag in zip(slots.modules, saved_training):
                 module.training = flag

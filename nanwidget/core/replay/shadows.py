@@ -5,7 +5,9 @@ objects over the same storage, so ``.grad``, ``requires_grad`` and version count
 ones stay as they are; an in-place write into a parameter's storage is saved first and undone
 afterwards) and on cloned buffers (BatchNorm running statistics). The modules' own Python
 attributes (a call counter, a list a forward appends to, a cached tensor it rebinds) are put
-back as they were afterwards too (:class:`ModuleAttributes`).
+back as they were afterwards too (:class:`ModuleAttributes`). Modules the replay runs outside
+the model (a GAN's discriminator in the generator's loss) get stand-ins too, at their first
+call (:mod:`.outside`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ class Shadows:
         self.protected: dict[int, list[_Protected]] = {}
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.flat_weights: list[tuple[nn.Module, list]] = []
+        # id(tensor stood in for) -> its stand-in: a module outside the model that holds one
+        # of the model's tensors (tied weights) gets the same stand-in.
+        self._stand_ins: dict[int, torch.Tensor] = {}
 
     def install(self, slots: WeightSlots, sources: list[torch.Tensor | None]) -> None:
         """Put the stand-ins in place; every swap is recorded as it is made, so that
@@ -106,15 +111,37 @@ class Shadows:
             shadow = made.get(id(source))
             if shadow is None:
                 shadow = made[id(source)] = self._make(original, source, slots.is_buffer[i])
+            self._stand_ins.setdefault(id(original), shadow)
             self.swaps.append((slots.containers[i], slots.keys[i], original))
             slots.containers[i][slots.keys[i]] = shadow
-        # RNNs keep a list of their weights besides _parameters.
         for module in slots.modules:
-            if isinstance(getattr(module, "_flat_weights", None), list) \
-                    and hasattr(module, "_flat_weights_names"):
-                self.flat_weights.append((module, module._flat_weights))
-                module._flat_weights = [getattr(module, name, None)
-                                        for name in module._flat_weights_names]
+            self._swap_flat_weights(module)
+
+    def install_module(self, module: nn.Module) -> None:
+        """Put stand-ins in place of ``module``'s own parameters and buffers (not its
+        children's), as :meth:`install` does for the model's, from their current values; a
+        tensor that already has one (tied to the model's) gets that one."""
+        for is_buffer, container in ((False, module._parameters), (True, module._buffers)):
+            if not isinstance(container, dict):  # a TorchScript module's: left as it is
+                continue
+            for key, original in list(container.items()):
+                if original is None:
+                    continue
+                shadow = self._stand_ins.get(id(original))
+                if shadow is None:
+                    shadow = self._stand_ins[id(original)] = self._make(original, original,
+                                                                        is_buffer)
+                self.swaps.append((container, key, original))
+                container[key] = shadow
+        self._swap_flat_weights(module)
+
+    def _swap_flat_weights(self, module: nn.Module) -> None:
+        """RNNs keep a list of their weights besides _parameters: the stand-ins' list."""
+        if isinstance(getattr(module, "_flat_weights", None), list) \
+                and hasattr(module, "_flat_weights_names"):
+            self.flat_weights.append((module, module._flat_weights))
+            module._flat_weights = [getattr(module, name, None)
+                                    for name in module._flat_weights_names]
 
     def _make(self, original: torch.Tensor, source: torch.Tensor, is_buffer: bool) -> torch.Tensor:
         if is_buffer or not isinstance(original, nn.Parameter):
