@@ -359,6 +359,38 @@ def test_an_automatic_replay_whose_loss_runs_the_discriminator_leaves_it_as_it_w
         assert_same_state(before, model_state(discriminator))
 
 
+def watch_records(w) -> tuple:
+    return w.batch, w.frames(), w.history(), len(w.events), len(w.warnings)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_watch_on_the_discriminator_records_nothing_of_the_generators_replays(mode):
+    # The discriminator's own watch took each replay that ran it for one of its batches: the
+    # batch number moved on, and the replay's frames and history rows were recorded.
+    generator, discriminator = small_gan()
+    optimizers = gan_optimizers(generator, discriminator)
+    # In sentinel mode every batch is recorded in full: frames and history to compare.
+    sampled = {"sample_every": 1} if mode == "sentinel" else {}
+    with nw.watch(discriminator, mode=mode, on_nan="record", **sampled) as wd, \
+            nw.watch(generator, mode=mode, on_nan="record", replay_on_nan=True,
+                     loss_fn=generator_loss(discriminator)) as wg:
+        for _ in range(2):
+            gan_step(generator, discriminator, optimizers)
+        z = nan_noise()
+        records, before = watch_records(wd), model_state(discriminator)
+        generator(z)  # its automatic replay runs the discriminator
+        assert wg.events[0].trace is not None and wg.events[0].trace.reproduced
+        # And one asked for.
+        assert wg.replay(2, loss_fn=generator_loss(discriminator)).reproduced
+        now = watch_records(wd)
+        assert now[0] == records[0]  # no batch counted
+        assert now[1].equals(records[1]) and now[2].equals(records[2])
+        assert now[3:] == records[3:]  # no event, no early warning
+        assert_same_state(before, model_state(discriminator))
+        gan_step(generator, discriminator, optimizers)
+        assert wd.batch == records[0] + 3  # its own batches count as before
+
+
 class KeepsPythonState(nn.Module):
     """Counts its calls, logs them, caches its last input, fills a dict and draws noise from
     its own generator, Python's and NumPy's: state a replay runs through. Its third call makes

@@ -50,7 +50,9 @@ Threads
     replayed) before another thread's forward starts: that forward waits for it. A trace-mode
     replay starts only when no other thread's forward runs and holds the recorder's lock while
     it runs, so another thread's forward waits for it (a replay hooks the modules the other
-    forward would run).
+    forward would run). While one watch replays a batch, every other watch records nothing on
+    the replaying thread (:meth:`Recorder.quiet_on_this_thread`: a GAN generator's replay runs
+    the watched discriminator in its loss) and records as usual on the other threads.
 """
 
 from __future__ import annotations
@@ -321,8 +323,14 @@ class Recorder:
         # let go when the recorder is collected without close().
         self._step_tracking = track_optimizer_steps()
         weakref.finalize(self, self._step_tracking.release)
+        # Suspensions in force (own replays, other watches' replays), and the threads whose
+        # hooks they quiet (thread -> depth); the hooks read the count first (0: one read).
         self._suspended = 0
-        self._suspended_thread: int | None = None
+        self._suspended_threads: dict[int, int] = {}
+        self._own_suspensions = 0  # suspend() blocks: every thread's features stand by
+        # Guards the three above: another watch's replay changes them without self._lock (see
+        # quiet_on_this_thread). Held for a few lines, never while taking another lock.
+        self._suspensions_lock = threading.Lock()
         self._aside_thread: int | None = None  # a tracer runs the model on it (see tracing())
         self._aborted = False
         # Per pass (backward or not): (place, batch, repeated) of the last event warned about.
@@ -603,9 +611,13 @@ class Recorder:
 
     @property
     def suspended(self) -> bool:
-        """True while a :meth:`suspend` block runs (a trace-mode replay), or while a tracer
+        """True while a :meth:`suspend` block runs (a trace-mode replay), while another
+        watch's replay runs on this thread (:meth:`quiet_on_this_thread`), or while a tracer
         runs the model (``torch.export``, ``torch.jit.trace``: the watch stands aside)."""
-        return self._suspended > 0 or self._aside_thread is not None
+        if self._suspended and (self._own_suspensions
+                                or _get_ident() in self._suspended_threads):
+            return True
+        return self._aside_thread is not None
 
     @property
     def lock(self) -> threading.RLock:
@@ -667,7 +679,7 @@ class Recorder:
     # ------------------------------------------------------------------ hooks (hot path)
     def _skip_this_thread(self) -> bool:
         """While suspended, the suspending thread's hooks record nothing."""
-        return self._suspended > 0 and self._suspended_thread == _get_ident()
+        return self._suspended > 0 and _get_ident() in self._suspended_threads
 
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._direct_handles and module is not self.model:
@@ -679,7 +691,7 @@ class Recorder:
             return None if dynamo_compiling() else self._stand_aside()
         if self._aside_thread is not None:
             self._aside_thread = None  # a traced call that never returned (it raised past us)
-        if self._closed or (self._suspended and self._suspended_thread == _get_ident()) \
+        if self._closed or (self._suspended and _get_ident() in self._suspended_threads) \
                 or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
         if self.entry is self.model and "torch._dynamo" in sys.modules:
@@ -844,7 +856,7 @@ class Recorder:
         if info is None or self._closed:
             return None
         thread = _get_ident()
-        if self._suspended and self._suspended_thread == thread:
+        if self._suspended and thread in self._suspended_threads:
             return None
         if (self._root_thread != thread or not self._root_depth) \
                 and self._skips_outside_own_forward(info, thread):
@@ -918,7 +930,7 @@ class Recorder:
             if flag._is_exporting_flag or self._closed:
                 return None  # torch.export traces the model; or the watch closed
             thread = _get_ident()
-            if self._suspended and self._suspended_thread == thread:
+            if self._suspended and thread in self._suspended_threads:
                 return None
             if self._root_thread != thread or not self._root_depth:
                 if self._skips_outside_own_forward(info, thread):
@@ -1467,14 +1479,45 @@ class Recorder:
         with self._lock:
             if self._root_depth and self._root_thread != _get_ident():
                 self._wait_for_other_forward()
-            outer = self._suspended_thread
-            self._suspended += 1
-            self._suspended_thread = _get_ident()
+            me = _get_ident()
+            self._quiet(me, +1, own=True)
             try:
                 yield
             finally:
-                self._suspended -= 1
-                self._suspended_thread = outer if self._suspended else None
+                self._quiet(me, -1, own=True)
+
+    @contextlib.contextmanager
+    def quiet_on_this_thread(self) -> Iterator[None]:
+        """While inside, this thread's hooks record nothing: no batch counted, no frame, no
+        history row, no event, no early warning (another watch replays a batch here, and its
+        replay may run this watch's model: a GAN's discriminator in the generator's loss).
+        Other threads record as usual; the lock is not taken, so one watch's replay never
+        waits for another watch."""
+        me = _get_ident()
+        self._quiet(me, +1)
+        try:
+            yield
+        finally:
+            self._quiet(me, -1)
+
+    def _quiet(self, thread: int, step: int, own: bool = False) -> None:
+        """Count one suspension of ``thread`` in (``step`` 1) or out (-1); ``own``: a
+        :meth:`suspend` block's. The hooks read the count, then the threads, without a lock:
+        a thread is listed before it counts and stays listed until it no longer does."""
+        with self._suspensions_lock:
+            if own:
+                self._own_suspensions += step
+            threads = self._suspended_threads
+            if step > 0:
+                threads[thread] = threads.get(thread, 0) + 1
+                self._suspended += 1
+                return
+            self._suspended -= 1
+            depth = threads.get(thread, 1) - 1
+            if depth:
+                threads[thread] = depth
+            else:
+                threads.pop(thread, None)
 
     def close(self) -> None:
         """Remove exactly the hooks this recorder added, close the features; idempotent."""

@@ -4,7 +4,8 @@ A replay's ``loss_fn`` often runs other modules: a GAN generator's loss runs the
 (``bce(D(fake), ones)``), a perceptual loss runs a feature network, and a forward may call a
 module it keeps outside its own tree. Those modules are the caller's too: their parameters,
 BatchNorm statistics, ``.grad``, train/eval flags and Python attributes must come out of the
-replay as they went in (:class:`OutsideModules`).
+replay as they went in (:class:`OutsideModules`), and a watch on one of them must not take the
+replay for a batch of its own (:func:`other_watches_quiet`).
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import contextlib
 import sys
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import nn
 
+from ..recorder import Recorder
+from ..state import watching_recorders
 from .shadows import ModuleAttributes, Shadows
 
-__all__ = ["OutsideModules"]
+__all__ = ["OutsideModules", "other_watches_quiet"]
 
 # torch warns at every call of a torch.compile'd module while any global module hook is on;
 # the replay's own (below) is on only while the replay runs and fires once per module.
@@ -88,3 +91,15 @@ class OutsideModules:
             attributes.restore()
         for module, flag in zip(self._taken, self._flags):
             module.training = flag
+
+
+@contextlib.contextmanager
+def other_watches_quiet(replaying: Recorder) -> Iterator[None]:
+    """While inside, every live watch but ``replaying``'s records nothing on this thread (the
+    replay may run their models: a watched discriminator in the generator's loss); they
+    record as usual on every other thread."""
+    with contextlib.ExitStack() as stack:
+        for recorder in watching_recorders():
+            if recorder is not replaying:
+                stack.enter_context(recorder.quiet_on_this_thread())
+        yield

@@ -32,7 +32,7 @@ from .capture import (BatchCapture, ForwardCapture, HeldBatch, ModelNotReplayabl
                       WeightSlots, layouts_of)
 from .collectives import no_collectives, refused_collective
 from .inputs import UncopiedInput, copy_structure
-from .outside import OutsideModules
+from .outside import OutsideModules, other_watches_quiet
 from .shadows import ModuleAttributes, Shadows
 from .tracer import OpRecorder, OpTracer, WriteGuard
 
@@ -456,8 +456,9 @@ class _Replay:
         raised: Exception | None = None  # what the model's code raised, where, and the
         raised_in, changes_then = ("forward", 0), []  # model's changes it may come from
         try:
-            with self.recorder.suspend(), eager_calls(), own_parametrization_cache(), \
-                    outside_pyro_handlers(), no_collectives(root, partial(_running_now, recorder)):
+            with self.recorder.suspend(), other_watches_quiet(self.recorder), eager_calls(), \
+                    own_parametrization_cache(), outside_pyro_handlers(), \
+                    no_collectives(root, partial(_running_now, recorder)):
                 # Before this replay's own hooks go on the root (its first one is prepended).
                 earlier_pre_hooks.wrap(*self.recorder.pre_hooks_before_held_inputs())
                 shadows = recorder.shadows = Shadows()
