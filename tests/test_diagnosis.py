@@ -703,6 +703,68 @@ def test_a_real_overflow_in_a_mask_op_s_input_stays_an_overflow():
     assert w.event.diagnosis.summary.startswith("addmm in module 'inner.0' (Linear)")
 
 
+class ScoresOverUninitialised(nn.Module):
+    """diffusers' classic attention: baddbmm(torch.empty(...), q, k^T, beta=0) then softmax. With
+    beta=0 baddbmm ignores its first input, whatever garbage (Inf, NaN) it holds."""
+
+    def __init__(self, garbage: float) -> None:
+        super().__init__()
+        self.garbage = garbage
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        unread = torch.full((x.shape[0], x.shape[1], x.shape[1]), self.garbage, dtype=x.dtype)
+        scores = torch.baddbmm(unread, self.q(x), self.k(x).transpose(1, 2), beta=0, alpha=1.0)
+        return scores.softmax(-1) @ x
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("garbage", [math.inf, math.nan])
+def test_float16_attention_scores_overflowing_in_baddbmm_with_beta_0_are_an_overflow(mode, garbage):
+    # The Inf in the unread input was taken for the scores' Inf: softmax became the first bad
+    # op, and the verdict a masked row with mask fixes.
+    torch.manual_seed(0)
+    model = ScoresOverUninitialised(garbage).half()
+    with torch.no_grad():
+        model.q.weight.mul_(400)
+        model.k.weight.mul_(400)
+    with watch(model, mode) as w:
+        model(torch.randn(2, 6, 8).half())
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert diagnosis.summary.startswith("baddbmm in module '<root>' (ScoresOverUninitialised) at ")
+    assert line_of(ScoresOverUninitialised.forward, "torch.baddbmm") in diagnosis.summary
+    assert "float16's largest value" in diagnosis.summary
+    evidence = "\n".join(diagnosis.evidence)
+    assert "baddbmm input self" not in evidence  # not read: its garbage is no evidence
+
+
+class OverflowedBiasAttention(nn.Module):
+    """Attention adding a position bias kept as a plain attribute (no buffer) that overflowed
+    float16 when it was made: +inf in the scores, no mask anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.position_bias = (torch.linspace(0, 1, 6) * 1e5).half().expand(6, 6).clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(1, 2) + self.position_bias
+        return scores.softmax(-1) @ x
+
+
+def test_a_softmax_over_plus_inf_scores_is_no_masked_row():
+    # Any Inf reaching a softmax was called a fully masked row; a +inf is no mask.
+    torch.manual_seed(0)
+    model = OverflowedBiasAttention().half()
+    with watch(model, "full") as w:
+        model(torch.randn(2, 6, 8).half())
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert "all -inf" not in diagnosis.summary
+    assert not any("finfo" in fix for fix in diagnosis.suggestion)
+
+
 # ---------------------------------------------------------------------------- divergence
 def _mlp_at_a_huge_learning_rate(mode: str, **options) -> nw.NanWatch:
     torch.manual_seed(0)

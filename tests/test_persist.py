@@ -447,6 +447,23 @@ def test_a_replay_on_nan_event_is_written_with_its_trace(tmp_path):
     assert "First non-finite op: sqrt" in run.report()
 
 
+def test_a_trace_recorded_before_the_inf_signs_were_kept_still_loads(tmp_path):
+    torch.manual_seed(0)
+    model = _SqrtBetweenLayers()
+    with nw.watch(model, log_dir=str(tmp_path), replay_on_nan=True, on_nan="record"):
+        model(torch.randn(4, 6))
+    event_file = tmp_path / "rank-00000" / "event-000000.json"
+    meta = json.loads(event_file.read_text())
+    for row in meta["trace"]["first_bad_tensors"]:
+        del row["pos_inf_count"], row["neg_inf_rows"]
+    event_file.write_text(json.dumps(meta))
+    run = load_run(tmp_path)
+    loaded = run.event.trace
+    assert loaded.first_bad["op"] == "sqrt"
+    assert loaded.first_bad_tensors["neg_inf_rows"].isna().all()  # unknown, not 0
+    assert "First non-finite op: sqrt" in run.report()
+
+
 def test_a_trace_that_stopped_where_the_forward_raised_is_read_back_so(tmp_path):
     class RaisesOnNan(_SqrtBetweenLayers):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

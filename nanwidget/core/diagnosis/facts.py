@@ -282,7 +282,8 @@ class OpFacts:
     dtype: str
     nan: bool
     inf: bool
-    inputs: list[dict] = field(default_factory=list)  # role, dtype, min, max, nan_count, inf_count
+    # role, dtype, min, max, nan_count, inf_count, pos_inf_count, neg_inf_rows
+    inputs: list[dict] = field(default_factory=list)
     outputs: list[dict] = field(default_factory=list)
     grad_of: str = ""  # the autograd node a backward op ran in ("SqrtBackward0"), when known
     grad_of_loss: bool = False  # that node was made by an op of loss_fn (its gradient, e.g. log's)
@@ -346,6 +347,19 @@ class OpFacts:
 
     def inputs_hold_inf(self) -> bool:
         return any(int(row.get("inf_count", 0) or 0) for row in self.inputs)
+
+    def inputs_fully_masked(self) -> bool | None:
+        """Whether the op's inputs hold Inf as a mask does: only -inf, filling whole rows (a
+        fully masked row). False when a +inf is among them (an overflow) or no row is all
+        -inf; None when not known (a recording made before the signs were kept)."""
+        holding = [row for row in self.inputs if int(row.get("inf_count", 0) or 0)]
+        if not holding:
+            return False
+        positive = [row.get("pos_inf_count") for row in holding]
+        rows = [row.get("neg_inf_rows") for row in holding]
+        if any(v is None or v != v for v in positive + rows):
+            return None
+        return not any(positive) and any(rows)
 
 
 def op_facts(trace: Any) -> OpFacts | None:

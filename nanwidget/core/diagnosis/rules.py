@@ -435,7 +435,9 @@ def _masks_rows(name: str) -> bool:
 def _classify_op(op: OpFacts, earlier: object) -> tuple[str, str, str] | None:
     """(kind, reason, confidence) of the value the op made, or None."""
     name = op.name
-    if _masks_rows(name) and op.nan and op.inputs_hold_inf():
+    # Only -inf filling whole rows is a mask; a +inf (an overflow before it) is not.
+    if _masks_rows(name) and op.nan and op.inputs_hold_inf() \
+            and op.inputs_fully_masked() is not False:
         return ("masked-row", "a row whose scores were all -inf (fully masked) gives 0/0 = NaN",
                 "high")
     domain = _domain_reason(op)

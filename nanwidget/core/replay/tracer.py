@@ -52,6 +52,9 @@ _DOMAIN_IN_PLACE = frozenset({"pow_", "sqrt_", "rsqrt_", "log_", "log2_", "log10
                               "logit_"})
 _FRESH_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                         "empty_permuted"})
+# Ops computing beta * input + alpha * (a product): with beta=0 the input is not read (torch
+# ignores its NaN and Inf; diffusers' attention passes uninitialised torch.empty there).
+_SCALED_ACCUMULATE = frozenset({"addmm", "addbmm", "baddbmm", "addmv", "addr"})
 # Births' tensors held (by reference) to describe the chosen one once the replay ran; past
 # this many bytes a birth is described at once (a host sync) instead.
 _HELD_BIRTH_BYTES = 64 << 20
@@ -347,7 +350,8 @@ class OpRecorder:
         outside: list[int] = []
         feeders: list[int] = []
         feeders_outside: list[int] = []
-        values = [(p in positions, v) for p, v in enumerate(args)]
+        skipped = _unread_argument(func, kwargs)
+        values = [(p in positions, v) for p, v in enumerate(args) if p != skipped]
         values += [(False, v) for k, v in kwargs.items() if k not in names]  # out= is no input
         for mutated, value in values:
             for tensor in tensors_in(value):
@@ -628,6 +632,15 @@ class OpRecorder:
             pass
 
 
+def _unread_argument(func: Any, kwargs: dict) -> int | None:
+    """The position of an argument the op does not read despite its schema: the input of
+    ``baddbmm`` (``addmm`` ...) with ``beta=0``, whose contents, Inf or NaN included, the result
+    ignores; None for every other op."""
+    if func.overloadpacket.__name__.rstrip("_") in _SCALED_ACCUMULATE and kwargs.get("beta", 1) == 0:
+        return 0
+    return None
+
+
 def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:
     """Whether an op got ±inf as a plain number (not through a tensor)."""
     for value in list(args) + list(kwargs.values()):
@@ -638,14 +651,16 @@ def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _describe(role: str, tensor: torch.Tensor) -> dict:
+def _describe(role: str, tensor: torch.Tensor, dim: int = -1) -> dict:
     """Signed finite range and non-finite counts of one tensor (the first bad op's report). A
     complex tensor's range is its real part's (what exp overflows on); its counts are of
-    values with a non-finite part."""
+    values with a non-finite part. Its Inf are told apart: how many are +inf (an overflow;
+    a mask writes -inf) and how many rows along ``dim`` are all -inf (fully masked rows)."""
     info = {"role": role, "dtype": str(tensor.dtype).replace("torch.", ""),
             "shape": () if tensor.is_nested else tuple(tensor.shape), "numel": tensor.numel(),
             "min": math.nan,
-            "max": math.nan, "nan_count": 0, "inf_count": 0}
+            "max": math.nan, "nan_count": 0, "inf_count": 0, "pos_inf_count": 0,
+            "neg_inf_rows": 0}
     if tensor.numel() == 0:
         return info
     try:
@@ -656,15 +671,21 @@ def _describe(role: str, tensor: torch.Tensor) -> dict:
             values = widen_float8(values)  # float8 has no isinf, min or max
             if values.is_floating_point() or values.is_complex():
                 nan_mask, inf_mask = torch.isnan(values), torch.isinf(values)
-                finite = (values.real if values.is_complex() else values)[~(nan_mask | inf_mask)]
+                real = values.real if values.is_complex() else values
+                finite = real[~(nan_mask | inf_mask)]
                 low = finite.min().double() if finite.numel() else torch.tensor(math.nan)
                 high = finite.max().double() if finite.numel() else torch.tensor(math.nan)
                 numbers = torch.stack((low.cpu(), high.cpu(), nan_mask.sum().double().cpu(),
                                        inf_mask.sum().double().cpu())).tolist()
+                if numbers[3] and not values.is_complex():
+                    numbers.append(float((real == math.inf).sum()))
+                    numbers.append(float((real == -math.inf).all(dim).sum()) if real.dim() else 0.0)
             else:  # integers; a bool mask reads 0 to 1 (False to True)
                 numbers = [float(values.min()), float(values.max()), 0, 0]
         info.update(min=numbers[0], max=numbers[1], nan_count=int(numbers[2]),
                     inf_count=int(numbers[3]))
+        if len(numbers) > 4:
+            info.update(pos_inf_count=int(numbers[4]), neg_inf_rows=int(numbers[5]))
     except Exception:
         pass
     return info
@@ -677,14 +698,21 @@ def describe_op_tensors(func: Any, args: tuple, kwargs: dict, outputs: list[torc
     except AttributeError:
         names = []
     described = []
+    skipped = _unread_argument(func, kwargs)
+    # The rows a softmax runs over (all -inf there: a fully masked row); else the last dim (a mask's)
+    dim = args[1] if "softmax" in func.overloadpacket.__name__ and len(args) > 1 \
+        and isinstance(args[1], int) else -1
     for position, value in enumerate(args):
+        if position == skipped:  # not read (beta=0): its garbage says nothing of the op
+            continue
         name = names[position] if position < len(names) else f"arg{position}"
         tensors = tensors_in(value)
         for k, tensor in enumerate(tensors):
-            described.append(_describe(f"input {name}" + (f"[{k}]" if len(tensors) > 1 else ""), tensor))
+            described.append(_describe(f"input {name}" + (f"[{k}]" if len(tensors) > 1 else ""),
+                                       tensor, dim))
     for name, value in kwargs.items():
         for tensor in tensors_in(value):
-            described.append(_describe(f"input {name}", tensor))
+            described.append(_describe(f"input {name}", tensor, dim))
     for k, tensor in enumerate(outputs):
         described.append(_describe("output" + (f"[{k}]" if len(outputs) > 1 else ""), tensor))
     return described
