@@ -2319,6 +2319,59 @@ def test_a_zero_direction_in_weight_norm_is_a_domain_error_of_that_layer(api):
     assert "is all zeros, so its norm is 0" in event.diagnosis.suggestion[0]
 
 
+class ConvThenNorm(nn.Module):
+    """A UNet's first block: conv_in, then a normalisation (diffusers' norm_eps=0)."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = norm
+        with torch.no_grad():
+            self.conv.bias.zero_()  # a blank image stays all zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("norm, op", [(nn.GroupNorm(4, 8, eps=0.0), "native_group_norm"),
+                                      (nn.LayerNorm([8, 6, 6], eps=0.0), "native_layer_norm")],
+                         ids=["group_norm", "layer_norm"])
+def test_a_norm_with_eps_0_over_a_blank_image_is_a_domain_error_naming_its_sample(mode, norm, op):
+    # Its 0/0 was called an overflow past float32's largest value, with overflow fixes.
+    torch.manual_seed(0)
+    model = ConvThenNorm(norm)
+    x = torch.zeros(3, 3, 6, 6)
+    x[1] = torch.randn(3, 6, 6)  # rows 0 and 2: blank images
+    with watch(model, mode) as w:
+        model(x)
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("domain", "high")
+    assert diagnosis.summary.startswith(f"{op} in module 'norm'")
+    assert line_of(ConvThenNorm.forward, "self.norm(") in diagnosis.summary
+    assert "(variance 0) normalised with eps=0" in diagnosis.summary
+    assert "largest" not in diagnosis.summary
+    assert diagnosis.rows == [0, 2]
+    assert "eps > 0" in diagnosis.suggestion[0] and "eps=1e-5" in diagnosis.suggestion[0]
+
+
+def test_a_batch_norm_with_eps_0_and_a_running_var_of_0_is_a_domain_error():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4, eps=0.0)).eval()
+    with torch.no_grad():  # channel 1 was constant in training: its running_var decayed to 0
+        model[0].weight[1] = 0.0
+        model[0].bias[1] = model[1].running_mean[1]
+        model[1].running_var[1] = 0.0
+    with watch(model, "full") as w:
+        model(torch.randn(2, 3, 5, 5))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain"
+    assert "its running_var holds 0 and eps=0" in diagnosis.summary
+    assert "running_var (float32): from 0 to 1." in "\n".join(diagnosis.evidence)
+    assert diagnosis.rows == []  # every sample meets that channel's running_var
+    assert "eps > 0" in diagnosis.suggestion[0]
+
+
 class _InPlaceAfterLinear(nn.Module):
     def __init__(self, op: str) -> None:
         super().__init__()

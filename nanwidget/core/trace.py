@@ -11,14 +11,15 @@ from .report import format_frames
 from .schema import NO_USER_LINE, OPS_COLUMNS, OPS_DTYPES, empty_table
 from .sourcelines import source_text
 
-__all__ = ["Trace", "TENSOR_COLUMNS", "TENSOR_COLUMNS_BEFORE_SIGNS", "empty_ops"]
+__all__ = ["Trace", "TENSOR_COLUMNS", "TENSOR_COLUMNS_REQUIRED", "empty_ops"]
 
 # The first bad op's inputs and outputs, described (signed finite range, non-finite counts).
 # Of its Inf: how many are +inf, and how many rows (along a softmax's dim, else the last) are all
-# -inf (recordings made before these two were kept lack them: read as unknown).
+# -inf; of an output, the indices along dim 0 holding a NaN/Inf (recordings made before these
+# were kept lack them: read as unknown).
 TENSOR_COLUMNS = ["role", "dtype", "shape", "numel", "min", "max", "nan_count", "inf_count",
-                  "pos_inf_count", "neg_inf_rows"]
-TENSOR_COLUMNS_BEFORE_SIGNS = TENSOR_COLUMNS[:8]
+                  "pos_inf_count", "neg_inf_rows", "nonfinite_rows"]
+TENSOR_COLUMNS_REQUIRED = TENSOR_COLUMNS[:8]
 
 
 def empty_ops() -> pd.DataFrame:
@@ -44,7 +45,8 @@ class Trace:
     the model's output: ``came_with``), or when the replay met no event. Without an event but
     with a backward pass (``loss_fn``), the non-finite loss or the last non-finite gradient is
     followed instead. ``first_bad_tensors``: signed ranges and non-finite counts of that op's
-    inputs and outputs (of the Inf: how many are +inf, how many rows are all -inf). ``first_bad_grad_of``: for a first bad op of the backward pass, the
+    inputs and outputs (of the Inf: how many are +inf, how many rows are all -inf; of an
+    output, the indices along dim 0 that hold a NaN/Inf). ``first_bad_grad_of``: for a first bad op of the backward pass, the
     autograd node it ran in ("LogBackward0": the gradient of a log), else "". ``lineage``: the op indices the value went through, from its birth (or
     the first op that read it from outside) to the op that wrote the event's tensor.
     ``came_with``: ``(kind, name)`` of the non-finite tensors no op made that reached the

@@ -18,6 +18,9 @@ _LOW_PRECISION = ("float16", "bfloat16")
 
 
 _EXPONENTIALS = ("exp", "exp2", "expm1", "sinh", "cosh")
+_NORMALISATIONS = ("native_group_norm", "native_layer_norm", "native_batch_norm",
+                   "native_batch_norm_legit", "native_batch_norm_legit_no_training",
+                   "batch_norm_with_update", "batch_norm_no_update")
 
 
 def overflow(module: str, dtype: str, at: str, op: str,
@@ -199,6 +202,14 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
                 "gradients.",
                 "Or drop the samples whose input length (after the model's downsampling) is "
                 "shorter than their target length plus one blank per repeated label."]
+    if name in _NORMALISATIONS:
+        return [f"Give the normalisation{at} an eps > 0, e.g. its default: nn.GroupNorm / "
+                "nn.LayerNorm / nn.BatchNorm2d(..., eps=1e-5) (diffusers' norm_eps / "
+                "resnet_eps, 1e-5 or 1e-6; transformers' layer_norm_eps): a group of equal "
+                "values (a blank image, a constant channel, a padded row) then normalises to 0 "
+                "instead of 0/0.",
+                "If eps came from a config or a checkpoint's settings (norm_eps=0), set it there: "
+                "every norm built from it divides by sqrt(var + eps)."]
     if name in ("weight_norm_interface", "weight_norm"):
         return ["A slice of the weight-normalised layer's v (weight_v, or "
                 "parametrizations.weight.original1) is all zeros, so its norm is 0: "

@@ -55,6 +55,10 @@ _SPECTRAL = {"linalg_eigh": "torch.linalg.eigh", "linalg_eig": "torch.linalg.eig
 # counted, a mean divides 0 by 0.
 _COUNTED_MEAN_LOSSES = ("nll_loss_forward", "nll_loss2d_forward")
 _CTC_OPS = ("ctc_loss", "_ctc_loss", "_cudnn_ctc_loss", "_use_cudnn_ctc_loss")
+# Normalisations: (x - mean) / sqrt(var + eps); their names as OpFacts.name gives them.
+_NORMALISATIONS = ("native_group_norm", "native_layer_norm", "native_batch_norm",
+                   "native_batch_norm_legit", "native_batch_norm_legit_no_training",
+                   "batch_norm_with_update", "batch_norm_no_update")
 _SOFTMAX_MODULES = ("Softmax", "LogSoftmax", "Softmin", "MultiheadAttention",
                     "TransformerEncoderLayer", "TransformerDecoderLayer")
 
@@ -258,6 +262,31 @@ def _negative_running_var(op: OpFacts) -> dict | None:
                  and row.get("min", 0) < 0), None)
 
 
+def _running_var(op: OpFacts) -> dict | None:
+    return next((row for row in op.inputs if str(row.get("role", "")).endswith("running_var")),
+                None)
+
+
+def _zero_variance(op: OpFacts) -> tuple[str, bool] | None:
+    """Why a normalisation made NaN/Inf from finite inputs when it divided by a variance of 0
+    with eps=0 (a blank image, a constant channel), and whether that variance was the
+    sample's own (not a running_var every sample shares); None when it did not."""
+    if op.name not in _NORMALISATIONS or op.phase == "backward" or not (op.nan or op.inf) \
+            or op.inputs_hold_inf():
+        return None
+    # Its saved 1 / sqrt(var + eps) came out Inf: var + eps was 0.
+    if any(int(row.get("inf_count", 0) or 0) for row in op.outputs[1:]):
+        what = {"native_group_norm": "a group", "native_layer_norm": "a row"}.get(op.name,
+                                                                                 "a channel")
+        return (f"{what} whose values are all equal (variance 0) normalised with eps=0: "
+                "(x - mean) / sqrt(0 + 0) = 0/0"), True
+    running = _running_var(op)
+    if running is not None and running.get("min", math.nan) == 0:
+        return ("its running_var holds 0 and eps=0: (x - mean) / sqrt(0 + 0) divides by 0",
+                False)
+    return None
+
+
 def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     """Why the op's inputs were outside its domain, and how sure (None: they were not)."""
     name = op.name
@@ -285,6 +314,9 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     if variance is not None:
         return (f"its running_var holds negative values (down to {_g(variance['min'])}): a "
                 "variance is never negative, and the square root of one is NaN", "high")
+    zero_variance = _zero_variance(op)
+    if zero_variance is not None:
+        return zero_variance[0], "high"
     first = op.input_range(0)
     if first is None:
         return None
@@ -464,6 +496,9 @@ def _classify_op(op: OpFacts, earlier: object) -> tuple[str, str, str] | None:
 def _op_evidence(op: OpFacts) -> list[str]:
     lines = []
     variance = _negative_running_var(op)
+    zero_variance = _zero_variance(op)
+    if variance is None and zero_variance is not None and not zero_variance[1]:
+        variance = _running_var(op)  # a running_var of 0: the number behind it
     shown = op.inputs[:3] + ([variance] if variance is not None and variance not in op.inputs[:3]
                              else [])
     for row in shown:
@@ -1178,6 +1213,19 @@ def _weight_dtype(event: NanEvent) -> str:
     return str(rows["dtype"].iloc[0]) if len(rows) else ""
 
 
+def _output_samples(facts: Facts, op: OpFacts) -> list[int]:
+    """The samples of the batch holding the op's non-finite output, when its dim 0 is the
+    batch's (its size is the batch's number of samples), else []."""
+    output = op.outputs[0] if op.outputs else {}
+    rows = output.get("nonfinite_rows")
+    shape = tuple(output.get("shape") or ())
+    if not isinstance(rows, list) or not shape:
+        return []
+    samples = {item.shape[item.batch_dim] for item in facts.inputs
+               if not item.sample_of and not item.packed_samples and len(item.shape) > item.batch_dim}
+    return [int(r) for r in rows] if samples == {shape[0]} else []
+
+
 def _rows_masked(facts: Facts) -> list[int]:
     return sorted({r for i in facts.inputs for r in i.masked_rows})
 
@@ -1244,8 +1292,15 @@ def _from_op(facts: Facts) -> Diagnosis | None:
                                   negative_running_var=_negative_running_var(op) is not None)
         if _in_log_prob(op):  # the op's line has no log of the user's: the parameter is at fault
             suggestion = fixes.distribution_parameter(op.at) + suggestion
+        zero_variance = _zero_variance(op)
+        rows = _output_samples(facts, op) if zero_variance is not None and zero_variance[1] \
+            else []
+        if rows:
+            evidence.append(f"The NaN/Inf is in {fixes.rows_named(rows, 12)} of the batch "
+                            "(a sample whose values are all equal there).")
         return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain: "
-                                   f"{reason}.", evidence, suggestion, confidence=confidence)
+                                   f"{reason}.", evidence, suggestion, rows=rows,
+                         confidence=confidence)
     masks = _masks_summed(op)
     if masks is not None:  # masks at the dtype's lowest: no growth made it
         return _summed_masks(facts, op, evidence, both=masks)

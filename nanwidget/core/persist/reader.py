@@ -18,7 +18,7 @@ from ..frames import empty_frames
 from ..history import empty_history
 from ..report import format_event_report, printable
 from ..schema import EVENT_FIELDS, HISTORY_COLUMNS
-from ..trace import TENSOR_COLUMNS, TENSOR_COLUMNS_BEFORE_SIGNS, Trace, empty_ops
+from ..trace import TENSOR_COLUMNS, TENSOR_COLUMNS_REQUIRED, Trace, empty_ops
 from ..viewer import open_browser
 from .tables import (CHUNK_FILE, EVENT_FILE, FORMAT_NAME, FORMAT_VERSION,
                      FRAME_KINDS_REQUIRED,
@@ -113,8 +113,8 @@ def _trace_from_file(path: Path, meta: Any, directory: Path, root: Path) -> Trac
         rows[key] = None if index is None else ops.iloc[index]
     tensors = meta.get("first_bad_tensors", [])
     if not isinstance(tensors, list) or not all(
-            isinstance(row, dict) and set(row) in (set(TENSOR_COLUMNS), set(TENSOR_COLUMNS_BEFORE_SIGNS))
-            for row in tensors):  # older recordings: no Inf signs (read as unknown)
+            isinstance(row, dict) and set(TENSOR_COLUMNS_REQUIRED) <= set(row) <= set(TENSOR_COLUMNS)
+            for row in tensors):  # older recordings lack the later columns (read as unknown)
         raise RunLoadError(f"{path}: trace 'first_bad_tensors' is malformed")
     names: dict[str, list[str]] = {}
     for key in ("changed_weights", "buffers_updated", "changes"):

@@ -651,16 +651,21 @@ def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _describe(role: str, tensor: torch.Tensor, dim: int = -1) -> dict:
+# Indices along dim 0 kept of a non-finite output (the samples holding it, when dim 0 is the batch).
+_ROWS_KEPT = 64
+
+
+def _describe(role: str, tensor: torch.Tensor, dim: int = -1, rows: bool = False) -> dict:
     """Signed finite range and non-finite counts of one tensor (the first bad op's report). A
     complex tensor's range is its real part's (what exp overflows on); its counts are of
     values with a non-finite part. Its Inf are told apart: how many are +inf (an overflow;
-    a mask writes -inf) and how many rows along ``dim`` are all -inf (fully masked rows)."""
+    a mask writes -inf) and how many rows along ``dim`` are all -inf (fully masked rows).
+    With ``rows``: the indices along dim 0 that hold a NaN/Inf (the first ``_ROWS_KEPT``)."""
     info = {"role": role, "dtype": str(tensor.dtype).replace("torch.", ""),
             "shape": () if tensor.is_nested else tuple(tensor.shape), "numel": tensor.numel(),
             "min": math.nan,
             "max": math.nan, "nan_count": 0, "inf_count": 0, "pos_inf_count": 0,
-            "neg_inf_rows": 0}
+            "neg_inf_rows": 0, "nonfinite_rows": []}
     if tensor.numel() == 0:
         return info
     try:
@@ -686,6 +691,9 @@ def _describe(role: str, tensor: torch.Tensor, dim: int = -1) -> dict:
                     inf_count=int(numbers[3]))
         if len(numbers) > 4:
             info.update(pos_inf_count=int(numbers[4]), neg_inf_rows=int(numbers[5]))
+        if rows and (numbers[2] or numbers[3]) and values.dim() and not values.is_nested:
+            bad = (nan_mask | inf_mask).reshape(values.shape[0], -1).any(1)
+            info["nonfinite_rows"] = bad.nonzero()[:_ROWS_KEPT, 0].tolist()
     except Exception:
         pass
     return info
@@ -714,7 +722,8 @@ def describe_op_tensors(func: Any, args: tuple, kwargs: dict, outputs: list[torc
         for tensor in tensors_in(value):
             described.append(_describe(f"input {name}", tensor, dim))
     for k, tensor in enumerate(outputs):
-        described.append(_describe("output" + (f"[{k}]" if len(outputs) > 1 else ""), tensor))
+        described.append(_describe("output" + (f"[{k}]" if len(outputs) > 1 else ""), tensor,
+                                   rows=True))
     return described
 
 
