@@ -1902,6 +1902,40 @@ def test_with_loss_fn_the_automatic_replay_names_the_loss_op(mode):
         assert trace.first_bad_grad_of == "LogBackward0"
 
 
+class MinSnrLoss:
+    """A diffusion loss weighted per sample by min(snr, 5) / snr (min-SNR): 0/0 at snr = 0."""
+
+    def __init__(self) -> None:
+        self.snr = torch.tensor([2.0, 1.0])
+        self.noise = torch.zeros(2, 3, 4, 4)
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        weights = torch.clamp(self.snr, max=5.0) / self.snr
+        return (weights * ((out - self.noise) ** 2).mean(dim=(1, 2, 3))).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_division_by_zero_in_loss_fn_gets_the_fixes_of_its_denominator(mode):
+    # A 0/0 in the loss got only the fixes of a log of probabilities (BCEWithLogitsLoss,
+    # clamp probabilities before a log).
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 3, 3, padding=1)
+    loss_fn = MinSnrLoss()
+    with watch(model, mode, backward=True, loss_fn=loss_fn) as w:
+        loss_fn(model(torch.randn(2, 3, 4, 4))).backward()
+        loss_fn.snr = torch.tensor([2.0, 0.0])  # a zero-terminal-SNR timestep
+        loss_fn(model(torch.randn(2, 3, 4, 4))).backward()
+    diagnosis = w.event.diagnosis
+    where = line_of(MinSnrLoss.__call__, "torch.clamp")
+    assert diagnosis.kind == "loss"
+    assert diagnosis.summary.startswith(f"Made in the loss, outside the model: div in loss_fn "
+                                        f"at {where} made the first NaN/Inf: a division by zero")
+    assert diagnosis.suggestion[0].startswith(f"Guard the denominator at {where}: ")
+    assert "weights[snr == 0] = 1.0" in diagnosis.suggestion[-1]
+    assert not any("BCEWithLogitsLoss" in fix or "before a log" in fix
+                   for fix in diagnosis.suggestion)
+
+
 def test_replay_on_nan_with_loss_fn_replays_a_backward_event_through_the_loss():
     model = saturated_model()
     with nw.watch(model, on_nan="record", backward=True, replay_on_nan=True,

@@ -478,14 +478,22 @@ def bad_data(roles: list[str], rows: list[int]) -> list[str]:
             "Normalise features with an epsilon: (x - mean) / (std + 1e-6)."]
 
 
-def loss(batch: int, op: str, traced: bool) -> list[str]:
+def loss(batch: int, op: str, traced: bool, at: str = "") -> list[str]:
+    """``op``: the loss's op that made the value (its forward op's name for a gradient), ``at``
+    its line."""
     fixes = []
     if not traced:
         fixes.append(f"Name the loss's op and line: watch with loss_fn=lambda out: "
                      f"criterion(out, targets) (automatic replays then run the loss), or now "
                      f"w.replay({batch}, loss_fn=...).")
     name = op.lstrip("_").rstrip("_")  # pow_ is pow
-    if not traced or name in ("log", "log2", "log10", "log1p", "div", "sigmoid", "softmax",
+    if traced and name in ("div", "true_divide", "reciprocal"):
+        # A denominator that reached 0 (a weighting such as min-SNR's min(snr, 5) / snr).
+        return fixes + domain(op, at, backward=False) + [
+            "Or special-case the samples whose denominator is 0: after a min-SNR weighting "
+            "min(snr, gamma) / snr, set weights[snr == 0] = 1.0 (diffusers' training scripts "
+            "do, for a zero terminal SNR)."]
+    if not traced or name in ("log", "log2", "log10", "log1p", "sigmoid", "softmax",
                               "binary_cross_entropy", "nll_loss"):
         fixes.append("Use the fused, stable losses on the logits: nn.BCEWithLogitsLoss instead "
                      "of log(sigmoid(x)) by hand, nn.CrossEntropyLoss or F.log_softmax instead "

@@ -731,7 +731,8 @@ def _loss(facts: Facts) -> Diagnosis | None:
                     f"batch {event.batch} were finite.")
     return Diagnosis("loss", summary, evidence,
                      fixes.loss(event.batch, (op.op if op.phase == "loss" else op.grad_of_name)
-                                if in_loss and op else "", traced=in_loss),
+                                if in_loss and op else "", traced=in_loss,
+                                at=op.at if in_loss and op else ""),
                      confidence="high")
 
 
