@@ -1936,6 +1936,47 @@ def test_a_division_by_zero_in_loss_fn_gets_the_fixes_of_its_denominator(mode):
                    for fix in diagnosis.suggestion)
 
 
+class WeightedLoss:
+    """diffusers' train_text_to_image.py: the per-sample weights are made before the loss
+    (min-SNR, 0/0 at snr = 0), and loss_fn reads them."""
+
+    def __init__(self) -> None:
+        self.weights = torch.ones(2)
+        self.noise = torch.zeros(2, 3, 4, 4)
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        per_sample = ((out - self.noise) ** 2).mean(dim=(1, 2, 3))
+        return (per_sample * self.weights).mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_that_loss_fn_reads_from_weights_made_before_it_names_that_op(mode):
+    # With loss_fn given, the event and the first fix still said "watch with loss_fn=...", and
+    # the trace blamed the batch's data or the weights.
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 3, 3, padding=1)
+    loss_fn = WeightedLoss()
+    with watch(model, mode, backward=True, loss_fn=loss_fn, replay_on_nan=True) as w:
+        loss_fn(model(torch.randn(2, 3, 4, 4))).backward()
+        snr = torch.tensor([2.0, 0.0])
+        loss_fn.weights = torch.stack([snr, 5.0 * torch.ones_like(snr)], 1).min(1)[0] / snr
+        loss_fn(model(torch.randn(2, 3, 4, 4))).backward()
+    event = w.event
+    diagnosis = event.diagnosis
+    where = line_of(WeightedLoss.__call__, "per_sample * self.weights")
+    assert diagnosis.kind == "loss"
+    assert diagnosis.summary.startswith(f"Made in the loss, outside the model: mul in loss_fn at "
+                                        f"{where} received the NaN from a tensor loss_fn reads")
+    assert "computed before loss_fn ran" in diagnosis.summary
+    assert event.summary().endswith(f"; first bad op mul at {where}")
+    assert "loss_fn=" not in event.summary()
+    assert not any("loss_fn=" in fix for fix in diagnosis.suggestion)
+    assert diagnosis.suggestion[0].startswith(f"Check the tensors mul at {where} reads")
+    report = event.trace.report()
+    assert "came with the batch's data or the weights" not in report
+    assert f"It entered at op mul in the backward of loss_fn at {where}" in report
+
+
 def test_replay_on_nan_with_loss_fn_replays_a_backward_event_through_the_loss():
     model = saturated_model()
     with nw.watch(model, on_nan="record", backward=True, replay_on_nan=True,

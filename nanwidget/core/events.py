@@ -41,7 +41,8 @@ class Diagnosis:
     ``suggestion`` (the known fixes for that kind, the likeliest first), ``rows`` (batch rows,
     along dim 0, holding the first non-finite values, when they can be told) and ``confidence``
     ("high", "medium" or "low"). ``op``: the op that made the value and where ("log at
-    train.py:12"), when a replay named it ("" otherwise)."""
+    train.py:12"), when a replay named it; when no op made it, the op of ``loss_fn`` it entered
+    through from a tensor the loss reads ("" otherwise)."""
 
     kind: str
     summary: str

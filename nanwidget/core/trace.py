@@ -175,11 +175,40 @@ class Trace:
             lines.append(f"  {', '.join(names)}: finite when batch {batch} ran; the optimizer step, "
                          f"load or write after batch {batch} made "
                          f"{'it' if len(names) == 1 else 'them'} non-finite.")
+        reader = self.first_reader() if any(kind == "unknown" for kind, _ in self.came_with) \
+            else None
+        if reader is not None:
+            if self.ran_in_loss(reader):
+                place = "loss_fn" if reader["phase"] == "loss" else "the backward of loss_fn"
+            else:
+                place = f"module '{reader['module'] or '<root>'}'"
+            lines.append(f"  It entered at op {reader['op']} in {place} at "
+                         f"{reader['source'] or 'an unknown line'}: a tensor it reads was made "
+                         "outside the replay (not the batch's input nor a weight: e.g. computed "
+                         "before loss_fn ran, or kept from an earlier batch); check how it was "
+                         "made.")
         if any(kind == "output-grad" for kind, _ in self.came_with):
             lines.append(f"  To trace the loss's ops too, replay with it: "
                          f"replay({self.batch}, loss_fn=...) runs the loss on the model's output "
                          "and its backward, and names the op that made the NaN/Inf.")
         return lines
+
+    def first_reader(self) -> pd.Series | None:
+        """With no ``first_bad``, the op row that read the NaN/Inf from a tensor no traced op
+        made (the lineage's first op), else None."""
+        if self.first_bad is not None or not self.lineage or not len(self.ops) \
+                or not 0 <= self.lineage[0] < len(self.ops):
+            return None
+        return self.ops.iloc[self.lineage[0]]
+
+    def ran_in_loss(self, row: pd.Series) -> bool:
+        """Whether op ``row`` ran in ``loss_fn``, or in the backward of an op of ``loss_fn``
+        (outside any module, at a line where ``loss_fn`` ran an op)."""
+        if row["phase"] == "loss":
+            return True
+        ops = self.ops
+        return row["phase"] == "backward" and not row["module"] and bool(row["source"]) \
+            and bool(((ops["phase"] == "loss") & (ops["source"] == row["source"])).any())
 
     def _lineage_line(self) -> str:
         """The ops the bad value went through to the event, briefly."""

@@ -441,6 +441,7 @@ class Facts:
     replay_refused: str = ""
     # The refusal is this process's alone (FSDP2, tensor parallel: the model is sharded).
     replay_refused_sharded: bool = False
+    has_loss_fn: bool = False  # the watch was given loss_fn (its replays run the loss)
     inputs: list[InputFacts] = field(default_factory=list)
     inputs_held: bool = False  # the batch's inputs were read (rows can be told)
     # Root input entries of the batch's frames that held NaN/Inf (when the inputs were not held).

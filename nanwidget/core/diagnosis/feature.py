@@ -165,7 +165,7 @@ class Diagnoser(Feature):
         outside = root != recorder.modules[0].name
         facts = Facts(event=event, trace=event.trace, weights=self.weights,
                       sentinel=self.sentinel, sample_every=self.sample_every,
-                      is_mask=self._is_mask,
+                      is_mask=self._is_mask, has_loss_fn=bool(self.loss_fn),
                       scaler_run=self.scaler_run(event) if self.scaler_run else None)
         if outside:
             facts.outside_pass = root

@@ -12,7 +12,7 @@ import math
 from ..stats import dtype_max
 
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
-           "loss", "unknown"]
+           "loss", "loss_input", "unknown"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
 
@@ -478,11 +478,15 @@ def bad_data(roles: list[str], rows: list[int]) -> list[str]:
             "Normalise features with an epsilon: (x - mean) / (std + 1e-6)."]
 
 
-def loss(batch: int, op: str, traced: bool, at: str = "") -> list[str]:
+def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = False) -> list[str]:
     """``op``: the loss's op that made the value (its forward op's name for a gradient), ``at``
-    its line."""
+    its line; ``has_loss_fn``: the watch was given loss_fn (never advise passing it)."""
     fixes = []
-    if not traced:
+    if not traced and has_loss_fn:
+        fixes.append(f"See every op of the loss and its backward: w.replay({batch}, "
+                     "loss_fn=your_loss_fn).report() (run it within the failing step, while "
+                     "the loss's targets and weights are those of that batch).")
+    elif not traced:
         fixes.append(f"Name the loss's op and line: watch with loss_fn=lambda out: "
                      f"criterion(out, targets) (automatic replays then run the loss), or now "
                      f"w.replay({batch}, loss_fn=...).")
@@ -503,6 +507,17 @@ def loss(batch: int, op: str, traced: bool, at: str = "") -> list[str]:
     else:
         fixes.extend(domain(op, "", backward=False))
     return fixes
+
+
+def loss_input(op: str, at: str) -> list[str]:
+    """The NaN/Inf entered loss_fn through a tensor it reads besides the model's output."""
+    return [f"Check the tensors {op}{at} reads besides the model's output (loss weights, "
+            "targets, a mask): one held NaN/Inf before loss_fn ran. Find where it is made and "
+            "assert torch.isfinite(t).all() there.",
+            "A per-sample weighting that divides can make 0/0: min-SNR weights "
+            "min(snr, gamma) / snr are NaN at snr = 0 (a zero terminal SNR); set "
+            "weights[snr == 0] = 1.0 (diffusers' training scripts do) or divide by "
+            "snr.clamp_min(eps)."]
 
 
 def unseen_weights(module: str) -> list[str]:

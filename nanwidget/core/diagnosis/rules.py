@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from ..events import NO_WEIGHTS_SEEN, Diagnosis, NanEvent
 from ..schema import NO_USER_LINE
@@ -713,6 +714,7 @@ def _loss(facts: Facts) -> Diagnosis | None:
         # cache, receives the NaN made inside), the loss did not make it.
         return None
     evidence = []
+    reader = None if in_loss else _read_in_loss(facts)
     if in_loss:
         assert op is not None
         reason = _domain_reason(op) or _overflow_reason(op)
@@ -722,6 +724,17 @@ def _loss(facts: Facts) -> Diagnosis | None:
                    f"first NaN/Inf{why}; the gradient reached the model's output already "
                    "non-finite.")
         evidence.extend(_op_evidence(op))
+    elif reader is not None:
+        at = f" at {reader['source']}" if reader["source"] else ""
+        summary = (f"Made in the loss, outside the model: {reader['op']} in loss_fn{at} received "
+                   f"the {_kind_words(event.kind)} from a tensor loss_fn reads that no op of the "
+                   "replay made (not the model's output): it was computed before loss_fn ran; "
+                   "the gradient reached the model's output already non-finite.")
+        line, text = source_text(str(reader["source"] or "")) or (0, "")
+        if text:
+            evidence.append(f"Line {line}: {text}")
+        evidence.append("The replay ran loss_fn on the model's finite output; no op of the model "
+                        "or of loss_fn made the value: it was there before loss_fn ran.")
     else:
         summary = (f"Made in the loss, outside the model: the gradient reaching the model's "
                    f"output{' (' + ', '.join(came) + ')' if came else ''} in batch {event.batch} "
@@ -729,11 +742,36 @@ def _loss(facts: Facts) -> Diagnosis | None:
     evidence.append(f"The first non-finite gradient is the one '{event.module_label}' "
                     f"({event.module_type}) received, {event.role}; the forward outputs of "
                     f"batch {event.batch} were finite.")
+    if reader is not None:
+        found = Diagnosis("loss", summary, evidence,
+                          fixes.loss_input(str(reader["op"]), f" at {reader['source']}"
+                                           if reader["source"] else ""), confidence="high")
+        found.op = f"{reader['op']} at {reader['source']}" if reader["source"] else ""
+        return found
     return Diagnosis("loss", summary, evidence,
                      fixes.loss(event.batch, (op.op if op.phase == "loss" else op.grad_of_name)
                                 if in_loss and op else "", traced=in_loss,
-                                at=op.at if in_loss and op else ""),
+                                at=op.at if in_loss and op else "",
+                                has_loss_fn=facts.has_loss_fn),
                      confidence="high")
+
+
+def _read_in_loss(facts: Facts) -> Any:
+    """The op of ``loss_fn`` (its ops row) where the NaN/Inf entered the replay from a tensor
+    no traced op made (loss weights computed before the loss), or None."""
+    trace = facts.trace
+    reader = trace.first_reader() if hasattr(trace, "first_reader") else None
+    if reader is None or not trace.came_with \
+            or any(kind != "unknown" for kind, _ in trace.came_with) \
+            or not trace.ran_in_loss(reader):
+        return None
+    if reader["phase"] == "backward":  # the gradient of a loss op: name the op, as loss_fn ran it
+        ops = trace.ops
+        ran = ops[(ops["phase"] == "loss") & (ops["source"] == reader["source"])
+                  & (ops["op"] == reader["op"])]
+        if len(ran):
+            return ran.iloc[0]
+    return reader
 
 
 def _bad_data(facts: Facts) -> Diagnosis | None:

@@ -248,7 +248,9 @@ def _explain(trace: Trace, recorder: OpRecorder, found: NanEvent | None,
     if born is None and found is not None and (
             not lineage.followed or all(kind == "unknown" for kind, _ in lineage.came_with)):
         born = recorder.first_unexplained_birth()
-        lineage.came_with = []
+        if born is not None or not lineage.followed:
+            lineage.came_with = []
+        # else: no op made it; the lineage says which op read it from a tensor no op made
     earlier = None  # an Inf some op held before the first bad op (e.g. a -inf mask)
     if recorder.first_inf is not None and (born is None or recorder.first_inf < born):
         earlier = ops.iloc[recorder.first_inf]
