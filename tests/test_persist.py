@@ -327,6 +327,9 @@ def test_a_forked_child_writes_nothing_into_the_parents_recording(tiny_mlp, tmp_
     if pid == 0:  # the child: a NaN batch of its own, then close, as a worker would
         code = 1
         try:
+            # GNU OpenMP's thread pool does not survive a fork: a matmul the parent ran on it
+            # hangs the child's (unwatched too); one thread takes no pool.
+            torch.set_num_threads(1)
             tiny_mlp(torch.randn(4, 16))
             tiny_mlp(torch.full((4, 16), float("nan")))
             code = 0 if len(w.events) == 1 and w.batch == 5 else 3
