@@ -440,6 +440,69 @@ def test_a_loss_nan_replayed_from_a_single_outputs_gradient_names_it_as_the_fram
                                                                                  "output"}
 
 
+class EntropyRouter(nn.Module):
+    """Keeps a router-entropy aux loss as an attribute, which the user adds to the loss (the
+    fairseq / DeepSpeed ``l_aux`` pattern). A pruned choice has p = 0: p * log(p)'s backward
+    makes 0/0 = NaN, while the module's outputs and their gradients stay finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(4, 3)
+        self.pruned: torch.Tensor | None = None
+        self.aux = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router(x)
+        if self.pruned is not None:
+            logits = logits.masked_fill(self.pruned, float("-inf"))
+        p = logits.softmax(-1)
+        self.aux = (p * p.log()).sum(-1).mean()
+        return x * p.max(-1, keepdim=True).values
+
+
+class AuxAttributeNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.mix = EntropyRouter()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(self.inp(x)))
+
+
+def _aux_attribute_event(mode: str, whole_loss_fn: bool = False) -> nw.NanEvent:
+    torch.manual_seed(0)
+    model = AuxAttributeNet()
+    x = torch.randn(6, 4)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean() + 0.01 * model.mix.aux
+
+    options = {"loss_fn": loss_fn} if whole_loss_fn else {}
+    with watch(model, mode, backward=True, **options) as w:
+        loss_fn(model(x)).backward()  # a healthy step
+        model.zero_grad()
+        model.mix.pruned = torch.tensor([False, True, False])
+        loss_fn(model(x)).backward()
+    return w.event
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_gradient_from_an_aux_loss_kept_as_an_attribute_says_to_pass_the_loss(mode):
+    # The replay from the outputs' finite gradients cannot meet it; the evidence blamed
+    # "nondeterministic kernels, another thread or process writing the weights".
+    event = _aux_attribute_event(mode)
+    diagnosis = event.diagnosis
+    assert (event.batch, event.is_backward, diagnosis.kind) == (1, True, "unknown")
+    said = " ".join(diagnosis.evidence)
+    assert "nondeterministic" not in said and "requires grad" not in said
+    assert "the gradients the model's outputs received, which were finite" in said
+    assert "not through the model's outputs" in said and "aux loss" in said
+    assert "w.replay(1, loss_fn=...)" in said
+    assert any("loss_fn" in line for line in diagnosis.suggestion)
+
+
 def test_output_gradients_past_the_limit_are_not_held(monkeypatch):
     from nanwidget.core.grads import backward as backward_frames
     monkeypatch.setattr(backward_frames, "MAX_HELD_OUTPUT_GRAD_BYTES", 16)  # the output's: 20

@@ -11,7 +11,19 @@ from .report import format_frames
 from .schema import NO_USER_LINE, OPS_COLUMNS, OPS_DTYPES, empty_table
 from .sourcelines import source_text
 
-__all__ = ["Trace", "TENSOR_COLUMNS", "TENSOR_COLUMNS_REQUIRED", "empty_ops"]
+__all__ = ["Trace", "TENSOR_COLUMNS", "TENSOR_COLUMNS_REQUIRED", "empty_ops", "not_through_outputs"]
+
+
+def not_through_outputs(batch: int) -> str:
+    """Why a non-finite gradient can escape a replay of ``batch`` that starts from the model's
+    outputs, and what traces it (the replay's and the sentinel's words for it)."""
+    return ("the NaN/Inf entered the backward pass not through the model's outputs but through "
+            "a loss term built from something else: a module attribute such as an aux loss, an "
+            "intermediate tensor kept aside, or a gradient penalty whose "
+            "torch.autograd.grad(create_graph=True) runs the modules' backward again (its double "
+            "backward); give the watch loss_fn (the whole loss, those terms included) or run "
+            f"w.replay({batch}, loss_fn=...) to trace it")
+
 
 # The first bad op's inputs and outputs, described (signed finite range, non-finite counts).
 # Of its Inf: how many are +inf, and how many rows (along a softmax's dim, else the last) are all
@@ -64,6 +76,8 @@ class Trace:
     ``changed_weights``: the parameters and buffers among them.
     ``raised``: what the model's code raised in the replay, which stopped it there ("the forward
     raised ValueError (...)"; the ops before it are traced, none after); "" when it ran through.
+    ``backward_from``: what the replay's backward pass started from: "loss" (a ``loss_fn``),
+    "outputs" (the gradients the model's outputs received live) or "" (no backward pass).
     """
 
     batch: int
@@ -89,6 +103,7 @@ class Trace:
     expected: str = ""  # the recorded event the replay looked for ("" when none)
     found: str = ""  # the event the replay met ("" when none)
     raised: str = ""  # what raised and stopped the replay ("" when it ran through)
+    backward_from: str = ""  # "loss", "outputs" or "" (see the class docstring)
 
     def set_verdict(self, expected: NanEvent | None, found: NanEvent | None) -> None:
         """The replay looked for ``expected`` (the recorded event; None: none was recorded) and
@@ -115,6 +130,13 @@ class Trace:
             return f"the replay stopped before it, where {self.raised}"
         if self.found:
             return f"the replay met another event first: {self.found}"
+        if "(backward)" in self.expected and self.backward_from == "outputs":
+            # Seeded with what the outputs received, it met nothing: those gradients were
+            # finite, so the NaN came into the backward pass some other way. Not a kernel's or a
+            # thread's doing, most likely: the loss had terms a replay from the outputs lacks.
+            return ("the replay ran the batch's backward pass from the gradients the model's "
+                    "outputs received, which were finite, and every gradient stayed finite: "
+                    f"most likely {not_through_outputs(self.batch)}")
         loss = (", or the loss function this replay ran is not the one the batch ran"
                 if "(backward)" in self.expected else "")
         return ("the replay ran the same inputs, RNG states and weights and every value stayed "

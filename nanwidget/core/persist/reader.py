@@ -124,6 +124,7 @@ def _trace_from_file(path: Path, meta: Any, directory: Path, root: Path) -> Trac
         names[key] = value
     loss = _checked(path, meta, "loss", (int, float), optional=True)
     raised = _checked(path, meta, "raised", str, optional=True) or ""  # older: none
+    backward_from = _checked(path, meta, "backward_from", str, optional=True) or ""  # older: none
     return Trace(batch=_checked(path, meta, "batch", int), frames=frames, ops=ops,
                  first_bad=rows["first_bad"],
                  first_bad_tensors=pd.DataFrame(
@@ -140,7 +141,8 @@ def _trace_from_file(path: Path, meta: Any, directory: Path, root: Path) -> Trac
                  reproduced=_checked(path, meta, "reproduced", bool),
                  changes=names["changes"],
                  expected=_checked(path, meta, "expected", str),
-                 found=_checked(path, meta, "found", str), raised=raised)
+                 found=_checked(path, meta, "found", str), raised=raised,
+                 backward_from=backward_from)
 
 
 def _event_from_file(path: Path, directory: Path, root: Path, rank: int) -> NanEvent:

@@ -114,6 +114,7 @@ def trace_fields(trace: Trace) -> dict[str, Any]:
         "expected": str(trace.expected),
         "found": str(trace.found),
         "raised": str(trace.raised),
+        "backward_from": str(trace.backward_from),
         "summary": trace.summary(),
     }
 

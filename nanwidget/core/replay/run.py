@@ -547,7 +547,9 @@ class _Replay:
                       buffers_updated=updated, snapshot_used=snapshot_used, loss=loss_value,
                       forwards=len(held.forwards), seconds=time.perf_counter() - started,
                       changes=changes, raised="" if raised is None else _raised_words(
-                          *raised_in, raised, len(held.forwards)))
+                          *raised_in, raised, len(held.forwards)),
+                      backward_from="loss" if self.loss_fn is not None else
+                      "outputs" if self.output_grads and any(self.output_grads) else "")
         return Replayed(trace, recorder.frames, recorder)
 
     def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder,
