@@ -503,6 +503,15 @@ def test_a_nan_gradient_from_an_aux_loss_kept_as_an_attribute_says_to_pass_the_l
     assert any("loss_fn" in line for line in diagnosis.suggestion)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_with_the_whole_loss_an_aux_attributes_log_of_zero_is_a_domain_error(mode):
+    # Its text said the log's value "is not used after it" while p * log(p) used it (times 0).
+    event = _aux_attribute_event(mode, whole_loss_fn=True)
+    assert event.diagnosis.kind == "domain"
+    assert "multiplied by 0 or dropped after it" in event.diagnosis.summary + " ".join(
+        event.diagnosis.evidence)
+
+
 def test_output_gradients_past_the_limit_are_not_held(monkeypatch):
     from nanwidget.core.grads import backward as backward_frames
     monkeypatch.setattr(backward_frames, "MAX_HELD_OUTPUT_GRAD_BYTES", 16)  # the output's: 20

@@ -244,8 +244,9 @@ def _unused_gradient(op: OpFacts) -> bool:
     """Whether a NaN made in the backward of an op with an infinite slope (log, sqrt, acos ...
     at the edge of its domain) came from a gradient of 0 meeting that slope: every input
     finite (a division can then only make NaN as 0/0), or a product of an Inf with an input
-    holding 0 (0 x inf). A gradient of 0 there means the op's value was dropped after it:
-    ``torch.where(x > 0, torch.log(x), 0)`` still passes log's backward a 0 where x is 0."""
+    holding 0 (0 x inf). A gradient of 0 there means the op's value was multiplied by 0 or
+    dropped after it: ``p * torch.log(p)`` with p = 0, or ``torch.where(x > 0, torch.log(x),
+    0)``, still passes log's backward a 0 where x is 0."""
     if op.phase != "backward" or not op.nan:
         return False
     if any(int(row.get("nan_count", 0) or 0) for row in op.inputs):
@@ -308,8 +309,8 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
         if _unused_gradient(op):
             return (f"the gradient of {grad_of} is infinite at the edge of its domain ({edge}), "
                     f"and the gradient reaching {grad_of} there was 0: that value of {grad_of} "
-                    "is not used after it (torch.where, a mask or a slice dropped it), and "
-                    "0 x inf = NaN", "high")
+                    "was multiplied by 0 or dropped after it (p * log(p) with p = 0, "
+                    "torch.where, a mask or a slice), and 0 x inf = NaN", "high")
         return f"the gradient of {grad_of} is infinite at the edge of its domain ({edge})", "high"
     variance = _negative_running_var(op)
     if variance is not None:
