@@ -867,3 +867,16 @@ def test_a_root_forward_that_raises_on_finite_inputs_is_no_event_and_no_replay()
                 model(torch.randn(4, 16), width=8)
         model(torch.randn(4, 16))  # the watch goes on
         assert w.events == [] and w.parts.sentinel.replays == 0 and w.batch == 2
+
+
+def test_a_nan_gradient_that_came_in_past_the_outputs_names_the_module_nearest_to_it():
+    # An aux loss kept as an attribute (mix.aux) made the NaN inside the model's backward,
+    # past its outputs: the sentinel named 'inp', the first parameter in the model's order,
+    # which that NaN reaches last.
+    from test_diagnosis import _aux_attribute_event
+
+    event = _aux_attribute_event("sentinel")
+    assert (event.batch, event.module, event.role, event.origin) == \
+        (1, "mix.router", "weight", "grad")
+    assert "4 parameters have non-finite gradients (mix.router.weight, mix.router.bias, " \
+        "inp.weight, inp.bias)" in event.note

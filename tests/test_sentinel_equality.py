@@ -541,3 +541,57 @@ def test_one_backward_through_two_batches_names_the_batch_whose_graph_made_the_n
         (full.batch, full.module, full.role, full.diagnosis.kind) == \
         (full.batch, "2", "grad_input[0]", "domain")
     assert sentinel.trace.reproduced
+
+
+class SparseCritic(nn.Module):
+    """A WGAN critic whose units are mostly off: for some inputs every ReLU is, and the
+    critic's gradient with respect to them is exactly 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 3), nn.ReLU(), nn.Linear(3, 1)
+        with torch.no_grad():
+            self.fc1.bias.fill_(-0.7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x))).squeeze(-1)
+
+
+def _gradient_penalty_event(mode: str, one_batch_per_step: bool) -> nw.NanEvent:
+    """One WGAN-GP critic step: critic(real), critic(fake), and a gradient penalty whose norm,
+    sqrt(sum(g ** 2)) without an eps, is taken where g == 0: its backward makes NaN, which
+    reaches fc1.weight.grad only through the penalty's double backward."""
+    torch.manual_seed(0)
+    critic = SparseCritic()
+    real, fake = torch.randn(8, 16), torch.randn(8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(critic, mode=mode, backward=True, on_nan="record") as w:
+            if one_batch_per_step:
+                w.set_batch(0)
+            on_real, on_fake = critic(real), critic(fake)
+            mix = torch.rand(8, 1)
+            between = (mix * real + (1 - mix) * fake).requires_grad_(True)
+            slope, = torch.autograd.grad(critic(between).sum(), between, create_graph=True)
+            penalty = (torch.sqrt((slope ** 2).sum(dim=1)) - 1).pow(2).mean()
+            (on_fake.mean() - on_real.mean() + 10 * penalty).backward()
+            assert not torch.isfinite(critic.fc1.weight.grad).all()
+    return w.event
+
+
+@pytest.mark.parametrize("one_batch_per_step", [False, True])
+def test_a_gradient_penalty_nan_is_the_same_event_in_both_modes_and_says_how_it_came_in(
+        one_batch_per_step):
+    # Three batches per step: full mode said batch 0, the sentinel batch 1. With set_batch
+    # the sentinel said no output required grad (a pass before, the penalty's
+    # torch.autograd.grad, had taken the gradients its outputs received); both blamed
+    # "nondeterministic kernels, another thread".
+    full = _gradient_penalty_event("full", one_batch_per_step)
+    sentinel = _gradient_penalty_event("sentinel", one_batch_per_step)
+    assert (sentinel.batch, sentinel.module, sentinel.role, sentinel.origin) == \
+        (full.batch, full.module, full.role, full.origin) == (0, "fc1", "weight", "grad")
+    for event in (full, sentinel):
+        said = " ".join(event.diagnosis.evidence)
+        assert "nondeterministic" not in said and "requires grad" not in said
+        assert "not through the model's outputs" in said and "gradient penalty" in said
+        assert "w.replay(0, loss_fn=...)" in said

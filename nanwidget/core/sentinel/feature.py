@@ -69,6 +69,7 @@ from ..replay.capture import BatchCapture, ReplayError
 from ..replay.run import Replayed, automatic_loss, replay_frames
 from ..schema import LOCAL_SHARD
 from ..stats import local_shard, measure_tensor
+from ..trace import not_through_outputs
 from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
 from .compiled import rerun_compiled
 
@@ -110,6 +111,36 @@ _NO_OUTPUT_GRADIENT = ("not replayed: no gradient reached the model's outputs (n
                        "requires grad: what the model returned ran its modules later, as a "
                        "distribution's log_prob does); give the watch loss_fn (loss_fn(output) "
                        "-> loss) to replay the batch through the loss")
+
+
+def _closest_to_entry(bad: list[BadTensor], frames: list[Frame]
+                      ) -> tuple[list[BadTensor], bool]:
+    """The non-finite parameter gradients ``bad``, the one whose module ran last in the forward
+    (``frames``: a replay's) first, and whether that order could be told (its module ran
+    there). The backward pass reaches that module first, so a NaN that came into the backward
+    pass spreads from there to the modules that ran before it: it is the one nearest to where
+    it came in (the first in the model's order would be the input layer, which every such NaN
+    reaches last). Parameters whose module ran in no frame keep their order, after the others."""
+    ran = {f.module: f.index for f in frames if f.phase == "forward"}  # its last call
+    ordered = sorted(bad, key=lambda b: -ran.get(b.label.rpartition(".")[0], -1))
+    return ordered, bool(ordered) and ordered[0].label.rpartition(".")[0] in ran
+
+
+def _nonfinite_gradients(bad: list[BadTensor], shown: int = 4) -> str:
+    """The non-finite parameter gradients in words, for an event that names the first of
+    them ("" when it is the only one)."""
+    if len(bad) < 2:
+        return ""
+    names = ", ".join(b.label for b in bad[:shown]) + (" ..." if len(bad) > shown else "")
+    return (f"; {len(bad)} parameters have non-finite gradients ({names}): the one named is "
+            "of the module that ran last in the forward, where the backward pass met it first")
+
+
+def _ran_in(event: NanEvent | None) -> bool:
+    """Whether the module ``event`` names ran in the replay of its batch."""
+    frames = getattr(getattr(event, "trace", None), "frames", None)
+    return event is not None and frames is not None and len(frames) > 0 \
+        and bool((frames["module"] == event.module).any())
 
 
 def _stayed_finite(trace: Any, frames: list[Frame], its: str = "") -> str:
@@ -319,10 +350,9 @@ class Sentinel(Feature):
         grads = self._output_grads.setdefault(batch, [])
         self.capture.await_backward(batch)
         grads.extend([None] * (forward + 1 - len(grads)))
-        slot: dict[str, torch.Tensor] = {}
-        grads[forward] = slot
+        grads[forward] = {}
         for role, leaf in needing:
-            leaf.register_hook(partial(self._output_grad, batch, slot, role))
+            leaf.register_hook(partial(self._output_grad, batch, forward, role))
 
     def _await_parameter_grads(self, batch: int) -> None:
         """A training forward whose outputs hold no tensor that requires grad: it returned
@@ -432,12 +462,22 @@ class Sentinel(Feature):
         self.recorder.add_history_row(batch, self._root_name, abs_max, abs_min)
 
     # ------------------------------------------------------------------ gradients
-    def _output_grad(self, batch: int, slot: dict[str, torch.Tensor], role: str,
-                     grad: torch.Tensor) -> None:
-        """The hook on an output leaf (bound to its batch, slot and role): hold the gradient
+    def _output_grad(self, batch: int, forward: int, role: str, grad: torch.Tensor) -> None:
+        """The hook on an output leaf (bound to its batch, forward and role): hold the gradient
         it received and queue the end-of-backward check once per backward pass."""
         if self.recorder.closed:
             return None
+        # Looked up now, not bound to the hook: an earlier backward pass through these outputs
+        # (a gradient penalty's torch.autograd.grad) took the batch's gradients when it ended,
+        # and this pass's own must still be held for its replay.
+        grads = self._output_grads.get(batch)
+        if grads is None:
+            grads = self._output_grads[batch] = []
+        if forward >= len(grads):
+            grads.extend([None] * (forward + 1 - len(grads)))
+        slot = grads[forward]
+        if slot is None:
+            slot = grads[forward] = {}
         slot[role] = grad
         task = _graph_task_id()
         if self._queued_task != task:
@@ -542,7 +582,8 @@ class Sentinel(Feature):
         """The event of a backward pass that reached the outputs of ``batch`` (and of
         ``others``: earlier batches of one step, numbered automatically): the batches are
         replayed latest first (the order autograd runs their backward in, and so full mode's
-        verdict) until one meets a non-finite value."""
+        verdict) until one meets a non-finite value; when none does, the event is of the
+        earliest of them in which the named parameter's module ran, as in full mode."""
         def met(finding: Finding) -> bool:  # no event to record, or a replay that met it
             event = finding.event
             return event is None or (event.trace is not None and event.trace.reproduced)
@@ -550,11 +591,17 @@ class Sentinel(Feature):
         first = self._backward_event(batch, grads, bad)
         if not others or met(first) or first.event.trace is None:  # type: ignore[union-attr]
             return first  # found, or not replayed at all (an earlier batch would not be either)
+        earliest = first
         for other in sorted(others, reverse=True):
             finding = self._backward_event(other, others[other], bad)
             if met(finding):
                 return finding
-        return first
+            if _ran_in(finding.event):
+                earliest = finding
+        # No replay met it: the batch full mode names, the earliest of the pass in which the
+        # named parameter's module ran (its backward there ran last: the parameter's gradient
+        # is complete there, and full mode puts it in that frame).
+        return earliest
 
     def _grads_clean(self, deferred: list) -> bool:
         """Whether, with no deferred finding, every parameter's gradient is a tensor the native
@@ -698,7 +745,10 @@ class Sentinel(Feature):
                                None, None)
         loss_fn = automatic_loss(held, self.loss_fn)
         if not grads and loss_fn is None:
-            return self._found(self._grad_event(batch, bad, _NO_OUTPUT_GRADIENT), None, None)
+            note = _NO_OUTPUT_GRADIENT if batch == self._lazy_batch else (
+                f"{NOT_REPLAYED}no gradient reached the model's outputs of batch {batch} in this "
+                f"backward pass: {not_through_outputs(batch)}")
+            return self._found(self._grad_event(batch, bad, note), None, None)
         try:
             replayed = replay_frames(self.recorder, self.capture, held, trace_ops=True,
                                      output_grads=grads, backward_frames=True, loss_fn=loss_fn)
@@ -728,9 +778,13 @@ class Sentinel(Feature):
             found = self.recorder.find_event(frames, context.window)
             taken = context.replayed + [frames] if found is not None else []
         if found is None:
+            ordered = False
+            if not replayed.trace.raised:  # (else only part of the forward ran: no order)
+                bad, ordered = _closest_to_entry(bad, replayed.frames)
             event = self._grad_event(batch, bad, f"not reproduced by an eager replay of batch "
                                                  f"{batch} "
-                                                 f"({_stayed_finite(replayed.trace, frames)})")
+                                                 f"({_stayed_finite(replayed.trace, frames)})"
+                                                 f"{_nonfinite_gradients(bad) if ordered else ''}")
             return self._found(event, replayed, found, taken, started)
         if context is not None and context.missing:
             found.frames_note = context.missing
