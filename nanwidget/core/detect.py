@@ -18,7 +18,9 @@ Blame, in this order:
   and a non-finite parameter of an enclosing module used in its own forward
   (``x + self.pos``) is blamed on that module. Non-finite buffers of a module whose input is
   non-finite too are not blamed: its forward updated them from that input (running
-  statistics, a spectral norm's power iteration), so the input is;
+  statistics, a spectral norm's power iteration, a fake quantizer's scale; also when that
+  forward raised, leaving no outputs), so the input is, and a module around it whose own
+  weight is non-finite (a QAT Linear whose weight its fake quantizer read) is blamed first;
 - "input": a non-finite value arrived through an input;
 - "output": the module made it from finite inputs and weights, its inner modules' included
   (MultiheadAttention reads ``out_proj.weight`` without calling ``out_proj``: a non-finite
@@ -104,16 +106,10 @@ class Detector:
         outputs = frame.outputs()
         bad_weights = self._bad_weights(frame.module, frame.weights(), allowed)
         bad_outputs = [e for e in outputs if _counts(e, allowed)]
-        # Buffers a forward updates from its input (running statistics, a spectral norm's
-        # power iteration, an observer's range) turn non-finite with a non-finite input: the
-        # value arrived through the input, and the frames before (or the module around: the
-        # parameter a parametrization reads) say where from.
-        from_input = bool(bad_weights) and bool(bad_outputs) and self.is_buffer is not None \
-            and all(self.is_buffer(frame.module, e.role) for e in bad_weights) \
-            and any(e.nonfinite for e in frame.inputs())
+        from_input = self._updated_from_input(frame, bad_weights, bad_outputs)
         if bad_weights and not from_input:
             return self._event(frames, position, window, "weight", bad_weights[0], bad_weights)
-        if not bad_outputs:
+        if not bad_outputs and not from_input:
             return None  # finite outputs (or only an allowed Inf): flagged, not an event
         # A stale cached weight (written through .data) must not pass as "made here".
         if not from_input and self._refresh_weights(frame, allowed):
@@ -123,18 +119,41 @@ class Detector:
         if bad_inputs:
             owner = self._enclosing_with_bad_weights(frames, position)
             if owner is not None:
-                owner_frame = frames[owner]
-                owner_allowed = owner_frame.module in self.allow_inf
-                culprits = self._bad_weights(owner_frame.module, owner_frame.weights(),
-                                             owner_allowed)
+                culprits = self._blamed_weights(frames[owner])
                 return self._event(frames, owner, window, "weight", culprits[0], culprits)
             # Name the input that brought it (a NaN before an Inf: masks carry -inf on purpose).
             named = next((e for e in bad_inputs if e.stats.nan), bad_inputs[0])
-            return self._event(frames, position, window, "input", named, bad_outputs)
+            # A call that raised has no outputs: the buffers it updated show what went wrong.
+            return self._event(frames, position, window, "input", named,
+                               bad_outputs or bad_weights)
         inner = self._inner_bad_weight(frame.module)
         if inner is not None:
             return self._event(frames, position, window, "weight", inner, [inner])
         return self._event(frames, position, window, "output", bad_outputs[0], bad_outputs)
+
+    def _updated_from_input(self, frame: Frame, bad_weights: list[Entry],
+                            bad_outputs: list[Entry]) -> bool:
+        """Whether the frame's non-finite weights are buffers its forward updated from a
+        non-finite input (running statistics, a spectral norm's power iteration, a fake
+        quantizer's observed range and scale): all of them are buffers, an input is non-finite,
+        and its outputs are non-finite too, or it raised (QAT's fused fake quantizer raises on
+        the zero point a NaN range gives, and its kernel moves no version counter). Then the
+        value arrived through the input, and the frames before (or the module around: the
+        parameter a parametrization or a QAT module's fake quantizer reads) say where from."""
+        return bool(bad_weights) and self.is_buffer is not None \
+            and (bool(bad_outputs) or frame.first_output == len(frame.entries)) \
+            and all(self.is_buffer(frame.module, e.role) for e in bad_weights) \
+            and any(e.nonfinite for e in frame.inputs())
+
+    def _blamed_weights(self, frame: Frame) -> list[Entry]:
+        """The frame's non-finite weights that are an event of their own: none when they are
+        buffers its forward updated from a non-finite input (:meth:`_updated_from_input`)."""
+        allowed = frame.module in self.allow_inf
+        bad = self._bad_weights(frame.module, frame.weights(), allowed)
+        if bad and self._updated_from_input(
+                frame, bad, [e for e in frame.outputs() if _counts(e, allowed)]):
+            return []
+        return bad
 
     def _inner_bad_weight(self, module: str) -> Entry | None:
         """A non-finite parameter or buffer of a module inside ``module``, measured now, as an
@@ -179,9 +198,11 @@ class Detector:
                     or frame.module in seen or not _is_ancestor(frame.module, child):
                 continue
             seen.add(frame.module)
-            allowed = frame.module in self.allow_inf
-            if self._bad_weights(frame.module, frame.weights(), allowed) \
-                    or self._refresh_weights(frame, allowed):
+            # Its buffers updated from the same non-finite value (a QAT module's fake
+            # quantizer around its observer) are no cause: the modules around it are asked.
+            if self._blamed_weights(frame) or (
+                    self._refresh_weights(frame, frame.module in self.allow_inf)
+                    and self._blamed_weights(frame)):
                 return later
         return None
 
