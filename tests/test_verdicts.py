@@ -673,3 +673,75 @@ def test_qat_nan_data_is_told_arrived_with_the_data_not_in_a_fake_quantizers_sca
     event = _qat_train(_qat_model(qconfig), nan_weight=False, mode="full")
     assert (event.batch, event.role, event.origin) == (2, "input[0]", "input")
     assert (event.diagnosis.kind, event.diagnosis.rows) == ("bad-data", [1])
+
+
+# ----------------------------------------------------------------------- quantized weights
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _first_event(model: nn.Module, x: torch.Tensor):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, on_nan="record", replay_on_nan=True) as w, torch.no_grad():
+            model(x)
+    return w.event, w.report()
+
+
+def test_a_nan_in_a_dynamic_quantized_linears_packed_bias_is_named():
+    # quantize_dynamic's Linear keeps weight and bias packed (no Parameter): the event said
+    # "made here from finite inputs and weights" of weights nothing had read.
+    from torch.ao.quantization import quantize_dynamic
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = quantize_dynamic(_Mlp().eval(), {nn.Linear}, dtype=torch.qint8)
+        bias = model.fc1.bias().clone()
+        bias[3] = NAN
+        model.fc1.set_weight_bias(model.fc1.weight(), bias)
+    event, report = _first_event(model, torch.randn(4, 8))
+    assert (event.module, event.role, event.origin) == ("fc1", "bias", "weight")
+    assert "finite inputs and weights" not in report
+    assert event.trace.reproduced
+    assert event.diagnosis.kind == "corrupted-weight"
+    assert "float model's fc1.bias before quantizing" in event.diagnosis.suggestion[0]
+
+
+def test_weights_packed_beyond_reach_are_never_called_finite():
+    # A dynamic quantized LSTM's packed weights have no weight()/bias() to read them by.
+    from torch.ao.quantization import quantize_dynamic
+    torch.manual_seed(0)
+    lstm = nn.Sequential(nn.LSTM(4, 6, batch_first=True))
+    with torch.no_grad():
+        lstm[0].bias_ih_l0[2] = NAN
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = quantize_dynamic(lstm.eval(), {nn.LSTM}, dtype=torch.qint8)
+    event, report = _first_event(model, torch.randn(2, 3, 4))
+    assert (event.module, event.origin) == ("0", "output")
+    first = report.splitlines()[0]
+    assert "made here from finite inputs;" in first and "and weights" not in first
+    assert "packed by torch.ao quantization" in event.note
+    assert "weights the watch could not read" in event.diagnosis.summary
+    assert "the float model's, before quantizing it" in event.diagnosis.suggestion[0]
+
+
+@pytest.mark.parametrize("config", ["Int8WeightOnlyConfig", "Float8WeightOnlyConfig"])
+def test_a_nan_in_a_torchao_weights_scale_is_named(config):
+    # torchao's weights are tensor subclasses no hook reads: the frames noted the weight "not
+    # read" and the event still said "made here from finite inputs and weights".
+    quantization = pytest.importorskip("torchao.quantization")
+    torch.manual_seed(0)
+    model = _Mlp().eval()
+    quantization.quantize_(model, getattr(quantization, config)())
+    model.fc1.weight.scale.view(-1)[3] = NAN
+    event, report = _first_event(model, torch.randn(4, 8))
+    assert (event.module, event.role, event.origin) == ("fc1", "weight", "weight")
+    assert "finite inputs and weights" not in report
+    assert event.trace.reproduced
+    assert "float model's fc1.weight before quantizing" in event.diagnosis.suggestion[0]

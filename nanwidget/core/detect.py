@@ -174,7 +174,8 @@ class Detector:
 
     def _refresh_weights(self, frame: Frame, allowed: bool) -> bool:
         """Measure the frame's module's weights again; replace the frame's weight entries with
-        the fresh ones; True when one of them is an event."""
+        the fresh ones (and add those no hook reads: a quantized module's packed weights);
+        True when one of them is an event."""
         if self.weights_now is None:
             return False
         fresh = self.weights_now(frame.module)
@@ -182,9 +183,14 @@ class Detector:
             return False
         by_role = {entry.role: entry for entry in fresh}
         for slot in range(frame.first_input):
-            entry = by_role.get(frame.entries[slot].role)
+            entry = by_role.pop(frame.entries[slot].role, None)
             if entry is not None:
                 frame.entries[slot] = entry
+        if by_role:  # its weights come first in the frame, before its inputs and outputs
+            at = frame.first_input
+            frame.entries[at:at] = list(by_role.values())
+            frame.first_input += len(by_role)
+            frame.first_output += len(by_role)
         return bool(self._bad_weights(frame.module, fresh, allowed))
 
     def _enclosing_with_bad_weights(self, frames: list[Frame], position: int) -> int | None:

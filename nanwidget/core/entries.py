@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .schema import LOCAL_SHARD, WRITTEN_HERE
+from .schema import DEQUANTIZED, LOCAL_SHARD, WRITTEN_HERE
 from .state import optimizer_steps
 from .stats import (PLAIN_TENSOR_TYPES, PendingStats, TensorStats, classify, local_shard,
                     plain_view, version_of)
@@ -132,6 +132,21 @@ def nested_shape(tensor: torch.Tensor) -> tuple[int | None, ...]:
             size = None
         sizes.append(size if type(size) is int else None)
     return tuple(sizes)
+
+
+def _dequantized(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A quantized tensor subclass's values as a plain tensor (torchao's ``dequantize()``),
+    or None when it has no such method or it fails. Runs the subclass's code: event time
+    only (:meth:`EntryBuilder.measure_now`)."""
+    dequantize = getattr(tensor, "dequantize", None)
+    if not callable(dequantize) or local_shard(tensor) is not tensor:
+        return None  # a DTensor's values are its shard's: never a collective here
+    try:
+        with torch.no_grad():
+            plain = dequantize()
+    except Exception:
+        return None
+    return plain if type(plain) in PLAIN_TENSOR_TYPES else None
 
 
 def _shape_of(tensor: torch.Tensor) -> Any:
@@ -528,24 +543,32 @@ class EntryBuilder:
     def measure_weights_now(self, module: nn.Module) -> list[Entry]:
         """The module's own parameters and buffers measured right now (a host sync: for event
         time, not hooks); the cached entries of its parameters are dropped."""
+        return self.measure_now([(name, tensor)
+                                 for group in (module._parameters, module._buffers)
+                                 for name, tensor in group.items() if tensor is not None])
+
+    def measure_now(self, named: list[tuple[str, torch.Tensor]], note: str = "") -> list[Entry]:
+        """Weights measured right now by name (event time: a host sync), with ``note`` on
+        each measured one (a packed weight's)."""
         fresh = PendingStats()
         entries: list[Entry] = []
-        for group in (module._parameters, module._buffers):
-            for name, tensor in group.items():
-                if tensor is None:
-                    continue
-                self._weight_cache.pop(id(tensor), None)
-                try:
-                    if type(tensor) not in PLAIN_TENSOR_TYPES:
-                        # A subclass is read as the tensor it holds, none of its own code
-                        # running (ExpandedWeight refuses even reads of its attributes).
-                        view = plain_view(tensor)
-                        if view is not None:
-                            tensor = view
-                    note = classify(tensor)
-                    stats = None if note else fresh.add(tensor)
-                    entries.append(Entry((name, stats, tensor.dtype, _shape_of(tensor), note)))
-                except Exception as error:
-                    entries.append(self._unreadable_weight(name, tensor, error))
+        for name, tensor in named:
+            self._weight_cache.pop(id(tensor), None)
+            try:
+                said = note
+                if type(tensor) not in PLAIN_TENSOR_TYPES:
+                    # A subclass is read as the tensor it holds, none of its own code
+                    # running (ExpandedWeight refuses even reads of its attributes).
+                    view = plain_view(tensor)
+                    if view is None:  # no one tensor holds its values (torchao's Int8Tensor)
+                        view, said = _dequantized(tensor), DEQUANTIZED
+                    if view is not None:
+                        tensor = view
+                kind = classify(tensor)
+                stats = None if kind else fresh.add(tensor)
+                entries.append(Entry((name, stats, tensor.dtype, _shape_of(tensor),
+                                      kind or said)))
+            except Exception as error:
+                entries.append(self._unreadable_weight(name, tensor, error))
         fresh.resolve()
         return entries

@@ -11,7 +11,7 @@ from .schema import EVENT_FIELDS, FRAME_COLUMNS, NO_USER_LINE
 
 __all__ = ["NanEvent", "Diagnosis", "GradEvent", "ScalerSkip", "NanDetected", "NanWarning",
            "AbortAfterBatch", "ORIGIN_WORDS", "UNVERIFIED_NOTES", "NOT_REPLAYED", "REPEATED_NOTES",
-           "NO_WEIGHTS_SEEN",
+           "NO_WEIGHTS_SEEN", "UNREAD_WEIGHTS", "weights_unchecked",
            "event_kind", "DIAGNOSIS_KINDS",
            "CONFIDENCES", "LOSS_WORDS", "LOSS_ROLE", "event_fields", "event_from_fields"]
 
@@ -115,6 +115,16 @@ REPEATED_NOTES = (NOT_REPLAYED + "its ", NOT_REPLAYED + "the weight ")
 NO_WEIGHTS_SEEN = ("it has no parameters or buffers, so no weight it reads was checked: a tensor "
                    "attribute, or one its __getattr__ fetches or samples as Pyro's PyroSample "
                    "does")
+# The start of the note of an "output" event of a module whose weights (or those of a module
+# inside it) the watch could not read, whether or not a replayed op made it: packed ones it
+# could not unpack, tensor subclasses it could not read (quantized ones). Like NO_WEIGHTS_SEEN,
+# such an event is "made here from finite inputs", never "and weights".
+UNREAD_WEIGHTS = "it reads weights the watch could not read"
+
+
+def weights_unchecked(note: str) -> bool:
+    """Whether an event's note says that weights its module reads were not checked."""
+    return NO_WEIGHTS_SEEN in note or UNREAD_WEIGHTS in note
 _NO_WEIGHTS_WORDS = "made here from finite inputs"
 
 
@@ -194,7 +204,7 @@ class NanEvent:
             return _UNVERIFIED_WORDS.format(where="the model's" if self.module == "" else "its")
         if self.made_in_loss:
             return LOSS_WORDS
-        if self.origin == "output" and NO_WEIGHTS_SEEN in self.note:
+        if self.origin == "output" and weights_unchecked(self.note):
             return _NO_WEIGHTS_WORDS
         words = ORIGIN_WORDS.get(self.origin, self.origin)
         if self.origin == "input":

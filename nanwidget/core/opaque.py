@@ -8,6 +8,10 @@
 - An ``fx.GraphModule`` (``torch.export``'s ``ep.module()``, ``fx.symbolic_trace``) reads
   weights of submodules that never run a forward of their own (``get_attr``): its frame's
   weights include them, so a NaN there is named (``0.weight``) instead of blamed on the graph.
+- A quantized module of ``torch.ao`` (``quantize_dynamic``'s Linear, a converted static Linear
+  or Conv) keeps its weights packed (a TorchScript object, neither Parameter nor buffer): no
+  frame measures them. At an event they are unpacked (:func:`packed_weights`), so a NaN there
+  is named; :func:`holds_packed_weights` tells which modules keep such weights.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 from torch import nn
 
 __all__ = ["is_torchscript", "inside_torchscript", "weights_of", "GatheredWeights",
-           "add_forward_hook", "add_forward_pre_hook", "hookable_modules"]
+           "add_forward_hook", "add_forward_pre_hook", "hookable_modules",
+           "holds_packed_weights", "packed_weights"]
 
 _SCRIPT = torch.jit.ScriptModule
 
@@ -148,3 +153,31 @@ def _graph_weights(module: nn.Module) -> GatheredWeights | None:
             buffers.append((target, owner, key))
             borrowed = True
     return GatheredWeights(parameters, buffers) if borrowed else None
+
+
+def holds_packed_weights(module: nn.Module) -> bool:
+    """Whether ``module`` keeps packed weights itself: a TorchScript object attribute (torch.ao's
+    quantized ``_packed_params``), which no frame measures."""
+    return any(isinstance(value, torch.ScriptObject) for value in vars(module).values())
+
+
+def packed_weights(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The packed weights of a torch.ao quantized module (one that keeps them, or whose
+    ``_packed_params`` child does, and hands them out through its ``weight()`` and ``bias()``
+    methods), unpacked now and dequantized, by name; empty for any other module. Event time
+    only: it unpacks them."""
+    if not holds_packed_weights(module) and not any(
+            holds_packed_weights(child) for child in module.children()):
+        return []
+    found = []
+    for name in ("weight", "bias"):
+        method = getattr(type(module), name, None)
+        if not callable(method) or isinstance(method, (nn.Module, torch.Tensor)):
+            continue
+        try:
+            tensor = method(module)
+        except Exception:  # a packed format these methods cannot unpack
+            continue
+        if isinstance(tensor, torch.Tensor):
+            found.append((name, tensor.dequantize() if tensor.is_quantized else tensor))
+    return found

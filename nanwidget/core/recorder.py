@@ -77,11 +77,13 @@ from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
 from .graph_capture import captured, compile_wrappers_of, dynamo_compiling, export_flag, tracing
-from .opaque import add_forward_hook, add_forward_pre_hook, inside_torchscript, weights_of
+from .opaque import (add_forward_hook, add_forward_pre_hook, inside_torchscript, packed_weights,
+                     weights_of)
 from .options import name_matches, wrapper_names
 from .ranks import current_rank
 from .sourcelines import user_stacklevel
 from .records import Finding, Records
+from .schema import PACKED
 from .state import watched_modules
 from .stats import PendingStats
 from .writes import track_optimizer_steps
@@ -1135,13 +1137,19 @@ class Recorder:
         return tensor if isinstance(tensor, torch.Tensor) else None
 
     def weights_now(self, name: str) -> list[Entry] | None:
-        """The named module's own weights measured right now (event time only); None for a
-        module not watched or without parameters and buffers."""
+        """The named module's own weights measured right now (event time only), a quantized
+        module's packed ones included (:func:`~.opaque.packed_weights`); None for a module not
+        watched or without any."""
         info = self._by_name.get(name)
-        if info is None or not info.has_state:
+        if info is None:
+            return None
+        # A torch.ao quantized module's packed weights: no frame holds them, so only here.
+        packed = packed_weights(info.module)
+        if not info.has_state and not packed:
             return None
         with self._lock:
-            return self.entries.measure_weights_now(info.weights)
+            entries = self.entries.measure_weights_now(info.weights) if info.has_state else []
+            return entries + self.entries.measure_now(packed, PACKED) if packed else entries
 
     # ------------------------------------------------------------------ recording (features)
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],

@@ -15,7 +15,7 @@ __all__ = [
     "GRAD_HISTORY_COLUMNS", "GRAD_HISTORY_DTYPES", "OPS_COLUMNS", "OPS_DTYPES",
     "column_kinds", "empty_table", "NOTES", "NOTES_WITH_STATS", "NO_STATS_NOTES", "LEAF_NOTES",
     "note_has_stats", "PENDING", "NO_USER_LINE",
-    "CHANGED_LATER", "LOCAL_SHARD", "ROLE_GROUPS", "role_group", "role_groups", "is_input_role",
+    "CHANGED_LATER", "LOCAL_SHARD", "PACKED", "DEQUANTIZED", "ROLE_GROUPS", "role_group", "role_groups", "is_input_role",
     "is_output_role", "EVENT_FIELDS", "ORIGINS", "KINDS",
 ]
 
@@ -71,6 +71,9 @@ CHANGED_LATER = "changed in place later"
 NO_USER_LINE = "(in library code, not a line of yours)"
 WRITTEN_HERE = "written in place here"
 LOCAL_SHARD = "local shard"
+# Weights no hook reads, measured at an event: a torch.ao module's packed ones, a torchao one.
+PACKED = "packed, read at the event"
+DEQUANTIZED = "dequantized at the event"
 
 # Every note a frame row can carry, with what it means. Rows with these notes have no stats
 # (abs_min and abs_max NaN) unless the note is in the second dict.
@@ -90,6 +93,10 @@ NOTES_WITH_STATS: dict[str, str] = {
     CHANGED_LATER: "the NaN/Inf look-up saw the tensor after a later in-place write",
     WRITTEN_HERE: "the module wrote into this input and returned it; shown as handed over",
     LOCAL_SHARD: "a DTensor (FSDP2, tensor parallel): stats and shape are this rank's shard",
+    PACKED: "a quantized module's packed weight (weight(), bias()): unpacked and measured at "
+            "the event, dequantized",
+    DEQUANTIZED: "a quantized tensor subclass (torchao) no hook reads: measured at the event, "
+                 "dequantized",
 }
 # Kinds that recordings made before nanwidget measured them noted instead of stats.
 LEGACY_KIND_NOTES = ("int", "complex", "sparse", "nested", "quantized")

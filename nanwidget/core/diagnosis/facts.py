@@ -529,8 +529,13 @@ class Facts:
     # included, in the model's order (empty when it cannot be told).
     outputs_holding: list[str] = field(default_factory=list)
     # An "output" event no replayed op explains, of a module that, with every module inside
-    # it, holds no parameter or buffer: no weight it read was measured (a PyroSample's).
+    # it, holds no parameter or buffer: no weight it read was measured (a PyroSample's); or,
+    # op or not, of a module whose weights are packed or tensor subclasses the watch could not
+    # read (quantized ones). ``unseen_note`` says which (the note added to the event).
     weights_unseen: bool = False
+    unseen_note: str = ""
+    # Those weights are quantized (packed by torch.ao, or torchao tensor subclasses).
+    unseen_quantized: bool = False
 
     def series(self, module: str) -> list[tuple[int, float]]:
         """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""

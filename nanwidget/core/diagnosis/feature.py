@@ -22,11 +22,14 @@ from torch import nn
 
 from ..detect import additive_mask
 from ..events import (LOSS_ROLE, NO_WEIGHTS_SEEN, NOT_REPLAYED, REPEATED_NOTES,
-                      UNVERIFIED_NOTES, Diagnosis, NanEvent, gradient_only_reduced)
+                      UNREAD_WEIGHTS, UNVERIFIED_NOTES, Diagnosis, NanEvent,
+                      gradient_only_reduced, weights_unchecked)
+from ..opaque import holds_packed_weights, packed_weights
 from ..frames import Frame, weights_finite_last
 from ..ranks import world_size
 from ..recorder import Feature, Recorder
-from ..stats import local_shard, storage_holds
+from ..schema import PACKED
+from ..stats import PLAIN_TENSOR_TYPES, local_shard, storage_holds
 from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_step,
                       optimizers_stepped, steps_taken, written_since)
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
@@ -149,8 +152,8 @@ class Diagnoser(Feature):
         try:
             facts = self.facts(event, may_replay=may_replay)
             if facts.weights_unseen:  # the event's own words must not claim them finite
-                event.note = f"{event.note}; {NO_WEIGHTS_SEEN}" if event.note \
-                    else NO_WEIGHTS_SEEN
+                event.note = f"{event.note}; {facts.unseen_note}" if event.note \
+                    else facts.unseen_note
             held = self.capture is not None and event.batch in self.capture.held_batches()
             return diagnose(facts, replayable=held and not facts.replay_refused)
         except Exception as error:
@@ -221,7 +224,12 @@ class Diagnoser(Feature):
             # The sentinel tried and could not (a static cache written in place since)
             facts.replay_refused = event.note[len(NOT_REPLAYED):]
         facts.op = op_facts(facts.trace)
-        facts.weights_unseen = facts.op is None and self._holds_no_weights(event)
+        facts.unseen_note = self._unread_weights(event) if self._claims_weights(event) else ""
+        facts.unseen_quantized = bool(facts.unseen_note)
+        if not facts.unseen_note and facts.op is None and self._claims_weights(event) \
+                and self._holds_no_weights(event):
+            facts.unseen_note = NO_WEIGHTS_SEEN
+        facts.weights_unseen = bool(facts.unseen_note)
         with recorder.lock:
             history = recorder.records.history
             facts.history_batches, facts.history = history.recent(HISTORY_BATCHES)
@@ -250,20 +258,59 @@ class Diagnoser(Feature):
         return next((e for e in reversed(earlier) if e.is_backward and e.origin != "peer"
                      and e.rank == event.rank and e.batch <= event.batch), None)
 
-    def _holds_no_weights(self, event: NanEvent) -> bool:
-        """Whether ``event`` says its module made the value from finite inputs and weights while
-        that module, and every module inside it, holds no parameter or buffer now, and reads
-        tensors of another kind: a tensor attribute (a weight computed from another module's
-        parameter) or one its class's ``__getattr__`` makes (a PyroSample's, drawn there). Those
-        were never measured. A module with no weight at all (x / x.norm()) makes no such claim."""
-        if event.origin != "output" or event.is_backward or event.role == LOSS_ROLE \
-                or event.note.startswith(UNVERIFIED_NOTES) or NO_WEIGHTS_SEEN in event.note:
-            return False
+    @staticmethod
+    def _claims_weights(event: NanEvent) -> bool:
+        """Whether ``event`` says its module made the value from finite inputs and weights."""
+        return event.origin == "output" and not event.is_backward and event.role != LOSS_ROLE \
+            and not event.note.startswith(UNVERIFIED_NOTES) and not weights_unchecked(event.note)
+
+    def _modules_within(self, event: NanEvent) -> list[Any]:
+        """The watched modules of ``event``'s module: itself and every module inside it."""
         inside = event.module + "."
+        return [info for info in self.recorder.modules
+                if not event.module or info.name == event.module or info.name.startswith(inside)]
+
+    def _unread_weights(self, event: NanEvent) -> str:
+        """The note of an event whose module (or one inside it) reads weights the watch could
+        not read, measured now (event time): torch.ao's packed weights that its ``weight()``
+        and ``bias()`` do not hand out (a dynamic quantized LSTM's), tensor subclasses that
+        neither their inner tensor nor ``dequantize()`` give the values of; "" when none."""
+        packed, unread, kinds = [], [], []
+        unpacked = False
+        for info in self._modules_within(event):
+            if holds_packed_weights(info.module):
+                packed.append(info.name)
+            groups = (info.weights._parameters, info.weights._buffers)
+            if not any(t is not None and type(t) not in PLAIN_TENSOR_TYPES
+                       for group in groups for t in group.values()) \
+                    and not packed_weights(info.module):
+                continue  # plain weights: the frames measured them
+            for entry in self.recorder.weights_now(info.name) or ():
+                unpacked = unpacked or entry.note == PACKED
+                if entry.stats is None and entry.note.startswith(("not read", "unsupported")) \
+                        or entry.stats is not None and entry.stats.note.startswith("unsupported"):
+                    unread.append(f"{info.name}.{entry.role}" if info.name else entry.role)
+                    tensor = next((group[entry.role] for group in groups
+                                   if group.get(entry.role) is not None), None)
+                    kinds.append(type(tensor).__name__)
+        said = []
+        if packed and not unpacked:
+            said.append("packed by torch.ao quantization (in "
+                        + ", ".join(f"'{name}'" for name in packed[:3])
+                        + "), no Parameter or buffer, and not unpacked")
+        if unread:
+            said.append(", ".join(unread[:3]) + (" ..." if len(unread) > 3 else "")
+                        + f" ({', '.join(sorted(set(kinds)))}: a tensor subclass it cannot read)")
+        return f"{UNREAD_WEIGHTS}: {'; '.join(said)}" if said else ""
+
+    def _holds_no_weights(self, event: NanEvent) -> bool:
+        """Whether ``event``'s module, and every module inside it, holds no parameter or
+        buffer now, and reads tensors of another kind: a tensor attribute (a weight computed
+        from another module's parameter) or one its class's ``__getattr__`` makes (a
+        PyroSample's, drawn there). Those were never measured. A module with no weight at all
+        (x / x.norm()) makes no such claim."""
         unmeasured = False
-        for info in self.recorder.modules:
-            if event.module and info.name != event.module and not info.name.startswith(inside):
-                continue
+        for info in self._modules_within(event):
             weights = info.weights
             if any(t is not None for group in (weights._parameters, weights._buffers)
                    for t in group.values()):

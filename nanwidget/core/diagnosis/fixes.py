@@ -527,6 +527,21 @@ def unseen_weights(module: str) -> list[str]:
             "with register_buffer() or as an nn.Parameter is measured by the watch."]
 
 
+def unchecked_quantized_weights(module: str) -> list[str]:
+    return [f"Check the weights of module '{module}' where they are still readable: the float "
+            "model's, before quantizing it (all(p.isfinite().all() for p in "
+            "model.parameters())), and the quantized ones (a torch.ao module's weight() and "
+            "bias(), dequantized; a torchao weight's dequantize()). A NaN/Inf there, or in a "
+            "quantization scale, gives this: quantize again from finite weights."]
+
+
+def quantized_weight(module: str, role: str) -> list[str]:
+    return [f"It is a quantized weight: check the float model's {module}.{role} before "
+            "quantizing it (torch.isfinite(t).all()), and the quantization's scales (a scale of "
+            "0 or NaN from a weight row that is all zero or non-finite, or one written since); "
+            "quantize again from finite weights."]
+
+
 def unknown(batch: int, replayable: bool, backward: bool = False,
             refused: bool = False, sharded: bool = True) -> list[str]:
     if refused and not sharded:  # the batch cannot run again (an input written since)

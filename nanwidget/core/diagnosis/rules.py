@@ -28,8 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..events import NO_WEIGHTS_SEEN, Diagnosis, NanEvent
-from ..schema import NO_USER_LINE
+from ..events import Diagnosis, NanEvent
+from ..schema import DEQUANTIZED, NO_USER_LINE, PACKED
 from ..sourcelines import source_text
 from ..stats import dtype_max
 from . import fixes
@@ -1509,13 +1509,12 @@ def _from_frames(facts: Facts) -> Diagnosis | None:
                 [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
                 + evidence, fixes.divergence(dtype), confidence="medium")
         if facts.weights_unseen:  # an Inf in a weight nothing measured looks the same
-            evidence.append(f"{NO_WEIGHTS_SEEN[0].upper()}{NO_WEIGHTS_SEEN[1:]}.")
+            evidence.append(f"{facts.unseen_note[0].upper()}{facts.unseen_note[1:]}.")
         return Diagnosis("overflow", f"{label} made ±inf from finite inputs"
                                      f"{'' if facts.weights_unseen else ' and weights'}: a "
                                      f"result passed {dtype}'s largest value "
                                      f"({dtype_max(dtype):.5g}).",
-                         evidence, (fixes.unseen_weights(event.module_label)
-                                    if facts.weights_unseen else [])
+                         evidence, (_unseen_fixes(facts) if facts.weights_unseen else [])
                          + fixes.overflow(event.module, dtype, "", "its op"),
                          confidence="low" if facts.weights_unseen else "medium")
     return None
@@ -1571,7 +1570,12 @@ def _weight_gradient(facts: Facts) -> Diagnosis | None:
 def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
     event, op = facts.event, facts.op
     evidence = []
-    if op is not None:
+    if op is not None and facts.unseen_quantized:  # the op read weights nothing measured
+        summary = (f"{op.op} {op.place}{op.at} made {_kind_words(event.kind)} from finite "
+                   f"inputs and weights the watch could not read, which may hold it.")
+        evidence = _op_evidence(op) + [f"{facts.unseen_note[0].upper()}"
+                                       f"{facts.unseen_note[1:]}."]
+    elif op is not None:
         summary = (f"{op.op} {op.place}{op.at} made {_kind_words(event.kind)} from finite "
                    "inputs, in a way none of the known patterns explains.")
         evidence = _op_evidence(op)
@@ -1614,8 +1618,33 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
             evidence.append("The replay made it again, and no op made it from finite values: "
                             "it came with a tensor the watch does not measure.")
             suggestion = []  # a replay says no more
-        suggestion = fixes.unseen_weights(event.module_label) + suggestion
+        suggestion = _unseen_fixes(facts) + suggestion
     return Diagnosis("unknown", summary, evidence, suggestion, confidence="low")
+
+
+def _unseen_fixes(facts: Facts) -> list[str]:
+    """The fixes of an event whose module reads weights the watch did not measure."""
+    module = facts.event.module_label
+    return fixes.unchecked_quantized_weights(module) if facts.unseen_quantized \
+        else fixes.unseen_weights(module)
+
+
+def _quantized_weight(facts: Facts, found: Diagnosis) -> None:
+    """A weight event whose weight no hook reads, measured at the event (a torch.ao module's
+    packed weight, a torchao weight dequantized): where quantized weights come from leads the
+    fixes."""
+    event = facts.event
+    frames = event.frames
+    if event.origin != "weight" or frames is None or frames.empty or "note" not in frames:
+        return
+    own = frames[(frames["frame"] == event.frame) & (frames["batch"] == event.batch)
+                 & (frames["role"] == event.role)]
+    if own.empty or own["note"].iloc[0] not in (PACKED, DEQUANTIZED):
+        return
+    found.evidence.append(f"'{event.qualified_role}' is a quantized weight no hook reads: "
+                          f"{'unpacked' if own['note'].iloc[0] == PACKED else 'dequantized'} "
+                          "and measured at the event.")
+    found.suggestion[:0] = fixes.quantized_weight(event.module_label, event.role)
 
 
 def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
@@ -1643,6 +1672,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
         found.evidence.append(f"{skipped[0].upper()}{skipped[1:]}: "
                               f"a {_kind_words(event.kind)} gradient at every scale does not "
                               "come from the scale.")
+    _quantized_weight(facts, found)
     if facts.absorbed_in:
         _absorbed(facts, found)
     op = facts.op

@@ -23,7 +23,7 @@ from ..grads.backward import BackwardFrames, FrameSink
 from ..fastpath import FusedPathKeeper, has_fused_path, keep_fused_path, release_fused_path
 from ..opaque import add_forward_hook, add_forward_pre_hook, hookable_modules
 from ..recorder import ModuleInfo, Recorder, in_backward_pass
-from ..schema import OPS_COLUMNS, OPS_DTYPES
+from ..schema import DEQUANTIZED, OPS_COLUMNS, OPS_DTYPES, PACKED
 from ..stats import is_distributed_tensor, measure_tensor, version_of
 from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
@@ -92,11 +92,20 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
     # The one verdict of this replay: the event its frames hold (their own weights as the
     # replay measured them; an inner module used without being called has none: measured now,
     # as the replay had them).
+    weights = replayed_weights(recorder, capture, held)
     found = first_event(replayed.frames, Detector(
-        recorder.inf_allowed, module_names=recorder.module_names,
-        inner_weights_now=replayed_weights(recorder, capture, held),
+        recorder.inf_allowed, weights_now=partial(_read_at_event, weights),
+        module_names=recorder.module_names, inner_weights_now=weights,
         is_buffer=recorder.is_buffer))
     return replayed.conclude(found, expected)
+
+
+def _read_at_event(weights: Callable[[str], list[Entry] | None],
+                   module: str) -> list[Entry] | None:
+    """Of a module's weights measured now, those no frame reads (a quantized module's packed
+    ones, a torchao weight dequantized), as the live event had them: a replay's frames hold
+    the others as the replay measured them."""
+    return [entry for entry in weights(module) or () if entry.note in (PACKED, DEQUANTIZED)]
 
 
 def replayed_weights(recorder: Recorder, capture: BatchCapture,
