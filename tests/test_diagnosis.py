@@ -1815,6 +1815,120 @@ def test_a_ctc_target_longer_than_its_input_is_no_alignment_not_an_overflow(mode
     assert ("a sample has no alignment: its input is shorter than its target (input lengths 3 "
             "to 3, target lengths 2 to 6)") in diagnosis.summary
     assert diagnosis.suggestion[0].startswith("Pass zero_infinity=True to F.ctc_loss")
+    # Seq-first features (3 frames of 2 samples) beside per-sample targets: the inputs disagree
+    # on the batch's size, so no row is named rather than a guessed one.
+    assert diagnosis.rows == [] and " row" not in diagnosis.summary
+
+
+class _LogMel(nn.Module):
+    """A log-mel front end without an eps (an STFT, a non-negative filterbank, a log) and a
+    classifier: a silent clip gives log(0) = -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("window", torch.hann_window(64))
+        self.filterbank = nn.Linear(33, 8, bias=False)
+        with torch.no_grad():
+            self.filterbank.weight.uniform_(0.0, 1.0)
+        self.classifier = nn.Linear(8, 4)
+
+    def forward(self, wav: torch.Tensor) -> torch.Tensor:
+        power = torch.stft(wav, 64, 32, window=self.window, return_complex=True).abs().pow(2)
+        mel = torch.log(self.filterbank(power.transpose(1, 2)))
+        return self.classifier(mel).mean(dim=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_silent_clip_in_a_log_mel_front_end_is_named_by_its_row(mode):
+    # The domain verdict said where (log) but not which sample: rows were [].
+    torch.manual_seed(0)
+    model = _LogMel()
+    wav = torch.randn(4, 800) * 0.3
+    wav[1] = 0.0
+    with watch(model, mode) as w:
+        model(wav)
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("domain", [1])
+    assert "got values outside its domain in row 1: log of values down to 0" in diagnosis.summary
+    assert ("log's output holds its NaN/Inf in row 1 of the batch's 4 rows (dim 0: its "
+            "samples); the other rows stayed finite.") in diagnosis.evidence
+    assert "  Rows of the batch that hold it: 1" in diagnosis.lines()
+
+
+class _CTCRecognizer(nn.Module):
+    """An encoder and nn.CTCLoss inside the model: the forward returns the loss."""
+
+    def __init__(self, reduction: str) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(6, 5)
+        self.ctc = nn.CTCLoss(reduction=reduction)
+
+    def forward(self, features: torch.Tensor, targets: torch.Tensor, input_lengths: torch.Tensor,
+                target_lengths: torch.Tensor) -> torch.Tensor:
+        log_probs = self.encoder(features).log_softmax(-1).transpose(0, 1)  # (T, N, C)
+        return self.ctc(log_probs, targets, input_lengths, target_lengths)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_a_ctc_sample_without_alignment_is_named_by_its_row(mode, reduction):
+    # Sample 2 has 4 frames for 6 labels. With reduction='mean' the loss is a scalar, but the
+    # op that made the Inf (_ctc_loss) made one loss per sample.
+    torch.manual_seed(0)
+    model = _CTCRecognizer(reduction)
+    targets = torch.tensor([[1, 2, 3, 4, 1, 2], [2, 3, 4, 0, 0, 0], [1, 2, 3, 4, 1, 2]])
+    with watch(model, mode) as w:
+        model(torch.randn(3, 8, 6), targets, torch.tensor([8, 8, 4]), torch.tensor([6, 3, 6]))
+    diagnosis = w.event.diagnosis
+    assert (w.event.module, diagnosis.kind, diagnosis.rows) == ("ctc", "domain", [2])
+    assert diagnosis.summary.startswith("_ctc_loss in module 'ctc' (CTCLoss)")
+    assert "got values outside its domain in row 2: a sample has no alignment" in diagnosis.summary
+
+
+class _DistanceKernel(nn.Module):
+    """Attention-like scores of (batch x heads, T, T) and their square root (no clamp): dim 0
+    of the scores is no sample dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, steps, _ = x.shape
+        q, k = (t.reshape(batch, steps, 4, 2).transpose(1, 2).reshape(batch * 4, steps, 2)
+                for t in self.qk(x).chunk(2, dim=-1))
+        return torch.sqrt(q @ k.transpose(1, 2))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_domain_error_over_batch_times_heads_names_no_row(mode):
+    # Rows 0..7 of the scores are (sample, head) pairs, not samples: naming them would mislead.
+    torch.manual_seed(0)
+    model = _DistanceKernel()
+    with watch(model, mode, replay_on_nan=True) as w:
+        model(torch.randn(2, 5, 8))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain" and diagnosis.summary.startswith("sqrt in module '<root>'")
+    assert diagnosis.rows == [] and " row" not in diagnosis.summary
+    scores = w.event.trace.first_bad_tensors.set_index("role").loc["output"]
+    assert scores["shape"] == (8, 5, 5) and scores["nonfinite_rows"]  # its rows are known, and not samples
+
+
+def test_a_per_sample_loss_in_loss_fn_is_named_by_its_row():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LogSoftmax(-1))
+    targets = torch.tensor([[1, 2, 3, 4, 1, 2], [2, 3, 4, 0, 0, 0], [1, 2, 3, 4, 1, 2]])
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.ctc_loss(out.transpose(0, 1), targets, torch.tensor([8, 8, 4]),
+                                      torch.tensor([6, 3, 6]), reduction="none").sum()
+
+    for mode in MODES:
+        with watch(model, mode, backward=True, loss_fn=loss_fn) as w:
+            loss_fn(model(torch.randn(3, 8, 6))).backward()
+        diagnosis = w.event.diagnosis
+        assert (diagnosis.kind, diagnosis.rows) == ("loss", [2]), mode
+        assert "made the first NaN/Inf in row 2: a sample has no alignment" in diagnosis.summary
 
 
 def test_a_transformers_ctc_model_without_alignment_is_told_its_config_switch():
@@ -2001,7 +2115,9 @@ def test_a_division_by_zero_in_loss_fn_gets_the_fixes_of_its_denominator(mode):
     where = line_of(MinSnrLoss.__call__, "torch.clamp")
     assert diagnosis.kind == "loss"
     assert diagnosis.summary.startswith(f"Made in the loss, outside the model: div in loss_fn "
-                                        f"at {where} made the first NaN/Inf: a division by zero")
+                                        f"at {where} made the first NaN/Inf in row 1: a division "
+                                        "by zero")
+    assert diagnosis.rows == [1]  # the sample at snr = 0
     assert diagnosis.suggestion[0].startswith(f"Guard the denominator at {where}: ")
     assert "weights[snr == 0] = 1.0" in diagnosis.suggestion[-1]
     assert not any("BCEWithLogitsLoss" in fix or "before a log" in fix
@@ -2256,7 +2372,10 @@ def test_report_prints_the_diagnosis_after_the_summary_line():
     assert lines[0].startswith("nanwidget: inf in batch 0")
     assert lines[1].startswith("Diagnosis (domain, high confidence): log in module '<root>'")
     assert lines[2].startswith("  - log input self (float32): from 0 to ")
-    assert any(line.startswith("  Try: Keep the argument of log") for line in lines[2:6])
+    # Every sample has a negative pre-activation: the summary says so, and names no sample.
+    assert "got values outside its domain in every row: " in lines[1]
+    assert not any(line.startswith("  Rows of the batch") for line in lines)
+    assert any(line.startswith("  Try: Keep the argument of log") for line in lines[2:7])
 
 
 def test_recordings_keep_the_diagnosis_and_older_ones_load_without_it(tmp_path):

@@ -467,6 +467,54 @@ def test_a_trace_recorded_before_the_inf_signs_were_kept_still_loads(tmp_path):
     assert "First non-finite op: sqrt" in run.report()
 
 
+class _SqrtOfFeatures(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+def _recorded_sqrt_trace(folder: Path) -> tuple[nw.NanWatch, Path]:
+    """A recording whose trace's first bad op is a sqrt that only sample 2 made NaN."""
+    model = _SqrtOfFeatures()
+    x = torch.linspace(0.1, 1.0, 24).reshape(4, 6)
+    x[2, 3] = -1.0
+    watch = nw.watch(model, log_dir=str(folder), replay_on_nan=True, on_nan="record")
+    with watch:
+        model(x)
+    return watch, folder / "rank-00000" / "event-000000.json"
+
+
+def test_the_first_bad_ops_rows_and_the_diagnosis_rows_are_read_back(tmp_path):
+    watch, _ = _recorded_sqrt_trace(tmp_path)
+    live = watch.event
+    rows = live.trace.first_bad_tensors.set_index("role").loc["output", "nonfinite_rows"]
+    assert rows == [2] and live.diagnosis.rows == [2]  # (4, 6): dim 0 is the batch's samples
+    loaded = load_run(tmp_path).event
+    assert loaded.trace.first_bad_tensors.set_index("role").loc["output", "nonfinite_rows"] == rows
+    assert loaded.diagnosis.rows == rows
+
+
+def test_a_trace_recorded_before_the_rows_were_kept_still_loads(tmp_path):
+    _, event_file = _recorded_sqrt_trace(tmp_path)
+    meta = json.loads(event_file.read_text())
+    for row in meta["trace"]["first_bad_tensors"]:
+        del row["nonfinite_rows"]  # what a recording written before the outputs' rows holds
+    event_file.write_text(json.dumps(meta))
+    loaded = load_run(tmp_path).event.trace
+    assert loaded.first_bad["op"] == "sqrt"
+    assert loaded.first_bad_tensors["nonfinite_rows"].isna().all()  # unknown, not none
+    assert "First non-finite op: sqrt" in loaded.report()
+
+
+@pytest.mark.parametrize("rows", ["0,1", [0.5], [[1]]])
+def test_a_trace_whose_rows_are_not_row_numbers_is_refused(tmp_path, rows):
+    _, event_file = _recorded_sqrt_trace(tmp_path)
+    meta = json.loads(event_file.read_text())
+    meta["trace"]["first_bad_tensors"][-1]["nonfinite_rows"] = rows
+    event_file.write_text(json.dumps(meta))
+    with pytest.raises(RunLoadError, match="first_bad_tensors"):
+        load_run(tmp_path)
+
+
 def test_a_trace_that_stopped_where_the_forward_raised_is_read_back_so(tmp_path):
     class RaisesOnNan(_SqrtBetweenLayers):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -154,4 +154,4 @@ def test_bad_data_rows_of_a_recurrent_model_are_its_samples():
     assert event.diagnosis.rows == [2]
     assert any("PackedSequence of 5 samples): 1 NaN in sample 2" in line
                for line in event.diagnosis.evidence)
-    assert "  Rows of the input that hold it: 2" in event.diagnosis.lines()
+    assert "  Rows of the batch that hold it: 2" in event.diagnosis.lines()

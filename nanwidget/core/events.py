@@ -68,7 +68,7 @@ class Diagnosis:
         lines.extend(f"  - {item}" for item in self.evidence)
         if self.rows:
             shown = ", ".join(map(str, self.rows[:20])) + (" ..." if len(self.rows) > 20 else "")
-            lines.append(f"  Rows of the input that hold it: {shown}")
+            lines.append(f"  Rows of the batch that hold it: {shown}")
         lines.extend(f"  Try: {item}" for item in self.suggestion)
         return lines
 

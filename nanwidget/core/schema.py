@@ -13,6 +13,7 @@ import pandas as pd
 __all__ = [
     "FRAME_COLUMNS", "FRAME_DTYPES", "HISTORY_COLUMNS", "HISTORY_DTYPES",
     "GRAD_HISTORY_COLUMNS", "GRAD_HISTORY_DTYPES", "OPS_COLUMNS", "OPS_DTYPES",
+    "OP_ROWS_DESCRIBED",
     "column_kinds", "empty_table", "NOTES", "NOTES_WITH_STATS", "NO_STATS_NOTES", "LEAF_NOTES",
     "note_has_stats", "PENDING", "NO_USER_LINE",
     "CHANGED_LATER", "LOCAL_SHARD", "PACKED", "DEQUANTIZED", "ROLE_GROUPS", "role_group", "role_groups", "is_input_role",
@@ -49,6 +50,8 @@ OPS_DTYPES = {"index": "int64", "phase": "object", "op": "object", "aten": "obje
               "module": "object", "module_type": "object", "dtype": "object", "shape": "object",
               "abs_min": "float64", "abs_max": "float64", "nan": "bool", "inf": "bool",
               "nonfinite": "bool", "source": "object"}
+# The first bad op's output rows (along dim 0) holding NaN/Inf that a trace names, at most.
+OP_ROWS_DESCRIBED = 64
 
 _KIND_OF_DTYPE = {"int64": "int", "float64": "float", "bool": "bool", "object": "str"}
 

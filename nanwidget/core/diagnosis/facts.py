@@ -348,6 +348,13 @@ class OpFacts:
     def inputs_hold_inf(self) -> bool:
         return any(int(row.get("inf_count", 0) or 0) for row in self.inputs)
 
+    def bad_output(self) -> dict | None:
+        """The op's first output that holds NaN/Inf (a CTC loss's per-sample losses, not its
+        alphas, which hold -inf on purpose), or None."""
+        return next((row for row in self.outputs
+                     if int(row.get("nan_count", 0) or 0) or int(row.get("inf_count", 0) or 0)),
+                    None)
+
     def inputs_fully_masked(self) -> bool | None:
         """Whether the op's inputs hold Inf as a mask does: only -inf, filling whole rows (a
         fully masked row). False when a +inf is among them (an overflow) or no row is all
@@ -536,6 +543,15 @@ class Facts:
     unseen_note: str = ""
     # Those weights are quantized (packed by torch.ao, or torchao tensor subclasses).
     unseen_quantized: bool = False
+
+    def batch_size(self) -> int | None:
+        """The number of samples in the batch: the size its inputs share along their sample
+        dim (a PackedSequence's samples; a list's per-sample tensors left out). None when no
+        input tells, or when they disagree (a seq-first input beside per-sample lengths: which
+        size is the batch's cannot be told)."""
+        sizes = {item.packed_samples or item.shape[item.batch_dim] for item in self.inputs
+                 if not item.sample_of and (item.packed_samples or len(item.shape) > item.batch_dim)}
+        return sizes.pop() if len(sizes) == 1 else None
 
     def series(self, module: str) -> list[tuple[int, float]]:
         """Recent (batch, output abs max) of ``module``, finite values only, oldest first."""

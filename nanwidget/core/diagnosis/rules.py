@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..events import Diagnosis, NanEvent
-from ..schema import DEQUANTIZED, NO_USER_LINE, PACKED
+from ..schema import DEQUANTIZED, NO_USER_LINE, OP_ROWS_DESCRIBED, PACKED
 from ..sourcelines import source_text
 from ..stats import dtype_max
 from . import fixes
@@ -715,16 +715,20 @@ def _loss(facts: Facts) -> Diagnosis | None:
         # cache, receives the NaN made inside), the loss did not make it.
         return None
     evidence = []
+    rows: list[int] = []
     reader = None if in_loss else _read_in_loss(facts)
     if in_loss:
         assert op is not None
         reason = _domain_reason(op) or _overflow_reason(op)
         why = f": {reason[0]}" if reason is not None else ""
         made = op.op if op.phase == "loss" else f"{op.grad_of_name}'s gradient ({op.op})"
+        rows = _op_rows(facts, op)  # a per-sample loss (CTC's own, any reduction='none')
         summary = (f"Made in the loss, outside the model: {made} in loss_fn{op.at} made the "
-                   f"first NaN/Inf{why}; the gradient reached the model's output already "
-                   "non-finite.")
+                   f"first NaN/Inf{_rows_words(rows, facts.batch_size())}{why}; the gradient "
+                   "reached the model's output already non-finite.")
         evidence.extend(_op_evidence(op))
+        if rows:
+            evidence.append(_rows_evidence(op, rows, facts.batch_size()))
     elif reader is not None:
         at = f" at {reader['source']}" if reader["source"] else ""
         summary = (f"Made in the loss, outside the model: {reader['op']} in loss_fn{at} received "
@@ -754,7 +758,7 @@ def _loss(facts: Facts) -> Diagnosis | None:
                                 if in_loss and op else "", traced=in_loss,
                                 at=op.at if in_loss and op else "",
                                 has_loss_fn=facts.has_loss_fn),
-                     confidence="high")
+                     rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
 
 
 def _read_in_loss(facts: Facts) -> Any:
@@ -1253,17 +1257,47 @@ def _weight_dtype(event: NanEvent) -> str:
     return str(rows["dtype"].iloc[0]) if len(rows) else ""
 
 
-def _output_samples(facts: Facts, op: OpFacts) -> list[int]:
-    """The samples of the batch holding the op's non-finite output, when its dim 0 is the
-    batch's (its size is the batch's number of samples), else []."""
-    output = op.outputs[0] if op.outputs else {}
-    rows = output.get("nonfinite_rows")
-    shape = tuple(output.get("shape") or ())
-    if not isinstance(rows, list) or not shape:
+def _op_rows(facts: Facts, op: OpFacts) -> list[int]:
+    """The batch's samples whose values the op made non-finite, when they can be told: an op
+    of the forward (or of loss_fn) whose first non-finite output has the batch's samples
+    along dim 0 (its size is the batch size the inputs tell: not a seq-first tensor, not
+    attention scores of batch x heads); else none."""
+    if op.phase not in ("forward", "loss") or op.grad_of:
         return []
-    samples = {item.shape[item.batch_dim] for item in facts.inputs
-               if not item.sample_of and not item.packed_samples and len(item.shape) > item.batch_dim}
-    return [int(r) for r in rows] if samples == {shape[0]} else []
+    output = op.bad_output()
+    size = facts.batch_size()
+    if output is None or size is None:
+        return []
+    shape, rows = output.get("shape"), output.get("nonfinite_rows")
+    if not isinstance(shape, (tuple, list)) or not shape or shape[0] != size \
+            or not isinstance(rows, list):  # a recording made before the rows were kept
+        return []
+    return [int(r) for r in rows]
+
+
+def _samples_at_fault(rows: list[int], size: int | None) -> list[int]:
+    """The rows a diagnosis names as its ``rows``: none when every sample holds the NaN/Inf
+    (no sample is at fault: a weight, a buffer or the scale of them all is; the summary says
+    "in every row")."""
+    return [] if len(rows) == size else rows
+
+
+def _rows_words(rows: list[int], size: int | None, limit: int = 8) -> str:
+    """" in row 1" / " in every row" (of the batch's samples); "" without rows."""
+    return " in every row" if rows and len(rows) == size else fixes.in_rows(rows, limit)
+
+
+def _rows_evidence(op: OpFacts, rows: list[int], size: int | None) -> str:
+    """The line naming the samples the op made non-finite."""
+    output = op.bad_output() or {"role": "output"}
+    head = f"{op.op}'s {output['role']} holds its NaN/Inf"
+    if len(rows) == size:
+        return f"{head} in every one of the batch's {size} rows (dim 0: its samples)."
+    if len(rows) >= OP_ROWS_DESCRIBED:
+        return (f"{head} in {fixes.rows_named(rows, 12)} (the first {OP_ROWS_DESCRIBED} named) "
+                f"of the batch's {size} rows (dim 0: its samples).")
+    return (f"{head} in {fixes.rows_named(rows, 12)} of the batch's {size} rows (dim 0: its "
+            "samples); the other rows stayed finite.")
 
 
 def _rows_masked(facts: Facts) -> list[int]:
@@ -1313,6 +1347,14 @@ def _from_op(facts: Facts) -> Diagnosis | None:
     kind, reason, confidence = found
     evidence = _op_evidence(op)
     event = facts.event
+    rows = _op_rows(facts, op) if kind != "masked-row" else []
+    zero_variance = _zero_variance(op) if kind == "domain" else None
+    if rows and zero_variance is not None and zero_variance[1]:
+        evidence.append(f"The NaN/Inf is in {fixes.rows_named(rows, 12)} of the batch "
+                        "(a sample whose values are all equal there).")
+    elif rows:
+        evidence.append(_rows_evidence(op, rows, facts.batch_size()))
+    in_rows = _rows_words(rows, facts.batch_size())
     if kind == "masked-row":
         rows = _rows_masked(facts)
         if rows:
@@ -1332,15 +1374,9 @@ def _from_op(facts: Facts) -> Diagnosis | None:
                                   negative_running_var=_negative_running_var(op) is not None)
         if _in_log_prob(op):  # the op's line has no log of the user's: the parameter is at fault
             suggestion = fixes.distribution_parameter(op.at) + suggestion
-        zero_variance = _zero_variance(op)
-        rows = _output_samples(facts, op) if zero_variance is not None and zero_variance[1] \
-            else []
-        if rows:
-            evidence.append(f"The NaN/Inf is in {fixes.rows_named(rows, 12)} of the batch "
-                            "(a sample whose values are all equal there).")
-        return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain: "
-                                   f"{reason}.", evidence, suggestion, rows=rows,
-                         confidence=confidence)
+        return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain"
+                                   f"{in_rows}: {reason}.", evidence, suggestion,
+                         rows=_samples_at_fault(rows, facts.batch_size()), confidence=confidence)
     masks = _masks_summed(op)
     if masks is not None:  # masks at the dtype's lowest: no growth made it
         return _summed_masks(facts, op, evidence, both=masks)
@@ -1357,7 +1393,8 @@ def _from_op(facts: Facts) -> Diagnosis | None:
             "divergence",
             f"Training diverged: the weights grew {grew.per_batch:.3g}x per batch since batch "
             f"{grew.start[0]}, until {op.op} {op.place}{op.at} overflowed at batch "
-            f"{event.batch} ({reason}).", evidence, fixes.divergence(op.dtype), confidence="high")
+            f"{event.batch}{in_rows} ({reason}).", evidence, fixes.divergence(op.dtype),
+            rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
     evidence = evidence + _activation_lines(facts, modules)
     evidence.extend(_no_history(facts))
     suggestion = fixes.overflow(op.module, op.dtype, op.at, op.name,
@@ -1368,8 +1405,9 @@ def _from_op(facts: Facts) -> Diagnosis | None:
         # Its fixes only: the op's (a stable form of its sum, scaled attention scores) are for
         # an op of the forward, not autograd's sum of a weight's gradient over the batch.
         suggestion = weight.suggestion
-    return Diagnosis("overflow", f"{op.op} {op.place}{op.at} overflowed {op.dtype}: {reason}.",
-                     evidence, suggestion, confidence=confidence)
+    return Diagnosis("overflow", f"{op.op} {op.place}{op.at} overflowed {op.dtype}{in_rows}: "
+                                 f"{reason}.", evidence, suggestion,
+                     rows=_samples_at_fault(rows, facts.batch_size()), confidence=confidence)
 
 
 def _first_nan_op(trace: object) -> object:

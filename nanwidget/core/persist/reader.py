@@ -96,6 +96,11 @@ def _checked(path: Path, meta: dict, name: str, kind: type | tuple[type, ...],
     return value
 
 
+def _row_numbers(value: Any) -> bool:
+    """Whether ``value`` is a list of row numbers (a described output's ``nonfinite_rows``)."""
+    return isinstance(value, list) and all(type(r) is int for r in value)
+
+
 def _trace_from_file(path: Path, meta: Any, directory: Path, root: Path) -> Trace:
     if not isinstance(meta, dict):
         raise RunLoadError(f"{path}: 'trace' must be an object")
@@ -114,6 +119,7 @@ def _trace_from_file(path: Path, meta: Any, directory: Path, root: Path) -> Trac
     tensors = meta.get("first_bad_tensors", [])
     if not isinstance(tensors, list) or not all(
             isinstance(row, dict) and set(TENSOR_COLUMNS_REQUIRED) <= set(row) <= set(TENSOR_COLUMNS)
+            and _row_numbers(row.get("nonfinite_rows", []))
             for row in tensors):  # older recordings lack the later columns (read as unknown)
         raise RunLoadError(f"{path}: trace 'first_bad_tensors' is malformed")
     names: dict[str, list[str]] = {}

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..entries import Entry, EntryBuilder, nested_shape
 from ..frames import Frame
 from ..recorder import ModuleInfo
-from ..schema import is_input_role
+from ..schema import OP_ROWS_DESCRIBED, is_input_role
 from ..sourcelines import python_backward_source, user_source
 from ..stats import (PendingStats, TensorStats, classify, measure_tensor, nested_values,
                      version_of, widen_float8)
@@ -651,16 +651,13 @@ def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-# Indices along dim 0 kept of a non-finite output (the samples holding it, when dim 0 is the batch).
-_ROWS_KEPT = 64
-
-
 def _describe(role: str, tensor: torch.Tensor, dim: int = -1, rows: bool = False) -> dict:
     """Signed finite range and non-finite counts of one tensor (the first bad op's report). A
     complex tensor's range is its real part's (what exp overflows on); its counts are of
     values with a non-finite part. Its Inf are told apart: how many are +inf (an overflow;
     a mask writes -inf) and how many rows along ``dim`` are all -inf (fully masked rows).
-    With ``rows``: the indices along dim 0 that hold a NaN/Inf (the first ``_ROWS_KEPT``)."""
+    With ``rows``: the indices along dim 0 that hold a NaN/Inf (the first
+    :data:`OP_ROWS_DESCRIBED`: the samples holding it, when dim 0 is the batch's)."""
     info = {"role": role, "dtype": str(tensor.dtype).replace("torch.", ""),
             "shape": () if tensor.is_nested else tuple(tensor.shape), "numel": tensor.numel(),
             "min": math.nan,
@@ -693,7 +690,7 @@ def _describe(role: str, tensor: torch.Tensor, dim: int = -1, rows: bool = False
             info.update(pos_inf_count=int(numbers[4]), neg_inf_rows=int(numbers[5]))
         if rows and (numbers[2] or numbers[3]) and values.dim() and not values.is_nested:
             bad = (nan_mask | inf_mask).reshape(values.shape[0], -1).any(1)
-            info["nonfinite_rows"] = bad.nonzero()[:_ROWS_KEPT, 0].tolist()
+            info["nonfinite_rows"] = bad.nonzero()[:OP_ROWS_DESCRIBED, 0].tolist()
     except Exception:
         pass
     return info
