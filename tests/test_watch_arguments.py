@@ -68,6 +68,15 @@ def test_sentinel_mode_refuses_a_root_without_a_forward(container):
     assert w.event is not None and w.event.module.endswith("0")
 
 
+def test_sentinel_mode_takes_a_forward_set_on_the_instance():
+    model = nn.Module()
+    model.body = nn.Linear(4, 2)
+    model.forward = lambda x: model.body(x)
+    with nw.watch(model, mode="sentinel", on_nan="record") as w:
+        model(torch.full((2, 4), float("nan")))
+    assert w.event is not None and w.event.diagnosis.kind == "bad-data"
+
+
 def test_log_dir_at_a_file_is_refused_and_the_file_left_alone(tiny_mlp, tmp_path):
     target = tmp_path / "notes.txt"
     target.write_text("mine")

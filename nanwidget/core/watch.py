@@ -99,7 +99,8 @@ def _unwrap_model(model: Any) -> _Target:
 def _resolve_mode(mode: str | None, target: _Target) -> str:
     """The mode a watch runs in: as asked, or sentinel for a compiled model (with a note)."""
     if not target.compiled:
-        if mode == "sentinel" and type(target.root).forward is nn.Module.forward:
+        if mode == "sentinel" and type(target.root).forward is nn.Module.forward \
+                and "forward" not in vars(target.root):  # a forward set on the instance runs
             # Sentinel mode checks the root's calls only: a root without a forward is never
             # called (its modules are), so the watch would check nothing, silently.
             kind = type(target.root).__name__
