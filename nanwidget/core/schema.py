@@ -159,3 +159,11 @@ KINDS = ("nan", "inf", "nan+inf")
 EVENT_FIELDS: dict[str, type] = {"batch": int, "module": str, "module_type": str, "call": int,
                                  "role": str, "kind": str, "origin": str, "is_backward": bool,
                                  "rank": int, "frame": int}
+
+
+def masks_rows(op_name: str) -> bool:
+    """Whether an op of this name (leading underscores aside) normalises over rows that a mask
+    can block everywhere, making NaN of a fully masked row: a softmax, an attention."""
+    name = op_name.lstrip("_")
+    return "softmax" in name or "scaled_dot_product" in name or "attention" in name \
+        or name == "transformer_encoder_layer_fwd"  # nn.TransformerEncoderLayer's fused path

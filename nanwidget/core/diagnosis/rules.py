@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..events import Diagnosis, NanEvent
-from ..schema import DEQUANTIZED, NO_USER_LINE, OP_ROWS_DESCRIBED, PACKED
+from ..schema import DEQUANTIZED, NO_USER_LINE, OP_ROWS_DESCRIBED, PACKED, masks_rows
 from ..sourcelines import source_text
 from ..stats import dtype_max
 from . import fixes
@@ -459,18 +459,11 @@ def _overflow_reason(op: OpFacts) -> tuple[str, str] | None:
     return None
 
 
-def _masks_rows(name: str) -> bool:
-    """Whether an op of this name (no leading underscore) normalises over rows a mask can
-    block everywhere: a softmax, an attention."""
-    return "softmax" in name or "scaled_dot_product" in name or "attention" in name \
-        or name == "transformer_encoder_layer_fwd"  # nn.TransformerEncoderLayer's fused path
-
-
 def _classify_op(op: OpFacts, earlier: object) -> tuple[str, str, str] | None:
     """(kind, reason, confidence) of the value the op made, or None."""
     name = op.name
     # Only -inf filling whole rows is a mask; a +inf (an overflow before it) is not.
-    if _masks_rows(name) and op.nan and op.inputs_hold_inf() \
+    if masks_rows(name) and op.nan and op.inputs_hold_inf() \
             and op.inputs_fully_masked() is not False:
         return ("masked-row", "a row whose scores were all -inf (fully masked) gives 0/0 = NaN",
                 "high")
@@ -1432,7 +1425,7 @@ def _masked_by_input(facts: Facts) -> Diagnosis | None:
         return None
     roles = {i.role for i in masks}
     made = _first_nan_op(facts.trace)
-    if made is None or not _masks_rows(str(made["op"]).lstrip("_")):
+    if made is None or not masks_rows(str(made["op"]).lstrip("_")):
         return None
     if facts.op is not None:
         if event.origin != "input" or facts.op.phase != "forward" \

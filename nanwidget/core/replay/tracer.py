@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..entries import Entry, EntryBuilder, nested_shape
 from ..frames import Frame
 from ..recorder import ModuleInfo
-from ..schema import OP_ROWS_DESCRIBED, is_input_role
+from ..schema import OP_ROWS_DESCRIBED, is_input_role, masks_rows
 from ..sourcelines import python_backward_source, user_source
 from ..stats import (PendingStats, TensorStats, classify, measure_tensor, nested_values,
                      version_of, widen_float8)
@@ -602,11 +602,15 @@ class OpRecorder:
         entry = next((e for e in frame.entries if e[0] == event.role), None)
         if event.origin == "input" and event.kind == "nan" and entry is not None \
                 and entry[1] is not None and not entry[1].nan:
-            # The input brought Inf and the module made NaN of it (a fused attention over a
-            # fully masked row): that NaN was born in here, so its output is followed.
+            # The input brought Inf (a mask) and a softmax or attention in the module made NaN
+            # of a fully masked row (a fused encoder layer): that NaN was born in here. Any
+            # other op (inf - inf in a matmul over -inf padding) leaves the Inf's writer first.
             made = next((e for e in frame.entries[frame.first_output:]
                          if e[1] is not None and e[1].nan), None)
-            entry = made or entry
+            if made is not None:
+                lineage = self.follow(made[1])
+                if lineage.born is not None and masks_rows(str(self.rows[lineage.born][2])):
+                    return lineage
         return self.follow(entry[1] if entry is not None else None)
 
     def last_nonfinite(self, phase: str) -> int | None:
