@@ -702,6 +702,43 @@ def test_float16_masks_at_finfo_min_added_together_get_the_mask_fixes_not_bfloat
         "\n".join(diagnosis.evidence)
 
 
+class ScoresPlusOneMask(nn.Module):
+    """float16 attention with large scores (a weight grown 300x) and one padding mask filled
+    with torch.finfo(dtype).min, added to them: score + min passes the lowest value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        mask = (1.0 - attention_mask[:, None, :].to(scores.dtype)) * torch.finfo(scores.dtype).min
+        return scores + mask  # the -inf it made is the event (its softmax would hide it)
+
+
+def test_one_finfo_min_mask_added_to_large_scores_is_not_told_as_masks_added_together():
+    # One mask and the scores: it said "it added masks filled with float16's lowest value" and
+    # led with torch.minimum(mask_a, mask_b), dropping the float32 advice that fixes it.
+    torch.manual_seed(0)
+    model = ScoresPlusOneMask()
+    with torch.no_grad():
+        model.q.weight.mul_(60)
+        model.k.weight.mul_(60)
+    model.half()
+    attention_mask = torch.ones(2, 5, dtype=torch.long)
+    attention_mask[1, 3:] = 0
+    x = torch.randn(2, 5, 16, dtype=torch.float16)
+    with watch(model, "full", replay_on_nan=True) as w, torch.no_grad():
+        model(x, attention_mask=attention_mask)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow", diagnosis.summary
+    assert diagnosis.summary.endswith("it added a mask filled with float16's lowest value "
+                                      "(-65504) to values below 0 (scores), and the sum passed "
+                                      "it: -inf.")
+    assert diagnosis.suggestion[0].startswith("Apply the mask without adding it at ")
+    assert "float32" in diagnosis.suggestion[2] and "mask_b" not in " ".join(diagnosis.suggestion)
+
+
 class _Proposals(nn.Module):
     """Two-stage DETR style: box logits whose padded positions are set to +inf on purpose (a
     sigmoid later reads them as 1, a top-k never picks them)."""

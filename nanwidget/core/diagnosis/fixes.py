@@ -322,15 +322,21 @@ def masked_row() -> list[str]:
 def summed_masks(at: str, both: bool) -> list[str]:
     """Masks filled with ``torch.finfo(dtype).min`` added together (``both``), or one added to
     scores below 0, that passed the dtype's lowest value."""
+    if not both:  # one mask and the scores: the scores' size is half the cause
+        return [f"Apply the mask without adding it{at}: scores.masked_fill(~keep, "
+                "torch.finfo(scores.dtype).min) instead of scores + mask.",
+                f"Or clamp the sum back to the lowest value{at}: (scores + mask).clamp_min("
+                "torch.finfo(scores.dtype).min).",
+                "Or keep the scores in range: compute them in float32 (upcast q and k, or "
+                "torch.autocast) or smaller (scaled by 1/sqrt(head_dim), normalised inputs); "
+                "scores this large overflow float16 elsewhere too."] + masked_row()[1:2]
     fixes = [f"Combine the masks without adding them{at}: torch.minimum(mask_a, mask_b), or "
              "combine the boolean masks (keep_a & keep_b) and fill once: "
              "scores.masked_fill(~keep, torch.finfo(scores.dtype).min).",
              f"Or clamp the sum back to the lowest value{at}: (scores + mask).clamp_min("
-             "torch.finfo(scores.dtype).min)."]
-    if both:
-        fixes.append("Running it in bfloat16 or float32 does not help: the masks follow the "
-                     "dtype, and torch.finfo(dtype).min + torch.finfo(dtype).min is -inf in "
-                     "every dtype.")
+             "torch.finfo(scores.dtype).min).",
+             "Running it in bfloat16 or float32 does not help: the masks follow the dtype, and "
+             "torch.finfo(dtype).min + torch.finfo(dtype).min is -inf in every dtype."]
     return fixes + masked_row()[1:2]  # a fully masked row still needs its guard
 
 

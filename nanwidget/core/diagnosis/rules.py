@@ -1495,9 +1495,11 @@ def _summed_masks(facts: Facts, op: OpFacts, evidence: list[str], both: bool) ->
                         f"{', '.join(fully)}: with every score -inf, a softmax over "
                         f"{'it' if len(rows) == 1 else 'them'} is 0/0 = NaN.")
     return Diagnosis(
-        "overflow", f"{op.op} {op.place}{op.at} overflowed {op.dtype}: it added masks filled "
-                    f"with {op.dtype}'s lowest value ({lowest:.5g}), "
-                    f"{'and min + min' if both else 'and the sum'} passed it: -inf.",
+        "overflow", f"{op.op} {op.place}{op.at} overflowed {op.dtype}: " + (
+            f"it added masks filled with {op.dtype}'s lowest value ({lowest:.5g}), and min + "
+            "min passed it: -inf." if both else
+            f"it added a mask filled with {op.dtype}'s lowest value ({lowest:.5g}) to values "
+            "below 0 (scores), and the sum passed it: -inf."),
         evidence, fixes.summed_masks(op.at, both), rows=rows, confidence="high")
 
 
