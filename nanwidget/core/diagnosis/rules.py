@@ -877,6 +877,7 @@ def _weights(facts: Facts) -> Diagnosis | None:
     # No optimizer step wrote them (buffers, an EMA copy's parameters): a write, average or load.
     unstepped = bool(names) and all(n in facts.not_stepped for n in names)
     made_by = "the write, average or load" if unstepped else "the optimizer step, load or write"
+    idle: list[int] = []
     if batch is not None:
         one = len(names) == 1
         likely = all(n in facts.finite_by_outputs for n in names
@@ -899,6 +900,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
                    else "optimizer.step() or copy_")
             evidence.append(f"The version counter of {names[0]} moved after batch {batch} "
                             f"(an in-place write: {how}).")
+        # Batches in between in which its module did not run (an idle expert) date nothing.
+        idle = [b for b in facts.idle_batches if batch < b < event.batch]
         # A batch that ran in between used it first (on_nan="record": an event every batch).
         first = min([b for b in facts.history_batches if batch < b < event.batch
                      and b not in facts.idle_batches], default=event.batch)
@@ -908,6 +911,10 @@ def _weights(facts: Facts) -> Diagnosis | None:
             summary = (f"{shown} {verb} {_kind_words(event.kind)} at batch {event.batch}, likely "
                        f"since {made_by} after batch {batch} (or an "
                        f"earlier one, if the batches since did not read the bad values); {used}")
+        elif idle:  # it sat unused in between: any step or write of those batches may have
+            summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and "
+                       f"batch {first}: {made_by} after batch {batch} or after one of the "
+                       f"batches that did not use it ({_numbers(idle)}) did it; {used}")
         else:
             summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and "
                        f"batch {first}: {made_by} after batch {batch} did "
@@ -978,7 +985,12 @@ def _weights(facts: Facts) -> Diagnosis | None:
                                             gradients_finite=gradients_finite,
                                             optimizers=facts.optimizers),
                      confidence="high" if batch is not None and climb is None and not likely
-                     else "medium")
+                     and not idle else "medium")
+
+
+def _numbers(batches: list[int]) -> str:
+    """"2, 3, 4" (at most 8 numbers)."""
+    return ", ".join(map(str, batches[:8])) + (" ..." if len(batches) > 8 else "")
 
 
 def _stepped_with_nonfinite_lr(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
