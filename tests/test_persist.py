@@ -450,13 +450,19 @@ def test_a_replay_on_nan_event_is_written_with_its_trace(tmp_path):
     assert "First non-finite op: sqrt" in run.report()
 
 
-def test_a_trace_recorded_before_the_inf_signs_were_kept_still_loads(tmp_path):
+def _recorded_sqrt_event(tmp_path):
+    """A recording of one sqrt-of-negative event with its trace: the model, the event's file
+    and its parsed contents (for tests that damage or age the file)."""
     torch.manual_seed(0)
     model = _SqrtBetweenLayers()
     with nw.watch(model, log_dir=str(tmp_path), replay_on_nan=True, on_nan="record"):
         model(torch.randn(4, 6))
     event_file = tmp_path / "rank-00000" / "event-000000.json"
-    meta = json.loads(event_file.read_text())
+    return model, event_file, json.loads(event_file.read_text())
+
+
+def test_a_trace_recorded_before_the_inf_signs_were_kept_still_loads(tmp_path):
+    model, event_file, meta = _recorded_sqrt_event(tmp_path)
     for row in meta["trace"]["first_bad_tensors"]:
         del row["pos_inf_count"], row["neg_inf_rows"]
     event_file.write_text(json.dumps(meta))
@@ -534,12 +540,7 @@ def test_a_trace_that_stopped_where_the_forward_raised_is_read_back_so(tmp_path)
 
 
 def test_an_event_whose_trace_file_points_elsewhere_is_refused(tmp_path):
-    torch.manual_seed(0)
-    model = _SqrtBetweenLayers()
-    with nw.watch(model, log_dir=str(tmp_path), replay_on_nan=True, on_nan="record"):
-        model(torch.randn(4, 6))
-    event_file = tmp_path / "rank-00000" / "event-000000.json"
-    meta = json.loads(event_file.read_text())
+    model, event_file, meta = _recorded_sqrt_event(tmp_path)
     meta["trace"]["ops_file"] = "../../elsewhere.parquet"
     event_file.write_text(json.dumps(meta))
     with pytest.raises(RunLoadError, match="ops_file"):

@@ -735,7 +735,8 @@ def test_weights_packed_beyond_reach_are_never_called_finite():
 def test_a_nan_in_a_torchao_weights_scale_is_named(config):
     # torchao's weights are tensor subclasses no hook reads: the frames noted the weight "not
     # read" and the event still said "made here from finite inputs and weights".
-    quantization = pytest.importorskip("torchao.quantization")
+    quantization = pytest.importorskip(
+        "torchao.quantization", reason="torchao is optional, not in the dev extra")
     torch.manual_seed(0)
     model = _Mlp().eval()
     quantization.quantize_(model, getattr(quantization, config)())
