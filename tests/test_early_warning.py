@@ -825,3 +825,40 @@ def test_a_float4_output_leaves_the_other_outputs_warnings_and_the_browser_worki
     assert not [x for x in caught if "internal error" in str(x.message)]
     assert nw.core.dtype_max("float4_e2m1fn_x2") == math.inf
     assert nw.core.dtype_max(torch.complex64) == torch.finfo(torch.float32).max
+
+
+class ComplexHead(nn.Module):
+    """A spectral head: complex outputs whose components a gain sets (|z| = sqrt(2) x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) * self.gain
+        return torch.complex(y, y)
+
+
+@pytest.mark.parametrize("component", [1e38, 3e38])
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_complex_output_near_its_components_limit_is_warned_about_in_every_mode(mode, component):
+    # Full mode gave complex outputs no near-limit zone (only sentinel warned), and |z| past
+    # float32's largest (both components finite) would have read as a mask written on purpose.
+    torch.manual_seed(0)
+    model, x = ComplexHead(), torch.ones(2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, mode=mode, on_nan="record") as w:
+            for _ in range(3):
+                model(x)
+            with torch.no_grad():
+                model.gain = component / model.fc(x).abs().max().item()
+            out = model(x)
+            assert torch.view_as_real(out).isfinite().all()
+            assert w.event is None
+            assert [(x.module, x.reason) for x in w.warnings] == [("", "near-limit")]
+    said = [str(x.message) for x in caught if issubclass(x.category, nw.EarlyWarningIssued)]
+    assert len(said) == 1 and "3.40282e+38" in said[0]
+    if mode == "full":
+        assert "(complex64)" in said[0] and "the largest complex64 component" in said[0]

@@ -119,16 +119,19 @@ class EarlyWarning:
     def summary(self) -> str:
         """One line: where, what, and how soon."""
         dtype = self.dtype or "its dtype"
+        # A complex limit is a component's: |z| may pass it while both components are finite.
+        largest = f"the largest {dtype} component {self.limit:.6g}" \
+            if dtype.startswith("complex") else f"{dtype}'s largest {self.limit:.6g}"
         where = f"batch {self.batch}" + (f" on rank {self.rank}" if self.rank else "")
         what = f"{self.role} of '{self.module_label}' ({self.dtype})" if self.dtype else \
             f"{self.role} of '{self.module_label}'"
         if self.reason == "growth":
             text = (f"{what} grows {self.growth_per_batch:.3g}x per batch (abs max "
-                    f"{self.abs_max:.3g}); at that rate it passes {dtype}'s largest "
-                    f"{self.limit:.6g} in about {_batches(self.batches_to_limit)}")
+                    f"{self.abs_max:.3g}); at that rate it passes {largest} in about "
+                    f"{_batches(self.batches_to_limit)}")
         else:
             text = (f"{what} reached abs max {self.abs_max:.3g}, within a factor "
-                    f"{NEAR_FACTOR:g} of {dtype}'s largest {self.limit:.6g}")
+                    f"{NEAR_FACTOR:g} of {largest}")
             if self.batches_to_limit == self.batches_to_limit:
                 text += (f" (growing {self.growth_per_batch:.3g}x per batch: about "
                          f"{_batches(self.batches_to_limit)} left)")
@@ -349,12 +352,17 @@ class EarlyWarnings(Feature):
         limits = self._dtype_limits.get(dtype, False)
         if limits is False:
             limits = None
-            largest = dtype_max(dtype) if isinstance(dtype, torch.dtype) \
-                and dtype.is_floating_point and dtype.itemsize > 1 else math.inf
+            complex_ = isinstance(dtype, torch.dtype) and dtype.is_complex
+            real = dtype.to_real() if complex_ else dtype
+            largest = dtype_max(real) if isinstance(real, torch.dtype) \
+                and real.is_floating_point and real.itemsize > 1 else math.inf
             # float8 / float4 values are scaled to fill their format on purpose (and e4m3fn
             # saturates): no near-limit zone for them.
             if math.isfinite(largest):
-                limits = (largest, largest / NEAR_FACTOR, largest * _EXTREME)
+                # A complex |z| reaches sqrt(2) times its components' largest before one of
+                # them overflows: past the largest it is no mask written on purpose.
+                extreme = largest * (math.sqrt(2.0) if complex_ else 1.0) * _EXTREME
+                limits = (largest, largest / NEAR_FACTOR, extreme)
             self._dtype_limits[dtype] = limits
         return limits
 
@@ -533,7 +541,8 @@ def _inside(name: str, outer: str) -> bool:
 
 def _largest_output(frames: Iterable[Frame], module: str,
                     batch: int) -> tuple[float, str, Any] | None:
-    """The largest finite |x| among ``module``'s float outputs in ``batch``: value, role, dtype."""
+    """The largest finite |x| among ``module``'s float and complex outputs in ``batch``: value,
+    role, dtype."""
     best = None
     for frame in frames:
         if frame.module != module or frame.batch != batch or frame.phase != "forward":
@@ -541,7 +550,8 @@ def _largest_output(frames: Iterable[Frame], module: str,
         for entry in frame.outputs():
             stats = entry.stats
             dtype = entry.dtype
-            if stats is None or not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            if stats is None or not isinstance(dtype, torch.dtype) \
+                    or not (dtype.is_floating_point or dtype.is_complex):
                 continue
             value = stats.finite_abs_max
             if value > 0 and (best is None or value > best[0]):
