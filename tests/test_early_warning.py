@@ -862,3 +862,39 @@ def test_a_complex_output_near_its_components_limit_is_warned_about_in_every_mod
     assert len(said) == 1 and "3.40282e+38" in said[0]
     if mode == "full":
         assert "(complex64)" in said[0] and "the largest complex64 component" in said[0]
+
+
+class BodyAndRouter(nn.Module):
+    """Returns its body's output and its router's logits, as a mixture of experts returns
+    router logits beside its hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.router = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.body(x), self.router(x)
+
+
+def test_a_growth_warning_names_the_module_that_made_the_tensor_its_container_returns():
+    # The model's abs max rose three times (its body's output twice, then the router's logits
+    # jumping 1e10-fold), the router's own output only once: the warning named the model and
+    # its "output[1]", not the router that made those logits (fp16 Mixtral's router_logits).
+    torch.manual_seed(0)
+    model, x = BodyAndRouter(), torch.ones(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, on_nan="record") as w, torch.no_grad():
+            for batch in range(4):
+                if batch:
+                    model.body.weight.mul_(2.0)
+                    model.body.bias.mul_(2.0)
+                if batch == 3:
+                    gain = 1e10 / model.router(x).abs().max().item()
+                    model.router.weight.mul_(gain)
+                    model.router.bias.mul_(gain)
+                model(x)
+            assert [(x.module, x.role, x.reason) for x in w.warnings] == \
+                [("router", "output", "growth")]
+            assert w.warnings[0].abs_max == pytest.approx(1e10, rel=1e-3)

@@ -449,7 +449,8 @@ class EarlyWarnings(Feature):
                 value, role, dtype = exact
                 limits = self._limits_of(dtype)
                 if limits is not None:
-                    self._decide(batch, index, value, role, dtype, limits)
+                    self._decide(batch, index, value, role, dtype, limits,
+                                 _producer(frames, self._names[index], batch, value))
 
     def _rate(self, index: int) -> float:
         """Growth rate (log per batch) fitted over module ``index``'s run of rises; 0 (no
@@ -466,21 +467,24 @@ class EarlyWarnings(Feature):
         return growth_rate([batch for batch, _ in run], [math.log(value) for _, value in run])
 
     def _decide(self, batch: int, index: int, value: float, role: str, dtype: Any,
-                limits: tuple[float, float, float]) -> None:
+                limits: tuple[float, float, float],
+                producer: tuple[str, str] | None = None) -> None:
         """Warn about module ``index`` when its exact output (``value`` of ``dtype``) is near
-        the limit or grows fast enough to pass it within the horizon."""
+        the limit or grows fast enough to pass it within the horizon. ``producer``: the module
+        inside it that made that output, and its role there: the warning names it."""
         module = self._names[index]
+        named = producer or (module, role)
         largest, near, extreme = limits
         if not 0 < value < extreme:
             return  # the dtype's extreme written on purpose (a mask)
         rate = self._rate(index)
         if value >= near and (module, "near-limit") not in self._warned:
-            self._warn(batch, module, role, "near-limit", value, dtype, largest, rate)
+            self._warn(batch, *named, "near-limit", value, dtype, largest, rate)
             self._near[index] = math.inf  # said: no longer a candidate for it
         if self._rises[index] >= MIN_RISES and self._fast[index] and value >= GROWTH_FLOOR \
                 and (module, "growth") not in self._warned \
                 and rate >= _LOG_MIN_GROWTH and math.log(largest / value) <= HORIZON * rate:
-            self._warn(batch, module, role, "growth", value, dtype, largest, rate)
+            self._warn(batch, *named, "growth", value, dtype, largest, rate)
             self._growth_said[index] = True
 
     def _warn(self, batch: int, module: str, role: str, reason: str, value: float, dtype: Any,
@@ -537,6 +541,25 @@ _DTYPES_EVERY = 64  # batches between two reads of the modules' output dtypes
 def _inside(name: str, outer: str) -> bool:
     """Whether module ``name`` lies inside module ``outer`` ("" is the root)."""
     return name != outer and (outer == "" or name.startswith(outer + "."))
+
+
+def _producer(frames: Iterable[Frame], container: str, batch: int,
+              value: float) -> tuple[str, str] | None:
+    """The innermost module inside ``container`` with an output in ``batch`` whose largest
+    finite |x| is ``value``, and that output's role: what made the tensor a container hands on
+    (router logits a model returns, a Sequential's last layer's output). None: none did."""
+    best = None
+    for frame in frames:
+        if frame.batch != batch or frame.phase != "forward" \
+                or not _inside(frame.module, container):
+            continue
+        for entry in frame.outputs():
+            stats = entry.stats
+            if stats is not None and stats.finite_abs_max == value:
+                if best is None or frame.module.count(".") > best[0].count("."):
+                    best = (frame.module, entry.role)
+                break
+    return best
 
 
 def _largest_output(frames: Iterable[Frame], module: str,
