@@ -3163,3 +3163,28 @@ def test_adam_with_a_tiny_eps_in_float16_that_writes_nan_gets_the_eps_fix(mode):
     assert diagnosis.kind == "corrupted-weight"
     assert diagnosis.suggestion[0].startswith("Adam on float16 weights: an eps of 1e-8 (the "
                                               "default of Adam, AdamW and RMSprop) is 0")
+
+
+def test_sentinel_mode_does_not_claim_which_batch_first_used_an_idle_corrupted_expert():
+    # Sentinel mode sees outputs only: it said "batch 2 was the first to use it" of an expert
+    # that sat idle in batches 2 and 3. The batch it names is the first it made NaN.
+    torch.manual_seed(0)
+    model = ExpertsSkippedWhenIdle()
+    w = nw.watch(model, mode="sentinel", on_nan="record")
+    for batch in range(5):
+        if batch == 2:
+            with torch.no_grad():
+                model.experts[1].weight[0, 0] = math.nan
+            model.idle = 1
+        if batch == 4:
+            model.idle = None
+        model(torch.randn(3, 4))
+    w.close()
+    event = w.event
+    assert (event.batch, event.module, event.role) == (4, "experts.1", "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert "likely since the optimizer step, load or write after batch 1" in diagnosis.summary
+    assert "first to use it" not in diagnosis.summary
+    assert "batch 4 is the first whose outputs it made NaN (the batches between had finite " \
+        "outputs: they may not have read it)" in diagnosis.summary

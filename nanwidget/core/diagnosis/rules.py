@@ -908,6 +908,10 @@ def _weights(facts: Facts) -> Diagnosis | None:
         used = (f"batch {first} is the first to use it." if first == event.batch else
                 f"batch {first} was the first to use it, and batch {event.batch} still does.")
         if likely:  # sentinel mode, an embedding or experts: not measured, only inferred
+            if first != event.batch:  # which batches read it is not measured either
+                used = (f"batch {event.batch} is the first whose outputs it made "
+                        f"{_kind_words(event.kind)} (the batches between had finite outputs: "
+                        "they may not have read it).")
             summary = (f"{shown} {verb} {_kind_words(event.kind)} at batch {event.batch}, likely "
                        f"since {made_by} after batch {batch} (or an "
                        f"earlier one, if the batches since did not read the bad values); {used}")
