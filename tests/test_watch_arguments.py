@@ -4,6 +4,7 @@ names the option, a likely typo gets a warning with the close match."""
 from __future__ import annotations
 
 import gc
+import math
 import warnings
 
 import numpy as np
@@ -75,6 +76,54 @@ def test_sentinel_mode_takes_a_forward_set_on_the_instance():
     with nw.watch(model, mode="sentinel", on_nan="record") as w:
         model(torch.full((2, 4), float("nan")))
     assert w.event is not None and w.event.diagnosis.kind == "bad-data"
+
+
+class GeneratorAndCritic(nn.Module):
+    """A GAN kept in one module with a forward, trained by calling ``G`` and ``D`` directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Linear(4, 4)
+        self.D = nn.Linear(4, 1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.D(self.G(z))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_sentinel_mode_says_it_checked_nothing_when_the_model_is_trained_without_being_called(
+        fused):
+    # The loop calls model.G and model.D, never model(z): sentinel mode checked nothing and
+    # said nothing, NaN loss included. Fused optimizers move no version counter.
+    torch.manual_seed(0)
+    model = GeneratorAndCritic()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=fused)
+    w = nw.watch(model, mode="sentinel")
+    for step in range(3):
+        loss = model.D(model.G(torch.randn(2, 4))).mean() * (math.nan if step == 2 else 1.0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert w.event is None
+    said = "Sentinel mode checked nothing: this GeneratorAndCritic was never called while " \
+        "the weights of its modules G, D were updated"
+    assert said in w.report()
+    with pytest.warns(UserWarning, match=said):
+        w.close()
+    assert hook_count(model) == 0
+
+
+def test_sentinel_mode_says_nothing_of_a_model_it_checked_or_that_was_not_trained():
+    torch.manual_seed(0)
+    model = GeneratorAndCritic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nw.watch(model, mode="sentinel") as idle:
+            pass
+        with nw.watch(model, mode="sentinel") as called:
+            model(torch.randn(2, 4)).mean().backward()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert "checked nothing" not in idle.report() + called.report()
 
 
 def test_log_dir_at_a_file_is_refused_and_the_file_left_alone(tiny_mlp, tmp_path):

@@ -165,6 +165,7 @@ class NanWatch:
                                   allow_inf=split_classes(checked.allow_inf),
                                   root_only=checked.mode == "sentinel", entry=target.entry)
         self._recorder.owner = self  # lives as long as the hooks do: see live_watches()
+        self._unchecked_at_close: str | None = None  # sentinel mode's "checked nothing"
         try:
             self._parts = self._compose()
         except BaseException:
@@ -382,6 +383,9 @@ class NanWatch:
             held = self.frames()
             last = recorder.batch if recorder.manual_batches else recorder.batch - 1
             text = format_event_report(None, held, batch=last, trace_frames=trace_frames)
+            unchecked = self._unchecked_note()
+            if unchecked:
+                text = f"{text}\n{unchecked}"
         return f"{text}\n{skipped}" if skipped else text
 
     # ------------------------------------------------------------------ replay
@@ -459,7 +463,24 @@ class NanWatch:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Remove exactly the hooks this watch added (never the user's own); idempotent."""
+        if self._recorder.closed:
+            return
+        unchecked = self._unchecked_note()
         self._recorder.close()
+        self._unchecked_at_close = unchecked
+        if unchecked:
+            warnings.warn(f"nanwidget: {unchecked}", UserWarning, stacklevel=2)
+
+    def _unchecked_note(self) -> str | None:
+        """Sentinel mode's note that it checked nothing (see Sentinel.unchecked_note), as it
+        stood at close once closed (what ran after is none of this watch's)."""
+        parts = self._parts
+        if self._recorder.closed:
+            return self._unchecked_at_close
+        try:
+            return None if parts.sentinel is None else parts.sentinel.unchecked_note()
+        except Exception:  # closing and reporting must always succeed
+            return None
 
     @contextmanager
     def suspended(self) -> Iterator[None]:

@@ -68,8 +68,9 @@ from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
 from ..replay.run import Replayed, automatic_loss, replay_frames
 from ..schema import LOCAL_SHARD
-from ..stats import local_shard, measure_tensor
+from ..stats import local_shard, measure_tensor, version_of
 from ..trace import not_through_outputs
+from ..writes import steps_taken, written_since
 from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
 from .compiled import rerun_compiled
 
@@ -261,6 +262,10 @@ class Sentinel(Feature):
         # end of backward passes (autograd's thread).
         self._result = native.result_buffer()
         self._grad_result = native.result_buffer()
+        # The weights' versions and the optimizer steps when the watch began: a model trained
+        # without its own forward ever being called was checked by nothing (unchecked_note).
+        self._start_versions = [-1 if t is None else version_of(t) for t in capture.slots.read()]
+        self._start_steps = steps_taken()
 
     # ------------------------------------------------------------------ hot path (under the lock)
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -1032,6 +1037,29 @@ class Sentinel(Feature):
         self.replays += 1
         self._full_batches = (self._full_batches + [batch])[-8:]
         return Finding(None, [frames])
+
+    def unchecked_note(self) -> str | None:
+        """What to tell a user whose model was trained while this watch checked nothing: its
+        weights moved, but the model itself was never called (its loop calls its modules
+        directly, ``model.G(z)``), and sentinel mode checks the calls of the watched model.
+        None when a call was checked, or nothing was trained."""
+        if self.checks or self._forward_batch is not None:
+            return None
+        slots, start, steps = self.capture.slots, self._start_versions, self._start_steps
+        moved = [name for name, tensor, version in zip(slots.names, slots.read(), start)
+                 if tensor is not None and (version_of(tensor) != version
+                                            or written_since(tensor, steps))]
+        if not moved:
+            return None
+        kind = type(self.capture.slots.root).__name__
+        children = list(dict.fromkeys(name.split(".")[0] for name in moved if "." in name))
+        which = (f"the weights of its modules {', '.join(children[:4])}"
+                 + (" ..." if len(children) > 4 else "")) if children else "its weights"
+        return (f"Sentinel mode checked nothing: this {kind} was never called while {which} "
+                "were updated. Sentinel mode checks the calls of the watched model itself "
+                "(model(x)): if your loop calls its modules directly, watch each one it calls "
+                "(nw.watch(model.G, mode='sentinel'), one watch each), or watch this one in "
+                "full mode (nw.watch(model)), which checks every module call.")
 
     def close(self) -> None:
         for handle in self._parameter_hooks or ():
