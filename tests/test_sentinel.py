@@ -857,6 +857,65 @@ def test_a_root_forward_that_raises_on_a_nan_input_is_an_event_as_in_full_mode()
     assert w.event.trace.raised.startswith("the forward raised ValueError")
 
 
+def test_a_root_forward_that_raises_on_a_nan_weight_is_an_event_as_in_full_mode():
+    # Finite inputs, a NaN written into the policy's weight: the forward raised with no event
+    # in sentinel mode (only its inputs were checked), where full mode names the weight.
+    events = {}
+    for mode in ("full", "sentinel"):
+        torch.manual_seed(0)
+        model = PolicyRefusingNanLogits()
+        xs = _batches(3)
+        with nw.watch(model, mode=mode) as w:
+            model(xs[0])
+            with torch.no_grad():
+                model.lin.weight[1, 2] = float("nan")
+            with pytest.warns(nw.NanWarning), pytest.raises(ValueError, match="logits"):
+                model(xs[1])
+        events[mode] = [(e.batch, e.module, e.role, e.origin, e.diagnosis.kind) for e in w.events]
+    assert events["full"] == [(1, "lin", "weight", "weight", "corrupted-weight")]
+    assert events["sentinel"] == events["full"]
+
+
+def test_a_fake_quantizer_refusing_a_nan_weight_is_blamed_on_the_weight_not_its_scale():
+    # x86 QAT: the fused fake quantizer computes its scale from the NaN weight (moving no
+    # version counter), then raises on the zero point; the replay starts from that NaN scale.
+    tq = pytest.importorskip("torch.ao.quantization")
+    if "x86" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch build has no x86 quantized engine")
+    events = {}
+    for mode in ("full", "sentinel"):
+        torch.manual_seed(0)
+        model = nn.Sequential(tq.QuantStub(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4),
+                              tq.DeQuantStub()).train()
+        model.qconfig = tq.get_default_qat_qconfig("x86")
+        tq.prepare_qat(model, inplace=True)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            w = nw.watch(model, mode=mode, backward=True)
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    model[1].weight[2, 3] = float("nan")
+            try:
+                loss = model(torch.randn(4, 8)).square().mean()
+            except RuntimeError as error:
+                assert "zero_point" in str(error) or "NaN" in str(error)
+                break
+            except nw.NanDetected:
+                break
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        w.close()
+        event = w.event
+        events[mode] = (event.batch, event.module, event.role, event.origin,
+                        event.diagnosis.kind)
+    assert events["full"] == (2, "1", "weight", "weight", "corrupted-weight")
+    assert events["sentinel"] == events["full"]
+    assert "met 1.weight_fake_quant.scale first" in event.note
+
+
 def test_a_root_forward_that_raises_on_finite_inputs_is_no_event_and_no_replay():
     torch.manual_seed(0)
     model = PolicyRefusingNanLogits()

@@ -689,8 +689,10 @@ class Sentinel(Feature):
     def _raised_forward_event(self, batch: int, forward: int) -> Finding | None:
         """A root forward that raised left no output to check; its held inputs are checked (one
         reduction each). A NaN/Inf there (a bad observation that made a distribution refuse its
-        logits) is replayed, up to the exception, into its event as full mode records it. None
-        when the inputs are finite: the exception is not this watch's (an OOM, a shape error)."""
+        logits) is replayed, up to the exception, into its event as full mode records it; so is
+        a NaN/Inf weight when the inputs are finite (a fake quantizer refusing a NaN weight's
+        zero point). None when both are finite: the exception is not this watch's (an OOM, a
+        shape error)."""
         held = self.capture.held.get(batch)
         if held is None or forward >= len(held.forwards):
             return None
@@ -699,27 +701,53 @@ class Sentinel(Feature):
         bad = check.read()
         if bad and self._root_may_hold_inf:
             bad = [b for b in bad if b.nan]
-        if not bad:
+        # Buffers, and weights this forward wrote before it raised (a fake quantizer's scale,
+        # computed from a NaN weight, written by a fused op that moves no version counter):
+        # the replay starts from them as they are now, so it meets them first; a non-finite
+        # parameter among the rest is the cause.
+        capture = held.forwards[forward]
+        slots = self.capture.slots
+        written = {name for name, tensor, version, is_buffer in zip(
+                       slots.names, slots.read(), capture.weight_versions or (), slots.is_buffer)
+                   if is_buffer or (tensor is not None and version_of(tensor) != version)}
+        weight = None if bad else self._first_nonfinite_weight(written)
+        if not bad and weight is None:
             return None
+
+        def unreplayed(note: str) -> NanEvent:
+            if bad:
+                return self._bad_input_event(batch, forward, bad, note)
+            return NanEvent(batch=batch, module=weight[0].name, module_type=weight[0].type_name,
+                            call=0, role=weight[1].role,
+                            kind=event_kind(weight[1].stats.nan, weight[1].stats.inf),
+                            origin="weight", rank=self.recorder.rank, note=note)
+
         started = time.perf_counter()
         try:
             replayed = replay_frames(self.recorder, self.capture,
                                      self.capture.batch_to_replay(batch), trace_ops=True)
         except ReplayError as error:  # refused (FSDP2, a changed model, an input written)
-            return self._found(self._bad_input_event(batch, forward, bad,
-                                                     f"not replayed: {error}"), None, None)
+            return self._found(unreplayed(f"not replayed: {error}"), None, None)
         except Exception as error:  # the NaN was seen: a failed replay must not lose it
-            return self._found(self._bad_input_event(batch, forward, bad,
-                                                     _replay_failed(batch, error)), None, None)
+            return self._found(unreplayed(_replay_failed(batch, error)), None, None)
         self.replays += 1
         frames = replayed.frames
         context = _Context(self, batch)
         found = self.recorder.find_event(frames, context.window)
         if found is None:
-            event = self._bad_input_event(batch, forward, bad, (
+            event = unreplayed(
                 f"not reproduced by an eager replay of batch {batch}: "
-                f"{_stayed_finite(replayed.trace, frames, 'its ')}"))
+                f"{_stayed_finite(replayed.trace, frames, 'its ')}")
             return self._found(event, replayed, found, started=started)
+        cause = None if weight is None else \
+            f"{weight[0].name}.{weight[1].role}" if weight[0].name else weight[1].role
+        if cause is not None and cause not in written and found.origin == "weight" \
+                and found.qualified_role in written:
+            event = unreplayed(
+                f"the replay of batch {batch} met {found.qualified_role} first: the failed "
+                f"forward likely wrote it from the non-finite {cause} before it raised, and a "
+                "replay starts from it as that forward left it")
+            return self._found(event, replayed, None, context.replayed + [frames], started)
         if context.missing:
             found.frames_note = context.missing
         return self._found(found, replayed, found, context.replayed + [frames], started)
@@ -818,6 +846,20 @@ class Sentinel(Feature):
                              f"in batch "
                              f"{self._forward_since} still is (that event has the frames and "
                              "the trace)")
+
+    def _first_nonfinite_weight(self, written: set[str]) -> tuple[Any, Entry] | None:
+        """The first module (in the model's order) holding a NaN/Inf weight, and that weight's
+        entry; one of ``written`` (qualified names: buffers, weights the forward wrote) only
+        when no other is (at event time only: it reads every weight)."""
+        first_written = None
+        for info in self.recorder.modules:
+            for entry in self.recorder.weights_now(info.name) or ():
+                if entry.stats is not None and (entry.stats.nan or entry.stats.inf):
+                    name = f"{info.name}.{entry.role}" if info.name else entry.role
+                    if name not in written:
+                        return info, entry
+                    first_written = first_written or (info, entry)
+        return first_written
 
     def _nonfinite_weights(self) -> dict[str, Any]:
         """The stats of every parameter and buffer holding a NaN/Inf now, by qualified name
