@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import random
 import sys
+import threading
 import time
 import warnings
 
@@ -357,6 +358,35 @@ def test_an_automatic_replay_whose_loss_runs_the_discriminator_leaves_it_as_it_w
         assert [event.batch for event in w.events] == [2]
         assert w.events[0].trace is not None and w.events[0].trace.reproduced
         assert_same_state(before, model_state(discriminator))
+
+
+def test_another_thread_calling_the_discriminator_during_a_replay_is_told_not_lost_silently():
+    # The replay's stand-ins for the discriminator's weights are the process's while it runs:
+    # a call from another thread then (here, joined inside loss_fn) wrote its BatchNorm
+    # statistics into them, and they were dropped without a word.
+    generator, discriminator = small_gan()
+    optimizers = gan_optimizers(generator, discriminator)
+    with nw.watch(generator, on_nan="record") as w:
+        for _ in range(2):
+            gan_step(generator, discriminator, optimizers)
+        generator(nan_noise())
+
+        def loss_with_a_call_from_another_thread(fake):
+            loss = generator_loss(discriminator)(fake)  # the replay stands in for D from here
+            other = threading.Thread(target=lambda: discriminator(torch.randn(6, 1, 8, 8)))
+            other.start()
+            other.join()
+            return loss
+
+        with pytest.warns(RuntimeWarning, match="another thread called Sequential .* while the "
+                                                "replay ran: those calls used the replay's "
+                                                "stand-ins"):
+            trace = w.replay(2, loss_fn=loss_with_a_call_from_another_thread)
+    assert any(change.startswith("another thread called Sequential") for change in trace.changes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a replay no other thread disturbs says nothing
+        assert not any("another thread" in c for c in
+                       w.replay(2, loss_fn=generator_loss(discriminator)).changes)
 
 
 def watch_records(w) -> tuple:

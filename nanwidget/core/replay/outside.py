@@ -46,6 +46,12 @@ class OutsideModules:
         self._flags: list[bool] = []
         self._attributes: list[ModuleAttributes] = []
         self._thread = threading.get_ident()
+        self._taken_ids: set[int] = set()
+        self._tops: set[int] = set()  # the modules whose first call took their subtree
+        #: Type names of taken modules another thread called while the replay ran: their calls
+        #: ran on the stand-ins (the module's attributes are the process's), so what they wrote
+        #: there is gone at :meth:`restore` (see :meth:`lost_calls`).
+        self.called_elsewhere: list[str] = []
         self._handle: Any = None
         self._warnings: contextlib.ExitStack | None = None
 
@@ -61,7 +67,15 @@ class OutsideModules:
     def _first_call(self, module: nn.Module, args: tuple) -> None:
         # Another thread's call is none of the replay's; a module's first call takes its
         # subtree, before its own pre-hooks run (torch runs global ones first).
-        if id(module) in self._seen or threading.get_ident() != self._thread:
+        if threading.get_ident() != self._thread:
+            # Named once per call tree: the outermost module the other thread called.
+            if id(module) in self._taken_ids and (id(module) in self._tops
+                                                   or not self.called_elsewhere):
+                name = type(module).__name__
+                if name not in self.called_elsewhere:
+                    self.called_elsewhere.append(name)
+            return None
+        if id(module) in self._seen:
             return None
         taken = []
         for each in module.modules():
@@ -69,6 +83,8 @@ class OutsideModules:
                 self._seen.add(id(each))
                 taken.append(each)
         self._taken.extend(taken)
+        self._taken_ids.update(map(id, taken))
+        self._tops.add(id(module))
         self._flags.extend(each.training for each in taken)
         self._attributes.append(ModuleAttributes(taken))
         for each in taken:
@@ -83,6 +99,17 @@ class OutsideModules:
         if self._warnings is not None:
             self._warnings.close()
             self._warnings = None
+
+    def lost_calls(self) -> str | None:
+        """What to tell about modules another thread called while the replay stood in for their
+        weights (None: no such call)."""
+        if not self.called_elsewhere:
+            return None
+        names = ", ".join(self.called_elsewhere[:4])
+        return (f"another thread called {names} (run outside the model by this replay) while "
+                "the replay ran: those calls used the replay's stand-ins for its weights, so "
+                "what they wrote there (BatchNorm statistics, .grad, in-place updates) was "
+                "dropped with them; replay when no other thread runs it")
 
     def restore(self) -> None:
         """Flags and Python attributes as they were (the ``shadows`` restore the tensors)."""

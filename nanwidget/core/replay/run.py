@@ -8,6 +8,7 @@ import random
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ from ..fastpath import FusedPathKeeper, has_fused_path, keep_fused_path, release
 from ..opaque import add_forward_hook, add_forward_pre_hook, hookable_modules
 from ..recorder import ModuleInfo, Recorder, in_backward_pass
 from ..schema import DEQUANTIZED, OPS_COLUMNS, OPS_DTYPES, PACKED
+from ..sourcelines import user_stacklevel
 from ..stats import is_distributed_tensor, measure_tensor, version_of
 from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
@@ -525,6 +527,11 @@ class _Replay:
                 shadows.restore()
             if outside is not None:
                 outside.restore()
+                lost = outside.lost_calls()
+                if lost is not None:
+                    changes.append(lost)
+                    warnings.warn(f"nanwidget: replay of batch {held.batch}: {lost}",
+                                  RuntimeWarning, stacklevel=user_stacklevel())
             attributes.restore()
             for module, flag in zip(slots.modules, saved_training):
                 module.training = flag
