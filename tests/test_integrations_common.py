@@ -42,7 +42,12 @@ def test_batch_log_describes_train_and_eval_batches():
     assert log.describe(2) == "evaluation after step 1, batch 0"
     assert log.describe(99) == "batch 99"
     assert log.batches_of("train", 1) == [0, 1]
-    for batch in range(3, 20):
+    # A loss that runs the model twice per micro-batch: two batches, one micro-batch each.
+    log.note_group(5, "train", 2, 0)
+    log.note_group(7, "train", 2, 1)
+    assert log.describe(3) == "training step 2, micro-batch 0, forward 1 of 2"
+    assert log.describe(6) == "training step 2, micro-batch 1, forward 2 of 2"
+    for batch in range(7, 20):
         log.note(batch, "train", batch, 0)
     assert len(log.to_dataframe()) == 8  # bounded
 

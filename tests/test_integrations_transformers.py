@@ -126,6 +126,82 @@ def test_bert_with_gradient_accumulation_numbers_micro_batches_and_stops_at_step
     assert _optimizer_steps(trainer) == 2 and hook_count(model) == 0
 
 
+class PairDataset(torch.utils.data.Dataset):
+    """Anchor and positive token rows, as a contrastive loss reads them; every positive ends
+    with ``positive_last`` (the BAD_TOKEN to make the positives' embedding NaN)."""
+
+    def __init__(self, rows: int = 32, positive_last: int | None = None) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.anchors = torch.randint(1, 49, (rows, 8), generator=generator)
+        self.positives = torch.randint(1, 49, (rows, 8), generator=generator)
+        if positive_last is not None:
+            self.positives[:, -1] = positive_last
+
+    def __len__(self) -> int:
+        return len(self.anchors)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.anchors[index], "positive_ids": self.positives[index]}
+
+
+class TwoForwardTrainer(transformers.Trainer):
+    """A contrastive compute_loss: the model runs twice per micro-batch (anchors, then
+    positives), as sentence-transformers' MultipleNegativesRankingLoss or R-Drop do."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        anchors = model(input_ids=inputs["input_ids"]).logits
+        positives = model(input_ids=inputs["positive_ids"]).logits
+        scores = anchors @ positives.T
+        loss = torch.nn.functional.cross_entropy(scores, torch.arange(len(scores)))
+        return (loss, None) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        with torch.no_grad():
+            return self.compute_loss(model, inputs).detach(), None, None
+
+
+BAD_TOKEN = 49
+
+
+def _train_two_forwards(tmp_path, callback, dataset, eval_dataset=None, **args):
+    model = tiny_bert()
+    # A faulty embedding path: BAD_TOKEN embeds to NaN (any data-dependent NaN would do).
+    model.bert.embeddings.word_embeddings.register_forward_hook(
+        lambda module, args, out: out.masked_fill((args[0] == BAD_TOKEN)[..., None], math.nan))
+    trainer = TwoForwardTrainer(model=model, args=training_args(
+        str(tmp_path / "out"), gradient_accumulation_steps=2, per_device_train_batch_size=2,
+        logging_nan_inf_filter=False, remove_unused_columns=False, **args),
+        train_dataset=dataset, eval_dataset=eval_dataset, callbacks=[callback])
+    trainer.train()
+    return trainer
+
+
+def test_a_compute_loss_calling_the_model_twice_numbers_micro_batches_as_the_trainer_does(tmp_path):
+    callback = NanWatchCallback(log_dir=False)
+    trainer = _train_two_forwards(tmp_path, callback, PairDataset(), PairDataset(8),
+                                  max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
+    trainer_eval = [row for row in trainer.state.log_history if "eval_loss" in row]
+    assert callback.stop is None and len(trainer_eval) == 1
+    table = callback.batches()
+    train, evaluation = table[table.phase == "train"], table[table.phase == "eval"]
+    # Two forwards per micro-batch, two micro-batches per optimizer step.
+    assert list(train["step"]) == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert list(train["index"]) == [0, 0, 1, 1] * 2
+    # Evaluation batches likewise: 8 rows, 2 per batch, 2 forwards each.
+    assert list(evaluation["index"]) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_a_nan_in_the_second_forward_of_a_micro_batch_is_named_as_such(tmp_path):
+    callback = NanWatchCallback(log_dir=False)
+    trainer = _train_two_forwards(tmp_path, callback, PairDataset(positive_last=BAD_TOKEN))
+    assert trainer.state.global_step == 1 and callback.stop.step == 1
+    event = callback.event
+    assert event.batch == 1 and event.module == "bert.embeddings.word_embeddings"
+    assert ("in batch 1 (training step 1, micro-batch 0, forward 2 of 2)"
+            in callback.stop.reason)
+    assert list(callback.batches()["index"]) == [0, 0, 1, 1]
+
+
 def test_bf16_mixed_precision_stops_before_the_nan_step(tmp_path):
     model = tiny_gpt2()
     poison, callback = PoisonAtStep(GPT2_POISONED, 3), NanWatchCallback(log_dir=False)

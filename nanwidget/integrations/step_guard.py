@@ -151,14 +151,40 @@ class BatchLog:
         self.noted_until = max(self.noted_until, end)
         return index
 
+    def note_group(self, end: int, phase: str, step: int, index: int) -> None:
+        """Note every batch from the last one noted up to ``end`` (excluded) as the forwards of
+        one micro-batch (or evaluation batch) ``index``: a loss that calls the model more than
+        once (a contrastive loss, R-Drop) makes several watch batches of one framework batch."""
+        for batch in range(self.noted_until, end):
+            self.note(batch, phase, step, index)
+
     def describe(self, batch: int) -> str:
-        for row in reversed(self._rows):
-            if row[0] == batch:
-                _, phase, step, index = row
-                if phase == "train":
-                    return f"training step {step}, micro-batch {index}"
-                return f"evaluation after step {step}, batch {index}"
+        rows = list(self._rows)
+        for position in range(len(rows) - 1, -1, -1):
+            if rows[position][0] == batch:
+                _, phase, step, index = rows[position]
+                text = (f"training step {step}, micro-batch {index}" if phase == "train"
+                        else f"evaluation after step {step}, batch {index}")
+                first, count = self._forwards_of(rows, position)
+                if count > 1:
+                    text += f", forward {position - first + 1} of {count}"
+                return text
         return f"batch {batch}"
+
+    @staticmethod
+    def _forwards_of(rows: list[tuple[int, str, int, int]], position: int) -> tuple[int, int]:
+        """The first position and the count of the consecutive batches noted as the same
+        micro-batch (or evaluation batch) as ``rows[position]``."""
+        def same(a: int, b: int) -> bool:
+            return rows[a][1:] == rows[b][1:] and rows[b][0] - rows[a][0] == b - a
+
+        first = position
+        while first > 0 and same(first - 1, position):
+            first -= 1
+        last = position
+        while last + 1 < len(rows) and same(position, last + 1):
+            last += 1
+        return first, last - first + 1
 
     def step_of(self, batch: int) -> int | None:
         """The training step ``batch`` belonged to (None: not a noted training batch)."""

@@ -6,10 +6,15 @@
 At ``on_train_begin`` the callback watches the unwrapped model (``trainer.model``: never the
 DDP wrapper), or a compiled model in sentinel mode (``torch_compile=True``: see below). Every
 forward pass is one watch batch: with ``gradient_accumulation_steps=k`` each optimizer step
-covers k batches (micro-batches), and an evaluation batch is a batch of its own;
+covers k micro-batches, and an evaluation batch is a batch of its own; a ``compute_loss`` that
+calls the model more than once (a contrastive loss, R-Drop) makes that many watch batches per
+micro-batch (or evaluation batch), numbered with the same ``index``.
 ``callback.batches()`` says which step each batch fed: ``phase`` "train" (``index``: the
-micro-batch within optimizer step ``step``, counted from 1 like ``state.global_step``) or
-"eval" (``index``: the evaluation batch; ``step``: the optimizer steps done when it ran).
+micro-batch within optimizer step ``step``, the step counted from 1 like
+``state.global_step``) or "eval" (``index``: the evaluation batch; ``step``: the optimizer steps
+done when it ran). Micro-batches follow the Trainer's own (``on_substep_end``,
+``on_pre_optimizer_step``); a stop message names a batch "training step 3, micro-batch 1", and
+"..., forward 2 of 2" when the micro-batch ran the model twice.
 Just before each optimizer step (``on_pre_optimizer_step``) the callback checks the gradient
 norms and what the watch found since the previous step; every rank then agrees (one flag
 all-reduce) and, at a finding on any rank, every rank drops the step's gradients, so the
@@ -281,8 +286,12 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
                            control: TrainerControl, **kwargs: Any) -> None:
         if self._guard is None or self._guard.closed:
             return
-        self._eval_index = self._guard.batches.note_until(self.watch.batch, "eval",
-                                                          state.global_step, self._eval_index)
+        # Every forward since the previous prediction step belongs to this evaluation batch.
+        before = self._guard.batches.noted_until
+        self._guard.batches.note_group(self.watch.batch, "eval", state.global_step,
+                                       self._eval_index)
+        if self._guard.batches.noted_until > before:  # counts the evaluation batches watched
+            self._eval_index += 1
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
@@ -329,8 +338,12 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
             self.watch.recorder.detach_direct_call_hooks()
 
     def _note_train(self, state: TrainerState) -> None:
-        self._micro = self._guard.batches.note_until(self.watch.batch, "train",
-                                                     state.global_step + 1, self._micro)
+        """Called once at the end of each micro-batch (``on_substep_end``, and
+        ``on_pre_optimizer_step`` for the last): every forward since the previous one is part
+        of it, as a compute_loss may call the model several times."""
+        self._guard.batches.note_group(self.watch.batch, "train", state.global_step + 1,
+                                       self._micro)
+        self._micro += 1
 
     def _note_eval(self, state: TrainerState) -> None:
         if self._guard is not None and not self._guard.closed:
