@@ -595,3 +595,79 @@ def test_a_gradient_penalty_nan_is_the_same_event_in_both_modes_and_says_how_it_
         assert "nondeterministic" not in said and "requires grad" not in said
         assert "not through the model's outputs" in said and "gradient penalty" in said
         assert "w.replay(0, loss_fn=...)" in said
+
+
+class ShiftedSqrt(nn.Module):
+    """sqrt(|x| + 1 - shift): finite while ``shift`` stays at 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x.abs() + 1 - self.shift)
+
+
+class CheckpointedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.bad, self.l2 = nn.Linear(16, 32), ShiftedSqrt(), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.l2(self.bad(self.l1(x)))
+
+
+class CheckpointedNet(nn.Module):
+    """Blocks run under activation checkpointing: their backward recomputes their forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([CheckpointedBlock() for _ in range(2)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
+def _train_changing_an_attribute_before_backward(mode: str) -> tuple[nw.NanWatch, list[bool]]:
+    """Three steps; in step 1 an attribute the forward reads changes after the forward and
+    before loss.backward(), so only the checkpoint's recompute makes a NaN."""
+    torch.manual_seed(0)
+    model = CheckpointedNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = nw.watch(model, mode=mode, backward=True, on_nan="record")
+    outputs_finite = []
+    for step in range(3):
+        out = model(torch.randn(3, 8))
+        outputs_finite.append(bool(out.isfinite().all()))
+        model.blocks[1].bad.shift = 101.0 if step == 1 else 0.0
+        out.pow(2).mean().backward()
+        model.blocks[1].bad.shift = 0.0
+        optimizer.step()
+        optimizer.zero_grad()
+    watch.close()
+    return watch, outputs_finite
+
+
+def test_a_nan_only_the_checkpoint_recompute_makes_is_a_gradient_event_as_in_full_mode():
+    full_watch, full_finite = _train_changing_an_attribute_before_backward("full")
+    sentinel_watch, sentinel_finite = _train_changing_an_attribute_before_backward("sentinel")
+    assert full_finite == sentinel_finite == [True, True, False]
+    full, sentinel = full_watch.event, sentinel_watch.event
+    assert (full.batch, full.module, full.role, full.origin, full.is_backward) == \
+        (1, "blocks.1.l2", "weight", "grad", True)
+    # Batch 1's live forward was finite (the sentinel checked its outputs): the replay's
+    # forward NaN is not that forward's; the event is the gradient one, as in full mode.
+    assert (sentinel.batch, sentinel.module, sentinel.role, sentinel.origin,
+            sentinel.is_backward) == (1, "blocks.1.l2", "weight", "grad", True)
+    assert sentinel.note.startswith("its live forward stayed finite, but the replay's forward "
+                                    "made a NaN ('blocks.1.bad' output: nan)")
+    trace = sentinel.trace
+    assert not trace.reproduced
+    assert any("'blocks.1.bad' output" in change and "live forward" in change
+               for change in trace.changes)
+    assert trace.first_bad["op"] == "sqrt"

@@ -114,6 +114,13 @@ _NO_OUTPUT_GRADIENT = ("not replayed: no gradient reached the model's outputs (n
                        "-> loss) to replay the batch through the loss")
 
 
+# Why a replay's forward can make a NaN its live forward did not, before the backward pass.
+_CHANGED_BEFORE_BACKWARD = ("something the forward reads changed between the forward and the "
+                            "backward pass (a module attribute or tensor set after the forward, "
+                            "which a recompute under activation checkpointing reads as it is "
+                            "then)")
+
+
 def _closest_to_entry(bad: list[BadTensor], frames: list[Frame]
                       ) -> tuple[list[BadTensor], bool]:
     """The non-finite parameter gradients ``bad``, the one whose module ran last in the forward
@@ -810,6 +817,20 @@ class Sentinel(Feature):
             context = _Context(self, batch)
             found = self.recorder.find_event(frames, context.window)
             taken = context.replayed + [frames] if found is not None else []
+            differs = self._replay_outputs_differ(found, frames)
+            if differs:
+                # The live forward's outputs were checked finite: the replay's forward NaN is
+                # not that forward's. The event is the gradient one, as full mode records it
+                # (the backward's recompute, not the forward, met the NaN).
+                bad, _ = _closest_to_entry(bad, replayed.frames)
+                replayed.trace.changes.append(
+                    f"the replay's forward made a NaN ({differs}) that the live forward of batch "
+                    f"{batch} did not (its outputs were checked finite): {_CHANGED_BEFORE_BACKWARD}")
+                event = self._grad_event(batch, bad, (
+                    f"its live forward stayed finite, but the replay's forward made a NaN "
+                    f"({differs}): something the forward reads changed before the backward pass "
+                    "(see the trace's changes)"))
+                return self._found(event, replayed, found, [], started)
         if found is None:
             ordered = False
             if not replayed.trace.raised:  # (else only part of the forward ran: no order)
@@ -822,6 +843,22 @@ class Sentinel(Feature):
         if context is not None and context.missing:
             found.frames_note = context.missing
         return self._found(found, replayed, found, taken, started)
+
+    def _replay_outputs_differ(self, found: NanEvent | None, frames: list[Frame]) -> str:
+        """Where the replay's forward made the NaN ``found`` names, when that NaN reached the
+        root's outputs, which the sentinel checked finite when the batch ran (so the live
+        forward did not make it); "" otherwise: no forward event, or one that stayed inside the
+        model as it may have live too (a NaN that ``where`` discards)."""
+        if found is None or found.is_backward:
+            return ""
+        root = self._root_name
+        for frame in frames:
+            if frame.module == root and frame.phase == "forward" and any(
+                    entry.stats is not None and (entry.stats.nan or entry.stats.inf
+                                                 and not self._root_may_hold_inf)
+                    for entry in frame.outputs()):
+                return f"'{found.module}' {found.role}: {found.kind}"
+        return ""
 
     # ------------------------------------------------------------------ causes that persist
     def _persisting_weight(self, batch: int, forward: int) -> NanEvent | None:
