@@ -1050,6 +1050,52 @@ def test_a_weight_still_nan_batches_later_names_the_first_batch_that_used_it(mod
         "after batch 1 did it; batch 2 was the first to use it, and batch 4 still does.")
 
 
+class _ConvBatchNorm(nn.Module):
+    """A conv with its BatchNorm, fused for deployment after it was watched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_conv_fused_after_watch_from_a_bad_batch_norm_is_blamed_on_the_fusion(mode):
+    # fuse_conv_bn_eval after batch 0 from a negative running_var puts a new, NaN conv in the
+    # model. Sentinel mode said its weight "holds NaN since before the watch began" (the old
+    # conv's unchanged version counter), and both modes led their fixes with the optimizer step.
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    torch.manual_seed(0)
+    model = _ConvBatchNorm().eval()
+    x = torch.randn(2, 1, 8, 8)
+    with watch(model, mode) as w, torch.no_grad():
+        model(x)
+        model.bn.running_var[1] = -2.0
+        model.conv, model.bn = fuse_conv_bn_eval(model.conv, model.bn), nn.Identity()
+        model(x)
+        model(x)
+    assert [(e.batch, e.module, e.role) for e in w.events] == [(1, "conv", "weight"),
+                                                                 (2, "conv", "weight")]
+    first, later = (e.diagnosis for e in w.events)
+    assert first.kind == "corrupted-weight"
+    after = "likely after batch 0" if mode == "sentinel" else "after batch 0"
+    assert first.summary.startswith(
+        f"'conv.weight' holds NaN in module 'conv', added or replaced after watch(), {after}: "
+        "what made it (a fusion, a load, a module swap)")
+    assert first.summary.endswith("batch 1 is the first whose outputs it made NaN.")
+    assert later.summary.endswith(
+        "batch 1 was the first whose outputs it made NaN, and batch 2 still reads it.")
+    assert "before the watch" not in first.summary
+    assert first.confidence == ("medium" if mode == "sentinel" else "high")
+    assert "fuse_conv_bn_eval" in first.suggestion[0] and "running_var" in first.suggestion[0]
+    assert not any("optimizer.step()" in fix or "clip" in fix for fix in first.suggestion)
+
+
 class _WithExtra(nn.Module):
     """A model with a keyword input added to the data (bad data can come in through it)."""
 

@@ -477,6 +477,16 @@ class Facts:
     finite_by_outputs: set[str] = field(default_factory=set)
     # Non-finite weight name -> True when its version counter moved after that batch.
     weights_written: dict[str, bool] = field(default_factory=dict)
+    # Non-finite weight name -> the module (qualified name) holding it that was added or
+    # replaced after watch() (a fused conv, a swapped layer): the watch never measured it, only
+    # the module it replaced.
+    replaced_modules: dict[str, str] = field(default_factory=dict)
+    # Those of these modules whose name held no module when watched (added, not replaced): no
+    # frame ever measured a module of that name.
+    new_modules: set[str] = field(default_factory=set)
+    # The batches of this process's earlier forward events at the event's module and role (the
+    # same non-finite weight, read batch after batch with on_nan="record").
+    earlier_batches_here: list[int] = field(default_factory=list)
     # The earlier forward event whose batch's forward wrote these non-finite buffers after
     # they were last seen finite (BatchNorm's running statistics updated from NaN data).
     poisoned_by: NanEvent | None = None

@@ -522,6 +522,11 @@ class Diagnoser(Feature):
         facts.idle_batches = sorted(idle)
         clean = [b for b in set(ran) | set(held)
                  if b < event.batch and b not in eventful and b not in idle]
+        facts.replaced_modules, facts.new_modules = self._in_added_modules(names)
+        facts.earlier_batches_here = sorted(
+            e.batch for e in events if e is not event and not e.is_backward
+            and e.batch < event.batch and e.rank == event.rank
+            and (e.module, e.role) == (event.module, event.role))
         seen: dict[str, list[int]] = {name: [max(clean)] if clean else [] for name in names}
         if self.sentinel and self.capture is not None:
             seen = self._sentinel_clean(facts, names, [b for b in clean if b in held], held)
@@ -554,7 +559,8 @@ class Diagnoser(Feature):
             if seen[name]:
                 facts.weights_last_finite[name] = max(seen[name])
                 if by_outputs.get(name) == max(seen[name]) \
-                        and seen[name].count(by_outputs[name]) == 1 and self._partly_read(name):
+                        and seen[name].count(by_outputs[name]) == 1 \
+                        and (self._partly_read(name) or name in facts.replaced_modules):
                     facts.finite_by_outputs.add(name)  # no frame measured it then
             last = facts.weights_last_finite.get(name)
             if last is not None and self.capture is not None:
@@ -602,6 +608,19 @@ class Diagnoser(Feature):
             if steps_seen and complete and tensor is not None and tensor.grad is None \
                     and last_step_writing(tensor) is None:
                 facts.not_stepped[name] = "parameter"
+
+    def _in_added_modules(self, names: list[str]) -> tuple[dict[str, str], set[str]]:
+        """Of the weight names ``names``: those whose module was added or replaced after
+        watch() (a fused conv put in the model's place), with that module's name; and those of
+        these modules whose name held no module when watched (added, not replaced). The watch's
+        slots still hold a replaced module's tensors. Walks the model: event time only."""
+        if not names:
+            return {}, set()
+        added, removed = self.recorder.structure_changes()
+        added_names = {name for name, _ in added}
+        found = {name: name.rpartition(".")[0] for name in names
+                 if name.rpartition(".")[0] and name.rpartition(".")[0] in added_names}
+        return found, {module for module in found.values() if module not in removed}
 
     def _poisoned_by(self, facts: Facts, names: list[str]) -> NanEvent | None:
         """The earliest earlier forward event whose batch's forward wrote into these buffers
@@ -670,6 +689,11 @@ class Diagnoser(Feature):
 
         seen: dict[str, list[int]] = {}
         for name in names:
+            if name in facts.replaced_modules:
+                # Its slot still reads the tensor of the module it replaced: that one's counter
+                # says nothing of it. A batch whose outputs were finite likely ran before it.
+                seen[name] = [max(clean)] if clean else []
+                continue
             # A training forward that updated a buffer (BatchNorm's running statistics) did not
             # read it: its finite outputs say nothing of it.
             proven = [b for b in clean if written_after(b, name) and name not in written_in[b]]

@@ -401,6 +401,22 @@ def _float16_step(optimizers: dict[str, bool], gradients_checked: bool) -> list[
     return fixes
 
 
+def added_module(module: str, bad: str) -> list[str]:
+    """Weights of a module added or replaced after watch() (a fused conv, a swapped layer);
+    ``bad``: what they hold ("NaN", "Inf" ...)."""
+    return [f"Check '{module}' before putting it in the model: all(t.isfinite().all() for t in "
+            f"model.get_submodule('{module}').state_dict().values()). What made it made the "
+            f"{bad}: a fusion folds a BatchNorm into the layer before it "
+            "(torch.nn.utils.fusion.fuse_conv_bn_eval or fuse_linear_bn_eval, "
+            "torch.ao.quantization.fuse_modules): check that the BatchNorm's running_mean, "
+            "weight and bias are finite and its running_var finite and not negative "
+            "(bn.running_var.min() >= 0); a module loaded from a checkpoint: check the "
+            "checkpoint; one copied from another model: check that model.",
+            "Watch the model again after changing its modules (w.close(); w = nw.watch(model)): "
+            "the new module is then hooked and its own weights measured, so an event names the "
+            "batch after which they turned."]
+
+
 def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: bool,
                      before_watch: bool = False, *, stepped: bool = True,
                      gradients_checked: bool = False, gradients_finite: bool = False,

@@ -837,6 +837,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
     dtype = _weight_dtype(event)
     if not came and names and all(n in facts.substituted for n in names):
         return _substituted(facts, names)
+    if names and all(n in facts.replaced_modules for n in names):
+        return _in_added_module(facts, names, dtype)
     if names and all(n in facts.nonfinite_lr for n in names):
         return _stepped_with_nonfinite_lr(facts, names, dtype)
     grew = _weights_growth(facts)
@@ -1078,6 +1080,61 @@ def _inputs_largest(facts: Facts) -> float | None:
     if bool(inputs["nan"].any()) or bool(inputs["inf"].any()):
         return math.nan
     return float(inputs["abs_max"].max())
+
+
+def _in_added_module(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
+    """Weights of a module added or replaced after watch() (a conv fused with its BatchNorm, a
+    swapped layer): the watch measured the module it replaced, never this one, so neither its
+    version counter nor an optimizer step dates them; whatever made the module (or wrote it
+    since) made them non-finite."""
+    event = facts.event
+    one = len(names) == 1
+    kind = _kind_words(event.kind)
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    modules = list(dict.fromkeys(facts.replaced_modules[n] for n in names))
+    module = ", ".join(f"'{m}'" for m in modules[:3]) + (" ..." if len(modules) > 3 else "")
+    last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
+    batch = max(last) if last else None
+    # Known from finite outputs alone (sentinel mode, or no module of that name was watched).
+    fresh = any(m in facts.new_modules for m in modules)
+    likely = fresh or any(n in facts.finite_by_outputs for n in names)
+    added = "added" if all(m in facts.new_modules for m in modules) else "added or replaced"
+    evidence = [f"{shown} {'holds' if one else 'hold'} {kind} at batch {event.batch}"
+                + (f" ({dtype})." if dtype else "."),
+                f"Module {module} is not one watch() hooked: it was {added} after watch() and "
+                "runs unwatched, so no frame measured its own weights"
+                + ("" if fresh else " (its frames before are those of the module it replaced)")
+                + " and no version counter or optimizer step dates them."]
+    if batch is None:
+        when = f"after watch(), before batch {event.batch} ran"
+        evidence.append(f"No batch before batch {event.batch} ran under this watch with "
+                        f"finite outputs: it came in between watch() and batch {event.batch}.")
+    elif likely:
+        when = f"after watch(), likely after batch {batch}"
+        evidence.append(f"Batch {batch}'s outputs were finite ("
+                        + ("no frame measured the new module" if fresh else
+                           "sentinel mode measures no weights")
+                        + f"): the new module likely came in after it, unless batch {batch} "
+                        "did not read the bad values.")
+    else:
+        when = f"after watch(), after batch {batch}"
+        evidence.append(f"Batch {batch} ran with finite weights in {module} (the module it "
+                        "replaced): the new one came in after it.")
+    # The module runs unwatched: the earlier events at it, and the model's outputs, tell which
+    # batch it first made non-finite.
+    after = -1 if batch is None else batch
+    finite = {b for b, _ in facts.series("")}
+    bad = [b for b in facts.history_batches if "" in facts.history_modules and b not in finite]
+    first = min([b for b in bad + facts.earlier_batches_here if after < b < event.batch],
+                default=event.batch)
+    used = (f"batch {first} is the first whose outputs it made {kind}" if first == event.batch
+            else f"batch {first} was the first whose outputs it made {kind}, and batch "
+            f"{event.batch} still reads it")
+    summary = (f"{shown} {'holds' if one else 'hold'} {kind} in module {module}, {added} "
+               f"{when}: what made it (a fusion, a load, a module swap), or a write to "
+               f"it since, made {'it' if one else 'them'} {kind}; {used}.")
+    return Diagnosis("corrupted-weight", summary, evidence, fixes.added_module(modules[0], kind),
+                     confidence="medium" if likely or batch is None else "high")
 
 
 def _substituted(facts: Facts, names: list[str]) -> Diagnosis:
