@@ -1096,6 +1096,38 @@ def test_a_conv_fused_after_watch_from_a_bad_batch_norm_is_blamed_on_the_fusion(
     assert not any("optimizer.step()" in fix or "clip" in fix for fix in first.suggestion)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_bad_checkpoint_loaded_during_inference_leads_with_the_load_not_the_optimizer(
+        mode, assign):
+    # No optimizer ever stepped: the diagnosis led its fixes with "catch the bad step ...
+    # before optimizer.step()" and gradient clipping, and said of a load with assign=True (a new
+    # Parameter) that "the version counter moved (an in-place write: optimizer.step() or copy_)".
+    torch.manual_seed(0)
+    state = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).state_dict()
+    state["2.weight"][1, 2] = math.nan
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    with watch(model, mode) as w, torch.no_grad():
+        for batch in range(3):
+            if batch == 2:
+                model.load_state_dict(state, assign=assign)
+            model(torch.randn(5, 4))
+    event = w.event
+    assert (event.batch, event.module, event.role) == (2, "2", "weight")
+    diagnosis = event.diagnosis
+    made_by = ("the load or assignment that replaced it" if assign
+               else "the write, average or load")
+    assert diagnosis.summary.startswith(
+        f"'2.weight' became NaN between batch 1 and batch 2: {made_by} after batch 1 did it")
+    evidence = "\n".join(diagnosis.evidence)
+    assert "No optimizer step ran while the watch was live" in evidence
+    assert ("in-place write" in evidence) is not assign
+    assert ("it was replaced, not written in place" in evidence) is assign
+    assert "load_state_dict" in diagnosis.suggestion[0]
+    assert not any("optimizer.step()" in fix or "clip" in fix for fix in diagnosis.suggestion)
+
+
 class _WithExtra(nn.Module):
     """A model with a keyword input added to the data (bad data can come in through it)."""
 

@@ -477,6 +477,10 @@ class Facts:
     finite_by_outputs: set[str] = field(default_factory=set)
     # Non-finite weight name -> True when its version counter moved after that batch.
     weights_written: dict[str, bool] = field(default_factory=dict)
+    # The non-finite weights whose slot holds another tensor object than when their last finite
+    # batch ran (a load_state_dict with assign=True, module.weight = nn.Parameter(...)): replaced,
+    # not written in place.
+    weights_replaced: set[str] = field(default_factory=set)
     # Non-finite weight name -> the module (qualified name) holding it that was added or
     # replaced after watch() (a fused conv, a swapped layer): the watch never measured it, only
     # the module it replaced.
@@ -500,9 +504,11 @@ class Facts:
     # Non-finite weight name -> (optimizer class name, lr) of the optimizer step after its last
     # finite batch that wrote it with a NaN/Inf learning rate (a scheduler gone wrong).
     nonfinite_lr: dict[str, tuple[str, float]] = field(default_factory=dict)
-    # Non-finite weight name no optimizer step wrote -> "buffer" (in no optimizer) or
-    # "parameter" (one without a gradient that no step the watch saw updated, while optimizer
-    # steps were seen: an EMA copy's, AveragedModel's): a write, an average or a load did it.
+    # Non-finite weight name no optimizer step wrote -> "buffer" (in no optimizer), "parameter"
+    # (one without a gradient that no step the watch saw updated, while optimizer steps were
+    # seen: an EMA copy's, AveragedModel's) or "no step" (no optimizer step ran under the watch,
+    # and no gradient for an update by hand: inference, a load mid-run): a write, an average or
+    # a load did it.
     not_stepped: dict[str, str] = field(default_factory=dict)
     # Backward passes the watch checked (backward=True); None when it does not count them.
     backward_passes: int | None = None

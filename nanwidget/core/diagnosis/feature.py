@@ -568,6 +568,8 @@ class Diagnoser(Feature):
                 now = {n: v for n, v, _ in self.capture.held_weights(event.batch)}
                 if name in then and name in now:
                     facts.weights_written[name] = then[name] != now[name]
+                if name in self.capture.replaced_between(last, event.batch):
+                    facts.weights_replaced.add(name)
         facts.poisoned_by = self._poisoned_by(facts, names)
         facts.finite_earlier_in_batch = _finite_in_earlier_call(event, names)
         if self.sentinel and self.capture is not None and not facts.finite_earlier_in_batch:
@@ -596,18 +598,32 @@ class Diagnoser(Feature):
         """The non-finite weights no optimizer step wrote (see ``Facts.not_stepped``). A
         parameter counts only while optimizer steps were seen under the watch (an update torch's
         step hook does not see, ``p.data -= lr * p.grad``, then marks nothing) and it holds no
-        gradient (such an update reads one)."""
+        gradient (such an update reads one); or, when no optimizer step ran under the watch at
+        all, when no batch since it was last finite can have made a gradient for such an update
+        (they ran under torch.no_grad(), or it needs none)."""
         steps_seen = steps_taken() > self.steps_at_start
         complete = marks_kept_from() <= self.steps_at_start
-        for name in facts.weights_last_finite:
+        for name, last in facts.weights_last_finite.items():
             module, _, role = name.rpartition(".")
             if self.recorder.is_buffer(module, role):
                 facts.not_stepped[name] = "buffer"
                 continue
             tensor = self.recorder.weight(module, role)
-            if steps_seen and complete and tensor is not None and tensor.grad is None \
-                    and last_step_writing(tensor) is None:
+            if tensor is None or tensor.grad is not None:
+                continue
+            if steps_seen and complete and last_step_writing(tensor) is None:
                 facts.not_stepped[name] = "parameter"
+            elif not steps_seen and not (tensor.requires_grad
+                                         and self._may_have_had_gradients(last, facts.event.batch)):
+                facts.not_stepped[name] = "no step"
+
+    def _may_have_had_gradients(self, last: int, batch: int) -> bool:
+        """Whether a batch from ``last`` up to ``batch`` may have run with gradients on (then a
+        backward and an update by hand, ``p -= lr * p.grad``, may have followed): True when
+        one of them is not held, so it cannot be told."""
+        if self.capture is None:
+            return True
+        return any(self.capture.ran_with_grad(b) is not False for b in range(last, batch))
 
     def _in_added_modules(self, names: list[str]) -> tuple[dict[str, str], set[str]]:
         """Of the weight names ``names``: those whose module was added or replaced after
@@ -665,12 +681,16 @@ class Diagnoser(Feature):
         after = {b: capture.versions_after(b) for b in earlier}
         written_in = {b: capture.buffers_written(b) for b in clean}
         now = {n: v for n, v, _ in capture.held_weights(event.batch)}
+        # Another tensor in the slot (a load with assign=True): its counter is a new one's.
+        replaced = {b: capture.replaced_between(b, event.batch) for b in earlier}
         steps = capture.optimizer_steps()
         # The optimizer steps that wrote each parameter (one without a gradient is skipped):
         tensors = {n: t for n, t in zip(capture.slots.names, capture.slots.read())
                    if isinstance(t, torch.Tensor)}
 
         def written_after(batch: int, name: str) -> bool:
+            if name in replaced[batch]:
+                return True
             then = versions[batch]
             if name in after[batch] and steps.get(batch) == steps.get(event.batch):
                 for k in range(batch, event.batch):

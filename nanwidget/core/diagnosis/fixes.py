@@ -418,17 +418,36 @@ def added_module(module: str, bad: str) -> list[str]:
 
 
 def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: bool,
-                     before_watch: bool = False, *, stepped: bool = True,
-                     gradients_checked: bool = False, gradients_finite: bool = False,
+                     before_watch: bool = False, *, stepped: bool = True, no_step: bool = False,
+                     replaced: bool = False, gradients_checked: bool = False,
+                     gradients_finite: bool = False,
                      optimizers: dict[str, bool] | None = None) -> list[str]:
     """``stepped``: an optimizer step may have written the weights (False: buffers, or
-    parameters no step updated: the step's fixes cannot help). ``gradients_checked``: the watch
-    checks the gradients (backward=True); ``gradients_finite``: and none was non-finite before
-    the event. ``optimizers``: those that stepped (class name -> whether it divides by an
-    eps)."""
+    parameters no step updated: the step's fixes cannot help); ``no_step``: no optimizer step
+    ran under the watch at all (inference). ``replaced``: their slots hold other tensors than
+    when last finite (a load with assign=True). ``gradients_checked``: the watch checks the
+    gradients (backward=True); ``gradients_finite``: and none was non-finite before the event.
+    ``optimizers``: those that stepped (class name -> whether it divides by an eps)."""
     after = f"after batch {batch}" if batch is not None else "before this batch"
     name = names[0] if names else "the weight"
     fixes = []
+    if replaced and not before_watch:
+        bad = "Inf" if inf_only else "NaN/Inf"
+        fixes.append(f"{name} was replaced {after} by another tensor that held {bad} (a "
+                     "load_state_dict(..., assign=True), module.weight = nn.Parameter(...)): "
+                     "check what it came from before putting it in: all(v.isfinite().all() for "
+                     "v in state_dict.values()) for a checkpoint, torch.isfinite(t).all() for a "
+                     "tensor; then reload from finite weights.")
+        if not stepped:
+            return fixes
+    if no_step and not stepped and not before_watch:
+        return [f"No optimizer step ran while the watch was live: look for what wrote {name} "
+                f"{after}: a load_state_dict of a bad checkpoint (check all(v.isfinite().all() "
+                "for v in state_dict.values()) before loading), a copy_ or p.data = ... from "
+                "another tensor, or an indexed write under torch.no_grad(); check the source "
+                "with torch.isfinite(t).all() before the write, and skip it when it is not.",
+                "Reload the weights from a finite checkpoint (or from the model's state before "
+                "the write)."]
     if not stepped and not before_watch:
         return [f"No optimizer step wrote {name}: look for what else wrote it {after}: an EMA "
                 "or AveragedModel update (update_parameters, torch._foreach_lerp_ from the "

@@ -876,9 +876,15 @@ def _weights(facts: Facts) -> Diagnosis | None:
                 + (f" ({dtype})." if dtype else ".")]
     before_watch = False  # non-finite already when the watch began
     likely = False  # the last finite batch known from its outputs alone (sentinel mode)
-    # No optimizer step wrote them (buffers, an EMA copy's parameters): a write, average or load.
+    # No optimizer step wrote them (buffers, an EMA copy's parameters, no step at all): a write,
+    # average or load.
     unstepped = bool(names) and all(n in facts.not_stepped for n in names)
+    no_step = unstepped and any(facts.not_stepped[n] == "no step" for n in names)
+    # Another tensor in their slots (a load with assign=True): no write in place made them.
+    replaced = bool(names) and all(n in facts.weights_replaced for n in names)
     made_by = "the write, average or load" if unstepped else "the optimizer step, load or write"
+    if replaced:
+        made_by = f"the load or assignment that replaced {'it' if len(names) == 1 else 'them'}"
     idle: list[int] = []
     if batch is not None:
         one = len(names) == 1
@@ -897,10 +903,16 @@ def _weights(facts: Facts) -> Diagnosis | None:
                             f"{'it' if one else 'them'} non-finite.")
         if unstepped:
             evidence.append(_not_stepped_line(facts, names))
-        if any(facts.weights_written.get(n) for n in names):
+        swapped = [n for n in names if n in facts.weights_replaced]
+        if swapped:
+            evidence.append(f"{swapped[0]} is another tensor than the one batch {batch} ran with: "
+                            "it was replaced, not written in place (a load_state_dict(..., "
+                            "assign=True), module.weight = nn.Parameter(...)).")
+        written = [n for n in names if facts.weights_written.get(n) and n not in swapped]
+        if written:
             how = ("copy_, lerp_, an EMA or AveragedModel update, load_state_dict" if unstepped
                    else "optimizer.step() or copy_")
-            evidence.append(f"The version counter of {names[0]} moved after batch {batch} "
+            evidence.append(f"The version counter of {written[0]} moved after batch {batch} "
                             f"(an in-place write: {how}).")
         # Batches in between in which its module did not run (an idle expert) date nothing.
         idle = [b for b in facts.idle_batches if batch < b < event.batch]
@@ -985,7 +997,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
     return Diagnosis("corrupted-weight", summary, evidence,
                      fixes.corrupted_weight(names, dtype, batch, event.kind == "inf",
                                             before_watch=before_watch,
-                                            stepped=not unstepped,
+                                            stepped=not unstepped, no_step=no_step,
+                                            replaced=replaced,
                                             gradients_checked=facts.checks_gradients
                                             and not _no_backward_pass(facts),
                                             gradients_finite=gradients_finite,
@@ -1058,6 +1071,11 @@ def _not_stepped_line(facts: Facts, names: list[str]) -> str:
         return (f"{shown} {'is a buffer' if one else 'are buffers'}: no optimizer steps "
                 f"{'it' if one else 'them'}; a write, an average (AveragedModel's "
                 "update_parameters with use_buffers=True) or a load did.")
+    if any(facts.not_stepped.get(n) == "no step" for n in names):
+        return ("No optimizer step ran while the watch was live (it counts every torch.optim "
+                "step), and no gradient was made for an update by hand (the batches since ran "
+                f"under torch.no_grad(), or {'it needs' if one else 'they need'} none): a load, "
+                "a copy_ or another write did it.")
     return (f"No optimizer step wrote {shown} while the watch was live: optimizer steps ran, "
             f"but none updated {'it' if one else 'them'} (the watch marks each parameter a "
             f"torch.optim step updates), and {'it has' if one else 'they have'} no gradient: "

@@ -552,6 +552,27 @@ class BatchCapture(Feature):
         return {names[i]: v for i, v in zip(self.slots.renormed_positions,
                                               held.forwards[-1].end_renormed_versions)}
 
+    def replaced_between(self, first: int, second: int) -> set[str]:
+        """The weights (by qualified name) whose slot held another tensor object when held batch
+        ``second`` started than when held batch ``first`` did: a ``load_state_dict(...,
+        assign=True)`` or ``module.weight = nn.Parameter(...)`` put a new tensor there (its
+        version counter says nothing of the old one's). Empty when either is not held."""
+        one, two = self.held.get(first), self.held.get(second)
+        if one is None or two is None or not one.forwards or not two.forwards:
+            return set()
+        names = self.slots.names
+        return {names[i] for i, (then, now) in enumerate(zip(one.forwards[0].weights,
+                                                             two.forwards[0].weights))
+                if i < len(names) and then is not None and now is not None and then is not now}
+
+    def ran_with_grad(self, batch: int) -> bool | None:
+        """Whether any root forward of held ``batch`` ran with gradients on (outside
+        ``torch.no_grad()`` and ``torch.inference_mode()``); None when it is not held."""
+        held = self.held.get(batch)
+        if held is None or not held.forwards:
+            return None
+        return any(capture.grad_enabled for capture in held.forwards)
+
     def held_weights(self, batch: int) -> list[tuple[str, int, torch.Tensor | None]]:
         """(name, version counter, copy or None) of every parameter and buffer when ``batch``
         started (copies with ``snapshot_weights``); empty when the batch is not held."""
