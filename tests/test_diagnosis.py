@@ -2628,6 +2628,34 @@ def test_a_running_var_overflowed_by_the_batch_is_blamed_on_that_forward():
     assert "reset_running_stats()" in event.diagnosis.suggestion[1]
 
 
+def test_a_running_var_overflowed_by_a_conv_one_step_blew_up_is_a_divergence():
+    # One SGD step blew the conv's weight up ~1e33x (a garbage gradient); the next batch's
+    # inputs were ordinary, but the conv made values of ~1e33 from them and the BatchNorm's
+    # running_var overflowed. The diagnosis blamed the data ("normalise or clamp them, or drop
+    # the batch") and never named the conv whose weight jumped.
+    model = _batch_norm_net()
+    model[0].weight.register_hook(lambda grad: grad * 1e36)  # stands for a bad backward kernel
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, "full", backward=True) as w:
+        for _ in range(2):
+            loss = model(torch.randn(4, 3, 16, 16)).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.module, event.role) == (1, "1", "running_var")
+    assert diagnosis.kind == "divergence" and diagnosis.confidence == "high"
+    assert diagnosis.summary.startswith("Training diverged: the optimizer step after batch 0 "
+                                        "made the weights jump")
+    assert "(most: '0' " in diagnosis.summary  # the conv whose weight jumped
+    assert "'1.running_var' Inf" in diagnosis.summary
+    assert any("across the optimizer step after batch 0" in line for line in diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("Lower the learning rate")
+    assert any("clip_grad_norm_" in fix for fix in diagnosis.suggestion)
+    assert not any("drop the batch" in fix for fix in diagnosis.suggestion)
+    assert "reset_running_stats()" in diagnosis.suggestion[-1]
+
+
 # (A training BatchNorm's outputs stay finite with a NaN running_mean: the sentinel, which
 # checks the outputs, sees nothing there.)
 @pytest.mark.parametrize("layer, mode", [("batch_norm", "full"), ("spectral_norm", "full"),

@@ -55,6 +55,10 @@ class WeightLog:
         # weight is found non-finite, the batch after which it broke, also when that batch's
         # frames are long gone from the ring and the batch had an event of its own.
         self.last_finite: dict[str, int] = {}
+        # The latest batch whose sum was not finite (a weight or buffer non-finite), with the
+        # sum over the modules whose own weights were all finite: a lower bound of what the
+        # sum would have been, so a jump of it across a step is a jump of the weights.
+        self.finite_part: tuple[int, float] | None = None
 
     def _mask(self, module: str, entry: Entry) -> bool:
         return self.is_buffer is not None and additive_mask(entry) \
@@ -87,7 +91,10 @@ class WeightLog:
         if not self.first:
             self._first_seen(frames)
         if total != total or total == math.inf:
-            return  # a non-finite weight: no point of the climb
+            # A non-finite weight: no point of the climb. Summed again only here (an event's
+            # batch), never on a batch whose weights are finite.
+            self.finite_part = (batch, self._finite_sum(frames))
+            return
         series = self.series
         if series and series[-1][0] == batch:  # the same batch again (a replayed context)
             series[-1] = (batch, max(series[-1][1], total))
@@ -95,6 +102,21 @@ class WeightLog:
             series.append((batch, total))
             if len(series) > self.batches:
                 del series[0]
+
+    def _finite_sum(self, frames: list[Frame]) -> float:
+        """The sum of the weights' abs max over the modules whose own weights are finite."""
+        total = 0.0
+        for frame in frames:
+            count = frame.first_input
+            own = 0.0
+            for entry in frame.entries[:count]:
+                stats = entry[1]
+                if stats is not None and _is_float_weight(entry) \
+                        and not (stats.abs_max == math.inf and self._mask(frame.module, entry)):
+                    own += stats.abs_max
+            if own == own and own != math.inf:
+                total += own
+        return total
 
     def _first_seen(self, frames: list[Frame]) -> None:
         for frame in frames:

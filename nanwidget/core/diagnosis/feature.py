@@ -243,9 +243,12 @@ class Diagnoser(Feature):
             facts.checks_gradients = self.checks_gradients
             facts.backward_passes = self.backward_passes() if self.backward_passes else None
             facts.gradient_event_before = self._gradient_event_before(event)
-        if self.weights.first and len(self.weights.series) >= 3:  # divergence may be told
-            self._weights_now(facts)
-        if self.capture is not None and len(self.weights.series) >= 2:
+        # The event's batch, with a non-finite weight, against the batch before it: a jump.
+        jumped = bool(self.weights.series) and self.weights.finite_part is not None \
+            and self.weights.finite_part[0] == event.batch
+        if self.weights.first and (len(self.weights.series) >= 3 or jumped):
+            self._weights_now(facts)  # divergence may be told
+        if self.capture is not None and (len(self.weights.series) >= 2 or jumped):
             facts.optimizer_steps = self.capture.optimizer_steps()
         return facts
 

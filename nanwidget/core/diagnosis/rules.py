@@ -864,6 +864,9 @@ def _weights(facts: Facts) -> Diagnosis | None:
         return _poisoned_by_earlier_forward(facts, names)
     if names and all(n in facts.written_in_forward for n in names) \
             and not any(facts.weights_written.get(n) for n in names) and not tame:
+        jump = _jump_into_batch(facts)
+        if jump is not None:  # the step before the batch blew up the weights that fed it
+            return _diverged_into_buffer(facts, names, dtype, jump, largest_input)
         return _written_by_forward(facts, names, dtype, largest_input)
     if names and (all(n in facts.finite_earlier_in_batch for n in names)
                   or all(n in facts.written_between_forwards for n in names)):
@@ -1246,6 +1249,66 @@ def _poisoned_by_earlier_forward(facts: Facts, names: list[str]) -> Diagnosis:
                f"{cause_event.batch}. Skipping the optimizer step of a bad batch is too late for "
                "them: its forward already wrote them, so keep such a batch out of the training "
                "forward (check it before model(x)), or run it under model.eval()."])
+
+
+def _jump_into_batch(facts: Facts) -> Growth | None:
+    """The weights' jump by :data:`_JUMP` or more across the optimizer step just before the
+    event's batch, told from the modules whose weights stayed finite in that batch: a buffer
+    its forward wrote non-finite (BatchNorm's running_var overflowing) leaves the batch no
+    finite sum, so :func:`_weights_growth` has no point for it. None when they did not jump."""
+    part = facts.weights.finite_part
+    if part is None or part[0] != facts.event.batch:
+        return None
+    before = [(b, v) for b, v in facts.weights.series if b < part[0]]
+    if not before:
+        return None
+    last = before[-1]
+    steps = facts.optimizer_steps
+    stepped = steps.get(part[0], 0) > steps.get(last[0], math.inf)
+    if stepped and last[1] > 0 and math.isfinite(part[1]) and part[1] >= _JUMP * last[1]:
+        return Growth(start=last, end=part)
+    return None
+
+
+def _diverged_into_buffer(facts: Facts, names: list[str], dtype: str, jump: Growth,
+                          largest_input: float | None) -> Diagnosis:
+    """Buffers the event batch's own forward made non-finite from the huge values of weights
+    that the optimizer step before the batch blew up: the step diverged, not the data."""
+    event = facts.event
+    one = len(names) == 1
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    module = event.module or "<root>"
+    running = all(n.rpartition(".")[2] in ("running_mean", "running_var") for n in names)
+    modules = _grown_modules(facts)
+    most = f" (most: {modules[0]})" if modules else ""
+    reached = ("" if largest_input is None or largest_input != largest_input
+               else f" reached {_g(largest_input)} and")
+    evidence = [f"The weights' abs max (summed over the modules whose weights are finite) "
+                f"jumped from {_g(jump.start[1])} at batch {jump.start[0]} to "
+                f"{_g(jump.end[1])} at batch {jump.end[0]} ({_g(jump.ratio)}x) across the "
+                f"optimizer step after batch {jump.start[0]}."]
+    if modules:
+        evidence.append(f"Grown most since first measured: {', '.join(modules)}.")
+    if largest_input is not None:
+        evidence.append(f"Module '{module}''s inputs in batch {event.batch} reached "
+                        f"{'NaN/Inf' if largest_input != largest_input else _g(largest_input)}"
+                        f" ({_limit_text(dtype or 'float32')}); its forward wrote "
+                        f"{shown} from them"
+                        + (" (BatchNorm's running statistics: a running variance is a mean of "
+                           "squares)." if running else "."))
+    evidence.extend(_activation_lines(facts, [event.module]))
+    reset = (f"model.get_submodule('{module}').reset_running_stats()" if running
+             else "recompute them")
+    suggestion = fixes.divergence(dtype) + [
+        f"Then mend {shown}: reload {'it' if one else 'them'} from a checkpoint saved before "
+        f"batch {jump.end[0]}, or {reset}, since evaluation uses "
+        f"{'it' if one else 'them'}."]
+    return Diagnosis(
+        "divergence",
+        f"Training diverged: the optimizer step after batch {jump.start[0]} made the weights "
+        f"jump {_g(jump.ratio)}x{most}, so module '{module}''s inputs in batch {event.batch}"
+        f"{reached} its forward wrote {shown} {_kind_words(event.kind)} from them.",
+        evidence, suggestion, confidence="high")
 
 
 def _written_by_forward(facts: Facts, names: list[str], dtype: str,
