@@ -2241,6 +2241,71 @@ def test_a_division_by_zero_in_loss_fn_gets_the_fixes_of_its_denominator(mode):
                    for fix in diagnosis.suggestion)
 
 
+class GeneralizedDiceLoss:
+    """A generalised Dice loss without smoothing terms (MONAI's with smooth_nr=smooth_dr=0):
+    a sample whose mask is empty has a weight of 0, so its numerator and denominator are both
+    0 and its loss is 0/0 = NaN in the forward."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        p, t = torch.sigmoid(out).flatten(1), self.target.flatten(1)
+        weight = 1.0 / t.sum(1) ** 2
+        weight = torch.where(torch.isinf(weight), torch.zeros_like(weight), weight)
+        numerator = 2 * (p * t).sum(1) * weight
+        denominator = (p + t).sum(1) * weight
+        return (1 - numerator / denominator).mean()
+
+
+def test_a_dice_loss_over_an_empty_mask_is_told_as_the_forwards_zero_over_zero():
+    # The summary said the gradient reaching div was 0 ("multiplied by 0 or dropped after it,
+    # and 0 x inf = NaN"): it was -0.5; the loss itself was 0/0 for the empty-mask sample.
+    # The last fix spoke of diffusers' min-SNR weighting.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 1, 1))
+    target = (torch.rand(2, 1, 6, 6, 6) > 0.7).float()
+    target[1] = 0.0  # sample 1's mask is empty
+    loss_fn = GeneralizedDiceLoss(target)
+    with watch(model, "full", backward=True, loss_fn=loss_fn) as w:
+        loss = loss_fn(model(torch.randn(2, 1, 6, 6, 6)))
+        assert loss.isnan()
+        loss.backward()
+    diagnosis = w.event.diagnosis
+    where = line_of(GeneralizedDiceLoss.__call__, "numerator / denominator")
+    assert diagnosis.kind == "loss" and diagnosis.rows == [1]
+    assert diagnosis.summary.startswith(
+        f"Made in the loss, outside the model: div and its gradient (div) in loss_fn at {where} "
+        "made the first NaN/Inf in row 1: its numerator and denominator were both 0 in the "
+        "forward already (0/0, so the loss was NaN)")
+    assert "multiplied by 0 or dropped" not in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith(f"Guard the denominator at {where}: numerator and "
+                                              "denominator are both 0")
+    assert "(x + eps) / (d + eps)" in diagnosis.suggestion[0]
+    assert not any("snr" in fix.lower() for fix in diagnosis.suggestion)
+
+
+def test_a_division_masked_by_where_in_loss_fn_is_still_told_as_a_gradient_of_zero():
+    # The forward's 0/0 is dropped by where (the loss is finite): its gradient's NaN is a
+    # gradient of 0 meeting div's infinite slope, not the forward's 0/0.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    target = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        hits, counts = (torch.sigmoid(out) * target).sum(1), target.sum(1)
+        return torch.where(counts == 0, 0.0, hits / counts).mean()
+
+    with watch(model, "full", backward=True, loss_fn=loss_fn) as w:
+        loss = loss_fn(model(torch.randn(2, 4)))
+        assert loss.isfinite()
+        loss.backward()
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "loss"
+    assert "the gradient reaching div there was 0" in diagnosis.summary
+    assert "torch.where(d == 0, 1, d)" in diagnosis.suggestion[1]
+
+
 class WeightedLoss:
     """diffusers' train_text_to_image.py: the per-sample weights are made before the loss
     (min-SNR, 0/0 at snr = 0), and loss_fn reads them."""

@@ -309,6 +309,9 @@ class OpFacts:
     outputs: list[dict] = field(default_factory=list)
     grad_of: str = ""  # the autograd node a backward op ran in ("SqrtBackward0"), when known
     grad_of_loss: bool = False  # that node was made by an op of loss_fn (its gradient, e.g. log's)
+    # That node's op made NaN already in the forward, at the same line, and the replay's loss is
+    # NaN: the forward's value was used (a Dice loss's 0/0), no gradient of 0 met an Inf slope.
+    forward_nan: bool = False
 
     @property
     def in_loss(self) -> bool:
@@ -404,7 +407,8 @@ def op_facts(trace: Any) -> OpFacts | None:
                    dtype=str(first["dtype"]), nan=bool(first["nan"]), inf=bool(first["inf"]),
                    inputs=[r for r in rows if str(r["role"]).startswith("input")],
                    outputs=[r for r in rows if str(r["role"]).startswith("output")],
-                   grad_of=grad_of, grad_of_loss=_grad_of_loss(trace, first, grad_of))
+                   grad_of=grad_of, grad_of_loss=_grad_of_loss(trace, first, grad_of),
+                   forward_nan=_forward_nan(trace, first, grad_of))
 
 
 _WORD_START = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
@@ -429,6 +433,23 @@ def _grad_of_loss(trace: Any, first: Any, grad_of: str) -> bool:
     maker = ops[(ops["source"] == first["source"]) & (ops["phase"] != "backward")
                 & (ops["op"].astype(str).str.lstrip("_") == name)]
     return bool(len(maker)) and bool((maker["phase"] == "loss").all())
+
+
+def _forward_nan(trace: Any, first: Any, grad_of: str) -> bool:
+    """Whether a backward op ran in the gradient of an op that made NaN in the forward (or in
+    loss_fn) at the same line, while the replay's loss is NaN: that NaN was used, not dropped
+    by a where or a mask, so its gradient is NaN for the same reason (a 0/0 of the forward's
+    numerator and denominator), not for a gradient of 0."""
+    loss = getattr(trace, "loss", None)
+    if str(first["phase"]) != "backward" or not grad_of or loss is None or loss == loss:
+        return False
+    ops = getattr(trace, "ops", None)
+    if ops is None or not len(ops):
+        return False
+    name = node_op_name(grad_of)
+    maker = ops[(ops["source"] == first["source"]) & (ops["phase"] != "backward")
+                & (ops["op"].astype(str).str.lstrip("_") == name)]
+    return bool(maker["nan"].astype(bool).any())
 
 
 def output_grad_bad(frames: list[Frame], batch: int, root: str) -> bool | None:

@@ -519,9 +519,12 @@ def bad_data(roles: list[str], rows: list[int]) -> list[str]:
             "Normalise features with an epsilon: (x - mean) / (std + 1e-6)."]
 
 
-def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = False) -> list[str]:
+def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = False,
+         zero_over_zero: bool = False, snr: bool = False) -> list[str]:
     """``op``: the loss's op that made the value (its forward op's name for a gradient), ``at``
-    its line; ``has_loss_fn``: the watch was given loss_fn (never advise passing it)."""
+    its line; ``has_loss_fn``: the watch was given loss_fn (never advise passing it);
+    ``zero_over_zero``: that op is a division of 0 by 0; ``snr``: its line divides by an SNR
+    (a diffusion loss's min-SNR weighting)."""
     fixes = []
     if not traced and has_loss_fn:
         fixes.append(f"See every op of the loss and its backward: w.replay({batch}, "
@@ -534,7 +537,16 @@ def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = Fa
     name = op.lstrip("_").rstrip("_")  # pow_ is pow
     if traced and name in ("div", "true_divide", "reciprocal"):
         # A denominator that reached 0 (a weighting such as min-SNR's min(snr, 5) / snr).
-        return fixes + domain(op, at, backward=False) + [
+        guard = domain(op, at, backward=False)
+        if zero_over_zero:
+            guard[0] = (f"Guard the denominator{at}: numerator and denominator are both 0 for "
+                        "some samples (an empty mask in a Dice or IoU loss, a weight of 0), so "
+                        "add a smoothing term to both, (x + eps) / (d + eps) (MONAI's Dice "
+                        "losses: smooth_nr and smooth_dr above 0), or divide by "
+                        "d.clamp_min(eps).")
+        if not snr:
+            return fixes + guard
+        return fixes + guard + [
             "Or special-case the samples whose denominator is 0: after a min-SNR weighting "
             "min(snr, gamma) / snr, set weights[snr == 0] = 1.0 (diffusers' training scripts "
             "do, for a zero terminal SNR)."]

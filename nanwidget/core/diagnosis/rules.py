@@ -247,12 +247,27 @@ def _unused_gradient(op: OpFacts) -> bool:
     holding 0 (0 x inf). A gradient of 0 there means the op's value was multiplied by 0 or
     dropped after it: ``p * torch.log(p)`` with p = 0, or ``torch.where(x > 0, torch.log(x),
     0)``, still passes log's backward a 0 where x is 0."""
-    if op.phase != "backward" or not op.nan:
-        return False
+    if op.phase != "backward" or not op.nan or op.forward_nan:
+        return False  # (the forward made the NaN already, and it was used: no gradient of 0)
     if any(int(row.get("nan_count", 0) or 0) for row in op.inputs):
         return False  # a NaN arrived: not made here
     return any(not int(row.get("inf_count", 0) or 0)
                and row.get("min", math.nan) <= 0 <= row.get("max", math.nan) for row in op.inputs)
+
+
+def _zero_over_zero(op: OpFacts) -> bool:
+    """Whether a division made NaN from finite inputs (only 0/0 does), in the forward or, on
+    the forward's numerator and denominator, again in its gradient (a Dice loss over a sample
+    whose mask is empty, with no smoothing term)."""
+    division = op.name in ("div", "true_divide")
+    if op.phase == "backward":  # the forward's 0/0 went on into the loss: not a gradient of 0
+        division = division and op.forward_nan and op.grad_of_name in ("div", "true_divide")
+    if not division or not op.nan or op.inputs_hold_inf() \
+            or any(int(row.get("nan_count", 0) or 0) for row in op.inputs):
+        return False
+    numerator, denominator = op.input_range(0), op.input_range(1)
+    return numerator is not None and denominator is not None \
+        and numerator[0] <= 0 <= numerator[1] and denominator[0] <= 0 <= denominator[1]
 
 
 def _negative_running_var(op: OpFacts) -> dict | None:
@@ -304,6 +319,10 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
         values = "singular values" if "svd" in grad_of else "eigenvalues"
         return (f"the gradient of {_SPECTRAL[grad_of]} divides by the differences of the "
                 f"{values}, and two of them are equal (a repeated value: 1/0 = inf)", "high")
+    if op.phase == "backward" and _zero_over_zero(op):
+        return ("its numerator and denominator were both 0 in the forward already (0/0, so "
+                f"the loss was NaN), and {grad_of}'s gradient divides by the same 0 denominator",
+                "high")
     if op.phase == "backward" and grad_of in _DOMAIN_NAMES:
         edge = "0" if grad_of in ("sqrt", "rsqrt", "log", "pow", "div") else "±1"
         if _unused_gradient(op):
@@ -714,7 +733,9 @@ def _loss(facts: Facts) -> Diagnosis | None:
         assert op is not None
         reason = _domain_reason(op) or _overflow_reason(op)
         why = f": {reason[0]}" if reason is not None else ""
-        made = op.op if op.phase == "loss" else f"{op.grad_of_name}'s gradient ({op.op})"
+        made = op.op if op.phase == "loss" else \
+            f"{op.grad_of_name} and its gradient ({op.op})" if _zero_over_zero(op) else \
+            f"{op.grad_of_name}'s gradient ({op.op})"
         rows = _op_rows(facts, op)  # a per-sample loss (CTC's own, any reduction='none')
         summary = (f"Made in the loss, outside the model: {made} in loss_fn{op.at} made the "
                    f"first NaN/Inf{_rows_words(rows, facts.batch_size())}{why}; the gradient "
@@ -746,11 +767,14 @@ def _loss(facts: Facts) -> Diagnosis | None:
                                            if reader["source"] else ""), confidence="high")
         found.op = f"{reader['op']} at {reader['source']}" if reader["source"] else ""
         return found
+    _, line = (source_text(op.source) or (0, "")) if in_loss and op else (0, "")
     return Diagnosis("loss", summary, evidence,
                      fixes.loss(event.batch, (op.op if op.phase == "loss" else op.grad_of_name)
                                 if in_loss and op else "", traced=in_loss,
                                 at=op.at if in_loss and op else "",
-                                has_loss_fn=facts.has_loss_fn),
+                                has_loss_fn=facts.has_loss_fn,
+                                zero_over_zero=bool(in_loss and op and _zero_over_zero(op)),
+                                snr="snr" in line.lower()),
                      rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
 
 
@@ -1409,8 +1433,8 @@ def _op_rows(facts: Facts, op: OpFacts) -> list[int]:
     of the forward (or of loss_fn) whose first non-finite output has the batch's samples
     along dim 0 (its size is the batch size the inputs tell: not a seq-first tensor, not
     attention scores of batch x heads); else none."""
-    if op.phase not in ("forward", "loss") or op.grad_of:
-        return []
+    if (op.phase not in ("forward", "loss") or op.grad_of) and not _zero_over_zero(op):
+        return []  # (a gradient's 0/0 divides the forward's values: the forward's shape)
     output = op.bad_output()
     size = facts.batch_size()
     if output is None or size is None:
