@@ -1385,6 +1385,32 @@ def test_an_averaged_models_buffer_gone_nan_is_told_written_not_stepped():
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_batch_norm_buffer_written_nan_before_an_eval_forward_gets_no_optimizer_fixes(mode):
+    # A bad write into running_var between training and evaluation. Full mode said no
+    # optimizer steps a buffer; sentinel mode, which knows no last finite batch here, said "Or
+    # the optimizer step made it from finite gradients: a learning rate too large" and "Clip
+    # the gradients before the step".
+    model = _batch_norm_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, mode, backward=True) as w:
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(4, 3, 16, 16)).square().mean().backward()
+            optimizer.step()
+        with torch.no_grad():
+            model[1].running_var[3] = math.nan  # a bad write, or a bad checkpoint
+            model.eval()(torch.randn(4, 3, 16, 16))
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.module, event.role, diagnosis.kind) == \
+        (2, "1", "running_var", "corrupted-weight")
+    assert "optimizer step" not in diagnosis.summary
+    assert "'1.running_var' is a buffer: no optimizer steps it" in "\n".join(diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("No optimizer step wrote 1.running_var")
+    assert not any("learning rate" in fix or "clip" in fix.lower() or "backward=True" in fix
+                   for fix in diagnosis.suggestion)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_an_sgd_step_that_writes_inf_into_float16_weights_gets_no_adam_eps_advice(mode):
     # The optimizer is SGD: the first fix was Adam's eps=1e-8 (0 in float16), which it has not.
     torch.manual_seed(0)

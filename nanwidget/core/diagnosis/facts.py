@@ -591,6 +591,9 @@ class Facts:
     # Whether the weight of this qualified name is an additive mask kept as a buffer (no
     # event, so no non-finite weight to name; :func:`~nanwidget.core.detect.additive_mask`).
     is_mask: Callable[[str], bool] | None = None
+    # Whether the weight of this qualified name is a buffer (BatchNorm's running statistics):
+    # no optimizer steps it, whatever else is known about the batches before.
+    is_buffer: Callable[[str], bool] | None = None
     # A forward event: every module whose outputs held NaN/Inf in its batch, the root's
     # included, in the model's order (empty when it cannot be told).
     outputs_holding: list[str] = field(default_factory=list)

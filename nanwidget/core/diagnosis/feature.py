@@ -168,7 +168,8 @@ class Diagnoser(Feature):
         outside = root != recorder.modules[0].name
         facts = Facts(event=event, trace=event.trace, weights=self.weights,
                       sentinel=self.sentinel, sample_every=self.sample_every,
-                      is_mask=self._is_mask, has_loss_fn=bool(self.loss_fn),
+                      is_mask=self._is_mask, is_buffer=self._is_buffer,
+                      has_loss_fn=bool(self.loss_fn),
                       scaler_run=self.scaler_run(event) if self.scaler_run else None)
         if outside:
             facts.outside_pass = root
@@ -322,6 +323,11 @@ class Diagnoser(Feature):
             unmeasured = unmeasured or type(module).__getattr__ is not nn.Module.__getattr__ \
                 or any(isinstance(value, torch.Tensor) for value in vars(module).values())
         return unmeasured
+
+    def _is_buffer(self, weight: str) -> bool:
+        """Whether the weight of this qualified name is one of its module's buffers."""
+        module, _, role = weight.rpartition(".")
+        return self.recorder.is_buffer(module, role)
 
     def _is_mask(self, weight: str) -> bool:
         """Whether the weight of this qualified name is an additive mask kept as a buffer

@@ -905,8 +905,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
     likely = False  # the last finite batch known from its outputs alone (sentinel mode)
     # No optimizer step wrote them (buffers, an EMA copy's parameters, no step at all): a write,
     # average or load.
-    unstepped = bool(names) and all(n in facts.not_stepped for n in names)
-    no_step = unstepped and any(facts.not_stepped[n] == "no step" for n in names)
+    unstepped = bool(names) and all(n in facts.not_stepped or _buffer(facts, n) for n in names)
+    no_step = unstepped and any(facts.not_stepped.get(n) == "no step" for n in names)
     # Another tensor in their slots (a load with assign=True): no write in place made them.
     replaced = bool(names) and all(n in facts.weights_replaced for n in names)
     made_by = "the write, average or load" if unstepped else "the optimizer step, load or write"
@@ -968,8 +968,12 @@ def _weights(facts: Facts) -> Diagnosis | None:
         return _cast_to_low_precision(facts, names, shown, verb, evidence, dtype)
     else:
         before_watch = not any(b < event.batch for b in facts.history_batches)
-        summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran (an "
-                   "optimizer step, a load or a write made it), not this batch's forward.")
+        made = "a write, an average or a load" if unstepped else \
+            "an optimizer step, a load or a write"
+        summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran "
+                   f"({made} made it), not this batch's forward.")
+        if unstepped:  # (sentinel mode, which knows no last finite batch here)
+            evidence.append(_not_stepped_line(facts, names))
         since = [facts.unwritten_since[n] for n in names if n in facts.unwritten_since]
         if since and len(since) == len(names):
             first_watched = min(facts.history_batches, default=min(since))
@@ -1089,11 +1093,16 @@ def _no_backward_pass(facts: Facts) -> bool:
     return facts.checks_gradients and facts.backward_passes == 0
 
 
+def _buffer(facts: Facts, name: str) -> bool:
+    """Whether the weight ``name`` is a buffer: no optimizer steps it."""
+    return facts.is_buffer is not None and facts.is_buffer(name)
+
+
 def _not_stepped_line(facts: Facts, names: list[str]) -> str:
     """Why no optimizer step wrote these weights (see ``Facts.not_stepped``)."""
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
     one = len(names) == 1
-    buffers = [n for n in names if facts.not_stepped.get(n) == "buffer"]
+    buffers = [n for n in names if facts.not_stepped.get(n) == "buffer" or _buffer(facts, n)]
     if len(buffers) == len(names):
         return (f"{shown} {'is a buffer' if one else 'are buffers'}: no optimizer steps "
                 f"{'it' if one else 'them'}; a write, an average (AveragedModel's "
