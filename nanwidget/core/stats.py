@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
 
 import torch
 

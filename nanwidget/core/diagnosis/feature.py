@@ -12,7 +12,6 @@ the diagnosis alone (the op and its line; not attached to the event), at most
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any, Callable
 

@@ -261,7 +261,7 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
                     "(torch.sqrt(x + eps)) or use torch.linalg.vector_norm for a norm."] + guard
         return guard
     if name in ("nll_loss_forward", "nll_loss2d_forward"):
-        return [f"The batch has no target to learn from (every label ignored: a prompt "
+        return ["The batch has no target to learn from (every label ignored: a prompt "
                 "truncated before its answer, rows that are all padding): drop such examples "
                 "from the data, or skip the step when (labels != ignore_index).sum() == 0.",
                 "Or average over the counted targets with a floor: F.cross_entropy(logits, "
