@@ -279,6 +279,45 @@ def test_watching_before_compiling_is_refused_before_dynamo_traces_the_hooks():
         w.close()
 
 
+def _counting_backend(runs: list[int]):
+    """A Dynamo backend whose compiled graphs count their runs in ``runs[0]``."""
+    def compile_graph(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        def run(*args: object) -> object:
+            runs[0] += 1
+            return graph.forward(*args)
+        return run
+    return compile_graph
+
+
+def _small_sequential() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def test_a_refused_compile_of_a_watched_sequential_leaves_later_compiles_compiled():
+    runs = [0]
+    x = torch.randn(6, 5)
+    model = _small_sequential()
+    w = nw.watch(model)
+    compiled_model = torch.compile(model, backend=_counting_backend(runs))
+    try:
+        with pytest.raises(nw.CompiledCallError, match=r"compiled the model after nw.watch\(\)"
+                                                       r".*w = nw.watch\(compiled_model\)"):
+            compiled_model(x)
+    finally:
+        w.close()
+    # The advice followed: the compiled model watched itself runs its compiled graph.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sentinel-mode note
+        with nw.watch(compiled_model) as advised:
+            compiled_model(x)
+    assert runs == [1] and advised.batch == 1
+    # And a container never watched, compiled afterwards, is compiled too.
+    other = torch.compile(_small_sequential(), backend=_counting_backend(runs))
+    other(x)
+    assert runs == [2]
+
+
 def test_a_model_compiled_in_place_is_watched_without_recompiling_and_replayed():
     torch.manual_seed(0)
     model = TinyMLP()

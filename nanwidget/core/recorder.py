@@ -131,6 +131,26 @@ class CompiledCallError(RuntimeError):
     """A watched module runs inside compiled code that the watch was not made for."""
 
 
+class _RefusedWhileDynamoTraces(CompiledCallError, AssertionError):
+    """The :class:`CompiledCallError` raised while Dynamo traces the watched model's hooks (a
+    ``torch.nn`` container compiled after the watch: Dynamo compiles its call hooks included).
+    Dynamo hands an ``AssertionError`` raised while it traces to the caller as it is (any other
+    error it wraps in its own), and caches nothing for the code it was tracing. Refused after a
+    graph break instead, it would cache code that runs the call uncompiled, and that code is
+    shared: every container of the class, compiled later in the process, would run uncompiled.
+    Named as the error it is."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message  # without the user stack Dynamo appends to ``args``
+
+
+_RefusedWhileDynamoTraces.__name__ = _RefusedWhileDynamoTraces.__qualname__ = "CompiledCallError"
+
+
 _INSIDE_A_WRAPPER = ("runs inside a torch.compile'd model: you watched cm._orig_mod (or compiled "
                      "the model after nw.watch()) and called the compiled one")
 
@@ -693,6 +713,9 @@ class Recorder:
             return None if dynamo_compiling() else self._stand_aside()
         if self._aside_thread is not None:
             self._aside_thread = None  # a traced call that never returned (it raised past us)
+        if dynamo_compiling():
+            # Dynamo traces this hook: refused now, before it compiles a graph break here.
+            self._refuse_traced_call()
         if self._closed or (self._suspended and _get_ident() in self._suspended_threads) \
                 or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
@@ -782,6 +805,21 @@ class Recorder:
         else:
             return
         raise self._compiled_call_error(how)
+
+    def _refuse_traced_call(self) -> None:
+        """:meth:`_refuse_compiled_call`, called while Dynamo traces the root's pre-hook. Dynamo
+        runs it, for real, rather than tracing it (``_dynamo_marked_constant``, set below), so
+        that the refusal is raised while it traces, as :class:`_RefusedWhileDynamoTraces`."""
+        if self._closed or self.entry is not self.model:
+            return None
+        try:
+            self._refuse_compiled_call()
+        except CompiledCallError as error:
+            raise _RefusedWhileDynamoTraces(str(error)) from None
+
+    # What torch._dynamo.assume_constant_result sets (torch sets it this way on its own
+    # functions too), without importing Dynamo before anyone compiles.
+    _refuse_traced_call._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
     def _compiled_call_error(self, how: str) -> CompiledCallError:
         return CompiledCallError(
