@@ -5,6 +5,7 @@ one. Compiling is slow on 2 CPU cores: one small transformer is compiled once fo
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pandas as pd
@@ -316,6 +317,24 @@ def test_a_refused_compile_of_a_watched_sequential_leaves_later_compiles_compile
     other = torch.compile(_small_sequential(), backend=_counting_backend(runs))
     other(x)
     assert runs == [2]
+
+
+def test_compiling_after_the_watch_is_refused_when_another_sequential_was_compiled_before():
+    x = torch.randn(6, 5)
+    earlier = torch.compile(_small_sequential(), backend="eager")
+    earlier(x)  # compiled code the watched model's compiled call could reuse, hooks unseen
+    model = _small_sequential()
+    w = nw.watch(model, on_nan="record")
+    try:
+        assert "forward" not in vars(copy.deepcopy(model))  # a copy is not marked as watched
+        compiled_model = torch.compile(model, backend="eager")
+        bad = x.clone()
+        bad[0, 0] = float("nan")
+        with pytest.raises(nw.CompiledCallError, match="compiled the model after nw.watch"):
+            compiled_model(bad)
+    finally:
+        w.close()
+    assert "forward" not in vars(model) and hook_count(model) == 0
 
 
 def test_a_model_compiled_in_place_is_watched_without_recompiling_and_replayed():

@@ -14,6 +14,7 @@ A module whose class copies itself (``__deepcopy__``: a parametrized module's) g
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from typing import Any
 
@@ -56,19 +57,25 @@ class _StateWithoutWatch:
             return {}
         state = type(module).__getstate__(module)
         if isinstance(state, dict):
-            return _without_watch(state)
+            return _without_watch(state, module)
         if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
-            return (_without_watch(state[0]), state[1])  # (__dict__ state, __slots__ state)
+            return (_without_watch(state[0], module), state[1])  # (__dict__, __slots__ state)
         return state
 
 
-def _without_watch(state: dict) -> dict:
-    """``state`` (a module's ``__dict__`` copy) without nanwidget's hook entries (and their
+def _without_watch(state: dict, module: nn.Module) -> dict:
+    """``state`` (``module``'s ``__dict__`` copy) without nanwidget's hook entries (and their
     flags in the ``*_with_kwargs`` / ``*_always_called`` tables) and without this mechanism."""
     state = dict(state)
     if isinstance(state.get(_KEY), _StateWithoutWatch):
         del state[_KEY]
     forward = state.get("forward")
+    if isinstance(forward, types.MethodType) and forward.__self__ is module \
+            and forward.__func__ is getattr(type(module), "forward", None):
+        # The class's own forward, bound: the same without it (core.graph_capture sets it on a
+        # watched torch.nn container).
+        del state["forward"]
+        forward = None
     if forward is not None and is_nanwidget_hook(forward):  # core.fastpath's, while watched
         previous = getattr(forward, "previous", None)
         if previous is None:
@@ -115,7 +122,7 @@ class _DeepcopyWithoutWatch:
         replica = type(module).__deepcopy__(module, memo)
         state = getattr(replica, "__dict__", None)
         if isinstance(state, dict):
-            cleaned = _without_watch(state)
+            cleaned = _without_watch(state, replica)
             if isinstance(cleaned.get(_DEEPCOPY), _DeepcopyWithoutWatch):
                 del cleaned[_DEEPCOPY]
             state.clear()

@@ -8,7 +8,11 @@
   a ``torch.nn`` container (``nn.Sequential`` ...), Dynamo compiles its whole call, hooks
   included, and never guards on hooks; code it compiled before the watch keeps running without
   them. :func:`compile_wrappers_of` finds such wrappers, so that the recorder can refuse their
-  calls as it refuses the other orders.
+  calls as it refuses the other orders. Code compiled later, or for another container of the
+  same class, may run the model too (Dynamo guards on a container's class and its
+  ``__dict__``, not on its hooks): while the watch lasts, such a model's ``forward`` is also an
+  instance attribute (:func:`mark_forward_as_watched`), which Dynamo's guards check, so that
+  Dynamo compiles the call afresh, meets the hooks, and the recorder refuses it then.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import torch
 from torch import nn
 
 __all__ = ["tracing", "captured", "is_exporting", "dynamo_compiling", "export_flag", "fx_tracing",
-           "checking_a_trace", "compile_wrappers_of"]
+           "checking_a_trace", "compile_wrappers_of", "mark_forward_as_watched",
+           "unmark_forward"]
 
 #: ``torch.compiler.is_exporting()``: True while ``torch.export`` traces, under Dynamo too.
 is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
@@ -162,3 +167,29 @@ def compile_wrappers_of(model: nn.Module) -> list[nn.Module]:
                 if _is_wrapper_of(wrapper, model):
                     found[id(wrapper)] = wrapper
     return list(found.values())
+
+
+def _forward_compiled_with_the_call(model: nn.Module) -> bool:
+    """Whether ``torch.compile(model)`` compiles the whole call, hooks included: a module of
+    a ``torch.nn`` class (Dynamo inlines those; see ``OptimizedModule._initialize``). Decided
+    without importing Dynamo."""
+    forward = getattr(type(model), "forward", None)
+    return (getattr(forward, "__module__", None) or "").startswith("torch.")
+
+
+def mark_forward_as_watched(model: nn.Module) -> types.MethodType | None:
+    """Give a ``torch.nn`` container ``model`` with no instance-level forward of its own its
+    class's forward, bound to it, as an instance attribute: it runs as before (a bound method
+    either way), and code Dynamo compiled while its ``__dict__`` had no ``forward`` (for another
+    container of the class, without hooks) is not run for it. What to give
+    :func:`unmark_forward`; None: left as it was."""
+    if "forward" in vars(model) or not _forward_compiled_with_the_call(model):
+        return None
+    marked = model.__dict__["forward"] = types.MethodType(type(model).forward, model)
+    return marked
+
+
+def unmark_forward(model: nn.Module, marked: types.MethodType) -> None:
+    """Undo :func:`mark_forward_as_watched` (a forward set since, someone else's, stays)."""
+    if model.__dict__.get("forward") is marked:
+        del model.__dict__["forward"]

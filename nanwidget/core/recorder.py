@@ -76,7 +76,8 @@ from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
-from .graph_capture import captured, compile_wrappers_of, dynamo_compiling, export_flag, tracing
+from .graph_capture import (captured, compile_wrappers_of, dynamo_compiling,
+                            export_flag, mark_forward_as_watched, tracing, unmark_forward)
 from .opaque import (add_forward_hook, add_forward_pre_hook, inside_torchscript, packed_weights,
                      weights_of)
 from .options import name_matches, wrapper_names
@@ -387,6 +388,9 @@ class Recorder:
         self._fused_layers: list[tuple[nn.Module, FusedPathKeeper]] = []
         # torch.compile wrappers whose calls are refused (see _refuse_wrapper_call).
         self._wrappers: list[weakref.ref[nn.Module]] = []
+        # The root's forward while watched, when it is a torch.nn container's (a compiled call
+        # of it must reach the root's hooks: see core.graph_capture.mark_forward_as_watched).
+        self._watched_forward: Any = None
         self._infos: dict[int, ModuleInfo] = {}
         # Outermost modules whose calls outside a root forward returned in this batch (see
         # _record_outside_root): one that runs again starts the next batch.
@@ -592,6 +596,8 @@ class Recorder:
         if not is_fsdp_unit(entry):  # an FSDP unit's runs first, before it reshards
             self._last_forward_hooks[id(entry)] = self._handles[-1].id
         if entry is self.model:
+            if not self._compiled_in_place and self._fused_root is None:
+                self._watched_forward = mark_forward_as_watched(entry)
             for wrapper in compile_wrappers_of(entry):
                 self._handles.append(wrapper.register_forward_pre_hook(self._refuse_wrapper_call))
                 copy_without_watch(wrapper)
@@ -1587,6 +1593,9 @@ class Recorder:
                     release_fused_path(*fused)
             self._fused_layers.clear()
             self._fused_root = None
+            if self._watched_forward is not None:
+                unmark_forward(self.model, self._watched_forward)
+                self._watched_forward = None
             self._handles.clear()
             self._module_handles.clear()
             self._direct_handles.clear()
