@@ -133,3 +133,75 @@ def test_a_watched_module_moved_after_watch_is_told_to_sit_elsewhere():
     assert (event.batch, event.module, event.role, event.origin) == (1, "b", "bias", "weight")
     assert "module 'b' now sits at 'b.base_layer' (moved after watch()" in event.note
     assert "now sits at 'b.base_layer'" in event.summary()
+
+
+class LogOfHeldWeights(nn.Module):
+    """Its weights live in a ParameterDict (as Keras 3's torch backend keeps them in
+    ``_torch_params``); log() of a negative pre-activation is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Positive weights: positive inputs give finite outputs, negative ones NaN.
+        self.params = nn.ParameterDict({"kernel": nn.Parameter(torch.rand(8, 4)),
+                                        "bias": nn.Parameter(torch.full((4,), 0.1))})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x @ self.params["kernel"] + self.params["bias"])
+
+
+def _rebuild_holder(model: LogOfHeldWeights) -> None:
+    # What every Keras fit() does: a new ParameterDict around the same Parameter objects.
+    model.params = nn.ParameterDict(dict(model.params.items()))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_parameter_dict_rebuilt_around_the_same_parameters_is_no_change(mode):
+    torch.manual_seed(0)
+    model = LogOfHeldWeights()
+    x = torch.rand(3, 8)
+    with nw.watch(model, mode=mode, on_nan="record") as watch:
+        model(x)  # a finite batch before the rebuild
+        _rebuild_holder(model)
+        model(-x)
+        event = watch.event
+        assert event.batch == 1
+        assert "replaced" not in watch.report() and "not the one" not in watch.report()
+        assert event.diagnosis.kind == "domain"
+        trace = watch.replay(1)
+    assert trace.reproduced and trace.changes == []
+    assert trace.first_bad["op"] == "log"
+
+
+def test_a_replay_after_a_parameter_dict_rebuild_uses_the_weights_the_batch_ran_with():
+    # The replay puts the held weights where the forward reads them: in the new ParameterDict,
+    # not in the one the watch saw first (whose entries the forward no longer reads).
+    torch.manual_seed(0)
+    model = LogOfHeldWeights()
+    x = torch.rand(3, 8)
+    with nw.watch(model, on_nan="record", snapshot_weights=True, trace_batches=(0,)) as watch:
+        model(x)
+        _rebuild_holder(model)
+        with torch.no_grad():
+            model.params["kernel"].mul_(-1.0)  # the step after batch 0: log of negatives now
+        model(x)
+        ran = watch.frames(batch=0)
+        trace = watch.replay(0)
+    assert trace.first_bad is None and not trace.frames["nan"].any()
+    live = ran[ran["role"] == "output"]["abs_max"].tolist()
+    replayed = trace.frames[trace.frames["role"] == "output"]["abs_max"].tolist()
+    assert replayed == live
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_parameter_dict_rebuilt_with_a_new_parameter_is_still_a_change(mode):
+    torch.manual_seed(0)
+    model = LogOfHeldWeights()
+    x = torch.rand(3, 8)
+    with nw.watch(model, mode=mode, on_nan="record") as watch:
+        model(x)
+        model.params = nn.ParameterDict({"kernel": nn.Parameter(model.params["kernel"].clone()),
+                                         "bias": model.params["bias"]})
+        model(-x)
+        assert "params" in watch.event.summary()
+        with pytest.raises(RuntimeError, match="modules added or replaced: params"):
+            watch.replay(1)

@@ -78,6 +78,7 @@ from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
 from .graph_capture import (captured, compile_wrappers_of, dynamo_compiling,
                             export_flag, mark_forward_as_watched, tracing, unmark_forward)
+from .holders import stand_ins
 from .opaque import (add_forward_hook, add_forward_pre_hook, inside_torchscript, packed_weights,
                      weights_of)
 from .options import name_matches, wrapper_names
@@ -466,12 +467,19 @@ class Recorder:
     def structure_changes(self) -> tuple[list[tuple[str, nn.Module]], list[str]]:
         """Modules added to the model since it was watched (name, module: not hooked, so they
         record no frames; a replaced one counts as added), and the names of those removed (or
-        replaced). Walks the model: for event time, not hooks."""
+        replaced). A holder rebuilt around the same tensors (Keras' ``_torch_params`` on every
+        ``fit()``: :mod:`.holders`) is no change: it is followed. Walks the model: for event
+        time, not hooks."""
         now = {id(module): (name, module) for name, module in self.model.named_modules()}
         initial = self._initial_modules
         added = [(name, module) for key, (name, module) in now.items() if key not in initial]
-        removed = [name for key, (name, _) in initial.items() if key not in now]
-        return added, removed
+        removed = [(name, module) for key, (name, module) in initial.items() if key not in now]
+        for name, old, new in stand_ins(added, removed):
+            del initial[id(old)]
+            initial[id(new)] = (name, new)
+        added = [(name, module) for name, module in added if id(module) not in initial]
+        removed_names = [name for name, module in removed if id(module) in initial]
+        return added, removed_names
 
     def moved_modules(self) -> dict[str, str]:
         """Watched modules that now sit at another path than when the model was watched (peft's

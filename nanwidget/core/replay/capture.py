@@ -20,6 +20,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .. import native
 from ..events import NanEvent
 from ..frames import Frame
+from ..holders import stand_ins
 from ..options import batch_number
 from ..recorder import Feature
 from ..stats import version_of
@@ -168,19 +169,41 @@ class WeightSlots:
         self._getters = [container.get for container in self.containers]
         self.root = root
         self.modules = list(root.modules())
-        self.names_of_modules = {id(m): name for name, m in root.named_modules()}
+        # Held with their names: an id is never reused while it is compared.
+        self._read_from = {id(m): (name, m) for name, m in root.named_modules()}
 
     def structure_changes(self) -> list[str]:
-        """Modules added to or removed from the model since these slots were read."""
-        now = {id(m): name for name, m in self.root.named_modules()}
-        added = [name or "<root>" for key, name in now.items() if key not in self.names_of_modules]
-        removed = [name or "<root>" for key, name in self.names_of_modules.items() if key not in now]
+        """Modules added to or removed from the model since these slots were read. A holder
+        rebuilt around the same tensors (Keras' ``_torch_params`` on every ``fit()``) is no
+        change: the slots read the new one from then on."""
+        now = {id(m): (name, m) for name, m in self.root.named_modules()}
+        before = self._read_from
+        added = [(name, m) for key, (name, m) in now.items() if key not in before]
+        removed = [(name, m) for key, (name, m) in before.items() if key not in now]
+        for name, old, new in stand_ins(added, removed):
+            self._follow(old, new)
+            del before[id(old)]
+            before[id(new)] = (name, new)
+        added_names = [name or "<root>" for name, m in added if id(m) not in before]
+        removed_names = [name or "<root>" for name, m in removed if id(m) in before]
         changes = []
-        if added:
-            changes.append(f"modules added or replaced: {', '.join(added[:6])}")
-        if removed:
-            changes.append(f"modules removed or replaced: {', '.join(removed[:6])}")
+        if added_names:
+            changes.append(f"modules added or replaced: {', '.join(added_names[:6])}")
+        if removed_names:
+            changes.append(f"modules removed or replaced: {', '.join(removed_names[:6])}")
         return changes
+
+    def _follow(self, old: nn.Module, new: nn.Module) -> None:
+        """Read ``new``'s parameters and buffers, and its train/eval flag, where ``old``'s were
+        read: same positions (it holds the same tensors under the same names). In place: the
+        sentinel's gradient check holds these lists."""
+        for old_dict, new_dict in ((old._parameters, new._parameters),
+                                   (old._buffers, new._buffers)):
+            for i, container in enumerate(self.containers):
+                if container is old_dict:
+                    self.containers[i] = new_dict
+                    self._getters[i] = new_dict.get
+        self.modules[:] = [new if m is old else m for m in self.modules]
 
     def read(self) -> list[torch.Tensor | None]:
         return list(map(_call, self._getters, self.keys))  # one C loop (hot path)
