@@ -3,6 +3,7 @@ no downloads. Keras is optional: these tests skip without it."""
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import numpy as np
@@ -49,3 +50,24 @@ def test_fit_and_evaluate_rebuilding_keras_torch_params_leave_the_model_replayab
     assert "replaced" not in report and "not the one this watch hooked" not in report
     assert event.diagnosis.kind == "domain" and event.diagnosis.rows == [3]
     assert trace.reproduced and trace.changes == [] and trace.first_bad["op"] == "log"
+
+
+def _users_log(t):
+    return ops.log(t)  # the user's log of negatives
+
+
+def test_a_keras_op_is_named_at_the_users_line_not_in_keras_backend():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,))
+    x = layers.Lambda(_users_log)(layers.Dense(16)(inp))
+    model = keras.Model(inp, layers.Dense(3)(x))
+    with nw.watch(model, on_nan="record") as watch:
+        model(torch.from_numpy(np.random.default_rng(0).normal(size=(4, 8)).astype("float32")))
+        trace = watch.replay(watch.event.batch)
+    _, first = inspect.getsourcelines(_users_log)
+    user_line = f"{inspect.getsourcefile(_users_log)}:{first + 1}"
+    assert trace.first_bad["op"] == "log" and trace.first_bad["source"] == user_line
+    assert user_line in watch.event.diagnosis.suggestion[0]
+    sources = trace.ops["source"]
+    assert not sources.str.contains("keras/src/backend").any()
+    assert sources.str.contains("keras/src/layers/core/dense.py").any()  # Dense's own lines stay

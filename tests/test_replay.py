@@ -3,6 +3,7 @@ the model, the RNG and the watch exactly as they were."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import random
 import sys
@@ -1000,6 +1001,41 @@ class LogOfLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log(self.lin(x)).squeeze(-1)  # NaN where negative
+
+
+def _framework_op_layer(root) -> object:
+    """A module at keras/src/backend/torch/numpy.py under ``root``, as Keras' torch backend
+    passes each op on (``def log(x): return torch.log(x)``); loaded under its own name."""
+    path = root / "keras" / "src" / "backend" / "torch" / "numpy.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("import torch\n\n\ndef log(x):\n    return torch.log(x)\n")
+    spec = importlib.util.spec_from_file_location("nw_test_op_layer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class LogThroughAnOpLayer(nn.Module):
+    def __init__(self, ops) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.log(self.lin(x))  # NaN where negative
+
+
+def test_an_op_passed_on_by_a_frameworks_op_layer_is_named_at_the_line_that_called_it(tmp_path):
+    # Every op of a Keras model runs through the same line of keras/src/backend/torch/numpy.py:
+    # the source and the fix name the model's line that called the op instead.
+    torch.manual_seed(0)
+    model = LogThroughAnOpLayer(_framework_op_layer(tmp_path))
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(8, 3))
+        trace = w.replay(0)
+    line = line_of(LogThroughAnOpLayer.forward, "self.ops.log(")
+    assert trace.first_bad["op"] == "log" and trace.first_bad["source"] == line
+    assert line in w.event.diagnosis.suggestion[0]
 
 
 def test_a_snapshot_replay_is_not_stopped_by_weights_written_non_finite_after_its_batch():

@@ -1,5 +1,5 @@
 """Where in the user's code something happened: the innermost line outside torch, the standard
-library, IPython and nanwidget itself.
+library, IPython, frameworks' op layers over torch (Keras' backend) and nanwidget itself.
 
 Used by the trace-mode replay (the line that called each op) and by the notebook layer (the
 line a NaN/Inf was raised from), so both name the same place the same way.
@@ -37,6 +37,12 @@ _LIBRARY_PATHS = tuple(os.path.normcase(os.path.join(_PACKAGE, part)) for part i
 _STDLIB_DIRS = tuple({_directory(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib")})
 _TOOL_PARTS = (os.sep + "IPython" + os.sep, os.sep + "ipykernel" + os.sep,
                os.sep + "ipykernel_launcher")
+# Frameworks' op layers that only pass each op on to torch: every op of every model runs
+# through the same few lines there, so they say nothing about where a value was made; the
+# caller's line does (the user's, or a model-definition file: keras/src/layers/...,
+# transformers' modeling_*.py, which stay sources).
+_SHIM_DIRS = (("keras", "src", "backend"), ("keras", "src", "ops"))
+_SHIM_PARTS = tuple(os.sep + os.sep.join(parts) + os.sep for parts in _SHIM_DIRS)
 _KINDS: dict[str, int] = {}
 
 
@@ -52,7 +58,8 @@ def _file_kind(filename: str) -> int:
         path = os.path.normcase(os.path.abspath(filename))
         if path.startswith(_CORE_DIR):
             kind = _STOP
-        elif path.startswith((_TORCH_DIR,) + _LIBRARY_PATHS) or any(p in path for p in _TOOL_PARTS):
+        elif path.startswith((_TORCH_DIR,) + _LIBRARY_PATHS) \
+                or any(p in path for p in _TOOL_PARTS + _SHIM_PARTS):
             kind = _SKIP
         elif path.startswith(_STDLIB_DIRS) and "site-packages" not in path \
                 and "dist-packages" not in path:
