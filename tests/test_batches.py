@@ -370,3 +370,37 @@ def test_passes_without_the_root_forward_are_batches_of_their_own() -> None:
     assert stem.abs_max.is_monotonic_increasing and stem.abs_max.iloc[2] > 50 * stem.abs_max.iloc[0]
     assert set(history[history.module == "head"].batch) == {2}  # the forward ended batch 2
     assert w.batch == 3
+
+
+def _shape_pass_on_meta(model: nn.Module) -> torch.Tensor:
+    """A data-less pass on meta tensors, weights included (Keras 3 builds its models so before
+    fit()): shapes only."""
+    weights = {name: tensor.to("meta") for name, tensor in model.state_dict().items()}
+    return torch.func.functional_call(model, weights, (torch.empty(8, 16, device="meta"),))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_pass_on_meta_tensors_is_no_batch(mode) -> None:
+    torch.manual_seed(0)
+    model = TinyMLP()
+    x = torch.randn(8, 16)
+    x[2, 0] = float("nan")
+    with nw.watch(model, mode=mode, on_nan="record", trace_batches=(0,)) as w:
+        assert _shape_pass_on_meta(model).is_meta
+        assert w.batch == 0 and w.event is None
+        model(x)
+        model(torch.randn(8, 16))
+        assert w.batch == 2
+        assert w.event.batch == 0 and w.event.diagnosis.rows == [2]
+        traced = w.frames(batch=0)
+    assert len(traced) and not (traced["note"] == "meta").any()  # the batch with data
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_abort_after_counts_no_pass_on_meta_tensors(mode) -> None:
+    model = TinyMLP()
+    with nw.watch(model, mode=mode, abort_after=0) as w:
+        _shape_pass_on_meta(model)
+        with pytest.raises(nw.AbortAfterBatch):
+            model(torch.randn(8, 16))
+        assert w.batch == 1

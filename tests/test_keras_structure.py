@@ -71,3 +71,21 @@ def test_a_keras_op_is_named_at_the_users_line_not_in_keras_backend():
     sources = trace.ops["source"]
     assert not sources.str.contains("keras/src/backend").any()
     assert sources.str.contains("keras/src/layers/core/dense.py").any()  # Dense's own lines stay
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_keras_symbolic_build_before_fit_is_no_batch(mode):
+    # fit() first runs the model once on meta tensors (no data): batch 0 is its first step.
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,))
+    model = keras.Model(inp, layers.Dense(3)(layers.Dense(16)(inp)))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype("float32")
+    x[2, 0] = np.nan  # in the first step, row 2
+    y = np.zeros((16, 3), "float32")
+    with nw.watch(model, mode=mode, on_nan="record", trace_batches=(0,)) as watch:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        assert watch.batch == 2  # two steps
+        assert watch.event.batch == 0 and watch.event.diagnosis.rows == [2]
+        traced = watch.frames(batch=0)
+    assert len(traced) and not (traced["note"] == "meta").any()

@@ -34,9 +34,9 @@ class Echo(nn.Module):
 def test_tensors_without_magnitudes_get_a_note(tensor, note):
     model = Echo()
     with nw.watch(model) as w:
-        model(tensor)
+        model(torch.zeros(2), tensor)  # beside data: a call on meta tensors alone is no batch
         frames = w.frames()
-    row = frames.set_index("role").loc["input[0]"]
+    row = frames.set_index("role").loc["input[1]"]
     assert row.note == note
     assert math.isnan(row.abs_max) and not row.nan and not row.inf
 

@@ -4,6 +4,8 @@
   makes; ``torch.fx.symbolic_trace``) run the model to record a graph of it: the watch stands
   aside (:func:`tracing`), so that none of its measuring lands in the graph and the capture is no
   batch. Every probe here is a flag read or a call or two, cheap enough for the root's hook.
+- A data-less pass on meta tensors (Keras 3 builds a model so before ``fit()``): no data, no
+  batch; the watch stands aside too (:func:`meta_only`).
 - ``torch.compile`` wrappers (``OptimizedModule``) around a watched module: when the module is
   a ``torch.nn`` container (``nn.Sequential`` ...), Dynamo compiles its whole call, hooks
   included, and never guards on hooks; code it compiled before the watch keeps running without
@@ -27,8 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["tracing", "captured", "is_exporting", "dynamo_compiling", "export_flag", "fx_tracing",
-           "checking_a_trace", "compile_wrappers_of", "mark_forward_as_watched",
+from .walk import tensor_leaves
+
+__all__ = ["tracing", "captured", "meta_only", "is_exporting", "dynamo_compiling", "export_flag",
+           "fx_tracing", "checking_a_trace", "compile_wrappers_of", "mark_forward_as_watched",
            "unmark_forward"]
 
 #: ``torch.compiler.is_exporting()``: True while ``torch.export`` traces, under Dynamo too.
@@ -87,6 +91,50 @@ def captured() -> bool:
             or (fx_tracing() and not dynamo_compiling())
     except Exception:
         return False
+
+
+def meta_only(args: tuple, kwargs: dict) -> bool:
+    """Whether a root call's tensor inputs are all on the meta device: a data-less pass that
+    only builds the model or checks shapes (Keras 3 runs one before ``fit()``), no batch. For
+    the root's pre-hook, every batch: ``model(x)`` reads one flag, and elsewhere the first
+    tensor found on a device ends the look. Never raises (then "no")."""
+    try:
+        first = args[0] if len(args) == 1 and not kwargs else None
+        if type(first) is torch.Tensor:  # model(x): the usual call
+            return first.is_meta
+        first = _first_tensor(args, kwargs)
+        if first is None or not _on_meta(first):
+            return False
+        return all(_on_meta(tensor) for _, tensor in tensor_leaves((args, kwargs), "input"))
+    except Exception:
+        return False
+
+
+def _on_meta(tensor: torch.Tensor) -> bool:
+    if type(tensor) in (torch.Tensor, nn.Parameter):
+        return tensor.is_meta
+    with torch._C.DisableTorchFunctionSubclass():  # runs no tensor subclass's own code
+        return tensor.is_meta
+
+
+_LOOKED_INTO = 64  # containers looked into for a call's first tensor, at most
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A tensor among the arguments, in lists, tuples and dicts (not in other objects); None
+    when there is none there."""
+    pending: list[Any] = [kwargs.values(), args]
+    looked = 0
+    while pending and looked < _LOOKED_INTO:
+        looked += 1
+        for value in pending.pop():
+            if isinstance(value, torch.Tensor):
+                return value
+            if isinstance(value, (list, tuple)):
+                pending.append(value)
+            elif isinstance(value, dict):
+                pending.append(value.values())
+    return None
 
 
 _trace_check: list[Any] = []  # the code object of torch.jit.trace's check run, once looked up

@@ -76,8 +76,8 @@ from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
-from .graph_capture import (captured, compile_wrappers_of, dynamo_compiling,
-                            export_flag, mark_forward_as_watched, tracing, unmark_forward)
+from .graph_capture import (captured, compile_wrappers_of, dynamo_compiling, export_flag,
+                            mark_forward_as_watched, meta_only, tracing, unmark_forward)
 from .holders import stand_ins
 from .opaque import (add_forward_hook, add_forward_pre_hook, inside_torchscript, packed_weights,
                      weights_of)
@@ -96,6 +96,7 @@ __all__ = ["Recorder", "Feature", "Finding", "ModuleInfo", "ConcurrentForwardErr
 
 _get_ident = threading.get_ident
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_Tensor = torch.Tensor
 _CALL_IMPL = nn.Module._call_impl.__code__  # the frame of every module call with hooks
 # Batches whose frame and call counters are kept for late backward frames (gradient
 # accumulation can backpropagate several earlier forwards in one pass).
@@ -737,6 +738,10 @@ class Recorder:
             self._refuse_compiled_call()
         if captured():
             return self._stand_aside()
+        first = args[0] if len(args) == 1 and not kwargs else None
+        if not self._root_depth and (first.is_meta if type(first) is _Tensor  # model(x)
+                                     else meta_only(args, kwargs)):
+            return self._stand_aside()  # a data-less pass on meta tensors: no batch
         refusal = None
         try:
             with self._lock:
@@ -800,8 +805,9 @@ class Recorder:
             hooks[hook_id] = hooks.pop(hook_id)
 
     def _stand_aside(self) -> None:
-        """A tracer runs the model (see :func:`tracing`): no batch starts, nothing is
-        recorded; features read :attr:`suspended` as True until the root call returns."""
+        """A tracer runs the model (see :func:`tracing`), or a data-less pass on meta tensors
+        (:func:`meta_only`): no batch starts, nothing is recorded; features read
+        :attr:`suspended` as True until the root call returns."""
         self._aside_thread = _get_ident()
         return None
 
