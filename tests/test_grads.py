@@ -874,13 +874,45 @@ def test_backward_frames_hold_each_trainable_parameters_gradient_once() -> None:
     by_module = grads.groupby("module")["role"].apply(sorted).to_dict()
     assert by_module == {
         "inner.embed": ["weight"],  # the tied weight, once, with its summed gradient
-        "inner.attn": ["in_proj_bias", "in_proj_weight"],
-        # out_proj's forward never runs (MultiheadAttention reads its weight): a frame of its own
-        "inner.attn.out_proj": ["bias", "weight"],
+        # out_proj's forward never runs (MultiheadAttention reads its weight): no call of its
+        # own, its gradients are in the frame of the module that used them
+        "inner.attn": ["in_proj_bias", "in_proj_weight", "out_proj.bias", "out_proj.weight"],
     }
     weight = grads[(grads.module == "inner.embed")].iloc[0]
     assert weight["abs_max"] == embed.weight.grad.abs().max().item()
     assert weight["abs_min"] == embed.weight.grad.abs().min().item()
+
+
+class WeightsInAParameterDict(nn.Module):
+    """Keeps its weights in a ParameterDict it never calls (as Keras' torch backend does); its
+    bias gets a NaN gradient (the gradient of sqrt at 0 times 0) while every value stays
+    finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.params = nn.ParameterDict({"kernel": nn.Parameter(torch.randn(4, 2)),
+                                        "bias": nn.Parameter(torch.zeros(2))})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.params["bias"]
+        return x @ self.params["kernel"] + bias + torch.sqrt(bias - bias)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_gradient_event_of_a_parameter_dict_never_called_names_the_module_that_ran(mode):
+    # The event named "'params' (ParameterDict, call 0)": a container never called made no
+    # call; its gradients arrive during the backward of the module that read it.
+    torch.manual_seed(0)
+    model = WeightsInAParameterDict()
+    with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+        model(torch.randn(3, 4)).sum().backward()
+    event = w.event
+    assert (event.batch, event.module, event.module_type, event.call, event.role, event.kind,
+            event.origin) == (0, "", "WeightsInAParameterDict", 0, "params.bias", "nan", "grad")
+    assert "'params' (ParameterDict" not in event.summary()
+    backward = event.frames[event.frames.phase == "backward"]
+    assert "params" not in set(backward.module)
+    assert {"params.kernel", "params.bias"} <= set(backward[backward.module == ""].role)
 
 
 def test_a_parameter_unfrozen_while_watched_has_its_gradient_entries_and_stays_as_it_was():

@@ -284,6 +284,12 @@ class ModuleInfo:
         """The name as users read it: "<root>" for the model itself."""
         return self.name or "<root>"
 
+    @property
+    def has_no_forward(self) -> bool:
+        """Whether the module cannot be called: its class has no forward of its own (a
+        ``ParameterDict``, ``ParameterList`` or plain holder whose weights others read)."""
+        return type(self.module).forward is nn.Module.forward
+
 
 class _Counters:
     """Call counts and the next frame index of one batch."""
@@ -1193,6 +1199,22 @@ class Recorder:
         except Exception:  # a container that cannot tell
             return None
         return tensor if isinstance(tensor, torch.Tensor) else None
+
+    def parameter_owner(self, qualified: str) -> tuple[ModuleInfo | None, str]:
+        """The module to name for the parameter called ``qualified`` (as in
+        ``named_parameters()``), and the parameter's name from there: its own module, or for
+        a container that is never called (a ``ParameterDict`` the forward reads, where Keras
+        keeps every weight) the nearest watched module around it, which made the call. (None,
+        ``qualified``'s last part) for a module not watched."""
+        module, _, role = qualified.rpartition(".")
+        info = self._by_name.get(module)
+        while info is not None and not info.is_root and info.has_no_forward:
+            outer_name, _, inner = module.rpartition(".")
+            outer = self._by_name.get(outer_name)
+            if outer is None:
+                break
+            module, role, info = outer_name, f"{inner}.{role}", outer
+        return info, role
 
     def weights_now(self, name: str) -> list[Entry] | None:
         """The named module's own weights measured right now (event time only), a quantized

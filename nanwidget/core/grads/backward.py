@@ -24,9 +24,12 @@ Roles (phase ``"backward"``)
     optimizer will see it (``.grad`` once autograd has accumulated this pass's contribution),
     measured by a hook on the parameter (``register_post_accumulate_grad_hook``). It goes into
     the frame of the module that owns the parameter, the last one opened in the pass (a shared
-    parameter is owned by its first module in ``named_modules()`` order); a parameter used
-    without calling its module (``MultiheadAttention``'s ``out_proj.weight``) opens a frame of
-    its own. A weight gradient can overflow while every ``grad_input`` stays finite (it sums
+    parameter is owned by its first module in ``named_modules()`` order). A parameter used
+    without calling its module (``MultiheadAttention``'s ``out_proj.weight``, the
+    ``ParameterDict`` Keras keeps every weight in) goes into the frame of the nearest enclosing
+    module that ran, by its name from there (``out_proj.weight``, as a forward frame names it);
+    a module never called is no module call. Only with no such frame does it open one of its
+    own. A weight gradient can overflow while every ``grad_input`` stays finite (it sums
     over the batch): without this, the NaN showed only after the optimizer step, as a
     corrupted weight one batch later. Frozen parameters have no gradient and no entry (one
     unfrozen while the watch is open has its entries from then on);
@@ -197,6 +200,18 @@ def _input_targets(args: tuple, kwargs: dict | None, targets: list[tuple[str, _T
                 _grad_targets(value, f"kwarg:{key}", targets)
 
 
+def _enclosing(name: str, by_name: dict[str, ModuleInfo]) -> list[tuple[ModuleInfo, str]]:
+    """The watched modules enclosing the one called ``name``, nearest first, each with the
+    prefix that names its parameters from there ("out_proj." from "attn")."""
+    found = []
+    parts = name.split(".") if name else []
+    for depth in range(len(parts) - 1, -1, -1):
+        outer = by_name.get(".".join(parts[:depth]))
+        if outer is not None:
+            found.append((outer, ".".join(parts[depth:]) + "."))
+    return found
+
+
 def _parameter_hook(feature: Any, owner: int) -> Any:
     """The hook on a parameter (see :meth:`BackwardFrames._hook_parameters`): its feature held
     weakly and its owner by position, nothing that leads back to the model. The garbage
@@ -295,7 +310,10 @@ class BackwardFrames(Feature):
         # the .grad measured, its version then). One written again before the pass ends
         # (DDP's all-reduce averages .grad after the hook) is measured again.
         self._param_entries: list[tuple[Any, int, str, Any, Any, int]] = []
-        self._parameter_owners: list[tuple[ModuleInfo, str]] = []  # (module, name) per hook
+        # (module, name, its enclosing modules nearest first with the name prefix from each)
+        # per hook.
+        self._parameter_owners: list[tuple[ModuleInfo, str,
+                                           list[tuple[ModuleInfo, str]]]] = []
         # batch -> root forward call -> the gradient each root output received in the running
         # pass, by the output's forward role ("output", "output.logits"); let go when it ends.
         self._root_grads: dict[int, dict[int, dict[str, _Tensor]]] = {}
@@ -322,7 +340,9 @@ class BackwardFrames(Feature):
         """A hook on every trainable parameter, called once autograd has accumulated its
         gradient in a pass (see the module docstring: ``weight``, ``bias``)."""
         owned: set[int] = set()
+        by_name = {info.name: info for info in modules}
         for info in modules:
+            enclosing = _enclosing(info.name, by_name)
             try:
                 parameters = list(info.weights._parameters.items())
             except Exception:  # a container without items(): nothing to hook
@@ -351,7 +371,7 @@ class BackwardFrames(Feature):
                             parameter.requires_grad_(False)
                 except Exception:  # not a leaf, or a subclass that refuses hooks: no entry
                     continue
-                self._parameter_owners.append((info, name))
+                self._parameter_owners.append((info, name, enclosing))
                 self._handles.append(handle)
 
     # ------------------------------------------------------------------ forward side
@@ -547,19 +567,25 @@ class BackwardFrames(Feature):
         if not self._queued and recorder.root_forward_running:
             return None  # the forward's own backward pass (module docstring)
         try:
-            info, name = self._parameter_owners[owner]
+            info, name, enclosing = self._parameter_owners[owner]
             grad = parameter.grad
             if grad is None:
                 return None
             with recorder.lock:
-                # .grad stays alive until the pass resolves: held, not looked at twice.
-                entry = recorder.entries.grad_entry(name, grad, hold=True)
                 frame = self._pass_frames.get(info.index)
-                if frame is None:  # used without calling its module: a frame of its own
+                if frame is None:  # used without calling its module: an enclosing one's frame
+                    for outer, prefix in enclosing:
+                        frame = self._pass_frames.get(outer.index)
+                        if frame is not None:
+                            name = prefix + name
+                            break
+                if frame is None:  # no module around it ran either: a frame of its own
                     frame = self.recorder.record_frame(info, "backward", [],
                                                        batch=self._in_this_pass(None))
                     self._pass_frames[info.index] = frame
                     self._queue_resolution()
+                # .grad stays alive until the pass resolves: held, not looked at twice.
+                entry = recorder.entries.grad_entry(name, grad, hold=True)
                 frame.entries.append(entry)
                 frame.first_output = len(frame.entries)  # a backward frame has no outputs
                 self._param_entries.append((frame, len(frame.entries) - 1, name, parameter, grad,

@@ -321,8 +321,9 @@ class ScalerWatch(Feature):
             held.note = _joined(held.note, words)
             return held
         name, kind = self._first_bad_gradient()
-        module, _, role = name.rpartition(".")
-        info = next((i for i in self.recorder.modules if i.name == module), None)
+        # A container never called (Keras' ParameterDict) is no call: the module around it is.
+        info, role = self.recorder.parameter_owner(name)
+        module = info.name if info is not None else name.rpartition(".")[0]
         return NanEvent(batch=batch, module=module,
                         module_type=info.type_name if info is not None else "", call=0,
                         role=role, kind=kind, origin="grad", is_backward=True,

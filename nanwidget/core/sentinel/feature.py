@@ -1071,8 +1071,9 @@ class Sentinel(Feature):
                             is_backward=True, frames=frames_to_dataframe([received]),
                             rank=self.recorder.rank, frame=received.index, note=note)
         first = bad[0]
-        module_name, _, param = first.label.rpartition(".")
-        info = next((i for i in self.recorder.modules if i.name == module_name), None)
+        # A container never called (Keras' ParameterDict) is no call: the module around it is.
+        info, param = self.recorder.parameter_owner(first.label)
+        module_name = info.name if info is not None else first.label.rpartition(".")[0]
         return NanEvent(batch=batch, module=module_name,
                         module_type=info.type_name if info is not None else "", call=0,
                         role=param, kind=first.kind, origin="grad", is_backward=True,
