@@ -303,6 +303,69 @@ def test_grad_scaler_takes_an_object_holding_one_and_refuses_anything_else():
     assert hook_count(model) == 0
 
 
+class LossScalingSGD:
+    """An optimizer that scales its loss itself, as Keras' LossScaleOptimizer does (the same
+    methods, in plain torch): ``scale_loss(loss)`` multiplies by ``dynamic_scale``;
+    ``apply(grads, params)`` divides the gradients by it and steps, or, when one is not finite,
+    skips the step and halves the scale."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float = 0.01,
+                 initial_scale: float = 2.0 ** 24) -> None:
+        self.params, self.lr, self.initial_scale = params, lr, initial_scale
+        self.dynamic_scale = torch.tensor(initial_scale)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.dynamic_scale
+
+    def apply(self, grads: list[torch.Tensor], params: list[nn.Parameter]) -> None:
+        with torch.no_grad():
+            if not all(bool(torch.isfinite(g).all()) for g in grads):
+                self.dynamic_scale /= 2
+                return
+            for g, p in zip(grads, params):
+                p -= self.lr * g / self.dynamic_scale
+
+
+def _train_scaling_itself(model: nn.Module, optimizer: LossScalingSGD, batches: int) -> None:
+    """The loop Keras' fit() runs on the torch backend, under float16 autocast on CPU."""
+    data = torch.Generator().manual_seed(1)
+    params = list(model.parameters())
+    for _ in range(batches):
+        x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        model.zero_grad()
+        optimizer.scale_loss(loss).backward()
+        optimizer.apply([p.grad for p in params], params)
+
+
+@pytest.mark.parametrize("found", ["passed", "held by the model"])
+@pytest.mark.parametrize("mode", MODES)
+def test_an_optimizer_scaling_its_loss_itself_skips_steps_that_are_no_events(mode, found):
+    # grad_scaler= refused it (a TypeError), and its skipped steps stopped the run.
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = LossScalingSGD(list(model.parameters()))
+    if found == "passed":
+        options = {"grad_scaler": optimizer}
+    else:  # as a compiled Keras model holds it
+        model.optimizer, options = optimizer, {}
+    with nw.watch(model, backward=True, mode=mode, **options) as watch:
+        _train_scaling_itself(model, optimizer, 12)
+        report = watch.report()
+        skips = watch.scaler_skips
+    assert watch.grad_scaler is optimizer
+    assert not watch.events
+    assert len(skips) >= 3 and skips[0] == nw.ScalerSkip(0, 2.0 ** 24, 2.0 ** 23)
+    assert skips[-1].scale_after == float(optimizer.dynamic_scale)
+    assert report.splitlines()[-1].startswith(
+        f"LossScalingSGD skipped {len(skips)} steps on overflow (batches 0–")
+    assert "scale_loss" not in vars(optimizer) and "apply" not in vars(optimizer)  # put back
+    assert hook_count(model) == 0
+    with nw.watch(model, grad_scaler=None) as without:  # turned off
+        assert without.grad_scaler is None and without.parts.scaler is None
+
+
 def test_the_browser_status_mentions_the_skips():
     torch.manual_seed(0)
     model, scaler = Net(), _scaler()

@@ -35,7 +35,7 @@ from torch import nn
 __all__ = ["WatchOptions", "Option", "Flag", "Needs", "OPTIONS", "OPTION_NAMES", "option",
            "ON_NAN_CHOICES", "MODES", "MAX_EVENTS", "MAX_FRAMES_LIMIT", "SkipTypesWarning",
            "check_option_names", "signature_of_options", "options_help", "split_classes",
-           "batch_number", "name_matches", "wrapper_names"]
+           "batch_number", "name_matches", "wrapper_names", "is_loss_scale_optimizer"]
 
 ON_NAN_CHOICES = ("raise", "warn", "record")
 MODES = ("full", "sentinel")
@@ -272,11 +272,14 @@ def _allow_inf(name: str, value: Any, model: nn.Module | None) -> tuple[str | ty
 
 def _grad_scaler(name: str, value: Any, model: Any) -> Any:
     """A ``torch.amp.GradScaler`` (or any scaler with its ``scale`` / ``update`` /
-    ``get_scale`` methods), or an object holding one as ``.scaler`` (accelerate's
-    ``Accelerator``, Lightning's mixed-precision plugin): the scaler, or None when it holds
-    none (no float16 loss scaling to watch)."""
+    ``get_scale`` methods), an object holding one as ``.scaler`` (accelerate's
+    ``Accelerator``, Lightning's mixed-precision plugin), or an optimizer that scales the loss
+    itself (:func:`is_loss_scale_optimizer`: Keras' ``LossScaleOptimizer``): the scaler, or
+    None when it holds none (no float16 loss scaling to watch)."""
     if value is None:
         return None
+    if is_loss_scale_optimizer(value):
+        return value
     if not _is_scaler(value) and hasattr(value, "scaler"):
         held = value.scaler
         if held is None:
@@ -284,14 +287,26 @@ def _grad_scaler(name: str, value: Any, model: Any) -> Any:
         value = held
     if not _is_scaler(value):
         raise TypeError(f"{name} takes a torch.amp.GradScaler (or an object holding one as "
-                        f".scaler, such as accelerate's Accelerator), got {value!r} "
-                        f"({type(value).__name__})")
+                        f".scaler, such as accelerate's Accelerator, or Keras' "
+                        f"LossScaleOptimizer), got {value!r} ({type(value).__name__})")
     return value
 
 
 def _is_scaler(value: Any) -> bool:
     return all(callable(getattr(value, method, None))
                for method in ("scale", "update", "get_scale", "is_enabled"))
+
+
+def is_loss_scale_optimizer(value: Any) -> bool:
+    """Whether ``value`` is an optimizer that does dynamic loss scaling itself, as Keras'
+    ``LossScaleOptimizer`` does (told by its methods, nothing imported): ``scale_loss(loss)``
+    multiplies the loss by its ``dynamic_scale`` (``initial_scale`` until it is built), and
+    ``apply(grads, ...)`` skips a step whose gradients are not all finite, halving that
+    scale."""
+    return callable(getattr(value, "scale_loss", None)) \
+        and callable(getattr(value, "apply", None)) \
+        and (hasattr(value, "dynamic_scale") or hasattr(value, "initial_scale")) \
+        and not isinstance(value, nn.Module)
 
 
 def split_classes(items: tuple[str | type, ...]) -> tuple[tuple[str, ...], tuple[type, ...]]:
@@ -464,9 +479,10 @@ class WatchOptions:
                   help="a function of the notebook, loss_fn(output) -> loss: automatic replays "
                        "run it and its backward, so a NaN made in the loss is traced"))
     grad_scaler: Any = option(
-        None, "a torch.amp.GradScaler (or an Accelerator holding one): a gradient NaN/Inf in a "
-              "step it skips (lowering its scale) is not an event; skips are listed in "
-              "w.scaler_skips", _grad_scaler,
+        None, "a torch.amp.GradScaler (or an Accelerator holding one, or Keras' "
+              "LossScaleOptimizer: found by itself in a model compiled with one): a gradient "
+              "NaN/Inf in a step it skips (lowering its scale) is not an event; skips are listed "
+              "in w.scaler_skips", _grad_scaler,
         manifest=lambda value: None if value is None else type(value).__name__)
     scaler_patience: int = option(
         8, "with grad_scaler: this many skipped steps in a row are an event", whole(1))

@@ -43,7 +43,8 @@ from .replay import BatchCapture, Replayer, ReplayError
 from .replay.run import unreplayable_reason
 from .report import format_event_report
 from .options import (MAX_EVENTS, MODES, OPTIONS, SkipTypesWarning, WatchOptions, batch_number,
-                      options_help, signature_of_options, split_classes)
+                      is_loss_scale_optimizer, options_help, signature_of_options,
+                      split_classes)
 from .sentinel import Sentinel, compiled_in_place, has_compiled_parts, is_compile_wrapper
 from .state import watching_recorders
 from .structure import ModelChanges
@@ -94,6 +95,16 @@ def _unwrap_model(model: Any) -> _Target:
     if not compiled and has_compiled_parts(model):
         compiled = "parts"
     return _Target(root=model, entry=entry, compiled=compiled)
+
+
+def _loss_scale_optimizer_of(model: nn.Module) -> Any:
+    """The optimizer a Keras model was compiled with, when it scales its loss itself (Keras'
+    ``LossScaleOptimizer``, under the ``mixed_float16`` policy), else None."""
+    try:
+        optimizer = model.__dict__.get("optimizer")
+    except Exception:  # an odd module: none
+        return None
+    return optimizer if is_loss_scale_optimizer(optimizer) else None
 
 
 def _resolve_mode(mode: str | None, target: _Target) -> str:
@@ -152,6 +163,10 @@ class NanWatch:
         root = target.root
         checked = WatchOptions.checked(root, **options)
         checked = checked.replace(mode=_resolve_mode(checked.mode, target))
+        if "grad_scaler" not in options:
+            found = _loss_scale_optimizer_of(root)
+            if found is not None:  # a Keras model compiled under mixed_float16
+                checked = checked.replace(grad_scaler=found)
         #: The options, checked; ``mode`` is the mode the watch runs in ("full" or "sentinel").
         self.options = checked
         self.model = root
@@ -371,7 +386,8 @@ class NanWatch:
         """
         event = event or self.event
         recorder = self._recorder
-        skipped = skips_summary(self.scaler_skips)
+        scaler = self._parts.scaler
+        skipped = skips_summary(scaler.skips, scaler.label) if scaler is not None else ""
         traced = [self.frames(batch=batch) for batch in recorder.recorded_trace_batches
                   if event is None or batch < event.batch]
         trace_frames = pd.concat(traced, ignore_index=True) if traced else None

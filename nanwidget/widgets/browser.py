@@ -417,7 +417,8 @@ class FrameBrowser(widgets.VBox):
         else:
             words = "no NaN/Inf seen"
         watch = self.source.watch
-        skipped = skips_summary(watch.scaler_skips) if watch is not None else ""
+        scaler = watch.parts.scaler if watch is not None else None
+        skipped = skips_summary(scaler.skips, scaler.label) if scaler is not None else ""
         skipped = f" · {html.escape(skipped, quote=False)}" if skipped else ""
         return f"{held} · {words}{skipped}{self._warnings_text()}"
 

@@ -612,7 +612,7 @@ def _skipped_words(run: object) -> str:
     """The skipped steps of a GradScaler's patience event, in one sentence's words."""
     batches = (f"batch {run.first_batch}" if run.first_batch == run.last_batch
                else f"batches {run.first_batch}–{run.last_batch}")
-    return (f"the GradScaler skipped {run.skipped} steps in a row ({batches}), lowering its "
+    return (f"the {run.scaler} skipped {run.skipped} steps in a row ({batches}), lowering its "
             f"scale from {run.scale_first:.10g} to {run.scale_now:.10g}")
 
 
@@ -1887,7 +1887,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
     found = found or _unknown(facts, replayable)
     run = facts.scaler_run
     if run is not None and found.kind not in ("overflow", "divergence") \
-            and not any(line.startswith("The GradScaler skipped") for line in found.evidence):
+            and not any(line.startswith(f"The {run.scaler} skipped") for line in found.evidence):
         skipped = _skipped_words(run)
         found.evidence.append(f"{skipped[0].upper()}{skipped[1:]}: "
                               f"a {_kind_words(event.kind)} gradient at every scale does not "

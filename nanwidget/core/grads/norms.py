@@ -17,6 +17,7 @@ from ..history import History
 from ..recorder import Feature, Recorder
 from ..schema import GRAD_HISTORY_COLUMNS, GRAD_HISTORY_DTYPES, empty_table
 from ..stats import local_shard
+from .scaler import scaling_enabled
 
 __all__ = ["GradNorms", "grad_norms", "empty_grad_history", "MAX_GRAD_EVENTS",
            "GRAD_HISTORY_FULL_BATCHES", "GRAD_HISTORY_WINDOWS", "GRAD_HISTORY_WINDOW"]
@@ -73,7 +74,7 @@ class GradNorms(Feature):
         threshold = self.threshold
         rank = recorder.rank
         flagged = False
-        scaled = self.scaler is not None and self.scaler.is_enabled()
+        scaled = self.scaler is not None and scaling_enabled(self.scaler)
         with recorder.lock:
             if self.history is None:
                 names = [name for name, _ in recorder.model.named_parameters()]

@@ -26,6 +26,15 @@ is called even then, and skips inside its kernel). Cost: one host read of the sc
 ``found_inf`` and, at a step the scaler takes, whether the gradients are finite (one read per
 device) only while a gradient event is held.
 
+Keras' ``LossScaleOptimizer`` (the optimizer of a Keras model compiled under the
+``mixed_float16`` policy, on the torch backend) does the same in two calls of its own: the loss
+goes through ``scale_loss(loss)``, and ``apply(grads, ...)`` either takes the step or skips it,
+halving its ``dynamic_scale``. It is watched the same way (told by those methods, see
+``options.is_loss_scale_optimizer``; nothing of Keras is imported): its ``scale_loss`` and
+``apply`` are wrapped; a held gradient event is recorded before an
+``apply()`` whose gradients are all finite (it takes that step), and after ``apply()`` a fallen
+scale is a skipped step (one host read of the scale per step).
+
 Without ``grad_scaler``, :class:`ScalerHint` adds to an Inf gradient event of a float16 run, or
 of a run with a GradScaler in the caller's frames, how to tell the watch about the scaler.
 """
@@ -44,28 +53,38 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..detect import event_kind
 from ..events import LOSS_ROLE, NanEvent, ScalerSkip
+from ..options import is_loss_scale_optimizer
 from ..recorder import Feature, Finding, Recorder
 from ..stats import measure_tensor
 from ..writes import wraps_an_optimizer
 
-__all__ = ["ScalerWatch", "ScalerHint", "SkipRun", "skips_summary", "PASS_THE_SCALER"]
+__all__ = ["ScalerWatch", "ScalerHint", "SkipRun", "skips_summary", "scaling_enabled",
+           "PASS_THE_SCALER"]
 
 PASS_THE_SCALER = ("if a torch.amp.GradScaler scales this loss, pass it: "
                    "nw.watch(model, grad_scaler=scaler) (an overflow in a step the scaler skips "
-                   "is then no event)")
+                   "is then no event; a Keras model compiled under mixed_float16: "
+                   "grad_scaler=model.optimizer)")
 _SKIPS_KEPT = 10_000
 _STACK_DEPTH = 40  # caller frames searched for a GradScaler
 
 
-def skips_summary(skips: list[ScalerSkip]) -> str:
-    """One line on the steps a GradScaler skipped ("" when none)."""
+def scaling_enabled(scaler: Any) -> bool:
+    """Whether ``scaler`` scales the loss now: an enabled GradScaler, or an optimizer that
+    scales its loss itself (always)."""
+    return is_loss_scale_optimizer(scaler) or scaler.is_enabled()
+
+
+def skips_summary(skips: list[ScalerSkip], scaler: str = "GradScaler") -> str:
+    """One line on the steps a GradScaler (or the loss scaler named ``scaler``) skipped ("" when
+    none)."""
     if not skips:
         return ""
     first, last = skips[0], skips[-1]
     batches = f"batch {first.batch}" if len(skips) == 1 else \
         f"batches {first.batch}–{last.batch}"
     steps = "step" if len(skips) == 1 else "steps"
-    return (f"GradScaler skipped {len(skips)} {steps} on overflow ({batches}; scale "
+    return (f"{scaler} skipped {len(skips)} {steps} on overflow ({batches}; scale "
             f"{first.scale_before:.10g} → {last.scale_after:.10g}): not events")
 
 
@@ -82,6 +101,7 @@ class SkipRun(NamedTuple):
     scale_at_watch: float | None  # when the watch began
     steps_before: int  # optimizer steps the scaler took since the watch began, before the run
     loss: float | None  # |loss| of the last skipped step (finite), when it was read
+    scaler: str = "GradScaler"  # what skipped them, as users know it
 
 
 def _non_finite(tensor: torch.Tensor | None) -> str | None:
@@ -94,7 +114,8 @@ def _non_finite(tensor: torch.Tensor | None) -> str | None:
 
 
 class ScalerWatch(Feature):
-    """Watches one GradScaler for a watch (see the module docstring).
+    """Watches one GradScaler, or one optimizer that scales its loss itself (Keras'
+    ``LossScaleOptimizer``), for a watch (see the module docstring).
 
     ``detail``: turns a held gradient event into the event to record, with the frames its
     replay made (the sentinel replays a gradient event only once it is one); None: recorded as
@@ -107,6 +128,12 @@ class ScalerWatch(Feature):
                  detail: Callable[[NanEvent], Finding] | None = None) -> None:
         self.recorder = recorder
         self.scaler = scaler
+        # An optimizer that scales its loss itself (scale_loss / apply), not a GradScaler.
+        self.scales_own_loss = is_loss_scale_optimizer(scaler)
+        #: What the skipped steps are told to have been skipped by.
+        self.label = type(scaler).__name__ if self.scales_own_loss else "GradScaler"
+        self._scale_call = "optimizer.scale_loss()" if self.scales_own_loss \
+            else "grad_scaler.scale()"
         self.patience = patience
         self.detail = detail
         self.skips: list[ScalerSkip] = []
@@ -124,20 +151,23 @@ class ScalerWatch(Feature):
         self._held: NanEvent | None = None  # a gradient event waiting for the scaler
         # The scale after the last update() (a skipped step lowers it): one host read per
         # step, at update(), where the scaler is done with the step.
-        self._scale_now = scaler.get_scale() if scaler.is_enabled() else None
+        self._scale_now = self._get_scale() if self._enabled() else None
         self._scale_at_watch = self._scale_now
         # The scaler instance's own scale/update while watched (the class's stay untouched);
         # what the instance held itself before (another wrapper) is put back on close. The
         # wrappers and the optimizer hook reach this watch weakly: a watch dropped unclosed is
         # collected, and then lets go of the scaler and the hook (the finalizer).
         me = weakref.ref(self)
+        names = ("scale_loss", "apply") if self.scales_own_loss else ("scale", "update")
         self._wrapped: dict[str, Any] = {name: scaler.__dict__.get(name, _ABSENT)
-                                         for name in ("scale", "update")}
+                                         for name in names}
         self._wrappers = {name: _ScalerMethod(me, scaler, name, self._wrapped[name])
-                          for name in ("scale", "update")}
+                          for name in names}
         for name, wrapper in self._wrappers.items():
             setattr(scaler, name, wrapper)
-        pre_step = register_optimizer_step_pre_hook(_weakly(me, "_before_step", _nothing))
+        # A loss-scale optimizer decides in its own apply(): no torch optimizer step to watch.
+        pre_step = None if self.scales_own_loss else \
+            register_optimizer_step_pre_hook(_weakly(me, "_before_step", _nothing))
         self._let_go = weakref.finalize(self, _let_go, scaler, self._wrapped, self._wrappers,
                                         pre_step)
 
@@ -145,8 +175,23 @@ class ScalerWatch(Feature):
     def _original(self, name: str) -> Any:
         return _original(self.scaler, self._wrapped, name)
 
+    def _enabled(self) -> bool:
+        return self.scales_own_loss or self.scaler.is_enabled()
+
+    def _get_scale(self) -> float:
+        """The loss scale now (a host read)."""
+        if not self.scales_own_loss:
+            return self.scaler.get_scale()
+        scale = getattr(self.scaler, "dynamic_scale", None)  # made when it is built
+        return float(self.scaler.initial_scale if scale is None else scale)
+
     def _scale(self, outputs: Any) -> Any:
-        scaled = self._original("scale")(outputs)
+        return self._hold_loss(outputs, self._original("scale")(outputs))
+
+    def _scale_loss(self, loss: Any) -> Any:
+        return self._hold_loss(loss, self._original("scale_loss")(loss))
+
+    def _hold_loss(self, outputs: Any, scaled: Any) -> Any:
         if isinstance(outputs, torch.Tensor) and not self.recorder.closed:
             self._loss = outputs.detach()  # read once: at a gradient event, the step or update()
             self._loss_batch = self._last_batch
@@ -164,8 +209,8 @@ class ScalerWatch(Feature):
     def overflow_possible(self, batch: int) -> bool:
         """Whether a gradient event of ``batch`` may be an overflow the scaler skips (it scales,
         and the loss it scaled is finite): the sentinel then replays it only once it is one."""
-        return self.scaler.is_enabled() and not (self._loss_batch == batch
-                                                 and self._loss_kind() is not None)
+        return self._enabled() and not (self._loss_batch == batch
+                                        and self._loss_kind() is not None)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """An optimizer is about to step, called by the scaler (or directly). A non-finite loss
@@ -189,7 +234,7 @@ class ScalerWatch(Feature):
             if stepped_bad is None:
                 return  # finite gradients here: the bad ones are another optimizer's to skip
             event = self._held
-            event.note = _joined(event.note, "the GradScaler did not skip this step" + (
+            event.note = _joined(event.note, f"the {self.label} did not skip this step" + (
                 ": this optimizer was about to step with non-finite gradients (step it with "
                 "scaler.step(optimizer), which skips such a step)" if stepped_bad else ""))
         if event is not None:
@@ -213,12 +258,37 @@ class ScalerWatch(Feature):
             return True
         return None if bad else False
 
+    def _apply(self, grads: Any, *args: Any, **kwargs: Any) -> Any:
+        """A loss-scale optimizer's step and scale update in one: it skips the step (halving
+        its scale) when a gradient it is handed is not finite. A non-finite loss, or a held
+        gradient event while the gradients it steps with are all finite, is an event raised
+        before the step applies (one read of those gradients, only with an event held)."""
+        if not self.recorder.closed:
+            batch = self._loss_batch if self._loss_batch is not None else self._last_batch
+            event = self._loss_event(batch, self._held)
+            if event is None and self._held is not None and _all_finite(grads):
+                event = self._held
+                event.note = _joined(event.note, f"the {self.label} did not skip this step: "
+                                                 "the gradients it steps with are finite")
+            if event is not None:
+                self._held = None
+                self._record(event.batch, event)
+        result = self._original("apply")(grads, *args, **kwargs)
+        if not self.recorder.closed:
+            self._scale_updated(None)
+        return result
+
     def _update(self, new_scale: Any = None) -> Any:
-        update = self._original("update")
-        result = update(new_scale)
-        if self.recorder.closed or not self.scaler.is_enabled():
-            return result
-        before, after = self._scale_now, self.scaler.get_scale()
+        result = self._original("update")(new_scale)
+        if not self.recorder.closed and self._enabled():
+            self._scale_updated(new_scale)
+        return result
+
+    def _scale_updated(self, new_scale: Any) -> None:
+        """The scaler updated its scale after a step (``new_scale``: the one the user set):
+        a fallen scale is a skipped step (listed; the ``scaler_patience``-th in a row is an
+        event), else the step was taken, with a held event an event all the same."""
+        before, after = self._scale_now, self._get_scale()
         self._scale_now = after
         batch = self._loss_batch if self._loss_batch is not None else self._last_batch
         held, self._held = self._held, None
@@ -229,7 +299,7 @@ class ScalerWatch(Feature):
             self._step_over()
             if event is not None:  # the step was taken with it: an event all the same
                 self._record(event.batch, event)
-            return result
+            return
         if len(self.skips) < _SKIPS_KEPT:
             self.skips.append(ScalerSkip(batch, before, after))
         else:
@@ -243,14 +313,13 @@ class ScalerWatch(Feature):
             start_batch, start_scale = self._run_start or (batch, before)
             self._deciding = SkipRun(start_batch, batch, self.in_a_row, start_scale, before,
                                      after, self._scale_at_watch, self.steps_taken,
-                                     self._loss_abs)
+                                     self._loss_abs, self.label)
         self._step_over()
         if event is not None:
             try:
                 self._record(event.batch, event)
             finally:
                 self._deciding = None
-        return result
 
     def patience_run(self, event: NanEvent) -> SkipRun | None:
         """The skipped steps behind ``event`` when it is the event of the
@@ -268,12 +337,12 @@ class ScalerWatch(Feature):
 
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
         if reason != "backward" or event is None or not event.is_backward \
-                or not self.scaler.is_enabled():
+                or not self._enabled():
             return event
         kind = self._loss_kind() if self._loss_batch == event.batch else None
         if kind is not None:  # a non-finite loss is no overflow: the event stands
             self._loss_read = None  # said here, not again at the step
-            event.note = _joined(event.note, _loss_words(kind))
+            event.note = _joined(event.note, _loss_words(kind, self._scale_call))
             return event
         self._held = event  # the scaler decides at its step: skipped, or an event
         return None
@@ -305,17 +374,17 @@ class ScalerWatch(Feature):
             return None
         self._loss_read = None  # one event per loss
         if held is not None:
-            held.note = _joined(held.note, _loss_words(kind))
+            held.note = _joined(held.note, _loss_words(kind, self._scale_call))
             return held
         if any(e.batch == batch and not e.is_backward for e in self.recorder.events):
             return None  # the forward's own event said it already
         root = self.recorder.modules[0]
         return NanEvent(batch=batch, module=root.name, module_type=root.type_name, call=0,
                         role=LOSS_ROLE, kind=kind, origin="output", rank=self.recorder.rank,
-                        note=_loss_words(kind))
+                        note=_loss_words(kind, self._scale_call))
 
     def _patience_event(self, batch: int, held: NanEvent | None, after: float) -> NanEvent:
-        words = (f"the GradScaler skipped {self.in_a_row} steps in a row (scale now {after:g}): "
+        words = (f"the {self.label} skipped {self.in_a_row} steps in a row (scale now {after:g}): "
                  "the gradients stayed non-finite at every scale it tried")
         if held is not None:
             held.note = _joined(held.note, words)
@@ -356,6 +425,21 @@ def _with_non_finite_grads(parameters: list[Any]) -> set[int]:
             flags = torch.stack([~torch.isfinite(g).all() for g in grads.values()]).tolist()
             bad.update(key for key, flag in zip(grads, flags) if flag)
     return bad
+
+
+def _all_finite(grads: Any) -> bool:
+    """Whether every gradient tensor in ``grads`` (a list or tuple; None entries skipped) is
+    finite (one host read: event time only)."""
+    if not isinstance(grads, (list, tuple)):
+        return True
+    tensors = [g for g in grads if isinstance(g, torch.Tensor)
+               and (g.is_floating_point() or g.is_complex()) and g.numel()]
+    if not tensors:
+        return True
+    with torch.no_grad():
+        device = tensors[0].device
+        flags = torch.stack([torch.isfinite(g).all().to(device) for g in tensors])
+        return bool(flags.all())
 
 
 def _read_loss(loss: torch.Tensor) -> tuple[str | None, float | None]:
@@ -425,10 +509,11 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 def _let_go(scaler: Any, wrapped: dict[str, Any], wrappers: dict[str, Any],
-            pre_step: Any) -> None:
+            pre_step: Any | None) -> None:
     """Remove the optimizer hook; put back the scaler's own methods where ours still sit (one
     set on top of ours since stays: it calls ours, which then passes every call through)."""
-    pre_step.remove()
+    if pre_step is not None:
+        pre_step.remove()
     for name, own in wrapped.items():
         if scaler.__dict__.get(name) is wrappers[name]:
             if own is _ABSENT:
@@ -437,9 +522,8 @@ def _let_go(scaler: Any, wrapped: dict[str, Any], wrappers: dict[str, Any],
                 scaler.__dict__[name] = own
 
 
-def _loss_words(kind: str) -> str:
-    return (f"the loss handed to grad_scaler.scale() is {kind}: no overflow the scaler can "
-            "skip")
+def _loss_words(kind: str, scale_call: str) -> str:
+    return f"the loss handed to {scale_call} is {kind}: no overflow the scaler can skip"
 
 
 def _joined(note: str, words: str) -> str:
