@@ -924,6 +924,41 @@ def test_a_model_keeping_an_additive_mask_as_a_buffer_can_still_diverge():
     assert "addmm in module '2' (Linear)" in w.event.diagnosis.summary
 
 
+class WeightsInAParameterDict(nn.Module):
+    """An MLP whose weights sit in a ParameterDict it never calls, read by its own forward (how
+    Keras' torch backend keeps every weight of a model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers = [nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 1)]
+        self.params = nn.ParameterDict({f"{kind}{i}": getattr(layer, kind)
+                                        for i, layer in enumerate(layers)
+                                        for kind in ("weight", "bias")})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        h = torch.relu(nn.functional.linear(x, p["weight0"], p["bias0"]))
+        h = torch.relu(nn.functional.linear(h, p["weight1"], p["bias1"]))
+        return nn.functional.linear(h, p["weight2"], p["bias2"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_kept_in_a_parameter_dict_never_called_still_show_a_divergence(mode):
+    # No frame of the ParameterDict measured its weights (it is never called): the climb of
+    # the weights went unseen and the blow-up read "overflow".
+    torch.manual_seed(0)
+    model = WeightsInAParameterDict()
+    w = train_until_an_event(model, torch.optim.SGD(model.parameters(), lr=5.0),
+                             torch.randn(16, 8), torch.randn(16, 1), 20, mode,
+                             **({"sample_every": 1} if mode == "sentinel" else {}))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "divergence"
+    assert "Training diverged: the weights grew" in diagnosis.summary
+    evidence = "\n".join(diagnosis.evidence)
+    assert "The weights' abs max (summed over modules) grew" in evidence
+    assert "Grown most since first measured: 'params'" in evidence
+
+
 def test_sentinel_mode_without_samples_cannot_tell_divergence_and_says_so():
     diagnosis = _mlp_at_a_huge_learning_rate("sentinel").event.diagnosis
     assert diagnosis.kind == "overflow"

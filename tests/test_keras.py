@@ -118,3 +118,25 @@ def test_a_nan_gradient_at_every_loss_scale_is_an_event_naming_the_model_not_its
     assert (event.module, event.module_type, event.call) == ("", "Functional", 0)
     assert event.role.startswith("_torch_params.")
     assert "(ParameterDict" not in event.summary()
+
+
+# ---------------------------------------------------------------------------- divergence
+def test_a_keras_model_at_too_high_a_learning_rate_is_a_divergence():
+    # Its weights climb 3.8 -> 18 -> 1.1e4 -> 8e15 over four SGD steps, all kept in the root's
+    # '_torch_params', which no frame measures: the blow-up read "overflow".
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 8)).astype("float32") * 3
+    y = (x.sum(1, keepdims=True) * 10).astype("float32")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(32, activation="relu")(
+        keras.layers.Dense(32, activation="relu")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    with nw.watch(model, on_nan="record") as w:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "divergence"
+    assert "Training diverged: the weights grew" in diagnosis.summary
+    assert any(line.startswith("The weights' abs max (summed over modules) grew")
+               for line in diagnosis.evidence)

@@ -13,7 +13,7 @@ import bisect
 import itertools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,12 +64,21 @@ class WeightLog:
         return self.is_buffer is not None and additive_mask(entry) \
             and self.is_buffer(module, entry.role)
 
-    def take(self, frames: list[Frame]) -> None:
-        """Fold a batch's resolved frames in (the weight entries of forward frames)."""
+    def take(self, frames: list[Frame], held: Sequence[tuple[str, list[Entry]]] = (),
+             batch: int = -1) -> None:
+        """Fold a batch's resolved frames in (the weight entries of forward frames), and
+        ``held``: (module, its weight entries) of the modules that keep weights but are never
+        called (a ``ParameterDict`` the forward reads), measured at the end of ``batch``."""
         total = 0.0
-        batch = -1
         last_finite = self.last_finite
         inf = math.inf
+        if not held:
+            batch = -1  # the frames' own
+        for module, entries in held:
+            own = self._sum(module, entries)
+            total += own
+            if own == own and own != inf and last_finite.get(module, -1) < batch:
+                last_finite[module] = batch
         for frame in frames:
             count = frame.first_input  # weights come first; backward frames have none
             if count:
@@ -89,11 +98,11 @@ class WeightLog:
         if batch < 0:
             return
         if not self.first:
-            self._first_seen(frames)
+            self._first_seen(frames, held, batch)
         if total != total or total == math.inf:
             # A non-finite weight: no point of the climb. Summed again only here (an event's
             # batch), never on a batch whose weights are finite.
-            self.finite_part = (batch, self._finite_sum(frames))
+            self.finite_part = (batch, self._finite_sum(frames, held))
             return
         series = self.series
         if series and series[-1][0] == batch:  # the same batch again (a replayed context)
@@ -103,31 +112,41 @@ class WeightLog:
             if len(series) > self.batches:
                 del series[0]
 
-    def _finite_sum(self, frames: list[Frame]) -> float:
+    def _finite_sum(self, frames: list[Frame],
+                    held: Sequence[tuple[str, list[Entry]]] = ()) -> float:
         """The sum of the weights' abs max over the modules whose own weights are finite."""
         total = 0.0
-        for frame in frames:
-            count = frame.first_input
-            own = 0.0
-            for entry in frame.entries[:count]:
-                stats = entry[1]
-                if stats is not None and _is_float_weight(entry) \
-                        and not (stats.abs_max == math.inf and self._mask(frame.module, entry)):
-                    own += stats.abs_max
+        measured = [(frame.module, frame.entries[:frame.first_input]) for frame in frames]
+        for module, entries in measured + list(held):
+            own = self._sum(module, entries)
             if own == own and own != math.inf:
                 total += own
         return total
 
-    def _first_seen(self, frames: list[Frame]) -> None:
-        for frame in frames:
-            count = frame.first_input
-            if not count or frame.module in self.first:
+    def _sum(self, module: str, entries: list[Entry]) -> float:
+        """The sum of the abs max of a module's weight ``entries`` (floating point ones)."""
+        own = 0.0
+        for entry in entries:
+            stats = entry[1]
+            if stats is not None and _is_float_weight(entry):
+                value = stats.abs_max
+                if value == math.inf and self._mask(module, entry):
+                    continue
+                own += value
+        return own
+
+    def _first_seen(self, frames: list[Frame], held: Sequence[tuple[str, list[Entry]]],
+                    batch: int) -> None:
+        measured = [(frame.module, frame.batch, frame.entries[:frame.first_input])
+                    for frame in frames if frame.first_input]
+        measured += [(module, batch, entries) for module, entries in held]
+        for module, at, entries in measured:
+            if module in self.first:
                 continue
-            values = [e[1].abs_max for e in frame.entries[:count]
-                      if e[1] is not None and _is_float_weight(e)
-                      and not self._mask(frame.module, e)]
+            values = [e[1].abs_max for e in entries
+                      if e[1] is not None and _is_float_weight(e) and not self._mask(module, e)]
             if values and all(v == v and v != math.inf for v in values):
-                self.first[frame.module] = (frame.batch, max(values))
+                self.first[module] = (at, max(values))
 
 
 def _is_float_weight(entry: Any) -> bool:

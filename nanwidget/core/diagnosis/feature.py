@@ -20,13 +20,14 @@ import torch
 from torch import nn
 
 from ..detect import additive_mask
+from ..entries import Entry
 from ..events import (LOSS_ROLE, NO_WEIGHTS_SEEN, NOT_REPLAYED, REPEATED_NOTES,
                       UNREAD_WEIGHTS, UNVERIFIED_NOTES, Diagnosis, NanEvent,
                       gradient_only_reduced, weights_unchecked)
 from ..opaque import holds_packed_weights, packed_weights
 from ..frames import Frame, weights_finite_last
 from ..ranks import world_size
-from ..recorder import Feature, Recorder
+from ..recorder import Feature, ModuleInfo, Recorder
 from ..schema import PACKED
 from ..stats import PLAIN_TENSOR_TYPES, local_shard, storage_holds
 from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_step,
@@ -116,6 +117,11 @@ class Diagnoser(Feature):
         self.loss_fn = loss_fn
         self.scaler_run = scaler_run
         self.weights = WeightLog(is_buffer=recorder.is_buffer)
+        # The modules that keep weights without being called, and those weights' entries
+        # queued for the batch running now (see on_batch_output).
+        self._holders: list[ModuleInfo] = []
+        self._holders_of: tuple[int, int] | None = None
+        self._held: list[tuple[str, list[Entry]]] = []
         self.replays = 0
         self._resolved: list[Frame] = []  # the frames last resolved within a batch (backward)
         # (earlier event, weight names) -> what its window says (see _finite_in_window).
@@ -125,9 +131,36 @@ class Diagnoser(Feature):
         self._bad_grads: dict[str, tuple[Any, int, int, NanEvent]] = {}
 
     # ------------------------------------------------------------------ per batch (under the lock)
+    def on_batch_output(self, batch: int, output: Any) -> None:
+        # Weights kept by a module that is never called (a ParameterDict the forward reads
+        # from; Keras keeps every weight in one): no frame measures them, so they are queued
+        # here, with the batch's frames, in the batches recorded in full; from the weight
+        # cache, that is read again only once they changed.
+        holders = self._weight_holders()
+        if holders and self.recorder.module_hooks_attached:
+            builder = self.recorder.entries
+            self._held = []
+            for info in holders:
+                entries: list[Entry] = []
+                builder.weight_entries(info.weights, entries)
+                self._held.append((info.name, entries))
+
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
-        if frames:
-            self.weights.take(frames)
+        held, self._held = self._held, []
+        if frames or held:
+            self.weights.take(frames, held, batch)
+
+    def _weight_holders(self) -> list[ModuleInfo]:
+        """The watched modules that keep weights but cannot be called: their class has no
+        forward of its own (``ParameterDict``, ``ParameterList``, a plain holder). Found again
+        only when the watched modules change."""
+        modules = self.recorder.modules
+        key = (id(modules), len(modules))
+        if self._holders_of != key:
+            self._holders_of = key
+            self._holders = [info for info in modules
+                             if info.has_state and not info.is_root and info.has_no_forward]
+        return self._holders
 
     def on_frames_replayed(self, frames: list[Frame]) -> None:
         self.weights.take(frames)
