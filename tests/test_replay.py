@@ -763,6 +763,27 @@ def test_a_manual_replay_of_a_backward_event_with_a_loss_checks_for_that_event()
     assert "the loss function this replay ran is not the one the batch ran" in finite.summary()
 
 
+def test_a_forward_only_replay_of_a_backward_event_is_not_reproduced_and_says_why():
+    # It read reproduced=True ("the replay met the recorded event again") although a replay
+    # without a backward pass cannot meet an event made in the backward pass.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+
+    def loss_fn(out):
+        return torch.sqrt(out[:, 0]).mean()  # NaN made in the loss
+
+    with nw.watch(model, backward=True, loss_fn=loss_fn, on_nan="record") as w:
+        loss_fn(model(x)).backward()
+        assert [e.is_backward for e in w.events] == [True]
+        forward_only = w.replay(0)
+        with_loss = w.replay(0, loss_fn=loss_fn)
+    assert not forward_only.reproduced and "(backward)" in forward_only.expected
+    assert "ran the forward only" in forward_only.summary()
+    assert "replay(0, loss_fn=...)" in forward_only.report()
+    assert with_loss.reproduced and with_loss.first_bad["op"] == "sqrt"
+
+
 class NumpyLayerDrop(nn.Module):
     """Layer drop drawn from NumPy's global generator (as wav2vec2 draws its time masks): the
     second layer, which makes a NaN, runs when the draw is below 0.6."""

@@ -123,6 +123,10 @@ class Trace:
             return ""
         if not self.expected:
             return f"the replay found an event the run did not record: {self.found}"
+        if "(backward)" in self.expected and not self.backward_from and self.loss is None \
+                and not self.found:
+            return ("the recorded event is in the backward pass and this replay ran the forward "
+                    f"only: replay({self.batch}, loss_fn=...) runs the loss and its backward too")
         if self.changes:
             return ("the replay differs from when the batch ran: " + "; ".join(self.changes[:3])
                     + (" ..." if len(self.changes) > 3 else ""))

@@ -75,8 +75,8 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
                       output_grads: OutputGrads | None = None) -> Trace:
     """Re-run ``held`` under the op tracer; the model, RNG states and the recorder's own
     recording are left as they were. ``expected``: the event recorded for this batch (None:
-    the recorder's first forward event of the batch, or its backward one when the replay runs
-    a backward pass), which the replay checks for.
+    the recorder's first forward event of the batch, else its backward one), which the replay
+    checks for: a replay that runs no backward pass does not meet a backward event.
     ``output_grads``: without ``loss_fn``, run each forward's backward pass from the gradients
     its outputs received live (see :func:`replay_frames`)."""
     if expected is None:
@@ -84,7 +84,9 @@ def replay_held_batch(recorder: Recorder, capture: BatchCapture, held: HeldBatch
         # the gradients the outputs received), its backward event.
         recorded = [e for e in recorder.events if e.batch == held.batch and e.origin != "peer"]
         expected = next((e for e in recorded if not e.is_backward), None)
-        if expected is None and (loss_fn is not None or output_grads is not None):
+        if expected is None:
+            # A backward event: met again only by a replay that runs a backward pass; one
+            # that runs the forward only cannot meet it, and its verdict says so.
             expected = next((e for e in recorded if e.is_backward), None)
     refuse_unreplayable(recorder, capture, held)
     # A backward event is met again only in backward frames (a replay with a loss records them).
