@@ -414,6 +414,26 @@ def test_rerun_replays_the_chosen_batch_and_shows_the_trace(tiny_mlp):
         watch.close()
 
 
+def test_rerun_of_an_event_made_in_the_loss_runs_the_watchs_loss_fn():
+    # The button replayed the forward only: "all 3 ops produced finite values" for a NaN that
+    # the watch's own loss_fn made.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+
+    def loss_fn(out):
+        return torch.sqrt(out[:, 0]).mean()  # NaN made in the loss
+
+    with nw.watch(model, backward=True, loss_fn=loss_fn) as watch:
+        with pytest.raises(nw.NanDetected):
+            loss_fn(model(x)).backward()
+    browser = FrameBrowser(watch, plots=False)
+    trace = browser.rerun_batch()
+    assert trace.reproduced and trace.first_bad["op"] == "sqrt"
+    head = browser.trace.value.split("</div>")[0]
+    assert "first bad op: sqrt</b> in loss_fn at" in head
+
+
 def test_sources_other_than_a_watch_cannot_rerun(recorded):
     for source in (recorded.frames(), recorded.event):
         browser = FrameBrowser(source, plots=False)

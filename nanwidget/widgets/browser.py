@@ -588,7 +588,10 @@ class FrameBrowser(widgets.VBox):
             return None
         self.trace.value = f"<i>re-running batch {batch} in trace mode…</i>"
         try:
-            trace = watch.replay(batch)
+            # As the watch's own replay would run it: with its loss_fn, so that an event made
+            # in the loss or the backward pass is traced too.
+            replayer = watch.parts.replayer
+            trace = replayer.rerun(batch) if replayer is not None else watch.replay(batch)
         except Exception as error:  # a batch no longer held, a closed watch: say so, stay usable
             self.trace.value = (f"<span class='nw-alert' style='{ALERT}'>could not re-run batch "
                                 f"{batch}: {html.escape(f'{type(error).__name__}: {error}')}</span>")
@@ -613,11 +616,13 @@ class FrameBrowser(widgets.VBox):
         if first is not None:
             op = html.escape(str(first.get("op", "?")))
             where = str(first.get("source", "") or "")
-            module = html.escape(module_label(str(first.get("module", ""))))
+            in_loss = getattr(trace, "ran_in_loss", None)
+            module = ("loss_fn" if in_loss is not None and in_loss(first) else
+                      "module " + html.escape(module_label(str(first.get("module", "")))))
             place = (f" at <code>{html.escape(where)}</code>" if where else
                      " <span class='nw-muted'>(no line of your code on the stack: the op ran "
                      "inside torch or a library)</span>")
-            headline = (f"<b class='nw-alert' style='{ALERT}'>first bad op: {op}</b> in module "
+            headline = (f"<b class='nw-alert' style='{ALERT}'>first bad op: {op}</b> in "
                         f"{module}{place}")
         elif not getattr(trace, "reproduced", True):
             headline = (f"<b>not reproduced</b>, because "

@@ -112,6 +112,19 @@ class Replayer(Feature):
         received = self._received(event.batch) if event.is_backward and loss_fn is None else None
         return self.replay(event.batch, loss_fn, expected=event, output_grads=received)
 
+    def rerun(self, batch: int) -> Trace:
+        """Re-run ``batch`` as the watch's own replay at its event would (the FrameBrowser's
+        "re-run"): with the watch's ``loss_fn`` when the batch was a training step, and a
+        backward event without it from the gradients the outputs received, so that an event
+        made in the loss or the backward pass is traced, not only the forward."""
+        recorded = [e for e in self.recorder.events if e.batch == batch and e.origin != "peer"]
+        event = next((e for e in recorded if not e.is_backward), None) \
+            or next((e for e in recorded if e.is_backward), None)
+        if event is not None:
+            return self.replay_event(event)
+        return self.replay(batch, automatic_loss(self.capture.batch_to_replay(batch),
+                                                 self.loss_fn))
+
     def trace_for(self, event: NanEvent) -> Trace | None:
         """A replay of ``event``'s batch for its diagnosis (not attached to the event): None
         when no automatic replay can run it, or when it fails. Raises
