@@ -2816,6 +2816,39 @@ def test_a_buffer_non_finite_before_the_watch_is_not_blamed_on_the_first_forward
     assert all(fix.startswith(("It was", "In the run that saved it")) for fix in diagnosis.suggestion)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_nan_since_the_watch_began_is_not_blamed_on_a_step_when_the_cell_runs_again(mode):
+    # A notebook line watch stays on; the training cell stops at a weight that was NaN before
+    # the watch, and is run again. The second event said "holds NaN before batch 1 ran (an
+    # optimizer step, a load or a write made it)" with the optimizer's fixes, although no batch
+    # under the watch ever ran with the weight finite and no step ran in between.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with torch.no_grad():
+        model[0].weight[0, 0] = math.nan  # an earlier diverged run, a bad checkpoint
+    x = torch.randn(4, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"mode": "sentinel"} if mode == "sentinel" else {}
+    with nw.watch(model, **options) as w:
+        for _ in range(2):  # the cell, run twice: each stops at its first batch
+            with pytest.raises(nw.NanDetected):
+                for _ in range(3):
+                    loss = model(x).pow(2).mean()
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+    first, second = (event.diagnosis for event in w.events)
+    assert [e.batch for e in w.events] == [0, 1]
+    assert second.kind == "corrupted-weight"
+    assert second.summary.startswith("'0.weight' holds NaN since before the watch began")
+    assert "(batch 0) ran with it non-finite already" in second.summary
+    assert any("held NaN when the watch began" in line for line in second.evidence)
+    # The fixes of the first event: what the weight came from, not this run's steps.
+    assert second.suggestion == first.suggestion
+    assert second.suggestion[0].startswith("It was non-finite before the first batch watched")
+    assert all(fix.startswith(("It was", "In the run that saved it")) for fix in second.suggestion)
+
+
 def test_a_running_var_loaded_non_finite_is_still_blamed_on_the_load():
     model = _batch_norm_net()
     with watch(model, "full") as w:

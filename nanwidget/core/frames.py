@@ -16,7 +16,8 @@ import pandas as pd
 from .entries import Entry
 from .schema import FRAME_COLUMNS, FRAME_DTYPES, empty_table
 
-__all__ = ["Frame", "FrameBuffer", "frames_to_dataframe", "empty_frames", "weights_finite_last"]
+__all__ = ["Frame", "FrameBuffer", "frames_to_dataframe", "empty_frames", "weights_finite_last",
+           "weights_nonfinite_batches"]
 
 _NAN = float("nan")
 
@@ -115,6 +116,22 @@ def weights_finite_last(frames: pd.DataFrame | None, names: Iterable[str],
                     & frames["abs_max"].notna()]
     return {name: int(last) for name, last in
             finite.groupby(qualified[finite.index])["batch"].max().items()}
+
+
+def weights_nonfinite_batches(frames: pd.DataFrame | None, names: Iterable[str],
+                              before: int) -> set[int]:
+    """The batches before ``before`` whose forward frames in ``frames`` show every weight of
+    ``names`` (qualified: ``module.role``) holding NaN/Inf."""
+    names = set(names)
+    if frames is None or frames.empty or not names:
+        return set()
+    qualified = frames["module"].where(frames["module"] == "", frames["module"] + ".") + frames["role"]
+    bad = frames[(frames["phase"] == "forward") & (frames["batch"] < before)
+                 & qualified.isin(names) & (frames["nan"] | frames["inf"])]
+    held: dict[int, set[str]] = {}
+    for batch, name in zip(bad["batch"], qualified[bad.index]):
+        held.setdefault(int(batch), set()).add(name)
+    return {batch for batch, bad_names in held.items() if names <= bad_names}
 
 
 class FrameBuffer:

@@ -553,6 +553,10 @@ class Facts:
     # The batches of this process's earlier forward events at the event's module and role (the
     # same non-finite weight, read batch after batch with on_nan="record").
     earlier_batches_here: list[int] = field(default_factory=list)
+    # The batches before the event's that read these non-finite weights non-finite already: an
+    # earlier forward event at the same module and role, or frames of the event's window that
+    # measured every one of them non-finite.
+    nonfinite_before: list[int] = field(default_factory=list)
     # The earlier forward event whose batch's forward wrote these non-finite buffers after
     # they were last seen finite (BatchNorm's running statistics updated from NaN data).
     poisoned_by: NanEvent | None = None

@@ -25,7 +25,7 @@ from ..events import (LOSS_ROLE, NO_WEIGHTS_SEEN, NOT_REPLAYED, REPEATED_NOTES,
                       UNREAD_WEIGHTS, UNVERIFIED_NOTES, Diagnosis, NanEvent,
                       gradient_only_reduced, weights_unchecked)
 from ..opaque import holds_packed_weights, packed_weights
-from ..frames import Frame, weights_finite_last
+from ..frames import Frame, weights_finite_last, weights_nonfinite_batches
 from ..ranks import world_size
 from ..recorder import Feature, ModuleInfo, Recorder
 from ..schema import PACKED
@@ -568,6 +568,9 @@ class Diagnoser(Feature):
             e.batch for e in events if e is not event and not e.is_backward
             and e.batch < event.batch and e.rank == event.rank
             and (e.module, e.role) == (event.module, event.role))
+        facts.nonfinite_before = sorted(set(facts.earlier_batches_here)
+                                        | weights_nonfinite_batches(event.frames, names,
+                                                                    event.batch))
         seen: dict[str, list[int]] = {name: [max(clean)] if clean else [] for name in names}
         if self.sentinel and self.capture is not None:
             seen = self._sentinel_clean(facts, names, [b for b in clean if b in held], held)

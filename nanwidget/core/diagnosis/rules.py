@@ -967,15 +967,31 @@ def _weights(facts: Facts) -> Diagnosis | None:
     elif _cast_overflow(facts, dtype):
         return _cast_to_low_precision(facts, names, shown, verb, evidence, dtype)
     else:
-        before_watch = not any(b < event.batch for b in facts.history_batches)
+        # The batches before this one that read the weights (an idle expert's read nothing).
+        earlier = [b for b in facts.history_batches
+                   if b < event.batch and b not in facts.idle_batches]
+        since = [facts.unwritten_since[n] for n in names if n in facts.unwritten_since]
+        # Sentinel mode: unwritten since a held batch, and no event read them before: the
+        # batches before did not read the bad values (said below).
+        unread = len(since) == len(names) > 0 \
+            and not set(earlier) & set(facts.earlier_batches_here)
+        # None of them ran with the weights finite: non-finite since the watch began (a
+        # notebook cell run again after its first event), not since a step in between.
+        all_along = bool(earlier) and set(earlier) <= set(facts.nonfinite_before) and not unread
+        before_watch = all_along or not any(b < event.batch for b in facts.history_batches)
         made = "a write, an average or a load" if unstepped else \
             "an optimizer step, a load or a write"
         summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran "
                    f"({made} made it), not this batch's forward.")
+        if all_along:
+            ran = f"batch {earlier[0]}" if len(earlier) == 1 else f"batches {_numbers(earlier)}"
+            summary = (f"{shown} {verb} {_kind_words(event.kind)} since before the watch began, "
+                       f"not since a step or write during it: every batch this watch ran "
+                       f"before batch {event.batch} ({ran}) ran with "
+                       f"{'it' if len(names) == 1 else 'them'} non-finite already.")
         if unstepped:  # (sentinel mode, which knows no last finite batch here)
             evidence.append(_not_stepped_line(facts, names))
-        since = [facts.unwritten_since[n] for n in names if n in facts.unwritten_since]
-        if since and len(since) == len(names):
+        if since and len(since) == len(names) and not all_along:
             first_watched = min(facts.history_batches, default=min(since))
             start = max(since)
             before_watch = start <= first_watched
@@ -1001,7 +1017,14 @@ def _weights(facts: Facts) -> Diagnosis | None:
                             f"{'it' if len(names) == 1 else 'them'}, but from finite inputs of at "
                             f"most {_g(largest_input)}: such an update keeps a finite value "
                             "finite.")
-        if before_watch and not since:
+        if all_along:
+            one = len(names) == 1
+            evidence.append(f"No batch under this watch ran with {'it' if one else 'them'} "
+                            f"finite: {'it' if one else 'they'} held {_kind_words(event.kind)} "
+                            "when the watch began (a checkpoint loaded, or a write before "
+                            "nw.watch()), and running the batches again (a cell run twice) "
+                            "reads the same weights.")
+        elif before_watch and not since:
             evidence.append(f"No batch ran before batch {event.batch} under this watch: "
                             f"{'it' if len(names) == 1 else 'they'} held "
                             f"{_kind_words(event.kind)} when the watch began (a checkpoint "
