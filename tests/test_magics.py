@@ -401,6 +401,30 @@ def test_cell_without_nan_ends_with_a_summary_and_returns_its_value(ip):
     assert hook_count(ip.user_ns["model"]) == 0
 
 
+def test_a_cell_that_rebuilds_its_model_says_the_watch_saw_none_of_the_new_ones_batches(ip):
+    # The watch is on the model the name held when the cell started: a NaN through the new
+    # model passed unseen, and the cell said only "0 batches seen ... 0 events".
+    old = ip.user_ns["model"]
+    cell = ("%%nanwatch model\n"
+            "model = TinyMLP()  # the cell that builds and trains the model, run again\n"
+            "x = torch.randn(2, 16)\n"
+            "x[0, 0] = float('nan')\n"
+            "out = model(x)\n")
+    ip.user_ns["TinyMLP"] = TinyMLP
+    with capture_output() as captured:
+        run(ip, cell)
+    assert ip.user_ns["model"] is not old and ip.user_ns["out"].isnan().any()
+    assert captured.outputs[-1].data["text/plain"].startswith("nanwatch model done: 0 batches")
+    lines = [line for line in captured.stdout.splitlines() if "rebound" in line]
+    assert lines == ["nanwidget: model was rebound inside the cell, so %%nanwatch watched the "
+                     "model it named before and saw none of the new model's batches. Build the "
+                     "model in an earlier cell and train it under %%nanwatch model, or call "
+                     "nw.watch(model) inside the cell after building it."]
+    with capture_output() as captured:  # a cell that keeps its model says nothing of it
+        run(ip, "%%nanwatch model\nmodel(torch.randn(2, 16))\n")
+    assert "rebound" not in captured.stdout
+
+
 def test_sentinel_cell_status_shows_what_the_sentinel_checks_and_what_it_cannot_see(ip):
     cell = ("%%nanwatch model --sentinel\noutputs = [model(torch.randn(2, 16)) for _ in range(4)]\n"
             "largest = max(float(out.abs().max()) for out in outputs)\n")

@@ -285,8 +285,8 @@ class NanwatchMagics(Magics):
             try:
                 result = await self._execute_async(compiled)
             except BaseException as error:
-                return self._cell_failed(watched, live, error)
-            return self._cell_done(watched, live, result)
+                return self._cell_failed(watched, live, error, name, model)
+            return self._cell_done(watched, live, result, name, model)
         except MagicUsageError as error:
             raise UsageError(str(error)) from None
 
@@ -369,8 +369,8 @@ class NanwatchMagics(Magics):
         try:
             result = self._execute(compiled)
         except BaseException as error:
-            return self._cell_failed(watched, live, error)
-        return self._cell_done(watched, live, result)
+            return self._cell_failed(watched, live, error, name, model)
+        return self._cell_done(watched, live, result, name, model)
 
     def _run_async_cell_now(self, name: str, model: Any, options: dict[str, Any], cell: str) -> Any:
         """An async cell that reached the magic directly (not through the input transformer)."""
@@ -388,8 +388,8 @@ class NanwatchMagics(Magics):
         try:
             result = self.shell.loop_runner(self._execute_async(compiled))
         except BaseException as error:
-            return self._cell_failed(watched, live, error)
-        return self._cell_done(watched, live, result)
+            return self._cell_failed(watched, live, error, name, model)
+        return self._cell_done(watched, live, result, name, model)
 
     def _start_cell(self, name: str, model: Any, options: dict[str, Any]) -> tuple[Any, LiveStatus]:
         watched = self.manager.make_watch(model, options, name)
@@ -406,10 +406,12 @@ class NanwatchMagics(Magics):
         watched.add_feature(live)
         return watched, live
 
-    def _cell_failed(self, watched: Any, live: LiveStatus, error: BaseException) -> None:
+    def _cell_failed(self, watched: Any, live: LiveStatus, error: BaseException, name: str,
+                     model: Any) -> None:
         """The cell raised: close the watch, say how it ended; re-raise (an abort returns None)."""
         __tracebackhide__ = True
         watched.close()
+        self._report_rebound_in_cell(name, model)
         if isinstance(error, NanDetected):
             live.finish("stopped at a NaN/Inf")
             self._show_browser(watched)
@@ -427,15 +429,23 @@ class NanwatchMagics(Magics):
         live.finish("ended by an error")
         raise error
 
-    def _cell_done(self, watched: Any, live: LiveStatus, result: Any) -> Any:
+    def _cell_done(self, watched: Any, live: LiveStatus, result: Any, name: str,
+                   model: Any) -> Any:
         watched.close()
         live.finish()
+        self._report_rebound_in_cell(name, model)
         if watched.events:
             print("\n".join([f"nanwidget: {len(watched.events)} NaN/Inf event(s); first: "
                              f"{watched.event.summary()}", *_diagnosis_line(watched.event)]),
                   file=sys.stderr)
             self._show_browser(watched)
         return result
+
+    def _report_rebound_in_cell(self, name: str, model: Any) -> None:
+        """Say when the cell rebound the variable it watched (the watch saw the old model)."""
+        sentence = self.manager.rebound_in_cell(self.shell.user_ns, name, model)
+        if sentence:
+            print(sentence)
 
     def report_rebound_names(self, result: Any = None) -> None:
         """After each cell (IPython's post_run_cell): say when a watched variable was rebound."""

@@ -359,6 +359,22 @@ class WatchManager:
                 f"%nanwatch --off {name}")
         return sentences
 
+    def rebound_in_cell(self, namespace: Mapping[str, Any], name: str, model: nn.Module) -> str:
+        """The sentence to say after a ``%%nanwatch`` cell whose code rebound ``name`` (``model =
+        Net()`` inside the cell): the watch was on ``model``, what the name named when the cell
+        started, so it saw none of the new model's batches. "" when ``name`` still names it."""
+        try:
+            current: Any = self.lookup(namespace, name)
+        except MagicUsageError:
+            current = None
+        if current is model:
+            return ""
+        now = "no longer names a model" if current is None else "was rebound inside the cell"
+        return (f"nanwidget: {name} {now}, so %%nanwatch watched the model it named before and "
+                "saw none of the new model's batches. Build the model in an earlier cell and "
+                f"train it under %%nanwatch {name}, or call nw.watch({name}) inside the cell "
+                "after building it.")
+
     def close_all(self) -> int:
         """Close every watch this manager holds and every other live NanWatch; returns the count."""
         closed = 0
