@@ -898,3 +898,27 @@ def test_a_growth_warning_names_the_module_that_made_the_tensor_its_container_re
             assert [(x.module, x.role, x.reason) for x in w.warnings] == \
                 [("router", "output", "growth")]
             assert w.warnings[0].abs_max == pytest.approx(1e10, rel=1e-3)
+
+
+class SumOverPositions(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(dim=1)
+
+
+def test_a_container_handing_on_its_last_layers_output_warns_once_through_it():
+    # The model's output is its head's, near float16's limit for several batches: the head
+    # warned, and then the model (named by the head, its maker) warned again every batch
+    # (notebooks/08_why_nan.ipynb's pooled model).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), SumOverPositions(),
+                          nn.Linear(64, 4)).half().eval()
+    signal = torch.randn(8, 512, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model, on_nan="record") as w, torch.no_grad():
+            for batch in range(20):
+                model((signal * 1.5 ** batch).half())
+                if w.event:
+                    break
+    assert [(x.module, x.reason) for x in w.warnings] == [("3", "near-limit"),
+                                                          ("2", "near-limit")]

@@ -478,13 +478,18 @@ class EarlyWarnings(Feature):
         if not 0 < value < extreme:
             return  # the dtype's extreme written on purpose (a mask)
         rate = self._rate(index)
-        if value >= near and (module, "near-limit") not in self._warned:
-            self._warn(batch, *named, "near-limit", value, dtype, largest, rate)
-            self._near[index] = math.inf  # said: no longer a candidate for it
+        warned = self._warned
+        if value >= near and (module, "near-limit") not in warned:
+            if (named[0], "near-limit") not in warned:  # (its maker may have said it already)
+                self._warn(batch, *named, "near-limit", value, dtype, largest, rate)
+            warned.add((module, "near-limit"))  # said, for the container too
+            self._near[index] = math.inf  # no longer a candidate for it
         if self._rises[index] >= MIN_RISES and self._fast[index] and value >= GROWTH_FLOOR \
-                and (module, "growth") not in self._warned \
+                and (module, "growth") not in warned \
                 and rate >= _LOG_MIN_GROWTH and math.log(largest / value) <= HORIZON * rate:
-            self._warn(batch, *named, "growth", value, dtype, largest, rate)
+            if (named[0], "growth") not in warned:
+                self._warn(batch, *named, "growth", value, dtype, largest, rate)
+            warned.add((module, "growth"))
             self._growth_said[index] = True
 
     def _warn(self, batch: int, module: str, role: str, reason: str, value: float, dtype: Any,
