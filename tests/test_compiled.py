@@ -364,3 +364,66 @@ def test_a_model_compiled_in_place_is_watched_without_recompiling_and_replayed()
                 warnings.simplefilter("ignore")
                 other(x)
         assert late.events == []
+
+
+
+def _train_step_of(model: nn.Module):
+    def step(x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+    return step
+
+
+def _train_steps(step, model: nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each batch's loss and parameter gradients, in one list."""
+    results = []
+    for x in batches:
+        model.zero_grad()
+        results.append(step(x).detach())
+        results.extend(p.grad.clone() for p in model.parameters())
+    return results
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_compiled_function_calling_a_watched_model_runs_the_hooks_eagerly(mode):
+    # A compiled train step calling the watched model made Dynamo trace the hooks: dozens
+    # of graphs, breaks inside nanwidget and warnings about its internals ("Dynamo does not
+    # know how to trace the builtin `_nanwidget_entry.contiguous_range`", `_thread.get_ident`).
+    torch.manual_seed(0)
+    # A class of its own per test: Dynamo reuses code compiled for another model of the class.
+    model = type(f"MLP_{mode}", (TinyMLP,), {})()
+    unwatched = copy.deepcopy(model)
+    batches = [torch.randn(4, 16) for _ in range(3)]
+    batches[2][1, 3] = float("nan")
+    expected = _train_steps(_train_step_of(unwatched), unwatched, batches)  # eager, no watch
+    graphs, breaks_before = _dynamo_state()["graphs"], dict(counters["graph_break"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+            # A train step compiled as a function (what Keras 3's jit_compile=True makes):
+            # Dynamo traces the model's call where the step calls it.
+            step = torch.compile(_train_step_of(model), backend="eager")
+            results = _train_steps(step, model, batches)
+            assert w.batch == 3
+    assert [str(c.message) for c in caught] == []
+    # Bit-identical to the unwatched model's, NaN batch included.
+    for got, want in zip(results, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    # Dynamo breaks its graph where it meets a hook (and at the step's own backward call),
+    # never inside nanwidget's code.
+    breaks = {reason: count - breaks_before.get(reason, 0)
+              for reason, count in counters["graph_break"].items()
+              if count > breaks_before.get(reason, 0)}
+    assert [reason for reason in breaks if "nanwidget's hooks run eagerly" not in reason
+            and "backward" not in reason] == []
+    assert _dynamo_state()["graphs"] - graphs <= (5 if mode == "full" else 2)
+    # The events an eager run of the model gives.
+    with nw.watch(unwatched, mode=mode, backward=True, on_nan="record") as eager:
+        _train_steps(_train_step_of(unwatched), unwatched, batches)
+
+    def described(events: list) -> list[tuple]:
+        return [(e.batch, e.module, e.call, e.role, e.kind, e.origin) for e in events]
+    assert described(w.events) == described(eager.events)
+    assert described(w.events)[0] == (2, "fc1", 0, "input[0]", "nan", "input")
+    assert hook_count(model) == 0

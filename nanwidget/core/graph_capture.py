@@ -15,6 +15,11 @@
   ``__dict__``, not on its hooks): while the watch lasts, such a model's ``forward`` is also an
   instance attribute (:func:`mark_forward_as_watched`), which Dynamo's guards check, so that
   Dynamo compiles the call afresh, meets the hooks, and the recorder refuses it then.
+- A compiled *function* that calls a watched model (``@torch.compile def step(x): ...``): Dynamo
+  traces the model's call where the function calls it, hooks included. The watch's hooks are
+  marked (:func:`run_eagerly_under_dynamo`) so that Dynamo stops at each (a graph break) and
+  runs it as plain Python, with nothing it calls compiled; ``torch.export`` still traces them
+  (they return at once there).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from .walk import tensor_leaves
 
 __all__ = ["tracing", "captured", "meta_only", "is_exporting", "dynamo_compiling", "export_flag",
            "fx_tracing", "checking_a_trace", "compile_wrappers_of", "mark_forward_as_watched",
-           "unmark_forward"]
+           "unmark_forward", "run_eagerly_under_dynamo", "never_compiled"]
 
 #: ``torch.compiler.is_exporting()``: True while ``torch.export`` traces, under Dynamo too.
 is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
@@ -241,3 +246,82 @@ def unmark_forward(model: nn.Module, marked: types.MethodType) -> None:
     """Undo :func:`mark_forward_as_watched` (a forward set since, someone else's, stays)."""
     if model.__dict__.get("forward") is marked:
         del model.__dict__["forward"]
+
+
+class _UnlessExporting:
+    """What Dynamo reads as a hook's ``_torchdynamo_disable`` (``torch.compiler.disable``'s
+    mark) when it is about to trace into it: "do not", except while ``torch.export`` traces
+    (a strict export must not break its graph: there the hooks are traced and return at once)."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return not is_exporting()
+
+    def __repr__(self) -> str:
+        return "True (unless torch.export traces)"
+
+
+_NOT_TRACED = _UnlessExporting()
+_WHY_NOT_TRACED = "nanwidget's hooks run eagerly, outside compiled code"
+
+
+def _code_skipper() -> Callable[[types.CodeType], None]:
+    """A function that makes Dynamo's frame callback run a code object's frames as plain
+    Python, and every frame they call too (as ``torch._dynamo.disable`` does, but kept on the
+    code object: nothing runs per call). From the C extension: Dynamo itself is not imported.
+    A no-op on a torch without it."""
+    try:
+        from torch._C._dynamo import eval_frame as c_eval_frame
+        action = c_eval_frame._FrameAction
+        skip_all = c_eval_frame._FrameExecStrategy(action.SKIP, action.SKIP)
+        set_strategy = c_eval_frame.set_code_exec_strategy
+    except (ImportError, AttributeError, TypeError):
+        return lambda code: None
+    return partial(_set_strategy, set_strategy, skip_all)
+
+
+def _set_strategy(set_strategy: Callable[..., None], strategy: Any,
+                  code: types.CodeType) -> None:
+    try:
+        set_strategy(code, strategy)
+    except Exception:  # Dynamo's internals moved: compiled callers trace the hook, as before
+        return None
+
+
+_skip_code = _code_skipper()
+
+
+def _function_of(hook: Any) -> Any:
+    """The plain function a hook runs (a bound method's, a ``functools.partial``'s)."""
+    while True:
+        inner = getattr(hook, "__func__", None) or getattr(hook, "func", None)
+        if inner is None or inner is hook:
+            return hook
+        hook = inner
+
+
+def never_compiled(function: Any) -> Any:
+    """Mark ``function`` (a hook: a function, bound method or partial) so that when Dynamo's
+    frame callback meets its frame (compiled code called it after a graph break), the frame
+    and everything it calls run as plain Python, never compiled. Costs nothing per call.
+    Returns ``function``."""
+    code = getattr(_function_of(function), "__code__", None)
+    if isinstance(code, types.CodeType):
+        _skip_code(code)
+    return function
+
+
+def run_eagerly_under_dynamo(function: Any) -> Any:
+    """Mark the hook ``function`` so that Dynamo, compiling a caller of the watched model (a
+    compiled train step), never traces it: a graph break at its call, the hook runs as plain
+    Python (:func:`never_compiled`), exactly as in an eager call. Unlike wrapping it in
+    ``torch._dynamo.disable``, no call pays for it, and Dynamo is not imported. Under
+    ``torch.export`` the hook is traced as before. Returns ``function``."""
+    target = _function_of(function)
+    try:
+        target._torchdynamo_disable = _NOT_TRACED
+        target._torchdynamo_disable_msg = _WHY_NOT_TRACED
+    except (AttributeError, TypeError):  # a builtin: Dynamo does not trace into it anyway
+        pass
+    return never_compiled(function)

@@ -77,7 +77,8 @@ from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
 from .graph_capture import (captured, compile_wrappers_of, dynamo_compiling, export_flag,
-                            mark_forward_as_watched, meta_only, tracing, unmark_forward)
+                            mark_forward_as_watched, meta_only, never_compiled,
+                            run_eagerly_under_dynamo, tracing, unmark_forward)
 from .holders import stand_ins
 from .opaque import (add_forward_hook, add_forward_pre_hook, inside_torchscript, packed_weights,
                      weights_of)
@@ -724,6 +725,9 @@ class Recorder:
         """While suspended, the suspending thread's hooks record nothing."""
         return self._suspended > 0 and _get_ident() in self._suspended_threads
 
+    # Dynamo traces the start of the root's pre-hook (to refuse the compiled calls it must
+    # refuse, before any graph break), never the rest; its frames run as plain Python.
+    @never_compiled
     def _root_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._direct_handles and module is not self.model:
             # The compile wrapper is called: off with the original module's hooks before its
@@ -737,6 +741,9 @@ class Recorder:
         if dynamo_compiling():
             # Dynamo traces this hook: refused now, before it compiles a graph break here.
             self._refuse_traced_call()
+            # Not refused (a compiled function calls the model): Dynamo stops here and runs
+            # the hook as plain Python (this function's frames are never compiled).
+            return self._root_pre_hook_untraced(module, args, kwargs)
         if self._closed or (self._suspended and _get_ident() in self._suspended_threads) \
                 or _graph_task_id() >= 0:
             return None  # closed, a replay, or a recomputation during backward
@@ -797,6 +804,12 @@ class Recorder:
                 "batch). Run the forwards one after the other, or watch a separate model copy "
                 "per thread")
         return None
+
+    @run_eagerly_under_dynamo
+    def _root_pre_hook_untraced(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """:meth:`_root_pre_hook`, where Dynamo traces it and need not refuse the call: Dynamo
+        breaks its graph here and the hook runs again as plain Python (or this runs it)."""
+        return self._root_pre_hook(module, args, kwargs)
 
     @staticmethod
     def _keep_forward_hook_last(module: nn.Module, hook_id: int) -> None:
@@ -893,6 +906,7 @@ class Recorder:
         self.entries.input_entries(args, kwargs, entries)
         info.pre_entries.append(entries)
 
+    @run_eagerly_under_dynamo
     def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if export_flag._is_exporting_flag:
             return None
@@ -907,6 +921,7 @@ class Recorder:
             self.internal_error(error)
         return None
 
+    @run_eagerly_under_dynamo
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """The root's forward hook (on the entry, and on the model for direct calls of a
         compiled model's original): its frame when the batch records frames, then the batch's
@@ -1025,7 +1040,7 @@ class Recorder:
                 self.internal_error(error)
             return None
 
-        return _forward_hook
+        return run_eagerly_under_dynamo(_forward_hook)
 
     def _skips_outside_own_forward(self, info: ModuleInfo, thread: int) -> bool:
         """For a module's forward hook running outside this thread's own root forward: True

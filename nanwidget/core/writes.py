@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .graph_capture import run_eagerly_under_dynamo
 from .state import optimizer_steps
 
 __all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "written_since",
@@ -45,6 +46,7 @@ def wraps_an_optimizer(optimizer: Any) -> bool:
     return isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
 
 
+@run_eagerly_under_dynamo  # a compiled train step may call the optimizer
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if wraps_an_optimizer(optimizer):
         return

@@ -95,7 +95,7 @@ from torch import nn
 
 from ..entries import Entry, nested_shape
 from ..frames import Frame
-from ..graph_capture import export_flag
+from ..graph_capture import export_flag, run_eagerly_under_dynamo
 from ..opaque import add_forward_hook, add_forward_pre_hook
 from ..recorder import Feature, ModuleInfo, in_backward_pass
 from ..stats import is_distributed_tensor
@@ -221,7 +221,7 @@ def _parameter_hook(feature: Any, owner: int) -> Any:
         live = feature()
         if live is not None:
             live._on_parameter_grad(owner, parameter)
-    return hook
+    return run_eagerly_under_dynamo(hook)
 
 
 def _bound_to(method: Any, info: ModuleInfo) -> Any:
@@ -230,7 +230,7 @@ def _bound_to(method: Any, info: ModuleInfo) -> Any:
     torch 2.10 fails building its guard on a partial hook's arguments."""
     def hook(*args: Any) -> None:
         return method(info, *args)
-    return hook
+    return run_eagerly_under_dynamo(hook)
 
 
 _GRAD_INPUT_ROLES = tuple(f"grad_input[{i}]" for i in range(8))
@@ -493,6 +493,7 @@ class BackwardFrames(Feature):
         return None
 
     # ------------------------------------------------------------------ backward side
+    @run_eagerly_under_dynamo
     def _on_grad(self, subscribers: _Subscribers, grad: Any) -> None:
         recorder = self.recorder
         # A replay's backward may run on autograd's own threads: never wait for the lock the
@@ -632,6 +633,7 @@ class BackwardFrames(Feature):
         self._queued = True
         self._queued_callback = weakref.ref(callback)
 
+    @run_eagerly_under_dynamo  # autograd calls it at the pass's end
     def _requeue_last(self) -> None:
         # Final callbacks queued while they run go last: let DDP / FSDP finish their reductions.
         callback = self._backward_done
@@ -656,6 +658,7 @@ class BackwardFrames(Feature):
             self.end_backward(raising=False)
         return failed
 
+    @run_eagerly_under_dynamo  # autograd calls it at the pass's end
     def _backward_done(self) -> None:
         self.end_backward(raising=True)
 

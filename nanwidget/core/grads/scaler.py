@@ -53,6 +53,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..detect import event_kind
 from ..events import LOSS_ROLE, NanEvent, ScalerSkip
+from ..graph_capture import run_eagerly_under_dynamo
 from ..options import is_loss_scale_optimizer
 from ..recorder import Feature, Finding, Recorder
 from ..stats import measure_tensor
@@ -166,8 +167,9 @@ class ScalerWatch(Feature):
         for name, wrapper in self._wrappers.items():
             setattr(scaler, name, wrapper)
         # A loss-scale optimizer decides in its own apply(): no torch optimizer step to watch.
-        pre_step = None if self.scales_own_loss else \
-            register_optimizer_step_pre_hook(_weakly(me, "_before_step", _nothing))
+        # A compiled train step may call the optimizer: Dynamo runs the hook as plain Python.
+        pre_step = None if self.scales_own_loss else register_optimizer_step_pre_hook(
+            run_eagerly_under_dynamo(_weakly(me, "_before_step", _nothing)))
         self._let_go = weakref.finalize(self, _let_go, scaler, self._wrapped, self._wrappers,
                                         pre_step)
 

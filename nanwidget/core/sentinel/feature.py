@@ -64,6 +64,7 @@ from ..detect import event_kind
 from ..entries import Entry
 from ..events import NOT_REPLAYED, REPEATED_NOTES, NanEvent
 from ..frames import Frame, frames_to_dataframe
+from ..graph_capture import run_eagerly_under_dynamo
 from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
 from ..replay.run import Replayed, automatic_loss, replay_frames
@@ -97,7 +98,7 @@ def _parameter_grad_hook(sentinel: Any) -> Any:
         live = sentinel()
         if live is not None:
             live._parameter_grad_arrived()
-    return hook
+    return run_eagerly_under_dynamo(hook)
 
 
 def _replay_failed(batch: int, error: Exception) -> str:
@@ -474,6 +475,7 @@ class Sentinel(Feature):
         self.recorder.add_history_row(batch, self._root_name, abs_max, abs_min)
 
     # ------------------------------------------------------------------ gradients
+    @run_eagerly_under_dynamo
     def _output_grad(self, batch: int, forward: int, role: str, grad: torch.Tensor) -> None:
         """The hook on an output leaf (bound to its batch, forward and role): hold the gradient
         it received and queue the end-of-backward check once per backward pass."""
@@ -507,12 +509,14 @@ class Sentinel(Feature):
         # (their reductions): raising before them leaves DDP's reducer mid-pass.
         torch.autograd.Variable._execution_engine.queue_callback(self._requeue_last)
 
+    @run_eagerly_under_dynamo  # autograd calls it at the pass's end
     def _requeue_last(self) -> None:
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         except RuntimeError:
             self._backward_done()
 
+    @run_eagerly_under_dynamo  # autograd calls it at the pass's end
     def _backward_done(self) -> None:
         """The autograd engine finished a backward pass through the outputs of ``_grad_batch``."""
         self._queued_task = None
