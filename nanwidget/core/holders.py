@@ -13,7 +13,19 @@ from collections.abc import Mapping
 
 from torch import nn
 
-__all__ = ["stand_ins"]
+__all__ = ["stand_ins", "has_no_forward"]
+
+
+def has_no_forward(module: nn.Module) -> bool:
+    """Whether ``module`` cannot be called: no forward set on it, and its class has none of its
+    own (a ``ParameterDict``, ``ParameterList`` or plain holder whose weights others read).
+    Looked up without running descriptors (a ScriptModule's class forward fails when read)."""
+    if "forward" in vars(module):
+        return False
+    for klass in type(module).__mro__:
+        if "forward" in vars(klass):
+            return vars(klass)["forward"] is nn.Module.forward
+    return False
 
 
 def _same_objects(first: Mapping, second: Mapping) -> bool:
@@ -24,8 +36,7 @@ def _stands_in_for(new: nn.Module, old: nn.Module) -> bool:
     """Whether ``new`` is ``old`` rebuilt: same class, no forward of its own (so neither was
     ever called: it only holds), the same parameters, buffers and children (the same objects)
     under the same names."""
-    kind = type(new)
-    return (kind is type(old) and kind.forward is nn.Module.forward
+    return (type(new) is type(old) and has_no_forward(new) and has_no_forward(old)
             and _same_objects(new._parameters, old._parameters)
             and _same_objects(new._buffers, old._buffers)
             and _same_objects(_inside(new), _inside(old)))

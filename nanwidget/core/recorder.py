@@ -79,7 +79,7 @@ from .frames import Frame
 from .graph_capture import (captured, compile_wrappers_of, dynamo_compiling, export_flag,
                             mark_forward_as_watched, meta_only, never_compiled,
                             run_eagerly_under_dynamo, tracing, unmark_forward)
-from .holders import stand_ins
+from .holders import has_no_forward, stand_ins
 from .opaque import (add_forward_hook, add_forward_pre_hook, inside_torchscript, packed_weights,
                      weights_of)
 from .options import name_matches, wrapper_names
@@ -289,7 +289,7 @@ class ModuleInfo:
     def has_no_forward(self) -> bool:
         """Whether the module cannot be called: its class has no forward of its own (a
         ``ParameterDict``, ``ParameterList`` or plain holder whose weights others read)."""
-        return type(self.module).forward is nn.Module.forward
+        return has_no_forward(self.module)
 
 
 class _Counters:
