@@ -10,6 +10,7 @@ mode (sampled batches recorded live, and earlier batches replayed for an event's
 from __future__ import annotations
 
 import inspect
+import math
 import os
 
 import pytest
@@ -391,3 +392,54 @@ def test_a_frozen_weight_bad_in_the_checkpoint_is_not_blamed_on_a_step():
     assert (watch.event.batch, watch.event.module, diagnosis.kind) == (4, "emb", "corrupted-weight")
     assert "no in-place write and no optimizer step in between" in diagnosis.summary
     assert "likely since the optimizer step" not in diagnosis.summary
+
+
+class _DataWritingSGD:
+    """An optimizer-like object as fastai's Optimizer is one: torch's ``param_groups``, but no
+    ``torch.optim.Optimizer`` (no step hook) and writes through ``p.data`` (no version bump)."""
+
+    def __init__(self, params, lr: float) -> None:
+        self.param_groups = [{"params": list(params), "lr": lr}]
+
+    def step(self) -> None:
+        for group in self.param_groups:
+            for parameter in group["params"]:
+                if parameter.grad is not None:
+                    parameter.data.add_(parameter.grad, alpha=-group["lr"])
+        nw.core.writes.note_optimizer_step(self)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_validation_forward_after_a_step_outside_torch_shows_the_stepped_weights(mode):
+    model = _model()
+    optimizer = _DataWritingSGD(model.parameters(), lr=0.5)
+    data = torch.Generator().manual_seed(1)
+    with nw.watch(model, **_watch_options(mode)) as watch:
+        model(torch.randn(8, 16, generator=data)).square().mean().backward()  # batch 0
+        optimizer.step()
+        after_step = _expected(model)
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(8, 16, generator=data))  # batch 1: validation, no backward
+        seen = _frame_weights(watch, 1)
+    _assert_shown(seen, after_step)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_learning_rate_of_an_optimizer_outside_torch_is_named(mode):
+    model = _model()
+    optimizer = _DataWritingSGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    options = {"on_nan": "record"} if mode == "full" else {"on_nan": "record", "mode": "sentinel"}
+    with nw.watch(model, **options) as watch:
+        for batch in range(4):
+            x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
+            model.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.param_groups[0]["lr"] = math.nan if batch == 1 else 0.1
+            optimizer.step()
+    diagnosis = watch.event.diagnosis
+    assert (watch.event.batch, diagnosis.kind) == (2, "corrupted-weight")
+    assert "_DataWritingSGD step after batch 1, which ran with a non-finite learning rate " \
+        "(lr=nan)" in diagnosis.summary
+    assert "before the watch began" not in diagnosis.summary

@@ -18,6 +18,10 @@ scheduler's ``lr_lambda`` returning NaN) is remembered for the parameters it wro
 or a tensor lr on the CPU: a GPU tensor's is never read, that would wait for the device).
 Cost: one short loop over the optimizer's parameters, one finiteness check of each group's lr
 and one dict lookup per step; nothing per module call.
+
+An optimizer that is not a ``torch.optim.Optimizer`` (fastai's own ``Optimizer``, the default of
+every fastai ``Learner``, writes through ``p.data``: no hook, no counter) is told to the watches
+by whoever steps it: :func:`note_optimizer_step` after each of its steps does the same.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from .state import optimizer_steps
 
 __all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "written_since",
            "wraps_an_optimizer", "optimizers_stepped", "nonfinite_lr_step", "last_step_writing",
-           "marks_kept_from"]
+           "marks_kept_from", "note_optimizer_step"]
 
 _LOG = optimizer_steps()
 _MAX_MARKS = 1 << 20  # parameters remembered at most (ids of long-gone tensors are dropped)
@@ -50,6 +54,24 @@ def wraps_an_optimizer(optimizer: Any) -> bool:
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if wraps_an_optimizer(optimizer):
         return
+    _mark_step(optimizer)
+
+
+def note_optimizer_step(optimizer: Any) -> None:
+    """Tell the live watches that ``optimizer`` has just stepped, when torch cannot: an
+    optimizer-like object with torch's ``param_groups`` (each a dict with ``"params"`` and
+    ``"lr"``) that is not a ``torch.optim.Optimizer``, such as fastai's ``Optimizer``. Its
+    parameters with a gradient count as written by this step, so the next frames measure their
+    new values and a diagnosis names a step with a NaN/Inf learning rate. Call it after each
+    step the optimizer really took. A torch optimizer's steps are seen already (nothing is done
+    for one), and nothing is done while no watch is live."""
+    if _LOG.handle is None or isinstance(optimizer, torch.optim.Optimizer):
+        return
+    _mark_step(optimizer)
+
+
+def _mark_step(optimizer: Any) -> None:
+    """Count one step of ``optimizer`` and mark the parameters it wrote."""
     log = _LOG
     log.count += 1
     count = log.count
