@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_importing_nanwidget_and_its_integrations_package_imports_no_framework():
     code = ("import sys, nanwidget, nanwidget.integrations, nanwidget.integrations.step_guard\n"
-            "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate')"
+            "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate',"
+            " 'fastai')"
             " if m in sys.modules))")
     finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               cwd=REPO, timeout=120)
