@@ -372,6 +372,125 @@ def test_passes_without_the_root_forward_are_batches_of_their_own() -> None:
     assert w.batch == 3
 
 
+class SharedActBlock(nn.Module):
+    """ultralytics' ``Conv``: every instance calls the one activation it is handed (its
+    ``Conv.default_act`` is a single nn.SiLU shared by every model of the process)."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.conv = nn.Linear(6, 6)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.conv(x))
+
+
+def _two_models_sharing(act: nn.Module) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return (nn.Sequential(SharedActBlock(act), SharedActBlock(act)),
+            nn.Sequential(SharedActBlock(act), SharedActBlock(act)))
+
+
+def _with_a_nan(x: torch.Tensor) -> torch.Tensor:
+    bad = x.clone()
+    bad[1, 2] = float("nan")
+    return bad
+
+
+@pytest.mark.parametrize("act", [nn.SiLU, lambda: nn.ReLU(inplace=True)],
+                         ids=["silu", "inplace-relu"])
+def test_another_models_calls_of_a_shared_module_are_none_of_the_watchs_business(act) -> None:
+    # Each call of the shared activation by the unwatched model counted as a batch of the
+    # watched one, filled its frames, and a NaN there raised out of the unwatched forward.
+    watched, other = _two_models_sharing(act())
+    x = torch.randn(4, 6)
+    with nw.watch(watched) as w:
+        watched(x)
+        frames = w.frames()
+        other(x)
+        other(_with_a_nan(x))  # runs as it would without the watch
+        assert w.batch == 1 and w.events == []
+        pd.testing.assert_frame_equal(w.frames(), frames)
+        assert set(w.history().batch) == {0}
+        # The watched model's own calls count as before: its forward, and a part called
+        # directly (a pass without the root's forward), NaN included.
+        watched(x)
+        with pytest.raises(nw.NanDetected, match="batch 2 at module '1.conv'"):
+            watched[1](_with_a_nan(x))
+        assert w.batch == 2
+        # (the shared activation goes by its first name in named_modules(): "0.act")
+        assert set(w.frames().query("batch == 2").module) == {"1.conv", "0.act", "1"}
+
+
+def test_another_models_backward_through_a_shared_module_opens_no_pass_of_the_watch() -> None:
+    watched, other = _two_models_sharing(nn.SiLU())
+    x = torch.randn(4, 6)
+    with nw.watch(watched, backward=True) as w:
+        watched(x).sum().backward()
+        frames = w.frames()
+        (other(x).sum() * float("nan")).backward()  # the other model's NaN gradients
+        assert w.batch == 1 and w.events == []
+        pd.testing.assert_frame_equal(w.frames(), frames)
+        watched(x).sum().backward()
+        backward = w.frames().query("batch == 1 and phase == 'backward'")
+    assert sorted(backward.query("module == '0.act'").call.unique()) == [0, 1]  # both blocks'
+
+
+def test_another_model_on_another_thread_may_call_a_shared_module_during_the_forward() -> None:
+    # It was refused with ConcurrentForwardError, as if it ran the watched model.
+    watched, other = _two_models_sharing(nn.SiLU())
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(module, args, output):
+        if threading.current_thread() is threading.main_thread():
+            inside.set()
+            release.wait(10)
+
+    handle = watched[1].conv.register_forward_hook(hold)
+    outcome: list[object] = []
+
+    def run_the_other_model():
+        inside.wait(10)
+        try:
+            outcome.append(other(torch.randn(4, 6)).shape)
+        except BaseException as error:  # reported below
+            outcome.append(error)
+        finally:
+            release.set()
+
+    with nw.watch(watched) as w:
+        thread = threading.Thread(target=run_the_other_model)
+        thread.start()
+        watched(torch.randn(4, 6))
+        thread.join()
+        handle.remove()
+        frames = w.frames()
+    assert outcome == [torch.Size([4, 6])]
+    assert w.batch == 1 and sorted(frames.query("module == '0.act'").call.unique()) == [0, 1]
+
+
+class HoldsTheWatchedModel(nn.Module):
+    """A wrapper that drives the watched model's parts itself (not through its forward)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner[1](self.inner[0](x))
+
+
+def test_a_module_holding_the_watched_model_drives_it_when_it_calls_its_parts() -> None:
+    watched, _ = _two_models_sharing(nn.SiLU())
+    wrapper = HoldsTheWatchedModel(watched)
+    x = torch.randn(4, 6)
+    with nw.watch(watched) as w:
+        wrapper(x)
+        assert w.batch == 0 and set(w.frames().module) >= {"0.conv", "0.act", "1"}
+        with pytest.raises(nw.NanDetected, match="at module '0.conv'"):
+            wrapper(_with_a_nan(x))
+
+
 def _shape_pass_on_meta(model: nn.Module) -> torch.Tensor:
     """A data-less pass on meta tensors, weights included (Keras 3 builds its models so before
     fit()): shapes only."""

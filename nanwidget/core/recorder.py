@@ -115,6 +115,17 @@ def raised_out_of(module: nn.Module, error: BaseException | None) -> bool:
     return frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is module
 
 
+def _running_modules(frame: Any) -> Iterator[nn.Module]:
+    """The modules whose calls are on the stack from ``frame`` outward, innermost first (read
+    from the frames of ``Module._call_impl``)."""
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            module = frame.f_locals.get("self")
+            if module is not None:
+                yield module
+        frame = frame.f_back
+
+
 def in_backward_pass() -> bool:
     """Whether autograd is executing a backward pass on this thread (a forward running now is
     a recomputation, e.g. by ``torch.utils.checkpoint``)."""
@@ -406,6 +417,9 @@ class Recorder:
         self._outside_returned: set[int] = set()
         # Recent batches whose passes ran without the root forward (read for replay errors).
         self._outside_batches: collections.deque[int] = collections.deque(maxlen=64)
+        # id(module outside the watched tree that called a watched one) -> (weak reference,
+        # whether it belongs to another model): see _another_models_module.
+        self._callers_outside: dict[int, tuple[weakref.ref[nn.Module], bool]] = {}
         # A module compiled in place (module.compile()) runs its hooks under Dynamo's frame
         # callback: its root hooks are wrapped so Dynamo never traces them (no graph, no break).
         self._compiled_in_place = getattr(model, "_compiled_call_impl", None) is not None
@@ -912,8 +926,9 @@ class Recorder:
             return None
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
             return None
-        if not self._root_depth and (self._aside_thread is not None or tracing()):
-            return None
+        if not self._root_depth and (self._aside_thread is not None or tracing()
+                                     or self.called_by_another_model()):
+            return None  # a tracer runs the model, or another model calls a module it shares
         try:
             with self._lock:
                 self._measure_inputs_now(module, args, kwargs)
@@ -1058,6 +1073,8 @@ class Recorder:
         if isinstance(sys.exc_info()[1], (ConcurrentForwardError, CompiledCallError)):
             return True  # nothing ran: nothing to record
         if self._root_depth:
+            if not info.is_root and self.called_by_another_model():
+                return True  # another model's call of a module it shares: not this forward's
             self._refuse_other_thread(info)
         return False
 
@@ -1071,6 +1088,8 @@ class Recorder:
         outermost module that already returned in this batch runs again, a new pass began:
         the batch ends (unless batches are numbered with step()/set_batch())."""
         outermost = self._outermost_running(info)
+        if outermost is None:
+            return None  # another model's call of a module it shares with this one
         ended = None
         event = None
         with self._lock:
@@ -1118,22 +1137,57 @@ class Recorder:
         except Exception as error:
             self.internal_error(error)
 
-    def _outermost_running(self, info: ModuleInfo) -> ModuleInfo:
+    def _outermost_running(self, info: ModuleInfo) -> ModuleInfo | None:
         """The outermost watched module whose call is on this thread's stack (``info``'s own
-        module when none around it runs). Read from the frames of ``Module._call_impl``: only
+        module when none around it runs), or None when the call belongs to another model (see
+        :meth:`called_by_another_model`). Read from the frames of ``Module._call_impl``: only
         for calls outside a root forward, which are rare."""
         outermost = info
+        caller_known = False
         try:
-            frame = sys._getframe(2)
-            while frame is not None:
-                if frame.f_code is _CALL_IMPL:
-                    running = self._infos.get(id(frame.f_locals.get("self")))
-                    if running is not None:
-                        outermost = running
-                frame = frame.f_back
+            for module in _running_modules(sys._getframe(2)):
+                running = self._infos.get(id(module))
+                if running is not None:
+                    outermost = running
+                elif not caller_known and id(module) not in self._initial_modules:
+                    # The first module around the watched calls that is not one of ours.
+                    if self._another_models_module(module):
+                        return None
+                    caller_known = True
         except Exception as error:  # a frame that cannot be read: this call stands for itself
             self.internal_error(error)
         return outermost
+
+    def called_by_another_model(self) -> bool:
+        """Whether the watched module call running on this thread was made by another model:
+        the nearest module call around it that is not part of the watched model is a module
+        that does not contain the watched model either. ultralytics' ``Conv`` layers share one
+        ``nn.SiLU`` among every model of the process: another model's calls of it are none of
+        this watch's business. A call made by user code (``model.encoder(x)``) or by a module
+        that holds the watched model belongs to it. Reads the stack: only for calls outside a
+        root forward on this thread (inside one, every call belongs to the batch)."""
+        try:
+            for module in _running_modules(sys._getframe(1)):
+                if id(module) not in self._infos and id(module) not in self._initial_modules:
+                    return self._another_models_module(module)
+        except Exception as error:  # a frame that cannot be read: the call is ours, as before
+            self.internal_error(error)
+        return False
+
+    def _another_models_module(self, module: nn.Module) -> bool:
+        """Whether ``module``, not one the watch hooked or saw at its start, is outside the
+        watched model (not added to it since) and does not hold it (a wrapper calling the
+        watched model's parts is driving it). Remembered per module: each walk is a tree's."""
+        known = self._callers_outside.get(id(module))
+        if known is not None and known[0]() is module:
+            return known[1]
+        root = self.model
+        elsewhere = not any(part is module for part in root.modules()) \
+            and not any(part is root for part in module.modules())
+        if len(self._callers_outside) >= 1024:
+            self._callers_outside.clear()
+        self._callers_outside[id(module)] = (weakref.ref(module), elsewhere)
+        return elsewhere
 
     def _refuse_other_thread(self, info: ModuleInfo) -> None:
         """A module ran in this thread while another thread's root forward may be running."""

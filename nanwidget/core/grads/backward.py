@@ -274,6 +274,8 @@ class FrameSink(Protocol):
 
     def forward_calls(self, info: ModuleInfo) -> int | None: ...
 
+    def called_by_another_model(self) -> bool: ...
+
     def end_frames(self, batch: int, *, reason: str, raising: bool) -> None: ...
 
     def internal_error(self, error: BaseException) -> None: ...
@@ -382,14 +384,19 @@ class BackwardFrames(Feature):
             return True
         return _graph_task_id() >= 0 and _recomputing_without_a_graph()
 
-    def _new_pending(self, info: ModuleInfo, frame_recorded: bool) -> _PendingFrame:
+    def _new_pending(self, info: ModuleInfo, frame_recorded: bool) -> _PendingFrame | None:
         """``frame_recorded``: whether the forward frame of this call is recorded already (the
-        recorder's hook runs first, except on the root and in an in-place module's pre-hook)."""
+        recorder's hook runs first, except on the root and in an in-place module's pre-hook).
+        None when the call is another model's (of a module it shares with the watched one)."""
         # The backward frame of a module's n-th call is its call n, in whatever order the
         # gradients come (backward runs the calls of a reused module last to first).
         calls = self.recorder.forward_calls(info)
         call = None if calls is None else max(0, calls - frame_recorded)
         if _graph_task_id() < 0:
+            # Outside a root forward only (never inside one): another model's backward must
+            # not open frames or passes of this watch.
+            if calls is None and self.recorder.called_by_another_model():
+                return None
             return _PendingFrame(info, self.recorder.batch, call)
         # A recomputation (reentrant checkpoint): its frames go to the running pass's batch.
         if not self._queued:
@@ -439,6 +446,8 @@ class BackwardFrames(Feature):
             targets: list[tuple[str, _Tensor]] = []
             _input_targets(args, None, targets)
             pending = self._new_pending(info, False)
+            if pending is None:
+                return None
             # Slot 0 waits for the output (the same tensor, once written): outputs come first.
             pending.template.append(Entry(("grad_output[0]", None, None, None, _NO_GRADIENT)))
             self._hook(pending, targets)  # before the write: the gradient of the value received
@@ -487,7 +496,9 @@ class BackwardFrames(Feature):
                 _grad_targets(output, "output", targets)
             _input_targets(args, kwargs, targets)
             if targets:
-                self._hook(self._new_pending(info, not info.is_root), targets)
+                pending = self._new_pending(info, not info.is_root)
+                if pending is not None:
+                    self._hook(pending, targets)
         except Exception as error:
             self.recorder.internal_error(error)
         return None

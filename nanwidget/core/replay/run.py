@@ -373,6 +373,9 @@ class ReplayFrames(FrameSink):
     def forward_calls(self, info: ModuleInfo) -> int | None:
         return self.ops.forward_calls(info)
 
+    def called_by_another_model(self) -> bool:
+        return False  # a replay runs the watched model alone
+
     def end_frames(self, batch: int, *, reason: str, raising: bool) -> None:
         """The replay resolves its frames itself, once it ran."""
 
