@@ -445,13 +445,19 @@ def _grad_of_loss(trace: Any, first: Any, grad_of: str) -> bool:
     belongs to (``log`` for LogBackward0) ran in the loss phase at the same line."""
     if str(first["phase"]) != "backward" or not grad_of or first["module"]:
         return False
+    maker = _forward_makers(trace, first, grad_of)
+    return maker is not None and bool(len(maker)) and bool((maker["phase"] == "loss").all())
+
+
+def _forward_makers(trace: Any, first: Any, grad_of: str) -> Any:
+    """The forward (or loss) ops of ``trace`` at the line of the backward op ``first`` whose
+    gradient it computes (``grad_of``: its node, LogBackward0 for log); None: no ops traced."""
     ops = getattr(trace, "ops", None)
     if ops is None or not len(ops):
-        return False
+        return None
     name = node_op_name(grad_of)
-    maker = ops[(ops["source"] == first["source"]) & (ops["phase"] != "backward")
-                & (ops["op"].astype(str).str.lstrip("_") == name)]
-    return bool(len(maker)) and bool((maker["phase"] == "loss").all())
+    return ops[(ops["source"] == first["source"]) & (ops["phase"] != "backward")
+               & (ops["op"].astype(str).str.lstrip("_") == name)]
 
 
 def _forward_nan(trace: Any, first: Any, grad_of: str) -> bool:
@@ -462,13 +468,8 @@ def _forward_nan(trace: Any, first: Any, grad_of: str) -> bool:
     loss = getattr(trace, "loss", None)
     if str(first["phase"]) != "backward" or not grad_of or loss is None or loss == loss:
         return False
-    ops = getattr(trace, "ops", None)
-    if ops is None or not len(ops):
-        return False
-    name = node_op_name(grad_of)
-    maker = ops[(ops["source"] == first["source"]) & (ops["phase"] != "backward")
-                & (ops["op"].astype(str).str.lstrip("_") == name)]
-    return bool(maker["nan"].astype(bool).any())
+    maker = _forward_makers(trace, first, grad_of)
+    return maker is not None and bool(maker["nan"].astype(bool).any())
 
 
 def output_grad_bad(frames: list[Frame], batch: int, root: str) -> bool | None:
