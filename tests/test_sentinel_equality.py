@@ -671,3 +671,9 @@ def test_a_nan_only_the_checkpoint_recompute_makes_is_a_gradient_event_as_in_ful
     assert any("'blocks.1.bad' output" in change and "live forward" in change
                for change in trace.changes)
     assert trace.first_bad["op"] == "sqrt"
+    # No frame of batch 1 was recorded as it ran; the report says so and shows the replay's.
+    assert sentinel.frames.empty
+    report = sentinel_watch.report()
+    assert "No frames of batch 1 were recorded as it ran (the replay's frames are below)." in report
+    assert "Last 0" not in report
+    assert "All 22 forward frames of the replay:" in report

@@ -114,6 +114,18 @@ def format_event_report(event: NanEvent | None, frames: pd.DataFrame, batch: int
         out.append(f"No inf/nan detected (batch_number={batch})")
     elif batch is not None:  # batches are numbered from 0: none ran yet
         out.append("No inf/nan detected: no batch has run under this watch yet")
+    if event is not None and frames.empty:
+        # Sentinel mode records no frames as a batch runs; when the replay did not reproduce
+        # the event its frames are not the batch's own, and its report below shows them.
+        replayed = event.trace is not None and not event.trace.frames.empty
+        out.append(f"No frames of batch {event.batch} were recorded as it ran"
+                   + (" (the replay's frames are below)." if replayed else "."))
+        if event.frames_note:
+            out.append(f"({event.frames_note})")
+        if event.trace is not None:
+            out.append("")
+            out.append(event.trace.report())
+        return "\n".join(out)
     n_frames = 0 if frames.empty else frames.groupby(_FRAME_KEYS).ngroups
     phases = set(frames["phase"]) if not frames.empty else {"forward"}
     direction = "forward and backward" if len(phases) > 1 else phases.pop()
