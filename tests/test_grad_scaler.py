@@ -484,6 +484,29 @@ def test_the_patience_event_of_an_overflow_says_the_scale_and_what_overflowed(mo
         assert any(fix.startswith("Run module 'fc1' in float32") for fix in diagnosis.suggestion)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_the_patience_event_of_an_optimizer_scaling_its_loss_advises_in_its_users_words(mode):
+    # Keras' LossScaleOptimizer (mixed_float16): its user sets precision by policy and layer
+    # dtype; the fixes said torch.autocast and "needs no GradScaler".
+    torch.manual_seed(0)
+    model = Net()
+    _too_large_for_float16(model, "weight")
+    optimizer = LossScalingSGD(list(model.parameters()), initial_scale=65536.0)
+    with nw.watch(model, backward=True, mode=mode, grad_scaler=optimizer) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            _train_scaling_itself(model, optimizer, 20)
+    diagnosis = caught.value.event.diagnosis
+    assert diagnosis.kind == "overflow" and len(watch.scaler_skips) == 8
+    assert "the LossScalingSGD skipped 8 steps in a row" in diagnosis.summary
+    fixes = "\n".join(diagnosis.suggestion)
+    assert diagnosis.suggestion[0] == (
+        "Train in bfloat16 instead of float16: keras.mixed_precision.set_global_policy("
+        "'mixed_bfloat16') has float32's range, so gradients this large fit, and it needs no "
+        "LossScalingSGD.")
+    assert "Run module 'fc1' in float32: give that layer dtype='float32'" in fixes
+    assert "torch.autocast" not in fixes and "GradScaler" not in fixes
+
+
 def test_without_backward_frames_the_patience_event_is_a_less_sure_overflow():
     # No backward frames: the event is the first parameter (in order) whose gradient holds
     # the Inf and the NaN it spread into, so where it overflowed is not told.

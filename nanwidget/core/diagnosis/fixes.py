@@ -116,17 +116,30 @@ def weight_gradient_overflow(module: str, dtype: str, received: float | None = N
 
 def scaled_gradient_overflow(*, batch: int, scale: float, module: str, at_output: bool,
                              output_near_limit: str, stepped_before: bool,
-                             op_known: bool) -> list[str]:
+                             op_known: bool, loss_scale_optimizer: str = "") -> list[str]:
     """A GradScaler lowered its scale step after step and the float16 gradients still
-    overflowed: the model's values or the loss's gradient are too large for float16."""
-    fixes = ["Autocast in bfloat16 instead of float16: torch.autocast(device_type, "
-             "dtype=torch.bfloat16) has float32's range, so gradients this large fit, and it "
-             "needs no GradScaler."]
+    overflowed: the model's values or the loss's gradient are too large for float16.
+    ``loss_scale_optimizer``: the name of the optimizer that scaled its loss itself (Keras'
+    ``LossScaleOptimizer``, under a ``mixed_float16`` policy), whose user sets precision by
+    policy and layer dtype, not with torch.autocast; "" for a GradScaler."""
+    keras_words = bool(loss_scale_optimizer)
+    if keras_words:
+        fixes = ["Train in bfloat16 instead of float16: keras.mixed_precision."
+                 "set_global_policy('mixed_bfloat16') has float32's range, so gradients this "
+                 f"large fit, and it needs no {loss_scale_optimizer}."]
+        in_float32 = "give that layer dtype='float32' (it then computes in float32)"
+        last_in_float32 = "give the last layer dtype='float32'"
+    else:
+        fixes = ["Autocast in bfloat16 instead of float16: torch.autocast(device_type, "
+                 "dtype=torch.bfloat16) has float32's range, so gradients this large fit, and "
+                 "it needs no GradScaler."]
+        in_float32 = ("wrap it in torch.autocast(device_type, enabled=False) and pass it "
+                      "x.float()")
+        last_in_float32 = ("run the last layer in float32 (wrap it in "
+                           "torch.autocast(device_type, enabled=False) and pass it x.float())")
     if output_near_limit:
         fixes.append(f"The model's output itself nearly overflows float16 ({output_near_limit}): "
-                     "normalise before the last layer (nn.LayerNorm), or run the last layer in "
-                     "float32 (wrap it in torch.autocast(device_type, enabled=False) and pass "
-                     "it x.float()).")
+                     f"normalise before the last layer (a LayerNorm), or {last_in_float32}.")
     if at_output:
         fixes.append("Make the loss's gradient smaller: reduce the loss with a mean over the "
                      "batch and elements (reduction='mean', not 'sum'), normalise the targets, "
@@ -137,12 +150,14 @@ def scaled_gradient_overflow(*, batch: int, scale: float, module: str, at_output
             fixes.append(f"Find the op whose gradient overflows: replay the batch with its "
                          f"backward at that scale, w.replay({batch}, loss_fn=lambda out: "
                          f"criterion(out, targets) * {scale:g}).report().")
-        fixes.append(f"Run {where} in float32: wrap it in torch.autocast(device_type, "
-                     "enabled=False) and pass it x.float().")
+        fixes.append(f"Run {where} in float32: {in_float32}.")
     if stepped_before:
-        fixes.append("The gradients grew after training had run: lower the learning rate, or "
-                     "clip them before the step (scaler.unscale_(optimizer), then "
-                     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)).")
+        clip = ("clip them: give the optimizer clipnorm=1.0 (or global_clipnorm=1.0)"
+                if keras_words
+                else "clip them before the step (scaler.unscale_(optimizer), then "
+                     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0))")
+        fixes.append(f"The gradients grew after training had run: lower the learning rate, or "
+                     f"{clip}.")
     return fixes
 
 

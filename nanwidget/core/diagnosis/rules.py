@@ -688,7 +688,7 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
         batch=event.batch, scale=tried,
         module=op.module if op is not None else event.module if sure_of_place else "",
         at_output=at_output, output_near_limit=near, stepped_before=bool(run.steps_before),
-        op_known=op is not None)
+        op_known=op is not None, loss_scale_optimizer=run.scaler if run.scales_own_loss else "")
     grew = _weights_growth(facts)
     if grew is not None:
         evidence.insert(0, _growth_line("The weights' abs max (summed over modules)", grew) + ".")

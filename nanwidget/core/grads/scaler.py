@@ -103,6 +103,7 @@ class SkipRun(NamedTuple):
     steps_before: int  # optimizer steps the scaler took since the watch began, before the run
     loss: float | None  # |loss| of the last skipped step (finite), when it was read
     scaler: str = "GradScaler"  # what skipped them, as users know it
+    scales_own_loss: bool = False  # an optimizer scaling its loss itself (Keras'), no GradScaler
 
 
 def _non_finite(tensor: torch.Tensor | None) -> str | None:
@@ -315,7 +316,7 @@ class ScalerWatch(Feature):
             start_batch, start_scale = self._run_start or (batch, before)
             self._deciding = SkipRun(start_batch, batch, self.in_a_row, start_scale, before,
                                      after, self._scale_at_watch, self.steps_taken,
-                                     self._loss_abs, self.label)
+                                     self._loss_abs, self.label, self.scales_own_loss)
         self._step_over()
         if event is not None:
             try:
