@@ -101,6 +101,46 @@ def test_second_watch_on_the_same_model_fails_clearly(tiny_mlp):
         assert w.batch == 1
 
 
+class ParamsComparedElementwise(nn.Module):
+    """Holds parameters and compares elementwise, as tensordict's TensorDictParams (a Module
+    and a TensorDict, in every torchrl loss) does: ``a == b`` is a tensor, and its truth value
+    raises."""
+
+    __hash__ = nn.Module.__hash__
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def __eq__(self, other: object) -> torch.Tensor:  # type: ignore[override]
+        return torch.zeros(2, dtype=torch.bool)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_module_that_compares_elementwise_is_watched_closed_and_watched_again(mode):
+    # close() raised "Boolean value of Tensor ... is ambiguous" (tensordict: "Converting a
+    # tensordict to boolean value is not permitted"), left the watch registered, and a second
+    # nw.watch() of the model raised the same.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), ParamsComparedElementwise())
+    with pytest.raises(RuntimeError):
+        bool(model[1] == model[1])
+    for _ in range(2):
+        watch = nw.watch(model, mode=mode, on_nan="record")
+        model(torch.randn(2, 4))
+        x = torch.randn(2, 4)
+        x[1, 2] = float("nan")
+        model(x)
+        assert (watch.event.batch, watch.event.module) == (1, "0")
+        assert watch.replay(1).reproduced
+        assert nw.live_watches() == [watch]
+        watch.close()
+        assert hook_count(model) == 0 and nw.live_watches() == []
+
+
 @pytest.mark.parametrize("bad, message", [
     (object(), "needs a torch.nn.Module"),
     ("model", "needs a torch.nn.Module"),

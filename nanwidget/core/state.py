@@ -14,21 +14,72 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # pragma: no cover - names for the annotations only
-    from torch import nn
-
     from .recorder import Recorder
 
-__all__ = ["watched_modules", "watching_recorders", "set_browser_opener", "browser_opener",
+__all__ = ["ModuleMap", "watched_modules", "watching_recorders", "set_browser_opener", "browser_opener",
            "training_guards", "use_parquet", "parquet_wanted", "StepLog", "optimizer_steps"]
+
+class ModuleMap:
+    """A mapping keyed by modules, by identity, holding each module weakly (its entry goes
+    when the module is collected).
+
+    Why not ``weakref.WeakKeyDictionary``: it finds a key by ``==``, and some modules define
+    ``==`` elementwise (tensordict's ``TensorDictParams``, a torchrl loss's parameters, is a
+    Module and a TensorDict: comparing two raises), so a lookup of a watched one raised.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[Any], Any]] = {}
+
+    def get(self, module: Any, default: Any = None) -> Any:
+        entry = self._entries.get(id(module))
+        if entry is None or entry[0]() is not module:  # a collected module's id reused
+            return default
+        return entry[1]
+
+    def __setitem__(self, module: Any, value: Any) -> None:
+        key = id(module)
+        entries = self._entries
+
+        def forget(reference: weakref.ref[Any]) -> None:
+            if entries.get(key, (None,))[0] is reference:  # not a newer module's entry
+                del entries[key]
+
+        entries[key] = (weakref.ref(module, forget), value)
+
+    def __delitem__(self, module: Any) -> None:
+        if self.get(module, _MISSING) is _MISSING:
+            raise KeyError(module)
+        del self._entries[id(module)]
+
+    def __contains__(self, module: Any) -> bool:
+        return self.get(module, _MISSING) is not _MISSING
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def values(self) -> list[Any]:
+        """The values of the modules still alive (a list: safe to iterate while the map changes)."""
+        while True:
+            try:
+                entries = list(self._entries.values())
+            except RuntimeError:  # a module collected meanwhile removed its entry: read again
+                continue
+            return [value for reference, value in entries if reference() is not None]
+
+
+_MISSING = object()
 
 # Every module hooked by a live recorder. Why: a second watch on the same module would record
 # every call twice, so it is refused (AlreadyWatchedError); and the live watches
 # (nw.live_watches(), %unload_ext) are found from here, so that a watch whose variable was lost
 # can still be closed. Weak on both sides: hooks keep a recorder alive, and a recorder its model.
-_WATCHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Recorder]] = weakref.WeakKeyDictionary()
+_WATCHED = ModuleMap()  # nn.Module -> weakref.ref[Recorder]
 
 
-def watched_modules() -> weakref.WeakKeyDictionary[nn.Module, weakref.ref[Recorder]]:
+def watched_modules() -> ModuleMap:
     """module -> weak reference to the recorder whose hooks are on it (the recorder adds and
     removes its modules)."""
     return _WATCHED

@@ -8,7 +8,6 @@ known not to be replayable here (:func:`refused_collective`), so no later replay
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..state import ModuleMap
 from .capture import ModelNotReplayableError
 
 __all__ = ["no_collectives", "refused_collective"]
@@ -28,7 +28,7 @@ _COLLECTIVES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
 _NO_EXCHANGE = frozenset({"wait_tensor"})
 
 # model -> why its replays are refused (a collective met by one of them)
-_refused: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+_refused = ModuleMap()
 
 
 def refused_collective(model: nn.Module) -> str:
