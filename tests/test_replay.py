@@ -422,6 +422,64 @@ def test_a_watch_on_the_discriminator_records_nothing_of_the_generators_replays(
         assert wd.batch == records[0] + 3  # its own batches count as before
 
 
+class SwapsItsWeightsIn(nn.Module):
+    """As every torchrl loss does through tensordict's ``to_module``: the network it runs is
+    no submodule; its weights are this module's, kept in a plain dict as well, swapped into
+    the network around each call and copied back out of it after the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        network = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.__dict__["network"] = network  # not registered: run outside the model
+        self.store = {name: p for name, p in network.named_parameters()}
+        for name, p in self.store.items():
+            self.register_parameter(name.replace(".", "_"), p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        owners = {name: self.network.get_submodule(name.rpartition(".")[0])
+                  for name in self.store}
+        saved = {}
+        for name, p in self.store.items():
+            slot = name.rpartition(".")[2]
+            saved[name] = owners[name]._parameters[slot]
+            owners[name]._parameters[slot] = p
+        try:
+            return self.network(x)
+        finally:
+            for name, owner in owners.items():  # copied back out, then put back as it was
+                slot = name.rpartition(".")[2]
+                self.store[name] = owner._parameters[slot]
+                owner._parameters[slot] = saved[name]
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_replay_leaves_no_stand_in_where_the_model_copies_weights_out_of_a_network(mode):
+    # After a replay the store held the replay's stand-ins: backward reached no parameter the
+    # optimizer holds, every step after it did nothing (torchrl's ClipPPOLoss, SACLoss, ...).
+    def train(replay_at: int | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = SwapsItsWeightsIn()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        data = torch.Generator().manual_seed(1)
+        watch = nw.watch(model, mode=mode) if replay_at is not None else None
+        for step in range(4):
+            loss = model(torch.randn(5, 3, generator=data)).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            assert all(p.grad is not None for p in model.parameters())
+            optimizer.step()
+            if step == replay_at:
+                assert watch.replay(step, loss_fn=lambda out: out.square().mean()).first_bad is None
+        if watch is not None:
+            watch.close()
+        assert all(model.store[n] is p for n, p in model.network.named_parameters())
+        return [p.detach().clone() for p in model.parameters()]
+
+    unwatched = train(None)
+    for replay_at in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(unwatched, train(replay_at)))
+
+
 class KeepsPythonState(nn.Module):
     """Counts its calls, logs them, caches its last input, fills a dict and draws noise from
     its own generator, Python's and NumPy's: state a replay runs through. Its third call makes

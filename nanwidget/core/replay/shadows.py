@@ -12,6 +12,7 @@ call (:mod:`.outside`).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 from typing import Any
 
@@ -96,6 +97,8 @@ class Shadows:
         # id(tensor stood in for) -> its stand-in: a module outside the model that holds one
         # of the model's tensors (tied weights) gets the same stand-in.
         self._stand_ins: dict[int, torch.Tensor] = {}
+        # id(stand-in) -> (stand-in, original) given to modules run outside the model
+        self._outside: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def install(self, slots: WeightSlots, sources: list[torch.Tensor | None]) -> None:
         """Put the stand-ins in place; every swap is recorded as it is made, so that
@@ -132,6 +135,7 @@ class Shadows:
                     shadow = self._stand_ins[id(original)] = self._make(original, original,
                                                                         is_buffer)
                 self.swaps.append((container, key, original))
+                self._outside[id(shadow)] = (shadow, original)
                 container[key] = shadow
         self._swap_flat_weights(module)
 
@@ -188,6 +192,30 @@ class Shadows:
         for original, grad in self.grads:
             if original.grad is not grad:
                 original.grad = grad
+        self._take_back_escaped()
+
+    def _take_back_escaped(self) -> None:
+        """A module outside the model gets its stand-ins at its first call, which may come
+        inside code that swapped weights into it and copies them back out when done
+        (tensordict's ``to_module``, in every torchrl loss): the stand-in then sits in that
+        code's own container, and training after the replay would use it, not the parameter
+        the optimizer holds. Put the original back in any dict or list still holding one.
+        A search of the heap: only after a replay that ran modules outside the model."""
+        if not self._outside:
+            return
+        outside, self._outside = self._outside, {}
+        self._stand_ins.clear()
+        for holder in gc.get_referrers(*(shadow for shadow, _ in outside.values())):
+            if isinstance(holder, dict):
+                for key, value in list(holder.items()):
+                    pair = outside.get(id(value))
+                    if pair is not None and pair[0] is value:
+                        holder[key] = pair[1]
+            elif isinstance(holder, list):
+                for index, value in enumerate(holder):
+                    pair = outside.get(id(value))
+                    if pair is not None and pair[0] is value:
+                        holder[index] = pair[1]
 
 
 # What nn.Module keeps in every module's __dict__ (parameters, buffers, submodules, hook tables,
