@@ -9,6 +9,7 @@ import random
 import sys
 import threading
 import time
+import types
 import warnings
 
 import numpy
@@ -424,16 +425,21 @@ def test_a_watch_on_the_discriminator_records_nothing_of_the_generators_replays(
 
 class SwapsItsWeightsIn(nn.Module):
     """As every torchrl loss does through tensordict's ``to_module``: the network it runs is
-    no submodule; its weights are this module's, kept in a plain dict as well, swapped into
-    the network around each call and copied back out of it after the call."""
+    no submodule; its weights are this module's, kept in a store object as well (a
+    TensorDict), swapped into the network around each call and copied back out of it after
+    the call."""
 
     def __init__(self) -> None:
         super().__init__()
         network = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
         self.__dict__["network"] = network  # not registered: run outside the model
-        self.store = {name: p for name, p in network.named_parameters()}
+        self.weights = types.SimpleNamespace(store=dict(network.named_parameters()))
         for name, p in self.store.items():
             self.register_parameter(name.replace(".", "_"), p)
+
+    @property
+    def store(self) -> dict[str, nn.Parameter]:
+        return self.weights.store
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         owners = {name: self.network.get_submodule(name.rpartition(".")[0])
