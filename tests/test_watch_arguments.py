@@ -108,9 +108,43 @@ def test_sentinel_mode_says_it_checked_nothing_when_the_model_is_trained_without
     said = "Sentinel mode checked nothing: this GeneratorAndCritic was never called while " \
         "the weights of its modules G, D were updated"
     assert said in w.report()
+    assert "(nw.watch(model.G, mode='sentinel'), one watch each)" in w.report()
     with pytest.warns(UserWarning, match=said):
         w.close()
     assert hook_count(model) == 0
+
+
+class GraphAutoEncoder(nn.Module):
+    """Trained through its methods (``encode``, ``decode``), as PyG's GAE is: its forward is
+    never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 3)
+        self.decoder = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+@pytest.mark.parametrize("holder", ["methods", "sequential"])
+def test_the_checked_nothing_note_names_a_module_of_this_model(holder):
+    # It said "nw.watch(model.G, ...)" (the README's GAN) to a GAE user, whose model has no G.
+    torch.manual_seed(0)
+    model = GraphAutoEncoder() if holder == "methods" else nn.Sequential(nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    w = nw.watch(model, mode="sentinel")
+    (model.decoder(model.encode(torch.randn(2, 4))) if holder == "methods"
+     else model[0](torch.randn(2, 4))).square().mean().backward()
+    optimizer.step()
+    example = "model.encoder" if holder == "methods" else "model[0]"
+    assert f"(nw.watch({example}, mode='sentinel'), one watch each)" in w.report()
+    assert "model.G" not in w.report()
+    with pytest.warns(UserWarning, match="checked nothing"):
+        w.close()
 
 
 def test_sentinel_mode_says_nothing_of_a_model_it_checked_or_that_was_not_trained():

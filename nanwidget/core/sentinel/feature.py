@@ -1139,10 +1139,14 @@ class Sentinel(Feature):
         children = list(dict.fromkeys(name.split(".")[0] for name in moved if "." in name))
         which = (f"the weights of its modules {', '.join(children[:4])}"
                  + (" ..." if len(children) > 4 else "")) if children else "its weights"
+        # The example names one of this model's own modules (a child named "0" is model[0]).
+        first = children[0] if children else ""
+        example = f"model.{first}" if first.isidentifier() else \
+            f"model[{first}]" if first.isdigit() else "model.part"
         return (f"Sentinel mode checked nothing: this {kind} was never called while {which} "
                 "were updated. Sentinel mode checks the calls of the watched model itself "
                 "(model(x)): if your loop calls its modules directly, watch each one it calls "
-                "(nw.watch(model.G, mode='sentinel'), one watch each), or watch this one in "
+                f"(nw.watch({example}, mode='sentinel'), one watch each), or watch this one in "
                 "full mode (nw.watch(model)), which checks every module call.")
 
     def close(self) -> None:
