@@ -427,3 +427,65 @@ def test_a_compiled_function_calling_a_watched_model_runs_the_hooks_eagerly(mode
     assert described(w.events) == described(eager.events)
     assert described(w.events)[0] == (2, "fc1", 0, "input[0]", "nan", "input")
     assert hook_count(model) == 0
+
+
+def _weights_written_nan(model: nn.Module) -> None:
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = float("nan")
+
+
+def _described(events: list) -> list[tuple]:
+    return [(e.batch, e.module, e.role, e.origin) for e in events]
+
+
+@pytest.mark.parametrize("mode, backward", [("full", False), ("sentinel", True)])
+def test_a_function_compiled_before_the_watch_runs_the_model_with_its_hooks(mode, backward):
+    # A notebook cell compiled the train step, then the model was watched: Dynamo's code,
+    # compiled without hooks and never guarding on them, kept running, and the watch saw
+    # nothing (0 batches) of a NaN weight.
+    torch.manual_seed(0)
+    model = type(f"EarlyMLP_{mode}", (TinyMLP,), {})()
+    unwatched = copy.deepcopy(model)
+    batches = [torch.randn(4, 16) for _ in range(2)]
+    step = torch.compile(_train_step_of(model), backend="eager")
+    expected = _train_steps(_train_step_of(unwatched), unwatched, batches)
+    _train_steps(step, model, batches[:1])  # compiled before the watch, without hooks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Dynamo's notes on the graph breaks at the hooks
+        with nw.watch(model, mode=mode, backward=backward, on_nan="record") as w:
+            results = _train_steps(step, model, batches)
+            assert "forward" not in vars(copy.deepcopy(model))  # a copy is not watched
+            _weights_written_nan(model)
+            step(batches[0])
+        # Watched again after close: code compiled during the first watch calls the hooks
+        # of this one, not the first's.
+        with nw.watch(model, mode=mode, backward=backward, on_nan="record") as again:
+            step(batches[1])
+    assert w.batch == 3 and again.batch == 1
+    for got, want in zip(results, expected, strict=True):  # bit-identical to an unwatched run
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert _described(w.events)[0] == (2, "fc1", "weight", "weight")
+    assert _described(again.events)[0] == (0, "fc1", "weight", "weight")
+    assert hook_count(model) == 0
+    assert [name for name, module in model.named_modules() if "forward" in vars(module)] == []
+
+
+def test_a_function_compiled_before_the_watch_calling_a_submodule_runs_its_hooks():
+    # A function calling model.fc1, compiled before the watch, ran fc1 without its hooks: the
+    # watch stayed blind to its NaN weight.
+    torch.manual_seed(0)
+    model = type("EarlySubmoduleMLP", (TinyMLP,), {})()
+    x = torch.randn(4, 16)
+    compiled = torch.compile(lambda inputs: model.fc1(inputs).sum(), backend="eager")
+    with torch.no_grad():
+        compiled(x)
+    _weights_written_nan(model)
+    for run in (compiled, lambda inputs: model.fc1(inputs).sum()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with nw.watch(model, on_nan="record") as w, torch.no_grad():
+                run(x)
+        # What an eager call of the submodule gives: a pass of its own, the NaN weight found.
+        assert _described(w.events) == [(0, "fc1", "weight", "weight")]
+    assert hook_count(model) == 0
+

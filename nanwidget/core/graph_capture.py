@@ -11,15 +11,22 @@
   included, and never guards on hooks; code it compiled before the watch keeps running without
   them. :func:`compile_wrappers_of` finds such wrappers, so that the recorder can refuse their
   calls as it refuses the other orders. Code compiled later, or for another container of the
-  same class, may run the model too (Dynamo guards on a container's class and its
-  ``__dict__``, not on its hooks): while the watch lasts, such a model's ``forward`` is also an
-  instance attribute (:func:`mark_forward_as_watched`), which Dynamo's guards check, so that
-  Dynamo compiles the call afresh, meets the hooks, and the recorder refuses it then.
+  same class, may run the model too; the forward marks below make Dynamo compile that call
+  afresh, meet the hooks, and the recorder refuses it then.
 - A compiled *function* that calls a watched model (``@torch.compile def step(x): ...``): Dynamo
   traces the model's call where the function calls it, hooks included. The watch's hooks are
   marked (:func:`run_eagerly_under_dynamo`) so that Dynamo stops at each (a graph break) and
   runs it as plain Python, with nothing it calls compiled; ``torch.export`` still traces them
   (they return at once there).
+- Code compiled *before* the watch, for any caller that inlined a watched module's call (a
+  compiled function, a wrapper of a submodule, a re-run notebook cell): Dynamo guards on a
+  module's class and its ``__dict__``, never on its hooks, so that code would keep running
+  without them, the watch blind. While the watch lasts, each module it hooks for the whole
+  watch has its class's ``forward``, bound to it, as an instance attribute
+  (:func:`mark_forward_as_watched`): it runs exactly as before, no slower, but Dynamo's guard
+  "no ``forward`` in this module's ``__dict__``" fails, so that Dynamo compiles the caller
+  afresh and meets the hooks (code compiled during an earlier watch met that watch's hooks
+  and broke its graph there: it runs whatever hooks the module has when it runs).
 """
 
 from __future__ import annotations
@@ -222,23 +229,34 @@ def compile_wrappers_of(model: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
-def _forward_compiled_with_the_call(model: nn.Module) -> bool:
-    """Whether ``torch.compile(model)`` compiles the whole call, hooks included: a module of
-    a ``torch.nn`` class (Dynamo inlines those; see ``OptimizedModule._initialize``). Decided
-    without importing Dynamo."""
-    forward = getattr(type(model), "forward", None)
-    return (getattr(forward, "__module__", None) or "").startswith("torch.")
-
-
-def mark_forward_as_watched(model: nn.Module) -> types.MethodType | None:
-    """Give a ``torch.nn`` container ``model`` with no instance-level forward of its own its
-    class's forward, bound to it, as an instance attribute: it runs as before (a bound method
-    either way), and code Dynamo compiled while its ``__dict__`` had no ``forward`` (for another
-    container of the class, without hooks) is not run for it. What to give
-    :func:`unmark_forward`; None: left as it was."""
-    if "forward" in vars(model) or not _forward_compiled_with_the_call(model):
+def _own_forward(module: nn.Module) -> types.FunctionType | None:
+    """The plain function ``module``'s class defines as its forward (looked up without running
+    descriptors), or None: no forward of its own (a holder: ``nn.Module.forward``), one that is
+    no plain function (a staticmethod, a callable object), or a TorchScript module's."""
+    if isinstance(module, torch.jit.ScriptModule):
         return None
-    marked = model.__dict__["forward"] = types.MethodType(type(model).forward, model)
+    for klass in type(module).__mro__:
+        forward = vars(klass).get("forward")
+        if forward is not None:
+            if type(forward) is not types.FunctionType or forward is nn.Module.forward:
+                return None
+            return forward
+    return None
+
+
+def mark_forward_as_watched(module: nn.Module) -> types.MethodType | None:
+    """Give ``module``, when it has no instance-level forward of its own, its class's forward,
+    bound to it, as an instance attribute (see the module docstring): it runs as before (a
+    bound method either way; read from the instance it is not even bound anew at each call),
+    and code Dynamo compiled while its ``__dict__`` had no ``forward``, or had another watch's,
+    is not run for it. What to give :func:`unmark_forward`; None: left as it was (a module
+    compiled in place keeps its compiled code: the watch promises no recompile there)."""
+    if "forward" in vars(module) or getattr(module, "_compiled_call_impl", None) is not None:
+        return None
+    forward = _own_forward(module)
+    if forward is None:
+        return None
+    marked = module.__dict__["forward"] = types.MethodType(forward, module)
     return marked
 
 

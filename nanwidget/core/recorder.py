@@ -408,9 +408,10 @@ class Recorder:
         self._fused_layers: list[tuple[nn.Module, FusedPathKeeper]] = []
         # torch.compile wrappers whose calls are refused (see _refuse_wrapper_call).
         self._wrappers: list[weakref.ref[nn.Module]] = []
-        # The root's forward while watched, when it is a torch.nn container's (a compiled call
-        # of it must reach the root's hooks: see core.graph_capture.mark_forward_as_watched).
-        self._watched_forward: Any = None
+        # (module, its forward while watched): code compiled before the watch, or for another
+        # module of the class, must not run these modules without their hooks (see
+        # core.graph_capture.mark_forward_as_watched).
+        self._marked_forwards: list[tuple[nn.Module, Any]] = []
         self._infos: dict[int, ModuleInfo] = {}
         # Outermost modules whose calls outside a root forward returned in this batch (see
         # _record_outside_root): one that runs again starts the next batch.
@@ -476,6 +477,7 @@ class Recorder:
             self._install_root_hooks()
             if not root_only:
                 self.attach_module_hooks()
+            self._mark_forwards(root_only)
         except BaseException:
             self.close()
             raise
@@ -626,12 +628,24 @@ class Recorder:
         if not is_fsdp_unit(entry):  # an FSDP unit's runs first, before it reshards
             self._last_forward_hooks[id(entry)] = self._handles[-1].id
         if entry is self.model:
-            if not self._compiled_in_place and self._fused_root is None:
-                self._watched_forward = mark_forward_as_watched(entry)
             for wrapper in compile_wrappers_of(entry):
                 self._handles.append(wrapper.register_forward_pre_hook(self._refuse_wrapper_call))
                 copy_without_watch(wrapper)
                 self._wrappers.append(weakref.ref(wrapper))
+
+    def _mark_forwards(self, root_only: bool) -> None:
+        """Mark the forward of every module hooked for the whole watch (the root; in full mode
+        every module) so that compiled code that ran them without these hooks is compiled anew
+        (see :func:`~nanwidget.core.graph_capture.mark_forward_as_watched`). Module hooks that
+        come and go (sentinel mode's sampled batches) mark nothing: each change would recompile.
+        Not the root of a compile wrapper's entry (its compiled code runs outside the hooks),
+        nor a layer whose fused path the watch keeps (that forward is already an instance's)."""
+        if self.entry is not self.model:
+            return
+        for info in self.modules[:1] if root_only else self.modules:
+            marked = mark_forward_as_watched(info.module)
+            if marked is not None:
+                self._marked_forwards.append((info.module, marked))
 
     def pre_hooks_before_held_inputs(self) -> tuple[list[int], list[int]]:
         """The forward pre-hooks that run on the model before the watch's root pre-hook takes
@@ -1698,9 +1712,9 @@ class Recorder:
                     release_fused_path(*fused)
             self._fused_layers.clear()
             self._fused_root = None
-            if self._watched_forward is not None:
-                unmark_forward(self.model, self._watched_forward)
-                self._watched_forward = None
+            for module, marked in self._marked_forwards:
+                unmark_forward(module, marked)
+            self._marked_forwards.clear()
             self._handles.clear()
             self._module_handles.clear()
             self._direct_handles.clear()
