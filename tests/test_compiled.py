@@ -489,3 +489,26 @@ def test_a_function_compiled_before_the_watch_calling_a_submodule_runs_its_hooks
         assert _described(w.events) == [(0, "fc1", "weight", "weight")]
     assert hook_count(model) == 0
 
+
+@pytest.mark.parametrize("compiled_when", ["before", "after"])
+def test_a_compiled_submodule_is_watched_as_that_module(compiled_when):
+    # torch.compile(model.fc1) was taken for another model sharing fc1 (its calls none of the
+    # watch's business): a NaN weight in fc1 went unseen, compiled before the watch or after.
+    torch.manual_seed(0)
+    model = type(f"CompiledPartMLP_{compiled_when}", (TinyMLP,), {})()
+    x = torch.randn(4, 16)
+    compiled_fc1 = None
+    if compiled_when == "before":
+        compiled_fc1 = torch.compile(model.fc1, backend="eager")
+        with torch.no_grad():
+            compiled_fc1(x)
+    _weights_written_nan(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, on_nan="record") as w, torch.no_grad():
+            if compiled_fc1 is None:
+                compiled_fc1 = torch.compile(model.fc1, backend="eager")
+            compiled_fc1(x)
+    # As an eager call of fc1 gives it.
+    assert _described(w.events) == [(0, "fc1", "weight", "weight")]
+    assert hook_count(model) == 0

@@ -44,8 +44,9 @@ from torch import nn
 from .walk import tensor_leaves
 
 __all__ = ["tracing", "captured", "meta_only", "is_exporting", "dynamo_compiling", "export_flag",
-           "fx_tracing", "checking_a_trace", "compile_wrappers_of", "mark_forward_as_watched",
-           "unmark_forward", "run_eagerly_under_dynamo", "never_compiled"]
+           "fx_tracing", "checking_a_trace", "compile_wrappers_of", "compiled_module_of",
+           "mark_forward_as_watched", "unmark_forward", "run_eagerly_under_dynamo",
+           "never_compiled"]
 
 #: ``torch.compiler.is_exporting()``: True while ``torch.export`` traces, under Dynamo too.
 is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
@@ -201,9 +202,17 @@ def _nothing() -> None:
     return None
 
 
+def compiled_module_of(candidate: Any) -> nn.Module | None:
+    """The module that ``candidate``, a ``torch.compile`` wrapper (``OptimizedModule``),
+    compiles; None for anything else. Read without importing Dynamo."""
+    if not (isinstance(candidate, nn.Module) and type(candidate).__name__ == "OptimizedModule"):
+        return None
+    wrapped = candidate.__dict__.get("_modules", {}).get("_orig_mod")
+    return wrapped if isinstance(wrapped, nn.Module) else None
+
+
 def _is_wrapper_of(candidate: Any, model: nn.Module) -> bool:
-    return isinstance(candidate, nn.Module) and type(candidate).__name__ == "OptimizedModule" \
-        and getattr(candidate, "_orig_mod", None) is model
+    return compiled_module_of(candidate) is model
 
 
 def compile_wrappers_of(model: nn.Module) -> list[nn.Module]:

@@ -76,9 +76,9 @@ from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
 from .events import AbortAfterBatch, NanDetected, NanEvent, NanWarning
 from .frames import Frame
-from .graph_capture import (captured, compile_wrappers_of, dynamo_compiling, export_flag,
-                            mark_forward_as_watched, meta_only, never_compiled,
-                            run_eagerly_under_dynamo, tracing, unmark_forward)
+from .graph_capture import (captured, compile_wrappers_of, compiled_module_of,
+                            dynamo_compiling, export_flag, mark_forward_as_watched, meta_only,
+                            never_compiled, run_eagerly_under_dynamo, tracing, unmark_forward)
 from .holders import has_no_forward, stand_ins
 from .opaque import (add_forward_hook, add_forward_pre_hook, inside_torchscript, packed_weights,
                      weights_of)
@@ -1191,13 +1191,17 @@ class Recorder:
     def _another_models_module(self, module: nn.Module) -> bool:
         """Whether ``module``, not one the watch hooked or saw at its start, is outside the
         watched model (not added to it since) and does not hold it (a wrapper calling the
-        watched model's parts is driving it). Remembered per module: each walk is a tree's."""
+        watched model's parts is driving it), nor is a ``torch.compile`` wrapper of one of its
+        modules (``torch.compile(model.encoder)``: that module's calls, compiled). Remembered
+        per module: each walk is a tree's."""
         known = self._callers_outside.get(id(module))
         if known is not None and known[0]() is module:
             return known[1]
         root = self.model
+        compiled = compiled_module_of(module)
         elsewhere = not any(part is module for part in root.modules()) \
-            and not any(part is root for part in module.modules())
+            and not any(part is root for part in module.modules()) \
+            and (compiled is None or id(compiled) not in self._initial_modules)
         if len(self._callers_outside) >= 1024:
             self._callers_outside.clear()
         self._callers_outside[id(module)] = (weakref.ref(module), elsewhere)
