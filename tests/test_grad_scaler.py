@@ -296,6 +296,18 @@ def test_grad_scaler_takes_an_object_holding_one_and_refuses_anything_else():
         assert watch.grad_scaler is scaler
     with nw.watch(model, grad_scaler=Holder(None)) as watch:
         assert watch.grad_scaler is None and watch.parts.scaler is None
+
+    class NativeScaler:  # timm's train.py loss_scaler: its GradScaler at ._scaler (was refused)
+        def __init__(self, scaler):
+            self._scaler = scaler
+
+        def __call__(self, loss, optimizer):
+            self._scaler.scale(loss).backward()
+            self._scaler.step(optimizer)
+            self._scaler.update()
+
+    with nw.watch(model, grad_scaler=NativeScaler(scaler)) as watch:
+        assert watch.grad_scaler is scaler
     with pytest.raises(TypeError, match="grad_scaler takes a torch.amp.GradScaler"):
         nw.watch(model, grad_scaler="scaler")
     with pytest.raises(ValueError, match="scaler_patience must be at least 1"):

@@ -273,21 +273,26 @@ def _allow_inf(name: str, value: Any, model: nn.Module | None) -> tuple[str | ty
 def _grad_scaler(name: str, value: Any, model: Any) -> Any:
     """A ``torch.amp.GradScaler`` (or any scaler with its ``scale`` / ``update`` /
     ``get_scale`` methods), an object holding one as ``.scaler`` (accelerate's
-    ``Accelerator``, Lightning's mixed-precision plugin), or an optimizer that scales the loss
+    ``Accelerator``, Lightning's mixed-precision plugin) or ``._scaler`` (timm's
+    ``NativeScaler``), or an optimizer that scales the loss
     itself (:func:`is_loss_scale_optimizer`: Keras' ``LossScaleOptimizer``): the scaler, or
     None when it holds none (no float16 loss scaling to watch)."""
     if value is None:
         return None
     if is_loss_scale_optimizer(value):
         return value
-    if not _is_scaler(value) and hasattr(value, "scaler"):
-        held = value.scaler
-        if held is None:
-            return None
-        value = held
     if not _is_scaler(value):
-        raise TypeError(f"{name} takes a torch.amp.GradScaler (or an object holding one as "
-                        f".scaler, such as accelerate's Accelerator, or Keras' "
+        # accelerate and Lightning hold theirs as .scaler, timm's NativeScaler as ._scaler
+        for holder in ("scaler", "_scaler"):
+            if hasattr(value, holder):
+                held = getattr(value, holder)
+                if held is None:
+                    return None
+                value = held
+                break
+    if not _is_scaler(value):
+        raise TypeError(f"{name} takes a torch.amp.GradScaler (or an object holding one, such "
+                        f"as accelerate's Accelerator or timm's NativeScaler, or Keras' "
                         f"LossScaleOptimizer), got {value!r} ({type(value).__name__})")
     return value
 

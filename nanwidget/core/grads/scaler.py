@@ -562,7 +562,8 @@ def _enabled_scaler(value: Any) -> bool:
 
 def _scaler_in_callers() -> bool:
     """Whether a frame on the stack holds an enabled GradScaler, or an object holding one as
-    its own ``scaler`` attribute (accelerate's Accelerator); read without calling anything."""
+    its own ``scaler`` attribute (accelerate's Accelerator) or ``_scaler`` (timm's
+    NativeScaler); read without calling anything."""
     frame = sys._getframe(1)
     for _ in range(_STACK_DEPTH):
         if frame is None:
@@ -570,7 +571,8 @@ def _scaler_in_callers() -> bool:
         for value in list(frame.f_locals.values()):
             try:
                 own = vars(value) if hasattr(value, "__dict__") else {}
-                if _enabled_scaler(value) or _enabled_scaler(own.get("scaler")):
+                if _enabled_scaler(value) or _enabled_scaler(own.get("scaler")) \
+                        or _enabled_scaler(own.get("_scaler")):  # timm's NativeScaler
                     return True
             except Exception:  # an odd object: not a scaler
                 continue
