@@ -79,6 +79,12 @@ def test_without_grad_scaler_the_first_overflow_stops_the_run_and_says_to_pass_i
             _train(model, scaler, 3)
     assert watch.event.batch == 0 and watch.event.is_backward and "inf" in watch.event.kind
     assert "pass it: nw.watch(model, grad_scaler=scaler)" in str(caught.value)
+    # The diagnosis too leads with the loss scale (it led with naming the loss's op; an
+    # overflow's with scaling the targets down).
+    diagnosis = watch.event.diagnosis
+    assert diagnosis.kind == "loss" and diagnosis.suggestion[0].startswith(
+        "If a torch.amp.GradScaler scales this loss (train loops under float16 autocast use "
+        "one; its scale starts at 65536), pass it: nw.watch(model, grad_scaler=scaler).")
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])

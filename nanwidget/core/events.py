@@ -11,7 +11,7 @@ from .schema import EVENT_FIELDS, FRAME_COLUMNS, NO_USER_LINE
 
 __all__ = ["NanEvent", "Diagnosis", "GradEvent", "ScalerSkip", "NanDetected", "NanWarning",
            "AbortAfterBatch", "ORIGIN_WORDS", "UNVERIFIED_NOTES", "NOT_REPLAYED", "REPEATED_NOTES",
-           "NO_WEIGHTS_SEEN", "UNREAD_WEIGHTS", "weights_unchecked",
+           "NO_WEIGHTS_SEEN", "UNREAD_WEIGHTS", "PASS_THE_SCALER", "weights_unchecked",
            "event_kind", "DIAGNOSIS_KINDS",
            "CONFIDENCES", "LOSS_WORDS", "LOSS_ROLE", "event_fields", "event_from_fields"]
 
@@ -120,6 +120,14 @@ NO_WEIGHTS_SEEN = ("it has no parameters or buffers, so no weight it reads was c
 # could not unpack, tensor subclasses it could not read (quantized ones). Like NO_WEIGHTS_SEEN,
 # such an event is "made here from finite inputs", never "and weights".
 UNREAD_WEIGHTS = "it reads weights the watch could not read"
+
+
+# The note of an Inf gradient event of a float16 run (or of one with a GradScaler among the
+# caller's variables) watched without ``grad_scaler``: an AMP loss scale overflows on purpose.
+PASS_THE_SCALER = ("if a torch.amp.GradScaler scales this loss, pass it: "
+                   "nw.watch(model, grad_scaler=scaler) (an overflow in a step the scaler skips "
+                   "is then no event; a Keras model compiled under mixed_float16: "
+                   "grad_scaler=model.optimizer)")
 
 
 def weights_unchecked(note: str) -> bool:

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..detect import additive_mask
 from ..entries import Entry
-from ..events import (LOSS_ROLE, NO_WEIGHTS_SEEN, NOT_REPLAYED, REPEATED_NOTES,
+from ..events import (LOSS_ROLE, NO_WEIGHTS_SEEN, NOT_REPLAYED, PASS_THE_SCALER, REPEATED_NOTES,
                       UNREAD_WEIGHTS, UNVERIFIED_NOTES, Diagnosis, NanEvent,
                       gradient_only_reduced, weights_unchecked)
 from ..opaque import holds_packed_weights, packed_weights
@@ -76,6 +76,13 @@ def _finite_in_earlier_call(event: NanEvent, names: list[str]) -> dict[str, int]
         if not own.empty:
             found[name] = int(own["call"].max())
     return found
+
+
+_PASS_THE_SCALER_FIX = (
+    "If a torch.amp.GradScaler scales this loss (train loops under float16 autocast use one; "
+    "its scale starts at 65536), pass it: nw.watch(model, grad_scaler=scaler). Its scaled "
+    "gradients overflow float16 now and then on purpose, and it skips those steps: with it "
+    "the watch does too, and lists them in w.scaler_skips.")
 
 
 class Diagnoser(Feature):
@@ -187,7 +194,13 @@ class Diagnoser(Feature):
                 event.note = f"{event.note}; {facts.unseen_note}" if event.note \
                     else facts.unseen_note
             held = self.capture is not None and event.batch in self.capture.held_batches()
-            return diagnose(facts, replayable=held and not facts.replay_refused)
+            diagnosis = diagnose(facts, replayable=held and not facts.replay_refused)
+            if PASS_THE_SCALER in event.note and diagnosis.kind in ("overflow", "loss"):
+                # An Inf gradient of a float16 run: most likely an AMP loss scale (65536 at
+                # first) the watch was not told of; that first, before scaling the loss or its
+                # targets down or naming the loss's op.
+                diagnosis.suggestion.insert(0, _PASS_THE_SCALER_FIX)
+            return diagnosis
         except Exception as error:
             self.recorder.internal_error(error)
             return Diagnosis("unknown", f"The diagnosis failed ({type(error).__name__}: {error}).",

@@ -52,7 +52,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..detect import event_kind
-from ..events import LOSS_ROLE, NanEvent, ScalerSkip
+from ..events import LOSS_ROLE, PASS_THE_SCALER, NanEvent, ScalerSkip
 from ..graph_capture import run_eagerly_under_dynamo
 from ..options import is_loss_scale_optimizer
 from ..recorder import Feature, Finding, Recorder
@@ -62,10 +62,6 @@ from ..writes import wraps_an_optimizer
 __all__ = ["ScalerWatch", "ScalerHint", "SkipRun", "skips_summary", "scaling_enabled",
            "PASS_THE_SCALER"]
 
-PASS_THE_SCALER = ("if a torch.amp.GradScaler scales this loss, pass it: "
-                   "nw.watch(model, grad_scaler=scaler) (an overflow in a step the scaler skips "
-                   "is then no event; a Keras model compiled under mixed_float16: "
-                   "grad_scaler=model.optimizer)")
 _SKIPS_KEPT = 10_000
 _STACK_DEPTH = 40  # caller frames searched for a GradScaler
 
