@@ -2972,6 +2972,120 @@ def test_an_in_place_op_outside_its_domain_is_a_domain_error(op, reason):
     assert diagnosis.kind == "domain" and reason in diagnosis.summary
 
 
+class _SumsInPlace(nn.Module):
+    """Node features summed in place, as graph libraries pool them (PyG's scatter_add_ behind
+    every aggregation and pooling, DGL's index_add_), or a residual, scale or running sum
+    written in place."""
+
+    def __init__(self, op: str, initial: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.op = op
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.initial = initial  # a plain attribute, no buffer: the watch measures it nowhere
+
+    def forward(self, x: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.op == "scatter_add_":
+            pooled = torch.zeros(2, 4, dtype=h.dtype).scatter_add_(
+                0, graph.unsqueeze(1).expand_as(h), h)
+        elif self.op == "index_add_":
+            start = torch.zeros(2, 4, dtype=h.dtype) if self.initial is None \
+                else self.initial.clone()
+            pooled = start.index_add_(0, graph, h)
+        elif self.op == "add_":
+            pooled = h.add_(x)
+        elif self.op == "mul_":
+            pooled = h.mul_(2.0)
+        else:
+            pooled = h.cumsum_(0)
+        return self.head(pooled)
+
+
+def _sums_in_place(op: str, dtype: torch.dtype, scale: float = 0.6,
+                   initial: torch.Tensor | None = None) -> tuple[nn.Module, tuple]:
+    """The model above with an identity first layer, and 4 nodes of 2 graphs at ``scale``
+    times ``dtype``'s largest value (finite: two of them sum past it)."""
+    torch.manual_seed(0)
+    model = _SumsInPlace(op, initial).to(dtype)
+    with torch.no_grad():
+        model.lin.weight.copy_(torch.eye(4))
+        model.lin.bias.zero_()
+    x = torch.full((4, 4), scale * torch.finfo(dtype).max).to(dtype)
+    return model, (x, torch.tensor([0, 0, 1, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("op", ["scatter_add_", "index_add_", "add_", "mul_", "cumsum_"])
+def test_an_overflow_in_an_in_place_sum_is_an_overflow_of_the_values_it_read(op, dtype):
+    # An in-place op's self is its output once it ran: its inputs were described after the
+    # write (self "written in place since", holding the Inf the op made), so the overflow
+    # rule saw an Inf come in and the verdict read "unknown", with advice to replay a batch
+    # replay_on_nan=True had replayed (a float16 PyG GAT summing raw features of 56000).
+    model, inputs = _sums_in_place(op, dtype)
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        model(*inputs)
+    event = w.event
+    diagnosis = event.diagnosis
+    name = str(dtype).replace("torch.", "")
+    assert event.trace.first_bad["op"] == op
+    assert (diagnosis.kind, diagnosis.confidence) == ("overflow", "high")
+    assert diagnosis.summary.startswith(f"{op} in module '<root>' (_SumsInPlace) at ")
+    assert f"overflowed {name}" in diagnosis.summary
+    evidence = "\n".join(diagnosis.evidence)
+    held = "0 to 0" if op in ("scatter_add_", "index_add_") else "{0:.3g} to {0:.3g}".format(
+        0.6 * torch.finfo(dtype).max)
+    assert f"{op} input self ({name}): from {held}." in evidence
+    assert "written in place" not in evidence
+    assert f"{op} output: " in evidence and f"({name} max " in evidence
+
+
+def test_an_in_place_sum_whose_result_is_written_again_later_says_so():
+    # The evidence describes the output when the diagnosis runs: a later in-place write into it
+    # (a mean dividing the sum) shows values the op did not make, and must say so.
+    class MeanInPlace(nn.Module):
+        def forward(self, x: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+            pooled = torch.zeros(2, 4, dtype=x.dtype).index_add_(0, graph, x)
+            return pooled.div_(torch.tensor([[2.0], [2.0]], dtype=x.dtype))
+
+    model = MeanInPlace()
+    x = torch.full((4, 4), 40000.0, dtype=torch.float16)
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        model(x, torch.tensor([0, 0, 1, 1]))
+    diagnosis = w.event.diagnosis
+    assert w.event.trace.first_bad["op"] == "index_add_" and diagnosis.kind == "overflow"
+    evidence = "\n".join(diagnosis.evidence)
+    assert "index_add_ input self (float16): from 0 to 0." in evidence
+    assert "index_add_ output (written in place since): 8 Inf of 8 values" in evidence
+
+
+def test_an_inf_an_in_place_op_s_self_already_held_is_not_made_there():
+    # The linear overflowed first; the in-place add only carried its Inf on.
+    model, inputs = _sums_in_place("add_", torch.float16, scale=2.0 ** 0.5 / 2)
+    with torch.no_grad():
+        model.lin.weight.mul_(2.0)
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        model(*inputs)
+    diagnosis = w.event.diagnosis
+    assert w.event.trace.first_bad["op"] == "addmm"
+    assert diagnosis.kind == "overflow" and diagnosis.summary.startswith("addmm in module 'lin'")
+
+
+def test_an_inf_a_plain_attribute_held_before_an_in_place_sum_is_not_made_there():
+    # A starting tensor kept as a plain attribute (no buffer) held an Inf: index_add_ read it
+    # and wrote it back. No traced op made it, so the trace was blamed on index_add_ "from
+    # finite inputs" (its self described after the write).
+    initial = torch.zeros(2, 4, dtype=torch.float16)
+    initial[1, 2] = math.inf
+    model, (x, graph) = _sums_in_place("index_add_", torch.float16, initial=initial)
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        model(x / 1e4, graph)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert event.trace.first_bad is None
+    assert event.trace.first_reader()["op"] == "index_add_"
+    assert "index_add_" not in diagnosis.summary and diagnosis.kind == "unknown"
+
+
 class _ScaledLogits(nn.Module):
     """CLIP's logits: a learnable log-scale, exponentiated."""
 

@@ -50,6 +50,11 @@ _DOMAIN_IN_PLACE = frozenset({"pow_", "sqrt_", "rsqrt_", "log_", "log2_", "log10
                               "div_", "true_divide_", "reciprocal_", "remainder_", "fmod_",
                               "floor_divide_", "acos_", "asin_", "atanh_", "acosh_", "erfinv_",
                               "logit_"})
+# In-place ops that replace what they write without reading it: its values before say nothing
+# of their output. Every other in-place op reads its ``self`` first (add_, scatter_add_, mul_).
+_OVERWRITING_IN_PLACE = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "random_",
+                                   "bernoulli_", "exponential_", "geometric_", "cauchy_",
+                                   "log_normal_", "set_", "resize_", "resize_as_"})
 _FRESH_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                         "empty_permuted"})
 # Ops computing beta * input + alpha * (a product): with beta=0 the input is not read (torch
@@ -120,6 +125,35 @@ class Lineage:
         self.followed = followed
 
 
+class _BeforeWrite:
+    """The range of the tensor an in-place op is about to write, as the op reads it: once it
+    ran, that tensor holds the op's output (an Inf it made there is no Inf it was given).
+    Left on its device (no host sync) and read only when the op made a NaN/Inf."""
+
+    __slots__ = ("func", "target", "range", "_read")
+
+    def __init__(self, func: Any, target: torch.Tensor, low_high: torch.Tensor) -> None:
+        self.func = func
+        self.target = target
+        self.range = low_high
+        self._read: tuple[float, float] | None = None
+
+    def read(self) -> tuple[float, float]:
+        """(min, max) of the values before the write: NaN when one was NaN, ±inf for an Inf."""
+        if self._read is None:
+            low, high = self.range.double().tolist()
+            self._read = (low, high)
+        return self._read
+
+    def nonfinite(self) -> tuple[bool, bool]:
+        """(held a NaN, held an Inf) before the write. With a NaN the range cannot tell an Inf:
+        not claimed."""
+        low, high = self.read()
+        if low != low or high != high:
+            return True, False
+        return False, math.isinf(low) or math.isinf(high)
+
+
 class OpRecorder:
     """Module frames and op rows of one replay.
 
@@ -164,6 +198,8 @@ class OpRecorder:
         self.births: dict[int, list[dict] | tuple] = {}
         # (op, its inputs described) of a domain op about to run in place (before_op).
         self.before_in_place: tuple[Any, list[dict]] | None = None
+        # The range of the tensor an in-place op is about to write (before_op).
+        self.before_write: _BeforeWrite | None = None
         self.held_bytes = 0
         # Frame stats -> (storage, the op that had last written a NaN/Inf there) when measured.
         self.frame_tensors: dict[int, tuple[int | None, int | None]] = {}
@@ -268,13 +304,36 @@ class OpRecorder:
     def before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
         if self.to_tag:
             self.tag_nodes()
-        if func.overloadpacket.__name__ in _DOMAIN_IN_PLACE:
+        name = func.overloadpacket.__name__
+        if name[-1:] == "_" and name not in _OVERWRITING_IN_PLACE:
+            self.before_write = self._range_before_write(func, args)
+        if name in _DOMAIN_IN_PLACE:
             self.before_in_place = (func, self._describe_paused(func, args, kwargs, []))
         shadows = self.shadows
         if shadows is not None and shadows.protected:
             save_before_write(shadows, func, args, kwargs)
 
+    def _range_before_write(self, func: Any, args: tuple) -> _BeforeWrite | None:
+        """The range of the float tensor in-place op ``func`` reads and then writes (its
+        ``self``), measured on its device: one reduction, no host sync."""
+        target = args[0] if args else None
+        if not isinstance(target, _Tensor) or 0 not in mutated_arguments(func)[0] \
+                or not target.is_floating_point() or classify(target):
+            return None
+        paused, self.paused = self.paused, True
+        try:
+            with torch.no_grad():
+                low, high = torch.aminmax(widen_float8(target.detach()))
+                return _BeforeWrite(func, target, torch.stack((low, high)))
+        except Exception:  # nested, sparse or subclass tensors: described after the write
+            return None
+        finally:
+            self.paused = paused
+
     def after_op(self, func: Any, args: tuple, kwargs: dict, output: Any, caller: Any) -> None:
+        before, self.before_write = self.before_write, None
+        if before is not None and before.func is not func:
+            before = None
         node = _current_autograd_node()
         if node is not None and self.recomputing:
             # A checkpointed module recomputed within the backward pass: its ops belong to it,
@@ -329,7 +388,7 @@ class OpRecorder:
                           else tuple(first.shape),
                           low, high, nan, inf, nan or inf, source))
         if nan or inf:
-            self._link(index, func, args, kwargs, nan, measurable)
+            self._link(index, func, args, kwargs, nan, measurable, before)
             if node is not None:  # which gradient formula it belongs to (LogBackward0 ...)
                 self.grad_nodes[index] = node.name()
         if self.bad_writer or nan or inf:
@@ -341,10 +400,11 @@ class OpRecorder:
 
     # -- lineage
     def _link(self, index: int, func: Any, args: tuple, kwargs: dict, nan: bool,
-              outputs: list[torch.Tensor]) -> None:
+              outputs: list[torch.Tensor], before: _BeforeWrite | None = None) -> None:
         """Record where op ``index``'s NaN/Inf came from: the inputs that held one (a NaN
         explains a NaN; an Inf explains an Inf), or none (born here). An op turning an Inf
-        into NaN (softmax of a fully masked row, inf - inf) is where that NaN was born."""
+        into NaN (softmax of a fully masked row, inf - inf) is where that NaN was born.
+        ``before``: the range of the tensor an in-place op wrote, as it was before."""
         positions, names = mutated_arguments(func)
         parents: list[int] = []
         outside: list[int] = []
@@ -358,10 +418,15 @@ class OpRecorder:
                 key = storage_key(tensor)
                 if mutated:  # written by this op: its state before, as the lineage knows it
                     writer = self.bad_writer.get(key) if key is not None else None
-                    if writer is None:
+                    if writer is not None:
+                        row = self.rows[writer]
+                        input_nan, input_inf = row[10], row[11]
+                    elif before is not None and tensor is before.target:
+                        # No op of the replay wrote a NaN/Inf there, yet it may have held one
+                        # (a tensor no op made: a plain attribute, uninitialised memory).
+                        input_nan, input_inf = before.nonfinite()
+                    else:
                         continue
-                    row = self.rows[writer]
-                    input_nan, input_inf = row[10], row[11]
                 else:
                     input_nan, input_inf, writer = self._input_state(tensor, key)
                 if input_nan if nan else input_inf:
@@ -378,7 +443,7 @@ class OpRecorder:
         self.links[index] = (tuple(parents), tuple(outside), tuple(feeders),
                              tuple(feeders_outside), literal)
         if not parents and not outside:
-            self._hold_birth(index, func, args, kwargs, outputs)
+            self._hold_birth(index, func, args, kwargs, outputs, before)
 
     def _input_state(self, tensor: torch.Tensor, key: int | None) -> tuple[bool, bool, int | None]:
         """(holds a NaN, holds an Inf, the op that wrote a NaN/Inf into its storage) of an
@@ -441,9 +506,10 @@ class OpRecorder:
                 self.bad_writer.pop(key, None)
 
     def _hold_birth(self, index: int, func: Any, args: tuple, kwargs: dict,
-                    outputs: list[torch.Tensor]) -> None:
+                    outputs: list[torch.Tensor], written: _BeforeWrite | None = None) -> None:
         """Keep what describing a birth needs: references while they are small (no host sync
-        now: most births never reach the event), else its description, made now."""
+        now: most births never reach the event), else its description, made now. ``written``:
+        the range an in-place op's ``self`` had before the op wrote it."""
         before, self.before_in_place = self.before_in_place, None
         if before is not None and before[0] is func:  # its inputs as they were before it ran
             self.births[index] = before[1] + self._describe_paused(func, (), {}, outputs)
@@ -452,10 +518,11 @@ class OpRecorder:
                    + outputs for t in tensors_in(v))
         if self.held_bytes + size <= _HELD_BIRTH_BYTES:
             self.held_bytes += size
-            versions = [version_of(t) for v in list(args) + list(kwargs.values()) for t in tensors_in(v)]
-            self.births[index] = (func, args, kwargs, list(outputs), versions)
+            self.births[index] = (func, args, kwargs, list(outputs),
+                                  _versions_after(func, args, kwargs, outputs), written)
         else:
-            self.births[index] = self._describe_paused(func, args, kwargs, outputs)
+            self.births[index] = _as_read_before_write(
+                self._describe_paused(func, args, kwargs, outputs), func, written)
 
     def _describe_paused(self, func: Any, args: tuple, kwargs: dict,
                          outputs: list[torch.Tensor]) -> list[dict]:
@@ -471,14 +538,13 @@ class OpRecorder:
         if held is None:
             return []
         if isinstance(held, tuple):
-            func, args, kwargs, outputs, versions = held
-            now = [version_of(t) for v in list(args) + list(kwargs.values()) for t in tensors_in(v)]
+            func, args, kwargs, outputs, versions, written = held
+            now = [version_of(t) for t in _described_tensors(func, args, kwargs, outputs)]
             described = self._describe_paused(func, args, kwargs, outputs)
-            if now != versions:  # an input was written in place after the op: say so
-                for row, then, later in zip(described, versions, now):
-                    if then != later:
-                        row["role"] += " (written in place since)"
-            held = self.births[index] = described
+            for row, then, later in zip(described, versions, now):
+                if later > then:  # written in place after the op: say so
+                    row["role"] += " (written in place since)"
+            held = self.births[index] = _as_read_before_write(described, func, written)
         return held
 
     def _frame_tensor(self, tensor: torch.Tensor, stats: TensorStats) -> None:
@@ -645,6 +711,29 @@ def _unread_argument(func: Any, kwargs: dict) -> int | None:
     return None
 
 
+def _as_read_before_write(described: list[dict], func: Any,
+                          written: _BeforeWrite | None) -> list[dict]:
+    """``described`` with an in-place op's ``self`` as the op read it (its range before the
+    write, finite there) instead of the output it holds since. A ``self`` that held a NaN/Inf
+    already keeps its description after the write: the range alone cannot count them."""
+    if written is None:
+        return described
+    low, high = written.read()
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return described
+    try:
+        role = f"input {func._schema.arguments[0].name}"
+    except (AttributeError, IndexError):
+        return described
+    for position, row in enumerate(described):
+        if row["role"] == role or row["role"].startswith(role + " ("):
+            described[position] = dict(row, role=role, min=low, max=high, nan_count=0,
+                                       inf_count=0, pos_inf_count=0, neg_inf_rows=0,
+                                       nonfinite_rows=[])
+            break
+    return described
+
+
 def _writes_literal_inf(args: tuple, kwargs: dict) -> bool:
     """Whether an op got ±inf as a plain number (not through a tensor)."""
     for value in list(args) + list(kwargs.values()):
@@ -698,6 +787,30 @@ def _describe(role: str, tensor: torch.Tensor, dim: int = -1, rows: bool = False
     except Exception:
         pass
     return info
+
+
+def _described_tensors(func: Any, args: tuple, kwargs: dict,
+                      outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors :func:`describe_op_tensors` describes, in the order of its rows."""
+    skipped = _unread_argument(func, kwargs)
+    found = [t for position, value in enumerate(args) if position != skipped
+             for t in tensors_in(value)]
+    found += [t for value in kwargs.values() for t in tensors_in(value)]
+    return found + list(outputs)
+
+
+def _versions_after(func: Any, args: tuple, kwargs: dict,
+                    outputs: list[torch.Tensor]) -> list[int]:
+    """The versions :func:`_described_tensors` will have once op ``func`` has returned. Its
+    own write bumps the tensors it writes in place only after its dispatch returns (autograd's
+    in-place layer sits above the tracer): that bump is no write since."""
+    positions, names = mutated_arguments(func)
+    written = {storage_key(t) for position in positions if position < len(args)
+               for t in tensors_in(args[position])}
+    written |= {storage_key(t) for name in names for t in tensors_in(kwargs.get(name))}
+    written.discard(None)
+    return [version_of(t) + (storage_key(t) in written)
+            for t in _described_tensors(func, args, kwargs, outputs)]
 
 
 def describe_op_tensors(func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> list[dict]:
