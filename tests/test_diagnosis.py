@@ -3038,6 +3038,7 @@ def test_an_overflow_in_an_in_place_sum_is_an_overflow_of_the_values_it_read(op,
     assert f"{op} input self ({name}): from {held}." in evidence
     assert "written in place" not in evidence
     assert f"{op} output: " in evidence and f"({name} max " in evidence
+    assert not any("w.replay(" in fix for fix in diagnosis.suggestion)
 
 
 def test_an_in_place_sum_whose_result_is_written_again_later_says_so():
@@ -3084,6 +3085,11 @@ def test_an_inf_a_plain_attribute_held_before_an_in_place_sum_is_not_made_there(
     assert event.trace.first_bad is None
     assert event.trace.first_reader()["op"] == "index_add_"
     assert "index_add_" not in diagnosis.summary and diagnosis.kind == "unknown"
+    assert any(line.startswith("No op of the replay made it: index_add_ in module '<root>' at ")
+               and "a plain tensor attribute" in line for line in diagnosis.evidence)
+    # The replay is in event.trace already: the advice reads it, it does not ask for another.
+    assert not any("w.replay(" in fix or "replay_on_nan" in fix for fix in diagnosis.suggestion)
+    assert "event.trace.report()" in diagnosis.suggestion[0]
 
 
 class _ScaledLogits(nn.Module):

@@ -611,7 +611,14 @@ def quantized_weight(module: str, role: str) -> list[str]:
 
 
 def unknown(batch: int, replayable: bool, backward: bool = False,
-            refused: bool = False, sharded: bool = True) -> list[str]:
+            refused: bool = False, sharded: bool = True, traced: bool = False) -> list[str]:
+    """``traced``: the event holds the replay of its batch (replay_on_nan=True), covering the
+    op: replaying again would show the same."""
+    if traced:
+        return [f"Read the replay already made of batch {batch}: event.trace.report() shows "
+                "where the NaN/Inf came from and the ops it went through, and event.trace.ops "
+                "holds every op's range and line, so the values leading to it can be compared "
+                "with what the code expects there."]
     if refused and not sharded:  # the batch cannot run again (an input written since)
         return ["Watch in full mode (nw.watch(model), without mode='sentinel'): it records "
                 "every module's frames as the batch runs, so the module and tensor where the "

@@ -782,10 +782,8 @@ def _read_in_loss(facts: Facts) -> Any:
     """The op of ``loss_fn`` (its ops row) where the NaN/Inf entered the replay from a tensor
     no traced op made (loss weights computed before the loss), or None."""
     trace = facts.trace
-    reader = trace.first_reader() if hasattr(trace, "first_reader") else None
-    if reader is None or not trace.came_with \
-            or any(kind != "unknown" for kind, _ in trace.came_with) \
-            or not trace.ran_in_loss(reader):
+    reader = _read_from_outside(trace)
+    if reader is None or not trace.ran_in_loss(reader):
         return None
     if reader["phase"] == "backward":  # the gradient of a loss op: name the op, as loss_fn ran it
         ops = trace.ops
@@ -1832,6 +1830,14 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
             evidence.append(f"The replay did not reproduce it: {reason}.")
         elif event.note:
             evidence.append(event.note[0].upper() + event.note[1:] + ".")
+        reader = _read_from_outside(facts.trace)
+        if reader is not None:
+            evidence.append(f"No op of the replay made it: {reader['op']} in module "
+                            f"'{reader['module'] or '<root>'}'"
+                            f"{' at ' + reader['source'] if reader['source'] else ''} read it from a "
+                            "tensor made outside the replay, not the batch's input nor a "
+                            "parameter or buffer (a plain tensor attribute, one kept from an "
+                            "earlier batch, or memory never written).")
         if facts.replay_refused and facts.replay_refused not in event.note:  # said once
             evidence.append(f"No replay was made to name the op: {facts.replay_refused}.")
         if facts.replays_spent:
@@ -1852,9 +1858,12 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
                       "inputs are then held, bad data in them is named with its rows, and its "
                       "batches can be replayed."]
     else:
+        # replay_on_nan=True already replayed it (a backward only with the loss): no replay
+        # to suggest.
+        traced = event.trace is not None and (not event.is_backward or facts.has_loss_fn)
         suggestion = fixes.unknown(event.batch, replayable, backward=event.is_backward,
                                    refused=bool(facts.replay_refused),
-                                   sharded=facts.replay_refused_sharded)
+                                   sharded=facts.replay_refused_sharded, traced=traced)
     if facts.weights_unseen:
         trace = facts.trace
         if trace is not None and trace.reproduced:
@@ -1863,6 +1872,16 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
             suggestion = []  # a replay says no more
         suggestion = _unseen_fixes(facts) + suggestion
     return Diagnosis("unknown", summary, evidence, suggestion, confidence="low")
+
+
+def _read_from_outside(trace: Any) -> Any:
+    """The op row (of a trace with no first bad op) that read the NaN/Inf from a tensor no
+    traced op made and the watch cannot name, or None."""
+    reader = trace.first_reader() if hasattr(trace, "first_reader") else None
+    if reader is None or not trace.came_with \
+            or any(kind != "unknown" for kind, _ in trace.came_with):
+        return None
+    return reader
 
 
 def _unseen_fixes(facts: Facts) -> list[str]:
