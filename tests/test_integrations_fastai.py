@@ -157,3 +157,29 @@ def test_a_fit_that_fails_elsewhere_takes_the_hooks_off():
     with pytest.raises(RuntimeError, match="the data loader broke"):
         _fit(learn, 1e-2, _FailAtBatch(), callback)
     assert callback.watch.closed and hook_count(learn.model) == 0
+
+
+class _RaiseOnNanLoss(Callback):
+    """A loss check of the user's that raises (as neuralforecast's training_step does), after ours."""
+
+    order = NanWatchCallback.order + 1
+
+    def after_loss(self):
+        if not bool(torch.isfinite(self.learn.loss_grad).all()):
+            raise RuntimeError("Loss is NaN, training stopped.")
+
+
+def test_a_fit_that_fails_on_a_nan_the_watch_found_tells_the_user_what_it_found(caplog):
+    # The fit ends before the callback's look at the step: the user saw only the RuntimeError.
+    learn = _learner()
+    callback = NanWatchCallback(log_dir=False)
+    with caplog.at_level("WARNING", logger="nanwidget.integrations"), \
+            pytest.raises(RuntimeError, match="Loss is NaN"):
+        _fit(learn, math.nan, _RaiseOnNanLoss(), callback)
+    told = [r.getMessage() for r in caplog.records if r.name.startswith("nanwidget")]
+    assert len(told) == 1, told
+    assert told[0].startswith("nanwidget: training ended with RuntimeError (")
+    assert "in batch 1 (training step 2, micro-batch 0) at module" in told[0]
+    assert "Why (corrupted-weight): " in told[0] and "(lr=nan)" in told[0]
+    assert callback.stop is None and callback.event.batch == 1
+    assert callback.watch.closed and hook_count(learn.model) == 0

@@ -162,6 +162,51 @@ def test_an_exception_in_training_step_removes_the_hooks(tmp_path):
     assert hook_count(model) == 0
 
 
+class RaisesOnNonFiniteLoss(TinyRegressor):
+    """neuralforecast's training_step: a non-finite loss raises before backward; pytorch-forecasting's
+    swaps it for a constant without grad_fn, so that backward raises instead."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        self.style = style
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if not torch.isfinite(loss):
+            if self.style == "raise":
+                raise RuntimeError("Loss is NaN, training stopped.")
+            loss = torch.tensor(1e9)
+        return loss
+
+
+@pytest.mark.parametrize("style", ["raise", "constant"])
+def test_a_fit_that_fails_on_a_nan_the_watch_found_tells_the_user_what_it_found(
+        tmp_path, caplog, style):
+    model = RaisesOnNonFiniteLoss(style)
+    callback = NanWatchCallback(log_dir=False)
+    with caplog.at_level("WARNING", logger="nanwidget.integrations"), \
+            pytest.raises(RuntimeError, match="Loss is NaN|does not require grad"):
+        _fit(tmp_path, model, [PoisonAtStep(3), callback])
+    told = [r.getMessage() for r in caplog.records if r.name.startswith("nanwidget")]
+    assert len(told) == 1, told
+    assert told[0].startswith("nanwidget: training ended with RuntimeError (")
+    assert f"nan in batch 2 (training step 3, micro-batch 0) at module '{POISONED}'" in told[0]
+    assert f"Why (corrupted-weight): '{POISONED}.weight' became NaN " in told[0]
+    assert callback.stop is None and callback.event.module == POISONED
+    assert hook_count(model) == 0 and callback.watch.closed
+
+
+def test_a_fit_that_fails_with_nothing_found_adds_no_nanwidget_message(tmp_path, caplog):
+    class Failing(TinyRegressor):
+        def training_step(self, batch, batch_idx):
+            raise ValueError("user code failed")
+
+    with caplog.at_level("WARNING", logger="nanwidget.integrations"), \
+            pytest.raises(ValueError, match="user code failed"):
+        _fit(tmp_path, Failing(), [NanWatchCallback(log_dir=False)])
+    assert not [r for r in caplog.records if r.name.startswith("nanwidget")]
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="trends_every"):
         NanWatchCallback(trends_every=0)

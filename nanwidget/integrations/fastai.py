@@ -24,11 +24,14 @@ overflow stops nothing.
 The hooks come off at ``after_fit``, when fastai takes the callback off the learner at the end
 of a ``fit(cbs=...)`` (also when the fit raised: fastai runs no ``after_fit`` then), at the next
 ``before_fit`` (a callback given to ``Learner(cbs=...)`` whose fit raised) and at ``close()``.
+When an error ends a ``fit(cbs=...)`` (a loss check that raises on a NaN loss) after the watch
+found a NaN/Inf that no stop reported yet, one warning names it first, with its diagnosis.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -79,6 +82,10 @@ class NanWatchCallback(GuardedCallback, Callback):
         # fastai takes a fit(cbs=...) callback off with cb.learn = None, also when fit raised
         # (no after_fit then): the hooks come off with it.
         if name == "learn" and value is None and self.__dict__.get("_guard") is not None:
+            # Set in fit's `finally`: the error ending the fit is the one being handled.
+            error = sys.exc_info()[1]
+            if error is not None and self._active() and self.__dict__.get("stop") is None:
+                self._guard.report_on_error(error)
             self.close()
         super().__setattr__(name, value)
 

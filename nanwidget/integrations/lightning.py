@@ -20,7 +20,9 @@ largest value, or growing towards it; ``early_warning=False`` turns them off) go
 ``trainer.loggers`` as metrics when they are made (``nanwidget/early_warnings``, the count, and
 ``nanwidget/early_warning/<module>/<reason>``, the abs max seen), at the end of the training
 batch or of the validation that made them. The hooks come off at ``on_fit_end`` and at
-``on_exception``.
+``on_exception``; when an error ends the fit (a ``training_step`` that raises on a NaN loss, a
+backward that fails) after the watch found a NaN/Inf that no stop reported yet, one warning
+names it first, with its diagnosis.
 """
 
 from __future__ import annotations
@@ -107,6 +109,11 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
+        # A training_step that raises on a NaN loss (neuralforecast), or a backward that fails
+        # on the constant put in its place (pytorch-forecasting), ends the fit before the next
+        # look: say what the watch found, or the user sees only that error.
+        if self._active() and self.stop is None:
+            self._guard.report_on_error(exception)
         self.close()
 
     def _active(self) -> bool:

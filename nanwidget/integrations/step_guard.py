@@ -455,6 +455,33 @@ class StepGuard:
         self._write_stop_file(stop, found)
         return stop
 
+    def report_on_error(self, error: BaseException) -> str | None:
+        """When training ends with ``error`` before the callback's next look (a framework that
+        raises on a non-finite loss, a backward that fails on the constant put in its place),
+        warn once about what the watch found that nothing reported yet: the first finding, its
+        step and its diagnosis. Returns that message, or None when there was nothing to tell.
+        Never raises: the framework's own error must reach the user unchanged."""
+        if not self.stops or self.closed:
+            return None
+        try:
+            self.watch.flush()  # the frames of the batch that the error interrupted
+            found = self.findings(check_grads=False)
+            reason = self.reason(found)
+            if reason is None:
+                return None
+            diagnosis = found.events[0].diagnosis if found.events else None
+            why = f". {diagnosis.brief()}" if diagnosis is not None else ""
+            said = (str(error).strip().splitlines() or [""])[0]
+            said = said if len(said) <= 160 else said[:157] + "..."
+            message = (f"nanwidget: training ended with {type(error).__name__} ({said}) after the "
+                       f"watch found a NaN/Inf it had not reported yet: {reason}{why}"
+                       + (" (callback.report() shows its frames)" if found.events else ""))
+        except Exception as failure:  # noqa: BLE001 - the framework's error comes first
+            logger.debug("nanwidget: could not read what the watch found (%s)", failure)
+            return None
+        logger.warning(message)
+        return message
+
     def exception_for(self, stop: TrainingStop, decision: list[dict[str, Any]]) -> NanDetected:
         """The NanDetected to raise with ``on_nan="raise"``: this rank's event, else the first found."""
         if stop.event is not None:
