@@ -3,6 +3,7 @@ then 2 validation batches), with fastai's own optimizer (not a torch one) and wi
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from functools import partial
@@ -183,3 +184,12 @@ def test_a_fit_that_fails_on_a_nan_the_watch_found_tells_the_user_what_it_found(
     assert "Why (corrupted-weight): " in told[0] and "(lr=nan)" in told[0]
     assert callback.stop is None and callback.event.batch == 1
     assert callback.watch.closed and hook_count(learn.model) == 0
+
+
+def test_a_deep_copy_that_ran_the_fit_reports_into_the_callback_the_user_holds():
+    learn = _learner()
+    callback = NanWatchCallback(log_dir=False)
+    _fit(learn, math.nan, copy.deepcopy(callback))
+    assert callback.stop is not None and callback.stop.step == 2
+    assert callback.event.batch == 1 and callback.watch.closed
+    assert hook_count(learn.model) == 0

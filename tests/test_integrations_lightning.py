@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 import subprocess
 import sys
 import warnings
@@ -205,6 +207,30 @@ def test_a_fit_that_fails_with_nothing_found_adds_no_nanwidget_message(tmp_path,
             pytest.raises(ValueError, match="user code failed"):
         _fit(tmp_path, Failing(), [NanWatchCallback(log_dir=False)])
     assert not [r for r in caplog.records if r.name.startswith("nanwidget")]
+
+
+def test_a_deep_copy_that_ran_the_fit_reports_into_the_callback_the_user_holds(tmp_path):
+    # neuralforecast deep-copies each model with its trainer kwargs, callbacks included: the
+    # copy ran the fit, and the user's callback said nothing (event, stop, watch all None).
+    model, callback = TinyRegressor(), NanWatchCallback()
+    copied = copy.deepcopy(copy.deepcopy(callback))            # a copy of a copy, as well
+    fit = _fit(tmp_path, model, [PoisonAtStep(3), copied])
+    assert fit.global_step == 3 and fit.should_stop
+    assert callback.stop.step == 3 and callback.event.module == POISONED
+    assert callback.watch is copied.watch and callback.stop is copied.stop
+    assert f"at module '{POISONED}'" in callback.report()
+    assert list(callback.batches()["step"][:3]) == [1, 2, 3]
+    assert callback.watch.log_dir == str(tmp_path / "root" / "nanwidget" / "run-0")
+    assert hook_count(model) == 0
+
+
+def test_copies_and_pickles_of_a_callback_that_ran_carry_its_options_not_its_run(tmp_path):
+    callback = NanWatchCallback(log_dir=False, backward=True)
+    _fit(tmp_path, TinyRegressor(), [PoisonAtStep(3), callback])
+    for duplicate in (copy.deepcopy(callback), pickle.loads(pickle.dumps(callback))):
+        assert duplicate.watch is None and duplicate.stop is None and duplicate.event is None
+        assert duplicate.watch_options == {"backward": True} and duplicate.log_dir is False
+    assert callback.stop.step == 3                              # the original keeps its own
 
 
 def test_bad_options_are_refused():

@@ -81,10 +81,10 @@ class NanWatchCallback(GuardedCallback, Callback):
     def __setattr__(self, name: str, value: Any) -> None:
         # fastai takes a fit(cbs=...) callback off with cb.learn = None, also when fit raised
         # (no after_fit then): the hooks come off with it.
-        if name == "learn" and value is None and self.__dict__.get("_guard") is not None:
+        if name == "learn" and value is None and self._guard is not None:
             # Set in fit's `finally`: the error ending the fit is the one being handled.
             error = sys.exc_info()[1]
-            if error is not None and self._active() and self.__dict__.get("stop") is None:
+            if error is not None and self._active() and self.stop is None:
                 self._guard.report_on_error(error)
             self.close()
         super().__setattr__(name, value)

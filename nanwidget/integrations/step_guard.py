@@ -18,6 +18,7 @@ to the framework's loggers as metrics (:func:`warning_metrics`) at the points th
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -42,7 +43,8 @@ from nanwidget.core.ranks import world_size
 from nanwidget.core.state import training_guards
 
 __all__ = ["ON_NAN_CHOICES", "TrainingStop", "Findings", "StepGuard", "BatchLog",
-           "GuardedCallback", "check_callback_options", "fresh_run_dir", "recording_dir", "logger",
+           "GuardedCallback", "RunResult", "check_callback_options", "fresh_run_dir", "recording_dir",
+           "logger",
            "warning_metrics"]
 
 logger = logging.getLogger("nanwidget.integrations")
@@ -523,14 +525,78 @@ class StepGuard:
         training_guards().discard(self)
 
 
+class RunResult:
+    """A callback attribute that holds what its run found (``watch``, ``stop``, the guard).
+
+    Set on a deep copy of the callback, it is set on the callback the copy was made from as
+    well (see :meth:`GuardedCallback.__deepcopy__`): the user holds that one.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_run_{name.lstrip('_')}"
+
+    def __get__(self, callback: Any, owner: type | None = None) -> Any:
+        if callback is None:
+            return self
+        return callback.__dict__.get(self.slot)
+
+    def __set__(self, callback: Any, value: Any) -> None:
+        callback.__dict__[self.slot] = value
+        original = callback.__dict__.get(COPIED_FROM)
+        original = original() if original is not None else None
+        if original is not None:
+            original.__dict__[self.slot] = value
+
+
+# The attribute of a callback's deep copy that names (weakly) the callback it was copied from.
+COPIED_FROM = "_copied_from"
+# What no copy of a callback takes: its run's results (RunResult slots) and that link.
+NOT_COPIED = frozenset({"_run_watch", "_run_stop", "_run_guard", COPIED_FROM})
+
+
 class GuardedCallback:
     """What every training callback offers once it watched a run: its event, the report, the
-    batch-to-step table and ``close()``. The callback sets ``watch`` and ``_guard``;
-    ``_UNWATCHED`` is the report before it watched anything."""
+    batch-to-step table and ``close()``. The callback sets ``watch``, ``stop`` and ``_guard``;
+    ``_UNWATCHED`` is the report before it watched anything.
 
-    watch: NanWatch | None = None
-    _guard: StepGuard | None = None
+    A copy of the callback carries its options, never its run: a deep copy starts unwatched and
+    reports what it finds into the callback it was copied from (neuralforecast deep-copies each
+    model with its trainer kwargs before fitting, so the callback that runs is a copy, while the
+    user reads the one they made); a pickled one (a checkpoint of hyperparameters holding it)
+    starts unwatched and reports nowhere.
+    """
+
+    watch = RunResult()
+    stop = RunResult()
+    _guard = RunResult()
     _UNWATCHED = "nanwidget: the callback has not watched a run yet"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GuardedCallback:
+        """The same options, unwatched, reporting into this callback (or into the one this was
+        copied from): after the copy's run, ``event``, ``stop``, ``watch`` and ``report()`` of
+        the original are the copy's (those of the latest run, when several copies ran)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        return self._copy_into(copied, lambda value: copy.deepcopy(value, memo))
+
+    def __copy__(self) -> GuardedCallback:
+        """As a deep copy, sharing the option values."""
+        return self._copy_into(type(self).__new__(type(self)), lambda value: value)
+
+    def _copy_into(self, copied: GuardedCallback, duplicate: Any) -> GuardedCallback:
+        for key, value in self.__dict__.items():
+            if key not in NOT_COPIED:
+                copied.__dict__[key] = duplicate(value)
+        earlier = self.__dict__.get(COPIED_FROM)
+        original = earlier() if earlier is not None else None
+        copied.__dict__[COPIED_FROM] = weakref.ref(original if original is not None else self)
+        return copied
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling keeps: the options (a watch with its hooks cannot travel)."""
+        framework = getattr(super(), "__getstate__", None)  # fastai's Stateful has its own
+        state = framework() if framework is not None else self.__dict__
+        return {key: value for key, value in state.items() if key not in NOT_COPIED}
 
     @property
     def event(self) -> NanEvent | None:
