@@ -2211,6 +2211,62 @@ def test_a_loss_made_outside_the_model_says_so_and_how_to_trace_it(mode):
     assert first["source"] == line_of(bce_by_hand, "torch.log")
 
 
+class NormalLikelihood(nn.Module):
+    """pytorch-forecasting's NormalDistributionLoss: -log N(y; loc, scale), the parameters
+    stacked on the last dim of its first input."""
+
+    def forward(self, params, target):
+        loc, scale = params[..., 0], params[..., 1]
+        return -torch.distributions.Normal(loc, scale).log_prob(target).mean()
+
+
+class CollapsedScaleForecaster(nn.Module):
+    """A DeepAR-like head (loc, softplus scale) holding its loss as a submodule, as a
+    LightningModule does (training_step: loss = self.loss(self(x), y)); the scale's bias at -30
+    makes it ~1e-13, so the loss's gradient passes float32's largest."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+        self.head = nn.Linear(8, 2)
+        self.loss = NormalLikelihood()
+        with torch.no_grad():
+            self.head.bias[1] = -30.0
+            self.head.weight[1].zero_()
+
+    def forward(self, x):
+        raw = self.head(self.body(x))
+        return torch.stack([raw[..., 0], nn.functional.softplus(raw[..., 1])], -1)
+
+
+@pytest.mark.parametrize("numbering", ["set_batch", "automatic"])
+def test_a_loss_the_model_holds_whose_distribution_scale_collapsed_is_named_with_the_scale(
+        numbering):
+    # It said "Made in the loss, outside the model" with classification fixes (BCEWithLogitsLoss,
+    # CrossEntropyLoss, clamp probabilities), though the loss is a watched submodule whose
+    # frames show the scale it got near 0.
+    torch.manual_seed(0)
+    model = CollapsedScaleForecaster()
+    x, y = torch.randn(8, 6), torch.randn(8) * 3
+    with watch(model, "full", backward=True) as w:
+        if numbering == "set_batch":
+            w.set_batch(0)  # as the Lightning callback numbers batches
+        model.loss(model(x), y).backward()
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.module, event.role, event.kind) == ("loss", "grad_input[0]", "inf")
+    assert diagnosis.kind == "overflow"
+    said = " ".join([event.summary(), diagnosis.summary] + diagnosis.evidence
+                    + diagnosis.suggestion)
+    assert "outside the model" not in said
+    assert not any(fix in said for fix in ("BCEWithLogits", "CrossEntropy", "Clamp probabilities"))
+    assert diagnosis.summary.startswith("Made in the loss 'loss' (NormalLikelihood) that the "
+                                        "model holds")
+    assert "input[0] reached abs min 9.36e-14" in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("A parameter of the distribution that 'loss' "
+                                              "(NormalLikelihood) scores left its domain")
+    assert "F.softplus(raw) + 1e-4" in diagnosis.suggestion[0]
+
+
 class EikonalInside(nn.Module):
     """An SDF whose forward returns its spatial gradient (the normals) and an eikonal term made
     from it: the gradient that output receives holds what the model's own sqrt made."""

@@ -235,6 +235,7 @@ class Diagnoser(Feature):
                 facts.forward_event = forward
                 return facts  # the forward's diagnosis says why
             facts.output_grad_bad = self._output_grad_bad(event, root)
+            facts.called_on_output = self._called_on_output(event)
         elif event.origin != "peer":
             held = self._nonfinite_outputs(event.batch, root) or []
             facts.outputs_holding = held
@@ -537,6 +538,27 @@ class Diagnoser(Feature):
             return 1 if role == "input[0]" and not root.batch_first else 0
 
         return batch_dim
+
+    def _called_on_output(self, event: NanEvent) -> bool:
+        """Whether the event's module (not the root) ran, in the event's window, after a root
+        forward returned and outside it: a loss the model holds, called on its output. The
+        window is in recording order, across a batch boundary too (automatic numbering ends
+        the batch when the root's forward returns)."""
+        root = self.recorder.modules[0].name
+        frames = event.frames
+        if event.module == root or frames is None or frames.empty:
+            return False
+        forward = frames[frames["phase"] == "forward"]
+        own = forward[(forward["module"] == event.module) & (forward["batch"] == event.batch)
+                      & (forward["call"] == event.call)]
+        if own.empty:
+            return False
+        called = (int(own["batch"].iloc[-1]), int(own["frame"].iloc[-1]))
+        roots = [(int(b), int(f)) for b, f in
+                 forward.loc[forward["module"] == root, ["batch", "frame"]].itertuples(index=False)]
+        # A module inside the root's forward returns before it: a root frame follows its own.
+        return any(place < called for place in roots) and not any(
+            called < place <= (event.batch, event.frame) for place in roots)
 
     def _output_grad_bad(self, event: NanEvent, root: str) -> bool | None:
         for frames in (event.frames, getattr(event.trace, "frames", None)):

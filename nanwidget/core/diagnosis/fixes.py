@@ -577,6 +577,28 @@ def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = Fa
     return fixes
 
 
+def loss_module(module: str, module_type: str, batch: int, *, tiny_role: str,
+                tiny: float | None, distribution: bool) -> list[str]:
+    """A loss the model holds as a submodule made the gradient non-finite; ``tiny``: the
+    smallest abs value of its input ``tiny_role``, when near 0; ``distribution``: the loss
+    scores a distribution (its class says so)."""
+    fixes = []
+    given = f" ({tiny_role} reached {tiny:.3g})" if tiny is not None else ""
+    if distribution:
+        fixes.append(f"A parameter of the distribution that '{module}' ({module_type}) scores "
+                     f"left its domain: a scale, rate or variance collapsed towards 0{given}. "
+                     "Keep it away from 0 where the model makes it: scale = F.softplus(raw) + "
+                     "1e-4 (or a clamped log-scale's exp()); lower the learning rate if the "
+                     "scale shrank over the steps before.")
+    elif tiny is not None:
+        fixes.append(f"Keep {tiny_role} of '{module}' away from 0 where the loss divides by it or "
+                     "takes its log: x.clamp_min(eps), or x + eps.")
+    fixes.append(f"Name the loss's op and line: w.replay({batch}, loss_fn=lambda out: "
+                 f"model.{module}(out, targets)).report(), within the failing step; or watch with "
+                 "that loss_fn, so automatic replays run it.")
+    return fixes
+
+
 def loss_input(op: str, at: str) -> list[str]:
     """The NaN/Inf entered loss_fn through a tensor it reads besides the model's output."""
     return [f"Check the tensors {op}{at} reads besides the model's output (loss weights, "

@@ -7,7 +7,10 @@ Where before how (the contract's precedence):
    event of a GradScaler's ``scaler_patience``-th skipped step in a row on Inf gradients is an
    ``overflow`` of the scaled gradients (``divergence`` when the weights grew before), wherever
    the Inf was born: the scale made it, not a loss op;
-1. ``loss``: a backward event whose gradient reached the model's output already non-finite
+1. a backward event made by a loss the model holds as a submodule and runs on its output
+   (``self.loss(out, y)``): made there, inside the model: ``overflow`` (an Inf), else
+   ``domain``, with what its frames show it was given (a distribution's scale near 0);
+   ``loss``: a backward event whose gradient reached the model's output already non-finite
    (or whose first bad op ran in ``loss_fn``) was made outside the model, whatever op made it;
 2. ``bad-data``: the batch's inputs hold NaN (or an Inf that no op of the model made);
 3. a non-finite weight is ``divergence`` when the weights grew over the batches before (the
@@ -776,6 +779,59 @@ def _loss(facts: Facts) -> Diagnosis | None:
                                 zero_over_zero=bool(in_loss and op and _zero_over_zero(op)),
                                 snr="snr" in line.lower()),
                      rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
+
+
+# An input of a loss this close to 0 (not 0 itself: targets and masks hold zeros) makes its
+# gradients, 1/x or 1/x**2 and more, pass float32's largest.
+_NEAR_ZERO = 1e-6
+
+
+def _loss_module(facts: Facts) -> Diagnosis | None:
+    """A backward event made by a loss the model holds as a submodule and runs on its output
+    (``loss = self.loss(self(x), y)`` in a LightningModule): its own frames say where (its
+    backward turned a finite gradient non-finite) and what it was given (a distribution's scale
+    near 0)."""
+    event = facts.event
+    if not facts.called_on_output or not event.role.startswith("grad_input") \
+            or event.frames is None:
+        return None
+    frames = event.frames
+    mine = frames[(frames["module"] == event.module) & (frames["batch"] == event.batch)]
+    received = mine[(mine["frame"] == event.frame) & mine["role"].str.startswith("grad_output")]
+    forward = mine[(mine["phase"] == "forward") & (mine["call"] == event.call)]
+    given = forward[forward["role"].str.startswith(("input", "kwarg:"))]
+    if received.empty or (received["nan"] | received["inf"]).any() \
+            or (given["nan"] | given["inf"]).any():
+        return None  # it received the NaN/Inf, or was given one: not made by it
+    name, module_type = event.module_label, event.module_type
+    what = _kind_words(event.kind)
+    inf = event.kind == "inf"
+    near = given[(given["abs_min"] > 0) & (given["abs_min"] < _NEAR_ZERO)]
+    tiny = near.loc[near["abs_min"].idxmin()] if not near.empty else None
+    summary = (f"Made in the loss '{name}' ({module_type}) that the model holds and runs on its "
+               f"output after its forward: its backward turned the finite gradient it received "
+               f"into {what} ({event.role}) in batch {event.batch}"
+               + (", past float32's largest value" if inf else "") + ".")
+    if tiny is not None:
+        summary += (f" Its {tiny['role']} reached abs min {tiny['abs_min']:.3g}: a value that "
+                    "close to 0 (a distribution's scale or variance, a denominator) makes the "
+                    "loss's gradient, like 1/x², overflow.")
+    first = received.iloc[0]
+    evidence = [f"'{name}' received {first['role']} finite (abs max {first['abs_max']:.3g}) and "
+                f"gave back {event.role} {what}; what the model gave it was finite."]
+    output = forward[forward["role"].str.startswith("output")]
+    if tiny is not None and not output.empty:
+        evidence.append(f"Its {tiny['role']} ranged over {tiny['abs_min']:.3g} .. "
+                        f"{tiny['abs_max']:.3g}; its output, the loss, was "
+                        f"{output['abs_max'].max():.3g}.")
+    distribution = any(word in module_type.lower() for word in ("distribution", "likelihood")) \
+        or module_type in ("GaussianNLLLoss", "PoissonNLLLoss")
+    suggestion = fixes.loss_module(name, module_type, event.batch,
+                                   tiny_role=tiny["role"] if tiny is not None else "",
+                                   tiny=float(tiny["abs_min"]) if tiny is not None else None,
+                                   distribution=distribution)
+    return Diagnosis("overflow" if inf else "domain", summary, evidence, suggestion,
+                     confidence="high" if inf and tiny is not None else "medium")
 
 
 def _read_in_loss(facts: Facts) -> Any:
@@ -1921,7 +1977,8 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_after_forward, _accumulated_gradient, _from_another_rank, _scaled_gradient, _loss, _bad_data, _weights,
+    for rule in (_after_forward, _accumulated_gradient, _from_another_rank, _scaled_gradient,
+                 _loss_module, _loss, _bad_data, _weights,
                  _masked_by_input, _from_op, _from_frames, _weight_gradient):
         found = rule(facts)
         if found is not None:
