@@ -2772,6 +2772,46 @@ def test_the_bad_sample_of_a_list_of_images_is_its_place_in_the_list(mode):
     assert diagnosis.kind == "bad-data" and diagnosis.rows == [1]
     assert "input[0][1]" in diagnosis.summary
     assert any("sample 1 of the list input[0]" in line for line in diagnosis.evidence)
+    # Inside the image the NaN is in channel 2: "row 1" would name a row of the image.
+    assert "channel 2 of sample 1" in diagnosis.summary and "row" not in diagnosis.summary
+
+
+class TinyDetector(nn.Module):
+    """Takes a list of CHW images and a list of per-image targets ({"boxes": (N, 4),
+    "labels": (N,)}) and returns a dict of losses, as torchvision's detection models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Conv2d(3, 4, 3)
+        self.box_head = nn.Linear(4, 4)
+
+    def forward(self, images: list[torch.Tensor],
+                targets: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        features = torch.stack([self.backbone(image).mean((1, 2)) for image in images])
+        boxes = torch.stack([target["boxes"].mean(0) for target in targets])
+        return {"loss_box": nn.functional.smooth_l1_loss(self.box_head(features), boxes)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_a_nan_box_in_a_detection_target_names_its_image_then_the_box(mode, as_keyword):
+    # targets[0]["boxes"][1]: image 0's box 1. The rows said [1] ("row 1"), read as image 1.
+    torch.manual_seed(0)
+    model = TinyDetector()
+    images = [torch.rand(3, 16, 16) for _ in range(3)]
+    targets = [{"boxes": torch.tensor([[1.0, 2.0, 8.0, 9.0], [3.0, 3.0, 12.0, 14.0]]),
+                "labels": torch.tensor([1, 2])} for _ in range(3)]
+    targets[0]["boxes"][1, 2] = float("nan")
+    with watch(model, mode) as w:
+        model(images, targets=targets) if as_keyword else model(images, targets)
+    diagnosis = w.event.diagnosis
+    role = "kwarg:targets[0].boxes" if as_keyword else "input[1][0].boxes"
+    assert diagnosis.kind == "bad-data" and diagnosis.rows == [0]
+    assert f"The batch's {role} holds NaN in box 1 of sample 0:" in diagnosis.summary
+    parent = role[:-len("[0].boxes")]
+    assert any(f"sample 0 of the list {parent}" in line for line in diagnosis.evidence)
+    assert "Rows of the batch that hold it: 0" in w.report()
+    assert f"Look at how {role} (box 1 of sample 0) was made" in diagnosis.suggestion[0]
 
 
 @pytest.mark.parametrize("mode", MODES)

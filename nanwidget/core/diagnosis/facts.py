@@ -169,6 +169,11 @@ class InputFacts:
     masked_rows: list[int] = field(default_factory=list)  # rows with a fully masked vector
     note: str = ""  # "local shard": a DTensor, read on this rank's shard (shape and rows too)
     sample_of: str = ""  # the list input it is one sample of (its rows: its index there)
+    # A sample of a list: where in it, ".boxes" for a dict entry's tensor ("" for the entry
+    # itself), and the rows of its own tensor (along dim 0: boxes, an image's channels) that
+    # hold the NaN/Inf.
+    part: str = ""
+    within: list[int] = field(default_factory=list)
     batch_dim: int = 0  # the dim of the samples (1: a seq-first RNN's input, its hidden state)
     packed_samples: int = 0  # the data of a PackedSequence of this many samples (rows mapped)
     # An additive mask passed in (a float key_padding_mask, a causal mask): -inf on purpose,

@@ -41,6 +41,20 @@ __all__ = ["Diagnoser", "MAX_DIAGNOSIS_REPLAYS"]
 MAX_DIAGNOSIS_REPLAYS = 4  # a diverged run makes an event per batch
 
 
+def _sample_in_list(role: str, lists: dict[str, int]) -> tuple[str, int, str] | None:
+    """(list, index, part) when ``role`` is a tensor inside one entry of a per-sample list
+    input: ``input[1][0].boxes`` -> ("input[1]", 0, ".boxes"), ``input[0][1]`` ->
+    ("input[0]", 1, ""); None otherwise."""
+    for parent in lists:
+        if not role.startswith(parent + "["):
+            continue
+        index, closed, part = role[len(parent) + 1:].partition("]")
+        if closed and index.isdigit() and int(index) < lists[parent] \
+                and (not part or part[0] in ".["):
+            return parent, int(index), part
+    return None
+
+
 def _root_grad_bad(frames: Any, batch: int, root: str) -> bool | None:
     """:func:`~.facts.output_grad_bad` over a frames DataFrame."""
     if not isinstance(frames, pd.DataFrame) or frames.empty:
@@ -494,14 +508,16 @@ class Diagnoser(Feature):
                     item.rows = packed_samples(item.rows, sequence.batch_sizes.tolist(),
                                                order.tolist() if order is not None else None)
                     item.packed_samples = int(sequence.batch_sizes[0])
-            # A list of per-sample tensors (a list of images): a sample's row in the batch
-            # is its index in the list, not a row of its own tensor (a channel).
+            # A list of per-sample entries (a list of images, of per-image targets): a
+            # sample's row in the batch is its index in the list, not a row of its own tensor
+            # (an image's channel, a target's box); those stay as where in the sample.
             lists = self.capture.sample_lists(event.batch)
             for item in facts.inputs if lists else ():
-                parent, _, index = item.role.rpartition("[")
-                if parent in lists and index[:-1].isdigit():
-                    item.sample_of = parent
-                    item.rows = [int(index[:-1])] if item.nan or item.inf else []
+                found = _sample_in_list(item.role, lists)
+                if found is not None:
+                    item.sample_of, index, item.part = found
+                    item.within = item.rows
+                    item.rows = [index] if item.nan or item.inf else []
             return
         # Not held: the root's frame of the batch says which of its inputs held NaN (in the
         # event's window, the trace, or the ring: the root's frame is the batch's last).

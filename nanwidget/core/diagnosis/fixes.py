@@ -523,14 +523,21 @@ def in_rows(rows: list[int], limit: int) -> str:
     return f" in {rows_named(rows, limit)}" if rows else ""
 
 
-def bad_data(roles: list[str], rows: list[int]) -> list[str]:
+def bad_data(roles: list[str], rows: list[int], samples: list[str] | None = None) -> list[str]:
+    """``samples``: the bad inputs as samples of list inputs ("input[1][0].boxes (box 1 of
+    sample 0)"), when every one is: named instead of rows of their own tensors."""
     which = ", ".join(roles) or "the input"
-    shown = (f"{rows_named(rows, 8)} of {which} {'was' if len(rows) == 1 else 'were'}" if rows
-             else f"the rows of {which} that hold NaN/Inf were")
+    if samples:
+        shown = f"{', '.join(samples)} {'was' if len(samples) == 1 else 'were'}"
+    elif rows:
+        shown = f"{rows_named(rows, 8)} of {which} {'was' if len(rows) == 1 else 'were'}"
+    else:
+        shown = f"the rows of {which} that hold NaN/Inf were"
     return [f"Look at how {shown} made: missing values, a division by zero or "
             "log(0) in preprocessing, a corrupt file.",
             "Guard the data: assert torch.isfinite(x).all() in the Dataset or collate_fn, or "
-            "clean it (torch.nan_to_num, or drop those rows) before the forward.",
+            f"clean it (torch.nan_to_num, or drop those {'samples' if samples else 'rows'}) "
+            "before the forward.",
             "Normalise features with an epsilon: (x - mean) / (std + 1e-6)."]
 
 

@@ -875,7 +875,12 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
     roles = [i.role for i in bad]
     what = " and ".join(w for w, n in (("NaN", sum(i.nan for i in bad)),
                                        ("Inf", sum(i.inf for i in bad))) if n)
-    rows_text = fixes.in_rows(rows, 8)
+    if len(bad) == 1 and bad[0].sample_of:  # " in box 1 of sample 0": the image, then the box
+        rows_text = f" in {_in_sample(bad[0])}"
+    elif bad and all(i.sample_of for i in bad):
+        rows_text = " in " + fixes.rows_named(rows, 8).replace("row", "sample")
+    else:
+        rows_text = fixes.in_rows(rows, 8)
     verb = "holds" if len(roles) == 1 else "hold"
     summary = (f"The batch's {', '.join(roles)} {verb} {what}{rows_text}: it came with the "
                "data, not from the model.")
@@ -884,8 +889,10 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
         counts = ", ".join(f"{n} {k}" for n, k in ((item.nan, "NaN"), (item.inf, "Inf")) if n)
         shard = f", {item.note}" if item.note else ""
         if item.sample_of:
-            evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}): {counts}; it is "
-                            f"sample {item.rows[0] if item.rows else '?'} of the list "
+            inside = f" in {_inside_sample(item)} of {item.shape[0]}" \
+                if item.within and item.shape else ""
+            evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}): {counts}{inside}; "
+                            f"it is sample {item.rows[0] if item.rows else '?'} of the list "
                             f"{item.sample_of}.")
             continue
         if item.packed_samples:
@@ -897,12 +904,34 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
         along = f" along dim {item.batch_dim}" if item.batch_dim else ""
         evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}): {counts}{where} of "
                         f"{item.shape[item.batch_dim] if item.shape else 1}{along}.")
-    suggestion = fixes.bad_data(roles, rows)
+    samples = [f"{i.role} ({_in_sample(i)})" for i in bad if i.sample_of and i.rows]
+    suggestion = fixes.bad_data(roles, rows, samples if len(samples) == len(bad) else None)
     if not any(i.nan for i in bad) and event.kind == "inf":  # NaN counts: allow_inf no help
         suggestion.append("If the Inf is meant (a -inf mask passed in), let its module hold it: "
                           f"nw.watch(model, allow_inf=['{event.module}']).")
     return Diagnosis("bad-data", summary, evidence, suggestion, rows=rows,
                      confidence="high" if facts.inputs_held else "medium")
+
+
+def _inside_sample(item: Any) -> str:
+    """Where in its sample an input that is one entry of a per-sample list holds the NaN/Inf,
+    in the words of its data: "box 1" (a target's boxes), "channel 2" (a CHW image),
+    "row 1" otherwise."""
+    key = item.part.rpartition(".")[2]
+    if key.endswith("boxes") and len(item.shape) == 2:
+        one, many = "box", "boxes"
+    elif not item.part and len(item.shape) == 3:
+        one, many = "channel", "channels"
+    else:
+        one, many = "row", "rows"
+    shown = ", ".join(map(str, item.within[:8])) + (" ..." if len(item.within) > 8 else "")
+    return f"{one if len(item.within) == 1 else many} {shown}"
+
+
+def _in_sample(item: Any) -> str:
+    """"box 1 of sample 0" / "sample 0": the sample, and where in it when it can be told."""
+    sample = f"sample {item.rows[0]}" if item.rows else "a sample"
+    return f"{_inside_sample(item)} of {sample}" if item.within else sample
 
 
 def _weights(facts: Facts) -> Diagnosis | None:

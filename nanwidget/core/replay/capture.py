@@ -515,12 +515,12 @@ class BatchCapture(Feature):
             [(f"kwarg:{key}", value) for key, value in capture.kwargs.items()]
 
     def sample_lists(self, batch: int) -> dict[str, int]:
-        """The inputs of ``batch``'s root forward that are Python lists of tensors, one per
-        sample (torchvision's detection models take a list of images), by role, with their
-        length; empty when the batch is not held."""
+        """The inputs of ``batch``'s root forward that are Python lists with one entry per
+        sample, by role, with their length: lists of tensors (torchvision's detection models
+        take a list of images) and lists of dicts of tensors (their per-image targets, DETR's
+        labels); empty when the batch is not held."""
         return {role: len(value) for role, value in self._named_inputs(batch)
-                if type(value) is list and len(value) > 1
-                and all(isinstance(item, torch.Tensor) for item in value)}
+                if _per_sample_list(value)}
 
     def packed_sequences(self, batch: int) -> dict[str, Any]:
         """The inputs of ``batch``'s root forward that are PackedSequences, by role (their
@@ -638,6 +638,18 @@ class BatchCapture(Feature):
                     "that copy.copy() can copy")
         _check_inputs(held)
         return held
+
+
+def _per_sample_list(value: Any) -> bool:
+    """Whether ``value`` is a list with one entry per sample: of tensors (two or more: ``[x]``
+    is rather one batched tensor in a list), or of dicts holding tensors (a detection model's
+    targets, one dict per image, also for a batch of one image)."""
+    if type(value) is not list or not value:
+        return False
+    if all(isinstance(item, torch.Tensor) for item in value):
+        return len(value) > 1
+    return all(isinstance(item, dict) and any(isinstance(v, torch.Tensor) for v in item.values())
+               for item in value)
 
 
 def _transformed(tensor: torch.Tensor) -> bool:
