@@ -2322,6 +2322,64 @@ def test_with_loss_fn_the_automatic_replay_names_the_loss_op(mode):
         assert trace.first_bad_grad_of == "LogBackward0"
 
 
+def encode_boxes(boxes: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """Box regression targets of (x1, y1, x2, y2) boxes against anchors, as torchvision's
+    BoxCoder.encode_single computes them: the log of a target's width over its anchor's."""
+    widths, anchor_widths = boxes[:, 2] - boxes[:, 0], anchors[:, 2] - anchors[:, 0]
+    heights, anchor_heights = boxes[:, 3] - boxes[:, 1], anchors[:, 3] - anchors[:, 1]
+    dx = (boxes[:, 0] + widths / 2 - anchors[:, 0] - anchor_widths / 2) / anchor_widths
+    dy = (boxes[:, 1] + heights / 2 - anchors[:, 1] - anchor_heights / 2) / anchor_heights
+    dw = torch.log(widths / anchor_widths)
+    dh = torch.log(heights / anchor_heights)
+    return torch.stack([dx, dy, dw, dh], dim=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_zero_width_target_box_is_told_as_the_targets_not_the_logits(mode):
+    # log(0) of a target width over its anchor's, in loss_fn: the fixes were those of a log of
+    # probabilities (BCEWithLogitsLoss, clamp probabilities), though no value of the model's
+    # output reached that log.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 4))  # box deltas for one anchor per image
+    anchors = torch.tensor([[0.0, 0.0, 32.0, 32.0]]).repeat(4, 1)
+    boxes = torch.tensor([[4.0, 4.0, 20.0, 24.0], [2.0, 3.0, 30.0, 12.0],
+                          [6.0, 6.0, 6.0, 30.0], [1.0, 1.0, 15.0, 15.0]])  # box 2: x2 == x1
+
+    def loss_fn(deltas: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(deltas, encode_boxes(boxes, anchors))
+
+    with watch(model, mode, backward=True, loss_fn=loss_fn) as w:
+        loss_fn(model(torch.randn(4, 3, 16, 16))).backward()
+    diagnosis = w.event.diagnosis
+    where = line_of(encode_boxes, "dw = torch.log")
+    assert diagnosis.kind == "loss" and diagnosis.rows == [2]
+    assert diagnosis.summary.startswith(
+        f"Made in the loss, outside the model: log in loss_fn at {where} made the first "
+        "NaN/Inf in row 2 from what loss_fn reads besides the model's output (targets, weights)")
+    assert "No value of the model's output flowed into log" in diagnosis.evidence[0]
+    assert "x2 <= x1 or y2 <= y1" in diagnosis.suggestion[0]
+    assert diagnosis.suggestion[1].startswith("Check the targets where the data loader makes them")
+    assert not any("BCEWithLogitsLoss" in fix or "Clamp probabilities" in fix
+                   for fix in diagnosis.suggestion)
+
+
+def test_a_log_of_the_targets_alone_gets_the_targets_fixes_without_boxes():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    targets = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.0, 2.0]])  # a count of 0: log(0)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, torch.log(targets))
+
+    with watch(model, "full", backward=True, loss_fn=loss_fn) as w:
+        loss_fn(model(torch.randn(2, 4))).backward()
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "loss" and "besides the model's output" in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("Check the targets where the data loader makes them")
+    assert not any("box" in fix or "BCEWithLogitsLoss" in fix for fix in diagnosis.suggestion)
+
+
 class MinSnrLoss:
     """A diffusion loss weighted per sample by min(snr, 5) / snr (min-SNR): 0/0 at snr = 0."""
 
@@ -2348,9 +2406,11 @@ def test_a_division_by_zero_in_loss_fn_gets_the_fixes_of_its_denominator(mode):
     diagnosis = w.event.diagnosis
     where = line_of(MinSnrLoss.__call__, "torch.clamp")
     assert diagnosis.kind == "loss"
+    # The weights are made from the SNR alone, none of the model's output.
     assert diagnosis.summary.startswith(f"Made in the loss, outside the model: div in loss_fn "
-                                        f"at {where} made the first NaN/Inf in row 1: a division "
-                                        "by zero")
+                                        f"at {where} made the first NaN/Inf in row 1 from what "
+                                        "loss_fn reads besides the model's output (targets, "
+                                        "weights): a division by zero")
     assert diagnosis.rows == [1]  # the sample at snr = 0
     assert diagnosis.suggestion[0].startswith(f"Guard the denominator at {where}: ")
     assert "weights[snr == 0] = 1.0" in diagnosis.suggestion[-1]

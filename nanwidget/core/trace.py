@@ -59,7 +59,10 @@ class Trace:
     followed instead. ``first_bad_tensors``: signed ranges and non-finite counts of that op's
     inputs and outputs (of the Inf: how many are +inf, how many rows are all -inf; of an
     output, the indices along dim 0 that hold a NaN/Inf). ``first_bad_grad_of``: for a first bad op of the backward pass, the
-    autograd node it ran in ("LogBackward0": the gradient of a log), else "". ``lineage``: the op indices the value went through, from its birth (or
+    autograd node it ran in ("LogBackward0": the gradient of a log), else "".
+    ``first_bad_reads_output``: for a first bad op of ``loss_fn``, whether it read the model's
+    output or a tensor made from it (False: only the targets or other tensors ``loss_fn``
+    holds, as a box encoding's log of target widths); None for any other op. ``lineage``: the op indices the value went through, from its birth (or
     the first op that read it from outside) to the op that wrote the event's tensor.
     ``came_with``: ``(kind, name)`` of the non-finite tensors no op made that reached the
     event: "weight" (a parameter or buffer, by qualified name), "input" (the batch's input, by
@@ -87,6 +90,7 @@ class Trace:
     first_bad_tensors: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=TENSOR_COLUMNS))
     earlier_inf: pd.Series | None = None
     first_bad_grad_of: str = ""
+    first_bad_reads_output: bool | None = None
     lineage: list[int] = field(default_factory=list)
     came_with: list[tuple[str, str]] = field(default_factory=list)
     earlier_inf_reaches: bool = False

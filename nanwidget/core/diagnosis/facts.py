@@ -336,6 +336,9 @@ class OpFacts:
     # That node's op made NaN already in the forward, at the same line, and the replay's loss is
     # NaN: the forward's value was used (a Dice loss's 0/0), no gradient of 0 met an Inf slope.
     forward_nan: bool = False
+    # An op of loss_fn: whether it read the model's output or a tensor made from it (False:
+    # only the targets, anchors, weights loss_fn got besides it); None for any other op.
+    reads_output: bool | None = None
 
     @property
     def in_loss(self) -> bool:
@@ -432,7 +435,8 @@ def op_facts(trace: Any) -> OpFacts | None:
                    inputs=[r for r in rows if str(r["role"]).startswith("input")],
                    outputs=[r for r in rows if str(r["role"]).startswith("output")],
                    grad_of=grad_of, grad_of_loss=_grad_of_loss(trace, first, grad_of),
-                   forward_nan=_forward_nan(trace, first, grad_of))
+                   forward_nan=_forward_nan(trace, first, grad_of),
+                   reads_output=getattr(trace, "first_bad_reads_output", None))
 
 
 _WORD_START = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")

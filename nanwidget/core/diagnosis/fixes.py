@@ -542,11 +542,14 @@ def bad_data(roles: list[str], rows: list[int], samples: list[str] | None = None
 
 
 def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = False,
-         zero_over_zero: bool = False, snr: bool = False) -> list[str]:
+         zero_over_zero: bool = False, snr: bool = False, from_targets: bool = False,
+         boxes: bool = False) -> list[str]:
     """``op``: the loss's op that made the value (its forward op's name for a gradient), ``at``
     its line; ``has_loss_fn``: the watch was given loss_fn (never advise passing it);
     ``zero_over_zero``: that op is a division of 0 by 0; ``snr``: its line divides by an SNR
-    (a diffusion loss's min-SNR weighting)."""
+    (a diffusion loss's min-SNR weighting); ``from_targets``: the op read none of the model's
+    output, only the targets (or other tensors loss_fn holds); ``boxes``: those are box
+    regression targets (a log of box widths or heights)."""
     fixes = []
     if not traced and has_loss_fn:
         fixes.append(f"See every op of the loss and its backward: w.replay({batch}, "
@@ -572,6 +575,8 @@ def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = Fa
             "Or special-case the samples whose denominator is 0: after a min-SNR weighting "
             "min(snr, gamma) / snr, set weights[snr == 0] = 1.0 (diffusers' training scripts "
             "do, for a zero terminal SNR)."]
+    if traced and from_targets:
+        return fixes + targets(op, at, boxes)
     if not traced or name in ("log", "log2", "log10", "log1p", "sigmoid", "softmax",
                               "binary_cross_entropy", "nll_loss"):
         fixes.append("Use the fused, stable losses on the logits: nn.BCEWithLogitsLoss instead "
@@ -604,6 +609,23 @@ def loss_module(module: str, module_type: str, batch: int, *, tiny_role: str,
                  f"model.{module}(out, targets)).report(), within the failing step; or watch with "
                  "that loss_fn, so automatic replays run it.")
     return fixes
+
+
+def targets(op: str, at: str, boxes: bool) -> list[str]:
+    """The loss's op read only the targets (what loss_fn got besides the model's output)."""
+    found = []
+    if boxes:
+        found.append("A degenerate target box (zero width or height: x2 <= x1 or y2 <= y1) "
+                     "makes log(0) when boxes are encoded against anchors: drop such boxes in "
+                     "the Dataset or transform (keep = (b[:, 2] > b[:, 0]) & (b[:, 3] > "
+                     "b[:, 1]); b = b[keep], with its labels), or widen them to at least one "
+                     "pixel.")
+    found.append(f"Check the targets where the data loader makes them: {op}{at} read only "
+                 "what loss_fn got besides the model's output (targets, anchors, weights): the "
+                 "model did not make it. Assert "
+                 "torch.isfinite(t).all() and the op's domain there (log: t > 0), and drop or "
+                 "fix the samples that break it.")
+    return found
 
 
 def loss_input(op: str, at: str) -> list[str]:

@@ -732,6 +732,9 @@ def _loss(facts: Facts) -> Diagnosis | None:
     evidence = []
     rows: list[int] = []
     reader = None if in_loss else _read_in_loss(facts)
+    # A loss op that read none of the model's output: the targets made it (a box encoding's
+    # log of a zero target width), and fixes for a log of probabilities would not help.
+    from_targets = bool(in_loss and op and op.phase == "loss" and op.reads_output is False)
     if in_loss:
         assert op is not None
         reason = _domain_reason(op) or _overflow_reason(op)
@@ -740,9 +743,15 @@ def _loss(facts: Facts) -> Diagnosis | None:
             f"{op.grad_of_name} and its gradient ({op.op})" if _zero_over_zero(op) else \
             f"{op.grad_of_name}'s gradient ({op.op})"
         rows = _op_rows(facts, op)  # a per-sample loss (CTC's own, any reduction='none')
+        source = " from what loss_fn reads besides the model's output (targets, weights)" \
+            if from_targets else ""
         summary = (f"Made in the loss, outside the model: {made} in loss_fn{op.at} made the "
-                   f"first NaN/Inf{_rows_words(rows, facts.batch_size())}{why}; the gradient "
-                   "reached the model's output already non-finite.")
+                   f"first NaN/Inf{_rows_words(rows, facts.batch_size())}{source}{why}; the "
+                   "gradient reached the model's output already non-finite.")
+        if from_targets:
+            evidence.append(f"No value of the model's output flowed into {op.op}: its inputs "
+                            "come only from tensors loss_fn got besides it (targets, anchors, "
+                            "weights).")
         evidence.extend(_op_evidence(op))
         if rows:
             evidence.append(_rows_evidence(op, rows, facts.batch_size()))
@@ -771,13 +780,19 @@ def _loss(facts: Facts) -> Diagnosis | None:
         found.op = f"{reader['op']} at {reader['source']}" if reader["source"] else ""
         return found
     _, line = (source_text(op.source) or (0, "")) if in_loss and op else (0, "")
+    # Box regression targets: a log of target widths or heights over the anchors' (a box
+    # coder), in a detection library's code or the user's.
+    boxes = from_targets and op is not None and (
+        any(word in line.lower() for word in ("width", "height", "box"))
+        or any(word in op.source.lower() for word in ("box", "detection")))
     return Diagnosis("loss", summary, evidence,
                      fixes.loss(event.batch, (op.op if op.phase == "loss" else op.grad_of_name)
                                 if in_loss and op else "", traced=in_loss,
                                 at=op.at if in_loss and op else "",
                                 has_loss_fn=facts.has_loss_fn,
                                 zero_over_zero=bool(in_loss and op and _zero_over_zero(op)),
-                                snr="snr" in line.lower()),
+                                snr="snr" in line.lower(), from_targets=from_targets,
+                                boxes=boxes),
                      rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
 
 

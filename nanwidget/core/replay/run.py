@@ -272,6 +272,7 @@ def _explain(trace: Trace, recorder: OpRecorder, found: NanEvent | None,
                                            else [], columns=TENSOR_COLUMNS)
     trace.earlier_inf = earlier
     trace.first_bad_grad_of = recorder.grad_nodes.get(born, "") if born is not None else ""
+    trace.first_bad_reads_output = recorder.reads_output(born)
     trace.lineage = lineage.path if lineage.followed else []
     trace.came_with = lineage.came_with
     trace.earlier_inf_reaches = earlier is not None and int(earlier["index"]) in lineage.reached
@@ -607,6 +608,7 @@ class _Replay:
             if loss_fn is None:
                 return None
             recorder.phase = "loss"
+            recorder.mark_output(leaf for _, leaf in iter_leaves(output, "output"))
             loss = loss_fn(output)
             recorder.tag_nodes()
             recorder.note_loss(loss)

@@ -212,6 +212,11 @@ class OpRecorder:
         self.shadows: Shadows | None = None
         # Input entries an in-place module's pre-hook measured before it overwrote them.
         self.measured_inputs: dict[int, list[list[Entry]]] = {}
+        # loss_fn's data flow from the model's output: the storages of the output and of what
+        # loss_fn's ops made from it, and the loss ops (by index) that read one of them. A loss
+        # op reading none computed only from the targets (or other tensors loss_fn holds).
+        self.from_output: set[int] = set()
+        self.read_output: set[int] = set()
 
     # -- module hooks
     def enter_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -358,6 +363,7 @@ class OpRecorder:
         if node is None and tensors:
             self.to_tag.append((tensors, (module, module_type, source)))
         name = func.overloadpacket.__name__
+        reads_output = phase == "loss" and self._reads_output(name, args, kwargs, tensors)
         if name in _UNMEASURED_OPS or func.is_view:
             # Nothing computed (views, detach) or nothing defined (empty) to measure; a copy
             # carries its input's lineage into its new storage.
@@ -382,6 +388,8 @@ class OpRecorder:
                     high = max(m.abs_max for m in valid)
         first = tensors[0] if tensors else None
         index = len(self.rows)
+        if reads_output:
+            self.read_output.add(index)
         self.rows.append((index, phase, name, str(func), module, module_type,
                           str(first.dtype).replace("torch.", "") if first is not None else "",
                           () if first is None else nested_shape(first) if first.is_nested
@@ -397,6 +405,39 @@ class OpRecorder:
             self.first_nan = index
         elif inf and self.first_inf is None:
             self.first_inf = index
+
+    # -- loss_fn's data flow from the model's output
+    def mark_output(self, tensors: Any) -> None:
+        """Name the storages of the model's output tensors, before loss_fn runs on them."""
+        for tensor in tensors:
+            if isinstance(tensor, _Tensor):
+                key = storage_key(tensor)
+                if key is not None:
+                    self.from_output.add(key)
+
+    def _reads_output(self, name: str, args: tuple, kwargs: dict,
+                      outputs: list[torch.Tensor]) -> bool:
+        """Whether a loss op reads the model's output or a tensor made from it; if so, what it
+        writes is made from it too (a new allocation is not)."""
+        derived = self.from_output
+        if not derived or name in _FRESH_OPS:
+            return False
+        reads = any(storage_key(t) in derived for v in list(args) + list(kwargs.values())
+                    for t in tensors_in(v))
+        if reads:
+            for tensor in outputs:
+                key = storage_key(tensor)
+                if key is not None:
+                    derived.add(key)
+        return reads
+
+    def reads_output(self, index: int | None) -> bool | None:
+        """Whether loss op ``index`` read the model's output or a tensor loss_fn made from it
+        (False: only the targets, anchors, weights loss_fn got besides it); None for an op
+        that did not run in loss_fn."""
+        if index is None or self.rows[index][1] != "loss":
+            return None
+        return index in self.read_output
 
     # -- lineage
     def _link(self, index: int, func: Any, args: tuple, kwargs: dict, nan: bool,
