@@ -916,6 +916,47 @@ def test_a_fake_quantizer_refusing_a_nan_weight_is_blamed_on_the_weight_not_its_
     assert "met 1.weight_fake_quant.scale first" in event.note
 
 
+class DetrLikeRefusingNanBoxes(nn.Module):
+    """Takes images and per-image targets as DETR does (labels=[{"boxes": ...}]) and checks the
+    boxes' format in its own forward, as transformers' DETR loss does: a NaN coordinate fails
+    the check, and no module ever sees the targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Conv2d(3, 4, 3)
+        self.box_head = nn.Linear(4, 4)
+
+    def forward(self, pixel_values: torch.Tensor,
+                labels: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        predicted = self.box_head(self.backbone(pixel_values).mean((2, 3))).sigmoid()
+        for target in labels:
+            boxes = target["boxes"]
+            if not (boxes[:, 2:] >= boxes[:, :2]).all():
+                raise ValueError(f"boxes must be in [x0, y0, x1, y1] format, got {boxes}")
+        return (predicted - torch.stack([t["boxes"].mean(0) for t in labels])).abs().mean()
+
+
+def test_a_root_forward_that_raises_on_a_nan_its_modules_never_see_is_the_same_event_in_both_modes():
+    # Full mode's frames flagged the NaN input of the root, whose frame has no outputs (it
+    # raised): no event, where sentinel mode gives one from its held inputs.
+    events = {}
+    for mode in ("full", "sentinel"):
+        torch.manual_seed(0)
+        model = DetrLikeRefusingNanBoxes()
+        images = torch.rand(2, 3, 8, 8)
+        labels = [{"boxes": torch.tensor([[0.1, 0.1, 0.5, 0.5], [0.2, 0.3, 0.6, 0.9]])},
+                  {"boxes": torch.tensor([[0.2, 0.2, 0.4, 0.4]])}]
+        with nw.watch(model, mode=mode) as w:
+            model(images, labels=labels)
+            labels[0]["boxes"][1, 1] = float("nan")
+            with pytest.warns(nw.NanWarning), pytest.raises(ValueError, match="format"):
+                model(images, labels=labels)
+        events[mode] = [(e.batch, e.module, e.role, e.kind, e.origin, e.diagnosis.kind,
+                         e.diagnosis.rows) for e in w.events]
+    assert events["full"] == [(1, "", "kwarg:labels[0].boxes", "nan", "input", "bad-data", [0])]
+    assert events["sentinel"] == events["full"]
+
+
 def test_a_root_forward_that_raises_on_finite_inputs_is_no_event_and_no_replay():
     torch.manual_seed(0)
     model = PolicyRefusingNanLogits()

@@ -21,7 +21,9 @@ Blame, in this order:
   statistics, a spectral norm's power iteration, a fake quantizer's scale; also when that
   forward raised, leaving no outputs), so the input is, and a module around it whose own
   weight is non-finite (a QAT Linear whose weight its fake quantizer read) is blamed first;
-- "input": a non-finite value arrived through an input;
+- "input": a non-finite value arrived through an input; also a NaN (or an Inf not allowed)
+  in the inputs of a root forward that raised, when nothing else in its frames is an event:
+  the model's code refused it (a loss inside the forward checking the targets);
 - "output": the module made it from finite inputs and weights, its inner modules' included
   (MultiheadAttention reads ``out_proj.weight`` without calling ``out_proj``: a non-finite
   one, measured at event time, is the module's "weight", named ``out_proj.weight``);
@@ -130,6 +132,21 @@ class Detector:
         if inner is not None:
             return self._event(frames, position, window, "weight", inner, [inner])
         return self._event(frames, position, window, "output", bad_outputs[0], bad_outputs)
+
+    def raised_on_input(self, frames: list[Frame], position: int,
+                        window: Window) -> NanEvent | None:
+        """The event of ``frames[position]``, the root's frame of a forward that raised (no
+        outputs to check), when its inputs hold a NaN, or an Inf its module is not allowed:
+        what the model's code refused (a loss inside the forward checking the targets' box
+        format), arrived through that input. None when they are finite. Sentinel mode checks
+        the held inputs of such a forward the same way."""
+        frame = frames[position]
+        allowed = frame.module in self.allow_inf
+        bad = [e for e in frame.inputs() if _counts(e, allowed)]
+        if not bad:
+            return None
+        named = next((e for e in bad if e.stats.nan), bad[0])
+        return self._event(frames, position, window, "input", named, [named])
 
     def _updated_from_input(self, frame: Frame, bad_weights: list[Entry],
                             bad_outputs: list[Entry]) -> bool:

@@ -975,11 +975,14 @@ class Recorder:
         # frame's try below, whose handled errors are not the forward's).
         current_exception = sys.exc_info()[1]
         with self._lock:  # one hold for the root's frame and the batch's end
+            frame = None
             if not self.root_only or self._module_handles:  # _records_frames()
                 # The model's weights too (also for the compile wrapper's call).
-                self._record_forward_locked(info, args, kwargs, output, raised=(
-                    output is None and raised_out_of(module, current_exception)))
-            ended = self._finish_root_locked(current_exception, output)
+                raised = output is None and raised_out_of(module, current_exception)
+                frame = self._record_forward_locked(info, args, kwargs, output, raised=raised)
+                if not raised:
+                    frame = None
+            ended = self._finish_root_locked(current_exception, output, frame)
             if ended is None:
                 return None
             # Marked under the hold that ended the batch: no other thread's forward starts
@@ -1133,10 +1136,11 @@ class Recorder:
         return None
 
     def _record_forward_locked(self, info: ModuleInfo, args: tuple, kwargs: dict,
-                               output: Any, raised: bool = False) -> None:
-        """The forward frame of one call of ``info``'s module (caller holds the lock); a
-        failure is an internal error, never the user's forward's. ``raised``: the call raised
-        (it returned nothing: no output rows, rather than a None output)."""
+                               output: Any, raised: bool = False) -> Frame | None:
+        """The forward frame of one call of ``info``'s module (caller holds the lock), or None
+        when it could not be made: a failure is an internal error, never the user's forward's.
+        ``raised``: the call raised (it returned nothing: no output rows, rather than a None
+        output)."""
         try:
             measured = info.pre_entries.pop() if info.pre_entries else None
             entries, first_input, first_output = self.entries.forward_entries(
@@ -1144,12 +1148,14 @@ class Recorder:
                 cache_weights=not info.sharded)
             if raised:
                 del entries[first_output:]
-            self.record_frame(info, "forward", entries, first_output=first_output,
-                              first_input=first_input)
+            frame = self.record_frame(info, "forward", entries, first_output=first_output,
+                                      first_input=first_input)
             if self.entries.unread_roles and not self._warned_unread:
                 self._warn_unread()
+            return frame
         except Exception as error:
             self.internal_error(error)
+            return None
 
     def _outermost_running(self, info: ModuleInfo) -> ModuleInfo | None:
         """The outermost watched module whose call is on this thread's stack (``info``'s own
@@ -1372,13 +1378,15 @@ class Recorder:
 
     # ------------------------------------------------------------------ batch boundaries
     def _finish_root_locked(self, current_exception: BaseException | None,
-                            output: Any = None) -> tuple[int, NanEvent | None, bool, bool] | None:
+                            output: Any = None, raised_frame: Frame | None = None
+                            ) -> tuple[int, NanEvent | None, bool, bool] | None:
         """A root call returned ``output``: the outermost one ends the batch. The call count,
         the features' look at the output, the resolve and the batch number move under the
         caller's hold of the lock, so that another thread's forward cannot start in between and
         land in this batch. Returns what the caller concludes outside the lock (the batch, its
         event, whether the forward is failing, whether the batch number moved on), or None
-        when no batch ended."""
+        when no batch ended. ``raised_frame``: the root's frame of a call that raised (no
+        outputs): a NaN/Inf among its inputs is the batch's event when nothing else is."""
         if self._root_depth > 1:
             self._root_depth -= 1
             return None
@@ -1404,7 +1412,9 @@ class Recorder:
 
         finished = self._batch
         advance = not self._manual_batches
-        return finished, self._resolve_locked(finished, advance=advance), failing, advance
+        return finished, self._resolve_locked(finished, advance=advance,
+                                              raised=raised_frame if failing else None), \
+            failing, advance
 
     def _end_interrupted_locked(self) -> None:
         """Resolve the frames of a forward that never returned, in their own batch."""
@@ -1420,9 +1430,11 @@ class Recorder:
         if event is not None:
             self._record_event_locked(event)
 
-    def _resolve_locked(self, ended: int | None, advance: bool) -> NanEvent | None:
+    def _resolve_locked(self, ended: int | None, advance: bool,
+                        raised: Frame | None = None) -> NanEvent | None:
         """Resolve pending stats and hand the frames on; the first NaN/Inf event or None.
-        Caller holds the lock; the event is not recorded yet (see :meth:`_conclude`)."""
+        Caller holds the lock; the event is not recorded yet (see :meth:`_conclude`).
+        ``raised``: the frame of a root call that raised (see :meth:`Records.take`)."""
         for before_resolve in self._before_resolve:
             before_resolve()
         frames, self._frames = self._frames, []
@@ -1430,7 +1442,7 @@ class Recorder:
             self._pending.resolve()
             self.entries.end_batch()  # the objects it walked went into these frames
         self._rank = current_rank()
-        event = self.records.take(frames) if frames else None
+        event = self.records.take(frames, raised=raised) if frames else None
         if ended is not None:
             if self._outside_returned:
                 self._outside_returned = set()

@@ -60,10 +60,12 @@ class Records:
         self.name_index = {name: i for i, name in enumerate(module_names)}
 
     def take(self, frames: list[Frame], *, verdict: bool = True,
-             window: Window | None = None) -> NanEvent | None:
+             window: Window | None = None, raised: Frame | None = None) -> NanEvent | None:
         """History, trace batches and the ring take resolved ``frames``. With ``verdict``, their
         first event (not recorded yet), whose report shows ``window(frames, position)`` (by
-        default the ring's frames before them and theirs)."""
+        default the ring's frames before them and theirs). ``raised``: among ``frames``, the
+        root's frame of a forward that raised; with no other event, a NaN/Inf among its inputs
+        is one (:meth:`Detector.raised_on_input`)."""
         event: NanEvent | None = None
         name_index = self.name_index
         record = self.history.record
@@ -98,6 +100,11 @@ class Records:
                 event = self.detector.event_at(frames, position, window)
             if trace_batches and frame.batch in trace_batches:
                 self.trace_frames.setdefault(frame.batch, []).append(frame)
+        if raised is not None and verdict and event is None:
+            position = next((p for p in range(len(frames) - 1, -1, -1) if frames[p] is raised),
+                            None)
+            if position is not None:
+                event = self.detector.raised_on_input(frames, position, window)
         self.ring.extend(frames)
         return event
 
