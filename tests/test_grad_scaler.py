@@ -316,6 +316,14 @@ def test_grad_scaler_takes_an_object_holding_one_and_refuses_anything_else():
         assert watch.grad_scaler is scaler
     with pytest.raises(TypeError, match="grad_scaler takes a torch.amp.GradScaler"):
         nw.watch(model, grad_scaler="scaler")
+    # An optimizer passed by mistake is named by its type, not by its many-line repr.
+    optimizer = torch.optim.Adam(model.parameters())
+    with pytest.raises(TypeError) as caught:
+        nw.watch(model, grad_scaler=optimizer)
+    message = str(caught.value)
+    assert "\n" not in message and "Parameter Group" not in message
+    assert message.endswith("got a torch.optim.Adam: an optimizer, not the scaler; pass the "
+                            "GradScaler whose scaler.step() steps it")
     with pytest.raises(ValueError, match="scaler_patience must be at least 1"):
         nw.watch(model, grad_scaler=scaler, scaler_patience=0)
     assert hook_count(model) == 0

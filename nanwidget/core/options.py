@@ -291,10 +291,28 @@ def _grad_scaler(name: str, value: Any, model: Any) -> Any:
                 value = held
                 break
     if not _is_scaler(value):
+        kind = type(value)
+        # An optimizer's repr is many lines (its parameter groups): name its type instead.
+        shown = repr(value)
+        got = f"{shown} ({kind.__name__})" if len(shown) <= 60 and "\n" not in shown \
+            else f"a {_public_name(kind)}"
+        hint = (": an optimizer, not the scaler; pass the GradScaler whose scaler.step() "
+                "steps it") if hasattr(value, "param_groups") and callable(
+                    getattr(value, "zero_grad", None)) else ""
         raise TypeError(f"{name} takes a torch.amp.GradScaler (or an object holding one, such "
                         f"as accelerate's Accelerator or timm's NativeScaler, or Keras' "
-                        f"LossScaleOptimizer), got {value!r} ({type(value).__name__})")
+                        f"LossScaleOptimizer), got {got}{hint}")
     return value
+
+
+def _public_name(kind: type) -> str:
+    """A class's name as users import it: "torch.optim.Adam", not "torch.optim.adam.Adam"."""
+    parts = kind.__module__.split(".")
+    for end in range(1, len(parts) + 1):
+        module = sys.modules.get(".".join(parts[:end]))
+        if module is not None and getattr(module, kind.__qualname__, None) is kind:
+            return f"{'.'.join(parts[:end])}.{kind.__qualname__}"
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _is_scaler(value: Any) -> bool:
