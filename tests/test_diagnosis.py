@@ -1018,6 +1018,64 @@ def test_a_transformer_encoder_at_learning_rate_20_diverges(mode):
     assert any(line.startswith("Grown most since first measured: ") for line in diagnosis.evidence)
 
 
+class LoRALinear(nn.Module):
+    """A frozen linear plus a trainable low-rank update, as peft's LoRA layer adds one."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * 2.0
+
+
+def _lora_llama_blown_up_by_its_learning_rate(left_pad: bool) -> nw.NanWatch:
+    """A tiny Llama with LoRA on q_proj and v_proj, AdamW's lr raised to 1e4 at batch 2; with
+    ``left_pad`` one prompt of every batch is left-padded (fully masked rows, harmless)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(config).requires_grad_(False)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    with watch(model, "full", backward=True) as w:
+        for step in range(8):
+            ids = torch.randint(3, 500, (4, 12), generator=generator)
+            attention_mask = torch.ones(4, 12, dtype=torch.long)
+            if left_pad:
+                attention_mask[0, :3] = 0
+            if step == 2:
+                optimizer.param_groups[0]["lr"] = 1e4
+            model(input_ids=ids, attention_mask=attention_mask, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if w.events:
+                break
+    return w
+
+
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_a_lora_llama_blown_up_by_its_learning_rate_diverges_with_or_without_padding(left_pad):
+    # With one left-padded prompt (fully masked rows in every batch) the blow-up read
+    # "masked-row (high)", with finfo.min masks as the fix: the attention's backward got the
+    # -inf mask beside queries of 3e13 and made Inf, which a masked row never makes.
+    diagnosis = _lora_llama_blown_up_by_its_learning_rate(left_pad).event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("divergence", "high")
+    assert "Training diverged: the weights grew" in diagnosis.summary
+    assert "scaled_dot_product" in diagnosis.summary and "all -inf" not in diagnosis.summary
+    assert "Lower the learning rate" in diagnosis.suggestion[0]
+    assert not any("finfo" in fix for fix in diagnosis.suggestion)
+
+
 # ---------------------------------------------------------------------------- corrupted-weight
 @pytest.mark.parametrize("mode", MODES)
 def test_a_weight_written_nan_after_healthy_training_is_no_divergence(mode):

@@ -481,9 +481,36 @@ def _overflow_reason(op: OpFacts) -> tuple[str, str] | None:
     return None
 
 
+def _overflow_beside_mask(op: OpFacts) -> tuple[str, str] | None:
+    """An op that got a -inf mask but overflowed on its finite values: a fully masked row
+    gives NaN (0/0), never an Inf, and scores of moderate values do not overflow. A run whose
+    weights blew up on a padded batch is an overflow (or divergence), not the padding's."""
+    limit = op.limit
+    if not math.isfinite(limit) or not op.inputs_hold_inf() \
+            or op.inputs_fully_masked() is False:
+        return None
+    # A mask filled with the dtype's lowest value (finfo.min) beside the -inf is no growth.
+    largest = max((abs(float(row[key])) for row in op.inputs for key in ("min", "max")
+                   if row.get(key, math.nan) == row.get(key, math.nan)
+                   and abs(float(row[key])) < limit * 0.99), default=0.0)
+    huge = largest >= math.sqrt(limit)
+    if op.inf:
+        return (f"a result passed {op.dtype}'s largest value ({limit:.5g}) from inputs up to "
+                f"{_g(largest)}: a fully masked row makes NaN, never an Inf",
+                "high" if huge else "medium")
+    if op.nan and huge:
+        return (f"its inputs reached {_g(largest)}, so a product or a sum inside it passed "
+                f"{op.dtype}'s largest value ({limit:.5g}) and became NaN (the -inf mask beside "
+                "them is not needed to explain it)", "medium")
+    return None
+
+
 def _classify_op(op: OpFacts, earlier: object) -> tuple[str, str, str] | None:
     """(kind, reason, confidence) of the value the op made, or None."""
     name = op.name
+    beside_mask = _overflow_beside_mask(op) if masks_rows(name) else None
+    if beside_mask is not None:
+        return ("overflow", *beside_mask)
     # Only -inf filling whole rows is a mask; a +inf (an overflow before it) is not.
     if masks_rows(name) and op.nan and op.inputs_hold_inf() \
             and op.inputs_fully_masked() is not False:
