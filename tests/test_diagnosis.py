@@ -2024,6 +2024,34 @@ def test_a_batch_whose_labels_are_all_ignored_is_a_mean_over_no_target(mode, pix
     assert diagnosis.suggestion[0].startswith("The batch has no target to learn from")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_trainer_batch_whose_labels_are_all_ignored_blames_the_labels_not_transformers(mode):
+    # The Trainer passes num_items_in_batch (a float count of the labels that count): with
+    # every label -100, transformers' loss divides 0 by 0 in its own loss_utils.py, and the
+    # advice was to guard the denominator there, with no word of the labels.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(3, 50, (2, 6))
+    prompt_masked, all_ignored = ids.clone(), torch.full_like(ids, -100)
+    prompt_masked[:, :3] = -100
+    with watch(model, mode) as w:
+        for labels in (prompt_masked, all_ignored):
+            counted = (labels[:, 1:] != -100).sum().float()
+            model(input_ids=ids, labels=labels, num_items_in_batch=counted)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.role, diagnosis.kind, diagnosis.confidence) == (
+        1, "output.loss", "domain", "high")
+    assert ("every label of the batch is -100 (the default ignore_index), so "
+            "num_items_in_batch (the count of labels the loss averages over) is 0"
+            ) in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("The batch has no label to learn from")
+    assert not any("Guard the denominator" in fix for fix in diagnosis.suggestion)
+
+
 class _Speech(nn.Module):
     """A CTC head: log-probabilities (T, N, C) and the CTC loss of the batch."""
 

@@ -179,12 +179,18 @@ class InputFacts:
     # An additive mask passed in (a float key_padding_mask, a causal mask): -inf on purpose,
     # no data (see :func:`_holds_a_mask`).
     mask: bool = False
+    # (min, max) of an integer tensor (labels) or the value of a one-element one (a count such
+    # as the Trainer's num_items_in_batch); None for others.
+    value_range: tuple[float, float] | None = None
 
 
 # Masks by keyword: True (or nonzero) means "masked" for PyTorch's padding masks, "keep" for
 # the attention_mask of transformers models.
 _MASKED_WHEN_TRUE = ("key_padding_mask", "padding_mask")
 _KEPT_WHEN_TRUE = ("attention_mask",)
+
+
+_INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _rows_where(flags: torch.Tensor, dim: int = 0) -> list[int]:
@@ -254,8 +260,12 @@ def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> Input
             if values.dim() >= 2 and facts.inf:
                 facts.masked_rows = _rows_where(torch.isneginf(values).all(dim=-1))
             facts.mask = bool(facts.inf) and not facts.nan and _holds_a_mask(role, values)
-        elif values.dim() >= 2 and values.dtype in (torch.bool, torch.int64, torch.int32,
-                                                    torch.int8, torch.uint8):
+        if values.dtype in _INTEGER_DTYPES:
+            facts.value_range = (int(values.min()), int(values.max()))
+        elif values.numel() == 1 and values.is_floating_point():  # a count passed as a float
+            facts.value_range = (float(values), float(values))
+        if not values.is_floating_point() and values.dim() >= 2 \
+                and values.dtype in (torch.bool, torch.int64, torch.int32, torch.int8, torch.uint8):
             name = role.lower()
             if any(key in name for key in _MASKED_WHEN_TRUE):
                 facts.masked_rows = _rows_where((values != 0).all(dim=-1))

@@ -317,6 +317,18 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
     return [f"Keep the input of {name}{at} inside its domain (clamp it, or add an eps)."]
 
 
+def no_counted_label() -> list[str]:
+    """A batch whose every label is the ignore_index, whose loss transformers divides by the
+    ``num_items_in_batch`` the Trainer counted (0): the data's fixes, not its loss code's."""
+    return ["The batch has no label to learn from (every label ignored: a prompt truncated "
+            "before its answer, a completion-only collator that masked everything): drop such "
+            "examples from the dataset before training, e.g. dataset.filter(lambda ex: "
+            "any(label != -100 for label in ex['labels'][1:])) (a causal LM's loss never counts "
+            "the first label).",
+            "Or keep the answer in: a larger max_length, or cut the prompt rather than the "
+            "completion when an example is too long."]
+
+
 def distribution_parameter(at: str) -> list[str]:
     return [f"The op ran inside a torch.distributions method called{at}: a parameter of the "
             "distribution left its domain (a scale, rate or concentration at or below 0, a "

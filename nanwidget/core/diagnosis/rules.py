@@ -225,6 +225,29 @@ def _no_counted_target(op: OpFacts) -> tuple[str, str] | None:
         "over them is 0/0", "medium"
 
 
+def _no_counted_label(facts: Facts, op: OpFacts) -> str | None:
+    """transformers' loss under the Trainer: the sum over the counted tokens divided by the
+    ``num_items_in_batch`` the Trainer counted beforehand. A batch whose every label is the
+    ignore_index makes it 0/0 in transformers' own loss_utils.py, not in the user's code:
+    the data is at fault. The reason, or None when that is not the case."""
+    if op.phase != "forward" or op.name not in ("div", "true_divide") \
+            or not _zero_over_zero(op) or op.input_range(1) != (0.0, 0.0):
+        return None
+    counts = [i for i in facts.inputs if i.role.endswith("num_items_in_batch")]
+    if not counts or any(i.value_range != (0, 0) for i in counts):
+        return None
+    labels = [i.value_range for i in facts.inputs
+              if "label" in i.role.lower() and i.value_range is not None]
+    if len(labels) == 1 and labels[0][0] == labels[0][1]:
+        value = labels[0][0]
+        which = " (the default ignore_index)" if value == -100 else ""
+        why = f"every label of the batch is {value}{which}"
+    else:
+        why = "no label of the batch counted (every one the ignore_index)"
+    return (f"{why}, so num_items_in_batch (the count of labels the loss averages over) is 0, "
+            "and the loss's sum divided by it is 0/0")
+
+
 def _no_alignment(op: OpFacts) -> tuple[str, str] | None:
     """CTC's Inf: a sample whose input is too short for its target has no alignment, and its
     loss is -log(0). None when the op is not a CTC loss that made an Inf."""
@@ -1700,6 +1723,9 @@ def _from_op(facts: Facts) -> Diagnosis | None:
                                   op.at, backward=op.phase == "backward", empty=empty,
                                   unused_gradient=bool(op.grad_of) and _unused_gradient(op),
                                   negative_running_var=_negative_running_var(op) is not None)
+        uncounted = _no_counted_label(facts, op)
+        if uncounted is not None:  # the data's fixes, not an edit of transformers' loss
+            reason, suggestion = uncounted, fixes.no_counted_label()
         if _in_log_prob(op):  # the op's line has no log of the user's: the parameter is at fault
             suggestion = fixes.distribution_parameter(op.at) + suggestion
         return Diagnosis("domain", f"{op.op} {op.place}{op.at} got values outside its domain"
