@@ -1619,6 +1619,28 @@ def test_nan_in_some_rows_of_the_data_names_the_rows(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_padding_mask_built_as_zero_times_minus_inf_gets_the_fixes_of_a_mask(mode):
+    # padding * -inf is NaN wherever a token is kept (0 x -inf): the fixes were those of
+    # feature data (assert torch.isfinite, nan_to_num, normalise features), which would break
+    # any valid -inf mask.
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(16, 2, batch_first=True)
+    padding = torch.zeros(3, 5)
+    padding[0, 3:] = 1
+    with watch(attention, mode) as w, torch.no_grad():
+        x = torch.randn(3, 5, 16)
+        attention(x, x, x, key_padding_mask=padding * -math.inf)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "bad-data"
+    assert diagnosis.summary.startswith("The batch's kwarg:key_padding_mask holds NaN")
+    assert diagnosis.suggestion[0].startswith("Build kwarg:key_padding_mask without arithmetic "
+                                              "on -inf: (1 - keep) * -inf is NaN")
+    assert "masked_fill" in diagnosis.suggestion[0]
+    fixes = "\n".join(diagnosis.suggestion)
+    assert "isfinite" not in fixes and "nan_to_num" not in fixes and "Normalise" not in fixes
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", [torch.jagged, torch.strided], ids=["jagged", "strided"])
 def test_nan_in_one_sample_of_a_nested_tensor_is_bad_data_naming_that_sample(layout, mode):
     # A jagged batch was "unknown: native_layer_norm made NaN from finite inputs" (its input

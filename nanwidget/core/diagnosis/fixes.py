@@ -536,21 +536,40 @@ def in_rows(rows: list[int], limit: int) -> str:
 
 
 def bad_data(roles: list[str], rows: list[int], samples: list[str] | None = None) -> list[str]:
-    """``samples``: the bad inputs as samples of list inputs ("input[1][0].boxes (box 1 of
+    """Fixes for inputs that came with NaN/Inf: a mask's (named like one: how it was built;
+    a finiteness check or nan_to_num would break any valid -inf mask), then the data's.
+    ``samples``: the bad inputs as samples of list inputs ("input[1][0].boxes (box 1 of
     sample 0)"), when every one is: named instead of rows of their own tensors."""
-    which = ", ".join(roles) or "the input"
+    masks = [role for role in roles if "mask" in role.lower()]
+    data = [role for role in roles if role not in masks]
+    fixes = mask_built_with_nan(masks) if masks else []
+    if not data and masks:
+        return fixes
+    which = ", ".join(data) or "the input"
     if samples:
         shown = f"{', '.join(samples)} {'was' if len(samples) == 1 else 'were'}"
     elif rows:
         shown = f"{rows_named(rows, 8)} of {which} {'was' if len(rows) == 1 else 'were'}"
     else:
         shown = f"the rows of {which} that hold NaN/Inf were"
-    return [f"Look at how {shown} made: missing values, a division by zero or "
-            "log(0) in preprocessing, a corrupt file.",
-            "Guard the data: assert torch.isfinite(x).all() in the Dataset or collate_fn, or "
-            f"clean it (torch.nan_to_num, or drop those {'samples' if samples else 'rows'}) "
-            "before the forward.",
-            "Normalise features with an epsilon: (x - mean) / (std + 1e-6)."]
+    return fixes + [
+        f"Look at how {shown} made: missing values, a division by zero or "
+        "log(0) in preprocessing, a corrupt file.",
+        "Guard the data: assert torch.isfinite(x).all() in the Dataset or collate_fn, or "
+        f"clean it (torch.nan_to_num, or drop those {'samples' if samples else 'rows'}) "
+        "before the forward.",
+        "Normalise features with an epsilon: (x - mean) / (std + 1e-6)."]
+
+
+def mask_built_with_nan(roles: list[str]) -> list[str]:
+    """A mask passed in holding NaN: made by arithmetic on -inf (0 x -inf, inf - inf)."""
+    return [f"Build {', '.join(roles)} without arithmetic on -inf: (1 - keep) * -inf is NaN "
+            "where keep is 1 (0 x -inf = NaN). Write it with masked_fill or torch.where: "
+            "torch.zeros(shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min), or "
+            "torch.where(keep, 0.0, torch.finfo(dtype).min) (finfo.min rather than -inf also "
+            "keeps a fully masked row finite).",
+            "Or pass the model the 0/1 (or boolean) mask it takes and let it build the "
+            "additive one."]
 
 
 def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = False,
