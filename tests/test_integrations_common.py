@@ -35,6 +35,21 @@ def test_callback_options_are_checked_against_nw_watch():
         check_callback_options("stop", {"model": 1})
 
 
+@pytest.mark.parametrize("framework", ["transformers", "lightning", "fastai"])
+@pytest.mark.parametrize("log_dir", [True, 3])
+def test_a_callback_given_a_log_dir_that_is_no_folder_refuses_it_when_made(framework, log_dir,
+                                                                           tmp_path):
+    # NanWatchCallback(log_dir=True) was accepted, then trainer.train() died in pathlib with
+    # "expected str, bytes or os.PathLike object, not bool", no word of log_dir.
+    pytest.importorskip(framework)
+    module = pytest.importorskip(f"nanwidget.integrations.{framework}")
+    with pytest.raises(TypeError, match=r"^log_dir must be a directory path .* or False \(no "
+                                        rf"recording\); got {log_dir!r}"):
+        module.NanWatchCallback(log_dir=log_dir)
+    for accepted in (None, False, str(tmp_path / "run"), tmp_path / "run"):
+        module.NanWatchCallback(log_dir=accepted)
+
+
 def test_batch_log_describes_train_and_eval_batches():
     log = BatchLog(rows=8)
     assert log.note_until(2, "train", 1, 0) == 2

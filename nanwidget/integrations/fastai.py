@@ -63,7 +63,7 @@ class NanWatchCallback(GuardedCallback, Callback):
 
     def __init__(self, *, on_nan: str = "stop", log_dir: str | os.PathLike | bool | None = None,
                  **watch_options: Any) -> None:
-        check_callback_options(on_nan, watch_options)
+        check_callback_options(on_nan, watch_options, log_dir)
         self.on_nan = on_nan
         self.log_dir = log_dir
         self.abort_after = watch_options.pop("abort_after", None)

@@ -61,7 +61,7 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
                  log_trends: bool = False, trends_every: int = 50,
                  trend_modules: tuple[str, ...] | list[str] | None = None,
                  **watch_options: Any) -> None:
-        check_callback_options(on_nan, watch_options)
+        check_callback_options(on_nan, watch_options, log_dir)
         if not isinstance(trends_every, int) or isinstance(trends_every, bool) or trends_every < 1:
             raise ValueError(f"trends_every must be a positive number of steps, got {trends_every!r}")
         self.on_nan = on_nan

@@ -57,13 +57,21 @@ BATCH_LOG_ROWS = 4096
 
 
 
-def check_callback_options(on_nan: str, watch_options: dict[str, Any]) -> None:
-    """Refuse a bad ``on_nan`` or a bad ``nw.watch`` option when the callback is made (the
-    checks that need the model run when it is watched)."""
+def check_callback_options(on_nan: str, watch_options: dict[str, Any],
+                           log_dir: Any = None) -> None:
+    """Refuse a bad ``on_nan``, ``log_dir`` or ``nw.watch`` option when the callback is made
+    (the checks that need the model run when it is watched), not at the start of training."""
     if on_nan not in ON_NAN_CHOICES:
         raise ValueError(f"on_nan must be one of {', '.join(ON_NAN_CHOICES)} for a training "
                          f"callback; got {on_nan!r}")
     check_option_names(watch_options, passed_by="the callback")
+    # None: a fresh run folder; False: no recording. True is no folder (False is the off).
+    if log_dir is not None and log_dir is not False:
+        if not isinstance(log_dir, (str, os.PathLike)):
+            raise TypeError("log_dir must be a directory path (str or pathlib.Path), None (a "
+                            "fresh folder under the trainer's output directory) or False (no "
+                            f"recording); got {log_dir!r} ({type(log_dir).__name__})")
+        WatchOptions.checked(None, log_dir=log_dir)  # a path to a file is refused too
     WatchOptions.checked(None, **watch_options)
 
 
