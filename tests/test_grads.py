@@ -1015,3 +1015,61 @@ def test_a_backward_pass_that_raises_after_its_nan_gradient_shows_its_event() ->
         assert events[0].diagnosis.kind == "domain" and "sqrt" in events[0].diagnosis.summary
         model(torch.randn(8, 4))  # the next batch: no second event for the old pass
         assert len(w.events) == 1
+
+
+class _SkipBlock(nn.Module):
+    """``x + bn(conv(x))``: ``x`` is used twice, so autograd sums two gradients for it."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn(self.conv(x))
+
+
+class _ShrinksToOnePixel(nn.Module):
+    """A small CIFAR-style conv net whose last stage is 1x1: two skip blocks there, then a
+    1x1 conv, BatchNorm and a pooled head (an EfficientNet's tail on 32x32 inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False),
+                                  nn.BatchNorm2d(16), nn.ReLU())
+        self.down = nn.Sequential(nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False),
+                                  nn.BatchNorm2d(32), nn.ReLU(),
+                                  nn.Conv2d(32, 32, 2, stride=2, bias=False), nn.BatchNorm2d(32))
+        self.blocks = nn.Sequential(_SkipBlock(32), _SkipBlock(32))
+        self.tail = nn.Sequential(nn.Conv2d(32, 64, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tail(self.blocks(self.down(self.stem(x))))
+        return self.head(nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+def _channels_last_gradients(watch_mode: str | None) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _ShrinksToOnePixel().train().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    x = x.contiguous(memory_format=torch.channels_last)
+    watch = nw.watch(model, mode=watch_mode, backward=True, on_nan="record") if watch_mode else None
+    try:
+        model(x).square().mean().backward()
+    finally:
+        if watch is not None:
+            watch.close()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_backward_watch_leaves_every_gradient_bit_identical_in_a_channels_last_net(
+        mode, reduction_path) -> None:
+    # A tensor used twice at 1x1 gets two gradients; autograd sums them in place into the
+    # first one's memory unless something else owns that memory. Measuring a gradient must
+    # not, or the sum gets another memory layout and BatchNorm's backward another order.
+    unwatched = _channels_last_gradients(None)
+    watched = _channels_last_gradients(mode)
+    differing = [name for name in unwatched if not torch.equal(unwatched[name], watched[name])]
+    assert differing == []

@@ -134,12 +134,14 @@ def test_where_pythons_headers_are_installed_the_hooks_read_in_one_c_call():
     assert native.status().endswith("read in one C call"), native.status()
     assert native.contiguous_reader() is not native.contiguous_range
     assert native.int_reader() is not native.int_range
+    assert native.gradient_reader() is not native.gradient_range
 
 
 @needs_kernel
 def test_the_extensions_readers_take_and_decline_what_contiguous_range_does():
     out = native.result_buffer()
     read_floats, read_ints = native.contiguous_reader(), native.int_reader()
+    read_grads = native.gradient_reader()
     generator = torch.Generator().manual_seed(5)
     grid = torch.randn(6, 8, generator=generator)
     grid[4, 1] = -9.25
@@ -163,8 +165,11 @@ def test_the_extensions_readers_take_and_decline_what_contiguous_range_does():
             torch.arange(7, dtype=torch.int32), torch.arange(6).reshape(2, 3).t(),
             torch.arange(4, dtype=torch.int16), torch.empty(0, dtype=torch.int64), grid]
     for tensor in floats + ints:
+        # The gradient reader never asks the storage: a shrunk one is never handed to it.
+        unchecked = [] if tensor is shrunk or tensor is shrunk_view \
+            else [(read_grads, native.gradient_range)]
         for read, reference in ((read_floats, native.contiguous_range),
-                                (read_ints, native.int_range)):
+                                (read_ints, native.int_range), *unchecked):
             expected = reference(tensor, out)
             found = read(tensor, out)
             if expected is not None and expected[1] != expected[1]:  # NaN: compare as text
@@ -172,6 +177,7 @@ def test_the_extensions_readers_take_and_decline_what_contiguous_range_does():
             else:
                 assert found == expected, (tensor.dtype, tuple(tensor.shape))
     assert read_floats(grid, out) == (grid.abs().min().item(), 9.25)
+    assert read_grads(grid, out) == read_floats(grid, out)
     assert read_floats(shrunk, out) is None and not native.eligible(shrunk)
     assert read_floats(shrunk_first, out) == native.abs_range(shrunk_first)  # what it holds
     with pytest.raises(TypeError):

@@ -292,7 +292,9 @@ class EntryBuilder:
     def grad_entry(self, role: str, grad: Any, hold: bool = False) -> Entry:
         """Entry for a gradient: measured without being held (the backward pass frees it), or
         with ``hold`` held until the pass resolves (a parameter's ``.grad``, alive anyway: on
-        a device its second look then runs only if it holds a NaN/Inf)."""
+        a device its second look then runs only if it holds a NaN/Inf). A gradient not held is
+        one a tensor hook received: nothing of it outlives the call, its storage not even asked
+        (autograd sums its next gradient into it in place only while nothing else owns it)."""
         if not isinstance(grad, _Tensor):
             return non_tensor_entry(role, grad)
         if type(grad) in PLAIN_TENSOR_TYPES:
@@ -301,7 +303,7 @@ class EntryBuilder:
             # full rules and runs only for gradients that fail one of them.
             if dtype.is_floating_point and grad.layout is _STRIDED and not grad.is_meta \
                     and not grad.is_nested and grad.numel():
-                return Entry((role, self.pending.add(grad, hold=hold), dtype,
+                return Entry((role, self.pending.add(grad, hold=hold, check_storage=hold), dtype,
                               _shared_shape(grad.shape), ""))
         else:
             local = local_shard(grad)
@@ -315,7 +317,8 @@ class EntryBuilder:
         shape = _shape_of(grad)
         if note:
             return Entry((role, None, grad.dtype, shape, note))
-        return Entry((role, self.pending.add(grad, hold=hold), grad.dtype, shape, ""))
+        return Entry((role, self.pending.add(grad, hold=hold, check_storage=hold), grad.dtype,
+                      shape, ""))
 
     # ------------------------------------------------------------------ a module call
     def input_entries(self, args: tuple, kwargs: dict | None, entries: list[Entry]) -> None:

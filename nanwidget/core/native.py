@@ -12,7 +12,8 @@ The C file is compiled on first use with the system C compiler (``$CC``, Python'
 compiler, ``cc``, ``gcc`` or ``clang``) into a per-user cache (``$NANWIDGET_CACHE_DIR`` or
 ``~/.cache/nanwidget``); later processes load the cached library in about a millisecond. Where
 Python's headers are installed it is built as a Python extension (``_native/entry.c``): the
-hooks' readers (:func:`contiguous_reader`, :func:`int_reader`) then check and read a tensor in
+hooks' readers (:func:`contiguous_reader`, :func:`int_reader`, :func:`gradient_reader`) then
+check and read a tensor in
 one C call, about 1.3 µs less per tensor than through :mod:`ctypes`, which loads the same
 kernels otherwise (and always for the other functions here). Without a compiler, or with ``NANWIDGET_NATIVE=0``, everything takes
 the torch path: same numbers, only slower. A self-test against the torch path runs at load;
@@ -47,6 +48,7 @@ import torch
 
 __all__ = ["abs_range", "finite_range", "available", "eligible", "result_buffer", "status",
            "MAX_ELEMENTS", "contiguous_range", "int_range", "contiguous_reader", "int_reader",
+           "gradient_range", "gradient_reader",
            "storage_holds", "weight_state_reader", "grads_clean", "grads_clean_reader"]
 
 _SOURCE = Path(__file__).with_name("_native") / "absrange.c"
@@ -97,9 +99,10 @@ def available() -> bool:
     return _load() is not None
 
 
-def eligible(tensor: torch.Tensor) -> bool:
+def eligible(tensor: torch.Tensor, check_storage: bool = True) -> bool:
     """Whether :func:`abs_range` may read ``tensor``: a dense CPU float tensor, no subclass,
-    with its storage allocated."""
+    with its storage allocated. ``check_storage=False``: its storage is not asked whether it
+    holds every element (a gradient autograd passes on: see :func:`gradient_range`)."""
     if type(tensor) not in _PLAIN_TYPES or not tensor.is_cpu or tensor.dtype not in _KINDS:
         return False
     count = tensor.numel()
@@ -111,14 +114,18 @@ def eligible(tensor: torch.Tensor) -> bool:
         return False
     # 0: storage freed (FSDP between forwards), nothing to read. A dense tensor spans `count`
     # elements from its offset, in any order.
-    return tensor.data_ptr() != 0 and storage_holds(tensor, count)
+    return tensor.data_ptr() != 0 and (not check_storage or storage_holds(tensor, count))
 
 
 def storage_holds(tensor: torch.Tensor, span: int | None = None) -> bool:
     """False when the tensor's storage is smaller than what the tensor spans (FSDP frees
     parameter storage between forwards; ``untyped_storage().resize_()`` shrinks it): reading it,
     even with torch's own ops, would crash the process. ``span``: the elements it spans from its
-    offset, where the caller knows it (a dense tensor: its numel)."""
+    offset, where the caller knows it (a dense tensor: its numel).
+
+    Asking leaves torch's Python storage object on the tensor's storage for as long as it
+    lives, where it counts as one more owner: autograd then sums a gradient's next
+    contribution out of place (see :func:`gradient_range`)."""
     try:
         if span is None:
             span = tensor.numel() if tensor.is_contiguous() else 1 + sum(
@@ -162,6 +169,23 @@ def contiguous_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, fl
     kernel is not loaded yet or the tensor is not such a tensor: :func:`eligible` and
     :func:`abs_range` then have the full rules. ``out``: a :func:`result_buffer`."""
     return _read_contiguous(_kernel, _KINDS, tensor, out)
+
+
+def gradient_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, float] | None:
+    """:func:`contiguous_range` of a gradient handed to a tensor hook: the same, without asking
+    its storage whether it holds every element (autograd reads the gradient right after the
+    hook anyway). Asking would leave a Python storage object on it, which counts as one more
+    owner: autograd then sums the tensor's next gradient out of place, into new memory of
+    another layout, and the ops after it (BatchNorm's backward) add in another order, so the
+    watched run's gradients would differ in their last bits."""
+    return _read_contiguous(_kernel, _KINDS, tensor, out, check_storage=False)
+
+
+def gradient_reader() -> Callable[[torch.Tensor, ctypes.Array], tuple[float, float] | None]:
+    """:func:`gradient_range`, in one C call where the kernel was built as a Python extension
+    (see :func:`contiguous_reader`)."""
+    _load()
+    return _entry_readers[4] if _entry_readers is not None else gradient_range
 
 
 def contiguous_reader() -> Callable[[torch.Tensor, ctypes.Array], tuple[float, float] | None]:
@@ -224,9 +248,10 @@ def int_range(tensor: torch.Tensor, out: ctypes.Array) -> tuple[float, float] | 
 
 
 def _read_contiguous(kernel: Any, kinds: dict[torch.dtype, int], tensor: torch.Tensor,
-                     out: ctypes.Array) -> tuple[float, float] | None:
+                     out: ctypes.Array, check_storage: bool = True) -> tuple[float, float] | None:
     """``kernel``'s two results for a contiguous plain CPU tensor of a dtype in ``kinds`` (at
-    most ``2**22`` elements, storage allocated), or None for any other tensor."""
+    most ``2**22`` elements, storage allocated, and with ``check_storage`` holding every
+    element), or None for any other tensor."""
     if kernel is None or type(tensor) not in _PLAIN_TYPES or not tensor.is_cpu:
         return None
     kind = kinds.get(tensor.dtype)
@@ -234,7 +259,7 @@ def _read_contiguous(kernel: Any, kinds: dict[torch.dtype, int], tensor: torch.T
     if kind is None or not 0 < count <= _ONE_THREAD_ELEMENTS or not tensor.is_contiguous():
         return None
     pointer = tensor.data_ptr()
-    if not pointer or not storage_holds(tensor, count):
+    if not pointer or check_storage and not storage_holds(tensor, count):
         return None
     kernel(pointer, count, kind, out.address)
     return out[0], out[1]
@@ -307,7 +332,8 @@ def _import_entry(library: Path) -> tuple[Callable[..., Any], ...]:
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     module.setup(torch.Tensor, torch.nn.Parameter, _KINDS, _INT_KINDS, _ONE_THREAD_ELEMENTS)
-    return module.contiguous_range, module.int_range, module.weight_state, module.grads_clean
+    return (module.contiguous_range, module.int_range, module.weight_state, module.grads_clean,
+            module.gradient_range)
 
 
 class _Subclass(torch.Tensor):
@@ -325,11 +351,13 @@ def _self_test_entry(readers: tuple[Callable[..., Any], ...],
     declined = [torch.arange(12.0).reshape(3, 4).t(), torch.empty(0), torch.empty(3, device="meta"),
                 torch.ones(3).as_subclass(_Subclass), torch.ones(2, dtype=torch.bool)]
     cases = floats + ints + declined + [torch.nn.Parameter(floats[2])]
-    read_floats, read_ints, weight_state, clean = readers
+    read_floats, read_ints, weight_state, clean, read_grads = readers
     out = _Pair()
     for tensor in cases:
-        for read, (path, kinds) in ((read_floats, (kernel, _KINDS)), (read_ints, (int_kernel, _INT_KINDS))):
-            expected = _read_contiguous(path, kinds, tensor, out)
+        for read, (path, kinds, check) in ((read_floats, (kernel, _KINDS, True)),
+                                          (read_ints, (int_kernel, _INT_KINDS, True)),
+                                          (read_grads, (kernel, _KINDS, False))):
+            expected = _read_contiguous(path, kinds, tensor, out, check)
             found = read(tensor, out)
             if found != expected:
                 return f"{tensor.dtype} {tuple(tensor.shape)}: {found} != {expected}"

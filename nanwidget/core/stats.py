@@ -415,14 +415,15 @@ class PendingStats:
     callers hold the recorder's lock.
     """
 
-    __slots__ = ("_meter", "_direct", "_result", "_read_floats", "_read_ints", "_seen", "_queued",
-                 "_held_bytes")
+    __slots__ = ("_meter", "_direct", "_result", "_read_floats", "_read_grads", "_read_ints",
+                 "_seen", "_queued", "_held_bytes")
 
     def __init__(self) -> None:
         self._meter = AbsMeter()
         self._direct = native.available()  # builds or loads the kernel now, not in the first batch
         self._result = native.result_buffer()
         self._read_floats = native.contiguous_reader()
+        self._read_grads = native.gradient_reader()
         self._read_ints = native.int_reader()
         # id -> weak reference (with version and stats) of every tensor measured this batch.
         self._seen: dict[int, _Seen] = {}
@@ -432,11 +433,14 @@ class PendingStats:
     def __len__(self) -> int:
         return len(self._queued)
 
-    def add(self, tensor: torch.Tensor, hold: bool = True) -> TensorStats:
+    def add(self, tensor: torch.Tensor, hold: bool = True,
+            check_storage: bool = True) -> TensorStats:
         """Measure ``tensor`` (classified as measurable) now; its stats fill at :meth:`resolve`
         (at once for CPU float tensors). ``hold=False`` never keeps the tensor alive (gradients,
         which the backward pass frees as it goes): a device tensor then gets its second look
-        computed at once."""
+        computed at once. ``check_storage=False`` never asks for the tensor's storage (a
+        gradient handed to a tensor hook, which autograd reads next anyway): see
+        :func:`~nanwidget.core.native.gradient_range` for what asking would change."""
         try:
             version = tensor._version
         except RuntimeError:  # an inference tensor: no version counter
@@ -452,8 +456,9 @@ class PendingStats:
                 # tensor, checked and read by the kernel in one call; any other dense layout
                 # after the full check (a functorch wrapper refuses its data pointer: general
                 # path).
-                found = self._read_floats(tensor, self._result)
-                if found is None and native.eligible(tensor):
+                found = (self._read_floats if check_storage else self._read_grads)(
+                    tensor, self._result)
+                if found is None and native.eligible(tensor, check_storage):
                     found = native.abs_range(tensor, self._result)
             except Exception:
                 found = None
@@ -463,7 +468,7 @@ class PendingStats:
             stats = TensorStats()
             try:
                 with torch.no_grad():
-                    self._measure(tensor, version, stats, hold)
+                    self._measure(tensor, version, stats, hold, check_storage)
             except Exception as error:  # never break the forward; the cell says why
                 stats.note = f"unsupported ({type(error).__name__})"
         try:
@@ -492,7 +497,8 @@ class PendingStats:
             return None
         return seen.version, seen.stats
 
-    def _measure(self, tensor: torch.Tensor, version: int, stats: TensorStats, hold: bool) -> None:
+    def _measure(self, tensor: torch.Tensor, version: int, stats: TensorStats, hold: bool,
+                 check_storage: bool = True) -> None:
         values, implicit_zero = _values_of(tensor.detach())
         if values.numel() == 0:  # a sparse tensor with no stored value: all zeros
             stats.set_finite(0.0, 0.0)
@@ -518,7 +524,7 @@ class PendingStats:
                 queued.extra = _int_abs_min(values)
             self._queued.append(queued)
             return
-        if self._direct and native.eligible(values):
+        if self._direct and native.eligible(values, check_storage):
             low, high = native.abs_range(values, self._result)
             if implicit_zero:
                 low = 0.0
@@ -530,7 +536,7 @@ class PendingStats:
                     finite_low = 0.0
                 stats.set_nonfinite(low, high, finite_low, finite_high, has_inf > 0)
             return
-        if not storage_holds(values):
+        if check_storage and not storage_holds(values):
             stats.note = "storage freed"
             return
         low_bits, high_bits, dtype = self._meter.reduce_bits(values)

@@ -7,6 +7,12 @@
  * headers: nothing here depends on torch's C++ layout), then the kernel. The storage is checked
  * to hold the elements (a tensor whose storage was shrunk under it is declined, never read).
  *
+ * gradient_range(tensor[, out]) is contiguous_range without the storage check, for a gradient
+ * handed to a tensor hook (nanwidget.core.native.gradient_range): autograd reads it right after
+ * the hook anyway, and asking for its storage (`untyped_storage()`) leaves a Python storage
+ * object on it that counts as an owner, so autograd would sum the tensor's next gradient out of
+ * place (another memory layout, other bits in the ops after it).
+ *
  * contiguous_range(tensor[, out]) and int_range(tensor[, out]) return what
  * nanwidget.core.native.contiguous_range / int_range return: (low, high) as floats, or None for
  * a tensor they do not take; an exception raised by one of the tensor's attributes propagates
@@ -72,8 +78,9 @@ static int storage_holds(PyObject *tensor, long long count) {
 
 /* Check `tensor` as the readers do and read it with `kernel` into out: 1 when read, 0 when it
  * is not a tensor they take (or the kernel declined it), -1 with an exception set when one of
- * its attributes raised. */
-static int read_checked(PyObject *tensor, PyObject *kinds, nw_kernel kernel, double *out) {
+ * its attributes raised. `check_storage` 0: the storage is not asked (gradient_range). */
+static int read_checked(PyObject *tensor, PyObject *kinds, nw_kernel kernel, double *out,
+                        int check_storage) {
     PyObject *type = (PyObject *)Py_TYPE(tensor);
     if (tensor_type == NULL || (type != tensor_type && type != parameter_type))
         return 0;
@@ -119,9 +126,11 @@ static int read_checked(PyObject *tensor, PyObject *kinds, nw_kernel kernel, dou
         return PyErr_Occurred() ? -1 : 0; /* storage freed (FSDP between forwards) */
     /* The storage must hold every element: one shrunk under the tensor (resize_) would be read
      * past its end. */
-    int holds = storage_holds(tensor, count);
-    if (holds <= 0)
-        return holds;
+    if (check_storage) {
+        int holds = storage_holds(tensor, count);
+        if (holds <= 0)
+            return holds;
+    }
     int status;
     if (count >= NW_RELEASE_GIL_ELEMENTS) {
         Py_BEGIN_ALLOW_THREADS
@@ -133,9 +142,10 @@ static int read_checked(PyObject *tensor, PyObject *kinds, nw_kernel kernel, dou
     return status == 0;
 }
 
-static PyObject *read_with(PyObject *tensor, PyObject *kinds, nw_kernel kernel) {
+static PyObject *read_with(PyObject *tensor, PyObject *kinds, nw_kernel kernel,
+                           int check_storage) {
     double out[2];
-    int found = read_checked(tensor, kinds, kernel, out);
+    int found = read_checked(tensor, kinds, kernel, out, check_storage);
     if (found < 0)
         return NULL;
     if (!found)
@@ -148,7 +158,15 @@ static PyObject *contiguous_range(PyObject *module, PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_TypeError, "contiguous_range(tensor, out=None)");
         return NULL;
     }
-    return read_with(args[0], float_kinds, nanwidget_abs_range);
+    return read_with(args[0], float_kinds, nanwidget_abs_range, 1);
+}
+
+static PyObject *gradient_range(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "gradient_range(tensor, out=None)");
+        return NULL;
+    }
+    return read_with(args[0], float_kinds, nanwidget_abs_range, 0);
 }
 
 static PyObject *int_range(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -156,7 +174,7 @@ static PyObject *int_range(PyObject *module, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "int_range(tensor, out=None)");
         return NULL;
     }
-    return read_with(args[0], int_kinds, nanwidget_int_range);
+    return read_with(args[0], int_kinds, nanwidget_int_range, 1);
 }
 
 /* The arguments of grads_clean and weight_state: three lists, the first two (the slots'
@@ -227,7 +245,7 @@ static PyObject *grads_clean(PyObject *module, PyObject *const *args, Py_ssize_t
             continue;
         }
         double out[2];
-        int found = read_checked(grad, float_kinds, nanwidget_abs_range, out);
+        int found = read_checked(grad, float_kinds, nanwidget_abs_range, out, 1);
         Py_DECREF(grad);
         if (found < 0)
             return NULL;
@@ -342,6 +360,7 @@ static PyObject *setup(PyObject *module, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"contiguous_range", (PyCFunction)(void (*)(void))contiguous_range, METH_FASTCALL, NULL},
+    {"gradient_range", (PyCFunction)(void (*)(void))gradient_range, METH_FASTCALL, NULL},
     {"int_range", (PyCFunction)(void (*)(void))int_range, METH_FASTCALL, NULL},
     {"weight_state", (PyCFunction)(void (*)(void))weight_state, METH_FASTCALL, NULL},
     {"grads_clean", (PyCFunction)(void (*)(void))grads_clean, METH_FASTCALL, NULL},

@@ -95,8 +95,9 @@ class _FramePending(PendingStats):
 
     __slots__ = ("on_add",)
 
-    def add(self, tensor: torch.Tensor, hold: bool = True) -> TensorStats:
-        stats = super().add(tensor, hold)
+    def add(self, tensor: torch.Tensor, hold: bool = True,
+            check_storage: bool = True) -> TensorStats:
+        stats = super().add(tensor, hold, check_storage)
         self.on_add(tensor, stats)
         return stats
 
