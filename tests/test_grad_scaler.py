@@ -83,8 +83,8 @@ def test_without_grad_scaler_the_first_overflow_stops_the_run_and_says_to_pass_i
     # overflow's with scaling the targets down).
     diagnosis = watch.event.diagnosis
     assert diagnosis.kind == "loss" and diagnosis.suggestion[0].startswith(
-        "If a torch.amp.GradScaler scales this loss (train loops under float16 autocast use "
-        "one; its scale starts at 65536), pass it: nw.watch(model, grad_scaler=scaler).")
+        "A GradScaler is among the training loop's variables: if it scales this loss (its "
+        "scale starts at 65536), pass it: nw.watch(model, grad_scaler=scaler).")
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])

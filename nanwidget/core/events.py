@@ -11,7 +11,8 @@ from .schema import EVENT_FIELDS, FRAME_COLUMNS, NO_USER_LINE
 
 __all__ = ["NanEvent", "Diagnosis", "GradEvent", "ScalerSkip", "NanDetected", "NanWarning",
            "AbortAfterBatch", "ORIGIN_WORDS", "UNVERIFIED_NOTES", "NOT_REPLAYED", "REPEATED_NOTES",
-           "NO_WEIGHTS_SEEN", "UNREAD_WEIGHTS", "PASS_THE_SCALER", "weights_unchecked",
+           "NO_WEIGHTS_SEEN", "UNREAD_WEIGHTS", "PASS_THE_SCALER", "SCALER_IN_THE_LOOP",
+           "weights_unchecked",
            "event_kind", "DIAGNOSIS_KINDS",
            "CONFIDENCES", "LOSS_WORDS", "LOSS_ROLE", "event_fields", "event_from_fields"]
 
@@ -128,6 +129,9 @@ PASS_THE_SCALER = ("if a torch.amp.GradScaler scales this loss, pass it: "
                    "nw.watch(model, grad_scaler=scaler) (an overflow in a step the scaler skips "
                    "is then no event; a Keras model compiled under mixed_float16: "
                    "grad_scaler=model.optimizer)")
+# Said before it when the training loop's variables hold an enabled GradScaler (or an object
+# holding one): the Inf then most likely is that scale's, and the diagnosis leads with passing it.
+SCALER_IN_THE_LOOP = "a GradScaler is among the training loop's variables: "
 
 
 def weights_unchecked(note: str) -> bool:

@@ -21,8 +21,8 @@ from torch import nn
 
 from ..detect import additive_mask
 from ..entries import Entry
-from ..events import (LOSS_ROLE, NO_WEIGHTS_SEEN, NOT_REPLAYED, PASS_THE_SCALER, REPEATED_NOTES,
-                      UNREAD_WEIGHTS, UNVERIFIED_NOTES, Diagnosis, NanEvent,
+from ..events import (LOSS_ROLE, NO_WEIGHTS_SEEN, NOT_REPLAYED, REPEATED_NOTES,
+                      SCALER_IN_THE_LOOP, UNREAD_WEIGHTS, UNVERIFIED_NOTES, Diagnosis, NanEvent,
                       gradient_only_reduced, weights_unchecked)
 from ..opaque import holds_packed_weights, packed_weights
 from ..frames import Frame, weights_finite_last, weights_nonfinite_batches
@@ -93,10 +93,10 @@ def _finite_in_earlier_call(event: NanEvent, names: list[str]) -> dict[str, int]
 
 
 _PASS_THE_SCALER_FIX = (
-    "If a torch.amp.GradScaler scales this loss (train loops under float16 autocast use one; "
-    "its scale starts at 65536), pass it: nw.watch(model, grad_scaler=scaler). Its scaled "
-    "gradients overflow float16 now and then on purpose, and it skips those steps: with it "
-    "the watch does too, and lists them in w.scaler_skips.")
+    "A GradScaler is among the training loop's variables: if it scales this loss (its scale "
+    "starts at 65536), pass it: nw.watch(model, grad_scaler=scaler). Its scaled gradients "
+    "overflow float16 now and then on purpose, and it skips those steps: with it the watch "
+    "does too, and lists them in w.scaler_skips.")
 
 
 class Diagnoser(Feature):
@@ -209,10 +209,10 @@ class Diagnoser(Feature):
                     else facts.unseen_note
             held = self.capture is not None and event.batch in self.capture.held_batches()
             diagnosis = diagnose(facts, replayable=held and not facts.replay_refused)
-            if PASS_THE_SCALER in event.note and diagnosis.kind in ("overflow", "loss"):
-                # An Inf gradient of a float16 run: most likely an AMP loss scale (65536 at
-                # first) the watch was not told of; that first, before scaling the loss or its
-                # targets down or naming the loss's op.
+            if SCALER_IN_THE_LOOP in event.note and diagnosis.kind in ("overflow", "loss"):
+                # An Inf gradient with a GradScaler in the loop the watch was not told of: most
+                # likely its loss scale (65536 at first); that first, before scaling the loss or
+                # its targets down or naming the loss's op.
                 diagnosis.suggestion.insert(0, _PASS_THE_SCALER_FIX)
             return diagnosis
         except Exception as error:

@@ -52,7 +52,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..detect import event_kind
-from ..events import LOSS_ROLE, PASS_THE_SCALER, NanEvent, ScalerSkip
+from ..events import LOSS_ROLE, PASS_THE_SCALER, SCALER_IN_THE_LOOP, NanEvent, ScalerSkip
 from ..graph_capture import run_eagerly_under_dynamo
 from ..options import is_loss_scale_optimizer
 from ..recorder import Feature, Finding, Recorder
@@ -547,7 +547,9 @@ class ScalerHint(Feature):
         if event is None or not event.is_backward or "inf" not in event.kind \
                 or PASS_THE_SCALER in event.note:
             return event
-        if event.ran_in("float16") or _scaler_in_callers():
+        if _scaler_in_callers():
+            event.note = _joined(event.note, SCALER_IN_THE_LOOP + PASS_THE_SCALER)
+        elif event.ran_in("float16"):
             event.note = _joined(event.note, PASS_THE_SCALER)
         return event
 
