@@ -959,6 +959,58 @@ def test_weights_kept_in_a_parameter_dict_never_called_still_show_a_divergence(m
     assert "Grown most since first measured: 'params'" in evidence
 
 
+class DottedParams(nn.Module):
+    """Keeps a network's parameters under their dotted names straight in ``_parameters``
+    (as tensordict's TensorDictParams does, in every torchrl loss): never called."""
+
+    def __init__(self, network: nn.Module) -> None:
+        super().__init__()
+        for name, parameter in network.named_parameters():
+            self._parameters[name] = parameter  # "0.weight": a key nn.Module would refuse
+
+
+class FunctionalLoss(nn.Module):
+    """A torchrl-style loss module: it runs its network functionally on the weights
+    ``DottedParams`` keeps (the network itself is no submodule) and returns the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        network = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.actor_params = DottedParams(network)
+        object.__setattr__(self, "network", network)  # hidden, as the loss keeps it
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        weights = dict(self.actor_params.named_parameters())
+        out = torch.func.functional_call(self.network, weights, (x,))
+        return (out - target).square().mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_kept_under_dotted_names_name_the_step_after_the_bad_data_batch(mode):
+    # Batch 2's NaN observation is bad data; its optimizer step writes NaN into the weights,
+    # and batch 3 meets them. The weights' last finite batch was looked up under the name
+    # cut at its last dot ('actor_params.0'), which holds no weights: the diagnosis said
+    # "between batch 1 and batch 2" although batch 2 ran with finite weights.
+    torch.manual_seed(0)
+    loss_module = FunctionalLoss()
+    optimizer = torch.optim.Adam(loss_module.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 3), torch.randn(16, 1)
+    with watch(loss_module, mode) as w:
+        for batch in range(4):
+            observation = x.clone()
+            if batch == 2:
+                observation[4, 0] = math.nan  # from the environment
+            loss = loss_module(observation, y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    first, second = w.events[:2]
+    assert (first.batch, first.diagnosis.kind) == (2, "bad-data")
+    assert (second.batch, second.diagnosis.kind) == (3, "corrupted-weight")
+    assert "became NaN between batch 2 and batch 3" in second.diagnosis.summary
+    assert "finite when batch 2 ran" in "\n".join(second.diagnosis.evidence)
+
+
 def test_sentinel_mode_without_samples_cannot_tell_divergence_and_says_so():
     diagnosis = _mlp_at_a_huge_learning_rate("sentinel").event.diagnosis
     assert diagnosis.kind == "overflow"

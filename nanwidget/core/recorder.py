@@ -1293,6 +1293,26 @@ class Recorder:
             return None
         return tensor if isinstance(tensor, torch.Tensor) else None
 
+    def weight_owner(self, qualified: str) -> tuple[str, str]:
+        """The watched module that keeps the weight called ``qualified`` and the weight's name
+        there: split at the last dot, unless a module nearer the root keeps the weight under a
+        dotted name of its own (tensordict's ``TensorDictParams``, in every torchrl loss, puts
+        ``"module.0.weight"`` straight into its ``_parameters``). Event time only."""
+        module, _, role = qualified.rpartition(".")
+        candidate, rest = module, role
+        while True:
+            info = self._by_name.get(candidate)
+            if info is not None:
+                try:
+                    if rest in info.weights._parameters or rest in info.weights._buffers:
+                        return candidate, rest
+                except Exception:  # a container that cannot tell
+                    pass
+            if not candidate:
+                return module, role
+            candidate, _, inner = candidate.rpartition(".")
+            rest = f"{inner}.{rest}"
+
     def parameter_owner(self, qualified: str) -> tuple[ModuleInfo | None, str]:
         """The module to name for the parameter called ``qualified`` (as in
         ``named_parameters()``), and the parameter's name from there: its own module, or for

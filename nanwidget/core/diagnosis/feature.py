@@ -29,7 +29,7 @@ from ..frames import Frame, weights_finite_last, weights_nonfinite_batches
 from ..ranks import world_size
 from ..recorder import Feature, ModuleInfo, Recorder
 from ..schema import PACKED
-from ..stats import PLAIN_TENSOR_TYPES, local_shard, storage_holds
+from ..stats import PLAIN_TENSOR_TYPES, local_shard, storage_holds, version_of
 from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_step,
                       optimizers_stepped, steps_taken, written_since)
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
@@ -184,7 +184,32 @@ class Diagnoser(Feature):
         return self._holders
 
     def on_frames_replayed(self, frames: list[Frame]) -> None:
-        self.weights.take(frames)
+        batch = frames[0].batch if frames else -1  # one group: one batch
+        self.weights.take(frames, self._holders_as_batch_ran(batch), batch)
+
+    def _holders_as_batch_ran(self, batch: int) -> list[tuple[str, list[Entry]]]:
+        """(module, its weight entries) of the modules that keep weights but are never
+        called, measured now, when none of their weights was written since held ``batch``
+        started (version counters): a replay's frames never measure them, and sentinel mode
+        records no other batch of theirs (a torchrl loss keeps every weight in such a module).
+        Empty when that cannot be told. Replays only."""
+        holders = self._weight_holders()
+        if not holders or self.capture is None:
+            return []
+        versions = {name: version for name, version, _ in self.capture.held_weights(batch)}
+        if not versions:
+            return []
+        held = []
+        for info in holders:
+            tensors = [(f"{info.name}.{key}", tensor)
+                       for group in (info.weights._parameters, info.weights._buffers)
+                       for key, tensor in group.items() if tensor is not None]
+            if any(versions.get(name) != version_of(tensor) for name, tensor in tensors):
+                continue  # written since that batch ran: its values now are not the batch's
+            entries: list[Entry] = []
+            self.recorder.entries.weight_entries(info.weights, entries)
+            held.append((info.name, entries))
+        return held
 
     def on_frames_resolved(self, frames: list[Frame]) -> None:
         self._resolved = frames
@@ -386,13 +411,12 @@ class Diagnoser(Feature):
 
     def _is_buffer(self, weight: str) -> bool:
         """Whether the weight of this qualified name is one of its module's buffers."""
-        module, _, role = weight.rpartition(".")
-        return self.recorder.is_buffer(module, role)
+        return self.recorder.is_buffer(*self.recorder.weight_owner(weight))
 
     def _is_mask(self, weight: str) -> bool:
         """Whether the weight of this qualified name is an additive mask kept as a buffer
         (measured now: :func:`~nanwidget.core.detect.additive_mask`)."""
-        module, _, role = weight.rpartition(".")
+        module, role = self.recorder.weight_owner(weight)
         if not self.recorder.is_buffer(module, role):
             return False
         entry = next((e for e in self.recorder.weights_now(module) or () if e.role == role), None)
@@ -642,12 +666,13 @@ class Diagnoser(Feature):
         # ring: the latest batch before this one that measured the weight's module all finite.
         logged = self.weights.last_finite
         for name in names:
-            batch = logged.get(name.rpartition(".")[0], -1)  # own weights' roles hold no dot
+            # Its module by what it keeps: a TensorDictParams keeps "module.0.weight" itself.
+            batch = logged.get(self.recorder.weight_owner(name)[0], -1)
             if 0 <= batch < event.batch:
                 seen[name].append(batch)
         if event.origin == "weight":
             facts.substituted = {name for name in names
-                                 if self.recorder.substituted(*name.rpartition(".")[::2])}
+                                 if self.recorder.substituted(*self.recorder.weight_owner(name))}
         if self.capture is not None:
             facts.written_in_forward = self.capture.buffers_written(event.batch) & set(names)
         for name in names:
@@ -679,7 +704,7 @@ class Diagnoser(Feature):
         their last finite batch (the step hook keeps that step for each parameter it wrote)."""
         steps = self.capture.optimizer_steps() if self.capture is not None else {}
         for name, last in facts.weights_last_finite.items():
-            tensor = self.recorder.weight(*name.rpartition(".")[::2])
+            tensor = self.recorder.weight(*self.recorder.weight_owner(name))
             step = nonfinite_lr_step(tensor) if tensor is not None else None
             if step is None:
                 continue
@@ -699,7 +724,7 @@ class Diagnoser(Feature):
         steps_seen = steps_taken() > self.steps_at_start
         complete = marks_kept_from() <= self.steps_at_start
         for name, last in facts.weights_last_finite.items():
-            module, _, role = name.rpartition(".")
+            module, role = self.recorder.weight_owner(name)
             if self.recorder.is_buffer(module, role):
                 facts.not_stepped[name] = "buffer"
                 continue
@@ -740,7 +765,7 @@ class Diagnoser(Feature):
         load between batches."""
         event = facts.event
         if not names or event.origin != "weight" or self.capture is None \
-                or not all(self.recorder.is_buffer(*n.rpartition(".")[::2]) for n in names):
+                or not all(self.recorder.is_buffer(*self.recorder.weight_owner(n)) for n in names):
             return None
         last = max((facts.weights_last_finite.get(n, -1) for n in names), default=-1)
         for earlier in sorted((e for e in self.recorder.events
@@ -755,7 +780,7 @@ class Diagnoser(Feature):
         """Whether a batch may leave some of this weight's values unread, so that its finite
         outputs do not show the weight finite: an embedding's rows (a lookup), a mixture of
         experts' experts (one a batch routes no token to)."""
-        module = name.rpartition(".")[0]
+        module = self.recorder.weight_owner(name)[0]
         if "expert" in name.lower():
             return True
         return any(info.name == module and isinstance(info.module, (nn.Embedding, nn.EmbeddingBag))
@@ -797,7 +822,7 @@ class Diagnoser(Feature):
             # An optimizer steps parameters: a buffer it does not hold is written with a
             # version bump (or by the forward itself: buffers_written).
             stepped = steps.get(batch) != steps.get(event.batch) \
-                and not self.recorder.is_buffer(*name.rpartition(".")[::2]) \
+                and not self.recorder.is_buffer(*self.recorder.weight_owner(name)) \
                 and (name not in tensors or steps.get(batch) is None
                      or written_since(tensors[name], steps[batch]))
             return name not in then or name not in now or then[name] != now[name] or stepped
