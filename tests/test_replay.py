@@ -992,6 +992,47 @@ def test_a_forward_that_raises_after_its_nan_is_replayed_up_to_the_exception(rep
     assert "head" not in set(trace.frames.module)  # nothing after the exception ran
 
 
+class MaskedActionsAgent(nn.Module):
+    """CleanRL's invalid-action masking: logits of invalid actions set to -inf, then a
+    Categorical over them, whose argument check raises on the NaN a row with every action
+    masked normalises to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 3))
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        logits = self.actor(x).masked_fill(~valid, float("-inf"))
+        dist = torch.distributions.Categorical(logits=logits)
+        return dist.log_prob(dist.sample())
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_forward_raising_on_a_fully_masked_row_replays_to_the_op_that_made_its_nan(mode):
+    # No module returned the NaN (the distribution raised first), so no event; the replay said
+    # "No NaN/Inf reached an event: ... intended or allowed" and named no op.
+    torch.manual_seed(0)
+    agent = MaskedActionsAgent()
+    categorical_line = line_of(MaskedActionsAgent.forward, "Categorical(logits=logits)")
+    x, valid = torch.randn(8, 4), torch.ones(8, 3, dtype=torch.bool)
+    valid[1, 0] = False  # some actions invalid: fine
+    with nw.watch(agent, mode=mode, on_nan="record") as w:
+        with torch.no_grad():
+            agent(x, valid)
+        valid[3] = False  # no valid action at all in row 3
+        with torch.no_grad(), pytest.raises(ValueError, match="invalid values"):
+            agent(x, valid)
+        assert w.events == []
+        trace = w.replay(1)
+    assert trace.raised.startswith("the forward raised ValueError")
+    assert trace.first_bad is not None
+    assert trace.first_bad["op"] == "sub" and trace.first_bad["source"] == categorical_line
+    report = trace.report()
+    assert "intended or allowed" not in report
+    assert "A fully masked row: 1 row of its input self is all -inf" in report
+    assert "mask with torch.finfo(dtype).min instead of -inf" in report
+
+
 # ------------------------------------------------------------------ Pyro's effect handlers
 class _SiteRecorder:
     """Stands in for Pyro's ``poutine.trace``: records each sample site once, as SVI's does."""

@@ -161,6 +161,10 @@ EVENT_FIELDS: dict[str, type] = {"batch": int, "module": str, "module_type": str
                                  "rank": int, "frame": int}
 
 
+# Ops that write an Inf on purpose (masks); an Inf they made that turns into NaN later is a mask.
+INTENDED_INF_OPS = ("masked_fill", "fill", "full", "where", "index_put", "copy", "masked_scatter")
+
+
 def masks_rows(op_name: str) -> bool:
     """Whether an op of this name (leading underscores aside) normalises over rows that a mask
     can block everywhere, making NaN of a fully masked row: a softmax, an attention."""

@@ -8,7 +8,7 @@ import pandas as pd
 
 from .events import NanEvent
 from .report import format_frames
-from .schema import NO_USER_LINE, OPS_COLUMNS, OPS_DTYPES, empty_table
+from .schema import INTENDED_INF_OPS, NO_USER_LINE, OPS_COLUMNS, OPS_DTYPES, empty_table
 from .sourcelines import source_text
 
 __all__ = ["Trace", "TENSOR_COLUMNS", "TENSOR_COLUMNS_REQUIRED", "empty_ops", "not_through_outputs"]
@@ -313,6 +313,9 @@ class Trace:
                            "-inf or T5's position buckets)")
                 lines.append(f"  Before it, op {earlier['op']} in {place} held an Inf at "
                              f"{earlier['source'] or 'an unknown line'}{why}.")
+            masked = self._masked_row_line()
+            if masked:
+                lines.append(masked)
         if self.changes:
             lines.append(f"Changed since batch {self.batch} ran ({len(self.changes)}):")
             lines.extend(f"  - {change}" for change in self.changes[:12])
@@ -336,6 +339,27 @@ class Trace:
         lines.append(f"{'abs min':8} {'abs max':8} metadata")
         lines.extend(format_frames(self.frames))
         return "\n".join(lines)
+
+    def _masked_row_line(self) -> str:
+        """With no event (whose diagnosis would say it), the first bad op's NaN made of rows a
+        mask filled all with -inf, in words: a forward that raised on it before any module
+        returned it (a Categorical over logits with every action masked). "" when not one."""
+        first, earlier = self.first_bad, self.earlier_inf
+        if self.found or first is None or not first["nan"] or earlier is None \
+                or not self.earlier_inf_reaches \
+                or str(earlier["op"]).lstrip("_") not in INTENDED_INF_OPS:
+            return ""
+        masked = [row for row in self.first_bad_tensors.itertuples(index=False)
+                  if row.role.startswith("input") and row.neg_inf_rows and not row.pos_inf_count]
+        if not masked:
+            return ""
+        row = masked[0]
+        rows = f"1 row of its {row.role} is" if row.neg_inf_rows == 1 \
+            else f"{row.neg_inf_rows} rows of its {row.role} are"
+        return (f"  A fully masked row: {rows} all -inf (every entry masked: no valid action, "
+                f"a sequence of padding only), and {first['op']} over such a row makes NaN "
+                "(inf - inf, 0/0). Leave one entry of every row unmasked (or skip such rows), "
+                "or mask with torch.finfo(dtype).min instead of -inf.")
 
     def _frame_count(self) -> int:
         return 0 if self.frames.empty else int(self.frames["frame"].nunique())

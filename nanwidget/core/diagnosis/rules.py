@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..events import Diagnosis, NanEvent
-from ..schema import DEQUANTIZED, NO_USER_LINE, OP_ROWS_DESCRIBED, PACKED, masks_rows
+from ..schema import (DEQUANTIZED, INTENDED_INF_OPS, NO_USER_LINE, OP_ROWS_DESCRIBED, PACKED,
+                      masks_rows)
 from ..sourcelines import source_text
 from ..stats import dtype_max
 from . import fixes
@@ -46,8 +47,6 @@ _DIVISIONS = ("div", "true_divide", "remainder", "fmod", "floor_divide")
 _WEIGHT_NORMS = ("weight_norm_interface", "weight_norm")  # g * v / ||v||
 _VARIANCES = ("var", "std", "var_mean", "std_mean")
 _EXP_OPS = ("exp", "exp2", "expm1", "sinh", "cosh")
-# Ops that write an Inf on purpose (masks); an Inf they made that turns into NaN later is a mask.
-_INTENDED_INF = ("masked_fill", "fill", "full", "where", "index_put", "copy", "masked_scatter")
 _DOMAIN_NAMES = _LOG_OPS + _INVERSE_TRIG + _DIVISIONS + _VARIANCES + (
     "log1p", "sqrt", "rsqrt", "atanh", "acosh", "reciprocal", "pow", "erfinv", "logit", "xlogy",
     "special_xlog1py", "lgamma", "digamma", "polygamma")
@@ -544,7 +543,7 @@ def _classify_op(op: OpFacts, earlier: object) -> tuple[str, str, str] | None:
         return ("domain", *domain)
     if op.nan and op.inputs_hold_inf():  # a NaN from an Inf: where did the Inf come from?
         maker = str(earlier["op"]).lstrip("_") if earlier is not None else ""
-        if maker in _INTENDED_INF:
+        if maker in INTENDED_INF_OPS:
             return ("masked-row", f"an Inf written on purpose by {maker} (a -inf mask) met "
                                   f"{name}: a fully masked row gives inf - inf = NaN", "medium")
         if maker in _DOMAIN_NAMES:
@@ -1658,7 +1657,7 @@ def _rows_masked(facts: Facts) -> list[int]:
 def _writes_inf(op: OpFacts) -> bool:
     """Whether the op writes a value it was given (masked_fill, fill, full, where) and made an
     Inf from finite inputs: the value was inf (a mask), nothing overflowed."""
-    return op.inf and not op.nan and op.name in _INTENDED_INF and not op.inputs_hold_inf()
+    return op.inf and not op.nan and op.name in INTENDED_INF_OPS and not op.inputs_hold_inf()
 
 
 def _written_inf(facts: Facts, op: OpFacts) -> Diagnosis:

@@ -257,6 +257,10 @@ def _explain(trace: Trace, recorder: OpRecorder, found: NanEvent | None,
     followed, the first op that made one from finite inputs is the best guess."""
     ops = trace.ops
     lineage = recorder.event_lineage(found)
+    if found is None and trace.raised and not lineage.followed and recorder.first_nan is not None:
+        # The forward raised before any module returned its NaN (a distribution refusing NaN
+        # logits): the first NaN made is what it raised on; an intended -inf is no cause.
+        lineage = recorder.follow_op(recorder.first_nan)
     born = lineage.born
     if born is None and found is not None and (
             not lineage.followed or all(kind == "unknown" for kind, _ in lineage.came_with)):
