@@ -2684,6 +2684,94 @@ def test_a_nan_that_loss_fn_reads_from_weights_made_before_it_names_that_op(mode
     assert f"It entered at op mul in the backward of loss_fn at {where}" in report
 
 
+class ActorCritic(nn.Module):
+    """A CleanRL-style agent: a policy over two actions and a value head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 2))
+        self.critic = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor, action: torch.Tensor):
+        dist = torch.distributions.Categorical(logits=self.actor(x))
+        return dist.log_prob(action), self.critic(x)
+
+
+class PpoLoss:
+    """CleanRL's PPO loss: the advantages and returns are made from the rewards before the loss
+    (here without bootstrapping), and loss_fn reads them."""
+
+    def __init__(self, agent: ActorCritic, x: torch.Tensor, value_loss: bool = True) -> None:
+        self.agent, self.x, self.value_loss = agent, x, value_loss
+        self.old_log_prob = torch.full((16,), -0.69)
+        self.set_rewards(torch.randn(16))
+
+    def set_rewards(self, rewards: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.advantages = rewards - self.agent.critic(self.x).view(-1)
+        self.returns = rewards
+
+    def __call__(self, out) -> torch.Tensor:
+        log_prob, value = out
+        advantages = (self.advantages - self.advantages.mean()) / (self.advantages.std() + 1e-8)
+        ratio = (log_prob - self.old_log_prob).exp()
+        loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2)).mean()
+        if self.value_loss:
+            loss = loss + 0.5 * ((value.view(-1) - self.returns) ** 2).mean()
+        return loss
+
+
+def _ppo_with_an_inf_reward(mode: str, value_loss: bool):
+    torch.manual_seed(0)
+    agent = ActorCritic()
+    x, action = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    loss_fn = PpoLoss(agent, x, value_loss)
+    with watch(agent, mode, backward=True, loss_fn=loss_fn) as w:
+        for batch in range(3):
+            rewards = torch.randn(16)
+            if batch == 2:
+                rewards[5] = math.inf  # the environment's reward
+            loss_fn.set_rewards(rewards)
+            loss_fn(agent(x, action)).backward()
+    return w
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_inf_reward_in_the_returns_loss_fn_reads_says_to_check_how_they_were_made(mode):
+    # The trace's first NaN made of an Inf no op made (the normalised advantages') stood in for
+    # a birth: "sub ... made the first NaN/Inf", and the fix said to find "the report's earlier
+    # op" that made the Inf; none did, it came with the returns made before loss_fn ran.
+    w = _ppo_with_an_inf_reward(mode, value_loss=True)
+    diagnosis = w.event.diagnosis
+    where = line_of(PpoLoss.__call__, "self.returns) ** 2")
+    assert (w.event.batch, w.event.module, diagnosis.kind) == (2, "critic.2", "loss")
+    assert diagnosis.summary.startswith(f"Made in the loss, outside the model: sub in loss_fn at "
+                                        f"{where} received the Inf from a tensor loss_fn reads")
+    assert "made before loss_fn ran" in "\n".join(diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith(f"Check the tensors sub at {where} reads")
+    assert "the returns and advantages" in diagnosis.suggestion[0]
+    assert "one held an Inf before loss_fn ran. Check how it was made" in diagnosis.suggestion[0]
+    text = " ".join([diagnosis.summary] + diagnosis.suggestion)
+    assert "earlier op" not in text and "snr" not in text.lower()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_advantages_normalised_over_an_inf_reward_name_the_op_it_entered_through(mode):
+    # The advantages' own sub makes NaN of the Inf they came with: it is the first bad op, but
+    # the Inf was made before loss_fn ran, and the fixes must say to check how.
+    w = _ppo_with_an_inf_reward(mode, value_loss=False)
+    diagnosis = w.event.diagnosis
+    where = line_of(PpoLoss.__call__, "advantages = (self.advantages")
+    assert (w.event.batch, diagnosis.kind) == (2, "loss")
+    assert diagnosis.summary.startswith(
+        f"Made in the loss, outside the model: sub in loss_fn at {where} received an Inf from a "
+        "tensor loss_fn reads that no op of the replay made (not the model's output: it was "
+        "computed before loss_fn ran) and made NaN of it in every row")
+    assert "sub input self (float32): from" in diagnosis.evidence[0]
+    assert diagnosis.suggestion[0].startswith(f"Check the tensors sub at {where} reads")
+    assert "earlier op" not in " ".join(diagnosis.suggestion)
+
+
 def test_replay_on_nan_with_loss_fn_replays_a_backward_event_through_the_loss():
     model = saturated_model()
     with nw.watch(model, on_nan="record", backward=True, replay_on_nan=True,

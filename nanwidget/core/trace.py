@@ -70,6 +70,9 @@ class Trace:
     "unknown". ``weights_last_finite``: for those weights, the last batch the event's frames
     show them finite (the optimizer step, load or write after it made them non-finite), when
     they show one.
+    ``inf_came_with``: when ``first_bad`` made NaN of Infs no traced op made, ``(kind, name)``
+    of the tensors that brought them (kinds as in ``came_with``; "unknown": a tensor computed
+    before ``loss_fn`` ran, such as advantages from an Inf reward), else empty.
     ``earlier_inf``: an op whose output held an Inf before the first bad op (a -inf mask, say);
     ``earlier_inf_reaches``: whether that Inf flowed into the event's value.
     ``reproduced``: the replay met the batch's recorded event again (or, with none recorded,
@@ -93,6 +96,7 @@ class Trace:
     first_bad_reads_output: bool | None = None
     lineage: list[int] = field(default_factory=list)
     came_with: list[tuple[str, str]] = field(default_factory=list)
+    inf_came_with: list[tuple[str, str]] = field(default_factory=list)
     earlier_inf_reaches: bool = False
     weights_last_finite: dict[str, int] = field(default_factory=dict)
     weights_changed: bool = False
@@ -313,6 +317,10 @@ class Trace:
                            "-inf or T5's position buckets)")
                 lines.append(f"  Before it, op {earlier['op']} in {place} held an Inf at "
                              f"{earlier['source'] or 'an unknown line'}{why}.")
+            if any(kind == "unknown" for kind, _ in self.inf_came_with):
+                lines.append("  Its Inf came with a tensor no traced op made (not the batch's "
+                             "input nor a weight: e.g. computed before loss_fn ran, as advantages "
+                             "from an Inf reward); check how that tensor was made.")
             masked = self._masked_row_line()
             if masked:
                 lines.append(masked)

@@ -349,6 +349,9 @@ class OpFacts:
     # An op of loss_fn: whether it read the model's output or a tensor made from it (False:
     # only the targets, anchors, weights loss_fn got besides it); None for any other op.
     reads_output: bool | None = None
+    # It made NaN of Infs that came with a tensor no traced op made, neither the batch's input
+    # nor a weight: one computed before loss_fn ran (advantages from an Inf reward).
+    inf_read: bool = False
 
     @property
     def in_loss(self) -> bool:
@@ -439,6 +442,7 @@ def op_facts(trace: Any) -> OpFacts | None:
     tensors = getattr(trace, "first_bad_tensors", None)
     rows = tensors.to_dict("records") if tensors is not None and len(tensors) else []
     grad_of = str(getattr(trace, "first_bad_grad_of", "") or "")
+    inf_kinds = [kind for kind, _ in getattr(trace, "inf_came_with", None) or []]
     return OpFacts(op=str(first["op"]), phase=str(first["phase"]), module=str(first["module"]),
                    module_type=str(first["module_type"] or ""), source=str(first["source"] or ""),
                    dtype=str(first["dtype"]), nan=bool(first["nan"]), inf=bool(first["inf"]),
@@ -446,7 +450,8 @@ def op_facts(trace: Any) -> OpFacts | None:
                    outputs=[r for r in rows if str(r["role"]).startswith("output")],
                    grad_of=grad_of, grad_of_loss=_grad_of_loss(trace, first, grad_of),
                    forward_nan=_forward_nan(trace, first, grad_of),
-                   reads_output=getattr(trace, "first_bad_reads_output", None))
+                   reads_output=getattr(trace, "first_bad_reads_output", None),
+                   inf_read=bool(inf_kinds) and all(kind == "unknown" for kind in inf_kinds))
 
 
 _WORD_START = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")

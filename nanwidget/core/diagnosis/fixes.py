@@ -659,15 +659,23 @@ def targets(op: str, at: str, boxes: bool) -> list[str]:
     return found
 
 
-def loss_input(op: str, at: str) -> list[str]:
-    """The NaN/Inf entered loss_fn through a tensor it reads besides the model's output."""
-    return [f"Check the tensors {op}{at} reads besides the model's output (loss weights, "
-            "targets, a mask): one held NaN/Inf before loss_fn ran. Find where it is made and "
-            "assert torch.isfinite(t).all() there.",
-            "A per-sample weighting that divides can make 0/0: min-SNR weights "
-            "min(snr, gamma) / snr are NaN at snr = 0 (a zero terminal SNR); set "
-            "weights[snr == 0] = 1.0 (diffusers' training scripts do) or divide by "
-            "snr.clamp_min(eps)."]
+def loss_input(op: str, at: str, held: str = "NaN/Inf") -> list[str]:
+    """The NaN/Inf entered loss_fn through a tensor it reads besides the model's output;
+    ``held``: what that tensor held ("a NaN", "an Inf", "NaN/Inf": not told)."""
+    fixes = [f"Check the tensors {op}{at} reads besides the model's output (loss weights, "
+             "targets, a mask; in reinforcement learning the rewards, and the returns and "
+             f"advantages made from them): one held {held} before loss_fn ran. Check how it was "
+             "made, and assert torch.isfinite(t).all() where it is made."]
+    if "NaN" in held:
+        fixes.append("A per-sample weighting that divides can make 0/0: min-SNR weights "
+                     "min(snr, gamma) / snr are NaN at snr = 0 (a zero terminal SNR); set "
+                     "weights[snr == 0] = 1.0 (diffusers' training scripts do) or divide by "
+                     "snr.clamp_min(eps).")
+    if "Inf" in held:
+        fixes.append("Keep what it is made from finite (clip the rewards or targets, or drop the "
+                     "sample whose value is inf): one Inf that a mean or a normalisation "
+                     "((x - x.mean()) / x.std()) spreads makes every row NaN.")
+    return fixes
 
 
 def unseen_weights(module: str) -> list[str]:

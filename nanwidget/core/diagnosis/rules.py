@@ -792,16 +792,26 @@ def _loss(facts: Facts) -> Diagnosis | None:
             f"{op.grad_of_name} and its gradient ({op.op})" if _zero_over_zero(op) else \
             f"{op.grad_of_name}'s gradient ({op.op})"
         rows = _op_rows(facts, op)  # a per-sample loss (CTC's own, any reduction='none')
-        source = " from what loss_fn reads besides the model's output (targets, weights)" \
-            if from_targets else ""
-        summary = (f"Made in the loss, outside the model: {made} in loss_fn{op.at} made the "
-                   f"first NaN/Inf{_rows_words(rows, facts.batch_size())}{source}{why}; the "
-                   "gradient reached the model's output already non-finite.")
-        if from_targets:
-            evidence.append(f"No value of the model's output flowed into {op.op}: its inputs "
-                            "come only from tensors loss_fn got besides it (targets, anchors, "
-                            "weights).")
+        if op.inf_read:  # no op made the Inf it met: it came in with a tensor loss_fn reads
+            summary = (f"Made in the loss, outside the model: {made} in loss_fn{op.at} received "
+                       "an Inf from a tensor loss_fn reads that no op of the replay made (not "
+                       "the model's output: it was computed before loss_fn ran) and made NaN of "
+                       f"it{_rows_words(rows, facts.batch_size())}{why}; the gradient reached the "
+                       "model's output already non-finite.")
+        else:
+            source = " from what loss_fn reads besides the model's output (targets, weights)" \
+                if from_targets else ""
+            summary = (f"Made in the loss, outside the model: {made} in loss_fn{op.at} made the "
+                       f"first NaN/Inf{_rows_words(rows, facts.batch_size())}{source}{why}; the "
+                       "gradient reached the model's output already non-finite.")
+            if from_targets:
+                evidence.append(f"No value of the model's output flowed into {op.op}: its inputs "
+                                "come only from tensors loss_fn got besides it (targets, anchors, "
+                                "weights).")
         evidence.extend(_op_evidence(op))
+        if op.inf_read:
+            evidence.append(f"No op of the model or of loss_fn made that Inf: a tensor {made} "
+                            "reads held it already, made before loss_fn ran.")
         if rows:
             evidence.append(_rows_evidence(op, rows, facts.batch_size()))
     elif reader is not None:
@@ -813,8 +823,10 @@ def _loss(facts: Facts) -> Diagnosis | None:
         line, text = source_text(str(reader["source"] or "")) or (0, "")
         if text:
             evidence.append(f"Line {line}: {text}")
-        evidence.append("The replay ran loss_fn on the model's finite output; no op of the model "
-                        "or of loss_fn made the value: it was there before loss_fn ran.")
+        evidence.append(f"The replay ran loss_fn on the model's finite output, and no op of the "
+                        f"model or of loss_fn made the {_kind_words(event.kind)}: a tensor "
+                        f"{reader['op']} reads held {_held_words(reader)} already, made before "
+                        "loss_fn ran.")
     else:
         summary = (f"Made in the loss, outside the model: the gradient reaching the model's "
                    f"output{' (' + ', '.join(came) + ')' if came else ''} in batch {event.batch} "
@@ -825,9 +837,15 @@ def _loss(facts: Facts) -> Diagnosis | None:
     if reader is not None:
         found = Diagnosis("loss", summary, evidence,
                           fixes.loss_input(str(reader["op"]), f" at {reader['source']}"
-                                           if reader["source"] else ""), confidence="high")
+                                           if reader["source"] else "", _held_words(reader)),
+                          confidence="high")
         found.op = f"{reader['op']} at {reader['source']}" if reader["source"] else ""
         return found
+    if in_loss and op is not None and op.inf_read:
+        return Diagnosis("loss", summary, evidence,
+                         fixes.loss_input(op.op if op.phase == "loss" else op.grad_of_name,
+                                          op.at, "an Inf"),
+                         rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
     _, line = (source_text(op.source) or (0, "")) if in_loss and op else (0, "")
     # Box regression targets: a log of target widths or heights over the anchors' (a box
     # coder), in a detection library's code or the user's.
@@ -896,6 +914,13 @@ def _loss_module(facts: Facts) -> Diagnosis | None:
                                    distribution=distribution)
     return Diagnosis("overflow" if inf else "domain", summary, evidence, suggestion,
                      confidence="high" if inf and tiny is not None else "medium")
+
+
+def _held_words(reader: Any) -> str:
+    """What the tensor an op read from outside the replay held, told by that op's output (an op
+    that turned an Inf into NaN would be a birth, not a reader): "a NaN", "an Inf"."""
+    nan, inf = bool(reader["nan"]), bool(reader["inf"])
+    return "NaN/Inf" if nan == inf else "a NaN" if nan else "an Inf"
 
 
 def _read_in_loss(facts: Facts) -> Any:

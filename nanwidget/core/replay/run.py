@@ -279,6 +279,7 @@ def _explain(trace: Trace, recorder: OpRecorder, found: NanEvent | None,
     trace.first_bad_reads_output = recorder.reads_output(born)
     trace.lineage = lineage.path if lineage.followed else []
     trace.came_with = lineage.came_with
+    trace.inf_came_with = lineage.inf_came_with
     trace.earlier_inf_reaches = earlier is not None and int(earlier["index"]) in lineage.reached
     trace.weights_last_finite = _last_finite(expected, lineage.came_with, trace.batch)
 

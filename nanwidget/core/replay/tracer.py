@@ -112,18 +112,22 @@ class Lineage:
     "input" (the batch's inputs), "output-grad" (the gradient reaching the model's output) or
     "unknown". ``reached``: every op the value flowed through, and the ops whose Inf an op
     turned into NaN. ``followed``: whether the tensor could be followed at all.
+    ``inf_came_with``: for a birth that made NaN of Infs no traced op made (inf - inf of a
+    tensor computed before ``loss_fn`` ran), ``(kind, name)`` of the tensors they came with.
     """
 
-    __slots__ = ("born", "path", "came_with", "reached", "followed")
+    __slots__ = ("born", "path", "came_with", "reached", "followed", "inf_came_with")
 
     def __init__(self, born: int | None = None, path: list[int] | None = None,
                  came_with: list[tuple[str, str]] | None = None, reached: set[int] | None = None,
-                 followed: bool = False) -> None:
+                 followed: bool = False,
+                 inf_came_with: list[tuple[str, str]] | None = None) -> None:
         self.born = born
         self.path = path or []
         self.came_with = came_with or []
         self.reached = reached or set()
         self.followed = followed
+        self.inf_came_with = inf_came_with or []
 
 
 class _BeforeWrite:
@@ -631,6 +635,7 @@ class OpRecorder:
         came_from: dict[int, int | None] = {start: None}
         births, outside = self._walk([start], came_from)
         chosen: list[int] = []
+        infs_from_outside: dict[int, list[int]] = {}  # birth -> where its Infs came from
         for birth in births:
             _, _, feeders, feeders_outside, _ = links[birth]
             if not feeders and not feeders_outside:
@@ -648,6 +653,8 @@ class OpRecorder:
                 outside.extend(k for k in weights if k not in outside)
             else:
                 chosen.append(birth)
+                if not inf_births:  # no op made its Infs: they came with what it read
+                    infs_from_outside[birth] = inf_outside + list(feeders_outside)
         came_with = list(dict.fromkeys(self.source_names.get(k, ("unknown", "")) for k in outside))
         if chosen:
             born: int | None = min(chosen)
@@ -662,8 +669,11 @@ class OpRecorder:
         while step is not None:
             path.append(step)
             step = came_from.get(step)
+        inf_came_with = list(dict.fromkeys(self.source_names.get(k, ("unknown", ""))
+                                           for k in infs_from_outside.get(born, []))) \
+            if born is not None else []
         return Lineage(born=born, path=path, came_with=came_with, reached=set(came_from),
-                       followed=True)
+                       followed=True, inf_came_with=inf_came_with)
 
     def _walk(self, starts: list[int], came_from: dict[int, int | None]) -> tuple[list[int], list[int]]:
         """The ops with no non-finite input (births) and the storages no op wrote (outside)
@@ -730,12 +740,25 @@ class OpRecorder:
 
     def first_unexplained_birth(self) -> int | None:
         """The first op that made a NaN/Inf from finite inputs, in program order, leaving out
-        ops writing a literal ±inf: the best guess when the event cannot be followed back."""
+        ops writing a literal ±inf, and those that made NaN of Infs a tensor no traced op made
+        brought in (inf - inf of advantages computed before loss_fn ran: it came from outside
+        too): the best guess when the event cannot be followed back."""
         for index in sorted(self.links):
-            parents, keys, _, _, literal = self.links[index]
-            if not parents and not keys and not literal:
+            parents, keys, feeders, feeders_outside, literal = self.links[index]
+            if not parents and not keys and not literal \
+                    and not self._infs_read_from_outside(feeders, feeders_outside):
                 return index
         return None
+
+    def _infs_read_from_outside(self, feeders: tuple, feeders_outside: tuple) -> bool:
+        """Whether the Infs a NaN birth was made of all came with tensors no traced op made,
+        neither the batch's inputs nor weights (no op made any of them)."""
+        if not feeders and not feeders_outside:
+            return False
+        births, outside = self._walk(list(feeders), {})
+        sources = [self.source_names.get(k, ("unknown", ""))[0]
+                   for k in outside + list(feeders_outside)]
+        return not births and all(kind == "unknown" for kind in sources)
 
     def _remember(self, tensor: torch.Tensor, nan: bool, inf: bool) -> None:
         try:
