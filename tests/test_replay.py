@@ -637,6 +637,112 @@ def test_replay_after_optimizer_step_says_weights_changed():
     assert "snapshot_weights=True" in trace.report()
 
 
+# ------------------------------------------------------------------- the model's Python state
+class LinearWithAdapter(nn.Module):
+    """A linear layer with a low-rank adapter that a Python flag switches off, as peft's LoRA
+    layers do (``disable_adapters``, set by ``with model.disable_adapter():``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(8, 8)
+        self.lora_A = nn.Linear(8, 2, bias=False)
+        self.lora_B = nn.Linear(2, 8, bias=False)
+        self.disable_adapters = False
+        self.active_adapters = ["default"]
+        self.scaling = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        if not self.disable_adapters:
+            out = out + self.scaling * self.lora_B(self.lora_A(x))
+        return out
+
+
+class AdaptedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = LinearWithAdapter()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.layer(x)))
+
+
+def run_with_adapter_disabled_in_batch_1(model: AdaptedNet, **watch_kwargs) -> nw.NanWatch:
+    """Three batches, the second run with the adapter off (DPO's reference pass on a shared
+    base model), as the repro's ``with model.disable_adapter():``."""
+    w = nw.watch(model, on_nan="record", **watch_kwargs)
+    with torch.no_grad():
+        for batch in range(3):
+            model.layer.disable_adapters = batch == 1
+            model(torch.randn(4, 8))
+    model.layer.disable_adapters = False
+    return w
+
+
+def test_a_batch_run_with_the_adapter_disabled_is_not_claimed_reproduced_by_a_replay_with_it_on():
+    # The replay ran lora_A and lora_B (the adapter on, as the model is now), which the batch
+    # never ran, yet said changes [] and reproduced True.
+    torch.manual_seed(0)
+    model = AdaptedNet()
+    with run_with_adapter_disabled_in_batch_1(model) as w:
+        trace = w.replay(1)
+        faithful = w.replay(2)  # ran with the adapter on, as now: nothing differs
+    assert set(trace.frames["module"]) >= {"layer.lora_A", "layer.lora_B"}
+    [change] = trace.changes
+    assert change.startswith("modules ran in the replay that did not run in the batch "
+                             "(layer.lora_A, layer.lora_B): the model's Python state differs")
+    assert "the replay ran with adapters enabled (active: 'default')" in change
+    assert not trace.reproduced
+    assert trace.summary().startswith("trace of batch 1: the batch was not reproduced, because "
+                                      "the replay did not run as the batch did: modules ran")
+    assert "Not reproduced: the batch recorded no event and the replay met none, but" \
+        in trace.report()
+    assert faithful.changes == [] and faithful.reproduced
+
+
+def test_a_replay_with_the_adapter_disabled_names_the_modules_the_batch_ran_and_it_did_not():
+    torch.manual_seed(0)
+    model = AdaptedNet()
+    with run_with_adapter_disabled_in_batch_1(model) as w:
+        model.layer.disable_adapters = True
+        trace = w.replay(2)
+    [change] = trace.changes
+    assert change.startswith("modules ran in the batch that did not run in the replay "
+                             "(layer.lora_A, layer.lora_B)")
+    assert "the replay ran with adapters disabled" in change
+    assert not trace.reproduced
+
+
+def test_a_flag_that_changes_values_only_shows_as_outputs_that_differ_from_the_batch():
+    # Same modules run either way: what differs is the adapter's scaling, a plain attribute.
+    torch.manual_seed(0)
+    model = AdaptedNet()
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(4, 8))
+        model.layer.scaling = 4.0
+        trace = w.replay(0)
+    [change] = trace.changes
+    assert change.startswith("the outputs of 'layer' and 2 more modules differ from the batch's "
+                             "beyond rounding (abs max ")
+    assert "the model's Python state differs from when the batch ran" in change
+    assert not trace.reproduced
+
+
+def test_a_sentinel_replay_of_a_batch_run_with_the_adapter_disabled_says_its_outputs_differ():
+    # Sentinel mode keeps the root's outputs per batch (their abs max, for trends and early
+    # warnings): a replay whose outputs differ from them did not run as the batch did.
+    torch.manual_seed(0)
+    model = AdaptedNet()
+    with run_with_adapter_disabled_in_batch_1(model, mode="sentinel") as w:
+        trace = w.replay(1)
+        faithful = w.replay(2)
+    [change] = trace.changes
+    assert change.startswith("the model's outputs differ from the batch's beyond rounding")
+    assert "adapters enabled" in change and not trace.reproduced
+    assert faithful.changes == [] and faithful.reproduced
+
+
 # ------------------------------------------------------------------------------ refusals
 def test_input_modified_in_place_is_refused():
     model = SqrtBetweenLayers()

@@ -173,6 +173,32 @@ class History:
         magnitudes here instead of going through its frames again)."""
         return self._current if self._current_batch == batch else None
 
+    def batch_row(self, batch: int) -> dict[str, tuple[float, bool]] | None:
+        """The modules whose outputs ``batch`` measured, by name: (abs max of their finite
+        outputs, NaN when only NaN was seen; whether any was non-finite). None when ``batch``
+        is not held at full resolution. Changes nothing; read at a replay, never per batch."""
+        found: dict[int, list] | None = None
+        if self._current_batch == batch:
+            found = self._current
+        else:
+            found = next((row for earlier, row in reversed(self._closed_rows)
+                          if earlier == batch), None)
+        if found is not None:
+            values = {module: (high, nonfinite) for module, (high, _, nonfinite) in found.items()}
+        else:
+            full = self._full
+            rows = full.physical(range(full.size))
+            matches = np.flatnonzero(full.batch[rows] == batch)
+            if not matches.size:
+                return None
+            row = rows[matches[-1]]
+            seen = np.flatnonzero(full.flags[row] & _SEEN)
+            values = {int(module): (float(full.abs_max[row, module]),
+                                    bool(full.flags[row, module] & _NONFINITE))
+                      for module in seen}
+        return {self.modules[module]: (math.nan if high == -math.inf else high, nonfinite)
+                for module, (high, nonfinite) in values.items()}
+
     def commit(self) -> None:
         """Close the batch being accumulated (called when a new batch starts or on read)."""
         batch = self._current_batch

@@ -20,11 +20,11 @@ from .events import NanEvent
 from .frames import Frame, FrameBuffer, frames_to_dataframe
 from .history import History
 
-__all__ = ["Records", "Finding"]
+__all__ = ["Records", "Finding", "QUANTIZED_DTYPES"]
 
 # Quantized outputs (torch.ao after convert) hold real values, measured dequantized: they get
 # history rows as float outputs do, unlike integers (token ids, an argmax).
-_QUANTIZED_DTYPES = frozenset(getattr(torch, name) for name in
+QUANTIZED_DTYPES = frozenset(getattr(torch, name) for name in
                               ("quint8", "qint8", "qint32", "quint4x2", "quint2x4")
                               if hasattr(torch, name))
 
@@ -91,7 +91,7 @@ class Records:
                         bad = True
                     dtype = entry[2]
                     if not (dtype.is_floating_point or dtype.is_complex) \
-                            and dtype not in _QUANTIZED_DTYPES:
+                            and dtype not in QUANTIZED_DTYPES:
                         continue  # token ids, a PackedSequence's batch_sizes: no magnitude
                     if column is None:
                         column = name_index[frame.module]

@@ -78,8 +78,11 @@ class Trace:
     ``reproduced``: the replay met the batch's recorded event again (or, with none recorded,
     found none); ``expected`` / ``found`` describe both.
     ``changes``: everything that differs from when the batch ran (parameter values, dtypes,
-    storage, modules), in words; empty only when nothing did. ``weights_changed`` /
-    ``changed_weights``: the parameters and buffers among them.
+    storage, modules, and module calls or outputs the batch measured otherwise: the model's
+    Python state, like a disabled adapter, is not kept per batch), in words; empty only when
+    nothing did. ``weights_changed`` / ``changed_weights``: the parameters and buffers among
+    them. ``differs_from_batch``: the replay's module calls or outputs differ from those the
+    batch measured (then a replay of a batch with no event that met none is not ``reproduced``).
     ``raised``: what the model's code raised in the replay, which stopped it there ("the forward
     raised ValueError (...)"; the ops before it are traced, none after); "" when it ran through.
     ``backward_from``: what the replay's backward pass started from: "loss" (a ``loss_fn``),
@@ -108,6 +111,7 @@ class Trace:
     seconds: float = 0.0
     reproduced: bool = True
     changes: list[str] = field(default_factory=list)
+    differs_from_batch: bool = False  # module calls or outputs unlike the batch's (see changes)
     expected: str = ""  # the recorded event the replay looked for ("" when none)
     found: str = ""  # the event the replay met ("" when none)
     raised: str = ""  # what raised and stopped the replay ("" when it ran through)
@@ -118,7 +122,8 @@ class Trace:
         met ``found`` first (None: none): set :attr:`reproduced`, :attr:`expected` and
         :attr:`found`. Called once, by whoever took the replay's verdict."""
         if expected is None or found is None:
-            self.reproduced = expected is None and found is None
+            # Nothing recorded and nothing met agrees only when the replay ran as the batch did.
+            self.reproduced = expected is None and found is None and not self.differs_from_batch
         else:
             self.reproduced = (expected.module, expected.call, expected.origin, expected.role) \
                 == (found.module, found.call, found.origin, found.role)
@@ -129,6 +134,9 @@ class Trace:
         """Why the replay did not meet the recorded event, in one sentence ("" if it did)."""
         if self.reproduced:
             return ""
+        if not self.expected and not self.found:
+            return "the replay did not run as the batch did: " + "; ".join(self.changes[:3]) \
+                + (" ..." if len(self.changes) > 3 else "")
         if not self.expected:
             return f"the replay found an event the run did not record: {self.found}"
         if "(backward)" in self.expected and not self.backward_from and self.loss is None \
@@ -160,7 +168,8 @@ class Trace:
         stayed finite."""
         if self.first_bad is None:
             if not self.reproduced:
-                return (f"trace of batch {self.batch}: the event was not reproduced, because "
+                what = "the event was" if self.expected else "the batch was"
+                return (f"trace of batch {self.batch}: {what} not reproduced, because "
                         f"{self.why_not_reproduced()}")
             if self.came_with:
                 found = f" (the event: {self.found})" if self.found else ""
@@ -263,7 +272,10 @@ class Trace:
         if self.raised:
             lines.append(f"The replay stopped where {self.raised}: the ops before it are "
                          "traced, none after.")
-        if not self.reproduced:
+        if not self.reproduced and not self.expected and not self.found:
+            lines.append(f"Not reproduced: the batch recorded no event and the replay met none, "
+                         f"but {self.why_not_reproduced()}.")
+        elif not self.reproduced:
             lines.append(f"Not reproduced: the recorded event ({self.expected or 'none'}) did not "
                          f"happen again, because {self.why_not_reproduced()}.")
         if first is None:

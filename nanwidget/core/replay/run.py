@@ -33,6 +33,7 @@ from ..writes import written_since
 from .capture import (BatchCapture, ForwardCapture, HeldBatch, ModelNotReplayableError, ReplayError,
                       WeightSlots, layouts_of)
 from .collectives import no_collectives, refused_collective
+from .divergence import ran_differently, replay_outputs
 from .inputs import UncopiedInput, copy_structure
 from .outside import OutsideModules, other_watches_quiet
 from .shadows import ModuleAttributes, Shadows
@@ -405,6 +406,9 @@ class _Replay:
         self.trace_ops = trace_ops
         self.output_grads = output_grads
         self.backward_frames = backward_frames and (loss_fn is not None or output_grads is not None)
+        # The replay's frames made by its root forwards (not by loss_fn or the backward pass):
+        # (first, end) per forward, to compare with the batch's.
+        self.forward_spans: list[tuple[int, int]] = []
 
     def _weight_status(self) -> tuple[list[str], list[str], list[str], bool]:
         """(what differs from when the batch started, in words; the parameters and buffers
@@ -457,6 +461,8 @@ class _Replay:
         started = time.perf_counter()
         slots, held = self.capture.slots, self.held
         changes, changed, updated, snapshot_used = self._weight_status()
+        with self.recorder.lock:  # what the batch measured, as it ran (read before replaying)
+            live_outputs = self.recorder.records.history.batch_row(held.batch)
         root = self.recorder.model
         names = {id(m): (name, type(m).__name__) for name, m in root.named_modules()}
         infos = {id(info.module): info for info in self.recorder.modules}
@@ -548,7 +554,8 @@ class _Replay:
                 module.training = flag
             changes.extend(_unheld_draws(saved_random, numpy, saved_numpy))
             outside = self.capture.ran_outside_root
-            if outside is not None and outside(held.batch):
+            ran_outside = outside is not None and outside(held.batch)
+            if ran_outside:
                 changes.append("watched modules also ran outside the model's forward in this "
                                "batch (called directly: a GAN's discriminator, model.encoder(x)); "
                                "a replay runs the model's forward only, so their calls are not "
@@ -569,15 +576,31 @@ class _Replay:
             raise ReplayError(
                 f"replaying batch {held.batch} failed ({type(raised).__name__}: {raised}); the "
                 f"model changed since the batch ran: {'; '.join(changes_then[:4])}") from raised
+        differences = self._ran_differently(live_outputs, recorder.frames, complete=(
+            raised is None and not held.truncated and not ran_outside), compare_values=not (
+            changes or (updated and not snapshot_used)))
+        changes.extend(differences)
         trace = Trace(batch=held.batch, frames=frames, ops=ops,
                       weights_changed=bool(changed), changed_weights=changed,
                       buffers_updated=updated, snapshot_used=snapshot_used, loss=loss_value,
                       forwards=len(held.forwards), seconds=time.perf_counter() - started,
-                      changes=changes, raised="" if raised is None else _raised_words(
+                      changes=changes, differs_from_batch=bool(differences),
+                      raised="" if raised is None else _raised_words(
                           *raised_in, raised, len(held.forwards)),
                       backward_from="loss" if self.loss_fn is not None else
                       "outputs" if self.output_grads and any(self.output_grads) else "")
         return Replayed(trace, recorder.frames, recorder)
+
+    def _ran_differently(self, live: dict[str, tuple[float, bool]] | None, frames: list[Frame],
+                         *, complete: bool, compare_values: bool) -> list[str]:
+        """How this replay's forwards ran otherwise than the batch's (see :mod:`.divergence`)."""
+        if live is None:
+            return []
+        forward_frames = [frame for first, end in self.forward_spans for frame in frames[first:end]]
+        replayed = replay_outputs(forward_frames, set(self.recorder.module_names))
+        return ran_differently(live, replayed, self.recorder.modules[0].name,
+                               replay_complete=complete, compare_values=compare_values,
+                               model=self.recorder.model)
 
     def _run_forward(self, root: nn.Module, capture: ForwardCapture, recorder: OpRecorder,
                      output_grads: dict[str, torch.Tensor] | None) -> float | None:
@@ -594,7 +617,11 @@ class _Replay:
             elif recorder.shadows is not None and recorder.shadows.protected:
                 stack.enter_context(WriteGuard(recorder.shadows))
             recorder.phase = "forward"
-            output = root(*args, **kwargs)
+            first = len(recorder.frames)
+            try:
+                output = root(*args, **kwargs)
+            finally:
+                self.forward_spans.append((first, len(recorder.frames)))
             recorder.tag_nodes()
             if output_grads:
                 leaves = [(role, leaf) for role, leaf in iter_leaves(output, "output")
