@@ -1109,7 +1109,9 @@ class MaskedActionsAgent(nn.Module):
 
     def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         logits = self.actor(x).masked_fill(~valid, float("-inf"))
-        dist = torch.distributions.Categorical(logits=logits)
+        # validate_args as by default; said here, since importing torch._dynamo (any
+        # torch.compile earlier in the process) turns the process-wide default off.
+        dist = torch.distributions.Categorical(logits=logits, validate_args=True)
         return dist.log_prob(dist.sample())
 
 
@@ -1119,7 +1121,7 @@ def test_a_forward_raising_on_a_fully_masked_row_replays_to_the_op_that_made_its
     # "No NaN/Inf reached an event: ... intended or allowed" and named no op.
     torch.manual_seed(0)
     agent = MaskedActionsAgent()
-    categorical_line = line_of(MaskedActionsAgent.forward, "Categorical(logits=logits)")
+    categorical_line = line_of(MaskedActionsAgent.forward, "Categorical(logits=logits,")
     x, valid = torch.randn(8, 4), torch.ones(8, 3, dtype=torch.bool)
     valid[1, 0] = False  # some actions invalid: fine
     with nw.watch(agent, mode=mode, on_nan="record") as w:
