@@ -99,8 +99,10 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple], loss_fn,
-           steps: int, *, lr_at=None, **options) -> tuple[nw.NanWatch, list]:
-    """Train until the first NaN/Inf event (recorded, not raised); the Python warnings issued."""
+           steps: int, *, lr_at=None, closure: bool = False,
+           **options) -> tuple[nw.NanWatch, list]:
+    """Train until the first NaN/Inf event (recorded, not raised); the Python warnings issued.
+    ``closure``: the forward and backward run in a closure handed to ``optimizer.step``."""
     with warnings.catch_warnings(record=True) as issued:
         warnings.simplefilter("always")
         with nw.watch(model, on_nan="record", **options) as watched:
@@ -109,10 +111,18 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tup
                     for group in optimizer.param_groups:
                         group["lr"] = lr_at(step)
                 x, y = batches[step % len(batches)]
-                loss = loss_fn(model(x), y)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
+
+                def forward_backward():
+                    loss = loss_fn(model(x), y)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    return loss
+
+                if closure:
+                    optimizer.step(forward_backward)
+                else:
+                    forward_backward()
+                    optimizer.step()
                 if watched.events:
                     break
     return watched, [w for w in issued if issubclass(w.category, nw.EarlyWarningIssued)]
@@ -255,6 +265,55 @@ def test_evaluating_between_training_steps_keeps_the_training_series():
     assert w.event is not None and w.warnings
     growth = [warning for warning in w.warnings if warning.reason == "growth"]
     assert growth and growth[0].batch < w.event.batch - 4
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_lbfgs_line_search_trying_longer_steps_is_no_growth(mode):
+    # A healthy least-squares fit: LBFGS's strong-Wolfe line search calls the closure again at
+    # trial steps up to ten times longer each, so the outputs of the points it tries grow about
+    # 5x per call for several calls (a growth warning in 5 batches before closures counted once
+    # per step), while the fit converges.
+    torch.manual_seed(0)
+    x = torch.randn(128, 16)
+    y = (x @ torch.randn(16, 4) + torch.randn(128, 4)) * 1000
+    model = nn.Linear(16, 4)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=1, line_search_fn="strong_wolfe")
+    watched, issued = _train(model, optimizer, [(x, y)], _mse, 5, closure=True, mode=mode)
+    assert watched.events == [] and watched.batch > 20  # many closure calls per step
+    design = torch.cat([x, torch.ones(128, 1)], 1)
+    best = nn.functional.mse_loss(design @ torch.linalg.lstsq(design, y).solution, y).item()
+    assert nn.functional.mse_loss(model(x), y).item() < best * 1.01  # it fit
+    assert watched.warnings == [] and issued == []
+
+
+def test_the_step_in_progress_is_numbered_while_a_watch_is_live():
+    from nanwidget.core.writes import step_in_progress
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    seen = []
+
+    def closure():
+        seen.append(step_in_progress())
+        loss = model(torch.ones(1, 2)).sum()
+        loss.backward()
+        return loss
+
+    with nw.watch(model):
+        optimizer.step(closure)
+        optimizer.step(closure)
+        assert step_in_progress() == 0  # between steps
+    optimizer.step(closure)  # no watch: the numbering hook is off
+    assert seen[0] > 0 and seen[1] > seen[0] and seen[2] == 0
+
+
+def test_a_blow_up_in_closures_called_once_per_step_is_still_warned_about():
+    torch.manual_seed(0)
+    model = _mlp(64, nn.Tanh)
+    watched, issued = _train(model, torch.optim.SGD(model.parameters(), 0.05), _regression(50),
+                             _mse, 200, lr_at=_ramped_lr(2.0), closure=True)
+    assert watched.event is not None
+    assert watched.warnings and watched.warnings[0].batch <= watched.event.batch - 2
+    assert len(issued) == len(watched.warnings)
 
 
 # ---------------------------------------------------------------------------- gradual failures

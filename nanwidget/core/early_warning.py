@@ -25,7 +25,12 @@ Two reasons, each given once per module (a warning never stops the run):
     2e-7 to 1 in three batches, is no rate), three of them at least;
   * the batches are of one mode: training and evaluation forwards (``model.train()``,
     ``model.eval()``) are two series, each with its own runs (BatchNorm's running statistics
-    can put the first evaluation outputs far above the training ones: a step, not a growth).
+    can put the first evaluation outputs far above the training ones: a step, not a growth);
+  * of the forwards inside one optimizer step (a closure the optimizer calls, LBFGS up to
+    ``max_iter`` times and more per step), the first only: it measures the model as the last
+    step left it. The others try points the optimizer may turn away from (a strong-Wolfe line
+    search lengthens its trial step up to tenfold per call), whose outputs grow fast in a
+    healthy fit.
 
 Where the numbers come from: nothing is measured for this, and nothing is read from a device.
 Full mode reads each finished batch's history row (the largest |x| of every module's outputs,
@@ -56,6 +61,7 @@ import torch
 from .frames import Frame
 from .recorder import Feature, Recorder
 from .sourcelines import user_stacklevel
+from .state import optimizer_steps
 from .stats import dtype_max
 
 __all__ = ["EarlyWarning", "EarlyWarningIssued", "EarlyWarnings", "REASONS", "NEAR_FACTOR",
@@ -242,6 +248,8 @@ class EarlyWarnings(Feature):
         self._other_series: tuple[list, ...] | None = None  # the other mode's, while away
         # Frames resolved within a batch (a flush), looked at with the batch's own.
         self._early: list[Frame] = []
+        self._steps = optimizer_steps()  # .stepping: the optimizer step running now (0: none)
+        self._step_seen = (0, -1)  # (step, the batch looked at in it)
 
     # ------------------------------------------------------------------ under the lock
     def on_frames_resolved(self, frames: list[Frame]) -> None:
@@ -253,6 +261,8 @@ class EarlyWarnings(Feature):
             frames, self._early = self._early + frames, []
         if not frames:
             return  # sentinel mode between sampled batches: on_output_magnitude reads the root
+        if self._steps.stepping and self._again_in_step(batch):
+            return
         try:
             row = self._history.current_row(batch)
             if row is None:
@@ -293,6 +303,8 @@ class EarlyWarnings(Feature):
 
     def on_output_magnitude(self, batch: int, module: str, abs_max: float,
                             abs_min: float) -> None:
+        if self._steps.stepping and self._again_in_step(batch):
+            return
         try:
             index = self._index.get(module)
             dtype = getattr(self.root_output, "outputs_dtype", None)
@@ -317,6 +329,16 @@ class EarlyWarnings(Feature):
             self._look(batch, {index: [abs_max, abs_min, False]}, (), (dtype, limits))
         except Exception as error:  # a warning must never break the run
             self.recorder.internal_error(error)
+
+    def _again_in_step(self, batch: int) -> bool:
+        """Whether ``batch`` ran inside an optimizer step that an earlier batch ran in too: a
+        closure called again, at a point the optimizer tries (see the module docstring)."""
+        stepping = self._steps.stepping
+        step, seen = self._step_seen
+        if step == stepping and seen != batch:
+            return True
+        self._step_seen = (stepping, batch)
+        return False
 
     def _restart(self) -> None:
         """Forget every module's run of rises (the batch numbers started again)."""

@@ -151,9 +151,12 @@ class StepLog:
     suggest); ``users``: watches that asked for the hook (``handle``: the hook while any does);
     ``marks_from``: every step after this ``count`` is in ``marks`` (they are dropped when the
     last watch closes, or when too many are kept); ``bad_lr``: id(parameter) -> (``count``,
-    optimizer class name, lr) of the last step that wrote it with a NaN/Inf learning rate."""
+    optimizer class name, lr) of the last step that wrote it with a NaN/Inf learning rate;
+    ``stepping``: a number for the optimizer step in progress (0: none), new for each step
+    (``started`` counts them; ``pre_handle``: the hook that numbers them)."""
 
-    __slots__ = ("count", "marks", "kinds", "users", "handle", "bad_lr", "marks_from")
+    __slots__ = ("count", "marks", "kinds", "users", "handle", "bad_lr", "marks_from",
+                 "stepping", "started", "pre_handle")
 
     def __init__(self) -> None:
         self.count = 0
@@ -163,6 +166,9 @@ class StepLog:
         self.kinds: dict[str, bool] = {}
         self.users = 0
         self.handle: Any = None
+        self.stepping = 0
+        self.started = 0
+        self.pre_handle: Any = None
 
 
 _OPTIMIZER_STEPS = StepLog()

@@ -16,8 +16,10 @@ step counts. The class names of the optimizers that stepped are kept too
 the optimizer that ran). A step whose param group had a non-finite learning rate (a
 scheduler's ``lr_lambda`` returning NaN) is remembered for the parameters it wrote (a float lr,
 or a tensor lr on the CPU: a GPU tensor's is never read, that would wait for the device).
-Cost: one short loop over the optimizer's parameters, one finiteness check of each group's lr
-and one dict lookup per step; nothing per module call.
+A hook before every step numbers the step in progress (:func:`step_in_progress`): a forward
+inside one is a closure the optimizer calls, LBFGS many times per step. Cost: one short loop
+over the optimizer's parameters, one finiteness check of each group's lr and one dict lookup
+per step; nothing per module call.
 
 An optimizer that is not a ``torch.optim.Optimizer`` (fastai's own ``Optimizer``, the default of
 every fastai ``Learner``, writes through ``p.data``: no hook, no counter) is told to the watches
@@ -30,12 +32,14 @@ import math
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from .graph_capture import run_eagerly_under_dynamo
 from .state import optimizer_steps
 
-__all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "written_since",
+__all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "step_in_progress",
+           "written_since",
            "wraps_an_optimizer", "optimizers_stepped", "nonfinite_lr_step", "last_step_writing",
            "marks_kept_from", "note_optimizer_step"]
 
@@ -51,7 +55,15 @@ def wraps_an_optimizer(optimizer: Any) -> bool:
 
 
 @run_eagerly_under_dynamo  # a compiled train step may call the optimizer
+def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    log = _LOG
+    log.started += 1
+    log.stepping = log.started
+
+
+@run_eagerly_under_dynamo  # a compiled train step may call the optimizer
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _LOG.stepping = 0
     if wraps_an_optimizer(optimizer):
         return
     _mark_step(optimizer)
@@ -133,6 +145,7 @@ class StepTracking:
         log.users += 1
         if log.handle is None:
             log.handle = register_optimizer_step_post_hook(_after_step)
+            log.pre_handle = register_optimizer_step_pre_hook(_before_step)
 
     def release(self) -> None:
         if self.released:
@@ -143,6 +156,10 @@ class StepTracking:
         if not log.users and log.handle is not None:  # the hook comes off with the last one
             log.handle.remove()
             log.handle = None
+            if log.pre_handle is not None:
+                log.pre_handle.remove()
+                log.pre_handle = None
+            log.stepping = 0
             log.marks.clear()
             log.bad_lr.clear()
             log.kinds.clear()
@@ -152,6 +169,13 @@ class StepTracking:
 def track_optimizer_steps() -> StepTracking:
     """A watch starts: the step hook is on while any watch wants it."""
     return StepTracking()
+
+
+def step_in_progress() -> int:
+    """A number for the optimizer step running now (a forward inside it is a closure the
+    optimizer calls: LBFGS calls its closure many times per step), new for every step; 0 when
+    none is. A step that raised stays "running" until the next one starts."""
+    return _LOG.stepping
 
 
 def steps_taken() -> int:
