@@ -10,6 +10,7 @@ import contextlib
 import copy
 import html
 import json
+import functools
 import math
 import warnings
 
@@ -2806,6 +2807,37 @@ def test_loss_fn_must_be_a_function():
         nw.watch(model, loss_fn=3)
     with pytest.raises(TypeError, match="got the class MSELoss"):
         nw.watch(model, loss_fn=nn.MSELoss)
+
+
+def test_a_loss_fn_that_needs_the_targets_too_is_refused_in_one_line():
+    # loss_fn gets the model's output alone: a criterion needs its target as well, and would
+    # fail only in the replay at the first NaN, where the trace was wanted.
+    model = nn.Linear(2, 2)
+    for criterion, needs in ((nn.MSELoss(), "MSELoss() also needs target"),
+                             (nn.functional.cross_entropy, "cross_entropy also needs target"),
+                             (lambda out, y: (out - y).sum(), "also needs y"),
+                             (lambda: 0, "does not take it")):
+        with pytest.raises(TypeError, match="called with the model's output alone") as raised:
+            nw.watch(model, loss_fn=criterion)
+        assert needs in str(raised.value) and "lambda out: criterion(out, targets)" in \
+            str(raised.value)
+    with nw.watch(model, keep_batches=2) as w:
+        model(torch.randn(3, 2))
+        with pytest.raises(TypeError, match="MSELoss\\(\\) also needs target"):
+            w.replay(0, loss_fn=nn.MSELoss())
+        assert not w.replay(0, loss_fn=lambda out, *rest: out.sum()).ops.empty
+    # one argument with defaults after it, or a partial with the target bound: accepted
+    targets = torch.zeros(3, 2)
+    nw.watch(model, loss_fn=functools.partial(nn.functional.mse_loss, target=targets)).close()
+    nw.watch(model, loss_fn=lambda out, weight=1.0: out.sum() * weight).close()
+
+
+def test_a_wrong_loss_fn_is_quoted_in_one_line():
+    # an optimizer's repr lists every param group over a dozen lines
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError) as raised:
+        nw.watch(model, loss_fn=torch.optim.Adam(model.parameters()))
+    assert "\n" not in str(raised.value) and "got an Adam object" in str(raised.value)
 
 
 # ---------------------------------------------------------------------------- unknown

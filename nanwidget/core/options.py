@@ -35,7 +35,8 @@ from torch import nn
 __all__ = ["WatchOptions", "Option", "Flag", "Needs", "OPTIONS", "OPTION_NAMES", "option",
            "ON_NAN_CHOICES", "MODES", "MAX_EVENTS", "MAX_FRAMES_LIMIT", "SkipTypesWarning",
            "check_option_names", "signature_of_options", "options_help", "split_classes",
-           "batch_number", "name_matches", "wrapper_names", "is_loss_scale_optimizer"]
+           "batch_number", "name_matches", "wrapper_names", "is_loss_scale_optimizer",
+           "loss_function"]
 
 ON_NAN_CHOICES = ("raise", "warn", "record")
 MODES = ("full", "sentinel")
@@ -108,8 +109,7 @@ def _whole_number(name: str, value: Any, *, least: int, most: int | None = None,
     try:
         number = operator.index(value)
     except TypeError:
-        raise TypeError(f"{name} must be a whole number, got {value!r} "
-                        f"({type(value).__name__})") from None
+        raise TypeError(f"{name} must be a whole number, got {_described(value)}") from None
     if number < least or (most is not None and number > most):
         bound = f"at least {least}" + (f" and at most {most:,}" if most is not None else "")
         raise ValueError(f"{name} must be {bound}{why}, got {number}")
@@ -136,7 +136,7 @@ def switch(name: str, value: Any, model: Any) -> bool:
     """The check of a True/False option."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    raise TypeError(f"{name} must be True or False, got {_described(value)}")
 
 
 def one_of(choices: tuple[Any, ...], *, optional: bool = False) -> Callable[[str, Any, Any], Any]:
@@ -342,8 +342,7 @@ def _threshold(name: str, value: Any, model: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating)):
-        raise TypeError(f"{name} must be a positive number or None, got {value!r} "
-                        f"({type(value).__name__})")
+        raise TypeError(f"{name} must be a positive number or None, got {_described(value)}")
     number = float(value)
     if not (0 < number < math.inf):
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
@@ -354,8 +353,8 @@ def _directory(name: str, value: Any, model: Any) -> str | os.PathLike | None:
     if value is None or (isinstance(value, str) and value == ""):
         return None
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a directory path (str or pathlib.Path), got {value!r} "
-                        f"({type(value).__name__})")
+        raise TypeError(f"{name} must be a directory path (str or pathlib.Path), got "
+                        f"{_described(value)}")
     path = os.fspath(value)
     if isinstance(path, bytes) or (os.path.exists(path) and not os.path.isdir(path)):
         raise ValueError(f"{name} must be a directory; {path!r} is a file (pass a new folder: "
@@ -373,9 +372,55 @@ def _loss_function(name: str, value: Any, model: Any) -> Callable[[Any], Any] | 
                         f"lambda out: criterion(out, targets)")
     if not callable(value):
         raise TypeError(f"{name} must be a function of the model's output that returns the loss "
-                        f"(e.g. lambda out: criterion(out, targets)), got {value!r} "
-                        f"({type(value).__name__})")
+                        f"(e.g. lambda out: criterion(out, targets)), got {_described(value)}")
+    needs = _arguments_besides_the_first(value)
+    if needs is not None:
+        shown = getattr(value, "__name__", None) or f"{type(value).__name__}()"
+        what = f"also needs {', '.join(needs)}" if needs else "does not take it"
+        raise TypeError(f"{name} is called with the model's output alone, and {shown} {what}: "
+                        f"pass a function of the output, such as lambda out: criterion(out, "
+                        f"targets)")
     return value
+
+
+def loss_function(value: Any, name: str = "loss_fn") -> Callable[[Any], Any] | None:
+    """``value`` checked as a ``loss_fn`` (a function of the model's output returning the
+    loss, or None); a TypeError that says what is wrong otherwise."""
+    return _loss_function(name, value, None)
+
+
+def _arguments_besides_the_first(function: Any) -> list[str] | None:
+    """None when ``function`` (a module: its forward) can be called with the model's output
+    alone, or its signature cannot be read (a builtin: left to the call); else the required
+    arguments it has besides that one (a criterion such as ``nn.MSELoss()`` or
+    ``F.cross_entropy`` needs its target; empty: it takes no argument at all)."""
+    target = function.forward if isinstance(function, nn.Module) else function
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(None)
+        return None
+    except TypeError:
+        pass
+    return [parameter.name for parameter in list(signature.parameters.values())[1:]
+            if parameter.default is parameter.empty
+            and parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD,
+                                   parameter.KEYWORD_ONLY)]
+
+
+def _described(value: Any) -> str:
+    """A wrong value as an error quotes it: its repr and type on one line, or just its type when
+    the repr spans lines or runs long (an optimizer's lists every param group)."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = ""
+    if not text or "\n" in text or len(text) > 80:
+        kind = type(value).__name__
+        return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind} object"
+    return f"{text} ({type(value).__name__})"
 
 
 def _function_name(value: Any) -> str | None:

@@ -43,8 +43,8 @@ from .replay import BatchCapture, Replayer, ReplayError
 from .replay.run import unreplayable_reason
 from .report import format_event_report
 from .options import (MAX_EVENTS, MODES, OPTIONS, SkipTypesWarning, WatchOptions, batch_number,
-                      is_loss_scale_optimizer, options_help, signature_of_options,
-                      split_classes)
+                      is_loss_scale_optimizer, loss_function, options_help,
+                      signature_of_options, split_classes)
 from .sentinel import Sentinel, compiled_in_place, has_compiled_parts, is_compile_wrapper
 from .state import watching_recorders
 from .structure import ModelChanges
@@ -417,7 +417,7 @@ class NanWatch:
         if replayer is None:
             raise ReplayError("this watch holds no batches to replay: it was created with "
                               "keep_batches=0 and no trace_batches; watch with keep_batches=N")
-        return replayer.replay(batch, loss_fn)
+        return replayer.replay(batch, loss_function(loss_fn))
 
     def held_batches(self) -> list[int]:
         """Batch numbers :meth:`replay` can run now."""
