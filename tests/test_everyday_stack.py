@@ -760,8 +760,9 @@ def test_grad_history_takes_in_parameters_added_after_the_first_check():
 
 
 def test_bad_data_under_vmap_is_told_and_its_replay_refused_plainly():
-    # torch.func.vmap runs the watched model on its own batched tensors: they cannot be read
-    # outside it (the diagnosis said "unknown") nor replayed (a raw functorch error).
+    # torch.func.vmap runs the watched model on its own batched tensors: they can be read
+    # outside it only through what they wrap (the diagnosis said "unknown", then named no
+    # sample) nor replayed (a raw functorch error). The vmap's samples are the rows.
     from torch.func import vmap
 
     torch.manual_seed(0)
@@ -770,10 +771,34 @@ def test_bad_data_under_vmap_is_told_and_its_replay_refused_plainly():
     x[3, 0] = float("nan")
     with nw.watch(model, on_nan="record") as w:
         vmap(model)(x)
-        assert w.event.diagnosis.kind == "bad-data"
-        assert w.event.diagnosis.summary.startswith("The batch's input[0] already held NaN")
+        assert w.event.diagnosis.kind == "bad-data" and w.event.diagnosis.rows == [3]
+        assert w.event.diagnosis.summary.startswith("The batch's input[0] holds NaN in row 3")
         with pytest.raises(ReplayError, match="ran inside a torch.func transform"):
             w.replay(w.event.batch)
+    with nw.watch(model, on_nan="record") as w:
+        vmap(model, in_dims=1)(x.T.contiguous())  # samples along the columns
+    assert w.event.diagnosis.kind == "bad-data" and w.event.diagnosis.rows == [3]
+
+
+def test_per_sample_gradients_name_the_sample_with_bad_data():
+    # The torch.func recipe for per-sample gradients: vmap over grad of a functional_call,
+    # each sample run as a batch of one.
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(6, 4), torch.randn(6, 3)
+    x[4, 2] = float("inf")
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def sample_loss(params, sample, target):
+        out = functional_call(model, params, (sample.unsqueeze(0),))
+        return nn.functional.mse_loss(out, target.unsqueeze(0))
+
+    with nw.watch(model, on_nan="record") as w:
+        vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, x, y)
+    diagnosis = w.event.diagnosis
+    assert (w.event.module, diagnosis.kind, diagnosis.rows) == ("0", "bad-data", [4])
 
 
 def test_a_nan_fast_weight_of_functional_call_is_not_blamed_on_the_models_parameter():

@@ -33,7 +33,8 @@ from .schema import CHANGED_LATER, PENDING
 __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of",
            "widen_float8",
            "storage_holds", "measure_tensor", "PENDING_BYTES_LIMIT", "PLAIN_TENSOR_TYPES",
-           "local_shard", "is_distributed_tensor", "plain_view", "nested_values"]
+           "local_shard", "is_distributed_tensor", "plain_view", "nested_values",
+           "functorch_unwrapped", "vmapped_samples"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
@@ -170,6 +171,19 @@ def functorch_unwrapped(tensor: torch.Tensor) -> torch.Tensor:
         while _functorch.is_functorch_wrapped_tensor(tensor):
             tensor = _functorch.get_unwrapped(tensor)
     return tensor
+
+
+def vmapped_samples(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """A tensor a module got inside ``torch.func`` transforms (kept past their end: they can
+    be read only through what they wrap) as the tensor under them, with the dimension of the
+    outermost ``vmap``'s samples in it (None when no vmap batched it: the tensor as it is)."""
+    dim = None
+    if _functorch is not None:
+        while _functorch.is_functorch_wrapped_tensor(tensor):
+            if _functorch.is_batchedtensor(tensor):
+                dim = _functorch.maybe_get_bdim(tensor)
+            tensor = _functorch.get_unwrapped(tensor)
+    return tensor, dim
 
 
 def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:

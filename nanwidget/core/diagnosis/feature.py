@@ -29,7 +29,8 @@ from ..frames import Frame, weights_finite_last, weights_nonfinite_batches
 from ..ranks import world_size
 from ..recorder import Feature, ModuleInfo, Recorder
 from ..schema import PACKED
-from ..stats import PLAIN_TENSOR_TYPES, local_shard, storage_holds, version_of
+from ..stats import (PLAIN_TENSOR_TYPES, local_shard, storage_holds, version_of,
+                     vmapped_samples)
 from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_step,
                       optimizers_stepped, steps_taken, written_since)
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
@@ -515,13 +516,16 @@ class Diagnoser(Feature):
         unreadable = 0
         for role, tensor in held:
             try:
-                described = describe_input(role, tensor, batch_dim(role, tensor))
-            except Exception:  # a tensor that cannot be read here (a vmap's, say): skip it
+                # A batch run under torch.func.vmap: its rows are the vmap's samples.
+                values, samples_dim = vmapped_samples(tensor)
+                described = describe_input(role, values, batch_dim(role, tensor)
+                                           if samples_dim is None else samples_dim)
+            except Exception:  # a tensor that cannot be read here: skip it
                 unreadable += 1
                 continue
             if described is not None:
                 facts.inputs.append(described)
-        # None read (a vmap's batched tensors): the root's frame says which held NaN, below.
+        # None read: the root's frame says which held NaN, below.
         facts.inputs_held = bool(held) and unreadable < len(held)
         if facts.inputs_held:
             packed = self.capture.packed_sequences(event.batch)

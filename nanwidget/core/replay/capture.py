@@ -495,10 +495,10 @@ class BatchCapture(Feature):
         """The input tensors of ``batch``'s root forwards by role (``input[0]``,
         ``kwarg:mask`` ...), as they ran: those not changed in place since (a cache the model
         fills as it runs is left out, the data beside it kept); empty when the batch is not
-        held or cannot be read outside its run (a torch.func transform's)."""
+        held. A batch run under a torch.func transform has its wrappers (a vmap's batched
+        tensors): read them through :func:`~nanwidget.core.stats.vmapped_samples`."""
         held = self.held.get(batch_number(batch))
-        if held is None or not held.forwards \
-                or any(_transformed(t) for c in held.forwards for _, t in c.inputs):
+        if held is None or not held.forwards:
             return []
         return [pair for capture in held.forwards
                 for pair, version in zip(capture.inputs, capture.input_versions)
