@@ -96,6 +96,96 @@ def test_gpt2_whose_feed_forward_weights_were_scaled_up_overflows_float32(mode):
     assert "(the weights grew" not in diagnosis.summary  # one write, no climb: no divergence
 
 
+class QuadraticField(nn.Module):
+    """dy/dt = 3 y^2 + a small learned term: from y0 the solution blows up at t = 1 / (3 y0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, t: float, y: torch.Tensor) -> torch.Tensor:
+        return 0.01 * self.net(y) + 3.0 * y * y
+
+
+class NeuralOde(nn.Module):
+    """A fixed-step RK4 solve of ``field`` (what torchdiffeq's odeint does with method='rk4')."""
+
+    def __init__(self, steps: int = 40, dt: float = 0.1) -> None:
+        super().__init__()
+        self.field, self.head = QuadraticField(), nn.Linear(4, 1)
+        self.steps, self.dt = steps, dt
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        f, dt = self.field, self.dt
+        for i in range(self.steps):
+            t = i * dt
+            k1 = f(t, y)
+            k2 = f(t + dt / 2, y + dt / 2 * k1)
+            k3 = f(t + dt / 2, y + dt / 2 * k2)
+            k4 = f(t + dt, y + dt * k3)
+            y = y + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+        return self.head(y)
+
+
+class UnrolledCell(nn.Module):
+    """A plain recurrent cell unrolled by hand whose recurrent weights scale the state up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.Linear(8, 8, bias=False)
+        with torch.no_grad():
+            self.cell.weight.copy_(torch.eye(8) * 6.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(60):
+            h = self.cell(h) + x
+        return h
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_ode_solve_that_blows_up_is_told_compounded_over_its_steps(mode):
+    torch.manual_seed(0)
+    model = NeuralOde()
+    with watch(model, mode) as w:
+        model(torch.randn(16, 4) * 0.01)  # a small state stays finite over the solve
+        model(torch.randn(16, 4))
+    event = w.event
+    assert (event.batch, event.module, event.role) == (1, "field", "output")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "overflow" and diagnosis.summary.startswith("mul in module 'field'")
+    compounded = [line for line in diagnosis.evidence if "compounded over its calls" in line]
+    assert len(compounded) == 1
+    assert compounded[0].startswith(f"'field' ran {event.call} times in batch 1 before the call "
+                                    "whose outputs overflowed, and its outputs' abs max grew ")
+    assert "per call from call " in compounded[0]
+    # The solver's fixes first, then the op's own.
+    assert diagnosis.suggestion[0].startswith("If 'field' runs in a loop on its own results")
+    assert "odeint" in diagnosis.suggestion[0] and "LSTMCell" in diagnosis.suggestion[1]
+    assert any(fix.startswith("Keep the values smaller before mul") for fix in diagnosis.suggestion)
+
+
+def test_an_unrolled_recurrent_cell_that_blows_up_is_told_compounded():
+    model = UnrolledCell()
+    with watch(model, "full") as w:
+        model(torch.full((2, 8), 0.5))
+    diagnosis = w.event.diagnosis
+    assert w.event.module == "cell" and diagnosis.kind == "overflow"
+    assert any("'cell' ran " in line and "6.02x per call from call 0 (3)" in line for line in diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("If 'cell' runs in a loop")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_overflow_in_one_call_is_not_told_compounded(mode):
+    model = Exponent()
+    with watch(model, mode) as w:
+        model(torch.randn(3, 4))
+        model(torch.randn(3, 4) * 200)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert not any("compounded" in line for line in diagnosis.evidence + diagnosis.suggestion)
+
+
 # ---------------------------------------------------------------------------- domain
 class LogOfRelu(nn.Module):
     def __init__(self) -> None:

@@ -161,6 +161,20 @@ def scaled_gradient_overflow(*, batch: int, scale: float, module: str, at_output
     return fixes
 
 
+def compounded(module: str) -> list[str]:
+    """An overflow built up over repeated calls of one module within a forward."""
+    return [f"If '{module}' runs in a loop on its own results, bound the step rather than one "
+            "op: the values compounded over its calls. An ODE solver: a smaller step, or an "
+            "adaptive solver with tolerances (torchdiffeq's odeint(func, y0, t, "
+            "method='dopri5', rtol=1e-5, atol=1e-6) shrinks its steps where the solution grows), "
+            "an implicit method for stiff dynamics; keep the learned vector field bounded (a "
+            "tanh on its output, torch.nn.utils.parametrizations.spectral_norm on its layers).",
+            "A recurrent cell or an unrolled loop: clip or normalise the state between steps "
+            "(a LayerNorm, or h.clamp(-c, c)), use a gated cell (nn.LSTMCell, nn.GRUCell), and "
+            "initialise the recurrent weights orthogonal (nn.init.orthogonal_) so that a step "
+            "does not scale the state up."]
+
+
 def divergence(dtype: str) -> list[str]:
     fixes = ["Lower the learning rate (try 10x lower) or warm it up over the first steps "
              "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).",

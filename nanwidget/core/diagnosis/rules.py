@@ -126,6 +126,38 @@ def growth_of(points: list[tuple[int, float]], least: float = 2.0,
     return growth if growth.per_batch >= per_batch else None
 
 
+# A module called this many times in one batch, its outputs' abs max growing this much from
+# call to call to the overflow: values compounded within the forward (an ODE solver's steps).
+_COMPOUNDING_CALLS = 4
+_COMPOUNDED_GROWTH = 1e3
+
+
+def _compounded_calls(facts: Facts, module: str) -> tuple[str, int, Growth] | None:
+    """The event batch's forward calls of ``module`` in the trace, when its outputs' abs max
+    climbed by at least ``_COMPOUNDED_GROWTH`` over at least ``_COMPOUNDING_CALLS`` calls up to
+    the overflow: (module, calls, the climb by call). None otherwise (one call, or no climb)."""
+    frames = getattr(facts.trace, "frames", None)
+    if not module or frames is None or not len(frames):
+        return None
+    mine = frames[(frames["module"] == module) & (frames["phase"] == "forward")
+                  & (frames["batch"] == facts.event.batch)
+                  & frames["role"].str.startswith("output")]
+    calls = mine.groupby("call").agg(abs_max=("finite_abs_max", "max"), bad=("nan", "any"),
+                                     inf=("inf", "any"))
+    bad = calls.index[calls["bad"] | calls["inf"]]
+    if not len(bad):
+        return None
+    # The calls before the first one whose outputs held NaN/Inf (the replay goes on after it).
+    before = calls[calls.index < bad[0]]["abs_max"].dropna()
+    if len(before) < _COMPOUNDING_CALLS:
+        return None
+    points = [(int(call), float(value)) for call, value in before.items()]
+    growth = growth_of(points, least=_COMPOUNDED_GROWTH, per_batch=1.05)
+    if growth is None or growth.end[0] - growth.start[0] + 1 < _COMPOUNDING_CALLS:
+        return None
+    return module, int(bad[0]), growth
+
+
 def _growth_line(what: str, growth: Growth) -> str:
     return (f"{what} grew {growth.per_batch:.3g}x per batch from batch {growth.start[0]} "
             f"({_g(growth.start[1])}) to batch {growth.end[0]} ({_g(growth.end[1])}): "
@@ -1777,6 +1809,16 @@ def _from_op(facts: Facts) -> Diagnosis | None:
     evidence.extend(_no_history(facts))
     suggestion = fixes.overflow(op.module, op.dtype, op.at, op.name,
                                 tiny_denominator=_tiny_denominator(op) is not None)
+    compounded = _compounded_calls(facts, op.module or event.module)
+    if compounded is not None and op.phase != "backward":
+        module, calls, growth = compounded
+        evidence.append(f"'{module}' ran {calls} times in batch {event.batch} before the call "
+                        "whose outputs overflowed, and "
+                        + _growth_line("its outputs' abs max", growth).replace(
+                            "per batch from batch", "per call from call").replace(
+                            "to batch", "to call")
+                        + "; the values compounded over its calls within the forward.")
+        suggestion = fixes.compounded(module) + suggestion
     weight = _weight_gradient(facts) if op.phase == "backward" else None
     if weight is not None:  # a weight's gradient: what its frames tell comes too
         evidence.extend(weight.evidence)
