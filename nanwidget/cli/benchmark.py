@@ -387,7 +387,9 @@ def _floor_sentinel(case: Case) -> Iterator[None]:
     rows a hook on the first output queues one read of every parameter's gradient at the end
     of the backward pass. No verdict, no history, no events."""
     model, read = case.model, _floor_reader()
-    forward, rng_state = model.forward, torch.default_generator.get_state
+    # The sentinel's own way to keep the RNG state (a clone of the generator, no tensor).
+    forward = model.forward
+    rng_state = getattr(torch.default_generator, "clone_state", torch.default_generator.get_state)
     parameters = [p for p in model.parameters() if p.requires_grad]
     held: list[Any] = [None]
     queue_callback = torch.autograd.Variable._execution_engine.queue_callback

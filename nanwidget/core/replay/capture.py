@@ -30,7 +30,7 @@ from .inputs import UncopiedInput, copy_structure, needs_copy
 
 __all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "layouts_of", "ReplayError",
            "BatchNotHeldError", "InputModifiedError", "ModelNotReplayableError",
-           "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH"]
+           "MAX_EVENT_BATCHES", "MAX_FORWARDS_PER_BATCH", "cpu_rng_state"]
 
 # Event batches pinned for replay beyond the last ``keep_batches`` (the first ones: the first
 # event is the one users chase).
@@ -49,7 +49,16 @@ _data_ptr = torch.Tensor.data_ptr
 # operator.call is Python 3.11's; the same, slower, before it
 _call = getattr(operator, "call", None) or (lambda getter, key: getter(key))
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
-_cpu_rng_state = torch.default_generator.get_state  # torch.get_rng_state(), without its wrapper
+# The CPU RNG's state as a clone of the generator (a copy of its state made in C++: about 1 us
+# inside a training loop, against 6-7 us for torch.get_rng_state()'s new tensor); read back
+# with cpu_rng_state() at a replay only. torch.get_rng_state()'s tensor where there is no clone.
+_cpu_rng_state = getattr(torch.default_generator, "clone_state", None) \
+    or torch.default_generator.get_state
+
+
+def cpu_rng_state(held: Any) -> torch.Tensor:
+    """The CPU RNG state a capture holds, as torch.set_rng_state() takes it."""
+    return held.get_state() if isinstance(held, torch.Generator) else held
 _is_grad_enabled = torch.is_grad_enabled
 _is_inference_mode_enabled = torch.is_inference_mode_enabled
 # The roles of positional inputs, made once (one string per batch is measurable here).

@@ -31,7 +31,7 @@ from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
 from ..writes import written_since
 from .capture import (BatchCapture, ForwardCapture, HeldBatch, ModelNotReplayableError, ReplayError,
-                      WeightSlots, layouts_of)
+                      WeightSlots, cpu_rng_state, layouts_of)
 from .collectives import no_collectives, refused_collective
 from .divergence import ran_differently, replay_outputs
 from .inputs import UncopiedInput, copy_structure
@@ -777,7 +777,7 @@ def set_forward_state(capture: ForwardCapture, slots: WeightSlots) -> None:
     if len(capture.training) == len(slots.modules):
         for module, flag in zip(slots.modules, capture.training):
             module.training = flag
-    torch.set_rng_state(capture.cpu_rng)
+    torch.set_rng_state(cpu_rng_state(capture.cpu_rng))
     if capture.cuda_rng is not None:
         torch.cuda.set_rng_state_all(capture.cuda_rng)
 
