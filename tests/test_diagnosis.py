@@ -175,6 +175,38 @@ def test_an_unrolled_recurrent_cell_that_blows_up_is_told_compounded():
     assert diagnosis.suggestion[0].startswith("If 'cell' runs in a loop")
 
 
+class Amplify(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 1000.0
+
+
+class SharedAmplifierStack(nn.Module):
+    """Layers with one weightless module instance shared by all (ultralytics shares one
+    nn.SiLU across its models), whose outputs grow layer after layer: many growing calls of a
+    module, but no loop of a step on its own results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(16))
+        for layer in self.layers:
+            nn.init.eye_(layer.weight)
+        self.amplify = Amplify()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = self.amplify(layer(x))
+        return x
+
+
+def test_a_shared_weightless_module_s_growing_calls_are_not_told_a_loop():
+    model = SharedAmplifierStack()
+    with watch(model, "full") as w:
+        model(torch.ones(2, 8))
+    diagnosis = w.event.diagnosis
+    assert (w.event.module, w.event.call) == ("amplify", 12) and diagnosis.kind == "overflow"
+    assert not any("compounded" in line for line in diagnosis.evidence + diagnosis.suggestion)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_an_overflow_in_one_call_is_not_told_compounded(mode):
     model = Exponent()

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..events import Diagnosis, NanEvent
 from ..schema import (DEQUANTIZED, INTENDED_INF_OPS, NO_USER_LINE, OP_ROWS_DESCRIBED, PACKED,
-                      masks_rows)
+                      masks_rows, role_groups)
 from ..sourcelines import source_text
 from ..stats import dtype_max
 from . import fixes
@@ -139,9 +139,13 @@ def _compounded_calls(facts: Facts, module: str) -> tuple[str, int, Growth] | No
     frames = getattr(facts.trace, "frames", None)
     if not module or frames is None or not len(frames):
         return None
-    mine = frames[(frames["module"] == module) & (frames["phase"] == "forward")
-                  & (frames["batch"] == facts.event.batch)
-                  & frames["role"].str.startswith("output")]
+    batch = frames[(frames["batch"] == facts.event.batch) & (frames["phase"] == "forward")]
+    # A step of a solve or a recurrence holds weights (a field's layers, a cell's); a module
+    # without any (an activation one model shares across its layers) is no such loop.
+    inside = batch[(batch["module"] == module) | batch["module"].str.startswith(module + ".")]
+    if not (role_groups(inside) == "weights").any():
+        return None
+    mine = batch[(batch["module"] == module) & batch["role"].str.startswith("output")]
     calls = mine.groupby("call").agg(abs_max=("finite_abs_max", "max"), bad=("nan", "any"),
                                      inf=("inf", "any"))
     bad = calls.index[calls["bad"] | calls["inf"]]
