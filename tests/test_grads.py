@@ -1073,3 +1073,105 @@ def test_a_backward_watch_leaves_every_gradient_bit_identical_in_a_channels_last
     watched = _channels_last_gradients(mode)
     differing = [name for name in unwatched if not torch.equal(unwatched[name], watched[name])]
     assert differing == []
+
+
+class PowFeature(nn.Module):
+    """``(x, |x|^1.5)``: finite value and first derivative at 0; its second derivative is
+    infinite there, so the double backward of a derivative taken through it makes NaN."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x.abs().pow(1.5)], -1)
+
+
+class PINN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = PowFeature()
+        self.body = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.features(x))
+
+
+def _pinn_points() -> tuple[PINN, torch.Tensor]:
+    torch.manual_seed(0)
+    return PINN(), torch.linspace(-1, 1, 9).unsqueeze(1).requires_grad_(True)  # holds 0
+
+
+def test_a_pinn_nan_made_by_the_backward_of_its_first_derivative_is_raised_at_its_module() -> None:
+    # loss(du/dx).backward() is the batch's second pass; the input's hook was gone after the
+    # first, so the NaN (in x.grad only) went unseen.
+    model, x = _pinn_points()
+    with nw.watch(model, backward=True) as w:
+        du = torch.autograd.grad(model(x).sum(), x, create_graph=True)[0]
+        assert du.isfinite().all()
+        with pytest.raises(nw.NanDetected) as raised:
+            (du - 1).square().mean().backward()
+        assert w.parts.backward.passes == 2
+    event = raised.value.event
+    assert (event.batch, event.module, event.module_type, event.role, event.is_backward) == \
+        (0, "features", "PowFeature", "grad_input[0]", True)
+
+
+def test_a_pinn_second_derivative_nan_is_raised_at_its_module_not_blamed_on_the_loss() -> None:
+    model, x = _pinn_points()
+    with nw.watch(model, backward=True) as w:
+        u = model(x)
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        with pytest.raises(nw.NanDetected) as raised:  # the pass of d2u made it
+            torch.autograd.grad(du.sum(), x, create_graph=True)
+        assert w.parts.backward.passes == 2
+    event = raised.value.event
+    assert (event.batch, event.module, event.role, event.kind) == \
+        (0, "features", "grad_input[0]", "nan")
+    assert event.diagnosis.kind != "loss"
+
+
+def test_the_inputs_gradient_hook_lives_for_every_pass_of_its_batch_then_goes() -> None:
+    model, x = _pinn_points()
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        du = torch.autograd.grad(model(x).sum(), x, create_graph=True)[0]
+        assert len(x._backward_hooks) == 1  # the first pass ended: still there for the next
+        (du - 1).square().mean().backward()
+        assert len(x._backward_hooks) == 1
+        x.grad = None
+        with torch.no_grad():
+            model(x)  # the next root forward: the batch's hooks go
+        assert not x._backward_hooks
+        model(x)
+        assert len(x._backward_hooks) == 1
+    assert not x._backward_hooks and hook_count(model) == 0  # close removes it
+
+    # A pass that fails (raises inside autograd) removes it too.
+    torch.manual_seed(0)
+    failing = StateNet()
+    points = torch.randn(8, 4, requires_grad=True)
+    with nw.watch(failing, backward=True) as w:
+        loss = failing(points).sum()
+        assert len(points._backward_hooks) == 1
+        with pytest.raises(FloatingPointError):
+            loss.backward()
+        with pytest.warns(nw.NanWarning):
+            assert len(w.events) == 1  # ends the failed pass
+        assert not points._backward_hooks
+    assert hook_count(failing) == 0
+
+
+def _pinn_step_closed() -> tuple:
+    """A PINN step under a watch closed after it, the step's points and loss graph kept."""
+    import weakref
+    model, x = _pinn_points()
+    watch = nw.watch(model, backward=True, on_nan="record")
+    du = torch.autograd.grad(model(x).sum(), x, create_graph=True)[0]
+    loss = (du - 1).square().mean()
+    loss.backward()
+    watch.close()
+    return x, du, weakref.ref(watch)
+
+
+def test_a_closed_watch_is_collected_while_a_pinn_keeps_its_points_and_graph() -> None:
+    import gc
+    x, du, watch = _pinn_step_closed()
+    gc.collect()
+    assert watch() is None
+    assert du.requires_grad and not x._backward_hooks

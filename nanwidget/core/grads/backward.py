@@ -63,6 +63,16 @@ A forward's own backward pass
     :attr:`FrameSink.root_forward_running`, asked only while no pass is open: at the first
     gradient of the batch's own pass, not again in it.
 
+Several passes in one batch
+    A PINN's loss is made from derivatives taken after the forward (``torch.autograd.grad(u,
+    x, create_graph=True)``, maybe twice), then ``loss.backward()``; a gradient penalty does
+    the same: one batch, several backward passes, each resolved on its own. The hooks on the
+    tensors modules made live with the graph; those on leaf tensors (the batch's input that
+    requires grad) would live forever, so they are removed at the next root forward after a
+    pass ended (every pass of the batch sees them), at close, or at once when a pass failed.
+    Every hook holds this feature weakly, and a leaf's its subscribers by key: a closed watch
+    is freed while the points and their graph are kept.
+
 Recomputation (``torch.utils.checkpoint``)
     The recorder records no forward frames while autograd recomputes checkpointed modules. With
     reentrant checkpointing, the forward inside the checkpoint ran without grad, so the hooks go
@@ -87,7 +97,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -224,6 +233,33 @@ def _parameter_hook(feature: Any, owner: int) -> Any:
     return run_eagerly_under_dynamo(hook)
 
 
+def _gradient_hook(feature: Any, subscribers: _Subscribers) -> Any:
+    """The hook on a tensor a module made (see :meth:`BackwardFrames._hook_tensor`): its
+    feature held weakly, so that a graph kept after ``close()`` (a loss, a PINN's derivatives)
+    does not keep the watch alive."""
+    def hook(grad: Any) -> None:
+        live = feature()
+        if live is not None:
+            live._on_grad(subscribers, grad)
+    return run_eagerly_under_dynamo(hook)
+
+
+def _leaf_gradient_hook(feature: Any, key: int) -> Any:
+    """The hook on a leaf tensor (an input that requires grad): its feature held weakly, and
+    its subscribers by key in the feature (:attr:`BackwardFrames._leaf_subscribers`). It lives
+    for every backward pass of its batch, and a PINN keeps its input points for the whole run:
+    through its frames it would hold the model, so a watch dropped unclosed with its model
+    would live as long as the points (and the garbage collector does not see a tensor's
+    hooks: with the batch's inputs held for a replay, such a cycle is never freed)."""
+    def hook(grad: Any) -> None:
+        live = feature()
+        if live is not None:
+            subscribers = live._leaf_subscribers.get(key)
+            if subscribers is not None:
+                live._on_grad(subscribers, grad)
+    return run_eagerly_under_dynamo(hook)
+
+
 def _bound_to(method: Any, info: ModuleInfo) -> Any:
     """A module hook that calls ``method(info, *hook_args)``. A closure, not a
     ``functools.partial``: under a strict ``torch.export`` Dynamo traces module hooks, and
@@ -290,9 +326,17 @@ class BackwardFrames(Feature):
         self.recorder = recorder
         self.hold_output_grads = hold_output_grads
         self.closed = False
+        self._weak_self = weakref.ref(self)
         self.passes = 0  # backward passes resolved (tests read it)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._leaf_handles: list[torch.utils.hooks.RemovableHandle] = []
+        # The hooks on leaf tensors, each with the key of its subscribers in
+        # _leaf_subscribers (the hook itself holds neither them nor this feature).
+        self._leaf_handles: list[tuple[torch.utils.hooks.RemovableHandle, int]] = []
+        self._leaf_subscribers: dict[int, _Subscribers] = {}
+        self._leaf_key = 0
+        # How many of them were registered before a backward pass ended: they go at the next
+        # root forward (a PINN's or a gradient penalty's batch runs several passes).
+        self._leaf_handles_done = 0
         self._pass_id = 0
         self._pass_batch: int | None = None  # batch of the first frame of the running pass
         self._last_forward_batch: int | None = None
@@ -424,19 +468,22 @@ class BackwardFrames(Feature):
             known[2].append((pending, slot))
             return
         subscribers: _Subscribers = [(pending, slot)]
-        handle = tensor.register_hook(partial(self._on_grad, subscribers))
         if len(hooked) >= _MAX_HOOKED:
             hooked.clear()
         hooked[key] = (weakref.ref(tensor), version, subscribers)
-        if tensor.grad_fn is None:
-            # A leaf (an input that requires grad, a parameter passed as an argument) keeps
-            # its hooks beyond the graph: they are removed when the pass ends.
-            leaves = self._leaf_handles
-            leaves.append(handle)
-            if len(leaves) > _MAX_LEAF_HOOKS:
-                for old in leaves[:_MAX_LEAF_HOOKS // 2]:
-                    old.remove()
-                del leaves[:_MAX_LEAF_HOOKS // 2]
+        if tensor.grad_fn is not None:
+            tensor.register_hook(_gradient_hook(self._weak_self, subscribers))
+            return
+        # A leaf (an input that requires grad, a parameter passed as an argument) keeps its
+        # hooks beyond the graph: they are removed at the next root forward after a backward
+        # pass ended (every pass of the batch sees them), at close, or when a pass failed.
+        self._leaf_key += 1
+        self._leaf_subscribers[self._leaf_key] = subscribers
+        handle = tensor.register_hook(_leaf_gradient_hook(self._weak_self, self._leaf_key))
+        leaves = self._leaf_handles
+        leaves.append((handle, self._leaf_key))
+        if len(leaves) > _MAX_LEAF_HOOKS:
+            self._remove_leaf_hooks(_MAX_LEAF_HOOKS // 2)
 
     def _inplace_pre_hook(self, info: ModuleInfo, module: nn.Module, args: tuple,
                           kwargs: dict) -> None:
@@ -685,7 +732,13 @@ class BackwardFrames(Feature):
             self._pass_id += 1
             self.passes += 1
             self._pass_frames.clear()
-            self._remove_leaf_hooks()
+            # The inputs' hooks stay for the batch's later passes (a PINN's loss.backward()
+            # after its torch.autograd.grad(..., create_graph=True), a gradient penalty's):
+            # they go at the next root forward, or now when this pass failed.
+            if raising:
+                self._leaf_handles_done = len(self._leaf_handles)
+            else:
+                self._remove_leaf_hooks()
             if self._param_entries:
                 self._measure_rewritten_grads()
         try:
@@ -716,6 +769,8 @@ class BackwardFrames(Feature):
         self._last_forward_batch = batch
         self._opened.clear()
         self._hooked.clear()
+        if self._leaf_handles_done:  # the inputs' hooks of the batches whose passes ended
+            self._remove_leaf_hooks(self._leaf_handles_done)
         if self._queued and not in_backward_pass():
             # The last pass never finished (an error inside backward): its callback is gone.
             self._queued = False
@@ -726,11 +781,17 @@ class BackwardFrames(Feature):
             self._param_entries.clear()
             self._root_grads.clear()
             self._held_bytes = 0
+            self._remove_leaf_hooks()
 
-    def _remove_leaf_hooks(self) -> None:
-        for handle in self._leaf_handles:
+    def _remove_leaf_hooks(self, count: int | None = None) -> None:
+        """Remove the hooks on leaf tensors: the first ``count`` registered, or all."""
+        leaves = self._leaf_handles
+        count = len(leaves) if count is None else min(count, len(leaves))
+        for handle, key in leaves[:count]:
             handle.remove()
-        self._leaf_handles.clear()
+            self._leaf_subscribers.pop(key, None)
+        del leaves[:count]
+        self._leaf_handles_done = max(0, self._leaf_handles_done - count)
 
     def close(self) -> None:
         self.closed = True
