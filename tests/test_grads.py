@@ -1127,6 +1127,43 @@ def test_a_pinn_second_derivative_nan_is_raised_at_its_module_not_blamed_on_the_
     assert event.diagnosis.kind != "loss"
 
 
+class _AbsPow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.abs().pow(1.5)
+
+
+class _PowCritic(nn.Module):
+    """A WGAN critic whose input gradient is exactly 0 at the origin (|x|^1.5 there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = _AbsPow()
+        self.body = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.features(x))
+
+
+def test_a_gradient_penalty_nan_names_the_batch_of_the_interpolated_samples() -> None:
+    torch.manual_seed(0)
+    critic = _PowCritic()
+    real, fake = torch.randn(4, 2), torch.randn(4, 2)
+    interp = torch.lerp(fake, real, torch.rand(4, 1))
+    interp[0] = 0.0  # its gradient is 0: the penalty's sqrt without eps has a NaN gradient
+    interp.requires_grad_(True)
+    with nw.watch(critic, backward=True) as w:
+        g = torch.autograd.grad(critic(interp).sum(), interp, create_graph=True)[0]  # batch 0
+        penalty = ((g.square().sum(1).sqrt() - 1) ** 2).mean()
+        loss = critic(fake).mean() - critic(real).mean() + 10 * penalty  # batches 1 and 2
+        with pytest.raises(nw.NanDetected) as raised:
+            loss.backward()
+    # The parameters' NaN gradients sum over all three graphs: the interpolated batch's
+    # module gradients say whose graph carried it.
+    event = raised.value.event
+    assert (event.batch, event.is_backward) == (0, True)
+    assert event.role.startswith("grad_")
+
+
 def test_the_inputs_gradient_hook_lives_for_every_pass_of_its_batch_then_goes() -> None:
     model, x = _pinn_points()
     with nw.watch(model, backward=True, on_nan="record") as w:

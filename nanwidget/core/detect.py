@@ -276,6 +276,9 @@ def backward_birth(frames: list[Frame], position: int) -> int:
     two heads on one body) received a non-finite ``grad_output``: the input's total gradient
     holds that sibling's share, so the value came in there (:func:`_entered_through_sibling`).
     """
+    moved = _parameter_of_another_batch(frames, position)
+    if moved is not None:
+        position = moved
     chosen = frames[position]
     if not _born_in_backward(chosen):
         return position
@@ -287,6 +290,27 @@ def backward_birth(frames: list[Frame], position: int) -> int:
             chosen, best = frame, later
     sibling = _entered_through_sibling(frames, best)
     return best if sibling is None else sibling
+
+
+def _parameter_of_another_batch(frames: list[Frame], position: int) -> int | None:
+    """The later frame of another batch holding a non-finite module gradient, when
+    ``frames[position]``'s non-finite values are only parameter gradients; else None.
+
+    A pass through the graphs of several batches' forwards (a gradient penalty's
+    ``loss.backward()`` after a critic ran on the real, the fake and the interpolated batch)
+    sums each parameter's gradient over all of them and puts it in the frame of its module
+    opened last, whichever batch's that was: the module gradients say whose graph carried the
+    value."""
+    chosen = frames[position]
+    if chosen.phase != "backward" or any(entry.role.startswith("grad_")
+                                         for entry in chosen.nonfinite_entries()):
+        return None
+    for later in range(position + 1, len(frames)):
+        frame = frames[later]
+        if frame.phase == "backward" and frame.batch != chosen.batch and any(
+                entry.role.startswith("grad_") for entry in frame.nonfinite_entries()):
+            return later
+    return None
 
 
 def _entered_through_sibling(frames: list[Frame], position: int) -> int | None:
