@@ -1127,6 +1127,22 @@ def test_a_pinn_second_derivative_nan_is_raised_at_its_module_not_blamed_on_the_
     assert event.diagnosis.kind != "loss"
 
 
+def test_the_loss_pass_after_a_pinn_second_derivative_nan_takes_that_passes_diagnosis() -> None:
+    model, x = _pinn_points()
+    with nw.watch(model, backward=True, on_nan="record") as w:
+        u = model(x)
+        du = torch.autograd.grad(u.sum(), x, create_graph=True)[0]
+        d2u = torch.autograd.grad(du.sum(), x, create_graph=True)[0]
+        (d2u + u).square().mean().backward()
+        events = w.events
+    assert [(e.batch, e.module, e.role) for e in events] == \
+        [(0, "features", "grad_input[0]"), (0, "body.2", "grad_output[0]")]
+    made, carried = events[0].diagnosis, events[1].diagnosis
+    assert carried.kind == made.kind != "loss"
+    assert "earlier backward pass" in carried.summary and "'features'" in carried.summary
+    assert carried.evidence[1:] == made.evidence
+
+
 class _AbsPow(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.abs().pow(1.5)

@@ -615,6 +615,10 @@ class Facts:
     # A backward event's batch already had a forward event (on_nan="record" or "warn"): the
     # loss and its gradient carried that NaN/Inf on.
     forward_event: NanEvent | None = None
+    # A backward event whose gradient reached the model's output non-finite, in a batch whose
+    # earlier backward pass (torch.autograd.grad(create_graph=True): a PINN's derivatives, a
+    # gradient penalty) already made an event: the loss took that pass's result.
+    earlier_pass_event: NanEvent | None = None
     # A backward event at a parameter whose .grad an earlier pass left non-finite and this one
     # only added to (no zero_grad() between: gradient accumulation): that pass's event.
     accumulated_from: NanEvent | None = None

@@ -275,6 +275,17 @@ class Diagnoser(Feature):
                 facts.forward_event = forward
                 return facts  # the forward's diagnosis says why
             facts.output_grad_bad = self._output_grad_bad(event, root)
+            earlier = next(
+                (e for e in self.recorder.events if e.batch == event.batch and e.rank == event.rank
+                 and e.is_backward and e is not event and e.origin != "peer"
+                 and e.diagnosis is not None), None)
+            # An earlier backward pass of the batch (torch.autograd.grad(create_graph=True): a
+            # PINN's derivatives, a gradient penalty) made an event, and the loss took its
+            # result: the gradient reached the model's output non-finite in this pass (its
+            # frames, resolved last: the event's window may hold only the earlier passes').
+            if earlier is not None and self._pass_output_grad_bad(event, root):
+                facts.earlier_pass_event = earlier
+                return facts  # that pass's diagnosis says why
             facts.called_on_output = self._called_on_output(event)
         elif event.origin != "peer":
             held = self._nonfinite_outputs(event.batch, root) or []
@@ -603,6 +614,15 @@ class Diagnoser(Feature):
         # A module inside the root's forward returns before it: a root frame follows its own.
         return any(place < called for place in roots) and not any(
             called < place <= (event.batch, event.frame) for place in roots)
+
+    def _pass_output_grad_bad(self, event: NanEvent, root: str) -> bool:
+        """Whether the root's frame of ``event``'s backward pass (the frames resolved last)
+        holds a non-finite ``grad_output``."""
+        with self.recorder.lock:
+            resolved = list(self._resolved)
+        if not any(f.batch == event.batch and f.index == event.frame for f in resolved):
+            return False  # another pass's frames
+        return bool(output_grad_bad(resolved, event.batch, root))
 
     def _output_grad_bad(self, event: NanEvent, root: str) -> bool | None:
         for frames in (event.frames, getattr(event.trace, "frames", None)):

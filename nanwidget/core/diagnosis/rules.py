@@ -3,7 +3,9 @@
 Where before how (the contract's precedence):
 
 0. a backward event of a batch whose forward already made an event (``on_nan="record"`` or
-   ``"warn"``) takes the forward event's diagnosis: the loss carried that NaN/Inf on; the
+   ``"warn"``) takes the forward event's diagnosis: the loss carried that NaN/Inf on (so does
+   one whose gradient reached the output non-finite after an earlier backward pass of its batch,
+   ``torch.autograd.grad(create_graph=True)``, made an event: that pass's diagnosis); the
    event of a GradScaler's ``scaler_patience``-th skipped step in a row on Inf gradients is an
    ``overflow`` of the scaled gradients (``divergence`` when the weights grew before), wherever
    the Inf was born: the scale made it, not a loss op;
@@ -649,6 +651,26 @@ def _after_forward(facts: Facts) -> Diagnosis | None:
         f"The forward of batch {event.batch} made an event first; the loss and its gradient "
         f"carried its {_kind_words(forward.kind)} into '{event.module_label}' "
         f"({event.module_type}), {event.role}.")
+
+
+def _after_earlier_pass(facts: Facts) -> Diagnosis | None:
+    """A backward event whose gradient reached the model's output non-finite, in a batch whose
+    earlier backward pass already made an event (a PINN's ``torch.autograd.grad(u, x,
+    create_graph=True)``, a gradient penalty's): the loss was made from that pass's result and
+    its gradient carried the NaN/Inf on; that pass's diagnosis says why."""
+    event, earlier = facts.event, facts.earlier_pass_event
+    if earlier is None or earlier.diagnosis is None:
+        return None
+    return _carried(
+        earlier.diagnosis,
+        f"The gradient of batch {event.batch} is {_kind_words(event.kind)} because an earlier "
+        f"backward pass of the batch already was (the event at module '{earlier.module_label}' "
+        f"({earlier.module_type}), {earlier.role})",
+        f"An earlier backward pass of batch {event.batch} (torch.autograd.grad with "
+        f"create_graph=True: derivatives for the loss, a gradient penalty) made an event first; "
+        f"the loss was made from its result, and its gradient carried the "
+        f"{_kind_words(earlier.kind)} into '{event.module_label}' ({event.module_type}), "
+        f"{event.role}.")
 
 
 def _accumulated_gradient(facts: Facts) -> Diagnosis | None:
@@ -2144,7 +2166,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_after_forward, _accumulated_gradient, _from_another_rank, _scaled_gradient,
+    for rule in (_after_forward, _after_earlier_pass, _accumulated_gradient, _from_another_rank, _scaled_gradient,
                  _loss_module, _loss, _bad_data, _weights,
                  _masked_by_input, _from_op, _from_frames, _weight_gradient):
         found = rule(facts)
