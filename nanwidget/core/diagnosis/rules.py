@@ -2166,8 +2166,8 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_after_forward, _after_earlier_pass, _accumulated_gradient, _from_another_rank, _scaled_gradient,
-                 _loss_module, _loss, _bad_data, _weights,
+    for rule in (_after_forward, _after_earlier_pass, _accumulated_gradient, _from_another_rank,
+                 _scaled_gradient, _loss_module, _loss, _bad_data, _weights,
                  _masked_by_input, _from_op, _from_frames, _weight_gradient):
         found = rule(facts)
         if found is not None:

@@ -70,8 +70,8 @@ Several passes in one batch
     tensors modules made live with the graph; those on leaf tensors (the batch's input that
     requires grad) would live forever, so they are removed at the next root forward after a
     pass ended (every pass of the batch sees them), at close, or at once when a pass failed.
-    Every hook holds this feature weakly, and a leaf's its subscribers by key: a closed watch
-    is freed while the points and their graph are kept.
+    Every hook holds this feature weakly, and a leaf's hook holds its subscribers by key: a
+    closed watch is freed while the points and their graph are kept.
 
 Recomputation (``torch.utils.checkpoint``)
     The recorder records no forward frames while autograd recomputes checkpointed modules. With
@@ -249,8 +249,7 @@ def _leaf_gradient_hook(feature: Any, key: int) -> Any:
     its subscribers by key in the feature (:attr:`BackwardFrames._leaf_subscribers`). It lives
     for every backward pass of its batch, and a PINN keeps its input points for the whole run:
     through its frames it would hold the model, so a watch dropped unclosed with its model
-    would live as long as the points (and the garbage collector does not see a tensor's
-    hooks: with the batch's inputs held for a replay, such a cycle is never freed)."""
+    would live as long as the points (the garbage collector does not see a tensor's hooks)."""
     def hook(grad: Any) -> None:
         live = feature()
         if live is not None:
