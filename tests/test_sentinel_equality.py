@@ -595,6 +595,8 @@ def test_a_gradient_penalty_nan_is_the_same_event_in_both_modes_and_says_how_it_
         assert "nondeterministic" not in said and "requires grad" not in said
         assert "not through the model's outputs" in said and "gradient penalty" in said
         assert "w.replay(0, loss_fn=...)" in said
+        # loss_fn gets the outputs only: the penalty's own sqrt is what to look at.
+        assert "cannot be rebuilt from the outputs" in said and "+ 1e-12" in said
 
 
 class ShiftedSqrt(nn.Module):

@@ -22,7 +22,11 @@ def not_through_outputs(batch: int) -> str:
             "intermediate tensor kept aside, or a gradient penalty whose "
             "torch.autograd.grad(create_graph=True) runs the modules' backward again (its double "
             "backward); give the watch loss_fn (the whole loss, those terms included) or run "
-            f"w.replay({batch}, loss_fn=...) to trace it")
+            f"w.replay({batch}, loss_fn=...) to trace it. A term that needs the batch's inputs "
+            "(a gradient penalty, a PINN's derivatives) cannot be rebuilt from the outputs that "
+            "loss_fn gets: look at its own ops (a norm or sqrt at 0 needs an eps, "
+            "torch.sqrt((g ** 2).sum(1) + 1e-12)); full mode with backward=True names a module "
+            "whose gradient went non-finite in any backward pass of the batch")
 
 
 # The first bad op's inputs and outputs, described (signed finite range, non-finite counts).
