@@ -443,3 +443,38 @@ def test_a_nan_learning_rate_of_an_optimizer_outside_torch_is_named(mode):
     assert "_DataWritingSGD step after batch 1, which ran with a non-finite learning rate " \
         "(lr=nan)" in diagnosis.summary
     assert "before the watch began" not in diagnosis.summary
+
+
+def test_the_capture_tells_a_closure_forward_from_a_plain_one():
+    # LBFGS calls its closure (a forward) several times inside one step; a validation forward
+    # after it runs outside any step. The diagnosis reads which is which.
+    import gc
+    import weakref
+    from nanwidget.core.state import optimizer_steps
+    torch.manual_seed(0)
+    model = _model()
+    x = torch.randn(8, 16)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with nw.watch(model, keep_batches=8) as w:
+        model(x)  # batch 0: before any step
+        optimizer.step(closure)  # batches 1.. : inside the step
+        model(x)  # the last batch: after it
+        capture = w.parts.capture
+        inside = [capture.steps_in_progress(b) for b in capture.held_batches()]
+        assert optimizer_steps().optimizer is None  # the step ended: no optimizer held
+        assert weakref.ref(optimizer) in {r for r in optimizer_steps().optimizers.values()}
+    assert inside[0] == [0] and inside[-1] == [0]
+    closures = inside[1:-1]
+    assert len(closures) >= 2 and all(s == closures[0] and s[0] > 0 for s in closures)
+    assert not optimizer_steps().optimizers  # the last watch closed: none remembered
+    ref = weakref.ref(optimizer)
+    del optimizer, closure
+    gc.collect()
+    assert ref() is None

@@ -153,10 +153,15 @@ class StepLog:
     last watch closes, or when too many are kept); ``bad_lr``: id(parameter) -> (``count``,
     optimizer class name, lr) of the last step that wrote it with a NaN/Inf learning rate;
     ``stepping``: a number for the optimizer step in progress (0: none), new for each step
-    (``started`` counts them; ``pre_handle``: the hook that numbers them)."""
+    (``started`` counts them; ``pre_handle``: the hook that numbers them); ``optimizer``: the
+    optimizer whose step is in progress, as its hook handed it (kept while ``stepping``: a
+    forward inside that step, LBFGS's closure, is told by its param groups; a step that raised
+    keeps it until the next step or the last watch's close); ``optimizers``: id -> weak
+    reference of every optimizer that stepped, wrappers included (Lookahead: a diagnosis reads
+    their param groups and state)."""
 
     __slots__ = ("count", "marks", "kinds", "users", "handle", "bad_lr", "marks_from",
-                 "stepping", "started", "pre_handle")
+                 "stepping", "started", "pre_handle", "optimizer", "optimizers")
 
     def __init__(self) -> None:
         self.count = 0
@@ -169,6 +174,8 @@ class StepLog:
         self.stepping = 0
         self.started = 0
         self.pre_handle: Any = None
+        self.optimizer: Any = None
+        self.optimizers: dict[int, Any] = {}
 
 
 _OPTIMIZER_STEPS = StepLog()

@@ -16,10 +16,14 @@ step counts. The class names of the optimizers that stepped are kept too
 the optimizer that ran). A step whose param group had a non-finite learning rate (a
 scheduler's ``lr_lambda`` returning NaN) is remembered for the parameters it wrote (a float lr,
 or a tensor lr on the CPU: a GPU tensor's is never read, that would wait for the device).
-A hook before every step numbers the step in progress (:func:`step_in_progress`): a forward
-inside one is a closure the optimizer calls, LBFGS many times per step. Cost: one short loop
-over the optimizer's parameters, one finiteness check of each group's lr and one dict lookup
-per step; nothing per module call.
+A hook before every step numbers the step in progress (:func:`step_in_progress`) and keeps a
+weak reference to its optimizer: a forward inside one is a closure the optimizer calls, LBFGS
+many times per step, and meets what the step wrote before its post hook marks anything (a NaN
+lr is read from that optimizer's param groups, at event time). The optimizers that stepped,
+wrappers included, are kept weakly (:func:`optimizers_holding`): a diagnosis reads their param
+groups (SAM's rho) and a wrapper's state (Lookahead's slow weights). Cost: about 0.12 us for
+the pre-step hook; one short loop over the optimizer's parameters, one finiteness check of
+each group's lr and two dict lookups in the post-step hook; nothing per module call.
 
 An optimizer that is not a ``torch.optim.Optimizer`` (fastai's own ``Optimizer``, the default of
 every fastai ``Learner``, writes through ``p.data``: no hook, no counter) is told to the watches
@@ -29,6 +33,7 @@ by whoever steps it: :func:`note_optimizer_step` after each of its steps does th
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -39,7 +44,8 @@ from .graph_capture import run_eagerly_under_dynamo
 from .state import optimizer_steps
 
 __all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "step_in_progress",
-           "written_since",
+           "written_since", "nonfinite_lr_in_step", "optimizer_state_nonfinite",
+           "optimizers_holding", "stepping_optimizer", "param_group_of",
            "wraps_an_optimizer", "optimizers_stepped", "nonfinite_lr_step", "last_step_writing",
            "marks_kept_from", "note_optimizer_step"]
 
@@ -59,14 +65,37 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     log = _LOG
     log.started += 1
     log.stepping = log.started
+    log.optimizer = _ref(optimizer)  # weak: a step that raised must not keep it alive
+
+
+_ref = weakref.ref
+_KEEP_OPTIMIZERS = 64  # optimizers remembered at most (the collected ones go first)
 
 
 @run_eagerly_under_dynamo  # a compiled train step may call the optimizer
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    _LOG.stepping = 0
+    log = _LOG
+    log.stepping = 0
+    log.optimizer = None
+    if id(optimizer) not in log.optimizers:
+        _remember(optimizer)
     if wraps_an_optimizer(optimizer):
         return
     _mark_step(optimizer)
+
+
+def _remember(optimizer: Any) -> None:
+    """Keep a weak reference to an optimizer that stepped (once per optimizer)."""
+    kept = _LOG.optimizers
+    if len(kept) >= _KEEP_OPTIMIZERS:
+        for key in [k for k, reference in kept.items() if reference() is None]:
+            del kept[key]
+        if len(kept) >= _KEEP_OPTIMIZERS:
+            kept.pop(next(iter(kept)))
+    try:
+        kept[id(optimizer)] = _ref(optimizer)
+    except TypeError:  # an object that takes no weak reference: not remembered
+        pass
 
 
 def note_optimizer_step(optimizer: Any) -> None:
@@ -160,6 +189,8 @@ class StepTracking:
                 log.pre_handle.remove()
                 log.pre_handle = None
             log.stepping = 0
+            log.optimizer = None
+            log.optimizers.clear()
             log.marks.clear()
             log.bad_lr.clear()
             log.kinds.clear()
@@ -211,3 +242,79 @@ def marks_kept_from() -> int:
     last watch closes, or when too many are kept): a parameter without a mark was written by
     no optimizer step since then."""
     return _LOG.marks_from
+
+
+def param_group_of(optimizer: Any, tensor: torch.Tensor) -> dict | None:
+    """The param group of ``optimizer`` that holds ``tensor`` (by identity), or None. Event
+    time only."""
+    try:
+        for group in optimizer.param_groups:
+            if any(p is tensor for p in group["params"]):
+                return group
+    except Exception:  # not torch's param_groups
+        pass
+    return None
+
+
+def nonfinite_lr_in_step(tensor: torch.Tensor) -> tuple[int, str, float] | None:
+    """The optimizer step in progress, when the param group holding ``tensor`` has a NaN/Inf
+    learning rate: (its :func:`step_in_progress` number, the optimizer's class name, the lr).
+    A forward inside the step (LBFGS's closure) meets what the step wrote before its post hook
+    marks it. None when no step is in progress or its lr is finite. Event time only."""
+    log = _LOG
+    optimizer = stepping_optimizer()
+    group = param_group_of(optimizer, tensor) if optimizer is not None else None
+    lr = _nonfinite_lr(group.get("lr")) if group is not None else None
+    return None if lr is None else (log.stepping, type(optimizer).__name__, lr)
+
+
+def stepping_optimizer() -> Any | None:
+    """The optimizer whose step is in progress (:func:`step_in_progress`), None when none is
+    (or it was collected since a step of it raised)."""
+    log = _LOG
+    return log.optimizer() if log.stepping and log.optimizer is not None else None
+
+
+def optimizers_holding(tensor: torch.Tensor) -> list[tuple[Any, dict]]:
+    """The optimizers that stepped while watches were live and hold ``tensor`` in a param
+    group, each with that group (a wrapper shares its inner optimizer's groups: both come).
+    Event time only."""
+    found = []
+    for reference in list(_LOG.optimizers.values()):
+        optimizer = reference()
+        group = param_group_of(optimizer, tensor) if optimizer is not None else None
+        if group is not None:
+            found.append((optimizer, group))
+    return found
+
+
+def optimizer_state_nonfinite(tensor: torch.Tensor) -> list[str]:
+    """The non-finite state tensors that optimizer wrappers keep for ``tensor``, as a user
+    would reach them: ``"Lookahead.state[p]['slow']"``. A wrapper is an optimizer whose step
+    hands over to another one it holds (Lookahead keeps slow weights that it copies into the
+    parameters every k steps); an optimizer's own moments (Adam's exp_avg) are left out: a
+    non-finite gradient makes those, and so does SAM's perturbation (``state[p]['e_w']``,
+    a SAM is told by its ``first_step``). Event time only."""
+    found = []
+    for optimizer, _ in optimizers_holding(tensor):
+        if not _wraps(optimizer) or hasattr(optimizer, "first_step"):
+            continue
+        state = getattr(optimizer, "state", None)
+        try:
+            entries = state.get(tensor) if state is not None else None
+        except Exception:
+            entries = None
+        if not isinstance(entries, dict):
+            continue
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() \
+                    and not bool(torch.isfinite(value).all()):
+                found.append(f"{type(optimizer).__name__}.state[p][{key!r}]")
+    return found
+
+
+def _wraps(optimizer: Any) -> bool:
+    """Whether ``optimizer`` holds another torch optimizer in one of its attributes (its
+    ``optimizer`` or ``base_optimizer``: Lookahead, SAM)."""
+    return any(isinstance(value, torch.optim.Optimizer) and value is not optimizer
+               for value in vars(optimizer).values()) if hasattr(optimizer, "__dict__") else False

@@ -25,7 +25,7 @@ from ..options import batch_number
 from ..recorder import Feature
 from ..stats import version_of
 from ..walk import iter_leaves
-from ..writes import steps_taken
+from ..writes import step_in_progress, steps_taken
 from .inputs import UncopiedInput, copy_structure, needs_copy
 
 __all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "layouts_of", "ReplayError",
@@ -88,7 +88,7 @@ class ForwardCapture:
     __slots__ = ("args", "kwargs", "inputs", "input_versions", "end_input_versions", "cpu_rng",
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
                  "weight_versions", "weight_layout", "end_buffer_versions", "snapshot",
-                 "needs_grad", "steps", "uncopied", "end_renormed_versions")
+                 "needs_grad", "steps", "uncopied", "end_renormed_versions", "stepping")
 
     def __init__(self) -> None:
         self.uncopied = ""  # the first input that could not be copied, and why
@@ -99,6 +99,7 @@ class ForwardCapture:
         self.end_renormed_versions: list[int] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
         self.steps = 0  # optimizer steps seen when it started (core.writes)
+        self.stepping = 0  # the optimizer step it ran inside (a closure's forward); 0: none
 
 
 def _held_copy(capture: ForwardCapture, role: str, value: Any, memo: dict[int, Any]) -> Any:
@@ -331,6 +332,7 @@ class BatchCapture(Feature):
                 state
             weights = capture.weights
         capture.steps = steps_taken()  # fused optimizer steps move no version counter
+        capture.stepping = step_in_progress()  # LBFGS's closure runs inside the step
         if self.snapshot_weights:
             capture.snapshot = self._snapshot(weights)
         if held is None:
@@ -499,6 +501,13 @@ class BatchCapture(Feature):
         """Optimizer steps taken in this process when each held batch started, by batch (a
         step between two batches: the later one's number is larger)."""
         return {b: held.forwards[0].steps for b, held in self.held.items() if held.forwards}
+
+    def steps_in_progress(self, batch: int) -> list[int]:
+        """For each root forward of held ``batch``, the number of the optimizer step it ran
+        inside (:func:`~nanwidget.core.writes.step_in_progress`: a closure the optimizer called,
+        LBFGS's), 0 for a forward outside any step; empty when the batch is not held."""
+        held = self.held.get(batch)
+        return [capture.stepping for capture in held.forwards] if held is not None else []
 
     def held_inputs(self, batch: int) -> list[tuple[str, torch.Tensor]]:
         """The input tensors of ``batch``'s root forwards by role (``input[0]``,
