@@ -4122,3 +4122,164 @@ def test_sentinel_mode_does_not_claim_which_batch_first_used_an_idle_corrupted_e
     assert "first to use it" not in diagnosis.summary
     assert "batch 4 is the first whose outputs it made NaN (the batches between had finite " \
         "outputs: they may not have read it)" in diagnosis.summary
+
+
+# ------------------------------------------------------- optimizers and optimizer wrappers
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("on_nan", ["raise", "record"])
+def test_an_lbfgs_step_with_a_nan_learning_rate_names_the_lr(mode, on_nan):
+    # LBFGS refuses lr=nan when made; a scheduler (or a write) sets it later. The step writes
+    # NaN into every weight, and its next closure call (a forward inside the step, before the
+    # post-step hook marks anything) meets them. It was a write "after batch 0" with gradient
+    # clipping advice; the lr went unread.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    optimizer.param_groups[0]["lr"] = math.nan
+
+    def closure():
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    options = {"mode": "sentinel"} if mode == "sentinel" else {}
+    w = nw.watch(model, on_nan=on_nan, **options)
+    try:
+        with contextlib.suppress(nw.NanDetected):
+            optimizer.step(closure)
+        event = w.event
+        diagnosis = event.diagnosis
+    finally:
+        w.close()
+    assert (event.batch, event.origin, diagnosis.kind, diagnosis.confidence) == \
+        (1, "weight", "corrupted-weight", "high")
+    assert "in the LBFGS step after batch 0, which ran with a non-finite learning rate " \
+        "(lr=nan)" in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("Find what set the learning rate to nan: ")
+    assert not any("clip" in fix or "backward=True" in fix for fix in diagnosis.suggestion)
+
+
+class _Sam(torch.optim.Optimizer):
+    """Sharpness-aware minimization as it is usually written (davda54/sam): first_step climbs
+    to w + rho * g / |g|, second_step comes back and lets the base optimizer step."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self, zero_grad=False):
+        grad_norm = torch.norm(torch.stack([p.grad.norm(p=2) for group in self.param_groups
+                                            for p in group["params"] if p.grad is not None]))
+        for group in self.param_groups:
+            scale = group["rho"] / grad_norm
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                e_w = p.grad * scale.to(p)
+                p.add_(e_w)
+                self.state[p]["e_w"] = e_w
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad=False):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(self.state[p]["e_w"])
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure):
+        self.first_step(zero_grad=True)
+        torch.enable_grad()(closure)()
+        self.second_step()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("form", ["two steps", "closure"])
+def test_a_sam_first_step_with_a_zero_gradient_norm_is_told_as_written_outside_the_step(
+        mode, form):
+    # A batch whose loss is zero (its targets are the model's own outputs) gives every
+    # gradient 0: SAM's first_step writes rho * 0 / 0 = NaN into the weights, outside any torch
+    # optimizer step. It was told as "the optimizer step, load or write" with clipping advice.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    optimizer = _Sam(model.parameters(), torch.optim.SGD, rho=0.05, lr=0.1)
+    with watch(model, mode) as w:
+        for step in range(5):
+            target = model(x).detach() if step == 3 else y
+            nn.functional.mse_loss(model(x), target).backward()
+            if form == "closure":  # sam.step(closure): the closure's forward is inside it
+                optimizer.step(lambda: nn.functional.mse_loss(model(x), target).backward())
+                optimizer.zero_grad()
+                continue
+            optimizer.first_step(zero_grad=True)
+            nn.functional.mse_loss(model(x), target).backward()
+            optimizer.second_step(zero_grad=True)
+            if w.events:
+                break
+    event = w.event
+    diagnosis = event.diagnosis
+    assert (event.batch, event.origin, diagnosis.kind, diagnosis.confidence) == \
+        (8, "weight", "corrupted-weight", "high")
+    assert "'0.weight', '0.bias' became NaN after batch 7, written outside optimizer.step(): " \
+        "by the SAM first step" in diagnosis.summary
+    assert "no torch optimizer step wrote them since" in "\n".join(diagnosis.evidence)
+    assert "(grad_norm + 1e-12)" in diagnosis.suggestion[0]
+    assert not any("clip" in fix for fix in diagnosis.suggestion)
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """Lookahead (Zhang et al. 2019) as it is usually written: slow weights in
+    self.state[p]['slow'], pulled toward the fast ones and copied back every k steps."""
+
+    def __init__(self, optimizer, k=3, alpha=0.5):
+        self.optimizer, self.k, self.alpha, self.steps = optimizer, k, alpha, 0
+        super().__init__(optimizer.param_groups, dict(k=k, alpha=alpha))
+        self.param_groups = optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.optimizer.step(closure)
+        self.steps += 1
+        if self.steps % self.k == 0:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    slow = self.state[p].setdefault("slow", p.detach().clone())
+                    slow.add_(p - slow, alpha=self.alpha)
+                    p.copy_(slow)
+        return loss
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lookahead_slow_weights_that_hold_nan_are_named(mode):
+    # The slow weights of the first layer come from a checkpoint that held NaN: the third
+    # step copies them into the weight. It was told as a step's write with gradient clipping
+    # advice; the gradients were finite.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    optimizer = _Lookahead(torch.optim.Adam(model.parameters(), lr=1e-2), k=3)
+    optimizer.state[model[0].weight]["slow"] = torch.full_like(model[0].weight, math.nan)
+    with watch(model, mode) as w:
+        for _ in range(5):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            if w.events:
+                break
+    event = w.event
+    diagnosis = event.diagnosis
+    assert (event.batch, event.origin, diagnosis.kind, diagnosis.confidence) == \
+        (3, "weight", "corrupted-weight", "high")
+    assert "'0.weight' became NaN after batch 2 from the optimizer state " \
+        "_Lookahead.state[p]['slow'], which is NaN" in diagnosis.summary
+    assert not any("clip" in fix or "backward=True" in fix for fix in diagnosis.suggestion)

@@ -595,6 +595,17 @@ class Facts:
     # Non-finite weight name -> (optimizer class name, lr) of the optimizer step after its last
     # finite batch that wrote it with a NaN/Inf learning rate (a scheduler gone wrong).
     nonfinite_lr: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # The event's forward ran inside the optimizer step in progress (a closure: LBFGS's) whose
+    # param group had a NaN/Inf lr: that step wrote them before its own end.
+    lr_step_in_progress: bool = False
+    # Non-finite weight name -> the non-finite state tensors an optimizer wrapper keeps for it
+    # ("Lookahead.state[p]['slow']"): the wrapper copies them into the weight.
+    wrapper_state_nonfinite: dict[str, list[str]] = field(default_factory=dict)
+    # Non-finite weight name -> what wrote it outside any torch optimizer step ("SAM": a param
+    # group of the optimizer holding it has SAM's rho; "SAM step": the event's forward was a
+    # closure inside sam.step(closure), after its first_step; "" when unknown): its version
+    # counter moved after its last finite batch, and no optimizer step wrote it since.
+    written_outside_step: dict[str, str] = field(default_factory=dict)
     # Non-finite weight name no optimizer step wrote -> "buffer" (in no optimizer), "parameter"
     # (one without a gradient that no step the watch saw updated, while optimizer steps were
     # seen: an EMA copy's, AveragedModel's) or "no step" (no optimizer step ran under the watch,

@@ -31,8 +31,10 @@ from ..recorder import Feature, ModuleInfo, Recorder
 from ..schema import PACKED
 from ..stats import (PLAIN_TENSOR_TYPES, local_shard, storage_holds, version_of,
                      vmapped_samples)
-from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_step,
-                      optimizers_stepped, steps_taken, written_since)
+from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_in_step,
+                      nonfinite_lr_step, optimizer_state_nonfinite, optimizers_holding,
+                      optimizers_stepped, param_group_of, step_in_progress,
+                      stepping_optimizer, steps_taken, written_since)
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
                     output_grad_bad, packed_samples, weight_names)
 from .rules import diagnose
@@ -337,6 +339,8 @@ class Diagnoser(Feature):
             self._weights_last_finite(facts)
             self._stepped_with_nonfinite_lr(facts)
             self._not_stepped(facts)
+            self._wrapper_state(facts)
+            self._written_outside_step(facts)
             facts.optimizers = optimizers_stepped()
             facts.checks_gradients = self.checks_gradients
             facts.backward_passes = self.backward_passes() if self.backward_passes else None
@@ -737,6 +741,69 @@ class Diagnoser(Feature):
             if last in steps and count <= steps[last]:
                 continue
             facts.nonfinite_lr[name] = (kind, lr)
+        # A forward inside the step in progress (LBFGS's closure, called several times per
+        # step) meets the weights the step wrote before its end: no post-step hook marked them.
+        stepping = self.capture.steps_in_progress(facts.event.batch) \
+            if self.capture is not None else []
+        if not stepping or stepping[-1] == 0 or stepping[-1] != step_in_progress():
+            return
+        for name in facts.weights_last_finite:
+            if name in facts.nonfinite_lr:
+                continue
+            tensor = self.recorder.weight(*self.recorder.weight_owner(name))
+            in_step = nonfinite_lr_in_step(tensor) if tensor is not None else None
+            if in_step is not None:
+                facts.nonfinite_lr[name] = in_step[1:]
+                facts.lr_step_in_progress = True
+
+    def _wrapper_state(self, facts: Facts) -> None:
+        """The non-finite weights whose optimizer wrapper (Lookahead) keeps a non-finite state
+        tensor for them (its slow weights), while their gradient, if any, is finite."""
+        for name in facts.weights_last_finite:
+            tensor = self.recorder.weight(*self.recorder.weight_owner(name))
+            if tensor is None or (tensor.grad is not None
+                                  and not bool(torch.isfinite(tensor.grad).all())):
+                continue
+            bad = optimizer_state_nonfinite(tensor)
+            if bad:
+                facts.wrapper_state_nonfinite[name] = bad
+
+    def _written_outside_step(self, facts: Facts) -> None:
+        """The non-finite parameters written in place after their last finite batch (the
+        version counter moved) that no optimizer step wrote since, while the event's forward
+        ran outside any step: a write between steps did it (SAM's first_step). Or, when the
+        forward was a closure inside the step in progress of a SAM (``sam.step(closure)``), that
+        step's first_step wrote them before its base optimizer stepped. Told only when every
+        step since was marked and the last finite batch is held."""
+        if self.capture is None or facts.event.is_backward:
+            return
+        steps = self.capture.optimizer_steps()
+        stepping = self.capture.steps_in_progress(facts.event.batch)
+        inside = None  # the SAM whose step the event's forward ran inside
+        if stepping and stepping[-1] and stepping[-1] == step_in_progress():
+            inside = stepping_optimizer()
+            if inside is None or not hasattr(inside, "first_step"):
+                return
+        elif not stepping or stepping[-1] != 0:
+            return
+        for name, last in facts.weights_last_finite.items():
+            if not facts.weights_written.get(name) or last not in steps \
+                    or marks_kept_from() > steps[last]:
+                continue
+            tensor = self.recorder.weight(*self.recorder.weight_owner(name))
+            if tensor is None or (last_step_writing(tensor) or 0) > steps[last]:
+                continue
+            if inside is not None:
+                group = param_group_of(inside, tensor)
+                holding = [] if group is None else [(inside, group)]
+            else:
+                holding = optimizers_holding(tensor)
+            if not holding:
+                continue  # no optimizer holds it: a write, an EMA, a load (told elsewhere)
+            sam = any("rho" in group or hasattr(optimizer, "first_step")
+                      for optimizer, group in holding)
+            facts.written_outside_step[name] = ("SAM step" if inside is not None else "SAM") \
+                if sam else ""
 
     def _not_stepped(self, facts: Facts) -> None:
         """The non-finite weights no optimizer step wrote (see ``Facts.not_stepped``). A

@@ -1095,6 +1095,10 @@ def _weights(facts: Facts) -> Diagnosis | None:
         return _in_added_module(facts, names, dtype)
     if names and all(n in facts.nonfinite_lr for n in names):
         return _stepped_with_nonfinite_lr(facts, names, dtype)
+    if names and all(facts.written_outside_step.get(n) in ("SAM", "SAM step") for n in names):
+        return _written_by_sam_first_step(facts, names, dtype)
+    if names and all(n in facts.wrapper_state_nonfinite for n in names):
+        return _wrapper_state_nonfinite(facts, names, dtype)
     grew = _weights_growth(facts)
     if grew is not None:
         evidence = [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
@@ -1316,6 +1320,10 @@ def _stepped_with_nonfinite_lr(facts: Facts, names: list[str], dtype: str) -> Di
                 "every parameter of that group it updated became NaN/Inf)."]
     if batch is not None:
         evidence.append(f"{'It was' if one else 'They were'} finite when batch {batch} ran.")
+    if facts.lr_step_in_progress:
+        evidence.append(f"Batch {event.batch}'s forward ran inside that step, before it ended: "
+                        "a closure the optimizer calls (LBFGS evaluates it several times per "
+                        "step), so the step wrote the weights before its own end.")
     first = f"batch {event.batch} is the first to use {'it' if one else 'them'}"
     summary = (f"{shown} became {_kind_words(event.kind)} in the {'/'.join(kinds)} step {after}, "
                f"which ran with a non-finite learning rate (lr={'/'.join(lrs)}); {first}.")
@@ -1332,6 +1340,79 @@ def _stepped_with_nonfinite_lr(facts: Facts, names: list[str], dtype: str) -> Di
         "(math.isfinite(g['lr'])), and reload the weights from " + reload + ": that step wrote "
         "NaN/Inf into every parameter it updated."]
     return Diagnosis("corrupted-weight", summary, evidence, suggestion, confidence="high")
+
+
+def _wrapper_state_nonfinite(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
+    """Weights an optimizer wrapper overwrote from its own non-finite state (Lookahead copies
+    its slow weights into the parameters every k steps): the state was bad, not the gradient."""
+    event = facts.event
+    one = len(names) == 1
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    states = list(dict.fromkeys(s for n in names for s in facts.wrapper_state_nonfinite[n]))
+    state = ", ".join(states[:3]) + (" ..." if len(states) > 3 else "")
+    wrapper = states[0].partition(".")[0]
+    last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
+    batch = max(last) if last else None
+    after = f"after batch {batch}" if batch is not None else f"before batch {event.batch}"
+    kind = _kind_words(event.kind)
+    summary = (f"{shown} became {kind} {after} from the optimizer state {state}, which is "
+               f"{kind}: the {wrapper} step copies that state into the "
+               f"{'parameter' if one else 'parameters'} (Lookahead: slow += alpha * (fast - "
+               f"slow); p.copy_(slow) every k steps); batch {event.batch} is the first to use "
+               f"{'it' if one else 'them'}.")
+    evidence = [f"{shown} {'holds' if one else 'hold'} {kind} at batch {event.batch}"
+                + (f" ({dtype})." if dtype else "."),
+                f"{state} (p: {'that parameter' if one else 'each of them'}) holds {kind}; "
+                f"{wrapper} wraps another optimizer and keeps it for p."]
+    if batch is not None:
+        evidence.append(f"{'It was' if one else 'They were'} finite when batch {batch} ran: a "
+                        f"{wrapper} step after it wrote {'it' if one else 'them'}.")
+    suggestion = [
+        f"Find what made {state} {kind}: a checkpoint's optimizer state loaded with "
+        f"{wrapper}.load_state_dict (check torch.isfinite on its tensors before loading), or "
+        "slow weights copied from the parameters while they held NaN/Inf (an earlier bad "
+        "step); the gradients did not make it.",
+        f"Reset it from finite weights: for each p, {states[0]} = p.detach().clone() (after "
+        "reloading the parameters from a checkpoint saved before the bad step)."]
+    return Diagnosis("corrupted-weight", summary, evidence, suggestion, confidence="high")
+
+
+def _written_by_sam_first_step(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
+    """Weights written in place outside any optimizer step by an optimizer whose param groups
+    hold SAM's rho: SAM's first_step (p.add_(rho * p.grad / grad_norm)) is not a torch
+    optimizer step, and a zero gradient norm makes it 0/0 = NaN."""
+    event = facts.event
+    one = len(names) == 1
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
+    batch = max(last) if last else None
+    after = f"after batch {batch}" if batch is not None else f"before batch {event.batch}"
+    kind = _kind_words(event.kind)
+    summary = (f"{shown} became {kind} {after}, written outside optimizer.step(): by the SAM "
+               "first step (e_w = rho * p.grad / grad_norm; p.add_(e_w)), which a zero gradient "
+               f"norm makes 0/0 = NaN; batch {event.batch} is the first to use "
+               f"{'it' if one else 'them'}.")
+    evidence = [f"{shown} {'holds' if one else 'hold'} {kind} at batch {event.batch}"
+                + (f" ({dtype})." if dtype else "."),
+                f"{'Its' if one else 'Their'} version counter moved after batch {batch} (an "
+                "in-place write), but no torch optimizer step wrote "
+                f"{'it' if one else 'them'} since (the watch marks each parameter a step "
+                f"updates), and batch {event.batch}'s forward ran "
+                + ("inside SAM's step, as the closure it calls after first_step (before the "
+                   "base optimizer's step)." if any(facts.written_outside_step[n] == "SAM step"
+                                                    for n in names)
+                   else "outside any step."),
+                "The optimizer holding them has SAM's rho in its param groups: SAM's "
+                "first_step perturbs the weights outside the base optimizer's step(). A "
+                "gradient norm of 0 (a frozen or dead layer, a batch with zero loss) gives "
+                "rho * 0 / 0 = NaN."]
+    suggestion = [
+        "Add a small constant to the gradient norm in SAM.first_step: scale = group['rho'] / "
+        "(grad_norm + 1e-12), so that a zero gradient perturbs nothing instead of writing NaN.",
+        "Or skip both SAM steps when the gradient norm is 0 (nothing to climb); reload the "
+        "weights from a checkpoint saved before that step."]
+    return Diagnosis("corrupted-weight", summary, evidence, suggestion,
+                     confidence="high" if batch is not None else "medium")
 
 
 def _gradients_finite(facts: Facts) -> bool:
