@@ -4283,3 +4283,24 @@ def test_lookahead_slow_weights_that_hold_nan_are_named(mode):
     assert "'0.weight' became NaN after batch 2 from the optimizer state " \
         "_Lookahead.state[p]['slow'], which is NaN" in diagnosis.summary
     assert not any("clip" in fix or "backward=True" in fix for fix in diagnosis.suggestion)
+
+
+def test_lookahead_slow_weights_made_nan_by_a_nan_gradient_are_not_blamed():
+    # The third step's loss is NaN: Adam writes NaN into the weights and its own moments, and
+    # Lookahead's slow weights follow them. The NaN came with the gradient, not from the slow
+    # weights: they are not named.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    optimizer = _Lookahead(torch.optim.Adam(model.parameters(), lr=1e-2), k=3)
+    with watch(model, "full") as w:
+        for step in range(5):
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            (loss * math.nan if step == 2 else loss).backward()
+            optimizer.step()
+            if w.events:
+                break
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, diagnosis.kind) == (3, "corrupted-weight")
+    assert "state[p]" not in diagnosis.summary

@@ -294,23 +294,33 @@ def optimizer_state_nonfinite(tensor: torch.Tensor) -> list[str]:
     hands over to another one it holds (Lookahead keeps slow weights that it copies into the
     parameters every k steps); an optimizer's own moments (Adam's exp_avg) are left out: a
     non-finite gradient makes those, and so does SAM's perturbation (``state[p]['e_w']``,
-    a SAM is told by its ``first_step``). Event time only."""
+    a SAM is told by its ``first_step``). None either when the inner optimizer's own state for
+    ``tensor`` is non-finite too: a NaN gradient went through it, and the wrapper's state then
+    follows the weights. Event time only."""
     found = []
     for optimizer, _ in optimizers_holding(tensor):
-        if not _wraps(optimizer) or hasattr(optimizer, "first_step"):
+        bad = _nonfinite_state(optimizer, tensor)
+        if not bad:
             continue
-        state = getattr(optimizer, "state", None)
-        try:
-            entries = state.get(tensor) if state is not None else None
-        except Exception:
-            entries = None
-        if not isinstance(entries, dict):
-            continue
-        for key, value in entries.items():
-            if isinstance(value, torch.Tensor) and value.is_floating_point() \
-                    and not bool(torch.isfinite(value).all()):
-                found.append(f"{type(optimizer).__name__}.state[p][{key!r}]")
+        if not _wraps(optimizer) and not hasattr(optimizer, "first_step"):
+            return []  # the inner optimizer's moments: a NaN gradient
+        if _wraps(optimizer) and not hasattr(optimizer, "first_step"):
+            found.extend(f"{type(optimizer).__name__}.state[p][{key!r}]" for key in bad)
     return found
+
+
+def _nonfinite_state(optimizer: Any, tensor: torch.Tensor) -> list[Any]:
+    """The keys of ``optimizer.state[tensor]`` whose float tensors hold NaN/Inf."""
+    state = getattr(optimizer, "state", None)
+    try:
+        entries = state.get(tensor) if state is not None else None
+    except Exception:
+        entries = None
+    if not isinstance(entries, dict):
+        return []
+    return [key for key, value in entries.items()
+            if isinstance(value, torch.Tensor) and value.is_floating_point()
+            and not bool(torch.isfinite(value).all())]
 
 
 def _wraps(optimizer: Any) -> bool:
