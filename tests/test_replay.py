@@ -1272,6 +1272,48 @@ def test_an_op_passed_on_by_a_frameworks_op_layer_is_named_at_the_line_that_call
     assert line in w.event.diagnosis.suggestion[0]
 
 
+def _graph_op_layers(root) -> object:
+    """PyTorch Geometric's plumbing under ``root``: a scatter in torch_geometric/utils/_scatter.py
+    and the ``propagate`` it renders from a template into a temporary file
+    (``<module>_<Class>_propagate_<random>.py``) that calls it."""
+    scatter = root / "torch_geometric" / "utils" / "_scatter.py"
+    scatter.parent.mkdir(parents=True)
+    scatter.write_text("import torch\n\n\ndef scatter(x):\n    return torch.log(x)\n")
+    generated = root / "nw_test_LogConv_propagate_k2j4h1x9.py"
+    generated.write_text(f"import importlib.util\n\nspec = importlib.util.spec_from_file_location("
+                         f"'nw_test_scatter', {str(scatter)!r})\n_scatter = importlib.util.module_from_spec(spec)\n"
+                         "spec.loader.exec_module(_scatter)\n\n\ndef propagate(x):\n"
+                         "    return _scatter.scatter(x)\n")
+    spec = importlib.util.spec_from_file_location("nw_test_propagate", generated)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class LogConv(nn.Module):
+    def __init__(self, plumbing) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.plumbing = plumbing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.plumbing.propagate(self.lin(x))  # NaN where negative
+
+
+def test_an_op_in_pytorch_geometric_plumbing_is_named_at_the_conv_line_that_called_it(tmp_path):
+    # Every GNN's aggregation runs through the same line of torch_geometric/utils/_scatter.py,
+    # called from a propagate() that PyG renders into a temporary file: the source and the fix
+    # named one of those, not the conv's self.propagate(...) line.
+    torch.manual_seed(0)
+    model = LogConv(_graph_op_layers(tmp_path))
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(8, 3))
+        trace = w.replay(0)
+    line = line_of(LogConv.forward, "self.plumbing.propagate(")
+    assert trace.first_bad["op"] == "log" and trace.first_bad["source"] == line
+    assert line in w.event.diagnosis.suggestion[0]
+
+
 def test_a_snapshot_replay_is_not_stopped_by_weights_written_non_finite_after_its_batch():
     # The step after the NaN loss wrote NaN into lin; the replay ran with the snapshot (its own
     # frame shows lin.weight finite) and made the NaN again, yet read "not reproduced: met

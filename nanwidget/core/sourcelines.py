@@ -41,8 +41,22 @@ _TOOL_PARTS = (os.sep + "IPython" + os.sep, os.sep + "ipykernel" + os.sep,
 # through the same few lines there, so they say nothing about where a value was made; the
 # caller's line does (the user's, or a model-definition file: keras/src/layers/...,
 # transformers' modeling_*.py, which stay sources).
-_SHIM_DIRS = (("keras", "src", "backend"), ("keras", "src", "ops"))
-_SHIM_PARTS = tuple(os.sep + os.sep.join(parts) + os.sep for parts in _SHIM_DIRS)
+# PyTorch Geometric's are its functional ops (scatter, softmax, degree), its aggregation
+# modules, MessagePassing's plumbing (and the decorator around it), the global pools and its
+# Linear (F.linear, as torch.nn.Linear): every conv's scatter runs through the same line of
+# utils/_scatter.py; the conv's ``self.propagate(...)`` line or the model's
+# ``global_add_pool(...)`` line says where.
+_SHIM_DIRS = (("keras", "src", "backend"), ("keras", "src", "ops"), ("torch_geometric", "utils"),
+              ("torch_geometric", "nn", "aggr"))
+_SHIM_FILES = (("torch_geometric", "nn", "conv", "message_passing.py"),
+               ("torch_geometric", "nn", "pool", "glob.py"), ("torch_geometric", "nn", "dense", "linear.py"),
+               ("torch_geometric", "experimental.py"))
+_SHIM_PARTS = tuple(os.sep + os.sep.join(parts) + os.sep for parts in _SHIM_DIRS) \
+    + tuple(os.sep + os.sep.join(parts) for parts in _SHIM_FILES)
+# The ``propagate`` / ``edge_updater`` that PyTorch Geometric renders from a template for each
+# MessagePassing class and imports from a temporary file (``<tmp>/<module>_<Class>_propagate_
+# <random>.py``): the same plumbing, in a file the user never wrote.
+_GENERATED_PLUMBING = re.compile(r"_(?:propagate|edge_updater)_[a-z0-9_]{8}\.py$")
 _KINDS: dict[str, int] = {}
 
 
@@ -59,7 +73,8 @@ def _file_kind(filename: str) -> int:
         if path.startswith(_CORE_DIR):
             kind = _STOP
         elif path.startswith((_TORCH_DIR,) + _LIBRARY_PATHS) \
-                or any(p in path for p in _TOOL_PARTS + _SHIM_PARTS):
+                or any(p in path for p in _TOOL_PARTS + _SHIM_PARTS) \
+                or _GENERATED_PLUMBING.search(os.path.basename(path)) is not None:
             kind = _SKIP
         elif path.startswith(_STDLIB_DIRS) and "site-packages" not in path \
                 and "dist-packages" not in path:
