@@ -3590,6 +3590,41 @@ def test_an_overflow_in_an_in_place_sum_is_an_overflow_of_the_values_it_read(op,
     assert not any("w.replay(" in fix for fix in diagnosis.suggestion)
 
 
+class _SumPool(nn.Module):
+    """A graph's sum pool by hand: every node's features added into its graph's row."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+        pooled = torch.zeros(2, 4, dtype=x.dtype)
+        if self.op == "scatter_add_":
+            pooled = pooled.scatter_add_(0, graph.unsqueeze(1).expand_as(x), x)
+        else:
+            pooled = pooled.index_add_(0, graph, x)
+        return self.head(pooled)
+
+
+@pytest.mark.parametrize("op", ["scatter_add_", "index_add_"])
+def test_a_float16_sum_pool_over_many_moderate_values_is_told_to_accumulate_in_float32(op):
+    # 4096 nodes of 20 each sum to 81920 in one graph's row: the fix said "keep the values
+    # smaller before scatter_add: divide attention scores by sqrt(d)", of values at most 20.
+    torch.manual_seed(0)
+    model = _SumPool(op).half()
+    x = torch.full((4097, 4), 20.0, dtype=torch.float16)
+    graph = torch.zeros(4097, dtype=torch.long)
+    graph[-1] = 1
+    with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
+        model(x, graph)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow" and w.event.trace.first_bad["op"] == op
+    fixes = "\n".join(diagnosis.suggestion)
+    assert "sums the values that share an index" in fixes and "accumulate in float32" in fixes.lower()
+    assert "reduce='mean'" in fixes and "attention scores" not in fixes
+
+
 def test_an_in_place_sum_whose_result_is_written_again_later_says_so():
     # The evidence describes the output when the diagnosis runs: a later in-place write into it
     # (a mean dividing the sum) shows values the op did not make, and must say so.

@@ -167,7 +167,9 @@ def test_a_float16_overflow_in_global_add_pool_names_the_models_line_not_pygs_sc
     diagnosis = w.event.diagnosis
     line = line_of(PooledNet.forward, "global_add_pool(")
     assert diagnosis.kind == "overflow" and "scatter_add" in diagnosis.summary
-    assert line in diagnosis.summary and "_scatter.py" not in " ".join(diagnosis.suggestion)
+    fixes = " ".join(diagnosis.suggestion)
+    assert line in diagnosis.summary and "_scatter.py" not in fixes
+    assert "global_mean_pool" in fixes and "attention scores" not in fixes
 
 
 def test_a_float16_overflow_in_a_convs_aggregation_names_the_convs_propagate_line():

@@ -18,6 +18,11 @@ _LOW_PRECISION = ("float16", "bfloat16")
 
 
 _EXPONENTIALS = ("exp", "exp2", "expm1", "sinh", "cosh")
+# Sums into an index (a graph's aggregation over a node's neighbours, a pool over a graph's
+# nodes, an embedding bag): they overflow by adding many moderate values, not by a large one.
+_INDEXED_SUMS = ("scatter_add", "scatter_add_", "index_add", "index_add_", "scatter_reduce",
+                 "scatter_reduce_", "index_reduce", "index_reduce_", "segment_reduce",
+                 "_segment_reduce", "embedding_bag", "_embedding_bag")
 _NORMALISATIONS = ("native_group_norm", "native_layer_norm", "native_batch_norm",
                    "native_batch_norm_legit", "native_batch_norm_legit_no_training",
                    "batch_norm_with_update", "batch_norm_no_update")
@@ -53,7 +58,13 @@ def overflow(module: str, dtype: str, at: str, op: str,
                      "by hand, subtract the max first, or sum in float32 (dtype=torch.float32).")
     if dtype.startswith("float8"):  # its range is a few hundred (e4m3) to 57344 (e5m2)
         return fixes + _float8_overflow(dtype, at, op)
-    if op not in _EXPONENTIALS:
+    if op in _INDEXED_SUMS:
+        fixes.append(f"{op}{at} sums the values that share an index (a node's messages from its "
+                     "neighbours, a graph's nodes in a pool): a slot that gathers many overflows "
+                     "though each value is moderate. Accumulate in float32 (src.float(), then cast "
+                     "back), or average instead of summing (scatter_reduce(..., reduce='mean'); "
+                     "in PyTorch Geometric aggr='mean' or global_mean_pool).")
+    elif op not in _EXPONENTIALS:
         fixes.append(f"Keep the values smaller before {op}{at}: scale them (e.g. divide "
                      "attention scores by sqrt(d)), normalise the inputs, or clamp them "
                      f"({'x.clamp(-6e4, 6e4)' if dtype == 'float16' else 'x.clamp(-1e4, 1e4)'}).")
