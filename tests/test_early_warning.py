@@ -809,6 +809,18 @@ def test_a_warning_counts_one_batch_in_the_singular():
     assert later.summary().endswith("in about 12 batches")
 
 
+def test_a_warning_under_half_a_batch_from_the_limit_says_the_next_batch_not_0_batches():
+    # A float16 GCN's sum aggregation at 25400, growing 19.4x per batch, read "about 0 batches
+    # left".
+    soon = nw.EarlyWarning(batch=2, module="lin", role="output", reason="near-limit",
+                           abs_max=25400.0, limit=65504.0, growth_per_batch=19.4,
+                           batches_to_limit=0.32, dtype="float16")
+    assert soon.summary().endswith("(growing 19.4x per batch: the next batch may pass it)")
+    fast = dataclasses.replace(soon, reason="growth")
+    assert fast.summary().endswith("passes float16's largest 65504 within the next batch")
+    assert "0 batches" not in soon.summary() + fast.summary()
+
+
 class _DelayedFloat8Cast(nn.Module):
     """Delayed scaling (TransformerEngine's, torchao's): the next scale is 448 / the recent abs
     max, so the float8_e4m3fn values fill the format's range by design."""

@@ -132,15 +132,18 @@ class EarlyWarning:
         what = f"{self.role} of '{self.module_label}' ({self.dtype})" if self.dtype else \
             f"{self.role} of '{self.module_label}'"
         if self.reason == "growth":
+            when = f"in about {_batches(self.batches_to_limit)}" \
+                if self.batches_to_limit >= 0.5 else "within the next batch"
             text = (f"{what} grows {self.growth_per_batch:.3g}x per batch (abs max "
-                    f"{self.abs_max:.3g}); at that rate it passes {largest} in about "
-                    f"{_batches(self.batches_to_limit)}")
+                    f"{self.abs_max:.3g}); at that rate it passes {largest} {when}")
         else:
             text = (f"{what} reached abs max {self.abs_max:.3g}, within a factor "
                     f"{NEAR_FACTOR:g} of {largest}")
             if self.batches_to_limit == self.batches_to_limit:
-                text += (f" (growing {self.growth_per_batch:.3g}x per batch: about "
-                         f"{_batches(self.batches_to_limit)} left)")
+                # Under half a batch to go read "about 0 batches left": the next batch passes it.
+                left = f"about {_batches(self.batches_to_limit)} left" \
+                    if self.batches_to_limit >= 0.5 else "the next batch may pass it"
+                text += f" (growing {self.growth_per_batch:.3g}x per batch: {left})"
         return f"early warning, {where}: {text}"
 
     def __str__(self) -> str:
