@@ -49,7 +49,8 @@ _TOOL_PARTS = (os.sep + "IPython" + os.sep, os.sep + "ipykernel" + os.sep,
 _SHIM_DIRS = (("keras", "src", "backend"), ("keras", "src", "ops"), ("torch_geometric", "utils"),
               ("torch_geometric", "nn", "aggr"))
 _SHIM_FILES = (("torch_geometric", "nn", "conv", "message_passing.py"),
-               ("torch_geometric", "nn", "pool", "glob.py"), ("torch_geometric", "nn", "dense", "linear.py"),
+               ("torch_geometric", "nn", "pool", "glob.py"),
+               ("torch_geometric", "nn", "dense", "linear.py"),
                ("torch_geometric", "experimental.py"))
 _SHIM_PARTS = tuple(os.sep + os.sep.join(parts) + os.sep for parts in _SHIM_DIRS) \
     + tuple(os.sep + os.sep.join(parts) for parts in _SHIM_FILES)
