@@ -3521,6 +3521,31 @@ def test_an_in_place_op_outside_its_domain_is_a_domain_error(op, reason):
     assert diagnosis.kind == "domain" and reason in diagnosis.summary
 
 
+class DenseGcn(nn.Module):
+    """A GCN layer on a dense adjacency: D^-1/2 A D^-1/2 X W, the degree from the adjacency."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, adjacency: torch.Tensor) -> torch.Tensor:
+        d = adjacency.sum(1).pow(-0.5)
+        return d.unsqueeze(1) * (adjacency @ (d.unsqueeze(1) * self.lin(x)))
+
+
+def test_a_zero_degree_raised_to_a_negative_power_gets_gcn_s_own_fix():
+    torch.manual_seed(0)
+    adjacency = torch.ones(5, 5)
+    adjacency[3] = adjacency[:, 3] = 0  # node 3 has no edge, not even to itself
+    model = DenseGcn()
+    with watch(model, "full") as w:
+        model(torch.randn(5, 4), adjacency)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain" and diagnosis.summary.startswith("pow ")
+    assert any("d.masked_fill_(d == float('inf'), 0)" in fix and "deg.clamp(min=1)" in fix
+               for fix in diagnosis.suggestion)
+
+
 class _SumsInPlace(nn.Module):
     """Node features summed in place, as graph libraries pool them (PyG's scatter_add_ behind
     every aggregation and pooling, DGL's index_add_), or a residual, scale or running sum

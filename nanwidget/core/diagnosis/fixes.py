@@ -310,6 +310,10 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
         return [f"pow{at} of a negative base with a fractional exponent is NaN, and of 0 with a "
                 "negative exponent inf: clamp the base (x.clamp_min(eps)) or use "
                 "x.abs().pow(p) * x.sign().",
+                "A count or a degree raised to a negative power (a graph's D^-1/2 normalisation, "
+                "an inverse frequency) is inf where the count is 0: clamp the count "
+                "(deg.clamp(min=1)) or zero those entries after the power, as GCN's "
+                "normalisation does: d = deg.pow(-0.5); d.masked_fill_(d == float('inf'), 0).",
                 "Its gradient at 0 is infinite for exponents below 1: add an eps to the base."]
     if name in ("var", "std", "var_mean", "std_mean"):
         return [f"{name}{at} over a single element divides by n - 1 = 0: pass correction=0 "
