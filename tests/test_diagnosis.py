@@ -1784,6 +1784,72 @@ def test_nan_in_some_rows_of_the_data_names_the_rows(mode):
     assert diagnosis.suggestion[0].startswith("Look at how rows 2, 4 of input[0] were made")
 
 
+class Denoiser(nn.Module):
+    """A noise predictor called as a diffusion sampler calls its UNet: model(x, t)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.body = nn.Linear(1, 8), nn.Linear(8, 8)
+
+    def forward(self, x, t):
+        return self.body(x + self.embed(t.float().reshape(1, 1) / 100))
+
+
+def sample_with_a_zero_alpha(model: nn.Module) -> None:
+    """A DDIM-like loop whose schedule reaches alpha_bar = 0 at its first timestep (a zero
+    terminal SNR with epsilon prediction): x0 = (x - sqrt(1 - a) * eps) / sqrt(a) is inf."""
+    alphas = {99: 0.0, 66: 0.3, 33: 0.6, 0: 0.99}
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for t in alphas:
+            eps = model(x, torch.tensor(t))
+            x = (x - (1 - alphas[t]) ** 0.5 * eps) / alphas[t] ** 0.5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_inf_fed_back_by_a_sampling_loop_names_the_step_between_the_calls(mode):
+    # The loop's second call got the inf the step after the first made: it was "bad-data ...
+    # it came with the data" with a dataset's fixes only (preprocessing, the collate_fn).
+    torch.manual_seed(0)
+    model = Denoiser()
+    with watch(model, mode) as w:
+        sample_with_a_zero_alpha(model)
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, diagnosis.kind, diagnosis.rows) == (1, "bad-data", [0, 1, 2])
+    assert diagnosis.summary.endswith("it came with the call's inputs (in a sampling loop: from "
+                                      "the step after the previous call), not from the model.")
+    assert "input[1] = 66" in diagnosis.evidence[-1]
+    assert "model's output at batch 0 was finite" in diagnosis.evidence[-1]
+    assert diagnosis.suggestion[0].startswith("If the model runs in a sampling loop, input[0] "
+                                              "is the previous step's result: look at the step "
+                                              "after batch 0")
+    assert "rescale_betas_zero_snr" in diagnosis.suggestion[1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_data_in_a_training_batch_with_a_timestep_per_sample_is_no_sampling_step(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    class PerSampleTime(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, x, t):
+            return self.net(x + t[:, None].float() / 100)
+
+    wrapped = PerSampleTime()
+    x = torch.randn(6, 4)
+    x[2, 1] = math.nan
+    with watch(wrapped, mode) as w:
+        wrapped(torch.randn(6, 4), torch.randint(0, 100, (6,)))
+        wrapped(x, torch.randint(0, 100, (6,)))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.summary.endswith("it came with the data, not from the model.")
+    assert not any("sampling loop" in fix for fix in diagnosis.suggestion)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_padding_mask_built_as_zero_times_minus_inf_gets_the_fixes_of_a_mask(mode):
     # padding * -inf is NaN wherever a token is kept (0 x -inf): the fixes were those of

@@ -590,6 +590,19 @@ def bad_data(roles: list[str], rows: list[int], samples: list[str] | None = None
         "Normalise features with an epsilon: (x - mean) / (std + 1e-6)."]
 
 
+def sampling_step(roles: str, before: int) -> list[str]:
+    """A sampling loop's input made non-finite by the step between two calls of the model
+    (a diffusers scheduler's step(...), an ODE solver's update), not by a dataset."""
+    return [f"If the model runs in a sampling loop, {roles} is the previous step's result: look "
+            f"at the step after batch {before} (scheduler.step(...) or the solver's update), "
+            "and check the latents after each step: assert torch.isfinite(latents).all().",
+            "diffusers: a zero terminal SNR schedule (rescale_betas_zero_snr=True) has "
+            "alphas_cumprod = 0 at the last timestep, so step() divides by sqrt(alpha_prod_t) = 0 "
+            "there unless prediction_type='v_prediction' (what such a schedule needs; train the "
+            "model with it); with timestep_spacing='trailing' the first step of sampling is that "
+            "timestep. A clip_sample=False scheduler lets such values through unclipped."]
+
+
 def mask_built_with_nan(roles: list[str]) -> list[str]:
     """A mask passed in holding NaN: made by arithmetic on -inf (0 x -inf, inf - inf)."""
     return [f"Build {', '.join(roles)} without arithmetic on -inf: (1 - keep) * -inf is NaN "

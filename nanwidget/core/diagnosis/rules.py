@@ -30,6 +30,7 @@ Where before how (the contract's precedence):
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -1029,8 +1030,11 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
     else:
         rows_text = fixes.in_rows(rows, 8)
     verb = "holds" if len(roles) == 1 else "hold"
-    summary = (f"The batch's {', '.join(roles)} {verb} {what}{rows_text}: it came with the "
-               "data, not from the model.")
+    step = _sampling_step(facts, bad)
+    came_from = ("the call's inputs (in a sampling loop: from the step after the previous call)"
+                 if step is not None else "the data")
+    summary = (f"The batch's {', '.join(roles)} {verb} {what}{rows_text}: it came with "
+               f"{came_from}, not from the model.")
     evidence = []
     for item in bad:
         counts = ", ".join(f"{n} {k}" for n, k in ((item.nan, "NaN"), (item.inf, "Inf")) if n)
@@ -1053,11 +1057,43 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
                         f"{item.shape[item.batch_dim] if item.shape else 1}{along}.")
     samples = [f"{i.role} ({_in_sample(i)})" for i in bad if i.sample_of and i.rows]
     suggestion = fixes.bad_data(roles, rows, samples if len(samples) == len(bad) else None)
+    if step is not None:  # the step between the model's calls made it, not a dataset
+        scalar, before = step
+        evidence.append(f"The call took {scalar.role} = {_g(scalar.value_range[0])}, one value "
+                        f"for the whole batch (a sampler's timestep or noise level), and the "
+                        f"model's output at batch {event.batch - 1} was finite (abs max "
+                        f"{_g(before)}): in a sampling loop that feeds its result back, the step "
+                        "between the two calls made the NaN/Inf.")
+        suggestion[:0] = fixes.sampling_step(", ".join(roles), event.batch - 1)
     if not any(i.nan for i in bad) and event.kind == "inf":  # NaN counts: allow_inf no help
         suggestion.append("If the Inf is meant (a -inf mask passed in), let its module hold it: "
                           f"nw.watch(model, allow_inf=['{event.module}']).")
     return Diagnosis("bad-data", summary, evidence, suggestion, rows=rows,
                      confidence="high" if facts.inputs_held else "medium")
+
+
+# The one value a sampler passes per call: positional (UNet(sample, t)) or by a name that says
+# so (timestep=, sigma=, t=); not a count such as the Trainer's num_items_in_batch.
+_SAMPLER_STEP_ROLE = re.compile(r"input\[[1-9]\d*\]|kwarg:(t|\w*(timestep|sigma|noise_level)\w*)")
+
+
+def _sampling_step(facts: Facts, bad: list[Any]) -> tuple[Any, float] | None:
+    """A call of a sampling loop (a diffusion scheduler's, an ODE solver's) whose input came
+    non-finite from the step after the previous call: a one-element input beside it (the
+    timestep: a sampler passes one for the whole batch, training one per sample), and the
+    root's output of the batch before finite. (that input, the previous output's abs max)."""
+    event = facts.event
+    if event.is_backward or event.batch < 1 or not facts.inputs_held:
+        return None
+    scalar = next((i for i in facts.inputs if i not in bad and i.value_range is not None
+                   and math.prod(i.shape) == 1 and not i.nan and not i.inf
+                   and _SAMPLER_STEP_ROLE.fullmatch(i.role)), None)
+    if scalar is None or "" not in facts.history_modules \
+            or event.batch - 1 not in facts.history_batches:
+        return None
+    before = float(facts.history[facts.history_batches.index(event.batch - 1),
+                                 facts.history_modules.index("")])
+    return (scalar, before) if math.isfinite(before) else None
 
 
 def _inside_sample(item: Any) -> str:
