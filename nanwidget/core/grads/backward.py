@@ -97,6 +97,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -233,30 +234,30 @@ def _parameter_hook(feature: Any, owner: int) -> Any:
     return run_eagerly_under_dynamo(hook)
 
 
-def _gradient_hook(feature: Any, subscribers: _Subscribers) -> Any:
-    """The hook on a tensor a module made (see :meth:`BackwardFrames._hook_tensor`): its
-    feature held weakly, so that a graph kept after ``close()`` (a loss, a PINN's derivatives)
-    does not keep the watch alive."""
-    def hook(grad: Any) -> None:
-        live = feature()
-        if live is not None:
+@run_eagerly_under_dynamo
+def _gradient_hook(feature: Any, subscribers: _Subscribers, grad: Any) -> None:
+    """The hook on a tensor a module made (see :meth:`BackwardFrames._hook_tensor`), bound
+    with ``functools.partial`` (marked for Dynamo once, here, not per tensor): its feature held
+    weakly, so that a graph kept after ``close()`` (a loss, a PINN's derivatives) does not keep
+    the watch alive."""
+    live = feature()
+    if live is not None:
+        live._on_grad(subscribers, grad)
+
+
+@run_eagerly_under_dynamo
+def _leaf_gradient_hook(feature: Any, key: int, grad: Any) -> None:
+    """The hook on a leaf tensor (an input that requires grad), bound like
+    :func:`_gradient_hook`: its feature held weakly, and its subscribers by key in the feature
+    (:attr:`BackwardFrames._leaf_subscribers`). It lives for every backward pass of its batch,
+    and a PINN keeps its input points for the whole run: through its frames it would hold the
+    model, so a watch dropped unclosed with its model would live as long as the points (the
+    garbage collector does not see a tensor's hooks)."""
+    live = feature()
+    if live is not None:
+        subscribers = live._leaf_subscribers.get(key)
+        if subscribers is not None:
             live._on_grad(subscribers, grad)
-    return run_eagerly_under_dynamo(hook)
-
-
-def _leaf_gradient_hook(feature: Any, key: int) -> Any:
-    """The hook on a leaf tensor (an input that requires grad): its feature held weakly, and
-    its subscribers by key in the feature (:attr:`BackwardFrames._leaf_subscribers`). It lives
-    for every backward pass of its batch, and a PINN keeps its input points for the whole run:
-    through its frames it would hold the model, so a watch dropped unclosed with its model
-    would live as long as the points (the garbage collector does not see a tensor's hooks)."""
-    def hook(grad: Any) -> None:
-        live = feature()
-        if live is not None:
-            subscribers = live._leaf_subscribers.get(key)
-            if subscribers is not None:
-                live._on_grad(subscribers, grad)
-    return run_eagerly_under_dynamo(hook)
 
 
 def _bound_to(method: Any, info: ModuleInfo) -> Any:
@@ -471,14 +472,15 @@ class BackwardFrames(Feature):
             hooked.clear()
         hooked[key] = (weakref.ref(tensor), version, subscribers)
         if tensor.grad_fn is not None:
-            tensor.register_hook(_gradient_hook(self._weak_self, subscribers))
+            tensor.register_hook(partial(_gradient_hook, self._weak_self, subscribers))
             return
         # A leaf (an input that requires grad, a parameter passed as an argument) keeps its
         # hooks beyond the graph: they are removed at the next root forward after a backward
         # pass ended (every pass of the batch sees them), at close, or when a pass failed.
         self._leaf_key += 1
         self._leaf_subscribers[self._leaf_key] = subscribers
-        handle = tensor.register_hook(_leaf_gradient_hook(self._weak_self, self._leaf_key))
+        handle = tensor.register_hook(partial(_leaf_gradient_hook, self._weak_self,
+                                                   self._leaf_key))
         leaves = self._leaf_handles
         leaves.append((handle, self._leaf_key))
         if len(leaves) > _MAX_LEAF_HOOKS:
