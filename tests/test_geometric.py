@@ -7,7 +7,6 @@ installed.
 
 from __future__ import annotations
 
-import inspect
 import linecache
 import os
 import warnings
@@ -19,23 +18,16 @@ import torch.nn.functional as F
 
 torch_geometric = pytest.importorskip("torch_geometric", reason="PyG models: pip install torch_geometric")
 
-from torch_geometric.data import Batch, Data  # noqa: E402
+from torch_geometric.data import Data  # noqa: E402
 from torch_geometric.loader import DataLoader  # noqa: E402
 from torch_geometric.nn import GATConv, GCNConv, GINConv, SAGEConv, global_add_pool  # noqa: E402
 from torch_geometric.nn import global_max_pool, global_mean_pool  # noqa: E402
 
 import nanwidget as nw  # noqa: E402
 from conftest import hook_count  # noqa: E402
+from test_replay import line_of  # noqa: E402
 
 WATCHES = [{}, {"mode": "sentinel"}, {"backward": True}]
-
-
-def line_of(function, marker: str) -> str:
-    lines, first = inspect.getsourcelines(function)
-    for offset, text in enumerate(lines):
-        if marker in text:
-            return f"{inspect.getsourcefile(function)}:{first + offset}"
-    raise AssertionError(f"{marker!r} not in {function.__qualname__}")
 
 
 def random_graph(nodes: int, edges: int, generator: torch.Generator, y=None) -> Data:
