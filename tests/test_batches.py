@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -523,3 +524,65 @@ def test_abort_after_counts_no_pass_on_meta_tensors(mode) -> None:
         with pytest.raises(nw.AbortAfterBatch):
             model(torch.randn(8, 16))
         assert w.batch == 1
+
+
+class LogLikelihood(nn.Module):
+    def forward(self, probabilities: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return -(targets * torch.log(probabilities)).sum(-1).mean()
+
+
+class HoldsItsLoss(nn.Module):
+    """A classifier holding its loss as a submodule, run on its output in a hand loop
+    (``out = model(x); loss = model.loss(out, y)``), as a LightningModule's training_step does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.loss = LogLikelihood()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.fc(x), -1)
+
+
+def _loss_on(out: torch.Tensor, how: str) -> torch.Tensor:
+    return out.clamp(1e-6, 1.0) if how == "derived" else out
+
+
+@pytest.mark.parametrize("how", ["output", "derived", "no_grad"])
+def test_a_loss_the_model_holds_run_on_its_output_is_in_that_forwards_batch(how) -> None:
+    # The root's return counts the next batch, so the loss's frames (and its backward's) went
+    # to the next batch, and a NaN it made was "batch 3" for the step of batch 2.
+    torch.manual_seed(0)
+    model = HoldsItsLoss()
+    targets = torch.eye(3)[torch.tensor([0, 1, 2, 0])]
+    with nw.watch(model, backward=how != "no_grad") as w:
+        for batch in range(3):
+            with torch.no_grad() if how == "no_grad" else contextlib.nullcontext():
+                out = model(torch.randn(4, 4))
+                loss = model.loss(_loss_on(out, how), targets)
+            if how != "no_grad":
+                loss.backward()
+            assert w.batch == batch + 1
+        model.fc(torch.randn(2, 4))  # not on an output: the next batch's, as before
+        frames = w.frames()
+    loss_frames = frames[frames.module == "loss"].drop_duplicates(["batch", "frame"])
+    phases = ["forward"] if how == "no_grad" else ["forward", "backward"]
+    assert list(zip(loss_frames.batch, loss_frames.phase)) == \
+        [(batch, phase) for batch in range(3) for phase in phases]
+    for batch in range(3):  # after the batch's root forward, in recording order
+        mine = frames[(frames.batch == batch) & (frames.phase == "forward")]
+        assert mine[mine.module == "loss"].frame.min() > mine[mine.module == ""].frame.max()
+    assert set(frames[(frames.module == "fc") & (frames.batch == 3)].phase) == {"forward"}
+
+
+def test_step_after_a_loss_the_model_holds_numbers_batches_without_a_gap() -> None:
+    torch.manual_seed(0)
+    model = HoldsItsLoss()
+    targets = torch.eye(3)[torch.tensor([0, 1, 2, 0])]
+    with nw.watch(model) as w:
+        for _ in range(3):
+            model.loss(model(torch.randn(4, 4)), targets).backward()
+            w.step()
+        frames = w.frames()
+    assert sorted(set(frames[frames.module == "loss"].batch)) == [0, 1, 2]
+    assert sorted(set(frames[frames.module == ""].batch)) == [0, 1, 2]

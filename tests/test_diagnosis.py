@@ -23,6 +23,7 @@ from nanwidget.core.diagnosis import MAX_DIAGNOSIS_REPLAYS
 from test_replay import line_of
 from test_report_golden import Overflowing  # exact weights: overflows float16 at scale 1e4
 from test_trace_lineage import bce_by_hand, saturated_model  # a loss outside the model
+from test_batches import HoldsItsLoss  # a loss held as a submodule, run on the output
 
 MODES = ["full", "sentinel"]
 
@@ -4430,3 +4431,54 @@ def test_lookahead_slow_weights_made_nan_by_a_nan_gradient_are_not_blamed():
     diagnosis = w.event.diagnosis
     assert (w.event.batch, diagnosis.kind) == (3, "corrupted-weight")
     assert "state[p]" not in diagnosis.summary
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_nan_made_by_a_loss_the_model_holds_after_its_forward_is_that_steps_and_the_losss(
+        backward):
+    # A loss held as a submodule, run on the output in a hand loop without set_batch(): its NaN
+    # was "batch 3" for the step of batch 2, and "unknown: what made it could not be told" (the
+    # replay reruns the forward only, which does not run the loss).
+    torch.manual_seed(0)
+    model = HoldsItsLoss()
+    targets = torch.eye(3)[torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nw.watch(model, backward=backward) as w:  # on_nan="raise"
+        for batch in range(3):
+            # batch 2's softmax underflows to exact zeros, and 0 * log(0) is NaN
+            out = model(torch.randn(8, 4) * (1e4 if batch == 2 else 1.0))
+            if batch < 2:
+                model.loss(out, targets).backward()
+                optimizer.step()
+                continue
+            with pytest.raises(nw.NanDetected):
+                model.loss(out, targets)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.module, event.role, event.is_backward) == (2, "loss", "output",
+                                                                          False)
+    assert diagnosis.kind == "loss"
+    assert diagnosis.summary.startswith("Made in the loss 'loss' (LogLikelihood) that the model "
+                                        "holds and runs on its output after its forward: its "
+                                        "output became NaN in batch 2 from finite inputs")
+    assert "Its input[0] held exact zeros" in diagnosis.summary
+    said = " ".join(diagnosis.evidence + diagnosis.suggestion)
+    assert "stayed finite" not in said  # nothing after the loss absorbed it
+    assert "F.log_softmax" in said and "w.replay(2, loss_fn=lambda out: model.loss(out, " \
+        "targets))" in said
+    assert w.frames().query("module == 'loss'").batch.unique().tolist() == [0, 1, 2]
+
+
+def test_the_gradient_of_a_loss_the_model_holds_that_made_a_nan_is_told_as_its_forwards():
+    torch.manual_seed(0)
+    model = HoldsItsLoss()
+    targets = torch.eye(3)[torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])]
+    with watch(model, "full", backward=True) as w:
+        for batch in range(3):
+            out = model(torch.randn(8, 4) * (1e4 if batch == 2 else 1.0))
+            model.loss(out, targets).backward()
+    forward, backward = w.events
+    assert (backward.batch, backward.module, backward.is_backward) == (2, "loss", True)
+    assert backward.diagnosis.kind == "loss"
+    assert backward.diagnosis.summary.startswith("The gradient of batch 2 is NaN and Inf "
+                                                 "because its forward already was (the event "
+                                                 "at module 'loss' (LogLikelihood), output)")

@@ -126,6 +126,92 @@ def _running_modules(frame: Any) -> Iterator[nn.Module]:
         frame = frame.f_back
 
 
+def _call_arguments(frame: Any, module: nn.Module) -> tuple[tuple, dict] | None:
+    """The arguments of ``module``'s call on the stack from ``frame`` outward (read from its
+    ``Module._call_impl`` frame), or None when it is not there."""
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            local = frame.f_locals
+            if local.get("self") is module:
+                return tuple(local.get("args") or ()), dict(local.get("kwargs") or {})
+        frame = frame.f_back
+    return None
+
+
+def _weak_output_tensors(output: Any) -> list[weakref.ref[_Tensor]]:
+    """Weak references to the tensors a root forward returned (the output itself, or the
+    values of its tuple, list, dict or ModelOutput; a few at most), for telling the calls made
+    on them afterwards (see :class:`_AfterForward`): weak, so that the output and its graph
+    go when the user drops them."""
+    if type(output) is _Tensor or isinstance(output, _Tensor):
+        return [weakref.ref(output)]
+    values = output.values() if isinstance(output, dict) else \
+        output if isinstance(output, (tuple, list)) else ()
+    found = []
+    for value in values:
+        if isinstance(value, _Tensor):
+            found.append(weakref.ref(value))
+            if len(found) == _OUTPUTS_FOLLOWED:
+                break
+    return found
+
+
+_OUTPUTS_FOLLOWED = 4  # output tensors of a root forward followed into calls made on them
+_NODES_WALKED = 256  # autograd nodes walked back from a call's inputs to find the output's
+
+
+def _flows_from(outputs: list[_Tensor], args: tuple, kwargs: dict) -> bool:
+    """Whether a call's inputs are, or were computed from, one of ``outputs``: the tensor
+    itself, a view of it, or a tensor whose autograd graph reaches the output's (a
+    ``log_softmax`` of the logits, ``out.logits.view(-1, V)``)."""
+    ids = {id(tensor) for tensor in outputs}
+    bases = {id(tensor._base) for tensor in outputs if tensor._base is not None} | ids
+    nodes = {tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None}
+    given: list[_Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _Tensor):
+            given.append(value)
+        elif isinstance(value, (tuple, list, dict)):
+            given.extend(item for item in (value.values() if isinstance(value, dict) else value)
+                         if isinstance(item, _Tensor))
+    pending = []
+    for tensor in given[:16]:
+        if id(tensor) in ids or (tensor._base is not None and id(tensor._base) in bases):
+            return True
+        if tensor.grad_fn is not None:
+            pending.append(tensor.grad_fn)
+    if not nodes:
+        return False
+    seen: set[int] = set()
+    while pending and len(seen) < _NODES_WALKED:
+        node = pending.pop()
+        if node in nodes:
+            return True
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        pending.extend(following for following, _ in node.next_functions if following is not None)
+    return False
+
+
+class _AfterForward:
+    """The root forward that returned last, while calls may follow on its output before the
+    next batch starts: a loss the model holds, run on what it returned
+    (``loss = model.loss(model(x), y)``). Such a call belongs to that forward's batch, though
+    the root's return already counted the next one."""
+
+    __slots__ = ("batch", "outputs", "modules")
+
+    def __init__(self, batch: int, outputs: list[weakref.ref[_Tensor]]) -> None:
+        self.batch = batch
+        self.outputs = outputs
+        # Outermost modules found running on the output (made at the first: one per batch).
+        self.modules: set[int] | None = None
+
+    def live_outputs(self) -> list[_Tensor]:
+        return [tensor for tensor in (ref() for ref in self.outputs) if tensor is not None]
+
+
 def in_backward_pass() -> bool:
     """Whether autograd is executing a backward pass on this thread (a forward running now is
     a recomputation, e.g. by ``torch.utils.checkpoint``)."""
@@ -418,6 +504,13 @@ class Recorder:
         self._outside_returned: set[int] = set()
         # Recent batches whose passes ran without the root forward (read for replay errors).
         self._outside_batches: collections.deque[int] = collections.deque(maxlen=64)
+        # The last root forward, while calls on its output may follow (see _AfterForward), and
+        # the batch the last call outside a root forward was filed under (see frames_batch).
+        self._after_forward: _AfterForward | None = None
+        self._outside_call_batch: int | None = None
+        # (batch, frame) of recent forward frames of such calls (see ran_on_output).
+        self._frames_on_output: collections.deque[tuple[int, int]] = \
+            collections.deque(maxlen=256)
         # id(module outside the watched tree that called a watched one) -> (weak reference,
         # whether it belongs to another model): see _another_models_module.
         self._callers_outside: dict[int, tuple[weakref.ref[nn.Module], bool]] = {}
@@ -809,6 +902,7 @@ class Recorder:
                             and next(reversed(module._forward_hooks), last_hook) != last_hook:
                         self._keep_forward_hook_last(module, last_hook)
                     self._root_depth = 1
+                    self._after_forward = self._outside_call_batch = None
                     self._direct_call = module is not self.entry
                     self._root_frame = sys._getframe(1)
                     self._root_thread = _get_ident()
@@ -1103,7 +1197,11 @@ class Recorder:
         watched module running (found on the stack) stands for it: when its call returns,
         the frames so far are checked (events raise or warn as ``on_nan`` says), and when an
         outermost module that already returned in this batch runs again, a new pass began:
-        the batch ends (unless batches are numbered with step()/set_batch())."""
+        the batch ends (unless batches are numbered with step()/set_batch()).
+
+        A call made on what the last root forward returned, before the next batch starts (a
+        loss the model holds: ``model.loss(model(x), y)``), is that forward's: its frames go
+        to that batch (see :class:`_AfterForward`)."""
         outermost = self._outermost_running(info)
         if outermost is None:
             return None  # another model's call of a module it shares with this one
@@ -1112,17 +1210,26 @@ class Recorder:
         with self._lock:
             if self._closed:
                 return None
-            if outermost.index in self._outside_returned and not self._manual_batches:
+            on_output = self._made_on_output(outermost, info, args, kwargs)
+            # Numbered with set_batch(): the batch it says; else that forward's.
+            late = self._after_forward.batch \
+                if on_output and not self._manual_batches else None  # type: ignore[union-attr]
+            self._outside_call_batch = late
+            if late is None and outermost.index in self._outside_returned \
+                    and not self._manual_batches:
                 finished = self._batch
                 ended = (finished, self._resolve_locked(finished, advance=True), True)
-            self._record_forward_locked(info, args, kwargs, output, raised=(
-                output is None and raised_out_of(info.module, sys.exc_info()[1])))
+            frame = self._record_forward_locked(info, args, kwargs, output, raised=(
+                output is None and raised_out_of(info.module, sys.exc_info()[1])), batch=late)
+            if on_output and frame is not None:
+                self._frames_on_output.append((frame.batch, frame.index))
             returned = outermost is info
-            batch = self._batch
+            batch = self._batch if late is None else late
             if returned:
-                self._outside_returned.add(info.index)
-                if not self._outside_batches or self._outside_batches[-1] != batch:
-                    self._outside_batches.append(batch)
+                if late is None:
+                    self._outside_returned.add(info.index)
+                    if not self._outside_batches or self._outside_batches[-1] != batch:
+                        self._outside_batches.append(batch)
                 event = self._resolve_locked(None, advance=False)
                 # One forward event per batch, as a root forward gives: the pass's first.
                 if event is not None and any(e.batch == batch and not e.is_backward
@@ -1135,12 +1242,57 @@ class Recorder:
             self._conclude(batch, event, reason="flush", raising=True, finished=False)
         return None
 
+    def _made_on_output(self, outermost: ModuleInfo, info: ModuleInfo, args: tuple,
+                        kwargs: dict) -> bool:
+        """For a call outside a root forward (caller holds the lock): whether the outermost
+        watched call running (``outermost``) was made on what the root forward that returned
+        last gave back, before the next root forward started. The first call that was not
+        made on it ends the time for such calls. Reads the stack and the inputs' autograd
+        graph: outside root forwards only."""
+        after = self._after_forward
+        if after is None:
+            return False
+        if after.modules is not None and outermost.index in after.modules:
+            return True
+        try:
+            given = (args, kwargs) if outermost is info else \
+                _call_arguments(sys._getframe(1), outermost.module)
+            outputs = after.live_outputs()
+            on_output = given is not None and bool(outputs) and _flows_from(outputs, *given)
+        except Exception as error:  # unreadable: counted as today's batch, as before
+            self.internal_error(error)
+            on_output = False
+        if not on_output:
+            self._after_forward = None
+            return False
+        if after.modules is None:
+            after.modules = set()
+        after.modules.add(outermost.index)
+        return True
+
+    def ran_on_output(self, batch: int, frame: int) -> bool:
+        """Whether the forward frame ``frame`` of ``batch`` (lately) is a call made outside the
+        root forward on what it returned: a loss the model holds, run on its output."""
+        return (batch, frame) in self._frames_on_output
+
+    @property
+    def frames_batch(self) -> int:
+        """The batch the frames of the module call running now are filed under: that of the
+        root forward that returned last, for a call made on its output after it (a loss the
+        model holds), else :attr:`batch`. For features that record frames of their own for
+        that call (its backward frames)."""
+        if not self._root_depth and self._outside_call_batch is not None \
+                and self._after_forward is not None:
+            return self._outside_call_batch
+        return self._batch
+
     def _record_forward_locked(self, info: ModuleInfo, args: tuple, kwargs: dict,
-                               output: Any, raised: bool = False) -> Frame | None:
+                               output: Any, raised: bool = False,
+                               batch: int | None = None) -> Frame | None:
         """The forward frame of one call of ``info``'s module (caller holds the lock), or None
         when it could not be made: a failure is an internal error, never the user's forward's.
         ``raised``: the call raised (it returned nothing: no output rows, rather than a None
-        output)."""
+        output). ``batch``: an earlier batch to file it under (see :meth:`record_frame`)."""
         try:
             measured = info.pre_entries.pop() if info.pre_entries else None
             entries, first_input, first_output = self.entries.forward_entries(
@@ -1148,8 +1300,8 @@ class Recorder:
                 cache_weights=not info.sharded)
             if raised:
                 del entries[first_output:]
-            frame = self.record_frame(info, "forward", entries, first_output=first_output,
-                                      first_input=first_input)
+            frame = self.record_frame(info, "forward", entries, batch=batch,
+                                      first_output=first_output, first_input=first_input)
             if self.entries.unread_roles and not self._warned_unread:
                 self._warn_unread()
             return frame
@@ -1432,6 +1584,11 @@ class Recorder:
 
         finished = self._batch
         advance = not self._manual_batches
+        # Calls on the output after the forward (a loss the model holds) file their frames
+        # under this batch (unless numbered with set_batch()); only where submodules record
+        # frames.
+        self._after_forward = _AfterForward(finished, _weak_output_tensors(output)) \
+            if not failing and self._module_handles else None
         return finished, self._resolve_locked(finished, advance=advance,
                                               raised=raised_frame if failing else None), \
             failing, advance

@@ -639,8 +639,8 @@ class Facts:
     # The module called directly, outside the model's forward, whose pass the event is in (a
     # GAN's discriminator): its inputs are not held, and a replay does not run it. "" if none.
     outside_pass: str = ""
-    # A backward event at a module the model holds that ran after the model's forward returned,
-    # outside it: a loss kept as a submodule and called on the output (loss = self.loss(out, y)).
+    # An event at a module the model holds that ran after the model's forward returned, outside
+    # it: a loss kept as a submodule and called on the output (loss = self.loss(out, y)).
     called_on_output: bool = False
     # The event needed a replay for its op, but the watch's diagnosis replays, this many, were
     # all spent on earlier events (0: not spent).

@@ -272,8 +272,10 @@ class Diagnoser(Feature):
             forward = next(
                 (e for e in self.recorder.events if e.batch == event.batch and e.rank == event.rank
                  and not e.is_backward and e.origin != "peer" and e.diagnosis is not None), None)
-            # The loss carried it on only when the model's output was non-finite too.
-            if forward is not None and not self._output_finite(event.batch, root):
+            # The loss carried it on only when the model's output was non-finite too, or the
+            # forward event was made by a loss the model holds, run on its output.
+            if forward is not None and (not self._output_finite(event.batch, root)
+                                        or self._called_on_output(forward)):
                 facts.forward_event = forward
                 return facts  # the forward's diagnosis says why
             facts.output_grad_bad = self._output_grad_bad(event, root)
@@ -290,9 +292,11 @@ class Diagnoser(Feature):
                 return facts  # that pass's diagnosis says why
             facts.called_on_output = self._called_on_output(event)
         elif event.origin != "peer":
+            facts.called_on_output = self._called_on_output(event)
             held = self._nonfinite_outputs(event.batch, root) or []
             facts.outputs_holding = held
-            facts.absorbed_in = held if root not in held else []
+            # A loss the model holds ends the pass: nothing after it could absorb the value.
+            facts.absorbed_in = held if root not in held and not facts.called_on_output else []
         if (facts.trace is None and may_replay and self.replay is not None
                 and self._needs_op(facts)):
             if self.replays < MAX_DIAGNOSIS_REPLAYS:
@@ -518,6 +522,8 @@ class Diagnoser(Feature):
         event = facts.event
         if event.origin not in ("output", "input", "grad") or any(i.nan for i in facts.inputs):
             return False
+        if facts.called_on_output and not event.is_backward and not self.loss_fn:
+            return False  # a loss the model holds, run after its forward: no replay runs it
         # A non-finite gradient at the root's output is made in the loss only when no op of
         # the model added it: an output the model also used inside (an SDF's spatial gradient
         # returned as normals and fed to an eikonal term) receives what the model's own
@@ -599,25 +605,15 @@ class Diagnoser(Feature):
         return batch_dim
 
     def _called_on_output(self, event: NanEvent) -> bool:
-        """Whether the event's module (not the root) ran, in the event's window, after a root
-        forward returned and outside it: a loss the model holds, called on its output. The
-        window is in recording order, across a batch boundary too (automatic numbering ends
-        the batch when the root's forward returns)."""
-        root = self.recorder.modules[0].name
+        """Whether the event's module (not the root) ran after a root forward returned,
+        outside it, on what it gave back: a loss the model holds, called on its output."""
         frames = event.frames
-        if event.module == root or frames is None or frames.empty:
+        if event.module == self.recorder.modules[0].name or frames is None or frames.empty:
             return False
-        forward = frames[frames["phase"] == "forward"]
-        own = forward[(forward["module"] == event.module) & (forward["batch"] == event.batch)
-                      & (forward["call"] == event.call)]
-        if own.empty:
-            return False
-        called = (int(own["batch"].iloc[-1]), int(own["frame"].iloc[-1]))
-        roots = [(int(b), int(f)) for b, f in
-                 forward.loc[forward["module"] == root, ["batch", "frame"]].itertuples(index=False)]
-        # A module inside the root's forward returns before it: a root frame follows its own.
-        return any(place < called for place in roots) and not any(
-            called < place <= (event.batch, event.frame) for place in roots)
+        own = frames[(frames["phase"] == "forward") & (frames["module"] == event.module)
+                     & (frames["batch"] == event.batch) & (frames["call"] == event.call)]
+        return any(self.recorder.ran_on_output(int(batch), int(frame)) for batch, frame
+                   in own[["batch", "frame"]].drop_duplicates().itertuples(index=False))
 
     def _pass_output_grad_bad(self, event: NanEvent, root: str) -> bool:
         """Whether the root's frame of ``event``'s backward pass (the frames resolved last)

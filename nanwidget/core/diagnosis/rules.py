@@ -975,6 +975,52 @@ def _loss_module(facts: Facts) -> Diagnosis | None:
                      confidence="high" if inf and tiny is not None else "medium")
 
 
+def _loss_module_output(facts: Facts) -> Diagnosis | None:
+    """A forward event made by a loss the model holds as a submodule and runs on its output
+    after its forward (``loss = model.loss(model(x), y)``): its output went non-finite from
+    finite inputs. A replay reruns the model's forward, not that call, so its own frame says
+    what it was given (an exact 0 where it takes a log or divides)."""
+    event = facts.event
+    if event.is_backward or not facts.called_on_output or event.origin != "output" \
+            or facts.op is not None or event.frames is None:
+        return None
+    frames = event.frames
+    mine = frames[(frames["module"] == event.module) & (frames["batch"] == event.batch)
+                  & (frames["frame"] == event.frame)]
+    given = mine[mine["role"].str.startswith(("input", "kwarg:"))]
+    if given.empty or (given["nan"] | given["inf"]).any():
+        return None
+    name, module_type, what = event.module_label, event.module_type, _kind_words(event.kind)
+    zero = given[given["abs_min"] == 0]
+    near = given[(given["abs_min"] > 0) & (given["abs_min"] < _NEAR_ZERO)]
+    summary = (f"Made in the loss '{name}' ({module_type}) that the model holds and runs on its "
+               f"output after its forward: its {event.role} became {what} in batch {event.batch} "
+               "from finite inputs; the model's output was finite.")
+    tiny_role, tiny = "", None
+    if not zero.empty:
+        tiny_role = str(zero["role"].iloc[0])
+        summary += (f" Its {tiny_role} held exact zeros: a log or a division of 0 (a "
+                    "probability that underflowed to 0) makes -inf, and 0 times that NaN.")
+    elif not near.empty:
+        closest = near.loc[near["abs_min"].idxmin()]
+        tiny_role, tiny = str(closest["role"]), float(closest["abs_min"])
+        summary += (f" Its {tiny_role} reached abs min {tiny:.3g}: a value that close to 0 "
+                    "overflows a division or a log's slope.")
+    ranges = "; ".join(f"{row['role']} {row['abs_min']:.3g} .. {row['abs_max']:.3g}"
+                       for _, row in given.head(4).iterrows())
+    evidence = [f"What '{name}' was given was finite (abs ranges: {ranges}); its {event.role} "
+                f"was {what}.",
+                f"'{name}' ran after the model's forward returned, on its output: a replay of "
+                f"batch {event.batch} reruns the forward only, so its op is not traced."]
+    suggestion = fixes.loss(event.batch, "", traced=False, has_loss_fn=facts.has_loss_fn)[1:]
+    if tiny_role:
+        suggestion.insert(0, f"Keep {tiny_role} of '{name}' away from 0 where the loss takes its "
+                             "log or divides by it: x.clamp_min(eps), or x + eps.")
+    suggestion += fixes.loss_module(name, module_type, event.batch, tiny_role="", tiny=None,
+                                    distribution=False)
+    return Diagnosis("loss", summary, evidence, suggestion, confidence="medium")
+
+
 def _held_words(reader: Any) -> str:
     """What the tensor an op read from outside the replay held, told by that op's output (an op
     that turned an Inf into NaN would be a birth, not a reader): "a NaN", "an Inf"."""
@@ -2284,7 +2330,8 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          confidence="low")
     found = None
     for rule in (_after_forward, _after_earlier_pass, _accumulated_gradient, _from_another_rank,
-                 _scaled_gradient, _loss_module, _loss, _bad_data, _weights,
+                 _scaled_gradient, _loss_module, _loss_module_output, _loss, _bad_data,
+                 _weights,
                  _masked_by_input, _from_op, _from_frames, _weight_gradient):
         found = rule(facts)
         if found is not None:

@@ -290,6 +290,9 @@ class FrameSink(Protocol):
     def batch(self) -> int: ...
 
     @property
+    def frames_batch(self) -> int: ...
+
+    @property
     def modules(self) -> list[ModuleInfo]: ...
 
     @property
@@ -441,7 +444,7 @@ class BackwardFrames(Feature):
             # not open frames or passes of this watch.
             if calls is None and self.recorder.called_by_another_model():
                 return None
-            return _PendingFrame(info, self.recorder.batch, call)
+            return _PendingFrame(info, self.recorder.frames_batch, call)
         # A recomputation (reentrant checkpoint): its frames go to the running pass's batch.
         if not self._queued:
             # None of our hooks has fired in this pass yet (the whole model is checkpointed):

@@ -345,6 +345,10 @@ class ReplayFrames(FrameSink):
         return self.ops.batch
 
     @property
+    def frames_batch(self) -> int:
+        return self.ops.batch  # a replay runs one batch
+
+    @property
     def modules(self) -> list[ModuleInfo]:
         return self._modules
 
