@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 import threading
 
 import numpy as np
@@ -586,3 +587,41 @@ def test_step_after_a_loss_the_model_holds_numbers_batches_without_a_gap() -> No
         frames = w.frames()
     assert sorted(set(frames[frames.module == "loss"].batch)) == [0, 1, 2]
     assert sorted(set(frames[frames.module == ""].batch)) == [0, 1, 2]
+
+
+class OddOutputs(nn.Module):
+    """Returns an odd structure (a sparse tensor, an int, None, an empty tensor, a dense one)
+    and holds a module that takes anything, called on it after the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.after = TakesAnything()
+
+    def forward(self, x: torch.Tensor) -> dict:
+        dense = self.fc(x)
+        return {"sparse": dense.detach().to_sparse(), "count": 3, "none": None,
+                "empty": dense[:0], "dense": dense}
+
+
+class TakesAnything(nn.Module):
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return torch.ones(1)
+
+
+@pytest.mark.parametrize("given", ["sparse", "detached", "meta", "odd"])
+def test_calls_after_the_forward_on_odd_values_never_break_and_follow_the_output(given) -> None:
+    torch.manual_seed(0)
+    model = OddOutputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an internal error would warn
+        with nw.watch(model, backward=True) as w:
+            out = model(torch.randn(2, 3))
+            args = {"sparse": (out["sparse"],), "detached": (out["dense"].detach(),),
+                    "meta": (torch.empty(2, device="meta"),),
+                    "odd": (None, 3, "text", {"k": [1, 2]}, torch.zeros(0))}[given]
+            model.after(*args, flag=True)
+            frames = w.frames()
+    after = frames[frames.module == "after"]
+    # The output's own tensors (its memory, a sparse tensor it holds) follow it; others do not.
+    assert set(after.batch) == ({0} if given in ("sparse", "detached") else {1})

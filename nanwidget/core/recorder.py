@@ -160,12 +160,21 @@ _OUTPUTS_FOLLOWED = 4  # output tensors of a root forward followed into calls ma
 _NODES_WALKED = 256  # autograd nodes walked back from a call's inputs to find the output's
 
 
+def _storage_of(tensor: _Tensor) -> int:
+    """The address of a dense tensor's memory; 0 for one without (sparse, meta, empty)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # sparse, nested or a subclass without one
+        return 0
+
+
 def _flows_from(outputs: list[_Tensor], args: tuple, kwargs: dict) -> bool:
     """Whether a call's inputs are, or were computed from, one of ``outputs``: the tensor
-    itself, a view of it, or a tensor whose autograd graph reaches the output's (a
-    ``log_softmax`` of the logits, ``out.logits.view(-1, V)``)."""
+    itself, a view of it or its memory (``out.detach()``), or a tensor whose autograd graph
+    reaches the output's (a ``log_softmax`` of the logits, ``out.logits.view(-1, V)``)."""
     ids = {id(tensor) for tensor in outputs}
     bases = {id(tensor._base) for tensor in outputs if tensor._base is not None} | ids
+    storages = {_storage_of(tensor) for tensor in outputs} - {0}
     nodes = {tensor.grad_fn for tensor in outputs if tensor.grad_fn is not None}
     given: list[_Tensor] = []
     for value in (*args, *kwargs.values()):
@@ -176,7 +185,8 @@ def _flows_from(outputs: list[_Tensor], args: tuple, kwargs: dict) -> bool:
                          if isinstance(item, _Tensor))
     pending = []
     for tensor in given[:16]:
-        if id(tensor) in ids or (tensor._base is not None and id(tensor._base) in bases):
+        if id(tensor) in ids or (tensor._base is not None and id(tensor._base) in bases) \
+                or (storages and _storage_of(tensor) in storages):
             return True
         if tensor.grad_fn is not None:
             pending.append(tensor.grad_fn)
