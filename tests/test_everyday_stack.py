@@ -548,6 +548,26 @@ def test_generation_frames_hold_the_caches_tensors_and_none_of_its_flags():
     noted = frames[frames.note != ""]
     assert not noted.role.str.contains(r"\.layers\[|offloading|layer_class").any()
 
+@pytest.mark.parametrize("mode", MODES)
+def test_replaying_a_step_of_static_cache_generation_blames_the_model_not_the_training_loop(mode):
+    # generate() fills a static cache in place at every step: batch 0's own forward wrote it,
+    # and each later step wrote it again. The refusal said "after the batch ran (e.g. by the
+    # training loop)" and to clone() a tensor the user never handed over.
+    model = _tiny_gpt2(tied=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, on_nan="record", mode=mode) as w:
+            model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=3, do_sample=False,
+                           pad_token_id=0, cache_implementation="static")
+            with pytest.raises(ReplayError) as refused:
+                w.replay(0)
+    message = str(refused.value)
+    assert "kwarg:cache" in message or "past_key_values" in message, message
+    assert "by the model's own forward while the batch ran, and again after it" in message
+    assert "a static KV cache" in message and "clone() it" not in message
+    assert "training loop" not in message
+
+
 
 class _Notebook(nn.Module):
     """Writes into the objects it is given: appends to a list, counts in a dict, and keeps

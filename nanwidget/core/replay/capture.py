@@ -692,10 +692,14 @@ def _check_inputs(held: HeldBatch) -> None:
             now = version_of(tensor)
             if now == version:
                 continue
-            during = (capture.end_input_versions is not None
-                      and capture.end_input_versions[k] == now)
-            when = ("by the model's own forward while the batch ran" if during
-                    else "after the batch ran (e.g. by the training loop)")
+            # The forward's own write tells, whatever came after it: a static KV cache that
+            # generate() fills again at every later step has moved on since the batch ended.
+            end = (capture.end_input_versions[k] if capture.end_input_versions is not None
+                   else version)
+            during = end != version
+            when = ("after the batch ran (e.g. by the training loop)" if not during
+                    else "by the model's own forward while the batch ran" if end == now
+                    else "by the model's own forward while the batch ran, and again after it")
             if during:
                 # The model writes it itself (a static KV cache it fills at every step): a
                 # copy made by the caller would be written the same way.
