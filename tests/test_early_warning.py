@@ -993,3 +993,42 @@ def test_a_container_handing_on_its_last_layers_output_warns_once_through_it():
                     break
     assert [(x.module, x.reason) for x in w.warnings] == [("3", "near-limit"),
                                                           ("2", "near-limit")]
+
+
+class ScaledLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = 1.0
+
+    def forward(self, out: torch.Tensor) -> torch.Tensor:
+        return out.square().mean() * self.gain
+
+
+class HoldsAGrowingLoss(nn.Module):
+    """A model holding its loss as a submodule, run on its output after the forward (a hand
+    loop's ``loss = model.loss(model(x))``); the loss's gain grows, the model's outputs do not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.loss = ScaledLoss()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_a_loss_the_model_holds_growing_is_warned_about_in_its_own_batch():
+    # Its frames come after the forward ended the batch: they were looked at with the next
+    # batch's (a batch late), and then, filed under their own batch, not at all.
+    torch.manual_seed(0)
+    model = HoldsAGrowingLoss()
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model, on_nan="record") as watched:
+            for _ in range(8):
+                model.loss(model(x))
+                model.loss.gain *= 10.0
+    growth = [w for w in watched.warnings if w.reason == "growth"]
+    assert [(w.module, w.batch) for w in growth] == [("loss", 3)]
+    assert growth[0].growth_per_batch == pytest.approx(10.0, rel=0.01)

@@ -257,7 +257,38 @@ class EarlyWarnings(Feature):
     # ------------------------------------------------------------------ under the lock
     def on_frames_resolved(self, frames: list[Frame]) -> None:
         # A flush within a batch: its forward frames are looked at with the rest of the batch.
-        self._early.extend(frame for frame in frames if frame.phase == "forward")
+        # Frames of the batch looked at last (a loss the model holds, run on its output after
+        # the forward ended the batch) are looked at now, for the modules it did not have.
+        latest = self._latest
+        forward = [frame for frame in frames if frame.phase == "forward"]
+        if any(frame.batch <= latest for frame in forward):
+            self._look_late([frame for frame in forward if frame.batch == latest])
+            forward = [frame for frame in forward if frame.batch > latest]
+        self._early.extend(forward)
+
+    def _look_late(self, frames: list[Frame]) -> None:
+        """Frames of the batch looked at last that came after it ended: their modules' outputs
+        are points of that batch's series (modules it looked at already are left as they
+        were)."""
+        try:
+            batch, index, last_batches = self._latest, self._index, self._last_batch
+            row: dict[int, list] = {}
+            for frame in frames:
+                position = index.get(frame.module)
+                if position is None or last_batches[position] >= batch:
+                    continue
+                slot = row.setdefault(position, [-math.inf, math.inf, False])
+                for entry in frame.outputs():
+                    stats = entry.stats
+                    if stats is not None:
+                        if stats.abs_max == stats.abs_max:
+                            slot[0] = max(slot[0], stats.abs_max)
+                        slot[1] = min(slot[1], stats.abs_min)
+                        slot[2] = slot[2] or stats.nan or stats.inf
+            if row:
+                self._look(batch, row, frames, late=True)
+        except Exception as error:  # a warning must never break the run
+            self.recorder.internal_error(error)
 
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         if self._early:
@@ -412,17 +443,19 @@ class EarlyWarnings(Feature):
                     self._tighten(position, limits)
 
     def _look(self, batch: int, row: dict[int, list], frames: Iterable[Frame],
-              known: tuple[Any, tuple[float, float, float]] | None = None) -> None:
+              known: tuple[Any, tuple[float, float, float]] | None = None,
+              late: bool = False) -> None:
         """A finished batch's row (module index -> [abs max, abs min, non-finite], as the
         history holds it): extend each module's run of rises, and check the few modules that
         could warn against the batch's frames for their exact output (``known``: the dtype and
         limits of the values when no frames say it, the sentinel's root). A batch with a
-        NaN/Inf output warns about nothing.
+        NaN/Inf output warns about nothing. ``late``: modules of the batch looked at last, whose
+        frames came after it (see :meth:`_look_late`).
 
         This runs for every module after every batch, so it keeps to local lists and numbers:
         a module whose abs max did not rise costs a few comparisons.
         """
-        if batch <= self._latest:
+        if batch <= self._latest and not late:
             return  # an earlier batch seen again (a replay): its points are in already
         self._latest = batch
         candidates = None
