@@ -3030,6 +3030,42 @@ def test_without_a_replay_a_nan_from_finite_inputs_stays_unknown_and_says_how_to
     assert "keep_batches >= 1" in diagnosis.suggestion[0]
 
 
+class RunningStateSqrt(nn.Module):
+    """Keeps a recurrent state in a cache the caller passes and the forward writes in place (as
+    Mamba's conv and SSM states are written at every generate() step); the sqrt of a
+    negative state between its layers makes NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.fc1(x)
+        if cache is not None:
+            cache.add_(h.detach())
+            h = h + cache
+        return self.fc2(torch.sqrt(h))
+
+
+def test_an_input_the_model_writes_in_place_is_not_answered_with_a_replay_that_refuses():
+    torch.manual_seed(0)
+    model = RunningStateSqrt()
+    x = torch.randn(3, 4)
+    cache = torch.zeros(3, 4)
+    with nw.watch(model, on_nan="record") as w:
+        model(x, cache=cache)  # batch 0: NaN, and the cache written
+        diagnosis = w.event.diagnosis
+        suggestion = " ".join(diagnosis.suggestion)
+        assert diagnosis.kind == "unknown"
+        assert "w.replay(0)" not in suggestion and "replay_on_nan" not in suggestion
+        assert "use_cache=False" in suggestion
+        assert any("by the model's own forward" in line for line in diagnosis.evidence)
+        with pytest.raises(nw.core.replay.InputModifiedError):
+            w.replay(0)  # what the old suggestion said to do
+        model(x)  # the suggestion followed: the same input without the cache
+        assert w.replay(w.batch - 1).first_bad["op"] == "sqrt"
+
+
 class NanOnce(nn.Module):
     """Makes NaN on its second call only: a replay cannot repeat it."""
 

@@ -776,6 +776,31 @@ def test_a_cache_the_model_fills_in_place_is_refused_with_advice_the_user_can_fo
     assert "clone() it" not in message  # the user hands no tensor they could clone
 
 
+def test_a_cache_the_model_wrote_is_still_blamed_on_the_model_after_later_steps():
+    # generate() runs its next steps on the same cache (Mamba's states): the version of the
+    # first step's input moves on after it, but it was the model that wrote it, not the caller.
+    class StaticCacheModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+            cache.mul_(0.5).add_(x.mean(0))
+            return self.fc(x) + cache
+
+    model = StaticCacheModel()
+    cache = torch.zeros(3)
+    with nw.watch(model, on_nan="record") as w:
+        for _ in range(3):
+            model(torch.randn(2, 3), cache=cache)
+        with pytest.raises(InputModifiedError) as refused:
+            w.replay(0)
+    message = str(refused.value)
+    assert "kwarg:cache" in message and "by the model's own forward" in message
+    assert "after the batch ran" not in message and "clone() it" not in message
+    assert "use_cache=False" in message
+
+
 def test_input_modified_by_the_forward_itself_is_refused_with_that_reason():
     class ScalesItsInput(nn.Module):
         def __init__(self) -> None:

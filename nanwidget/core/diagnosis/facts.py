@@ -535,6 +535,10 @@ class Facts:
     replay_refused: str = ""
     # The refusal is this process's alone (FSDP2, tensor parallel: the model is sharded).
     replay_refused_sharded: bool = False
+    # The refusal is an input of the batch written in place since: "model" (its own forward
+    # wrote it as the batch ran: a cache it fills in place, Mamba's states), "caller" (written
+    # after the batch), "" (not this refusal).
+    replay_refused_written: str = ""
     has_loss_fn: bool = False  # the watch was given loss_fn (its replays run the loss)
     inputs: list[InputFacts] = field(default_factory=list)
     inputs_held: bool = False  # the batch's inputs were read (rows can be told)

@@ -303,10 +303,15 @@ class Diagnoser(Feature):
                 self.replays += 1
                 try:
                     facts.trace = self.replay(event)
-                except Exception as error:  # this rank alone cannot run it (FSDP2, tensor parallel)
+                except Exception as error:  # this rank alone cannot run it (FSDP2, tensor
+                    # parallel), or an input was written in place since (a cache)
                     self.replays -= 1  # none ran
-                    facts.replay_refused = str(error)
-                    facts.replay_refused_sharded = True
+                    facts.replay_refused = getattr(error, "reason", "") or str(error)
+                    written = getattr(error, "by_model", None)
+                    if written is None:
+                        facts.replay_refused_sharded = True
+                    else:
+                        facts.replay_refused_written = "model" if written else "caller"
                 if event.is_backward and facts.trace is not None and not facts.output_grad_bad:
                     facts.output_grad_bad = _root_grad_bad(facts.trace.frames, event.batch, root)
                 elif event.is_backward and facts.output_grad_bad and not self.loss_fn \

@@ -743,14 +743,30 @@ def quantized_weight(module: str, role: str) -> list[str]:
 
 
 def unknown(batch: int, replayable: bool, backward: bool = False,
-            refused: bool = False, sharded: bool = True, traced: bool = False) -> list[str]:
+            refused: bool = False, sharded: bool = True, traced: bool = False,
+            written: str = "") -> list[str]:
     """``traced``: the event holds the replay of its batch (replay_on_nan=True), covering the
-    op: replaying again would show the same."""
+    op: replaying again would show the same. ``written``: the replay was refused because an
+    input of the batch was written in place since, by the model's own forward ("model": a cache
+    it fills in place) or after the batch ("caller")."""
     if traced:
         return [f"Read the replay already made of batch {batch}: event.trace.report() shows "
                 "where the NaN/Inf came from and the ops it went through, and event.trace.ops "
                 "holds every op's range and line, so the values leading to it can be compared "
                 "with what the code expects there."]
+    if written == "model":  # w.replay(batch) would be refused the same way
+        return [f"Batch {batch} cannot run again as it ran: the model wrote one of its inputs "
+                "in place (a cache it fills as it runs, such as Mamba's conv and SSM states or "
+                "a static KV cache). To see every op, run the same tokens again through the "
+                "watched model without the cache (model(input_ids, use_cache=False): for "
+                "generate(), the prompt and the tokens generated before that step) and replay "
+                "that batch: w.replay(w.batch - 1).report() names the first op that made a "
+                "NaN/Inf and its line."]
+    if written == "caller":
+        return [f"Batch {batch} cannot run again as it ran: one of its input tensors was "
+                "changed in place after it. Give each batch its own tensor (or clone() it "
+                "before changing it), then w.replay(batch).report() names the first op that "
+                "made a NaN/Inf and its line."]
     if refused and not sharded:  # the batch cannot run again (an input written since)
         return ["Watch in full mode (nw.watch(model), without mode='sentinel'): it records "
                 "every module's frames as the batch runs, so the module and tensor where the "

@@ -2271,7 +2271,8 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
         traced = event.trace is not None and (not event.is_backward or facts.has_loss_fn)
         suggestion = fixes.unknown(event.batch, replayable, backward=event.is_backward,
                                    refused=bool(facts.replay_refused),
-                                   sharded=facts.replay_refused_sharded, traced=traced)
+                                   sharded=facts.replay_refused_sharded, traced=traced,
+                                   written=facts.replay_refused_written)
     if facts.weights_unseen:
         trace = facts.trace
         if trace is not None and trace.reproduced:

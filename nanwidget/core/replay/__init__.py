@@ -129,12 +129,14 @@ class Replayer(Feature):
         """A replay of ``event``'s batch for its diagnosis (not attached to the event): None
         when no automatic replay can run it, or when it fails. Raises
         :class:`ModelNotReplayableError` when this process alone cannot run the model (FSDP2,
-        tensor parallel): the diagnosis says why it made no replay."""
+        tensor parallel), :class:`InputModifiedError` when an input of the batch was written in
+        place since (a cache the model fills as it runs: Mamba's states): the diagnosis says why
+        it made no replay, and suggests none that would be refused the same way."""
         if not self.can_replay(event):
             return None
         try:
             return self.replay_event(event)
-        except ModelNotReplayableError:
+        except (ModelNotReplayableError, InputModifiedError):
             raise
         except Exception:  # the diagnosis goes on from the frames
             return None

@@ -79,7 +79,12 @@ class BatchNotHeldError(ReplayError):
 
 
 class InputModifiedError(ReplayError):
-    """An input of the batch was modified in place since: a replay would run on other data."""
+    """An input of the batch was modified in place since: a replay would run on other data.
+    ``by_model``: the model's own forward wrote it while the batch ran (a cache it fills in
+    place), not the caller after it."""
+
+    by_model = False
+    reason = ""  # the message without its advice (a diagnosis gives its own)
 
 
 class ForwardCapture:
@@ -706,12 +711,17 @@ def _check_inputs(held: HeldBatch) -> None:
                 advice = ("The model writes this input as it runs, so a copy would be written "
                           "too: watch in full mode, whose frames are recorded as the batch runs "
                           "and need no replay; for a cache the model fills in place at every "
-                          "step (a static KV cache), transformers' default DynamicCache is not "
+                          "step (a static KV cache, Mamba's conv and SSM states), run the same "
+                          "tokens again without it (model(input_ids, use_cache=False)) and "
+                          "replay that batch, or use transformers' default DynamicCache, not "
                           "written in place")
             else:
                 advice = ("Give each batch its own tensor, or clone() it before changing it in "
                           "place")
-            raise InputModifiedError(
-                f"cannot replay batch {held.batch}: its {role} ({str(tensor.dtype).replace('torch.', '')} "
-                f"{tuple(tensor.shape)}) was modified in place {when} (version {version} -> {now}), "
-                f"so a replay would run on different data. {advice}")
+            reason = (f"cannot replay batch {held.batch}: its {role} "
+                      f"({str(tensor.dtype).replace('torch.', '')} {tuple(tensor.shape)}) was "
+                      f"modified in place {when} (version {version} -> {now}), so a replay "
+                      "would run on different data")
+            error = InputModifiedError(f"{reason}. {advice}")
+            error.by_model, error.reason = during, reason
+            raise error
