@@ -46,3 +46,33 @@ def test_mamba_generate_in_float16_suggests_a_replay_that_runs():
         first_bad = w.replay(w.batch - 1).first_bad
     assert first_bad["module"] == "backbone.layers.1.mixer"
     assert "modeling_mamba.py" in first_bad["source"]
+
+
+def tiny_whisper() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=60, num_mel_bins=8, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=40,
+        decoder_ffn_dim=40, max_source_positions=20, max_target_positions=32, pad_token_id=1,
+        bos_token_id=2, eos_token_id=3, decoder_start_token_id=2)
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_whisper_log_mel_of_a_silent_tail_is_bad_data_with_a_floor_under_the_log(mode):
+    # A user's own log-mel without the feature extractor's clamp: log10(0) = -inf where the
+    # clip is silent. Whisper's conv front end turns it into NaN; the diagnosis names the
+    # features, their row, and the floor the feature extractor puts under the log.
+    model = tiny_whisper()
+    generator = torch.Generator().manual_seed(0)
+    power = torch.rand(2, 8, 40, generator=generator)
+    power[1, :, 10:] = 0.0
+    labels = torch.randint(4, 60, (2, 6), generator=generator)
+    with nw.watch(model, mode=mode, on_nan="record") as w:
+        model(input_features=torch.log10(power), labels=labels)
+    event = w.event
+    assert (event.batch, event.module, event.role) == (0, "model.encoder.conv1", "input[0]")
+    diagnosis = event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("bad-data", [1])
+    assert "kwarg:input_features holds -Inf in row 1" in diagnosis.summary
+    assert "torch.log10(torch.clamp(mel, min=1e-10))" in diagnosis.suggestion[0]

@@ -2374,6 +2374,37 @@ def test_a_silent_clip_in_a_log_mel_front_end_is_named_by_its_row(mode):
     assert "  Rows of the batch that hold it: 1" in diagnosis.lines()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_log_mel_features_with_a_silent_tail_are_bad_data_with_the_floor_before_the_log(mode):
+    # Features made outside the model by a log without a floor: only -inf, the mark of log(0).
+    # The fix that fits is a floor under that log, not "normalise with an epsilon".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(8, 8, 3, padding=1), nn.GELU(), nn.Conv1d(8, 4, 1))
+    power = torch.rand(3, 8, 20)
+    power[2, :, 12:] = 0.0  # a silent tail
+    with watch(model, mode) as w:
+        model(torch.log10(power))
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("bad-data", [2])
+    assert "holds -Inf in row 2" in diagnosis.summary
+    assert "input[0] (float32 (3, 8, 20)): 64 -Inf in row 2 of 3." in diagnosis.evidence
+    assert diagnosis.suggestion[0].startswith("Only -Inf, no NaN and no +Inf: the mark of a log "
+                                              "of 0")
+    assert "torch.clamp(mel, min=1e-10)" in diagnosis.suggestion[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_data_with_inf_of_both_signs_gets_no_log_of_zero_fix(mode):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    x[1, 0], x[1, 1] = -math.inf, math.inf
+    with watch(model, mode) as w:
+        model(x)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "bad-data" and "holds Inf in row 1" in diagnosis.summary
+    assert not any("log of 0" in fix for fix in diagnosis.suggestion)
+
+
 class _CTCRecognizer(nn.Module):
     """An encoder and nn.CTCLoss inside the model: the forward returns the loss."""
 

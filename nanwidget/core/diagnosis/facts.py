@@ -165,6 +165,7 @@ class InputFacts:
     shape: tuple
     nan: int = 0
     inf: int = 0
+    neg_inf: int = 0  # of the ``inf``, those that are -inf (all of them: a log of 0)
     rows: list[int] = field(default_factory=list)  # samples (along batch_dim) with a NaN/Inf
     masked_rows: list[int] = field(default_factory=list)  # rows with a fully masked vector
     note: str = ""  # "local shard": a DTensor, read on this rank's shard (shape and rows too)
@@ -257,6 +258,8 @@ def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> Input
             facts.nan, facts.inf = int(nan.sum()), int(inf.sum())
             if facts.nan or facts.inf:
                 facts.rows = _rows_where(nan | inf, batch_dim)
+            if facts.inf:
+                facts.neg_inf = int(torch.isneginf(values).sum())
             if values.dim() >= 2 and facts.inf:
                 facts.masked_rows = _rows_where(torch.isneginf(values).all(dim=-1))
             facts.mask = bool(facts.inf) and not facts.nan and _holds_a_mask(role, values)

@@ -564,11 +564,14 @@ def in_rows(rows: list[int], limit: int) -> str:
     return f" in {rows_named(rows, limit)}" if rows else ""
 
 
-def bad_data(roles: list[str], rows: list[int], samples: list[str] | None = None) -> list[str]:
+def bad_data(roles: list[str], rows: list[int], samples: list[str] | None = None,
+             log_of_zero: bool = False) -> list[str]:
     """Fixes for inputs that came with NaN/Inf: a mask's (named like one: how it was built;
     a finiteness check or nan_to_num would break any valid -inf mask), then the data's.
     ``samples``: the bad inputs as samples of list inputs ("input[1][0].boxes (box 1 of
-    sample 0)"), when every one is: named instead of rows of their own tensors."""
+    sample 0)"), when every one is: named instead of rows of their own tensors.
+    ``log_of_zero``: the data holds -inf only (no NaN, no +inf), as a log of 0 gives: the
+    floor before the log comes first."""
     masks = [role for role in roles if "mask" in role.lower()]
     data = [role for role in roles if role not in masks]
     fixes = mask_built_with_nan(masks) if masks else []
@@ -581,6 +584,12 @@ def bad_data(roles: list[str], rows: list[int], samples: list[str] | None = None
         shown = f"{rows_named(rows, 8)} of {which} {'was' if len(rows) == 1 else 'were'}"
     else:
         shown = f"the rows of {which} that hold NaN/Inf were"
+    if log_of_zero:
+        fixes = fixes + [
+            f"Only -Inf, no NaN and no +Inf: the mark of a log of 0 where {which} was made (a "
+            "log-mel or log spectrogram of a silent frame or a zero-padded tail, a log of a "
+            "probability of 0). Put a floor under the log: torch.log10(torch.clamp(mel, "
+            "min=1e-10)), as transformers' WhisperFeatureExtractor does, or torch.log(x + 1e-6)."]
     return fixes + [
         f"Look at how {shown} made: missing values, a division by zero or "
         "log(0) in preprocessing, a corrupt file.",

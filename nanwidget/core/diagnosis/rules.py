@@ -1067,8 +1067,11 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
         return None
     rows = sorted({r for i in bad for r in i.rows})
     roles = [i.role for i in bad]
+    # Only -inf, no NaN, no +inf: what a log of 0 gives (a silent frame's log-mel energy).
+    log_of_zero = all(not i.nan and i.inf and i.neg_inf == i.inf for i in bad)
+    inf_word = "-Inf" if log_of_zero else "Inf"
     what = " and ".join(w for w, n in (("NaN", sum(i.nan for i in bad)),
-                                       ("Inf", sum(i.inf for i in bad))) if n)
+                                       (inf_word, sum(i.inf for i in bad))) if n)
     if len(bad) == 1 and bad[0].sample_of:  # " in box 1 of sample 0": the image, then the box
         rows_text = f" in {_in_sample(bad[0])}"
     elif bad and all(i.sample_of for i in bad):
@@ -1083,7 +1086,8 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
                f"{came_from}, not from the model.")
     evidence = []
     for item in bad:
-        counts = ", ".join(f"{n} {k}" for n, k in ((item.nan, "NaN"), (item.inf, "Inf")) if n)
+        counts = ", ".join(f"{n} {k}" for n, k in ((item.nan, "NaN"), (item.inf, inf_word))
+                           if n)
         shard = f", {item.note}" if item.note else ""
         if item.sample_of:
             inside = f" in {_inside_sample(item)} of {item.shape[0]}" \
@@ -1102,7 +1106,8 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
         evidence.append(f"{item.role} ({item.dtype} {item.shape}{shard}): {counts}{where} of "
                         f"{item.shape[item.batch_dim] if item.shape else 1}{along}.")
     samples = [f"{i.role} ({_in_sample(i)})" for i in bad if i.sample_of and i.rows]
-    suggestion = fixes.bad_data(roles, rows, samples if len(samples) == len(bad) else None)
+    suggestion = fixes.bad_data(roles, rows, samples if len(samples) == len(bad) else None,
+                                log_of_zero=log_of_zero and step is None)
     if step is not None:  # the step between the model's calls made it, not a dataset
         scalar, before = step
         evidence.append(f"The call took {scalar.role} = {_g(scalar.value_range[0])}, one value "
