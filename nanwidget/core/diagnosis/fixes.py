@@ -766,11 +766,12 @@ def unknown(batch: int, replayable: bool, backward: bool = False,
     if written == "model":  # w.replay(batch) would be refused the same way
         return [f"Batch {batch} cannot run again as it ran: the model wrote one of its inputs "
                 "in place (a cache it fills as it runs, such as Mamba's conv and SSM states or "
-                "a static KV cache). To see every op, run the same tokens again through the "
-                "watched model without the cache (model(input_ids, use_cache=False): for "
-                "generate(), the prompt and the tokens generated before that step) and replay "
-                "that batch: w.replay(w.batch - 1).report() names the first op that made a "
-                "NaN/Inf and its line."]
+                "a static KV cache). To see every op, run the same inputs again through the "
+                "watched model without the cache (its forward with use_cache=False: "
+                "model(input_ids, use_cache=False) for a language model; for generate(), the "
+                "prompt and the tokens generated before that step) and replay that batch: "
+                "w.replay(w.batch - 1).report() names the first op that made a NaN/Inf and its "
+                "line."]
     if written == "caller":
         return [f"Batch {batch} cannot run again as it ran: one of its input tensors was "
                 "changed in place after it. Give each batch its own tensor (or clone() it "
