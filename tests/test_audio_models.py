@@ -76,3 +76,26 @@ def test_whisper_log_mel_of_a_silent_tail_is_bad_data_with_a_floor_under_the_log
     assert (diagnosis.kind, diagnosis.rows) == ("bad-data", [1])
     assert "kwarg:input_features holds -Inf in row 1" in diagnosis.summary
     assert "torch.log10(torch.clamp(mel, min=1e-10))" in diagnosis.suggestion[0]
+
+
+def test_mamba2_generate_overflow_without_a_replay_names_the_weights_too():
+    # Mamba2's cache is written in place, so the generate() step cannot be replayed and the
+    # diagnosis reads the module's frame: its input was small, its weights were not.
+    torch.manual_seed(0)
+    config = transformers.Mamba2Config(vocab_size=50, hidden_size=16, state_size=8, num_heads=4,
+                                       head_dim=8, n_groups=1, num_hidden_layers=2, expand=2,
+                                       conv_kernel=3, chunk_size=4, pad_token_id=0,
+                                       bos_token_id=1, eos_token_id=2)
+    model = transformers.Mamba2ForCausalLM(config).half().eval()
+    with torch.no_grad():
+        model.backbone.layers[1].mixer.in_proj.weight.mul_(1e5)
+    prompt = torch.randint(3, 50, (2, 4), generator=torch.Generator().manual_seed(0))
+    with nw.watch(model, on_nan="record") as w:
+        model.generate(prompt, max_new_tokens=1)
+    event = w.event
+    assert (event.batch, event.module, event.role) == (0, "backbone.layers.1.mixer.in_proj",
+                                                       "output")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert any(line.startswith("Its weights reached 3.") and line.endswith("(weight).")
+               for line in diagnosis.evidence), diagnosis.evidence

@@ -3159,6 +3159,21 @@ def test_without_a_replay_an_inf_from_finite_inputs_is_read_from_the_frame_as_an
     assert "Its inputs reached 1e+10 (float32 max 3.4028e+38)." in diagnosis.evidence
 
 
+def test_without_a_replay_an_overflow_of_small_inputs_names_the_weights_that_made_it():
+    # A float16 projection whose weights grew huge, its input small (Mamba2's in_proj under
+    # generate(), whose cache written in place allows no replay): "its inputs reached 2" alone
+    # hid the cause.
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(3e4)
+    with nw.watch(model, on_nan="record", keep_batches=0) as w:
+        model(torch.full((2, 4), 1.0, dtype=torch.float16))
+    diagnosis = w.event.diagnosis
+    assert (w.event.module, diagnosis.kind) == ("0", "overflow")
+    assert "Its inputs reached 1 (float16 max 65504)." in diagnosis.evidence
+    assert "Its weights reached 3e+04 (weight)." in diagnosis.evidence
+
+
 class StoredWeightLinear(nn.Module):
     """A linear layer whose weight is no parameter: ``__getattr__`` fetches it from a store
     (as Pyro's PyroModule draws a PyroSample weight), so no frame measures it."""

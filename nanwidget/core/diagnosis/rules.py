@@ -2153,6 +2153,13 @@ def _from_frames(facts: Facts) -> Diagnosis | None:
         evidence = []
         if largest == largest:
             evidence.append(f"Its inputs reached {_g(largest)} ({_limit_text(dtype)}).")
+        # Its own parameters and buffers: a product of small inputs and huge weights overflows.
+        weights = own[~own["role"].str.startswith(("input", "kwarg:", "output"))
+                      & own["dtype"].astype(str).str.contains("float")]  # not a step count
+        heaviest = float(weights["finite_abs_max"].max()) if len(weights) else math.nan
+        if heaviest == heaviest:
+            role = str(weights.loc[weights["finite_abs_max"].idxmax(), "role"])
+            evidence.append(f"Its weights reached {_g(heaviest)} ({role}).")
         evidence += _activation_lines(facts, [event.module, ""])
         grew = _weights_growth(facts)
         if grew is not None:
