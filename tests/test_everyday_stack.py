@@ -59,7 +59,7 @@ def test_a_watched_model_copies_pickles_and_saves_unwatched_and_stays_watched(mo
         for how, twin in copies.items():
             assert _nanwidget_hooks(twin) == 0, how
             assert list(twin.fc2._forward_hooks.values()) == [_users_own_hook], how
-            assert "__getstate__" not in twin.__dict__, how
+            assert not {"__getstate__", "__prepare_scriptable__"} & set(twin.__dict__), how
             assert torch.equal(twin(x), model(x)), how
             with torch.no_grad():
                 twin.fc2.bias[0] = float("nan")  # the copy is not watched: no event
@@ -108,7 +108,7 @@ def test_a_deepcopy_of_a_watched_model_with_parametrized_layers_is_not_watched(m
         for twin, original in ((ema, model), (root_copy, root)):
             assert _nanwidget_hooks(twin) == 0
             assert not any(key in m.__dict__ for m in twin.modules()
-                           for key in ("__getstate__", "__deepcopy__"))
+                           for key in ("__getstate__", "__deepcopy__", "__prepare_scriptable__"))
             assert torch.equal(twin(x), original(x))
         with torch.no_grad():  # the copies' own NaN: nothing reaches the watches
             ema[2].parametrizations.weight.original0.fill_(float("nan"))
@@ -306,6 +306,51 @@ def test_a_nan_weight_inside_a_torchscript_child_is_named(mode):
     with nw.watch(model, mode=mode, on_nan="record") as w:
         model(x)
     assert (w.event.module, w.event.role, w.event.origin) == ("child", "lin.bias", "weight")
+
+
+def _add_one(module: nn.Module, args: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+    return output + 1.0  # a user's own hook, as TorchScript compiles it
+
+
+def _small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    model[5].register_forward_hook(_add_one)
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_jit_script_of_a_watched_model_scripts_the_unwatched_model(mode):
+    # TorchScript compiles every hook on a module: scripting a watched model failed on the
+    # watch's hooks ("try blocks aren't supported: recorder.py"). Now the script is the
+    # unwatched model's (the user's hook compiled, none of the watch's), sharing its weights as
+    # a script of the unwatched model does, and the model stays watched.
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit's deprecation note
+        unwatched = torch.jit.script(_small_cnn())
+        model = _small_cnn()
+        with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+            model(x).sum().backward()
+            unwatched(x).sum().backward()  # the same BatchNorm statistics update
+            children = list(model.modules())
+            scripted = torch.jit.script(model)
+            assert list(model.modules()) == children and w.events == []
+            with torch.no_grad():
+                assert torch.equal(scripted(x), unwatched(x))
+                assert torch.equal(scripted(x), model(x))
+            assert sum(len(m._c._get_forward_hooks()) + len(m._c._get_forward_pre_hooks())
+                       for m in scripted.modules()) == 1  # the user's
+            assert "nanwidget" not in str(scripted.graph)
+            assert all(a is b for a, b in zip(scripted.parameters(), model.parameters()))
+            with torch.no_grad():
+                model[5].weight[1, 2] = float("nan")
+                model(x)
+            assert (w.event.module, w.event.role, w.event.origin) == ("5", "weight", "weight")
+        assert not any("__prepare_scriptable__" in vars(m) for m in model.modules())
+        assert torch.isnan(scripted(x)).any()  # the shared weight; it runs with the watch closed
+        assert len(w.events) == 1
 
 
 @pytest.mark.parametrize("mode", MODES)

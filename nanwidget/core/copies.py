@@ -9,6 +9,12 @@ nanwidget's hook entries and less itself. A copy made from that state has the us
 and none of ours, and unpickles where nanwidget is not installed. The original keeps its hooks.
 A module whose class copies itself (``__deepcopy__``: a parametrized module's) gets an
 ``__deepcopy__`` of its own too, which cleans what the class's copy took.
+
+``torch.jit.script`` compiles every hook on a module, and ours cannot be compiled. It asks each
+module for ``__prepare_scriptable__`` first: a watched module's gives it a twin of its subtree
+without the watch (new module objects around the same parameters, buffers and attributes, with
+the user's own hooks), so the scripted model is the unwatched one and shares its weights with the
+model, as a script of the unwatched model does. The watched model itself is left as it was.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["copy_without_watch", "stop_copying_without_watch", "is_nanwidget_hook"]
+__all__ = ["copy_without_watch", "stop_copying_without_watch", "is_nanwidget_hook",
+           "unwatched_twin"]
 
 _KEY = "__getstate__"
 _PACKAGE = __name__.split(".")[0]
@@ -67,8 +74,9 @@ def _without_watch(state: dict, module: nn.Module) -> dict:
     """``state`` (``module``'s ``__dict__`` copy) without nanwidget's hook entries (and their
     flags in the ``*_with_kwargs`` / ``*_always_called`` tables) and without this mechanism."""
     state = dict(state)
-    if isinstance(state.get(_KEY), _StateWithoutWatch):
-        del state[_KEY]
+    for key in _KEYS:
+        if isinstance(state.get(key), _OURS):
+            del state[key]
     forward = state.get("forward")
     if isinstance(forward, types.MethodType) and forward.__self__ is module \
             and forward.__func__ is getattr(type(module), "forward", None):
@@ -123,25 +131,71 @@ class _DeepcopyWithoutWatch:
         state = getattr(replica, "__dict__", None)
         if isinstance(state, dict):
             cleaned = _without_watch(state, replica)
-            if isinstance(cleaned.get(_DEEPCOPY), _DeepcopyWithoutWatch):
-                del cleaned[_DEEPCOPY]
             state.clear()
             state.update(cleaned)
         return replica
 
 
+class _ScriptableWithoutWatch:
+    """A watched module's ``__prepare_scriptable__`` (what ``torch.jit.script`` asks for before
+    it compiles a module and its hooks): the module's :func:`unwatched_twin`, prepared as its
+    class prepares it."""
+
+    __slots__ = ("module", "__weakref__")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
+
+    def __call__(self) -> Any:
+        module = self.module()
+        if module is None:  # pragma: no cover - called through the module, so it is alive
+            return None
+        twin = unwatched_twin(module)
+        own = getattr(type(twin), _SCRIPTABLE, None)
+        return own(twin) if callable(own) else twin
+
+
+def unwatched_twin(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
+    """``module`` as it is without any watch: for it and every module under it a new object of
+    its class whose ``__dict__`` is the module's less nanwidget's hooks, ``forward`` and copy
+    hooks. Parameters, buffers and every other attribute are the module's own objects (no tensor
+    is copied); the ``_parameters``, ``_buffers`` and ``_modules`` tables are new, so what is done
+    to the twin's structure (``torch.jit.script`` writes the modules it prepares into it) leaves
+    the module's alone. A module met twice in the tree is one twin."""
+    memo = {} if memo is None else memo
+    twin = memo.get(id(module))
+    if twin is not None:
+        return twin
+    twin = object.__new__(type(module))
+    memo[id(module)] = twin
+    state = _without_watch(module.__dict__, module)
+    for table in ("_parameters", "_buffers"):
+        if isinstance(state.get(table), dict):
+            state[table] = state[table].copy()
+    children = state.get("_modules")
+    if isinstance(children, dict):
+        state["_modules"] = type(children)(
+            (name, None if child is None else unwatched_twin(child, memo))
+            for name, child in children.items())
+    twin.__dict__.update(state)
+    return twin
+
+
 _DEEPCOPY = "__deepcopy__"
-_KEYS = (_KEY, _DEEPCOPY)
-_OURS = (_StateWithoutWatch, _DeepcopyWithoutWatch)
+_SCRIPTABLE = "__prepare_scriptable__"
+_KEYS = (_KEY, _DEEPCOPY, _SCRIPTABLE)
+_OURS = (_StateWithoutWatch, _DeepcopyWithoutWatch, _ScriptableWithoutWatch)
 
 
 def copy_without_watch(module: nn.Module) -> None:
-    """From now on, copies and pickles of ``module`` leave nanwidget's hooks out (idempotent;
-    a module with an instance-level ``__getstate__`` of its own is left as it is)."""
+    """From now on, copies, pickles and ``torch.jit.script`` of ``module`` leave nanwidget's hooks
+    out (idempotent; a module with an instance-level ``__getstate__`` of its own keeps it)."""
     if _KEY not in module.__dict__:
         module.__dict__[_KEY] = _StateWithoutWatch(module)
     if getattr(type(module), _DEEPCOPY, None) is not None and _DEEPCOPY not in module.__dict__:
         module.__dict__[_DEEPCOPY] = _DeepcopyWithoutWatch(module)
+    if _SCRIPTABLE not in module.__dict__:
+        module.__dict__[_SCRIPTABLE] = _ScriptableWithoutWatch(module)
 
 
 def stop_copying_without_watch(module: nn.Module) -> None:
