@@ -5,6 +5,7 @@ both apply."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import io
@@ -119,6 +120,52 @@ def test_a_deepcopy_of_a_watched_model_with_parametrized_layers_is_not_watched(m
     assert hook_count(model) == 0 and hook_count(root) == 0
     assert not any(key in m.__dict__ for m in model.modules()
                    for key in ("__getstate__", "__deepcopy__"))
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 8),
+                         nn.ReLU(inplace=True), nn.Linear(8, 2)).eval()
+
+
+_SWAPS_IN_PLACE = {
+    "quantize_dynamic": lambda model: torch.ao.quantization.quantize_dynamic(model, inplace=True),
+    "fuse_modules": lambda model: torch.ao.quantization.fuse_modules(
+        model, [["0", "1", "2"], ["5", "6"]], inplace=True),
+}
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("swap", sorted(_SWAPS_IN_PLACE))
+def test_torch_ao_swapping_watched_modules_in_place_keeps_the_forward_and_the_copies(swap,
+                                                                                    backward):
+    # torch.ao's swap_module and fuse_modules register the old module's hooks on the new one
+    # without with_kwargs: the next forward raised TypeError ("_forward_hook() missing 1
+    # required positional argument: 'output'"), a copy or pickle of the model carried or choked
+    # on the watch's hooks, and close() left them on the model (torch.save failed after it).
+    x = torch.randn(2, 3, 8, 8)
+    unwatched = _conv_net()
+    _SWAPS_IN_PLACE[swap](unwatched)
+    model = _conv_net()
+    with nw.watch(model, backward=backward, on_nan="record") as w:
+        with torch.no_grad():
+            model(x)
+        _SWAPS_IN_PLACE[swap](model)
+        twin = copy.deepcopy(model)  # before any forward: the copied hooks still there
+        pickle.loads(pickle.dumps(model))
+        assert _nanwidget_hooks(twin) == 0
+        with torch.no_grad():
+            assert torch.equal(model(x), unwatched(x))
+        assert w.events == []
+        target = "0" if swap == "quantize_dynamic" else "7"  # a module the swap left as it was
+        with torch.no_grad():
+            model.get_submodule(target).bias[1] = float("nan")
+            with contextlib.suppress(RuntimeError):  # a dynamic quantized Linear refuses NaN
+                model(x)
+        assert (w.event.module, w.event.role, w.event.origin) == (target, "bias", "weight")
+    assert _nanwidget_hooks(model) == 0 and hook_count(model) == 0
+    torch.save(model, io.BytesIO())
 
 
 def test_a_saved_watched_model_loads_where_nanwidget_is_not_imported(tmp_path):

@@ -15,6 +15,15 @@ module for ``__prepare_scriptable__`` first: a watched module's gives it a twin 
 without the watch (new module objects around the same parameters, buffers and attributes, with
 the user's own hooks), so the scripted model is the unwatched one and shares its weights with the
 model, as a script of the unwatched model does. The watched model itself is left as it was.
+
+Helpers that put a new module in a watched one's place in the model (``torch.ao.quantization``'s
+``quantize_dynamic``, ``convert`` and ``fuse_modules`` with ``inplace=True``) register the old
+module's forward hooks on the new one again, as plain hooks: without ``with_kwargs``, so torch
+calls them with one argument fewer. The watch registers every module hook of its own with
+``with_kwargs``; a nanwidget hook without it is such a copy. The hooks take that missing
+argument as :data:`COPIED` and then only :func:`drop_copied_hooks` (the new module is one added
+after the watch: unhooked, named in the events it affects); a watched module being copied or
+pickled drops its children's, and ``close()`` drops them from the whole model.
 """
 
 from __future__ import annotations
@@ -27,10 +36,35 @@ from typing import Any
 from torch import nn
 
 __all__ = ["copy_without_watch", "stop_copying_without_watch", "is_nanwidget_hook",
-           "unwatched_twin"]
+           "unwatched_twin", "drop_copied_hooks", "COPIED"]
 
 _KEY = "__getstate__"
 _PACKAGE = __name__.split(".")[0]
+
+#: The default of a watch hook's last argument: torch called a copy of the hook that a helper
+#: registered without ``with_kwargs`` (see :func:`drop_copied_hooks`).
+COPIED: Any = object()
+
+_WITH_KWARGS = (("_forward_hooks", "_forward_hooks_with_kwargs"),
+                ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"))
+
+
+def drop_copied_hooks(module: nn.Module) -> None:
+    """Remove from ``module`` the nanwidget forward hooks registered without ``with_kwargs``:
+    copies a torch helper made when it put ``module`` in place of a watched module."""
+    state = module.__dict__
+    for table_name, flags_name in _WITH_KWARGS:
+        table = state.get(table_name)
+        if not table:
+            continue
+        flags = state.get(flags_name) or {}
+        copied = [key for key, hook in table.items()
+                  if key not in flags and is_nanwidget_hook(hook)]
+        for key in copied:
+            del table[key]
+            always = state.get("_forward_hooks_always_called")
+            if isinstance(always, dict):
+                always.pop(key, None)
 
 
 def is_nanwidget_hook(hook: Any) -> bool:
@@ -62,6 +96,8 @@ class _StateWithoutWatch:
         module = self.module()
         if module is None:  # pragma: no cover - called through the module, so it is alive
             return {}
+        for child in module.children():  # pickled after it: without copied hooks
+            drop_copied_hooks(child)
         state = type(module).__getstate__(module)
         if isinstance(state, dict):
             return _without_watch(state, module)
@@ -127,6 +163,8 @@ class _DeepcopyWithoutWatch:
                 for hook in table.values() if callable(hook) and is_nanwidget_hook(hook)]
         for value in own:
             memo[id(value)] = value
+        for child in module.children():
+            drop_copied_hooks(child)
         replica = type(module).__deepcopy__(module, memo)
         state = getattr(replica, "__dict__", None)
         if isinstance(state, dict):

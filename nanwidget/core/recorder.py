@@ -70,7 +70,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .copies import copy_without_watch, stop_copying_without_watch
+from .copies import COPIED, copy_without_watch, drop_copied_hooks, stop_copying_without_watch
 from .fastpath import FusedPathKeeper, has_fused_path, keep_fused_path, release_fused_path
 from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
@@ -1039,7 +1039,9 @@ class Recorder:
         info.pre_entries.append(entries)
 
     @run_eagerly_under_dynamo
-    def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _inplace_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict = COPIED) -> None:
+        if kwargs is COPIED:  # a copy torch.ao put on a module it swapped in
+            return drop_copied_hooks(module)
         if export_flag._is_exporting_flag:
             return None
         if self._closed or self._skip_this_thread() or _graph_task_id() >= 0:
@@ -1142,8 +1144,12 @@ class Recorder:
         pre_entries = info.pre_entries
         name, type_name, key = info.name, info.type_name, info.index
         flag = export_flag
+        copied = COPIED
 
-        def _forward_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def _forward_hook(module: nn.Module, args: tuple, kwargs: dict,
+                          output: Any = COPIED) -> None:
+            if output is copied:  # a copy torch.ao put on a module it swapped in
+                return drop_copied_hooks(module)
             if flag._is_exporting_flag or self._closed:
                 return None  # torch.export traces the model; or the watch closed
             thread = _get_ident()
@@ -1910,6 +1916,11 @@ class Recorder:
             self._step_tracking.release()
             for handle in self._handles + self._module_handles + self._direct_handles:
                 handle.remove()
+            try:
+                for module in self.model.modules():  # copies torch.ao made of the hooks
+                    drop_copied_hooks(module)
+            except Exception as error:  # closing must always succeed
+                self.internal_error(error)
             for fused in self._fused_layers + [self._fused_root]:
                 if fused is not None:
                     release_fused_path(*fused)

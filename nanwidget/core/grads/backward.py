@@ -103,6 +103,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..copies import COPIED, drop_copied_hooks
 from ..entries import Entry, nested_shape
 from ..frames import Frame
 from ..graph_capture import export_flag, run_eagerly_under_dynamo
@@ -490,7 +491,9 @@ class BackwardFrames(Feature):
             self._remove_leaf_hooks(_MAX_LEAF_HOOKS // 2)
 
     def _inplace_pre_hook(self, info: ModuleInfo, module: nn.Module, args: tuple,
-                          kwargs: dict) -> None:
+                          kwargs: dict = COPIED) -> None:
+        if kwargs is COPIED:  # a copy torch.ao put on a module it swapped in
+            return drop_copied_hooks(module)
         if self._skip():
             return None
         try:
@@ -508,7 +511,9 @@ class BackwardFrames(Feature):
         return None
 
     def _inplace_forward_hook(self, info: ModuleInfo, module: nn.Module, args: tuple,
-                              kwargs: dict, output: Any) -> None:
+                              kwargs: dict, output: Any = COPIED) -> None:
+        if output is COPIED:  # a copy torch.ao put on a module it swapped in
+            return drop_copied_hooks(module)
         if self._skip():
             return None
         opened = self._opened.get(id(module))
@@ -531,7 +536,9 @@ class BackwardFrames(Feature):
         return None
 
     def _forward_hook(self, info: ModuleInfo, module: nn.Module, args: tuple, kwargs: dict,
-                      output: Any) -> None:
+                      output: Any = COPIED) -> None:
+        if output is COPIED:  # a copy torch.ao put on a module it swapped in
+            return drop_copied_hooks(module)
         if export_flag._is_exporting_flag:
             return None  # torch.export traces the model (under Dynamo, in strict mode)
         if self.closed or not _grad_enabled() or self.recorder.suspended:
