@@ -233,6 +233,28 @@ def test_exporters_and_tracers_see_the_unwatched_model(mode):
 
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_tracing_one_module_of_a_watched_model_sees_it_unwatched(mode):
+    # torch.jit.trace(model.block) runs no root forward: with backward=True the gradient
+    # feature hooked the traced outputs, the tracer named their values after its locals, and
+    # the trace's check run failed ("Graphs differed across invocations").
+    torch.manual_seed(0)
+    model = nn.Sequential(_InplaceNet(), nn.Linear(4, 4))
+    x = torch.randn(2, 16)
+    unwatched = _graph_sizes(model[0], x)
+    with nw.watch(model, mode=mode, backward=True, on_nan="record") as w:
+        assert _graph_sizes(model[0], x) == unwatched
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(model[0], (x,))
+        assert torch.equal(traced(x), model[0](x).detach())
+        assert w.events == [] and w.held_batches() == []
+        with torch.no_grad():
+            model[1].bias[2] = float("nan")
+        model(x).sum().backward()
+        assert (w.event.module, w.event.role, w.event.origin) == ("1", "bias", "weight")
+
+
 def test_the_fx_probe_reads_torch_2_15s_thread_local_flag(monkeypatch):
     # torch 2.15 keeps "fx.symbolic_trace runs" in a thread-local (its module flag is gone):
     # reading the old flag raised in the root's pre-hook, so every watched forward failed.

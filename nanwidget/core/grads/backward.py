@@ -106,7 +106,7 @@ from torch import nn
 from ..copies import COPIED, drop_copied_hooks
 from ..entries import Entry, nested_shape
 from ..frames import Frame
-from ..graph_capture import export_flag, run_eagerly_under_dynamo
+from ..graph_capture import export_flag, run_eagerly_under_dynamo, tracing
 from ..opaque import add_forward_hook, add_forward_pre_hook
 from ..recorder import Feature, ModuleInfo, in_backward_pass
 from ..stats import is_distributed_tensor
@@ -445,6 +445,8 @@ class BackwardFrames(Feature):
             # not open frames or passes of this watch.
             if calls is None and self.recorder.called_by_another_model():
                 return None
+            if calls is None and tracing():
+                return None  # a tracer runs a watched module by itself: the watch stands aside
             return _PendingFrame(info, self.recorder.frames_batch, call)
         # A recomputation (reentrant checkpoint): its frames go to the running pass's batch.
         if not self._queued:
