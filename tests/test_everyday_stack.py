@@ -422,6 +422,43 @@ def test_torch_jit_script_of_a_watched_model_scripts_the_unwatched_model(mode):
         assert len(w.events) == 1
 
 
+class _WeightNormConv(nn.Module):
+    """As torchaudio's wav2vec2 positional convolution: a weight-normed conv whose class takes
+    the weight norm off for TorchScript, which cannot compile its hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.utils.weight_norm(nn.Conv1d(4, 4, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        torch.nn.utils.remove_weight_norm(self.conv)
+        return self
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_class_that_prepares_itself_for_torchscript_edits_the_script_not_the_model(mode):
+    # The class's own __prepare_scriptable__ runs on what is scripted; the watched model keeps
+    # its weight norm (its hook and weight_g / weight_v) and its watch.
+    torch.manual_seed(0)
+    model = nn.Sequential(_WeightNormConv(), nn.Tanh())
+    x = torch.randn(2, 4, 8)
+    with nw.watch(model, mode=mode, on_nan="record") as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model(x)
+        scripted = torch.jit.script(model)
+        assert torch.allclose(scripted(x), expected, rtol=0, atol=1e-6)
+        conv = model[0].conv
+        assert {"weight_g", "weight_v"} <= dict(conv.named_parameters()).keys()
+        assert len(conv._forward_pre_hooks) == 1 and torch.equal(model(x), expected)
+        with torch.no_grad():
+            conv.weight_g[1] = float("nan")
+        model(x)
+    assert (w.event.module, w.event.role, w.event.origin) == ("0.conv", "weight_g", "weight")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_an_exported_programs_module_names_the_nan_parameter(mode):
     x = torch.randn(4, 16)

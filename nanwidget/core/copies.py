@@ -197,9 +197,10 @@ def unwatched_twin(module: nn.Module, memo: dict[int, nn.Module] | None = None) 
     """``module`` as it is without any watch: for it and every module under it a new object of
     its class whose ``__dict__`` is the module's less nanwidget's hooks, ``forward`` and copy
     hooks. Parameters, buffers and every other attribute are the module's own objects (no tensor
-    is copied); the ``_parameters``, ``_buffers`` and ``_modules`` tables are new, so what is done
-    to the twin's structure (``torch.jit.script`` writes the modules it prepares into it) leaves
-    the module's alone. A module met twice in the tree is one twin."""
+    is copied); the ``_parameters``, ``_buffers``, ``_modules`` and hook tables are new, so what
+    is done to the twin's structure (``torch.jit.script`` writes the modules it prepares into it,
+    a class's ``__prepare_scriptable__`` may remove a hook) leaves the module's alone. A module
+    met twice in the tree is one twin."""
     memo = {} if memo is None else memo
     twin = memo.get(id(module))
     if twin is not None:
@@ -207,9 +208,9 @@ def unwatched_twin(module: nn.Module, memo: dict[int, nn.Module] | None = None) 
     twin = object.__new__(type(module))
     memo[id(module)] = twin
     state = _without_watch(module.__dict__, module)
-    for table in ("_parameters", "_buffers"):
-        if isinstance(state.get(table), dict):
-            state[table] = state[table].copy()
+    for name, table in state.items():  # a class's __prepare_scriptable__ may edit them
+        if isinstance(table, dict) and (name in ("_parameters", "_buffers") or "hooks" in name):
+            state[name] = table.copy()
     children = state.get("_modules")
     if isinstance(children, dict):
         state["_modules"] = type(children)(
