@@ -20,7 +20,7 @@ Helpers that put a new module in a watched one's place in the model (``torch.ao.
 ``quantize_dynamic``, ``convert`` and ``fuse_modules`` with ``inplace=True``) register the old
 module's forward hooks on the new one again, as plain hooks: without ``with_kwargs``, so torch
 calls them with one argument fewer. The watch registers every module hook of its own with
-``with_kwargs``; a nanwidget hook without it is such a copy. The hooks take that missing
+``with_kwargs`` (keep it so); a nanwidget hook without it is such a copy. The hooks take that missing
 argument as :data:`COPIED` and then only :func:`drop_copied_hooks` (the new module is one added
 after the watch: unhooked, named in the events it affects); a watched module being copied or
 pickled drops its children's, and ``close()`` drops them from the whole model.

@@ -732,7 +732,8 @@ class Recorder:
             self._last_forward_hooks[id(entry)] = self._handles[-1].id
         if entry is self.model:
             for wrapper in compile_wrappers_of(entry):
-                self._handles.append(wrapper.register_forward_pre_hook(self._refuse_wrapper_call))
+                self._handles.append(wrapper.register_forward_pre_hook(self._refuse_wrapper_call,
+                                                                     with_kwargs=True))
                 copy_without_watch(wrapper)
                 self._wrappers.append(weakref.ref(wrapper))
 
@@ -1000,7 +1001,7 @@ class Recorder:
             "and watch the compiled model itself, after compiling: w = nw.watch(compiled_model) "
             "(sentinel mode: no graph break, full detail by an eager replay)")
 
-    def _refuse_wrapper_call(self, wrapper: nn.Module, args: tuple) -> None:
+    def _refuse_wrapper_call(self, wrapper: nn.Module, args: tuple, kwargs: dict) -> None:
         """On a ``torch.compile`` wrapper of the watched model that compiled it before the
         watch (see :func:`~nanwidget.core.graph_capture.compile_wrappers_of`): its compiled
         code would run the model without any hook, so its calls are refused before it runs."""
