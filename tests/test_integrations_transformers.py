@@ -593,3 +593,38 @@ def test_early_warning_false_logs_none(tmp_path):
     _train(tmp_path, tiny_gpt2(), [seen, GrowWeight("transformer.h.1.mlp.c_proj"), callback])
     assert callback.watch.warnings == []
     assert not any(key.startswith("nanwidget") for logs in seen.logs for key in logs)
+
+
+class SampleInStepTrainer(transformers.Trainer):
+    """Generation inside the training step, as TRL's GRPO, RLOO and online DPO run it: the
+    step samples from the model's logits first, and torch.multinomial raises on NaN ones."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with torch.no_grad():
+            logits = model(input_ids=inputs["input_ids"]).logits[:, -1]
+            torch.multinomial(logits.softmax(-1), 1)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def test_an_error_the_nan_causes_inside_the_step_first_says_what_the_watch_found(tmp_path, caplog):
+    model = tiny_gpt2()
+    callback = NanWatchCallback(log_dir=False)
+    trainer = SampleInStepTrainer(model=model, args=training_args(str(tmp_path / "out")),
+                                  train_dataset=TokenDataset(32),
+                                  callbacks=[PoisonAtStep(GPT2_POISONED, 2), callback])
+    with caplog.at_level("WARNING", logger="nanwidget.integrations"), \
+            pytest.raises(RuntimeError, match="probability tensor contains"):
+        trainer.train()  # the user's own error, unchanged
+    said = [r.getMessage() for r in caplog.records if "training ended with" in r.getMessage()]
+    assert len(said) == 1 and "RuntimeError" in said[0]
+    assert GPT2_POISONED in said[0] and "corrupted-weight" in said[0]
+    assert callback.event.module == GPT2_POISONED and callback.stop is None
+    assert "training_step" not in vars(trainer)  # the wrapper came off with the error
+
+
+def test_a_clean_run_leaves_the_trainers_training_step_as_it_was(tmp_path):
+    model = tiny_gpt2()
+    trainer = SampleInStepTrainer(model=model, args=training_args(str(tmp_path / "out"), max_steps=2),
+                                  train_dataset=TokenDataset(32), callbacks=[NanWatchCallback(log_dir=False)])
+    trainer.train()
+    assert "training_step" not in vars(trainer) and hook_count(model) == 0

@@ -559,7 +559,8 @@ class RunResult:
 # The attribute of a callback's deep copy that names (weakly) the callback it was copied from.
 COPIED_FROM = "_copied_from"
 # What no copy of a callback takes: its run's results (RunResult slots) and that link.
-NOT_COPIED = frozenset({"_run_watch", "_run_stop", "_run_guard", COPIED_FROM})
+# _wrapped_step: the transformers callback's hold on the Trainer while train() runs
+NOT_COPIED = frozenset({"_run_watch", "_run_stop", "_run_guard", "_wrapped_step", COPIED_FROM})
 
 
 class GuardedCallback:

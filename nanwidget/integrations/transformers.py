@@ -61,6 +61,7 @@ non-finite one (``eval_loss``) stops training, with no module named.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -167,7 +168,49 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
             raise
         self.watch = self._guard.watch
         self._guard.batches.noted_until = self.watch.batch
+        self._report_errors_of(self._calling_trainer())
         self._watch_evaluation()  # eval_on_start evaluates before the first step
+
+    def _report_errors_of(self, trainer: Any) -> None:
+        """Make an exception out of ``trainer.training_step`` tell what the watch found first.
+
+        A NaN the watch records in a forward can make the user's own code raise before the
+        next optimizer step, where the callback would have stopped training: generation
+        inside the step (TRL's GRPO, RLOO, online DPO) sampling from NaN logits raises
+        "probability tensor contains either inf, nan or element < 0". The Trainer calls no
+        callback on an exception, so the step is wrapped (an instance attribute, removed at the
+        end of ``train()``, at :meth:`close` and at the error): the error goes on unchanged,
+        after one warning naming the batch, module and diagnosis (``report_on_error``)."""
+        self._unwrap_training_step()
+        guard = self._guard
+        original = getattr(trainer, "training_step", None) if trainer is not None else None
+        if guard is None or not guard.stops or not callable(original):
+            return
+        own = trainer.__dict__.get("training_step")
+
+        @functools.wraps(original)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except BaseException as error:
+                self._unwrap_training_step()
+                guard.report_on_error(error)  # never raises
+                raise
+
+        trainer.training_step = training_step
+        # (trainer, wrapper, its own training_step before) until train() ends; never copied
+        self._wrapped_step = (trainer, training_step, own)
+
+    def _unwrap_training_step(self) -> None:
+        wrapped = self.__dict__.pop("_wrapped_step", None)
+        if wrapped is None:
+            return
+        trainer, wrapper, own = wrapped
+        if trainer.__dict__.get("training_step") is wrapper:
+            if own is None:
+                del trainer.training_step
+            else:
+                trainer.training_step = own
 
     def _watch_target(self, args: TrainingArguments,
                       model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -224,6 +267,12 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
         if self._guard is not None and not self._guard.closed:
             self._log_warnings(state)
         self.close()
+
+    def close(self) -> None:
+        """Remove the hooks now (the end of training does it too), and the wrapper on the
+        Trainer's ``training_step``; idempotent."""
+        self._unwrap_training_step()
+        super().close()
 
     # ------------------------------------------------------------------ training steps
     def on_step_begin(self, args: TrainingArguments, state: TrainerState,
