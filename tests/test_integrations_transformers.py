@@ -618,6 +618,7 @@ def test_an_error_the_nan_causes_inside_the_step_first_says_what_the_watch_found
     said = [r.getMessage() for r in caplog.records if "training ended with" in r.getMessage()]
     assert len(said) == 1 and "RuntimeError" in said[0]
     assert GPT2_POISONED in said[0] and "corrupted-weight" in said[0]
+    assert "(training step 2, micro-batch 0)" in said[0]
     assert callback.event.module == GPT2_POISONED and callback.stop is None
     assert "training_step" not in vars(trainer)  # the wrapper came off with the error
 

@@ -95,6 +95,7 @@ def test_grpo_generation_that_samples_nan_logits_first_says_what_the_watch_found
     said = [r.getMessage() for r in caplog.records if "training ended with" in r.getMessage()]
     assert len(said) == 1
     assert "'transformer.ln_f'" in said[0] and "corrupted-weight" in said[0]
+    assert "(training step 2, micro-batch 0" in said[0]  # the generation of step 2
     event = callback.event
     assert (event.module, event.role, event.origin) == ("transformer.ln_f", "weight", "weight")
     assert event.diagnosis.kind == "corrupted-weight"

@@ -194,6 +194,11 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
                 return original(*args, **kwargs)
             except BaseException as error:
                 self._unwrap_training_step()
+                try:  # the interrupted micro-batch's forwards, so the warning names its step
+                    guard.watch.flush()
+                    self._note_train(trainer.state)
+                except Exception:  # noqa: BLE001 - the user's error comes first
+                    pass
                 guard.report_on_error(error)  # never raises
                 raise
 
