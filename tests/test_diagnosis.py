@@ -4564,3 +4564,41 @@ def test_the_gradient_of_a_loss_the_model_holds_that_made_a_nan_is_told_as_its_f
     assert backward.diagnosis.summary.startswith("The gradient of batch 2 is NaN and Inf "
                                                  "because its forward already was (the event "
                                                  "at module 'loss' (LogLikelihood), output)")
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 8)
+        self.head = nn.Linear(8, 12)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens)).log_softmax(-1)
+
+
+def _sequence_logps(logps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return logps[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1).sum(-1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dpo_loss_reading_a_nan_reference_model_suggests_watching_that_model(mode):
+    # DPO by hand, as TRL computes it: the policy's log-ratio against a frozen reference copy.
+    # The reference model (not watched) holds a NaN weight, so its log-probs are NaN and the
+    # loss's gradient reaches the policy's output NaN: "loss", and the fixes must not be only
+    # about stable losses, since no op of the loss made it.
+    policy = TinyLM()
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    with torch.no_grad():
+        reference.head.weight[0, 0] = math.nan
+    chosen, rejected = torch.randint(0, 12, (4, 6)), torch.randint(0, 12, (4, 6))
+    with watch(policy, mode, backward=True) as w:
+        with torch.no_grad():
+            ref_chosen = _sequence_logps(reference(chosen), chosen)
+            ref_rejected = _sequence_logps(reference(rejected), rejected)
+        logits = 0.1 * ((_sequence_logps(policy(chosen), chosen) - ref_chosen)
+                        - (_sequence_logps(policy(rejected), rejected) - ref_rejected))
+        (-nn.functional.logsigmoid(logits)).mean().backward()
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "loss"
+    assert any("reference" in fix and "nw.watch(ref_model)" in fix
+               for fix in diagnosis.suggestion), diagnosis.suggestion

@@ -668,6 +668,15 @@ def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = Fa
                      "in float32 (output.float()) under autocast.")
     else:
         fixes.extend(domain(op, "", backward=False))
+    if not traced:
+        # Untraced, the NaN may as well have come in with a tensor the loss reads: another
+        # model's output (TRL's DPO and KL terms read a frozen reference model's log-probs).
+        fixes.append("Or the loss read a NaN/Inf made before it ran, in a tensor besides the "
+                     "model's output: another model's output (a frozen reference or teacher "
+                     "model, whose log-probs DPO losses and KL penalties read; a target "
+                     "network), targets, rewards or advantages. Watch that model too "
+                     "(nw.watch(ref_model)), or assert torch.isfinite(t).all() where such a "
+                     "tensor is made.")
     return fixes
 
 
