@@ -139,3 +139,27 @@ def test_dpo_with_a_copied_reference_model_watches_only_the_policy(tmp_path):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in reference.modules()
                if m is not reference.transformer.wte)  # TRL's own input-grad hook is on wte
     watch.close()
+
+
+def test_dpo_whose_reference_model_holds_a_nan_points_at_the_reference(tmp_path):
+    # The reference (a copy the watch does not see) makes NaN log-probs; the DPO loss reads
+    # them, so the gradient reaches the policy's output NaN: "loss", and the fixes name the
+    # reference model, not only stable losses.
+    tokenizer = _tokenizer()
+    data = datasets.Dataset.from_dict({"prompt": _sentences(8, 1), "chosen": _sentences(8, 2),
+                                       "rejected": _sentences(8, 3)})
+    model = _gpt2(tokenizer)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        reference.transformer.h[1].mlp.c_fc.weight[0, 0] = math.nan
+    callback = NanWatchCallback(log_dir=False, backward=True)
+    trainer = trl.DPOTrainer(model=model, ref_model=reference, processing_class=tokenizer,
+                             args=trl.DPOConfig(max_length=32, **_common(tmp_path, 2)),
+                             train_dataset=data, callbacks=[callback])
+    trainer.train()
+    assert callback.stop is not None and callback.stop.step == 1
+    event = callback.event
+    assert (event.module, event.origin, event.is_backward) == ("", "grad", True)
+    assert event.diagnosis.kind == "loss"
+    assert any("nw.watch(ref_model)" in fix for fix in event.diagnosis.suggestion)
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # no NaN step applied
