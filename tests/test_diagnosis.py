@@ -4545,6 +4545,7 @@ def test_a_nan_made_by_a_loss_the_model_holds_after_its_forward_is_that_steps_an
     assert "Its input[0] held exact zeros" in diagnosis.summary
     said = " ".join(diagnosis.evidence + diagnosis.suggestion)
     assert "stayed finite" not in said  # nothing after the loss absorbed it
+    assert "ref_model" not in said  # what it was given was finite: it read nothing bad
     assert "F.log_softmax" in said and "w.replay(2, loss_fn=lambda out: model.loss(out, " \
         "targets))" in said
     assert w.frames().query("module == 'loss'").batch.unique().tolist() == [0, 1, 2]

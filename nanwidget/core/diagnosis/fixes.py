@@ -625,19 +625,21 @@ def mask_built_with_nan(roles: list[str]) -> list[str]:
 
 def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = False,
          zero_over_zero: bool = False, snr: bool = False, from_targets: bool = False,
-         boxes: bool = False) -> list[str]:
+         boxes: bool = False, given_finite: bool = False) -> list[str]:
     """``op``: the loss's op that made the value (its forward op's name for a gradient), ``at``
     its line; ``has_loss_fn``: the watch was given loss_fn (never advise passing it);
     ``zero_over_zero``: that op is a division of 0 by 0; ``snr``: its line divides by an SNR
     (a diffusion loss's min-SNR weighting); ``from_targets``: the op read none of the model's
     output, only the targets (or other tensors loss_fn holds); ``boxes``: those are box
-    regression targets (a log of box widths or heights)."""
+    regression targets (a log of box widths or heights); ``given_finite``: the loss is a module
+    whose inputs were seen finite (the caller says how to name its op)."""
     fixes = []
-    if not traced and has_loss_fn:
+    untraced = not traced and not given_finite  # nothing named the op, nor could be seen
+    if untraced and has_loss_fn:
         fixes.append(f"See every op of the loss and its backward: w.replay({batch}, "
                      "loss_fn=your_loss_fn).report() (run it within the failing step, while "
                      "the loss's targets and weights are those of that batch).")
-    elif not traced:
+    elif untraced:
         fixes.append(f"Name the loss's op and line: watch with loss_fn=lambda out: "
                      f"criterion(out, targets) (automatic replays then run the loss), or now "
                      f"w.replay({batch}, loss_fn=...).")
@@ -668,7 +670,7 @@ def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = Fa
                      "in float32 (output.float()) under autocast.")
     else:
         fixes.extend(domain(op, "", backward=False))
-    if not traced:
+    if untraced:
         # Untraced, the NaN may as well have come in with a tensor the loss reads: another
         # model's output (TRL's DPO and KL terms read a frozen reference model's log-probs).
         fixes.append("Or the loss read a NaN/Inf made before it ran, in a tensor besides the "

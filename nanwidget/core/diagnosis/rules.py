@@ -1012,7 +1012,7 @@ def _loss_module_output(facts: Facts) -> Diagnosis | None:
                 f"was {what}.",
                 f"'{name}' ran after the model's forward returned, on its output: a replay of "
                 f"batch {event.batch} reruns the forward only, so its op is not traced."]
-    suggestion = fixes.loss(event.batch, "", traced=False, has_loss_fn=facts.has_loss_fn)[1:]
+    suggestion = fixes.loss(event.batch, "", traced=False, given_finite=True)
     if tiny_role:
         suggestion.insert(0, f"Keep {tiny_role} of '{name}' away from 0 where the loss takes its "
                              "log or divides by it: x.clamp_min(eps), or x + eps.")
