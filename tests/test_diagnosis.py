@@ -52,6 +52,9 @@ def test_a_float16_linear_past_65504_is_an_overflow_with_its_numbers(mode):
     assert "228 at batch 1, 22.8 at batch 0" in evidence  # the history before it
     assert "bfloat16" in diagnosis.suggestion[0] and "'out'" in diagnosis.suggestion[0]
     assert diagnosis.op.startswith("addmm at ") and w.event.summary().endswith(diagnosis.op)
+    # A layer's product: its inputs and weights, not attention scores (what a bmm gets)
+    said = " ".join(diagnosis.suggestion)
+    assert "a LayerNorm or BatchNorm before it" in said and "attention" not in said
 
 
 class Exponent(nn.Module):
@@ -961,6 +964,7 @@ def test_float16_attention_scores_overflowing_in_baddbmm_with_beta_0_are_an_over
     assert "float16's largest value" in diagnosis.summary
     evidence = "\n".join(diagnosis.evidence)
     assert "baddbmm input self" not in evidence  # not read: its garbage is no evidence
+    assert "attention scores divided by sqrt(d)" in " ".join(diagnosis.suggestion)
 
 
 class OverflowedBiasAttention(nn.Module):

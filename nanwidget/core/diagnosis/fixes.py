@@ -23,6 +23,15 @@ _EXPONENTIALS = ("exp", "exp2", "expm1", "sinh", "cosh")
 _INDEXED_SUMS = ("scatter_add", "scatter_add_", "index_add", "index_add_", "scatter_reduce",
                  "scatter_reduce_", "index_reduce", "index_reduce_", "segment_reduce",
                  "_segment_reduce", "embedding_bag", "_embedding_bag")
+# A layer's own product of inputs and weights (nn.Linear, nn.Conv*), as the trace names it.
+_LAYERS = ("linear", "addmm", "_addmm_activation", "addmv", "convolution", "_convolution",
+           "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+           "conv_transpose3d", "mkldnn_convolution", "cudnn_convolution",
+           "_slow_conv2d_forward", "slow_conv3d_forward", "mkldnn_linear")
+# Products of two activations: attention scores are the usual one.
+_PRODUCTS = ("bmm", "baddbmm", "matmul", "mm", "einsum", "_scaled_dot_product_attention_math",
+             "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention")
 _NORMALISATIONS = ("native_group_norm", "native_layer_norm", "native_batch_norm",
                    "native_batch_norm_legit", "native_batch_norm_legit_no_training",
                    "batch_norm_with_update", "batch_norm_no_update")
@@ -65,9 +74,15 @@ def overflow(module: str, dtype: str, at: str, op: str,
                      "back), or average instead of summing (scatter_reduce(..., reduce='mean'); "
                      "in PyTorch Geometric aggr='mean' or global_mean_pool).")
     elif op not in _EXPONENTIALS:
-        fixes.append(f"Keep the values smaller before {op}{at}: scale them (e.g. divide "
-                     "attention scores by sqrt(d)), normalise the inputs, or clamp them "
-                     f"({'x.clamp(-6e4, 6e4)' if dtype == 'float16' else 'x.clamp(-1e4, 1e4)'}).")
+        clamp = 'x.clamp(-6e4, 6e4)' if dtype == 'float16' else 'x.clamp(-1e4, 1e4)'
+        if op in _LAYERS:  # a layer's product of its inputs and weights
+            fixes.append(f"Keep the values smaller before {op}{at}: normalise the layer's "
+                         "inputs (a LayerNorm or BatchNorm before it), keep its weights small "
+                         f"(weight decay, a lower learning rate), or clamp them ({clamp}).")
+        else:
+            scaled = " (attention scores divided by sqrt(d))" if op in _PRODUCTS else ""
+            fixes.append(f"Keep the values smaller before {op}{at}: scale them{scaled}, "
+                         f"normalise the inputs, or clamp them ({clamp}).")
     if dtype not in _LOW_PRECISION:
         limit = dtype_max(dtype or "float32")
         largest = f"{dtype} value past {limit:.2g}".replace("e+", "e") if math.isfinite(limit) \
