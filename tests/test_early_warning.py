@@ -1032,3 +1032,69 @@ def test_a_loss_the_model_holds_growing_is_warned_about_in_its_own_batch():
     growth = [w for w in watched.warnings if w.reason == "growth"]
     assert [(w.module, w.batch) for w in growth] == [("loss", 3)]
     assert growth[0].growth_per_batch == pytest.approx(10.0, rel=0.01)
+
+
+# ---------------------------------------------------------------------------- healthy shapes
+# Shapes of healthy training the runs above do not have, each of which was warned about.
+class Denoiser(nn.Module):
+    """A diffusion model's denoiser: noisy sample and its noise level in, the noise out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(17, 64), nn.SiLU(), nn.Linear(64, 64), nn.SiLU(),
+                                 nn.Linear(64, 16))
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([x, sigma.log()[:, None] / 4], 1))
+
+
+def _denoiser_run(dtype: torch.dtype, steps: int, peak_lr: float | None = None, **options):
+    """A denoiser trained at one random noise level per batch (sigma log-uniform from 0.002 to
+    80, as EDM samples it, added to the data unscaled): its inputs' scale changes 40000-fold
+    from batch to batch. Adam at 1e-3, or with ``peak_lr`` SGD ramped up to it (diverging)."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    model = Denoiser().to(dtype)
+    data = torch.randn(512, 16, generator=generator) @ torch.randn(16, 16, generator=generator)
+    if peak_lr is None:
+        optimizer = torch.optim.Adam(model.parameters(), 1e-3, eps=1e-4)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), 0.0, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model, on_nan="record", **options) as watched:
+            for step in range(steps):
+                if peak_lr is not None:
+                    optimizer.param_groups[0]["lr"] = _ramped_lr(peak_lr)(step)
+                clean = data[torch.randint(0, 512, (64,), generator=generator)] * 0.5
+                sigma = torch.empty(1).uniform_(math.log(0.002), math.log(80),
+                                                generator=generator).exp().expand(64)
+                noise = torch.randn(clean.shape, generator=generator)
+                out = model((clean + sigma[:, None] * noise).to(dtype), sigma.to(dtype))
+                loss = nn.functional.mse_loss(out.float(), noise)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                if watched.events:
+                    break
+    return watched
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_inputs_whose_scale_varies_per_batch_are_no_growth(mode):
+    # Three batches in a row at rising noise levels took the first layer from a low batch back
+    # up towards where it had been: 4.55, 5.06, 19.3, 87.3 right after 156, read "output of
+    # 'net.0' (float16) grows 3.2x per batch (abs max 87.3); at that rate it passes float16's
+    # largest 65504 in about 6 batches" at batch 35. Growth counts from the recent high.
+    options = {"mode": "sentinel", "sample_every": 5} if mode == "sentinel" else {}
+    watched = _denoiser_run(torch.float16, 100, **options)
+    assert watched.events == [] and watched.warnings == []
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_denoiser_diverging_is_still_warned_about(mode):
+    options = {"mode": "sentinel", "sample_every": 5} if mode == "sentinel" else {}
+    watched = _denoiser_run(torch.float32, 100, peak_lr=1.0, **options)
+    assert watched.event is not None, "the run must fail for this test to mean anything"
+    first = watched.warnings[0]
+    assert first.reason == "growth" and first.batch <= watched.event.batch - 2

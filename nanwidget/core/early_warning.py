@@ -23,6 +23,10 @@ Two reasons, each given once per module (a warning never stops the run):
     initialisation climb at 2-4x per batch for a few batches, far below any limit; and the
     rate is fitted over the run's values of at least 1/16 only (a climb from near zero,
     2e-7 to 1 in three batches, is no rate), three of them at least;
+  * growth counts from the highest value the series held in the :data:`RECENT` (32) to 64
+    batches before the run began: a climb back to where it has been is no growth. An input
+    whose scale changes from batch to batch (a diffusion model trained at one random noise
+    level per batch) rises three batches in a row by chance, from a low batch to a high one;
   * the batches are of one mode: training and evaluation forwards (``model.train()``,
     ``model.eval()``) are two series, each with its own runs (BatchNorm's running statistics
     can put the first evaluation outputs far above the training ones: a step, not a growth);
@@ -65,7 +69,7 @@ from .state import optimizer_steps
 from .stats import dtype_max
 
 __all__ = ["EarlyWarning", "EarlyWarningIssued", "EarlyWarnings", "REASONS", "NEAR_FACTOR",
-           "HORIZON", "WINDOW", "MIN_RISES", "MIN_GROWTH", "GROWTH_FLOOR", "growth_rate",
+           "HORIZON", "WINDOW", "MIN_RISES", "MIN_GROWTH", "GROWTH_FLOOR", "RECENT", "growth_rate",
            "WARNING_FIELDS", "warning_fields", "warning_from_fields"]
 
 REASONS = ("near-limit", "growth")
@@ -81,6 +85,12 @@ MIN_GROWTH = 2.0  # slowest growth per batch that counts (slower: the near-limit
 GROWTH_FLOOR = 1.0
 # Points of a run below this are left out of the fitted rate (see EarlyWarnings._rate).
 _FIT_FLOOR = GROWTH_FLOOR / 16
+# Growth counts from the highest value a module's series held in the RECENT to 2 * RECENT
+# batches before its run of rises began (the peaks of its earlier runs, kept in two buckets of
+# RECENT batches): values that vary from batch to batch (a diffusion model's input at a random
+# noise level per batch, 0.002 to 80) rise three times in a row by chance, from a low batch
+# back up to where the series has been, at a fitted 2-4x per batch.
+RECENT = 32
 # A value this close to its dtype's largest is that extreme written on purpose (a mask filled
 # with finfo.min), not a value that grew there: a growing value passes through the near zone.
 _EXTREME = 1.0 / 1.01
@@ -235,9 +245,17 @@ class EarlyWarnings(Feature):
         self._near = [math.inf] * count  # inf also once its near-limit warning is made
         self._growth_said = [False] * count
         self._looked_up = [False] * count  # whether its frames were read for their dtypes
+        # The highest peak of the module's earlier runs of rises (see RECENT): in the bucket of
+        # RECENT batches _high_bucket, and in the bucket before it.
+        self._high = [0.0] * count
+        self._high_before = [0.0] * count
+        self._high_bucket = [-2] * count
         # The lists above in one attribute: the per-batch pass loads them at once.
         self._state = (self._last_batch, self._last_value, self._rises, self._fast, self._runs,
-                       self._near, self._growth_said, self._looked_up)
+                       self._near, self._growth_said, self._looked_up, self._high,
+                       self._high_bucket)
+        self._series = (self._last_batch, self._last_value, self._rises, self._fast, self._runs,
+                        self._high, self._high_before, self._high_bucket)
         # dtype -> (largest value, near-limit threshold, extreme threshold); None: not a float
         self._dtype_limits: dict[Any, tuple[float, float, float] | None] = {}
         self._batches_seen = 0
@@ -355,10 +373,12 @@ class EarlyWarnings(Feature):
                     and not self._near[index] <= abs_max < math.inf:
                 # Most batches: no rise, far from the limit (what _look does then, without
                 # building a row for it).
+                if self._rises[index]:  # a run of rises ended: its peak is the last value
+                    self._peaked(index, last, self._last_batch[index])
+                    self._rises[index] = 0
+                    self._fast[index] = False
                 self._latest = self._last_batch[index] = batch
                 self._last_value[index] = abs_max
-                self._rises[index] = 0
-                self._fast[index] = False
                 return
             self._look(batch, {index: [abs_max, abs_min, False]}, (), (dtype, limits))
         except Exception as error:  # a warning must never break the run
@@ -386,7 +406,7 @@ class EarlyWarnings(Feature):
         evaluates between steps still has its training series) and the other's wait."""
         training = bool(self._model.training)
         if self._training is not None:
-            lists = (self._last_batch, self._last_value, self._rises, self._fast, self._runs)
+            lists = self._series
             left = tuple(list(values) for values in lists)
             resumed, self._other_series = self._other_series, left
             if resumed is None:
@@ -403,6 +423,32 @@ class EarlyWarnings(Feature):
         self._last_value[:] = [math.inf] * count
         self._rises[:] = [0] * count
         self._fast[:] = [False] * count
+        self._high[:] = [0.0] * count
+        self._high_before[:] = [0.0] * count
+        self._high_bucket[:] = [-2] * count
+
+    def _peaked(self, index: int, value: float, batch: int) -> None:
+        """Module ``index``'s run of rises ended at ``value`` in ``batch`` (a peak of its
+        series): kept if it is the highest of its bucket of RECENT batches."""
+        bucket = batch // RECENT
+        known = self._high_bucket[index]
+        if bucket == known:
+            if value > self._high[index]:
+                self._high[index] = value
+            return
+        if bucket > known:
+            self._high_before[index] = self._high[index] if bucket == known + 1 else 0.0
+            self._high[index] = value
+            self._high_bucket[index] = bucket
+
+    def _recent_high(self, index: int, batch: int) -> float:
+        """The highest peak of module ``index``'s series in the RECENT to 2 * RECENT batches
+        up to ``batch`` (0: none)."""
+        bucket = batch // RECENT
+        known = self._high_bucket[index]
+        if known == bucket:
+            return max(self._high[index], self._high_before[index])
+        return self._high[index] if known == bucket - 1 else 0.0
 
     def _limits_of(self, dtype: Any) -> tuple[float, float, float] | None:
         limits = self._dtype_limits.get(dtype, False)
@@ -461,8 +507,8 @@ class EarlyWarnings(Feature):
         candidates = None
         tainted = False
         allowed = self._inf_allowed
-        last_batches, last_values, rises_of, fast, runs, near, growth_said, looked_up = \
-            self._state
+        last_batches, last_values, rises_of, fast, runs, near, growth_said, looked_up, highs, \
+            high_buckets = self._state
         inf = math.inf
         for index, slot in row.items():
             value = slot[0]
@@ -475,9 +521,13 @@ class EarlyWarnings(Feature):
             last_batch = last_batches[index]
             last_batches[index] = batch
             if not 0 < last < value < inf:  # no rise: zero, nothing finite, or not larger
-                if rises_of[index]:
+                if rises_of[index]:  # a run of rises ended: its peak is the last value
                     rises_of[index] = 0
                     fast[index] = False
+                    if last_batch // RECENT != high_buckets[index]:
+                        self._peaked(index, last, last_batch)  # (a new bucket)
+                    elif last > highs[index]:
+                        highs[index] = last
                 if near[index] <= value < inf:
                     candidates = (candidates or []) + [index]
                 continue
@@ -516,13 +566,16 @@ class EarlyWarnings(Feature):
         run = self._runs[index]
         if self._rises[index] < 2 or len(run) < 3:
             return 0.0
+        # A climb back to where the series has been lately is no growth: it counts from the
+        # highest value held in the batches before the run (see RECENT).
+        high = self._recent_high(index, run[0][0])
         # Values far below the growth floor are a start from near zero (a fresh layer, a
         # mean readout of centred features at 2e-7), not a rate: a climb from there to 1 in
         # three batches fitted 45x per batch.
-        run = [(batch, value) for batch, value in run if value >= _FIT_FLOOR]
-        if len(run) < 3:
+        kept = [(batch, max(value, high)) for batch, value in run if value >= _FIT_FLOOR]
+        if len(kept) < 3:
             return 0.0
-        return growth_rate([batch for batch, _ in run], [math.log(value) for _, value in run])
+        return growth_rate([batch for batch, _ in kept], [math.log(value) for _, value in kept])
 
     def _decide(self, batch: int, index: int, value: float, role: str, dtype: Any,
                 limits: tuple[float, float, float],
