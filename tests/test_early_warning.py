@@ -1098,3 +1098,92 @@ def test_a_denoiser_diverging_is_still_warned_about(mode):
     assert watched.event is not None, "the run must fail for this test to mean anything"
     first = watched.warnings[0]
     assert first.reason == "growth" and first.batch <= watched.event.batch - 2
+
+
+def _pretrained_trunk(generator: torch.Generator) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """An MLP trunk trained on a classification task (unwatched), its last layer scaled 4x:
+    features of abs max 20-50 for a fresh head."""
+    teacher = torch.randn(32, 10, generator=generator)
+    x = torch.randn(4000, 32, generator=generator)
+    y = (x @ teacher).argmax(1)
+    trunk = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+    head = nn.Linear(256, 10)
+    optimizer = torch.optim.Adam([*trunk.parameters(), *head.parameters()], 1e-3)
+    for _ in range(200):
+        rows = torch.randint(0, 4000, (128,), generator=generator)
+        loss = nn.functional.cross_entropy(head(trunk(x[rows])), y[rows])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        trunk[2].weight *= 4
+    return trunk, x, y
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_fresh_head_sharpening_and_levelling_off_is_no_growth(mode):
+    # Fine-tuning a float16 model from a fresh head (SGD with momentum): its logits jumped from
+    # 12 to 184 in the first step, then 313, 360, 442 and settled: "grows 2.29x per batch (abs
+    # max 360); at that rate it passes float16's largest 65504 in about 6 batches". A run
+    # slowing down grows no faster than its latest rises.
+    options = {"mode": "sentinel", "sample_every": 5} if mode == "sentinel" else {}
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    trunk, x, y = _pretrained_trunk(generator)
+    model = nn.Sequential(trunk, nn.Linear(256, 10)).half()
+    batches = []
+    for _ in range(12):
+        rows = torch.randint(0, 4000, (64,), generator=generator)
+        batches.append((x[rows].half(), (y[rows] + 3) % 10))  # a new task on the same inputs
+    watched, issued = _train(model, torch.optim.SGD(model.parameters(), 0.05, momentum=0.9),
+                             batches, lambda out, y: nn.functional.cross_entropy(out.float(), y),
+                             12, **options)
+    assert watched.events == [] and watched.warnings == [] and issued == []
+
+
+class LayerScale(nn.Module):
+    """A learnt per-channel gain (as in CaiT and DINOv2), initialised at 1e-6."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((width,), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class LayerScaleBlock(nn.Module):
+    """A pre-norm residual MLP block whose branch is scaled by a LayerScale."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.gain = LayerScale(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gain(self.mlp(self.norm(x)))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_layerscale_gains_leaving_their_small_initialisation_are_no_growth(mode):
+    # float16, AdamW at 1e-2. As the gains grow out of 1e-6 the gained branches jump, then
+    # level off: the first went 8.9e-7, 0.38, 8.32, 16, 18.7, 20 ("grows 6.45x per batch (abs
+    # max 16); at that rate it passes float16's largest 65504 in about 4 batches" at batch 3):
+    # a run slowing down is levelling off. The fifth went 7.2e-7, 0.29, 2.45, 7.63, then 5.77
+    # ("3.11x per batch" once the first rule held), still rising 3x at batch 3: a run that
+    # begins below 1/16 counts its rises from its first value above it, as one from zero does.
+    options = {"mode": "sentinel", "sample_every": 5} if mode == "sentinel" else {}
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    teacher = torch.randn(16, 10, generator=generator)
+    model = nn.Sequential(nn.Linear(16, 48), *[LayerScaleBlock(48) for _ in range(6)],
+                          nn.Linear(48, 10)).half()
+    batches = []
+    for _ in range(20):
+        x = torch.randn(64, 16, generator=generator)
+        batches.append((x.half(), (x @ teacher).argmax(1)))
+    watched, issued = _train(model, torch.optim.AdamW(model.parameters(), 1e-2, eps=1e-4),
+                             batches, lambda out, y: nn.functional.cross_entropy(out.float(), y),
+                             20, **options)
+    assert watched.events == [] and watched.warnings == [] and issued == []

@@ -27,6 +27,10 @@ Two reasons, each given once per module (a warning never stops the run):
     batches before the run began: a climb back to where it has been is no growth. An input
     whose scale changes from batch to batch (a diffusion model trained at one random noise
     level per batch) rises three batches in a row by chance, from a low batch to a high one;
+  * the rate is the slower of the fit and the run's latest rise: a run that is slowing down
+    (a jump out of the first batches' transient, 12 -> 184 -> 313 -> 360, or a fresh
+    LayerScale gain's 0.4 -> 8 -> 16) is levelling off, not heading for the limit, and a
+    blow-up keeps its pace;
   * the batches are of one mode: training and evaluation forwards (``model.train()``,
     ``model.eval()``) are two series, each with its own runs (BatchNorm's running statistics
     can put the first evaluation outputs far above the training ones: a step, not a growth);
@@ -572,10 +576,19 @@ class EarlyWarnings(Feature):
         # Values far below the growth floor are a start from near zero (a fresh layer, a
         # mean readout of centred features at 2e-7), not a rate: a climb from there to 1 in
         # three batches fitted 45x per batch.
+        # As from zero, a run that begins below it counts its rises from its first value at or
+        # above it (a LayerScale gain leaving 1e-6: 7e-7, 0.29, 2.4, 7.6, then levelling off).
         kept = [(batch, max(value, high)) for batch, value in run if value >= _FIT_FLOOR]
-        if len(kept) < 3:
+        if len(kept) < (3 if len(kept) == len(run) else MIN_RISES + 1):
             return 0.0
-        return growth_rate([batch for batch, _ in kept], [math.log(value) for _, value in kept])
+        logs = [math.log(value) for _, value in kept]
+        batches = [batch for batch, _ in kept]
+        # A run slowing down is levelling off (a jump out of the first batches' transient, then
+        # smaller rises): the rate is no faster than the run's latest rise, nor than its last
+        # two together. A blow-up keeps its pace.
+        return min(growth_rate(batches, logs),
+                   (logs[-1] - logs[-2]) / (batches[-1] - batches[-2]),
+                   (logs[-1] - logs[-3]) / (batches[-1] - batches[-3]))
 
     def _decide(self, batch: int, index: int, value: float, role: str, dtype: Any,
                 limits: tuple[float, float, float],
