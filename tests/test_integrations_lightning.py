@@ -342,3 +342,35 @@ def test_a_nan_gradient_in_an_accumulated_step_names_the_steps_micro_batches(tmp
                              "3; the step's gradients accumulate batches 4-7, so any of them "
                              "may hold it)")
     assert "clipping" not in reason and "DDP" not in reason
+
+
+# Lightning Fabric: fabric.setup(model) wraps the model in a _FabricModule that casts the
+# inputs for the precision plugin and calls the model (or the strategy's wrapper around it).
+lightning = pytest.importorskip("lightning")
+
+
+def _fabric_setup(model, precision="32-true"):
+    fabric = lightning.fabric.Fabric(accelerator="cpu", devices=1, precision=precision)
+    fabric_model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    return fabric, fabric_model, optimizer
+
+
+def test_watching_what_fabric_setup_returns_names_the_users_modules_and_its_own_lines():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    fabric, fabric_model, optimizer = _fabric_setup(model)
+    watch = nw.watch(fabric_model)
+    # It named them '_forward_module.0', ... and gave Fabric's wrappers.py as the op's line.
+    assert watch.model is model and watch.module_names == ["", "0", "1", "2"]
+    with torch.no_grad():
+        model[2].weight.mul_(1e30)
+    with pytest.raises(nw.NanDetected) as raised:
+        fabric_model(torch.full((4, 8), 1e10))
+    event = raised.value.event
+    assert (event.batch, event.module, event.role) == (0, "2", "output")
+    assert "_forward_module" not in event.diagnosis.summary
+    assert "wrappers.py" not in event.diagnosis.summary
+    with pytest.raises(RuntimeError, match="already watched"):
+        nw.watch(model)        # the same model: refused, not hooked twice
+    watch.close()
+    assert hook_count(fabric_model) == 0

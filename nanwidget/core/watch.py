@@ -70,9 +70,26 @@ class _Target:
     compiled: str  # "" | "wrapper" (torch.compile(model)) | "in place" | "parts"
 
 
+def _fabric_forward_module(model: nn.Module) -> nn.Module | None:
+    """What Lightning Fabric's ``_FabricModule`` (``fabric.setup(model)``'s result) calls: the
+    model, or the strategy's wrapper around it; None for any other module. Read from its
+    children: the wrapper's ``__getattr__`` hands back the model's attributes."""
+    if type(model).__name__ != "_FabricModule":
+        return None
+    forward = dict(model.named_children()).get("_forward_module")
+    return forward if isinstance(forward, nn.Module) else None
+
+
 def _unwrap_model(model: Any) -> _Target:
     if not isinstance(model, nn.Module):
         raise TypeError(f"nanwidget.watch needs a torch.nn.Module, got {type(model).__name__}")
+    fabric = _fabric_forward_module(model)
+    if fabric is not None:
+        # fabric.setup(model): watch what the wrapper calls (the model, or the strategy's DDP
+        # or compile wrapper around it) under the user's own names, not "_forward_module.".
+        # The wrapper's casts and autocast run around that call, so the frames see them.
+        # (A strategy wrapper nanwidget does not unwrap, FSDP's, keeps its own names.)
+        return _unwrap_model(fabric)
     entry = model
     compiled = ""
     if is_compile_wrapper(model):
