@@ -110,7 +110,7 @@ class ParamsComparedElementwise(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.weight = nn.Parameter(torch.randn(4, 16))
 
     def __eq__(self, other: object) -> torch.Tensor:  # type: ignore[override]
         return torch.zeros(2, dtype=torch.bool)
@@ -519,3 +519,31 @@ def test_replays_asked_for_by_two_threads_run_one_after_the_other():
             thread.join(timeout=60)
     assert len(results) == 2 and all(isinstance(r, nw.Trace) and r.reproduced for r in results), \
         results
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_watch_whose_model_is_never_called_while_another_model_trains_says_so_at_close(mode):
+    # A training wrapper that builds a new model for its fit (skorch's fit() makes a new
+    # net.module_) left the watch on the old one: it checked nothing, and said nothing.
+    torch.manual_seed(0)
+    watched, trained = TinyMLP(), TinyMLP()
+    watch = nw.watch(watched, mode=mode)
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+    for _ in range(3):
+        trained(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+    with pytest.warns(UserWarning, match=r"checked nothing: its TinyMLP was never called while "
+                                         r"3 optimizer steps ran"):
+        watch.close()
+
+
+def test_a_watch_that_saw_its_model_or_no_training_stays_quiet_at_close(recwarn):
+    torch.manual_seed(0)
+    model = TinyMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    nw.watch(TinyMLP()).close()                        # nothing trained meanwhile
+    watch = nw.watch(model)
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    watch.close()
+    assert not [w for w in recwarn if "nanwidget" in str(w.message)]

@@ -50,6 +50,7 @@ from .state import watching_recorders
 from .structure import ModelChanges
 from .trace import Trace
 from .viewer import open_browser
+from .writes import steps_taken
 
 __all__ = ["NanWatch", "WatchParts", "WatchOptions", "SkipTypesWarning", "watch",
            "live_watches", "MAX_EVENTS", "MODES"]
@@ -197,7 +198,10 @@ class NanWatch:
                                   allow_inf=split_classes(checked.allow_inf),
                                   root_only=checked.mode == "sentinel", entry=target.entry)
         self._recorder.owner = self  # lives as long as the hooks do: see live_watches()
-        self._unchecked_at_close: str | None = None  # sentinel mode's "checked nothing"
+        self._unchecked_at_close: str | None = None  # "checked nothing", as it stood at close
+        # Optimizer steps so far: steps while the model is never called mean another model
+        # trained (skorch's fit() builds a new net.module_).
+        self._steps_at_start = steps_taken()
         try:
             self._parts = self._compose()
         except BaseException:
@@ -511,9 +515,28 @@ class NanWatch:
         if self._recorder.closed:
             return self._unchecked_at_close
         try:
-            return None if parts.sentinel is None else parts.sentinel.unchecked_note()
+            note = None if parts.sentinel is None else parts.sentinel.unchecked_note()
+            return note or self._never_called_note()
         except Exception:  # closing and reporting must always succeed
             return None
+
+    def _never_called_note(self) -> str | None:
+        """What to tell a user whose watched model was never called while optimizers stepped:
+        the model that trained is another one (a wrapper built a new model for its fit)."""
+        recorder = self._recorder
+        if recorder.batch or recorder.manual_batches or recorder.events \
+                or recorder.held_frames():
+            return None
+        steps = steps_taken() - self._steps_at_start
+        if steps <= 0:
+            return None
+        kind = type(self.model).__name__
+        return (f"This watch checked nothing: its {kind} was never called while {steps} "
+                f"optimizer step{'s' if steps > 1 else ''} ran, so the model that trained is "
+                "another object. A training wrapper may have built a new model for its fit: "
+                "skorch's net.fit(X, y) makes a new net.module_ (watch net.module_ after "
+                "net.initialize() and train with net.partial_fit(X, y), or make the net with "
+                "warm_start=True). Watch the model that the loop calls.")
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
