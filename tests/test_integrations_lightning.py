@@ -374,3 +374,31 @@ def test_watching_what_fabric_setup_returns_names_the_users_modules_and_its_own_
         nw.watch(model)        # the same model: refused, not hooked twice
     watch.close()
     assert hook_count(fabric_model) == 0
+
+
+@pytest.mark.parametrize("placement", ["watch what setup returns", "grad_scaler=fabric"])
+def test_steps_that_fabrics_grad_scaler_skips_under_16_mixed_are_no_events(placement):
+    # Watching the fabric model, every skipped step was an event; grad_scaler=fabric was refused.
+    from lightning.fabric.plugins import MixedPrecision
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    fabric = lightning.fabric.Fabric(accelerator="cpu", devices=1,
+                                     plugins=[MixedPrecision("16-mixed", "cpu")])
+    if placement == "grad_scaler=fabric":
+        watch = nw.watch(model, backward=True, grad_scaler=fabric)
+    fabric_model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    if placement != "grad_scaler=fabric":
+        watch = nw.watch(fabric_model, backward=True)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):                                  # float16 gradients overflow at 65536
+        x, y = torch.randn(16, 8, generator=generator) * 100, torch.randn(16, 1, generator=generator)
+        fabric.backward(nn.functional.mse_loss(fabric_model(x), y * 1000))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert watch.event is None
+    assert [(s.batch, s.scale_before) for s in watch.scaler_skips] == [
+        (0, 65536.0), (1, 32768.0), (2, 16384.0)]
+    watch.close()
+    full_precision = lightning.fabric.Fabric(accelerator="cpu", devices=1)
+    with nw.watch(model, grad_scaler=full_precision) as unscaled:
+        assert unscaled.grad_scaler is None                 # "32-true": nothing to skip

@@ -273,14 +273,21 @@ def _allow_inf(name: str, value: Any, model: nn.Module | None) -> tuple[str | ty
 def _grad_scaler(name: str, value: Any, model: Any) -> Any:
     """A ``torch.amp.GradScaler`` (or any scaler with its ``scale`` / ``update`` /
     ``get_scale`` methods), an object holding one as ``.scaler`` (accelerate's
-    ``Accelerator``, Lightning's mixed-precision plugin) or ``._scaler`` (timm's
-    ``NativeScaler``), or an optimizer that scales the loss
+    ``Accelerator``, Lightning's mixed-precision plugin), ``._scaler`` (timm's
+    ``NativeScaler``) or ``.strategy.precision.scaler`` (Lightning's ``Fabric``), or an optimizer that scales the loss
     itself (:func:`is_loss_scale_optimizer`: Keras' ``LossScaleOptimizer``): the scaler, or
     None when it holds none (no float16 loss scaling to watch)."""
     if value is None:
         return None
     if is_loss_scale_optimizer(value):
         return value
+    if not _is_scaler(value) and not hasattr(value, "scaler"):
+        # Lightning Fabric holds its precision plugin (whose .scaler it is) in its strategy
+        precision = getattr(getattr(value, "strategy", None), "precision", None)
+        if precision is not None:
+            value = precision
+            if not hasattr(value, "scaler"):  # "32-true", "bf16-true": no loss scaling
+                return None
     if not _is_scaler(value):
         # accelerate and Lightning hold theirs as .scaler, timm's NativeScaler as ._scaler
         for holder in ("scaler", "_scaler"):
@@ -300,8 +307,8 @@ def _grad_scaler(name: str, value: Any, model: Any) -> Any:
                 "steps it") if hasattr(value, "param_groups") and callable(
                     getattr(value, "zero_grad", None)) else ""
         raise TypeError(f"{name} takes a torch.amp.GradScaler (or an object holding one, such "
-                        f"as accelerate's Accelerator or timm's NativeScaler, or Keras' "
-                        f"LossScaleOptimizer), got {got}{hint}")
+                        f"as accelerate's Accelerator, Lightning's Fabric or timm's NativeScaler, "
+                        f"or Keras' LossScaleOptimizer), got {got}{hint}")
     return value
 
 
@@ -547,7 +554,7 @@ class WatchOptions:
                   help="a function of the notebook, loss_fn(output) -> loss: automatic replays "
                        "run it and its backward, so a NaN made in the loss is traced"))
     grad_scaler: Any = option(
-        None, "a torch.amp.GradScaler (or an Accelerator holding one, or Keras' "
+        None, "a torch.amp.GradScaler (or an Accelerator or Fabric holding one, or Keras' "
               "LossScaleOptimizer: found by itself in a model compiled with one): a gradient "
               "NaN/Inf in a step it skips (lowering its scale) is not an event; skips are listed "
               "in w.scaler_skips", _grad_scaler,

@@ -24,7 +24,7 @@ import inspect
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
 
@@ -69,6 +69,8 @@ class _Target:
     root: nn.Module
     entry: nn.Module
     compiled: str  # "" | "wrapper" (torch.compile(model)) | "in place" | "parts"
+    # What scales the loss, found in the wrapper (Fabric's precision plugin's GradScaler)
+    grad_scaler: Any = None
 
 
 def _fabric_forward_module(model: nn.Module) -> nn.Module | None:
@@ -90,7 +92,9 @@ def _unwrap_model(model: Any) -> _Target:
         # or compile wrapper around it) under the user's own names, not "_forward_module.".
         # The wrapper's casts and autocast run around that call, so the frames see them.
         # (A strategy wrapper nanwidget does not unwrap, FSDP's, keeps its own names.)
-        return _unwrap_model(fabric)
+        # Its strategy's precision plugin holds the GradScaler of "16-mixed" (else None).
+        precision = getattr(vars(model).get("_strategy"), "precision", None)
+        return replace(_unwrap_model(fabric), grad_scaler=getattr(precision, "scaler", None))
     entry = model
     compiled = ""
     if is_compile_wrapper(model):
@@ -182,8 +186,10 @@ class NanWatch:
         checked = WatchOptions.checked(root, **options)
         checked = checked.replace(mode=_resolve_mode(checked.mode, target))
         if "grad_scaler" not in options:
-            found = _loss_scale_optimizer_of(root)
-            if found is not None:  # a Keras model compiled under mixed_float16
+            # Fabric's GradScaler under "16-mixed", or a Keras model compiled under
+            # mixed_float16: it scales its loss itself
+            found = target.grad_scaler or _loss_scale_optimizer_of(root)
+            if found is not None:
                 checked = checked.replace(grad_scaler=found)
         #: The options, checked; ``mode`` is the mode the watch runs in ("full" or "sentinel").
         self.options = checked
