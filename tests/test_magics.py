@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -423,6 +424,40 @@ def test_a_cell_that_rebuilds_its_model_says_the_watch_saw_none_of_the_new_ones_
     with capture_output() as captured:  # a cell that keeps its model says nothing of it
         run(ip, "%%nanwatch model\nmodel(torch.randn(2, 16))\n")
     assert "rebound" not in captured.stdout
+
+
+class _BuildsItsModelInFit:
+    """As skorch's NeuralNet: fit() builds a new module_ and trains it."""
+
+    def __init__(self) -> None:
+        self.module_ = TinyMLP()
+
+    def fit(self, x):
+        self.module_ = TinyMLP()
+        optimizer = torch.optim.SGD(self.module_.parameters(), lr=0.1)
+        for _ in range(2):
+            self.module_(x).sum().backward()
+            optimizer.step()
+
+
+def test_a_cell_whose_call_rebuilds_the_watched_attribute_says_so_once_with_the_fit_fix(ip):
+    # It printed "Build the model in an earlier cell" (the user had: fit() rebuilt it) and
+    # close() warned the same thing again in other words.
+    ip.user_ns["net"] = _BuildsItsModelInFit()
+    try:
+        with capture_output() as captured, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(ip, "%%nanwatch net.module_\nnet.fit(torch.randn(2, 16))\n")
+    finally:
+        ip.user_ns.pop("net")
+    lines = [line for line in captured.stdout.splitlines() if "rebound" in line]
+    assert lines == ["nanwidget: net.module_ was rebound inside the cell (a call set a new "
+                     "module_ on net), so %%nanwatch watched the model it named before and saw "
+                     "none of the new model's batches. Train with a call that keeps it (skorch "
+                     "builds a new module_ in fit(): net.initialize() in an earlier cell, then "
+                     "net.partial_fit(X, y) under %%nanwatch net.module_), or call "
+                     "nw.watch(net.module_) inside the cell once it is built."]
+    assert not [w for w in caught if "nanwidget" in str(w.message)]
 
 
 def test_sentinel_cell_status_shows_what_the_sentinel_checks_and_what_it_cannot_see(ip):

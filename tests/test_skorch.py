@@ -81,3 +81,26 @@ def test_a_nan_in_the_data_names_the_batch_and_row():
     event = watch.event
     assert (event.batch, event.module, event.role) == (2, "fc1", "input[0]")
     assert event.diagnosis.kind == "bad-data" and event.diagnosis.rows == [5]
+
+
+def test_nanwatch_cell_around_fit_says_once_that_fit_built_a_new_module_and_how_to_watch_it():
+    pytest.importorskip("IPython")
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+    X, y = _data()
+    net = _net()
+    net.initialize()
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nanwidget")
+    shell.user_ns.update(net=net, X=X, y=y)
+    try:
+        with capture_output() as captured, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            shell.run_cell("%%nanwatch net.module_\nnet.fit(X, y)\n")
+    finally:
+        shell.run_line_magic("unload_ext", "nanwidget")
+        for name in ("net", "X", "y"):
+            shell.user_ns.pop(name, None)
+    assert "net.initialize() in an earlier cell, then net.partial_fit(X, y) under " \
+           "%%nanwatch net.module_" in captured.stdout
+    assert not [w for w in caught if "nanwidget" in str(w.message)]     # said once, not twice

@@ -9,6 +9,7 @@ import inspect
 import linecache
 import re
 import sys
+import warnings
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -410,8 +411,7 @@ class NanwatchMagics(Magics):
                      model: Any) -> None:
         """The cell raised: close the watch, say how it ended; re-raise (an abort returns None)."""
         __tracebackhide__ = True
-        watched.close()
-        self._report_rebound_in_cell(name, model)
+        self._print_rebound(self._close_noting_rebound(watched, name, model))
         if isinstance(error, NanDetected):
             live.finish("stopped at a NaN/Inf")
             self._show_browser(watched)
@@ -431,9 +431,9 @@ class NanwatchMagics(Magics):
 
     def _cell_done(self, watched: Any, live: LiveStatus, result: Any, name: str,
                    model: Any) -> Any:
-        watched.close()
+        rebound = self._close_noting_rebound(watched, name, model)
         live.finish()
-        self._report_rebound_in_cell(name, model)
+        self._print_rebound(rebound)
         if watched.events:
             print("\n".join([f"nanwidget: {len(watched.events)} NaN/Inf event(s); first: "
                              f"{watched.event.summary()}", *_diagnosis_line(watched.event)]),
@@ -441,9 +441,20 @@ class NanwatchMagics(Magics):
             self._show_browser(watched)
         return result
 
-    def _report_rebound_in_cell(self, name: str, model: Any) -> None:
-        """Say when the cell rebound the variable it watched (the watch saw the old model)."""
+    def _close_noting_rebound(self, watched: Any, name: str, model: Any) -> str:
+        """Close the cell's watch; return the sentence saying that the cell rebound the
+        variable it watched (the watch saw the old model), or "". That sentence stands for the
+        watch's own "checked nothing" warning at close, which says the same without the
+        variable's name: that one is not issued then."""
         sentence = self.manager.rebound_in_cell(self.shell.user_ns, name, model)
+        with warnings.catch_warnings():
+            if sentence:
+                warnings.filterwarnings("ignore", message="nanwidget: This watch checked nothing")
+            watched.close()
+        return sentence
+
+    @staticmethod
+    def _print_rebound(sentence: str) -> None:
         if sentence:
             print(sentence)
 

@@ -370,6 +370,17 @@ class WatchManager:
         if current is model:
             return ""
         now = "no longer names a model" if current is None else "was rebound inside the cell"
+        head, _, attribute = name.rpartition(".")
+        if head and current is not None:
+            # An attribute a call in the cell set anew: a training wrapper's fit() built a new
+            # model (skorch's net.fit(X, y) makes a new net.module_), so an earlier cell
+            # cannot build the one that trains.
+            return (f"nanwidget: {name} {now} (a call set a new {attribute} on {head}), so "
+                    "%%nanwatch watched the model it named before and saw none of the new "
+                    "model's batches. Train with a call that keeps it (skorch builds a new "
+                    f"module_ in fit(): {head}.initialize() in an earlier cell, then "
+                    f"{head}.partial_fit(X, y) under %%nanwatch {name}), or call "
+                    f"nw.watch({name}) inside the cell once it is built.")
         return (f"nanwidget: {name} {now}, so %%nanwatch watched the model it named before and "
                 "saw none of the new model's batches. Build the model in an earlier cell and "
                 f"train it under %%nanwatch {name}, or call nw.watch({name}) inside the cell "
