@@ -87,6 +87,31 @@ def test_without_grad_scaler_the_first_overflow_stops_the_run_and_says_to_pass_i
         "scale starts at 65536), pass it: nw.watch(model, grad_scaler=scaler).")
 
 
+class _Amp:
+    """A training loop's own holder of its GradScaler (as accelerate's Accelerator holds it)."""
+
+    def __init__(self) -> None:
+        self.scaler = _scaler()
+
+
+def test_the_fix_names_the_loops_own_variable_that_holds_the_scaler():
+    # It said grad_scaler=scaler whatever the loop called it (accelerator, fabric, amp).
+    torch.manual_seed(0)
+    model, amp = Net(), _Amp()
+    with nw.watch(model, backward=True) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            _train(model, amp.scaler, 1)               # _train's own variable is "scaler"
+        assert "grad_scaler=scaler)" in str(caught.value)
+    with nw.watch(model, backward=True) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            x, y = torch.randn(8, 16), torch.randn(8, 4)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            amp.scaler.scale(loss).backward()          # only "amp" holds it here
+    assert "pass it: nw.watch(model, grad_scaler=amp)" in str(caught.value)
+    assert "pass it: nw.watch(model, grad_scaler=amp)." in watch.event.diagnosis.suggestion[0]
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])
 @pytest.mark.parametrize("mode", MODES)
 def test_steps_the_scaler_skips_are_listed_not_events(mode, fused):

@@ -376,25 +376,34 @@ def test_watching_what_fabric_setup_returns_names_the_users_modules_and_its_own_
     assert hook_count(fabric_model) == 0
 
 
-@pytest.mark.parametrize("placement", ["watch what setup returns", "grad_scaler=fabric"])
-def test_steps_that_fabrics_grad_scaler_skips_under_16_mixed_are_no_events(placement):
-    # Watching the fabric model, every skipped step was an event; grad_scaler=fabric was refused.
+def _fabric_16_mixed():
+    """A model and a Fabric whose "16-mixed" GradScaler (on CPU: float16 autocast)."""
     from lightning.fabric.plugins import MixedPrecision
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-    fabric = lightning.fabric.Fabric(accelerator="cpu", devices=1,
-                                     plugins=[MixedPrecision("16-mixed", "cpu")])
+    return model, lightning.fabric.Fabric(accelerator="cpu", devices=1,
+                                          plugins=[MixedPrecision("16-mixed", "cpu")])
+
+
+def _train_with_fabric(fabric, fabric_model, optimizer, steps: int = 3) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):                              # float16 gradients overflow at 65536
+        x, y = torch.randn(16, 8, generator=generator) * 100, torch.randn(16, 1, generator=generator)
+        fabric.backward(nn.functional.mse_loss(fabric_model(x), y * 1000))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("placement", ["watch what setup returns", "grad_scaler=fabric"])
+def test_steps_that_fabrics_grad_scaler_skips_under_16_mixed_are_no_events(placement):
+    # Watching the fabric model, every skipped step was an event; grad_scaler=fabric was refused.
+    model, fabric = _fabric_16_mixed()
     if placement == "grad_scaler=fabric":
         watch = nw.watch(model, backward=True, grad_scaler=fabric)
     fabric_model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
     if placement != "grad_scaler=fabric":
         watch = nw.watch(fabric_model, backward=True)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(3):                                  # float16 gradients overflow at 65536
-        x, y = torch.randn(16, 8, generator=generator) * 100, torch.randn(16, 1, generator=generator)
-        fabric.backward(nn.functional.mse_loss(fabric_model(x), y * 1000))
-        optimizer.step()
-        optimizer.zero_grad()
+    _train_with_fabric(fabric, fabric_model, optimizer)
     assert watch.event is None
     assert [(s.batch, s.scale_before) for s in watch.scaler_skips] == [
         (0, 65536.0), (1, 32768.0), (2, 16384.0)]
@@ -402,3 +411,15 @@ def test_steps_that_fabrics_grad_scaler_skips_under_16_mixed_are_no_events(place
     full_precision = lightning.fabric.Fabric(accelerator="cpu", devices=1)
     with nw.watch(model, grad_scaler=full_precision) as unscaled:
         assert unscaled.grad_scaler is None                 # "32-true": nothing to skip
+
+
+def test_a_fabric_scaler_overflow_without_grad_scaler_says_to_pass_fabric_not_scaler():
+    # The loop has no variable named scaler (it is inside fabric): it said grad_scaler=scaler.
+    model, fabric = _fabric_16_mixed()
+    watch = nw.watch(model, backward=True)
+    fabric_model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    with pytest.raises(nw.NanDetected) as raised:
+        _train_with_fabric(fabric, fabric_model, optimizer, steps=1)
+    watch.close()
+    assert "pass it: nw.watch(model, grad_scaler=fabric)" in str(raised.value)
+    assert "pass it: nw.watch(model, grad_scaler=fabric)." in watch.event.diagnosis.suggestion[0]

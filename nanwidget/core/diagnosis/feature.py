@@ -12,6 +12,8 @@ the diagnosis alone (the op and its line; not attached to the event), at most
 
 from __future__ import annotations
 
+import re
+
 import weakref
 from typing import Any, Callable
 
@@ -100,6 +102,8 @@ _PASS_THE_SCALER_FIX = (
     "starts at 65536), pass it: nw.watch(model, grad_scaler=scaler). Its scaled gradients "
     "overflow float16 now and then on purpose, and it skips those steps: with it the watch "
     "does too, and lists them in w.scaler_skips.")
+# How the event's note names it, as the loop's variable (grad_scaler=fabric, =accelerator).
+_PASSED_AS = re.compile(r"grad_scaler=(?!model\.optimizer)[A-Za-z_][A-Za-z0-9_]*")
 
 
 class Diagnoser(Feature):
@@ -241,7 +245,9 @@ class Diagnoser(Feature):
                 # An Inf gradient with a GradScaler in the loop the watch was not told of: most
                 # likely its loss scale (65536 at first); that first, before scaling the loss or
                 # its targets down or naming the loss's op.
-                diagnosis.suggestion.insert(0, _PASS_THE_SCALER_FIX)
+                holder = _PASSED_AS.search(event.note)
+                diagnosis.suggestion.insert(0, _PASS_THE_SCALER_FIX.replace(
+                    "grad_scaler=scaler", holder.group(0) if holder else "grad_scaler=scaler"))
             return diagnosis
         except Exception as error:
             self.recorder.internal_error(error)

@@ -42,6 +42,7 @@ of a run with a GradScaler in the caller's frames, how to tell the watch about t
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import types
 import weakref
@@ -64,6 +65,10 @@ __all__ = ["ScalerWatch", "ScalerHint", "SkipRun", "skips_summary", "scaling_ena
 
 _SKIPS_KEPT = 10_000
 _STACK_DEPTH = 40  # caller frames searched for a GradScaler
+# Library code (installed packages, torch, nanwidget): its variable names are not the user's.
+_INSTALLED = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (
+    torch.__file__, os.path.dirname(os.path.dirname(__file__))))
 
 
 def scaling_enabled(scaler: Any) -> bool:
@@ -545,10 +550,13 @@ class ScalerHint(Feature):
 
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
         if event is None or not event.is_backward or "inf" not in event.kind \
-                or PASS_THE_SCALER in event.note:
+                or PASS_THE_SCALER.split(":")[0] in event.note:
             return event
-        if _scaler_in_callers():
-            event.note = _joined(event.note, SCALER_IN_THE_LOOP + PASS_THE_SCALER)
+        holder = _scaler_in_callers()
+        if holder:
+            # Named as the loop calls it: grad_scaler=fabric, grad_scaler=accelerator
+            event.note = _joined(event.note, SCALER_IN_THE_LOOP + PASS_THE_SCALER.replace(
+                "grad_scaler=scaler", f"grad_scaler={holder}"))
         elif event.ran_in("float16"):
             event.note = _joined(event.note, PASS_THE_SCALER)
         return event
@@ -558,21 +566,45 @@ def _enabled_scaler(value: Any) -> bool:
     return isinstance(value, torch.amp.GradScaler) and value.is_enabled()
 
 
-def _scaler_in_callers() -> bool:
-    """Whether a frame on the stack holds an enabled GradScaler, or an object holding one as
-    its own ``scaler`` attribute (accelerate's Accelerator) or ``_scaler`` (timm's
-    NativeScaler); read without calling anything."""
+def _holds_enabled_scaler(value: Any) -> bool:
+    """An enabled GradScaler, or an object holding one as its own ``scaler`` attribute
+    (accelerate's Accelerator, Lightning's precision plugins) or ``_scaler`` (timm's
+    NativeScaler), or holding such a plugin as ``_precision`` (Lightning's Fabric); read
+    without calling anything."""
+    if _enabled_scaler(value):
+        return True
+    own = vars(value) if hasattr(value, "__dict__") else {}
+    if _enabled_scaler(own.get("scaler")) or _enabled_scaler(own.get("_scaler")):
+        return True
+    plugin = own.get("_precision")
+    plugin_own = vars(plugin) if hasattr(plugin, "__dict__") else {}
+    return _enabled_scaler(plugin_own.get("scaler"))
+
+
+def _scaler_in_callers() -> str:
+    """The name to pass as ``grad_scaler=`` when a frame on the stack holds an enabled
+    GradScaler (or an object holding one, see :func:`_holds_enabled_scaler`): that variable's
+    name in the innermost frame of the user's code that holds it (the loop's "fabric",
+    "accelerator", "scaler"), "scaler" when only library code holds it (a plugin's ``self``);
+    "" when none does."""
     frame = sys._getframe(1)
+    found = ""
     for _ in range(_STACK_DEPTH):
         if frame is None:
-            return False
-        for value in list(frame.f_locals.values()):
+            break
+        filename = frame.f_code.co_filename  # "<ipython-input-...>": a notebook cell's
+        path = os.path.abspath(filename)
+        library = filename.startswith("<frozen") or path.startswith(_LIBRARY_DIRS) \
+            or any(part in path for part in _INSTALLED)
+        for name, value in list(frame.f_locals.items()):
             try:
-                own = vars(value) if hasattr(value, "__dict__") else {}
-                if _enabled_scaler(value) or _enabled_scaler(own.get("scaler")) \
-                        or _enabled_scaler(own.get("_scaler")):  # timm's NativeScaler
-                    return True
+                if not _holds_enabled_scaler(value):
+                    continue
             except Exception:  # an odd object: not a scaler
                 continue
+            if library or not name.isidentifier() or name == "self":
+                found = "scaler"
+            else:
+                return name
         frame = frame.f_back
-    return False
+    return found
