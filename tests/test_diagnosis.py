@@ -4607,3 +4607,22 @@ def test_a_dpo_loss_reading_a_nan_reference_model_suggests_watching_that_model(m
     assert diagnosis.kind == "loss"
     assert any("reference" in fix and "nw.watch(ref_model)" in fix
                for fix in diagnosis.suggestion), diagnosis.suggestion
+
+
+def test_every_text_fabrics_words_replace_is_one_that_a_fix_says():
+    # in_fabric_terms rewrites fixes by their text: a fix reworded here must not silently keep
+    # torch.autocast / clip_grad_norm_ words for a model that Lightning Fabric runs.
+    from nanwidget.core.diagnosis import fixes
+    said = " ".join(
+        fixes.overflow("m", "float16", "", "addmm") + fixes.divergence("float16")
+        + fixes.weight_gradient_overflow("m", "float16")
+        + fixes.scaled_gradient_overflow(batch=3, scale=512.0, module="m", at_output=False,
+                                         output_near_limit="", stepped_before=True,
+                                         op_known=False)
+        + fixes.cast_to_float16(["m.weight"])
+        + fixes.corrupted_weight(["m.weight"], "float16", 3, False))
+    for plain, fabric in fixes.FABRIC_TERMS:
+        assert plain in said, plain
+    worded = fixes.in_fabric_terms(fixes.divergence("float16")
+                                   + fixes.overflow("m", "float16", "", "addmm"))
+    assert not any("clip_grad_norm_" in fix or "dtype=torch.bfloat16" in fix for fix in worded)

@@ -388,7 +388,8 @@ def _fabric_16_mixed():
 def _train_with_fabric(fabric, fabric_model, optimizer, steps: int = 3) -> None:
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):                              # float16 gradients overflow at 65536
-        x, y = torch.randn(16, 8, generator=generator) * 100, torch.randn(16, 1, generator=generator)
+        x = torch.randn(16, 8, generator=generator) * 100
+        y = torch.randn(16, 1, generator=generator)
         fabric.backward(nn.functional.mse_loss(fabric_model(x), y * 1000))
         optimizer.step()
         optimizer.zero_grad()
@@ -423,3 +424,41 @@ def test_a_fabric_scaler_overflow_without_grad_scaler_says_to_pass_fabric_not_sc
     watch.close()
     assert "pass it: nw.watch(model, grad_scaler=fabric)" in str(raised.value)
     assert "pass it: nw.watch(model, grad_scaler=fabric)." in watch.event.diagnosis.suggestion[0]
+
+
+def test_fixes_under_fabric_name_its_precision_flag_and_clip_gradients():
+    # They said "autocast with dtype=torch.bfloat16" and torch.nn.utils.clip_grad_norm_, which a
+    # Fabric loop sets through Fabric(precision=...) and fabric.clip_gradients.
+    model, fabric = _fabric_16_mixed()
+    with torch.no_grad():
+        model[2].weight.abs_().mul_(2000.0)
+    watch = nw.watch(model)
+    fabric_model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    with pytest.raises(nw.NanDetected):
+        fabric_model(torch.full((4, 8), 300.0))         # '2' passes float16's 65504
+    watch.close()
+    diagnosis = watch.event.diagnosis
+    assert (watch.event.module, diagnosis.kind) == ("2", "overflow")
+    assert diagnosis.suggestion[0].endswith(
+        '; or train in bfloat16: Fabric(precision="bf16-mixed").')
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    fabric, fabric_model, optimizer = _fabric_setup(model)
+    optimizer.param_groups[0]["lr"] = 2.0               # diverges in a few steps
+    watch = nw.watch(fabric_model)
+    generator = torch.Generator().manual_seed(1)
+    with pytest.raises(nw.NanDetected):
+        for _ in range(30):
+            x = torch.randn(16, 8, generator=generator) * 3
+            y = torch.randn(16, 1, generator=generator)
+            fabric.backward(nn.functional.mse_loss(fabric_model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    watch.close()
+    diagnosis = watch.event.diagnosis
+    assert diagnosis.kind == "divergence"
+    assert "Clip the gradients before the step: fabric.clip_gradients(model, optimizer, " \
+           "max_norm=1.0)." in diagnosis.suggestion
+    assert not any("clip_grad_norm_" in fix or "torch.amp.GradScaler" in fix
+                   for fix in diagnosis.suggestion)

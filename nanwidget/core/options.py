@@ -274,9 +274,10 @@ def _grad_scaler(name: str, value: Any, model: Any) -> Any:
     """A ``torch.amp.GradScaler`` (or any scaler with its ``scale`` / ``update`` /
     ``get_scale`` methods), an object holding one as ``.scaler`` (accelerate's
     ``Accelerator``, Lightning's mixed-precision plugin), ``._scaler`` (timm's
-    ``NativeScaler``) or ``.strategy.precision.scaler`` (Lightning's ``Fabric``), or an optimizer that scales the loss
-    itself (:func:`is_loss_scale_optimizer`: Keras' ``LossScaleOptimizer``): the scaler, or
-    None when it holds none (no float16 loss scaling to watch)."""
+    ``NativeScaler``) or ``.strategy.precision.scaler`` (Lightning's ``Fabric``), or an
+    optimizer that scales the loss itself (:func:`is_loss_scale_optimizer`: Keras'
+    ``LossScaleOptimizer``): the scaler, or None when it holds none (no float16 loss scaling
+    to watch)."""
     if value is None:
         return None
     if is_loss_scale_optimizer(value):

@@ -13,7 +13,7 @@ the diagnosis alone (the op and its line; not attached to the event), at most
 from __future__ import annotations
 
 import re
-
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -37,6 +37,7 @@ from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_in_step,
                       nonfinite_lr_step, optimizer_state_nonfinite, optimizers_holding,
                       optimizers_stepped, param_group_of, step_in_progress,
                       stepping_optimizer, steps_taken, written_since)
+from . import fixes
 from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
                     output_grad_bad, packed_samples, weight_names)
 from .rules import diagnose
@@ -104,6 +105,28 @@ _PASS_THE_SCALER_FIX = (
     "does too, and lists them in w.scaler_skips.")
 # How the event's note names it, as the loop's variable (grad_scaler=fabric, =accelerator).
 _PASSED_AS = re.compile(r"grad_scaler=(?!model\.optimizer)[A-Za-z_][A-Za-z0-9_]*")
+
+
+_FABRIC_TYPES = ("Fabric", "_FabricModule")
+_STACK_DEPTH = 60  # caller frames searched for Lightning Fabric
+
+
+def _run_by_fabric() -> bool:
+    """Whether Lightning Fabric runs the model in this forward or backward pass: a frame on
+    the stack holds its ``Fabric`` (``fabric.backward``) or the ``_FabricModule`` that
+    ``fabric.setup`` made (its forward); told by class name, nothing imported or called."""
+    frame = sys._getframe(1)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return False
+        for value in list(frame.f_locals.values()):
+            try:
+                if type(value).__name__ in _FABRIC_TYPES and "_strategy" in vars(value):
+                    return True
+            except TypeError:  # no __dict__: not Fabric's
+                continue
+        frame = frame.f_back
+    return False
 
 
 class Diagnoser(Feature):
@@ -248,6 +271,8 @@ class Diagnoser(Feature):
                 holder = _PASSED_AS.search(event.note)
                 diagnosis.suggestion.insert(0, _PASS_THE_SCALER_FIX.replace(
                     "grad_scaler=scaler", holder.group(0) if holder else "grad_scaler=scaler"))
+            if _run_by_fabric():
+                diagnosis.suggestion = fixes.in_fabric_terms(diagnosis.suggestion)
             return diagnosis
         except Exception as error:
             self.recorder.internal_error(error)

@@ -12,7 +12,7 @@ import math
 from ..stats import dtype_max
 
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
-           "loss", "loss_input", "unknown"]
+           "loss", "loss_input", "unknown", "in_fabric_terms", "FABRIC_TERMS"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
 
@@ -822,3 +822,56 @@ def unknown(batch: int, replayable: bool, backward: bool = False,
                 "Watch with replay_on_nan=True (and loss_fn=...) to have it done at the event."]
     return ["Keep the batch for a replay (keep_batches >= 1, the default) and replay it: "
             f"w.replay({batch}).report() names the op and its line."]
+
+
+# Lightning Fabric sets the precision with its flag (Fabric(precision="bf16-mixed")), runs the
+# autocast and the GradScaler itself, and clips through fabric.clip_gradients (which unscales
+# first): the fixes above in its words, where they name what Fabric does for the user.
+_CLIP = "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"
+_FABRIC_CLIP = "fabric.clip_gradients(model, optimizer, max_norm=1.0)"
+FABRIC_TERMS = (
+    ("; or autocast with dtype=torch.bfloat16.",
+     '; or train in bfloat16: Fabric(precision="bf16-mixed").'),
+    ("Autocast in bfloat16 instead of float16: torch.autocast(device_type, "
+     "dtype=torch.bfloat16) has float32's range",
+     'Train in bfloat16 instead of float16: Fabric(precision="bf16-mixed") has float32\'s '
+     "range"),
+    ("Under AMP, let torch.amp.GradScaler manage the loss scale (it lowers the scale when "
+     "gradients overflow); a fixed large scale diverges.",
+     'In float16, train with Fabric(precision="16-mixed"): its GradScaler manages the loss '
+     'scale (it lowers the scale when gradients overflow); or with "bf16-mixed", which needs '
+     "none."),
+    ("Under AMP, let torch.amp.GradScaler manage the loss scale (it skips a step whose "
+     "gradients overflowed and lowers the scale), or train in bfloat16.",
+     'In float16, train with Fabric(precision="16-mixed"): its GradScaler skips a step whose '
+     'gradients overflowed and lowers the scale; or train in bfloat16 ("bf16-mixed").'),
+    ("Keep the weights and optimizer state in float32 (autocast the forward instead of "
+     "model.half()).",
+     'Keep the weights and optimizer state in float32: Fabric(precision="bf16-mixed") or '
+     '"16-mixed" instead of "bf16-true" or "16-true".'),
+    ("Keep the weights in float32 and compute in float16 under torch.autocast(device_type, "
+     "dtype=torch.float16)",
+     'Keep the weights in float32 and compute in float16: Fabric(precision="16-mixed") '
+     "instead of \"16-true\""),
+    (f"clip them before the step (scaler.unscale_(optimizer), then {_CLIP})",
+     f"clip them before the step ({_FABRIC_CLIP}, which unscales them first)"),
+    (f"{_CLIP}; with float16, torch.amp.GradScaler skips steps whose gradients hold Inf/NaN.",
+     f'{_FABRIC_CLIP}; with precision="16-mixed", its GradScaler skips steps whose gradients '
+     "hold Inf/NaN."),
+    (_CLIP, _FABRIC_CLIP),
+)
+
+
+def in_fabric_terms(suggestion: list[str]) -> list[str]:
+    """``suggestion`` for a model that Lightning Fabric runs: its precision flag, its clipping
+    (:data:`FABRIC_TERMS`, the first matching pair of each text applied, then the plain clip)."""
+    worded = []
+    for text in suggestion:
+        for plain, fabric in FABRIC_TERMS:
+            if plain in text:
+                text = text.replace(plain, fabric)
+                if plain != _CLIP:
+                    text = text.replace(_CLIP, _FABRIC_CLIP)
+                break
+        worded.append(text)
+    return worded
