@@ -4609,9 +4609,9 @@ def test_a_dpo_loss_reading_a_nan_reference_model_suggests_watching_that_model(m
                for fix in diagnosis.suggestion), diagnosis.suggestion
 
 
-def test_every_text_fabrics_words_replace_is_one_that_a_fix_says():
-    # in_fabric_terms rewrites fixes by their text: a fix reworded here must not silently keep
-    # torch.autocast / clip_grad_norm_ words for a model that Lightning Fabric runs.
+def test_every_text_a_training_wrappers_words_replace_is_one_that_a_fix_says():
+    # in_wrapper_terms rewrites fixes by their text: a fix reworded here must not silently keep
+    # torch.autocast / clip_grad_norm_ words for a model that Lightning Fabric or skorch runs.
     from nanwidget.core.diagnosis import fixes
     said = " ".join(
         fixes.overflow("m", "float16", "", "addmm") + fixes.divergence("float16")
@@ -4621,8 +4621,8 @@ def test_every_text_fabrics_words_replace_is_one_that_a_fix_says():
                                          op_known=False)
         + fixes.cast_to_float16(["m.weight"])
         + fixes.corrupted_weight(["m.weight"], "float16", 3, False))
-    for plain, fabric in fixes.FABRIC_TERMS:
+    for plain, theirs in fixes.FABRIC_TERMS + fixes.SKORCH_TERMS:
         assert plain in said, plain
-    worded = fixes.in_fabric_terms(fixes.divergence("float16")
-                                   + fixes.overflow("m", "float16", "", "addmm"))
+    worded = fixes.in_wrapper_terms(fixes.divergence("float16")
+                                   + fixes.overflow("m", "float16", "", "addmm"), "fabric")
     assert not any("clip_grad_norm_" in fix or "dtype=torch.bfloat16" in fix for fix in worded)

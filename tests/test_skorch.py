@@ -104,3 +104,28 @@ def test_nanwatch_cell_around_fit_says_once_that_fit_built_a_new_module_and_how_
     assert "net.initialize() in an earlier cell, then net.partial_fit(X, y) under " \
            "%%nanwatch net.module_" in captured.stdout
     assert not [w for w in caught if "nanwidget" in str(w.message)]     # said once, not twice
+
+
+def test_a_learning_rate_too_high_is_fixed_in_the_nets_own_parameters_and_callbacks():
+    # The fixes said torch.optim.lr_scheduler and clip_grad_norm_(model.parameters()), which a
+    # skorch loop sets through the net's lr= and its callbacks.
+    rs = np.random.RandomState(0)
+    X, y = (rs.randn(160, 8) * 3).astype("float32"), rs.randn(160, 1).astype("float32")
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                           nn.Linear(32, 1))
+    net = skorch.NeuralNetRegressor(module, lr=2.0, max_epochs=10, batch_size=16, verbose=0,
+                                    train_split=None)
+    net.initialize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(net.module_) as watch, pytest.raises(nw.NanDetected):
+            net.partial_fit(X, y)
+    diagnosis = watch.event.diagnosis
+    assert diagnosis.kind == "divergence"
+    assert diagnosis.suggestion[0].startswith(
+        "Lower the net's learning rate (try 10x lower: lr= when you make the net, or "
+        "net.set_params(lr=...))")
+    assert "Clip the gradients before the step: callbacks=[skorch.callbacks."\
+           "GradientNormClipping(gradient_clip_value=1.0)]." in diagnosis.suggestion
+    assert not any("clip_grad_norm_" in fix for fix in diagnosis.suggestion)

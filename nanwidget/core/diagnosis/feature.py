@@ -107,26 +107,37 @@ _PASS_THE_SCALER_FIX = (
 _PASSED_AS = re.compile(r"grad_scaler=(?!model\.optimizer)[A-Za-z_][A-Za-z0-9_]*")
 
 
-_FABRIC_TYPES = ("Fabric", "_FabricModule")
-_STACK_DEPTH = 60  # caller frames searched for Lightning Fabric
+_STACK_DEPTH = 60  # caller frames searched for a training wrapper
 
 
-def _run_by_fabric() -> bool:
-    """Whether Lightning Fabric runs the model in this forward or backward pass: a frame on
-    the stack holds its ``Fabric`` (``fabric.backward``) or the ``_FabricModule`` that
-    ``fabric.setup`` made (its forward); told by class name, nothing imported or called."""
+def _wrapper_of(value: Any) -> str:
+    """"fabric" for Lightning Fabric's ``Fabric`` or the ``_FabricModule`` that
+    ``fabric.setup`` made, "skorch" for a skorch net (it holds its ``module_``), else ""; told
+    by class and module name, nothing imported or called."""
+    kind = type(value)
+    if kind.__name__ in ("Fabric", "_FabricModule"):
+        return "fabric" if "_strategy" in vars(value) else ""
+    if kind.__module__.startswith("skorch.") and "module_" in vars(value):
+        return "skorch"
+    return ""
+
+
+def _running_wrapper() -> str:
+    """The training wrapper that runs the model in this forward or backward pass, found on
+    the stack (see :func:`_wrapper_of`): the innermost one; "" for none."""
     frame = sys._getframe(1)
     for _ in range(_STACK_DEPTH):
         if frame is None:
-            return False
+            return ""
         for value in list(frame.f_locals.values()):
             try:
-                if type(value).__name__ in _FABRIC_TYPES and "_strategy" in vars(value):
-                    return True
-            except TypeError:  # no __dict__: not Fabric's
+                wrapper = _wrapper_of(value)
+            except TypeError:  # no __dict__: no wrapper's
                 continue
+            if wrapper:
+                return wrapper
         frame = frame.f_back
-    return False
+    return ""
 
 
 class Diagnoser(Feature):
@@ -271,8 +282,9 @@ class Diagnoser(Feature):
                 holder = _PASSED_AS.search(event.note)
                 diagnosis.suggestion.insert(0, _PASS_THE_SCALER_FIX.replace(
                     "grad_scaler=scaler", holder.group(0) if holder else "grad_scaler=scaler"))
-            if _run_by_fabric():
-                diagnosis.suggestion = fixes.in_fabric_terms(diagnosis.suggestion)
+            wrapper = _running_wrapper()
+            if wrapper:
+                diagnosis.suggestion = fixes.in_wrapper_terms(diagnosis.suggestion, wrapper)
             return diagnosis
         except Exception as error:
             self.recorder.internal_error(error)

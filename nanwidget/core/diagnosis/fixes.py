@@ -12,7 +12,8 @@ import math
 from ..stats import dtype_max
 
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
-           "loss", "loss_input", "unknown", "in_fabric_terms", "FABRIC_TERMS"]
+           "loss", "loss_input", "unknown", "in_wrapper_terms", "FABRIC_TERMS",
+           "SKORCH_TERMS"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
 
@@ -824,11 +825,17 @@ def unknown(batch: int, replayable: bool, backward: bool = False,
             f"w.replay({batch}).report() names the op and its line."]
 
 
-# Lightning Fabric sets the precision with its flag (Fabric(precision="bf16-mixed")), runs the
-# autocast and the GradScaler itself, and clips through fabric.clip_gradients (which unscales
-# first): the fixes above in its words, where they name what Fabric does for the user.
+
+# Training wrappers set some of these through their own flags, callbacks and parameters: the
+# fixes above in their words, where they name what the wrapper does for the user. Each table:
+# (text of a fix, the wrapper's text); the first pair found in a fix is applied, then the plain
+# clip_grad_norm_ call if it is still there.
 _CLIP = "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)"
 _FABRIC_CLIP = "fabric.clip_gradients(model, optimizer, max_norm=1.0)"
+_SKORCH_CLIP = "callbacks=[skorch.callbacks.GradientNormClipping(gradient_clip_value=1.0)]"
+# Lightning Fabric sets the precision with its flag (Fabric(precision="bf16-mixed")), runs the
+# autocast and the GradScaler itself, and clips through fabric.clip_gradients (which unscales
+# first).
 FABRIC_TERMS = (
     ("; or autocast with dtype=torch.bfloat16.",
      '; or train in bfloat16: Fabric(precision="bf16-mixed").'),
@@ -858,20 +865,30 @@ FABRIC_TERMS = (
     (f"{_CLIP}; with float16, torch.amp.GradScaler skips steps whose gradients hold Inf/NaN.",
      f'{_FABRIC_CLIP}; with precision="16-mixed", its GradScaler skips steps whose gradients '
      "hold Inf/NaN."),
-    (_CLIP, _FABRIC_CLIP),
 )
+# skorch: the net's parameters (lr=..., optimizer__...) and its callbacks.
+SKORCH_TERMS = (
+    ("Lower the learning rate (try 10x lower) or warm it up over the first steps "
+     "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).",
+     "Lower the net's learning rate (try 10x lower: lr= when you make the net, or "
+     "net.set_params(lr=...)) or warm it up over the first steps (callbacks=[skorch.callbacks."
+     "LRScheduler(policy=torch.optim.lr_scheduler.LinearLR, start_factor=0.1, "
+     "total_iters=100, step_every=\"batch\")])."),
+    ("so a step divides by ~0. Use eps=1e-4 or larger,",
+     "so a step divides by ~0. Use eps=1e-4 or larger (the net's optimizer__eps=1e-4),"),
+)
+_TERMS = {"fabric": (FABRIC_TERMS, _FABRIC_CLIP), "skorch": (SKORCH_TERMS, _SKORCH_CLIP)}
 
 
-def in_fabric_terms(suggestion: list[str]) -> list[str]:
-    """``suggestion`` for a model that Lightning Fabric runs: its precision flag, its clipping
-    (:data:`FABRIC_TERMS`, the first matching pair of each text applied, then the plain clip)."""
+def in_wrapper_terms(suggestion: list[str], wrapper: str) -> list[str]:
+    """``suggestion`` for a model that a training wrapper runs (``"fabric"``: Lightning
+    Fabric, ``"skorch"``), in its words (:data:`FABRIC_TERMS`, :data:`SKORCH_TERMS`)."""
+    terms, clip = _TERMS[wrapper]
     worded = []
     for text in suggestion:
-        for plain, fabric in FABRIC_TERMS:
+        for plain, theirs in terms:
             if plain in text:
-                text = text.replace(plain, fabric)
-                if plain != _CLIP:
-                    text = text.replace(_CLIP, _FABRIC_CLIP)
+                text = text.replace(plain, theirs)
                 break
-        worded.append(text)
+        worded.append(text.replace(_CLIP, clip))
     return worded
