@@ -117,7 +117,7 @@ def _wrapper_of(value: Any) -> str:
     kind = type(value)
     if kind.__name__ in ("Fabric", "_FabricModule"):
         return "fabric" if "_strategy" in vars(value) else ""
-    if kind.__module__.startswith("skorch.") and "module_" in vars(value):
+    if str(kind.__module__).startswith("skorch.") and "module_" in vars(value):
         return "skorch"
     return ""
 
@@ -132,7 +132,7 @@ def _running_wrapper() -> str:
         for value in list(frame.f_locals.values()):
             try:
                 wrapper = _wrapper_of(value)
-            except TypeError:  # no __dict__: no wrapper's
+            except Exception:  # no __dict__, an odd object: no wrapper's
                 continue
             if wrapper:
                 return wrapper
