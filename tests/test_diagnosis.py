@@ -20,7 +20,7 @@ from torch import nn
 
 import nanwidget as nw
 from nanwidget.core.diagnosis import MAX_DIAGNOSIS_REPLAYS
-from test_replay import line_of
+from test_replay import AdaptedNet, line_of
 from test_report_golden import Overflowing  # exact weights: overflows float16 at scale 1e4
 from test_trace_lineage import bce_by_hand, saturated_model  # a loss outside the model
 from test_batches import HoldsItsLoss  # a loss held as a submodule, run on the output
@@ -1248,6 +1248,67 @@ def test_a_lora_llama_blown_up_by_its_learning_rate_diverges_with_or_without_pad
 
 
 # ---------------------------------------------------------------------------- corrupted-weight
+def _reference_forward_after_a_nan_base_weight(mode: str, *, adapters_off: bool
+                                              ) -> nw.NanEvent:
+    """A training forward, then a base weight written NaN, then a forward under no_grad: with
+    the adapter switched off (DPO's reference forward without a ref_model), or on in eval
+    mode (an evaluation or generation pass)."""
+    torch.manual_seed(0)
+    model = AdaptedNet()
+    with watch(model, mode) as w:
+        model(torch.randn(4, 8))
+        with torch.no_grad():
+            model.layer.base.weight[0, 0] = float("nan")
+            model.layer.disable_adapters = adapters_off
+            model.eval()
+            model(torch.randn(4, 8))
+        model.layer.disable_adapters = False
+    return w.event
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_first_met_in_a_forward_with_the_adapters_disabled_is_said_to_be_there(mode):
+    # The event said "batch 1" (under a trainer: "forward 1 of 2") and nothing told that the
+    # forward was the reference one, run with the adapters off.
+    event = _reference_forward_after_a_nan_base_weight(mode, adapters_off=True)
+    assert (event.batch, event.module, event.role) == (1, "layer.base", "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert diagnosis.summary.endswith(" Batch 1 ran with the adapters disabled: the base model "
+                                      "alone (a reference forward).")
+    assert diagnosis.evidence[0].startswith(
+        "Batch 1 ran with the model's adapters disabled (peft's `with model.disable_adapter():`"
+        ", under torch.no_grad(), in eval mode): the base model alone")
+    assert "Batch 1 ran with the adapters disabled" in "\n".join(diagnosis.lines())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_under_no_grad_in_eval_mode_with_the_adapters_on_is_no_reference_forward(mode):
+    event = _reference_forward_after_a_nan_base_weight(mode, adapters_off=False)
+    assert (event.batch, event.module, event.diagnosis.kind) == (1, "layer.base",
+                                                                 "corrupted-weight")
+    assert "adapters disabled" not in "\n".join(event.diagnosis.lines())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_adapter_weight_spares_the_reference_forward_and_is_met_in_the_next(mode):
+    torch.manual_seed(0)
+    model = AdaptedNet()
+    with watch(model, mode) as w:
+        model(torch.randn(4, 8))
+        with torch.no_grad():
+            model.layer.lora_A.weight[0, 0] = float("nan")
+            model.layer.disable_adapters = True
+            model(torch.randn(4, 8))  # the adapter does not run: clean
+            model.layer.disable_adapters = False
+        assert not w.events
+        model(torch.randn(4, 8))
+    event = w.event
+    assert (event.batch, event.module, event.origin) == (2, "layer.lora_A", "weight")
+    assert event.diagnosis.kind == "corrupted-weight"
+    assert "adapters disabled" not in "\n".join(event.diagnosis.lines())
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_weight_written_nan_after_healthy_training_is_no_divergence(mode):
     # 50 AdamW steps move the weights' abs max from their initialisation by a few percent per

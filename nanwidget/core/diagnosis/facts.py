@@ -678,6 +678,12 @@ class Facts:
     unseen_note: str = ""
     # Those weights are quantized (packed by torch.ao, or torchao tensor subclasses).
     unseen_quantized: bool = False
+    # A forward event whose batch ran with the model's peft-style adapters switched off (``with
+    # model.disable_adapter():``: the base model alone, a reference forward); with whether it
+    # ran with gradients on and the model in train mode (None: not known).
+    adapters_disabled: bool = False
+    ran_with_grad: bool | None = None
+    ran_in_train_mode: bool | None = None
 
     def batch_size(self) -> int | None:
         """The number of samples in the batch: the size its inputs share along their sample

@@ -2312,6 +2312,23 @@ def _unseen_fixes(facts: Facts) -> list[str]:
         else fixes.unseen_weights(module)
 
 
+def _adapters_disabled(facts: Facts, found: Diagnosis) -> None:
+    """A forward event in a batch run with the model's adapters switched off: say which
+    forward it was (a trainer that calls the model twice per step numbers them only), and that
+    the adapters took no part in it."""
+    batch = facts.event.batch
+    how = "".join([", under torch.no_grad()" if facts.ran_with_grad is False else "",
+                   ", in eval mode" if facts.ran_in_train_mode is False else ""])
+    found.summary += (f" Batch {batch} ran with the adapters disabled: the base model alone "
+                      "(a reference forward).")
+    found.evidence.insert(0, (
+        f"Batch {batch} ran with the model's adapters disabled (peft's `with "
+        f"model.disable_adapter():`{how}): the base model alone, the reference forward that "
+        "DPO without a ref_model, or a KL term against the base model, runs each step. The "
+        "adapter layers (LoRA's lora_A, lora_B) did not run in it: the value comes from the "
+        "base model's weights or the batch."))
+
+
 def _quantized_weight(facts: Facts, found: Diagnosis) -> None:
     """A weight event whose weight no hook reads, measured at the event (a torch.ao module's
     packed weight, a torchao weight dequantized): where quantized weights come from leads the
@@ -2358,6 +2375,8 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                               f"a {_kind_words(event.kind)} gradient at every scale does not "
                               "come from the scale.")
     _quantized_weight(facts, found)
+    if facts.adapters_disabled:
+        _adapters_disabled(facts, found)
     if facts.absorbed_in:
         _absorbed(facts, found)
     op = facts.op

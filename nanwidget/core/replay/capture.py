@@ -26,6 +26,7 @@ from ..recorder import Feature
 from ..stats import version_of
 from ..walk import iter_leaves
 from ..writes import step_in_progress, steps_taken
+from .divergence import adapter_layer
 from .inputs import UncopiedInput, copy_structure, needs_copy
 
 __all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "layouts_of", "ReplayError",
@@ -93,7 +94,8 @@ class ForwardCapture:
     __slots__ = ("args", "kwargs", "inputs", "input_versions", "end_input_versions", "cpu_rng",
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
                  "weight_versions", "weight_layout", "end_buffer_versions", "snapshot",
-                 "needs_grad", "steps", "uncopied", "end_renormed_versions", "stepping")
+                 "needs_grad", "steps", "uncopied", "end_renormed_versions", "stepping",
+                 "adapters_disabled")
 
     def __init__(self) -> None:
         self.uncopied = ""  # the first input that could not be copied, and why
@@ -105,6 +107,9 @@ class ForwardCapture:
         self.snapshot: list[torch.Tensor | None] | None = None
         self.steps = 0  # optimizer steps seen when it started (core.writes)
         self.stepping = 0  # the optimizer step it ran inside (a closure's forward); 0: none
+        # Whether the model's peft-style adapters were switched off (``with
+        # model.disable_adapter():``, a reference forward); None: the model has none.
+        self.adapters_disabled: bool | None = None
 
 
 def _held_copy(capture: ForwardCapture, role: str, value: Any, memo: dict[int, Any]) -> Any:
@@ -306,6 +311,8 @@ class BatchCapture(Feature):
         #: Set by whoever composes the watch: whether a batch ran without the root's forward
         #: (its inputs were never held), for the error that says so.
         self.ran_outside_root: Callable[[int], bool] | None = None
+        # A layer with peft-style adapters, found once: its flag is read once per forward.
+        self._adapter_layer = adapter_layer(model)
 
     # -- hot path: every batch, under the recorder's lock
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -338,6 +345,8 @@ class BatchCapture(Feature):
             weights = capture.weights
         capture.steps = steps_taken()  # fused optimizer steps move no version counter
         capture.stepping = step_in_progress()  # LBFGS's closure runs inside the step
+        if self._adapter_layer is not None:
+            capture.adapters_disabled = self._adapter_layer.disable_adapters
         if self.snapshot_weights:
             capture.snapshot = self._snapshot(weights)
         if held is None:
@@ -618,6 +627,22 @@ class BatchCapture(Feature):
         if held is None or not held.forwards:
             return None
         return any(capture.grad_enabled for capture in held.forwards)
+
+    def adapters_disabled(self, batch: int) -> bool | None:
+        """Whether held ``batch`` ran with the model's peft-style adapters switched off (every
+        root forward of it: ``with model.disable_adapter():``, the base model alone); None when
+        the model has no adapters, the batch is not held, or its forwards differ."""
+        held = self.held.get(batch)
+        states = {capture.adapters_disabled for capture in held.forwards} if held else set()
+        return states.pop() if len(states) == 1 else None
+
+    def ran_in_train_mode(self, batch: int) -> bool | None:
+        """Whether the model itself was in train mode (``model.train()``) in every root forward
+        of held ``batch``; None when it is not held or its forwards differ."""
+        held = self.held.get(batch)
+        states = {bool(capture.training[0]) for capture in held.forwards
+                  if capture.training} if held else set()
+        return states.pop() if len(states) == 1 else None
 
     def held_weights(self, batch: int) -> list[tuple[str, int, torch.Tensor | None]]:
         """(name, version counter, copy or None) of every parameter and buffer when ``batch``

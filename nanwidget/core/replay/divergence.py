@@ -20,7 +20,7 @@ from torch import nn
 from ..frames import Frame
 from ..records import QUANTIZED_DTYPES
 
-__all__ = ["ModuleOutputs", "replay_outputs", "ran_differently", "adapter_state"]
+__all__ = ["ModuleOutputs", "replay_outputs", "ran_differently", "adapter_layer", "adapter_state"]
 
 # Relative difference of two abs max values still taken for rounding (reduction order, a
 # nondeterministic kernel): at least this, or a few units in the last place of the dtype.
@@ -140,10 +140,10 @@ def _state_words(model: nn.Module, *, values: bool = False) -> str:
     return f"{words}; {adapters}" if adapters else words
 
 
-def adapter_state(model: nn.Module) -> str:
-    """The peft-style adapter state of ``model`` now, in words ("" when it has none): read from
-    the first module with ``active_adapters`` and ``disable_adapters`` (peft's tuner layers),
-    at a replay only. Peft is never imported here."""
+def adapter_layer(model: nn.Module) -> nn.Module | None:
+    """The first module of ``model`` with peft-style adapters (None when it has none): one
+    with ``active_adapters`` and a bool ``disable_adapters`` (peft's tuner layers, which
+    ``with model.disable_adapter():`` switches off together). Peft is never imported here."""
     for module in model.modules():
         try:
             active = getattr(module, "active_adapters", None)
@@ -151,9 +151,19 @@ def adapter_state(model: nn.Module) -> str:
         except Exception:  # a property that cannot answer here
             continue
         if isinstance(disabled, bool) and isinstance(active, (list, tuple, str)):
-            names = [active] if isinstance(active, str) else list(active)
-            shown = ", ".join(f"'{name}'" for name in names) or "none"
-            state = "disabled" if disabled else "enabled"
-            return (f"the replay ran with adapters {state} (active: {shown}); a batch run under "
-                    "disable_adapter() or another set_adapter() differs")
-    return ""
+            return module
+    return None
+
+
+def adapter_state(model: nn.Module) -> str:
+    """The peft-style adapter state of ``model`` now, in words ("" when it has none): read from
+    :func:`adapter_layer`, at a replay only."""
+    layer = adapter_layer(model)
+    if layer is None:
+        return ""
+    active = layer.active_adapters
+    names = [active] if isinstance(active, str) else list(active)
+    shown = ", ".join(f"'{name}'" for name in names) or "none"
+    state = "disabled" if layer.disable_adapters else "enabled"
+    return (f"the replay ran with adapters {state} (active: {shown}); a batch run under "
+            "disable_adapter() or another set_adapter() differs")

@@ -1,0 +1,75 @@
+"""nanwidget on peft (LoRA) models: tiny Llamas made from configs, random weights, nothing
+downloaded. Skipped where peft is not installed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+peft = pytest.importorskip("peft", reason="the peft tests need peft (pip install peft)")
+transformers = pytest.importorskip("transformers")
+
+import nanwidget as nw  # noqa: E402
+
+MODES = ["full", "sentinel"]
+
+
+def _lora_llama() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A 2-layer Llama with LoRA on q_proj and v_proj, and a batch of token ids."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=4, max_position_embeddings=32)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    return model, torch.randint(0, 64, (2, 8))
+
+
+def _v_proj(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model().model.layers[1].self_attn.v_proj
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_base_weight_met_in_the_reference_forward_is_said_to_be_there(mode):
+    # DPO with ref_model=None: the reference log-probs come from the same model with its
+    # adapters disabled. The event said "batch 1" ("forward 1 of 2" under a trainer) and
+    # nothing told that it was that forward.
+    model, ids = _lora_llama()
+    with nw.watch(model, on_nan="record", mode=mode) as w:
+        model(input_ids=ids)  # the policy forward, adapters on
+        with torch.no_grad():
+            _v_proj(model).base_layer.weight[0, 0] = float("nan")
+        with torch.no_grad(), model.disable_adapter():
+            model(input_ids=ids)
+    event = w.event
+    assert event.batch == 1 and event.origin == "weight"
+    assert event.module.endswith("layers.1.self_attn.v_proj.base_layer")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert "Batch 1 ran with the adapters disabled: the base model alone" in diagnosis.summary
+    assert diagnosis.evidence[0].startswith(
+        "Batch 1 ran with the model's adapters disabled (peft's `with model.disable_adapter():`"
+        ", under torch.no_grad()): the base model alone")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_lora_weight_is_met_in_the_policy_forward_at_its_lora_layer(mode):
+    model, ids = _lora_llama()
+    with nw.watch(model, on_nan="record", mode=mode) as w:
+        model(input_ids=ids)
+        with torch.no_grad():
+            _v_proj(model).lora_A["default"].weight[0, 0] = float("nan")
+        with torch.no_grad(), model.disable_adapter():
+            model(input_ids=ids)  # the adapters do not run: clean
+        assert not w.events
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids)  # adapters on (generation, evaluation): not a reference forward
+    event = w.event
+    assert event.batch == 2 and event.origin == "weight"
+    assert event.module.endswith("layers.1.self_attn.v_proj.lora_A.default")
+    assert event.diagnosis.kind == "corrupted-weight"
+    assert "adapters disabled" not in "\n".join(event.diagnosis.lines())
