@@ -1291,6 +1291,23 @@ def test_a_forward_under_no_grad_in_eval_mode_with_the_adapters_on_is_no_referen
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_nan_first_met_in_a_forward_with_another_adapter_active_is_said_to_be_there(mode):
+    torch.manual_seed(0)
+    model = AdaptedNet()
+    with watch(model, mode) as w:
+        model(torch.randn(4, 8))
+        with torch.no_grad():
+            model.layer.base.weight[0, 0] = float("nan")
+            model.layer.active_adapters = ["ref"]  # peft's set_adapter("ref")
+            model(torch.randn(4, 8))
+        model.layer.active_adapters = ["default"]
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, diagnosis.kind) == (1, "corrupted-weight")
+    assert "Batch 1 ran with adapter 'ref' active, not 'default'" in diagnosis.summary
+    assert "adapters disabled" not in diagnosis.summary
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_nan_adapter_weight_spares_the_reference_forward_and_is_met_in_the_next(mode):
     torch.manual_seed(0)
     model = AdaptedNet()

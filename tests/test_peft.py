@@ -73,3 +73,25 @@ def test_a_nan_lora_weight_is_met_in_the_policy_forward_at_its_lora_layer(mode):
     assert event.module.endswith("layers.1.self_attn.v_proj.lora_A.default")
     assert event.diagnosis.kind == "corrupted-weight"
     assert "adapters disabled" not in "\n".join(event.diagnosis.lines())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_met_in_the_reference_forward_on_a_ref_adapter_is_said_to_be_there(mode):
+    # TRL's DPO, training an adapter the model already had, keeps a copy of it named "ref" and
+    # runs the reference forward with set_adapter("ref") (trl.trainer.utils.use_adapter).
+    model, ids = _lora_llama()
+    model.add_adapter("ref", model.peft_config["default"])
+    with nw.watch(model, on_nan="record", mode=mode) as w:
+        model(input_ids=ids)
+        with torch.no_grad():
+            _v_proj(model).base_layer.weight[0, 0] = float("nan")
+            model.set_adapter("ref")
+            model(input_ids=ids)
+        model.set_adapter("default")
+    diagnosis = w.event.diagnosis
+    assert w.event.batch == 1 and diagnosis.kind == "corrupted-weight"
+    assert diagnosis.summary.endswith(" Batch 1 ran with adapter 'ref' active, not 'default' "
+                                      "(a reference forward).")
+    assert diagnosis.evidence[0].startswith("Batch 1 ran with adapter 'ref' active (peft's "
+                                            "set_adapter(), under torch.no_grad()), where "
+                                            "'default' was active when the model was watched")

@@ -680,8 +680,12 @@ class Facts:
     unseen_quantized: bool = False
     # A forward event whose batch ran with the model's peft-style adapters switched off (``with
     # model.disable_adapter():``: the base model alone, a reference forward); with whether it
-    # ran with gradients on and the model in train mode (None: not known).
+    # ran with gradients on and the model in train mode (None: not known, or neither case).
     adapters_disabled: bool = False
+    # ... or with other adapters active than when the model was watched (their names; TRL's
+    # "ref" copy of the trained adapter); empty otherwise. With its adapters then: ``watched``.
+    adapters_switched: tuple[str, ...] = ()
+    adapters_watched: tuple[str, ...] = ()
     ran_with_grad: bool | None = None
     ran_in_train_mode: bool | None = None
 

@@ -336,10 +336,14 @@ class Diagnoser(Feature):
             facts.called_on_output = self._called_on_output(event)
         elif event.origin != "peer":
             facts.called_on_output = self._called_on_output(event)
-            if self.capture is not None and self.capture.adapters_disabled(event.batch):
-                facts.adapters_disabled = True
-                facts.ran_with_grad = self.capture.ran_with_grad(event.batch)
-                facts.ran_in_train_mode = self.capture.ran_in_train_mode(event.batch)
+            capture = self.capture
+            if capture is not None and capture.watched_adapters is not None:
+                facts.adapters_disabled = bool(capture.adapters_disabled(event.batch))
+                facts.adapters_switched = capture.adapters_switched(event.batch) or ()
+                facts.adapters_watched = capture.watched_adapters
+                if facts.adapters_disabled or facts.adapters_switched:
+                    facts.ran_with_grad = capture.ran_with_grad(event.batch)
+                    facts.ran_in_train_mode = capture.ran_in_train_mode(event.batch)
             held = self._nonfinite_outputs(event.batch, root) or []
             facts.outputs_holding = held
             # A loss the model holds ends the pass: nothing after it could absorb the value.

@@ -2312,21 +2312,32 @@ def _unseen_fixes(facts: Facts) -> list[str]:
         else fixes.unseen_weights(module)
 
 
-def _adapters_disabled(facts: Facts, found: Diagnosis) -> None:
-    """A forward event in a batch run with the model's adapters switched off: say which
-    forward it was (a trainer that calls the model twice per step numbers them only), and that
-    the adapters took no part in it."""
+def _adapter_state(facts: Facts, found: Diagnosis) -> None:
+    """A forward event in a batch run with the model's adapters switched off, or with other
+    adapters than the ones it trains: say which forward it was (a trainer that calls the model
+    twice per step numbers them only), and which adapters took part in it."""
     batch = facts.event.batch
     how = "".join([", under torch.no_grad()" if facts.ran_with_grad is False else "",
                    ", in eval mode" if facts.ran_in_train_mode is False else ""])
-    found.summary += (f" Batch {batch} ran with the adapters disabled: the base model alone "
+    if facts.adapters_disabled:
+        found.summary += (f" Batch {batch} ran with the adapters disabled: the base model alone "
+                          "(a reference forward).")
+        found.evidence.insert(0, (
+            f"Batch {batch} ran with the model's adapters disabled (peft's `with "
+            f"model.disable_adapter():`{how}): the base model alone, the reference forward that "
+            "DPO without a ref_model, or a KL term against the base model, runs each step. The "
+            "adapter layers (LoRA's lora_A, lora_B) did not run in it: the value comes from the "
+            "base model's weights or the batch."))
+        return
+    active = ", ".join(f"'{name}'" for name in facts.adapters_switched)
+    watched = ", ".join(f"'{name}'" for name in facts.adapters_watched) or "none"
+    found.summary += (f" Batch {batch} ran with adapter {active} active, not {watched} "
                       "(a reference forward).")
     found.evidence.insert(0, (
-        f"Batch {batch} ran with the model's adapters disabled (peft's `with "
-        f"model.disable_adapter():`{how}): the base model alone, the reference forward that "
-        "DPO without a ref_model, or a KL term against the base model, runs each step. The "
-        "adapter layers (LoRA's lora_A, lora_B) did not run in it: the value comes from the "
-        "base model's weights or the batch."))
+        f"Batch {batch} ran with adapter {active} active (peft's set_adapter(){how}), where "
+        f"{watched} was active when the model was watched: the reference forward that TRL's "
+        "DPO runs on a copy of the adapter named 'ref' when it trains an adapter the model "
+        f"already had. The layers of {active} ran in it, not those of {watched}."))
 
 
 def _quantized_weight(facts: Facts, found: Diagnosis) -> None:
@@ -2375,8 +2386,8 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                               f"a {_kind_words(event.kind)} gradient at every scale does not "
                               "come from the scale.")
     _quantized_weight(facts, found)
-    if facts.adapters_disabled:
-        _adapters_disabled(facts, found)
+    if facts.adapters_disabled or facts.adapters_switched:
+        _adapter_state(facts, found)
     if facts.absorbed_in:
         _absorbed(facts, found)
     op = facts.op

@@ -95,7 +95,7 @@ class ForwardCapture:
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
                  "weight_versions", "weight_layout", "end_buffer_versions", "snapshot",
                  "needs_grad", "steps", "uncopied", "end_renormed_versions", "stepping",
-                 "adapters_disabled")
+                 "adapters_disabled", "active_adapters")
 
     def __init__(self) -> None:
         self.uncopied = ""  # the first input that could not be copied, and why
@@ -110,6 +110,7 @@ class ForwardCapture:
         # Whether the model's peft-style adapters were switched off (``with
         # model.disable_adapter():``, a reference forward); None: the model has none.
         self.adapters_disabled: bool | None = None
+        self.active_adapters: Any = None  # their names (peft's active_adapters)
 
 
 def _held_copy(capture: ForwardCapture, role: str, value: Any, memo: dict[int, Any]) -> Any:
@@ -311,8 +312,10 @@ class BatchCapture(Feature):
         #: Set by whoever composes the watch: whether a batch ran without the root's forward
         #: (its inputs were never held), for the error that says so.
         self.ran_outside_root: Callable[[int], bool] | None = None
-        # A layer with peft-style adapters, found once: its flag is read once per forward.
-        self._adapter_layer = adapter_layer(model)
+        # A layer with peft-style adapters, found once: its flags are read once per forward;
+        # the adapters active when the model was watched (the ones it trains).
+        self._adapter_layer = layer = adapter_layer(model)
+        self.watched_adapters = None if layer is None else tuple(layer.active_adapters)
 
     # -- hot path: every batch, under the recorder's lock
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -345,8 +348,10 @@ class BatchCapture(Feature):
             weights = capture.weights
         capture.steps = steps_taken()  # fused optimizer steps move no version counter
         capture.stepping = step_in_progress()  # LBFGS's closure runs inside the step
-        if self._adapter_layer is not None:
-            capture.adapters_disabled = self._adapter_layer.disable_adapters
+        layer = self._adapter_layer
+        if layer is not None:
+            capture.adapters_disabled = layer.disable_adapters
+            capture.active_adapters = layer.active_adapters
         if self.snapshot_weights:
             capture.snapshot = self._snapshot(weights)
         if held is None:
@@ -635,6 +640,20 @@ class BatchCapture(Feature):
         held = self.held.get(batch)
         states = {capture.adapters_disabled for capture in held.forwards} if held else set()
         return states.pop() if len(states) == 1 else None
+
+    def adapters_switched(self, batch: int) -> tuple[str, ...] | None:
+        """The adapters active in every root forward of held ``batch`` (peft's
+        ``set_adapter()``), when they were enabled and not those active when the model was
+        watched (TRL's DPO runs its reference forward on a copy named "ref"); else None."""
+        held = self.held.get(batch)
+        if not held or self.watched_adapters is None:
+            return None
+        states = {(capture.adapters_disabled, tuple(capture.active_adapters or ()))
+                  for capture in held.forwards}
+        if len(states) != 1:
+            return None
+        disabled, active = states.pop()
+        return active if disabled is False and active != self.watched_adapters else None
 
     def ran_in_train_mode(self, batch: int) -> bool | None:
         """Whether the model itself was in train mode (``model.train()``) in every root forward
