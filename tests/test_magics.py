@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import re
+import sys
 import warnings
+import weakref
 
+import ipywidgets
 import pytest
 import torch
 from IPython.core.error import UsageError
@@ -786,3 +790,51 @@ def test_a_trailing_comment_is_a_comment_as_in_the_readme(ip, tmp_path):
     with capture_output():
         run(ip, "%nanwatch --off model                        # stop")
     assert nw.live_watches() == []
+
+
+def test_cells_stopped_by_a_nan_with_new_models_keep_no_more_than_a_few_models_alive(ip):
+    # A long session: each cell builds a model and runs a %%nanwatch cell that stops at a NaN
+    # (or is interrupted); the browser each shows must not keep every model alive forever.
+    shown = ipywidgets.widgets.widget._instances
+    widgets_before = len(shown)
+    models = []
+    ip.user_ns["TinyMLP"] = TinyMLP
+    for cell in range(12):
+        run(ip, "model = TinyMLP()\n" + (PLANT_NAN if cell % 2 else INTERRUPTING_MODEL))
+        models.append(weakref.ref(ip.user_ns["model"]))
+        with capture_output():
+            ip.run_cell("%%nanwatch model\nfor _ in range(8):\n    model(torch.randn(2, 16))\n")
+    ip.user_ns["model"] = TinyMLP()
+    ip.user_ns.pop("_nanwatch")
+    gc.collect()
+    alive = sum(model() is not None for model in models)
+    kept = 4  # NanwatchMagics.browsers_kept
+    assert alive <= kept, f"{alive} of 12 models still alive"
+    assert models[-1]() is not None  # the latest cell's browser still works
+    ip.run_line_magic("unload_ext", "nanwidget")  # closes the browsers left
+    # What IPython keeps of the last error (%tb, %debug) holds that cell's frames: let it go.
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    run(ip, "pass")  # (and its last_execution_result)
+    gc.collect()
+    assert all(model() is None for model in models)
+    assert len(shown) == widgets_before  # every widget of every browser closed
+    ip.run_line_magic("load_ext", "nanwidget")  # the fixture unloads again
+
+
+def test_nans_caught_by_line_watches_on_new_models_keep_no_more_than_a_few_models_alive(ip):
+    # The same with %nanwatch: a later cell's NaN shows a browser through the error handler.
+    models = []
+    ip.user_ns["TinyMLP"] = TinyMLP
+    for _ in range(10):
+        with capture_output():
+            run(ip, "model = TinyMLP()\n%nanwatch model")
+            models.append(weakref.ref(ip.user_ns["model"]))
+            result = ip.run_cell(PLANT_NAN + "model(torch.randn(2, 16))\n")
+        assert isinstance(result.error_in_exec, NanDetected)
+    with capture_output():
+        run(ip, "%nanwatch --off model")
+    ip.user_ns.pop("_nanwatch", None)
+    sys.last_type = sys.last_value = sys.last_traceback = None  # %tb's: the last cell's frames
+    run(ip, "model = TinyMLP()")
+    gc.collect()
+    assert sum(model() is not None for model in models) <= 4  # NanwatchMagics.browsers_kept

@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
 from IPython.utils.process import arg_split
-from traitlets import CaselessStrEnum, Float, Int
+from traitlets import CaselessStrEnum, Float, Int, observe
 
 from ..core.events import AbortAfterBatch, NanDetected
 from ..core.sourcelines import format_source, traceback_source
@@ -113,7 +113,8 @@ def show_nan_detected(shell: Any, etype: type, value: BaseException, tb: Any,
         # before, the user fixed it and ran on) gets a browser of its own frames.
         first = owner is not None and owner.events and owner.events[0] is event
         try:
-            display(owner.browse() if first else FrameBrowser(event))
+            browser = owner.browse() if first else FrameBrowser(event)
+            display(magics.manager.shown(browser) if magics is not None else browser)
         except Exception:  # the message below still says what happened
             pass
         lines = [f"NanDetected: {event.summary()}", *_diagnosis_line(event), _user_code_line(tb),
@@ -189,14 +190,23 @@ class NanwatchMagics(Magics):
     on_nan = CaselessStrEnum(list(ON_NAN_CHOICES), default_value=OPTIONS["on_nan"].default,
                              help="what a watch does at a NaN/Inf when --on-nan is not given"
                              ).tag(config=True)
+    browsers_kept = Int(4, help="FrameBrowsers shown by %nanwatch that stay live; older ones "
+                               "are closed (their output keeps its static copy) so that the "
+                               "watches, models and batches they show are freed").tag(config=True)
     refresh_seconds = Float(0.3, help="least time between two updates of a %%nanwatch cell's "
                                       "live status line").tag(config=True)
 
     def __init__(self, shell: Any = None, **kwargs: Any) -> None:
         super().__init__(shell=shell, **kwargs)
-        self.manager = WatchManager()
+        self.manager = WatchManager(browsers_kept=self.browsers_kept)
         self.owns_custom_exc = False
         self._async_cell_rewriter = make_async_cell_rewriter(shell)
+
+    @observe("browsers_kept")
+    def _browsers_kept_changed(self, change: Any) -> None:  # %config NanwatchMagics.browsers_kept
+        manager = getattr(self, "manager", None)
+        if manager is not None:
+            manager.browsers_kept = change["new"]
 
     def attach(self) -> None:
         """Register on the shell: the magics, ``%config NanwatchMagics`` and the one-line
@@ -219,6 +229,7 @@ class NanwatchMagics(Magics):
         shell = self.shell
         names = list(self.manager.watches)
         others = self.manager.close_all() - len(names)
+        self.manager.close_browsers()
         if names or others:  # %reload_ext too: say that nothing is watched any more
             stopped = names + ([f"{others} watch{'es' if others != 1 else ''} made with "
                                 "nw.watch()"] if others else [])
@@ -463,10 +474,9 @@ class NanwatchMagics(Magics):
         for sentence in self.manager.rebound_names(self.shell.user_ns):
             print(sentence)
 
-    @staticmethod
-    def _show_browser(watched: Any) -> None:
+    def _show_browser(self, watched: Any) -> None:
         try:
-            display(watched.browse())
+            display(self.manager.shown(watched.browse()))
         except Exception as error:  # the one-line message must still reach the user
             print(f"nanwidget: could not show the FrameBrowser ({type(error).__name__}: {error}); "
                   "_nanwatch.report() has the frames", file=sys.stderr)

@@ -7,6 +7,7 @@ few times a second. The magics only translate user input into these calls.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import re
@@ -175,8 +176,13 @@ def _refuse_forwardless(model: nn.Module, name: str) -> None:
 class WatchManager:
     """The watches started by %nanwatch, by the variable name of their model."""
 
-    def __init__(self) -> None:
+    def __init__(self, browsers_kept: int = 4) -> None:
         self.watches: dict[str, NanWatch] = {}
+        # The FrameBrowsers the magics showed, oldest first: ipywidgets keeps a widget (and the
+        # watch, model and batches a browser shows) until it is closed, so only the latest
+        # ``browsers_kept`` stay live; older ones are closed (their output keeps its static copy).
+        self.browsers: collections.deque[Any] = collections.deque()
+        self.browsers_kept = browsers_kept
         # name -> the object the name named when its watch started: for a torch.compile or
         # DistributedDataParallel wrapper that is the wrapper, not the watch's model (inside it)
         self._named: dict[str, weakref.ref[nn.Module]] = {}
@@ -385,6 +391,26 @@ class WatchManager:
                 "saw none of the new model's batches. Build the model in an earlier cell and "
                 f"train it under %%nanwatch {name}, or call nw.watch({name}) inside the cell "
                 "after building it.")
+
+    def shown(self, browser: Any) -> Any:
+        """Keep ``browser`` (just shown) among the live ones; close the oldest past
+        ``browsers_kept``. Returns ``browser``."""
+        self.browsers.append(browser)
+        while len(self.browsers) > max(self.browsers_kept, 1):
+            self._close_browser(self.browsers.popleft())
+        return browser
+
+    def close_browsers(self) -> None:
+        """Close every FrameBrowser the magics showed."""
+        while self.browsers:
+            self._close_browser(self.browsers.popleft())
+
+    @staticmethod
+    def _close_browser(browser: Any) -> None:
+        try:
+            browser.close()
+        except Exception:  # a widget the frontend already closed: nothing left to free
+            pass
 
     def close_all(self) -> int:
         """Close every watch this manager holds and every other live NanWatch; returns the count."""

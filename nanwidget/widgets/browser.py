@@ -787,6 +787,35 @@ class FrameBrowser(widgets.VBox):
             bundle["text/plain"] = f"nanwidget FrameBrowser: {self.status_words()}"
         return bundle
 
+    def close(self) -> None:
+        """Close the browser and every widget it is made of (its buttons, plots, layouts).
+
+        ipywidgets keeps each widget alive until it is closed, and the browser's controls call
+        back into it: closing only the outer box would keep the browser, and the watch, model
+        and batches it shows, for as long as the kernel runs. A closed browser's output falls
+        back to its static copy."""
+        for part in self._parts_within():
+            part.close()
+        super().close()
+
+    def _parts_within(self) -> list[widgets.Widget]:
+        """Every widget below this one: its children, layouts and styles, and the parts held
+        aside (a download area, a control the layout hides), each once."""
+        found: dict[int, widgets.Widget] = {}
+        pending = [value for value in vars(self).values() if isinstance(value, widgets.Widget)]
+        pending.append(self)
+        while pending:
+            widget = pending.pop()
+            if id(widget) in found:
+                continue
+            found[id(widget)] = widget
+            for name in widget.keys:
+                value = getattr(widget, name, None)
+                values = value if isinstance(value, (tuple, list)) else (value,)
+                pending.extend(item for item in values if isinstance(item, widgets.Widget))
+        found.pop(id(self))
+        return list(found.values())
+
     def _ipython_display_(self, **kwargs: Any) -> None:
         """Display the live widget, then its static copy (see :meth:`static_html`)."""
         from IPython.display import display
