@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -547,3 +548,43 @@ def test_a_watch_that_saw_its_model_or_no_training_stays_quiet_at_close(recwarn)
     optimizer.step()
     watch.close()
     assert not [w for w in recwarn if "nanwidget" in str(w.message)]
+
+
+def test_trials_that_build_and_drop_models_while_a_watch_stays_open_leave_no_step_marks():
+    # A notebook keeps one watch open (a line %nanwatch) while a hyperparameter search builds,
+    # trains and drops a model per trial: what the optimizer-step hook remembers of each
+    # trial's parameters must go with them, not pile up for the whole session.
+    from nanwidget.core.state import optimizer_steps
+
+    kept = TinyMLP()
+    log = optimizer_steps()
+
+    def trial(seed: int) -> None:
+        torch.manual_seed(seed)
+        model = TinyMLP()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=seed % 2 == 0)
+        with nw.watch(model) as w:
+            for _ in range(3):
+                optimizer.zero_grad()
+                model(torch.randn(4, 16)).square().mean().backward()
+                optimizer.step()
+        assert w.batch == 3
+
+    with nw.watch(kept) as w:
+        trial(0)
+        gc.collect()  # a watched model is freed by the collector (its hooks form cycles)
+        after_one = (len(log.marks), len(log.optimizers))
+        for seed in range(1, 30):
+            trial(seed)
+        gc.collect()
+        assert (len(log.marks), len(log.optimizers)) == after_one == (0, 0)
+        # The open watch still learns of its own model's steps (fused: no version counter).
+        optimizer = torch.optim.SGD(kept.parameters(), lr=0.1, fused=True)
+        kept(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+        with torch.no_grad():
+            kept.head.bias.mul_(float("inf"))
+        with pytest.raises(nw.NanDetected) as raised:
+            kept(torch.randn(4, 16))
+        assert (raised.value.event.batch, raised.value.event.module) == (1, "head")
+    assert len(log.marks) == 0 and log.handle is None

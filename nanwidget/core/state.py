@@ -142,8 +142,8 @@ def parquet_wanted() -> bool:
 # Optimizer steps taken while a watch is live. Why: fused optimizer kernels (``fused=True``)
 # write the parameters without moving their version counters, and any watch must learn of a
 # step whoever made the optimizer: one process-wide optimizer-step hook (core.writes) counts
-# the steps here and marks the parameters each step's optimizer holds. Ids, not references:
-# a mark outliving its parameter only costs one extra measurement of a tensor reusing its id.
+# the steps here and marks the parameters each step's optimizer holds. Ids, not references
+# (the marks of a parameter go when it is collected, through a weak reference to it).
 class StepLog:
     """``count``: optimizer steps seen; ``marks``: id(parameter) -> ``count`` after the last
     step of an optimizer holding it; ``kinds``: class name of each optimizer that stepped ->
@@ -158,10 +158,13 @@ class StepLog:
     forward inside that step, LBFGS's closure, is told by its param groups; a step that raised
     keeps it until the next step or the last watch's close); ``optimizers``: id -> weak
     reference of every optimizer that stepped, wrappers included (Lookahead: a diagnosis reads
-    their param groups and state)."""
+    their param groups and state); ``collected``: id(parameter) -> a weak reference that drops
+    its ``marks`` and ``bad_lr`` when the parameter is collected (an optimizer's entry in
+    ``optimizers`` goes with it too), so that models built and dropped while a watch stays open
+    leave nothing behind."""
 
     __slots__ = ("count", "marks", "kinds", "users", "handle", "bad_lr", "marks_from",
-                 "stepping", "started", "pre_handle", "optimizer", "optimizers")
+                 "stepping", "started", "pre_handle", "optimizer", "optimizers", "collected")
 
     def __init__(self) -> None:
         self.count = 0
@@ -176,6 +179,7 @@ class StepLog:
         self.pre_handle: Any = None
         self.optimizer: Any = None
         self.optimizers: dict[int, Any] = {}
+        self.collected: dict[int, Any] = {}
 
 
 _OPTIMIZER_STEPS = StepLog()

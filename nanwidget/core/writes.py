@@ -23,7 +23,9 @@ lr is read from that optimizer's param groups, at event time). The optimizers th
 wrappers included, are kept weakly (:func:`optimizers_holding`): a diagnosis reads their param
 groups (SAM's rho) and a wrapper's state (Lookahead's slow weights). Cost: about 0.12 us for
 the pre-step hook; one short loop over the optimizer's parameters, one finiteness check of
-each group's lr and two dict lookups in the post-step hook; nothing per module call.
+each group's lr and two dict lookups in the post-step hook (and, once per parameter, a weak
+reference that drops its marks when it is collected: a watch left open while models are built
+and dropped keeps nothing of them); nothing per module call.
 
 An optimizer that is not a ``torch.optim.Optimizer`` (fastai's own ``Optimizer``, the default of
 every fastai ``Learner``, writes through ``p.data``: no hook, no counter) is told to the watches
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
@@ -92,8 +95,14 @@ def _remember(optimizer: Any) -> None:
             del kept[key]
         if len(kept) >= _KEEP_OPTIMIZERS:
             kept.pop(next(iter(kept)))
+    key = id(optimizer)
+
+    def forget(reference: weakref.ref[Any]) -> None:  # collected: its entry goes with it
+        if kept.get(key) is reference:
+            del kept[key]
+
     try:
-        kept[id(optimizer)] = _ref(optimizer)
+        kept[key] = _ref(optimizer, forget)
     except TypeError:  # an object that takes no weak reference: not remembered
         pass
 
@@ -128,10 +137,12 @@ def _mark_step(optimizer: Any) -> None:
     if len(marks) > _MAX_MARKS:
         marks.clear()  # forgetting marks only makes held batches look unchanged since
         log.bad_lr.clear()
+        log.collected.clear()
         log.marks_from = count - 1  # the steps from this one on are all marked again
     try:
         for group in optimizer.param_groups:
             bad_lr = _nonfinite_lr(group.get("lr"))
+            known = len(marks)
             for parameter in group["params"]:
                 # torch's optimizers skip a parameter without a gradient (frozen, or a step
                 # before backward): it was not written
@@ -139,8 +150,34 @@ def _mark_step(optimizer: Any) -> None:
                     marks[id(parameter)] = count
                     if bad_lr is not None:  # rare: only a step with a NaN/Inf lr gets here
                         log.bad_lr[id(parameter)] = (count, kind, bad_lr)
+            if len(marks) != known:  # parameters marked for the first time (once each)
+                _forget_when_collected(group["params"])
     except Exception:  # an optimizer-like object without torch's param_groups: counted only
         pass
+
+
+def _forget_when_collected(parameters: Any) -> None:
+    """Drop the marks of each of ``parameters`` that has one when it is collected: a session
+    that keeps a watch open while it builds, trains and drops model after model (a
+    hyperparameter search) keeps no marks of the dropped ones."""
+    log = _LOG
+    for parameter in parameters:
+        key = id(parameter)
+        if key in log.collected or key not in log.marks:
+            continue
+        try:
+            log.collected[key] = _ref(parameter, partial(_forget, key))
+        except TypeError:  # takes no weak reference: kept until the marks are dropped
+            pass
+
+
+def _forget(key: int, reference: weakref.ref[Any]) -> None:
+    """A marked parameter was collected: its marks go (not a newer one's under its id)."""
+    log = _LOG
+    if log.collected.get(key) is reference:
+        del log.collected[key]
+        log.marks.pop(key, None)
+        log.bad_lr.pop(key, None)
 
 
 def _nonfinite_lr(lr: Any) -> float | None:
@@ -193,6 +230,7 @@ class StepTracking:
             log.optimizers.clear()
             log.marks.clear()
             log.bad_lr.clear()
+            log.collected.clear()
             log.kinds.clear()
             log.marks_from = log.count
 
