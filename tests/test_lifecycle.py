@@ -570,7 +570,7 @@ def test_trials_that_build_and_drop_models_while_a_watch_stays_open_leave_no_ste
                 optimizer.step()
         assert w.batch == 3
 
-    with nw.watch(kept) as w:
+    with nw.watch(kept):
         trial(0)
         gc.collect()  # a watched model is freed by the collector (its hooks form cycles)
         after_one = (len(log.marks), len(log.optimizers))
