@@ -792,10 +792,16 @@ def test_a_trailing_comment_is_a_comment_as_in_the_readme(ip, tmp_path):
     assert nw.live_watches() == []
 
 
+def _live_widgets() -> dict:
+    """ipywidgets' registry of the widgets not closed yet (Widget._active_widgets in 8.0)."""
+    registry = getattr(ipywidgets.widgets.widget, "_instances", None)
+    return registry if registry is not None else ipywidgets.Widget._active_widgets
+
+
 def test_cells_stopped_by_a_nan_with_new_models_keep_no_more_than_a_few_models_alive(ip):
     # A long session: each cell builds a model and runs a %%nanwatch cell that stops at a NaN
     # (or is interrupted); the browser each shows must not keep every model alive forever.
-    shown = ipywidgets.widgets.widget._instances
+    shown = _live_widgets()
     widgets_before = len(shown)
     models = []
     ip.user_ns["TinyMLP"] = TinyMLP
