@@ -625,3 +625,27 @@ def test_calls_after_the_forward_on_odd_values_never_break_and_follow_the_output
     after = frames[frames.module == "after"]
     # The output's own tensors (its memory, a sparse tensor it holds) follow it; others do not.
     assert set(after.batch) == ({0} if given in ("sparse", "detached") else {1})
+
+
+class ValuesRaise(dict):
+    def values(self):
+        raise RuntimeError("a mapping that will not list its values")
+
+
+class ReturnsAnOddMapping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return ValuesRaise(out=self.fc(x))
+
+
+def test_an_output_that_cannot_be_followed_after_the_forward_never_breaks_it() -> None:
+    # The output's tensors are kept (weakly) for calls made on them after the forward: an
+    # output that refuses to list them raised out of the user's forward.
+    torch.manual_seed(0)
+    model = ReturnsAnOddMapping()
+    with nw.watch(model) as w:
+        out = model(torch.randn(2, 3))
+        assert isinstance(out, ValuesRaise) and w.batch == 1

@@ -143,16 +143,21 @@ def _weak_output_tensors(output: Any) -> list[weakref.ref[_Tensor]]:
     values of its tuple, list, dict or ModelOutput; a few at most), for telling the calls made
     on them afterwards (see :class:`_AfterForward`): weak, so that the output and its graph
     go when the user drops them."""
-    if type(output) is _Tensor or isinstance(output, _Tensor):
+    if type(output) is _Tensor:
         return [weakref.ref(output)]
-    values = output.values() if isinstance(output, dict) else \
-        output if isinstance(output, (tuple, list)) else ()
     found = []
-    for value in values:
-        if isinstance(value, _Tensor):
-            found.append(weakref.ref(value))
-            if len(found) == _OUTPUTS_FOLLOWED:
-                break
+    try:  # an odd output (a mapping whose values() raises) only goes unfollowed
+        if isinstance(output, _Tensor):
+            return [weakref.ref(output)]
+        values = output.values() if isinstance(output, dict) else \
+            output if isinstance(output, (tuple, list)) else ()
+        for value in values:
+            if isinstance(value, _Tensor):
+                found.append(weakref.ref(value))
+                if len(found) == _OUTPUTS_FOLLOWED:
+                    break
+    except Exception:
+        return found
     return found
 
 
