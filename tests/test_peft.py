@@ -95,3 +95,49 @@ def test_a_nan_met_in_the_reference_forward_on_a_ref_adapter_is_said_to_be_there
     assert diagnosis.evidence[0].startswith("Batch 1 ran with adapter 'ref' active (peft's "
                                             "set_adapter(), under torch.no_grad()), where "
                                             "'default' was active when the model was watched")
+
+
+def _generate(model: torch.nn.Module, ids: torch.Tensor, **options) -> object:
+    return model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True, **options)
+
+
+def _down_proj(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model().model.layers[1].mlp.down_proj
+
+
+def test_sentinel_mode_checks_the_steps_of_peft_generate_as_batches_of_their_own():
+    # PeftModel.generate() calls the model it wraps, not the PeftModel's forward: GRPO with a
+    # LoRA peft_config sampled from NaN logits and sentinel mode saw nothing.
+    model, ids = _lora_llama()
+    unwatched = _generate(model, ids)
+    with nw.watch(model, on_nan="record", mode="sentinel") as w:
+        model(input_ids=ids, labels=ids).loss.backward()  # a training forward: one batch
+        assert w.batch == 1 and w.parts.sentinel.checks == 1
+        out = _generate(model, ids)
+        assert w.events == [] and w.batch == 4 and w.parts.sentinel.checks == 4
+        assert list(w.history()["module"]) == ["", "base_model.model", "base_model.model",
+                                               "base_model.model"]
+        assert not w.recorder.module_hooks_attached
+        with torch.no_grad():
+            _down_proj(model).weight[0, 0] = float("nan")
+        _generate(model, ids)
+        event = w.event
+    assert torch.equal(out.sequences, unwatched.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, unwatched.logits))
+    assert (event.batch, event.module, event.role, event.origin) == \
+        (4, "base_model.model.model.layers.1.mlp.down_proj", "weight", "weight")
+    assert event.trace.reproduced and event.diagnosis.kind == "corrupted-weight"
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+    assert "forward" not in vars(model.get_base_model())
+
+
+def test_a_nan_in_peft_generate_with_a_static_cache_says_why_it_is_not_replayed():
+    model, ids = _lora_llama()
+    with nw.watch(model, on_nan="record", mode="sentinel") as w:
+        with torch.no_grad():
+            _down_proj(model).weight[0, 0] = float("nan")
+        _generate(model, ids, cache_implementation="static")
+    event = w.event
+    assert (event.batch, event.module, event.origin) == (0, "base_model.model", "output")
+    assert "modified in place by the model's own forward while the batch ran" in event.note

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -980,3 +982,124 @@ def test_a_nan_gradient_that_came_in_past_the_outputs_names_the_module_nearest_t
         (1, "mix.router", "weight", "grad")
     assert "4 parameters have non-finite gradients (mix.router.weight, mix.router.bias, " \
         "inp.weight, inp.bias)" in event.note
+
+
+class Decoder(nn.Module):
+    """A tiny decoder whose calls take a cache of the keys seen so far and return the next
+    logits and the cache grown by one step (new tensors: a DynamicCache's way); with
+    ``static=True`` it writes its keys into a preallocated cache tensor in place instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, cache: list | None = None,
+                slots: torch.Tensor | None = None, step: int = 0) -> tuple:
+        key = self.embed(x)
+        if slots is not None:  # a static cache: written in place
+            slots[step] = key
+            context = slots[:step + 1].mean(0)
+        else:
+            cache = (cache or []) + [key]
+            context = torch.stack(cache).mean(0)
+        return self.head(torch.tanh(self.mix(context))), cache
+
+
+class WrapsADecoder(nn.Module):
+    """A wrapper as peft's PeftModel is one: get_base_model() gives the model it wraps, its
+    forward calls that model (a training forward), and its generate() calls that model step
+    by step, never the wrapper's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoder = Decoder()
+
+    def get_base_model(self) -> nn.Module:
+        return self.decoder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(x)[0]
+
+    def generate(self, x: torch.Tensor, steps: int = 3, static: bool = False,
+                 between: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+        cache, slots, logits = None, (torch.zeros(steps, *x.shape[:-1], 16) if static
+                                      else None), []
+        with torch.no_grad():
+            for step in range(steps):
+                if between is not None:
+                    between(step)
+                out, cache = self.decoder(x, cache, slots=slots, step=step)
+                logits.append(out)
+                x = torch.softmax(out, -1)
+        return logits
+
+
+def _generating(mode: str | None, steps: int = 3, nan_at: int | None = None,
+                static: bool = False, on_nan: str = "record") -> tuple[Any, list, int]:
+    """A training forward, then a generate() whose step ``nan_at`` meets a NaN weight made
+    between steps (as an optimizer step or a load would): (the watch, the logits, its hooks)."""
+    torch.manual_seed(0)
+    model = WrapsADecoder()
+    x = torch.randn(2, 8)
+
+    def between(step: int) -> None:
+        if step == nan_at:
+            with torch.no_grad():
+                model.decoder.mix.weight[0, 0] = float("nan")
+
+    if mode is None:
+        model(x).sum().backward()
+        return None, model.generate(x, steps, static, between), 0
+    with nw.watch(model, mode=mode, on_nan=on_nan) as w:
+        model(x).sum().backward()  # the training forward: the wrapper calls the decoder
+        logits = model.generate(x, steps, static, between)
+        hooks = hook_count(model)
+    assert hook_count(model) == 0 and "forward" not in vars(model.decoder)
+    return w, logits, hooks
+
+
+def test_generation_steps_outside_the_root_are_checked_as_batches_of_their_own():
+    # peft's PeftModel.generate() (GRPO's sampling with a LoRA peft_config) calls the model
+    # the wrapper wraps, never the wrapper's forward: sentinel mode checked none of its steps.
+    w, logits, hooks = _generating("sentinel")
+    _, unwatched, _ = _generating(None)
+    assert all(torch.equal(a, b) for a, b in zip(logits, unwatched))  # bit-identical
+    assert hooks == 2  # the root's two: the decoder gets no hook, only a forward of its own
+    assert w.events == [] and w.batch == 4  # the training forward, then one per step
+    assert not w.recorder.module_hooks_attached and w.parts.sentinel.checks == 4
+    history = w.history()
+    assert list(zip(history["batch"], history["module"])) == \
+        [(0, ""), (1, "decoder"), (2, "decoder"), (3, "decoder")]
+    assert not history["nonfinite"].any()
+
+
+def test_a_nan_met_in_a_generation_step_is_replayed_to_the_module_full_mode_names():
+    full, _, _ = _generating("full", steps=4, nan_at=2)
+    w, _, _ = _generating("sentinel", steps=4, nan_at=2)
+    event = w.event
+    assert (event.batch, event.module, event.role, event.origin) == (3, "decoder.mix", "weight",
+                                                                     "weight")
+    first = full.event
+    assert (first.batch, first.module, first.role, first.origin) == \
+        (event.batch, event.module, event.role, event.origin)
+    # Step 2's held inputs (its cache as step 2 saw it, grown since) replayed that step alone.
+    assert event.trace.reproduced and event.trace.changes == []
+    assert event.diagnosis.kind == "corrupted-weight"
+    assert w.events[1].note.startswith("not replayed: the weight decoder.mix.weight found "
+                                       "non-finite in batch 3 still is")
+    with pytest.raises(nw.NanDetected, match="batch 3 at module 'decoder.mix'"):
+        _generating("sentinel", steps=4, nan_at=2, on_nan="raise")
+
+
+def test_a_nan_in_a_generation_step_that_cannot_be_replayed_says_why():
+    # A static cache the decoder writes in place at every step: a replay would start from the
+    # cache as the later steps left it, so the event is what the check saw, and says so.
+    w, _, _ = _generating("sentinel", steps=4, nan_at=2, static=True)
+    event = w.event
+    assert (event.batch, event.module, event.role, event.origin) == (3, "decoder", "output[0]",
+                                                                     "output")
+    assert event.trace is None
+    assert event.note.startswith("not replayed: cannot replay batch 3: its kwarg:slots")
+    assert "modified in place by the model's own forward while the batch ran" in event.note

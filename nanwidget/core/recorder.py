@@ -61,6 +61,7 @@ import collections
 import contextlib
 import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
@@ -70,7 +71,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .copies import COPIED, copy_without_watch, drop_copied_hooks, stop_copying_without_watch
+from .copies import (COPIED, copy_without_watch, drop_copied_hooks, is_nanwidget_hook,
+                     stop_copying_without_watch)
 from .fastpath import FusedPathKeeper, has_fused_path, keep_fused_path, release_fused_path
 from .detect import Detector, Window, first_event
 from .entries import Entry, EntryBuilder
@@ -498,6 +500,9 @@ class Recorder:
         # The root hooks on the original module while direct calls count (see the docstring).
         self._direct_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._direct_call = False  # the running (or last) batch came through them
+        self._entered: nn.Module = model  # the module whose call opened that batch
+        # (module, the forward count_outside_calls() gave it): calls outside the root count.
+        self._outside_forwards: list[tuple[nn.Module, Any]] = []
         # id(root module) -> the id of the watch's forward hook on it, moved back behind the
         # user's own root forward hooks at each batch start (see _keep_forward_hook_last).
         self._last_forward_hooks: dict[int, int] = {}
@@ -676,7 +681,8 @@ class Recorder:
     def direct_call(self) -> bool:
         """Whether the batch running now (or the last one) was opened by a direct call of the
         original module (:meth:`attach_direct_call_hooks`) rather than by the entry: it ran
-        eagerly, not compiled. Features read it in ``on_batch_start``."""
+        eagerly, not compiled; or by a call of a module :meth:`count_outside_calls` counts
+        (:attr:`batch_entry` names it). Features read it in ``on_batch_start``."""
         return self._direct_call
 
     def attach_direct_call_hooks(self) -> bool:
@@ -718,6 +724,74 @@ class Recorder:
             self._direct_handles.clear()
             if self.entry is not self.model:
                 self._last_forward_hooks.pop(id(self.model), None)
+
+    def count_outside_calls(self, module: nn.Module) -> bool:
+        """Make each call of ``module`` (a watched module inside the model: what a wrapper's
+        ``get_base_model()`` gives, which peft's ``generate()`` calls instead of the model's
+        forward) made while no root forward runs a batch of its own, exactly as a root call
+        is one: the root's pre- and forward hook logic runs around it, features see its
+        inputs and outputs (``on_batch_start``, ``on_batch_output``) and
+        :attr:`batch_entry` names ``module``. A call inside a root forward (the model's own
+        forward calling it) costs one flag test and is part of that batch, as before.
+
+        No hook is registered: ``module`` gets an instance-level ``forward`` (see
+        :mod:`.fastpath`, which does the same) that tests the flag and calls the forward it had,
+        so that the root's calls of it stay on torch's fast path. Copies and pickles leave it
+        out; :meth:`close` takes it off. Returns whether calls are counted (False for the
+        root, a module not watched, a module compiled in place or one whose forward the watch
+        already replaced; also when closed). Idempotent."""
+        with self._lock:
+            if self._closed or module is self.model or module is self.entry \
+                    or id(module) not in self._infos \
+                    or getattr(module, "_compiled_call_impl", None) is not None:
+                return False
+            if any(counted is module for counted, _ in self._outside_forwards):
+                return True
+            previous = module.__dict__.get("forward")
+            if isinstance(previous, FusedPathKeeper) or (
+                    previous is not None and is_nanwidget_hook(previous)):
+                return False
+            run = previous if previous is not None else \
+                types.MethodType(type(module).forward, module)
+            # Read by a closure, not an attribute lookup: the root's calls of the module pay
+            # one test of the recorder's depth (and of closed) on top of their own forward.
+            recorder = self
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                if recorder._root_depth or recorder._closed:
+                    return run(*args, **kwargs)
+                return recorder._outside_call(module, run, args, kwargs)
+
+            forward.__wrapped__ = run  # type: ignore[attr-defined]  # inspect.signature()
+            # What copies and pickles get instead (core.copies): the forward it had, or none.
+            forward.previous = previous  # type: ignore[attr-defined]
+            module.__dict__["forward"] = forward
+            self._outside_forwards.append((module, forward))
+            return True
+
+    def _outside_call(self, module: nn.Module, run: Any, args: tuple, kwargs: dict) -> Any:
+        """A call of a module :meth:`count_outside_calls` counts, made outside any root
+        forward: one batch, through the root's own hooks (as torch would run them, the
+        forward hook also when the forward raises)."""
+        if self._skip_this_thread() or _graph_task_id() >= 0 or dynamo_compiling():
+            return run(*args, **kwargs)  # a replay, a recomputation in backward, Dynamo
+        self._root_pre_hook(module, args, kwargs)
+        try:
+            output = run(*args, **kwargs)
+        except Exception:
+            self._forward_hook(module, args, kwargs, None)
+            raise
+        self._forward_hook(module, args, kwargs, output)
+        return output
+
+    @property
+    def batch_entry(self) -> ModuleInfo:
+        """The module whose call opened the batch running now (or the last one): the root's
+        info, or that of a module :meth:`count_outside_calls` counts (then
+        :attr:`direct_call` is True too). For a feature's ``on_batch_start``."""
+        if not self._direct_call:
+            return self.modules[0]
+        return self._infos.get(id(self._entered), self.modules[0])
 
     def _install_root_hooks(self) -> None:
         pre_hook, forward_hook = self._root_pre_hook, self._forward_hook
@@ -920,6 +994,7 @@ class Recorder:
                     self._root_depth = 1
                     self._after_forward = self._outside_call_batch = None
                     self._direct_call = module is not self.entry
+                    self._entered = module
                     self._root_frame = sys._getframe(1)
                     self._root_thread = _get_ident()
                     # An exception already being handled when the forward starts (a forward
@@ -1934,6 +2009,13 @@ class Recorder:
             self._fused_root = None
             for module, marked in self._marked_forwards:
                 unmark_forward(module, marked)
+            for module, forward in self._outside_forwards:
+                if module.__dict__.get("forward") is forward:  # else someone wrapped it since:
+                    if forward.previous is None:               # it passes calls through now
+                        del module.__dict__["forward"]
+                    else:
+                        module.__dict__["forward"] = forward.previous
+            self._outside_forwards.clear()
             self._marked_forwards.clear()
             self._handles.clear()
             self._module_handles.clear()

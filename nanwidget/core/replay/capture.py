@@ -95,7 +95,7 @@ class ForwardCapture:
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
                  "weight_versions", "weight_layout", "end_buffer_versions", "snapshot",
                  "needs_grad", "steps", "uncopied", "end_renormed_versions", "stepping",
-                 "adapters_disabled", "active_adapters")
+                 "adapters_disabled", "active_adapters", "module")
 
     def __init__(self) -> None:
         self.uncopied = ""  # the first input that could not be copied, and why
@@ -111,6 +111,9 @@ class ForwardCapture:
         # model.disable_adapter():``, a reference forward); None: the model has none.
         self.adapters_disabled: bool | None = None
         self.active_adapters: Any = None  # their names (peft's active_adapters)
+        # The module called instead of the model (Recorder.count_outside_calls: the model
+        # peft's generate() calls); None: the model's forward.
+        self.module: nn.Module | None = None
 
 
 def _held_copy(capture: ForwardCapture, role: str, value: Any, memo: dict[int, Any]) -> Any:
@@ -426,6 +429,14 @@ class BatchCapture(Feature):
         capture.kwargs = kwargs
         capture.inputs = inputs
         capture.input_versions = _input_versions([t for _, t in inputs])
+
+    def called_instead(self, batch: int, module: nn.Module) -> None:
+        """The forward just held for ``batch`` was a call of ``module``, a module inside the
+        model, not of the model (see :meth:`~nanwidget.core.recorder.Recorder.count_outside_calls`):
+        a replay calls ``module`` with its inputs."""
+        held = self.held.get(batch)
+        if held is not None and held.forwards:
+            held.forwards[-1].module = module
 
     def on_batch_end(self, batch: int, frames: list[Frame]) -> None:
         held = self.held.get(batch)

@@ -602,7 +602,11 @@ class _Replay:
             return []
         forward_frames = [frame for first, end in self.forward_spans for frame in frames[first:end]]
         replayed = replay_outputs(forward_frames, set(self.recorder.module_names))
-        return ran_differently(live, replayed, self.recorder.modules[0].name,
+        # The module the batch called: the root, or the one called instead (peft's generate()).
+        called = self.held.forwards[0].module if self.held.forwards else None
+        entry = next((info.name for info in self.recorder.modules if info.module is called),
+                     self.recorder.modules[0].name)
+        return ran_differently(live, replayed, entry,
                                replay_complete=complete, compare_values=compare_values,
                                model=self.recorder.model)
 
@@ -623,7 +627,7 @@ class _Replay:
             recorder.phase = "forward"
             first = len(recorder.frames)
             try:
-                output = root(*args, **kwargs)
+                output = (root if capture.module is None else capture.module)(*args, **kwargs)
             finally:
                 self.forward_spans.append((first, len(recorder.frames)))
             recorder.tag_nodes()

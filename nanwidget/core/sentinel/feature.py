@@ -274,6 +274,14 @@ class Sentinel(Feature):
         # without its own forward ever being called was checked by nothing (unchecked_note).
         self._start_versions = [-1 if t is None else version_of(t) for t in capture.slots.read()]
         self._start_steps = steps_taken()
+        # A wrapper's other methods call the model it wraps, not the root (peft's generate()
+        # calls get_base_model()): the recorder counts those calls, made outside the root's
+        # forward, as batches of their own, checked, held and replayed as the root's are.
+        # (batch, forward index) -> that model's info, for the recent ones.
+        self._entered: dict[tuple[int, int], Any] = {}
+        wrapped = None if compiled else _wrapped_model(recorder)
+        self.outside_entry = wrapped.name if wrapped is not None \
+            and recorder.count_outside_calls(wrapped.module) else None
 
     # ------------------------------------------------------------------ hot path (under the lock)
     def on_batch_start(self, batch: int, args: tuple, kwargs: dict) -> None:
@@ -289,8 +297,11 @@ class Sentinel(Feature):
                                       if b == batch or b in awaiting}
         else:
             self._forward_index += 1
-        if self.compiled and self.recorder.direct_call and batch not in self._eager_batches:
-            self._eager_batches = (self._eager_batches + [batch])[-8:]
+        if self.recorder.direct_call:
+            if not self.compiled:
+                return self._entered_outside(batch)
+            if batch not in self._eager_batches:
+                self._eager_batches = (self._eager_batches + [batch])[-8:]
         if batch in self.trace_batches or (self.sample_every and batch % self.sample_every == 0):
             if self.compiled:
                 self._replay_sample = batch
@@ -300,6 +311,34 @@ class Sentinel(Feature):
                 self._full_batches = (self._full_batches + [batch])[-8:]
         elif self._hooked_batch is not None:
             self._detach()
+
+    def _entered_outside(self, batch: int) -> None:
+        """A batch opened by a call of the wrapped model outside the root's forward (a step of
+        peft's generate()): checked and held like a root forward, replayed by calling that
+        model; never recorded in full (sample_every, trace_batches), which would hook every
+        module for it."""
+        entered = self._entered
+        entered[(batch, self._forward_index)] = self.recorder.batch_entry
+        if len(entered) > 64:
+            del entered[next(iter(entered))]
+        self.capture.called_instead(batch, self.recorder.batch_entry.module)
+        if self._hooked_batch is not None:
+            self._detach()
+
+    def _entry_of(self, batch: int, forward: int | None = None) -> Any:
+        """The module whose call made that forward of ``batch`` (any forward: None): the
+        root's info, or the wrapped model's for a call outside the root's forward."""
+        entered = self._entered
+        if entered:
+            if forward is not None:
+                info = entered.get((batch, forward))
+                if info is not None:
+                    return info
+            else:
+                for (number, _), info in entered.items():
+                    if number == batch:
+                        return info
+        return self.recorder.modules[0]
 
     def on_batch_output(self, batch: int, output: Any) -> None:
         if type(output) is _Tensor and self._read_at_once and self._hooked_batch != batch \
@@ -315,10 +354,12 @@ class Sentinel(Feature):
             if clean is not None and clean[1] < _INF:
                 self.checks += 1
                 self._check = None
-                # _show_clean, inlined (every batch)
+                # _show_outputs, inlined (every batch)
                 self.outputs_batch, self.outputs_abs_max, self.outputs_dtype = \
                     batch, clean[1], output.dtype
-                self.recorder.add_history_row(batch, self._root_name, clean[1], clean[0])
+                self.recorder.add_history_row(
+                    batch, self._entry_of(batch, self._forward_index).name if self._entered
+                    else self._root_name, clean[1], clean[0])
                 if self.backward and torch.is_grad_enabled():
                     if output.requires_grad:
                         self._hook_output_grads(batch, self._forward_index, [("output", output)])
@@ -442,13 +483,13 @@ class Sentinel(Feature):
         if stale:
             self._deferred = [d for d in self._deferred if d[0] == batch]
             for old_batch, forward, old_check in stale:
-                bad = self._read(old_check, old_batch)
+                bad = self._read(old_check, old_batch, forward)
                 if bad and event is None:
                     return self._forward_event(old_batch, forward, bad)
         if event is not None:
             return None  # found in a batch recorded in full: the review adds the op trace
         if pending is not None:
-            bad = self._read(pending[2], pending[0])
+            bad = self._read(pending[2], pending[0], pending[1])
             if bad:
                 return self._forward_event(pending[0], pending[1], bad)
         if self._replay_sample == batch:
@@ -464,25 +505,24 @@ class Sentinel(Feature):
             self._attach_trace(event)
         return event
 
-    def _read(self, check: NonFiniteCheck, batch: int) -> list[BadTensor]:
+    def _read(self, check: NonFiniteCheck, batch: int, forward: int) -> list[BadTensor]:
         if check.waiting:
             self.reads += 1
         bad = check.read()
         if bad and self._root_may_hold_inf:  # allow_inf covers the root: only a NaN counts
             bad = [b for b in bad if b.nan]
         if not bad:
-            self._show_outputs(batch, check)
+            self._show_outputs(batch, forward, check)
         return bad
 
-    def _show_outputs(self, batch: int, check: NonFiniteCheck) -> None:
-        """A clean check's magnitude: the root's row in the history, and the latest values."""
+    def _show_outputs(self, batch: int, forward: int, check: NonFiniteCheck) -> None:
+        """A clean check's magnitude: the root's row in the history (the wrapped model's, for
+        its calls outside the root), and the latest values."""
         if check.abs_max == check.abs_max:  # measured (not NaN)
-            self._show_clean(batch, check.abs_min, check.abs_max, check.abs_max_dtype)
-
-    def _show_clean(self, batch: int, abs_min: float, abs_max: float,
-                    dtype: torch.dtype | None) -> None:
-        self.outputs_batch, self.outputs_abs_max, self.outputs_dtype = batch, abs_max, dtype
-        self.recorder.add_history_row(batch, self._root_name, abs_max, abs_min)
+            self.outputs_batch, self.outputs_abs_max, self.outputs_dtype = \
+                batch, check.abs_max, check.abs_max_dtype
+            self.recorder.add_history_row(batch, self._entry_of(batch, forward).name,
+                                          check.abs_max, check.abs_min)
 
     # ------------------------------------------------------------------ gradients
     @run_eagerly_under_dynamo
@@ -588,7 +628,7 @@ class Sentinel(Feature):
             if bad and self._root_may_hold_inf:
                 bad = [b for b in bad if b.nan]
             if not bad:
-                self._show_outputs(forward_batch, check)
+                self._show_outputs(forward_batch, forward, check)
             if bad:
                 finding = self._forward_event(forward_batch, forward, bad)
                 break
@@ -786,7 +826,7 @@ class Sentinel(Feature):
                          note: str) -> NanEvent:
         """The event of a non-finite input of the root forward (``bad``), where no replay
         named the module that met it first."""
-        root = self.recorder.modules[0]
+        root = self._entry_of(batch, forward)
         first = bad[0]
         return NanEvent(batch=batch, module=root.name, module_type=root.type_name, call=forward,
                         role=first.label, kind=first.kind, origin="input",
@@ -874,7 +914,7 @@ class Sentinel(Feature):
         model as it may have live too (a NaN that ``where`` discards)."""
         if found is None or found.is_backward:
             return ""
-        root = self._root_name
+        root = self._entry_of(found.batch).name
         for frame in frames:
             if frame.module == root and frame.phase == "forward" and any(
                     entry.stats is not None and (entry.stats.nan or entry.stats.inf
@@ -1059,7 +1099,7 @@ class Sentinel(Feature):
                              "compute differently from eager PyTorch")
                 else:
                     note += "; a compiled re-run of the batch stayed finite too"
-        root = self.recorder.modules[0]
+        root = self._entry_of(batch, forward)
         own = [f for f in frames if f.module == root.name and f.phase == "forward"
                and f.call == forward]
         index = own[-1].index if own else 0
@@ -1071,7 +1111,7 @@ class Sentinel(Feature):
                         frame=index, note=note)
 
     def _unreplayed(self, batch: int, forward: int, bad: list[BadTensor], note: str) -> NanEvent:
-        root = self.recorder.modules[0]
+        root = self._entry_of(batch, forward)
         first = bad[0]
         return NanEvent(batch=batch, module=root.name, module_type=root.type_name, call=forward,
                         role=first.label, kind=first.kind, origin="output",
@@ -1178,6 +1218,22 @@ class Sentinel(Feature):
         self._deferred.clear()
         self._check = None
         self._own_event = None
+
+
+def _wrapped_model(recorder: Recorder) -> Any:
+    """The info of the watched module the root wraps and that its other methods call instead
+    of the root's forward (peft's ``get_base_model()``: what ``PeftModel.generate()`` calls);
+    None when the root is no such wrapper."""
+    get = getattr(recorder.model, "get_base_model", None)
+    if not callable(get):
+        return None
+    try:
+        wrapped = get()
+    except Exception:  # not ready, or another meaning of the name
+        return None
+    if not isinstance(wrapped, torch.nn.Module) or wrapped is recorder.model:
+        return None
+    return next((info for info in recorder.modules if info.module is wrapped), None)
 
 
 def _after(forward: list[Frame], limit: int) -> Any:
