@@ -280,6 +280,7 @@ class Sentinel(Feature):
         # (batch, forward index) -> that model's info, for the recent ones.
         self._entered: dict[tuple[int, int], Any] = {}
         wrapped = None if compiled else _wrapped_model(recorder)
+        #: The name of the model whose calls outside the root count so, or None.
         self.outside_entry = wrapped.name if wrapped is not None \
             and recorder.count_outside_calls(wrapped.module) else None
 
@@ -317,11 +318,12 @@ class Sentinel(Feature):
         peft's generate()): checked and held like a root forward, replayed by calling that
         model; never recorded in full (sample_every, trace_batches), which would hook every
         module for it."""
+        info = self.recorder.batch_entry
         entered = self._entered
-        entered[(batch, self._forward_index)] = self.recorder.batch_entry
+        entered[(batch, self._forward_index)] = info
         if len(entered) > 64:
             del entered[next(iter(entered))]
-        self.capture.called_instead(batch, self.recorder.batch_entry.module)
+        self.capture.called_instead(batch, info.module)
         if self._hooked_batch is not None:
             self._detach()
 
