@@ -1651,6 +1651,55 @@ def test_a_nonfinite_learning_rate_of_a_step_that_wrote_nothing_is_not_blamed():
     assert "learning rate" not in diagnosis.summary
 
 
+class _StepRaisingOnce(torch.optim.SGD):
+    """An SGD whose first step raises before writing anything: a Ctrl-C in ``opt.step()``, or
+    a fused optimizer's kernel refusing its inputs."""
+
+    def __init__(self, params, lr, error: BaseException) -> None:
+        super().__init__(params, lr=lr)
+        self.error: BaseException | None = error
+
+    def step(self, closure=None):
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("fused kernel failed")],
+                         ids=["ctrl-c", "error"])
+def test_an_optimizer_step_that_raised_is_over_for_a_later_nan(mode, error):
+    # A step that raised runs no post-step hook: it stayed "in progress", so a weight made
+    # NaN by a write after it was blamed on that step's lr=nan ("Batch 3's forward ran inside
+    # that step"), though it wrote nothing and ended long before.
+    from nanwidget.core.writes import step_in_progress
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, mode) as w:
+        for _ in range(2):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        flaky = _StepRaisingOnce(model.parameters(), math.nan, error)  # its lr: never used
+        flaky.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(type(error)):
+            flaky.step()
+        assert step_in_progress() == 0
+        with torch.no_grad():
+            model[2].weight[0, 3] = math.nan  # a write between batches
+        model(x)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.module, event.origin, diagnosis.kind) == \
+        (3, "2", "weight", "corrupted-weight")
+    text = " ".join([diagnosis.summary] + diagnosis.evidence + diagnosis.suggestion)
+    assert "learning rate" not in text and "_StepRaisingOnce" not in text
+    assert "inside that step" not in text
+
+
 def _ema_copy_broken_by_its_student(mode: str, **options) -> nw.NanWatch:
     """An EMA copy updated with torch._foreach_lerp_ (as timm's and diffusers' are), watched;
     the student it follows gets an Inf bias after batch 2, which the next update brings in."""

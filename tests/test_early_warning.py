@@ -4,6 +4,7 @@ reason, without stopping the run; healthy training never warns."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import dataclasses
 import math
@@ -304,6 +305,33 @@ def test_the_step_in_progress_is_numbered_while_a_watch_is_live():
         assert step_in_progress() == 0  # between steps
     optimizer.step(closure)  # no watch: the numbering hook is off
     assert seen[0] > 0 and seen[1] > seen[0] and seen[2] == 0
+
+
+def test_forwards_after_an_optimizer_step_that_raised_are_each_looked_at():
+    # A step that raised (Ctrl-C in opt.step()) runs no post-step hook: every forward after it
+    # counted as a closure call inside that step, only the first was looked at, and outputs
+    # growing tenfold per batch got no warning.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    class Interrupted(torch.optim.SGD):
+        def step(self, closure=None):
+            raise KeyboardInterrupt
+
+    optimizer = Interrupted(model.parameters(), lr=0.1)
+    x = torch.randn(16, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model, on_nan="record") as w:
+            nn.functional.mse_loss(model(x), torch.zeros(16, 4)).backward()
+            with contextlib.suppress(KeyboardInterrupt):
+                optimizer.step()
+            with torch.no_grad():
+                for batch in range(12):
+                    model[2].weight.mul_(10.0)  # the outputs grow tenfold per batch
+                    model(x)
+    assert w.events == []
+    assert [warning.module for warning in w.warnings if warning.reason == "growth"][:1] == ["2"]
 
 
 def test_a_blow_up_in_closures_called_once_per_step_is_still_warned_about():

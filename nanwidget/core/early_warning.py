@@ -71,6 +71,7 @@ from .recorder import Feature, Recorder
 from .sourcelines import user_stacklevel
 from .state import optimizer_steps
 from .stats import dtype_max
+from .writes import step_in_progress
 
 __all__ = ["EarlyWarning", "EarlyWarningIssued", "EarlyWarnings", "REASONS", "NEAR_FACTOR",
            "HORIZON", "WINDOW", "MIN_RISES", "MIN_GROWTH", "GROWTH_FLOOR", "RECENT", "growth_rate",
@@ -273,7 +274,9 @@ class EarlyWarnings(Feature):
         self._other_series: tuple[list, ...] | None = None  # the other mode's, while away
         # Frames resolved within a batch (a flush), looked at with the batch's own.
         self._early: list[Frame] = []
-        self._steps = optimizer_steps()  # .stepping: the optimizer step running now (0: none)
+        # .stepping: the optimizer step running now (0: none; one that raised is found over
+        # by step_in_progress())
+        self._steps = optimizer_steps()
         self._step_seen = (0, -1)  # (step, the batch looked at in it)
 
     # ------------------------------------------------------------------ under the lock
@@ -317,7 +320,7 @@ class EarlyWarnings(Feature):
             frames, self._early = self._early + frames, []
         if not frames:
             return  # sentinel mode between sampled batches: on_output_magnitude reads the root
-        if self._steps.stepping and self._again_in_step(batch):
+        if self._steps.stepping and step_in_progress() and self._again_in_step(batch):
             return
         try:
             row = self._history.current_row(batch)
@@ -359,7 +362,7 @@ class EarlyWarnings(Feature):
 
     def on_output_magnitude(self, batch: int, module: str, abs_max: float,
                             abs_min: float) -> None:
-        if self._steps.stepping and self._again_in_step(batch):
+        if self._steps.stepping and step_in_progress() and self._again_in_step(batch):
             return
         try:
             index = self._index.get(module)

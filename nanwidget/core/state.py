@@ -155,8 +155,10 @@ class StepLog:
     ``stepping``: a number for the optimizer step in progress (0: none), new for each step
     (``started`` counts them; ``pre_handle``: the hook that numbers them); ``optimizer``: the
     optimizer whose step is in progress, as its hook handed it (kept while ``stepping``: a
-    forward inside that step, LBFGS's closure, is told by its param groups; a step that raised
-    keeps it until the next step or the last watch's close); ``optimizers``: id -> weak
+    forward inside that step, LBFGS's closure, is told by its param groups); ``step_frame``,
+    ``step_code``, ``step_thread``: the id and code of that step's own frame (torch's wrapper
+    that calls the hooks) and its thread, so that a step that raised (no post hook runs) is
+    found ended when read (:func:`~nanwidget.core.writes.step_in_progress`); ``optimizers``: id -> weak
     reference of every optimizer that stepped, wrappers included (Lookahead: a diagnosis reads
     their param groups and state); ``collected``: id(parameter) -> a weak reference that drops
     its ``marks`` and ``bad_lr`` when the parameter is collected (an optimizer's entry in
@@ -164,7 +166,8 @@ class StepLog:
     leave nothing behind."""
 
     __slots__ = ("count", "marks", "kinds", "users", "handle", "bad_lr", "marks_from",
-                 "stepping", "started", "pre_handle", "optimizer", "optimizers", "collected")
+                 "stepping", "started", "pre_handle", "optimizer", "optimizers", "collected",
+                 "step_frame", "step_code", "step_thread")
 
     def __init__(self) -> None:
         self.count = 0
@@ -178,6 +181,9 @@ class StepLog:
         self.started = 0
         self.pre_handle: Any = None
         self.optimizer: Any = None
+        self.step_frame = 0
+        self.step_code: Any = None
+        self.step_thread = 0
         self.optimizers: dict[int, Any] = {}
         self.collected: dict[int, Any] = {}
 

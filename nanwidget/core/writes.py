@@ -19,10 +19,13 @@ or a tensor lr on the CPU: a GPU tensor's is never read, that would wait for the
 A hook before every step numbers the step in progress (:func:`step_in_progress`) and keeps a
 weak reference to its optimizer: a forward inside one is a closure the optimizer calls, LBFGS
 many times per step, and meets what the step wrote before its post hook marks anything (a NaN
-lr is read from that optimizer's param groups, at event time). The optimizers that stepped,
-wrappers included, are kept weakly (:func:`optimizers_holding`): a diagnosis reads their param
-groups (SAM's rho) and a wrapper's state (Lookahead's slow weights). Cost: about 0.12 us for
-the pre-step hook; one short loop over the optimizer's parameters, one finiteness check of
+lr is read from that optimizer's param groups, at event time). A step that raised (Ctrl-C in
+``opt.step()``, an optimizer's error) runs no post hook: the pre hook notes the step's frame,
+and a step whose frame has left its thread's stack is over when read. The optimizers that
+stepped, wrappers included, are kept weakly (:func:`optimizers_holding`): a diagnosis reads their param
+groups (SAM's rho) and a wrapper's state (Lookahead's slow weights). Cost: about 0.3 us for
+the pre-step hook; while a step runs (a closure's forward), a walk up the stack (about 2 us)
+where it is read; one short loop over the optimizer's parameters, one finiteness check of
 each group's lr and two dict lookups in the post-step hook (and, once per parameter, a weak
 reference that drops its marks when it is collected: a watch left open while models are built
 and dropped keeps nothing of them); nothing per module call.
@@ -35,6 +38,8 @@ by whoever steps it: :func:`note_optimizer_step` after each of its steps does th
 from __future__ import annotations
 
 import math
+import sys
+import threading
 import weakref
 from functools import partial
 from typing import Any
@@ -54,6 +59,8 @@ __all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "step_in_prog
 
 _LOG = optimizer_steps()
 _MAX_MARKS = 1 << 20  # parameters remembered at most (ids of long-gone tensors are dropped)
+_getframe = sys._getframe
+_get_ident = threading.get_ident
 
 
 def wraps_an_optimizer(optimizer: Any) -> bool:
@@ -69,6 +76,13 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     log.started += 1
     log.stepping = log.started
     log.optimizer = _ref(optimizer)  # weak: a step that raised must not keep it alive
+    # The frame that runs the step (torch's wrapper calling the hooks), by id and code: a
+    # step that raised (Ctrl-C, a fused kernel's error) runs no post hook, and is found ended
+    # when read because that frame is no longer on its thread's stack (_step_ended).
+    frame = _getframe(1)
+    log.step_frame = id(frame)
+    log.step_code = frame.f_code
+    log.step_thread = _get_ident()
 
 
 _ref = weakref.ref
@@ -80,6 +94,7 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     log = _LOG
     log.stepping = 0
     log.optimizer = None
+    log.step_code = None
     if id(optimizer) not in log.optimizers:
         _remember(optimizer)
     if wraps_an_optimizer(optimizer):
@@ -227,6 +242,7 @@ class StepTracking:
                 log.pre_handle = None
             log.stepping = 0
             log.optimizer = None
+            log.step_code = None
             log.optimizers.clear()
             log.marks.clear()
             log.bad_lr.clear()
@@ -243,8 +259,29 @@ def track_optimizer_steps() -> StepTracking:
 def step_in_progress() -> int:
     """A number for the optimizer step running now (a forward inside it is a closure the
     optimizer calls: LBFGS calls its closure many times per step), new for every step; 0 when
-    none is. A step that raised stays "running" until the next one starts."""
-    return _LOG.stepping
+    none is. A step that raised (Ctrl-C in ``opt.step()``, an optimizer's error: no post hook
+    runs) is over: it is found so here, and forgotten. Costs nothing while no step runs; inside
+    one (a closure's forward), a walk up the stack."""
+    log = _LOG
+    if log.stepping and _step_ended(log):
+        log.stepping = 0
+        log.optimizer = None
+        log.step_code = None
+    return log.stepping
+
+
+def _step_ended(log: Any) -> bool:
+    """Whether the step numbered ``log.stepping`` ended without its post hook (it raised):
+    its frame is no longer on its thread's stack. A frame of a later step at the same id
+    would have numbered a new step."""
+    thread = log.step_thread
+    frame = _getframe(1) if thread == _get_ident() else sys._current_frames().get(thread)
+    key, code = log.step_frame, log.step_code
+    while frame is not None:
+        if id(frame) == key and frame.f_code is code:
+            return False
+        frame = frame.f_back
+    return True
 
 
 def steps_taken() -> int:
@@ -307,10 +344,9 @@ def nonfinite_lr_in_step(tensor: torch.Tensor) -> tuple[int, str, float] | None:
 
 
 def stepping_optimizer() -> Any | None:
-    """The optimizer whose step is in progress (:func:`step_in_progress`), None when none is
-    (or it was collected since a step of it raised)."""
+    """The optimizer whose step is in progress (:func:`step_in_progress`), None when none is."""
     log = _LOG
-    return log.optimizer() if log.stepping and log.optimizer is not None else None
+    return log.optimizer() if step_in_progress() and log.optimizer is not None else None
 
 
 def optimizers_holding(tensor: torch.Tensor) -> list[tuple[Any, dict]]:
