@@ -718,9 +718,10 @@ def test_a_float_minus_inf_key_padding_mask_is_a_masked_row_not_bad_data(mode):
                                         "fully masked (kwarg:key_padding_mask)")
     assert not any("allow_inf" in fix for fix in diagnosis.suggestion)
     assert "torch.finfo(scores.dtype).min" in diagnosis.suggestion[0]
-    # The event's line says the module made the NaN from the mask; none arrived with the data.
+    # The event's line says the module made the NaN from the mask; none arrived with the data
+    # (the kind is what arrived: the mask's -inf).
     assert event.summary().startswith(
-        "nan in batch 0 at module '<root>' (MultiheadAttention, call 0), kwarg:key_padding_mask: "
+        "inf in batch 0 at module '<root>' (MultiheadAttention, call 0), kwarg:key_padding_mask: "
         "the module made nan from its mask input kwarg:key_padding_mask (-inf where masked, on "
         "purpose)")
 

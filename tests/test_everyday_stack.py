@@ -1034,7 +1034,8 @@ def test_the_trace_of_a_fused_encoder_layer_names_the_op_that_made_the_nan():
     with nw.watch(model, on_nan="record") as w, torch.no_grad():
         model(x, src_key_padding_mask=padding)
         trace = w.replay(0)
-    assert (w.event.module, w.event.origin, w.event.kind) == ("layers.0", "input", "nan")
+    assert (w.event.module, w.event.origin, w.event.kind, w.event.made_kind) == \
+        ("layers.0", "input", "inf", "nan")
     assert trace.first_bad["op"] == "_transformer_encoder_layer_fwd"
     assert trace.first_bad["module"] == "layers.0"
     assert "first bad op _transformer_encoder_layer_fwd" in w.report()

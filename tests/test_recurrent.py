@@ -74,7 +74,8 @@ def test_padding_inf_that_a_layer_turns_into_nan_is_not_told_to_be_allowed():
     with nw.watch(model, on_nan="record", replay_on_nan=True) as w:
         model(x, lengths)
     diagnosis = w.event.diagnosis
-    assert (w.event.module, w.event.kind) == ("head", "nan")
+    # The padding's Inf arrived (the kind); the Linear made NaN of it.
+    assert (w.event.module, w.event.kind, w.event.made_kind) == ("head", "inf", "nan")
     assert diagnosis.kind == "masked-row"
     assert "made NaN of it" in diagnosis.summary
     assert not any("allow_inf=[" in fix for fix in diagnosis.suggestion)

@@ -88,14 +88,53 @@ def test_a_fully_masked_row_turning_softmax_to_nan_is_an_input_event(reduction_p
     with nw.watch(model, on_nan="record") as w:
         model(torch.randn(2, 5, 8), blocked)
     event = w.event
-    assert (event.module, event.origin, event.kind, event.role) == ("softmax", "input", "nan",
+    assert (event.module, event.origin, event.kind, event.role) == ("softmax", "input", "inf",
                                                                      "input[0]")
-    # The kind is the outputs'; the headline says what arrived ("nan ... input[0]: arrived
-    # through an input" read as if a NaN had arrived).
+    assert event.made_kind == "nan"
+    # The kind is what arrived, input[0]'s; the headline says what the module made of it.
     assert event.summary().startswith(
-        "nan in batch 0 at module 'softmax' (Softmax, call 0), input[0]: arrived through an "
+        "inf in batch 0 at module 'softmax' (Softmax, call 0), input[0]: arrived through an "
         "input (from the data, an earlier module, or a functional op between modules); the "
-        "input holds inf, the module made nan of it")
+        "module made nan of it")
+
+
+class ScoresOverTemperature(nn.Module):
+    """Scores divided by a temperature between modules, then a softmax module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.softmax = nn.Softmax(-1)
+
+    def forward(self, x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        return self.softmax(self.fc(x) / temperature)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_the_kind_of_an_input_event_is_what_arrived_not_what_the_module_made(mode):
+    # A temperature of 1e-39 overflows the scores to +Inf between modules; the softmax makes
+    # NaN of them (inf - inf). The event names softmax's input[0], which holds Inf, but its
+    # kind was the outputs' "nan" (and NanDetected said "nan ... input[0]").
+    torch.manual_seed(0)
+    model = ScoresOverTemperature()
+    x = torch.randn(3, 4)
+    with nw.watch(model, mode=mode) as w:
+        with torch.no_grad():
+            model(x)
+            with pytest.raises(nw.NanDetected) as raised:
+                model(x, temperature=1e-39)
+    event = w.event
+    assert (event.batch, event.module, event.role, event.origin) == \
+        (1, "softmax", "input[0]", "input")
+    own = event.frames[(event.frames.frame == event.frame) & (event.frames.batch == 1)
+                       & (event.frames.role == "input[0]")]
+    assert bool(own.inf.iloc[0]) and not bool(own.nan.iloc[0])
+    assert event.kind == "inf"
+    assert str(raised.value).startswith(
+        "nanwidget: inf in batch 1 at module 'softmax' (Softmax, call 0), input[0]: arrived "
+        "through an input")
+    assert "; the module made nan of it" in event.summary()
+    assert event.made_kind == "nan"  # what the softmax made of it
 
 
 class MaskBuilder(nn.Module):
@@ -199,7 +238,7 @@ def test_report_and_browser_follow_the_event_not_the_mask():
         model(torch.randn(2, 5, 8), blocked)  # masked (-inf) inputs in every batch, a NaN here
     event = w.event
     report_lines = w.report().splitlines()
-    assert report_lines[0].startswith("nanwidget: nan in batch 0 at module 'softmax'")
+    assert report_lines[0].startswith("nanwidget: inf in batch 0 at module 'softmax'")
     browser = nw.FrameBrowser(w)
     browser.frame.value = 1
     assert browser.jump_to_first_bad()

@@ -233,7 +233,7 @@ class Detector:
     def _event(frames: list[Frame], position: int, window: Window, origin: str, named: Entry,
                bad: list[Entry]) -> NanEvent:
         frame = frames[position]
-        if origin in ("weight", "grad"):
+        if origin != "output":  # what the tensor it names holds (an input: what arrived)
             kind = event_kind(named.stats.nan, named.stats.inf)
         else:  # what went wrong in the outputs
             kind = event_kind(any(e.stats.nan for e in bad), any(e.stats.inf for e in bad))

@@ -140,6 +140,10 @@ def weights_unchecked(note: str) -> bool:
 _NO_WEIGHTS_WORDS = "made here from finite inputs"
 
 
+# The roles of a frame's outputs: output, output[1], output[1][0], output.logits.
+_OUTPUT_ROLE = r"output(?:$|[\[.])"
+
+
 def event_kind(nan: bool, inf: bool) -> str:
     """"nan", "inf" or "nan+inf"."""
     return "nan+inf" if nan and inf else ("nan" if nan else "inf")
@@ -169,7 +173,7 @@ class NanEvent:
     module_type: str
     call: int
     role: str
-    kind: str  # "nan" | "inf" | "nan+inf"
+    kind: str  # "nan" | "inf" | "nan+inf": what the tensor ``role`` names holds (see made_kind)
     origin: str  # "output" | "input" | "weight" | "grad" | "peer"
     is_backward: bool = False
     frames: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=FRAME_COLUMNS),
@@ -220,31 +224,39 @@ class NanEvent:
             return _NO_WEIGHTS_WORDS
         words = ORIGIN_WORDS.get(self.origin, self.origin)
         if self.origin == "input":
-            arrived = self._named_kind()
-            if arrived == "inf" and "nan" in self.kind and self._named_mask():
+            made = self._outputs_kind()
+            if self.kind == "inf" and "nan" in made and self._named_mask():
                 # A mask passed in holds -inf on purpose: no NaN "arrived" from the data.
-                return (f"the module made {self.kind} from its mask input {self.role} (-inf "
+                return (f"the module made {made} from its mask input {self.role} (-inf "
                         "where masked, on purpose): a row masked at every position gives 0/0 "
                         "in a softmax")
-            if arrived and arrived != self.kind:
-                # The kind is what the outputs hold: say what arrived when it differs (an Inf
+            if made and made != self.kind:
+                # The kind is what arrived: say what the outputs hold when it differs (an Inf
                 # that the module's matmul or softmax made NaN of).
-                words += f"; the input holds {arrived}, the module made {self.kind} of it"
+                words += f"; the module made {made} of it"
         return words
 
-    def _named_kind(self) -> str:
-        """"nan", "inf" or "nan+inf": what the event's own tensor holds, from its frame in
-        ``frames`` ("" when the frame is not there)."""
+    @property
+    def made_kind(self) -> str:
+        """"nan", "inf" or "nan+inf": what the event's module made. For an input event
+        ``kind`` is what arrived (the input it names) and this is what its outputs hold (an
+        Inf a softmax made NaN of; ``kind`` when its frame is not in ``frames``); for the
+        other origins, ``kind``."""
+        if self.origin != "input":
+            return self.kind
+        return self._outputs_kind() or self.kind
+
+    def _outputs_kind(self) -> str:
+        """"nan", "inf" or "nan+inf": what the outputs of the event's own frame hold, from
+        ``frames`` ("" when the frame is not there or its outputs are finite)."""
         frames = self.frames
         if frames is None or not len(frames) or self.frame is None:
             return ""
         try:
             own = frames[(frames["frame"] == self.frame) & (frames["batch"] == self.batch)
-                         & (frames["role"] == self.role)]
-            if own.empty:
-                return ""
-            nan, inf = bool(own["nan"].iloc[0]), bool(own["inf"].iloc[0])
-        except (KeyError, IndexError):
+                         & frames["role"].astype(str).str.match(_OUTPUT_ROLE)]
+            nan, inf = bool(own["nan"].astype(bool).any()), bool(own["inf"].astype(bool).any())
+        except (KeyError, IndexError, TypeError, ValueError):
             return ""
         return event_kind(nan, inf) if nan or inf else ""
 

@@ -646,11 +646,11 @@ def _after_forward(facts: Facts) -> Diagnosis | None:
         return None
     return _carried(
         forward.diagnosis,
-        f"The gradient of batch {event.batch} is {_kind_words(event.kind)} because its forward "
+        f"The gradient of batch {event.batch} is {_kind_words(event.made_kind)} because its forward "
         f"already was (the event at module '{forward.module_label}' ({forward.module_type}), "
         f"{forward.role})",
         f"The forward of batch {event.batch} made an event first; the loss and its gradient "
-        f"carried its {_kind_words(forward.kind)} into '{event.module_label}' "
+        f"carried its {_kind_words(forward.made_kind)} into '{event.module_label}' "
         f"({event.module_type}), {event.role}.")
 
 
@@ -664,13 +664,13 @@ def _after_earlier_pass(facts: Facts) -> Diagnosis | None:
         return None
     return _carried(
         earlier.diagnosis,
-        f"The gradient of batch {event.batch} is {_kind_words(event.kind)} because an earlier "
+        f"The gradient of batch {event.batch} is {_kind_words(event.made_kind)} because an earlier "
         f"backward pass of the batch already was (the event at module '{earlier.module_label}' "
         f"({earlier.module_type}), {earlier.role})",
         f"An earlier backward pass of batch {event.batch} (torch.autograd.grad with "
         f"create_graph=True: derivatives for the loss, a gradient penalty) made an event first; "
         f"the loss was made from its result, and its gradient carried the "
-        f"{_kind_words(earlier.kind)} into '{event.module_label}' ({event.module_type}), "
+        f"{_kind_words(earlier.made_kind)} into '{event.module_label}' ({event.module_type}), "
         f"{event.role}.")
 
 
@@ -684,7 +684,7 @@ def _accumulated_gradient(facts: Facts) -> Diagnosis | None:
     name = event.qualified_role
     return _carried(
         cause_event.diagnosis,
-        f"The gradient of '{name}' in batch {event.batch} is {_kind_words(event.kind)} because "
+        f"The gradient of '{name}' in batch {event.batch} is {_kind_words(event.made_kind)} because "
         f"batch {cause_event.batch}'s backward left it so and the passes since only added to it "
         "(no zero_grad() between them: gradient accumulation)",
         f"'{name}'.grad is the tensor batch {cause_event.batch}'s backward made non-finite, only "
@@ -703,7 +703,7 @@ def _from_another_rank(facts: Facts) -> Diagnosis | None:
     name = event.qualified_role
     return Diagnosis(
         "unknown",
-        f"The gradient of '{name}' is {_kind_words(event.kind)} only after DDP averaged it over "
+        f"The gradient of '{name}' is {_kind_words(event.made_kind)} only after DDP averaged it over "
         f"the ranks: rank {event.rank}'s own gradients in batch {event.batch} stayed finite, so "
         "another rank's held it, and that rank's diagnosis says why.",
         [f"Every module gradient (grad_output, grad_input) of rank {event.rank}'s backward pass "
@@ -735,7 +735,7 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
     event, run, op = facts.event, facts.scaler_run, facts.op
     if run is None or (op is not None and op.in_loss):
         return None
-    if "inf" not in event.kind and op is not None and _domain_reason(op) is not None:
+    if "inf" not in event.made_kind and op is not None and _domain_reason(op) is not None:
         return None
     came = [name for kind, name in getattr(facts.trace, "came_with", None) or []
             if kind == "output-grad"]
@@ -750,11 +750,11 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
     else:
         what = f"the gradient of '{event.qualified_role}'"
     tried = run.scale_last
-    kind = _kind_words(event.kind)
+    kind = _kind_words(event.made_kind)
     still = (f"{op.op} {op.place}{op.at} still made {kind}" if op is not None
              else f"{what} was still {kind}")
     # With NaN as well, the event's gradient may be one the Inf spread to, not where it was born.
-    sure_of_place = op is not None or event.kind == "inf"
+    sure_of_place = op is not None or event.made_kind == "inf"
     what_happened = (f"the gradients overflow {dtype} even at loss scale {tried:g}: "
                      f"{_skipped_words(run)}, and {still} at {tried:g} (batch {run.last_batch}).")
     evidence = []
@@ -786,8 +786,8 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
     else:
         evidence.append("The scaler took no step since the watch began: the gradients never "
                         f"fit {dtype} at the scales it tried.")
-    if event.kind != "inf":
-        evidence.append(f"It holds NaN{' too' if 'inf' in event.kind else ''}: an Inf that met "
+    if event.made_kind != "inf":
+        evidence.append(f"It holds NaN{' too' if 'inf' in event.made_kind else ''}: an Inf that met "
                         "0 or another Inf further on in the "
                         "backward pass (inf x 0, inf - inf) makes NaN, but so does an op outside "
                         "its domain, which no scale helps; backward=True shows the first "
@@ -807,7 +807,7 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
                                        f"{grew.per_batch:.3g}x per batch since batch "
                                        f"{grew.start[0]}, until {what_happened}", evidence,
                          fixes.divergence(dtype) + suggestion[:1], confidence="high")
-    confidence = ("low" if event.kind != "inf" else
+    confidence = ("low" if event.made_kind != "inf" else
                   "high" if op is not None or not at_output else "medium")
     return Diagnosis("overflow", what_happened[0].upper() + what_happened[1:], evidence,
                      suggestion, confidence=confidence)
@@ -876,14 +876,14 @@ def _loss(facts: Facts) -> Diagnosis | None:
     elif reader is not None:
         at = f" at {reader['source']}" if reader["source"] else ""
         summary = (f"Made in the loss, outside the model: {reader['op']} in loss_fn{at} received "
-                   f"the {_kind_words(event.kind)} from a tensor loss_fn reads that no op of the "
+                   f"the {_kind_words(event.made_kind)} from a tensor loss_fn reads that no op of the "
                    "replay made (not the model's output): it was computed before loss_fn ran; "
                    "the gradient reached the model's output already non-finite.")
         line, text = source_text(str(reader["source"] or "")) or (0, "")
         if text:
             evidence.append(f"Line {line}: {text}")
         evidence.append(f"The replay ran loss_fn on the model's finite output, and no op of the "
-                        f"model or of loss_fn made the {_kind_words(event.kind)}: a tensor "
+                        f"model or of loss_fn made the {_kind_words(event.made_kind)}: a tensor "
                         f"{reader['op']} reads held {_held_words(reader)} already, made before "
                         "loss_fn ran.")
     else:
@@ -945,8 +945,8 @@ def _loss_module(facts: Facts) -> Diagnosis | None:
             or (given["nan"] | given["inf"]).any():
         return None  # it received the NaN/Inf, or was given one: not made by it
     name, module_type = event.module_label, event.module_type
-    what = _kind_words(event.kind)
-    inf = event.kind == "inf"
+    what = _kind_words(event.made_kind)
+    inf = event.made_kind == "inf"
     near = given[(given["abs_min"] > 0) & (given["abs_min"] < _NEAR_ZERO)]
     tiny = near.loc[near["abs_min"].idxmin()] if not near.empty else None
     summary = (f"Made in the loss '{name}' ({module_type}) that the model holds and runs on its "
@@ -990,7 +990,7 @@ def _loss_module_output(facts: Facts) -> Diagnosis | None:
     given = mine[mine["role"].str.startswith(("input", "kwarg:"))]
     if given.empty or (given["nan"] | given["inf"]).any():
         return None
-    name, module_type, what = event.module_label, event.module_type, _kind_words(event.kind)
+    name, module_type, what = event.module_label, event.module_type, _kind_words(event.made_kind)
     zero = given[given["abs_min"] == 0]
     near = given[(given["abs_min"] > 0) & (given["abs_min"] < _NEAR_ZERO)]
     summary = (f"Made in the loss '{name}' ({module_type}) that the model holds and runs on its "
@@ -1116,7 +1116,7 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
                         f"{_g(before)}): in a sampling loop that feeds its result back, the step "
                         "between the two calls made the NaN/Inf.")
         suggestion[:0] = fixes.sampling_step(", ".join(roles), event.batch - 1)
-    if not any(i.nan for i in bad) and event.kind == "inf":  # NaN counts: allow_inf no help
+    if not any(i.nan for i in bad) and event.made_kind == "inf":  # NaN counts: allow_inf no help
         suggestion.append("If the Inf is meant (a -inf mask passed in), let its module hold it: "
                           f"nw.watch(model, allow_inf=['{event.module}']).")
     return Diagnosis("bad-data", summary, evidence, suggestion, rows=rows,
@@ -1194,11 +1194,11 @@ def _weights(facts: Facts) -> Diagnosis | None:
             evidence.append(f"Grown most since first measured: {', '.join(modules)}.")
         evidence.extend(_activation_lines(facts, [event.module, ""]))
         evidence.append(f"At batch {event.batch} {', '.join(names)} "
-                        f"{'is' if len(names) == 1 else 'are'} {_kind_words(event.kind)}.")
+                        f"{'is' if len(names) == 1 else 'are'} {_kind_words(event.made_kind)}.")
         return Diagnosis(
             "divergence",
             f"Training diverged: the weights grew {grew.per_batch:.3g}x per batch since batch "
-            f"{grew.start[0]} until {', '.join(names[:2])} became {_kind_words(event.kind)} "
+            f"{grew.start[0]} until {', '.join(names[:2])} became {_kind_words(event.made_kind)} "
             f"(used at batch {event.batch}).", evidence, fixes.divergence(dtype),
             confidence="high")
     largest_input = _inputs_largest(facts)
@@ -1220,7 +1220,7 @@ def _weights(facts: Facts) -> Diagnosis | None:
     batch = max(last) if last else None
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
     verb = "holds" if len(names) == 1 else "hold"
-    evidence = [f"{shown} {verb} {_kind_words(event.kind)} at batch {event.batch}"
+    evidence = [f"{shown} {verb} {_kind_words(event.made_kind)} at batch {event.batch}"
                 + (f" ({dtype})." if dtype else ".")]
     before_watch = False  # non-finite already when the watch began
     likely = False  # the last finite batch known from its outputs alone (sentinel mode)
@@ -1272,17 +1272,17 @@ def _weights(facts: Facts) -> Diagnosis | None:
         if likely:  # sentinel mode, an embedding or experts: not measured, only inferred
             if first != event.batch:  # which batches read it is not measured either
                 used = (f"batch {event.batch} is the first whose outputs it made "
-                        f"{_kind_words(event.kind)} (the batches between had finite outputs: "
+                        f"{_kind_words(event.made_kind)} (the batches between had finite outputs: "
                         "they may not have read it).")
-            summary = (f"{shown} {verb} {_kind_words(event.kind)} at batch {event.batch}, likely "
+            summary = (f"{shown} {verb} {_kind_words(event.made_kind)} at batch {event.batch}, likely "
                        f"since {made_by} after batch {batch} (or an "
                        f"earlier one, if the batches since did not read the bad values); {used}")
         elif idle:  # it sat unused in between: any step or write of those batches may have
-            summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and "
+            summary = (f"{shown} became {_kind_words(event.made_kind)} between batch {batch} and "
                        f"batch {first}: {made_by} after batch {batch} or after one of the "
                        f"batches that did not use it ({_numbers(idle)}) did it; {used}")
         else:
-            summary = (f"{shown} became {_kind_words(event.kind)} between batch {batch} and "
+            summary = (f"{shown} became {_kind_words(event.made_kind)} between batch {batch} and "
                        f"batch {first}: {made_by} after batch {batch} did "
                        f"it; {used}")
     elif _cast_overflow(facts, dtype):
@@ -1302,11 +1302,11 @@ def _weights(facts: Facts) -> Diagnosis | None:
         before_watch = all_along or not any(b < event.batch for b in facts.history_batches)
         made = "a write, an average or a load" if unstepped else \
             "an optimizer step, a load or a write"
-        summary = (f"{shown} {verb} {_kind_words(event.kind)} before batch {event.batch} ran "
+        summary = (f"{shown} {verb} {_kind_words(event.made_kind)} before batch {event.batch} ran "
                    f"({made} made it), not this batch's forward.")
         if all_along:
             ran = f"batch {earlier[0]}" if len(earlier) == 1 else f"batches {_numbers(earlier)}"
-            summary = (f"{shown} {verb} {_kind_words(event.kind)} since before the watch began, "
+            summary = (f"{shown} {verb} {_kind_words(event.made_kind)} since before the watch began, "
                        f"not since a step or write during it: every batch this watch ran "
                        f"before batch {event.batch} ({ran}) ran with "
                        f"{'it' if len(names) == 1 else 'them'} non-finite already.")
@@ -1319,10 +1319,10 @@ def _weights(facts: Facts) -> Diagnosis | None:
             when = "when the watch began" if before_watch else f"when batch {start} ran"
             held = "since before the watch began" if before_watch else \
                 f"since batch {start} at least"
-            summary = (f"{shown} {verb} {_kind_words(event.kind)} {held}; batch {event.batch} is "
+            summary = (f"{shown} {verb} {_kind_words(event.made_kind)} {held}; batch {event.batch} is "
                        "the first to read the bad values (no in-place write and no optimizer "
                        "step in between).")
-            if before_watch and dtype in _CASTS_TO_INF and event.kind == "inf":
+            if before_watch and dtype in _CASTS_TO_INF and event.made_kind == "inf":
                 # Sentinel mode: unread until now, but Inf since before the watch, as full
                 # mode sees it at the first batch: a cast to float16 (or a checkpoint).
                 return _cast_to_low_precision(facts, names, shown, verb, evidence, dtype,
@@ -1330,7 +1330,7 @@ def _weights(facts: Facts) -> Diagnosis | None:
             evidence.append(
                 f"The version counter of {names[0]} has not moved since batch {start}, nor have "
                 f"the optimizer's steps: {'it' if len(names) == 1 else 'they'} held "
-                f"{_kind_words(event.kind)} {when} already. The batches before {event.batch} read "
+                f"{_kind_words(event.made_kind)} {when} already. The batches before {event.batch} read "
                 "none of the bad values (an embedding row or an expert they did not use), and "
                 "sentinel mode measures no weights (a write through .data would not show).")
         if tame and any(n in facts.written_in_forward for n in names):
@@ -1341,14 +1341,14 @@ def _weights(facts: Facts) -> Diagnosis | None:
         if all_along:
             one = len(names) == 1
             evidence.append(f"No batch under this watch ran with {'it' if one else 'them'} "
-                            f"finite: {'it' if one else 'they'} held {_kind_words(event.kind)} "
+                            f"finite: {'it' if one else 'they'} held {_kind_words(event.made_kind)} "
                             "when the watch began (a checkpoint loaded, or a write before "
                             "nw.watch()), and running the batches again (a cell run twice) "
                             "reads the same weights.")
         elif before_watch and not since:
             evidence.append(f"No batch ran before batch {event.batch} under this watch: "
                             f"{'it' if len(names) == 1 else 'they'} held "
-                            f"{_kind_words(event.kind)} when the watch began (a checkpoint "
+                            f"{_kind_words(event.made_kind)} when the watch began (a checkpoint "
                             "loaded, or a write before nw.watch()).")
     unmeasured = _no_history(facts)
     climb = None
@@ -1370,7 +1370,7 @@ def _weights(facts: Facts) -> Diagnosis | None:
         evidence.append("No backward pass ran through the watched model (backward=True saw "
                         "none): no gradient of it reached an optimizer.")
     return Diagnosis("corrupted-weight", summary, evidence,
-                     fixes.corrupted_weight(names, dtype, batch, event.kind == "inf",
+                     fixes.corrupted_weight(names, dtype, batch, event.made_kind == "inf",
                                             before_watch=before_watch,
                                             stepped=not unstepped, no_step=no_step,
                                             replaced=replaced,
@@ -1400,7 +1400,7 @@ def _stepped_with_nonfinite_lr(facts: Facts, names: list[str], dtype: str) -> Di
     batch = max(last) if last else None
     after = f"after batch {batch}" if batch is not None else f"before batch {event.batch}"
     stepped = f"{'/'.join(kinds)} stepped with lr={'/'.join(lrs)} {after}"
-    evidence = [f"{shown} {'holds' if one else 'hold'} {_kind_words(event.kind)} at batch "
+    evidence = [f"{shown} {'holds' if one else 'hold'} {_kind_words(event.made_kind)} at batch "
                 f"{event.batch}" + (f" ({dtype})." if dtype else "."),
                 f"Optimizer {stepped}: its param group's learning rate was not finite, and the "
                 f"step wrote {'it' if one else 'them'} (the update is multiplied by the lr, so "
@@ -1412,7 +1412,7 @@ def _stepped_with_nonfinite_lr(facts: Facts, names: list[str], dtype: str) -> Di
                         "a closure the optimizer calls (LBFGS evaluates it several times per "
                         "step), so the step wrote the weights before its own end.")
     first = f"batch {event.batch} is the first to use {'it' if one else 'them'}"
-    summary = (f"{shown} became {_kind_words(event.kind)} in the {'/'.join(kinds)} step {after}, "
+    summary = (f"{shown} became {_kind_words(event.made_kind)} in the {'/'.join(kinds)} step {after}, "
                f"which ran with a non-finite learning rate (lr={'/'.join(lrs)}); {first}.")
     reload = (f"a checkpoint saved before that step (batch {batch} or earlier)"
               if batch is not None else "a checkpoint saved before that step")
@@ -1441,7 +1441,7 @@ def _wrapper_state_nonfinite(facts: Facts, names: list[str], dtype: str) -> Diag
     last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
     batch = max(last) if last else None
     after = f"after batch {batch}" if batch is not None else f"before batch {event.batch}"
-    kind = _kind_words(event.kind)
+    kind = _kind_words(event.made_kind)
     summary = (f"{shown} became {kind} {after} from the optimizer state {state}, which is "
                f"{kind}: the {wrapper} step copies that state into the "
                f"{'parameter' if one else 'parameters'} (Lookahead: slow += alpha * (fast - "
@@ -1474,7 +1474,7 @@ def _written_by_sam_first_step(facts: Facts, names: list[str], dtype: str) -> Di
     last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
     batch = max(last) if last else None
     after = f"after batch {batch}" if batch is not None else f"before batch {event.batch}"
-    kind = _kind_words(event.kind)
+    kind = _kind_words(event.made_kind)
     summary = (f"{shown} became {kind} {after}, written outside optimizer.step(): by the SAM "
                "first step (e_w = rho * p.grad / grad_norm; p.add_(e_w)), which a zero gradient "
                f"norm makes 0/0 = NaN; batch {event.batch} is the first to use "
@@ -1564,7 +1564,7 @@ def _in_added_module(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
     since) made them non-finite."""
     event = facts.event
     one = len(names) == 1
-    kind = _kind_words(event.kind)
+    kind = _kind_words(event.made_kind)
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
     modules = list(dict.fromkeys(facts.replaced_modules[n] for n in names))
     module = ", ".join(f"'{m}'" for m in modules[:3]) + (" ..." if len(modules) > 3 else "")
@@ -1618,7 +1618,7 @@ def _substituted(facts: Facts, names: list[str]) -> Diagnosis:
     event = facts.event
     one = len(names) == 1
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
-    what = _kind_words(event.kind)
+    what = _kind_words(event.made_kind)
     return Diagnosis(
         "corrupted-weight",
         f"{shown} held {what} in batch {event.batch}'s forward, which ran with another "
@@ -1644,14 +1644,14 @@ def _written_within_batch(facts: Facts, names: list[str], dtype: str) -> Diagnos
     event = facts.event
     one = len(names) == 1
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
-    what = f"{'holds' if one else 'hold'} {_kind_words(event.kind)}"
+    what = f"{'holds' if one else 'hold'} {_kind_words(event.made_kind)}"
     why = ("an optimizer step or a write between two forwards of the same batch did it (LBFGS "
            "evaluates its closure several times per step; SAM perturbs the weights between its "
            "two passes).")
     measured = all(n in facts.finite_earlier_in_batch for n in names)
     if measured:
         call = max(facts.finite_earlier_in_batch[n] for n in names)
-        summary = (f"{shown} became {_kind_words(event.kind)} within batch {event.batch}, "
+        summary = (f"{shown} became {_kind_words(event.made_kind)} within batch {event.batch}, "
                    f"between call {call} and call {event.call} of module "
                    f"'{event.module_label}': {why}")
         where = f"call {event.call} of batch {event.batch}"
@@ -1671,7 +1671,7 @@ def _written_within_batch(facts: Facts, names: list[str], dtype: str) -> Diagnos
     fixes_ = [f"A step inside batch {event.batch} wrote {'it' if one else 'them'}: with LBFGS, "
               "pass line_search_fn='strong_wolfe' and a smaller lr so that no trial point "
               "overflows; with SAM, a smaller rho; else lower the learning rate."]
-    fixes_ += fixes.corrupted_weight(names, dtype, event.batch, event.kind == "inf",
+    fixes_ += fixes.corrupted_weight(names, dtype, event.batch, event.made_kind == "inf",
                                      gradients_checked=facts.checks_gradients,
                                      gradients_finite=_gradients_finite(facts),
                                      optimizers=facts.optimizers)[:2]
@@ -1691,12 +1691,12 @@ def _poisoned_by_earlier_forward(facts: Facts, names: list[str]) -> Diagnosis:
              else "recompute them")
     return _carried(
         cause_event.diagnosis,
-        f"{shown} {'holds' if one else 'hold'} {_kind_words(event.kind)} since batch "
+        f"{shown} {'holds' if one else 'hold'} {_kind_words(event.made_kind)} since batch "
         f"{cause_event.batch}'s forward updated {'it' if one else 'them'} from its non-finite "
         f"values (module '{module}' updates {'its running statistics' if running else 'them'} "
         "from every training batch)",
         f"Batch {cause_event.batch}'s forward wrote into {'it' if one else 'them'} while its "
-        f"values held {_kind_words(cause_event.kind)} (its event at module "
+        f"values held {_kind_words(cause_event.made_kind)} (its event at module "
         f"'{cause_event.module_label}', {cause_event.role}); no optimizer step updates "
         f"{'it' if one else 'them'}, and every batch since runs with {'it' if one else 'them'}.",
         first=[f"Mend them: {reset}, or reload them from a checkpoint saved before batch "
@@ -1761,7 +1761,7 @@ def _diverged_into_buffer(facts: Facts, names: list[str], dtype: str, jump: Grow
         "divergence",
         f"Training diverged: the optimizer step after batch {jump.start[0]} made the weights "
         f"jump {_g(jump.ratio)}x{most}, so module '{module}''s inputs in batch {event.batch}"
-        f"{reached} its forward wrote {shown} {_kind_words(event.kind)} from them.",
+        f"{reached} its forward wrote {shown} {_kind_words(event.made_kind)} from them.",
         evidence, suggestion, confidence="high")
 
 
@@ -1772,7 +1772,7 @@ def _written_by_forward(facts: Facts, names: list[str], dtype: str,
     event = facts.event
     one = len(names) == 1
     shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
-    what = _kind_words(event.kind)
+    what = _kind_words(event.made_kind)
     module = event.module or "<root>"
     running = all(n.rpartition(".")[2] in ("running_mean", "running_var") for n in names)
     updated = (f"module '{module}' updates {'it' if one else 'them'} from every training batch"
@@ -1816,7 +1816,7 @@ def _cast_overflow(facts: Facts, dtype: str) -> bool:
     nothing the watch saw ran before it, and a float32 value past the format's largest turns
     into inf when a model is cast to it."""
     event = facts.event
-    return dtype in _CASTS_TO_INF and event.kind == "inf" \
+    return dtype in _CASTS_TO_INF and event.made_kind == "inf" \
         and not any(b < event.batch for b in facts.history_batches)
 
 
@@ -1924,7 +1924,7 @@ def _written_inf(facts: Facts, op: OpFacts) -> Diagnosis:
         evidence.append(f"Outputs that held it in batch {event.batch}: {shown}"
                         f"{', ...' if len(holding) > 8 else ''}.")
     module = event.module or "<root>"
-    if "nan" in event.kind:  # the Inf went on into arithmetic: inf - inf or 0 x inf
+    if "nan" in event.made_kind:  # the Inf went on into arithmetic: inf - inf or 0 x inf
         summary = (f"{op.op} {op.place}{op.at} wrote Inf on purpose (a mask or padding value), "
                    f"and module '{module}' made NaN of it (inf - inf or 0 x inf) from its "
                    f"{event.role}: nothing overflowed.")
@@ -2041,7 +2041,7 @@ def _masked_by_input(facts: Facts) -> Diagnosis | None:
     else the replay followed the NaN back to the mask, which no op made (no first_bad)."""
     event = facts.event
     masks = [i for i in facts.inputs if i.mask]
-    if event.is_backward or "nan" not in event.kind or not masks \
+    if event.is_backward or "nan" not in event.made_kind or not masks \
             or any(i.nan or (i.inf and not i.mask) for i in facts.inputs):
         return None
     roles = {i.role for i in masks}
@@ -2187,7 +2187,7 @@ def _weight_gradient(facts: Facts) -> Diagnosis | None:
     it can pass the dtype's largest where no activation or ``grad_input`` does)."""
     event = facts.event
     frames = event.frames
-    if not event.is_backward or event.origin != "grad" or event.kind != "inf" \
+    if not event.is_backward or event.origin != "grad" or event.made_kind != "inf" \
             or event.role.startswith("grad_") or frames is None or frames.empty:
         return None
     own = frames[(frames["frame"] == event.frame) & (frames["batch"] == event.batch)]
@@ -2232,16 +2232,16 @@ def _unknown(facts: Facts, replayable: bool) -> Diagnosis:
     event, op = facts.event, facts.op
     evidence = []
     if op is not None and facts.unseen_quantized:  # the op read weights nothing measured
-        summary = (f"{op.op} {op.place}{op.at} made {_kind_words(event.kind)} from finite "
+        summary = (f"{op.op} {op.place}{op.at} made {_kind_words(event.made_kind)} from finite "
                    f"inputs and weights the watch could not read, which may hold it.")
         evidence = _op_evidence(op) + [f"{facts.unseen_note[0].upper()}"
                                        f"{facts.unseen_note[1:]}."]
     elif op is not None:
-        summary = (f"{op.op} {op.place}{op.at} made {_kind_words(event.kind)} from finite "
+        summary = (f"{op.op} {op.place}{op.at} made {_kind_words(event.made_kind)} from finite "
                    "inputs, in a way none of the known patterns explains.")
         evidence = _op_evidence(op)
     else:
-        summary = (f"{_kind_words(event.kind)} first seen at module '{event.module_label}' "
+        summary = (f"{_kind_words(event.made_kind)} first seen at module '{event.module_label}' "
                    f"({event.module_type}), {event.role}: {event.origin_words}; what made it "
                    "could not be told.")
         why = getattr(facts.trace, "why_not_reproduced", None)
@@ -2383,7 +2383,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
             and not any(line.startswith(f"The {run.scaler} skipped") for line in found.evidence):
         skipped = _skipped_words(run)
         found.evidence.append(f"{skipped[0].upper()}{skipped[1:]}: "
-                              f"a {_kind_words(event.kind)} gradient at every scale does not "
+                              f"a {_kind_words(event.made_kind)} gradient at every scale does not "
                               "come from the scale.")
     _quantized_weight(facts, found)
     if facts.adapters_disabled or facts.adapters_switched:
@@ -2401,7 +2401,7 @@ def _absorbed(facts: Facts, found: Diagnosis) -> None:
     """A forward event whose model outputs stayed finite: say so (a run without a watch goes
     on, so this is what the user sees), and, for an Inf, how to let the model absorb it."""
     event, modules = facts.event, facts.absorbed_in
-    what = "NaN" if event.kind == "nan" else ("Inf" if event.kind == "inf" else "NaN/Inf")
+    what = "NaN" if event.made_kind == "nan" else ("Inf" if event.made_kind == "inf" else "NaN/Inf")
     shown = ", ".join(f"'{m}'" for m in modules[:8]) + (", ..." if len(modules) > 8 else "")
     # An exponential's slope at its overflow is inf: the gradient through it is NaN even
     # where a later op clamped the value, so a training step does not go on.
@@ -2412,7 +2412,7 @@ def _absorbed(facts: Facts, found: Diagnosis) -> None:
     found.evidence.append(
         f"The model's outputs stayed finite in batch {event.batch}: a later op clamped, masked "
         f"or replaced the {what} ({goes_on}). Outputs that held it: {shown}.")
-    if event.kind == "inf" and not exponential:
+    if event.made_kind == "inf" and not exponential:
         names = ", ".join(f"'{m}'" for m in modules)
         # Sentinel mode is this watch already; and a forward that absorbs an Inf can still
         # give NaN gradients (the slope of exp at its overflow times a 0 is NaN).

@@ -718,7 +718,7 @@ class OpRecorder:
                      if not is_input_role(role) and stats is not None and (stats.nan or stats.inf)]
             return Lineage(came_with=named or [("weight", prefix + event.role)], followed=True)
         entry = next((e for e in frame.entries if e[0] == event.role), None)
-        if event.origin == "input" and event.kind == "nan" and entry is not None \
+        if event.origin == "input" and event.made_kind == "nan" and entry is not None \
                 and entry[1] is not None and not entry[1].nan:
             # The input brought Inf (a mask) and a softmax or attention in the module made NaN
             # of a fully masked row (a fused encoder layer): that NaN was born in here. Any
