@@ -4465,6 +4465,42 @@ def test_sentinel_mode_does_not_claim_which_batch_first_used_an_idle_corrupted_e
         "outputs: they may not have read it)" in diagnosis.summary
 
 
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_idle_expert_non_finite_since_before_the_watch_is_not_blamed_on_a_step(mode):
+    # An expert loaded NaN (no training, no optimizer) that the router sent no token in batch 0
+    # and one in batch 1: full mode said "an optimizer step, a load or a write made it", with
+    # "watch with backward=True" and gradient clipping as fixes, where sentinel mode said it was
+    # non-finite since the watch began and batch 1 is the first to read it.
+    torch.manual_seed(0)
+    model = ExpertsSkippedWhenIdle().eval()
+    with torch.no_grad():
+        model.experts[1].weight[0, 0] = math.nan
+    model.idle = 1
+    options = {"mode": "sentinel"} if mode == "sentinel" else {}
+    w = nw.watch(model, on_nan="record", **options)
+    with torch.no_grad():
+        for batch in range(3):
+            if batch == 2:
+                model.idle = None
+            model(torch.randn(3, 4))
+    w.close()
+    event = w.event
+    assert (event.batch, event.module, event.role) == (2, "experts.1", "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert "since before the watch began; batch 2 is the first to read the bad values" \
+        in diagnosis.summary
+    assert "optimizer step, a load or a write made it" not in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("It was non-finite before the first batch watched")
+    assert all(fix.startswith("In the run that saved it") for fix in diagnosis.suggestion[1:])
+    evidence = " ".join(diagnosis.evidence)
+    if mode != "sentinel":  # full mode knows why: the module did not run
+        assert "did not run 'experts.1' (batches 0, 1: an expert a router sent no token" in evidence
+        assert "sentinel mode" not in evidence
+
+
+
 # ------------------------------------------------------- optimizers and optimizer wrappers
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("on_nan", ["raise", "record"])

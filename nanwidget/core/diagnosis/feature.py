@@ -770,6 +770,13 @@ class Diagnoser(Feature):
                     facts.weights_written[name] = then[name] != now[name]
                 if name in self.capture.replaced_between(last, event.batch):
                     facts.weights_replaced.add(name)
+        unseen = [name for name in names if not seen[name]]
+        if unseen and not self.sentinel and self.capture is not None \
+                and any(b < event.batch for b in idle) and not clean:
+            # Full mode, a module that ran in no batch before this one (an expert the router
+            # sent no token): no frame measured its weights finite. Its version counter tells,
+            # as in sentinel mode, since when nothing wrote them.
+            self._sentinel_clean(facts, unseen, [], held)
         facts.poisoned_by = self._poisoned_by(facts, names)
         facts.finite_earlier_in_batch = _finite_in_earlier_call(event, names)
         if self.sentinel and self.capture is not None and not facts.finite_earlier_in_batch:

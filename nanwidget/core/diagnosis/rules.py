@@ -1327,12 +1327,19 @@ def _weights(facts: Facts) -> Diagnosis | None:
                 # mode sees it at the first batch: a cast to float16 (or a checkpoint).
                 return _cast_to_low_precision(facts, names, shown, verb, evidence, dtype,
                                               first_read=event.batch)
+            unread_why = ("read none of the bad values (an embedding row or an expert they did "
+                          "not use), and sentinel mode measures no weights")
+            idle_before = [b for b in facts.idle_batches if b < event.batch]
+            if not facts.sentinel and idle_before:  # full mode: its module did not run
+                ran = "batch" if len(idle_before) == 1 else "batches"
+                unread_why = (f"did not run '{event.module}' ({ran} {_numbers(idle_before)}: an "
+                              "expert a router sent no token, a branch not taken), so none "
+                              "measured or read it")
             evidence.append(
                 f"The version counter of {names[0]} has not moved since batch {start}, nor have "
                 f"the optimizer's steps: {'it' if len(names) == 1 else 'they'} held "
-                f"{_kind_words(event.made_kind)} {when} already. The batches before {event.batch} read "
-                "none of the bad values (an embedding row or an expert they did not use), and "
-                "sentinel mode measures no weights (a write through .data would not show).")
+                f"{_kind_words(event.made_kind)} {when} already. The batches before {event.batch} "
+                f"{unread_why} (a write through .data would not show).")
         if tame and any(n in facts.written_in_forward for n in names):
             evidence.append(f"Batch {event.batch}'s forward wrote into "
                             f"{'it' if len(names) == 1 else 'them'}, but from finite inputs of at "

@@ -1,0 +1,119 @@
+"""nanwidget on mixture-of-experts models from transformers: tiny Mixtral and Switch
+Transformers made from configs, random weights, nothing downloaded."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import nanwidget as nw  # noqa: E402
+
+MODES = ["full", "sentinel"]
+
+
+def _mixtral() -> torch.nn.Module:
+    """A 2-layer Mixtral, 4 experts, top-2, with router jitter and the router's aux loss."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1,
+        output_router_logits=True)
+    return transformers.MixtralForCausalLM(config)
+
+
+def _switch() -> torch.nn.Module:
+    """A Switch Transformer (T5 with top-1 experts, 4 of them, capacity 4) of 2 + 2 layers."""
+    torch.manual_seed(0)
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+        num_heads=2, num_experts=4, expert_capacity=4, num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return transformers.SwitchTransformersForConditionalGeneration(config)
+
+
+def _ids(batch: int) -> torch.Tensor:
+    return torch.randint(2, 64, (2, 8), generator=torch.Generator().manual_seed(100 + batch))
+
+
+def _train_mixtral(watch_options: dict | None) -> tuple[list[torch.Tensor], nw.NanWatch | None]:
+    model = _mixtral()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    w = nw.watch(model, **watch_options) if watch_options is not None else None
+    torch.manual_seed(1)  # the router's jitter draws from it
+    seen = []
+    for batch in range(2):
+        out = model(input_ids=_ids(batch), labels=_ids(batch))
+        out.loss.backward()
+        seen += [out.loss.detach(), out.aux_loss.detach()]
+        seen += [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        seen.append(model.generate(_ids(5)[:, :4], max_new_tokens=3, do_sample=True,
+                                   pad_token_id=0))
+    seen += [p.detach().clone() for p in model.parameters()] + [torch.rand(2)]
+    return seen, w
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "sentinel"}, {"backward": True}],
+                         ids=["full", "sentinel", "backward"])
+def test_a_watched_mixtral_trains_and_generates_bit_identically_without_a_false_alarm(options):
+    unwatched, _ = _train_mixtral(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", nw.EarlyWarningIssued)
+        watched, w = _train_mixtral(options)
+    w.close()
+    assert len(watched) == len(unwatched)
+    assert all(torch.equal(a, b) for a, b in zip(watched, unwatched))
+    assert not w.events and not w.warnings
+
+
+def _experts_run(model: torch.nn.Module, inputs: list[dict]) -> list[set[str]]:
+    """The Switch experts each forward ran (hooks on a model no watch is on)."""
+    ran: set[str] = set()
+    names = {module: name for name, module in model.named_modules()
+             if name.rpartition(".")[2].startswith("expert_")}
+    hooks = [module.register_forward_hook(lambda m, i, o: ran.add(names[m])) for module in names]
+    runs = []
+    with torch.no_grad():
+        for kwargs in inputs:
+            ran.clear()
+            model(**kwargs)
+            runs.append(set(ran))
+    for hook in hooks:
+        hook.remove()
+    return runs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_switch_expert_loaded_nan_and_idle_until_routed_to_is_not_blamed_on_a_step(mode):
+    # No training, no optimizer: an expert holds a NaN from its checkpoint, batch 0 routes it
+    # no token, batch 1 does. Full mode said "an optimizer step, a load or a write made it"
+    # with backward=True and gradient clipping as fixes (sentinel mode had it right).
+    model = _switch().eval()
+    inputs = [{"input_ids": _ids(b), "decoder_input_ids": _ids(b)[:, :5].contiguous()}
+              for b in range(2)]
+    first, second = _experts_run(model, inputs)
+    expert = sorted(second - first)[0]  # runs in batch 1 only
+    with torch.no_grad():
+        model.get_submodule(expert).wo.weight[0, 0] = math.nan
+    options = {"mode": "sentinel"} if mode == "sentinel" else {}
+    with nw.watch(model, on_nan="record", **options) as w, torch.no_grad():
+        for kwargs in inputs:
+            model(**kwargs)
+    event = w.event
+    assert (event.batch, event.module, event.role) == (1, expert + ".wo", "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert "since before the watch began; batch 1 is the first to read the bad values" \
+        in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("It was non-finite before the first batch watched")
