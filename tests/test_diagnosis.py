@@ -4501,6 +4501,58 @@ def test_an_idle_expert_non_finite_since_before_the_watch_is_not_blamed_on_a_ste
 
 
 
+class GroupedExperts(nn.Module):
+    """Four experts kept in one 3-D weight, as transformers' grouped-GEMM ``experts`` modules
+    keep them; top-1 routing by a linear router."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(4, 4)
+        self.experts_weight = nn.Parameter(torch.randn(4, 4, 4) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).argmax(dim=-1)
+        return torch.einsum("ti,tio->to", x, self.experts_weight[chosen])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_corrupted_expert_in_a_3d_experts_weight_is_named_by_its_index(mode):
+    # An expert of a mixture that keeps all of them in one 3-D weight went NaN: the event names
+    # the whole weight; which expert (the index along dim 0) was nowhere.
+    torch.manual_seed(0)
+    model = GroupedExperts()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    w = watch(model, mode)
+    for batch in range(3):
+        x = torch.randn(8, 4)
+        if batch == 2:
+            with torch.no_grad():
+                expert = int(model.router(x[0]).argmax())  # token 0 goes there
+                model.experts_weight[expert, 1, 3] = math.inf
+                model.experts_weight[expert, 0, 0] = math.nan
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    w.close()
+    event = w.event
+    assert (event.batch, event.role, event.origin) == (2, "experts_weight", "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert f"Its non-finite values lie in experts_weight[{expert}] only: expert {expert} of 4 " \
+        "(dim 0 indexes the experts); only the tokens routed to it read them." \
+        in diagnosis.evidence
+
+
+def test_a_non_finite_convolution_weight_is_not_told_as_experts():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.ReLU())
+    with torch.no_grad():
+        model[0].weight[1, 0, 0] = math.nan
+    with nw.watch(model, on_nan="record") as w:
+        model(torch.randn(2, 2, 8))
+    assert not any("expert" in line for line in w.event.diagnosis.evidence)
+
+
 # ------------------------------------------------------- optimizers and optimizer wrappers
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("on_nan", ["raise", "record"])

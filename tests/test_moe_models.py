@@ -77,6 +77,31 @@ def test_a_watched_mixtral_trains_and_generates_bit_identically_without_a_false_
     assert not w.events and not w.warnings
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_expert_of_mixtrals_3d_experts_weight_is_named_by_its_index(mode):
+    # Mixtral keeps its 4 experts in one 3-D down_proj: the event names that weight, and
+    # which expert holds the NaN was nowhere.
+    model = _mixtral()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    options = {"mode": "sentinel"} if mode == "sentinel" else {}
+    w = nw.watch(model, on_nan="record", **options)
+    for batch in range(3):
+        if batch == 2:
+            with torch.no_grad():
+                model.model.layers[1].mlp.experts.down_proj[2, 3, 5] = math.nan
+        model(input_ids=_ids(batch), labels=_ids(batch)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    w.close()
+    event = w.event
+    assert (event.batch, event.module, event.role, event.origin) == (
+        2, "model.layers.1.mlp.experts", "down_proj", "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert "Its non-finite values lie in down_proj[2] only: expert 2 of 4 (dim 0 indexes the " \
+        "experts); only the tokens routed to it read them." in diagnosis.evidence
+
+
 def _experts_run(model: torch.nn.Module, inputs: list[dict]) -> list[set[str]]:
     """The Switch experts each forward ran (hooks on a model no watch is on)."""
     ran: set[str] = set()

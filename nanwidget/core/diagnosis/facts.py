@@ -569,6 +569,9 @@ class Facts:
     # Sentinel mode: the weights whose last finite batch is known only from that batch's finite
     # outputs (no frame measured them), a write after it: likely, not certain.
     finite_by_outputs: set[str] = field(default_factory=set)
+    # Non-finite weight of a mixture of experts held as one 3-D weight -> the experts (indices
+    # along dim 0) that hold its non-finite values, and how many experts it holds.
+    nonfinite_slices: dict[str, tuple[list[int], int]] = field(default_factory=dict)
     # Non-finite weight name -> True when its version counter moved after that batch.
     weights_written: dict[str, bool] = field(default_factory=dict)
     # The non-finite weights whose slot holds another tensor object than when their last finite

@@ -777,6 +777,10 @@ class Diagnoser(Feature):
             # sent no token): no frame measured its weights finite. Its version counter tells,
             # as in sentinel mode, since when nothing wrote them.
             self._sentinel_clean(facts, unseen, [], held)
+        for name in names:
+            slices = self._nonfinite_slices(name)
+            if slices is not None:
+                facts.nonfinite_slices[name] = slices
         facts.poisoned_by = self._poisoned_by(facts, names)
         facts.finite_earlier_in_batch = _finite_in_earlier_call(event, names)
         if self.sentinel and self.capture is not None and not facts.finite_earlier_in_batch:
@@ -785,6 +789,25 @@ class Diagnoser(Feature):
             within = self.capture.written_between_forwards(event.batch)
             if names and all(n in within for n in names):
                 facts.written_between_forwards = {n: within[n] for n in names}
+
+    def _nonfinite_slices(self, name: str) -> tuple[list[int], int] | None:
+        """Which experts hold the NaN/Inf of a non-finite weight of a mixture of experts'
+        ``experts`` module that keeps every expert's matrix in one 3-D weight (transformers'
+        grouped-GEMM experts: dim 0 indexes the experts), with their number; None for other
+        weights (a convolution's 3-D weight is no experts')."""
+        if "expert" not in name.lower():
+            return None
+        tensor = self.recorder.weight(*self.recorder.weight_owner(name))
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 3 \
+                or not tensor.is_floating_point() or tensor.is_meta or not tensor.numel():
+            return None
+        try:
+            with torch.no_grad():
+                bad = ~torch.isfinite(tensor.detach()).flatten(1).all(dim=1)
+                slices = bad.nonzero().flatten().tolist()
+        except Exception:  # a subclass or layout that refuses: the rest of the diagnosis stands
+            return None
+        return (slices, tensor.shape[0]) if slices else None
 
     def _stepped_with_nonfinite_lr(self, facts: Facts) -> None:
         """The non-finite parameters an optimizer step with a NaN/Inf learning rate wrote after

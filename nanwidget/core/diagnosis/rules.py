@@ -1222,6 +1222,7 @@ def _weights(facts: Facts) -> Diagnosis | None:
     verb = "holds" if len(names) == 1 else "hold"
     evidence = [f"{shown} {verb} {_kind_words(event.made_kind)} at batch {event.batch}"
                 + (f" ({dtype})." if dtype else ".")]
+    evidence.extend(_slices_lines(facts, names))
     before_watch = False  # non-finite already when the watch began
     likely = False  # the last finite batch known from its outputs alone (sentinel mode)
     # No optimizer step wrote them (buffers, an EMA copy's parameters, no step at all): a write,
@@ -1387,6 +1388,29 @@ def _weights(facts: Facts) -> Diagnosis | None:
                                             optimizers=facts.optimizers),
                      confidence="high" if batch is not None and climb is None and not likely
                      and not idle else "medium")
+
+
+def _slices_lines(facts: Facts, names: list[str]) -> list[str]:
+    """Which experts hold the non-finite values of a weight that keeps every expert of a
+    mixture of experts (transformers' ``experts`` modules, one 3-D weight: dim 0 indexes the
+    experts): only the tokens routed to those experts read them."""
+    lines = []
+    for name in names[:3]:
+        if name not in facts.nonfinite_slices:
+            continue
+        slices, size = facts.nonfinite_slices[name]
+        short = name.rpartition(".")[2]
+        if len(slices) == size:
+            lines.append(f"Its non-finite values lie in every one of its {size} experts "
+                         f"({short}[0] to {short}[{size - 1}]).")
+            continue
+        where = ", ".join(f"{short}[{i}]" for i in slices[:8]) + (" ..." if len(slices) > 8 else "")
+        one = len(slices) == 1
+        lines.append(f"Its non-finite values lie in {where} only: "
+                     f"{'expert' if one else 'experts'} {_numbers(slices)} of {size} (dim 0 "
+                     f"indexes the experts); only the tokens routed to "
+                     f"{'it' if one else 'them'} read them.")
+    return lines
 
 
 def _numbers(batches: list[int]) -> str:
