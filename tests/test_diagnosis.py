@@ -4553,6 +4553,69 @@ def test_a_non_finite_convolution_weight_is_not_told_as_experts():
     assert not any("expert" in line for line in w.event.diagnosis.evidence)
 
 
+
+class RoutedTokens(nn.Module):
+    """A top-1 mixture of two Linear experts over a (batch, positions, features) input: each
+    expert gets the tokens routed to it (``h[tokens]``) and its results go back in place
+    (``index_add_``). Feature 0 routes: above 0 to expert 1. Then an ``exp`` after the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 2, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        with torch.no_grad():
+            self.gate.weight.zero_()
+            self.gate.weight[:, 0] = torch.tensor([-1.0, 1.0])
+            self.experts[1].weight.fill_(100.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, positions, features = x.shape
+        h = x.reshape(-1, features)
+        chosen = self.gate(h).argmax(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            tokens = torch.where(chosen == e)[0]
+            out.index_add_(0, tokens, expert(h[tokens]))
+        return (out.reshape(batch, positions, features) + x).exp()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_experts_routed_tokens_are_not_told_as_the_batchs_samples(mode):
+    # Expert 1 gets tokens 4 and 5 (positions 0 and 1 of sample 1): as many rows as the batch
+    # has samples. Token 4 overflowed float16 there, and the diagnosis said "row 0 of the
+    # batch's 2 rows (dim 0: its samples)", rows [0]: sample 0, which holds no bad value.
+    torch.manual_seed(0)
+    model = RoutedTokens().half()
+    x = -torch.rand(2, 4, 8) - 0.1
+    x[1, :2, 0] = 1.0
+    x[1, 0, 1:] = 100.0
+    with watch(model, mode) as w:
+        model(x.half())
+    event = w.event
+    assert (event.module, event.role) == ("experts.1", "output")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert diagnosis.rows == []
+    assert "in row 0" not in diagnosis.summary
+    assert not any("dim 0: its samples" in line for line in diagnosis.evidence)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_after_a_mixture_of_experts_block_are_still_the_samples(mode):
+    # The experts' results went back in place: an exp that overflows in sample 1 after the
+    # block still names row 1.
+    torch.manual_seed(0)
+    model = RoutedTokens()
+    with torch.no_grad():
+        model.experts[1].weight.fill_(0.1)
+    x = -torch.rand(2, 4, 8) - 0.1
+    x[1, 2, 3] = 30.0  # exp(30) passes float16's largest
+    with watch(model.half(), mode) as w:
+        model(x.half())
+    diagnosis = w.event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("overflow", [1])
+
+
 # ------------------------------------------------------- optimizers and optimizer wrappers
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("on_nan", ["raise", "record"])

@@ -142,3 +142,38 @@ def test_a_switch_expert_loaded_nan_and_idle_until_routed_to_is_not_blamed_on_a_
     assert "since before the watch began; batch 1 is the first to read the bad values" \
         in diagnosis.summary
     assert diagnosis.suggestion[0].startswith("It was non-finite before the first batch watched")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mixtral_experts_routed_tokens_are_not_told_as_the_batchs_samples(mode):
+    # Mixtral's eager experts loop runs each expert on the tokens routed to it. One that got
+    # 2 tokens (as many as the batch has samples) overflowed float16, and the diagnosis named
+    # rows of that gather as the batch's samples ("dim 0: its samples").
+    model = _mixtral()
+    model.set_experts_implementation("eager")
+    model = model.half().eval()
+    experts = model.model.layers[1].mlp.experts
+    counts = []
+    hook = experts.register_forward_hook(
+        lambda m, args, out: counts.append(torch.bincount(args[1].flatten(), minlength=4)))
+    with torch.no_grad():
+        for batch in range(30):
+            model(input_ids=_ids(batch)[:, :3])
+            if 2 in counts[-1].tolist():
+                break
+    hook.remove()
+    expert = counts[-1].tolist().index(2)
+    with torch.no_grad():
+        experts.down_proj[expert].mul_(1000.0)
+        experts.gate_up_proj[expert].mul_(1000.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        options = {"mode": "sentinel"} if mode == "sentinel" else {}
+        with nw.watch(model, on_nan="record", **options) as w, torch.no_grad():
+            model(input_ids=_ids(batch)[:, :3])
+    event = w.event
+    assert (event.module, event.role) == ("model.layers.1.mlp.experts", "output")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "overflow"
+    assert diagnosis.rows == []
+    assert not any("dim 0: its samples" in line for line in diagnosis.evidence)

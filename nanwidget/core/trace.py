@@ -66,7 +66,10 @@ class Trace:
     autograd node it ran in ("LogBackward0": the gradient of a log), else "".
     ``first_bad_reads_output``: for a first bad op of ``loss_fn``, whether it read the model's
     output or a tensor made from it (False: only the targets or other tensors ``loss_fn``
-    holds, as a box encoding's log of target widths); None for any other op. ``lineage``: the op indices the value went through, from its birth (or
+    holds, as a box encoding's log of target widths); None for any other op.
+    ``first_bad_picked_rows``: its output's rows are ones a gather picked or reordered (the
+    tokens a router sent an expert: ``x[idx]``, ``index_select``), so its dim 0 is not the
+    batch's samples. ``lineage``: the op indices the value went through, from its birth (or
     the first op that read it from outside) to the op that wrote the event's tensor.
     ``came_with``: ``(kind, name)`` of the non-finite tensors no op made that reached the
     event: "weight" (a parameter or buffer, by qualified name), "input" (the batch's input, by
@@ -101,6 +104,7 @@ class Trace:
     earlier_inf: pd.Series | None = None
     first_bad_grad_of: str = ""
     first_bad_reads_output: bool | None = None
+    first_bad_picked_rows: bool = False
     lineage: list[int] = field(default_factory=list)
     came_with: list[tuple[str, str]] = field(default_factory=list)
     inf_came_with: list[tuple[str, str]] = field(default_factory=list)

@@ -355,6 +355,8 @@ class OpFacts:
     # It made NaN of Infs that came with a tensor no traced op made, neither the batch's input
     # nor a weight: one computed before loss_fn ran (advantages from an Inf reward).
     inf_read: bool = False
+    # Its output's rows are ones a gather picked (an expert's routed tokens): not samples.
+    picked_rows: bool = False
 
     @property
     def in_loss(self) -> bool:
@@ -454,6 +456,7 @@ def op_facts(trace: Any) -> OpFacts | None:
                    grad_of=grad_of, grad_of_loss=_grad_of_loss(trace, first, grad_of),
                    forward_nan=_forward_nan(trace, first, grad_of),
                    reads_output=getattr(trace, "first_bad_reads_output", None),
+                   picked_rows=bool(getattr(trace, "first_bad_picked_rows", False)),
                    inf_read=bool(inf_kinds) and all(kind == "unknown" for kind in inf_kinds))
 
 

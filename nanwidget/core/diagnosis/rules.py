@@ -1893,7 +1893,7 @@ def _op_rows(facts: Facts, op: OpFacts) -> list[int]:
     """The batch's samples whose values the op made non-finite, when they can be told: an op
     of the forward (or of loss_fn) whose first non-finite output has the batch's samples
     along dim 0 (its size is the batch size the inputs tell: not a seq-first tensor, not
-    attention scores of batch x heads); else none."""
+    attention scores of batch x heads, not the tokens a router sent an expert); else none."""
     if (op.phase not in ("forward", "loss") or op.grad_of) and not _zero_over_zero(op):
         return []  # (a gradient's 0/0 divides the forward's values: the forward's shape)
     output = op.bad_output()
@@ -1904,6 +1904,8 @@ def _op_rows(facts: Facts, op: OpFacts) -> list[int]:
     if not isinstance(shape, (tuple, list)) or not shape or shape[0] != size \
             or not isinstance(rows, list):  # a recording made before the rows were kept
         return []
+    if op.picked_rows:
+        return []  # an expert's routed tokens: as many as the samples, by chance
     return [int(r) for r in rows]
 
 

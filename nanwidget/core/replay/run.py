@@ -278,6 +278,7 @@ def _explain(trace: Trace, recorder: OpRecorder, found: NanEvent | None,
     trace.earlier_inf = earlier
     trace.first_bad_grad_of = recorder.grad_nodes.get(born, "") if born is not None else ""
     trace.first_bad_reads_output = recorder.reads_output(born)
+    trace.first_bad_picked_rows = recorder.picks_rows(born)
     trace.lineage = lineage.path if lineage.followed else []
     trace.came_with = lineage.came_with
     trace.inf_came_with = lineage.inf_came_with

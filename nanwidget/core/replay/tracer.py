@@ -65,6 +65,50 @@ _SCALED_ACCUMULATE = frozenset({"addmm", "addbmm", "baddbmm", "addmv", "addr"})
 _HELD_BIRTH_BYTES = 64 << 20
 
 
+# Ops that pick rows by index (x[idx], x[mask], index_select: the tokens a router sends one
+# expert): dim 0 of what they make, and of what is made from it, is no longer the batch's
+# samples, until an op puts the rows back in place into a tensor that kept them.
+_GATHER_OPS = frozenset({"index", "index_select", "masked_select", "take", "gather"})
+_SCATTER_OPS = frozenset({"index_add", "index_copy", "index_put", "_index_put_impl", "scatter",
+                          "scatter_add", "scatter_reduce", "index_reduce", "masked_scatter",
+                          "index_fill", "masked_fill", "put"})
+
+
+def _picks_rows(name: str, args: tuple) -> bool:
+    """Whether gather op ``name`` picks or reorders its input's leading rows (dims of size 1
+    before the indexed one count as none): not every row in order, an index that is the
+    identity (``logits[torch.arange(n), labels]`` keeps the samples), nor a column pick."""
+    source = args[0] if args else None
+    if not isinstance(source, torch.Tensor):
+        return False
+    if name in ("masked_select", "take"):
+        return True
+    if name == "index":
+        indices = list(args[1]) if len(args) > 1 else []
+        dim = next((d for d, i in enumerate(indices) if i is not None), None)
+        index = indices[dim] if dim is not None else None
+    else:  # index_select / gather (input, dim, index)
+        dim = args[1] if len(args) > 2 and isinstance(args[1], int) else None
+        index = args[2] if len(args) > 2 else None
+    if dim is None or not isinstance(index, torch.Tensor) or dim < 0:
+        return False
+    if any(size != 1 for size in source.shape[:dim]):
+        return False  # a column or position pick: the rows stay the samples
+    if name == "index" and index.dim() > 1 and index.dtype != torch.bool:
+        return False  # a lookup (a table indexed by ids of shape batch x positions)
+    size = source.shape[dim] if dim < source.dim() else 0
+    try:
+        with torch.no_grad():
+            if index.dtype == torch.bool:
+                return not (index.dim() == 1 and bool(index.all()))
+            flat = index if index.dim() == 1 else index.flatten() if name != "gather" \
+                else index.select(1, 0) if index.dim() > 1 else index
+            return not (flat.numel() == size and torch.equal(
+                flat.cpu(), torch.arange(size, dtype=flat.dtype)))
+    except Exception:  # a subclass or layout that refuses: say picked (rows then go unnamed)
+        return True
+
+
 def storage_key(tensor: torch.Tensor) -> int | None:
     """The address of a tensor's storage: the same for every view of it; None without one."""
     try:
@@ -222,6 +266,10 @@ class OpRecorder:
         # op reading none computed only from the targets (or other tensors loss_fn holds).
         self.from_output: set[int] = set()
         self.read_output: set[int] = set()
+        # Storages of tensors whose rows a gather picked (an expert's routed tokens), and the
+        # ops (by index) that made one: their dim 0 is not the batch's samples.
+        self.picked_rows: set[int] = set()
+        self.picked_ops: set[int] = set()
 
     # -- module hooks
     def enter_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -253,6 +301,8 @@ class OpRecorder:
         if self.recomputing:
             self.recomputing -= 1
             return
+        if self.picked_rows:
+            self._rows_back_in_place(args, kwargs, output)
         info = self.infos.get(id(module))
         if info is None:
             return
@@ -369,6 +419,8 @@ class OpRecorder:
             self.to_tag.append((tensors, (module, module_type, source)))
         name = func.overloadpacket.__name__
         reads_output = phase == "loss" and self._reads_output(name, args, kwargs, tensors)
+        picked = node is None and (name in _GATHER_OPS or bool(self.picked_rows)) \
+            and self._picks_rows(name, args, kwargs, tensors)
         if name in _UNMEASURED_OPS or func.is_view:
             # Nothing computed (views, detach) or nothing defined (empty) to measure; a copy
             # carries its input's lineage into its new storage.
@@ -395,6 +447,8 @@ class OpRecorder:
         index = len(self.rows)
         if reads_output:
             self.read_output.add(index)
+        if picked:
+            self.picked_ops.add(index)
         self.rows.append((index, phase, name, str(func), module, module_type,
                           str(first.dtype).replace("torch.", "") if first is not None else "",
                           () if first is None else nested_shape(first) if first.is_nested
@@ -435,6 +489,46 @@ class OpRecorder:
                 if key is not None:
                     derived.add(key)
         return reads
+
+    def _picks_rows(self, name: str, args: tuple, kwargs: dict,
+                    outputs: list[torch.Tensor]) -> bool:
+        """Whether op ``name`` makes rows a gather picked (it is such a gather, or reads what
+        one made, and does not put them back in place: ``index_add_`` into a tensor of the
+        batch's rows); its outputs' storages are marked so, or unmarked (a storage reused)."""
+        base = name.rstrip("_")
+        if base in _SCATTER_OPS:  # its output keeps the rows of its input (self)
+            picked = bool(args) and isinstance(args[0], torch.Tensor) \
+                and storage_key(args[0]) in self.picked_rows
+        elif name in _GATHER_OPS and _picks_rows(name, args):
+            picked = True
+        else:  # made from picked rows that keep their place in it (not broadcast into it)
+            shapes = {(t.dim(), t.shape[0]) for t in outputs if t.dim()}
+            picked = bool(self.picked_rows) and any(
+                storage_key(t) in self.picked_rows and (t.dim(), t.shape[:1].numel()) in shapes
+                for v in list(args) + list(kwargs.values()) for t in tensors_in(v) if t.dim())
+        for tensor in outputs:
+            key = storage_key(tensor)
+            if key is None:
+                continue
+            if picked:
+                self.picked_rows.add(key)
+            else:
+                self.picked_rows.discard(key)
+        return picked
+
+    def _rows_back_in_place(self, args: tuple, kwargs: dict, output: Any) -> None:
+        """A module given rows as the batch has them returns them so (a mixture of experts'
+        block gathers each expert's tokens and puts the results back in place, also through a
+        sort and its inverse): its outputs are no picked rows."""
+        if any(storage_key(t) in self.picked_rows for v in list(args) + list(kwargs.values())
+               for t in tensors_in(v)):
+            return
+        for tensor in tensors_in(output):
+            self.picked_rows.discard(storage_key(tensor))
+
+    def picks_rows(self, index: int | None) -> bool:
+        """Whether op ``index`` made rows a gather picked (dim 0: not the batch's samples)."""
+        return index is not None and index in self.picked_ops
 
     def reads_output(self, index: int | None) -> bool | None:
         """Whether loss op ``index`` read the model's output or a tensor loss_fn made from it
