@@ -496,10 +496,17 @@ class OpRecorder:
         one made, and does not put them back in place: ``index_add_`` into a tensor of the
         batch's rows); its outputs' storages are marked so, or unmarked (a storage reused)."""
         base = name.rstrip("_")
+        gathers = False
+        if name in _GATHER_OPS:
+            paused, self.paused = self.paused, True  # its index read is none of the model's ops
+            try:
+                gathers = _picks_rows(name, args)
+            finally:
+                self.paused = paused
         if base in _SCATTER_OPS:  # its output keeps the rows of its input (self)
             picked = bool(args) and isinstance(args[0], torch.Tensor) \
                 and storage_key(args[0]) in self.picked_rows
-        elif name in _GATHER_OPS and _picks_rows(name, args):
+        elif gathers:
             picked = True
         else:  # made from picked rows that keep their place in it (not broadcast into it)
             shapes = {(t.dim(), t.shape[0]) for t in outputs if t.dim()}
