@@ -1096,10 +1096,84 @@ def test_a_nan_met_in_a_generation_step_is_replayed_to_the_module_full_mode_name
 def test_a_nan_in_a_generation_step_that_cannot_be_replayed_says_why():
     # A static cache the decoder writes in place at every step: a replay would start from the
     # cache as the later steps left it, so the event is what the check saw, and says so.
+    # The NaN weight is there to read at event time: the event names it (it named the
+    # decoder's output), as full mode does, and the diagnosis is full mode's.
+    full, _, _ = _generating("full", steps=4, nan_at=2, static=True)
     w, _, _ = _generating("sentinel", steps=4, nan_at=2, static=True)
     event = w.event
-    assert (event.batch, event.module, event.role, event.origin) == (3, "decoder", "output[0]",
-                                                                     "output")
+    assert (event.batch, event.module, event.role, event.origin, event.kind) == \
+        (3, "decoder.mix", "weight", "weight", "nan")
+    assert (event.module, event.role, event.origin) == \
+        (full.event.module, full.event.role, full.event.origin)
     assert event.trace is None
     assert event.note.startswith("not replayed: cannot replay batch 3: its kwarg:slots")
     assert "modified in place by the model's own forward while the batch ran" in event.note
+    assert event.diagnosis.kind == full.event.diagnosis.kind == "corrupted-weight"
+    assert event.diagnosis.summary == full.event.diagnosis.summary
+    # The NaN stays in the weight: the later steps repeat that event without a replay.
+    assert w.events[1].note.startswith("not replayed: the weight decoder.mix.weight found "
+                                       "non-finite in batch 3 still is")
+
+
+class ScaledNet(nn.Module):
+    """Linear, BatchNorm (running stats: buffers its forward writes), Linear; its input is
+    only scaled by a number before the first layer, so autograd keeps no reference to it
+    and the caller may change it in place before the backward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.fc(x * 2.0))))
+
+
+def _changed_after_the_forward(monkeypatch, nan_in: str) -> tuple[Any, Any]:
+    """Two training batches of a ScaledNet in sentinel mode, batch 1's outputs read only at
+    the end of its backward pass (as on a GPU), each input changed in place between the
+    forward and the backward pass (as a loop reusing its buffer may): (the first event, the
+    model). ``nan_in``: "weight"
+    (head.weight made NaN before batch 1) or "input" (a NaN in batch 1's input)."""
+    monkeypatch.setattr(native, "available", lambda: False)  # the device path, as on a GPU
+    torch.manual_seed(0)
+    model = ScaledNet()
+    xs = list(torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(1)))
+    if nan_in == "input":
+        xs[1][2, 1] = float("nan")
+    with nw.watch(model, mode="sentinel", backward=True, on_nan="record") as w:
+        w.parts.sentinel.defer_reads = "always"
+        for batch, x in enumerate(xs):
+            if batch == 1 and nan_in == "weight":
+                with torch.no_grad():
+                    model.head.weight[1, 3] = float("nan")
+            out = model(x)
+            x.mul_(0.5)  # its buffer reused before the backward pass: the read sees this
+            out.square().mean().backward()
+    assert w.events
+    return w.events[0], model
+
+
+def test_a_nan_weight_is_named_when_its_batch_cannot_be_replayed(monkeypatch):
+    event, _ = _changed_after_the_forward(monkeypatch, "weight")
+    assert (event.batch, event.module, event.role, event.origin, event.kind) == \
+        (1, "head", "weight", "weight", "nan")
+    assert event.note.startswith("not replayed: cannot replay batch 1: its input[0]")
+    assert "modified in place after the batch ran" in event.note
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert diagnosis.summary.startswith("'head.weight' became NaN between batch 0 and batch 1")
+    # No replay ran: nothing claims the op or the line that made it.
+    told = " ".join([diagnosis.summary, *diagnosis.evidence, *diagnosis.suggestion])
+    assert " op " not in told and "line" not in told and event.trace is None
+
+
+def test_a_batch_that_cannot_be_replayed_with_finite_weights_names_the_output(monkeypatch):
+    # A NaN input: the forward wrote it into BatchNorm's running stats (buffers), which are
+    # no cause of it; the event stays what the check saw, the model's output.
+    event, model = _changed_after_the_forward(monkeypatch, "input")
+    assert not model.norm.running_mean.isfinite().all()
+    assert all(p.isfinite().all() for p in model.parameters())
+    assert (event.batch, event.module, event.role, event.origin) == (1, "", "output", "output")
+    assert event.note.startswith("not replayed: cannot replay batch 1: its input[0]")

@@ -949,12 +949,17 @@ class Sentinel(Feature):
                              f"{self._forward_since} still is (that event has the frames and "
                              "the trace)")
 
-    def _first_nonfinite_weight(self, written: set[str]) -> tuple[Any, Entry] | None:
-        """The first module (in the model's order) holding a NaN/Inf weight, and that weight's
-        entry; one of ``written`` (qualified names: buffers, weights the forward wrote) only
-        when no other is (at event time only: it reads every weight)."""
+    def _first_nonfinite_weight(self, written: set[str], under: str = ""
+                                ) -> tuple[Any, Entry] | None:
+        """The first module (in the model's order; ``under``: of that module's, when not the
+        root) holding a NaN/Inf weight, and that weight's entry; one of ``written`` (qualified
+        names: buffers, weights the forward wrote) only when no other is (at event time only:
+        it reads every weight)."""
         first_written = None
+        inside = f"{under}."
         for info in self.recorder.modules:
+            if under and info.name != under and not info.name.startswith(inside):
+                continue  # not called in the batch (a generation step calls the wrapped model)
             for entry in self.recorder.weights_now(info.name) or ():
                 if entry.stats is not None and (entry.stats.nan or entry.stats.inf):
                     name = f"{info.name}.{entry.role}" if info.name else entry.role
@@ -1112,8 +1117,36 @@ class Sentinel(Feature):
                         frames=frames_to_dataframe(window), rank=self.recorder.rank,
                         frame=index, note=note)
 
+    def _written_by(self, batch: int, forward: int) -> set[str]:
+        """The parameters and buffers (qualified names) that root forward ``forward`` of
+        ``batch`` may have written: every buffer (BatchNorm's running stats are written by a
+        fused op that moves no version counter), and the parameters whose version moved since
+        it began (when it is still held: else none, as a forward rarely writes one)."""
+        slots = self.capture.slots
+        held = self.capture.held.get(batch)
+        versions = held.forwards[forward].weight_versions \
+            if held is not None and forward < len(held.forwards) else None
+        if versions is None:
+            return {name for name, is_buffer in zip(slots.names, slots.is_buffer) if is_buffer}
+        return {name for name, tensor, version, is_buffer in zip(
+                    slots.names, slots.read(), versions, slots.is_buffer)
+                if is_buffer or (tensor is not None and version_of(tensor) != version)}
+
     def _unreplayed(self, batch: int, forward: int, bad: list[BadTensor], note: str) -> NanEvent:
+        """The event of a forward whose outputs held a NaN/Inf and whose batch was not
+        replayed (``note`` says why): the first weight holding a NaN/Inf now, the cause a
+        replay would have named, as full mode names it; else the root's output, where the
+        check saw it. A weight the forward may have written (a buffer, as BatchNorm's running
+        stats take a NaN input's mean; a parameter whose version moved) is no such cause."""
         root = self._entry_of(batch, forward)
+        written = self._written_by(batch, forward)
+        weight = self._first_nonfinite_weight(written, root.name)  # a written one: no other
+        info, entry = weight if weight is not None else (None, None)
+        if entry is not None and (f"{info.name}.{entry.role}" if info.name else entry.role) \
+                not in written:
+            return NanEvent(batch=batch, module=info.name, module_type=info.type_name, call=0,
+                            role=entry.role, kind=event_kind(entry.stats.nan, entry.stats.inf),
+                            origin="weight", rank=self.recorder.rank, note=note)
         first = bad[0]
         return NanEvent(batch=batch, module=root.name, module_type=root.type_name, call=forward,
                         role=first.label, kind=first.kind, origin="output",
