@@ -139,5 +139,10 @@ def test_a_nan_in_peft_generate_with_a_static_cache_says_why_it_is_not_replayed(
             _down_proj(model).weight[0, 0] = float("nan")
         _generate(model, ids, cache_implementation="static")
     event = w.event
-    assert (event.batch, event.module, event.origin) == (0, "base_model.model", "output")
+    # Not replayed, but the NaN weight is there to read: the event names it, as full mode
+    # does (it named base_model.model's output), and says why the step was not replayed.
+    assert (event.batch, event.module, event.role, event.origin) == \
+        (0, "base_model.model.model.layers.1.mlp.down_proj", "weight", "weight")
+    assert event.note.startswith("not replayed: cannot replay batch 0")
     assert "modified in place by the model's own forward while the batch ran" in event.note
+    assert event.trace is None and event.diagnosis.kind == "corrupted-weight"
