@@ -209,6 +209,27 @@ def test_fsdp2_in_sentinel_mode_stops_every_rank_before_the_step_without_a_repla
 
 
 @pytest.mark.slow
+def test_fsdp2_sentinel_names_the_weight_on_the_rank_whose_shard_holds_the_nan():
+    # No replay under FSDP2: the event was the model's output on both ranks. Rank 1's own
+    # shard of fc2.weight holds the NaN, read at event time: its event names that weight.
+    finished = _torchrun(["-m", "nanwidget.examples.fsdp_nan", "--mode", "sentinel",
+                          "--nan-rank", "1", "--nan-batch", "3"])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert "internal error" not in finished.stderr
+    results = _results(finished.stdout)
+    for rank in (0, 1):
+        assert (results[rank]["stopped_at"], results[rank]["last_step"]) == (3, 2)
+        assert "not replayed: cannot replay a model sharded with FSDP2" in \
+            results[rank]["message"]
+    assert (results[1]["module"], results[1]["role"], results[1]["origin"]) == (
+        "fc2", "weight", "weight")
+    assert results[1]["diagnosis"] == "corrupted-weight", results[1]["summary"]
+    # Rank 0's shard is finite (the gathered weight is freed after the forward): its event
+    # stays what its check saw.
+    assert (results[0]["module"], results[0]["origin"]) == ("", "output")
+
+
+@pytest.mark.slow
 def test_fsdp2_sentinel_blames_a_nan_made_in_the_loss_on_the_loss_without_a_replay():
     # Rank 1 adds sqrt(-1) to its loss: its outputs were finite and the gradient they received
     # NaN. No replay under FSDP2, but the sentinel held that gradient: the event is the
