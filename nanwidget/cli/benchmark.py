@@ -108,37 +108,39 @@ class Case:
     module_calls: int = 0  # module forward calls per step (what full mode hooks)
 
 
-def _mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Tensor], str]:
+def _mlp(device: str = "cpu") -> tuple[nn.Module, tuple[torch.Tensor, ...],
+                                      Callable[..., torch.Tensor], str]:
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                           nn.Linear(256, 10))
     x = torch.randn(64, 64)
-    y = torch.randint(0, 10, (64,))
+    y = torch.randint(0, 10, (64,)).to(device)  # the loss's targets, on the model's device
     return model, (x,), lambda out: nn.functional.cross_entropy(out, y), \
         "MLP 64->256->256->10, batch 64, cross-entropy"
 
 
-def _transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Tensor], str]:
+def _transformer(device: str = "cpu") -> tuple[nn.Module, tuple[torch.Tensor, ...],
+                                              Callable[..., torch.Tensor], str]:
     layer = nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=512, batch_first=True)
     model = nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
     x = torch.randn(8, 64, 128)
-    target = torch.randn(8, 64, 128)
+    target = torch.randn(8, 64, 128).to(device)
     return model, (x,), lambda out: nn.functional.mse_loss(out, target), \
         "nn.TransformerEncoder 4 layers, d_model 128, nhead 4, ffn 512, batch 8x64, MSE"
 
 
-def _gpt2(vocab_size: int | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...],
-                                                   Callable[..., torch.Tensor], str]:
+def _gpt2(device: str = "cpu", vocab_size: int | None = None
+          ) -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Tensor], str]:
     from transformers import GPT2Config, GPT2LMHeadModel
     small = {} if vocab_size is None else {"vocab_size": vocab_size, "bos_token_id": vocab_size - 1,
                                            "eos_token_id": vocab_size - 1}
     config = GPT2Config(n_layer=4, n_embd=128, n_head=4, **small)
     model = GPT2LMHeadModel(config)  # random weights, nothing downloaded
     tokens = torch.randint(0, config.vocab_size, GPT2_INPUT)
+    targets = tokens[:, 1:].reshape(-1).to(device)
 
     def loss(out: Any) -> torch.Tensor:
         logits = out.logits[:, :-1]
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                           tokens[:, 1:].reshape(-1))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
 
     return model, (tokens,), loss, (f"GPT-2 (n_layer 4, n_embd 128, n_head 4, vocab "
                                     f"{config.vocab_size}, random weights), tokens "
@@ -146,7 +148,8 @@ def _gpt2(vocab_size: int | None = None) -> tuple[nn.Module, tuple[torch.Tensor,
 
 
 _BUILDERS = {"mlp": _mlp, "transformer": _transformer,
-             "gpt2-small": lambda: _gpt2(vocab_size=GPT2_SMALL_VOCAB), "gpt2": _gpt2,
+             "gpt2-small": lambda device="cpu": _gpt2(device, vocab_size=GPT2_SMALL_VOCAB),
+             "gpt2": _gpt2,
              "gpt2-compiled": _gpt2}
 
 
@@ -154,7 +157,7 @@ def build_case(model_name: str, mode: str, device: str = "cpu", seed: int = 0) -
     """Build the seeded model and the closure of one forward or train step (a compiled
     model compiles on its first steps, which the harness runs before timing anything)."""
     torch.manual_seed(seed)
-    model, inputs, loss_fn, description = _BUILDERS[model_name]()
+    model, inputs, loss_fn, description = _BUILDERS[model_name](device)
     model.to(device)
     module_calls = _module_calls(model, tuple(t.to(device) for t in inputs))
     if model_name in COMPILED_MODELS:
