@@ -603,22 +603,26 @@ def _resolve(queued: list[_Queued]) -> None:
     needs_look: list[_Queued] = []
     both_signs: list[_Queued] = []  # integers holding both signs
     for items in by_device.values():
-        # float64 [low, high] per item (bit patterns viewed as their dtype), then the eager
-        # second looks: one tensor, one host copy.
+        # float64 lows then highs per dtype (bit patterns viewed as their dtype), then the eager
+        # second looks: one tensor, one host copy. One stack per dtype, not one per tensor: on
+        # a GPU each op costs a launch, and a batch may hold hundreds of tensors.
         groups: dict[torch.dtype | None, list[_Queued]] = {}
         for item in items:
             groups.setdefault(item.dtype, []).append(item)
-        parts, order = [], []
+        parts, slots = [], []
+        offset = 0
         for dtype, members in groups.items():
-            pairs = torch.stack([torch.stack((m.low, m.high)) for m in members])
-            parts.append((pairs if dtype is None else pairs.view(dtype)).double().reshape(-1))
-            order.extend(members)
+            count = len(members)
+            stacked = torch.stack([m.low for m in members] + [m.high for m in members])
+            parts.append((stacked if dtype is None else stacked.view(dtype)).double())
+            slots.extend((m, offset + n, offset + count + n) for n, m in enumerate(members))
+            offset += 2 * count
         # An integer's extra (its smallest |x|) is read below, with the other integers'.
         extras = [item for item in items if item.extra is not None and item.dtype is not None]
         parts.extend(item.extra for item in extras)
-        values = torch.cat(parts).tolist()  # the batch's one host copy for this device
-        for slot, item in enumerate(order):
-            low, high = values[2 * slot], values[2 * slot + 1]
+        values = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()  # the one host copy
+        for item, low_slot, high_slot in slots:
+            low, high = values[low_slot], values[high_slot]
             stats = item.stats
             if item.dtype is None:  # integers: magnitudes from the signed range
                 if low < 0 < high:  # both signs: the smallest |x| is read below
@@ -634,7 +638,6 @@ def _resolve(queued: list[_Queued]) -> None:
             else:
                 stats.abs_min, stats.abs_max = low, high  # finished below
                 needs_look.append(item)
-        offset = 2 * len(order)
         for number, item in enumerate(extras):
             item.extra = values[offset + 3 * number: offset + 3 * number + 3]  # type: ignore[assignment]
     if both_signs:

@@ -190,9 +190,9 @@ class NonFiniteCheck:
             parts.append(device_numbers([t for _, _, t in members], dtype,
                                         fused=fused and device.type != "cpu"))
             self.pending.extend(members)
-        if len(parts) > 1:
+        if len(parts) > 1:  # several devices or dtypes: one float64 tensor on the first device
             target = parts[0].device
-            parts = [p.to(target, non_blocking=True) for p in parts]
+            parts = [p.to(target, dtype=torch.float64, non_blocking=True) for p in parts]
         self.numbers = parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @property
@@ -247,11 +247,13 @@ _NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def device_numbers(tensors: list[torch.Tensor], dtype: torch.dtype, *, fused: bool) -> torch.Tensor:
-    """One float64 number per tensor (all of ``dtype``, on one device), computed where they
-    lie: non-finite whenever the tensor holds a NaN or an Inf. ``fused``: L2 norms by one
-    ``torch._foreach_norm`` (non-finite, rarely, also when finite values overflow the
-    accumulation); else each tensor's largest |x| (its infinity norm: a max keeps a NaN, and
-    never overflows)."""
+    """One number per tensor (all of ``dtype``, on one device), computed where they lie, as
+    a 1-D tensor of a float dtype: non-finite whenever the tensor holds a NaN or an Inf.
+    ``fused``: L2 norms by one ``torch._foreach_norm`` (non-finite, rarely, also when finite
+    values overflow the accumulation); else each tensor's largest |x| (its infinity norm: a
+    max keeps a NaN, and never overflows, so it is exact in the tensor's own dtype). A single
+    tensor's number is a view of its norm: on a GPU every op costs a launch, and the sentinel
+    checks one output per batch."""
     if fused and dtype in _NORM_DTYPES:
         numbers = torch._foreach_norm(tensors, 2, dtype=_accumulator(dtype))
     else:
@@ -259,7 +261,7 @@ def device_numbers(tensors: list[torch.Tensor], dtype: torch.dtype, *, fused: bo
             tensors = [t.float() for t in tensors]
         numbers = [torch.linalg.vector_norm(t, math.inf) if t.numel() else t.new_zeros(())
                    for t in tensors]
-    return torch.stack(numbers).double()
+    return numbers[0].reshape(1) if len(numbers) == 1 else torch.stack(numbers)
 
 
 def _has_inf(tensor: torch.Tensor) -> bool:
