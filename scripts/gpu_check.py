@@ -142,5 +142,49 @@ for name, kw in (("full", {}), ("sentinel", {"mode": "sentinel"})):
     ok = e is not None and e.module == "2" and d is not None and d.kind == "overflow"
     check(f"float16 overflow in module 2, {name}: overflow", ok, (d.summary if d else "no event"))
 
+# The everyday GPU stack: float16 autocast, a GradScaler (its first steps overflow float16 at
+# the initial scale and are skipped, by design: no event) and the fused AdamW the HF Trainer
+# uses by default. Results bit-identical with and without each watch; then a weight written NaN.
+def amp_run(watch_kw, steps=12, plant_at=None):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler(dev)
+    w = nw.watch(model, on_nan="record", grad_scaler=scaler, **watch_kw) \
+        if watch_kw is not None else None
+    losses, scales = [], []
+    for i, (x, y) in enumerate(batches("mlp", steps)):
+        if i == plant_at:
+            with torch.no_grad():
+                model[4].weight[1, 2] = float("nan")
+        with torch.autocast(dev, dtype=torch.float16 if CUDA else torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.detach().float().clone())
+        scales.append(scaler.get_scale())
+    weights = [p.detach().clone() for p in model.parameters()]
+    events = list(w.events) if w is not None else []
+    if w is not None:
+        w.close()
+    return losses + weights, scales, events
+
+
+base_amp, base_scales, _ = amp_run(None)
+for name, kw in MODES.items():
+    rec, scales, events = amp_run(kw)
+    same = all(torch.equal(a, b) for a, b in zip(rec, base_amp))
+    check(f"AMP + GradScaler + fused AdamW, {name}: bit-identical, no event", same and not events,
+          f"events {len(events)}, scales {scales[:4]}... (unwatched {base_scales[:4]}...)")
+for name, kw in (("full", {}), ("sentinel", {"mode": "sentinel"})):
+    _, _, events = amp_run(kw, plant_at=6)
+    e = events[0] if events else None
+    ok = e is not None and e.batch == 6 and e.module == "4" and e.origin == "weight" \
+        and e.diagnosis is not None and e.diagnosis.kind == "corrupted-weight"
+    check(f"AMP, weight written NaN before step 6, {name}: corrupted-weight at module 4", ok,
+          (e.summary() + " / " + e.diagnosis.summary) if e is not None and e.diagnosis else
+          "no event")
+
 print(f"{sum(ok for _, ok in results)}/{len(results)} passed", flush=True)
 sys.exit(0 if all(ok for _, ok in results) else 1)
