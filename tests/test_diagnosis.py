@@ -80,6 +80,36 @@ def test_exp_of_a_large_value_overflows_float32(mode):
     assert not any("compounded" in line for line in diagnosis.evidence + diagnosis.suggestion)
 
 
+class LearnedTemperature(nn.Module):
+    """Cosine similarities scaled by exp of a learned log-scale, as CLIP's logits are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.log_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = nn.functional.normalize(self.proj(x), dim=-1)
+        return self.log_scale.exp() * z @ z.t()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_exp_of_a_learned_log_scale_names_it_and_its_clamp(mode):
+    # exp read a parameter: it read "exp of values up to 92" with a clamp of the op's argument
+    # and logsumexp, not the parameter to clamp after each step.
+    model = LearnedTemperature()
+    with watch(model, mode) as w:
+        model(torch.randn(3, 4))
+        with torch.no_grad():
+            model.log_scale.fill_(92.0)  # grown without CLIP's clamp
+        model(torch.randn(3, 4))
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow" and "exp of the model's 'log_scale', now 92" in diagnosis.summary
+    assert diagnosis.evidence[0].startswith("exp read the model's 'log_scale' itself (92)")
+    assert "model.log_scale.clamp_(0, math.log(100))" in diagnosis.suggestion[0]
+    assert not any("logsumexp" in fix for fix in diagnosis.suggestion)  # one value: no sum
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_gpt2_whose_feed_forward_weights_were_scaled_up_overflows_float32(mode):
     transformers = pytest.importorskip("transformers")
@@ -4005,7 +4035,9 @@ def test_an_exp_overflow_is_told_a_clamp_below_log_of_the_largest():
         model(x)
     diagnosis = w.event.diagnosis
     assert diagnosis.kind == "overflow" and w.event.trace.first_bad["op"] == "exp"
-    assert "torch.exp(x.clamp(max=80))" in diagnosis.suggestion[0]
+    # First the clamp of the learned log-scale itself (test_exp_of_a_learned_log_scale_...)
+    assert "model.logit_scale.clamp_(0, math.log(100))" in diagnosis.suggestion[0]
+    assert "torch.exp(x.clamp(max=80))" in diagnosis.suggestion[1]
     assert not any("clamp(-1e4, 1e4)" in fix for fix in diagnosis.suggestion)
     fixed = _ScaledLogits(100.0, clamp=80.0)
     fixed.load_state_dict(model.state_dict())

@@ -32,9 +32,10 @@ def not_through_outputs(batch: int) -> str:
 # The first bad op's inputs and outputs, described (signed finite range, non-finite counts).
 # Of its Inf: how many are +inf, and how many rows (along a softmax's dim, else the last) are all
 # -inf; of an output, the indices along dim 0 holding a NaN/Inf (recordings made before these
-# were kept lack them: read as unknown).
+# were kept lack them: read as unknown). ``weight``: the qualified name of the model's parameter
+# or buffer an input is (or a view of), else NaN.
 TENSOR_COLUMNS = ["role", "dtype", "shape", "numel", "min", "max", "nan_count", "inf_count",
-                  "pos_inf_count", "neg_inf_rows", "nonfinite_rows"]
+                  "pos_inf_count", "neg_inf_rows", "nonfinite_rows", "weight"]
 TENSOR_COLUMNS_REQUIRED = TENSOR_COLUMNS[:8]
 
 

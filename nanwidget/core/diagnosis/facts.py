@@ -415,6 +415,16 @@ class OpFacts:
                     largest = abs(float(value))
         return largest
 
+    def input_weight(self) -> tuple[str, float] | None:
+        """(qualified name, largest |value|) of the first of the op's inputs that is a
+        parameter or buffer of the model (CLIP's logit_scale read by exp), or None."""
+        for row in self.inputs:
+            name = row.get("weight")
+            if isinstance(name, str) and name:
+                values = [abs(float(row.get(k, math.nan))) for k in ("min", "max")]
+                return name, max((v for v in values if v == v), default=math.nan)
+        return None
+
     def inputs_hold_inf(self) -> bool:
         return any(int(row.get("inf_count", 0) or 0) for row in self.inputs)
 

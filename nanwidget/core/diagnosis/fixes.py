@@ -94,6 +94,17 @@ def overflow(module: str, dtype: str, at: str, op: str,
     return fixes
 
 
+def learned_log_scale(name: str) -> list[str]:
+    """The fix of an exp that overflowed on a learned log-scale (CLIP's logit_scale)."""
+    parts = name.split(".")
+    held = (f"model.{name}" if all(p.isidentifier() for p in parts)
+            else f"model.get_parameter('{name}')")
+    return [f"Keep the learned '{name}' in range, as CLIP does: after each optimizer step, "
+            f"with torch.no_grad(): {held}.clamp_(0, math.log(100)) (its exp then stays at "
+            f"most 100); in a forward of your own, clamp it where it is used: "
+            f"{parts[-1]}.clamp(max=math.log(100)).exp()."]
+
+
 def _float8_overflow(dtype: str, at: str, op: str) -> list[str]:
     """A float8 format's own limits: values are scaled into them before the cast, as float8
     training recipes do, or clamped to its largest (past it: NaN, or inf in float8_e5m2)."""

@@ -531,7 +531,10 @@ def _overflow_reason(op: OpFacts) -> tuple[str, str] | None:
                 f"{op.dtype}'s largest value ({limit:.5g})", "high")
     largest = op.largest_input()
     if op.name in _EXP_OPS and largest > math.log(limit):
-        return (f"{op.name} of values up to {_g(largest)}: above {_g(math.log(limit))} it passes "
+        learned = _exponentiated_weight(op)
+        what = (f"the model's '{learned}', now {_g(largest)}" if learned
+                else f"values up to {_g(largest)}")
+        return (f"{op.name} of {what}: above {_g(math.log(limit))} it passes "
                 f"{op.dtype}'s largest value ({limit:.5g})", "high")
     if op.inf:
         sure = "high" if largest >= math.sqrt(limit) else "medium"
@@ -540,6 +543,29 @@ def _overflow_reason(op: OpFacts) -> tuple[str, str] | None:
         return (f"its inputs reached {_g(largest)}, so a square or a sum inside it passed "
                 f"{op.dtype}'s largest value ({limit:.5g}) and became NaN", "high")
     return None
+
+
+def _exponentiated_weight(op: OpFacts) -> str:
+    """The qualified name of the parameter or buffer an exp-like op overflowed on directly
+    (a learned log-scale: CLIP's logit_scale.exp()), or ""."""
+    if op.name not in _EXP_OPS:
+        return ""
+    found = op.input_weight()
+    return found[0] if found is not None and found[1] > math.log(op.limit) else ""
+
+
+def _learned_scale(op: OpFacts, evidence: list[str], suggestion: list[str]) -> list[str]:
+    """``suggestion`` led by the clamp of the learned log-scale ``op`` exponentiated (an
+    evidence line added), when it did."""
+    learned = _exponentiated_weight(op)
+    if not learned:
+        return suggestion
+    value = op.input_weight()[1]
+    evidence.insert(0, f"{op.op} read the model's '{learned}' itself ({_g(value)}): a learned "
+                       f"log-scale, whose {op.op} passes {op.dtype}'s largest value once it "
+                       f"grows past {_g(math.log(op.limit))}.")
+    return fixes.learned_log_scale(learned) + [  # exp of one learned value: no sum to steady
+        line for line in suggestion if not line.startswith("Use a stable form")]
 
 
 def _overflow_beside_mask(op: OpFacts) -> tuple[str, str] | None:
@@ -2030,7 +2056,8 @@ def _from_op(facts: Facts) -> Diagnosis | None:
             "divergence",
             f"Training diverged: the weights grew {grew.per_batch:.3g}x per batch since batch "
             f"{grew.start[0]}, until {op.op} {op.place}{op.at} overflowed at batch "
-            f"{event.batch}{in_rows} ({reason}).", evidence, fixes.divergence(op.dtype),
+            f"{event.batch}{in_rows} ({reason}).", evidence,
+            _learned_scale(op, evidence, fixes.divergence(op.dtype)),
             rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
     evidence = evidence + _activation_lines(facts, modules)
     evidence.extend(_no_history(facts))
@@ -2052,6 +2079,7 @@ def _from_op(facts: Facts) -> Diagnosis | None:
         # Its fixes only: the op's (a stable form of its sum, scaled attention scores) are for
         # an op of the forward, not autograd's sum of a weight's gradient over the batch.
         suggestion = weight.suggestion
+    suggestion = _learned_scale(op, evidence, suggestion)
     return Diagnosis("overflow", f"{op.op} {op.place}{op.at} overflowed {op.dtype}{in_rows}: "
                                  f"{reason}.", evidence, suggestion,
                      rows=_samples_at_fault(rows, facts.batch_size()), confidence=confidence)

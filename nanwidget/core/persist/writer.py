@@ -100,7 +100,8 @@ def trace_fields(trace: Trace) -> dict[str, Any]:
         "first_bad": None if first is None else int(first["index"]),
         "earlier_inf": None if earlier is None else int(earlier["index"]),
         "first_bad_tensors": [
-            {k: (list(v) if isinstance(v, tuple) else v) for k, v in row.items()}
+            {k: (list(v) if isinstance(v, tuple) else v) for k, v in row.items()
+             if k != "weight" or isinstance(v, str)}  # no weight named: left out
             for row in trace.first_bad_tensors.to_dict("records")],
         "weights_changed": bool(trace.weights_changed),
         "changed_weights": [str(n) for n in trace.changed_weights],

@@ -668,8 +668,9 @@ class OpRecorder:
             self.births[index] = (func, args, kwargs, list(outputs),
                                   _versions_after(func, args, kwargs, outputs), written)
         else:
-            self.births[index] = _as_read_before_write(
-                self._describe_paused(func, args, kwargs, outputs), func, written)
+            self.births[index] = _as_read_before_write(self._name_weights(
+                self._describe_paused(func, args, kwargs, outputs),
+                _described_tensors(func, args, kwargs, outputs)), func, written)
 
     def _describe_paused(self, func: Any, args: tuple, kwargs: dict,
                          outputs: list[torch.Tensor]) -> list[dict]:
@@ -691,8 +692,20 @@ class OpRecorder:
             for row, then, later in zip(described, versions, now):
                 if later > then:  # written in place after the op: say so
                     row["role"] += " (written in place since)"
+            self._name_weights(described, _described_tensors(func, args, kwargs, outputs))
             held = self.births[index] = _as_read_before_write(described, func, written)
         return held
+
+    def _name_weights(self, described: list[dict], tensors: list[torch.Tensor]) -> list[dict]:
+        """``described`` (rows of ``tensors``, in order) with ``weight`` set on each input that
+        is a parameter or buffer of the model (or a view of one: its qualified name), so that
+        a diagnosis can name it (exp of a learned logit_scale)."""
+        for row, tensor in zip(described, tensors):
+            key = storage_key(tensor) if row["role"].startswith("input") else None
+            source = self.source_names.get(key) if key is not None else None
+            if source is not None and source[0] == "weight":
+                row["weight"] = source[1]
+        return described
 
     def _frame_tensor(self, tensor: torch.Tensor, stats: TensorStats) -> None:
         if id(stats) not in self.frame_tensors:
