@@ -1177,3 +1177,50 @@ def test_a_batch_that_cannot_be_replayed_with_finite_weights_names_the_output(mo
     assert all(p.isfinite().all() for p in model.parameters())
     assert (event.batch, event.module, event.role, event.origin) == (1, "", "output", "output")
     assert event.note.startswith("not replayed: cannot replay batch 1: its input[0]")
+
+
+
+
+class _EncodedOnce(nn.Module):
+    """An encoder-decoder whose encoder the caller runs once, outside the forward, and whose
+    forward takes its output (what generate() does with BART's encoder, Llava's vision tower)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.decoder = nn.Linear(8, 3)
+
+    def forward(self, memory: torch.Tensor) -> torch.Tensor:
+        return self.decoder(memory)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_weight_of_a_part_run_outside_the_forward_is_the_weight_s_not_bad_data(mode):
+    # Sentinel mode checks the root's outputs: the NaN came into the forward with its input,
+    # and the event read "bad-data: it came with the data, not from the model". Full mode,
+    # whose hooks see the encoder's call, named the encoder's weight.
+    torch.manual_seed(0)
+    model = _EncodedOnce()
+    x = torch.randn(5, 4)
+    with nw.watch(model, on_nan="record", mode=mode) as w:
+        with torch.no_grad():
+            model(model.encoder(x))
+            model.encoder[0].weight[2, 1] = float("nan")  # a bad write between the batches
+            model(model.encoder(x))
+    event = w.event
+    assert (event.batch, event.module, event.role, event.origin) == (1, "encoder.0", "weight", "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight" and "'encoder.0.weight'" in diagnosis.summary
+    assert "came with the data" not in diagnosis.summary
+
+
+def test_a_nan_input_made_by_a_part_run_outside_the_forward_from_bad_data_stays_bad_data():
+    # The part's weights are finite: its input was bad, so the forward's input is the data's.
+    torch.manual_seed(0)
+    model = _EncodedOnce()
+    x = torch.randn(5, 4)
+    x[3, 0] = float("nan")
+    with nw.watch(model, on_nan="record", mode="sentinel") as w:
+        with torch.no_grad():
+            model(model.encoder(x))
+    assert w.event.origin == "input" and w.event.diagnosis.kind == "bad-data"

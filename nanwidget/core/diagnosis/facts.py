@@ -662,6 +662,10 @@ class Facts:
     # The module called directly, outside the model's forward, whose pass the event is in (a
     # GAN's discriminator): its inputs are not held, and a replay does not run it. "" if none.
     outside_pass: str = ""
+    # A weight's event whose module did not run in the replayed forward of its batch, whose
+    # inputs held the NaN/Inf: a call of that module outside the forward made them (generate()
+    # runs the encoder or the vision tower once, before the forwards): no bad data.
+    made_outside_forward: bool = False
     # An event at a module the model holds that ran after the model's forward returned, outside
     # it: a loss kept as a submodule and called on the output (loss = self.loss(out, y)).
     called_on_output: bool = False

@@ -110,6 +110,18 @@ _PASSED_AS = re.compile(r"grad_scaler=(?!model\.optimizer)[A-Za-z_][A-Za-z0-9_]*
 _STACK_DEPTH = 60  # caller frames searched for a training wrapper
 
 
+def _made_outside_forward(event: NanEvent, inputs: list[Any]) -> bool:
+    """Whether ``event`` is a weight's whose module did not run in its replayed forward,
+    while that forward's inputs held NaN/Inf (see :attr:`~.facts.Facts.made_outside_forward`)."""
+    if event.origin != "weight" or event.is_backward or not any(i.nan or i.inf for i in inputs):
+        return False
+    frames = getattr(event.trace, "frames", None)
+    if not isinstance(frames, pd.DataFrame) or frames.empty:
+        return False
+    ran = frames.loc[frames["phase"] == "forward", "module"]
+    return not (ran == event.module).any()
+
+
 def _wrapper_of(value: Any) -> str:
     """"fabric" for Lightning Fabric's ``Fabric`` or the ``_FabricModule`` that
     ``fabric.setup`` made, "skorch" for a skorch net (it holds its ``module_``), else ""; told
@@ -304,6 +316,7 @@ class Diagnoser(Feature):
         if outside:
             facts.outside_pass = root
         self._read_inputs(facts)
+        facts.made_outside_forward = _made_outside_forward(event, facts.inputs)
         if event.is_backward and event.origin != "peer":
             facts.accumulated_from = self._track_gradients(event)
             if facts.accumulated_from is not None:

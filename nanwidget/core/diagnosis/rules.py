@@ -1072,6 +1072,8 @@ def _read_in_loss(facts: Facts) -> Any:
 
 def _bad_data(facts: Facts) -> Diagnosis | None:
     event = facts.event
+    if facts.made_outside_forward:  # the model's own part made the inputs: the weight says why
+        return None
     came = [name for kind, name in getattr(facts.trace, "came_with", None) or []
             if kind == "input"]
     bad = [i for i in facts.inputs if i.nan]
@@ -2439,6 +2441,13 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
         if found is not None:
             break
     found = found or _unknown(facts, replayable)
+    if facts.made_outside_forward:
+        roles = [i.role for i in facts.inputs if i.nan or i.inf]
+        held = ", ".join(roles[:2]) + (f" (and {len(roles) - 2} more)" if len(roles) > 2 else "")
+        found.evidence.append(
+            f"Module '{event.module}' did not run in the forward of batch {event.batch}, whose "
+            f"{held} held NaN/Inf: a call of it outside the forward made them (generate() runs "
+            "the encoder or the vision tower once, before the forwards), not the data.")
     run = facts.scaler_run
     if run is not None and found.kind not in ("overflow", "divergence") \
             and not any(line.startswith(f"The {run.scaler} skipped") for line in found.evidence):

@@ -69,7 +69,7 @@ from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
 from ..replay.run import Replayed, automatic_loss, replay_frames
 from ..schema import LOCAL_SHARD
-from ..stats import local_shard, measure_tensor, version_of
+from ..stats import local_shard, measure_tensor, storage_holds, version_of
 from ..trace import not_through_outputs
 from ..writes import steps_taken, written_since
 from .check import BadTensor, NonFiniteCheck, checkable, float_leaves
@@ -754,6 +754,9 @@ class Sentinel(Feature):
         if found is None:  # nothing to record: the replay's frames stayed finite
             event = self._not_reproduced(batch, forward, bad, replayed.trace, frames, held)
             return self._found(event, replayed, found, started=started)
+        maker = self._made_outside_forward(batch, forward, found, frames)
+        if maker is not None:
+            return self._found(maker, replayed, None, context.replayed + [frames], started)
         if context.missing:
             found.frames_note = context.missing
         return self._found(found, replayed, found, context.replayed + [frames], started)
@@ -823,6 +826,45 @@ class Sentinel(Feature):
         if context.missing:
             found.frames_note = context.missing
         return self._found(found, replayed, found, context.replayed + [frames], started)
+
+    def _made_outside_forward(self, batch: int, forward: int, found: NanEvent,
+                              frames: list[Frame]) -> NanEvent | None:
+        """The event of a weight that made the forward's input non-finite outside the
+        forward: the replay met the NaN/Inf first in the batch's inputs while a weight of a
+        module that did not run in it holds one. generate() runs a model's encoder (BART's,
+        T5's) or its vision tower (Llava's get_image_features) once, before the forwards, and
+        hands them its output (encoder_outputs=, mm_encoder_outputs=); full mode, whose hooks
+        see that call, records the weight's event. None otherwise (at event time only: it
+        reads every weight)."""
+        held = self.capture.held.get(batch)
+        if found.origin != "input" or found.is_backward or held is None \
+                or forward >= len(held.forwards):
+            return None
+        readable = [(role, values) for role, values in ((role, checkable(tensor)) for role, tensor
+                                                        in held.forwards[forward].inputs)
+                    if values is not None and storage_holds(values)]  # a freed one: a crash
+        bad = NonFiniteCheck(readable).read()
+        if not bad:
+            return None  # it came from a functional op between modules, not with the inputs
+        ran = {frame.module for frame in frames if frame.phase == "forward"}
+        for info in self.recorder.modules:
+            if info.name in ran:
+                continue
+            for entry in self.recorder.weights_now(info.name) or ():
+                stats = entry.stats
+                if stats is None or not (stats.nan or stats.inf):
+                    continue
+                name = f"{info.name}.{entry.role}" if info.name else entry.role
+                return NanEvent(
+                    batch=batch, module=info.name, module_type=info.type_name, call=0,
+                    role=entry.role, kind=event_kind(stats.nan, stats.inf), origin="weight",
+                    rank=self.recorder.rank,
+                    note=f"the replay of batch {batch} met the NaN/Inf first in the forward's "
+                         f"{bad[0].label}, while {name} holds one and its module did not run "
+                         "in the forward: a call of it outside the forward (generate() runs "
+                         "the encoder or the vision tower once, before the forwards) made that "
+                         "input")
+        return None
 
     def _bad_input_event(self, batch: int, forward: int, bad: list[BadTensor],
                          note: str) -> NanEvent:
