@@ -340,6 +340,33 @@ def test_a_nan_in_a_pass_without_the_root_forward_stops_that_pass() -> None:
             [(b, "blocks.2", "weight") for b in range(3)]  # one event per pass
 
 
+class EncodedFirst(nn.Module):
+    """An encoder the caller runs once before the forward, which takes its output (what
+    generate() does with an encoder-decoder's encoder)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 8)
+        self.decoder = nn.Linear(8, 2)
+
+    def forward(self, memory: torch.Tensor) -> torch.Tensor:
+        return self.decoder(memory)
+
+
+def test_a_root_forward_joining_a_pass_that_made_an_event_makes_no_second_one() -> None:
+    # The forward got the pass's NaN through its input: a second event of the batch, read
+    # "bad-data: it came with the data, not from the model" (on_nan "record" or "warn").
+    torch.manual_seed(0)
+    model = EncodedFirst()
+    with torch.no_grad():
+        model.encoder.weight[1, 2] = float("nan")
+    with nw.watch(model, on_nan="warn") as w, pytest.warns(nw.NanWarning) as warned:
+        model(model.encoder(torch.randn(3, 4)))
+    assert [(e.batch, e.module, e.role) for e in w.events] == [(0, "encoder", "weight")]
+    assert len([x for x in warned if issubclass(x.category, nw.NanWarning)]) == 1
+    assert w.event.diagnosis.kind == "corrupted-weight"
+
+
 def test_a_replay_of_a_pass_without_the_root_forward_says_why_it_cannot_run() -> None:
     # Such a pass's inputs were never held (they are taken when the root's forward starts):
     # the error advised keep_batches=N, and replay_on_nan left no trace without a word.

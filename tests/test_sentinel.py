@@ -1179,8 +1179,6 @@ def test_a_batch_that_cannot_be_replayed_with_finite_weights_names_the_output(mo
     assert event.note.startswith("not replayed: cannot replay batch 1: its input[0]")
 
 
-
-
 class _EncodedOnce(nn.Module):
     """An encoder-decoder whose encoder the caller runs once, outside the forward, and whose
     forward takes its output (what generate() does with BART's encoder, Llava's vision tower)."""

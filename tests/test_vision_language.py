@@ -110,6 +110,9 @@ def test_beam_search_after_a_bad_write_to_the_encoder_names_that_weight_not_bad_
         event = w.event
         assert (event.batch, event.module, event.role, event.origin) == (
             2, "model.encoder.layers.0.fc1", "weight", "weight")
+        # The decoder forward that joined the encoder's pass made no second event of its own
+        # (full mode read it "bad-data" in kwarg:encoder_outputs).
+        assert [(e.batch, e.module) for e in w.events] == [(2, "model.encoder.layers.0.fc1")]
         diagnosis = event.diagnosis
         assert diagnosis.kind == "corrupted-weight"
         assert "'model.encoder.layers.0.fc1.weight' became NaN between batch 1 and batch 2" \

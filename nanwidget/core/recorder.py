@@ -1172,6 +1172,8 @@ class Recorder:
             ended = self._finish_root_locked(current_exception, output, frame)
             if ended is None:
                 return None
+            if ended[1] is not None and self._outside_pass_event(ended[0], ended[1]):
+                ended = (ended[0], None, *ended[2:])
             # Marked under the hold that ended the batch: no other thread's forward starts
             # before the conclusion (which may replay the batch on these modules) is done.
             outer, self._concluding_thread = self._concluding_thread, thread
@@ -1338,6 +1340,15 @@ class Recorder:
         if returned:
             self._conclude(batch, event, reason="flush", raising=True, finished=False)
         return None
+
+    def _outside_pass_event(self, batch: int, event: NanEvent) -> bool:
+        """Whether the root forward that ended ``batch`` with forward ``event`` joined a pass
+        outside it that already made a forward event in that batch (generate() runs the
+        encoder or the vision tower once, before the forwards, and hands them its output):
+        one forward event per batch, the pass's first, as for passes (caller holds the lock)."""
+        return not event.is_backward and batch in self._outside_batches and any(
+            e.batch == batch and not e.is_backward and e.rank == event.rank
+            for e in self.records.events[-4:])
 
     def _made_on_output(self, outermost: ModuleInfo, info: ModuleInfo, args: tuple,
                         kwargs: dict) -> bool:
