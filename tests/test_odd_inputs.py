@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -670,3 +671,38 @@ def test_a_callable_data_batch_is_read_held_and_copied_like_data():
     assert again.reproduced and clean.x is given
     root_inputs = again.frames[(again.frames.module == "") & (again.frames.role == "input[0].x")]
     assert float(root_inputs.abs_max.iloc[0]) == float(given.abs().max())
+
+
+@pytest.mark.parametrize("native_kernel", ["1", "0"])
+def test_a_forward_that_frees_its_input_then_raises_does_not_crash_the_sentinel(native_kernel):
+    # Sentinel mode checks the held inputs of a forward that raised (it left no output): an
+    # input whose storage an offloading hook freed before the error was read anyway, and the
+    # process died of a segmentation fault (torch's own norm reads freed memory). A subprocess:
+    # a crash must fail this test, not end the run.
+    code = textwrap.dedent("""
+        import torch, nanwidget as nw
+        class Frees(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l = torch.nn.Linear(4, 4)
+            def forward(self, x, fail=False):
+                y = self.l(x)
+                x.untyped_storage().resize_(0)
+                if fail:
+                    raise RuntimeError("boom")
+                return y
+        model = Frees()
+        with nw.watch(model, mode="sentinel", on_nan="record") as w:
+            model(torch.randn(256, 4))
+            with torch.no_grad():
+                model.l.weight[0, 0] = float("nan")
+            try:
+                model(torch.randn(256, 4), fail=True)
+            except RuntimeError as error:
+                print("raised", error)
+            print([(e.batch, e.module, e.role, e.origin) for e in w.events])
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "NANWIDGET_NATIVE": native_kernel})
+    assert result.returncode == 0, (result.stdout[-300:], result.stderr[-2000:])
+    assert result.stdout.strip().splitlines() == ["raised boom", "[(1, 'l', 'weight', 'weight')]"]

@@ -771,8 +771,7 @@ class Sentinel(Feature):
         held = self.capture.held.get(batch)
         if held is None or forward >= len(held.forwards):
             return None
-        check = NonFiniteCheck([(role, checkable(tensor)) for role, tensor
-                                in held.forwards[forward].inputs])
+        check = NonFiniteCheck(_readable(held.forwards[forward].inputs))
         bad = check.read()
         if bad and self._root_may_hold_inf:
             bad = [b for b in bad if b.nan]
@@ -840,10 +839,7 @@ class Sentinel(Feature):
         if found.origin != "input" or found.is_backward or held is None \
                 or forward >= len(held.forwards):
             return None
-        readable = [(role, values) for role, values in ((role, checkable(tensor)) for role, tensor
-                                                        in held.forwards[forward].inputs)
-                    if values is not None and storage_holds(values)]  # a freed one: a crash
-        bad = NonFiniteCheck(readable).read()
+        bad = NonFiniteCheck(_readable(held.forwards[forward].inputs)).read()
         if not bad:
             return None  # it came from a functional op between modules, not with the inputs
         ran = {frame.module for frame in frames if frame.phase == "forward"}
@@ -1295,6 +1291,14 @@ class Sentinel(Feature):
         self._deferred.clear()
         self._check = None
         self._own_event = None
+
+
+def _readable(inputs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The held inputs a check may read, as :func:`checkable` gives them: not those whose
+    storage was freed since the forward (an offloading hook, FSDP): reading one crashes the
+    process (torch's own ops too)."""
+    return [(role, values) for role, values in ((role, checkable(tensor)) for role, tensor in inputs)
+            if values is not None and storage_holds(values)]
 
 
 def _wrapped_model(recorder: Recorder) -> Any:
