@@ -285,6 +285,55 @@ def test_acos_past_one_is_a_domain_error(mode):
     assert "clamp(-1 + eps, 1 - eps)" in diagnosis.suggestion[0]
 
 
+class LogOfOneMinusSigmoid(nn.Module):
+    """log(1 - p) written as log1p(-p): a saturated sigmoid gives p = 1, log1p(-1) = -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(-torch.sigmoid(self.fc(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_log1p_at_minus_one_is_told_to_stay_above_minus_one(mode):
+    model = LogOfOneMinusSigmoid()
+    with watch(model, mode) as w:
+        model(torch.randn(5, 4) * 100)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain" and "log1p(-1) = -inf" in diagnosis.summary
+    # Its argument's edge is -1: a clamp at +eps would turn every log(1 - p) into log1p(eps)
+    said = " ".join(diagnosis.suggestion)
+    assert "clamp_min(-1 + eps)" in diagnosis.suggestion[0] and "F.logsigmoid(-x)" in said
+    assert "clamp_min(eps))" not in said
+
+
+class LogitOfProbabilities(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.logit(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logit_of_an_exact_0_is_a_domain_error_not_an_overflow(mode):
+    model = LogitOfProbabilities()
+    x = torch.rand(6, 4, generator=torch.Generator().manual_seed(0))
+    x[4, 2] = 0.0
+    with watch(model, mode) as w:
+        model(x)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "domain" and diagnosis.rows == [4]
+    assert "logit of values from 0 to" in diagnosis.summary
+    assert "logit(0) = -inf" in diagnosis.summary
+    said = " ".join(diagnosis.suggestion)
+    assert "torch.logit(x, eps=1e-6)" in said and "-1 + eps" not in said
+    assert "runaway growth" not in said
+
+
 class CountHead(nn.Module):
     """A Poisson / negative binomial head whose rate (total_count) comes from softplus: at a
     very negative logit it underflows to exactly 0, and log_prob takes xlogy(y, 0) / lgamma(0)."""

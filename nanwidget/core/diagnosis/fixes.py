@@ -39,9 +39,19 @@ _NORMALISATIONS = ("native_group_norm", "native_layer_norm", "native_batch_norm"
 
 
 def overflow(module: str, dtype: str, at: str, op: str,
-             tiny_denominator: bool = False) -> list[str]:
+             tiny_denominator: bool = False, hint: str = "") -> list[str]:
+    """``hint``: "log-scale" when the exponent is a predicted log-scale (a flow's coupling or
+    autoregressive layer, a Gaussian head's log-std or log-variance)."""
     where = f"module '{module}'" if module else "that part of the model"
     fixes = []
+    if hint == "log-scale" and op in _EXPONENTIALS:
+        # What flows do (RealNVP, Glow, nflows, zuko): a soft clamp keeps the gradient alive.
+        fixes.append(f"Bound the predicted log-scale softly before {op}{at}: s = c * "
+                     "torch.tanh(s / c) with c = 2 to 5, as affine coupling and "
+                     "autoregressive flows do (Glow: scale = torch.sigmoid(s + 2)); for a "
+                     "Gaussian's log-std or log-variance, clamp it (log_var.clamp(-10, 10)) "
+                     "or predict the scale as F.softplus(raw) + 1e-4. The exp and the "
+                     "log-determinant (the sum of s) then stay finite.")
     if tiny_denominator:  # the numerators are moderate: the denominator is what to fix
         fixes.append(f"Keep the denominator{at} away from 0: x / d.clamp_min(eps). A learned "
                      "temperature gets a floor, t.clamp_min(0.01) or 0.01 + F.softplus(t) "
@@ -63,7 +73,7 @@ def overflow(module: str, dtype: str, at: str, op: str,
                      f"torch.{op}(x.clamp(max={bound})); a learnable scale or temperature "
                      "(CLIP's logit_scale.exp()) is clamped the same way, "
                      "logit_scale.clamp(max=math.log(100)).exp().")
-    if op in ("exp", "pow", "sum", "mean", "cumsum", "prod"):
+    if op in ("exp", "pow", "sum", "mean", "cumsum", "prod") and hint != "log-scale":
         fixes.append(f"Use a stable form for {op}{at}: torch.logsumexp / softmax instead of exp "
                      "by hand, subtract the max first, or sum in float32 (dtype=torch.float32).")
     if dtype.startswith("float8"):  # its range is a few hundred (e4m3) to 57344 (e5m2)
@@ -234,9 +244,27 @@ _SAFE_ARGUMENT = {"log1p": "0", "acos": "0", "asin": "0", "atanh": "0", "erfinv"
                   "acosh": "2", "logit": "0.5"}
 
 
+_LOGIT_SQUEEZE = ("Squeeze the data away from 0 and 1 before the logit, as RealNVP and Glow "
+                  "do: x = alpha + (1 - 2 * alpha) * x with alpha = 0.05 (or 1e-6 for a "
+                  "guard alone), adding log(1 - 2 * alpha) per dimension to the log-det; and "
+                  "dequantize images first, x = (x * 255 + torch.rand_like(x)) / 256.")
+_SPLINE_FLOORS = ("A rational-quadratic spline's bin width, height or knot derivative reached "
+                  "0 (a softmax or softplus that underflowed): floor them as nflows and zuko "
+                  "do, widths = min_w + (1 - min_w * K) * F.softmax(w, -1) (the same for the "
+                  "heights) and derivatives = min_d + F.softplus(d), with min_bin_width = "
+                  "min_bin_height = min_derivative = 1e-3.")
+
+
 def domain(op: str, at: str, backward: bool, empty: bool = False,
-           unused_gradient: bool = False, negative_running_var: bool = False) -> list[str]:
+           unused_gradient: bool = False, negative_running_var: bool = False,
+           hint: str = "") -> list[str]:
+    """``hint`` (what the op's line reads like): "logit" (a logit transform of data in [0, 1])
+    or "spline" (a spline flow's log-derivative or division by a bin's size)."""
     name = op.lstrip("_").rstrip("_")  # pow_ is pow
+    if hint == "logit" and name in ("log", "log2", "log10", "log1p", "logit"):
+        return [_LOGIT_SQUEEZE] + domain(op, at, backward, empty, unused_gradient)
+    if hint == "spline":
+        return [_SPLINE_FLOORS] + domain(op, at, backward, empty, unused_gradient)
     if negative_running_var:
         return [f"Mend the running statistics{at}: a write or a load put a negative value in "
                 "running_var (BatchNorm's updates never do). Reload them from a good "
@@ -290,7 +318,17 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
                 "floor it: F.softplus(x) + eps or rate.clamp_min(eps), eps = 1e-6.",
                 "Or compute the log-likelihood from the logits: PoissonNLLLoss(log_input=True), "
                 "Binomial/Categorical(logits=...) instead of probs."]
-    if name in ("log", "log2", "log10", "log1p"):
+    if name == "log1p":  # its argument's edge is -1, not 0: log1p(-p) is log(1 - p)
+        return [f"Keep the argument of log1p{at} above -1: torch.log1p(x.clamp_min(-1 + eps)), "
+                "eps = 1e-6 (1e-3 in float16); for log(1 - p) of a probability, "
+                "torch.log1p(-p.clamp_max(1 - eps)).",
+                "For probabilities use the fused forms: log(1 - sigmoid(x)) is "
+                "F.logsigmoid(-x); nn.BCEWithLogitsLoss on the logits instead of BCELoss."]
+    if name == "logit":
+        return [f"Clamp the argument of logit{at} into (0, 1): torch.logit(x, eps=1e-6) does "
+                "it (x.clamp(eps, 1 - eps)); a probability from a sigmoid can be passed as "
+                "its logits instead."]
+    if name in ("log", "log2", "log10"):
         return [f"Keep the argument of {name}{at} positive: torch.{name}(x.clamp_min(eps)) or "
                 f"torch.{name}(x + eps), eps = 1e-6 (1e-4 in float16).",
                 "For probabilities use the fused forms: F.log_softmax instead of log(softmax(x)), "
@@ -312,7 +350,7 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
                 "value gives NaN, rsqrt(0) gives inf).",
                 "If x is a variance or a squared distance, it is negative only by rounding: "
                 "clamp_min(0) before the root."]
-    if name in ("acos", "asin", "atanh", "acosh", "erfinv", "logit"):
+    if name in ("acos", "asin", "atanh", "acosh", "erfinv"):
         return [f"Clamp the argument of {name}{at} into its open domain: "
                 f"torch.{name}(x.clamp(-1 + eps, 1 - eps)) (its gradient is infinite at the edge).",
                 "Normalised vectors can leave [-1, 1] by rounding: clamp the dot product before "

@@ -388,7 +388,8 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
                 f"the loss was NaN), and {grad_of}'s gradient divides by the same 0 denominator",
                 "high")
     if op.phase == "backward" and grad_of in _DOMAIN_NAMES:
-        edge = "0" if grad_of in ("sqrt", "rsqrt", "log", "pow", "div") else "±1"
+        edge = {"log1p": "-1", "logit": "0 and 1"}.get(
+            grad_of, "0" if grad_of in ("sqrt", "rsqrt", "log", "pow", "div") else "±1")
         if _unused_gradient(op):
             return (f"the gradient of {grad_of} is infinite at the edge of its domain ({edge}), "
                     f"and the gradient reaching {grad_of} there was 0: that value of {grad_of} "
@@ -441,8 +442,12 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
                 "NaN)", "high")
     if name == "acosh" and low < 1:
         return f"acosh of values down to {_g_edge(low)} (below 1 gives NaN)", "high"
-    if (name == "erfinv" and (low <= -1 or high >= 1)) or (name == "logit" and (low < 0 or high > 1)):
+    if name == "erfinv" and (low <= -1 or high >= 1):
         return f"{name} of values from {_g(low)} to {_g(high)}, outside its domain", "high"
+    if name == "logit" and (low <= 0 or high >= 1) and (op.inf or op.nan):
+        # logit(0) = -inf and logit(1) = inf are no overflow: its domain is the open (0, 1)
+        return (f"logit of values from {_g_edge(low)} to {_g_edge(high)} (logit(0) = -inf, "
+                "logit(1) = inf, outside [0, 1] NaN)", "high")
     if name in _DIVISIONS or name == "reciprocal":
         denominator = op.input_range(1 if name != "reciprocal" else 0)
         if denominator is not None and denominator[0] <= 0 <= denominator[1]:
@@ -462,6 +467,30 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
     if name in _VARIANCES and op.nan and not op.inputs_hold_inf():
         return f"{name} over a single element (it divides by n - 1 = 0)", "high"
     return None
+
+
+# What a density model's line of code says about the value an op got (its names): a predicted
+# log-scale before exp, a logit transform of data in [0, 1], a spline's bins and derivatives.
+_LOG_SCALE = re.compile(r"log_?(?:s|scale|std|sd|sigma|var)\b|logvar|\bexp\(\s*-?\s*s\b"
+                        r"|(?<![\w.])-?s\.exp\(")
+# log(x) - log(1 - x) on one line (a log1p(-p) alone is a log(1 - p), not a logit)
+_LOGIT_TRANSFORM = re.compile(r"logit|\blog\((?!\s*1\s*-).*(?:log1p\(\s*-|log\(\s*1\s*-)"
+                              r"|(?:log1p\(\s*-|log\(\s*1\s*-).*\blog\((?!\s*1\s*-)")
+_SPLINE = re.compile(r"spline|derivative|bin_?width|bin_?height", re.IGNORECASE)
+
+
+def _density_hint(op: OpFacts) -> str:
+    """"log-scale", "logit" or "spline" when the op's line of code reads like one (""
+    otherwise): the fixes a density model's author knows for it come first."""
+    _, text = source_text(op.source) or (0, "")
+    name = op.name
+    if name in _EXP_OPS and _LOG_SCALE.search(text):
+        return "log-scale"
+    if name == "logit" or (name in _LOG_OPS + ("log1p",) and _LOGIT_TRANSFORM.search(text)):
+        return "logit"
+    if name in _LOG_OPS + _DIVISIONS + ("reciprocal",) and _SPLINE.search(text):
+        return "spline"
+    return ""
 
 
 def _in_log_prob(op: OpFacts) -> bool:
@@ -2033,7 +2062,8 @@ def _from_op(facts: Facts) -> Diagnosis | None:
         suggestion = fixes.domain(op.grad_of_name or op.op,
                                   op.at, backward=op.phase == "backward", empty=empty,
                                   unused_gradient=bool(op.grad_of) and _unused_gradient(op),
-                                  negative_running_var=_negative_running_var(op) is not None)
+                                  negative_running_var=_negative_running_var(op) is not None,
+                                  hint=_density_hint(op) if op.phase != "backward" else "")
         uncounted = _no_counted_label(facts, op)
         if uncounted is not None:  # the data's fixes, not an edit of transformers' loss
             reason, suggestion = uncounted, fixes.no_counted_label()
@@ -2064,7 +2094,8 @@ def _from_op(facts: Facts) -> Diagnosis | None:
     evidence = evidence + _activation_lines(facts, modules)
     evidence.extend(_no_history(facts))
     suggestion = fixes.overflow(op.module, op.dtype, op.at, op.name,
-                                tiny_denominator=_tiny_denominator(op) is not None)
+                                tiny_denominator=_tiny_denominator(op) is not None,
+                                hint=_density_hint(op) if op.phase != "backward" else "")
     compounded = _compounded_calls(facts, op.module or event.module)
     if compounded is not None and op.phase != "backward":
         module, calls, growth = compounded
