@@ -2917,6 +2917,36 @@ def encode_boxes(boxes: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     return torch.stack([dx, dy, dw, dh], dim=1)
 
 
+class GaussianMixtureHead(nn.Module):
+    """Returns a MixtureSameFamily (its components sit in private attributes) whose scale is
+    the layer's raw output: a negative scale makes log_prob NaN in the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.distributions.Distribution:
+        logits, mu, scale = self.fc(x).chunk(3, -1)
+        return torch.distributions.MixtureSameFamily(
+            torch.distributions.Categorical(logits=logits),
+            torch.distributions.Normal(mu, scale, validate_args=False))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_log_prob_of_a_returned_mixture_reads_the_model_output_not_the_targets(mode):
+    torch.manual_seed(0)
+    model = GaussianMixtureHead()
+    x, y = torch.randn(16, 2), torch.randn(16)
+    with watch(model, mode, backward=True, replay_on_nan=True,
+               loss_fn=lambda mixture: -mixture.log_prob(y).mean()) as w:
+        (-model(x).log_prob(y).mean()).backward()
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "loss"
+    assert "besides the model's output" not in diagnosis.summary
+    assert "Check the targets" not in " ".join(diagnosis.suggestion)
+    assert "torch.distributions" in diagnosis.suggestion[0]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_zero_width_target_box_is_told_as_the_targets_not_the_logits(mode):
     # log(0) of a target width over its anchor's, in loss_fn: the fixes were those of a log of

@@ -288,3 +288,30 @@ def test_zuko_flows_train_the_same_watched():
     plain = run(False, None)
     for mode in ("full", "sentinel"):
         assert all(torch.equal(a, b) for a, b in zip(plain, run(True, mode)))
+
+
+class MDNWithRawScale(MDN):
+    """The scale straight from the layer, without softplus: negative for some inputs."""
+
+    def forward(self, x: torch.Tensor) -> D.Distribution:
+        logits, mu, raw = self.net(x).chunk(3, -1)
+        return D.MixtureSameFamily(D.Categorical(logits=logits),
+                                   D.Normal(mu, raw, validate_args=False))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mixture_whose_scale_went_negative_blames_the_scale_not_the_targets(mode):
+    torch.manual_seed(0)
+    model = MDNWithRawScale()
+    x = torch.rand(32, 1, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    y = torch.sin(3 * x[:, 0])
+    with watch(model, mode, loss_fn=lambda mixture: -mixture.log_prob(y).mean(),
+               replay_on_nan=True) as w:
+        loss = -model(x).log_prob(y).mean()
+        loss.backward()
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "loss" and "log of values down to -" in diagnosis.summary
+    # The log read the scale the model returned inside the distribution, not the targets
+    assert "besides the model's output" not in diagnosis.summary
+    assert not any("targets" in fix for fix in diagnosis.suggestion[:1])
+    assert "F.softplus(raw) + 1e-4" in diagnosis.suggestion[0]

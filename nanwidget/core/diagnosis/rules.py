@@ -966,14 +966,17 @@ def _loss(facts: Facts) -> Diagnosis | None:
     boxes = from_targets and op is not None and (
         any(word in line.lower() for word in ("width", "height", "box"))
         or any(word in op.source.lower() for word in ("box", "detection")))
-    return Diagnosis("loss", summary, evidence,
-                     fixes.loss(event.batch, (op.op if op.phase == "loss" else op.grad_of_name)
-                                if in_loss and op else "", traced=in_loss,
-                                at=op.at if in_loss and op else "",
-                                has_loss_fn=facts.has_loss_fn,
-                                zero_over_zero=bool(in_loss and op and _zero_over_zero(op)),
-                                snr="snr" in line.lower(), from_targets=from_targets,
-                                boxes=boxes),
+    suggestion = fixes.loss(event.batch, (op.op if op.phase == "loss" else op.grad_of_name)
+                            if in_loss and op else "", traced=in_loss,
+                            at=op.at if in_loss and op else "",
+                            has_loss_fn=facts.has_loss_fn,
+                            zero_over_zero=bool(in_loss and op and _zero_over_zero(op)),
+                            snr="snr" in line.lower(), from_targets=from_targets,
+                            boxes=boxes)
+    if in_loss and op is not None and op.phase == "loss" and not from_targets \
+            and _in_log_prob(op):  # the distribution the model returned: its parameter
+        suggestion = fixes.distribution_parameter(op.at) + suggestion
+    return Diagnosis("loss", summary, evidence, suggestion,
                      rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
 
 

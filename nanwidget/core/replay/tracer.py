@@ -133,6 +133,23 @@ def _covers_storage(tensor: torch.Tensor) -> bool:
         return False
 
 
+
+def _held_by(leaf: Any, depth: int = 4) -> list[torch.Tensor]:
+    """``leaf`` if it is a tensor; the tensors a ``torch.distributions`` Distribution or
+    Transform holds (its parameters, its component and base distributions, cached lazy
+    properties), ``depth`` levels of them deep; nothing for anything else."""
+    if isinstance(leaf, _Tensor):
+        return [leaf]
+    if depth <= 0 or not isinstance(leaf, (torch.distributions.Distribution,
+                                           torch.distributions.Transform)):
+        return []
+    held: list[torch.Tensor] = []
+    for value in vars(leaf).values():
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        for item in values:
+            held.extend(_held_by(item, depth - 1))
+    return held
+
 class _FramePending(PendingStats):
     """The frames' stats, each remembered with the storage of the tensor it was measured on and
     the op that had last written a NaN/Inf there (so an event's tensor can be followed back)."""
@@ -466,10 +483,12 @@ class OpRecorder:
             self.first_inf = index
 
     # -- loss_fn's data flow from the model's output
-    def mark_output(self, tensors: Any) -> None:
-        """Name the storages of the model's output tensors, before loss_fn runs on them."""
-        for tensor in tensors:
-            if isinstance(tensor, _Tensor):
+    def mark_output(self, leaves: Any) -> None:
+        """Name the storages of the model's output tensors, before loss_fn runs on them; a
+        ``torch.distributions`` object returned (a mixture density network's, a flow's) counts
+        with the tensors it holds: its log_prob in loss_fn reads the model's output."""
+        for leaf in leaves:
+            for tensor in _held_by(leaf):
                 key = storage_key(tensor)
                 if key is not None:
                     self.from_output.add(key)
