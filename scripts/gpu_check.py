@@ -145,10 +145,10 @@ for name, kw in (("full", {}), ("sentinel", {"mode": "sentinel"})):
 # The everyday GPU stack: float16 autocast, a GradScaler (its first steps overflow float16 at
 # the initial scale and are skipped, by design: no event) and the fused AdamW the HF Trainer
 # uses by default. Results bit-identical with and without each watch; then a weight written NaN.
-def amp_run(watch_kw, steps=12, plant_at=None):
+def amp_run(watch_kw, steps=12, plant_at=None, init_scale=2.0 ** 16):
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    scaler = torch.amp.GradScaler(dev)
+    scaler = torch.amp.GradScaler(dev, init_scale=init_scale)
     w = nw.watch(model, on_nan="record", grad_scaler=scaler, **watch_kw) \
         if watch_kw is not None else None
     losses, scales = [], []
@@ -177,6 +177,15 @@ for name, kw in MODES.items():
     same = all(torch.equal(a, b) for a, b in zip(rec, base_amp))
     check(f"AMP + GradScaler + fused AdamW, {name}: bit-identical, no event", same and not events,
           f"events {len(events)}, scales {scales[:4]}... (unwatched {base_scales[:4]}...)")
+# A scale so high that float16 gradients overflow: the scaler skips those steps and lowers it,
+# by design (no event). On the CPU (bfloat16) nothing overflows and nothing is skipped.
+base_high, high_scales, _ = amp_run(None, init_scale=2.0 ** 40)
+skipped = sum(later < earlier for earlier, later in zip(high_scales, high_scales[1:]))
+for name, kw in (("full", {}), ("sentinel+backward", {"mode": "sentinel", "backward": True})):
+    rec, _, events = amp_run(kw, init_scale=2.0 ** 40)
+    same = all(torch.equal(a, b) for a, b in zip(rec, base_high))
+    check(f"AMP at scale 2**40, {name}: steps the scaler skipped are no event", same and not events,
+          f"{skipped} steps skipped, events {len(events)}")
 for name, kw in (("full", {}), ("sentinel", {"mode": "sentinel"})):
     _, _, events = amp_run(kw, plant_at=6)
     e = events[0] if events else None
