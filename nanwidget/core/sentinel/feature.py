@@ -843,24 +843,19 @@ class Sentinel(Feature):
         if not bad:
             return None  # it came from a functional op between modules, not with the inputs
         ran = {frame.module for frame in frames if frame.phase == "forward"}
-        for info in self.recorder.modules:
-            if info.name in ran:
-                continue
-            for entry in self.recorder.weights_now(info.name) or ():
-                stats = entry.stats
-                if stats is None or not (stats.nan or stats.inf):
-                    continue
-                name = f"{info.name}.{entry.role}" if info.name else entry.role
-                return NanEvent(
-                    batch=batch, module=info.name, module_type=info.type_name, call=0,
-                    role=entry.role, kind=event_kind(stats.nan, stats.inf), origin="weight",
-                    rank=self.recorder.rank,
-                    note=f"the replay of batch {batch} met the NaN/Inf first in the forward's "
-                         f"{bad[0].label}, while {name} holds one and its module did not run "
-                         "in the forward: a call of it outside the forward (generate() runs "
-                         "the encoder or the vision tower once, before the forwards) made that "
-                         "input")
-        return None
+        weight = self._first_nonfinite_weight(set(), skip=ran)
+        if weight is None:
+            return None
+        info, entry = weight
+        name = f"{info.name}.{entry.role}" if info.name else entry.role
+        return NanEvent(
+            batch=batch, module=info.name, module_type=info.type_name, call=0,
+            role=entry.role, kind=event_kind(entry.stats.nan, entry.stats.inf), origin="weight",
+            rank=self.recorder.rank,
+            note=f"the replay of batch {batch} met the NaN/Inf first in the forward's "
+                 f"{bad[0].label}, while {name} holds one and its module did not run in the "
+                 "forward: a call of it outside the forward (generate() runs the encoder or the "
+                 "vision tower once, before the forwards) made that input")
 
     def _bad_input_event(self, batch: int, forward: int, bad: list[BadTensor],
                          note: str) -> NanEvent:
@@ -987,17 +982,20 @@ class Sentinel(Feature):
                              f"{self._forward_since} still is (that event has the frames and "
                              "the trace)")
 
-    def _first_nonfinite_weight(self, written: set[str], under: str = ""
+    def _first_nonfinite_weight(self, written: set[str], under: str = "",
+                                skip: set[str] | frozenset[str] = frozenset()
                                 ) -> tuple[Any, Entry] | None:
         """The first module (in the model's order; ``under``: of that module's, when not the
-        root) holding a NaN/Inf weight, and that weight's entry; one of ``written`` (qualified
-        names: buffers, weights the forward wrote) only when no other is (at event time only:
-        it reads every weight)."""
+        root; none of the modules named in ``skip``) holding a NaN/Inf weight, and that
+        weight's entry; one of ``written`` (qualified names: buffers, weights the forward
+        wrote) only when no other is (at event time only: it reads every weight)."""
         first_written = None
         inside = f"{under}."
         for info in self.recorder.modules:
             if under and info.name != under and not info.name.startswith(inside):
                 continue  # not called in the batch (a generation step calls the wrapped model)
+            if info.name in skip:
+                continue
             for entry in self.recorder.weights_now(info.name) or ():
                 if entry.stats is not None and (entry.stats.nan or entry.stats.inf):
                     name = f"{info.name}.{entry.role}" if info.name else entry.role
