@@ -271,7 +271,8 @@ def test_a_spline_bin_that_collapsed_gets_the_minimum_bin_size(mode):
 
 
 def test_zuko_flows_train_the_same_watched():
-    zuko = pytest.importorskip("zuko")
+    zuko = pytest.importorskip(
+        "zuko", reason="zuko is optional (CI's extras job installs it): pip install zuko")
 
     def run(watched: bool, mode: str | None) -> list[torch.Tensor]:
         torch.manual_seed(0)

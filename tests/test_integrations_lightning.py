@@ -17,6 +17,7 @@ from torch import nn
 
 pl = pytest.importorskip(
     "lightning.pytorch", reason="the Lightning callback needs the lightning extra: pip install -e .[lightning]")
+import lightning.fabric  # noqa: E402  (the Fabric tests below; the same package)
 
 import nanwidget as nw  # noqa: E402
 from nanwidget.integrations.lightning import NanWatchCallback  # noqa: E402
@@ -346,7 +347,6 @@ def test_a_nan_gradient_in_an_accumulated_step_names_the_steps_micro_batches(tmp
 
 # Lightning Fabric: fabric.setup(model) wraps the model in a _FabricModule that casts the
 # inputs for the precision plugin and calls the model (or the strategy's wrapper around it).
-lightning = pytest.importorskip("lightning")
 
 
 def _fabric_setup(model, precision="32-true"):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip(
+    "transformers", reason="these models come with the transformers extra: pip install -e .[transformers]")
 
 import nanwidget as nw  # noqa: E402
 

@@ -10,7 +10,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 peft = pytest.importorskip("peft", reason="the peft tests need peft (pip install peft)")
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip(
+    "transformers", reason="peft wraps transformers models: pip install -e .[transformers]")
 
 import nanwidget as nw  # noqa: E402
 
