@@ -4528,9 +4528,52 @@ def test_a_module_dicts_discriminator_called_once_is_named_for_watching_not_its_
     event = w.event
     diagnosis = event.diagnosis
     assert (event.batch, event.module, event.origin) == (1, "D.0", "input")
-    assert diagnosis.suggestion[0].startswith("Watch module 'D' as a model of its own")
-    assert "nw.watch(model.get_submodule('D'))" in diagnosis.suggestion[0]
+    # D's call opened the batch: what it was given came with the data (it said "what made it
+    # could not be told", a verdict of "unknown").
+    assert diagnosis.kind == "bad-data"
+    assert diagnosis.summary.startswith("The input[0] that module 'D' was called with")
+    assert "nw.watch(model.get_submodule('D'))" in diagnosis.suggestion[-1]
     assert "Module 'D' ran outside the model's forward" in " ".join(diagnosis.evidence)
+
+
+class _EncoderFirst(nn.Module):
+    """An encoder-decoder whose forward is the decoder's: the encoder runs first, called
+    directly (what ``generate()`` of an encoder-decoder does with its ``pixel_values``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.decoder = nn.Linear(8, 4)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder(hidden)
+
+
+@pytest.mark.parametrize("between", [False, True])
+def test_nan_data_into_an_encoder_called_before_the_forward_is_bad_data_unless_code_came_between(
+        between):
+    torch.manual_seed(0)
+    model = _EncoderFirst()
+    with nw.watch(model, on_nan="record") as w:
+        for batch in range(3):
+            pixels = torch.randn(2, 8)
+            if batch == 2 and not between:
+                pixels[1, 3] = math.nan
+            hidden = model.encoder(pixels)
+            if batch == 2 and between:  # the user's code between two calls made it: no data
+                hidden = torch.log(hidden - 10)
+                model.decoder(hidden)
+            else:
+                model(hidden)
+    event, diagnosis = w.event, w.event.diagnosis
+    if between:
+        assert (event.batch, event.module, event.role) == (2, "decoder", "input[0]")
+        assert diagnosis.kind == "unknown"
+        assert "Module 'decoder' ran outside the model's forward" in " ".join(diagnosis.evidence)
+    else:
+        assert (event.batch, event.module, event.role) == (2, "encoder.0", "input[0]")
+        assert diagnosis.kind == "bad-data"
+        assert "no module of the model ran before it in the batch" in diagnosis.evidence[0]
 
 
 @pytest.mark.parametrize("mode", MODES)

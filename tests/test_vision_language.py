@@ -203,3 +203,33 @@ def test_llava_generate_after_a_bad_write_to_the_vision_tower_names_that_weight(
         assert (event.batch, event.module, event.role, event.origin) == (
             2, "model.vision_tower.encoder.layers.0.mlp.fc2", "weight", "weight")
         assert event.diagnosis.kind == "corrupted-weight"
+
+
+def tiny_image_captioner() -> transformers.VisionEncoderDecoderModel:
+    torch.manual_seed(0)
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(
+        transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32, image_size=16, patch_size=8),
+        transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=40, n_positions=16,
+                                bos_token_id=1, eos_token_id=2))
+    model = transformers.VisionEncoderDecoderModel(config).eval()
+    for holder in (model.config, model.generation_config):
+        holder.decoder_start_token_id, holder.pad_token_id = 1, 0
+    return model
+
+
+def test_image_captioner_generate_with_a_nan_image_is_bad_data_in_full_mode():
+    # generate() runs the ViT encoder on pixel_values outside the model's forward, then the
+    # decoder's: full mode said "what made it could not be told" (an "unknown" verdict).
+    model = tiny_image_captioner()
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    pixels[1, 0, 3, 4] = math.nan
+    with watch(model, "full") as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.generate(pixel_values=pixels, max_new_tokens=3, do_sample=False)
+    event = w.events[0]
+    assert (event.batch, event.module, event.origin) == (
+        0, "encoder.embeddings.patch_embeddings.projection", "input")
+    assert event.diagnosis.kind == "bad-data"
+    assert event.diagnosis.summary.startswith(
+        "The kwarg:pixel_values that module 'encoder' was called with")

@@ -637,6 +637,12 @@ class Diagnoser(Feature):
                     item.within = item.rows
                     item.rows = [index] if item.nan or item.inf else []
             return
+        if facts.outside_pass:
+            # A part called outside the model's forward: its inputs are never held, but its
+            # frame says which held NaN when it was the batch's first call (so no other part
+            # of the model made them; code between two calls may have, and is not the data).
+            facts.bad_input_roles = self._first_call_nan_inputs(event, facts.outside_pass)
+            return
         # Not held: the root's frame of the batch says which of its inputs held NaN (in the
         # event's window, the trace, or the ring: the root's frame is the batch's last).
         root = self.recorder.modules[0].name
@@ -655,6 +661,28 @@ class Diagnoser(Feature):
                 if roles:
                     facts.bad_input_roles = list(dict.fromkeys(roles))
                     return
+
+    def _first_call_nan_inputs(self, event: NanEvent, part: str) -> list[str]:
+        """The inputs that held NaN when module ``part`` (called outside the model's forward,
+        around ``event``'s module) opened ``event``'s batch, read from its frame; none when
+        another module's call came first in the batch, or the frames to tell are gone."""
+        frames = [f for f in self.recorder.held_frames()
+                  if f.batch == event.batch and f.phase == "forward"]
+        inside = part + "."
+        own = next((f for f in frames if f.module == part), None)
+        if own is None:
+            return []
+        # The event's frame is the batch's first: nothing ran before ``part``'s call. Else the
+        # ring, when it still holds the batch's first frame, says whether another call did.
+        if event.frame != 0:
+            if frames[0].index != 0:
+                return []
+            first_outside = next((f.index for f in frames
+                                  if f.module != part and not f.module.startswith(inside)), None)
+            if first_outside is not None and first_outside < own.index:
+                return []
+        return list(dict.fromkeys(e.role for e in own.inputs()
+                                  if e.stats is not None and e.stats.nan))
 
     def _batch_dims(self) -> Callable[[str, torch.Tensor], int]:
         """The dim that holds the samples of each of the root's inputs: 1 for a recurrent root's

@@ -1116,6 +1116,20 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
         if inf_inputs and (came or (not made_by_op and event.origin == "input"
                                     and not event.is_backward)):
             bad = [i for i in inf_inputs if not came or i.role in came] or inf_inputs
+    if not bad and facts.bad_input_roles and not facts.inputs_held and facts.outside_pass:
+        roles, part = facts.bad_input_roles, facts.outside_pass
+        return Diagnosis(
+            "bad-data", f"The {', '.join(roles)} that module '{part}' was called with (outside "
+                        "the model's forward, the batch's first call) already held NaN: it came "
+                        "with the data, not from the model.",
+            [f"Module '{part}''s {role} in batch {event.batch} holds NaN, and no module of the "
+             "model ran before it in the batch." for role in roles]
+            + [f"Module '{part}' ran outside the model's forward (called directly): its inputs "
+               "are not held, so their rows cannot be named."],
+            fixes.bad_data(roles, []) + [
+                f"To have the rows named: watch module '{part}' as a model of its own (w.close(), "
+                f"then nw.watch(model.get_submodule('{part}')))."],
+            confidence="medium")
     if not bad and facts.bad_input_roles and not facts.inputs_held:
         roles = facts.bad_input_roles
         return Diagnosis(
