@@ -279,3 +279,35 @@ def test_a_watched_forward_keeps_few_objects_per_module_call():
         finally:
             gc.enable()
     assert at_return[-1] - before < (9 if native.available() else 12) * 33
+
+
+def test_a_hook_loading_fresh_weights_on_every_call_keeps_no_call_s_weights_alive():
+    # A pre-hook that puts a newly loaded Parameter in each call (weights streamed in from a
+    # store, as offloading does) made a new weight-cache entry per call, each holding its
+    # weight: 200 batches kept 200 copies of every weight alive.
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
+    store = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def load(module, args):
+        prefix = "0" if module is model[0] else "2"
+        for name in ("weight", "bias"):
+            module._parameters[name] = nn.Parameter(store[f"{prefix}.{name}"].clone())
+
+    for layer in (model[0], model[2]):
+        layer.register_forward_pre_hook(load)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        expected = model(x)
+    refs = []
+    with nw.watch(model) as watch, torch.no_grad():
+        for _ in range(200):
+            out = model(x)
+            refs.append(weakref.ref(model[0].weight))
+        gc.collect()
+        alive = sum(ref() is not None for ref in refs)
+    assert torch.equal(out, expected) and watch.events == []
+    assert alive <= 6, alive  # the 4 batches held for replay (keep_batches) and the last

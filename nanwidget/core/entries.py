@@ -206,6 +206,8 @@ class EntryBuilder:
         # id(parameter) -> (parameter, version, storage pointer, entry, requires grad,
         # generation) of its last measurement.
         self._weight_cache: dict[int, tuple[torch.Tensor, int, int, Entry, bool, int]] = {}
+        # (id of a module's parameter dict, name) -> id of the parameter cached for that slot.
+        self._cached_slots: dict[tuple[int, str], int] = {}
         # Generations: a measurement is reused while its own is current. Frozen parameters'
         # moves on at every optimizer step; trainable ones' also at every training forward.
         self._steps_seen = _STEPS.count
@@ -429,7 +431,7 @@ class EntryBuilder:
         """Append the entries of a module's own parameters and buffers, by their names.
         ``cache_weights=False``: measure the parameters on every call (FSDP2 gathers new values
         into the same tensors, version counters kept, and may reuse the same storage)."""
-        cache = self._weight_cache
+        cache, slots = self._weight_cache, self._cached_slots
         if _STEPS.count != self._steps_seen:  # an optimizer stepped since: measure again
             self._steps_seen = _STEPS.count
             self._generation += 1
@@ -470,6 +472,14 @@ class EntryBuilder:
                     # anew for each call, so keeping it would only hold every one alive.
                     if entry[1] is not None and pointer != -1 \
                             and isinstance(tensor, nn.Parameter):
+                        # A slot given a new Parameter (a hook loading the weights afresh on
+                        # each call) drops the one it held before: the cache keeps no weight
+                        # the module no longer holds.
+                        slot = (id(group), name)
+                        before = slots.get(slot)
+                        if before is not None and before != id(tensor):
+                            cache.pop(before, None)
+                        slots[slot] = id(tensor)
                         trainable = tensor.requires_grad
                         cache[id(tensor)] = (tensor, version_of(tensor), pointer, entry,
                                              trainable,
