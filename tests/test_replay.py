@@ -1353,3 +1353,51 @@ def test_a_snapshot_replay_is_not_stopped_by_weights_written_non_finite_after_it
     assert trace.reproduced and trace.first_bad["op"] == "log"
     assert trace.first_bad["source"] == line_of(LogOfLinear.forward, "torch.log(")
     assert torch.isnan(model.lin.weight[0, 0])  # the model's own weight, left as it was
+
+
+class _OffloadedLinear(nn.Linear):
+    """A Linear whose weights stay on the meta device between calls and are loaded from a
+    store inside its forward, then put back: what accelerate's cpu_offload / disk_offload do."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.store = {name: p.detach().clone() for name, p in self.named_parameters()}
+        self._offload()
+
+    def _offload(self):
+        for name in ("weight", "bias"):
+            self._parameters[name] = nn.Parameter(torch.empty_like(self.store[name], device="meta"))
+
+    def forward(self, x):
+        for name in ("weight", "bias"):
+            self._parameters[name] = nn.Parameter(self.store[name].to(x.device))
+        try:
+            return super().forward(x)
+        finally:
+            self._offload()
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_in_weights_loaded_inside_the_forward_is_a_corrupted_weight_and_replays_loaded(mode):
+    # The frames see such weights as meta (the forward put them back before its hook ran):
+    # the NaN was "made here from finite inputs and weights; what made it could not be told"
+    # (unknown), the replay's frame showed the weight as meta, and every weight was listed as
+    # "replaced by another tensor since the batch ran".
+    torch.manual_seed(0)
+    model = nn.Sequential(_OffloadedLinear(8, 16), nn.ReLU(), _OffloadedLinear(16, 4)).eval()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        expected = model(x)
+    with nw.watch(model, mode=mode, on_nan="record") as watch, torch.no_grad():
+        assert torch.equal(model(x), expected)
+        model[2].store["weight"][1, 3] = float("nan")  # a bad checkpoint, read at the next call
+        model(x)
+        event = watch.event
+        trace = watch.replay(event.batch)
+    assert (event.batch, event.module) == (1, "2")
+    assert event.diagnosis.kind == "corrupted-weight", event.diagnosis.summary
+    assert "'2.weight'" in event.diagnosis.summary
+    weight = trace.frames[(trace.frames.module == "2") & (trace.frames.role == "weight")]
+    assert bool(weight.nan.iloc[0]) and weight.note.iloc[0] == ""  # loaded, not "meta"
+    assert trace.reproduced and trace.changes == []
+    assert all(p.is_meta for p in model.parameters())  # still offloaded afterwards

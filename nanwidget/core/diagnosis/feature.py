@@ -1082,8 +1082,10 @@ class Diagnoser(Feature):
                     # A DTensor (FSDP2) is read on this rank's shard: indexing the DTensor
                     # itself fails, and reducing it would run a collective on one rank only.
                     values = local_shard(tensor.detach())
-                    # storage freed between forwards (FSDP): nothing to read, reading crashes
-                    if values.numel() and values.is_floating_point() and storage_holds(values):
+                    # storage freed between forwards (FSDP): nothing to read, reading crashes;
+                    # on the meta device between calls (accelerate's offloading): no values
+                    if values.numel() and values.is_floating_point() and not values.is_meta \
+                            and storage_holds(values):
                         finite = values[torch.isfinite(values)]
                         if finite.numel():
                             largest = max(largest, float(finite.abs().max()))

@@ -443,6 +443,9 @@ class _Replay:
                                "(the replay runs the current dtype)")
                 changed.append(name)
                 continue
+            if tensor is not then and tensor.is_meta and then.is_meta \
+                    and tensor.shape == then.shape:
+                continue  # offloaded (accelerate): a new meta stand-in, no values either time
             if tensor is not then or pointer_now != pointer_then:
                 how = "replaced by another tensor" if tensor is not then else \
                     "its data swapped (p.data = ... or a device move)"

@@ -234,6 +234,12 @@ class OpRecorder:
         self.infos = infos
         self.names = names
         self.stack: list[tuple[str, str]] = []
+        self.running: list[nn.Module] = []  # the modules of ``stack``
+        # Modules whose own weights were on the meta device when their call began (accelerate's
+        # offloading loads them inside the forward and puts them back after it), and, for each
+        # running one, the weights seen loaded: (their ids, their entries).
+        self.offloaded: set[int] = set()
+        self.swapped_in: dict[int, tuple[set[int], dict[str, Entry]]] = {}
         self.pending = _FramePending()
         self.pending.on_add = self._frame_tensor
         self.op_pending = PendingStats()  # op outputs: measured and read back op by op
@@ -293,7 +299,15 @@ class OpRecorder:
         """The module's first pre-hook: its call begins, so that the ops of the user's own
         pre-hooks (the old weight_norm's, prune's) are named after it (:meth:`post_hook`, an
         always-called hook, ends it)."""
+        if self.running and self.offloaded:
+            self._weights_swapped_in(self.running[-1])  # its weights, handed to this child
         self.stack.append(self.names.get(id(module), ("?", type(module).__name__)))
+        self.running.append(module)
+        info = self.infos.get(id(module))
+        if info is not None and info.has_state and self.phase == "forward" \
+                and any(t is not None and t.is_meta for group in
+                        (info.weights._parameters, info.weights._buffers) for t in group.values()):
+            self.offloaded.add(id(module))
         if self.phase == "backward":
             self.recomputing += 1  # its ops are named after it; no second forward frame
 
@@ -315,6 +329,9 @@ class OpRecorder:
     def post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if self.stack:
             self.stack.pop()
+        if self.running:
+            self.running.pop()
+        swapped = self.swapped_in.pop(id(module), None)
         if self.recomputing:
             self.recomputing -= 1
             return
@@ -331,8 +348,45 @@ class OpRecorder:
                 measured.pop() if measured else None)
         finally:
             self.paused = False
+        if swapped is not None:  # the weights its forward loaded, not the meta ones left
+            loaded = swapped[1]
+            entries[:first_input] = [loaded.get(entry.role, entry) if entry.note == "meta"
+                                     else entry for entry in entries[:first_input]]
         self.record_frame(info, "forward", entries, first_output=first_output,
                           first_input=first_input)
+
+    def _weights_swapped_in(self, module: nn.Module) -> None:
+        """Measure and name the weights a module whose weights are on the meta device between
+        calls (accelerate's ``cpu_offload``, ``disk_offload``, ``device_map`` with offloading)
+        has loaded inside its forward: its frame shows them rather than the meta tensors left
+        after it, and the lineage calls a NaN/Inf in one that weight's, not a tensor made
+        outside the replay (nor the copy that loaded it, made from a file)."""
+        key = id(module)
+        if key not in self.offloaded:
+            return
+        info = self.infos[key]
+        holder = info.weights
+        loaded = [(name, tensor) for group in (holder._parameters, holder._buffers)
+                  for name, tensor in group.items() if tensor is not None and not tensor.is_meta]
+        seen = self.swapped_in.get(key)
+        if not loaded or (seen is not None and all(id(t) in seen[0] for _, t in loaded)):
+            return
+        paused, self.paused = self.paused, True
+        try:
+            entries: list[Entry] = []
+            self.entries.weight_entries(holder, entries, cache_weights=False)
+        finally:
+            self.paused = paused
+        if seen is None:  # kept also once put back to meta (the last ops of its forward)
+            seen = self.swapped_in[key] = (set(), {})
+        seen[0].update(id(tensor) for _, tensor in loaded)
+        seen[1].update((entry.role, entry) for entry in entries if entry.note != "meta")
+        prefix = f"{info.name}." if info.name else ""
+        for name, tensor in loaded:
+            storage = storage_key(tensor)
+            if storage is not None:
+                self.source_names[storage] = ("weight", prefix + name)
+                self.bad_writer.pop(storage, None)
 
     def record_frame(self, info: ModuleInfo, phase: str, entries: list[Entry],
                      batch: int | None = None, first_output: int | None = None,
@@ -381,6 +435,8 @@ class OpRecorder:
     def before_op(self, func: Any, args: tuple, kwargs: dict) -> None:
         if self.to_tag:
             self.tag_nodes()
+        if self.offloaded and self.running:
+            self._weights_swapped_in(self.running[-1])
         name = func.overloadpacket.__name__
         if name[-1:] == "_" and name not in _OVERWRITING_IN_PLACE:
             self.before_write = self._range_before_write(func, args)
