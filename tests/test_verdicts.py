@@ -785,3 +785,70 @@ def test_a_nan_in_a_torchao_weights_scale_is_named(config):
     assert "finite inputs and weights" not in report
     assert event.trace.reproduced
     assert "float model's fc1.weight before quantizing" in event.diagnosis.suggestion[0]
+
+
+# ----------------------------------------------- per-sample gradients with ExpandedWeights
+def _expanded_weights_steps(model, steps, plant=None):
+    """Steps of per-sample-gradient training through torch's ExpandedWeights (what
+    ``call_for_per_sample_grads`` and Opacus' ``grad_sample_mode="ew"`` run); ``plant(step)``
+    corrupts something before a step. Returns what the steps made."""
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+    generator = torch.Generator().manual_seed(1)
+    made = []
+    for step in range(steps):
+        x = torch.randn(6, 8, generator=generator)
+        y = torch.randint(0, 3, (6,), generator=generator)
+        if plant is not None:
+            plant(step, model, x)
+        out = call_for_per_sample_grads(model)(x)
+        nn.functional.cross_entropy(out, y).backward()
+        made += [out.detach()] + [p.grad_sample.clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad_sample.mean(0)
+                p.grad_sample = None
+    return made
+
+
+def _expanded_weights_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_weight_written_nan_under_expanded_weights_is_a_corrupted_weight(mode, reduction_path):
+    """During call_for_per_sample_grads' forward every parameter slot holds an ExpandedWeight
+    (it refuses .detach() and .grad): the diagnosis failed ('Expanded Weights encountered but
+    cannot handle function __get__') with an internal-error warning, and the replay said every
+    parameter had been replaced by another tensor."""
+    def plant(step, model, x):
+        if step == 2:
+            with torch.no_grad():
+                model[3].weight[0, 0] = NAN
+
+    model = _expanded_weights_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no internal-error warning
+        with nw.watch(model, mode=mode, on_nan="raise") as w:
+            with pytest.raises(nw.NanDetected):
+                _expanded_weights_steps(model, 4, plant)
+            event = w.event
+            assert (event.batch, event.module, event.role, event.origin) == (2, "3", "weight", "weight")
+            assert event.diagnosis.kind == "corrupted-weight", event.diagnosis.summary
+            assert "between batch 1 and batch 2" in event.diagnosis.summary
+            trace = w.replay(2)
+            assert trace.reproduced and trace.changes == []
+
+
+def test_expanded_weights_training_is_unchanged_and_quiet_under_a_watch(reduction_path):
+    baseline = _expanded_weights_steps(_expanded_weights_model(), 3)
+    for options in ({}, {"mode": "sentinel", "backward": True, "replay_on_nan": True},
+                    {"backward": True, "snapshot_weights": True}):
+        model = _expanded_weights_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with nw.watch(model, **options) as w:
+                made = _expanded_weights_steps(model, 3)
+        assert all(torch.equal(a, b) for a, b in zip(baseline, made)), options
+        assert not w.events and not w.warnings
+

@@ -90,7 +90,7 @@ from .sourcelines import user_stacklevel
 from .records import Finding, Records
 from .schema import PACKED
 from .state import watched_modules
-from .stats import PendingStats
+from .stats import PendingStats, stood_for
 from .writes import track_optimizer_steps
 
 __all__ = ["Recorder", "Feature", "Finding", "ModuleInfo", "ConcurrentForwardError",
@@ -1538,10 +1538,13 @@ class Recorder:
             tensor = info.weights._parameters.get(role)
         except Exception:  # a container that cannot tell
             return False
-        return isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter)
+        # An ExpandedWeight (per-sample gradients) is the module's own parameter, not another.
+        return isinstance(tensor, torch.Tensor) and not isinstance(stood_for(tensor), nn.Parameter)
 
     def weight(self, module: str, role: str) -> torch.Tensor | None:
-        """The named module's own parameter or buffer ``role`` (event time only), or None."""
+        """The named module's own parameter or buffer ``role`` (event time only), or None. A
+        per-sample-gradient stand-in in the slot (torch's ``ExpandedWeight``, during its forward)
+        is read as the parameter it holds."""
         info = self._by_name.get(module)
         if info is None:
             return None
@@ -1551,7 +1554,7 @@ class Recorder:
                 tensor = info.weights._buffers.get(role)
         except Exception:  # a container that cannot tell
             return None
-        return tensor if isinstance(tensor, torch.Tensor) else None
+        return stood_for(tensor) if isinstance(tensor, torch.Tensor) else None
 
     def weight_owner(self, qualified: str) -> tuple[str, str]:
         """The watched module that keeps the weight called ``qualified`` and the weight's name

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ from .schema import CHANGED_LATER, PENDING
 __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "version_of",
            "widen_float8",
            "storage_holds", "measure_tensor", "PENDING_BYTES_LIMIT", "PLAIN_TENSOR_TYPES",
-           "local_shard", "is_distributed_tensor", "plain_view", "nested_values",
+           "local_shard", "is_distributed_tensor", "plain_view", "nested_values", "stood_for",
            "functorch_unwrapped", "vmapped_samples"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
@@ -200,6 +201,19 @@ def _unwrapped(tensor: torch.Tensor) -> torch.Tensor:
 PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _NO_DISPATCH = torch.Tensor.__torch_dispatch__  # what a class without __torch_dispatch__ has
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
+
+
+def stood_for(tensor: Any) -> Any:
+    """The parameter that a per-sample-gradient stand-in in a module's slot holds: torch's
+    ``ExpandedWeight``, which ``torch.nn.utils._per_sample_grad.call_for_per_sample_grads``
+    and Opacus' ``grad_sample_mode="ew"`` put in every parameter slot for the forward (it
+    refuses every op but the layers' own, even ``.detach()`` and ``.grad``; its values, version
+    counter and storage are the parameter's). Anything else is returned as it is."""
+    if type(tensor).__name__ == "ExpandedWeight":
+        original = getattr(tensor, "orig_weight", None)  # an instance attribute: no op runs
+        if isinstance(original, torch.Tensor):
+            return original
+    return tensor
 
 
 def plain_view(tensor: torch.Tensor) -> torch.Tensor | None:

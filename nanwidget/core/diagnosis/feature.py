@@ -31,8 +31,8 @@ from ..frames import Frame, weights_finite_last, weights_nonfinite_batches
 from ..ranks import world_size
 from ..recorder import Feature, ModuleInfo, Recorder
 from ..schema import PACKED
-from ..stats import (PLAIN_TENSOR_TYPES, local_shard, storage_holds, version_of,
-                     vmapped_samples)
+from ..stats import (PLAIN_TENSOR_TYPES, functorch_unwrapped, local_shard, storage_holds,
+                     stood_for, version_of, vmapped_samples)
 from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_in_step,
                       nonfinite_lr_step, optimizer_state_nonfinite, optimizers_holding,
                       optimizers_stepped, param_group_of, step_in_progress,
@@ -1079,6 +1079,10 @@ class Diagnoser(Feature):
                     continue
                 largest = 0.0
                 for tensor in info.module.parameters(recurse=False):
+                    # Not an ExpandedWeight (it refuses .detach()), nor a vmap's batched
+                    # tensor (an ensemble's stacked weights: its boolean-mask indexing fails),
+                    # but the values they hold.
+                    tensor = functorch_unwrapped(stood_for(tensor))
                     # A DTensor (FSDP2) is read on this rank's shard: indexing the DTensor
                     # itself fails, and reducing it would run a collective on one rank only.
                     values = local_shard(tensor.detach())

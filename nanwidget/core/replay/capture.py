@@ -23,7 +23,7 @@ from ..frames import Frame
 from ..holders import stand_ins
 from ..options import batch_number
 from ..recorder import Feature
-from ..stats import version_of
+from ..stats import stood_for, version_of
 from ..walk import iter_leaves
 from ..writes import step_in_progress, steps_taken
 from .divergence import adapter_layer
@@ -238,7 +238,9 @@ def versions_of(tensors: list[torch.Tensor | None]) -> list[int]:
     try:
         return list(map(_version_getter, tensors))
     except (AttributeError, RuntimeError):  # a slot set to None since, or an inference tensor
-        return [-1 if t is None else version_of(t) for t in tensors]
+        # (read without a subclass's own code: an ExpandedWeight refuses even ._version)
+        with _no_torch_function():
+            return [-1 if t is None else version_of(t) for t in tensors]
 
 
 def _input_versions(tensors: list[torch.Tensor]) -> list[int]:
@@ -508,6 +510,7 @@ class BatchCapture(Feature):
                 if tensor is None:
                     snapshot.append(None)
                     continue
+                tensor = stood_for(tensor)  # an ExpandedWeight refuses .detach()
                 copy = copies.get(id(tensor))
                 if copy is None:
                     copy = copies[id(tensor)] = tensor.detach().clone()
@@ -632,9 +635,12 @@ class BatchCapture(Feature):
         if one is None or two is None or not one.forwards or not two.forwards:
             return set()
         names = self.slots.names
+        # A parameter's per-sample-gradient stand-in (ExpandedWeight), made anew for each
+        # forward, is that parameter: no other tensor in its slot.
         return {names[i] for i, (then, now) in enumerate(zip(one.forwards[0].weights,
                                                              two.forwards[0].weights))
-                if i < len(names) and then is not None and now is not None and then is not now}
+                if i < len(names) and then is not None and now is not None and then is not now
+                and stood_for(then) is not stood_for(now)}
 
     def ran_with_grad(self, batch: int) -> bool | None:
         """Whether any root forward of held ``batch`` ran with gradients on (outside

@@ -26,7 +26,7 @@ from ..opaque import add_forward_hook, add_forward_pre_hook, hookable_modules
 from ..recorder import ModuleInfo, Recorder, in_backward_pass
 from ..schema import DEQUANTIZED, OPS_COLUMNS, OPS_DTYPES, PACKED
 from ..sourcelines import user_stacklevel
-from ..stats import is_distributed_tensor, measure_tensor, version_of
+from ..stats import is_distributed_tensor, measure_tensor, stood_for, version_of
 from ..trace import TENSOR_COLUMNS, Trace
 from ..walk import iter_leaves
 from ..writes import written_since
@@ -429,7 +429,9 @@ class _Replay:
         end_versions = dict(zip(slots.buffer_positions, last.end_buffer_versions or []))
         for i, tensor in enumerate(current):
             name = slots.names[i]
-            then = first.weights[i] if i < len(first.weights) else None
+            # The batch's forward may have run with its parameters' per-sample-gradient
+            # stand-ins in their slots (ExpandedWeight): those are the parameters.
+            then = stood_for(first.weights[i]) if i < len(first.weights) else None
             (pointer_then, dtype_then) = first.weight_layout[i] if i < len(first.weight_layout) \
                 else (-1, None)
             pointer_now, dtype_now = layout_now[i]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..stats import stood_for
 from .capture import WeightSlots
 
 __all__ = ["Shadows", "ModuleAttributes", "tensors_in", "mutated_arguments"]
@@ -108,13 +109,18 @@ class Shadows:
         for i, original in enumerate(current):
             if original is None:
                 continue
-            source = sources[i]
-            if source is None or source.shape != original.shape or source.dtype != original.dtype:
-                source = original
+            # A replay made while per-sample gradients run (an ExpandedWeight in each
+            # parameter's slot, which refuses .detach()) runs on the parameters themselves;
+            # the stand-ins go back into the slots after it.
+            parameter = stood_for(original)
+            source = stood_for(sources[i])
+            if source is None or source.shape != parameter.shape or source.dtype != parameter.dtype:
+                source = parameter
             shadow = made.get(id(source))
             if shadow is None:
-                shadow = made[id(source)] = self._make(original, source, slots.is_buffer[i])
+                shadow = made[id(source)] = self._make(parameter, source, slots.is_buffer[i])
             self._stand_ins.setdefault(id(original), shadow)
+            self._stand_ins.setdefault(id(parameter), shadow)
             self.swaps.append((slots.containers[i], slots.keys[i], original))
             slots.containers[i][slots.keys[i]] = shadow
         for module in slots.modules:
