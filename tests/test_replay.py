@@ -1401,3 +1401,29 @@ def test_a_nan_in_weights_loaded_inside_the_forward_is_a_corrupted_weight_and_re
     assert bool(weight.nan.iloc[0]) and weight.note.iloc[0] == ""  # loaded, not "meta"
     assert trace.reproduced and trace.changes == []
     assert all(p.is_meta for p in model.parameters())  # still offloaded afterwards
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_replay_on_nan_met_inside_jacrev_says_to_replay_once_the_transform_returns(mode):
+    """An event met inside torch.func.jacrev (a Jacobian of a watched model's functional_call):
+    the automatic replay ran inside the transform and torch refused it ('You are attempting to
+    call Tensor.requires_grad_() ... inside of a function being transformed'), which was all
+    the warning or the sentinel event's note said. It now says why and what to do, and that
+    replay, after the transform, reproduces the NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    x = torch.randn(6)
+    x[1] = float("nan")
+    params = dict(model.named_parameters())
+    with nw.watch(model, mode=mode, replay_on_nan=True) as w:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(nw.NanDetected) as raised:
+                torch.func.jacrev(lambda p: torch.func.functional_call(model, p, (x,)))(params)
+        told = [str(c.message) for c in caught] + [str(raised.value)]
+        assert any("torch.func transform" in t and "w.replay(0)" in t for t in told), told
+        assert not any("requires_grad_" in t for t in told), told
+        trace = w.replay(0)
+        assert trace.frames["nan"].any()
+        if mode == "full":
+            assert trace.reproduced

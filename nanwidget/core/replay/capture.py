@@ -721,6 +721,11 @@ class BatchCapture(Feature):
                     "object (the forward may change it). Pass tensors, lists, dicts or objects "
                     "that copy.copy() can copy")
         _check_inputs(held)
+        if _transform_running():
+            raise ReplayError(
+                f"cannot replay batch {batch} now: a torch.func transform (grad, vjp, jacrev, "
+                "hessian, vmap ...) is running, and a replay cannot run inside it. The batch is "
+                f"held: call w.replay({batch}) once the transform has returned")
         return held
 
 
@@ -742,6 +747,15 @@ def _transformed(tensor: torch.Tensor) -> bool:
     try:
         return bool(torch._C._functorch.is_functorch_wrapped_tensor(tensor))
     except Exception:  # an older torch or an odd tensor: a plain one
+        return False
+
+
+def _transform_running() -> bool:
+    """Whether a torch.func transform is running now (the replay was asked for from inside it:
+    an event met within ``jacrev(...)``): its interpreter refuses what a replay does."""
+    try:
+        return torch._C._functorch.maybe_current_level() is not None
+    except Exception:  # an older torch: none can be told
         return False
 
 
