@@ -104,6 +104,8 @@ def _private(mode, *, watch=None, order="after", steps=10, batch_size=4, plant=N
                          torch.randint(0, 3, (40,), generator=generator))
     if plant == "nan-sample":
         data.tensors[0][[5, 20, 33], 2] = NAN
+    if plant == "huge-sample":
+        data.tensors[0][[5, 20, 33], 2] = 1e30
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     w = nw.watch(model, on_nan="record", **watch) if watch is not None and order == "before" \
         else None
@@ -174,4 +176,17 @@ def test_dp_sgd_a_weight_written_nan_is_a_corrupted_weight(mode, options):
     assert event.diagnosis.kind == "corrupted-weight", event.diagnosis.summary
     trace = w.replay(3)
     assert trace.frames["nan"].any()
+    w.close()
+
+
+def test_dp_sgd_an_overflow_in_the_wrapped_model_names_no_line_of_opacus():
+    """Watching the GradSampleModule: a LayerNorm of a huge sample overflows; the diagnosis
+    said it was made 'at .../opacus/grad_sample/grad_sample_module.py:549' (the wrapper's
+    ``self._module(...)``) and its fix was to keep the values smaller there."""
+    _, w = _private("hooks", watch={"mode": "sentinel", "replay_on_nan": True},
+                    plant="huge-sample", watch_wrapper=True)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "overflow", diagnosis.summary
+    told = " ".join([diagnosis.summary, *diagnosis.suggestion])
+    assert "opacus" not in told, told
     w.close()

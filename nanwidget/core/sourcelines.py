@@ -46,8 +46,10 @@ _TOOL_PARTS = (os.sep + "IPython" + os.sep, os.sep + "ipykernel" + os.sep,
 # Linear (F.linear, as torch.nn.Linear): every conv's scatter runs through the same line of
 # utils/_scatter.py; the conv's ``self.propagate(...)`` line or the model's
 # ``global_add_pool(...)`` line says where.
+# Opacus' GradSampleModule only calls the model it wraps (``return self._module(...)``): every
+# op of a wrapped nn.Sequential was said to be made at that line of Opacus.
 _SHIM_DIRS = (("keras", "src", "backend"), ("keras", "src", "ops"), ("torch_geometric", "utils"),
-              ("torch_geometric", "nn", "aggr"))
+              ("torch_geometric", "nn", "aggr"), ("opacus", "grad_sample"))
 _SHIM_FILES = (("torch_geometric", "nn", "conv", "message_passing.py"),
                ("torch_geometric", "nn", "pool", "glob.py"),
                ("torch_geometric", "nn", "dense", "linear.py"),
