@@ -5059,3 +5059,43 @@ def test_every_text_a_training_wrappers_words_replace_is_one_that_a_fix_says():
     worded = fixes.in_wrapper_terms(fixes.divergence("float16")
                                    + fixes.overflow("m", "float16", "", "addmm"), "fabric")
     assert not any("clip_grad_norm_" in fix or "dtype=torch.bfloat16" in fix for fix in worded)
+
+
+class LeftPaddedDecoder(nn.Module):
+    """Causal self-attention over a left-padded batch, masked with -inf, then an output
+    projection: the padding positions of a padded row see no key at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        keep = causal[None] & attention_mask[:, None, :].bool()
+        scores = (q @ k.transpose(-1, -2)).masked_fill(~keep, -math.inf)
+        return self.out(torch.softmax(scores, dim=-1) @ v)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_left_padded_row_under_a_causal_mask_is_a_masked_row_that_names_its_row(mode):
+    # No sequence is all padding, and the NaN reaches the output projection first: the
+    # masked-row diagnosis named no row (its fixes said "check the rows named here") and
+    # told to drop sequences that are all padding.
+    torch.manual_seed(0)
+    model = LeftPaddedDecoder()
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with watch(model, mode) as w:
+        model(torch.randn(3, 5, 8), attention_mask=mask)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.module, event.role) == ("out", "input[0]")
+    assert (diagnosis.kind, diagnosis.rows) == ("masked-row", [1])
+    assert "in row 1 of the batch's 3 rows" in " ".join(diagnosis.evidence)
+    assert "kwarg:attention_mask is 0 at the first 2 positions of row 1 (left padding)" in \
+        " ".join(diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith(
+        f"Fill the mask of the softmax at {line_of(LeftPaddedDecoder.forward, 'torch.softmax')}"
+        " with torch.finfo(scores.dtype).min")
+    assert not any("all padding" in fix for fix in diagnosis.suggestion)
+

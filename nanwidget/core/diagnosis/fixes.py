@@ -440,6 +440,17 @@ def masked_row() -> list[str]:
             "True masks every key of that sequence; check the rows named here."]
 
 
+def masked_left_padding(at: str) -> list[str]:
+    """A causal softmax masked with -inf over a left-padded batch: the padding positions'
+    queries see no key. Their outputs are never used, so any finite value will do."""
+    return [f"Fill the mask of the softmax{at} with torch.finfo(scores.dtype).min instead of "
+            "-inf: the padding positions then get a finite (uniform) softmax, which nothing "
+            "reads (as transformers' eager attention does).",
+            f"Or zero the rows that see no key after the softmax{at}: "
+            "probs.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0), or use "
+            "F.scaled_dot_product_attention, which gives 0 there."]
+
+
 def summed_masks(at: str, both: bool) -> list[str]:
     """Masks filled with ``torch.finfo(dtype).min`` added together (``both``), or one added to
     scores below 0, that passed the dtype's lowest value."""

@@ -2012,6 +2012,21 @@ def _rows_masked(facts: Facts) -> list[int]:
     return sorted({r for i in facts.inputs for r in i.masked_rows})
 
 
+def _left_padded(facts: Facts, rows: list[int]) -> str:
+    """The line saying that the rows a masked softmax made NaN in are left-padded (their
+    attention_mask starts with zeros): under a causal mask the query positions of the padding
+    see no key at all, though the sequence holds tokens. "" when they are not."""
+    for item in facts.inputs:
+        padded = [r for r in rows if r in item.left_padding]
+        if padded and len(padded) == len(rows):
+            first = ", ".join(f"the first {item.left_padding[r]} positions of row {r}"
+                              for r in padded[:8]) + (", ..." if len(padded) > 8 else "")
+            return (f"{item.role} is 0 at {first} (left padding): under a causal mask, each "
+                    "padding position's query sees no key at all, so its scores are all -inf "
+                    "though the sequence holds tokens.")
+    return ""
+
+
 def _writes_inf(op: OpFacts) -> bool:
     """Whether the op writes a value it was given (masked_fill, fill, full, where) and made an
     Inf from finite inputs: the value was inf (a mask), nothing overflowed."""
@@ -2065,12 +2080,22 @@ def _from_op(facts: Facts) -> Diagnosis | None:
     in_rows = _rows_words(rows, facts.batch_size())
     if kind == "masked-row":
         rows = _rows_masked(facts)
+        suggestion = fixes.masked_row()
         if rows:
             masks = [i.role for i in facts.inputs if i.masked_rows]
             evidence.append(f"Rows {', '.join(map(str, rows[:12]))} of the batch have a fully "
                             f"masked {', '.join(masks)}.")
+        else:  # no sequence is all padding: the samples whose softmax rows came out NaN
+            rows = _op_rows(facts, op)
+            if rows:
+                evidence.append(_rows_evidence(op, rows, facts.batch_size()))
+                padded = _left_padded(facts, rows)
+                if padded:
+                    evidence.append(padded)
+                    suggestion = fixes.masked_left_padding(op.at)
+            rows = _samples_at_fault(rows, facts.batch_size())
         return Diagnosis("masked-row", f"{op.op} {op.place}{op.at} ran over rows that were "
-                                       f"all -inf: {reason}.", evidence, fixes.masked_row(),
+                                       f"all -inf: {reason}.", evidence, suggestion,
                          rows=rows, confidence=confidence)
     if kind == "domain":
         # A mean over an empty selection (a loss over no counted target has its own fixes).
