@@ -5099,3 +5099,56 @@ def test_a_left_padded_row_under_a_causal_mask_is_a_masked_row_that_names_its_ro
         " with torch.finfo(scores.dtype).min")
     assert not any("all padding" in fix for fix in diagnosis.suggestion)
 
+
+class RecurrentStep(nn.Module):
+    """One step of a recurrent model: takes the hidden state it returned the step before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(self.fc(torch.log(x)) + hidden)
+        return self.head(hidden), hidden
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_the_model_carries_over_in_its_hidden_state_is_told_as_the_first_steps(mode):
+    # Step 0's log of a negative value left row 1 of the hidden state NaN; each later step's
+    # event read it back and was "bad-data: it came with the data, not from the model".
+    torch.manual_seed(0)
+    model = RecurrentStep()
+    with watch(model, mode) as w, torch.no_grad():
+        hidden = torch.zeros(3, 4)
+        for step in range(3):
+            x = torch.rand(3, 4) + 0.5
+            if step == 0:
+                x[1, 2] = -1.0
+            _, hidden = model(x, hidden=hidden)
+    first, later = w.events[0].diagnosis, w.events[2].diagnosis
+    assert (first.kind, first.rows) == ("domain", [1])
+    assert (later.kind, later.rows) == ("domain", [1])
+    assert later.summary.startswith(
+        "The batch's kwarg:hidden holds NaN in row 1 that the model's own earlier steps wrote "
+        "into the state it carries over (a KV cache, a hidden state), since batch 0: log in "
+        "module '<root>'")
+    assert "came with the data" not in later.summary
+    assert later.evidence[0].startswith("Each of batches 0 to 1 made an event, the first at "
+                                        "module 'fc' (Linear), input[0]")
+    assert later.suggestion == first.suggestion
+
+
+def test_nan_data_in_a_hidden_state_after_finite_steps_is_still_bad_data():
+    # The state is carried only when the steps before it made events.
+    torch.manual_seed(0)
+    model = RecurrentStep()
+    with watch(model, "full") as w, torch.no_grad():
+        model(torch.rand(3, 4) + 0.5, hidden=torch.zeros(3, 4))
+        hidden = torch.zeros(3, 4)
+        hidden[2, 0] = math.nan
+        model(torch.rand(3, 4) + 0.5, hidden=hidden)
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, diagnosis.kind, diagnosis.rows) == (1, "bad-data", [2])
+    assert diagnosis.summary.startswith("The batch's kwarg:hidden holds NaN in row 2: it came "
+                                        "with the data")

@@ -157,6 +157,27 @@ def test_a_left_padded_row_whose_padding_sees_no_key_is_a_masked_row_naming_that
     assert trace.reproduced and trace.first_bad.op == "_softmax"
 
 
+@pytest.mark.parametrize("options", [{}, {"mode": "sentinel"}], ids=["full", "sentinel"])
+def test_later_steps_that_read_the_nan_the_first_wrote_into_the_kv_cache_are_not_bad_data(
+        options):
+    # Each later step's NaN came from the cache the first step wrote: it was "bad-data ... it
+    # came with the data, not from the model", with a Dataset's fixes.
+    w = _left_padded_nan(options)
+    first, later = w.events[0], w.events[1]
+    assert later.batch == 1
+    diagnosis = later.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("masked-row", [0])
+    assert diagnosis.summary.startswith("The batch's kwarg:cache.layers[1].keys")
+    assert "that the model's own earlier steps wrote into the state it carries over" in \
+        diagnosis.summary and "since batch 0" in diagnosis.summary
+    assert "came with the data" not in diagnosis.summary
+    assert diagnosis.evidence[0].startswith(
+        "Batch 0 made an event at module 'model.layers.0.self_attn.o_proj'")
+    assert diagnosis.suggestion == first.diagnosis.suggestion
+    assert w.events[2].diagnosis.evidence[0].startswith(
+        "Each of batches 0 to 1 made an event, the first at module")
+
+
 @pytest.mark.parametrize("cache", ["static", "no-cache"])
 def test_left_padded_sampling_with_a_static_cache_or_none_is_unchanged_and_quiet(cache):
     settings = dict(input_ids=LEFT_PADDED, attention_mask=(LEFT_PADDED != 0).long(),

@@ -612,6 +612,9 @@ class Facts:
     # earlier forward event at the same module and role, or frames of the event's window that
     # measured every one of them non-finite.
     nonfinite_before: list[int] = field(default_factory=list)
+    # The first event of the steps before, each with an event, when the batch's only
+    # non-finite inputs are state the model carried over (a KV cache written by those steps).
+    state_from: NanEvent | None = None
     # The earlier forward event whose batch's forward wrote these non-finite buffers after
     # they were last seen finite (BatchNorm's running statistics updated from NaN data).
     poisoned_by: NanEvent | None = None

@@ -108,6 +108,11 @@ _PASSED_AS = re.compile(r"grad_scaler=(?!model\.optimizer)[A-Za-z_][A-Za-z0-9_]*
 
 
 _STACK_DEPTH = 60  # caller frames searched for a training wrapper
+# Roles of inputs that hold state the model carried over from its previous call: a KV cache
+# (transformers' cache=, past_key_values=, a Cache object's layers), a recurrent hidden state.
+# Not a bare "state": an RL policy's state is its observation, data.
+_CARRIED_STATE = re.compile(r"cache|past_key|past\b|hidden|(ssm|conv|recurrent|rnn)_?states?"
+                            r"|mems\b|kwarg:(h|hx|h0)\b", re.IGNORECASE)
 
 
 def _made_outside_forward(event: NanEvent, inputs: list[Any]) -> bool:
@@ -317,6 +322,10 @@ class Diagnoser(Feature):
             facts.outside_pass = root
         self._read_inputs(facts)
         facts.made_outside_forward = _made_outside_forward(event, facts.inputs)
+        if not event.is_backward and event.origin != "peer" and not facts.made_outside_forward:
+            facts.state_from = self._state_carried_from(facts)
+            if facts.state_from is not None:
+                return facts  # the step that first wrote it says why
         if event.is_backward and event.origin != "peer":
             facts.accumulated_from = self._track_gradients(event)
             if facts.accumulated_from is not None:
@@ -971,6 +980,30 @@ class Diagnoser(Feature):
         found = {name: name.rpartition(".")[0] for name in names
                  if name.rpartition(".")[0] and name.rpartition(".")[0] in added_names}
         return found, {module for module in found.values() if module not in removed}
+
+    def _state_carried_from(self, facts: Facts) -> NanEvent | None:
+        """The first forward event of the run of batches, each with a forward event, that ends
+        just before the event's, when the batch's only non-finite inputs are state the model
+        carries from step to step (a KV cache, a recurrent hidden state): generate() feeds
+        each step the cache the step before wrote, so a NaN the first step made is in every
+        later step's inputs. None otherwise (those inputs came with the batch)."""
+        event = facts.event
+        bad = [i for i in facts.inputs if i.nan or (i.inf and not i.mask)]
+        if event.batch < 1 or not facts.inputs_held or not bad \
+                or not all(_CARRIED_STATE.search(i.role) for i in bad):
+            return None
+        first: dict[int, NanEvent] = {}
+        for earlier in self.recorder.events:
+            if earlier.batch < event.batch and earlier.rank == event.rank \
+                    and not earlier.is_backward and earlier.origin != "peer" \
+                    and earlier.diagnosis is not None:
+                first.setdefault(earlier.batch, earlier)
+        batch = event.batch - 1
+        if batch not in first:
+            return None
+        while batch - 1 in first:
+            batch -= 1
+        return first[batch]
 
     def _poisoned_by(self, facts: Facts, names: list[str]) -> NanEvent | None:
         """The earliest earlier forward event whose batch's forward wrote into these buffers

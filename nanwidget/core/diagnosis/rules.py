@@ -709,6 +709,34 @@ def _after_forward(facts: Facts) -> Diagnosis | None:
         f"({event.module_type}), {event.role}.")
 
 
+def _carried_state(facts: Facts) -> Diagnosis | None:
+    """A forward whose only non-finite inputs are the state the model carried over from its
+    previous steps (generate()'s KV cache, a recurrent hidden state), after steps that each
+    made an event: the first of them wrote the NaN/Inf into that state, and its diagnosis
+    says why; it did not come with the data."""
+    event, cause = facts.event, facts.state_from
+    if cause is None or cause.diagnosis is None:
+        return None
+    bad = [i for i in facts.inputs if i.nan or (i.inf and not i.mask)]
+    roles = [i.role for i in bad]
+    shown = ", ".join(roles[:3]) + (f" (and {len(roles) - 3} more)" if len(roles) > 3 else "")
+    rows = sorted({r for i in bad for r in i.rows})
+    steps = (f"Batch {cause.batch} made an event" if cause.batch == event.batch - 1
+             else f"Each of batches {cause.batch} to {event.batch - 1} made an event, the first")
+    found = _carried(
+        cause.diagnosis,
+        f"The batch's {shown} {'holds' if len(roles) == 1 else 'hold'} "
+        f"{_kind_words(event.made_kind)}{fixes.in_rows(rows, 8)} that the model's own earlier "
+        f"steps wrote into the state it carries over (a KV cache, a hidden state), since "
+        f"batch {cause.batch}",
+        f"{steps} at module '{cause.module_label}' "
+        f"({cause.module_type}), {cause.role}, and passed on the state it wrote; batch "
+        f"{event.batch}'s other inputs are finite: the NaN/Inf did not come with the data. "
+        f"Batch {cause.batch}'s event says why, as below; fix that one.")
+    found.rows = rows or found.rows
+    return found
+
+
 def _after_earlier_pass(facts: Facts) -> Diagnosis | None:
     """A backward event whose gradient reached the model's output non-finite, in a batch whose
     earlier backward pass already made an event (a PINN's ``torch.autograd.grad(u, x,
@@ -2506,7 +2534,8 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
                          [f"Read rank {event.peer_rank}'s report (nw.load_run(log_dir).events)."],
                          confidence="low")
     found = None
-    for rule in (_after_forward, _after_earlier_pass, _accumulated_gradient, _from_another_rank,
+    for rule in (_after_forward, _carried_state, _after_earlier_pass, _accumulated_gradient,
+                 _from_another_rank,
                  _scaled_gradient, _loss_module, _loss_module_output, _loss, _bad_data,
                  _weights,
                  _masked_by_input, _from_op, _from_frames, _weight_gradient):
