@@ -110,6 +110,25 @@ def test_a_nan_weight_in_the_assistant_is_named_by_its_watch_alone(options):
 
 
 @pytest.mark.parametrize("options", [{}, {"mode": "sentinel"}], ids=["full", "sentinel"])
+def test_a_nan_in_the_assistant_stops_generate_naming_the_assistant_not_the_model(options):
+    # The model and its assistant share every module name: the message said "nan in batch 0
+    # at module 'model.layers.0.mlp.down_proj'" of either.
+    model, assistant = _llama(), _llama(1, seed=1)
+    with torch.no_grad():
+        assistant.model.layers[0].mlp.down_proj.weight[3, 5] = math.nan
+    size = sum(p.numel() for p in assistant.parameters())
+    assert size != sum(p.numel() for p in model.parameters())
+    with nw.watch(model, **options) as w_model, nw.watch(assistant, **options):
+        with pytest.raises(nw.NanDetected) as raised:
+            model.generate(PROMPT, assistant_model=assistant, max_new_tokens=4,
+                           do_sample=False, pad_token_id=0)
+    assert w_model.events == []
+    assert (f"at module 'model.layers.0.mlp.down_proj' (Linear, call 0) in LlamaForCausalLM "
+            f"of {size / 1e3:.3g}K parameters, weight") in str(raised.value)
+    assert _hooks(model, assistant) == 0
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "sentinel"}], ids=["full", "sentinel"])
 def test_logits_processors_that_write_minus_inf_are_quiet_and_leave_the_scores_as_they_were(
         options):
     settings = dict(input_ids=LEFT_PADDED, attention_mask=(LEFT_PADDED != 0).long(),

@@ -588,3 +588,50 @@ def test_trials_that_build_and_drop_models_while_a_watch_stays_open_leave_no_ste
             kept(torch.randn(4, 16))
         assert (raised.value.event.batch, raised.value.event.module) == (1, "head")
     assert len(log.marks) == 0 and log.handle is None
+
+
+class _Drafter(nn.Module):
+    """A model and its smaller copy share their module names (a model and its assistant)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, width)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(x))
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_an_event_names_its_model_while_another_model_is_watched_too(mode, tmp_path):
+    # Both watches name their modules 'fc' and 'head': "nan in batch 0 at module 'fc'" did not
+    # say which model held the NaN.
+    torch.manual_seed(0)
+    big, small = _Drafter(16), _Drafter(8)
+    with torch.no_grad():
+        small.fc.weight[0, 0] = float("nan")
+    with nw.watch(big, mode=mode) as w_big, \
+            nw.watch(small, mode=mode, log_dir=tmp_path) as w_small:
+        x = torch.randn(3, 4)
+        big(x)
+        with pytest.raises(nw.NanDetected) as raised:
+            small(x)
+    assert w_big.events == [] and w_small.event is raised.value.event
+    assert w_small.event.model == "_Drafter of 58 parameters"
+    assert "at module 'fc' (Linear, call 0) in _Drafter of 58 parameters, weight" in \
+        str(raised.value)
+    assert nw.load_run(tmp_path).event.model == "_Drafter of 58 parameters"
+
+
+def test_an_event_of_one_of_two_models_alike_names_its_watch_and_alone_names_none():
+    torch.manual_seed(0)
+    policy, reference = _Drafter(8), _Drafter(8)
+    with torch.no_grad():
+        reference.head.bias[0] = float("inf")
+    x = torch.randn(3, 4)
+    with nw.watch(policy, on_nan="record"), nw.watch(reference, on_nan="record") as w:
+        reference(x)
+    assert w.event.model == "_Drafter of 58 parameters, nw.live_watches()[1]"
+    with nw.watch(reference, on_nan="record") as alone:
+        reference(x)
+    assert alone.event.model == "" and " in _Drafter" not in alone.event.summary()

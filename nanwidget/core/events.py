@@ -192,6 +192,10 @@ class NanEvent:
     # Why it happened: set by the watch when the event is recorded (None for an event made by
     # hand or read from a recording that has none).
     diagnosis: Diagnosis | None = field(default=None, repr=False)
+    # The watched model, named when other watches were live at the event (a model and its
+    # assisted-generation assistant share their module names): "LlamaForCausalLM of 21.6K
+    # parameters"; "" when this was the only watch. Part of the summary.
+    model: str = ""
 
     @property
     def module_label(self) -> str:
@@ -292,8 +296,10 @@ class NanEvent:
                     f"({self.module_type}, call {self.call}), {self.role} (found on rank "
                     f"{self.peer_rank}; rank {self.rank} stops with it{own})")
         rank = f" on rank {self.rank}" if self.rank else ""
+        model = f" in {self.model}" if self.model else ""
         text = (f"{self.kind} in batch {self.batch}{rank}{phase} at module '{self.module_label}' "
-                f"({self.module_type}, call {self.call}), {self.role}: {self.origin_words}")
+                f"({self.module_type}, call {self.call}){model}, {self.role}: "
+                f"{self.origin_words}")
         first = getattr(self.trace, "first_bad", None)
         if first is not None:
             where = (f"at {first['source']}" if first["source"]
@@ -322,6 +328,7 @@ def event_fields(event: NanEvent) -> dict[str, Any]:
     fields["peer_batch"] = event.peer_batch
     fields["note"] = event.note
     fields["frames_note"] = event.frames_note
+    fields["model"] = event.model
     fields["diagnosis"] = event.diagnosis.fields() if event.diagnosis is not None else None
     return fields
 
@@ -335,6 +342,7 @@ def event_from_fields(fields: dict[str, Any], frames: pd.DataFrame | None = None
                     trace=trace, peer_rank=fields.get("peer_rank"),
                     peer_batch=fields.get("peer_batch"),
                     note=fields.get("note") or "", frames_note=fields.get("frames_note") or "",
+                    model=fields.get("model") or "",
                     diagnosis=Diagnosis.from_fields(fields.get("diagnosis")), **values)
 
 

@@ -89,7 +89,7 @@ from .ranks import current_rank
 from .sourcelines import user_stacklevel
 from .records import Finding, Records
 from .schema import PACKED
-from .state import watched_modules
+from .state import watched_modules, watching_recorders
 from .stats import PendingStats, stood_for
 from .writes import track_optimizer_steps
 
@@ -481,6 +481,7 @@ class Recorder:
         self._aborted = False
         # Per pass (backward or not): (place, batch, repeated) of the last event warned about.
         self._warned: dict[bool, tuple[tuple, int, bool]] = {}
+        self._size_words = ""  # "LlamaForCausalLM of 13.4K parameters", once asked for
         self._warned_internal = False
         # Batch state: one forward at a time (see the module docstring).
         self._batch = 0
@@ -1830,6 +1831,33 @@ class Recorder:
             self._aborted = True
             raise AbortAfterBatch(batch, limit)
 
+    def size_words(self) -> str:
+        """The watched model's class and parameter count in words ("LlamaForCausalLM of 13.4K
+        parameters"), counted once."""
+        if not self._size_words:
+            model = self.modules[0].module
+            count = sum(p.numel() for p in model.parameters())
+            size = next((f"{count / scale:.3g}{unit}" for unit, scale in
+                         (("B", 1e9), ("M", 1e6), ("K", 1e3)) if count >= scale), str(count))
+            self._size_words = f"{type(model).__name__} of {size} parameters"
+        return self._size_words
+
+    def _model_label(self) -> str:
+        """The watched model as an event names it while other watches are live (their models'
+        module names may be the same: a model and its assistant, a policy and its reference
+        model): its class and size, and which of nw.live_watches() when those are the same
+        too. "" while this is the only live watch."""
+        live = watching_recorders()
+        if not any(other is not self for other in live):
+            return ""
+        own = self.size_words()
+        if any(other is not self and other.size_words() == own for other in live):
+            watches = [r for r in live if r.owner is not None]  # as live_watches() lists them
+            index = next((i for i, r in enumerate(watches) if r is self), None)
+            if index is not None:
+                own += f", nw.live_watches()[{index}]"
+        return own
+
     def _warning_text(self, event: NanEvent) -> str:
         """The warning of an event; "" for one that repeats the last warned event of its pass
         (forward or backward) in the same place in the next batch, after that repeat was said
@@ -1849,6 +1877,8 @@ class Recorder:
     def _record_event_locked(self, event: NanEvent) -> None:
         if not self.records.add_event(event):
             return
+        if not event.model and any(event is kept for kept in self.records.events):
+            event.model = self._model_label()
         for on_event in self._on_event:
             try:
                 on_event(event)

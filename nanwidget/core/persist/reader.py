@@ -162,7 +162,7 @@ def _event_from_file(path: Path, directory: Path, root: Path, rank: int) -> NanE
         else _checked(path, meta, name, kind) for name, kind in EVENT_FIELDS.items()}
     fields["peer_rank"] = _checked(path, meta, "peer_rank", int, optional=True)
     fields["peer_batch"] = _checked(path, meta, "peer_batch", int, optional=True)  # newer files
-    for name in ("note", "frames_note"):  # older files have neither
+    for name in ("note", "frames_note", "model"):  # older files have none of them
         fields[name] = _checked(path, meta, name, str, optional=True) or ""
     diagnosis = meta.get("diagnosis")  # older files have none
     if diagnosis is not None and Diagnosis.from_fields(diagnosis) is None:
