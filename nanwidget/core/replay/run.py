@@ -445,6 +445,9 @@ class _Replay:
                                "(the replay runs the current dtype)")
                 changed.append(name)
                 continue
+            # A slot that holds its parameter's ExpandedWeight now (a replay made inside
+            # call_for_per_sample_grads) holds that parameter.
+            tensor = stood_for(tensor)
             if tensor is not then and tensor.is_meta and then.is_meta \
                     and tensor.shape == then.shape:
                 continue  # offloaded (accelerate): a new meta stand-in, no values either time
