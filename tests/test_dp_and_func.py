@@ -4,7 +4,6 @@ diagnosed. The Opacus tests skip without it (pip install opacus); the torch.func
 
 from __future__ import annotations
 
-import copy
 import logging
 import warnings
 
