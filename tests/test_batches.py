@@ -676,3 +676,78 @@ def test_an_output_that_cannot_be_followed_after_the_forward_never_breaks_it() -
     with nw.watch(model) as w:
         out = model(torch.randn(2, 3))
         assert isinstance(out, ValuesRaise) and w.batch == 1
+
+
+class ActorCritic(nn.Module):
+    """A policy driven as Stable-Baselines3 drives its ``ActorCriticPolicy``: rollouts call
+    the forward under no_grad, training calls the parts directly (``evaluate_actions``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.action_net = nn.Linear(8, 2)
+        self.value_net = nn.Linear(8, 1)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        latent = self.body(obs)
+        return self.action_net(latent).argmax(-1), self.value_net(latent)
+
+    def evaluate_actions(self, obs: torch.Tensor, actions: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        latent = self.body(obs)
+        log_prob = torch.log_softmax(self.action_net(latent), -1).gather(-1, actions[:, None])
+        return self.value_net(latent), log_prob
+
+
+def _a2c_steps(policy: nn.Module, updates: int, nan_at: int | None) -> None:
+    """One rollout step, then one A2C update on it, ``updates`` times; the advantages of
+    update ``nan_at`` are normalised over a batch of one (std() of one value: NaN)."""
+    opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+    for update in range(updates):
+        obs = torch.randn(1, 4)
+        with torch.no_grad():
+            actions, _ = policy(obs)
+        values, log_prob = policy.evaluate_actions(obs, actions)
+        advantages = torch.ones(1) - values.detach().flatten()
+        if update == nan_at:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        loss = -(advantages * log_prob.flatten()).mean() + (values.flatten() - 1).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_a_forward_after_a_training_pass_and_its_step_starts_a_batch_of_its_own() -> None:
+    # The next rollout's forward joined the training pass's batch, so a weight the step made
+    # NaN was told as written "within batch 2, between call 0 and call 1 ... (LBFGS evaluates
+    # its closure several times per step; SAM ...)", and its replay ran another forward.
+    torch.manual_seed(0)
+    policy = ActorCritic()
+    with nw.watch(policy, on_nan="record") as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's std() of one value
+        _a2c_steps(policy, updates=3, nan_at=1)
+        # batches: rollout 0 | training pass 0 | rollout 1 | training pass 1 (NaN loss, NaN
+        # step) | rollout 2, the first forward of the NaN weights | training pass 2 (open)
+        assert w.batch == 5
+        event = w.event
+        assert (event.batch, event.module, event.role) == (4, "body.0", "weight")
+        diagnosis = event.diagnosis
+        assert diagnosis.kind == "corrupted-weight"
+        assert "between batch 3 and batch 4" in diagnosis.summary
+        assert "LBFGS" not in " ".join([diagnosis.summary, *diagnosis.suggestion])
+        trace = w.replay(4)
+        assert trace.reproduced  # (the step after it wrote the NaN weights again: changes say so)
+
+
+def test_a_pass_before_the_step_still_joins_the_forward_after_it() -> None:
+    # No optimizer step between them (the critic's values for the advantages, then the
+    # training forward): one batch, as before.
+    torch.manual_seed(0)
+    policy = ActorCritic()
+    with nw.watch(policy) as w:
+        for _ in range(3):
+            obs = torch.randn(2, 4)
+            with torch.no_grad():
+                policy.value_net(policy.body(obs))
+            policy(obs)
+        assert w.batch == 3

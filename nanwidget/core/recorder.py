@@ -91,7 +91,7 @@ from .records import Finding, Records
 from .schema import PACKED
 from .state import watched_modules, watching_recorders
 from .stats import PendingStats, stood_for
-from .writes import track_optimizer_steps
+from .writes import steps_taken, track_optimizer_steps
 
 __all__ = ["Recorder", "Feature", "Finding", "ModuleInfo", "ConcurrentForwardError",
            "AlreadyWatchedError", "CompiledCallError", "watched_by", "in_backward_pass",
@@ -523,6 +523,9 @@ class Recorder:
         # Outermost modules whose calls outside a root forward returned in this batch (see
         # _record_outside_root): one that runs again starts the next batch.
         self._outside_returned: set[int] = set()
+        # Optimizer steps taken (writes.steps_taken) when the last such call returned: a call
+        # after a step that came later starts the next batch (see _pass_stepped).
+        self._outside_steps = 0
         # Recent batches whose passes ran without the root forward (read for replay errors).
         self._outside_batches: collections.deque[int] = collections.deque(maxlen=64)
         # The last root forward, while calls on its output may follow (see _AfterForward), and
@@ -968,12 +971,18 @@ class Recorder:
                                      else meta_only(args, kwargs)):
             return self._stand_aside()  # a data-less pass on meta tensors: no batch
         refusal = None
+        ended = None
         try:
             with self._lock:
                 if self._concluding_thread is not None:
                     self._wait_for_conclusion()
                 if self._closed:
                     return None
+                if not self._root_depth and not self._manual_batches and self._pass_stepped():
+                    # A training pass made outside the forward, and its optimizer step, ended
+                    # the batch: this forward starts the next one.
+                    finished = self._batch
+                    ended = (finished, self._resolve_locked(finished, advance=True))
                 if self._root_depth:
                     owner = self._root_thread
                     if self._root_call_running(sys._getframe(1)):
@@ -1011,6 +1020,8 @@ class Recorder:
                         self._measure_inputs_now(module, args, kwargs)
         except Exception as error:  # never break the user's forward
             self.internal_error(error)
+        if ended is not None:
+            self._conclude(ended[0], ended[1], reason="forward", raising=True, finished=True)
         if refusal is not None:
             raise ConcurrentForwardError(
                 f"nanwidget: this model is watched and thread {refusal} is running its forward; "
@@ -1315,8 +1326,8 @@ class Recorder:
             late = self._after_forward.batch \
                 if on_output and not self._manual_batches else None  # type: ignore[union-attr]
             self._outside_call_batch = late
-            if late is None and outermost.index in self._outside_returned \
-                    and not self._manual_batches:
+            if late is None and not self._manual_batches and (
+                    outermost.index in self._outside_returned or self._pass_stepped()):
                 finished = self._batch
                 ended = (finished, self._resolve_locked(finished, advance=True), True)
             frame = self._record_forward_locked(info, args, kwargs, output, raised=(
@@ -1328,6 +1339,7 @@ class Recorder:
             if returned:
                 if late is None:
                     self._outside_returned.add(info.index)
+                    self._outside_steps = steps_taken()
                     if not self._outside_batches or self._outside_batches[-1] != batch:
                         self._outside_batches.append(batch)
                 event = self._resolve_locked(None, advance=False)
@@ -1341,6 +1353,15 @@ class Recorder:
         if returned:
             self._conclude(batch, event, reason="flush", raising=True, finished=False)
         return None
+
+    def _pass_stepped(self) -> bool:
+        """Whether a pass outside the root forward returned in this batch and an optimizer
+        step ran since (caller holds the lock): that pass was a training step (SB3's PPO and A2C
+        train through ``policy.evaluate_actions``, SAC through ``actor.action_log_prob`` and
+        ``critic(obs, act)``), so the next call, a root forward included, starts the next
+        batch; a call before any step joins the pass's batch (``agent.critic(x)`` for the
+        advantages, then the training forward)."""
+        return bool(self._outside_returned) and steps_taken() != self._outside_steps
 
     def _outside_pass_event(self, batch: int, event: NanEvent) -> bool:
         """Whether the root forward that ended ``batch`` with forward ``event`` joined a pass

@@ -1,0 +1,80 @@
+"""Stable-Baselines3: the policy is called as ``policy(obs)`` for rollouts (PPO, A2C) and
+trained through other methods (``evaluate_actions``, ``actor.action_log_prob``,
+``critic(obs, act)``, ``q_net(obs)``) that never call its forward."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+sb3 = pytest.importorskip("stable_baselines3",
+                          reason="Stable-Baselines3 is not installed: pip install stable-baselines3")
+
+import nanwidget as nw  # noqa: E402
+from tests.conftest import hook_count  # noqa: E402
+
+NET = {"net_arch": [16, 16]}
+
+
+def _make(algo: str, **kwargs):
+    common = {"policy_kwargs": dict(NET), "seed": 0, "device": "cpu"}
+    if algo == "PPO":
+        return sb3.PPO("MlpPolicy", "CartPole-v1", n_steps=64, batch_size=32, n_epochs=2,
+                       **common, **kwargs)
+    if algo == "A2C":
+        return sb3.A2C("MlpPolicy", "CartPole-v1", n_steps=8, **common, **kwargs)
+    if algo == "SAC":
+        return sb3.SAC("MlpPolicy", "Pendulum-v1", learning_starts=32, batch_size=16,
+                       buffer_size=500, **common, **kwargs)
+    return sb3.DQN("MlpPolicy", "CartPole-v1", learning_starts=32, batch_size=16,
+                   buffer_size=500, target_update_interval=16, **common, **kwargs)
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {name: value.detach().clone() for name, value in model.policy.state_dict().items()}
+
+
+@pytest.mark.parametrize("algo", ["PPO", "A2C", "SAC", "DQN"])
+@pytest.mark.parametrize("options", [{}, {"backward": True}, {"replay_on_nan": True}],
+                         ids=["full", "backward", "replay"])
+def test_learning_under_a_watch_is_bit_identical_and_quiet(algo, options) -> None:
+    steps = {"PPO": 128, "A2C": 64, "SAC": 64, "DQN": 96}[algo]
+    model = _make(algo)
+    model.learn(steps)
+    reference = _weights(model)
+    model = _make(algo)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no early warning, no NanWarning
+        with nw.watch(model.policy, **options) as w:
+            model.learn(steps)
+        assert w.events == [] and w.warnings == []
+    after = _weights(model)
+    assert after.keys() == reference.keys()
+    assert all(torch.equal(after[name], reference[name]) for name in after)
+    assert hook_count(model.policy) == 0
+
+
+def test_a2c_nan_advantages_name_the_step_between_training_and_the_next_rollout() -> None:
+    # normalize_advantage=True with n_steps=1: std() of one advantage is NaN, the loss and
+    # the update go NaN. The next rollout's policy(obs) joined the training pass's batch:
+    # "became NaN within batch 2, between call 0 and call 1 ... LBFGS ... SAM", and its
+    # replay ran a forward the batch did not start with (not reproduced).
+    model = sb3.A2C("MlpPolicy", "CartPole-v1", n_steps=1, normalize_advantage=True,
+                    policy_kwargs=dict(NET), seed=0, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's std() warning, the watch's NanWarning
+        with nw.watch(model.policy, on_nan="record") as w:
+            with pytest.raises(ValueError, match="Categorical"):  # SB3's own error, unchanged
+                model.learn(16)
+            # rollout 0 | predict_values | evaluate_actions (NaN step) | rollout 1
+            event = w.event
+            assert (event.batch, event.module, event.role) == \
+                (3, "mlp_extractor.policy_net.0", "weight")
+            diagnosis = event.diagnosis
+            assert diagnosis.kind == "corrupted-weight"
+            assert "between batch 2 and batch 3" in diagnosis.summary
+            assert "LBFGS" not in " ".join([diagnosis.summary, *diagnosis.suggestion])
+            assert w.replay(3).reproduced
