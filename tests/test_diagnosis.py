@@ -1406,6 +1406,48 @@ def test_a_nan_adapter_weight_spares_the_reference_forward_and_is_met_in_the_nex
     assert "adapters disabled" not in "\n".join(event.diagnosis.lines())
 
 
+class GaussianPolicy(nn.Module):
+    """A Gaussian policy driven as an RL loop drives it: its forward samples a rollout's
+    action (scaled by exp(log_std)) and returns the squared deviation a log-prob takes; the
+    training pass reads the parts directly, between rollouts of many forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.log_std = nn.Parameter(torch.zeros(4))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        mean = self.body(obs)
+        action = mean + self.log_std.exp() * torch.ones_like(mean)
+        return (action - mean).pow(2).sum(-1)
+
+
+def test_weights_grown_by_updates_many_rollout_batches_apart_are_a_divergence() -> None:
+    # 16 rollout forwards per update: counted by batch the weights grew 1.07x per batch, no
+    # divergence, and the overflow of the squared deviation was told as a plain "overflow"
+    # with fixes for the op's line (a stable form of pow) instead of the learning rate.
+    torch.manual_seed(0)
+    policy = GaussianPolicy()
+    opt = torch.optim.Adam(policy.parameters(), lr=10.0)
+    with nw.watch(policy, on_nan="record") as w:
+        for _ in range(40):
+            obs = torch.randn(16, 4)
+            with torch.no_grad():
+                for row in obs:
+                    policy(row[None])
+            loss = -(policy.log_std.sum() + policy.body(obs).pow(2).mean())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if w.events:
+                break
+        diagnosis = w.event.diagnosis
+    assert (w.event.module, w.event.role) == ("", "output")
+    assert diagnosis.kind == "divergence"
+    assert "per optimizer step" in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("Lower the learning rate")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_weight_written_nan_after_healthy_training_is_no_divergence(mode):
     # 50 AdamW steps move the weights' abs max from their initialisation by a few percent per

@@ -78,3 +78,20 @@ def test_a2c_nan_advantages_name_the_step_between_training_and_the_next_rollout(
             assert "between batch 2 and batch 3" in diagnosis.summary
             assert "LBFGS" not in " ".join([diagnosis.summary, *diagnosis.suggestion])
             assert w.replay(3).reproduced
+
+
+def test_ppo_at_a_learning_rate_of_10_diverges_by_optimizer_step() -> None:
+    # Adam at lr=10 drives log_std and the heads up every update until the Gaussian's log_prob
+    # squares a deviation past float32's largest. Its 64 rollout forwards per update made the
+    # weights look flat by batch: it was a plain "overflow" whose fixes were a stable form of
+    # pow at a line of SB3's distributions.py.
+    model = sb3.PPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, n_epochs=2,
+                    learning_rate=10.0, policy_kwargs=dict(NET), seed=0, device="cpu")
+    with nw.watch(model.policy) as w:
+        with pytest.raises(nw.NanDetected):
+            model.learn(600)
+    diagnosis = w.event.diagnosis
+    assert (w.event.module, w.event.role) == ("", "output[2]")  # the forward's log_prob
+    assert diagnosis.kind == "divergence"
+    assert "per optimizer step" in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("Lower the learning rate")

@@ -25,6 +25,7 @@ from ..entries import Entry, nested_shape
 from ..events import NanEvent
 from ..frames import Frame
 from ..schema import LOCAL_SHARD
+from ..writes import steps_taken
 from ..stats import (dtype_max, is_distributed_tensor, local_shard, nested_values, storage_holds,
                      widen_float8)
 
@@ -50,6 +51,10 @@ class WeightLog:
         # (0 and ±inf on purpose: detect.additive_mask) adds nothing to the sums.
         self.is_buffer = is_buffer
         self.series: list[tuple[int, float]] = []  # (batch, sum of the weights' abs max)
+        # The same by optimizer step, for a run whose steps are many batches apart (an RL
+        # loop's rollout forwards, then its training passes): (optimizer steps taken when the
+        # batches ended, the last of them, the largest of their sums); as many entries.
+        self.by_step: list[tuple[int, int, float]] = []
         self.first: dict[str, tuple[int, float]] = {}  # module -> (batch, its weights' abs max)
         # module -> the latest batch whose frames measured its weights all finite: when a
         # weight is found non-finite, the batch after which it broke, also when that batch's
@@ -111,6 +116,14 @@ class WeightLog:
             series.append((batch, total))
             if len(series) > self.batches:
                 del series[0]
+        steps, by_step = steps_taken(), self.by_step
+        if by_step and by_step[-1][0] == steps:
+            if by_step[-1][1] <= batch:
+                by_step[-1] = (steps, batch, max(by_step[-1][2], total))
+        else:
+            by_step.append((steps, batch, total))
+            if len(by_step) > self.batches:
+                del by_step[0]
 
     def _finite_sum(self, frames: list[Frame],
                     held: Sequence[tuple[str, list[Entry]]] = ()) -> float:

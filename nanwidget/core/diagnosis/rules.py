@@ -97,6 +97,7 @@ class Growth:
 
     start: tuple[int, float]
     end: tuple[int, float]
+    steps: int = 0  # counted by optimizer step (see _weights_growth): how many, else by batch
 
     @property
     def ratio(self) -> float:
@@ -104,8 +105,13 @@ class Growth:
 
     @property
     def per_batch(self) -> float:
-        batches = max(1, self.end[0] - self.start[0])
+        """The mean factor per batch, or per optimizer step when counted so."""
+        batches = max(1, self.steps or self.end[0] - self.start[0])
         return self.ratio ** (1.0 / batches) if math.isfinite(self.ratio) else math.inf
+
+    @property
+    def per(self) -> str:
+        return "per optimizer step" if self.steps else "per batch"
 
 
 def growth_of(points: list[tuple[int, float]], least: float = 2.0,
@@ -166,7 +172,7 @@ def _compounded_calls(facts: Facts, module: str) -> tuple[str, int, Growth] | No
 
 
 def _growth_line(what: str, growth: Growth) -> str:
-    return (f"{what} grew {growth.per_batch:.3g}x per batch from batch {growth.start[0]} "
+    return (f"{what} grew {growth.per_batch:.3g}x {growth.per} from batch {growth.start[0]} "
             f"({_g(growth.start[1])}) to batch {growth.end[0]} ({_g(growth.end[1])}): "
             f"{_g(growth.ratio)}x in all")
 
@@ -207,7 +213,23 @@ def _weights_growth(facts: Facts) -> Growth | None:
         if stepped and before[1] > 0 and math.isfinite(after[1]) \
                 and after[1] >= _JUMP * before[1]:
             return Growth(start=before, end=after)
-    return None
+    return _growth_by_step(facts)
+
+
+def _growth_by_step(facts: Facts) -> Growth | None:
+    """The weights' climb counted by optimizer step, where steps are many batches apart (an
+    RL loop's 64 rollout forwards between its updates: by batch, the weights look flat, and a
+    log_std that Adam drove up 10 per update overflowed as a plain overflow)."""
+    by_step = [(steps, b, v) for steps, b, v in facts.weights.by_step if b <= facts.event.batch]
+    if len(by_step) >= len(facts.weights.series) or len(by_step) < 3:
+        return None  # a step per batch (or none): the climb by batch said it all
+    grew = growth_of([(i, v) for i, (_, _, v) in enumerate(by_step)],
+                     per_batch=_DIVERGING_PER_BATCH)
+    if grew is None:
+        return None
+    first, last = by_step[grew.start[0]], by_step[grew.end[0]]
+    return Growth(start=(first[1], first[2]), end=(last[1], last[2]),
+                  steps=last[0] - first[0])
 
 
 def _grown_modules(facts: Facts) -> list[str]:
@@ -887,7 +909,7 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
     if grew is not None:
         evidence.insert(0, _growth_line("The weights' abs max (summed over modules)", grew) + ".")
         return Diagnosis("divergence", f"Training diverged: the weights grew "
-                                       f"{grew.per_batch:.3g}x per batch since batch "
+                                       f"{grew.per_batch:.3g}x {grew.per} since batch "
                                        f"{grew.start[0]}, until {what_happened}", evidence,
                          fixes.divergence(dtype) + suggestion[:1], confidence="high")
     confidence = ("low" if event.made_kind != "inf" else
@@ -1299,7 +1321,7 @@ def _weights(facts: Facts) -> Diagnosis | None:
                         f"{'is' if len(names) == 1 else 'are'} {_kind_words(event.made_kind)}.")
         return Diagnosis(
             "divergence",
-            f"Training diverged: the weights grew {grew.per_batch:.3g}x per batch since batch "
+            f"Training diverged: the weights grew {grew.per_batch:.3g}x {grew.per} since batch "
             f"{grew.start[0]} until {', '.join(names[:2])} became {_kind_words(event.made_kind)} "
             f"(used at batch {event.batch}).", evidence, fixes.divergence(dtype),
             confidence="high")
@@ -2156,7 +2178,7 @@ def _from_op(facts: Facts) -> Diagnosis | None:
             evidence.insert(1, f"Grown most since first measured: {', '.join(grown)}.")
         return Diagnosis(
             "divergence",
-            f"Training diverged: the weights grew {grew.per_batch:.3g}x per batch since batch "
+            f"Training diverged: the weights grew {grew.per_batch:.3g}x {grew.per} since batch "
             f"{grew.start[0]}, until {op.op} {op.place}{op.at} overflowed at batch "
             f"{event.batch}{in_rows} ({reason}).", evidence,
             _learned_scale(op, evidence, fixes.divergence(op.dtype)),
@@ -2328,8 +2350,8 @@ def _from_frames(facts: Facts) -> Diagnosis | None:
         grew = _weights_growth(facts)
         if grew is not None:
             return Diagnosis(
-                "divergence", f"Training diverged: the weights grew {grew.per_batch:.3g}x per "
-                              f"batch since batch {grew.start[0]}, until {label} overflowed "
+                "divergence", f"Training diverged: the weights grew {grew.per_batch:.3g}x "
+                              f"{grew.per} since batch {grew.start[0]}, until {label} overflowed "
                               f"{dtype} at batch {event.batch}.",
                 [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
                 + evidence, fixes.divergence(dtype), confidence="medium")
