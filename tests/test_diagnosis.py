@@ -5194,3 +5194,12 @@ def test_nan_data_in_a_hidden_state_after_finite_steps_is_still_bad_data():
     assert (w.event.batch, diagnosis.kind, diagnosis.rows) == (1, "bad-data", [2])
     assert diagnosis.summary.startswith("The batch's kwarg:hidden holds NaN in row 2: it came "
                                         "with the data")
+    # Stable-Baselines3's words: for the data's fixes and the untraced loss's too.
+    data_and_loss = fixes.bad_data(["input[0]"], [0]) + fixes.loss(3, "mul", traced=False)
+    for plain, _ in fixes.SB3_TERMS:
+        assert plain in said + " ".join(data_and_loss), plain
+    for begins, _ in fixes.SB3_WHOLE_FIXES:
+        assert any(fix.startswith(begins) for fix in data_and_loss), begins
+    worded = fixes.in_wrapper_terms(fixes.divergence("float32") + data_and_loss, "sb3")
+    assert not any("clip_grad_norm_" in fix or "collate_fn" in fix or "loss_fn=" in fix
+                   for fix in worded)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -94,4 +95,58 @@ def test_ppo_at_a_learning_rate_of_10_diverges_by_optimizer_step() -> None:
     assert (w.event.module, w.event.role) == ("", "output[2]")  # the forward's log_prob
     assert diagnosis.kind == "divergence"
     assert "per optimizer step" in diagnosis.summary
-    assert diagnosis.suggestion[0].startswith("Lower the learning rate")
+    assert diagnosis.suggestion[0].startswith("Lower the model's learning rate (try 10x lower: "
+                                              "learning_rate=")
+    assert "clip_grad_norm_" not in " ".join(diagnosis.suggestion)  # SB3's max_grad_norm=
+
+
+class _NanObservation(gym.Wrapper):
+    """An environment whose ``at``-th step returns an observation holding a NaN."""
+
+    def __init__(self, env: gym.Env, at: int) -> None:
+        super().__init__(env)
+        self.steps, self.at = 0, at
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.steps += 1
+        if self.steps == self.at:
+            obs = obs.copy()
+            obs[1] = np.nan
+        return obs, reward, terminated, truncated, info
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_nan_observation_is_bad_data_with_the_environments_fixes(mode) -> None:
+    # The fixes named a Dataset and collate_fn, which an RL loop has not.
+    model = sb3.PPO("MlpPolicy", _NanObservation(gym.make("CartPole-v1"), at=20), n_steps=64,
+                    policy_kwargs=dict(NET), seed=0, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.NanWarning)
+        with nw.watch(model.policy, mode=mode, on_nan="record") as w:
+            with pytest.raises(ValueError):  # SB3's own, from the NaN logits: unchanged
+                model.learn(64)
+    event = w.event
+    assert (event.batch, event.role, event.diagnosis.kind, event.diagnosis.rows) == \
+        (20, "input[0]", "bad-data", [0])
+    fixes = " ".join(event.diagnosis.suggestion)
+    assert "VecCheckNan(env, raise_exception=True)" in fixes
+    assert "the environment's step() or reset() returned it" in fixes
+    assert "collate_fn" not in fixes
+
+
+def test_nan_advantages_seen_in_the_gradient_name_the_advantage_normalisation() -> None:
+    # backward=True stops at the NaN gradient of the training pass, "made in the loss": the
+    # first fix was to pass loss_fn= (which SB3's train() gives no way to) and replay a batch
+    # that cannot be replayed.
+    model = sb3.A2C("MlpPolicy", "CartPole-v1", n_steps=1, normalize_advantage=True,
+                    policy_kwargs=dict(NET), seed=0, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's std() of one value
+        with nw.watch(model.policy, backward=True) as w:
+            with pytest.raises(nw.NanDetected):
+                model.learn(16)
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, w.event.is_backward, diagnosis.kind) == (2, True, "loss")
+    assert diagnosis.suggestion[0].startswith("SB3 makes the loss inside model.train()")
+    assert "normalize_advantage=True over a rollout of one sample" in diagnosis.suggestion[0]

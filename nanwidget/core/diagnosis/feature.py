@@ -129,13 +129,18 @@ def _made_outside_forward(event: NanEvent, inputs: list[Any]) -> bool:
 
 def _wrapper_of(value: Any) -> str:
     """"fabric" for Lightning Fabric's ``Fabric`` or the ``_FabricModule`` that
-    ``fabric.setup`` made, "skorch" for a skorch net (it holds its ``module_``), else ""; told
-    by class and module name, nothing imported or called."""
+    ``fabric.setup`` made, "skorch" for a skorch net (it holds its ``module_``), "sb3" for a
+    Stable-Baselines3 algorithm (PPO, SAC, ...: it holds its ``policy`` and ``env``), else "";
+    told by class and module name, nothing imported or called."""
     kind = type(value)
     if kind.__name__ in ("Fabric", "_FabricModule"):
         return "fabric" if "_strategy" in vars(value) else ""
-    if str(kind.__module__).startswith("skorch.") and "module_" in vars(value):
+    module = str(kind.__module__)
+    if module.startswith("skorch.") and "module_" in vars(value):
         return "skorch"
+    if module.startswith("stable_baselines3.") and "policy" in vars(value) \
+            and "env" in vars(value):
+        return "sb3"
     return ""
 
 

@@ -13,7 +13,7 @@ from ..stats import dtype_max
 
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
            "loss", "loss_input", "unknown", "in_wrapper_terms", "FABRIC_TERMS",
-           "SKORCH_TERMS"]
+           "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
 
@@ -937,15 +937,51 @@ SKORCH_TERMS = (
     ("so a step divides by ~0. Use eps=1e-4 or larger,",
      "so a step divides by ~0. Use eps=1e-4 or larger (the net's optimizer__eps=1e-4),"),
 )
-_TERMS = {"fabric": (FABRIC_TERMS, _FABRIC_CLIP), "skorch": (SKORCH_TERMS, _SKORCH_CLIP)}
+# Stable-Baselines3: the algorithm's constructor arguments (learning_rate=, max_grad_norm=,
+# normalize_advantage=) and its environment wrappers; its loss is made inside model.train().
+_SB3_CLIP = ("max_grad_norm= when you make the model (PPO, A2C and DQN clip the gradients' "
+             "norm by it before each step: 0.5, 0.5 and 10 by default; SAC and TD3 do not "
+             "clip)")
+SB3_TERMS = (
+    ("Lower the learning rate (try 10x lower) or warm it up over the first steps "
+     "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).",
+     "Lower the model's learning rate (try 10x lower: learning_rate= when you make it, as in "
+     "PPO(\"MlpPolicy\", env, learning_rate=3e-5)), or anneal it: learning_rate= also takes a "
+     "function of the progress remaining (learning_rate=lambda progress: 3e-4 * progress)."),
+    ("made: missing values, a division by zero or log(0) in preprocessing, a corrupt file.",
+     "made: the environment's step() or reset() returned it (a missing sensor value, a "
+     "division by zero or log(0) in the env's observation code)."),
+)
+# Fixes replaced whole for a model SB3 trains: (how the fix begins, the fix in SB3's words).
+SB3_WHOLE_FIXES = (
+    ("Guard the data: assert torch.isfinite(x).all() in the Dataset",
+     "Guard the environment's data: wrap the env in stable_baselines3.common.vec_env."
+     "VecCheckNan(env, raise_exception=True), which raises at the step that returned a NaN/Inf "
+     "observation or reward (and check a custom Env once with stable_baselines3.common."
+     "env_checker.check_env(env)); or clean the observations in a gymnasium.ObservationWrapper "
+     "(np.nan_to_num)."),
+    ("Name the loss's op and line: watch with loss_fn=",
+     "SB3 makes the loss inside model.train(), from the rollout or replay buffer: look at what "
+     "it reads besides the policy's outputs: the rewards and observations (wrap the env in "
+     "stable_baselines3.common.vec_env.VecCheckNan(env, raise_exception=True)), the "
+     "advantages (normalize_advantage=True over a rollout of one sample, n_steps * n_envs == "
+     "1, divides by the std() of one value: NaN), and the target network's values (SAC's and "
+     "TD3's critic_target, DQN's q_net_target)."),
+)
+_TERMS = {"fabric": (FABRIC_TERMS, _FABRIC_CLIP), "skorch": (SKORCH_TERMS, _SKORCH_CLIP),
+          "sb3": (SB3_TERMS, _SB3_CLIP)}
+_WHOLE = {"sb3": SB3_WHOLE_FIXES}
 
 
 def in_wrapper_terms(suggestion: list[str], wrapper: str) -> list[str]:
     """``suggestion`` for a model that a training wrapper runs (``"fabric"``: Lightning
-    Fabric, ``"skorch"``), in its words (:data:`FABRIC_TERMS`, :data:`SKORCH_TERMS`)."""
+    Fabric, ``"skorch"``, ``"sb3"``: Stable-Baselines3), in its words (:data:`FABRIC_TERMS`,
+    :data:`SKORCH_TERMS`, :data:`SB3_TERMS` and :data:`SB3_WHOLE_FIXES`)."""
     terms, clip = _TERMS[wrapper]
+    whole = _WHOLE.get(wrapper, ())
     worded = []
     for text in suggestion:
+        text = next((theirs for begins, theirs in whole if text.startswith(begins)), text)
         for plain, theirs in terms:
             if plain in text:
                 text = text.replace(plain, theirs)
