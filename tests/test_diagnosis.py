@@ -4574,7 +4574,7 @@ def test_a_module_dicts_discriminator_called_once_is_named_for_watching_not_its_
     # could not be told", a verdict of "unknown").
     assert diagnosis.kind == "bad-data"
     assert diagnosis.summary.startswith("The input[0] that module 'D' was called with")
-    assert "nw.watch(model.get_submodule('D'))" in diagnosis.suggestion[-1]
+    assert "nw.watch(model.get_submodule('D'))" in diagnosis.suggestion[0]
     assert "Module 'D' ran outside the model's forward" in " ".join(diagnosis.evidence)
 
 
@@ -4608,14 +4608,57 @@ def test_nan_data_into_an_encoder_called_before_the_forward_is_bad_data_unless_c
             else:
                 model(hidden)
     event, diagnosis = w.event, w.event.diagnosis
-    if between:
+    if between:  # the data, or the code between the two calls: both are said
         assert (event.batch, event.module, event.role) == (2, "decoder", "input[0]")
-        assert diagnosis.kind == "unknown"
+        assert (diagnosis.kind, diagnosis.confidence) == ("bad-data", "low")
+        assert "from the code between the call of 'encoder' and this one" in diagnosis.summary
         assert "Module 'decoder' ran outside the model's forward" in " ".join(diagnosis.evidence)
     else:
         assert (event.batch, event.module, event.role) == (2, "encoder.0", "input[0]")
-        assert diagnosis.kind == "bad-data"
+        assert (diagnosis.kind, diagnosis.confidence) == ("bad-data", "medium")
+        assert "came with the data, not from the model" in diagnosis.summary
         assert "no module of the model ran before it in the batch" in diagnosis.evidence[0]
+
+
+class _QPolicy(nn.Module):
+    """A DQN policy as Stable-Baselines3 builds one: its forward is never called; the loop
+    calls its Q-network and the target copy directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.q_net_target = copy.deepcopy(self.q_net)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.q_net(obs).argmax(-1)
+
+
+def test_a_nan_observation_handed_to_a_part_called_directly_is_bad_data():
+    # q_net(obs) with a NaN observation, no root forward in the batch: "unknown", "what made
+    # it could not be told", though the frame of q_net's own call says its input held NaN.
+    torch.manual_seed(0)
+    policy = _QPolicy()
+    optimizer = torch.optim.Adam(policy.q_net.parameters(), lr=1e-3)
+    with nw.watch(policy, on_nan="record") as w:
+        for step in range(4):
+            obs, next_obs = torch.randn(8, 4), torch.randn(8, 4)
+            if step == 3:
+                obs[5, 1] = math.nan
+            with torch.no_grad():
+                target = policy.q_net_target(next_obs).max(-1).values
+            loss = (policy.q_net(obs)[:, 0] - target).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    event = w.event
+    diagnosis = event.diagnosis
+    assert (event.module, event.role, diagnosis.kind) == ("q_net.0", "input[0]", "bad-data")
+    # q_net_target(next_obs) ran first: the code between the calls is named beside the data
+    assert diagnosis.summary.startswith("The input[0] that module 'q_net' was called with")
+    assert "the code between the call of 'q_net_target' and this one" in diagnosis.summary
+    assert "The input[0] of module 'q_net'" in diagnosis.evidence[0]
+    assert diagnosis.suggestion[0].startswith("Watch module 'q_net' as a model of its own")
+    assert any("Guard the data" in fix for fix in diagnosis.suggestion)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -5101,6 +5144,15 @@ def test_every_text_a_training_wrappers_words_replace_is_one_that_a_fix_says():
     worded = fixes.in_wrapper_terms(fixes.divergence("float16")
                                    + fixes.overflow("m", "float16", "", "addmm"), "fabric")
     assert not any("clip_grad_norm_" in fix or "dtype=torch.bfloat16" in fix for fix in worded)
+    # Stable-Baselines3's words: for the data's fixes and the untraced loss's too.
+    data_and_loss = fixes.bad_data(["input[0]"], [0]) + fixes.loss(3, "mul", traced=False)
+    for plain, _ in fixes.SB3_TERMS:
+        assert plain in said + " ".join(data_and_loss), plain
+    for begins, _ in fixes.SB3_WHOLE_FIXES:
+        assert any(fix.startswith(begins) for fix in data_and_loss), begins
+    worded = fixes.in_wrapper_terms(fixes.divergence("float32") + data_and_loss, "sb3")
+    assert not any("clip_grad_norm_" in fix or "collate_fn" in fix or "loss_fn=" in fix
+                   for fix in worded)
 
 
 class LeftPaddedDecoder(nn.Module):
@@ -5194,12 +5246,3 @@ def test_nan_data_in_a_hidden_state_after_finite_steps_is_still_bad_data():
     assert (w.event.batch, diagnosis.kind, diagnosis.rows) == (1, "bad-data", [2])
     assert diagnosis.summary.startswith("The batch's kwarg:hidden holds NaN in row 2: it came "
                                         "with the data")
-    # Stable-Baselines3's words: for the data's fixes and the untraced loss's too.
-    data_and_loss = fixes.bad_data(["input[0]"], [0]) + fixes.loss(3, "mul", traced=False)
-    for plain, _ in fixes.SB3_TERMS:
-        assert plain in said + " ".join(data_and_loss), plain
-    for begins, _ in fixes.SB3_WHOLE_FIXES:
-        assert any(fix.startswith(begins) for fix in data_and_loss), begins
-    worded = fixes.in_wrapper_terms(fixes.divergence("float32") + data_and_loss, "sb3")
-    assert not any("clip_grad_norm_" in fix or "collate_fn" in fix or "loss_fn=" in fix
-                   for fix in worded)

@@ -150,3 +150,19 @@ def test_nan_advantages_seen_in_the_gradient_name_the_advantage_normalisation() 
     assert (w.event.batch, w.event.is_backward, diagnosis.kind) == (2, True, "loss")
     assert diagnosis.suggestion[0].startswith("SB3 makes the loss inside model.train()")
     assert "normalize_advantage=True over a rollout of one sample" in diagnosis.suggestion[0]
+
+
+def test_a_nan_observation_into_dqns_q_net_is_bad_data() -> None:
+    # DQN calls q_net(obs) directly, never the policy's forward: the event was "unknown",
+    # "what made it could not be told".
+    model = sb3.DQN("MlpPolicy", _NanObservation(gym.make("CartPole-v1"), at=60),
+                    learning_starts=32, batch_size=16, buffer_size=500,
+                    target_update_interval=16, policy_kwargs=dict(NET), seed=0, device="cpu")
+    with nw.watch(model.policy) as w:
+        with pytest.raises(nw.NanDetected):
+            model.learn(200)
+    event = w.event
+    diagnosis = event.diagnosis
+    assert (event.role, diagnosis.kind) == ("input[0]", "bad-data")
+    assert diagnosis.summary.startswith("The input[0] that module 'q_net' was called with")
+    assert any("VecCheckNan(env, raise_exception=True)" in fix for fix in diagnosis.suggestion)

@@ -685,6 +685,10 @@ class Facts:
     # The module called directly, outside the model's forward, whose pass the event is in (a
     # GAN's discriminator): its inputs are not held, and a replay does not run it. "" if none.
     outside_pass: str = ""
+    # For a NaN/Inf the outside pass's call got with its inputs: the outermost modules whose
+    # calls ran before it in the batch ([] when it was the batch's first call; None when the
+    # frames to tell are gone): the code between their calls and it may have made it.
+    outside_earlier: list[str] | None = None
     # A weight's event whose module did not run in the replayed forward of its batch, whose
     # inputs held the NaN/Inf: a call of that module outside the forward made them (generate()
     # runs the encoder or the vision tower once, before the forwards): no bad data.

@@ -652,10 +652,11 @@ class Diagnoser(Feature):
                     item.rows = [index] if item.nan or item.inf else []
             return
         if facts.outside_pass:
-            # A part called outside the model's forward: its inputs are never held, but its
-            # frame says which held NaN when it was the batch's first call (so no other part
-            # of the model made them; code between two calls may have, and is not the data).
-            facts.bad_input_roles = self._first_call_nan_inputs(event, facts.outside_pass)
+            # A part called outside the model's forward (DQN's q_net(obs), an encoder that
+            # generate() runs): its inputs are never held, but its frame says which held NaN,
+            # and the frames before it which calls ran earlier in the batch.
+            facts.bad_input_roles, facts.outside_earlier = self._outside_call_nan_inputs(
+                event, facts.outside_pass)
             return
         # Not held: the root's frame of the batch says which of its inputs held NaN (in the
         # event's window, the trace, or the ring: the root's frame is the batch's last).
@@ -676,27 +677,29 @@ class Diagnoser(Feature):
                     facts.bad_input_roles = list(dict.fromkeys(roles))
                     return
 
-    def _first_call_nan_inputs(self, event: NanEvent, part: str) -> list[str]:
+    def _outside_call_nan_inputs(self, event: NanEvent, part: str
+                                 ) -> tuple[list[str], list[str] | None]:
         """The inputs that held NaN when module ``part`` (called outside the model's forward,
-        around ``event``'s module) opened ``event``'s batch, read from its frame; none when
-        another module's call came first in the batch, or the frames to tell are gone."""
+        around ``event``'s module) was called in ``event``'s batch, read from its frame in the
+        ring (none when it is gone), and the outermost modules whose calls ran before it in the
+        batch ([] when none did; None when the ring no longer tells)."""
         frames = [f for f in self.recorder.held_frames()
                   if f.batch == event.batch and f.phase == "forward"]
-        inside = part + "."
         own = next((f for f in frames if f.module == part), None)
         if own is None:
-            return []
-        # The event's frame is the batch's first: nothing ran before ``part``'s call. Else the
-        # ring, when it still holds the batch's first frame, says whether another call did.
-        if event.frame != 0:
-            if frames[0].index != 0:
-                return []
-            first_outside = next((f.index for f in frames
-                                  if f.module != part and not f.module.startswith(inside)), None)
-            if first_outside is not None and first_outside < own.index:
-                return []
-        return list(dict.fromkeys(e.role for e in own.inputs()
-                                  if e.stats is not None and e.stats.nan))
+            return [], None
+        roles = list(dict.fromkeys(e.role for e in own.inputs()
+                                   if e.stats is not None and e.stats.nan))
+        if event.frame == 0:  # the event's frame is the batch's first: nothing ran before
+            return roles, []
+        if frames[0].index != 0:
+            return roles, None  # the batch's first frames left the ring
+        inside = part + "."
+        start = next(f.index for f in frames if f.module == part or f.module.startswith(inside))
+        earlier = [f.module for f in frames if f.index < start]
+        outermost = [name for name in dict.fromkeys(earlier)
+                     if not any(name.startswith(other + ".") for other in earlier)]
+        return roles, outermost
 
     def _batch_dims(self) -> Callable[[str, torch.Tensor], int]:
         """The dim that holds the samples of each of the root's inputs: 1 for a recurrent root's

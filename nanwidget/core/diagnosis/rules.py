@@ -1167,19 +1167,7 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
                                     and not event.is_backward)):
             bad = [i for i in inf_inputs if not came or i.role in came] or inf_inputs
     if not bad and facts.bad_input_roles and not facts.inputs_held and facts.outside_pass:
-        roles, part = facts.bad_input_roles, facts.outside_pass
-        return Diagnosis(
-            "bad-data", f"The {', '.join(roles)} that module '{part}' was called with (outside "
-                        "the model's forward, the batch's first call) already held NaN: it came "
-                        "with the data, not from the model.",
-            [f"Module '{part}''s {role} in batch {event.batch} holds NaN, and no module of the "
-             "model ran before it in the batch." for role in roles]
-            + [f"Module '{part}' ran outside the model's forward (called directly): its inputs "
-               "are not held, so their rows cannot be named."],
-            fixes.bad_data(roles, []) + [
-                f"To have the rows named: watch module '{part}' as a model of its own (w.close(), "
-                f"then nw.watch(model.get_submodule('{part}')))."],
-            confidence="medium")
+        return _bad_data_of_a_part(facts)
     if not bad and facts.bad_input_roles and not facts.inputs_held:
         roles = facts.bad_input_roles
         return Diagnosis(
@@ -1245,6 +1233,39 @@ def _bad_data(facts: Facts) -> Diagnosis | None:
                           f"nw.watch(model, allow_inf=['{event.module}']).")
     return Diagnosis("bad-data", summary, evidence, suggestion, rows=rows,
                      confidence="high" if facts.inputs_held else "medium")
+
+
+def _bad_data_of_a_part(facts: Facts) -> Diagnosis:
+    """NaN in what a part of the model called outside its forward got (DQN's ``q_net(obs)``,
+    the encoder ``generate()`` runs on ``pixel_values``), read from that call's frame: the data,
+    or, when other calls ran before it in the batch, possibly the code between those calls."""
+    event, roles, part = facts.event, facts.bad_input_roles, facts.outside_pass
+    earlier = facts.outside_earlier
+    what = ", ".join(roles)
+    if earlier == []:
+        summary = (f"The {what} that module '{part}' was called with (outside the model's "
+                   "forward, the batch's first call) already held NaN: it came with the data, "
+                   "not from the model.")
+        evidence = [f"The {role} of module '{part}' in batch {event.batch} holds NaN, and no "
+                    "module of the model ran before it in the batch." for role in roles]
+    else:
+        before = (" and ".join(f"'{name}'" for name in earlier[:3]) if earlier
+                  else "other modules of the model")
+        summary = (f"The {what} that module '{part}' was called with (outside the model's "
+                   f"forward) already held NaN: it came from outside the model, with the data "
+                   f"or from the code between the call of {before} and this one.")
+        evidence = [f"The {role} of module '{part}' in batch {event.batch} holds NaN."
+                    for role in roles]
+        evidence.append(f"The call{'s' if len(earlier or ()) > 1 else ''} of {before} ran before "
+                        "it in the batch with finite outputs: if this input was computed from "
+                        "them, the code between the calls made the NaN, not the data.")
+    evidence.append(f"Module '{part}' ran outside the model's forward (called directly): its "
+                    "inputs are not held, so their rows cannot be named.")
+    suggestion = [f"Watch module '{part}' as a model of its own to have the rows named "
+                  f"(w.close(), then nw.watch(model.get_submodule('{part}'))): its inputs are "
+                  "then held, and its batches can be replayed."] + fixes.bad_data(roles, [])
+    return Diagnosis("bad-data", summary, evidence, suggestion,
+                     confidence="medium" if earlier == [] else "low")
 
 
 # The one value a sampler passes per call: positional (UNet(sample, t)) or by a name that says
