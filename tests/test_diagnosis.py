@@ -1422,15 +1422,19 @@ class GaussianPolicy(nn.Module):
         return (action - mean).pow(2).sum(-1)
 
 
-def test_weights_grown_by_updates_many_rollout_batches_apart_are_a_divergence() -> None:
+@pytest.mark.parametrize("healthy_updates", [0, 80], ids=["at-once", "after-80-updates"])
+def test_weights_grown_by_updates_many_rollout_batches_apart_are_a_divergence(healthy_updates):
     # 16 rollout forwards per update: counted by batch the weights grew 1.07x per batch, no
     # divergence, and the overflow of the squared deviation was told as a plain "overflow"
-    # with fixes for the op's line (a stable form of pow) instead of the learning rate.
+    # with fixes for the op's line (a stable form of pow) instead of the learning rate. (After
+    # 80 healthy updates the record of each is full.)
     torch.manual_seed(0)
     policy = GaussianPolicy()
-    opt = torch.optim.Adam(policy.parameters(), lr=10.0)
+    opt = torch.optim.Adam(policy.parameters(), lr=1e-4)
     with nw.watch(policy, on_nan="record") as w:
-        for _ in range(40):
+        for update in range(healthy_updates + 40):
+            if update == healthy_updates:
+                opt.param_groups[0]["lr"] = 10.0
             obs = torch.randn(16, 4)
             with torch.no_grad():
                 for row in obs:

@@ -221,8 +221,8 @@ def _growth_by_step(facts: Facts) -> Growth | None:
     RL loop's 64 rollout forwards between its updates: by batch, the weights look flat, and a
     log_std that Adam drove up 10 per update overflowed as a plain overflow)."""
     by_step = [(steps, b, v) for steps, b, v in facts.weights.by_step if b <= facts.event.batch]
-    if len(by_step) >= len(facts.weights.series) or len(by_step) < 3:
-        return None  # a step per batch (or none): the climb by batch said it all
+    if len(by_step) < 3 or by_step[-1][1] - by_step[0][1] < 2 * (len(by_step) - 1):
+        return None  # about a step per batch (or none): the climb by batch said it all
     grew = growth_of([(i, v) for i, (_, _, v) in enumerate(by_step)],
                      per_batch=_DIVERGING_PER_BATCH)
     if grew is None:
