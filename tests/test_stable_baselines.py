@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import warnings
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 
-sb3 = pytest.importorskip("stable_baselines3",
-                          reason="Stable-Baselines3 is not installed: pip install stable-baselines3")
+sb3 = pytest.importorskip(
+    "stable_baselines3", reason="Stable-Baselines3 is not installed: pip install stable-baselines3")
+gym = pytest.importorskip("gymnasium", reason="gymnasium (Stable-Baselines3's) is not installed: "
+                                              "pip install stable-baselines3")
 
 import nanwidget as nw  # noqa: E402
 from tests.conftest import hook_count  # noqa: E402
