@@ -223,13 +223,13 @@ def _growth_by_step(facts: Facts) -> Growth | None:
     by_step = [(steps, b, v) for steps, b, v in facts.weights.by_step if b <= facts.event.batch]
     if len(by_step) < 3 or by_step[-1][1] - by_step[0][1] < 2 * (len(by_step) - 1):
         return None  # about a step per batch (or none): the climb by batch said it all
-    grew = growth_of([(i, v) for i, (_, _, v) in enumerate(by_step)],
-                     per_batch=_DIVERGING_PER_BATCH)
+    # By the steps' own count (a sampled record's entries are several steps apart).
+    grew = growth_of([(steps, v) for steps, _, v in by_step], per_batch=_DIVERGING_PER_BATCH)
     if grew is None:
         return None
-    first, last = by_step[grew.start[0]], by_step[grew.end[0]]
-    return Growth(start=(first[1], first[2]), end=(last[1], last[2]),
-                  steps=last[0] - first[0])
+    batch_at = {steps: b for steps, b, _ in by_step}
+    return Growth(start=(batch_at[grew.start[0]], grew.start[1]),
+                  end=(batch_at[grew.end[0]], grew.end[1]), steps=grew.end[0] - grew.start[0])
 
 
 def _grown_modules(facts: Facts) -> list[str]:
