@@ -5250,3 +5250,25 @@ def test_nan_data_in_a_hidden_state_after_finite_steps_is_still_bad_data():
     assert (w.event.batch, diagnosis.kind, diagnosis.rows) == (1, "bad-data", [2])
     assert diagnosis.summary.startswith("The batch's kwarg:hidden holds NaN in row 2: it came "
                                         "with the data")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_loaded_nan_before_the_first_batch_watched_leads_with_the_load(mode):
+    # A checkpoint with a NaN weight, loaded, then watched: the first batch's event said "holds
+    # NaN before batch 0 ran (an optimizer step, a load or a write made it)", an optimizer step
+    # first, although no step ran under the watch; the load comes first now.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["0.weight"][3, 1] = math.nan
+    model.load_state_dict(state)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch(model, mode) as w:
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+    diagnosis = w.event.diagnosis
+    assert w.event.batch == 0 and diagnosis.kind == "corrupted-weight"
+    assert diagnosis.summary == ("'0.weight' holds NaN when the watch began, before batch 0 ran "
+                                 "(a checkpoint loaded, a write, or a training step before the "
+                                 "watch made it), not this batch's forward.")

@@ -1450,6 +1450,12 @@ def _weights(facts: Facts) -> Diagnosis | None:
             "an optimizer step, a load or a write"
         summary = (f"{shown} {verb} {_kind_words(event.made_kind)} before batch {event.batch} ran "
                    f"({made} made it), not this batch's forward.")
+        if before_watch and not all_along:
+            # The first batch watched: no step of this watch made it, so a load comes first (a
+            # checkpoint resumed, from_pretrained), then what ran before the watch began.
+            summary = (f"{shown} {verb} {_kind_words(event.made_kind)} when the watch began, "
+                       f"before batch {event.batch} ran (a checkpoint loaded, a write, or a "
+                       "training step before the watch made it), not this batch's forward.")
         if all_along:
             ran = f"batch {earlier[0]}" if len(earlier) == 1 else f"batches {_numbers(earlier)}"
             summary = (f"{shown} {verb} {_kind_words(event.made_kind)} since before the watch began, "
