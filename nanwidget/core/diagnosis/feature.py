@@ -130,8 +130,9 @@ def _made_outside_forward(event: NanEvent, inputs: list[Any]) -> bool:
 def _wrapper_of(value: Any) -> str:
     """"fabric" for Lightning Fabric's ``Fabric`` or the ``_FabricModule`` that
     ``fabric.setup`` made, "skorch" for a skorch net (it holds its ``module_``), "sb3" for a
-    Stable-Baselines3 algorithm (PPO, SAC, ...: it holds its ``policy`` and ``env``), else "";
-    told by class and module name, nothing imported or called."""
+    Stable-Baselines3 algorithm (PPO, SAC, ...: it holds its ``policy`` and ``env``), "trainer"
+    for transformers' ``Trainer`` (or a subclass: TRL's, Seq2SeqTrainer) that holds its
+    ``args``, else ""; told by class and module name, nothing imported or called."""
     kind = type(value)
     if kind.__name__ in ("Fabric", "_FabricModule"):
         return "fabric" if "_strategy" in vars(value) else ""
@@ -141,25 +142,29 @@ def _wrapper_of(value: Any) -> str:
     if module.startswith("stable_baselines3.") and "policy" in vars(value) \
             and "env" in vars(value):
         return "sb3"
+    if any(base.__name__ == "Trainer" and base.__module__ == "transformers.trainer"
+           for base in kind.__mro__) and "args" in vars(value):
+        return "trainer"
     return ""
 
 
-def _running_wrapper() -> str:
+def _running_wrapper() -> tuple[str, Any]:
     """The training wrapper that runs the model in this forward or backward pass, found on
-    the stack (see :func:`_wrapper_of`): the innermost one; "" for none."""
+    the stack (see :func:`_wrapper_of`): the innermost one, and the object; ("", None) for
+    none."""
     frame = sys._getframe(1)
     for _ in range(_STACK_DEPTH):
         if frame is None:
-            return ""
+            return "", None
         for value in list(frame.f_locals.values()):
             try:
                 wrapper = _wrapper_of(value)
             except Exception:  # no __dict__, an odd object: no wrapper's
                 continue
             if wrapper:
-                return wrapper
+                return wrapper, value
         frame = frame.f_back
-    return ""
+    return "", None
 
 
 class Diagnoser(Feature):
@@ -304,9 +309,13 @@ class Diagnoser(Feature):
                 holder = _PASSED_AS.search(event.note)
                 diagnosis.suggestion.insert(0, _PASS_THE_SCALER_FIX.replace(
                     "grad_scaler=scaler", holder.group(0) if holder else "grad_scaler=scaler"))
-            wrapper = _running_wrapper()
+            wrapper, holder = _running_wrapper()
             if wrapper:
-                diagnosis.suggestion = fixes.in_wrapper_terms(diagnosis.suggestion, wrapper)
+                # The Trainer clips by default (max_grad_norm=1.0): its fixes say so.
+                clip = getattr(vars(holder).get("args"), "max_grad_norm", None)
+                diagnosis.suggestion = fixes.in_wrapper_terms(
+                    diagnosis.suggestion, wrapper,
+                    clip if isinstance(clip, (int, float)) else None)
             return diagnosis
         except Exception as error:
             self.recorder.internal_error(error)

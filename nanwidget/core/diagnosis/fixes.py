@@ -13,7 +13,7 @@ from ..stats import dtype_max
 
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
            "loss", "loss_input", "unknown", "in_wrapper_terms", "FABRIC_TERMS",
-           "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES"]
+           "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
 
@@ -968,17 +968,75 @@ SB3_WHOLE_FIXES = (
      "1, divides by the std() of one value: NaN), and the target network's values (SAC's and "
      "TD3's critic_target, DQN's q_net_target)."),
 )
+# transformers' Trainer: its TrainingArguments set the learning rate, the warmup, the clipping
+# (max_grad_norm, on by default at 1.0, which unscales first under fp16) and the precision; the
+# NanWatchCallback is its way to check the gradients before each optimizer step.
+_TRAINER_CLIP = "TrainingArguments(max_grad_norm=1.0) (its default; max_grad_norm=0 turns it off)"
+TRAINER_TERMS = (
+    ("Lower the learning rate (try 10x lower) or warm it up over the first steps "
+     "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).",
+     "Lower the learning rate (try 10x lower: TrainingArguments(learning_rate=...)) or warm it "
+     "up over the first steps (TrainingArguments(warmup_steps=...): a number of steps, or "
+     "below 1 a fraction of the training steps)."),
+    ("Under AMP, let torch.amp.GradScaler manage the loss scale (it lowers the scale when "
+     "gradients overflow); a fixed large scale diverges.",
+     "In float16, train with TrainingArguments(fp16=True): its GradScaler manages the loss "
+     "scale (it lowers the scale when gradients overflow); or with bf16=True, which needs none."),
+    ("Under AMP, let torch.amp.GradScaler manage the loss scale (it skips a step whose "
+     "gradients overflowed and lowers the scale), or train in bfloat16.",
+     "In float16, train with TrainingArguments(fp16=True): its GradScaler skips a step whose "
+     "gradients overflowed and lowers the scale; or train in bfloat16 (bf16=True)."),
+    ("Keep the weights and optimizer state in float32 (autocast the forward instead of "
+     "model.half()).",
+     "Keep the weights and optimizer state in float32: load the model in float32 and train "
+     "with TrainingArguments(bf16=True) or fp16=True (mixed precision), not a model loaded "
+     "or cast to float16."),
+    (f"clip them before the step (scaler.unscale_(optimizer), then {_CLIP})",
+     f"clip them before the step: {_TRAINER_CLIP}, which unscales them first"),
+    ("so a step divides by ~0. Use eps=1e-4 or larger,",
+     "so a step divides by ~0. Use eps=1e-4 or larger (TrainingArguments(adam_epsilon=1e-4)),"),
+    ("(a checkpoint: all(v.isfinite().all() for v in state_dict.values()), or a write to ",
+     "(a checkpoint the Trainer loaded: train(resume_from_checkpoint=...) or from_pretrained(); "
+     "check it with all(v.isfinite().all() for v in safetensors.torch.load_file(path).values())"
+     ", or a write to "),
+    ("atch the bad step before it writes the weights: watch with backward=True (a non-finite "
+     "gradient stops there), or call w.check_grad_norms() before optimizer.step() and skip the "
+     "step when it returns True.",
+     "atch the bad step before it writes the weights: train with "
+     "callbacks=[NanWatchCallback()] (from nanwidget.integrations.transformers), which checks "
+     "the gradients before each optimizer step and stops training there."),
+    (f"{_CLIP}; with float16, torch.amp.GradScaler skips steps whose gradients hold Inf/NaN.",
+     f"{_TRAINER_CLIP}; with fp16=True, its GradScaler skips steps whose gradients hold "
+     "Inf/NaN."),
+)
+# A Trainer that clips already (max_grad_norm > 0, the default): "clip the gradients" is no fix.
+_TRAINER_CLIPPING = (
+    (f"Clip the gradients before the step: {_CLIP}.",
+     "The Trainer already clips the gradients' total norm (TrainingArguments(max_grad_norm="
+     "{max_grad_norm:g})), and the weights grew anyway: clipping bounds the gradient, not the "
+     "step, so lower learning_rate rather than max_grad_norm."),
+    # This run's fix (the run that saved a checkpoint keeps it): clipping is on already, and
+    # fp16=True's GradScaler skips steps by itself.
+    (f"Clip the gradients before the step: {_CLIP}; with float16, torch.amp.GradScaler skips "
+     "steps whose gradients hold Inf/NaN.", ""),
+)
 _TERMS = {"fabric": (FABRIC_TERMS, _FABRIC_CLIP), "skorch": (SKORCH_TERMS, _SKORCH_CLIP),
-          "sb3": (SB3_TERMS, _SB3_CLIP)}
+          "sb3": (SB3_TERMS, _SB3_CLIP), "trainer": (TRAINER_TERMS, _TRAINER_CLIP)}
 _WHOLE = {"sb3": SB3_WHOLE_FIXES}
 
 
-def in_wrapper_terms(suggestion: list[str], wrapper: str) -> list[str]:
+def in_wrapper_terms(suggestion: list[str], wrapper: str,
+                     max_grad_norm: float | None = None) -> list[str]:
     """``suggestion`` for a model that a training wrapper runs (``"fabric"``: Lightning
-    Fabric, ``"skorch"``, ``"sb3"``: Stable-Baselines3), in its words (:data:`FABRIC_TERMS`,
-    :data:`SKORCH_TERMS`, :data:`SB3_TERMS` and :data:`SB3_WHOLE_FIXES`)."""
+    Fabric, ``"skorch"``, ``"sb3"``: Stable-Baselines3, ``"trainer"``: transformers' Trainer),
+    in its words (:data:`FABRIC_TERMS`, :data:`SKORCH_TERMS`, :data:`SB3_TERMS` and
+    :data:`SB3_WHOLE_FIXES`, :data:`TRAINER_TERMS`). ``max_grad_norm``: the Trainer's, when it
+    clips (> 0): a fix that says to clip says that it does already."""
     terms, clip = _TERMS[wrapper]
     whole = _WHOLE.get(wrapper, ())
+    if wrapper == "trainer" and max_grad_norm is not None and max_grad_norm > 0:
+        terms = tuple((plain, theirs.format(max_grad_norm=max_grad_norm))
+                      for plain, theirs in _TRAINER_CLIPPING) + terms
     worded = []
     for text in suggestion:
         text = next((theirs for begins, theirs in whole if text.startswith(begins)), text)
@@ -986,5 +1044,6 @@ def in_wrapper_terms(suggestion: list[str], wrapper: str) -> list[str]:
             if plain in text:
                 text = text.replace(plain, theirs)
                 break
-        worded.append(text.replace(_CLIP, clip))
+        if text:  # a fix the wrapper does already is left out
+            worded.append(text.replace(_CLIP, clip))
     return worded

@@ -1,0 +1,118 @@
+"""NanWatchCallback with Trainer features beyond the plain loop: optimizers and their
+arguments, resume_from_checkpoint, label smoothing. Tiny GPT-2 from a config, no downloads."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip(
+    "transformers", reason="the Trainer callback needs the transformers extra: pip install -e .[transformers]")
+
+from nanwidget.integrations.transformers import NanWatchCallback  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "scripts"))
+from trainer_nan import (GPT2_POISONED, PoisonAtStep, TokenDataset, hook_count,  # noqa: E402
+                         tiny_gpt2, training_args)
+
+MODES = [("full", False), ("full", True), ("sentinel", False), ("sentinel", True)]
+
+
+def _train(out, callbacks, model=None, dataset=None, resume=None, **args):
+    trainer = transformers.Trainer(model=model or tiny_gpt2(), args=training_args(str(out), **args),
+                                   train_dataset=dataset or TokenDataset(32), callbacks=callbacks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume)
+    return trainer, [str(w.message) for w in caught if "nanwidget" in str(w.message)]
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+# ------------------------------------------------------------------ fixes in TrainingArguments
+def test_sgd_diverging_without_clipping_is_fixed_with_training_arguments(tmp_path):
+    # The fixes said torch.optim.lr_scheduler.LinearLR and torch.nn.utils.clip_grad_norm_(...),
+    # calls in a loop the Trainer writes; its user sets learning_rate, warmup_steps and
+    # max_grad_norm (0 here: clipping off).
+    callback = NanWatchCallback(log_dir=False)
+    trainer, _ = _train(tmp_path, [callback], optim="sgd", learning_rate=1e4, max_grad_norm=0.0,
+                        logging_nan_inf_filter=False)
+    assert callback.stop.step == 3 and trainer.state.global_step == 3
+    diagnosis = callback.event.diagnosis
+    assert diagnosis.kind == "divergence"
+    assert diagnosis.suggestion[0].startswith(
+        "Lower the learning rate (try 10x lower: TrainingArguments(learning_rate=...)) or warm "
+        "it up over the first steps (TrainingArguments(warmup_steps=...)")
+    assert ("Clip the gradients before the step: TrainingArguments(max_grad_norm=1.0) (its "
+            "default; max_grad_norm=0 turns it off).") in diagnosis.suggestion
+    assert not any("torch.optim.lr_scheduler" in fix or "clip_grad_norm_" in fix
+                   or "torch.amp.GradScaler" in fix for fix in diagnosis.suggestion)
+
+
+def test_adafactor_diverging_with_the_trainers_clipping_on_is_not_told_to_clip(tmp_path):
+    # max_grad_norm=1.0 (the default) clipped every step already: "Clip the gradients" was no fix.
+    callback = NanWatchCallback(log_dir=False)
+    _train(tmp_path, [callback], optim="adafactor", learning_rate=1e6,
+           logging_nan_inf_filter=False)
+    diagnosis = callback.event.diagnosis
+    assert diagnosis.kind == "divergence" and callback.stop.step == 2
+    assert diagnosis.suggestion[0].startswith(
+        "Lower the learning rate (try 10x lower: TrainingArguments(learning_rate=...))")
+    assert diagnosis.suggestion[1].startswith(
+        "The Trainer already clips the gradients' total norm (TrainingArguments(max_grad_norm=1))")
+    assert not any(fix.startswith("Clip the gradients") for fix in diagnosis.suggestion)
+
+
+# ------------------------------------------------------------------ resume_from_checkpoint
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """checkpoint-2 of a 4-step run (save_steps=2), and that run's losses and weights."""
+    out = tmp_path_factory.mktemp("saved")
+    trainer, _ = _train(out, [], max_steps=4, save_strategy="steps", save_steps=2)
+    return out / "checkpoint-2", _losses(trainer), trainer.model.state_dict()
+
+
+def _resumed_from(checkpoint, tmp_path, nan_weight=False):
+    folder = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, folder)
+    if nan_weight:
+        from safetensors.torch import load_file, save_file
+        state = load_file(folder / "model.safetensors")
+        state[f"{GPT2_POISONED}.weight"][0, 0] = math.nan
+        save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.parametrize("mode, backward", MODES)
+def test_a_resumed_checkpoint_with_a_nan_weight_is_blamed_on_the_load(checkpoint, tmp_path,
+                                                                      mode, backward):
+    # The summary said "(an optimizer step, a load or a write made it)" and the fixes "a write
+    # ... before nw.watch()", "call w.check_grad_norms() before optimizer.step()" and
+    # "torch.nn.utils.clip_grad_norm_(...)": none of them the Trainer's.
+    callback = NanWatchCallback(mode=mode, backward=backward, log_dir=False)
+    folder = _resumed_from(checkpoint[0], tmp_path, nan_weight=True)
+    trainer, _ = _train(tmp_path, [callback], max_steps=4, resume=folder)
+    event = callback.event
+    assert (event.batch, event.module, event.origin) == (0, GPT2_POISONED, "weight")
+    assert callback.stop.step == 3 and trainer.state.global_step == 3
+    assert list(callback.batches()["step"]) == [3]
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert diagnosis.summary.startswith(
+        f"'{GPT2_POISONED}.weight' holds NaN when the watch began, before batch 0 ran (a "
+        "checkpoint loaded")
+    assert "train(resume_from_checkpoint=...)" in diagnosis.suggestion[0]
+    assert any("callbacks=[NanWatchCallback()]" in fix for fix in diagnosis.suggestion)
+    assert not any("check_grad_norms" in fix or "clip_grad_norm_" in fix
+                   for fix in diagnosis.suggestion)
+    assert hook_count(trainer.model) == 0 and callback.watch.closed
