@@ -116,3 +116,49 @@ def test_a_resumed_checkpoint_with_a_nan_weight_is_blamed_on_the_load(checkpoint
     assert not any("check_grad_norms" in fix or "clip_grad_norm_" in fix
                    for fix in diagnosis.suggestion)
     assert hook_count(trainer.model) == 0 and callback.watch.closed
+
+
+# ------------------------------------------------------------------ a loss made outside the model
+class _AllIgnoredAtCall:
+    """A collator whose second batch has every label -100 (prompt-only rows)."""
+
+    def __init__(self, call: int = 1) -> None:
+        self.call, self.calls = call, 0
+
+    def __call__(self, rows):
+        batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+        if self.calls == self.call:
+            batch["labels"][:] = -100
+        self.calls += 1
+        return batch
+
+
+@pytest.mark.parametrize("mode, backward", [("full", False), ("sentinel", True)])
+def test_label_smoothing_over_a_batch_of_ignored_labels_stops_at_that_step(tmp_path, mode,
+                                                                           backward):
+    # label_smoothing_factor has the Trainer compute the loss outside the model (LabelSmoother):
+    # 0/0 = NaN over a batch whose labels are all -100. Every module output stayed finite (and
+    # the gradients are 0), so the callback saw nothing and training went on with NaN losses.
+    callback = NanWatchCallback(mode=mode, backward=backward, log_dir=False)
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(), args=training_args(str(tmp_path), label_smoothing_factor=0.1,
+                                              logging_nan_inf_filter=False),
+        train_dataset=TokenDataset(32), data_collator=_AllIgnoredAtCall(), callbacks=[callback])
+    trainer.train()
+    assert trainer.state.global_step == 2 and callback.stop.step == 2
+    assert callback.event is None  # no module made it
+    reason = callback.stop.reason
+    assert reason.startswith("nan loss in batch 1 (training step 2, micro-batch 0)")
+    assert "label_smoothing_factor=0.1" in reason and "LabelSmoother" in reason
+    assert "every label of this micro-batch is -100: 0/0" in reason
+    assert hook_count(trainer.model) == 0 and callback.watch.closed
+
+
+def test_a_nan_loss_is_called_a_loss_when_backward_frames_fill_the_window(tmp_path):
+    # With backward=True the root's output frame had left the frames window by the step's
+    # check, and the warning about logging_nan_inf_filter said "the gradient of step 3".
+    callback = NanWatchCallback(backward=True, log_dir=False)
+    _, caught = _train(tmp_path, [PoisonAtStep(GPT2_POISONED, 3), callback])
+    assert callback.stop.step == 3
+    hidden = [text for text in caught if "logging_nan_inf_filter" in text]
+    assert len(hidden) == 1 and hidden[0].startswith("nanwidget: the loss of step 3 is not finite")

@@ -312,13 +312,15 @@ class StepGuard:
         return self.watch.closed
 
     # ------------------------------------------------------------------ looking
-    def note_loss(self, loss: torch.Tensor, batch: int) -> None:
-        """Check a training loss (one host sync); remember it when non-finite."""
+    def note_loss(self, loss: torch.Tensor, batch: int, made_by: str | None = None) -> None:
+        """Check a training loss (one host sync); remember it when non-finite. ``made_by``:
+        what the framework knows made it, when no module event explains it (said instead of
+        what the watch can tell)."""
         value = loss.detach()
         if value.numel() and not bool(torch.isfinite(value).all()):
             kind = "nan" if bool(torch.isnan(value).any()) else "inf"
             self._losses.append(f"{kind} loss in batch {batch} ({self.batches.describe(batch)}); "
-                                + self._where_loss_was_made(batch))
+                                + (made_by or self._where_loss_was_made(batch)))
 
     def _where_loss_was_made(self, batch: int) -> str:
         """What the watch can say about a non-finite loss that no event explains."""

@@ -16,7 +16,9 @@ done when it ran). Micro-batches follow the Trainer's own (``on_substep_end``,
 ``on_pre_optimizer_step``); a stop message names a batch "training step 3, micro-batch 1", and
 "..., forward 2 of 2" when the micro-batch ran the model twice.
 Just before each optimizer step (``on_pre_optimizer_step``) the callback checks the gradient
-norms and what the watch found since the previous step; every rank then agrees (one flag
+norms, the losses ``training_step`` returned in the step (one host sync for them all: a loss the
+Trainer computes outside the model, ``label_smoothing_factor``'s ``LabelSmoother``, is no
+watched module's output) and what the watch found since the previous step; every rank then agrees (one flag
 all-reduce) and, at a finding on any rank, every rank drops the step's gradients, so the
 optimizer step that follows changes nothing, and stops training at that same step
 (``control.should_training_stop``). Evaluation is checked at ``on_evaluate`` the same way.
@@ -141,6 +143,10 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
         self._micro = 0
         self._eval_index = 0
         self._warned_filter = False
+        # (loss, its last watch batch, its labels) of each micro-batch of the current step, as
+        # training_step returned them (never synced until the step's check).
+        self._step_losses: list[tuple[torch.Tensor, int, Any]] = []
+        self._loss_not_finite = False  # one of them was NaN/Inf
 
     _UNWATCHED = "nanwidget: the callback has not watched a training run yet"
 
@@ -188,10 +194,20 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
             return
         own = trainer.__dict__.get("training_step")
 
+        losses = self._step_losses
+
         @functools.wraps(original)
         def training_step(*args: Any, **kwargs: Any) -> Any:
             try:
-                return original(*args, **kwargs)
+                inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+                labels = inputs.get("labels") if isinstance(inputs, dict) else None
+                loss = original(*args, **kwargs)
+                # Checked before the optimizer step (one host sync per step, not per micro-batch):
+                # a loss made outside the model (label_smoothing_factor's LabelSmoother, a
+                # compute_loss_func) is no watched module's output.
+                if isinstance(loss, torch.Tensor):
+                    losses.append((loss, guard.watch.batch - 1, labels))
+                return loss
             except BaseException as error:
                 self._unwrap_training_step()
                 try:  # the interrupted micro-batch's forwards, so the warning names its step
@@ -288,6 +304,7 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
         self._unwatch_evaluation()  # before the next compiled training call
         self._micro = 0
         self._stopped_this_step = False
+        self._step_losses.clear()
 
     def on_substep_end(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
@@ -304,6 +321,7 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
             return
         self._note_train(state)
         self._check_abort()
+        self._check_losses(args)
         found = guard.findings(check_grads=True)
         self._warn_if_logs_hide(args, state, found)
         if not guard.stops or self.stop is not None:  # the first stop is the one that counts
@@ -368,6 +386,42 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
                        decision)
 
     # ------------------------------------------------------------------ helpers
+    def _check_losses(self, args: TrainingArguments) -> None:
+        """The losses ``training_step`` returned in this step: one host sync for all of them.
+        A non-finite one that no module event explains was made outside the model (a module
+        event comes first: :meth:`StepGuard.findings` keeps the loss only without one)."""
+        losses, self._step_losses[:] = list(self._step_losses), []
+        self._loss_not_finite = False
+        if not losses:
+            return
+        values = [loss.detach().reshape(-1).float() for loss, _, _ in losses]
+        if bool(torch.isfinite(torch.cat([v.to(values[0].device) for v in values])).all()):
+            return
+        self._loss_not_finite = True
+        for loss, batch, labels in losses:
+            self._guard.note_loss(loss, batch, self._outside_model(args, labels))
+
+    def _outside_model(self, args: TrainingArguments, labels: Any) -> str:
+        """Where a non-finite loss that no watched module's output held was made, in the
+        Trainer's terms."""
+        trainer = self._calling_trainer()
+        where = ("no watched module output was non-finite, so the Trainer's compute_loss made "
+                 "it outside the model")
+        if trainer is None or getattr(trainer, "label_smoother", None) is None:
+            return where + (" (a compute_loss_func, or a compute_loss of your own)"
+                            if trainer is not None else "")
+        where += (f": label_smoothing_factor={args.label_smoothing_factor:g} has the Trainer "
+                  "compute the loss itself (LabelSmoother), dividing by the number of labels "
+                  "that are not -100")
+        ignore = getattr(trainer.label_smoother, "ignore_index", -100)
+        if isinstance(labels, torch.Tensor) and labels.numel() \
+                and not bool((labels != ignore).any()):
+            where += (f", and every label of this micro-batch is {ignore}: 0/0. Drop or fix "
+                      "such samples in the Dataset or data_collator (a sequence truncated "
+                      "before its answer, a prompt-only row), or leave label_smoothing_factor "
+                      "at 0")
+        return where
+
     def _log_warnings(self, state: TrainerState) -> None:
         """New early warnings: their numbers through ``Trainer.log`` (every ``report_to``
         integration sees them), their text in ``state.log_history``."""
@@ -429,10 +483,13 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
         frames = self.watch.frames()
         bad_loss = frames[(frames["module"] == "") & frames["batch"].isin(batches)
                           & frames["role"].str.startswith("output") & (frames["nan"] | frames["inf"])]
-        if found.loss is None and bad_loss.empty and not found.grad_events:
+        # The step's losses as training_step returned them: the root's output frame may have
+        # left the frames window (backward frames fill it with backward=True).
+        loss_bad = found.loss is not None or not bad_loss.empty or self._loss_not_finite
+        if not loss_bad and not found.grad_events:
             return
         self._warned_filter = True
-        what = "loss" if (found.loss is not None or not bad_loss.empty) else "gradient"
+        what = "loss" if loss_bad else "gradient"
         warnings.warn(f"nanwidget: the {what} of step {state.global_step + 1} is not finite, but "
                       "transformers' logging_nan_inf_filter=True (its default) keeps NaN/Inf "
                       "losses out of the logged loss, so the logs still show a finite number. Set "
