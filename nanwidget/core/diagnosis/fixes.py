@@ -44,6 +44,12 @@ def overflow(module: str, dtype: str, at: str, op: str,
     autoregressive layer, a Gaussian head's log-std or log-variance)."""
     where = f"module '{module}'" if module else "that part of the model"
     fixes = []
+    if hint == "softmax" and op in _EXPONENTIALS:
+        # A softmax by hand: exp(x - max) / sum is the same value and never passes 1.
+        fixes.append(f"Subtract each row's max before {op}{at}: e = torch.exp(x - x.amax(dim, "
+                     "keepdim=True)); e / e.sum(dim, keepdim=True) is the same softmax and its "
+                     "exp never passes 1. Or call torch.softmax(x, dim) (torch.logsumexp for "
+                     "the log of the sum), which does this.")
     if hint == "log-scale" and op in _EXPONENTIALS:
         # What flows do (RealNVP, Glow, nflows, zuko): a soft clamp keeps the gradient alive.
         fixes.append(f"Bound the predicted log-scale softly before {op}{at}: s = c * "
@@ -73,7 +79,8 @@ def overflow(module: str, dtype: str, at: str, op: str,
                      f"torch.{op}(x.clamp(max={bound})); a learnable scale or temperature "
                      "(CLIP's logit_scale.exp()) is clamped the same way, "
                      "logit_scale.clamp(max=math.log(100)).exp().")
-    if op in ("exp", "pow", "sum", "mean", "cumsum", "prod") and hint != "log-scale":
+    if op in ("exp", "pow", "sum", "mean", "cumsum", "prod") \
+            and hint not in ("log-scale", "softmax"):
         fixes.append(f"Use a stable form for {op}{at}: torch.logsumexp / softmax instead of exp "
                      "by hand, subtract the max first, or sum in float32 (dtype=torch.float32).")
     if dtype.startswith("float8"):  # its range is a few hundred (e4m3) to 57344 (e5m2)
@@ -244,6 +251,14 @@ _SAFE_ARGUMENT = {"log1p": "0", "acos": "0", "asin": "0", "atanh": "0", "erfinv"
                   "acosh": "2", "logit": "0.5"}
 
 
+_FUSED_LOG_PROBABILITIES = (
+    "Compute the log-probabilities from the logits{at}, not as a log of probabilities: a "
+    "probability that rounds to 0 (or to 1 in log(1 - p)) gives log(0) = -inf. "
+    "F.log_softmax(logits, dim) instead of torch.log(torch.softmax(logits, dim)); "
+    "F.logsigmoid(x) and F.logsigmoid(-x) for log(p) and log(1 - p) of p = sigmoid(x); "
+    "F.binary_cross_entropy_with_logits(logits, y) (nn.BCEWithLogitsLoss) instead of "
+    "-(y * log(p) + (1 - y) * log(1 - p)), nn.CrossEntropyLoss on the logits instead of a "
+    "sum of one-hot targets times log(p).")
 _LOGIT_SQUEEZE = ("Squeeze the data away from 0 and 1 before the logit, as RealNVP and Glow "
                   "do: x = alpha + (1 - 2 * alpha) * x with alpha = 0.05 (or 1e-6 for a "
                   "guard alone), adding log(1 - 2 * alpha) per dimension to the log-det; and "
@@ -257,14 +272,21 @@ _SPLINE_FLOORS = ("A rational-quadratic spline's bin width, height or knot deriv
 
 def domain(op: str, at: str, backward: bool, empty: bool = False,
            unused_gradient: bool = False, negative_running_var: bool = False,
-           hint: str = "") -> list[str]:
-    """``hint`` (what the op's line reads like): "logit" (a logit transform of data in [0, 1])
-    or "spline" (a spline flow's log-derivative or division by a bin's size)."""
+           hint: str = "", masked_on_line: bool = True) -> list[str]:
+    """``hint`` (what the op's line reads like): "logit" (a logit transform of data in [0, 1]),
+    "spline" (a spline flow's log-derivative or division by a bin's size) or "probabilities"
+    (a log of probabilities made by hand: log(softmax(x)), a binary cross-entropy's
+    log(1 - p)). ``masked_on_line``: the op's line selects with torch.where or a mask (an
+    unused gradient's fix is then to guard the argument, else an eps inside the op)."""
     name = op.lstrip("_").rstrip("_")  # pow_ is pow
     if hint == "logit" and name in ("log", "log2", "log10", "log1p", "logit"):
         return [_LOGIT_SQUEEZE] + domain(op, at, backward, empty, unused_gradient)
     if hint == "spline":
         return [_SPLINE_FLOORS] + domain(op, at, backward, empty, unused_gradient)
+    if hint == "probabilities" and name in ("log", "log2", "log10"):
+        return [_FUSED_LOG_PROBABILITIES.format(at=at)] + [
+            line for line in domain(op, at, backward, empty, unused_gradient)
+            if not line.startswith("For probabilities use the fused forms")]
     if negative_running_var:
         return [f"Mend the running statistics{at}: a write or a load put a negative value in "
                 "running_var (BatchNorm's updates never do). Reload them from a good "
@@ -281,6 +303,10 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
         first = (f"Guard the argument of {name}{at}, not its result: {unguarded} still gives a "
                  f"NaN gradient where x is at the edge (where passes {name} a gradient of 0, "
                  f"and 0 x inf = NaN). Write {guarded} instead.")
+        if not masked_on_line:  # no where there (a hinge cut it off): the op's own fixes first
+            return domain(op, at, backward, empty) + [first.replace(
+                "Guard the argument", "If a mask or torch.where drops the value later, guard "
+                "the argument", 1)]
         return [first] + domain(op, at, backward, empty)
     if empty:
         return [f"Guard the reduction{at} against an empty selection: compute it only when "
@@ -371,6 +397,11 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
                 "from the data, or skip the step when (labels != ignore_index).sum() == 0.",
                 "Or average over the counted targets with a floor: F.cross_entropy(logits, "
                 "labels, reduction='sum') / (labels != ignore_index).sum().clamp_min(1)."]
+    if name == "pow" and backward:  # the forward was finite: its slope at 0 is the cause
+        return [f"The gradient of pow{at} is infinite at a base of 0 for exponents below 1 "
+                "(x.pow(0.5) is sqrt): add an eps to the base, (x + eps).pow(p), or for a norm "
+                "use torch.linalg.vector_norm (its gradient at 0 is defined)."] + [
+            line for line in domain(op, at, False, empty) if not line.startswith("Its gradient")]
     if name == "pow":
         return [f"pow{at} of a negative base with a fractional exponent is NaN, and of 0 with a "
                 "negative exponent inf: clamp the base (x.clamp_min(eps)) or use "
@@ -384,6 +415,9 @@ def domain(op: str, at: str, backward: bool, empty: bool = False,
         return [f"{name}{at} over a single element divides by n - 1 = 0: pass correction=0 "
                 "(unbiased=False), or make sure the reduced dimension has at least 2 elements "
                 "(batch size 1, a sequence of length 1).",
+                "Over the batch's dimension, a DataLoader's last batch holds one sample when the "
+                "dataset's size is one more than a multiple of the batch size: "
+                "DataLoader(..., drop_last=True) drops it.",
                 "Add an eps where it is divided by: x / (std + eps)."]
     if name in ("sub", "add", "rsub", "mul"):
         return [f"{name}{at} met an Inf (inf - inf or 0 x inf make NaN): find where the Inf was "

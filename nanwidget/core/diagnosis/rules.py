@@ -29,6 +29,7 @@ Where before how (the contract's precedence):
 
 from __future__ import annotations
 
+import linecache
 import math
 import re
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from typing import Any
 from ..events import Diagnosis, NanEvent
 from ..schema import (DEQUANTIZED, INTENDED_INF_OPS, NO_USER_LINE, OP_ROWS_DESCRIBED, PACKED,
                       masks_rows, role_groups)
-from ..sourcelines import source_text
+from ..sourcelines import locate_source, source_text
 from ..stats import dtype_max
 from . import fixes
 from .facts import Facts, OpFacts, weight_names
@@ -416,7 +417,8 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
             return (f"the gradient of {grad_of} is infinite at the edge of its domain ({edge}), "
                     f"and the gradient reaching {grad_of} there was 0: that value of {grad_of} "
                     "was multiplied by 0 or dropped after it (p * log(p) with p = 0, "
-                    "torch.where, a mask or a slice), and 0 x inf = NaN", "high")
+                    "torch.where, a mask or a slice, a relu or hinge at 0), and 0 x inf = NaN",
+                    "high")
         return f"the gradient of {grad_of} is infinite at the edge of its domain ({edge})", "high"
     variance = _negative_running_var(op)
     if variance is not None:
@@ -495,10 +497,18 @@ def _domain_reason(op: OpFacts) -> tuple[str, str] | None:
 # log-scale before exp, a logit transform of data in [0, 1], a spline's bins and derivatives.
 _LOG_SCALE = re.compile(r"log_?(?:s|scale|std|sd|sigma|var)\b|logvar|\bexp\(\s*-?\s*s\b"
                         r"|(?<![\w.])-?s\.exp\(")
-# log(x) - log(1 - x) on one line (a log1p(-p) alone is a log(1 - p), not a logit)
-_LOGIT_TRANSFORM = re.compile(r"logit|\blog\((?!\s*1\s*-).*(?:log1p\(\s*-|log\(\s*1\s*-)"
-                              r"|(?:log1p\(\s*-|log\(\s*1\s*-).*\blog\((?!\s*1\s*-)")
+# log(x) - log(1 - x) on one line (a log1p(-p) alone is a log(1 - p), not a logit); a
+# variable named logits is none, nor is a cross-entropy's sum y * log(p) + (1 - y) * log(1 - p).
+_LOGIT_TRANSFORM = re.compile(
+    r"\blogit\b|\blog\((?!\s*1\s*-)[^()]*\)\s*-\s*(?:torch\.)?(?:log1p\(\s*-|log\(\s*1\s*-)"
+    r"|(?:log1p\(\s*-|log\(\s*1\s*-)[^()]*\)\s*-\s*(?:torch\.)?log\((?!\s*1\s*-)")
 _SPLINE = re.compile(r"spline|derivative|bin_?width|bin_?height", re.IGNORECASE)
+# A log of probabilities made by hand: log(softmax(x)), log(sigmoid(x)), a binary
+# cross-entropy's log(1 - p); the fused forms on the logits are the fix.
+_LOG_OF_PROBABILITIES = re.compile(r"(?:softmax|sigmoid)\s*\(|\blog\(\s*1\s*-|log1p\(\s*-")
+# An exp whose result is divided by its own sum, on its line or the next (a softmax by hand:
+# e = torch.exp(s); p = e / e.sum(-1, keepdim=True)): subtracting the max is the fix.
+_DIVIDED_BY_SUM = re.compile(r"/\s*\(?\s*(?:torch\.sum\(|[\w.\[\]]+\.sum\()")
 
 
 def _density_hint(op: OpFacts) -> str:
@@ -506,13 +516,34 @@ def _density_hint(op: OpFacts) -> str:
     otherwise): the fixes a density model's author knows for it come first."""
     _, text = source_text(op.source) or (0, "")
     name = op.name
+    if name in _EXP_OPS and _divided_by_sum(op, text):
+        return "softmax"
     if name in _EXP_OPS and _LOG_SCALE.search(text):
         return "log-scale"
     if name == "logit" or (name in _LOG_OPS + ("log1p",) and _LOGIT_TRANSFORM.search(text)):
         return "logit"
     if name in _LOG_OPS + _DIVISIONS + ("reciprocal",) and _SPLINE.search(text):
         return "spline"
+    if name in _LOG_OPS and _LOG_OF_PROBABILITIES.search(text):  # (log1p has its own)
+        return "probabilities"
     return ""
+
+
+def _divided_by_sum(op: OpFacts, text: str) -> bool:
+    """Whether the exp's line, or the line after it, divides by a sum (a softmax by hand)."""
+    if _DIVIDED_BY_SUM.search(text):
+        return True
+    located = locate_source(op.source) if op.source else None
+    return located is not None and bool(
+        _DIVIDED_BY_SUM.search(linecache.getline(located[0], located[1] + 1)))
+
+
+def _masked_on_line(op: OpFacts) -> bool:
+    """Whether the op's line selects with a mask (torch.where, masked_fill): where an unused
+    gradient met an infinite slope, guarding the argument is the fix; elsewhere (a hinge, a
+    product with 0) an eps inside the op is."""
+    _, text = source_text(op.source) or (0, "")
+    return bool(re.search(r"\bwhere\(|masked_fill|masked_scatter", text))
 
 
 def _in_log_prob(op: OpFacts) -> bool:
@@ -2182,7 +2213,8 @@ def _from_op(facts: Facts) -> Diagnosis | None:
                                   op.at, backward=op.phase == "backward", empty=empty,
                                   unused_gradient=bool(op.grad_of) and _unused_gradient(op),
                                   negative_running_var=_negative_running_var(op) is not None,
-                                  hint=_density_hint(op) if op.phase != "backward" else "")
+                                  hint=_density_hint(op) if op.phase != "backward" else "",
+                                  masked_on_line=_masked_on_line(op))
         uncounted = _no_counted_label(facts, op)
         if uncounted is not None:  # the data's fixes, not an edit of transformers' loss
             reason, suggestion = uncounted, fixes.no_counted_label()
