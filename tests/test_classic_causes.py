@@ -278,3 +278,37 @@ def test_std_over_a_last_batch_of_one_sample_says_correction_0_and_drop_last(mod
     assert "std over a single element" in diagnosis.summary
     assert "correction=0 (unbiased=False)" in diagnosis.suggestion[0]
     assert any("drop_last=True" in line for line in diagnosis.suggestion)
+
+
+# ------------------------------------------------------- a VAE's log-variance
+class VAE(nn.Module):
+    """A VAE's reparameterisation: std = exp(0.5 * log_var) overflows once log_var runs away."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(8, 4), nn.Linear(2, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mu, log_var = self.enc(x).chunk(2, -1)
+        std = torch.exp(0.5 * log_var)
+        return self.dec(mu + std * torch.randn_like(std)), mu, log_var
+
+
+def test_a_vae_diverging_into_exp_of_its_log_var_is_told_to_clamp_log_var_too():
+    # Full mode tells the divergence (lr, clipping) and did not say to bound log_var, which
+    # sentinel mode's overflow leads with.
+    torch.manual_seed(0)
+    model = VAE()
+    x = torch.randn(4, 8) * 3
+
+    def elbo(out):
+        recon, mu, log_var = out
+        kl = -0.5 * (1 + log_var - mu ** 2 - log_var.exp()).sum(-1).mean()
+        return F.mse_loss(recon, x) + kl
+
+    with watch(model, "full") as w:
+        train(model, w, [(x,)] * 10, elbo, lr=0.1)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "divergence" and "until exp in module" in diagnosis.summary
+    assert diagnosis.suggestion[0].startswith("Lower the learning rate")
+    assert "log_var.clamp(-10, 10)" in " ".join(diagnosis.suggestion[:3])

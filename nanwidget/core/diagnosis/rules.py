@@ -2235,12 +2235,16 @@ def _from_op(facts: Facts) -> Diagnosis | None:
         grown = _grown_modules(facts)
         if grown:
             evidence.insert(1, f"Grown most since first measured: {', '.join(grown)}.")
+        suggestion = fixes.divergence(op.dtype)
+        hint = _density_hint(op) if op.phase != "backward" else ""
+        if hint in ("log-scale", "softmax"):  # what keeps that exp finite while training moves
+            suggestion[2:2] = fixes.overflow(op.module, op.dtype, op.at, op.name, hint=hint)[:1]
         return Diagnosis(
             "divergence",
             f"Training diverged: the weights grew {grew.per_batch:.3g}x {grew.per} since batch "
             f"{grew.start[0]}, until {op.op} {op.place}{op.at} overflowed at batch "
             f"{event.batch}{in_rows} ({reason}).", evidence,
-            _learned_scale(op, evidence, fixes.divergence(op.dtype)),
+            _learned_scale(op, evidence, suggestion),
             rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
     evidence = evidence + _activation_lines(facts, modules)
     evidence.extend(_no_history(facts))
