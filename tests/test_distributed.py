@@ -697,3 +697,46 @@ def test_a_nan_gradient_accumulated_under_ddp_no_sync_names_the_micro_batch_that
     assert (first.batch, later.batch, later.qualified_role) == (6, 7, "2.bias")
     assert first.diagnosis.kind == later.diagnosis.kind == "loss"
     assert "because batch 6's backward left it so" in later.diagnosis.summary
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+def test_fsdp2_weight_an_optimizer_step_made_nan_is_told_as_written_by_that_step(
+        single_rank_group, mode, param_dtype):
+    # FSDP2 puts the gathered tensor in a parameter's slot while the forward runs (cast to
+    # bfloat16 under a MixedPrecisionPolicy); the optimizer steps the sharded DTensor. The
+    # diagnosis read the gathered one: full mode said "No optimizer step wrote '0.weight' ...:
+    # a write did", sentinel mode "holds NaN since before the watch began (no in-place write
+    # and no optimizer step in between)".
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+                          nn.Linear(16, 2))
+    policy = {} if param_dtype is None else {"mp_policy": MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32)}
+    fully_shard(model[2], **policy)
+    fully_shard(model, **policy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    hooks = hook_count(model)  # FSDP's own
+    with nw.watch(model, mode=mode, on_nan="record") as watch:
+        for step in range(3):
+            x, y = torch.randn(8, 8, generator=data), torch.randn(8, 2, generator=data)
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            optimizer.zero_grad()
+            loss.backward()
+            if step == 1:  # a NaN gradient: the step writes NaN into every weight
+                for parameter in model.parameters():
+                    parameter.grad.to_local().fill_(float("nan"))
+            optimizer.step()
+    event = watch.event
+    assert (event.batch, event.module, event.role, event.origin) == (2, "0", "weight", "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight", diagnosis
+    assert "became NaN between batch 1 and batch 2: the optimizer step, load or write after " \
+        "batch 1 did it" in diagnosis.summary, diagnosis.summary
+    told = " ".join([diagnosis.summary, *diagnosis.evidence, *diagnosis.suggestion])
+    for wrong in ("No optimizer step wrote", "before the watch began", "no optimizer step in "
+                  "between", "has not moved"):
+        assert wrong not in told, told
+    assert hook_count(model) == hooks

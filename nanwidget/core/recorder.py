@@ -90,7 +90,7 @@ from .sourcelines import user_stacklevel
 from .records import Finding, Records
 from .schema import PACKED
 from .state import watched_modules, watching_recorders
-from .stats import PendingStats, stood_for
+from .stats import PendingStats, is_distributed_tensor, sharded_parameters, stood_for
 from .writes import steps_taken, track_optimizer_steps
 
 __all__ = ["Recorder", "Feature", "Finding", "ModuleInfo", "ConcurrentForwardError",
@@ -374,7 +374,7 @@ class ModuleInfo:
     """A watched module: its qualified name, class name and position in ``named_modules()``."""
 
     __slots__ = ("module", "name", "type_name", "index", "is_root", "has_state", "pre_entries",
-                 "sharded", "weights")
+                 "sharded", "weights", "sharded_parameters")
 
     def __init__(self, module: nn.Module, name: str, index: int, is_root: bool,
                  sharded: bool = False) -> None:
@@ -391,6 +391,8 @@ class ModuleInfo:
         # Inside a module FSDP2 manages (``fully_shard``): its parameters are gathered into
         # the same tensors every forward, version counters kept, and freed after it.
         self.sharded = sharded
+        # Its parameters FSDP2 keeps as DTensors between forwards (see weight()).
+        self.sharded_parameters = sharded_parameters(self.weights) if sharded else {}
         # Input entries measured by the pre-hook of an in-place module (a stack: recursion).
         self.pre_entries: list[list[Entry]] = []
 
@@ -1566,7 +1568,10 @@ class Recorder:
     def weight(self, module: str, role: str) -> torch.Tensor | None:
         """The named module's own parameter or buffer ``role`` (event time only), or None. A
         per-sample-gradient stand-in in the slot (torch's ``ExpandedWeight``, during its forward)
-        is read as the parameter it holds."""
+        is read as the parameter it holds. Inside a module FSDP2 manages, the parameter is the
+        DTensor it keeps between forwards (the one the optimizer steps, and loads and in-place
+        writes between steps write), also while the slot holds the gathered tensor that the
+        forward reads (an event met during a forward)."""
         info = self._by_name.get(module)
         if info is None:
             return None
@@ -1576,6 +1581,9 @@ class Recorder:
                 tensor = info.weights._buffers.get(role)
         except Exception:  # a container that cannot tell
             return None
+        if info.sharded_parameters and isinstance(tensor, torch.Tensor) \
+                and not is_distributed_tensor(tensor):
+            tensor = info.sharded_parameters.get(role, tensor)
         return stood_for(tensor) if isinstance(tensor, torch.Tensor) else None
 
     def weight_owner(self, qualified: str) -> tuple[str, str]:

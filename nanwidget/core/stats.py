@@ -27,6 +27,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch import nn
 
 from . import native
 from .schema import CHANGED_LATER, PENDING
@@ -269,6 +270,19 @@ def is_distributed_tensor(tensor: torch.Tensor) -> bool:
     """A DTensor (FSDP2, tensor parallel): each rank holds a shard of it."""
     return type(tensor) not in PLAIN_TENSOR_TYPES and hasattr(tensor, "placements") \
         and hasattr(tensor, "to_local")
+
+
+def sharded_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s own parameters that are DTensors now (read when a watch starts, between
+    forwards). FSDP2 (``fully_shard``) puts a plain tensor gathered from every rank in their
+    slots while the module's forward (and, with ``reshard_after_forward=False``, its backward)
+    runs, cast to ``param_dtype`` under a ``MixedPrecisionPolicy``; the DTensor is the parameter
+    the optimizer holds and steps, and a load or an in-place write between steps writes."""
+    try:
+        return {key: tensor for key, tensor in module._parameters.items()
+                if isinstance(tensor, torch.Tensor) and is_distributed_tensor(tensor)}
+    except Exception:  # a container that cannot tell (TorchScript)
+        return {}
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,8 @@ from ..events import NanEvent
 from ..frames import Frame
 from ..holders import stand_ins
 from ..options import batch_number
-from ..recorder import Feature
-from ..stats import stood_for, version_of
+from ..recorder import Feature, is_fsdp_unit
+from ..stats import sharded_parameters, stood_for, version_of
 from ..walk import iter_leaves
 from ..writes import step_in_progress, steps_taken
 from .divergence import adapter_layer
@@ -163,6 +163,9 @@ class _Slots:
         self.mapping[key] = value
 
 
+_NOTHING = nn.Module()  # a module without parameters
+
+
 class WeightSlots:
     """Every parameter and buffer slot of the model, read by dict lookups (no module walk)."""
 
@@ -190,11 +193,35 @@ class WeightSlots:
                     if renorms and not is_buffer and key == "weight":
                         self.renormed_positions.append(len(self.names) - 1)
         self.buffer_positions = [i for i, flag in enumerate(self.is_buffer) if flag]
+        # The parameters FSDP2 (fully_shard) keeps as DTensors between forwards: while its
+        # forward runs, their slots hold the gathered tensor the forward reads, which no
+        # optimizer step, load or in-place write between steps touches (its version counter
+        # never moves). Their slots are read from a dict of their own that holds the DTensor
+        # (FSDP2 puts that same parameter back after each forward and backward).
+        self.sharded_positions = []
+        for i, name in enumerate(self.names):
+            sharded = sharded_parameters(self._owner(root, name)) if not self.is_buffer[i] else {}
+            if self.keys[i] in sharded:
+                self.containers[i] = {self.keys[i]: sharded[self.keys[i]]}
+                self.sharded_positions.append(i)
         self._getters = [container.get for container in self.containers]
         self.root = root
         self.modules = list(root.modules())
         # Held with their names: an id is never reused while it is compared.
         self._read_from = {id(m): (name, m) for name, m in root.named_modules()}
+
+    @staticmethod
+    def _owner(root: nn.Module, name: str) -> nn.Module:
+        """The module that keeps the slot called ``name``, when FSDP2 manages it (a unit or
+        inside one); else ``root``'s empty stand-in (nothing of it is sharded)."""
+        path = name.rpartition(".")[0]
+        module, managed = root, is_fsdp_unit(root)
+        for part in path.split(".") if path else ():
+            module = getattr(module, part, None)
+            if not isinstance(module, nn.Module):
+                return _NOTHING
+            managed = managed or is_fsdp_unit(module)
+        return module if managed else _NOTHING
 
     def structure_changes(self) -> list[str]:
         """Modules added to or removed from the model since these slots were read. A holder
