@@ -740,3 +740,42 @@ def test_fsdp2_weight_an_optimizer_step_made_nan_is_told_as_written_by_that_step
                   "between", "has not moved"):
         assert wrong not in told, told
     assert hook_count(model) == hooks
+
+
+def test_fsdp2_float16_overflow_fix_names_the_mixed_precision_policy_not_autocast(
+        single_rank_group):
+    # MixedPrecisionPolicy(param_dtype=torch.float16) runs the forward in float16 with no
+    # torch.autocast anywhere: the fix said to wrap the module in torch.autocast(enabled=False)
+    # or to autocast in bfloat16.
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+                          nn.Linear(16, 2))
+    nn.init.constant_(model[0].weight, 0.5)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    fully_shard(model[2], mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    with nw.watch(model, on_nan="record") as watch:
+        model(torch.randn(8, 8))
+        model(torch.full((8, 8), 3e4))  # finite in float16; 8 x 3e4 is not
+    event = watch.event
+    assert (event.batch, event.module, event.origin) == (1, "0", "output")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "overflow", diagnosis
+    assert "passed float16's largest value" in diagnosis.summary
+    fixes = " ".join(diagnosis.suggestion)
+    assert "autocast" not in fixes, fixes
+    assert "MixedPrecisionPolicy(param_dtype=torch.float16) casts it to float16" in fixes
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16" in fixes
+
+
+def test_a_float16_overflow_without_fsdp_still_gets_the_autocast_fix():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    nn.init.constant_(model[0].weight, 0.5)
+    model.half()
+    with nw.watch(model, on_nan="record") as watch:
+        model(torch.full((8, 8), 3e4, dtype=torch.float16))
+    fixes = " ".join(watch.event.diagnosis.suggestion)
+    assert "torch.autocast(device_type, enabled=False)" in fixes
+    assert "MixedPrecisionPolicy" not in fixes

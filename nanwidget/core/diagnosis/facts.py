@@ -576,6 +576,10 @@ class Facts:
     # after the batch), "" (not this refusal).
     replay_refused_written: str = ""
     has_loss_fn: bool = False  # the watch was given loss_fn (its replays run the loss)
+    # The dtype FSDP2's MixedPrecisionPolicy casts the model's sharded parameters to for the
+    # forward (its param_dtype, as the event's frames show them), "" when none is cast: a fix
+    # for that dtype names the policy, not torch.autocast.
+    policy_dtype: str = ""
     inputs: list[InputFacts] = field(default_factory=list)
     inputs_held: bool = False  # the batch's inputs were read (rows can be told)
     # Root input entries of the batch's frames that held NaN/Inf (when the inputs were not held).

@@ -334,6 +334,7 @@ class Diagnoser(Feature):
                       scaler_run=self.scaler_run(event) if self.scaler_run else None)
         if outside:
             facts.outside_pass = root
+        facts.policy_dtype = self._policy_dtype(event)
         self._read_inputs(facts)
         facts.made_outside_forward = _made_outside_forward(event, facts.inputs)
         if not event.is_backward and event.origin != "peer" and not facts.made_outside_forward:
@@ -856,6 +857,22 @@ class Diagnoser(Feature):
             within = self.capture.written_between_forwards(event.batch)
             if names and all(n in within for n in names):
                 facts.written_between_forwards = {n: within[n] for n in names}
+
+    def _policy_dtype(self, event: NanEvent) -> str:
+        """The dtype the event's frames show a parameter of a module FSDP2 manages in, when it
+        is not the dtype of the sharded parameter (FSDP2's MixedPrecisionPolicy cast it for the
+        forward); "" otherwise."""
+        sharded = {info.name: info.sharded_parameters for info in self.recorder.modules
+                   if info.sharded_parameters}
+        frames = event.frames
+        if not sharded or frames is None or not len(frames):
+            return ""
+        for module, role, dtype in zip(frames["module"], frames["role"], frames["dtype"]):
+            parameter = sharded.get(module, {}).get(role)
+            if parameter is not None and dtype and str(dtype) != str(parameter.dtype).replace(
+                    "torch.", ""):
+                return str(dtype)
+        return ""
 
     def _nonfinite_slices(self, name: str) -> tuple[list[int], int] | None:
         """Which experts hold the NaN/Inf of a non-finite weight of a mixture of experts'

@@ -39,9 +39,11 @@ _NORMALISATIONS = ("native_group_norm", "native_layer_norm", "native_batch_norm"
 
 
 def overflow(module: str, dtype: str, at: str, op: str,
-             tiny_denominator: bool = False, hint: str = "") -> list[str]:
+             tiny_denominator: bool = False, hint: str = "", policy_dtype: str = "") -> list[str]:
     """``hint``: "log-scale" when the exponent is a predicted log-scale (a flow's coupling or
-    autoregressive layer, a Gaussian head's log-std or log-variance)."""
+    autoregressive layer, a Gaussian head's log-std or log-variance). ``policy_dtype``: the
+    dtype FSDP2's MixedPrecisionPolicy casts the parameters to ("" when none does): the fix
+    for float16 then changes the policy, not torch.autocast."""
     where = f"module '{module}'" if module else "that part of the model"
     fixes = []
     if hint == "softmax" and op in _EXPONENTIALS:
@@ -67,7 +69,14 @@ def overflow(module: str, dtype: str, at: str, op: str,
             fixes.append(f"Run {where} in bfloat16 or float32: float16 passes 65504 as soon "
                          "as a value of 1 is divided by less than 1.5e-5.")
         return fixes
-    if dtype == "float16":
+    if dtype == "float16" and policy_dtype == "float16":
+        fixes.append(f"Run {where} in bfloat16 (same range as float32) or float32: FSDP2's "
+                     "MixedPrecisionPolicy(param_dtype=torch.float16) casts it to float16; "
+                     "give fully_shard mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                     "reduce_dtype=torch.float32), or shard that module on its own in float32 "
+                     "first: fully_shard(module, mp_policy=MixedPrecisionPolicy("
+                     "param_dtype=torch.float32)).")
+    elif dtype == "float16":
         fixes.append(f"Run {where} in bfloat16 (same range as float32) or float32: under "
                      "torch.autocast, wrap it in torch.autocast(device_type, enabled=False) and "
                      "pass it x.float(); or autocast with dtype=torch.bfloat16.")

@@ -2250,7 +2250,8 @@ def _from_op(facts: Facts) -> Diagnosis | None:
     evidence.extend(_no_history(facts))
     suggestion = fixes.overflow(op.module, op.dtype, op.at, op.name,
                                 tiny_denominator=_tiny_denominator(op) is not None,
-                                hint=_density_hint(op) if op.phase != "backward" else "")
+                                hint=_density_hint(op) if op.phase != "backward" else "",
+                                policy_dtype=facts.policy_dtype)
     compounded = _compounded_calls(facts, op.module or event.module)
     if compounded is not None and op.phase != "backward":
         module, calls, growth = compounded
@@ -2425,7 +2426,8 @@ def _from_frames(facts: Facts) -> Diagnosis | None:
                                      f"result passed {dtype}'s largest value "
                                      f"({dtype_max(dtype):.5g}).",
                          evidence, (_unseen_fixes(facts) if facts.weights_unseen else [])
-                         + fixes.overflow(event.module, dtype, "", "its op"),
+                         + fixes.overflow(event.module, dtype, "", "its op",
+                                          policy_dtype=facts.policy_dtype),
                          confidence="low" if facts.weights_unseen else "medium")
     return None
 
