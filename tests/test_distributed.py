@@ -779,3 +779,32 @@ def test_a_float16_overflow_without_fsdp_still_gets_the_autocast_fix():
     fixes = " ".join(watch.event.diagnosis.suggestion)
     assert "torch.autocast(device_type, enabled=False)" in fixes
     assert "MixedPrecisionPolicy" not in fixes
+
+
+def test_fsdp2_full_mode_does_not_claim_it_checked_the_sharded_gradients(single_rank_group):
+    # Full mode measures no gradient of a parameter FSDP2 shards, yet with backward=True a
+    # weight a NaN gradient shard made NaN read "The watch checked the gradients of every
+    # backward pass ... and none was non-finite", and its fix sent the user to look for a load.
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nw.watch(model, backward=True, on_nan="record") as watch:
+        for step in range(3):
+            loss = model(torch.randn(8, 8)).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            if step == 1:
+                model[0].weight.grad.to_local()[0, 0] = float("nan")  # a bad gradient shard
+            optimizer.step()
+    event = watch.event
+    assert (event.batch, event.module, event.role, event.origin) == (2, "0", "weight", "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight", diagnosis
+    told = " ".join([*diagnosis.evidence, *diagnosis.suggestion])
+    assert "none was non-finite" not in told, told
+    assert diagnosis.suggestion[0].startswith(
+        "Catch the bad step before it writes the weights: full mode does not measure the "
+        "gradients of parameters FSDP2 shards, so watch with mode='sentinel', backward=True"), \
+        diagnosis.suggestion

@@ -666,6 +666,9 @@ class Facts:
     backward_passes: int | None = None
     # The watch checks every backward pass's gradients (backward=True) ...
     checks_gradients: bool = False
+    # Full mode: a non-finite weight is a parameter FSDP2 shards, whose gradient it does not
+    # measure (checks_gradients is then False).
+    sharded_gradients_unchecked: bool = False
     # ... and found a non-finite one before this event: its event (None: all were finite).
     gradient_event_before: NanEvent | None = None
     # The event's non-finite weights whose slots hold stand-ins, not parameters (the forward

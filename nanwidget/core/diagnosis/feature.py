@@ -31,7 +31,8 @@ from ..frames import Frame, weights_finite_last, weights_nonfinite_batches
 from ..ranks import world_size
 from ..recorder import Feature, ModuleInfo, Recorder
 from ..schema import PACKED
-from ..stats import (PLAIN_TENSOR_TYPES, functorch_unwrapped, local_shard, storage_holds,
+from ..stats import (PLAIN_TENSOR_TYPES, functorch_unwrapped, is_distributed_tensor, local_shard,
+                     storage_holds,
                      stood_for, version_of, vmapped_samples)
 from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_in_step,
                       nonfinite_lr_step, optimizer_state_nonfinite, optimizers_holding,
@@ -439,7 +440,12 @@ class Diagnoser(Feature):
             self._wrapper_state(facts)
             self._written_outside_step(facts)
             facts.optimizers = optimizers_stepped()
-            facts.checks_gradients = self.checks_gradients
+            # Full mode measures no gradient of a parameter FSDP2 shards (it has no entry):
+            # such a weight's gradients were not checked, whatever backward=True says.
+            facts.sharded_gradients_unchecked = not self.sentinel \
+                and self._sharded_weights(facts)
+            facts.checks_gradients = self.checks_gradients \
+                and not facts.sharded_gradients_unchecked
             facts.backward_passes = self.backward_passes() if self.backward_passes else None
             facts.gradient_event_before = self._gradient_event_before(event)
         # The event's batch, with a non-finite weight, against the batch before it: a jump.
@@ -857,6 +863,15 @@ class Diagnoser(Feature):
             within = self.capture.written_between_forwards(event.batch)
             if names and all(n in within for n in names):
                 facts.written_between_forwards = {n: within[n] for n in names}
+
+    def _sharded_weights(self, facts: Facts) -> bool:
+        """Whether one of the event's non-finite weights is a DTensor parameter (FSDP2's
+        sharded ones), whose gradient full mode does not measure."""
+        for name in facts.weights_last_finite:
+            tensor = self.recorder.weight(*self.recorder.weight_owner(name))
+            if tensor is not None and is_distributed_tensor(tensor):
+                return True
+        return False
 
     def _policy_dtype(self, event: NanEvent) -> str:
         """The dtype the event's frames show a parameter of a module FSDP2 manages in, when it

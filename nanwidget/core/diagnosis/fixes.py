@@ -596,13 +596,16 @@ def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: 
                      before_watch: bool = False, *, stepped: bool = True, no_step: bool = False,
                      replaced: bool = False, gradients_checked: bool = False,
                      gradients_finite: bool = False,
-                     optimizers: dict[str, bool] | None = None) -> list[str]:
+                     optimizers: dict[str, bool] | None = None,
+                     sharded_unchecked: bool = False) -> list[str]:
     """``stepped``: an optimizer step may have written the weights (False: buffers, or
     parameters no step updated: the step's fixes cannot help); ``no_step``: no optimizer step
     ran under the watch at all (inference). ``replaced``: their slots hold other tensors than
     when last finite (a load with assign=True). ``gradients_checked``: the watch checks the
     gradients (backward=True); ``gradients_finite``: and none was non-finite before the event.
-    ``optimizers``: those that stepped (class name -> whether it divides by an eps)."""
+    ``optimizers``: those that stepped (class name -> whether it divides by an eps).
+    ``sharded_unchecked``: full mode, and the weights are parameters FSDP2 shards, whose
+    gradients it does not measure (backward=True or not)."""
     after = f"after batch {batch}" if batch is not None else "before this batch"
     name = names[0] if names else "the weight"
     fixes = []
@@ -653,7 +656,13 @@ def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: 
     # Before the watch, no step of this run wrote it: the steps' advice is for the run that
     # saved the checkpoint, if one did.
     within = "In the run that saved it: c" if before_watch else "C"
-    if before_watch or not gradients_checked:
+    if sharded_unchecked and not before_watch:
+        fixes.append("Catch the bad step before it writes the weights: full mode does not "
+                     "measure the gradients of parameters FSDP2 shards, so watch with "
+                     "mode='sentinel', backward=True (it checks each rank's gradient shards and "
+                     "stops every rank before the step), or call w.check_grad_norms() on every "
+                     "rank before optimizer.step() and skip the step when it returns True.")
+    elif before_watch or not gradients_checked:
         fixes.append(f"{within}atch the bad step before it writes the weights: watch with "
                      "backward=True (a non-finite gradient stops there), or call "
                      "w.check_grad_norms() before optimizer.step() and skip the step when it "

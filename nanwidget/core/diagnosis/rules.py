@@ -1567,7 +1567,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
                                             gradients_checked=facts.checks_gradients
                                             and not _no_backward_pass(facts),
                                             gradients_finite=gradients_finite,
-                                            optimizers=facts.optimizers),
+                                            optimizers=facts.optimizers,
+                                            sharded_unchecked=facts.sharded_gradients_unchecked),
                      confidence="high" if batch is not None and climb is None and not likely
                      and not idle else "medium")
 
