@@ -50,6 +50,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from .graph_capture import run_eagerly_under_dynamo
 from .state import optimizer_steps
+from .stats import local_shard
 
 __all__ = ["track_optimizer_steps", "StepTracking", "steps_taken", "step_in_progress",
            "written_since", "nonfinite_lr_in_step", "optimizer_state_nonfinite",
@@ -384,7 +385,9 @@ def optimizer_state_nonfinite(tensor: torch.Tensor) -> list[str]:
 
 
 def _nonfinite_state(optimizer: Any, tensor: torch.Tensor) -> list[Any]:
-    """The keys of ``optimizer.state[tensor]`` whose float tensors hold NaN/Inf."""
+    """The keys of ``optimizer.state[tensor]`` whose float tensors hold NaN/Inf. A DTensor's
+    (FSDP2's sharded parameters' moments) is read on this rank's shard: reducing the DTensor
+    itself is a collective that the other ranks, not diagnosing, never join."""
     state = getattr(optimizer, "state", None)
     try:
         entries = state.get(tensor) if state is not None else None
@@ -394,7 +397,7 @@ def _nonfinite_state(optimizer: Any, tensor: torch.Tensor) -> list[Any]:
         return []
     return [key for key, value in entries.items()
             if isinstance(value, torch.Tensor) and value.is_floating_point()
-            and not bool(torch.isfinite(value).all())]
+            and not bool(torch.isfinite(local_shard(value)).all())]
 
 
 def _wraps(optimizer: Any) -> bool:

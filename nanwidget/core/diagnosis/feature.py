@@ -898,7 +898,8 @@ class Diagnoser(Feature):
             return None
         tensor = self.recorder.weight(*self.recorder.weight_owner(name))
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 3 \
-                or not tensor.is_floating_point() or tensor.is_meta or not tensor.numel():
+                or not tensor.is_floating_point() or tensor.is_meta or not tensor.numel() \
+                or is_distributed_tensor(tensor):  # a shard's rows are not all the experts
             return None
         try:
             with torch.no_grad():
@@ -942,8 +943,9 @@ class Diagnoser(Feature):
         tensor for them (its slow weights), while their gradient, if any, is finite."""
         for name in facts.weights_last_finite:
             tensor = self.recorder.weight(*self.recorder.weight_owner(name))
+            # (A DTensor's gradient, FSDP2's, on this rank's shard: no collective.)
             if tensor is None or (tensor.grad is not None
-                                  and not bool(torch.isfinite(tensor.grad).all())):
+                                  and not bool(torch.isfinite(local_shard(tensor.grad)).all())):
                 continue
             bad = optimizer_state_nonfinite(tensor)
             if bad:
