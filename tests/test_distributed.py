@@ -808,3 +808,19 @@ def test_fsdp2_full_mode_does_not_claim_it_checked_the_sharded_gradients(single_
         "Catch the bad step before it writes the weights: full mode does not measure the "
         "gradients of parameters FSDP2 shards, so watch with mode='sentinel', backward=True"), \
         diagnosis.suggestion
+
+
+@pytest.mark.slow
+def test_sentinel_rank_whose_grad_only_ddp_made_nan_stops_as_the_finders_peer():
+    # Sentinel mode sees only .grad after DDP's all-reduce: rank 0, whose own gradients stayed
+    # finite, raised its own event at '2.weight' ("found in a gradient; what made it could not
+    # be told"), where full mode gives it rank 1's event as a peer.
+    finished = _torchrun([str(REPO / "tests/scripts/ddp_sentinel_reduced_grad.py")])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    results = _results(finished.stdout)
+    assert results[1]["event"] == [2, "2", "grad_output[0]", "grad", None], results[1]
+    assert results[1]["kind"] == "loss" and results[1]["recorded"] == [[1, "grad"]]
+    assert results[0]["stopped"] == 2
+    assert results[0]["event"] == [2, "2", "grad_output[0]", "peer", 1], results[0]
+    assert results[0]["kind"] == "loss" and results[0]["recorded"] == [[0, "peer"]]
+    assert "found on rank 1; rank 0 stops with it" in results[0]["message"]

@@ -86,9 +86,24 @@ def consensus_wanted() -> bool:
         return False
 
 
+def _unmeasured_parameter_gradient(event: NanEvent) -> bool:
+    """Whether ``event`` is a parameter's gradient (its ``.grad`` after DDP's or FSDP's
+    reduction) with no module gradient of its batch measured (sentinel mode checks the
+    parameters' gradients and the model's output's, nothing between): whether this rank made
+    it or the reduction brought it from another rank cannot be told from it."""
+    frames = event.frames
+    if not event.is_backward or event.origin != "grad" or event.role.startswith("grad_"):
+        return False
+    if frames is None or frames.empty:
+        return True
+    own = frames[(frames["batch"] == event.batch) & (frames["phase"] == "backward")]
+    return not bool(own["role"].str.startswith("grad_").any())
+
+
 def _payload(event: NanEvent) -> dict[str, Any]:
     payload = event_fields(event)
     payload["only_reduced"] = gradient_only_reduced(event)
+    payload["unmeasured"] = _unmeasured_parameter_gradient(event)
     frames = event.frames if isinstance(event.frames, pd.DataFrame) else pd.DataFrame()
     payload["frames"] = frames.to_dict("list")
     return payload
@@ -158,10 +173,21 @@ class Consensus(Feature):
         # A rank whose own gradients stayed finite and whose .grad the all-reduce made NaN
         # takes the finder's event, as a rank that found nothing does.
         made = [p for p in found if not p["only_reduced"]]
-        if event is not None and (not made or not gradient_only_reduced(event)):
+        # In sentinel mode a rank sees only its .grad after the reduction: when another rank
+        # met the NaN in a gradient flowing through the model in the same backward pass (made
+        # in its loss or a module's backward there), that rank made it, and this one takes its
+        # event, as in full mode.
+        flowing = [p for p in made if p["is_backward"] and p["role"].startswith("grad_")
+                   and p["rank"] != dist.get_rank()]
+        secondhand = event is not None and (gradient_only_reduced(event) or (
+            _unmeasured_parameter_gradient(event) and bool(flowing) and reason == "backward"))
+        if secondhand and not gradient_only_reduced(event):
+            made = flowing
+        if event is not None and (not made or not secondhand):
             return event
         first = min(made or found, key=lambda p: (p["batch"], p["rank"]))
         first.pop("only_reduced")
+        first.pop("unmeasured")
         frames = pd.DataFrame(first.pop("frames"))
         # This rank's own batch number: ranks that ran different numbers of forwards (extra
         # validation batches on one) count batches differently; the finder's is peer_batch.
