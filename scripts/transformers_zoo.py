@@ -11,7 +11,8 @@ language models, a greedy ``generate()``, first unwatched, then under full, full
 ``backward=True``, sentinel and sentinel with ``backward=True``, each from the same weights and
 seeds. A model type whose tiny config cannot be built or run unwatched, is still large (a nested
 config the shrinking below missed), or whose two unwatched runs differ is skipped, saying why.
-Prints one line per model type, then the counts; exits 1 when a watch changed a result, warned, raised or found a NaN/Inf.
+Prints one line per model type, then the counts; exits 1 when a watch changed a result, warned,
+raised or found a NaN/Inf.
 
 Not a test of the suite: it takes minutes and depends on the transformers release installed.
 """
