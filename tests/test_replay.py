@@ -1397,6 +1397,9 @@ def test_a_nan_in_weights_loaded_inside_the_forward_is_a_corrupted_weight_and_re
     assert (event.batch, event.module) == (1, "2")
     assert event.diagnosis.kind == "corrupted-weight", event.diagnosis.summary
     assert "'2.weight'" in event.diagnosis.summary
+    if mode == "full":  # its frame saw the weights on meta: it claims no finite weights
+        assert event.origin_words == "made here from finite inputs"
+        assert "2.weight, 2.bias (on the meta device outside its calls" in event.note
     weight = trace.frames[(trace.frames.module == "2") & (trace.frames.role == "weight")]
     assert bool(weight.nan.iloc[0]) and weight.note.iloc[0] == ""  # loaded, not "meta"
     assert trace.reproduced and trace.changes == []

@@ -483,12 +483,16 @@ class Diagnoser(Feature):
         not read, measured now (event time): torch.ao's packed weights that its ``weight()``
         and ``bias()`` do not hand out (a dynamic quantized LSTM's), tensor subclasses that
         neither their inner tensor nor ``dequantize()`` give the values of; "" when none."""
-        packed, unread, kinds = [], [], []
+        packed, unread, kinds, offloaded = [], [], [], []
         unpacked = False
         for info in self._modules_within(event):
             if holds_packed_weights(info.module):
                 packed.append(info.name)
             groups = (info.weights._parameters, info.weights._buffers)
+            # On the meta device between calls (accelerate's offloading loads them inside the
+            # forward and puts them back before the hooks run): the frames measured no values.
+            offloaded += [f"{info.name}.{name}" if info.name else name for group in groups
+                          for name, t in group.items() if t is not None and t.is_meta]
             if not any(t is not None and type(t) not in PLAIN_TENSOR_TYPES
                        for group in groups for t in group.values()) \
                     and not packed_weights(info.module):
@@ -509,6 +513,10 @@ class Diagnoser(Feature):
         if unread:
             said.append(", ".join(unread[:3]) + (" ..." if len(unread) > 3 else "")
                         + f" ({', '.join(sorted(set(kinds)))}: a tensor subclass it cannot read)")
+        if offloaded:
+            said.append(", ".join(offloaded[:3]) + (" ..." if len(offloaded) > 3 else "")
+                        + " (on the meta device outside its calls: offloaded, loaded inside "
+                        "the forward, so the frames hold no values of them)")
         return f"{UNREAD_WEIGHTS}: {'; '.join(said)}" if said else ""
 
     def _holds_no_weights(self, event: NanEvent) -> bool:
