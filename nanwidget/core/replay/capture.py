@@ -163,9 +163,6 @@ class _Slots:
         self.mapping[key] = value
 
 
-_NOTHING = nn.Module()  # a module without parameters
-
-
 class WeightSlots:
     """Every parameter and buffer slot of the model, read by dict lookups (no module walk)."""
 
@@ -177,7 +174,16 @@ class WeightSlots:
         # Weights their own module writes in place in its forward (nn.Embedding(max_norm=...)
         # renormalises the rows it reads): their version moves within a batch, not after it.
         self.renormed_positions: list[int] = []
-        for module_name, module in root.named_modules():
+        # The parameters FSDP2 (fully_shard) keeps as DTensors between forwards: while its
+        # forward runs, their slots hold the gathered tensor the forward reads, which no
+        # optimizer step, load or in-place write between steps touches (its version counter
+        # never moves). Their slots are read from a dict of their own that holds the DTensor
+        # (FSDP2 puts that same parameter back after each forward and backward).
+        managed: set[str] = set()  # the modules FSDP2 manages: its units and what is inside
+        for module_name, module in root.named_modules():  # a module comes before its children
+            if is_fsdp_unit(module) or module_name and module_name.rpartition(".")[0] in managed:
+                managed.add(module_name)
+            sharded = sharded_parameters(module) if module_name in managed else {}
             renorms = isinstance(module, (nn.Embedding, nn.EmbeddingBag)) \
                 and getattr(module, "max_norm", None) is not None
             for is_buffer, container in ((False, module._parameters), (True, module._buffers)):
@@ -186,42 +192,21 @@ class WeightSlots:
                 for key, tensor in container.items():
                     if tensor is None:
                         continue
-                    self.containers.append(container)
+                    if not is_buffer and key in sharded:
+                        self.containers.append({key: sharded[key]})
+                    else:
+                        self.containers.append(container)
                     self.keys.append(key)
                     self.names.append(f"{module_name}.{key}" if module_name else key)
                     self.is_buffer.append(is_buffer)
                     if renorms and not is_buffer and key == "weight":
                         self.renormed_positions.append(len(self.names) - 1)
         self.buffer_positions = [i for i, flag in enumerate(self.is_buffer) if flag]
-        # The parameters FSDP2 (fully_shard) keeps as DTensors between forwards: while its
-        # forward runs, their slots hold the gathered tensor the forward reads, which no
-        # optimizer step, load or in-place write between steps touches (its version counter
-        # never moves). Their slots are read from a dict of their own that holds the DTensor
-        # (FSDP2 puts that same parameter back after each forward and backward).
-        self.sharded_positions = []
-        for i, name in enumerate(self.names):
-            sharded = sharded_parameters(self._owner(root, name)) if not self.is_buffer[i] else {}
-            if self.keys[i] in sharded:
-                self.containers[i] = {self.keys[i]: sharded[self.keys[i]]}
-                self.sharded_positions.append(i)
         self._getters = [container.get for container in self.containers]
         self.root = root
         self.modules = list(root.modules())
         # Held with their names: an id is never reused while it is compared.
         self._read_from = {id(m): (name, m) for name, m in root.named_modules()}
-
-    @staticmethod
-    def _owner(root: nn.Module, name: str) -> nn.Module:
-        """The module that keeps the slot called ``name``, when FSDP2 manages it (a unit or
-        inside one); else ``root``'s empty stand-in (nothing of it is sharded)."""
-        path = name.rpartition(".")[0]
-        module, managed = root, is_fsdp_unit(root)
-        for part in path.split(".") if path else ():
-            module = getattr(module, part, None)
-            if not isinstance(module, nn.Module):
-                return _NOTHING
-            managed = managed or is_fsdp_unit(module)
-        return module if managed else _NOTHING
 
     def structure_changes(self) -> list[str]:
         """Modules added to or removed from the model since these slots were read. A holder
