@@ -94,7 +94,8 @@ def _private(mode, *, watch=None, order="after", steps=10, batch_size=4, plant=N
              watch_wrapper=False):
     """DP-SGD on a small seeded model with Opacus (Poisson sampling); returns what it made
     and the watch."""
-    opacus = pytest.importorskip("opacus", reason="Opacus' DP-SGD: pip install opacus")
+    opacus = pytest.importorskip(
+        "opacus", reason="the DP-SGD tests need Opacus (CI's extras job installs it): pip install opacus")
     from torch.utils.data import DataLoader, TensorDataset
     logging.getLogger("opacus").setLevel(logging.ERROR)  # its 'first batch is empty' notice
     model = _mlp()
