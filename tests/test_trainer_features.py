@@ -122,20 +122,23 @@ def test_a_resumed_checkpoint_with_a_nan_weight_is_blamed_on_the_load(checkpoint
 class _AllIgnoredAtCall:
     """A collator whose second batch has every label -100 (prompt-only rows)."""
 
-    def __init__(self, call: int = 1) -> None:
-        self.call, self.calls = call, 0
+    def __init__(self, call: int = 1, encoded: bool = False) -> None:
+        self.call, self.calls, self.encoded = call, 0, encoded
 
     def __call__(self, rows):
         batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
         if self.calls == self.call:
             batch["labels"][:] = -100
         self.calls += 1
-        return batch
+        # transformers' own collators hand over a BatchEncoding (a mapping, not a dict)
+        return transformers.BatchEncoding(batch) if self.encoded else batch
 
 
-@pytest.mark.parametrize("mode, backward", [("full", False), ("sentinel", True)])
+@pytest.mark.parametrize("mode, backward, encoded", [("full", False, False),
+                                                     ("sentinel", True, False),
+                                                     ("full", False, True)])
 def test_label_smoothing_over_a_batch_of_ignored_labels_stops_at_that_step(tmp_path, mode,
-                                                                           backward):
+                                                                           backward, encoded):
     # label_smoothing_factor has the Trainer compute the loss outside the model (LabelSmoother):
     # 0/0 = NaN over a batch whose labels are all -100. Every module output stayed finite (and
     # the gradients are 0), so the callback saw nothing and training went on with NaN losses.
@@ -143,7 +146,7 @@ def test_label_smoothing_over_a_batch_of_ignored_labels_stops_at_that_step(tmp_p
     trainer = transformers.Trainer(
         model=tiny_gpt2(), args=training_args(str(tmp_path), label_smoothing_factor=0.1,
                                               logging_nan_inf_filter=False),
-        train_dataset=TokenDataset(32), data_collator=_AllIgnoredAtCall(), callbacks=[callback])
+        train_dataset=TokenDataset(32), data_collator=_AllIgnoredAtCall(encoded=encoded), callbacks=[callback])
     trainer.train()
     assert trainer.state.global_step == 2 and callback.stop.step == 2
     assert callback.event is None  # no module made it

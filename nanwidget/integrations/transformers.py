@@ -68,6 +68,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -200,7 +201,7 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
         def training_step(*args: Any, **kwargs: Any) -> Any:
             try:
                 inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-                labels = inputs.get("labels") if isinstance(inputs, dict) else None
+                labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
                 loss = original(*args, **kwargs)
                 # Checked before the optimizer step (one host sync per step, not per micro-batch):
                 # a loss made outside the model (label_smoothing_factor's LabelSmoother, a
