@@ -13,7 +13,8 @@ in ``training_step`` outside any module is caught there), and just before each o
 gradient norms are checked. Lightning syncs ``trainer.should_stop`` across ranks only inside
 ``EarlyStopping``, so the callback agrees with the other ranks itself (one flag all-reduce per
 step): at a finding on any rank, every rank drops the step's gradients, so the optimizer step
-changes nothing, and sets ``trainer.should_stop`` at the same step. Validation is checked at
+changes nothing, and sets ``trainer.should_stop`` at the same step; under manual optimization
+the steps of the batch's other optimizers (a GAN's discriminator) change nothing either. Validation is checked at
 ``on_validation_end``. ``log_trends=True`` logs the per-module abs-max of the watched modules to
 ``trainer.loggers`` every ``trends_every`` steps. Early warnings (an output near its dtype's
 largest value, or growing towards it; ``early_warning=False`` turns them off) go to
@@ -76,6 +77,7 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
         self._guard: StepGuard | None = None
         self._next_batch = 0
         self._current_batch: int | None = None
+        self._stopped_batch: int | None = None  # the training batch whose step a stop dropped
         self._eval_index = 0
         self._trends_logged_step = 0
         self._trends_from_batch = 0
@@ -89,6 +91,7 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
         self.stop = None
         self._next_batch = 0
         self._current_batch = None
+        self._stopped_batch = None
         self._trends_logged_step = trainer.global_step
         self._trends_from_batch = 0
         options = dict(self.watch_options)
@@ -152,6 +155,12 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
             return
         self._finish_batch()  # backward frames, when backward=True
         self._check_abort()
+        if self.stop is not None and self._stopped_batch == self._current_batch:
+            # Another optimizer of the batch that stopped (manual optimization: a GAN's
+            # discriminator after its generator): training_step goes on after the stop, and
+            # its step would write what that batch made.
+            guard.drop_gradients()
+            return
         found = guard.findings(check_grads=True)
         if not guard.stops or self.stop is not None:  # the first stop is the one that counts
             return
@@ -159,6 +168,7 @@ class NanWatchCallback(GuardedCallback, pl.Callback):
         if not decision:
             return
         guard.drop_gradients()  # Lightning unscaled them already, so no scaler is waiting
+        self._stopped_batch = self._current_batch
         self._stop(trainer, guard.make_stop(trainer.global_step + 1, "train", found, decision),
                    decision)
 
