@@ -5142,12 +5142,19 @@ def test_every_text_a_training_wrappers_words_replace_is_one_that_a_fix_says():
                                          output_near_limit="", stepped_before=True,
                                          op_known=False)
         + fixes.cast_to_float16(["m.weight"])
-        + fixes.corrupted_weight(["m.weight"], "float16", 3, False))
-    for plain, theirs in fixes.FABRIC_TERMS + fixes.SKORCH_TERMS:
+        + fixes.corrupted_weight(["m.weight"], "float16", 3, False)
+        + fixes.corrupted_weight(["m.weight"], "float32", None, False, before_watch=True))
+    for plain, theirs in (fixes.FABRIC_TERMS + fixes.SKORCH_TERMS + fixes.LIGHTNING_TERMS
+                          + fixes.LIGHTNING_MANUAL_TERMS):
         assert plain in said, plain
     worded = fixes.in_wrapper_terms(fixes.divergence("float16")
                                    + fixes.overflow("m", "float16", "", "addmm"), "fabric")
     assert not any("clip_grad_norm_" in fix or "dtype=torch.bfloat16" in fix for fix in worded)
+    for wrapper in ("lightning", "lightning-manual"):
+        worded = fixes.in_wrapper_terms(fixes.divergence("float16")
+                                        + fixes.overflow("m", "float16", "", "addmm"), wrapper)
+        assert not any("clip_grad_norm_" in fix or "dtype=torch.bfloat16" in fix
+                       or "torch.amp.GradScaler" in fix for fix in worded), worded
     # Stable-Baselines3's words: for the data's fixes and the untraced loss's too.
     data_and_loss = fixes.bad_data(["input[0]"], [0]) + fixes.loss(3, "mul", traced=False)
     for plain, _ in fixes.SB3_TERMS:

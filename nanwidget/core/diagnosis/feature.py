@@ -133,7 +133,8 @@ def _wrapper_of(value: Any) -> str:
     ``fabric.setup`` made, "skorch" for a skorch net (it holds its ``module_``), "sb3" for a
     Stable-Baselines3 algorithm (PPO, SAC, ...: it holds its ``policy`` and ``env``), "trainer"
     for transformers' ``Trainer`` (or a subclass: TRL's, Seq2SeqTrainer) that holds its
-    ``args``, else ""; told by class and module name, nothing imported or called."""
+    ``args``, "lightning" for Lightning's ``Trainer`` (it holds its ``fit_loop``), else "";
+    told by class and module name, nothing imported or called."""
     kind = type(value)
     if kind.__name__ in ("Fabric", "_FabricModule"):
         return "fabric" if "_strategy" in vars(value) else ""
@@ -146,7 +147,33 @@ def _wrapper_of(value: Any) -> str:
     if any(base.__name__ == "Trainer" and base.__module__ == "transformers.trainer"
            for base in kind.__mro__) and "args" in vars(value):
         return "trainer"
+    if any(base.__name__ == "Trainer" and base.__module__ in _LIGHTNING_TRAINERS
+           for base in kind.__mro__) and "fit_loop" in vars(value):
+        return "lightning"
     return ""
+
+
+# Where Lightning's Trainer is defined (the lightning package, and its older standalone name).
+_LIGHTNING_TRAINERS = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer")
+
+
+def _wrapper_clipping(wrapper: str, holder: Any) -> tuple[str, float | None]:
+    """(``wrapper``, the norm or value it clips the gradients by, None when it does not) for the
+    wrapper object ``holder`` found running the model: transformers' Trainer clips by its
+    ``args.max_grad_norm`` (1.0 by default); Lightning's by ``gradient_clip_val`` (None by
+    default), and not at all under manual optimization, where the wrapper is told
+    "lightning-manual"."""
+    state = vars(holder)
+    if wrapper == "trainer":
+        clip = getattr(state.get("args"), "max_grad_norm", None)
+    elif wrapper == "lightning":
+        module = getattr(getattr(holder, "strategy", None), "lightning_module", None)
+        if module is not None and getattr(module, "automatic_optimization", True) is False:
+            return "lightning-manual", None
+        clip = state.get("gradient_clip_val")
+    else:
+        clip = None
+    return wrapper, (float(clip) if isinstance(clip, (int, float)) else None)
 
 
 def _running_wrapper() -> tuple[str, Any]:
@@ -312,11 +339,10 @@ class Diagnoser(Feature):
                     "grad_scaler=scaler", holder.group(0) if holder else "grad_scaler=scaler"))
             wrapper, holder = _running_wrapper()
             if wrapper:
-                # The Trainer clips by default (max_grad_norm=1.0): its fixes say so.
-                clip = getattr(vars(holder).get("args"), "max_grad_norm", None)
-                diagnosis.suggestion = fixes.in_wrapper_terms(
-                    diagnosis.suggestion, wrapper,
-                    clip if isinstance(clip, (int, float)) else None)
+                # The Trainer clips by default (max_grad_norm=1.0), Lightning's when told
+                # (gradient_clip_val=): its fixes say so.
+                wrapper, clip = _wrapper_clipping(wrapper, holder)
+                diagnosis.suggestion = fixes.in_wrapper_terms(diagnosis.suggestion, wrapper, clip)
             return diagnosis
         except Exception as error:
             self.recorder.internal_error(error)

@@ -13,6 +13,7 @@ from ..stats import dtype_max
 
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
            "loss", "loss_input", "unknown", "in_wrapper_terms", "FABRIC_TERMS",
+           "LIGHTNING_TERMS", "LIGHTNING_MANUAL_TERMS",
            "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
@@ -1072,23 +1073,108 @@ _TRAINER_CLIPPING = (
     (f"Clip the gradients before the step: {_CLIP}; with float16, torch.amp.GradScaler skips "
      "steps whose gradients hold Inf/NaN.", ""),
 )
+# Lightning's Trainer: the optimizer and its schedule come from the LightningModule's
+# configure_optimizers(), the precision and the clipping from the Trainer's flags
+# (gradient_clip_val clips the total norm by default, after the 16-mixed GradScaler unscaled the
+# gradients); under manual optimization (automatic_optimization = False) the Trainer does not
+# clip, and the module calls self.clip_gradients itself. NanWatchCallback is its way to check
+# the gradients before each optimizer step.
+_LIGHTNING_CLIP = "Trainer(gradient_clip_val=1.0) (it clips the total norm)"
+_LIGHTNING_MANUAL_CLIP = ("self.clip_gradients(optimizer, gradient_clip_val=1.0, "
+                          "gradient_clip_algorithm=\"norm\") in training_step, after "
+                          "self.manual_backward(loss) and before optimizer.step() (under manual "
+                          "optimization the Trainer's gradient_clip_val does not apply)")
+
+
+def _lightning_terms(clip: str, unscales: str) -> tuple[tuple[str, str], ...]:
+    return (
+        ("Lower the learning rate (try 10x lower) or warm it up over the first steps "
+         "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).",
+         "Lower the learning rate (try 10x lower: the lr of the optimizer that "
+         "configure_optimizers() returns; Tuner(trainer).lr_find(model) suggests one) or warm "
+         "it up over the first steps: return {\"optimizer\": optimizer, \"lr_scheduler\": "
+         "{\"scheduler\": torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, "
+         "total_iters=100), \"interval\": \"step\"}} from configure_optimizers()."),
+        ("; or autocast with dtype=torch.bfloat16.",
+         '; or train in bfloat16: Trainer(precision="bf16-mixed").'),
+        ("Autocast in bfloat16 instead of float16: torch.autocast(device_type, "
+         "dtype=torch.bfloat16) has float32's range",
+         'Train in bfloat16 instead of float16: Trainer(precision="bf16-mixed") has '
+         "float32's range"),
+        ("Under AMP, let torch.amp.GradScaler manage the loss scale (it lowers the scale when "
+         "gradients overflow); a fixed large scale diverges.",
+         'In float16, train with Trainer(precision="16-mixed"): its GradScaler manages the '
+         'loss scale (it lowers the scale when gradients overflow); or with "bf16-mixed", '
+         "which needs none."),
+        ("Under AMP, let torch.amp.GradScaler manage the loss scale (it skips a step whose "
+         "gradients overflowed and lowers the scale), or train in bfloat16.",
+         'In float16, train with Trainer(precision="16-mixed"): its GradScaler skips a step '
+         'whose gradients overflowed and lowers the scale; or train in bfloat16 '
+         '("bf16-mixed").'),
+        ("Keep the weights and optimizer state in float32 (autocast the forward instead of "
+         "model.half()).",
+         'Keep the weights and optimizer state in float32: Trainer(precision="bf16-mixed") or '
+         '"16-mixed" instead of "bf16-true" or "16-true" (or a module cast with .half()).'),
+        ("Keep the weights in float32 and compute in float16 under torch.autocast(device_type, "
+         "dtype=torch.float16)",
+         'Keep the weights in float32 and compute in float16: Trainer(precision="16-mixed") '
+         'instead of "16-true"'),
+        (f"clip them before the step (scaler.unscale_(optimizer), then {_CLIP})",
+         f"clip them before the step ({clip}{unscales})"),
+        (f"{_CLIP}; with float16, torch.amp.GradScaler skips steps whose gradients hold Inf/NaN.",
+         f'{clip}; with precision="16-mixed", its GradScaler skips steps whose gradients '
+         "hold Inf/NaN."),
+        ("so a step divides by ~0. Use eps=1e-4 or larger,",
+         "so a step divides by ~0. Use eps=1e-4 or larger (in the optimizer that "
+         "configure_optimizers() returns),"),
+        ("(a checkpoint: all(v.isfinite().all() for v in state_dict.values()), or a write to ",
+         "(a checkpoint Lightning loaded: trainer.fit(model, ckpt_path=...) or "
+         "load_from_checkpoint(); check it with all(v.isfinite().all() for v in "
+         "torch.load(path, weights_only=False)[\"state_dict\"].values()), or a write to "),
+        ("atch the bad step before it writes the weights: watch with backward=True (a non-finite "
+         "gradient stops there), or call w.check_grad_norms() before optimizer.step() and skip the "
+         "step when it returns True.",
+         "atch the bad step before it writes the weights: train with "
+         "Trainer(callbacks=[NanWatchCallback()]) (from nanwidget.integrations.lightning), which "
+         "checks the gradients before each optimizer step and stops training there."),
+    )
+
+
+LIGHTNING_TERMS = _lightning_terms(_LIGHTNING_CLIP, ", which unscales them first")
+LIGHTNING_MANUAL_TERMS = _lightning_terms(_LIGHTNING_MANUAL_CLIP, "")
+# A Trainer that clips already (gradient_clip_val > 0): "clip the gradients" is no fix.
+_LIGHTNING_CLIPPING = (
+    (f"Clip the gradients before the step: {_CLIP}.",
+     "The Trainer already clips the gradients (Trainer(gradient_clip_val={max_grad_norm:g})), "
+     "and the weights grew anyway: clipping bounds the gradient, not the step, so lower the "
+     "learning rate rather than gradient_clip_val."),
+    (f"Clip the gradients before the step: {_CLIP}; with float16, torch.amp.GradScaler skips "
+     "steps whose gradients hold Inf/NaN.", ""),
+)
+_CLIPPING = {"trainer": _TRAINER_CLIPPING, "lightning": _LIGHTNING_CLIPPING}
 _TERMS = {"fabric": (FABRIC_TERMS, _FABRIC_CLIP), "skorch": (SKORCH_TERMS, _SKORCH_CLIP),
-          "sb3": (SB3_TERMS, _SB3_CLIP), "trainer": (TRAINER_TERMS, _TRAINER_CLIP)}
+          "sb3": (SB3_TERMS, _SB3_CLIP), "trainer": (TRAINER_TERMS, _TRAINER_CLIP),
+          "lightning": (LIGHTNING_TERMS, _LIGHTNING_CLIP),
+          "lightning-manual": (LIGHTNING_MANUAL_TERMS, _LIGHTNING_MANUAL_CLIP)}
 _WHOLE = {"sb3": SB3_WHOLE_FIXES}
 
 
 def in_wrapper_terms(suggestion: list[str], wrapper: str,
                      max_grad_norm: float | None = None) -> list[str]:
     """``suggestion`` for a model that a training wrapper runs (``"fabric"``: Lightning
-    Fabric, ``"skorch"``, ``"sb3"``: Stable-Baselines3, ``"trainer"``: transformers' Trainer),
-    in its words (:data:`FABRIC_TERMS`, :data:`SKORCH_TERMS`, :data:`SB3_TERMS` and
-    :data:`SB3_WHOLE_FIXES`, :data:`TRAINER_TERMS`). ``max_grad_norm``: the Trainer's, when it
-    clips (> 0): a fix that says to clip says that it does already."""
+    Fabric, ``"skorch"``, ``"sb3"``: Stable-Baselines3, ``"trainer"``: transformers' Trainer,
+    ``"lightning"``: Lightning's Trainer, ``"lightning-manual"``: the same for a
+    LightningModule with ``automatic_optimization = False``), in its words
+    (:data:`FABRIC_TERMS`, :data:`SKORCH_TERMS`, :data:`SB3_TERMS` and
+    :data:`SB3_WHOLE_FIXES`, :data:`TRAINER_TERMS`, :data:`LIGHTNING_TERMS`,
+    :data:`LIGHTNING_MANUAL_TERMS`). ``max_grad_norm``: the Trainer's ``max_grad_norm`` or
+    Lightning's ``gradient_clip_val``, when it clips (> 0): a fix that says to clip says that
+    it does already."""
     terms, clip = _TERMS[wrapper]
     whole = _WHOLE.get(wrapper, ())
-    if wrapper == "trainer" and max_grad_norm is not None and max_grad_norm > 0:
+    if wrapper in _CLIPPING and max_grad_norm is not None and max_grad_norm > 0:
         terms = tuple((plain, theirs.format(max_grad_norm=max_grad_norm))
-                      for plain, theirs in _TRAINER_CLIPPING) + terms
+                      for plain, theirs in _CLIPPING[wrapper]) + terms
     worded = []
     for text in suggestion:
         text = next((theirs for begins, theirs in whole if text.startswith(begins)), text)

@@ -1,0 +1,235 @@
+"""NanWatchCallback under Lightning's training features: manual optimization with two optimizers
+(a GAN), gradient clipping, accumulation, bf16-mixed and StochasticWeightAveraging; a watched fit
+is the unwatched one bit for bit, and a diagnosis's fixes speak the Trainer's flags."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pl = pytest.importorskip(
+    "lightning.pytorch", reason="the Lightning callback needs the lightning extra: pip install -e .[lightning]")
+
+import nanwidget as nw  # noqa: E402
+from nanwidget.integrations.lightning import NanWatchCallback  # noqa: E402
+
+MODES = {"full": {}, "full-backward": {"backward": True}, "sentinel": {"mode": "sentinel"},
+         "sentinel-backward": {"mode": "sentinel", "backward": True}}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_lightning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module="lightning")
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        yield
+
+
+def loader(rows: int = 32, scale: float = 1.0) -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(rows, 8, generator=generator) * scale,
+                                          torch.randn(rows, 1, generator=generator) * scale)
+    return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, lr: float = 1e-2, sgd: bool = False, lr_growth: float = 1.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.lr, self.sgd, self.lr_growth, self.losses = lr, sgd, lr_growth, []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        optimizer = (torch.optim.SGD if self.sgd else torch.optim.Adam)(self.parameters(), lr=self.lr)
+        if self.lr_growth == 1.0:
+            return optimizer
+        growth = self.lr_growth  # a schedule gone wrong: the rate grows every step
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: growth ** step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class Gan(Regressor):
+    """Manual optimization with two optimizers: a generator (``net``) and a discriminator."""
+
+    def __init__(self, lr: float = 1e-2) -> None:
+        super().__init__(lr)
+        self.automatic_optimization = False
+        self.critic = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        generator, critic = self.optimizers()
+        self.toggle_optimizer(generator)
+        fake = self(x)
+        loss_g = self.critic(fake).mean() + nn.functional.mse_loss(fake, y)
+        self.manual_backward(loss_g)
+        generator.step()
+        generator.zero_grad()
+        self.untoggle_optimizer(generator)
+        self.toggle_optimizer(critic)
+        loss_d = (nn.functional.softplus(self.critic(fake.detach())).mean()
+                  + nn.functional.softplus(-self.critic(y)).mean())
+        self.manual_backward(loss_d)
+        critic.step()
+        critic.zero_grad()
+        self.untoggle_optimizer(critic)
+        self.losses.append(torch.stack([loss_g.detach(), loss_d.detach()]))
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.net.parameters(), lr=self.lr),
+                torch.optim.Adam(self.critic.parameters(), lr=1e-2))
+
+
+class NanRowAt(pl.Callback):
+    """Row 1 of training batch ``at`` (its index in the epoch) turned NaN."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at:
+            batch[0][1, 2] = float("nan")
+
+
+def fit(model, callbacks, data=None, **options):
+    settings = dict(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                    enable_progress_bar=False, enable_model_summary=False,
+                    enable_checkpointing=False, num_sanity_val_steps=0)
+    settings.update(options)
+    trainer = pl.Trainer(callbacks=callbacks, **settings)
+    trainer.fit(model, data or loader())
+    return trainer
+
+
+def run(model_type, callback, extra=(), **options):
+    torch.manual_seed(0)
+    model = model_type()
+    callbacks = list(extra) + ([callback] if callback is not None else [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(model, callbacks, **options)
+        predictions = trainer.predict(model, loader(16)) if not isinstance(model, Gan) else []
+    ours = [str(w.message) for w in caught
+            if issubclass(w.category, nw.EarlyWarningIssued) or "nanwidget" in str(w.message)]
+    return model, predictions, ours
+
+
+FEATURES = {
+    # accumulation, clipping by norm, bf16-mixed and SWA in one fit; then predict()
+    "accumulate-clip-bf16-swa": (Regressor, dict(
+        max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, precision="bf16-mixed"),
+        lambda: [pl.callbacks.StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)]),
+    "clip-by-value": (Regressor, dict(max_steps=4, gradient_clip_val=0.01,
+                                      gradient_clip_algorithm="value"), lambda: []),
+    "manual-two-optimizers": (Gan, dict(max_epochs=1), lambda: []),
+}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_a_watched_fit_is_the_unwatched_one_bit_for_bit_and_quiet(feature):
+    model_type, options, extra = FEATURES[feature]
+    plain, plain_predictions, _ = run(model_type, None, extra(), **options)
+    for mode, watch_options in MODES.items():
+        callback = NanWatchCallback(log_dir=False, **watch_options)
+        watched, predictions, ours = run(model_type, callback, extra(), **options)
+        assert callback.stop is None and callback.watch.events == [], mode
+        assert ours == [] and callback.watch.warnings == [], mode
+        assert len(watched.losses) == len(plain.losses) and all(
+            torch.equal(a, b) for a, b in zip(watched.losses, plain.losses)), mode
+        assert all(torch.equal(a, b) for a, b in zip(watched.state_dict().values(),
+                                                     plain.state_dict().values())), mode
+        assert all(torch.equal(a, b) for a, b in zip(predictions, plain_predictions)), mode
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gan_stopped_at_its_generators_step_leaves_the_discriminator_unwritten(mode):
+    # The stop dropped the generator's gradients, but training_step went on to the
+    # discriminator's step, which wrote the NaN its batch made into every critic weight.
+    model, callback = Gan(), NanWatchCallback(log_dir=False, **MODES[mode])
+    trainer = fit(model, [NanRowAt(2), callback])
+    assert trainer.should_stop and callback.event.batch == 2
+    assert callback.stop.reason.startswith("nan in batch 2 (training step 5, micro-batch 0)")
+    assert callback.event.diagnosis.rows == [1]
+    assert [name for name, p in model.named_parameters() if not p.isfinite().all()] == []
+
+
+def _diverged(model, **options):
+    callback = NanWatchCallback(log_dir=False, backward=True)
+    torch.manual_seed(0)
+    fit(model, [callback], data=loader(256, scale=3.0), max_steps=30, **options)
+    assert callback.event is not None, callback.stop
+    diagnosis = callback.event.diagnosis
+    assert diagnosis.kind == "divergence"
+    assert not any("clip_grad_norm_" in fix or "OneCycleLR" in fix
+                   or "torch.amp.GradScaler" in fix for fix in diagnosis.suggestion)
+    return diagnosis.suggestion
+
+
+def test_a_divergence_under_the_trainer_is_told_in_its_flags():
+    # The fixes said torch.optim.lr_scheduler.LinearLR, clip_grad_norm_ and GradScaler, which a
+    # Lightning user sets through configure_optimizers() and the Trainer's flags.
+    torch.manual_seed(0)
+    fixes = _diverged(Regressor(lr=5.0, sgd=True))
+    assert fixes[0].startswith("Lower the learning rate (try 10x lower: the lr of the optimizer "
+                               "that configure_optimizers() returns; Tuner(trainer).lr_find")
+    assert '"interval": "step"}} from configure_optimizers().' in fixes[0]
+    assert "Clip the gradients before the step: Trainer(gradient_clip_val=1.0) (it clips the " \
+           "total norm)." in fixes
+    assert any('Trainer(precision="16-mixed")' in fix for fix in fixes)
+
+
+class L1Regressor(Regressor):
+    """ReLU between the layers and an L1 loss: weights that grow make the output overflow in
+    the forward, before any loss or gradient does."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.net[1] = nn.ReLU()
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.l1_loss(self(batch[0]), batch[1])
+
+
+def test_a_divergence_with_the_trainer_clipping_does_not_say_to_clip():
+    torch.manual_seed(0)
+    fixes = _diverged(L1Regressor(lr=0.1, sgd=True, lr_growth=10.0), gradient_clip_val=0.5)
+    assert any(fix.startswith("The Trainer already clips the gradients (Trainer("
+                              "gradient_clip_val=0.5)), and the weights grew anyway")
+               for fix in fixes)
+    assert not any(fix.startswith("Clip the gradients") for fix in fixes)
+
+
+def test_a_divergence_under_manual_optimization_clips_with_self_clip_gradients():
+    class Manual(Regressor):
+        def __init__(self):
+            super().__init__(lr=5.0, sgd=True)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            loss = nn.functional.mse_loss(self(batch[0]), batch[1])
+            self.manual_backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    torch.manual_seed(0)
+    fixes = _diverged(Manual())
+    assert "Clip the gradients before the step: self.clip_gradients(optimizer, " \
+           "gradient_clip_val=1.0, gradient_clip_algorithm=\"norm\") in training_step, after " \
+           "self.manual_backward(loss) and before optimizer.step() (under manual optimization " \
+           "the Trainer's gradient_clip_val does not apply)." in fixes
+    assert not any("Trainer(gradient_clip_val" in fix for fix in fixes)
