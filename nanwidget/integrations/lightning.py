@@ -14,9 +14,9 @@ gradient norms are checked. Lightning syncs ``trainer.should_stop`` across ranks
 ``EarlyStopping``, so the callback agrees with the other ranks itself (one flag all-reduce per
 step): at a finding on any rank, every rank drops the step's gradients, so the optimizer step
 changes nothing, and sets ``trainer.should_stop`` at the same step; under manual optimization
-the steps of the batch's other optimizers (a GAN's discriminator) change nothing either. Validation is checked at
-``on_validation_end``. ``log_trends=True`` logs the per-module abs-max of the watched modules to
-``trainer.loggers`` every ``trends_every`` steps. Early warnings (an output near its dtype's
+the steps of the batch's other optimizers (a GAN's discriminator) change nothing either.
+Validation is checked at ``on_validation_end``. ``log_trends=True`` logs the per-module abs-max
+of the watched modules to ``trainer.loggers`` every ``trends_every`` steps. Early warnings (an output near its dtype's
 largest value, or growing towards it; ``early_warning=False`` turns them off) go to
 ``trainer.loggers`` as metrics when they are made (``nanwidget/early_warnings``, the count, and
 ``nanwidget/early_warning/<module>/<reason>``, the abs max seen), at the end of the training
