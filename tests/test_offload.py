@@ -110,3 +110,39 @@ def test_a_nan_written_into_disk_offload_s_dat_file_names_the_weight(tmp_path, m
     assert event.diagnosis.kind == "corrupted-weight", event.diagnosis.summary
     assert "'2.weight'" in event.diagnosis.summary
     assert all(p.is_meta for p in model.parameters())
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.fc2(h)  # the overflow's line
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+@pytest.mark.parametrize("options", MODES, ids=["full", "sentinel", "replay_on_nan"])
+def test_an_overflow_in_an_offloaded_linear_names_the_model_s_line_not_accelerate_s_hooks(
+        tmp_path, offload, options):
+    # accelerate's hooks call each offloaded module's old forward from hooks.py: the overflow's
+    # summary and its first fix said 'addmm in module 'fc2' (Linear) at .../accelerate/
+    # hooks.py:185' and 'Keep the values smaller before addmm at .../accelerate/hooks.py:185'.
+    torch.manual_seed(0)
+    model = _TwoLayers().eval()
+    with torch.no_grad():
+        model.fc2.weight.mul_(1e37)
+    device = torch.device("cpu")
+    model = accelerate.cpu_offload(model, execution_device=device) if offload == "cpu" \
+        else accelerate.disk_offload(model, str(tmp_path / "dk"), execution_device=device)
+    with nw.watch(model, on_nan="record", **options) as watch, torch.no_grad():
+        model(torch.randn(4, 8) * 100)
+    diagnosis = watch.event.diagnosis
+    assert diagnosis.kind == "overflow", diagnosis.summary
+    told = " ".join([diagnosis.summary, *diagnosis.suggestion])
+    assert "accelerate" not in told, told
+    assert f"addmm in module 'fc2' (Linear) at {__file__}:" in diagnosis.summary, diagnosis.summary
+    line = diagnosis.summary.split(f"{__file__}:")[1].split()[0]
+    assert "the overflow's line" in open(__file__).read().splitlines()[int(line) - 1]
+    assert all(p.is_meta for p in model.parameters())

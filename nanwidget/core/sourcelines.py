@@ -47,13 +47,16 @@ _TOOL_PARTS = (os.sep + "IPython" + os.sep, os.sep + "ipykernel" + os.sep,
 # utils/_scatter.py; the conv's ``self.propagate(...)`` line or the model's
 # ``global_add_pool(...)`` line says where.
 # Opacus' GradSampleModule only calls the model it wraps (``return self._module(...)``): every
-# op of a wrapped nn.Sequential was said to be made at that line of Opacus.
+# op of a wrapped nn.Sequential was said to be made at that line of Opacus. accelerate's hooks
+# (cpu_offload, disk_offload, device_map's offloading) replace each module's forward with one
+# that loads its weights and calls the old forward (``module._old_forward(...)``): every op of an
+# offloaded Linear was said to be made at that line of accelerate's hooks.py.
 _SHIM_DIRS = (("keras", "src", "backend"), ("keras", "src", "ops"), ("torch_geometric", "utils"),
               ("torch_geometric", "nn", "aggr"), ("opacus", "grad_sample"))
 _SHIM_FILES = (("torch_geometric", "nn", "conv", "message_passing.py"),
                ("torch_geometric", "nn", "pool", "glob.py"),
                ("torch_geometric", "nn", "dense", "linear.py"),
-               ("torch_geometric", "experimental.py"))
+               ("torch_geometric", "experimental.py"), ("accelerate", "hooks.py"))
 _SHIM_PARTS = tuple(os.sep + os.sep.join(parts) + os.sep for parts in _SHIM_DIRS) \
     + tuple(os.sep + os.sep.join(parts) for parts in _SHIM_FILES)
 # The ``propagate`` / ``edge_updater`` that PyTorch Geometric renders from a template for each
