@@ -5279,3 +5279,65 @@ def test_a_weight_loaded_nan_before_the_first_batch_watched_leads_with_the_load(
     assert diagnosis.summary == ("'0.weight' holds NaN when the watch began, before batch 0 ran "
                                  "(a checkpoint loaded, a write, or a training step before the "
                                  "watch made it), not this batch's forward.")
+
+
+def _mlp_at_a_learning_rate_too_high(amp: bool):
+    """SGD at lr=3 on a ReLU MLP (float32 weights; the forward under bfloat16 autocast when
+    ``amp``) until the watch stops it: its diverged event."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=3.0)
+    data = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(), nw.watch(model, on_nan="record") as watch:
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        for _ in range(50):
+            x, y = torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = model(x)
+            if watch.events:
+                break
+            loss = nn.functional.mse_loss(out.float(), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return watch.event
+
+
+def test_a_float32_run_that_diverged_gets_no_amp_fix():
+    # No float16, bfloat16, autocast or GradScaler anywhere: the fixes said 'Under AMP, let
+    # torch.amp.GradScaler manage the loss scale ...; a fixed large scale diverges.'
+    diagnosis = _mlp_at_a_learning_rate_too_high(amp=False).diagnosis
+    assert diagnosis.kind == "divergence", diagnosis.summary
+    fixes = " ".join(diagnosis.suggestion)
+    for amp_word in ("GradScaler", "AMP", "autocast", "float16"):
+        assert amp_word not in fixes, fixes
+    assert diagnosis.suggestion[0].startswith("Lower the learning rate")
+    assert any(fix.startswith("Clip the gradients before the step") for fix in
+               diagnosis.suggestion)
+
+
+def test_a_run_under_bfloat16_autocast_that_diverged_keeps_the_amp_fix():
+    diagnosis = _mlp_at_a_learning_rate_too_high(amp=True).diagnosis
+    assert diagnosis.kind == "divergence", diagnosis.summary
+    assert any(fix.startswith("Under AMP, let torch.amp.GradScaler manage the loss scale")
+               for fix in diagnosis.suggestion), diagnosis.suggestion
+
+
+def test_every_text_the_precision_and_dp_rewordings_replace_is_one_that_a_fix_says():
+    # in_full_precision and in_dp_terms rewrite fixes by their text, as in_wrapper_terms does:
+    # a fix reworded must not silently keep AMP's or clip_grad_norm_'s words.
+    from nanwidget.core.diagnosis import fixes
+    plain = (fixes.divergence("float32") + fixes.corrupted_weight(["m.weight"], "float32", 3, False)
+             + fixes.corrupted_weight(["m.weight"], "float32", None, False, before_watch=True))
+    assert any("GradScaler" in fix for fix in plain)
+    assert not any("GradScaler" in fix for fix in fixes.in_full_precision(plain))
+    for kind in ("divergence", "corrupted-weight"):
+        worded = fixes.in_dp_terms(plain, kind, 1.0, 1.1)
+        assert not any(fix.startswith(("Clip the gradients", "In the run that saved it: clip"))
+                       for fix in worded), worded
+        assert sum("Opacus' DPOptimizer clips each sample's gradient" in fix
+                   for fix in worded) == 1, worded
+    trainer = fixes.in_wrapper_terms(fixes.divergence("float32"), "trainer")
+    assert not any("GradScaler" in fix for fix in fixes.in_full_precision(trainer)), trainer
+

@@ -190,3 +190,62 @@ def test_dp_sgd_an_overflow_in_the_wrapped_model_names_no_line_of_opacus():
     told = " ".join([diagnosis.summary, *diagnosis.suggestion])
     assert "opacus" not in told, told
     w.close()
+
+
+def _private_diverging(*, lr=0.1, noise_multiplier=1.0, watch=None):
+    """DP-SGD (Opacus, hooks mode) on a ReLU MLP until the watch stops it; returns the watch."""
+    opacus = pytest.importorskip(
+        "opacus", reason="the DP-SGD tests need Opacus (CI's extras job installs it): pip install opacus")
+    from torch.utils.data import DataLoader, TensorDataset
+    logging.getLogger("opacus").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(400, 8, generator=generator),
+                         torch.randint(0, 3, (400,), generator=generator))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Opacus' secure-RNG notice
+        wrapped, optimizer, loader = opacus.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+            data_loader=DataLoader(data, batch_size=8), noise_multiplier=noise_multiplier,
+            max_grad_norm=1.0)
+    w = nw.watch(model, on_nan="record", **(watch or {}))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus'
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(wrapped(x), y)
+            if w.events:
+                break
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    w.close()
+    return w
+
+
+def test_dp_sgd_that_diverged_is_told_in_max_grad_norm_s_terms_not_clip_grad_norm():
+    # A DPOptimizer clips each sample's gradient itself (max_grad_norm): the divergence's fix
+    # said 'Clip the gradients before the step: torch.nn.utils.clip_grad_norm_(...)'.
+    w = _private_diverging(lr=1e37)
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "divergence", diagnosis.summary
+    fixes = " ".join(diagnosis.suggestion)
+    assert "torch.nn.utils.clip_grad_norm_" not in fixes and "Clip the gradients" not in fixes
+    assert "DPOptimizer clips each sample's gradient to max_grad_norm=1 already" in fixes
+    assert "noise_multiplier x max_grad_norm = 1 x 1" in fixes
+    assert "lower the learning rate of the optimizer given to make_private" in fixes
+    assert diagnosis.suggestion[0].startswith("Lower the learning rate")
+
+
+def test_dp_sgd_whose_noise_made_a_weight_inf_is_told_to_lower_noise_multiplier():
+    # Noise of std 1e39 x 1.0 passes float32's largest: the step writes Inf. The corrupted
+    # weight's fix said to clip with clip_grad_norm_ (and spoke of float16's GradScaler).
+    w = _private_diverging(noise_multiplier=1e39)
+    event = w.event
+    assert (event.batch, event.origin) == (1, "weight")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "corrupted-weight", diagnosis.summary
+    fixes = " ".join(diagnosis.suggestion)
+    assert "clip_grad_norm_" not in fixes.replace("so clip_grad_norm_ adds nothing", ""), fixes
+    assert "GradScaler" not in fixes, fixes
+    assert "lower noise_multiplier" in fixes, fixes

@@ -176,6 +176,17 @@ def _wrapper_clipping(wrapper: str, holder: Any) -> tuple[str, float | None]:
     return wrapper, (float(clip) if isinstance(clip, (int, float)) else None)
 
 
+def _is_dp_optimizer(value: Any) -> bool:
+    """Whether ``value`` is an Opacus ``DPOptimizer`` (or a subclass: the per-layer, AdaClip
+    and distributed ones): it wraps ``original_optimizer`` and clips per sample by
+    ``max_grad_norm``; told by class module and attributes, nothing imported."""
+    try:
+        return str(type(value).__module__).startswith("opacus.") \
+            and "original_optimizer" in vars(value) and "max_grad_norm" in vars(value)
+    except TypeError:  # no __dict__
+        return False
+
+
 def _running_wrapper() -> tuple[str, Any]:
     """The training wrapper that runs the model in this forward or backward pass, found on
     the stack (see :func:`_wrapper_of`): the innermost one, and the object; ("", None) for
@@ -343,11 +354,68 @@ class Diagnoser(Feature):
                 # (gradient_clip_val=): its fixes say so.
                 wrapper, clip = _wrapper_clipping(wrapper, holder)
                 diagnosis.suggestion = fixes.in_wrapper_terms(diagnosis.suggestion, wrapper, clip)
+            if not self._reduced_precision(facts):
+                diagnosis.suggestion = fixes.in_full_precision(diagnosis.suggestion)
+            if any("clip_grad_norm_" in text for text in diagnosis.suggestion):
+                private = self._dp_optimizer()
+                if private is not None:
+                    diagnosis.suggestion = fixes.in_dp_terms(
+                        diagnosis.suggestion, diagnosis.kind, *private)
             return diagnosis
         except Exception as error:
             self.recorder.internal_error(error)
             return Diagnosis("unknown", f"The diagnosis failed ({type(error).__name__}: {error}).",
                              confidence="low")
+
+    def _reduced_precision(self, facts: Facts) -> bool:
+        """Whether float16, bfloat16 or a float8 may be in play where ``facts.event`` was made:
+        in its frames, its replay's ops or the watched weights, under autocast, with a
+        GradScaler or an FSDP2 MixedPrecisionPolicy. An event without frames (sentinel mode's,
+        not replayed) is told by the weights alone."""
+        event = facts.event
+        if facts.policy_dtype or self.scaler_run is not None or SCALER_IN_THE_LOOP in event.note:
+            return True
+        frames = event.frames
+        dtypes = set(frames["dtype"].dropna().astype(str).unique()) \
+            if isinstance(frames, pd.DataFrame) and "dtype" in frames.columns else set()
+        ops = getattr(facts.trace, "ops", None)
+        if isinstance(ops, pd.DataFrame) and "dtype" in ops.columns:
+            dtypes.update(ops["dtype"].dropna().astype(str).unique())
+        for info in self.recorder.modules:
+            try:
+                dtypes.update(str(p.dtype).replace("torch.", "")
+                              for p in info.weights.parameters(recurse=False))
+            except Exception:  # a container that cannot list them (TorchScript)
+                continue
+        if any(d in ("float16", "bfloat16") or d.startswith("float8") for d in dtypes):
+            return True
+        try:
+            return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+        except Exception:  # an older torch without the device argument
+            return torch.is_autocast_enabled()
+
+    def _dp_optimizer(self) -> tuple[float | None, float | None] | None:
+        """(max_grad_norm, noise_multiplier) of the Opacus ``DPOptimizer`` that trains the
+        model, found on the stack (the training loop's variable), or (None, None) when only the
+        model's parameters tell (a DPOptimizer marks each with ``summed_grad``); None without
+        one. Told by class module and attributes, nothing imported."""
+        frame = sys._getframe(1)
+        for _ in range(_STACK_DEPTH):
+            if frame is None:
+                break
+            for value in list(frame.f_locals.values()):
+                if _is_dp_optimizer(value):
+                    norm, noise = value.max_grad_norm, value.noise_multiplier
+                    return (float(norm) if isinstance(norm, (int, float)) else None,
+                            float(noise) if isinstance(noise, (int, float)) else None)
+            frame = frame.f_back
+        for info in self.recorder.modules:
+            try:
+                if any(hasattr(p, "summed_grad") for p in info.weights.parameters(recurse=False)):
+                    return None, None
+            except Exception:  # a container that cannot list them (TorchScript)
+                continue
+        return None
 
     def facts(self, event: NanEvent, *, may_replay: bool = False) -> Facts:
         """What the rules read about ``event`` (see :class:`~.facts.Facts`)."""

@@ -8,13 +8,15 @@ PyTorch documentation and the usual answers to these bugs; they name real APIs o
 from __future__ import annotations
 
 import math
+import re
 
 from ..stats import dtype_max
 
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
            "loss", "loss_input", "unknown", "in_wrapper_terms", "FABRIC_TERMS",
            "LIGHTNING_TERMS", "LIGHTNING_MANUAL_TERMS",
-           "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS"]
+           "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS", "in_full_precision",
+           "in_dp_terms"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
 
@@ -1184,4 +1186,65 @@ def in_wrapper_terms(suggestion: list[str], wrapper: str,
                 break
         if text:  # a fix the wrapper does already is left out
             worded.append(text.replace(_CLIP, clip))
+    return worded
+
+
+# A run with no float16, bfloat16 or float8 anywhere (weights, activations, no autocast, no
+# GradScaler): AMP's fixes name a tool it does not use. The lines that are AMP's only (torch's,
+# and the wrappers' words for them), and the clauses of a clipping fix that speak of float16.
+_AMP_LINES = ("Under AMP, let torch.amp.GradScaler manage the loss scale",
+              "In float16, train with ")
+_AMP_CLAUSE = re.compile(r"; with (?:float16|fp16=True|precision=\"16-mixed\"), "
+                         r"(?:torch\.amp\.GradScaler|its GradScaler) skips steps whose gradients "
+                         r"hold Inf/NaN\.$")
+
+
+def in_full_precision(suggestion: list[str]) -> list[str]:
+    """``suggestion`` for a run in float32 (or float64) throughout: without AMP's fixes (a
+    GradScaler to manage the loss scale, the float16 clause of the clipping fix)."""
+    return [_AMP_CLAUSE.sub(".", text) for text in suggestion if not text.startswith(_AMP_LINES)]
+
+
+# Opacus' DPOptimizer clips each sample's gradient to max_grad_norm and adds Gaussian noise of
+# std noise_multiplier x max_grad_norm to their sum: clipping the summed gradient again
+# (clip_grad_norm_) bounds nothing it has not bounded.
+_CLIP_LINES = ("Clip the gradients before the step: " + _CLIP,
+               "In the run that saved it: clip the gradients before the step: " + _CLIP)
+
+
+def in_dp_terms(suggestion: list[str], kind: str, max_grad_norm: float | None = None,
+                noise_multiplier: float | None = None) -> list[str]:
+    """``suggestion`` for a model trained with differential privacy (Opacus' ``DPOptimizer``,
+    which clips per sample itself): its clipping fix in max_grad_norm's and noise_multiplier's
+    words (their values when known). ``kind``: the diagnosis' ("divergence": the steps grew
+    the weights; else a step wrote NaN/Inf)."""
+    norm = f"max_grad_norm={max_grad_norm:g}" if max_grad_norm is not None else "max_grad_norm"
+    noise = ("noise_multiplier x max_grad_norm" if noise_multiplier is None or max_grad_norm is
+             None else f"noise_multiplier x max_grad_norm = {noise_multiplier:g} x "
+             f"{max_grad_norm:g}")
+    said = (f"Opacus' DPOptimizer clips each sample's gradient to {norm} already and adds "
+            f"Gaussian noise of std {noise} to their sum, so clip_grad_norm_ adds nothing. ")
+    smaller = ("give make_private a smaller max_grad_norm=, which shrinks the clipped "
+               "gradients and the noise together (at the same privacy)")
+    if kind == "divergence":
+        dp = (said + "A step moves the weights by the learning rate times that sum over the "
+              "expected batch size: lower the learning rate of the optimizer given to "
+              f"make_private, or {smaller}.")
+    else:
+        huge = noise_multiplier is not None and max_grad_norm is not None \
+            and noise_multiplier * max_grad_norm > 1e30
+        dp = (said + "With the gradients bounded, a step that wrote NaN/Inf had "
+              + ("a noise std past what float32 holds: lower noise_multiplier (make_private("
+                 "..., noise_multiplier=...), or a larger target_epsilon in "
+                 "make_private_with_epsilon)." if huge else
+                 "a learning rate or a noise too large: lower the learning rate, or "
+                 f"{smaller}; a lower noise_multiplier spends more privacy."))
+    worded = []
+    for text in suggestion:
+        if text.startswith(_CLIP_LINES):
+            if dp not in worded:
+                worded.append(dp)
+        else:
+            worded.append(text.replace(_CLIP, f"{norm} in make_private (Opacus clips per "
+                                              "sample)"))
     return worded
