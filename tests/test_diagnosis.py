@@ -5341,3 +5341,16 @@ def test_every_text_the_precision_and_dp_rewordings_replace_is_one_that_a_fix_sa
     trainer = fixes.in_wrapper_terms(fixes.divergence("float32"), "trainer")
     assert not any("GradScaler" in fix for fix in fixes.in_full_precision(trainer)), trainer
 
+
+def test_a_float16_weight_gradient_overflow_under_fsdp2_s_policy_names_the_policy():
+    # Under MixedPrecisionPolicy(param_dtype=torch.float16) a weight's gradient overflow was
+    # told to wrap the module in torch.autocast(enabled=False) and to use a GradScaler, in a
+    # run with no autocast (the forward overflow's fixes name the policy already).
+    from nanwidget.core.diagnosis import fixes
+    told = " ".join(fixes.weight_gradient_overflow("0", "float16", 10.0, 3e4,
+                                                   policy_dtype="float16"))
+    assert "autocast" not in told and "GradScaler" not in told, told
+    assert "MixedPrecisionPolicy(param_dtype=torch.float16) computes its gradients" in told
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in told
+    assert "torch.autocast(device_type, enabled=False)" in " ".join(
+        fixes.weight_gradient_overflow("0", "float16", 10.0, 3e4))

@@ -147,11 +147,14 @@ def _float8_overflow(dtype: str, at: str, op: str) -> list[str]:
 
 
 def weight_gradient_overflow(module: str, dtype: str, received: float | None = None,
-                             inputs: float | None = None, bias: bool = False) -> list[str]:
+                             inputs: float | None = None, bias: bool = False,
+                             policy_dtype: str = "") -> list[str]:
     """A parameter's gradient overflowed while the gradient its module received stayed finite.
     ``received``: that gradient's abs max; ``inputs``: the module's inputs' abs max in the
     forward (None: not known); ``bias``: the parameter adds to the output (its gradient sums
-    what the module received, whatever its inputs)."""
+    what the module received, whatever its inputs). ``policy_dtype``: the dtype FSDP2's
+    MixedPrecisionPolicy casts the parameters to ("" when none does): float16 is then the
+    policy's, changed there, not with torch.autocast or a GradScaler."""
     where = f"module '{module}'" if module else "the model"
     # The larger factor of input x gradient is the one to shrink.
     from_the_loss = received is not None and (bias or (inputs is not None and received > inputs))
@@ -170,6 +173,14 @@ def weight_gradient_overflow(module: str, dtype: str, received: float | None = N
     else:
         fixes.append(f"Normalise the inputs of {where}: a weight's gradient grows with the "
                      "scale of what the module receives, summed over the batch.")
+    if dtype == "float16" and policy_dtype == "float16":
+        fixes.append(f"Or run {where} in bfloat16 (float32's range) or float32: FSDP2's "
+                     "MixedPrecisionPolicy(param_dtype=torch.float16) computes its gradients in "
+                     "float16; give fully_shard mp_policy=MixedPrecisionPolicy(param_dtype="
+                     "torch.bfloat16, reduce_dtype=torch.float32), or shard that module on its "
+                     "own in float32 first: fully_shard(module, mp_policy=MixedPrecisionPolicy("
+                     "param_dtype=torch.float32)).")
+        return fixes + [mean]
     if dtype in _LOW_PRECISION:
         fixes.append(f"Or run {where} in float32 (or the whole model in bfloat16, float32's "
                      "range): its gradients then fit. Under torch.autocast, wrap it in "

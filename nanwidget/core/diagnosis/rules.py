@@ -2476,7 +2476,8 @@ def _weight_gradient(facts: Facts) -> Diagnosis | None:
                                  "received was finite, its sum over the batch was not.",
                      evidence, fixes.weight_gradient_overflow(
                          event.module, dtype, received_max, inputs_max,
-                         bias=event.role.rpartition(".")[2] == "bias"),
+                         bias=event.role.rpartition(".")[2] == "bias",
+                         policy_dtype=facts.policy_dtype),
                      confidence="medium")
 
 
