@@ -1210,17 +1210,33 @@ def test_weights_kept_under_dotted_names_name_the_step_after_the_bad_data_batch(
     assert "finite when batch 2 ran" in "\n".join(second.diagnosis.evidence)
 
 
-def test_sentinel_mode_without_samples_cannot_tell_divergence_and_says_so():
+_SINCE_START = ("sentinel mode measured the weights at those two times only: the watch's start "
+                "and this event")
+
+
+def test_sentinel_without_samples_tells_an_mlp_at_a_huge_learning_rate_diverged_as_full_does():
+    # Without sample_every no batch's weights were measured before the event: the blow-up
+    # read "overflow" with a line asking for sample_every=N, where full mode said divergence.
+    # The weights' abs max when the watch began, against the event's, over the optimizer
+    # steps between (the root's outputs climbing too) tells it.
+    full = _mlp_at_a_huge_learning_rate("full").event.diagnosis
     diagnosis = _mlp_at_a_huge_learning_rate("sentinel").event.diagnosis
-    assert diagnosis.kind == "overflow"
-    assert any("sample_every=N" in line for line in diagnosis.evidence)
+    assert full.kind == diagnosis.kind == "divergence"
+    assert diagnosis.confidence == "medium"  # two measurements, not a recorded climb
+    assert "addmm in module '2' (Linear)" in diagnosis.summary
+    assert "per optimizer step since the watch began" in diagnosis.summary
+    evidence = "\n".join(diagnosis.evidence)
+    assert "The weights' abs max (summed over modules) grew from " in evidence
+    assert "when the watch began to " in evidence and _SINCE_START in evidence
+    assert "The output abs max of '<root>' grew" in evidence
+    assert "sample_every=N" not in evidence
+    assert "Lower the learning rate" in diagnosis.suggestion[0]
 
 
-def test_sentinel_without_samples_shows_the_outputs_climb_before_a_nan_weight():
+def test_sentinel_without_samples_tells_a_warmed_up_learning_rate_diverged_into_a_nan_weight():
     # A learning rate warmed up to too high: the weights go NaN in a step after the outputs
-    # climbed 1e12x. Without sample_every no weight was measured before, so the growth of the
-    # weights could not be checked: a written weight is no certainty, and the climb of the
-    # root's outputs (read every batch) is shown.
+    # climbed 1e12x. It read corrupted-weight ("the optimizer step, load or write after batch
+    # 38 did it"); full mode says divergence, and so does the sentinel now.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
                           nn.Linear(64, 4))
@@ -1237,11 +1253,95 @@ def test_sentinel_without_samples_shows_the_outputs_climb_before_a_nan_weight():
             if w.events:
                 break
     event, diagnosis = w.event, w.event.diagnosis
-    assert (event.origin, diagnosis.kind, diagnosis.confidence) == ("weight", "corrupted-weight",
+    assert (event.origin, diagnosis.kind, diagnosis.confidence) == ("weight", "divergence",
                                                                     "medium")
+    assert diagnosis.summary.startswith("Training diverged: the weights grew ")
     evidence = "\n".join(diagnosis.evidence)
-    assert "The output abs max of '<root>' grew" in evidence and "training diverged" in evidence
-    assert "sample_every=N" in evidence
+    assert f"over the {event.batch} optimizer steps between" in evidence
+    assert _SINCE_START in evidence and "Grown most since first measured: '2'" in evidence
+
+
+class ReluRNN(nn.Module):
+    """A vanilla RNN written out, with no tanh to bound its state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 16)
+        self.rec = nn.Linear(16, 16, bias=False)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], 16)
+        for t in range(x.shape[1]):
+            h = torch.relu(self.inp(x[:, t]) + self.rec(h))
+        return self.head(h)
+
+
+def _relu_rnn_at(lr: float, mode: str) -> nw.NanWatch:
+    torch.manual_seed(0)
+    model = ReluRNN()
+    return train_until_an_event(model, torch.optim.SGD(model.parameters(), lr=lr),
+                                torch.randn(8, 6, 4), torch.randn(8, 1), 40, mode)
+
+
+@pytest.mark.parametrize("lr, origin, old", [(1.0, "weight", "corrupted-weight"),
+                                             (3.0, "output", "overflow")])
+def test_a_vanilla_rnn_blown_up_by_its_learning_rate_diverges_in_sentinel_mode_as_in_full(
+        lr, origin, old):
+    # The weights grew step by step until one went NaN (lr=1) or the recurrence overflowed
+    # (lr=3): full mode says divergence; sentinel mode without sample_every said `old`.
+    full = _relu_rnn_at(lr, "full").event
+    event = _relu_rnn_at(lr, "sentinel").event
+    assert (full.batch, full.origin, full.diagnosis.kind) == (event.batch, origin, "divergence")
+    assert event.diagnosis.kind == "divergence" != old
+    assert "since the watch began" in event.diagnosis.summary
+    assert _SINCE_START in "\n".join(event.diagnosis.evidence)
+    assert event.diagnosis.suggestion == full.diagnosis.suggestion
+
+
+def test_sentinel_without_samples_tells_no_divergence_from_a_checkpoint_loaded_after_the_watch():
+    # The watch began on a fresh model; a checkpoint with 20x larger weights was loaded, then
+    # a few healthy steps, then a write of NaN: the weights are 20x what they were at the
+    # start after 4 steps (over 2x per step), but the outputs did not climb: no divergence.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    trained = {k: v * 20 for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(16, 8)
+    with watch(model, "sentinel") as w:
+        model.load_state_dict(trained)
+        for step in range(6):
+            loss = model(x).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step == 4:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, diagnosis.kind) == (5, "corrupted-weight")
+    assert "sample_every=N" in "\n".join(diagnosis.evidence)  # what it could not check
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_written_nan_after_a_few_healthy_steps_is_no_divergence(mode):
+    # Five AdamW steps on a fresh model: the weights moved a little; sentinel mode compares
+    # them with the watch's start and must not call that a climb.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    teacher = torch.randn(8, 4) * 5
+    with watch(model, mode) as w:
+        for step in range(7):
+            x = torch.randn(16, 8)
+            loss = nn.functional.mse_loss(model(x), x @ teacher)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step == 5:
+                with torch.no_grad():
+                    model[2].weight[0, 0] = math.nan
+    assert (w.event.batch, w.event.diagnosis.kind) == (6, "corrupted-weight")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -592,6 +592,11 @@ class Facts:
     weights: WeightLog = field(default_factory=WeightLog)
     # Module -> its own weights' abs max now (finite values; measured at the event).
     weights_now: dict[str, float] = field(default_factory=dict)
+    # Sentinel mode, which records no weights per batch: module -> its own weights' abs max
+    # when the watch began (read at the event only), and the optimizer steps taken between
+    # then and the event's batch (see rules._growth_since_start).
+    weights_at_start: dict[str, float] = field(default_factory=dict)
+    steps_since_start: int = 0
     # Non-finite weight name -> the last batch that ran with it finite.
     weights_last_finite: dict[str, int] = field(default_factory=dict)
     # Non-finite weight name -> the last earlier call of its module in the event's own batch

@@ -99,6 +99,9 @@ class Growth:
     start: tuple[int, float]
     end: tuple[int, float]
     steps: int = 0  # counted by optimizer step (see _weights_growth): how many, else by batch
+    # Sentinel mode's two measurements: when the watch began (``start``'s batch: the first
+    # batch after it) and at the event (see _growth_since_start).
+    since_start: bool = False
 
     @property
     def ratio(self) -> float:
@@ -113,6 +116,14 @@ class Growth:
     @property
     def per(self) -> str:
         return "per optimizer step" if self.steps else "per batch"
+
+    @property
+    def since(self) -> str:
+        return "since the watch began" if self.since_start else f"since batch {self.start[0]}"
+
+    def sure(self, confidence: str) -> str:
+        """``confidence``, or medium for a climb told from two measurements only."""
+        return "medium" if self.since_start else confidence
 
 
 def growth_of(points: list[tuple[int, float]], least: float = 2.0,
@@ -173,6 +184,12 @@ def _compounded_calls(facts: Facts, module: str) -> tuple[str, int, Growth] | No
 
 
 def _growth_line(what: str, growth: Growth) -> str:
+    if growth.since_start:
+        return (f"{what} grew from {_g(growth.start[1])} when the watch began to "
+                f"{_g(growth.end[1])} at batch {growth.end[0]} over the {growth.steps} optimizer "
+                f"steps between: {_g(growth.ratio)}x in all, {growth.per_batch:.3g}x per step "
+                "(sentinel mode measured the weights at those two times only: the watch's start "
+                "and this event)")
     return (f"{what} grew {growth.per_batch:.3g}x {growth.per} from batch {growth.start[0]} "
             f"({_g(growth.start[1])}) to batch {growth.end[0]} ({_g(growth.end[1])}): "
             f"{_g(growth.ratio)}x in all")
@@ -180,9 +197,9 @@ def _growth_line(what: str, growth: Growth) -> str:
 
 def _no_history(facts: Facts) -> list[str]:
     """What sentinel mode could not check for lack of recorded batches."""
-    recorded = len([b for b, _ in facts.weights.series if b <= facts.event.batch])
-    if not facts.sentinel or recorded >= min(3, facts.event.batch + 1):
+    if not _recorded_too_few(facts):
         return []  # as much as full mode would have had
+    recorded = len([b for b, _ in facts.weights.series if b <= facts.event.batch])
     if facts.sample_every:
         return [f"Sentinel mode (sample_every={facts.sample_every}) had measured the weights of "
                 f"only {recorded} batch{'' if recorded == 1 else 'es'} up to batch "
@@ -214,7 +231,39 @@ def _weights_growth(facts: Facts) -> Growth | None:
         if stepped and before[1] > 0 and math.isfinite(after[1]) \
                 and after[1] >= _JUMP * before[1]:
             return Growth(start=before, end=after)
-    return _growth_by_step(facts)
+    return _growth_by_step(facts) or _growth_since_start(facts)
+
+
+def _growth_since_start(facts: Facts) -> Growth | None:
+    """Sentinel mode, which records too few batches in full to see the climb (none without
+    sample_every): its weights' abs max when the watch began against now, at the event, over
+    the optimizer steps between (each module as it was then and is now, summed; a climb by
+    the same measure as full mode's, at least 2x and :data:`_DIVERGING_PER_BATCH` per step),
+    when the root's outputs, read every batch, climbed too (a checkpoint loaded after the
+    watch began moves the weights with no climb of the outputs). None otherwise."""
+    start, event = facts.weights_at_start, facts.event
+    if not start or facts.steps_since_start < 2 or not _recorded_too_few(facts):
+        return None
+    modules = [module for module in start if module in facts.weights_now]
+    before = sum(start[module] for module in modules)
+    now = sum(facts.weights_now[module] for module in modules)
+    if before <= 0 or now < 2.0 * before:
+        return None
+    grew = Growth(start=(0, before), end=(event.batch, now), steps=facts.steps_since_start,
+                  since_start=True)
+    if grew.per_batch < _DIVERGING_PER_BATCH:
+        return None
+    outputs = [(b, v) for b, v in facts.series("") if b <= event.batch]
+    if len(outputs) < 2 or outputs[-1][1] < 2.0 * outputs[0][1] \
+            or outputs[-1][1] < max(v for _, v in outputs) / 1.1:
+        return None  # the outputs did not climb into the event
+    return grew
+
+
+def _recorded_too_few(facts: Facts) -> bool:
+    """Sentinel mode had measured the weights of fewer batches than full mode's climb needs."""
+    recorded = len([b for b, _ in facts.weights.series if b <= facts.event.batch])
+    return facts.sentinel and recorded < min(3, facts.event.batch + 1)
 
 
 def _growth_by_step(facts: Facts) -> Growth | None:
@@ -236,7 +285,11 @@ def _growth_by_step(facts: Facts) -> Growth | None:
 def _grown_modules(facts: Facts) -> list[str]:
     """Modules whose weights grew most since the watch first measured them."""
     grown = []
-    for module, (batch, first) in facts.weights.first.items():
+    measured = dict(facts.weights.first)
+    for module, value in facts.weights_at_start.items():  # sentinel mode's, at the start
+        if measured.get(module, (facts.event.batch, 0.0))[0] >= facts.event.batch:
+            measured[module] = (-1, value)
+    for module, (batch, first) in measured.items():
         now = facts.weights_now.get(module)
         if now is None or first <= 0 or batch >= facts.event.batch:
             continue
@@ -940,9 +993,9 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
     if grew is not None:
         evidence.insert(0, _growth_line("The weights' abs max (summed over modules)", grew) + ".")
         return Diagnosis("divergence", f"Training diverged: the weights grew "
-                                       f"{grew.per_batch:.3g}x {grew.per} since batch "
-                                       f"{grew.start[0]}, until {what_happened}", evidence,
-                         fixes.divergence(dtype) + suggestion[:1], confidence="high")
+                                       f"{grew.per_batch:.3g}x {grew.per} {grew.since}, "
+                                       f"until {what_happened}", evidence,
+                         fixes.divergence(dtype) + suggestion[:1], confidence=grew.sure("high"))
     confidence = ("low" if event.made_kind != "inf" else
                   "high" if op is not None or not at_output else "medium")
     return Diagnosis("overflow", what_happened[0].upper() + what_happened[1:], evidence,
@@ -1373,10 +1426,10 @@ def _weights(facts: Facts) -> Diagnosis | None:
                         f"{'is' if len(names) == 1 else 'are'} {_kind_words(event.made_kind)}.")
         return Diagnosis(
             "divergence",
-            f"Training diverged: the weights grew {grew.per_batch:.3g}x {grew.per} since batch "
-            f"{grew.start[0]} until {', '.join(names[:2])} became {_kind_words(event.made_kind)} "
+            f"Training diverged: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since} "
+            f"until {', '.join(names[:2])} became {_kind_words(event.made_kind)} "
             f"(used at batch {event.batch}).", evidence, fixes.divergence(dtype),
-            confidence="high")
+            confidence=grew.sure("high"))
     largest_input = _inputs_largest(facts)
     # A forward whose inputs were finite and small (their squares too) updates a finite buffer
     # into a finite one: a non-finite one was so before it ran.
@@ -2242,11 +2295,11 @@ def _from_op(facts: Facts) -> Diagnosis | None:
             suggestion[2:2] = fixes.overflow(op.module, op.dtype, op.at, op.name, hint=hint)[:1]
         return Diagnosis(
             "divergence",
-            f"Training diverged: the weights grew {grew.per_batch:.3g}x {grew.per} since batch "
-            f"{grew.start[0]}, until {op.op} {op.place}{op.at} overflowed at batch "
+            f"Training diverged: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since}"
+            f", until {op.op} {op.place}{op.at} overflowed at batch "
             f"{event.batch}{in_rows} ({reason}).", evidence,
             _learned_scale(op, evidence, suggestion),
-            rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
+            rows=_samples_at_fault(rows, facts.batch_size()), confidence=grew.sure("high"))
     evidence = evidence + _activation_lines(facts, modules)
     evidence.extend(_no_history(facts))
     suggestion = fixes.overflow(op.module, op.dtype, op.at, op.name,
@@ -2416,7 +2469,7 @@ def _from_frames(facts: Facts) -> Diagnosis | None:
         if grew is not None:
             return Diagnosis(
                 "divergence", f"Training diverged: the weights grew {grew.per_batch:.3g}x "
-                              f"{grew.per} since batch {grew.start[0]}, until {label} overflowed "
+                              f"{grew.per} {grew.since}, until {label} overflowed "
                               f"{dtype} at batch {event.batch}.",
                 [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
                 + evidence, fixes.divergence(dtype), confidence="medium")
