@@ -4589,6 +4589,78 @@ def test_bad_data_beside_a_cache_written_in_place_is_still_read_with_its_rows(mo
     assert "input[0] holds NaN in row 1" in diagnosis.summary
 
 
+def _lbfgs_fit(mode: str, lr: float, steps: int = 10, **options) -> nw.NanWatch:
+    """A least-squares fit by torch.optim.LBFGS (closure, float32, no line search unless given),
+    its closure watched (each call a batch), until the first event."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    x, y = torch.randn(64, 8), torch.randn(64, 1) * 1e3
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=lr, **options)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    with watch(model, mode) as w:
+        for _ in range(steps):
+            optimizer.step(closure)
+            if w.events:
+                break
+    return w
+
+
+_NOT_LBFGS_FIXES = ("clip_grad_norm_", "lr_scheduler", "GradScaler", "load_state_dict")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lbfgs_iterations_that_climb_inside_one_step_are_its_divergence_with_its_fixes(mode):
+    # lr=10, no line search: LBFGS's 20 iterations of its first step() (its closure called 20
+    # times: batches 0 to 19) grew the weights 11x per call until they went NaN. Full mode
+    # said "Training diverged ... per batch" and to clip the gradients and warm the lr up
+    # with a scheduler; sentinel mode said corrupted-weight ("the optimizer step, load or write
+    # after batch 18"). No step ended: the climb is LBFGS's iterations, fixed by its options.
+    w = _lbfgs_fit(mode, lr=10.0)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.origin, diagnosis.kind) == (19, "weight", "divergence")
+    assert diagnosis.summary.startswith("LBFGS diverged inside one optimizer step: ")
+    assert "per closure call" in diagnosis.summary
+    evidence = "\n".join(diagnosis.evidence)
+    assert "calls of LBFGS's closure inside one optimizer.step()" in evidence
+    assert "with no line search" in evidence or "without a line search" in evidence
+    if mode == "sentinel":  # no weights measured between the calls: the outputs tell it
+        assert diagnosis.confidence == "medium" and "on the same input tensors" in evidence
+    assert diagnosis.suggestion[0].startswith("Give LBFGS a line search")
+    assert "line_search_fn='strong_wolfe'" in diagnosis.suggestion[0]
+    assert any(fix.startswith("Lower lr (now 10;") for fix in diagnosis.suggestion)
+    assert any("max_iter, now 20" in fix for fix in diagnosis.suggestion)
+    assert not any(word in fix for fix in diagnosis.suggestion for word in _NOT_LBFGS_FIXES)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_lbfgs_update_that_jumps_into_nan_in_one_iteration_is_no_divergence(mode):
+    # lr=1e30: the first full iteration of the first step() jumps the weights 1e29x, the next
+    # makes them NaN; no climb, no step ended. It read "became NaN between batch 1 and batch 2:
+    # the optimizer step, load or write after batch 1" with clipping's and a load's fixes.
+    w = _lbfgs_fit(mode, lr=1e30)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.origin, diagnosis.kind) == (2, "weight", "corrupted-weight")
+    assert "two calls of LBFGS's closure inside one optimizer.step()" in diagnosis.summary
+    assert "no divergence over training steps" in diagnosis.summary
+    if mode == "full":
+        assert "the update after batch 0 alone multiplied them by" in "\n".join(diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("Give LBFGS a line search")
+    assert not any(word in fix for fix in diagnosis.suggestion for word in _NOT_LBFGS_FIXES)
+
+
+def test_lbfgs_with_a_strong_wolfe_line_search_at_a_huge_lr_makes_no_event():
+    # Pinned: its line search meets an infinite loss at lr=1e30 and backs off; the weights
+    # stay finite, so there is nothing to diagnose (the loss is computed outside the model).
+    w = _lbfgs_fit("full", lr=1e30, steps=3, line_search_fn="strong_wolfe")
+    assert not w.events
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_weights_an_lbfgs_step_wrote_inside_a_batch_are_not_blamed_on_a_checkpoint(mode):
     # set_batch(step) numbers batches by optimizer step; LBFGS runs its closure four times per

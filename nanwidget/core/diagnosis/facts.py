@@ -597,6 +597,13 @@ class Facts:
     # then and the event's batch (see rules._growth_since_start).
     weights_at_start: dict[str, float] = field(default_factory=dict)
     steps_since_start: int = 0
+    # ... counted as calls of LBFGS's closure: no step ended since the watch began, the
+    # step in progress made them all.
+    calls_since_start: bool = False
+    # The event's forward ran as a closure inside the step in progress of a torch.optim.LBFGS
+    # (which calls it once per iteration, more with a line search, all inside one step()):
+    # that step's lr, max_iter and line_search_fn, and its first batch (closure call) known.
+    lbfgs: dict[str, Any] | None = None
     # Non-finite weight name -> the last batch that ran with it finite.
     weights_last_finite: dict[str, int] = field(default_factory=dict)
     # Non-finite weight name -> the last earlier call of its module in the event's own batch

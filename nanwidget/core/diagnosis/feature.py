@@ -591,13 +591,55 @@ class Diagnoser(Feature):
             self._weights_now(facts)  # divergence may be told
         if self.capture is not None and (len(self.weights.series) >= 2 or jumped):
             facts.optimizer_steps = self.capture.optimizer_steps()
+        facts.lbfgs = self._lbfgs_step(event)
         if self._at_start and self.capture is not None and len(self.weights.series) < 3:
             steps = self.capture.optimizer_steps().get(event.batch)
-            if steps is not None and steps - self.steps_at_start >= 2:
+            # LBFGS's first step under the watch, still in progress: its closure calls (one per
+            # iteration, more with a line search) are the updates counted.
+            calls = event.batch - facts.lbfgs["first_batch"] \
+                if facts.lbfgs is not None and steps == self.steps_at_start else 0
+            if steps is not None and (steps - self.steps_at_start >= 2 or calls >= 2):
                 facts.weights_at_start = _read_abs_max(self._at_start)
-                facts.steps_since_start = steps - self.steps_at_start
+                facts.steps_since_start = steps - self.steps_at_start or calls
+                facts.calls_since_start = steps == self.steps_at_start
                 self._weights_now(facts, facts.weights_at_start)
         return facts
+
+    def _lbfgs_step(self, event: NanEvent) -> dict[str, Any] | None:
+        """When ``event``'s forward ran as a closure inside the step in progress of a
+        torch.optim.LBFGS: its lr, max_iter, line_search_fn and the first batch of that step
+        (the batch after the last one the weight log saw end before it; else the first held
+        batch inside it, or the first the log has). None otherwise."""
+        if self.capture is None:
+            return None
+        stepping = self.capture.steps_in_progress(event.batch)
+        if not stepping or not stepping[-1] or stepping[-1] != step_in_progress():
+            return None
+        optimizer = stepping_optimizer()
+        if not isinstance(optimizer, torch.optim.LBFGS) or not optimizer.param_groups:
+            return None
+        group = optimizer.param_groups[0]
+        steps = steps_taken()  # the steps ended: every batch of this one ended with this count
+        before = [batch for count, batch, _ in self.weights.by_step if count < steps]
+        if before:
+            first = before[-1] + 1
+        elif steps == self.steps_at_start:
+            first = 0  # no step ended under the watch: every batch ran before or inside this one
+        else:
+            inside = [b for b in self.capture.held_batches()
+                      if self.capture.steps_in_progress(b)[:1] == [stepping[-1]]]
+            first = min(inside + [b for b, _ in self.weights.series], default=event.batch)
+        # The held calls of this step ran on the very same input tensors, unchanged since
+        # (a closure re-evaluating one batch): only the weights changed between them.
+        capture = self.capture
+        held = [capture.held_inputs(b) for b in capture.held_batches()
+                if b <= event.batch and capture.steps_in_progress(b)[:1] == [stepping[-1]]]
+        same = len(held) >= 2 and bool(held[0]) and all(
+            len(inputs) == len(held[0])
+            and all(a is b for (_, a), (_, b) in zip(inputs, held[0])) for inputs in held)
+        return {"lr": group.get("lr"), "max_iter": group.get("max_iter"),
+                "line_search_fn": group.get("line_search_fn"), "first_batch": first,
+                "same_inputs": same}
 
     def _gradient_event_before(self, event: NanEvent) -> NanEvent | None:
         """The latest backward event of this process before ``event`` (a non-finite gradient

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 from ..stats import dtype_max
 
@@ -265,6 +266,28 @@ def divergence(dtype: str) -> list[str]:
                      "instead of model.half()).")
     fixes.append("Watch the trend before the next try: w.history() or the FrameBrowser's plot "
                  "shows which module grows first.")
+    return fixes
+
+
+def lbfgs(lr: Any, max_iter: Any, line_search_fn: Any, dtype: str = "") -> list[str]:
+    """The fixes of an LBFGS step whose iterations (calls of its closure inside one step())
+    moved the weights into NaN/Inf: its own options, not a scheduler's or clipping's."""
+    lr = f"{lr:g}" if isinstance(lr, float) else lr
+    fixes = []
+    if not line_search_fn:
+        fixes.append("Give LBFGS a line search: torch.optim.LBFGS(params, lr=..., "
+                     "line_search_fn='strong_wolfe'); each iteration then takes a step length "
+                     "that lowers the loss, where without one every iteration after the first "
+                     f"moves the weights by lr ({lr}) times its direction, however far that is.")
+    fixes.append(f"Lower lr (now {lr}; LBFGS's default is 1"
+                 + (", and with line_search_fn='strong_wolfe' it is the first step length the "
+                    "search tries)." if line_search_fn else ")."))
+    fixes.append(f"Take fewer iterations per step (max_iter, now {max_iter}): one "
+                 "optimizer.step(closure) makes up to max_iter updates before your loop sees the "
+                 "loss it returns; check that loss with torch.isfinite between steps.")
+    if dtype in _LOW_PRECISION:
+        fixes.append("Keep the weights in float32 for LBFGS (its curvature pairs s, y and "
+                     "their products overflow float16 first).")
     return fixes
 
 

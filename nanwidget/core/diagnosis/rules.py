@@ -32,7 +32,7 @@ from __future__ import annotations
 import linecache
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..events import Diagnosis, NanEvent
@@ -102,6 +102,9 @@ class Growth:
     # Sentinel mode's two measurements: when the watch began (``start``'s batch: the first
     # batch after it) and at the event (see _growth_since_start).
     since_start: bool = False
+    # Every batch of the climb was a call of LBFGS's closure inside one step() (its
+    # iterations, no step ended between them): see _within_lbfgs_step.
+    in_lbfgs_step: bool = False
 
     @property
     def ratio(self) -> float:
@@ -115,7 +118,13 @@ class Growth:
 
     @property
     def per(self) -> str:
-        return "per optimizer step" if self.steps else "per batch"
+        return "per closure call" if self.in_lbfgs_step else \
+            "per optimizer step" if self.steps else "per batch"
+
+    @property
+    def diverged(self) -> str:
+        return "LBFGS diverged inside one optimizer step" if self.in_lbfgs_step \
+            else "Training diverged"
 
     @property
     def since(self) -> str:
@@ -185,10 +194,11 @@ def _compounded_calls(facts: Facts, module: str) -> tuple[str, int, Growth] | No
 
 def _growth_line(what: str, growth: Growth) -> str:
     if growth.since_start:
+        unit = "calls of LBFGS's closure" if growth.in_lbfgs_step else "optimizer steps"
         return (f"{what} grew from {_g(growth.start[1])} when the watch began to "
-                f"{_g(growth.end[1])} at batch {growth.end[0]} over the {growth.steps} optimizer "
-                f"steps between: {_g(growth.ratio)}x in all, {growth.per_batch:.3g}x per step "
-                "(sentinel mode measured the weights at those two times only: the watch's start "
+                f"{_g(growth.end[1])} at batch {growth.end[0]} over the {growth.steps} {unit} "
+                f"between: {_g(growth.ratio)}x in all, {growth.per_batch:.3g}x "
+                f"{growth.per} (sentinel mode measured the weights at those two times only: the watch's start "
                 "and this event)")
     return (f"{what} grew {growth.per_batch:.3g}x {growth.per} from batch {growth.start[0]} "
             f"({_g(growth.start[1])}) to batch {growth.end[0]} ({_g(growth.end[1])}): "
@@ -218,6 +228,39 @@ _JUMP = 100.0  # one optimizer step that multiplies the weights' abs max by this
 
 
 def _weights_growth(facts: Facts) -> Growth | None:
+    """The weights' climb before the event (see :func:`_weights_climb`), marked as made by
+    LBFGS's iterations when every batch of it was a call of its closure inside the step still
+    in progress."""
+    grew = _weights_climb(facts)
+    lbfgs = facts.lbfgs
+    if grew is not None and lbfgs is not None and not grew.in_lbfgs_step \
+            and grew.start[0] >= lbfgs["first_batch"]:
+        return replace(grew, in_lbfgs_step=True)
+    return grew
+
+
+def _divergence_evidence(facts: Facts, grew: Growth) -> list[str]:
+    """The climb's line, and what the batches were when LBFGS's iterations made it."""
+    lines = [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
+    lbfgs = facts.lbfgs
+    if grew.in_lbfgs_step and lbfgs is not None:
+        search = (f"with line_search_fn={lbfgs['line_search_fn']!r}" if lbfgs["line_search_fn"]
+                  else f"without a line search: every iteration after the first moved the "
+                       f"weights by lr ({lbfgs['lr']:g}) times its direction")
+        lines.append(f"Batches {lbfgs['first_batch']} to {facts.event.batch} are calls of "
+                     "LBFGS's closure inside one optimizer.step() (no step ended between them): "
+                     f"its iterations (max_iter={lbfgs['max_iter']}) made the climb, {search}.")
+    return lines
+
+
+def _divergence_fixes(facts: Facts, grew: Growth, dtype: str) -> list[str]:
+    lbfgs = facts.lbfgs
+    if lbfgs is not None:  # inside its step (over several steps too: its options, not clipping)
+        return fixes.lbfgs(lbfgs["lr"], lbfgs["max_iter"], lbfgs["line_search_fn"], dtype)
+    return fixes.divergence(dtype)
+
+
+def _weights_climb(facts: Facts) -> Growth | None:
     """The weights' climb over the batches before the event, or their jump by
     :data:`_JUMP` or more across one of the last optimizer steps (Adam at a learning rate of
     1e12 moves every weight by about that much at once; a write of the user's is no step)."""
@@ -250,7 +293,7 @@ def _growth_since_start(facts: Facts) -> Growth | None:
     if before <= 0 or now < 2.0 * before:
         return None
     grew = Growth(start=(0, before), end=(event.batch, now), steps=facts.steps_since_start,
-                  since_start=True)
+                  since_start=True, in_lbfgs_step=facts.calls_since_start)
     if grew.per_batch < _DIVERGING_PER_BATCH:
         return None
     outputs = [(b, v) for b, v in facts.series("") if b <= event.batch]
@@ -1417,7 +1460,7 @@ def _weights(facts: Facts) -> Diagnosis | None:
         return _wrapper_state_nonfinite(facts, names, dtype)
     grew = _weights_growth(facts)
     if grew is not None:
-        evidence = [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
+        evidence = _divergence_evidence(facts, grew)
         modules = _grown_modules(facts)
         if modules:
             evidence.append(f"Grown most since first measured: {', '.join(modules)}.")
@@ -1426,10 +1469,16 @@ def _weights(facts: Facts) -> Diagnosis | None:
                         f"{'is' if len(names) == 1 else 'are'} {_kind_words(event.made_kind)}.")
         return Diagnosis(
             "divergence",
-            f"Training diverged: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since} "
+            f"{grew.diverged}: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since} "
             f"until {', '.join(names[:2])} became {_kind_words(event.made_kind)} "
-            f"(used at batch {event.batch}).", evidence, fixes.divergence(dtype),
+            f"(used at batch {event.batch}).", evidence, _divergence_fixes(facts, grew, dtype),
             confidence=grew.sure("high"))
+    lbfgs = facts.lbfgs
+    if lbfgs is not None and names and all(
+            not _buffer(facts, n) and facts.weights_last_finite.get(n, -1) >= lbfgs["first_batch"]
+            for n in names):
+        return _lbfgs_outputs_climbed(facts, names, dtype) \
+            or _written_inside_lbfgs_step(facts, names, dtype)
     largest_input = _inputs_largest(facts)
     # A forward whose inputs were finite and small (their squares too) updates a finite buffer
     # into a finite one: a non-finite one was so before it ran.
@@ -1779,6 +1828,90 @@ def _gradients_finite(facts: Facts) -> bool:
 def _no_backward_pass(facts: Facts) -> bool:
     """The watch checks the gradients (backward=True), and no backward pass ran yet."""
     return facts.checks_gradients and facts.backward_passes == 0
+
+
+def _lbfgs_search(lbfgs: dict) -> str:
+    search = lbfgs.get("line_search_fn")
+    lr = lbfgs.get("lr")
+    return (f"its line search ({search!r}) tried a step" if search else
+            f"its update by lr ({lr:g}) times its direction, with no line search," if
+            isinstance(lr, float) else f"its update by lr ({lr}) times its direction, with no "
+            "line search,")
+
+
+def _lbfgs_outputs_climbed(facts: Facts, names: list[str], dtype: str) -> Diagnosis | None:
+    """Weights gone non-finite inside LBFGS's step in progress after the model's outputs,
+    on the same input tensors at every call held, climbed over its closure calls: its
+    iterations diverged (what sentinel mode can tell of it: no weights measured between, and
+    they are non-finite now). None when the outputs did not climb or the inputs differed."""
+    event, lbfgs = facts.event, facts.lbfgs or {}
+    if not lbfgs.get("same_inputs"):
+        return None
+    points = [(b, v) for b, v in facts.series("") if lbfgs["first_batch"] <= b < event.batch]
+    grew = growth_of(points, least=4.0, per_batch=_DIVERGING_PER_BATCH)
+    if grew is None:
+        return None
+    kind = _kind_words(event.made_kind)
+    evidence = [_growth_line("The output abs max of '<root>'", grew).replace(
+                    "per batch", "per closure call") + ", on the same input tensors (every "
+                "call held ran on them, unchanged): only the weights changed between the calls.",
+                f"Batches {lbfgs['first_batch']} to {event.batch} are calls of LBFGS's closure "
+                "inside one optimizer.step() that has not ended (no step ended between them; "
+                f"max_iter={lbfgs.get('max_iter')}): {_lbfgs_search(lbfgs)} after each call "
+                "wrote the weights.",
+                "The weights were not measured between the calls (sentinel mode records no "
+                f"batch in full without sample_every) and are {kind} now.",
+                f"At batch {event.batch} {', '.join(names)} "
+                f"{'is' if len(names) == 1 else 'are'} {kind}."]
+    return Diagnosis(
+        "divergence",
+        f"LBFGS diverged inside one optimizer step: the model's outputs grew "
+        f"{grew.per_batch:.3g}x per closure call from batch {grew.start[0]} to batch "
+        f"{grew.end[0]} on the same inputs, until {', '.join(names[:2])} became {kind} (used at "
+        f"batch {event.batch}).", evidence,
+        fixes.lbfgs(lbfgs.get("lr"), lbfgs.get("max_iter"), lbfgs.get("line_search_fn"), dtype),
+        confidence="medium")
+
+
+def _written_inside_lbfgs_step(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
+    """Parameters finite at an earlier call of LBFGS's closure inside the step still in
+    progress, non-finite now, with no climb of the weights before: one of its iterations (an
+    update by lr times its direction, or a line search's trial) stepped into NaN/Inf. No
+    divergence over training: no step ended in between."""
+    event, lbfgs = facts.event, facts.lbfgs or {}
+    one = len(names) == 1
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    kind = _kind_words(event.made_kind)
+    last = max(facts.weights_last_finite[n] for n in names)
+    likely = all(n in facts.finite_by_outputs for n in names)
+    search = lbfgs.get("line_search_fn")
+    how = _lbfgs_search(lbfgs)
+    evidence = [f"{shown} {'holds' if one else 'hold'} {kind} at batch {event.batch}"
+                + (f" ({dtype})." if dtype else "."),
+                f"{'It was' if one else 'They were'} finite when batch {last} ran"
+                + (" (its outputs were finite; sentinel mode measures no weights)" if likely else "")
+                + f"; batches {lbfgs.get('first_batch')} to {event.batch} are calls of LBFGS's "
+                "closure inside one optimizer.step() that has not ended (no step ended between "
+                f"them; max_iter={lbfgs.get('max_iter')}): {how} after batch {last} wrote "
+                f"{'it' if one else 'them'}."]
+    points = [(b, v) for b, v in facts.weights.series
+              if lbfgs.get("first_batch", 0) <= b <= last]
+    if len(points) >= 2:
+        shown_points = ", ".join(f"{_g(v)} at batch {b}" for b, v in points[-3:][::-1])
+        (before, was), (_, then) = points[-2:]
+        jumped = (f"the update after batch {before} alone multiplied them by {_g(then / was)}"
+                  if was > 0 and then >= _JUMP * was else "no climb over the iterations")
+        evidence.append("The weights' abs max (summed over modules) in the calls before: "
+                        f"{shown_points} ({jumped}).")
+    evidence.extend(_activation_lines(facts, [event.module, ""]))
+    return Diagnosis(
+        "corrupted-weight",
+        f"{shown} became {kind} between batch {last} and batch {event.batch}, two calls of "
+        "LBFGS's closure inside one optimizer.step(): one of its iterations stepped into "
+        f"{kind} ({how} after batch {last}); no optimizer step ended in between, so this is "
+        "no divergence over training steps.", evidence,
+        fixes.lbfgs(lbfgs.get("lr"), lbfgs.get("max_iter"), search, dtype),
+        confidence="medium" if likely else "high")
 
 
 def _buffer(facts: Facts, name: str) -> bool:
@@ -2284,18 +2417,18 @@ def _from_op(facts: Facts) -> Diagnosis | None:
     modules = [op.module, event.module, ""]
     grew = _weights_growth(facts)
     if grew is not None:
-        evidence = ([_growth_line("The weights' abs max (summed over modules)", grew) + "."]
-                    + _activation_lines(facts, modules) + evidence)
+        climb = _divergence_evidence(facts, grew)
+        evidence = climb + _activation_lines(facts, modules) + evidence
         grown = _grown_modules(facts)
         if grown:
-            evidence.insert(1, f"Grown most since first measured: {', '.join(grown)}.")
-        suggestion = fixes.divergence(op.dtype)
+            evidence.insert(len(climb), f"Grown most since first measured: {', '.join(grown)}.")
+        suggestion = _divergence_fixes(facts, grew, op.dtype)
         hint = _density_hint(op) if op.phase != "backward" else ""
         if hint in ("log-scale", "softmax"):  # what keeps that exp finite while training moves
             suggestion[2:2] = fixes.overflow(op.module, op.dtype, op.at, op.name, hint=hint)[:1]
         return Diagnosis(
             "divergence",
-            f"Training diverged: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since}"
+            f"{grew.diverged}: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since}"
             f", until {op.op} {op.place}{op.at} overflowed at batch "
             f"{event.batch}{in_rows} ({reason}).", evidence,
             _learned_scale(op, evidence, suggestion),
@@ -2468,11 +2601,11 @@ def _from_frames(facts: Facts) -> Diagnosis | None:
         grew = _weights_growth(facts)
         if grew is not None:
             return Diagnosis(
-                "divergence", f"Training diverged: the weights grew {grew.per_batch:.3g}x "
+                "divergence", f"{grew.diverged}: the weights grew {grew.per_batch:.3g}x "
                               f"{grew.per} {grew.since}, until {label} overflowed "
                               f"{dtype} at batch {event.batch}.",
-                [_growth_line("The weights' abs max (summed over modules)", grew) + "."]
-                + evidence, fixes.divergence(dtype), confidence="medium")
+                _divergence_evidence(facts, grew) + evidence,
+                _divergence_fixes(facts, grew, dtype), confidence="medium")
         if facts.weights_unseen:  # an Inf in a weight nothing measured looks the same
             evidence.append(f"{facts.unseen_note[0].upper()}{facts.unseen_note[1:]}.")
         return Diagnosis("overflow", f"{label} made ±inf from finite inputs"
