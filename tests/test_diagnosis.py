@@ -4650,6 +4650,7 @@ def test_an_lbfgs_update_that_jumps_into_nan_in_one_iteration_is_no_divergence(m
     assert "no divergence over training steps" in diagnosis.summary
     if mode == "full":
         assert "the update after batch 0 alone multiplied them by" in "\n".join(diagnosis.evidence)
+    assert diagnosis.confidence == ("high" if mode == "full" else "medium")
     assert diagnosis.suggestion[0].startswith("Give LBFGS a line search")
     assert not any(word in fix for fix in diagnosis.suggestion for word in _NOT_LBFGS_FIXES)
 

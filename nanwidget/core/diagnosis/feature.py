@@ -7,7 +7,10 @@ the replay and the sentinel attached their traces, before the consensus tells th
 and the recording writes it): the facts are gathered and :func:`~.rules.diagnose` sets
 ``event.diagnosis``. In full mode an event without a trace gets one replay of its batch for
 the diagnosis alone (the op and its line; not attached to the event), at most
-:data:`MAX_DIAGNOSIS_REPLAYS` per watch.
+:data:`MAX_DIAGNOSIS_REPLAYS` per watch. In sentinel mode, which records few batches or none
+in full, each parameter's min and max are taken once when the watch begins (on its device, no
+host read; about 35 ms per 100M parameters on one CPU thread) and read at an event only: the
+start of a climb of the weights no batch measured.
 """
 
 from __future__ import annotations
@@ -225,7 +228,10 @@ def _abs_max_per_module(recorder: Recorder) -> list[tuple[str, list[torch.Tensor
                     tensor = local_shard(functorch_unwrapped(stood_for(tensor)).detach())
                     if tensor.numel() and tensor.is_floating_point() and not tensor.is_meta \
                             and storage_holds(tensor):
-                        values.extend(torch.aminmax(tensor))  # 10x vector_norm's speed
+                        try:
+                            values.extend(torch.aminmax(tensor))  # 10x vector_norm's speed
+                        except RuntimeError:  # a dtype without it (float8): left out
+                            continue
                 if values:
                     measured.append((info.name, values))
     except Exception:  # only evidence for a diagnosis: go without it
@@ -637,7 +643,10 @@ class Diagnoser(Feature):
         same = len(held) >= 2 and bool(held[0]) and all(
             len(inputs) == len(held[0])
             and all(a is b for (_, a), (_, b) in zip(inputs, held[0])) for inputs in held)
-        return {"lr": group.get("lr"), "max_iter": group.get("max_iter"),
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+            lr = float(lr)  # a tensor lr, read at the event only
+        return {"lr": lr, "max_iter": group.get("max_iter"),
                 "line_search_fn": group.get("line_search_fn"), "first_batch": first,
                 "same_inputs": same}
 

@@ -103,7 +103,7 @@ class Growth:
     # batch after it) and at the event (see _growth_since_start).
     since_start: bool = False
     # Every batch of the climb was a call of LBFGS's closure inside one step() (its
-    # iterations, no step ended between them): see _within_lbfgs_step.
+    # iterations, no step ended between them): see _weights_growth.
     in_lbfgs_step: bool = False
 
     @property
@@ -197,8 +197,8 @@ def _growth_line(what: str, growth: Growth) -> str:
         unit = "calls of LBFGS's closure" if growth.in_lbfgs_step else "optimizer steps"
         return (f"{what} grew from {_g(growth.start[1])} when the watch began to "
                 f"{_g(growth.end[1])} at batch {growth.end[0]} over the {growth.steps} {unit} "
-                f"between: {_g(growth.ratio)}x in all, {growth.per_batch:.3g}x "
-                f"{growth.per} (sentinel mode measured the weights at those two times only: the watch's start "
+                f"between: {_g(growth.ratio)}x in all, {growth.per_batch:.3g}x {growth.per} "
+                "(sentinel mode measured the weights at those two times only: the watch's start "
                 "and this event)")
     return (f"{what} grew {growth.per_batch:.3g}x {growth.per} from batch {growth.start[0]} "
             f"({_g(growth.start[1])}) to batch {growth.end[0]} ({_g(growth.end[1])}): "
@@ -245,8 +245,8 @@ def _divergence_evidence(facts: Facts, grew: Growth) -> list[str]:
     lbfgs = facts.lbfgs
     if grew.in_lbfgs_step and lbfgs is not None:
         search = (f"with line_search_fn={lbfgs['line_search_fn']!r}" if lbfgs["line_search_fn"]
-                  else f"without a line search: every iteration after the first moved the "
-                       f"weights by lr ({lbfgs['lr']:g}) times its direction")
+                  else "without a line search: every iteration after the first moved the "
+                       f"weights by lr ({_lr(lbfgs['lr'])}) times its direction")
         lines.append(f"Batches {lbfgs['first_batch']} to {facts.event.batch} are calls of "
                      "LBFGS's closure inside one optimizer.step() (no step ended between them): "
                      f"its iterations (max_iter={lbfgs['max_iter']}) made the climb, {search}.")
@@ -1830,13 +1830,15 @@ def _no_backward_pass(facts: Facts) -> bool:
     return facts.checks_gradients and facts.backward_passes == 0
 
 
+def _lr(lr: Any) -> str:
+    return f"{lr:g}" if isinstance(lr, float) else str(lr)
+
+
 def _lbfgs_search(lbfgs: dict) -> str:
     search = lbfgs.get("line_search_fn")
-    lr = lbfgs.get("lr")
     return (f"its line search ({search!r}) tried a step" if search else
-            f"its update by lr ({lr:g}) times its direction, with no line search," if
-            isinstance(lr, float) else f"its update by lr ({lr}) times its direction, with no "
-            "line search,")
+            f"its update by lr ({_lr(lbfgs.get('lr'))}) times its direction, with no line "
+            "search,")
 
 
 def _lbfgs_outputs_climbed(facts: Facts, names: list[str], dtype: str) -> Diagnosis | None:
@@ -1889,7 +1891,8 @@ def _written_inside_lbfgs_step(facts: Facts, names: list[str], dtype: str) -> Di
     evidence = [f"{shown} {'holds' if one else 'hold'} {kind} at batch {event.batch}"
                 + (f" ({dtype})." if dtype else "."),
                 f"{'It was' if one else 'They were'} finite when batch {last} ran"
-                + (" (its outputs were finite; sentinel mode measures no weights)" if likely else "")
+                + (" (its outputs were finite; sentinel mode measures no weights)" if likely
+                   else "")
                 + f"; batches {lbfgs.get('first_batch')} to {event.batch} are calls of LBFGS's "
                 "closure inside one optimizer.step() that has not ended (no step ended between "
                 f"them; max_iter={lbfgs.get('max_iter')}): {how} after batch {last} wrote "
@@ -1911,7 +1914,7 @@ def _written_inside_lbfgs_step(facts: Facts, names: list[str], dtype: str) -> Di
         f"{kind} ({how} after batch {last}); no optimizer step ended in between, so this is "
         "no divergence over training steps.", evidence,
         fixes.lbfgs(lbfgs.get("lr"), lbfgs.get("max_iter"), search, dtype),
-        confidence="medium" if likely else "high")
+        confidence="medium" if likely or facts.sentinel else "high")  # sentinel: no weights
 
 
 def _buffer(facts: Facts, name: str) -> bool:
