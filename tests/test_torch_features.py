@@ -320,3 +320,33 @@ def test_a_nan_in_a_parametrized_or_pruned_weight_names_the_tensor_it_lives_in(p
     assert (event.batch, event.origin, diagnosis.kind) == (1, "weight", "corrupted-weight")
     assert f"{event.module}.{event.role}" == name
     assert diagnosis.summary.startswith(f"'{name}' became ")
+
+
+@pytest.mark.parametrize("options", [WATCHES["sentinel"], WATCHES["sentinel+backward"],
+                                     {"mode": "full", "replay_on_nan": True}],
+                         ids=["sentinel", "sentinel+backward", "full+replay_on_nan"])
+def test_a_nan_functional_call_fast_weight_is_not_blamed_on_a_load_in_sentinel_mode(options):
+    # Sentinel mode (and full mode's replay) read the NaN fast weight as "'2.weight' became NaN
+    # between batch 0 and batch 1: the load or assignment that replaced it", with
+    # load_state_dict's fixes; full mode said what it is.
+    from torch.func import functional_call
+    torch.manual_seed(0)
+    model = _mlp()
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    with nw.watch(model, on_nan="record", **options) as w:
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    params["2.weight"][0, 0] = NAN
+            out = functional_call(model, params, (_x(6, 8),))
+            grads = torch.autograd.grad(out.pow(2).mean(), list(params.values()))
+            params = {k: (v - 0.1 * g).detach().requires_grad_()
+                      for (k, v), g in zip(params.items(), grads)}
+    diagnosis = w.event.diagnosis
+    assert (w.event.batch, w.event.module, w.event.role) == (1, "2", "weight")
+    assert diagnosis.kind == "corrupted-weight"
+    assert diagnosis.summary.startswith(
+        "'2.weight' held NaN in batch 1's forward, which ran with another tensor in its place "
+        "(torch.func.functional_call")
+    assert not any("load_state_dict" in fix for fix in diagnosis.suggestion)
+    assert torch.isfinite(model[2].weight).all()

@@ -1028,6 +1028,10 @@ class Diagnoser(Feature):
         if event.origin == "weight":
             facts.substituted = {name for name in names
                                  if self.recorder.substituted(*self.recorder.weight_owner(name))}
+            if self.sentinel and self.capture is not None:
+                # The forward has returned and put the parameters back: the held batch tells
+                # what its slots held while it ran.
+                facts.substituted |= self.capture.substituted_in(event.batch) & set(names)
         if self.capture is not None:
             facts.written_in_forward = self.capture.buffers_written(event.batch) & set(names)
         for name in names:

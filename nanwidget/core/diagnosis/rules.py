@@ -1448,7 +1448,7 @@ def _weights(facts: Facts) -> Diagnosis | None:
         return None
     names = came or weight_names(event, facts.is_mask)
     dtype = _weight_dtype(event)
-    if not came and names and all(n in facts.substituted for n in names):
+    if names and all(n in facts.substituted for n in names):
         return _substituted(facts, names)
     if names and all(n in facts.replaced_modules for n in names):
         return _in_added_module(facts, names, dtype)

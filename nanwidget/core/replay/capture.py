@@ -654,6 +654,25 @@ class BatchCapture(Feature):
                 if i < len(names) and then is not None and now is not None and then is not now
                 and stood_for(then) is not stood_for(now)}
 
+    def substituted_in(self, batch: int) -> set[str]:
+        """The parameters (by qualified name) whose slot held a tensor that is no
+        ``nn.Parameter`` in every root forward of held ``batch``: a stand-in that a stateless
+        call put there for the forward (``torch.func.functional_call``, a meta-learning fast
+        weight), as :meth:`Recorder.substituted` tells while the forward runs. Empty when the
+        batch is not held."""
+        held = self.held.get(batch)
+        if held is None or not held.forwards:
+            return set()
+        slots = self.slots
+        found: set[str] | None = None
+        for capture in held.forwards:
+            here = {slots.names[i] for i, tensor in enumerate(capture.weights)
+                    if i < len(slots.names) and not slots.is_buffer[i]
+                    and isinstance(tensor, torch.Tensor)
+                    and not isinstance(stood_for(tensor), nn.Parameter)}
+            found = here if found is None else found & here
+        return found or set()
+
     def ran_with_grad(self, batch: int) -> bool | None:
         """Whether any root forward of held ``batch`` ran with gradients on (outside
         ``torch.no_grad()`` and ``torch.inference_mode()``); None when it is not held."""
