@@ -350,3 +350,30 @@ def test_a_nan_functional_call_fast_weight_is_not_blamed_on_a_load_in_sentinel_m
         "(torch.func.functional_call")
     assert not any("load_state_dict" in fix for fix in diagnosis.suggestion)
     assert torch.isfinite(model[2].weight).all()
+
+
+@pytest.mark.parametrize("need_weights, made_by_autograd", [(False, False), (True, False),
+                                                              (False, True)])
+def test_sentinel_replays_a_watched_multihead_attention_on_its_fast_path(need_weights,
+                                                                         made_by_autograd):
+    # attention(x, x, x) in eval under no_grad runs torch's fused kernel, which makes NaN of a
+    # key_padding_mask row that masks every key (the modules' path gives 0). The replay passed
+    # query, key and value as three tensors: torch took the other path, the NaN did not come
+    # back, and the event read "unknown: what made it could not be told".
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[2] = True
+    x = _x(3, 5, 8)
+    if made_by_autograd:  # held as a detached alias: one for the three places
+        x = x.requires_grad_() * 1.0
+    with torch.no_grad():
+        expected, _ = attention(x, x, x, need_weights=need_weights, key_padding_mask=padding)
+    assert expected[2].isnan().all()
+    with nw.watch(attention, mode="sentinel", on_nan="record") as w, torch.no_grad():
+        out, _ = attention(x, x, x, need_weights=need_weights, key_padding_mask=padding)
+    assert torch.equal(out.nan_to_num(7.0), expected.nan_to_num(7.0))
+    event, diagnosis = w.event, w.event.diagnosis
+    assert event.trace.reproduced
+    assert (diagnosis.kind, diagnosis.rows) == ("masked-row", [2])
+    assert diagnosis.summary.startswith("_native_multi_head_attention in module '<root>'")

@@ -287,6 +287,17 @@ def layouts_of(tensors: list[torch.Tensor | None]) -> list[tuple[int, torch.dtyp
     return layout
 
 
+def _detached(value: Any, aliases: dict[int, torch.Tensor]) -> Any:
+    """A tensor made by autograd as a detached alias (one per tensor: ``aliases`` keeps them by
+    id); anything else as it is."""
+    if isinstance(value, _Tensor) and value.grad_fn is not None:
+        alias = aliases.get(id(value))
+        if alias is None:
+            alias = aliases[id(value)] = value.detach()
+        return alias
+    return value
+
+
 def _made_by_autograd(args: tuple) -> bool:
     for value in args:
         if isinstance(value, _Tensor):
@@ -401,16 +412,16 @@ class BatchCapture(Feature):
             return
         # Tensors made by autograd are held as detached aliases (same data and version counter)
         # so that a held batch does not keep the graph behind them alive.
+        # One alias per tensor: a tensor passed at several places stays one (attention(x, x, x)).
+        aliases: dict[int, torch.Tensor] = {}
         if _made_by_autograd(args):
             capture.needs_grad = {i for i, v in enumerate(args)
                                   if isinstance(v, _Tensor) and v.requires_grad}
-            args = tuple(v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
-                         for v in args)
+            args = tuple(_detached(v, aliases) for v in args)
         if kwargs and _made_by_autograd(tuple(kwargs.values())):
             capture.needs_grad = capture.needs_grad | {k for k, v in kwargs.items()
                                                        if isinstance(v, _Tensor) and v.requires_grad}
-            kwargs = {k: v.detach() if isinstance(v, _Tensor) and v.grad_fn is not None else v
-                      for k, v in kwargs.items()}
+            kwargs = {k: _detached(v, aliases) for k, v in kwargs.items()}
         inputs: list[tuple[str, torch.Tensor]] = []
         copies: dict[int, Any] | None = None  # one memo: objects shared by inputs stay shared
         for position, value in enumerate(args):

@@ -899,9 +899,13 @@ def _fresh(value: Any, needed_grad: bool, memo: dict[int, Any]) -> Any:
     as it was, no gradient ever landing on the user's own tensor; anything else a copy of
     its structure."""
     if isinstance(value, _Tensor):
-        fresh = value.detach()
-        if (value.requires_grad or needed_grad) and fresh.is_floating_point():
-            fresh.requires_grad_(True)
+        # One tensor passed at several places stays one (attention(x, x, x): nn.MultiheadAttention
+        # takes its fast path only when query, key and value are the same tensor).
+        fresh = memo.get(id(value))
+        if fresh is None:
+            fresh = memo[id(value)] = value.detach()
+            if (value.requires_grad or needed_grad) and fresh.is_floating_point():
+                fresh.requires_grad_(True)
         return fresh
     try:
         return copy_structure(value, memo)
