@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import prune
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import nanwidget as nw
 from nanwidget.core.copies import is_nanwidget_hook
@@ -377,3 +377,37 @@ def test_sentinel_replays_a_watched_multihead_attention_on_its_fast_path(need_we
     assert event.trace.reproduced
     assert (diagnosis.kind, diagnosis.rows) == ("masked-row", [2])
     assert diagnosis.summary.startswith("_native_multi_head_attention in module '<root>'")
+
+
+def test_checkpoint_sequential_under_sentinel_says_where_to_call_it():
+    # checkpoint_sequential(model, 2, x) calls the Sequential's modules one by one, never the
+    # Sequential: sentinel mode checked nothing, and its warning said to watch each module.
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(model, x):
+        return checkpoint_sequential(model, 2, x, use_reentrant=False)
+    w = nw.watch(layers, mode="sentinel")
+    _train(layers, steps=2, forward=forward)
+    with pytest.warns(UserWarning, match=r"checked nothing: this Sequential .*"
+                      r"checkpoint_sequential\(model, segments, x\) is such a loop \(it calls "
+                      r"a Sequential's modules one by one.* make that call in the forward of a "
+                      r"module that holds this Sequential"):
+        w.close()
+
+    class Checkpointed(nn.Module):  # the way the warning says
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x):
+            return checkpoint_sequential(self.layers, 2, x, use_reentrant=False)
+    model = Checkpointed()
+    with nw.watch(model, mode="sentinel", on_nan="record") as w:
+        _train(model, steps=1)
+        with torch.no_grad():
+            layers[2].weight[0, 0] = NAN
+        _train(model, steps=1)
+    assert (w.event.batch, w.event.module, w.event.role) == (1, "layers.2", "weight")
+    assert w.event.diagnosis.kind == "corrupted-weight"
+    assert hook_count(model) == 0

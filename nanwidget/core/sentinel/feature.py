@@ -58,6 +58,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 
 from .. import native
 from ..detect import event_kind
@@ -1273,11 +1274,20 @@ class Sentinel(Feature):
         first = children[0] if children else ""
         example = f"model.{first}" if first.isidentifier() else \
             f"model[{first}]" if first.isdigit() else "model.part"
-        return (f"Sentinel mode checked nothing: this {kind} was never called while {which} "
+        said = (f"Sentinel mode checked nothing: this {kind} was never called while {which} "
                 "were updated. Sentinel mode checks the calls of the watched model itself "
                 "(model(x)): if your loop calls its modules directly, watch each one it calls "
                 f"(nw.watch({example}, mode='sentinel'), one watch each), or watch this one in "
                 "full mode (nw.watch(model)), which checks every module call.")
+        if isinstance(self.capture.slots.root, nn.Sequential):
+            # torch.utils.checkpoint.checkpoint_sequential(model, segments, x), the way its
+            # docs use it, calls the Sequential's modules one by one, never the Sequential.
+            said += (" torch.utils.checkpoint.checkpoint_sequential(model, segments, x) is such "
+                     "a loop (it calls a Sequential's modules one by one, never the Sequential): "
+                     "make that call in the forward of a module that holds this Sequential (def "
+                     "forward(self, x): return checkpoint_sequential(self.layers, segments, x)) "
+                     "and watch that module.")
+        return said
 
     def close(self) -> None:
         for handle in self._parameter_hooks or ():
