@@ -411,3 +411,30 @@ def test_checkpoint_sequential_under_sentinel_says_where_to_call_it():
     assert (w.event.batch, w.event.module, w.event.role) == (1, "layers.2", "weight")
     assert w.event.diagnosis.kind == "corrupted-weight"
     assert hook_count(model) == 0
+
+
+def test_a_run_diverging_under_one_cycle_lr_is_told_to_lower_its_max_lr():
+    # The first fix said "Lower the learning rate ... or warm it up over the first steps
+    # (torch.optim.lr_scheduler.LinearLR, or OneCycleLR)" to a loop that runs OneCycleLR, which
+    # warms up already and sets the learning rate from its max_lr at every step.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3.0, total_steps=200)
+    x, y = _x(64, 8), _x(64, 1, seed=2) * 10
+    with nw.watch(model, on_nan="record") as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)  # it grows, as it should
+        for _ in range(20):
+            (model(x) - y).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()
+            if w.event is not None:
+                break
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "divergence"
+    assert diagnosis.suggestion[0].startswith(
+        "Lower OneCycleLR's max_lr (try 10x lower: it is 3; its schedule had the learning rate "
+        "at ")
+    assert not any("LinearLR" in fix for fix in diagnosis.suggestion)

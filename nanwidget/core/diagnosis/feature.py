@@ -402,6 +402,10 @@ class Diagnoser(Feature):
                 # (gradient_clip_val=): its fixes say so.
                 wrapper, clip = _wrapper_clipping(wrapper, holder)
                 diagnosis.suggestion = fixes.in_wrapper_terms(diagnosis.suggestion, wrapper, clip)
+            elif diagnosis.kind == "divergence":
+                cycle = self._one_cycle()
+                if cycle is not None:
+                    diagnosis.suggestion = fixes.with_one_cycle(diagnosis.suggestion, *cycle)
             if not self._reduced_precision(facts):
                 diagnosis.suggestion = fixes.in_full_precision(diagnosis.suggestion)
             if any("clip_grad_norm_" in text for text in diagnosis.suggestion):
@@ -463,6 +467,19 @@ class Diagnoser(Feature):
                     return None, None
             except Exception:  # a container that cannot list them (TorchScript)
                 continue
+        return None
+
+    def _one_cycle(self) -> tuple[float, float] | None:
+        """(max_lr, lr) of the param group of an optimizer that stepped the model's first
+        parameter, when a ``torch.optim.lr_scheduler.OneCycleLR`` drives it (it puts
+        ``max_lr`` in the group); None otherwise. Event time only."""
+        first = next(iter(self.recorder.model.parameters()), None)
+        if first is None:
+            return None
+        for _optimizer, group in optimizers_holding(first):
+            max_lr, lr = group.get("max_lr"), group.get("lr")
+            if isinstance(max_lr, (int, float)) and isinstance(lr, (int, float)):
+                return float(max_lr), float(lr)
         return None
 
     def facts(self, event: NanEvent, *, may_replay: bool = False) -> Facts:

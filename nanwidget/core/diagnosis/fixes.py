@@ -17,7 +17,7 @@ __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "mask
            "loss", "loss_input", "unknown", "in_wrapper_terms", "FABRIC_TERMS",
            "LIGHTNING_TERMS", "LIGHTNING_MANUAL_TERMS",
            "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS", "in_full_precision",
-           "in_dp_terms"]
+           "in_dp_terms", "with_one_cycle"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
 
@@ -254,9 +254,23 @@ def compounded(module: str) -> list[str]:
             "does not scale the state up."]
 
 
+_LOWER_LR = ("Lower the learning rate (try 10x lower) or warm it up over the first steps "
+             "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).")
+
+
+def with_one_cycle(suggestion: list[str], max_lr: float, lr: float) -> list[str]:
+    """``suggestion`` for a loop whose optimizer a ``torch.optim.lr_scheduler.OneCycleLR``
+    drives: the learning rate to lower is its ``max_lr`` (the step's ``lr``, the schedule's
+    own, is set anew at each step), and it warms up already."""
+    fix = (f"Lower OneCycleLR's max_lr (try 10x lower: it is {max_lr:.4g}; its schedule had "
+           f"the learning rate at {lr:.4g} when training diverged), or climb to it more "
+           "slowly: a larger pct_start (0.3 by default: the share of total_steps spent "
+           "climbing) or div_factor (25 by default: it starts at max_lr / div_factor).")
+    return [fix if text == _LOWER_LR else text for text in suggestion]
+
+
 def divergence(dtype: str) -> list[str]:
-    fixes = ["Lower the learning rate (try 10x lower) or warm it up over the first steps "
-             "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).",
+    fixes = [_LOWER_LR,
              "Clip the gradients before the step: "
              "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0).",
              "Under AMP, let torch.amp.GradScaler manage the loss scale (it lowers the scale when "
