@@ -438,3 +438,41 @@ def test_a_run_diverging_under_one_cycle_lr_is_told_to_lower_its_max_lr():
         "Lower OneCycleLR's max_lr (try 10x lower: it is 3; its schedule had the learning rate "
         "at ")
     assert not any("LinearLR" in fix for fix in diagnosis.suggestion)
+
+
+@pytest.mark.parametrize("plant", [False, True])
+def test_a_parametrized_weight_read_in_the_loss_counts_no_batch(plant):
+    # A penalty on a parametrized weight (model[0].weight read after the forward, before the
+    # backward) runs its parametrization outside the forward: full mode took each read for a
+    # pass of the model and each step then for the end of a batch, so 4 steps counted 7
+    # batches (sentinel mode counted 4) and a NaN written before the third forward was told at
+    # batch 4.
+    def train(mode):
+        torch.manual_seed(0)
+        model = _mlp()
+        torch.nn.utils.parametrizations.weight_norm(model[0])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        with nw.watch(model, mode=mode, on_nan="record") as w:
+            for step in range(4):
+                if plant and step == 2:
+                    with torch.no_grad():
+                        model[0].parametrizations.weight.original1[0, 0] = NAN
+                loss = model(_x(6, 8)).pow(2).mean() + 1e-3 * model[0].weight.pow(2).sum()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.detach())
+                model[0].weight.norm()  # a log of it after the step
+        return w, losses
+    full, full_losses = train("full")
+    sentinel, sentinel_losses = train("sentinel")
+    assert full.batch == sentinel.batch == 4
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+               for a, b in zip(full_losses, sentinel_losses))
+    if plant:
+        for w in (full, sentinel):
+            assert (w.event.batch, w.event.module, w.event.role) == \
+                (2, "0.parametrizations.weight", "original1")
+    else:
+        assert full.events == sentinel.events == []

@@ -70,6 +70,7 @@ from typing import Any
 import pandas as pd
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 from .copies import (COPIED, copy_without_watch, drop_copied_hooks, is_nanwidget_hook,
                      stop_copying_without_watch)
@@ -217,11 +218,12 @@ class _AfterForward:
     (``loss = model.loss(model(x), y)``). Such a call belongs to that forward's batch, though
     the root's return already counted the next one."""
 
-    __slots__ = ("batch", "outputs", "modules")
+    __slots__ = ("batch", "outputs", "modules", "steps")
 
     def __init__(self, batch: int, outputs: list[weakref.ref[_Tensor]]) -> None:
         self.batch = batch
         self.outputs = outputs
+        self.steps = steps_taken()  # an optimizer step since ends that forward's calls
         # Outermost modules found running on the output (made at the first: one per batch).
         self.modules: set[int] | None = None
 
@@ -1320,15 +1322,20 @@ class Recorder:
             return None  # another model's call of a module it shares with this one
         ended = None
         event = None
+        # A parametrized weight read outside the forward (a penalty on it in the loss, a log
+        # of its norm) runs its parametrization: a read of the model's weight, not a pass of
+        # the model. It belongs to the batch of the forward before it and ends none.
+        weight_read = isinstance(outermost.module, ParametrizationList)
         with self._lock:
             if self._closed:
                 return None
-            on_output = self._made_on_output(outermost, info, args, kwargs)
+            on_output = not weight_read and self._made_on_output(outermost, info, args, kwargs)
             # Numbered with set_batch(): the batch it says; else that forward's.
-            late = self._after_forward.batch \
-                if on_output and not self._manual_batches else None  # type: ignore[union-attr]
+            after = self._after_forward
+            late = after.batch if not self._manual_batches and after is not None and (
+                on_output or weight_read and after.steps == steps_taken()) else None
             self._outside_call_batch = late
-            if late is None and not self._manual_batches and (
+            if late is None and not weight_read and not self._manual_batches and (
                     outermost.index in self._outside_returned or self._pass_stepped()):
                 finished = self._batch
                 ended = (finished, self._resolve_locked(finished, advance=True), True)
@@ -1339,7 +1346,7 @@ class Recorder:
             returned = outermost is info
             batch = self._batch if late is None else late
             if returned:
-                if late is None:
+                if late is None and not weight_read:
                     self._outside_returned.add(info.index)
                     self._outside_steps = steps_taken()
                     if not self._outside_batches or self._outside_batches[-1] != batch:
