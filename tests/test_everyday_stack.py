@@ -701,23 +701,31 @@ def test_generation_frames_hold_the_caches_tensors_and_none_of_its_flags():
     assert not noted.role.str.contains(r"\.layers\[|offloading|layer_class").any()
 
 @pytest.mark.parametrize("mode", MODES)
-def test_replaying_a_step_of_static_cache_generation_blames_the_model_not_the_training_loop(mode):
+def test_each_step_of_static_cache_generation_replays_as_it_ran_and_leaves_the_cache_alone(mode):
     # generate() fills a static cache in place at every step: batch 0's own forward wrote it,
-    # and each later step wrote it again. The refusal said "after the batch ran (e.g. by the
-    # training loop)" and to clone() a tensor the user never handed over.
+    # and each later step wrote it again. The replay refused ("modified in place by the
+    # model's own forward while the batch ran, and again after it"); it now runs each step
+    # on the cache as that step found it, on copies of its own.
+    transformers = pytest.importorskip("transformers")
     model = _tiny_gpt2(tied=False)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with nw.watch(model, on_nan="record", mode=mode) as w:
+        with nw.watch(model, on_nan="record", mode=mode, trace_batches=(0, 1, 2)) as w:
             model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=3, do_sample=False,
-                           pad_token_id=0, cache_implementation="static")
-            with pytest.raises(ReplayError) as refused:
-                w.replay(0)
-    message = str(refused.value)
-    assert "kwarg:cache" in message or "past_key_values" in message, message
-    assert "by the model's own forward while the batch ran, and again after it" in message
-    assert "a static KV cache" in message and "clone() it" not in message
-    assert "training loop" not in message
+                           pad_token_id=0, past_key_values=cache)
+            ran = w.frames(batch=2) if mode == "full" else None
+            before = [t.clone() for layer in cache.layers
+                      for t in (layer.keys, layer.values, layer.cumulative_length)]
+            traces = [w.replay(batch) for batch in (0, 1, 2)]
+    after = [t for layer in cache.layers for t in (layer.keys, layer.values,
+                                                   layer.cumulative_length)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(trace.changes == [] for trace in traces)
+    if ran is not None:
+        logits = [f[(f.module == "") & (f.role == "output.logits")][["abs_min", "abs_max"]]
+                  for f in (ran, traces[2].frames)]
+        assert len(logits[0]) == 1 and logits[0].values.tolist() == logits[1].values.tolist()
 
 
 

@@ -144,14 +144,32 @@ def test_logits_processors_that_write_minus_inf_are_quiet_and_leave_the_scores_a
     assert said == [] and w.events == [] and _hooks(model) == 0
 
 
-def _left_padded_nan(options: dict) -> nw.NanWatch:
+def _left_padded_nan(options: dict, cache: str = "dynamic",
+                     prompt: torch.Tensor = LEFT_PADDED) -> nw.NanWatch:
+    """generate() of a left-padded batch through the masked softmax under a watch: the
+    default DynamicCache, cache_implementation="static", or a StaticCache passed in."""
     model = _llama(attn_implementation=MASKED_SOFTMAX)
+    settings = dict(input_ids=prompt, attention_mask=(prompt != 0).long(), max_new_tokens=3,
+                    do_sample=False, pad_token_id=0, **SCORES)
+    if cache == "static":
+        settings["cache_implementation"] = "static"
+
+    def static_cache() -> dict:
+        return {"past_key_values": transformers.StaticCache(config=model.config,
+                                                            max_cache_len=16)
+                } if cache == "StaticCache" else {}
+
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # past_key_values= is deprecated for cache=
+        base = model.generate(**settings, **static_cache()) if cache != "dynamic" else None
+        settings.update(static_cache())
         with nw.watch(model, on_nan="record", **options) as w:
-            out = model.generate(LEFT_PADDED, attention_mask=(LEFT_PADDED != 0).long(),
-                                 max_new_tokens=3, do_sample=False, pad_token_id=0, **SCORES)
+            out = model.generate(**settings)
     assert out.scores[0][0].isnan().all() and not out.scores[0][1].isnan().any()
+    if base is not None:  # the replays left the cache as generate() had written it
+        assert torch.equal(out.sequences, base.sequences)
+        assert all(torch.equal(a.nan_to_num(), b.nan_to_num())
+                   for a, b in zip(out.scores, base.scores))
     return w
 
 
@@ -195,6 +213,41 @@ def test_later_steps_that_read_the_nan_the_first_wrote_into_the_kv_cache_are_not
     assert diagnosis.suggestion == first.diagnosis.suggestion
     assert w.events[2].diagnosis.evidence[0].startswith(
         "Each of batches 0 to 1 made an event, the first at module")
+
+
+@pytest.mark.parametrize("cache", ["static", "StaticCache"])
+@pytest.mark.parametrize("options", [{}, {"mode": "sentinel"}], ids=["full", "sentinel"])
+def test_a_left_padded_row_under_a_static_cache_is_a_masked_row_naming_that_row(options, cache):
+    # The static cache is written in place by each step, so the replay refused ("its
+    # kwarg:cache.layers[0].cumulative_length ... was modified in place by the model's own
+    # forward") and the diagnosis was "unknown: what made it could not be told" (in sentinel
+    # mode at the root's logits). generate() hands the model a mask per query and key here.
+    w = _left_padded_nan(options, cache)
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.module, event.role) == (
+        0, "model.layers.0.self_attn.o_proj", "input[0]")
+    assert (diagnosis.kind, diagnosis.rows) == ("masked-row", [0])
+    assert diagnosis.summary.startswith("_softmax in module 'model.layers.0.self_attn'")
+    evidence = " ".join(diagnosis.evidence)
+    assert "in row 0 of the batch's 2 rows" in evidence
+    assert "hides the first 3 key positions of row 0 from every query (left padding)" in evidence
+    assert "torch.finfo(scores.dtype).min instead of -inf" in diagnosis.suggestion[0]
+    assert not any("all padding" in fix for fix in diagnosis.suggestion)
+    later = w.events[1].diagnosis  # the next step read the NaN back from the cache
+    assert (later.kind, later.rows) == ("masked-row", [0])
+    assert "that the model's own earlier steps wrote into the state it carries over" in \
+        later.summary and "came with the data" not in later.summary
+    trace = w.replay(0)
+    assert trace.reproduced and trace.first_bad.op == "_softmax" and trace.changes == []
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "sentinel"}], ids=["full", "sentinel"])
+def test_a_row_all_padding_under_a_static_cache_is_a_masked_row_naming_that_row(options):
+    prompt = torch.tensor([[0, 0, 0, 0, 0, 0], [11, 12, 13, 14, 15, 16]])
+    diagnosis = _left_padded_nan(options, "static", prompt).event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows) == ("masked-row", [0])
+    assert "Rows 0 of the batch have a fully masked kwarg:attention_mask." in diagnosis.evidence
+    assert any("drop sequences that are all padding" in fix for fix in diagnosis.suggestion)
 
 
 @pytest.mark.parametrize("cache", ["static", "no-cache"])

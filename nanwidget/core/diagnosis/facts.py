@@ -196,8 +196,10 @@ class InputFacts:
     # (min, max) of an integer tensor (labels) or the value of a one-element one (a count such
     # as the Trainer's num_items_in_batch); None for others.
     value_range: tuple[float, float] | None = None
-    # A 2-D attention_mask (1 = keep): its rows that start with padding and hold tokens after
-    # it (a left-padded batch for generation), each with its count of leading zeros.
+    # An attention_mask (1 = keep): its rows that start with padding and hold tokens after
+    # it (a left-padded batch for generation), each with its count of leading zeros. Of a
+    # mask over keys per query (batch, [heads,] queries, keys), the one generate() builds for
+    # a static cache: the leading key positions that no query sees.
     left_padding: dict[int, int] = field(default_factory=dict)
 
 
@@ -290,8 +292,11 @@ def describe_input(role: str, tensor: torch.Tensor, batch_dim: int = 0) -> Input
                 facts.masked_rows = _rows_where((values != 0).all(dim=-1))
             elif any(key in name for key in _KEPT_WHEN_TRUE):
                 facts.masked_rows = _rows_where((values == 0).all(dim=-1))
-                if values.dim() == 2:
-                    leading = (values == 0).int().cumprod(dim=-1).sum(dim=-1)
+                unseen = values == 0
+                if values.dim() > 2:  # keys no query sees
+                    unseen = unseen.flatten(1, -2).all(dim=1)
+                if values.dim() >= 2:
+                    leading = unseen.int().cumprod(dim=-1).sum(dim=-1)
                     facts.left_padding = {int(r): int(leading[r]) for r in torch.nonzero(
                         (leading > 0) & (leading < values.shape[-1])).flatten()}
     return facts

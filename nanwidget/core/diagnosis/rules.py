@@ -2319,6 +2319,12 @@ def _left_padded(facts: Facts, rows: list[int]) -> str:
         if padded and len(padded) == len(rows):
             first = ", ".join(f"the first {item.left_padding[r]} positions of row {r}"
                               for r in padded[:8]) + (", ..." if len(padded) > 8 else "")
+            if len(item.shape) > 2:  # a mask per query and key: generate()'s for a static cache
+                return (f"{item.role} ({item.dtype} {item.shape}, per query and key) hides "
+                        f"{first.replace('positions', 'key positions')} from every query (left "
+                        "padding): under the causal mask, each padding position's query sees "
+                        "no key at all, so its scores are all -inf though the sequence holds "
+                        "tokens.")
             return (f"{item.role} is 0 at {first} (left padding): under a causal mask, each "
                     "padding position's query sees no key at all, so its scores are all -inf "
                     "though the sequence holds tokens.")
@@ -2379,7 +2385,7 @@ def _from_op(facts: Facts) -> Diagnosis | None:
     if kind == "masked-row":
         rows = _rows_masked(facts)
         suggestion = fixes.masked_row()
-        if rows:
+        if rows and not _left_padded(facts, rows):
             masks = [i.role for i in facts.inputs if i.masked_rows]
             evidence.append(f"Rows {', '.join(map(str, rows[:12]))} of the batch have a fully "
                             f"masked {', '.join(masks)}.")

@@ -28,6 +28,7 @@ from ..walk import iter_leaves
 from ..writes import step_in_progress, steps_taken
 from .divergence import adapter_layer
 from .inputs import UncopiedInput, copy_structure, needs_copy
+from .static_cache import as_it_was, keep_lengths
 
 __all__ = ["BatchCapture", "HeldBatch", "ForwardCapture", "WeightSlots", "layouts_of", "ReplayError",
            "BatchNotHeldError", "InputModifiedError", "ModelNotReplayableError",
@@ -95,7 +96,7 @@ class ForwardCapture:
                  "cuda_rng", "grad_enabled", "inference", "autocast", "training", "weights",
                  "weight_versions", "weight_layout", "end_buffer_versions", "snapshot",
                  "needs_grad", "steps", "uncopied", "end_renormed_versions", "stepping",
-                 "adapters_disabled", "active_adapters", "module")
+                 "adapters_disabled", "active_adapters", "module", "restored")
 
     def __init__(self) -> None:
         self.uncopied = ""  # the first input that could not be copied, and why
@@ -114,13 +115,17 @@ class ForwardCapture:
         # The module called instead of the model (Recorder.count_outside_calls: the model
         # peft's generate() calls); None: the model's forward.
         self.module: nn.Module | None = None
+        # The tensors of a static KV cache's layers that the forward writes in place and a
+        # replay restores as they were (:mod:`.static_cache`): not a reason to refuse it.
+        # (live tensor, held layer, attribute name)
+        self.restored: list[tuple[torch.Tensor, Any, str]] = []
 
 
 def _held_copy(capture: ForwardCapture, role: str, value: Any, memo: dict[int, Any]) -> Any:
     """The copy of an input's structure a held batch keeps (see :mod:`.inputs`); None, with
     the reason in ``capture.uncopied``, when it cannot be copied."""
     try:
-        return copy_structure(value, memo)
+        return copy_structure(value, memo, written=capture.restored)
     except UncopiedInput as error:
         if not capture.uncopied:
             capture.uncopied = f"{role}{error.where} ({error.why})"
@@ -454,6 +459,8 @@ class BatchCapture(Feature):
         capture.kwargs = kwargs
         capture.inputs = inputs
         capture.input_versions = _input_versions([t for _, t in inputs])
+        if capture.restored:  # a static KV cache: its lengths as the batch starts
+            keep_lengths(capture.restored)
 
     def called_instead(self, batch: int, module: nn.Module) -> None:
         """The forward just held for ``batch`` was a call of ``module``, a module inside the
@@ -575,8 +582,7 @@ class BatchCapture(Feature):
         if held is None or not held.forwards:
             return []
         return [pair for capture in held.forwards
-                for pair, version in zip(capture.inputs, capture.input_versions)
-                if version_of(pair[1]) == version]
+                for pair in _inputs_as_they_ran(capture)]
 
     def _named_inputs(self, batch: int) -> list[tuple[str, Any]]:
         """(role, value) of each argument of ``batch``'s first root forward, as it was held;
@@ -771,6 +777,26 @@ class BatchCapture(Feature):
         return held
 
 
+def _inputs_as_they_ran(capture: ForwardCapture) -> list[tuple[str, torch.Tensor]]:
+    """``capture``'s input tensors not changed in place since it ran, and a static KV cache's
+    keys and values as they were then (:func:`.static_cache.as_it_was`)."""
+    kept = [pair for pair, version in zip(capture.inputs, capture.input_versions)
+            if version_of(pair[1]) == version]
+    if not capture.restored or len(kept) == len(capture.inputs):
+        return kept
+    restored = {id(tensor): (layer, name) for tensor, layer, name in capture.restored}
+    result = []
+    for pair, version in zip(capture.inputs, capture.input_versions):
+        role, tensor = pair
+        if version_of(tensor) == version:
+            result.append(pair)
+        elif id(tensor) in restored:
+            then = as_it_was(*restored[id(tensor)])
+            if then is not None:
+                result.append((role, then))
+    return result
+
+
 def _per_sample_list(value: Any) -> bool:
     """Whether ``value`` is a list with one entry per sample: of tensors (two or more: ``[x]``
     is rather one batched tensor in a list), or of dicts holding tensors (a detection model's
@@ -810,9 +836,10 @@ def _check_inputs(held: HeldBatch) -> None:
                     f"(vmap, grad, jacrev ...), and its {role} is that transform's own tensor, "
                     "which cannot be used outside it. Run the plain batch through the model "
                     "(model(x)) to replay it")
+        restored = {id(tensor) for tensor, _, _ in capture.restored}
         for k, ((role, tensor), version) in enumerate(zip(capture.inputs, capture.input_versions)):
             now = version_of(tensor)
-            if now == version:
+            if now == version or id(tensor) in restored:
                 continue
             # The forward's own write tells, whatever came after it: a static KV cache that
             # generate() fills again at every later step has moved on since the batch ended.

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..walk import data_items
+from .static_cache import fresh_layer, hold_layer, is_static_layer
 
 __all__ = ["copy_structure", "UncopiedInput", "needs_copy"]
 
@@ -64,10 +65,16 @@ def _holds_data(value: Any) -> bool:
         or data_items(value) is not None
 
 
-def copy_structure(value: Any, memo: dict[int, Any] | None = None) -> Any:
+def copy_structure(value: Any, memo: dict[int, Any] | None = None, *,
+                   written: list[tuple[torch.Tensor, Any, str]] | None = None,
+                   replay: bool = False) -> Any:
     """``value`` with every container and object copied, tensors and the kinds listed in the
     module docstring shared. Raises :class:`UncopiedInput` for what cannot be copied
-    (iterators, objects whose copy shares their state)."""
+    (iterators, objects whose copy shares their state). A static KV cache's layer
+    (:mod:`.static_cache`) is held as it was: with ``written`` (a batch held as it starts), its
+    length is kept and the tensors its forward writes are added to ``written`` (see
+    :func:`.static_cache.hold_layer`); with ``replay``
+    (a held copy copied for a replay), the copy owns keys, values and length as they were."""
     if not needs_copy(value):
         return value
     memo = {} if memo is None else memo
@@ -78,22 +85,22 @@ def copy_structure(value: Any, memo: dict[int, Any] | None = None) -> Any:
     if kind is list:
         made: Any = []
         memo[key] = made
-        made.extend(_item(item, f"[{i}]", memo) for i, item in enumerate(value))
+        made.extend(_item(item, f"[{i}]", memo, written, replay) for i, item in enumerate(value))
         return made
     if kind is dict:
         made = {}
         memo[key] = made
         for name, item in value.items():
-            made[name] = _item(item, f"[{name!r}]", memo)
+            made[name] = _item(item, f"[{name!r}]", memo, written, replay)
         return made
     if kind is tuple:
-        made = tuple(_item(item, f"[{i}]", memo) for i, item in enumerate(value))
+        made = tuple(_item(item, f"[{i}]", memo, written, replay) for i, item in enumerate(value))
         memo[key] = made
         return made
     if isinstance(value, Iterator):
         raise UncopiedInput(f"a {kind.__name__}, an iterator: a replay would find it consumed")
     if isinstance(value, tuple):  # named tuples and other tuple subclasses
-        items = [_item(item, f"[{i}]", memo) for i, item in enumerate(value)]
+        items = [_item(item, f"[{i}]", memo, written, replay) for i, item in enumerate(value)]
         made = kind._make(items) if hasattr(kind, "_make") else value
         memo[key] = made
         return made
@@ -101,18 +108,20 @@ def copy_structure(value: Any, memo: dict[int, Any] | None = None) -> Any:
         made = kind(value)  # members are hashable, so kept
         memo[key] = made
         return made
-    return _copy_object(value, memo)
+    return _copy_object(value, memo, written, replay)
 
 
-def _item(value: Any, step: str, memo: dict[int, Any]) -> Any:
+def _item(value: Any, step: str, memo: dict[int, Any],
+          written: list[tuple[torch.Tensor, Any, str]] | None, replay: bool) -> Any:
     """:func:`copy_structure` of a part of a container, failures said from the container."""
     try:
-        return copy_structure(value, memo)
+        return copy_structure(value, memo, written=written, replay=replay)
     except UncopiedInput as error:
         raise error.inside(step) from None
 
 
-def _copy_object(value: Any, memo: dict[int, Any]) -> Any:
+def _copy_object(value: Any, memo: dict[int, Any],
+                 written: list[tuple[torch.Tensor, Any, str]] | None, replay: bool) -> Any:
     kind = type(value)
     try:
         made = copy.copy(value)
@@ -127,20 +136,25 @@ def _copy_object(value: Any, memo: dict[int, Any]) -> Any:
         if state is getattr(value, "__dict__", None):
             raise UncopiedInput(f"a {kind.__name__}, whose copy shares its attributes")
         for name, item in list(state.items()):
-            copied = _item(item, f".{name}", memo)
+            copied = _item(item, f".{name}", memo, written, replay)
             if copied is not item:
                 state[name] = copied
     for name in copyreg._slotnames(kind):
         if name in ("__dict__", "__weakref__") or not hasattr(value, name):
             continue
         item = getattr(value, name)
-        copied = _item(item, f".{name}", memo)
+        copied = _item(item, f".{name}", memo, written, replay)
         if copied is not item:
             setattr(made, name, copied)
     if isinstance(value, (list, dict)):  # subclasses: their items too
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for position, item in list(items):
-            copied = _item(item, f"[{position!r}]", memo)
+            copied = _item(item, f"[{position!r}]", memo, written, replay)
             if copied is not item:
                 made[position] = copied
+    if (replay or written is not None) and is_static_layer(value):
+        if replay:
+            fresh_layer(value, made)
+        else:
+            written.extend(hold_layer(value, made))
     return made

@@ -908,7 +908,7 @@ def _fresh(value: Any, needed_grad: bool, memo: dict[int, Any]) -> Any:
                 fresh.requires_grad_(True)
         return fresh
     try:
-        return copy_structure(value, memo)
+        return copy_structure(value, memo, replay=True)
     except (UncopiedInput, RecursionError) as error:  # copied once already: should not happen
         raise ReplayError(f"cannot replay: an input could not be copied again ({error})") from None
 
