@@ -679,6 +679,10 @@ class Facts:
     # and no gradient for an update by hand: inference, a load mid-run): a write, an average or
     # a load did it.
     not_stepped: dict[str, str] = field(default_factory=dict)
+    # Non-finite weight name -> the load of the model's state (core.loads.Load) that wrote it
+    # after its last finite batch (or during the watch, before any batch ran with it), with
+    # nothing written since: the state dict loaded held the NaN/Inf.
+    loaded: dict[str, Any] = field(default_factory=dict)
     # Backward passes the watch checked (backward=True); None when it does not count them.
     backward_passes: int | None = None
     # The watch checks every backward pass's gradients (backward=True) ...

@@ -32,6 +32,7 @@ from ..events import (LOSS_ROLE, NO_WEIGHTS_SEEN, NOT_REPLAYED, REPEATED_NOTES,
                       gradient_only_reduced, weights_unchecked)
 from ..opaque import holds_packed_weights, packed_weights
 from ..frames import Frame, weights_finite_last, weights_nonfinite_batches
+from ..loads import LoadLog
 from ..ranks import world_size
 from ..recorder import Feature, ModuleInfo, Recorder
 from ..schema import PACKED
@@ -293,6 +294,8 @@ class Diagnoser(Feature):
         # (a min and a max per parameter, on its device, read at an event only), is where a
         # climb through the optimizer steps starts (rules._growth_since_start).
         self._at_start = _abs_max_per_module(recorder) if sentinel else []
+        # The loads of the model's state while watched (load_state_dict, DCP's set_*_state_dict)
+        self.loads = LoadLog(recorder.model, lambda: recorder.batch)
         # The modules that keep weights without being called, and those weights' entries
         # queued for the batch running now (see on_batch_output).
         self._holders: list[ModuleInfo] = []
@@ -598,6 +601,7 @@ class Diagnoser(Feature):
             self._not_stepped(facts)
             self._wrapper_state(facts)
             self._written_outside_step(facts)
+            self._loaded(facts)
             facts.optimizers = optimizers_stepped()
             # Full mode measures no gradient of a parameter FSDP2 shards (it has no entry):
             # such a weight's gradients were not checked, whatever backward=True says.
@@ -1209,6 +1213,30 @@ class Diagnoser(Feature):
                       for optimizer, group in holding)
             facts.written_outside_step[name] = ("SAM step" if inside is not None else "SAM") \
                 if sam else ""
+
+    def _loaded(self, facts: Facts) -> None:
+        """The non-finite weights a load of the model's state wrote last (``Facts.loaded``):
+        after the last batch that ran with them finite, not after the event's batch began, and
+        with no write since (the version counter where the load left it, no fused optimizer
+        step after it)."""
+        event = facts.event
+        names = ([name for kind, name in getattr(facts.trace, "came_with", None) or []
+                  if kind == "weight" and not self._is_mask(name)]
+                 or weight_names(event, self._is_mask))
+        for name in names:
+            tensor = self.recorder.weight(*self.recorder.weight_owner(name))
+            load = self.loads.wrote(name, tensor)
+            if load is None or load.batch > event.batch:
+                continue
+            last = facts.weights_last_finite.get(name)
+            if last is not None and load.batch <= last:
+                continue  # finite after that load: a write it does not show made it
+            if (last_step_writing(tensor) or 0) > load.steps:
+                continue  # a fused optimizer step wrote it since (no version counter moves)
+            facts.loaded[name] = load
+
+    def close(self) -> None:
+        self.loads.close()
 
     def _not_stepped(self, facts: Facts) -> None:
         """The non-finite weights no optimizer step wrote (see ``Facts.not_stepped``). A

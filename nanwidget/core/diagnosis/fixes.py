@@ -732,6 +732,28 @@ def corrupted_weight(names: list[str], dtype: str, batch: int | None, inf_only: 
     return fixes
 
 
+def loaded_nonfinite(names: list[str], what: str, *, dcp: bool) -> list[str]:
+    """Fixes for weights a load of the model's state made non-finite (``what``: "NaN",
+    "Inf" ...); ``dcp``: torch.distributed.checkpoint loaded them."""
+    name = names[0] if names else "the weight"
+    check = ("[k for k, v in state_dict.items() if torch.is_tensor(v) and v.is_floating_point() "
+             "and not torch.isfinite(v).all()]")
+    if dcp:
+        first = (f"Check the state dict that dcp.load filled before handing it to the model "
+                 f"(set_model_state_dict(model, state_dict) or model.load_state_dict): {check} "
+                 f"names {name}; under FSDP each rank holds its own shards (v.to_local() of a "
+                 "DTensor), so check on every rank, and do not load a checkpoint any rank "
+                 "finds non-finite.")
+    else:
+        first = (f"Check the state dict before loading it: {check} names {name}; do not load "
+                 "a checkpoint that holds non-finite values.")
+    return [first,
+            f"Load an earlier checkpoint: this one was saved with {what} in {name}, so the run "
+            "that saved it had gone non-finite by then. Watch that run (nw.watch(model), or "
+            "mode='sentinel' for a long one) to find the step that made it, and save "
+            "checkpoints only while the weights are finite."]
+
+
 def rows_named(rows: list[int], limit: int) -> str:
     """"row 3" / "rows 2, 4 ..." (at most ``limit`` numbers)."""
     more = " ..." if len(rows) > limit else ""

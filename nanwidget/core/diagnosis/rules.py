@@ -1452,6 +1452,8 @@ def _weights(facts: Facts) -> Diagnosis | None:
         return _substituted(facts, names)
     if names and all(n in facts.replaced_modules for n in names):
         return _in_added_module(facts, names, dtype)
+    if names and all(n in facts.loaded for n in names):
+        return _loaded(facts, names, dtype)
     if names and all(n in facts.nonfinite_lr for n in names):
         return _stepped_with_nonfinite_lr(facts, names, dtype)
     if names and all(facts.written_outside_step.get(n) in ("SAM", "SAM step") for n in names):
@@ -2013,6 +2015,38 @@ def _in_added_module(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
                f"it since, made {'it' if one else 'them'} {kind}; {used}.")
     return Diagnosis("corrupted-weight", summary, evidence, fixes.added_module(modules[0], kind),
                      confidence="medium" if likely or batch is None else "high")
+
+
+def _loaded(facts: Facts, names: list[str], dtype: str) -> Diagnosis:
+    """Weights a load of the model's state wrote non-finite (``Facts.loaded``): the state
+    dict it loaded held the NaN/Inf, no step or write of the run."""
+    event = facts.event
+    one = len(names) == 1
+    load = max((facts.loaded[n] for n in names), key=lambda item: item.number)
+    shown = ", ".join(f"'{n}'" for n in names[:3]) + (" ..." if len(names) > 3 else "")
+    what = _kind_words(event.made_kind)
+    it = "it" if one else "them"
+    when = f"after batch {load.batch - 1}" if load.batch > 0 else "before batch 0 ran"
+    by = load.caller + (f" at {load.where}" if load.where else "")
+    first = min([b for b in facts.history_batches if load.batch <= b < event.batch
+                 and b not in facts.idle_batches], default=event.batch)
+    used = (f"batch {first} is the first to use {it}" if first == event.batch else
+            f"batch {first} was the first to use {it}, and batch {event.batch} still does")
+    evidence = [f"{shown} {'holds' if one else 'hold'} {what} at batch {event.batch}"
+                + (f" ({dtype})." if dtype else ".")]
+    evidence.extend(_slices_lines(facts, names))
+    last = [facts.weights_last_finite[n] for n in names if n in facts.weights_last_finite]
+    if last:
+        evidence.append(f"{'It was' if one else 'They were'} finite when batch {max(last)} ran.")
+    evidence.append(
+        f"{by} wrote {it} {when} (load {load.number} of the watch), and nothing wrote {it} "
+        f"since: the same tensor{'' if one else 's'}, the version counter where the load left "
+        f"{it}, no optimizer step after it.")
+    return Diagnosis(
+        "corrupted-weight",
+        f"{shown} {'holds' if one else 'hold'} {what} since {by} loaded {it} {when}: the state "
+        f"dict it loaded held {what} there, no step or write of this run made {it}; {used}.",
+        evidence, fixes.loaded_nonfinite(names, what, dcp=load.dcp), confidence="high")
 
 
 def _substituted(facts: Facts, names: list[str]) -> Diagnosis:
