@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import nanwidget as nw
+from nanwidget.core.replay import ReplayError
 
 transformers = pytest.importorskip(
     "transformers", reason="the generation tests need transformers (pip install transformers)")
@@ -261,3 +262,25 @@ def test_left_padded_sampling_with_a_static_cache_or_none_is_unchanged_and_quiet
     out, rng, (w,), said = _generate(model, (model,), {"mode": "sentinel"}, **settings)
     assert _same(out, base) and torch.equal(rng, base_rng)
     assert said == [] and w.events == [] and w.batch == 5
+
+
+def test_a_step_whose_static_cache_was_reset_since_is_refused_saying_so():
+    # A StaticCache reset and filled again by the next generate(): the step's replay ran on the
+    # new prompt's keys and values and said its outputs "differ from the batch's beyond
+    # rounding: the model's Python state differs ...". The prefill read none of the cache.
+    model = _llama(attn_implementation=MASKED_SOFTMAX)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    other = torch.tensor([[21, 22, 23, 24, 25, 26], [11, 12, 13, 14, 15, 16]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw.watch(model, on_nan="record", keep_batches=8) as w:
+            for prompt in (LEFT_PADDED, other):
+                cache.reset()
+                model.generate(prompt, attention_mask=(prompt != 0).long(), max_new_tokens=3,
+                               do_sample=False, pad_token_id=0, past_key_values=cache)
+            assert w.replay(0).reproduced
+            with pytest.raises(ReplayError) as refused:
+                w.replay(1)
+    assert str(refused.value).startswith(
+        "cannot replay batch 1: the static KV cache it read (kwarg:cache.layers[0]) was reset "
+        "or cropped since (its cumulative_length was written 6 times by 5 forwards)")

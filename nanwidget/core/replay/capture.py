@@ -768,7 +768,7 @@ class BatchCapture(Feature):
                     "when the batch ran, and a replay must not run the forward on your own "
                     "object (the forward may change it). Pass tensors, lists, dicts or objects "
                     "that copy.copy() can copy")
-        _check_inputs(held)
+        _check_inputs(held, latest=max(self.held))
         if _transform_running():
             raise ReplayError(
                 f"cannot replay batch {batch} now: a torch.func transform (grad, vjp, jacrev, "
@@ -827,7 +827,43 @@ def _transform_running() -> bool:
         return False
 
 
-def _check_inputs(held: HeldBatch) -> None:
+def _static_cache_rewritten(held: HeldBatch, latest: int) -> str:
+    """Why a static KV cache a batch read cannot be restored for its replay (see
+    :mod:`.static_cache`): ``reset()`` or a crop after the batch rewrote the positions it read
+    (below its length then), which no later forward writes. Told by the length's version
+    counter: each forward moves it once, so more moves than forwards since mean another write;
+    or by a length now below the batch's. "" when it can be restored."""
+    for position, capture in enumerate(held.forwards):
+        if not capture.restored:
+            continue
+        index = {id(tensor): k for k, (_, tensor) in enumerate(capture.inputs)}
+        # This forward, the batch's later ones, and (at least) one per later batch.
+        forwards = len(held.forwards) - position + max(latest - held.batch, 0)
+        for tensor, layer, name in capture.restored:
+            k = index.get(id(tensor))
+            if name != "cumulative_length" or k is None:
+                continue
+            then = int(layer.cumulative_length)
+            if then == 0:
+                continue  # the batch read none of the cache: nothing to restore
+            role = capture.inputs[k][0]
+            moved = version_of(tensor) - capture.input_versions[k]
+            if moved > forwards or int(tensor) < then:
+                return (f"cannot replay batch {held.batch}: the static KV cache it read "
+                        f"({role.rpartition('.')[0]}) was reset or cropped since (its "
+                        f"cumulative_length was written {moved} times by {forwards} forwards), "
+                        f"so the keys and values it read below position {then} are gone. Run "
+                        "the same tokens again (without the cache, or in a new one) and replay "
+                        "that batch")
+    return ""
+
+
+def _check_inputs(held: HeldBatch, latest: int) -> None:
+    reason = _static_cache_rewritten(held, latest)
+    if reason:
+        error = InputModifiedError(reason)
+        error.by_model, error.reason = False, reason
+        raise error
     for capture in held.forwards:
         for role, tensor in capture.inputs:
             if _transformed(tensor):

@@ -11,8 +11,8 @@ What a replay needs is small: the layer's ``cumulative_length`` when the batch s
 it, which later forwards leave as they were (they write from ``cumulative_length`` on). The
 positions from it on hold what a new or ``reset()`` cache holds there, zeros (the batch's
 causal mask hides them from its queries). The replay runs on its own copies of them; the
-caller's cache is never written. A cache ``reset()`` or cropped after the batch below that
-length is not told apart.
+caller's cache is never written. A cache ``reset()`` or cropped after the batch rewrote what
+the batch read: the replay is refused then (see ``capture``).
 """
 
 from __future__ import annotations
