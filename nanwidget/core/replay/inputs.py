@@ -152,7 +152,8 @@ def _copy_object(value: Any, memo: dict[int, Any],
             copied = _item(item, f"[{position!r}]", memo, written, replay)
             if copied is not item:
                 made[position] = copied
-    if (replay or written is not None) and is_static_layer(value):
+    if (replay or written is not None) and state is not None \
+            and "cumulative_length" in state and is_static_layer(value):
         if replay:
             fresh_layer(value, made)
         else:
