@@ -171,3 +171,22 @@ def test_a_nan_that_dcp_loads_into_an_fsdp2_model_is_named_as_that_load():
             " at "), result["summary"]
         assert "loaded it after batch 2" in result["summary"]
         assert "dcp.load filled" in result["suggestion"][0]
+
+
+def test_a_failure_inside_the_load_note_never_breaks_the_users_load(monkeypatch) -> None:
+    # The note is evidence only: if reading the stack fails, the load goes through unchanged.
+    import nanwidget.core.loads as loads
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("stack unreadable")
+
+    monkeypatch.setattr(loads, "user_source", broken)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    state = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    with nw.watch(model) as watch:
+        model(torch.randn(2, 4))
+        model.load_state_dict(state)
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        model(torch.randn(2, 4))
+    assert watch.event is None

@@ -71,7 +71,13 @@ class LoadLog:
         self._written.clear()
 
     def _after_load(self, module: nn.Module, incompatible: Any) -> None:
-        frame = sys._getframe(1)
+        try:
+            self._note(module, incompatible)
+        except Exception:  # only evidence for a diagnosis: never break the user's load
+            pass
+
+    def _note(self, module: nn.Module, incompatible: Any) -> None:
+        frame = sys._getframe(2)
         caller, dcp, user = "model.load_state_dict(...)", False, frame
         while frame is not None:
             code = frame.f_code
