@@ -5528,3 +5528,84 @@ def test_a_float16_weight_gradient_overflow_under_fsdp2_s_policy_names_the_polic
     assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in told
     assert "torch.autocast(device_type, enabled=False)" in " ".join(
         fixes.weight_gradient_overflow("0", "float16", 10.0, 3e4))
+
+
+# ---------------------------------------------------------------- a loss outside the model
+def _regression(lr: float, inf_target_at: int | None = None):
+    """Two Linear layers, SGD, MSE: at lr=0.1 the weights climb until the MSE of the (still
+    finite) outputs overflows to inf at batch 5; at lr=0.01 they stay put."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 8, generator=generator) * 3
+    y = torch.randn(256, 1, generator=generator) * 3
+    if inf_target_at is not None:
+        y[inf_target_at] = math.inf
+    return model, torch.optim.SGD(model.parameters(), lr=lr), x.split(8), y.split(8)
+
+
+def _first_non_finite_loss(watch, model, optimizer, xs, ys, scaler=None):
+    for x, y in zip(xs, ys):
+        loss = nn.functional.mse_loss(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()               # raises at an inf loss
+            scaler.step(optimizer)
+            scaler.update()
+        elif not torch.isfinite(loss):                  # the user's own check
+            return loss
+        else:
+            loss.backward()
+            optimizer.step()
+        optimizer.zero_grad()
+    raise AssertionError("the loss stayed finite")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_explain_loss_tells_a_loss_that_overflowed_as_the_weights_climbed_a_divergence(mode):
+    # The watch saw no event (every output finite) and had nothing to say of the inf loss.
+    model, optimizer, xs, ys = _regression(lr=0.1)
+    with nw.watch(model, mode=mode) as watch:
+        loss = _first_non_finite_loss(watch, model, optimizer, xs, ys)
+        event = watch.explain_loss(loss)
+        assert watch.explain_loss(torch.tensor(2.5)) is None           # a finite loss: nothing
+    assert watch.events == []                                          # not recorded
+    assert (event.batch, event.module, event.role, event.kind, event.origin) == (
+        5, "", "loss", "inf", "output")
+    diagnosis = event.diagnosis
+    assert diagnosis.kind == "divergence"
+    assert diagnosis.summary.startswith("Training diverged: the weights grew ")
+    assert "until the loss computed from the model's outputs became inf at batch 5 (the " \
+           "outputs themselves were still finite)." in diagnosis.summary
+    assert any(line.startswith("The loss of batch 5 was inf, while the model's outputs it was "
+                               "computed from were finite (abs max ")
+               for line in diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("Lower the learning rate")
+    assert not any("GradScaler" in fix for fix in diagnosis.suggestion)   # float32 throughout
+    assert diagnosis.confidence == ("high" if mode == "full" else "medium")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_explain_loss_tells_an_inf_target_with_steady_weights_a_loss(mode):
+    model, optimizer, xs, ys = _regression(lr=0.01, inf_target_at=5 * 8 + 2)
+    with nw.watch(model, mode=mode) as watch:
+        event = watch.explain_loss(_first_non_finite_loss(watch, model, optimizer, xs, ys))
+    assert event.batch == 5 and event.diagnosis.kind == "loss"
+    assert event.diagnosis.summary == (
+        "Made in the loss, outside the model: the loss of batch 5 was inf, while the model's "
+        "outputs were finite; no op of the model made it.")
+    assert any("targets" in fix for fix in event.diagnosis.suggestion)
+    assert not any("learning rate" in fix for fix in event.diagnosis.suggestion)
+
+
+def test_a_grad_scalers_inf_loss_after_a_climb_is_a_divergence_not_an_unreproduced_unknown():
+    # The loss handed to scaler.scale() was an event diagnosed 'unknown: the replay did not
+    # reproduce it' (the replay runs the forward only, whose outputs were finite).
+    model, optimizer, xs, ys = _regression(lr=0.1)
+    with nw.watch(model, grad_scaler=torch.amp.GradScaler("cpu")) as watch:
+        with pytest.raises(nw.NanDetected) as caught:
+            _first_non_finite_loss(watch, model, optimizer, xs, ys,
+                                   scaler=watch.options.grad_scaler)
+    event = caught.value.event
+    assert (event.batch, event.role) == (5, "loss")
+    assert event.diagnosis.kind == "divergence"
+    assert not any("replay did not reproduce" in line for line in event.diagnosis.evidence)

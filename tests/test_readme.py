@@ -33,6 +33,7 @@ def test_readme_api_tour_runs_and_its_printed_line_is_true(tmp_path, monkeypatch
     assert namespace["norms"]["param"].nunique() == 4       # 2 weights, 2 biases
     assert len(namespace["losses"]) == 10 and namespace["event"] is None  # a healthy model
     assert namespace["run"].events == [] and namespace["run"].ranks == [0]
+    assert namespace["why"].kind == "divergence"  # explain_loss: an MSE that overflowed
     assert namespace["trace"].first_bad["op"] == "sqrt"  # the op the comment blames
     assert "2 0 input[0] input True" in printed.getvalue()  # the sentinel snippet's comment
     # The early-warning snippet: the warning comes long before the NaN, as its comment shows.

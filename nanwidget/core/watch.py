@@ -35,7 +35,7 @@ from torch import nn
 from .consensus import Consensus, consensus_wanted
 from .diagnosis import Diagnoser
 from .early_warning import EarlyWarning, EarlyWarnings
-from .events import GradEvent, NanEvent, ScalerSkip
+from .events import LOSS_ROLE, GradEvent, NanEvent, ScalerSkip, event_kind
 from .grads import BackwardFrames, GradNorms, ScalerHint, ScalerWatch, skips_summary
 from .persist import RecordingWriter
 from .recorder import Feature, Recorder
@@ -459,6 +459,41 @@ class NanWatch:
             raise ReplayError("this watch holds no batches to replay (keep_batches=0); weight "
                               "snapshots need held batches")
         capture.set_snapshots(enabled)
+
+    # ------------------------------------------------------------------ a loss
+    def explain_loss(self, loss: torch.Tensor | float, *,
+                     batch: int | None = None) -> NanEvent | None:
+        """Why a loss computed outside the model, from its outputs, is NaN/Inf, when no module
+        event explains it (``torch.isfinite(loss)`` failed in your loop; the training callbacks
+        ask at their stop): the event it is, role ``"loss"`` at the root, with its
+        ``diagnosis``: ``"divergence"`` when the weights climbed over the batches before (the
+        optimizer drove the outputs up until the loss of them overflowed), else ``"loss"``.
+        None for a finite loss. ``batch``: the batch whose forward made the outputs (default:
+        the last one recorded). The event is not added to :attr:`events`. It reads the loss
+        (a host sync) and diagnoses: call it once the loss is non-finite, not every batch."""
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach()
+            if not value.numel() or bool(torch.isfinite(value).all()):
+                return None
+            kind = event_kind(bool(torch.isnan(value).any()), bool(torch.isinf(value).any()))
+        else:
+            number = float(loss)
+            if number == number and abs(number) != float("inf"):
+                return None
+            kind = "nan" if number != number else "inf"
+        self.flush()  # the frames of the batch that made it
+        if batch is None:
+            recorded = self.history()["batch"]
+            recorded = recorded[recorded <= self.batch]
+            batch = int(recorded.max()) if len(recorded) else self.batch
+        root = self._recorder.modules[0]
+        event = NanEvent(batch=batch_number(batch), module=root.name,
+                         module_type=root.type_name, call=0, role=LOSS_ROLE, kind=kind,
+                         origin="output", rank=self.rank)
+        diagnoser = self._parts.diagnoser
+        if diagnoser is not None:
+            event.diagnosis = diagnoser.diagnose(event)
+        return event
 
     # ------------------------------------------------------------------ gradients
     def check_grad_norms(self) -> bool:

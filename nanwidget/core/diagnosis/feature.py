@@ -845,6 +845,8 @@ class Diagnoser(Feature):
             return False
         if facts.called_on_output and not event.is_backward and not self.loss_fn:
             return False  # a loss the model holds, run after its forward: no replay runs it
+        if event.role == LOSS_ROLE and not event.is_backward and not self.loss_fn:
+            return False  # a loss computed outside the model: a replay runs the forward only
         # A non-finite gradient at the root's output is made in the loss only when no op of
         # the model added it: an output the model also used inside (an SDF's spatial gradient
         # returned as normals and fed to an eikonal term) receives what the model's own

@@ -15,6 +15,9 @@ Where before how (the contract's precedence):
    ``loss``: a backward event whose gradient reached the model's output already non-finite
    (or whose first bad op ran in ``loss_fn``) was made outside the model, whatever op made it;
 2. ``bad-data``: the batch's inputs hold NaN (or an Inf that no op of the model made);
+   a non-finite loss computed outside the model from its finite outputs, with no op to name
+   (role ``loss``: a GradScaler's, a training callback's, ``NanWatch.explain_loss``'s), is
+   ``divergence`` when the weights grew over the batches before, else ``loss``;
 3. a non-finite weight is ``divergence`` when the weights grew over the batches before (the
    optimizer drove them there), else ``corrupted-weight`` (a step, load or write broke it);
 4. the op that made the value (the trace's first bad op, or the first NaN made from a -inf
@@ -35,7 +38,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..events import Diagnosis, NanEvent
+from ..events import LOSS_ROLE, Diagnosis, NanEvent
 from ..schema import (DEQUANTIZED, INTENDED_INF_OPS, NO_USER_LINE, OP_ROWS_DESCRIBED, PACKED,
                       masks_rows, role_groups)
 from ..sourcelines import locate_source, source_text
@@ -1155,6 +1158,56 @@ def _loss(facts: Facts) -> Diagnosis | None:
         suggestion = fixes.distribution_parameter(op.at) + suggestion
     return Diagnosis("loss", summary, evidence, suggestion,
                      rows=_samples_at_fault(rows, facts.batch_size()), confidence="high")
+
+
+def _loss_value(facts: Facts) -> Diagnosis | None:
+    """A non-finite loss computed outside the model from its finite outputs, with no op to
+    name (the loss a GradScaler scales, the one a training callback checks, or one given to
+    ``NanWatch.explain_loss``): ``divergence`` when the weights climbed over the batches before
+    (the optimizer drove the outputs up until the loss of them overflowed, as an MSE's square
+    does first), else ``loss``. With the op of a replay that ran ``loss_fn``, the op rules
+    tell it."""
+    event = facts.event
+    if event.is_backward or event.origin != "output" or event.role != LOSS_ROLE \
+            or facts.op is not None:
+        return None
+    what = "inf" if event.made_kind == "inf" else "NaN" if event.made_kind == "nan" else "NaN/Inf"
+    outputs = [(b, v) for b, v in facts.series(event.module) if b <= event.batch]
+    at_event = next((v for b, v in reversed(outputs) if b == event.batch), None)
+    evidence = [f"The loss of batch {event.batch} was {what}, while the model's outputs it was "
+                "computed from were finite"
+                + (f" (abs max {_g(at_event)})" if at_event is not None else "")
+                + ": the loss made it, outside the model."]
+    if event.made_kind == "inf" and at_event is not None and at_event > 1e4:
+        evidence.append("A loss that squares the outputs (MSE) or exponentiates them passes its "
+                        "dtype's largest value long before they do: the square of anything "
+                        "above 1.84e19 overflows float32 (3.4e38), above 256 float16.")
+    grew = _weights_growth(facts)
+    if grew is not None:
+        climb = _divergence_evidence(facts, grew)
+        grown = _grown_modules(facts)
+        if grown:
+            climb.append(f"Grown most since first measured: {', '.join(grown)}.")
+        return Diagnosis(
+            "divergence",
+            f"{grew.diverged}: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since}, "
+            f"until the loss computed from the model's outputs became {what} at batch "
+            f"{event.batch} (the outputs themselves were still finite).",
+            climb + _activation_lines(facts, [event.module]) + evidence,
+            _divergence_fixes(facts, grew, _weight_dtype(event) or "float32"),
+            confidence=grew.sure("high"))
+    evidence += _activation_lines(facts, [event.module])
+    if len([b for b, _ in facts.weights.series if b <= event.batch]) >= 3:
+        evidence.append("The weights did not climb over the batches before (no divergence): "
+                        "what the loss reads besides the outputs (targets, weights, masks) or "
+                        "its own ops made it.")
+    evidence.extend(_no_history(facts))
+    return Diagnosis(
+        "loss",
+        f"Made in the loss, outside the model: the loss of batch {event.batch} was {what}, "
+        "while the model's outputs were finite; no op of the model made it.",
+        evidence, fixes.loss(event.batch, "", traced=False, has_loss_fn=facts.has_loss_fn),
+        confidence="medium")
 
 
 # An input of a loss this close to 0 (not 0 itself: targets and masks hold zeros) makes its
@@ -2855,7 +2908,7 @@ def diagnose(facts: Facts, *, replayable: bool = True) -> Diagnosis:
     for rule in (_after_forward, _carried_state, _after_earlier_pass, _accumulated_gradient,
                  _from_another_rank,
                  _scaled_gradient, _loss_module, _loss_module_output, _loss, _bad_data,
-                 _weights,
+                 _loss_value, _weights,
                  _masked_by_input, _from_op, _from_frames, _weight_gradient):
         found = rule(facts)
         if found is not None:
