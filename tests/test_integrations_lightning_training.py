@@ -234,3 +234,69 @@ def test_a_divergence_under_manual_optimization_clips_with_self_clip_gradients()
            "self.manual_backward(loss) and before optimizer.step() (under manual optimization " \
            "the Trainer's gradient_clip_val does not apply)." in fixes
     assert not any("Trainer(gradient_clip_val" in fix for fix in fixes)
+
+
+class LinearRegressor(Regressor):
+    """Two Linear layers, no squashing between them: at an SGD learning rate that drives the
+    weights up step after step, the outputs climb until their MSE overflows to inf while the
+    outputs themselves are still finite (about 1e19 to 1e38 in float32)."""
+
+    def __init__(self, lr: float) -> None:
+        super().__init__(lr=lr, sgd=True)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+
+
+def _stopped_on_a_loss(model, data, **callback_options):
+    callback = NanWatchCallback(log_dir=False, **callback_options)
+    torch.manual_seed(0)
+    fit(model, [callback], data=data, max_steps=30)
+    assert callback.stop is not None and callback.event is None      # no module event
+    assert callback.stop.reason.startswith("inf loss in batch 5 (training step 6")
+    return callback
+
+
+def test_a_loss_that_overflows_as_the_weights_climb_stops_with_a_divergence():
+    # The stop said only "inf loss ... made by code outside the modules" (its diagnosis was
+    # None), although the weights had climbed 1e12x: the MSE of outputs near 1e24 overflowed.
+    torch.manual_seed(0)
+    callback = _stopped_on_a_loss(LinearRegressor(lr=0.1), loader(256, scale=3.0))
+    diagnosis = callback.stop.diagnosis
+    assert diagnosis is not None and diagnosis.kind == "divergence"
+    assert diagnosis.summary.startswith("Training diverged: the weights grew ")
+    assert "until the loss computed from the model's outputs became inf at batch 5" \
+        in diagnosis.summary
+    assert any(line.startswith("The weights' abs max (summed over modules) grew ")
+               for line in diagnosis.evidence)
+    assert any(line.startswith("The loss of batch 5 was inf, while the model's outputs it was "
+                               "computed from were finite (abs max ")
+               for line in diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("Lower the learning rate (try 10x lower: the lr of "
+                                              "the optimizer that configure_optimizers() returns")
+    assert "Clip the gradients before the step: Trainer(gradient_clip_val=1.0) (it clips the " \
+           "total norm)." in diagnosis.suggestion
+    assert "Why (divergence): Training diverged" in callback.stop.summary()
+    assert callback.watch.events == []                                # the watch's own: none
+
+
+def test_a_loss_overflow_raised_out_of_fit_carries_its_diagnosis():
+    torch.manual_seed(0)
+    with pytest.raises(nw.NanDetected) as raised:
+        _stopped_on_a_loss(LinearRegressor(lr=0.1), loader(256, scale=3.0), on_nan="raise")
+    event = raised.value.event
+    assert (event.role, event.kind, event.batch) == ("loss", "inf", 5)
+    assert event.diagnosis is not None and event.diagnosis.kind == "divergence"
+
+
+def test_an_inf_target_with_steady_weights_is_a_loss_not_a_divergence():
+    torch.manual_seed(0)
+    data = loader(256, scale=3.0)
+    data.dataset.tensors[1][5 * 8 + 2] = float("inf")                 # batch 5, row 2
+    callback = _stopped_on_a_loss(LinearRegressor(lr=0.01), data)
+    diagnosis = callback.stop.diagnosis
+    assert diagnosis is not None and diagnosis.kind == "loss"
+    assert diagnosis.summary.startswith("Made in the loss, outside the model: the loss of batch "
+                                        "5 was inf, while the model's outputs were finite")
+    assert any(line.startswith("The weights did not climb over the batches before")
+               for line in diagnosis.evidence)
+    assert any("targets" in fix for fix in diagnosis.suggestion)
+    assert not any("learning rate" in fix for fix in diagnosis.suggestion)

@@ -629,3 +629,68 @@ def test_a_clean_run_leaves_the_trainers_training_step_as_it_was(tmp_path):
                                   train_dataset=TokenDataset(32), callbacks=[NanWatchCallback(log_dir=False)])
     trainer.train()
     assert "training_step" not in vars(trainer) and hook_count(model) == 0
+
+
+class RegressionRows(torch.utils.data.Dataset):
+    """8 features and a target per row (seeded); ``inf_at``: a row whose target is inf."""
+
+    def __init__(self, rows: int = 256, inf_at: int | None = None) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.x = torch.randn(rows, 8, generator=generator) * 3
+        self.y = torch.randn(rows, 1, generator=generator) * 3
+        if inf_at is not None:
+            self.y[inf_at] = math.inf
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"x": self.x[index], "labels": self.y[index]}
+
+
+class LinearRegression(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1))
+
+    def forward(self, x, labels=None):
+        return {"logits": self.net(x)}
+
+
+def _mse(outputs, labels, num_items_in_batch=None):
+    return torch.nn.functional.mse_loss(outputs["logits"], labels)
+
+
+def _train_regression(tmp_path, dataset, learning_rate):
+    torch.manual_seed(0)
+    callback = NanWatchCallback(log_dir=False)
+    trainer = transformers.Trainer(
+        model=LinearRegression(), callbacks=[callback], train_dataset=dataset,
+        compute_loss_func=_mse,                 # the loss is made by the Trainer, past the model
+        args=training_args(str(tmp_path / "out"), max_steps=32, per_device_train_batch_size=8,
+                           optim="sgd", learning_rate=learning_rate, max_grad_norm=0.0,
+                           lr_scheduler_type="constant", logging_nan_inf_filter=False))
+    trainer.train()
+    assert callback.stop is not None and callback.event is None and callback.watch.events == []
+    assert callback.stop.reason.startswith("inf loss in batch ")
+    return callback.stop.diagnosis
+
+
+def test_a_loss_that_overflows_as_the_weights_climb_stops_with_a_divergence(tmp_path):
+    # The stop said only that the Trainer's compute_loss made the inf (no diagnosis), while
+    # SGD had driven the weights up 1e12x: the MSE of outputs near 1e24 overflowed.
+    diagnosis = _train_regression(tmp_path, RegressionRows(), learning_rate=0.1)
+    assert diagnosis is not None and diagnosis.kind == "divergence"
+    assert "until the loss computed from the model's outputs became inf at batch 4" \
+        in diagnosis.summary                    # training step 5: the Trainer shuffles the rows
+    assert any(line.startswith("The loss of batch 4 was inf, while the model's outputs it was "
+                               "computed from were finite") for line in diagnosis.evidence)
+    assert diagnosis.suggestion[0].startswith("Lower the learning rate (try 10x lower: "
+                                              "TrainingArguments(learning_rate=")
+
+
+def test_an_inf_target_with_steady_weights_is_a_loss_not_a_divergence(tmp_path):
+    diagnosis = _train_regression(tmp_path, RegressionRows(inf_at=5 * 8 + 2), learning_rate=0.01)
+    assert diagnosis is not None and diagnosis.kind == "loss"
+    assert any(line.startswith("The weights did not climb over the batches before")
+               for line in diagnosis.evidence)

@@ -10,7 +10,8 @@ the step's gradients (so the optimizer step that follows changes nothing) and st
 at the same step.
 
 Only nanwidget's public API is used: ``nw.watch``, ``NanWatch.events``, ``check_grad_norms``,
-``grad_events``, ``frames``, ``report``, ``set_batch``, ``warnings`` and ``close``.
+``grad_events``, ``frames``, ``report``, ``set_batch``, ``warnings``, ``explain_loss`` (at a
+non-finite loss no module event explains: its diagnosis) and ``close``.
 
 Early warnings (``NanWatch.warnings``) never stop anything: the callbacks pass the new ones on
 to the framework's loggers as metrics (:func:`warning_metrics`) at the points they look.
@@ -110,6 +111,10 @@ class Findings:
     events: list[NanEvent] = field(default_factory=list)
     grad_events: list[GradEvent] = field(default_factory=list)
     loss: str | None = None  # a non-finite loss that no module event explains
+    # That loss as an event (role "loss", at the root, not in the watch's events) with its
+    # diagnosis: divergence or loss (NanWatch.explain_loss); None without one, or when the
+    # callback does not stop.
+    loss_event: NanEvent | None = None
     grads_with_values: int = 0  # parameters that had a gradient when they were checked
 
     def __bool__(self) -> bool:
@@ -298,6 +303,8 @@ class StepGuard:
         self._grads_seen = 0
         self._warnings_seen = 0
         self._losses: list[str] = []
+        self._loss_values: list[tuple[torch.Tensor, int]] = []  # the first non-finite one's
+        self._loss_explained = False  # the first stop's loss is the one diagnosed
         self._flag: torch.Tensor | None = None
         self.exchanges = 0  # flag all-reduces done (the tests count them)
         training_guards().add(self)
@@ -321,6 +328,8 @@ class StepGuard:
             kind = "nan" if bool(torch.isnan(value).any()) else "inf"
             self._losses.append(f"{kind} loss in batch {batch} ({self.batches.describe(batch)}); "
                                 + (made_by or self._where_loss_was_made(batch)))
+            if not self._loss_values:
+                self._loss_values.append((value, batch))
 
     def _where_loss_was_made(self, batch: int) -> str:
         """What the watch can say about a non-finite loss that no event explains."""
@@ -351,7 +360,15 @@ class StepGuard:
         self._events_seen = len(events)
         if self._losses and not found.events:
             found.loss = self._losses[0]
+            if self.stops and self._loss_values and not self._loss_explained \
+                    and not watch.closed:
+                # Why, at the first finding only: the weights' climb before it (divergence),
+                # or the loss's own making (NanWatch.explain_loss).
+                self._loss_explained = True
+                value, batch = self._loss_values[0]
+                found.loss_event = watch.explain_loss(value, batch=batch)
         self._losses = []
+        self._loss_values = []
         if check_grads and not watch.closed:
             flagged = watch.check_grad_norms()
             grad_events = watch.grad_events
@@ -418,7 +435,8 @@ class StepGuard:
         mine = None
         if found:
             mine = {"rank": self.rank, "reason": self.reason(found),
-                    "event": _event_payload(found.events[0] if found.events else None)}
+                    "event": _event_payload(found.events[0] if found.events
+                                            else found.loss_event)}
         rank, world = _rank_and_world()
         if world < 2:
             return [mine] if mine is not None else []
@@ -481,7 +499,8 @@ class StepGuard:
             reason = self.reason(found)
             if reason is None:
                 return None
-            diagnosis = found.events[0].diagnosis if found.events else None
+            diagnosis = found.events[0].diagnosis if found.events else \
+                found.loss_event.diagnosis if found.loss_event is not None else None
             why = f". {diagnosis.brief()}" if diagnosis is not None else ""
             said = (str(error).strip().splitlines() or [""])[0]
             said = said if len(said) <= 160 else said[:157] + "..."
