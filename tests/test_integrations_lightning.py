@@ -462,3 +462,27 @@ def test_fixes_under_fabric_name_its_precision_flag_and_clip_gradients():
            "max_norm=1.0)." in diagnosis.suggestion
     assert not any("clip_grad_norm_" in fix or "torch.amp.GradScaler" in fix
                    for fix in diagnosis.suggestion)
+
+
+def test_a_fabric_loops_inf_loss_after_a_climb_is_explained_as_a_divergence_in_fabrics_terms():
+    # A Fabric loop has no callback: its own torch.isfinite(loss) check asks the watch why.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    fabric, fabric_model, optimizer = _fabric_setup(model)
+    optimizer.param_groups[0]["lr"] = 0.1               # the weights climb until the MSE is inf
+    generator = torch.Generator().manual_seed(1)
+    with nw.watch(fabric_model) as watch:
+        for _ in range(30):
+            x = torch.randn(8, 8, generator=generator) * 3
+            y = torch.randn(8, 1, generator=generator) * 3
+            loss = nn.functional.mse_loss(fabric_model(x), y)
+            if not torch.isfinite(loss):
+                break
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        event = watch.explain_loss(loss)
+    assert watch.events == [] and (event.batch, event.role) == (5, "loss")
+    assert event.diagnosis.kind == "divergence"
+    assert "Clip the gradients before the step: fabric.clip_gradients(model, optimizer, " \
+           "max_norm=1.0)." in event.diagnosis.suggestion
