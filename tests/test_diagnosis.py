@@ -5609,3 +5609,16 @@ def test_a_grad_scalers_inf_loss_after_a_climb_is_a_divergence_not_an_unreproduc
     assert (event.batch, event.role) == (5, "loss")
     assert event.diagnosis.kind == "divergence"
     assert not any("replay did not reproduce" in line for line in event.diagnosis.evidence)
+
+
+def test_explain_loss_refuses_what_is_no_loss_and_passes_over_values_it_cannot_read() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    with nw.watch(model) as watch:
+        model(torch.randn(3, 4))
+        with pytest.raises(TypeError, match="explain_loss takes the loss"):
+            watch.explain_loss("inf")
+        assert watch.explain_loss(torch.empty(3, device="meta")) is None
+        assert watch.explain_loss(torch.tensor(3)) is None  # an integer holds no NaN/Inf
+        assert watch.explain_loss(1.5) is None
+        assert watch.explain_loss(float("inf")).kind == "inf"

@@ -472,11 +472,16 @@ class NanWatch:
         the last one recorded). The event is not added to :attr:`events`. It reads the loss
         (a host sync) and diagnoses: call it once the loss is non-finite, not every batch."""
         if isinstance(loss, torch.Tensor):
+            if loss.is_meta or not (loss.is_floating_point() or loss.is_complex()):
+                return None  # no values (meta), or integers that hold no NaN/Inf
             value = loss.detach()
             if not value.numel() or bool(torch.isfinite(value).all()):
                 return None
             kind = event_kind(bool(torch.isnan(value).any()), bool(torch.isinf(value).any()))
         else:
+            if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+                raise TypeError("explain_loss takes the loss: a tensor or a Python number, got "
+                                f"{type(loss).__name__}")
             number = float(loss)
             if number == number and abs(number) != float("inf"):
                 return None
