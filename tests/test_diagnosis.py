@@ -1344,6 +1344,136 @@ def test_a_weight_written_nan_after_a_few_healthy_steps_is_no_divergence(mode):
     assert (w.event.batch, w.event.diagnosis.kind) == (6, "corrupted-weight")
 
 
+_OUTPUTS_ALONE = "this rests on the outputs' climb alone"
+
+
+def _tiny_linear_at_lr_1(mode: str) -> nw.NanWatch:
+    """SGD at lr=1 on one Linear whose inputs are large: each step multiplies the weights by
+    about 30, and the last one makes every weight Inf at once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1))
+    return train_until_an_event(model, torch.optim.SGD(model.parameters(), lr=1.0),
+                                torch.randn(16, 4) * 3, torch.randn(16, 1), 60, mode)
+
+
+def test_sentinel_tells_a_step_that_made_every_weight_inf_after_a_climb_diverged_as_full_does():
+    # The last step made every weight Inf: sentinel mode had no finite weight to compare with
+    # the watch's start, and said corrupted-weight ("the optimizer step, load or write after
+    # batch 26 did it") with clipping's fixes. The root's outputs, read every batch, climbed
+    # 30x per step into the event: a divergence, told from them alone.
+    full = _tiny_linear_at_lr_1("full").event
+    event = _tiny_linear_at_lr_1("sentinel").event
+    assert (full.batch, full.origin, full.diagnosis.kind) == (27, "weight", "divergence")
+    assert (event.batch, event.origin) == (full.batch, full.origin)
+    assert (event.diagnosis.kind, event.diagnosis.confidence) == ("divergence", "medium")
+    assert event.diagnosis.summary.startswith(
+        "Training diverged, as the model's outputs tell: they grew 30.3x per optimizer step "
+        "from batch 12 to batch 26")
+    evidence = "\n".join(event.diagnosis.evidence)
+    assert "an optimizer step between the batches, geometric to the end" in evidence
+    assert _OUTPUTS_ALONE in evidence and "0.weight, 0.bias are Inf" in evidence
+    assert event.diagnosis.suggestion == full.diagnosis.suggestion
+
+
+def _lbfgs_steps_of_one_iteration(mode: str) -> nw.NanWatch:
+    """torch.optim.LBFGS with max_iter=1 at lr=10 (no line search): one closure call per
+    step, the weights climbing step after step until NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    x, y = torch.randn(64, 8), torch.randn(64, 1) * 1e3
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=10.0, max_iter=1)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    with watch(model, mode) as w:
+        for _ in range(40):
+            optimizer.step(closure)
+            if w.events:
+                break
+    return w
+
+
+def test_sentinel_tells_lbfgs_diverging_over_its_steps_into_nan_weights_as_full_does():
+    # Every weight NaN at the event after 19 LBFGS steps: it read corrupted-weight with
+    # clipping's fixes; full mode says divergence with LBFGS's own.
+    full = _lbfgs_steps_of_one_iteration("full").event
+    event = _lbfgs_steps_of_one_iteration("sentinel").event
+    assert (full.batch, full.diagnosis.kind) == (event.batch, "divergence") == (19, "divergence")
+    assert (event.diagnosis.kind, event.diagnosis.confidence) == ("divergence", "medium")
+    assert "as the model's outputs tell" in event.diagnosis.summary
+    evidence = "\n".join(event.diagnosis.evidence)
+    assert _OUTPUTS_ALONE in evidence
+    assert "The steps are torch.optim.LBFGS's (lr=10, max_iter=1" in evidence
+    assert event.diagnosis.suggestion == full.diagnosis.suggestion
+    assert event.diagnosis.suggestion[0].startswith("Give LBFGS a line search")
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "fill_"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_weight_made_nan_after_healthy_steps_is_no_divergence(mode, how):
+    # A NaN checkpoint loaded (or every weight written NaN by hand) after six healthy steps:
+    # no finite weight is left to measure, and the outputs did not climb.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    bad = {name: torch.full_like(value, math.nan) for name, value in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 8), torch.randn(16, 2)
+    with watch(model, mode) as w:
+        for step in range(8):
+            loss = ((model(x) - y) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step == 6:
+                if how == "load_state_dict":
+                    model.load_state_dict(bad)
+                else:
+                    with torch.no_grad():
+                        for parameter in model.parameters():
+                            parameter.fill_(math.nan)
+    assert (w.event.batch, w.event.diagnosis.kind) == (7, "corrupted-weight")
+    assert _OUTPUTS_ALONE not in "\n".join(w.event.diagnosis.evidence)
+
+
+@pytest.mark.parametrize("written", ["every weight", "one weight"])
+@pytest.mark.parametrize("mode", MODES)
+def test_logits_that_sharpen_and_then_a_nan_written_are_no_divergence(mode, written):
+    # A zero-initialised head at lr=1: the logits grow 259x in 7 steps (2.2x per step), fast
+    # at first and slower after, as cross-entropy sharpens them; then NaN is written. Sentinel
+    # mode said "Training diverged: the weights grew 1.15x per optimizer step since the watch
+    # began" for one weight written; full mode says corrupted-weight. A divergence's climb
+    # does not slow down.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[2].weight.mul_(0.01)
+        model[2].bias.zero_()
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=generator)
+    y = x[:, :4].argmax(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with watch(model, mode) as w:
+        for step in range(9):
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step == 7:
+                with torch.no_grad():
+                    if written == "every weight":
+                        for parameter in model.parameters():
+                            parameter.fill_(math.nan)
+                    else:
+                        model[2].weight[0, 0] = math.nan
+    root = w.history().query("module == ''")["abs_max"].tolist()
+    assert root[7] > 200 * root[0]  # a steep climb, but slowing down
+    assert (w.event.batch, w.event.diagnosis.kind) == (8, "corrupted-weight")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_transformer_encoder_at_learning_rate_20_diverges(mode):
     torch.manual_seed(0)

@@ -630,6 +630,9 @@ class Diagnoser(Feature):
                 facts.steps_since_start = steps - self.steps_at_start or calls
                 facts.calls_since_start = steps == self.steps_at_start
                 self._weights_now(facts, facts.weights_at_start)
+                # The held batches' steps: whether steps ran between the batches whose outputs
+                # climbed (rules._outputs_climb; the weights' series is empty here).
+                facts.optimizer_steps = facts.optimizer_steps or self.capture.optimizer_steps()
         return facts
 
     def _lbfgs_step(self, event: NanEvent) -> dict[str, Any] | None:
@@ -1407,13 +1410,16 @@ class Diagnoser(Feature):
 
     def _weights_now(self, facts: Facts, wanted: Any = None) -> None:
         """Each module first seen by the weight log (or in ``wanted``): its own weights' abs
-        max now (the finite values), to tell which grew most. Measured at the event only."""
+        max now (the finite values), to tell which grew most. Measured at the event only. A
+        module whose weights hold no finite value is left out (no measure of it now, where 0
+        took it for weights that shrank to nothing)."""
         wanted = self.weights.first if wanted is None else wanted
         with torch.no_grad():
             for info in self.recorder.modules:
                 if info.name not in wanted:
                     continue
                 largest = 0.0
+                measured = unmeasurable = False
                 for tensor in info.module.parameters(recurse=False):
                     # Not an ExpandedWeight (it refuses .detach()), nor a vmap's batched
                     # tensor (an ensemble's stacked weights: its boolean-mask indexing fails),
@@ -1429,4 +1435,8 @@ class Diagnoser(Feature):
                         finite = values[torch.isfinite(values)]
                         if finite.numel():
                             largest = max(largest, float(finite.abs().max()))
-                facts.weights_now[info.name] = largest
+                            measured = True
+                        else:
+                            unmeasurable = True
+                if measured or not unmeasurable:
+                    facts.weights_now[info.name] = largest

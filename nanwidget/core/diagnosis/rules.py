@@ -285,8 +285,9 @@ def _growth_since_start(facts: Facts) -> Growth | None:
     sample_every): its weights' abs max when the watch began against now, at the event, over
     the optimizer steps between (each module as it was then and is now, summed; a climb by
     the same measure as full mode's, at least 2x and :data:`_DIVERGING_PER_BATCH` per step),
-    when the root's outputs, read every batch, climbed too (a checkpoint loaded after the
-    watch began moves the weights with no climb of the outputs). None otherwise."""
+    when the root's outputs, read every batch, climbed too, geometrically into the event (see
+    :func:`_outputs_climb`: a checkpoint loaded after the watch began moves the weights with no
+    climb of the outputs; healthy growth, logits sharpening, slows down). None otherwise."""
     start, event = facts.weights_at_start, facts.event
     if not start or facts.steps_since_start < 2 or not _recorded_too_few(facts):
         return None
@@ -297,13 +298,100 @@ def _growth_since_start(facts: Facts) -> Growth | None:
         return None
     grew = Growth(start=(0, before), end=(event.batch, now), steps=facts.steps_since_start,
                   since_start=True, in_lbfgs_step=facts.calls_since_start)
+    climb = None if grew.in_lbfgs_step else _outputs_climb(facts, least_steps=2, least=2.0)
     if grew.per_batch < _DIVERGING_PER_BATCH:
+        return None
+    if climb is None and not grew.in_lbfgs_step:
+        # Two measurements of the weights cannot tell a divergence from healthy growth (a
+        # zero-initialised head whose logits sharpen at a high learning rate, then a NaN
+        # written): the outputs' climb must be a divergence's too.
         return None
     outputs = [(b, v) for b, v in facts.series("") if b <= event.batch]
     if len(outputs) < 2 or outputs[-1][1] < 2.0 * outputs[0][1] \
             or outputs[-1][1] < max(v for _, v in outputs) / 1.1:
         return None  # the outputs did not climb into the event
     return grew
+
+
+# The root's outputs, read every batch, in a climb that tells a divergence when the weights
+# cannot: steep, over at least this many optimizer steps, at least this much in all, and
+# geometric to the end (healthy growth, logits sharpening, slows down as it goes).
+_OUTPUTS_CLIMB_STEPS = 3
+_OUTPUTS_CLIMB_LEAST = 10.0
+
+
+def _outputs_climb(facts: Facts, least_steps: int = _OUTPUTS_CLIMB_STEPS,
+                   least: float = _OUTPUTS_CLIMB_LEAST) -> Growth | None:
+    """Sentinel mode, which records no weights per batch: the root's outputs' abs max over
+    the batches before the event (read every batch) in a climb into it, counted by optimizer
+    step: from at least ``least_steps`` batches back to the last batch before the event, at
+    least :data:`_DIVERGING_PER_BATCH` per step and ``least`` times in all (a lower bar where
+    the weights were measured too), not slowing down (its second half at least
+    :data:`_DIVERGING_PER_BATCH` per step and half its first half's rate, in orders of
+    magnitude), with an optimizer step between each two held batches of it and the event, and
+    as many steps since the watch began as batches from its start to the event. None
+    otherwise."""
+    event = facts.event
+    if not facts.sentinel or event.is_backward or not _recorded_too_few(facts):
+        return None
+    before = [b for b in facts.history_batches if b < event.batch]
+    points = [(b, v) for b, v in facts.series("") if b < event.batch]
+    if not points or points[-1][0] != max(before):
+        return None  # the batch before the event had no finite outputs: no climb into it
+    grew = growth_of(points, least=least, per_batch=_DIVERGING_PER_BATCH)
+    if grew is None:
+        return None
+    climb = [(b, v) for b, v in points if b >= grew.start[0]]
+    if len(climb) <= least_steps or climb[0][1] <= 0:
+        return None
+    mid = len(climb) // 2
+    first = math.log(climb[mid][1] / climb[0][1]) / (climb[mid][0] - climb[0][0])
+    second = math.log(climb[-1][1] / climb[mid][1]) / (climb[-1][0] - climb[mid][0])
+    if second < max(math.log(_DIVERGING_PER_BATCH), first / 2):
+        return None  # it slowed down: no divergence, which climbs as fast or faster
+    steps = facts.optimizer_steps
+    held = sorted(b for b in steps if grew.start[0] <= b <= event.batch)
+    if any(steps[b] <= steps[a] for a, b in zip(held, held[1:])) \
+            or facts.steps_since_start < event.batch - grew.start[0]:
+        return None  # no step between the batches: the outputs climbed for another reason
+    return Growth(start=grew.start, end=grew.end, steps=grew.end[0] - grew.start[0])
+
+
+def _weights_unmeasured_now(facts: Facts) -> bool:
+    """Sentinel mode measured the weights when the watch began, and none of them holds a
+    finite value now: no climb of theirs can be told."""
+    start = facts.weights_at_start
+    return bool(start) and not any(module in facts.weights_now for module in start)
+
+
+def _diverged_by_outputs(facts: Facts, names: list[str], dtype: str,
+                         climb: Growth) -> Diagnosis:
+    """Every weight non-finite at the event, after the root's outputs climbed geometrically
+    over the optimizer steps into it (see :func:`_outputs_climb`): a divergence told from the
+    outputs alone."""
+    event = facts.event
+    kind = _kind_words(event.made_kind)
+    one = len(names) == 1
+    evidence = [_growth_line("The output abs max of '<root>'", climb) + ", an optimizer step "
+                "between the batches, geometric to the end (no slowing down) into the event.",
+                "The weights hold no finite value now, and sentinel mode measured them only when "
+                "the watch began (it records no batch in full without sample_every): this rests "
+                "on the outputs' climb alone, which inputs growing as steeply would make too; "
+                "watch with sample_every=N to measure the weights' own climb.",
+                f"At batch {event.batch} {', '.join(names)} {'is' if one else 'are'} {kind}."]
+    if facts.lbfgs is not None:
+        lbfgs = facts.lbfgs
+        evidence.insert(2, f"The steps are torch.optim.LBFGS's (lr={_lr(lbfgs.get('lr'))}, "
+                           f"max_iter={lbfgs.get('max_iter')}, line_search_fn="
+                           f"{lbfgs.get('line_search_fn')!r}).")
+    grew = replace(climb, in_lbfgs_step=False)
+    return Diagnosis(
+        "divergence",
+        f"Training diverged, as the model's outputs tell: they grew {climb.per_batch:.3g}x per "
+        f"optimizer step from batch {climb.start[0]} to batch {climb.end[0]} "
+        f"({_g(climb.ratio)}x in all), until {', '.join(names[:2])} became {kind} (used at batch "
+        f"{event.batch}).", evidence, _divergence_fixes(facts, grew, dtype),
+        confidence="medium" if climb.ratio >= 1e3 else "low")
 
 
 def _recorded_too_few(facts: Facts) -> bool:
@@ -1039,8 +1127,7 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
     if grew is not None:
         evidence.insert(0, _growth_line("The weights' abs max (summed over modules)", grew) + ".")
         return Diagnosis("divergence", f"Training diverged: the weights grew "
-                                       f"{grew.per_batch:.3g}x {grew.per} {grew.since}, "
-                                       f"until {what_happened}", evidence,
+                                       f"{grew.per_batch:.3g}x {grew.per} {grew.since}, until {what_happened}", evidence,
                          fixes.divergence(dtype) + suggestion[:1], confidence=grew.sure("high"))
     confidence = ("low" if event.made_kind != "inf" else
                   "high" if op is not None or not at_output else "medium")
@@ -1528,6 +1615,12 @@ def _weights(facts: Facts) -> Diagnosis | None:
             f"until {', '.join(names[:2])} became {_kind_words(event.made_kind)} "
             f"(used at batch {event.batch}).", evidence, _divergence_fixes(facts, grew, dtype),
             confidence=grew.sure("high"))
+    if names and _weights_unmeasured_now(facts) and not any(
+            n in facts.weights_replaced or n in facts.not_stepped or _buffer(facts, n)
+            for n in names):
+        climb = _outputs_climb(facts)
+        if climb is not None:
+            return _diverged_by_outputs(facts, names, dtype, climb)
     lbfgs = facts.lbfgs
     if lbfgs is not None and names and all(
             not _buffer(facts, n) and facts.weights_last_finite.get(n, -1) >= lbfgs["first_batch"]
@@ -2697,8 +2790,8 @@ def _from_frames(facts: Facts) -> Diagnosis | None:
         grew = _weights_growth(facts)
         if grew is not None:
             return Diagnosis(
-                "divergence", f"{grew.diverged}: the weights grew {grew.per_batch:.3g}x "
-                              f"{grew.per} {grew.since}, until {label} overflowed "
+                "divergence", f"{grew.diverged}: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since}, "
+                              f"until {label} overflowed "
                               f"{dtype} at batch {event.batch}.",
                 _divergence_evidence(facts, grew) + evidence,
                 _divergence_fixes(facts, grew, dtype), confidence="medium")
