@@ -440,6 +440,47 @@ def test_a_run_diverging_under_one_cycle_lr_is_told_to_lower_its_max_lr():
     assert not any("LinearLR" in fix for fix in diagnosis.suggestion)
 
 
+def _one_cycle_over_a_long_warmup(mode: str) -> nw.NanWatch:
+    """SGD under OneCycleLR(max_lr=3, total_steps=2000): healthy for hundreds of steps while
+    its warmup (600 steps) raises the learning rate, then a climb into NaN weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3.0, total_steps=2000)
+    x, y = _x(64, 8), _x(64, 1, seed=2) * 10
+    options = {"mode": "sentinel"} if mode == "sentinel" else {}
+    with nw.watch(model, on_nan="record", **options) as w, warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        for _ in range(600):
+            (model(x) - y).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()
+            if w.event is not None:
+                break
+    return w
+
+
+def test_a_one_cycle_lr_warmed_up_into_divergence_is_told_so_in_sentinel_mode_as_in_full():
+    # Sentinel mode compares the weights when the watch began with the event's, over the
+    # steps between: 1e12x over 458 steps is 1.06x per step on average, under the 1.1x a
+    # divergence needs, so it read corrupted-weight (medium) with backward=True's and
+    # clipping's fixes. The outputs' steep climb over the last steps dates it.
+    full = _one_cycle_over_a_long_warmup("full").event
+    event = _one_cycle_over_a_long_warmup("sentinel").event
+    assert (full.batch, full.diagnosis.kind) == (event.batch, "divergence")
+    assert full.batch > 300  # a long healthy stretch before the climb
+    diagnosis = event.diagnosis
+    assert (diagnosis.kind, diagnosis.confidence) == ("divergence", "medium")
+    assert "since the watch began (the model's outputs " in diagnosis.summary
+    assert "x per optimizer step over the last " in diagnosis.summary
+    evidence = "\n".join(diagnosis.evidence)
+    assert "too slow on average for a divergence, but the model's outputs then grew" in evidence
+    assert diagnosis.suggestion[0] == full.diagnosis.suggestion[0]
+    assert diagnosis.suggestion[0].startswith("Lower OneCycleLR's max_lr (try 10x lower: it is 3;")
+
+
 @pytest.mark.parametrize("plant", [False, True])
 def test_a_parametrized_weight_read_in_the_loss_counts_no_batch(plant):
     # A penalty on a parametrized weight (model[0].weight read after the forward, before the

@@ -108,6 +108,10 @@ class Growth:
     # Every batch of the climb was a call of LBFGS's closure inside one step() (its
     # iterations, no step ended between them): see _weights_growth.
     in_lbfgs_step: bool = False
+    # A climb since the watch began too slow on average over all its steps (a long healthy
+    # stretch first: a warmup), dated by the root's outputs' climb into the event (see
+    # _growth_since_start and _outputs_climb).
+    outputs: Growth | None = None
 
     @property
     def ratio(self) -> float:
@@ -132,6 +136,15 @@ class Growth:
     @property
     def since(self) -> str:
         return "since the watch began" if self.since_start else f"since batch {self.start[0]}"
+
+    @property
+    def told(self) -> str:
+        """How much it grew, for a summary: "2.5x per optimizer step since batch 3"."""
+        if self.outputs is not None:
+            return (f"{_g(self.ratio)}x {self.since} (the model's outputs "
+                    f"{self.outputs.per_batch:.3g}x per optimizer step over the last "
+                    f"{self.outputs.steps} steps before the event)")
+        return f"{self.per_batch:.3g}x {self.per} {self.since}"
 
     def sure(self, confidence: str) -> str:
         """``confidence``, or medium for a climb told from two measurements only."""
@@ -202,10 +215,23 @@ def _growth_line(what: str, growth: Growth) -> str:
                 f"{_g(growth.end[1])} at batch {growth.end[0]} over the {growth.steps} {unit} "
                 f"between: {_g(growth.ratio)}x in all, {growth.per_batch:.3g}x {growth.per} "
                 "(sentinel mode measured the weights at those two times only: the watch's start "
-                "and this event)")
+                "and this event)" + _dated_by_outputs(growth))
     return (f"{what} grew {growth.per_batch:.3g}x {growth.per} from batch {growth.start[0]} "
             f"({_g(growth.start[1])}) to batch {growth.end[0]} ({_g(growth.end[1])}): "
             f"{_g(growth.ratio)}x in all")
+
+
+def _dated_by_outputs(growth: Growth) -> str:
+    """What dates a climb since the watch began too slow on average over all its steps."""
+    climb = growth.outputs
+    if climb is None:
+        return ""
+    return (f"; that is too slow on average for a divergence, but the model's outputs then grew "
+            f"{climb.per_batch:.3g}x per optimizer step from batch {climb.start[0]} "
+            f"({_g(climb.start[1])}) to batch {climb.end[0]} ({_g(climb.end[1])}), and the "
+            f"weights' growth, had it come in those {climb.steps} steps alone, would be "
+            f"{growth.ratio ** (1.0 / climb.steps):.3g}x per step: the climb came after a slower "
+            "stretch (a warmup), as far as the outputs tell")
 
 
 def _no_history(facts: Facts) -> list[str]:
@@ -287,7 +313,9 @@ def _growth_since_start(facts: Facts) -> Growth | None:
     the same measure as full mode's, at least 2x and :data:`_DIVERGING_PER_BATCH` per step),
     when the root's outputs, read every batch, climbed too, geometrically into the event (see
     :func:`_outputs_climb`: a checkpoint loaded after the watch began moves the weights with no
-    climb of the outputs; healthy growth, logits sharpening, slows down). None otherwise."""
+    climb of the outputs; healthy growth, logits sharpening, slows down). A climb too slow on
+    average over all the steps is dated by a steep climb of the outputs (a long warmup before
+    it). None otherwise."""
     start, event = facts.weights_at_start, facts.event
     if not start or facts.steps_since_start < 2 or not _recorded_too_few(facts):
         return None
@@ -300,8 +328,16 @@ def _growth_since_start(facts: Facts) -> Growth | None:
                   since_start=True, in_lbfgs_step=facts.calls_since_start)
     climb = None if grew.in_lbfgs_step else _outputs_climb(facts, least_steps=2, least=2.0)
     if grew.per_batch < _DIVERGING_PER_BATCH:
-        return None
-    if climb is None and not grew.in_lbfgs_step:
+        # Too slow on average over every step since the watch began: a long healthy stretch
+        # (a OneCycleLR warmup over hundreds of steps) before the climb dilutes it. The
+        # outputs' steep climb into the event dates it, when the weights' growth put in that
+        # climb's steps alone is a divergence's (a steep climb, as when the outputs alone
+        # tell it).
+        climb = _outputs_climb(facts) if climb is not None else None
+        if climb is None or grew.ratio ** (1.0 / climb.steps) < _DIVERGING_PER_BATCH:
+            return None
+        grew = replace(grew, outputs=climb)
+    elif climb is None and not grew.in_lbfgs_step:
         # Two measurements of the weights cannot tell a divergence from healthy growth (a
         # zero-initialised head whose logits sharpen at a high learning rate, then a NaN
         # written): the outputs' climb must be a divergence's too.
@@ -1127,7 +1163,7 @@ def _scaled_gradient(facts: Facts) -> Diagnosis | None:
     if grew is not None:
         evidence.insert(0, _growth_line("The weights' abs max (summed over modules)", grew) + ".")
         return Diagnosis("divergence", f"Training diverged: the weights grew "
-                                       f"{grew.per_batch:.3g}x {grew.per} {grew.since}, until {what_happened}", evidence,
+                                       f"{grew.told}, until {what_happened}", evidence,
                          fixes.divergence(dtype) + suggestion[:1], confidence=grew.sure("high"))
     confidence = ("low" if event.made_kind != "inf" else
                   "high" if op is not None or not at_output else "medium")
@@ -1611,7 +1647,7 @@ def _weights(facts: Facts) -> Diagnosis | None:
                         f"{'is' if len(names) == 1 else 'are'} {_kind_words(event.made_kind)}.")
         return Diagnosis(
             "divergence",
-            f"{grew.diverged}: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since} "
+            f"{grew.diverged}: the weights grew {grew.told} "
             f"until {', '.join(names[:2])} became {_kind_words(event.made_kind)} "
             f"(used at batch {event.batch}).", evidence, _divergence_fixes(facts, grew, dtype),
             confidence=grew.sure("high"))
@@ -2617,7 +2653,7 @@ def _from_op(facts: Facts) -> Diagnosis | None:
             suggestion[2:2] = fixes.overflow(op.module, op.dtype, op.at, op.name, hint=hint)[:1]
         return Diagnosis(
             "divergence",
-            f"{grew.diverged}: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since}"
+            f"{grew.diverged}: the weights grew {grew.told}"
             f", until {op.op} {op.place}{op.at} overflowed at batch "
             f"{event.batch}{in_rows} ({reason}).", evidence,
             _learned_scale(op, evidence, suggestion),
@@ -2790,7 +2826,7 @@ def _from_frames(facts: Facts) -> Diagnosis | None:
         grew = _weights_growth(facts)
         if grew is not None:
             return Diagnosis(
-                "divergence", f"{grew.diverged}: the weights grew {grew.per_batch:.3g}x {grew.per} {grew.since}, "
+                "divergence", f"{grew.diverged}: the weights grew {grew.told}, "
                               f"until {label} overflowed "
                               f"{dtype} at batch {event.batch}.",
                 _divergence_evidence(facts, grew) + evidence,
