@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import nanwidget as nw
-from nanwidget import EarlyWarning, GradEvent, NanDetected, NanEvent, NanWatch
+from nanwidget import EarlyWarning, GradEvent, NanDetected, NanEvent
 from nanwidget.core.events import Diagnosis, event_fields, event_from_fields
 from nanwidget.core.options import ON_NAN_CHOICES as WATCH_ON_NAN_CHOICES
 from nanwidget.core.options import WatchOptions, check_option_names
