@@ -1309,20 +1309,43 @@ def _readable(inputs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.T
             if values is not None and storage_holds(values)]
 
 
+#: Methods of a wrapper that runs the model it wraps step by step, never its own forward.
+_SAMPLING_METHODS = ("generate", "sample")
+
+
 def _wrapped_model(recorder: Recorder) -> Any:
     """The info of the watched module the root wraps and that its other methods call instead
-    of the root's forward (peft's ``get_base_model()``: what ``PeftModel.generate()`` calls);
-    None when the root is no such wrapper."""
-    get = getattr(recorder.model, "get_base_model", None)
-    if not callable(get):
-        return None
-    try:
-        wrapped = get()
-    except Exception:  # not ready, or another meaning of the name
-        return None
+    of the root's forward: what peft's ``get_base_model()`` gives (``PeftModel.generate()``
+    calls it), or else the one child holding all the parameters of a root whose class has a
+    ``generate()`` or ``sample()`` (x-transformers' ``AutoregressiveWrapper.generate()`` calls
+    its ``net``, denoising-diffusion-pytorch's ``GaussianDiffusion.sample()`` its ``model``
+    once per timestep); None when the root is no such wrapper."""
+    model = recorder.model
+    get = getattr(model, "get_base_model", None)
+    if callable(get):
+        try:
+            wrapped = get()
+        except Exception:  # not ready, or another meaning of the name
+            return None
+    else:
+        wrapped = _sampled_child(model)
     if not isinstance(wrapped, torch.nn.Module) or wrapped is recorder.model:
         return None
     return next((info for info in recorder.modules if info.module is wrapped), None)
+
+
+def _sampled_child(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The child a sampling wrapper runs: the root's class defines ``generate`` or ``sample``,
+    holds no parameter of its own, and one child with a forward holds them all."""
+    kind = type(model)
+    if not any(callable(getattr(kind, name, None)) for name in _SAMPLING_METHODS) \
+            or next(model.parameters(recurse=False), None) is not None:
+        return None
+    holders = [child for child in model.children()
+               if next(child.parameters(), None) is not None]
+    if len(holders) != 1 or type(holders[0]).forward is torch.nn.Module.forward:
+        return None  # several, or one without a forward (a ModuleList of flow steps)
+    return holders[0]
 
 
 def _after(forward: list[Frame], limit: int) -> Any:
