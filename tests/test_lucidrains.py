@@ -252,6 +252,37 @@ def test_quantizers_train_bit_identical_and_quiet(watch_kwargs):
         _assert_bit_identical_and_quiet(lambda kw: _vq_training(kw, make), watch_kwargs)
 
 
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("kind", ["ema", "residual"])
+def test_a_nan_codebook_entry_is_named_in_full_mode(kind, backward):
+    # The EMA update rewrites the codebook from embed_avg in the forward (through .data: no
+    # version bump), and the frame measured it after that: VectorQuantize's read "made here
+    # from finite inputs and weights ... could not be told", ResidualVQ's blamed the next
+    # layer's codebook, which its own forward had filled from the NaN it was handed.
+    model = _Autoencoder(_quantizers()[kind]())
+    codebook = model.quantize.layers[0] if kind == "residual" else model.quantize
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(0)
+    with nw.watch(model, on_nan="record", backward=backward) as w:
+        for step in range(3):
+            if step == 2:
+                with torch.no_grad():
+                    codebook._codebook.embed[0, 3] = float("nan")
+            x = torch.randn(4, 5, 8, generator=data)
+            out, aux = model(x)
+            optimizer.zero_grad()
+            (F.mse_loss(out, x) + aux).backward()
+            optimizer.step()
+            if w.event is not None:
+                break
+    name = "quantize.layers.0._codebook" if kind == "residual" else "quantize._codebook"
+    event, diagnosis = w.event, w.event.diagnosis
+    assert (event.batch, event.module, event.role, event.origin) == (2, name, "embed", "weight")
+    assert diagnosis.kind == "corrupted-weight" and diagnosis.confidence == "high"
+    assert diagnosis.summary.startswith(f"'{name}.embed' became NaN between batch 1 and batch 2")
+    assert hook_count(model) == 0
+
+
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_a_nan_input_to_an_ema_codebook_is_bad_data(mode):
     model = _Autoencoder(_quantizers()["residual"]())

@@ -426,11 +426,26 @@ class EntryBuilder:
             # it changed (a list or dict inside could change without either).
             self._walked[role] = (value, _snapshot(attributes), entries[before:])
 
+    def buffer_entries(self, module: nn.Module) -> list[Entry]:
+        """The entries of a module's own buffers, measured now: before its forward, for a
+        module whose forward rewrites them (see :meth:`weight_entries`' ``buffers``)."""
+        entries: list[Entry] = []
+        for name, tensor in module._buffers.items():
+            if tensor is not None:
+                try:
+                    entries.append(self._fresh_entry(name, tensor))
+                except Exception:
+                    entries.append(self._uncached_weight_entry(name, tensor))
+        return entries
+
     def weight_entries(self, module: nn.Module, entries: list[Entry],
-                       cache_weights: bool = True) -> None:
+                       cache_weights: bool = True, buffers: list[Entry] | None = None) -> None:
         """Append the entries of a module's own parameters and buffers, by their names.
         ``cache_weights=False``: measure the parameters on every call (FSDP2 gathers new values
-        into the same tensors, version counters kept, and may reuse the same storage)."""
+        into the same tensors, version counters kept, and may reuse the same storage).
+        ``buffers``: the buffers' entries as :meth:`buffer_entries` measured them before the
+        forward (which may have rewritten them through ``.data``, version counters kept: an
+        EMA codebook), used instead of measuring them now."""
         cache, slots = self._weight_cache, self._cached_slots
         if _STEPS.count != self._steps_seen:  # an optimizer stepped since: measure again
             self._steps_seen = _STEPS.count
@@ -439,6 +454,9 @@ class EntryBuilder:
         generation, training_generation = self._generation, self._training_generation
         for group in (module._parameters, module._buffers):
             if not group:
+                continue
+            if buffers is not None and group is module._buffers:
+                entries.extend(buffers)
                 continue
             cacheable = self.cache_weights and cache_weights and group is module._parameters
             for name, tensor in group.items():
@@ -505,7 +523,9 @@ class EntryBuilder:
 
     def forward_entries(self, module: nn.Module, has_state: bool, args: tuple, kwargs: dict,
                         output: Any, measured_inputs: list[Entry] | None = None,
-                        cache_weights: bool = True) -> tuple[list[Entry], int, int]:
+                        cache_weights: bool = True,
+                        measured_buffers: list[Entry] | None = None
+                        ) -> tuple[list[Entry], int, int]:
         """Every entry of one forward call (its own weights, then its inputs, then its
         outputs), and the positions of its first input and its first output entry.
 
@@ -513,11 +533,11 @@ class EntryBuilder:
         instead of measuring the inputs now). Without them, an input the module wrote into
         and returned (``x.mul_(s); return x``) is shown as it was handed over, when an earlier
         frame measured it then, noted "written in place here". ``cache_weights``: see
-        :meth:`weight_entries`.
+        :meth:`weight_entries`, as are ``measured_buffers``.
         """
         entries: list[Entry] = []
         if has_state:
-            self.weight_entries(module, entries, cache_weights)
+            self.weight_entries(module, entries, cache_weights, measured_buffers)
         first_input = len(entries)
         if measured_inputs is not None:
             entries.extend(measured_inputs)

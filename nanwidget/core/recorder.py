@@ -376,7 +376,7 @@ class ModuleInfo:
     """A watched module: its qualified name, class name and position in ``named_modules()``."""
 
     __slots__ = ("module", "name", "type_name", "index", "is_root", "has_state", "pre_entries",
-                 "sharded", "weights", "sharded_parameters")
+                 "sharded", "weights", "sharded_parameters", "own_float_buffers", "pre_buffers")
 
     def __init__(self, module: nn.Module, name: str, index: int, is_root: bool,
                  sharded: bool = False) -> None:
@@ -397,6 +397,13 @@ class ModuleInfo:
         self.sharded_parameters = sharded_parameters(self.weights) if sharded else {}
         # Input entries measured by the pre-hook of an in-place module (a stack: recursion).
         self.pre_entries: list[list[Entry]] = []
+        # Floating buffers of a class from outside torch: its forward may rewrite them through
+        # .data, version counters kept (vector-quantize-pytorch's EMA codebook), so they are
+        # measured before it runs, as it read them (pre_buffers: a stack, as pre_entries).
+        self.own_float_buffers = not type(module).__module__.startswith("torch.") and any(
+            tensor is not None and tensor.is_floating_point()
+            for tensor in self.weights._buffers.values())
+        self.pre_buffers: list[list[Entry]] = []
 
     @property
     def label(self) -> str:
@@ -656,6 +663,9 @@ class Recorder:
                     if getattr(module, "inplace", False) is True:
                         handles.append(add_forward_pre_hook(
                             module, self._inplace_pre_hook, with_kwargs=True))
+                    if info.own_float_buffers:
+                        handles.append(add_forward_pre_hook(
+                            module, self._buffers_pre_hook(info), with_kwargs=True))
                     # Before FSDP2's post-forward hook reshards: read the weights the forward used.
                     handles.append(add_forward_hook(
                         module, self._module_forward_hook(info), with_kwargs=True,
@@ -675,6 +685,7 @@ class Recorder:
             for info in self.modules:
                 if not info.is_root:
                     info.pre_entries.clear()
+                    info.pre_buffers.clear()
             for layer, keeper in self._fused_layers:
                 release_fused_path(layer, keeper)
             self._fused_layers.clear()
@@ -1153,6 +1164,32 @@ class Recorder:
             self.internal_error(error)
         return None
 
+    def _buffers_pre_hook(self, info: ModuleInfo) -> Any:
+        """The forward pre-hook of a module whose forward may rewrite its own buffers (see
+        ``ModuleInfo.own_float_buffers``): measures them before it runs, for its forward
+        hook's frame. Bound once per module, as :meth:`_module_forward_hook`."""
+        lock, measure, weights = self._lock, self.entries.buffer_entries, info.weights
+        pending = info.pre_buffers
+        copied, flag = COPIED, export_flag
+
+        def _pre_hook(module: nn.Module, args: tuple, kwargs: dict = copied) -> None:
+            if kwargs is copied:  # a copy torch.ao put on a module it swapped in
+                return drop_copied_hooks(module)
+            if flag._is_exporting_flag or self._closed or self._skip_this_thread() \
+                    or _graph_task_id() >= 0:
+                return None
+            if not self._root_depth and (self._aside_thread is not None or tracing()
+                                         or self.called_by_another_model()):
+                return None  # a tracer runs the model, or another model calls a shared module
+            try:
+                with lock:
+                    pending.append(measure(weights))
+            except Exception as error:
+                self.internal_error(error)
+            return None
+
+        return run_eagerly_under_dynamo(_pre_hook)
+
     @run_eagerly_under_dynamo
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """The root's forward hook (on the entry, and on the model for direct calls of a
@@ -1240,7 +1277,7 @@ class Recorder:
         builder = self.entries
         forward_entries = builder.forward_entries
         weights, has_state, cache_weights = info.weights, info.has_state, not info.sharded
-        pre_entries = info.pre_entries
+        pre_entries, pre_buffers = info.pre_entries, info.pre_buffers
         name, type_name, key = info.name, info.type_name, info.index
         flag = export_flag
         copied = COPIED
@@ -1263,7 +1300,8 @@ class Recorder:
                 with lock:
                     entries, first_input, first_output = forward_entries(
                         weights, has_state, args, kwargs, output,
-                        pre_entries.pop() if pre_entries else None, cache_weights)
+                        pre_entries.pop() if pre_entries else None, cache_weights,
+                        pre_buffers.pop() if pre_buffers else None)
                     if output is None and raised_out_of(module, sys.exc_info()[1]):
                         del entries[first_output:]  # it raised: no output, not a None one
                     # record_frame(), inlined for the forward phase.
@@ -1436,7 +1474,8 @@ class Recorder:
             measured = info.pre_entries.pop() if info.pre_entries else None
             entries, first_input, first_output = self.entries.forward_entries(
                 info.weights, info.has_state, args, kwargs, output, measured,
-                cache_weights=not info.sharded)
+                cache_weights=not info.sharded,
+                measured_buffers=info.pre_buffers.pop() if info.pre_buffers else None)
             if raised:
                 del entries[first_output:]
             frame = self.record_frame(info, "forward", entries, batch=batch,
@@ -1751,6 +1790,7 @@ class Recorder:
         self._exception_at_start = None
         for info in self.modules:
             info.pre_entries.clear()
+            info.pre_buffers.clear()
         event = self._resolve_locked(batch, advance=not self._manual_batches)
         if event is not None:
             self._record_event_locked(event)
