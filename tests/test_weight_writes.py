@@ -478,3 +478,23 @@ def test_the_capture_tells_a_closure_forward_from_a_plain_one():
     del optimizer, closure
     gc.collect()
     assert ref() is None
+
+
+class _LibraryBatchNorm(nn.BatchNorm1d):
+    """A BatchNorm subclass defined outside torch, as timm's BatchNormAct2d is."""
+
+
+def test_running_statistics_a_library_batchnorm_s_forward_writes_inf_are_that_forward_s() -> None:
+    # Buffers of modules from outside torch are measured before their forward too (an EMA
+    # codebook rewritten through .data); running statistics written by that forward must still
+    # be told as written in this batch's own forward, not by a load after it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _LibraryBatchNorm(8), nn.Linear(8, 2))
+    with nw.watch(model, on_nan="record") as watch:
+        model(torch.randn(16, 4))
+        x = torch.randn(16, 4)
+        x[0] = 1e20  # its square overflows float32 in the running statistics
+        model(x)
+    event = watch.event
+    assert (event.batch, event.module) == (1, "1")
+    assert "in batch 1's own forward" in event.diagnosis.summary

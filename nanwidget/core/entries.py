@@ -426,26 +426,31 @@ class EntryBuilder:
             # it changed (a list or dict inside could change without either).
             self._walked[role] = (value, _snapshot(attributes), entries[before:])
 
-    def buffer_entries(self, module: nn.Module) -> list[Entry]:
-        """The entries of a module's own buffers, measured now: before its forward, for a
-        module whose forward rewrites them (see :meth:`weight_entries`' ``buffers``)."""
-        entries: list[Entry] = []
+    def buffer_entries(self, module: nn.Module) -> dict[str, tuple[Any, int, Entry]]:
+        """A module's own buffers measured now, before its forward (see
+        :meth:`weight_entries`' ``buffers``): name -> (the tensor, its version, its entry)."""
+        measured: dict[str, tuple[Any, int, Entry]] = {}
         for name, tensor in module._buffers.items():
             if tensor is not None:
                 try:
-                    entries.append(self._fresh_entry(name, tensor))
+                    entry = self._fresh_entry(name, tensor)
                 except Exception:
-                    entries.append(self._uncached_weight_entry(name, tensor))
-        return entries
+                    entry = self._uncached_weight_entry(name, tensor)
+                measured[name] = (tensor, version_of(tensor), entry)
+        return measured
 
     def weight_entries(self, module: nn.Module, entries: list[Entry],
-                       cache_weights: bool = True, buffers: list[Entry] | None = None) -> None:
+                       cache_weights: bool = True,
+                       buffers: dict[str, tuple[Any, int, Entry]] | None = None) -> None:
         """Append the entries of a module's own parameters and buffers, by their names.
         ``cache_weights=False``: measure the parameters on every call (FSDP2 gathers new values
         into the same tensors, version counters kept, and may reuse the same storage).
-        ``buffers``: the buffers' entries as :meth:`buffer_entries` measured them before the
-        forward (which may have rewritten them through ``.data``, version counters kept: an
-        EMA codebook), used instead of measuring them now."""
+        ``buffers``: the buffers as :meth:`buffer_entries` measured them before the forward.
+        A buffer still the same tensor at the same version is shown as measured then: a forward
+        that rewrites it through ``.data`` keeps its version counter (an EMA codebook), and
+        what it read is what counts. One whose version moved was written by the forward in
+        place (BatchNorm's running statistics, a subclass of it from another library too) and
+        is measured now, so that a NaN the forward wrote is this batch's."""
         cache, slots = self._weight_cache, self._cached_slots
         if _STEPS.count != self._steps_seen:  # an optimizer stepped since: measure again
             self._steps_seen = _STEPS.count
@@ -455,16 +460,19 @@ class EntryBuilder:
         for group in (module._parameters, module._buffers):
             if not group:
                 continue
-            if buffers is not None and group is module._buffers:
-                entries.extend(buffers)
-                continue
+            before = buffers if group is module._buffers else None
             cacheable = self.cache_weights and cache_weights and group is module._parameters
             for name, tensor in group.items():
                 if tensor is None:
                     continue
                 try:
                     if not cacheable:
-                        entries.append(self._fresh_entry(name, tensor))
+                        measured = before.get(name) if before is not None else None
+                        if measured is not None and measured[0] is tensor \
+                                and measured[1] == version_of(tensor):
+                            entries.append(measured[2])
+                        else:
+                            entries.append(self._fresh_entry(name, tensor))
                         continue
                     cached = cache.get(id(tensor))
                     try:
@@ -524,7 +532,7 @@ class EntryBuilder:
     def forward_entries(self, module: nn.Module, has_state: bool, args: tuple, kwargs: dict,
                         output: Any, measured_inputs: list[Entry] | None = None,
                         cache_weights: bool = True,
-                        measured_buffers: list[Entry] | None = None
+                        measured_buffers: dict[str, tuple[Any, int, Entry]] | None = None
                         ) -> tuple[list[Entry], int, int]:
         """Every entry of one forward call (its own weights, then its inputs, then its
         outputs), and the positions of its first input and its first output entry.

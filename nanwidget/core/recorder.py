@@ -372,6 +372,11 @@ class Feature:
         """The recorder closed: remove hooks, flush files."""
 
 
+# torch's modules whose kernels write their running statistics in place in the forward.
+_RUNNING_STATS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+                  nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
+
 class ModuleInfo:
     """A watched module: its qualified name, class name and position in ``named_modules()``."""
 
@@ -400,10 +405,14 @@ class ModuleInfo:
         # Floating buffers of a class from outside torch: its forward may rewrite them through
         # .data, version counters kept (vector-quantize-pytorch's EMA codebook), so they are
         # measured before it runs, as it read them (pre_buffers: a stack, as pre_entries).
-        self.own_float_buffers = not type(module).__module__.startswith("torch.") and any(
-            tensor is not None and tensor.is_floating_point()
-            for tensor in self.weights._buffers.values())
-        self.pre_buffers: list[list[Entry]] = []
+        # Not a BatchNorm or InstanceNorm of another library (timm's BatchNormAct2d): their
+        # running statistics are written by torch's kernel, also without a version bump, and a
+        # NaN written there is the forward's own, seen after it.
+        self.own_float_buffers = not type(module).__module__.startswith("torch.") \
+            and not isinstance(module, _RUNNING_STATS) and any(
+                tensor is not None and tensor.is_floating_point()
+                for tensor in self.weights._buffers.values())
+        self.pre_buffers: list[dict[str, Any]] = []
 
     @property
     def label(self) -> str:
