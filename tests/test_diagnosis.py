@@ -5727,6 +5727,70 @@ def test_explain_loss_tells_an_inf_target_with_steady_weights_a_loss(mode):
     assert not any("learning rate" in fix for fix in event.diagnosis.suggestion)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_explain_loss_of_an_mse_leads_with_its_targets_not_log_probability_fixes(mode):
+    # An MSE regression with an Inf target led with "watch with loss_fn=" and got the fixes of
+    # a log of probabilities (BCEWithLogitsLoss, log_softmax, clamp probabilities); the targets
+    # came last. The loss's grad_fn (MseLossBackward0) tells torch's mse_loss made it.
+    model, optimizer, xs, ys = _regression(lr=0.01, inf_target_at=5 * 8 + 2)
+    with nw.watch(model, mode=mode) as watch:
+        diagnosis = watch.explain_loss(
+            _first_non_finite_loss(watch, model, optimizer, xs, ys)).diagnosis
+    assert diagnosis.kind == "loss"
+    assert "The loss's grad_fn is MseLossBackward0: torch's mse_loss made it." \
+        in diagnosis.evidence
+    assert diagnosis.suggestion[0].startswith("Check the targets: mse_loss of the model's finite "
+                                              "outputs is NaN/Inf when a target is.")
+    assert diagnosis.suggestion[-1].startswith("Name the loss's op and line: watch with loss_fn=")
+    said = " ".join(diagnosis.suggestion)
+    assert not any(fix in said for fix in ("BCEWithLogits", "log_softmax", "Clamp probabilities"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_explain_loss_given_the_targets_names_their_inf_rows_first(mode):
+    model, optimizer, xs, ys = _regression(lr=0.01, inf_target_at=5 * 8 + 2)
+    with nw.watch(model, mode=mode) as watch:
+        event = watch.explain_loss(_first_non_finite_loss(watch, model, optimizer, xs, ys),
+                                   target=ys[5])
+    diagnosis = event.diagnosis
+    assert (diagnosis.kind, diagnosis.rows, diagnosis.confidence) == ("loss", [2], "high")
+    assert diagnosis.summary.endswith("no op of the model made it. Its targets held an Inf in "
+                                      "row 2.")
+    assert diagnosis.suggestion[0].startswith("Fix the targets: they held an Inf in row 2, and "
+                                              "mse_loss of finite outputs against a non-finite "
+                                              "target is NaN/Inf.")
+    assert not any("Check the targets" in fix or "squared difference" in fix
+                   for fix in diagnosis.suggestion)
+    with nw.watch(model) as watch, pytest.raises(TypeError, match="target= takes the targets"):
+        watch.explain_loss(float("inf"), target=[1.0])
+
+
+def test_explain_loss_given_finite_targets_still_tells_a_divergence():
+    model, optimizer, xs, ys = _regression(lr=0.1)
+    with nw.watch(model) as watch:
+        loss = _first_non_finite_loss(watch, model, optimizer, xs, ys)
+        diagnosis = watch.explain_loss(loss, target=ys[5]).diagnosis
+    assert diagnosis.kind == "divergence" and "The targets given were finite." in diagnosis.evidence
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_explain_loss_of_nll_over_a_log_of_zero_probabilities_leads_with_log_softmax(mode):
+    # nll_loss(torch.log(probs)) over a softmax output that underflowed to 0: the fixes led
+    # with "watch with loss_fn=".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Softmax(-1))
+    with torch.no_grad():
+        model[0].weight.mul_(200)
+    x, labels = torch.randn(6, 4), torch.randint(0, 8, (6,))
+    with nw.watch(model, mode=mode) as watch:
+        loss = nn.functional.nll_loss(torch.log(model(x)), labels)
+        diagnosis = watch.explain_loss(loss, target=labels).diagnosis
+    assert diagnosis.kind == "loss" and "The targets given were finite." in diagnosis.evidence
+    assert diagnosis.suggestion[0].startswith("nll_loss takes log-probabilities: a log of a "
+                                              "probability of 0 is -inf. Pass F.log_softmax(")
+    assert not any("0/0" in fix or "Check the targets" in fix for fix in diagnosis.suggestion)
+
+
 def test_a_grad_scalers_inf_loss_after_a_climb_is_a_divergence_not_an_unreproduced_unknown():
     # The loss handed to scaler.scale() was an event diagnosed 'unknown: the replay did not
     # reproduce it' (the replay runs the forward only, whose outputs were finite).

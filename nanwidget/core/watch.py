@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .consensus import Consensus, consensus_wanted
-from .diagnosis import Diagnoser
+from .diagnosis import Diagnoser, loss_told
 from .early_warning import EarlyWarning, EarlyWarnings
 from .events import LOSS_ROLE, GradEvent, NanEvent, ScalerSkip, event_kind
 from .grads import BackwardFrames, GradNorms, ScalerHint, ScalerWatch, skips_summary
@@ -461,16 +461,21 @@ class NanWatch:
         capture.set_snapshots(enabled)
 
     # ------------------------------------------------------------------ a loss
-    def explain_loss(self, loss: torch.Tensor | float, *,
-                     batch: int | None = None) -> NanEvent | None:
+    def explain_loss(self, loss: torch.Tensor | float, *, batch: int | None = None,
+                     target: torch.Tensor | None = None) -> NanEvent | None:
         """Why a loss computed outside the model, from its outputs, is NaN/Inf, when no module
         event explains it (``torch.isfinite(loss)`` failed in your loop; the training callbacks
         ask at their stop): the event it is, role ``"loss"`` at the root, with its
         ``diagnosis``: ``"divergence"`` when the weights climbed over the batches before (the
         optimizer drove the outputs up until the loss of them overflowed), else ``"loss"``.
         None for a finite loss. ``batch``: the batch whose forward made the outputs (default:
-        the last one recorded). The event is not added to :attr:`events`. It reads the loss
-        (a host sync) and diagnoses: call it once the loss is non-finite, not every batch."""
+        the last one recorded). ``target``: the targets the loss compared the outputs with
+        (optional): an Inf or NaN there is named with its rows, first. The loss function is
+        told by the loss's ``grad_fn`` when torch's own made it (``F.mse_loss``,
+        ``F.cross_entropy``, ``F.binary_cross_entropy``...), so the fixes fit it (no
+        log-probability fixes for a regression). The event is not added to :attr:`events`.
+        It reads the loss (a host sync) and diagnoses: call it once the loss is non-finite,
+        not every batch."""
         if isinstance(loss, torch.Tensor):
             if loss.is_meta or not (loss.is_floating_point() or loss.is_complex()):
                 return None  # no values (meta), or integers that hold no NaN/Inf
@@ -486,6 +491,9 @@ class NanWatch:
             if number == number and abs(number) != float("inf"):
                 return None
             kind = "nan" if number != number else "inf"
+        if target is not None and not isinstance(target, torch.Tensor):
+            raise TypeError("explain_loss's target= takes the targets as a tensor, got "
+                            f"{type(target).__name__}")
         self.flush()  # the frames of the batch that made it
         if batch is None:
             recorded = self.history()["batch"]
@@ -497,7 +505,7 @@ class NanWatch:
                          origin="output", rank=self.rank)
         diagnoser = self._parts.diagnoser
         if diagnoser is not None:
-            event.diagnosis = diagnoser.diagnose(event)
+            event.diagnosis = diagnoser.diagnose(event, loss_told=loss_told(loss, target))
         return event
 
     # ------------------------------------------------------------------ gradients

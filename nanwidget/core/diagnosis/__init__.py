@@ -11,9 +11,9 @@ of bookkeeping, and the work only when an event happens.
 
 from __future__ import annotations
 
-from .facts import Facts, InputFacts, OpFacts, WeightLog
+from .facts import Facts, InputFacts, LossTold, OpFacts, WeightLog, loss_told
 from .feature import MAX_DIAGNOSIS_REPLAYS, Diagnoser
 from .rules import Growth, diagnose, growth_of
 
-__all__ = ["Diagnoser", "diagnose", "Facts", "InputFacts", "OpFacts", "WeightLog", "Growth",
-           "growth_of", "MAX_DIAGNOSIS_REPLAYS"]
+__all__ = ["Diagnoser", "diagnose", "Facts", "InputFacts", "LossTold", "OpFacts", "WeightLog",
+           "loss_told", "Growth", "growth_of", "MAX_DIAGNOSIS_REPLAYS"]

@@ -29,8 +29,8 @@ from ..writes import steps_taken
 from ..stats import (dtype_max, is_distributed_tensor, local_shard, nested_values, storage_holds,
                      widen_float8)
 
-__all__ = ["Facts", "InputFacts", "OpFacts", "WeightLog", "describe_input", "op_facts",
-           "output_grad_bad", "weight_names"]
+__all__ = ["Facts", "InputFacts", "LossTold", "OpFacts", "WeightLog", "describe_input",
+           "loss_told", "op_facts", "output_grad_bad", "weight_names"]
 
 # Batches of weight numbers kept (one float each) and recent history rows read per diagnosis.
 WEIGHT_LOG_BATCHES = 64
@@ -562,6 +562,79 @@ def weight_names(event: NanEvent, is_mask: Callable[[str], bool] | None = None) 
     return [n for n in names if is_mask is None or n == names[0] or not is_mask(n)]
 
 
+# torch's fused loss functions, by the autograd node that makes their result (a loss's
+# grad_fn): name -> (the function, what it compares). A loss reduced or combined by hand
+# (((out - y) ** 2).mean(), a sum of terms, l1_loss, label smoothing) ends in another node and
+# tells nothing.
+LOSS_FUNCTIONS = {
+    "MseLossBackward0": ("mse_loss", "squared"),
+    "SmoothL1LossBackward0": ("smooth_l1_loss", "regression"),
+    "HuberLossBackward0": ("huber_loss", "regression"),
+    "NllLossBackward0": ("nll_loss (cross_entropy)", "log-prob"),
+    "NllLoss2DBackward0": ("nll_loss (cross_entropy)", "log-prob"),
+    "BinaryCrossEntropyBackward0": ("binary_cross_entropy", "probability"),
+    "BinaryCrossEntropyWithLogitsBackward0": ("binary_cross_entropy_with_logits", "logits"),
+    "SoftMarginLossBackward0": ("soft_margin_loss", "logits"),
+    "MultiMarginLossBackward0": ("multi_margin_loss", "logits"),
+    "MultilabelMarginLossBackward0": ("multilabel_margin_loss", "logits"),
+}
+
+
+# A product or quotient: a loss scaled after its function (its other operand outside the graph).
+_SCALINGS = ("MulBackward0", "DivBackward0")
+
+
+@dataclass
+class LossTold:
+    """What can be told of a non-finite loss computed outside the model without a trace
+    (``NanWatch.explain_loss``): the loss function, by its tensor's grad_fn, and the targets'
+    finiteness, when they were given."""
+
+    # The loss tensor's grad_fn class name ("" without one); for a loss function's result
+    # scaled after it, the nodes down to the function's ("DivBackward0 over MseLossBackward0").
+    grad_fn: str = ""
+    scaled: bool = False  # ... scaled by a factor outside the graph after the function
+    function: str = ""  # torch's loss function that made it ("mse_loss"; "": not told)
+    family: str = ""  # what it compares (LOSS_FUNCTIONS)
+    # What the targets held: None: not given; "": all finite; "an Inf", "a NaN", "NaN/Inf".
+    targets_held: str | None = None
+    target_rows: list[int] = field(default_factory=list)  # rows (dim 0) holding it
+
+
+def loss_told(loss: Any, target: Any = None) -> LossTold:
+    """What ``loss`` (its grad_fn, read now) and ``target`` (a tensor, or None) tell; one host
+    read of the target. Event time only."""
+    node = loss.grad_fn if isinstance(loss, torch.Tensor) else None
+    grad_fn = type(node).__name__ if node is not None else ""
+    told = LossTold(grad_fn=grad_fn)
+    scalings = []
+    while node is not None and len(scalings) < 4 and type(node).__name__ in _SCALINGS:
+        # The loss scaled by what is outside the graph (Lightning's loss / accumulate_grad_batches,
+        # 0.5 * loss): the node it scaled. A division's graph operand must be its numerator.
+        graph = [i for i, (fn, _) in enumerate(node.next_functions) if fn is not None]
+        if graph not in ([0], [1]) or (type(node).__name__ == "DivBackward0" and graph != [0]):
+            break
+        scalings.append(type(node).__name__)
+        node = node.next_functions[graph[0]][0]
+    name = type(node).__name__ if node is not None else ""
+    if name in LOSS_FUNCTIONS:
+        told.function, told.family = LOSS_FUNCTIONS[name]
+        told.grad_fn = " over ".join(scalings + [name])
+        told.scaled = bool(scalings)
+    if target is None:
+        return told
+    values = target.detach()
+    if not (values.is_floating_point() or values.is_complex()) or values.is_meta:
+        told.targets_held = ""  # integers (class labels) hold no NaN/Inf
+        return told
+    bad = ~torch.isfinite(values)
+    nan, inf = bool(torch.isnan(values).any()), bool(torch.isinf(values).any())
+    told.targets_held = "NaN/Inf" if nan and inf else "a NaN" if nan else "an Inf" if inf else ""
+    if told.targets_held and values.dim():
+        told.target_rows = torch.nonzero(bad.reshape(len(values), -1).any(1)).flatten().tolist()
+    return told
+
+
 @dataclass
 class Facts:
     """Everything a diagnosis reads (see the module docstring)."""
@@ -581,6 +654,8 @@ class Facts:
     # after the batch), "" (not this refusal).
     replay_refused_written: str = ""
     has_loss_fn: bool = False  # the watch was given loss_fn (its replays run the loss)
+    # A loss computed outside the model, given to NanWatch.explain_loss: what it told.
+    loss_told: LossTold | None = None
     # The dtype FSDP2's MixedPrecisionPolicy casts the model's sharded parameters to for the
     # forward (its param_dtype, as the event's frames show them), "" when none is cast: a fix
     # for that dtype names the policy, not torch.autocast.

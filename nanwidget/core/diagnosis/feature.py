@@ -44,7 +44,7 @@ from ..writes import (last_step_writing, marks_kept_from, nonfinite_lr_in_step,
                       optimizers_stepped, param_group_of, step_in_progress,
                       stepping_optimizer, steps_taken, written_since)
 from . import fixes
-from .facts import (HISTORY_BATCHES, Facts, WeightLog, describe_input, op_facts,
+from .facts import (HISTORY_BATCHES, Facts, LossTold, WeightLog, describe_input, op_facts,
                     output_grad_bad, packed_samples, weight_names)
 from .rules import diagnose
 
@@ -383,10 +383,14 @@ class Diagnoser(Feature):
         if event.diagnosis is None:
             event.diagnosis = self.diagnose(event, may_replay=False)
 
-    def diagnose(self, event: NanEvent, *, may_replay: bool = False) -> Diagnosis:
-        """The diagnosis of ``event``; never raises (a failure is an "unknown" that says so)."""
+    def diagnose(self, event: NanEvent, *, may_replay: bool = False,
+                 loss_told: LossTold | None = None) -> Diagnosis:
+        """The diagnosis of ``event``; never raises (a failure is an "unknown" that says so).
+        ``loss_told``: what a loss computed outside the model told of itself (its function,
+        its targets), for a loss event made by ``NanWatch.explain_loss``."""
         try:
             facts = self.facts(event, may_replay=may_replay)
+            facts.loss_told = loss_told
             if facts.weights_unseen:  # the event's own words must not claim them finite
                 event.note = f"{event.note}; {facts.unseen_note}" if event.note \
                     else facts.unseen_note

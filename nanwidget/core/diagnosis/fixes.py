@@ -16,7 +16,8 @@ from ..stats import dtype_max
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
            "loss", "loss_input", "unknown", "in_wrapper_terms", "FABRIC_TERMS",
            "LIGHTNING_TERMS", "LIGHTNING_MANUAL_TERMS",
-           "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS", "in_full_precision",
+           "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS", "NAME_THE_LOSS_OP",
+           "in_full_precision",
            "in_dp_terms", "with_one_cycle"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
@@ -826,14 +827,20 @@ def mask_built_with_nan(roles: list[str]) -> list[str]:
 
 def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = False,
          zero_over_zero: bool = False, snr: bool = False, from_targets: bool = False,
-         boxes: bool = False, given_finite: bool = False) -> list[str]:
+         boxes: bool = False, given_finite: bool = False, function: str = "",
+         family: str = "", targets_held: str | None = None, target_rows: list[int] | None = None,
+         made: str = "") -> list[str]:
     """``op``: the loss's op that made the value (its forward op's name for a gradient), ``at``
     its line; ``has_loss_fn``: the watch was given loss_fn (never advise passing it);
     ``zero_over_zero``: that op is a division of 0 by 0; ``snr``: its line divides by an SNR
     (a diffusion loss's min-SNR weighting); ``from_targets``: the op read none of the model's
     output, only the targets (or other tensors loss_fn holds); ``boxes``: those are box
     regression targets (a log of box widths or heights); ``given_finite``: the loss is a module
-    whose inputs were seen finite (the caller says how to name its op)."""
+    whose inputs were seen finite (the caller says how to name its op). Untraced, what the
+    loss told of itself (``NanWatch.explain_loss``): ``function`` and ``family``, torch's loss
+    function that made it and what it compares (facts.LOSS_FUNCTIONS), ``targets_held`` what
+    its targets held (None: not given; "": all finite; "an Inf" ...) in ``target_rows``;
+    ``made``: the loss's kind ("nan", "inf")."""
     fixes = []
     untraced = not traced and not given_finite  # nothing named the op, nor could be seen
     if untraced and has_loss_fn:
@@ -841,9 +848,13 @@ def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = Fa
                      "loss_fn=your_loss_fn).report() (run it within the failing step, while "
                      "the loss's targets and weights are those of that batch).")
     elif untraced:
-        fixes.append(f"Name the loss's op and line: watch with loss_fn=lambda out: "
-                     f"criterion(out, targets) (automatic replays then run the loss), or now "
-                     f"w.replay({batch}, loss_fn=...).")
+        fixes.append(f"{NAME_THE_LOSS_OP}criterion(out, targets) (automatic replays then run "
+                     f"the loss), or now w.replay({batch}, loss_fn=...).")
+    if untraced and (function or targets_held is not None):
+        # The loss said what it is, or its targets were read: the likeliest cause first, the
+        # way to name the op after it.
+        return _told_loss(function, family, targets_held, target_rows or [], made) + fixes \
+            + ([] if function or targets_held else [_OTHER_TENSORS])
     name = op.lstrip("_").rstrip("_")  # pow_ is pow
     if traced and name in ("div", "true_divide", "reciprocal"):
         # A denominator that reached 0 (a weighting such as min-SNR's min(snr, 5) / snr).
@@ -864,22 +875,78 @@ def loss(batch: int, op: str, traced: bool, at: str = "", has_loss_fn: bool = Fa
         return fixes + targets(op, at, boxes)
     if not traced or name in ("log", "log2", "log10", "log1p", "sigmoid", "softmax",
                               "binary_cross_entropy", "nll_loss"):
-        fixes.append("Use the fused, stable losses on the logits: nn.BCEWithLogitsLoss instead "
-                     "of log(sigmoid(x)) by hand, nn.CrossEntropyLoss or F.log_softmax instead "
-                     "of log(softmax(x)).")
-        fixes.append("Clamp probabilities before a log: p.clamp(eps, 1 - eps); compute the loss "
-                     "in float32 (output.float()) under autocast.")
+        fixes.extend(_LOGITS_FIXES)
     else:
         fixes.extend(domain(op, "", backward=False))
     if untraced:
-        # Untraced, the NaN may as well have come in with a tensor the loss reads: another
-        # model's output (TRL's DPO and KL terms read a frozen reference model's log-probs).
-        fixes.append("Or the loss read a NaN/Inf made before it ran, in a tensor besides the "
-                     "model's output: another model's output (a frozen reference or teacher "
-                     "model, whose log-probs DPO losses and KL penalties read; a target "
-                     "network), targets, rewards or advantages. Watch that model too "
-                     "(nw.watch(ref_model)), or assert torch.isfinite(t).all() where such a "
-                     "tensor is made.")
+        fixes.append(_OTHER_TENSORS)
+    return fixes
+
+
+# How the first fix of an untraced loss begins (the wrappers word it whole).
+NAME_THE_LOSS_OP = "Name the loss's op and line: watch with loss_fn=lambda out: "
+# Untraced, the NaN may as well have come in with a tensor the loss reads: another model's
+# output (TRL's DPO and KL terms read a frozen reference model's log-probs).
+_OTHER_TENSORS = ("Or the loss read a NaN/Inf made before it ran, in a tensor besides the "
+                  "model's output: another model's output (a frozen reference or teacher "
+                  "model, whose log-probs DPO losses and KL penalties read; a target "
+                  "network), targets, rewards or advantages. Watch that model too "
+                  "(nw.watch(ref_model)), or assert torch.isfinite(t).all() where such a "
+                  "tensor is made.")
+_LOGITS_FIXES = ["Use the fused, stable losses on the logits: nn.BCEWithLogitsLoss instead "
+                 "of log(sigmoid(x)) by hand, nn.CrossEntropyLoss or F.log_softmax instead "
+                 "of log(softmax(x)).",
+                 "Clamp probabilities before a log: p.clamp(eps, 1 - eps); compute the loss "
+                 "in float32 (output.float()) under autocast."]
+
+
+def _told_loss(function: str, family: str, targets_held: str | None, rows: list[int],
+               made: str) -> list[str]:
+    """The fixes of a loss of finite outputs that no trace named, from what it told: its
+    function (torch's fused losses are finite on finite inputs in their domain, so the
+    targets, or the function's own limit, made it) and its targets' values."""
+    fixes = []
+    named = f"{function} " if function else "the loss "
+    if targets_held:
+        fixes.append(f"Fix the targets: they held {targets_held}{in_rows(rows, 8)}, and "
+                     f"{named}of finite outputs against a non-finite target is NaN/Inf. "
+                     "Assert torch.isfinite(y).all() where they are made (the Dataset or its "
+                     "transform: a missing value, a division by 0 or log(0) in "
+                     "preprocessing), and drop or fix those samples.")
+    weighted = " (or a loss weight: weight=, pos_weight=)" if family in (
+        "probability", "logits") else ""
+    check = ("Check the targets: " + named + "of the model's finite outputs is NaN/Inf when a "
+             f"target is{weighted}. Assert torch.isfinite(y).all() where the targets are made "
+             "(the Dataset or its transform), and drop or fix the samples that fail.")
+    if family == "squared":
+        if targets_held is None:
+            fixes.append(check)
+        if not targets_held:
+            fixes.append("Or a squared difference passed the dtype's largest value: an output "
+                         "or target past 1.8e19 in float32 (256 in float16) squares past it. "
+                         "Scale the targets down (standardise them: (y - mean) / std), or use "
+                         "nn.HuberLoss / nn.SmoothL1Loss, which grow linearly past delta.")
+    elif family == "log-prob":
+        if made != "inf":
+            fixes.append("A mean over no target is 0/0: when every target of the batch is "
+                         "ignore_index (-100), or the class weights of its targets sum to 0, "
+                         "nll_loss and cross_entropy with reduction='mean' give NaN. Drop such "
+                         "batches, or sum the loss and divide by max(count, 1).")
+        if made != "nan":
+            fixes.append("nll_loss takes log-probabilities: a log of a probability of 0 is "
+                         "-inf. Pass F.log_softmax(logits, dim) (or use F.cross_entropy on the "
+                         "logits) instead of log(softmax(x)) by hand.")
+        # Its targets are class indices (integers: never NaN/Inf), so no check of their values.
+    elif family in ("regression", "probability", "logits"):
+        if targets_held is None:
+            fixes.append(check)
+        if family == "probability":
+            fixes.append("Take the logits and use nn.BCEWithLogitsLoss instead of a sigmoid "
+                         "then nn.BCELoss: stable, and allowed under autocast "
+                         "(binary_cross_entropy clamps its log at -100, so probabilities in "
+                         "[0, 1] alone give a finite loss).")
+    elif not targets_held:  # the function not told, the targets finite: as without them
+        fixes.extend(_LOGITS_FIXES)
     return fixes
 
 

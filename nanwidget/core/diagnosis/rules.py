@@ -1305,8 +1305,18 @@ def _loss_value(facts: Facts) -> Diagnosis | None:
         evidence.append("A loss that squares the outputs (MSE) or exponentiates them passes its "
                         "dtype's largest value long before they do: the square of anything "
                         "above 1.84e19 overflows float32 (3.4e38), above 256 float16.")
+    told = facts.loss_told
+    if told is not None and told.function:
+        evidence.append(f"The loss's grad_fn is {told.grad_fn}: torch's {told.function} made "
+                        "it" + (", and a factor outside the graph scaled it." if told.scaled
+                                else "."))
+    if told is not None and told.targets_held is not None:
+        evidence.append(f"The targets given held {told.targets_held}"
+                        f"{fixes.in_rows(told.target_rows, 8)}." if told.targets_held
+                        else "The targets given were finite.")
     grew = _weights_growth(facts)
-    if grew is not None:
+    # A non-finite target makes the loss non-finite whatever the weights did: it comes first.
+    if grew is not None and (told is None or not told.targets_held):
         climb = _divergence_evidence(facts, grew)
         grown = _grown_modules(facts)
         if grown:
@@ -1320,17 +1330,28 @@ def _loss_value(facts: Facts) -> Diagnosis | None:
             _divergence_fixes(facts, grew, _weight_dtype(event) or "float32"),
             confidence=grew.sure("high"))
     evidence += _activation_lines(facts, [event.module])
-    if len([b for b, _ in facts.weights.series if b <= event.batch]) >= 3:
+    if grew is not None:  # a non-finite target: the loss is non-finite whatever the weights do
+        evidence.append(f"The weights also grew {grew.per_batch:.3g}x {grew.per} {grew.since}, "
+                        f"but a target holding {told.targets_held if told else ''} makes the "
+                        "loss non-finite whatever the outputs are.")
+    elif len([b for b, _ in facts.weights.series if b <= event.batch]) >= 3:
         evidence.append("The weights did not climb over the batches before (no divergence): "
                         "what the loss reads besides the outputs (targets, weights, masks) or "
                         "its own ops made it.")
     evidence.extend(_no_history(facts))
+    summary = (f"Made in the loss, outside the model: the loss of batch {event.batch} was {what}, "
+               "while the model's outputs were finite; no op of the model made it.")
+    if told is not None and told.targets_held:
+        summary += (f" Its targets held {told.targets_held}"
+                    f"{fixes.in_rows(told.target_rows, 8)}.")
     return Diagnosis(
-        "loss",
-        f"Made in the loss, outside the model: the loss of batch {event.batch} was {what}, "
-        "while the model's outputs were finite; no op of the model made it.",
-        evidence, fixes.loss(event.batch, "", traced=False, has_loss_fn=facts.has_loss_fn),
-        confidence="medium")
+        "loss", summary, evidence,
+        fixes.loss(event.batch, "", traced=False, has_loss_fn=facts.has_loss_fn,
+                   function=told.function if told else "", family=told.family if told else "",
+                   targets_held=told.targets_held if told else None,
+                   target_rows=told.target_rows if told else None, made=event.made_kind),
+        rows=told.target_rows if told is not None and told.targets_held else [],
+        confidence="high" if told is not None and told.targets_held else "medium")
 
 
 # An input of a loss this close to 0 (not 0 itself: targets and masks hold zeros) makes its
