@@ -300,3 +300,26 @@ def test_an_inf_target_with_steady_weights_is_a_loss_not_a_divergence():
                for line in diagnosis.evidence)
     assert any("targets" in fix for fix in diagnosis.suggestion)
     assert not any("learning rate" in fix for fix in diagnosis.suggestion)
+
+
+def test_an_inf_targets_fixes_fit_an_mse_and_name_the_callbacks_loss_fn():
+    # The fixes led with "watch with loss_fn=lambda out: criterion(out, targets)" (a watch the
+    # Lightning user never makes) and gave the log-probability fixes (BCEWithLogitsLoss,
+    # log_softmax) to an MSE regression. The loss on_before_backward gets tells mse_loss made
+    # it (its grad_fn): the targets come first, then the callback's own loss_fn=.
+    torch.manual_seed(0)
+    data = loader(256, scale=3.0)
+    data.dataset.tensors[1][5 * 8 + 2] = float("inf")                 # batch 5, row 2
+    diagnosis = _stopped_on_a_loss(LinearRegressor(lr=0.01), data).stop.diagnosis
+    assert "The loss's grad_fn is DivBackward0 over MseLossBackward0: torch's mse_loss made it, " \
+           "and a factor outside the graph scaled it." in diagnosis.evidence  # Lightning's / 1
+    fixes = diagnosis.suggestion
+    assert fixes[0].startswith("Check the targets: mse_loss of the model's finite outputs is "
+                               "NaN/Inf when a target is.")
+    assert fixes[-1].startswith("Name the loss's op and line: give the callback the loss as a "
+                                "function of the model's output, callbacks=[NanWatchCallback("
+                                "loss_fn=lambda out: ...)] (from nanwidget.integrations."
+                                "lightning): it returns the loss training_step computes")
+    said = " ".join(fixes)
+    assert "watch with loss_fn" not in said and "w.replay(" not in said
+    assert not any(fix in said for fix in ("BCEWithLogits", "log_softmax", "Clamp probabilities"))

@@ -694,3 +694,21 @@ def test_an_inf_target_with_steady_weights_is_a_loss_not_a_divergence(tmp_path):
     assert diagnosis is not None and diagnosis.kind == "loss"
     assert any(line.startswith("The weights did not climb over the batches before")
                for line in diagnosis.evidence)
+
+
+def test_an_inf_label_is_named_by_its_row_first_and_loss_fn_in_the_callbacks_words(tmp_path):
+    # The fixes led with "watch with loss_fn=" (not the callback's keyword) and gave the
+    # log-probability fixes (BCEWithLogitsLoss, log_softmax) to an MSE regression; the
+    # targets came last. The callback holds the micro-batch's labels: their Inf row leads.
+    diagnosis = _train_regression(tmp_path, RegressionRows(inf_at=5 * 8 + 2), learning_rate=0.01)
+    assert diagnosis.kind == "loss" and diagnosis.confidence == "high" and len(diagnosis.rows) == 1
+    row = diagnosis.rows[0]
+    assert diagnosis.summary.endswith(f"Its targets held an Inf in row {row}.")
+    assert diagnosis.suggestion[0].startswith(f"Fix the targets: they held an Inf in row {row}")
+    assert diagnosis.suggestion[1].startswith(
+        "Name the loss's op and line: give the callback the loss as a function of the model's "
+        "output, callbacks=[NanWatchCallback(loss_fn=lambda outputs: ...)] (from "
+        "nanwidget.integrations.transformers): it returns the loss your compute_loss_func")
+    said = " ".join(diagnosis.suggestion)
+    assert "watch with loss_fn" not in said
+    assert not any(fix in said for fix in ("BCEWithLogits", "log_softmax", "Clamp probabilities"))

@@ -303,7 +303,8 @@ class StepGuard:
         self._grads_seen = 0
         self._warnings_seen = 0
         self._losses: list[str] = []
-        self._loss_values: list[tuple[torch.Tensor, int]] = []  # the first non-finite one's
+        # The first non-finite loss (with its grad_fn), its batch and targets (None: not known).
+        self._loss_values: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
         self._loss_explained = False  # the first stop's loss is the one diagnosed
         self._flag: torch.Tensor | None = None
         self.exchanges = 0  # flag all-reduces done (the tests count them)
@@ -319,17 +320,21 @@ class StepGuard:
         return self.watch.closed
 
     # ------------------------------------------------------------------ looking
-    def note_loss(self, loss: torch.Tensor, batch: int, made_by: str | None = None) -> None:
+    def note_loss(self, loss: torch.Tensor, batch: int, made_by: str | None = None,
+                  target: Any = None) -> None:
         """Check a training loss (one host sync); remember it when non-finite. ``made_by``:
         what the framework knows made it, when no module event explains it (said instead of
-        what the watch can tell)."""
+        what the watch can tell). ``target``: the batch's targets, when the framework hands
+        them over (the Trainer's labels): kept with a non-finite loss for its diagnosis."""
         value = loss.detach()
         if value.numel() and not bool(torch.isfinite(value).all()):
             kind = "nan" if bool(torch.isnan(value).any()) else "inf"
             self._losses.append(f"{kind} loss in batch {batch} ({self.batches.describe(batch)}); "
                                 + (made_by or self._where_loss_was_made(batch)))
             if not self._loss_values:
-                self._loss_values.append((value, batch))
+                # The loss itself: its grad_fn tells the loss function (torch's mse_loss ...).
+                self._loss_values.append(
+                    (loss, batch, target if isinstance(target, torch.Tensor) else None))
 
     def _where_loss_was_made(self, batch: int) -> str:
         """What the watch can say about a non-finite loss that no event explains."""
@@ -365,8 +370,8 @@ class StepGuard:
                 # Why, at the first finding only: the weights' climb before it (divergence),
                 # or the loss's own making (NanWatch.explain_loss).
                 self._loss_explained = True
-                value, batch = self._loss_values[0]
-                found.loss_event = watch.explain_loss(value, batch=batch)
+                value, batch, target = self._loss_values[0]
+                found.loss_event = watch.explain_loss(value, batch=batch, target=target)
         self._losses = []
         self._loss_values = []
         if check_grads and not watch.closed:

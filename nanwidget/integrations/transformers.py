@@ -400,7 +400,7 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
             return
         self._loss_not_finite = True
         for loss, batch, labels in losses:
-            self._guard.note_loss(loss, batch, self._outside_model(args, labels))
+            self._guard.note_loss(loss, batch, self._outside_model(args, labels), target=labels)
 
     def _outside_model(self, args: TrainingArguments, labels: Any) -> str:
         """Where a non-finite loss that no watched module's output held was made, in the

@@ -16,8 +16,8 @@ from ..stats import dtype_max
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
            "loss", "loss_input", "unknown", "in_wrapper_terms", "FABRIC_TERMS",
            "LIGHTNING_TERMS", "LIGHTNING_MANUAL_TERMS",
-           "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS", "NAME_THE_LOSS_OP",
-           "in_full_precision",
+           "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS", "TRAINER_WHOLE_FIXES",
+           "LIGHTNING_WHOLE_FIXES", "NAME_THE_LOSS_OP", "in_full_precision",
            "in_dp_terms", "with_one_cycle"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
@@ -1290,12 +1290,29 @@ _LIGHTNING_CLIPPING = (
     (f"Clip the gradients before the step: {_CLIP}; with float16, torch.amp.GradScaler skips "
      "steps whose gradients hold Inf/NaN.", ""),
 )
+# The loss_fn a watch takes is the callbacks' own keyword: NanWatchCallback(loss_fn=...) passes
+# it to the watch, whose replays then run the loss (a replay after the fit has nothing to run:
+# the callback closes its watch at the end of training).
+def _callback_loss_fn(module: str, made_by: str, output: str) -> tuple[tuple[str, str], ...]:
+    return ((NAME_THE_LOSS_OP,
+             "Name the loss's op and line: give the callback the loss as a function of the "
+             f"model's output, callbacks=[NanWatchCallback(loss_fn=lambda {output}: ...)] (from "
+             f"nanwidget.integrations.{module}): it returns the loss {made_by} computes, reading "
+             "the batch's targets where that code keeps them, and the watch's replays then run "
+             "it and its backward within the failing step."),)
+
+
+TRAINER_WHOLE_FIXES = _callback_loss_fn(
+    "transformers", "your compute_loss_func (or compute_loss, or the Trainer's label smoothing)",
+    "outputs")
+LIGHTNING_WHOLE_FIXES = _callback_loss_fn("lightning", "training_step", "out")
 _CLIPPING = {"trainer": _TRAINER_CLIPPING, "lightning": _LIGHTNING_CLIPPING}
 _TERMS = {"fabric": (FABRIC_TERMS, _FABRIC_CLIP), "skorch": (SKORCH_TERMS, _SKORCH_CLIP),
           "sb3": (SB3_TERMS, _SB3_CLIP), "trainer": (TRAINER_TERMS, _TRAINER_CLIP),
           "lightning": (LIGHTNING_TERMS, _LIGHTNING_CLIP),
           "lightning-manual": (LIGHTNING_MANUAL_TERMS, _LIGHTNING_MANUAL_CLIP)}
-_WHOLE = {"sb3": SB3_WHOLE_FIXES}
+_WHOLE = {"sb3": SB3_WHOLE_FIXES, "trainer": TRAINER_WHOLE_FIXES,
+          "lightning": LIGHTNING_WHOLE_FIXES, "lightning-manual": LIGHTNING_WHOLE_FIXES}
 
 
 def in_wrapper_terms(suggestion: list[str], wrapper: str,
@@ -1305,8 +1322,9 @@ def in_wrapper_terms(suggestion: list[str], wrapper: str,
     ``"lightning"``: Lightning's Trainer, ``"lightning-manual"``: the same for a
     LightningModule with ``automatic_optimization = False``), in its words
     (:data:`FABRIC_TERMS`, :data:`SKORCH_TERMS`, :data:`SB3_TERMS` and
-    :data:`SB3_WHOLE_FIXES`, :data:`TRAINER_TERMS`, :data:`LIGHTNING_TERMS`,
-    :data:`LIGHTNING_MANUAL_TERMS`). ``max_grad_norm``: the Trainer's ``max_grad_norm`` or
+    :data:`SB3_WHOLE_FIXES`, :data:`TRAINER_TERMS` and :data:`TRAINER_WHOLE_FIXES`,
+    :data:`LIGHTNING_TERMS`, :data:`LIGHTNING_MANUAL_TERMS` and
+    :data:`LIGHTNING_WHOLE_FIXES`). ``max_grad_norm``: the Trainer's ``max_grad_norm`` or
     Lightning's ``gradient_clip_val``, when it clips (> 0): a fix that says to clip says that
     it does already."""
     terms, clip = _TERMS[wrapper]
