@@ -70,7 +70,7 @@ from .frames import Frame
 from .recorder import Feature, Recorder
 from .sourcelines import user_stacklevel
 from .state import optimizer_steps
-from .stats import dtype_max
+from .stats import dtype_max, growth_rate
 from .writes import step_in_progress
 
 __all__ = ["EarlyWarning", "EarlyWarningIssued", "EarlyWarnings", "REASONS", "NEAR_FACTOR",
@@ -190,18 +190,6 @@ def _batches(count: float) -> str:
     """"1 batch", "12 batches" (rounded)."""
     shown = f"{count:.0f}"
     return f"{shown} batch" if shown == "1" else f"{shown} batches"
-
-
-def growth_rate(batches: list[int], logs: list[float]) -> float:
-    """Theil-Sen slope of ``logs`` (natural log of abs max) against ``batches``: the median of
-    the pairwise slopes, so that one odd batch does not make a trend."""
-    slopes = sorted((logs[j] - logs[i]) / (batches[j] - batches[i])
-                    for i in range(len(batches)) for j in range(i + 1, len(batches))
-                    if batches[j] != batches[i])
-    if not slopes:
-        return 0.0
-    middle = len(slopes) // 2
-    return slopes[middle] if len(slopes) % 2 else (slopes[middle - 1] + slopes[middle]) / 2
 
 
 # ---------------------------------------------------------------------------- the feature

@@ -36,7 +36,7 @@ __all__ = ["TensorStats", "PendingStats", "AbsMeter", "classify", "dtype_max", "
            "widen_float8",
            "storage_holds", "measure_tensor", "PENDING_BYTES_LIMIT", "PLAIN_TENSOR_TYPES",
            "local_shard", "is_distributed_tensor", "plain_view", "nested_values", "stood_for",
-           "functorch_unwrapped", "vmapped_samples"]
+           "functorch_unwrapped", "vmapped_samples", "growth_rate"]
 
 # Tensors above this many elements are reduced in slices, so that the temporary |x| never
 # needs more memory than one slice (an LLM's logits can be gigabytes).
@@ -155,6 +155,18 @@ def dtype_max(dtype: torch.dtype | str) -> float:
             return math.inf
     return math.inf
 
+
+def growth_rate(batches: list[int], logs: list[float]) -> float:
+    """Theil-Sen slope of ``logs`` (natural log of abs max) against ``batches``: the median of
+    the pairwise slopes, so that one odd batch does not make a trend. 0 with fewer than two
+    batches."""
+    slopes = sorted((logs[j] - logs[i]) / (batches[j] - batches[i])
+                    for i in range(len(batches)) for j in range(i + 1, len(batches))
+                    if batches[j] != batches[i])
+    if not slopes:
+        return 0.0
+    middle = len(slopes) // 2
+    return slopes[middle] if len(slopes) % 2 else (slopes[middle - 1] + slopes[middle]) / 2
 
 def widen_float8(values: torch.Tensor) -> torch.Tensor:
     """A float8 tensor (or another format torch implements few ops for) as a float32 copy,
