@@ -42,7 +42,7 @@ from ..events import LOSS_ROLE, Diagnosis, NanEvent
 from ..schema import (DEQUANTIZED, INTENDED_INF_OPS, NO_USER_LINE, OP_ROWS_DESCRIBED, PACKED,
                       masks_rows, role_groups)
 from ..sourcelines import locate_source, source_text
-from ..stats import dtype_max
+from ..stats import dtype_max, growth_rate
 from . import fixes
 from .facts import Facts, OpFacts, weight_names
 
@@ -254,6 +254,9 @@ def _no_history(facts: Facts) -> list[str]:
 # per batch, which over many batches also adds up to 2x: no divergence.
 _DIVERGING_PER_BATCH = 1.1
 _JUMP = 100.0  # one optimizer step that multiplies the weights' abs max by this: diverged
+# A climb whose every batch adds at least twice this (and twice the weights' scale where it began)
+# to the weights' summed abs max diverged, even by steps that do not grow (see _multiplies).
+_ADDED_FLOOR = 1.0
 
 
 def _weights_growth(facts: Facts) -> Growth | None:
@@ -295,7 +298,7 @@ def _weights_climb(facts: Facts) -> Growth | None:
     1e12 moves every weight by about that much at once; a write of the user's is no step)."""
     points = [(b, v) for b, v in facts.weights.series if b <= facts.event.batch]
     grew = growth_of(points, per_batch=_DIVERGING_PER_BATCH)
-    if grew is not None:
+    if grew is not None and _multiplies(points, grew):
         return grew
     steps = facts.optimizer_steps
     for before, after in list(zip(points, points[1:]))[-3:][::-1]:
@@ -304,6 +307,36 @@ def _weights_climb(facts: Facts) -> Growth | None:
                 and after[1] >= _JUMP * before[1]:
             return Growth(start=before, end=after)
     return _growth_by_step(facts) or _growth_since_start(facts)
+
+
+def _multiplies(points: list[tuple[int, float]], grew: Growth) -> bool:
+    """Whether the weights' climb ``grew`` (the end of ``points``) is a divergence's rather
+    than healthy training's at a high learning rate. A divergence feeds on itself: each step
+    adds in proportion to where the weights stand, so the steps grow as the weights do (here:
+    at least half as fast, in orders of magnitude, by Theil-Sen fits of both), into the event
+    (its last rise :data:`_DIVERGING_PER_BATCH` per batch or more). Or its steps are bounded
+    but huge, as Adam's at a learning rate of 10: each batch adds at least twice the scale of the
+    weights where the climb began (and of :data:`_ADDED_FLOOR`, for a start near zero). Bounded
+    steps of healthy training add about the same each batch, and their rate falls as the
+    weights grow: a zero-initialised head whose logits sharpen under SGD at lr=2 moved the
+    weights from 0.7 to 2.4 in 7 batches (1.19x per batch) by 0.12 to 0.33 a batch; a climb
+    that levelled off adds less and less. A climb with fewer than two rises to fit counts."""
+    climb = [(b, v) for b, v in points if grew.start[0] <= b <= grew.end[0]]
+    (first, base), (last, top) = climb[0], climb[-1]
+    if top - base >= 2 * max(base, _ADDED_FLOOR) * (last - first):
+        return True  # huge steps (Adam's at a huge learning rate): diverged, however it grew
+    (before, was) = climb[-2]
+    if top < was * _DIVERGING_PER_BATCH ** (last - before):
+        return False  # it levelled off (or dipped) before the event
+    # Each rise as a step per batch, at the middle of its batches (a sampled record's entries
+    # are several batches apart); a dip (up to 10% within a climb) has no size to fit.
+    rises = [((a + b) / 2, math.log((w - v) / (b - a)))
+             for (a, v), (b, w) in zip(climb, climb[1:]) if w > v]
+    if len(rises) < 2:
+        return True
+    weights = growth_rate([b for b, _ in climb], [math.log(v) for _, v in climb])
+    steps = growth_rate([b for b, _ in rises], [size for _, size in rises])
+    return steps >= weights / 2
 
 
 def _growth_since_start(facts: Facts) -> Growth | None:
@@ -444,8 +477,9 @@ def _growth_by_step(facts: Facts) -> Growth | None:
     if len(by_step) < 3 or by_step[-1][1] - by_step[0][1] < 2 * (len(by_step) - 1):
         return None  # about a step per batch (or none): the climb by batch said it all
     # By the steps' own count (a sampled record's entries are several steps apart).
-    grew = growth_of([(steps, v) for steps, _, v in by_step], per_batch=_DIVERGING_PER_BATCH)
-    if grew is None:
+    points = [(steps, v) for steps, _, v in by_step]
+    grew = growth_of(points, per_batch=_DIVERGING_PER_BATCH)
+    if grew is None or not _multiplies(points, grew):
         return None
     batch_at = {steps: b for steps, b, _ in by_step}
     return Growth(start=(batch_at[grew.start[0]], grew.start[1]),
