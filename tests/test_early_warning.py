@@ -1215,3 +1215,102 @@ def test_layerscale_gains_leaving_their_small_initialisation_are_no_growth(mode)
                              batches, lambda out, y: nn.functional.cross_entropy(out.float(), y),
                              20, **options)
     assert watched.events == [] and watched.warnings == [] and issued == []
+
+
+# ---------------------------------------------------------------------------- by optimizer step
+class _GaussianPolicy(nn.Module):
+    """A policy as RL libraries hold one: ``forward(obs)`` samples actions from a Gaussian
+    whose log_std is a parameter (each rollout step calls it); the update reads the mean and
+    the entropy without calling ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.log_std = nn.Parameter(torch.zeros(2))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.mean(obs) + self.log_std.exp() * torch.randn(obs.shape[0], 2)
+
+    def entropy(self) -> torch.Tensor:
+        return self.log_std.sum()  # a Gaussian's, up to a constant
+
+
+def _rollouts_then_updates(lr: float, ent_coef: float, updates: int, forwards: int = 16,
+                           **options) -> nw.NanWatch:
+    """``forwards`` rollout calls of the policy (evaluation mode, no grad) per optimizer step,
+    then one update: a regression of the mean and an entropy bonus (Adam moves log_std by
+    about ``lr`` per step when the bonus dominates)."""
+    torch.manual_seed(0)
+    policy = _GaussianPolicy()
+    optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
+    obs, target = torch.randn(forwards, 8, 4), torch.randn(8, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(policy, on_nan="record", **options) as w:
+            for _ in range(updates):
+                policy.eval()
+                with torch.no_grad():
+                    for t in range(forwards):
+                        policy(obs[t])
+                if w.event:
+                    break
+                policy.train()
+                loss = nn.functional.mse_loss(policy.mean(obs[0]), target) \
+                    - ent_coef * policy.entropy()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    return w
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_growth_over_optimizer_steps_many_forwards_apart_is_warned_about(mode):
+    # An entropy bonus far too large at lr=2: Adam raises log_std by 2 per step, the sampled
+    # actions grow 7.4x per step until they overflow. With 16 rollout forwards per step that
+    # is 1.13x per batch, and the actions rise once per 16 batches: it was never warned about.
+    w = _rollouts_then_updates(lr=2.0, ent_coef=1.0, updates=100, mode=mode)
+    assert w.event is not None and w.event.module == ""
+    growth = [warning for warning in w.warnings if warning.reason == "growth"]
+    assert [(g.module, g.per) for g in growth] == [("", "optimizer step")]
+    warning = growth[0]
+    assert w.event.batch - warning.batch > 35 * 16  # 35 steps or more before the overflow
+    assert 5 < warning.growth_per_batch < 11
+    assert "per optimizer step" in str(warning) and "optimizer steps" in str(warning)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_healthy_updates_many_forwards_apart_are_quiet(mode):
+    w = _rollouts_then_updates(lr=1e-2, ent_coef=0.01, updates=100, mode=mode)
+    assert w.event is None and w.warnings == []
+
+
+def test_a_step_per_batch_is_counted_by_batch_as_before():
+    w, _ = _mlp_learning_rate_blowup()
+    assert w.warnings and all(warning.per == "batch" for warning in w.warnings)
+
+
+def test_a_recording_keeps_the_count_by_optimizer_step_and_older_ones_read_by_batch(tmp_path):
+    torch.manual_seed(0)
+    policy = _GaussianPolicy()
+    obs = torch.randn(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(policy, log_dir=tmp_path) as w:
+            optimizer = torch.optim.SGD([policy.log_std], lr=2.0)
+            for _ in range(8):
+                for _ in range(4):
+                    policy(obs)
+                optimizer.zero_grad()
+                (-policy.entropy()).backward()
+                optimizer.step()
+    assert [warning.per for warning in w.warnings] == ["optimizer step"]
+    assert [str(x) for x in load_run(tmp_path).warnings] == [str(x) for x in w.warnings]
+    path = next(tmp_path.rglob("warnings.json"))
+    data = json.loads(path.read_text())
+    del data["warnings"][0]["per"]  # written before the field existed
+    path.write_text(json.dumps(data))
+    assert [x.per for x in load_run(tmp_path).warnings] == ["batch"]
+    data["warnings"][0]["per"] = "epoch"
+    path.write_text(json.dumps(data))
+    with pytest.raises(RunLoadError, match="per"):
+        load_run(tmp_path)

@@ -101,6 +101,26 @@ def test_ppo_at_a_learning_rate_of_10_diverges_by_optimizer_step() -> None:
     assert "clip_grad_norm_" not in " ".join(diagnosis.suggestion)  # SB3's max_grad_norm=
 
 
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_ppo_diverging_is_warned_about_by_optimizer_step_before_its_nan(mode) -> None:
+    # Adam at lr=5 raises log_std every update: the sampled actions grow about 1e3x per update
+    # of 4 optimizer steps until log_prob squares a deviation past float32's largest. Counted by
+    # batch (64 rollout forwards and 5 others per update) that was 1.1x per batch, rising once
+    # per update: no warning before the NaN. Counted by optimizer step it is 4.3x per step.
+    model = sb3.PPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, n_epochs=2,
+                    learning_rate=5.0, policy_kwargs=dict(NET), seed=0, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(model.policy, mode=mode) as w:
+            with pytest.raises(nw.NanDetected):
+                model.learn(1500)
+    assert [(x.module, x.reason, x.per) for x in w.warnings] == \
+        [("", "growth", "optimizer step")]
+    warning = w.warnings[0]
+    assert warning.batch < w.event.batch - 5 * 64  # five updates or more before the NaN
+    assert "per optimizer step" in str(warning)
+
+
 class _NanObservation(gym.Wrapper):
     """An environment whose ``at``-th step returns an observation holding a NaN."""
 

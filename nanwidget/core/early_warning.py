@@ -38,7 +38,15 @@ Two reasons, each given once per module (a warning never stops the run):
     ``max_iter`` times and more per step), the first only: it measures the model as the last
     step left it. The others try points the optimizer may turn away from (a strong-Wolfe line
     search lengthens its trial step up to tenfold per call), whose outputs grow fast in a
-    healthy fit.
+    healthy fit;
+  * counted by optimizer step too, where the steps are many batches apart (an RL loop calls its
+    policy once per rollout step, 64 or 2048 forwards between its updates: by batch, a policy
+    whose actions grow 1000x per update of 4 steps grows 1.1x per batch and rises once per
+    update). When a step has ended, each mode's batches since the last one that were two or
+    more become one point, their largest abs max per module (read from the history then, not
+    per batch), numbered by the optimizer steps taken, and the checks above run over these
+    points: 3 rises, 2x per step, 50 steps to the limit. Such a warning says "per optimizer
+    step" (``EarlyWarning.per``); a run with a step per batch has the series by batch alone.
 
 Where the numbers come from: nothing is measured for this, and nothing is read from a device.
 Full mode reads each finished batch's history row (the largest |x| of every module's outputs,
@@ -75,7 +83,8 @@ from .writes import step_in_progress
 
 __all__ = ["EarlyWarning", "EarlyWarningIssued", "EarlyWarnings", "REASONS", "NEAR_FACTOR",
            "HORIZON", "WINDOW", "MIN_RISES", "MIN_GROWTH", "GROWTH_FLOOR", "RECENT", "growth_rate",
-           "WARNING_FIELDS", "warning_fields", "warning_from_fields"]
+           "WARNING_FIELDS", "WARNING_DEFAULTS", "PERS", "warning_fields",
+           "warning_from_fields"]
 
 REASONS = ("near-limit", "growth")
 NEAR_FACTOR = 4.0  # "near-limit": within this factor of the dtype's largest value
@@ -118,7 +127,10 @@ class EarlyWarning:
     ``batches_to_limit`` batches). ``role`` names the output ("output", "output[0]",
     "output.logits", ...); ``limit`` is the largest finite value of its ``dtype``.
     ``growth_per_batch`` and ``batches_to_limit`` are NaN when the value is not growing (a
-    near-limit warning on a value seen once). ``pd.DataFrame(w.warnings)`` tabulates them.
+    near-limit warning on a value seen once). ``per``: "batch", or "optimizer step" for a growth
+    counted by optimizer step (steps many batches apart, see the module docstring): then
+    ``growth_per_batch`` is the growth per step and ``batches_to_limit`` the steps to go.
+    ``pd.DataFrame(w.warnings)`` tabulates them.
     """
 
     batch: int
@@ -131,6 +143,7 @@ class EarlyWarning:
     batches_to_limit: float
     dtype: str = ""
     rank: int = 0
+    per: str = "batch"
 
     @property
     def module_label(self) -> str:
@@ -146,7 +159,13 @@ class EarlyWarning:
         where = f"batch {self.batch}" + (f" on rank {self.rank}" if self.rank else "")
         what = f"{self.role} of '{self.module_label}' ({self.dtype})" if self.dtype else \
             f"{self.role} of '{self.module_label}'"
-        if self.reason == "growth":
+        if self.reason == "growth" and self.per == "optimizer step":
+            when = f"in about {_steps(self.batches_to_limit)}" \
+                if self.batches_to_limit >= 0.5 else "within the next optimizer step"
+            text = (f"{what} grows {self.growth_per_batch:.3g}x per optimizer step (abs max "
+                    f"{self.abs_max:.3g}, the largest of the batches between two steps); at that "
+                    f"rate it passes {largest} {when}")
+        elif self.reason == "growth":
             when = f"in about {_batches(self.batches_to_limit)}" \
                 if self.batches_to_limit >= 0.5 else "within the next batch"
             text = (f"{what} grows {self.growth_per_batch:.3g}x per batch (abs max "
@@ -169,7 +188,10 @@ class EarlyWarning:
 WARNING_FIELDS: dict[str, type | tuple[type, ...]] = {
     "batch": int, "module": str, "role": str, "reason": str, "abs_max": (int, float),
     "limit": (int, float), "growth_per_batch": (int, float), "batches_to_limit": (int, float),
-    "dtype": str, "rank": int}
+    "dtype": str, "rank": int, "per": str}
+# Fields a recording written before they existed lacks, with the value they had then.
+WARNING_DEFAULTS: dict[str, Any] = {"per": "batch"}
+PERS = ("batch", "optimizer step")
 
 
 def warning_fields(warning: EarlyWarning) -> dict[str, Any]:
@@ -179,7 +201,8 @@ def warning_fields(warning: EarlyWarning) -> dict[str, Any]:
 
 def warning_from_fields(fields: dict[str, Any]) -> EarlyWarning:
     """An :class:`EarlyWarning` from :func:`warning_fields` (checked by the caller)."""
-    values = {name: fields[name] for name in WARNING_FIELDS}
+    values = {name: fields[name] if fields.get(name) is not None else WARNING_DEFAULTS[name]
+              for name in WARNING_FIELDS}
     for name in ("abs_max", "limit", "growth_per_batch", "batches_to_limit"):
         values[name] = float(values[name])
     return EarlyWarning(**values)
@@ -190,6 +213,12 @@ def _batches(count: float) -> str:
     """"1 batch", "12 batches" (rounded)."""
     shown = f"{count:.0f}"
     return f"{shown} batch" if shown == "1" else f"{shown} batches"
+
+
+def _steps(count: float) -> str:
+    """"1 optimizer step", "12 optimizer steps" (rounded)."""
+    shown = f"{count:.0f}"
+    return f"{shown} optimizer step" if shown == "1" else f"{shown} optimizer steps"
 
 
 # ---------------------------------------------------------------------------- the feature
@@ -266,6 +295,14 @@ class EarlyWarnings(Feature):
         # by step_in_progress())
         self._steps = optimizer_steps()
         self._step_seen = (0, -1)  # (step, the batch looked at in it)
+        # Counted by optimizer step (see the module docstring): the steps taken when the
+        # batches since the last fold ended, and those batches as stretches of one mode each,
+        # (training flag, first batch); whether one of them ran inside a step (a closure
+        # called again): such a stretch is no point. Per mode, the series of folded points.
+        self._fold_count = self._steps.count
+        self._group: list[tuple[bool, int]] = []
+        self._group_in_step = False
+        self._by_step: dict[bool, _StepSeries] = {}
 
     # ------------------------------------------------------------------ under the lock
     def on_frames_resolved(self, frames: list[Frame]) -> None:
@@ -308,6 +345,8 @@ class EarlyWarnings(Feature):
             frames, self._early = self._early + frames, []
         if not frames:
             return  # sentinel mode between sampled batches: on_output_magnitude reads the root
+        if self._steps.count != self._fold_count:
+            self._fold(batch)  # a step ended since the last batch
         if self._steps.stepping and step_in_progress() and self._again_in_step(batch):
             return
         try:
@@ -320,7 +359,7 @@ class EarlyWarnings(Feature):
             if batch <= self._latest:
                 self._restart()  # numbered again from lower down (set_batch): a new series
             if self._model.training != self._training:
-                self._switched_mode()
+                self._switched_mode(batch)
             self._look(batch, row, frames)
         except Exception as error:  # a warning must never break the run
             self.recorder.internal_error(error)
@@ -350,6 +389,8 @@ class EarlyWarnings(Feature):
 
     def on_output_magnitude(self, batch: int, module: str, abs_max: float,
                             abs_min: float) -> None:
+        if self._steps.count != self._fold_count:
+            self._fold(batch)  # a step ended since the last batch
         if self._steps.stepping and step_in_progress() and self._again_in_step(batch):
             return
         try:
@@ -362,7 +403,7 @@ class EarlyWarnings(Feature):
                 self._tighten(index, limits)
                 self._looked_up[index] = True  # its dtype comes from the sentinel
             if self._model.training != self._training and batch > self._latest:
-                self._switched_mode()
+                self._switched_mode(batch)
             last = self._last_value[index]
             if batch > self._latest and not 0 < last < abs_max < math.inf \
                     and not self._near[index] <= abs_max < math.inf:
@@ -385,6 +426,7 @@ class EarlyWarnings(Feature):
         stepping = self._steps.stepping
         step, seen = self._step_seen
         if step == stepping and seen != batch:
+            self._group_in_step = True  # no point by step either
             return True
         self._step_seen = (stepping, batch)
         return False
@@ -394,12 +436,17 @@ class EarlyWarnings(Feature):
         self._forget_runs()
         self._other_series = None
         self._latest = -1
+        self._by_step = {}
+        self._group = []
+        self._training = None  # (the next batch starts a stretch of its mode)
 
-    def _switched_mode(self) -> None:
-        """The model went from training to evaluation or back: each mode's batches are a
-        series of their own, so the runs of this mode go on where it left them (a loop that
-        evaluates between steps still has its training series) and the other's wait."""
+    def _switched_mode(self, batch: int) -> None:
+        """The model went from training to evaluation or back at ``batch``: each mode's
+        batches are a series of their own, so the runs of this mode go on where it left them
+        (a loop that evaluates between steps still has its training series) and the other's
+        wait."""
         training = bool(self._model.training)
+        self._group.append((training, batch))
         if self._training is not None:
             lists = self._series
             left = tuple(list(values) for values in lists)
@@ -411,6 +458,46 @@ class EarlyWarnings(Feature):
                 for values, saved in zip(lists, resumed):
                     values[:] = saved
         self._training = training
+
+    def _fold(self, batch: int) -> None:
+        """An optimizer step ended since the last batch looked at, ``batch`` the first after
+        it: of each mode, the batches since the last fold become one point of its series by
+        optimizer step (their largest abs max per module, read from the history), numbered by
+        the steps taken when they ended, when there are two of them or more (a step per batch:
+        the series by batch tells it) and none ran inside a step (a closure called again)."""
+        count, self._fold_count = self._fold_count, self._steps.count
+        stretches, self._group = self._group, [(bool(self._model.training), batch)]
+        in_step, self._group_in_step = self._group_in_step, False
+        if in_step or not stretches:
+            return
+        try:
+            spans: dict[bool, list[tuple[int, int]]] = {}
+            ends = [first for _, first in stretches[1:]] + [batch]
+            for (training, first), end in zip(stretches, ends):
+                if first < end:
+                    spans.setdefault(training, []).append((first, end))
+            for training, ranges in spans.items():
+                if sum(end - first for first, end in ranges) < 2:
+                    continue
+                row: dict[int, list] = {}
+                for first, end in ranges:
+                    for index, (high, low, nonfinite) in \
+                            self._history.row_between(first, end).items():
+                        slot = row.setdefault(index, [high, low, nonfinite])
+                        slot[0], slot[1] = max(slot[0], high), min(slot[1], low)
+                        slot[2] = slot[2] or nonfinite
+                if not row:
+                    continue
+                # The innermost module first: of a module and a container handing on its
+                # output, it speaks (see _warn).
+                names = self._names
+                row = dict(sorted(row.items(), key=lambda item: -_depth(names[item[0]])))
+                series = self._by_step.get(training)
+                if series is None:
+                    series = self._by_step[training] = _StepSeries(self)
+                series.look(count, row, batch)
+        except Exception as error:  # a warning must never break the run
+            self.recorder.internal_error(error)
 
     def _forget_runs(self) -> None:
         count = len(self._names)
@@ -544,16 +631,22 @@ class EarlyWarnings(Feature):
         if candidates is None or tainted:
             return
         for index in candidates:
-            if known is not None:
-                self._decide(batch, index, row[index][0], "output", *known)
-                continue
-            exact = _largest_output(frames, self._names[index], batch)
-            if exact is not None:
-                value, role, dtype = exact
-                limits = self._limits_of(dtype)
-                if limits is not None:
-                    self._decide(batch, index, value, role, dtype, limits,
-                                 _producer(frames, self._names[index], batch, value))
+            self._check(batch, index, row[index][0], frames, known)
+
+    def _check(self, batch: int, index: int, value: float, frames: Iterable[Frame],
+               known: tuple[Any, tuple[float, float, float]] | None) -> None:
+        """Module ``index`` could warn in ``batch`` (its row's abs max ``value``): decide on
+        its exact output, from ``known`` (dtype and limits) or the batch's frames."""
+        if known is not None:
+            self._decide(batch, index, value, "output", *known)
+            return
+        exact = _largest_output(frames, self._names[index], batch)
+        if exact is not None:
+            value, role, dtype = exact
+            limits = self._limits_of(dtype)
+            if limits is not None:
+                self._decide(batch, index, value, role, dtype, limits,
+                             _producer(frames, self._names[index], batch, value))
 
     def _rate(self, index: int) -> float:
         """Growth rate (log per batch) fitted over module ``index``'s run of rises; 0 (no
@@ -608,7 +701,7 @@ class EarlyWarnings(Feature):
             self._growth_said[index] = True
 
     def _warn(self, batch: int, module: str, role: str, reason: str, value: float, dtype: Any,
-              largest: float, rate: float) -> None:
+              largest: float, rate: float, per: str = "batch") -> None:
         self._warned.add((module, reason))
         # A container whose output is (or is made of) what a module inside it already warned
         # about in this batch, or the same tensor handed on (a Sequential's output is its last
@@ -624,7 +717,7 @@ class EarlyWarnings(Feature):
             batch=batch, module=module, role=role, reason=reason, abs_max=float(value),
             limit=largest, growth_per_batch=growth,
             batches_to_limit=math.log(largest / value) / rate if growing else math.nan,
-            dtype=str(dtype).replace("torch.", ""), rank=self.recorder.rank)
+            dtype=str(dtype).replace("torch.", ""), rank=self.recorder.rank, per=per)
         self.warnings.append(warning)
         self._unissued.append(warning)
 
@@ -656,6 +749,48 @@ class EarlyWarnings(Feature):
 
 
 _DTYPES_EVERY = 64  # batches between two reads of the modules' output dtypes
+
+
+class _StepSeries(EarlyWarnings):
+    """One mode's outputs counted by optimizer step (see the module docstring): each point the
+    batches between two steps, their largest abs max per module, numbered by the steps taken.
+    The checks are the series by batch's, for growth only (near-limit is said by batch); a
+    warning is the parent's, once per module and reason either way, at the batch that folded
+    the point, and says "per optimizer step"."""
+
+    def __init__(self, parent: EarlyWarnings) -> None:
+        super().__init__(parent.recorder)
+        self._parent = parent
+        self._warned = parent._warned
+        self._dtype_limits = parent._dtype_limits
+        self._looked_up[:] = [True] * len(self._looked_up)  # the parent's frames tell dtypes
+        self._at = -1
+
+    def look(self, count: int, row: dict[int, list], batch: int) -> None:
+        """The point of the batches that ended with ``count`` steps taken, folded at
+        ``batch``."""
+        self._at = batch
+        self._look(count, row, ())
+
+    def _check(self, batch: int, index: int, value: float, frames: Iterable[Frame],
+               known: tuple[Any, tuple[float, float, float]] | None) -> None:
+        limits = self._parent._module_limits[index]
+        if limits is None:
+            return
+        dtype = next((d for d, known_limits in self._dtype_limits.items()
+                      if known_limits is limits), None)
+        # No near-limit zone here: the batch's own check says it.
+        self._decide(batch, index, value, "output", dtype, (limits[0], math.inf, limits[2]))
+
+    def _warn(self, batch: int, module: str, role: str, reason: str, value: float, dtype: Any,
+              largest: float, rate: float, per: str = "batch") -> None:
+        self._parent._warn(self._at, module, role, reason, value, dtype, largest, rate,
+                           per="optimizer step")
+
+
+def _depth(name: str) -> int:
+    """How deep module ``name`` lies (the root -1)."""
+    return name.count(".") if name else -1
 
 
 def _inside(name: str, outer: str) -> bool:

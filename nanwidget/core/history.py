@@ -173,6 +173,43 @@ class History:
         magnitudes here instead of going through its frames again)."""
         return self._current if self._current_batch == batch else None
 
+    def row_between(self, first: int, end: int) -> dict[int, list]:
+        """The batches from ``first`` up to ``end`` (not included) folded into one row, as
+        :meth:`current_row` gives one: module index -> [largest abs_max, smallest abs_min,
+        whether any was non-finite], over the batches held at full resolution (the one being
+        accumulated too). Changes nothing; read when an optimizer step ends a stretch of
+        batches (the early warning's fold), never per batch."""
+        row: dict[int, list] = {}
+
+        def fold(module: int, high: float, low: float, nonfinite: bool) -> None:
+            slot = row.get(module)
+            if slot is None:
+                row[module] = [high, low, nonfinite]
+                return
+            slot[0], slot[1] = max(slot[0], high), min(slot[1], low)
+            slot[2] = slot[2] or nonfinite
+
+        full = self._full
+        looked = min(full.size, end - first)  # batches come in order: the last rows hold them
+        if looked > 0:
+            rows = full.physical(range(full.size - looked, full.size))
+            batches = full.batch[rows]
+            rows = rows[(batches >= first) & (batches < end)]
+            if rows.size:
+                flags = np.bitwise_or.reduce(full.flags[rows], axis=0)
+                highs = np.where(full.flags[rows] & _SEEN, full.abs_max[rows], -np.inf).max(axis=0)
+                lows = np.where(full.flags[rows] & _SEEN, full.abs_min[rows], np.inf).min(axis=0)
+                for module in np.flatnonzero(flags & _SEEN).tolist():
+                    fold(module, float(highs[module]), float(lows[module]),
+                         bool(flags[module] & _NONFINITE))
+        pending = self._closed_rows if self._current_batch is None else \
+            self._closed_rows + [(self._current_batch, self._current)]
+        for batch, current in pending:
+            if first <= batch < end:
+                for module, (high, low, nonfinite) in current.items():
+                    fold(module, high, low, nonfinite)
+        return row
+
     def batch_row(self, batch: int) -> dict[str, tuple[float, bool]] | None:
         """The modules whose outputs ``batch`` measured, by name: (abs max of their finite
         outputs, NaN when only NaN was seen; whether any was non-finite). None when ``batch``

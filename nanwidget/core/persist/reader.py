@@ -12,7 +12,8 @@ from typing import Any, Callable, TypeVar
 
 import pandas as pd
 
-from ..early_warning import REASONS, WARNING_FIELDS, EarlyWarning, warning_from_fields
+from ..early_warning import (PERS, REASONS, WARNING_DEFAULTS, WARNING_FIELDS, EarlyWarning,
+                             warning_from_fields)
 from ..events import Diagnosis, NanEvent, event_from_fields
 from ..frames import empty_frames
 from ..history import empty_history
@@ -191,10 +192,14 @@ def _warnings_from_file(path: Path, root: Path, rank: int) -> list[EarlyWarning]
     for item in items:
         if not isinstance(item, dict):
             raise RunLoadError(f"{path}: each warning must be a JSON object")
-        fields = {name: _checked(path, item, name, kind) for name, kind in WARNING_FIELDS.items()}
+        fields = {name: _checked(path, item, name, kind, optional=name in WARNING_DEFAULTS)
+                  for name, kind in WARNING_FIELDS.items()}
         if fields["reason"] not in REASONS:
             raise RunLoadError(f"{path}: a warning's reason must be one of "
                                f"{', '.join(REASONS)}, got {fields['reason']!r}")
+        if fields["per"] not in (None, *PERS):
+            raise RunLoadError(f"{path}: a warning's per must be one of {', '.join(PERS)}, "
+                               f"got {fields['per']!r}")
         if fields["rank"] != rank:
             raise RunLoadError(f"{path}: a warning says rank {fields['rank']}, the recording "
                                f"is rank {rank}'s")
