@@ -1236,16 +1236,17 @@ class _GaussianPolicy(nn.Module):
 
 
 def _rollouts_then_updates(lr: float, ent_coef: float, updates: int, forwards: int = 16,
-                           **options) -> nw.NanWatch:
+                           **options) -> tuple[nw.NanWatch, list[str]]:
     """``forwards`` rollout calls of the policy (evaluation mode, no grad) per optimizer step,
     then one update: a regression of the mean and an entropy bonus (Adam moves log_std by
-    about ``lr`` per step when the bonus dominates)."""
+    about ``lr`` per step when the bonus dominates). The watch, and the early warnings issued
+    as Python warnings."""
     torch.manual_seed(0)
     policy = _GaussianPolicy()
     optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
     obs, target = torch.randn(forwards, 8, 4), torch.randn(8, 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+    with warnings.catch_warnings(record=True) as issued:
+        warnings.simplefilter("always")
         with nw.watch(policy, on_nan="record", **options) as w:
             for _ in range(updates):
                 policy.eval()
@@ -1260,7 +1261,7 @@ def _rollouts_then_updates(lr: float, ent_coef: float, updates: int, forwards: i
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-    return w
+    return w, [str(x.message) for x in issued if issubclass(x.category, nw.EarlyWarningIssued)]
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
@@ -1268,7 +1269,7 @@ def test_a_growth_over_optimizer_steps_many_forwards_apart_is_warned_about(mode)
     # An entropy bonus far too large at lr=2: Adam raises log_std by 2 per step, the sampled
     # actions grow 7.4x per step until they overflow. With 16 rollout forwards per step that
     # is 1.13x per batch, and the actions rise once per 16 batches: it was never warned about.
-    w = _rollouts_then_updates(lr=2.0, ent_coef=1.0, updates=100, mode=mode)
+    w, issued = _rollouts_then_updates(lr=2.0, ent_coef=1.0, updates=100, mode=mode)
     assert w.event is not None and w.event.module == ""
     growth = [warning for warning in w.warnings if warning.reason == "growth"]
     assert [(g.module, g.per) for g in growth] == [("", "optimizer step")]
@@ -1276,12 +1277,13 @@ def test_a_growth_over_optimizer_steps_many_forwards_apart_is_warned_about(mode)
     assert w.event.batch - warning.batch > 35 * 16  # 35 steps or more before the overflow
     assert 5 < warning.growth_per_batch < 11
     assert "per optimizer step" in str(warning) and "optimizer steps" in str(warning)
+    assert issued == [f"nanwidget: {x}" for x in w.warnings]  # each issued once as well
 
 
 @pytest.mark.parametrize("mode", ["full", "sentinel"])
 def test_healthy_updates_many_forwards_apart_are_quiet(mode):
-    w = _rollouts_then_updates(lr=1e-2, ent_coef=0.01, updates=100, mode=mode)
-    assert w.event is None and w.warnings == []
+    w, issued = _rollouts_then_updates(lr=1e-2, ent_coef=0.01, updates=100, mode=mode)
+    assert w.event is None and w.warnings == [] and issued == []
 
 
 def test_a_step_per_batch_is_counted_by_batch_as_before():

@@ -468,8 +468,8 @@ class EarlyWarnings(Feature):
         count, self._fold_count = self._fold_count, self._steps.count
         stretches, self._group = self._group, [(bool(self._model.training), batch)]
         in_step, self._group_in_step = self._group_in_step, False
-        if in_step or not stretches:
-            return
+        if in_step or not stretches or batch - stretches[0][1] < 2:
+            return  # (a step per batch: the series by batch tells it)
         try:
             spans: dict[bool, list[tuple[int, int]]] = {}
             ends = [first for _, first in stretches[1:]] + [batch]

@@ -189,8 +189,11 @@ class History:
             slot[0], slot[1] = max(slot[0], high), min(slot[1], low)
             slot[2] = slot[2] or nonfinite
 
+        closed = self._closed_rows
         full = self._full
-        looked = min(full.size, end - first)  # batches come in order: the last rows hold them
+        # Batches come in order: the last rows hold them, and none when the rows not yet
+        # written begin at ``first`` or before.
+        looked = min(full.size, end - first) if not closed or first < closed[0][0] else 0
         if looked > 0:
             rows = full.physical(range(full.size - looked, full.size))
             batches = full.batch[rows]
@@ -202,10 +205,15 @@ class History:
                 for module in np.flatnonzero(flags & _SEEN).tolist():
                     fold(module, float(highs[module]), float(lows[module]),
                          bool(flags[module] & _NONFINITE))
-        pending = self._closed_rows if self._current_batch is None else \
-            self._closed_rows + [(self._current_batch, self._current)]
-        for batch, current in pending:
-            if first <= batch < end:
+        if self._current_batch is not None and first <= self._current_batch < end:
+            for module, (high, low, nonfinite) in self._current.items():
+                fold(module, high, low, nonfinite)
+        newer = math.inf
+        for batch, current in reversed(closed):  # the newest first: stop before ``first``
+            if batch < first or batch > newer:  # (or at batch numbers that started again)
+                break
+            newer = batch
+            if batch < end:
                 for module, (high, low, nonfinite) in current.items():
                     fold(module, high, low, nonfinite)
         return row
