@@ -303,6 +303,7 @@ class EarlyWarnings(Feature):
         self._group: list[tuple[bool, int]] = []
         self._group_in_step = False
         self._by_step: dict[bool, _StepSeries] = {}
+        self._outer = [-_depth(name) for name in self._names]  # sorts the innermost first
 
     # ------------------------------------------------------------------ under the lock
     def on_frames_resolved(self, frames: list[Frame]) -> None:
@@ -490,8 +491,7 @@ class EarlyWarnings(Feature):
                     continue
                 # The innermost module first: of a module and a container handing on its
                 # output, it speaks (see _warn).
-                names = self._names
-                row = dict(sorted(row.items(), key=lambda item: -_depth(names[item[0]])))
+                row = {index: row[index] for index in sorted(row, key=self._outer.__getitem__)}
                 series = self._by_step.get(training)
                 if series is None:
                     series = self._by_step[training] = _StepSeries(self)

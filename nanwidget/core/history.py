@@ -180,15 +180,6 @@ class History:
         accumulated too). Changes nothing; read when an optimizer step ends a stretch of
         batches (the early warning's fold), never per batch."""
         row: dict[int, list] = {}
-
-        def fold(module: int, high: float, low: float, nonfinite: bool) -> None:
-            slot = row.get(module)
-            if slot is None:
-                row[module] = [high, low, nonfinite]
-                return
-            slot[0], slot[1] = max(slot[0], high), min(slot[1], low)
-            slot[2] = slot[2] or nonfinite
-
         closed = self._closed_rows
         full = self._full
         # Batches come in order: the last rows hold them, and none when the rows not yet
@@ -203,20 +194,36 @@ class History:
                 highs = np.where(full.flags[rows] & _SEEN, full.abs_max[rows], -np.inf).max(axis=0)
                 lows = np.where(full.flags[rows] & _SEEN, full.abs_min[rows], np.inf).min(axis=0)
                 for module in np.flatnonzero(flags & _SEEN).tolist():
-                    fold(module, float(highs[module]), float(lows[module]),
-                         bool(flags[module] & _NONFINITE))
-        if self._current_batch is not None and first <= self._current_batch < end:
-            for module, (high, low, nonfinite) in self._current.items():
-                fold(module, high, low, nonfinite)
+                    row[module] = [float(highs[module]), float(lows[module]),
+                                   bool(flags[module] & _NONFINITE)]
+        pending = [current for batch, current in self._newest_rows(first) if batch < end]
+        for current in pending:  # (a plain loop: a step after 2048 batches folds them all)
+            for module, (high, low, nonfinite) in current.items():
+                slot = row.get(module)
+                if slot is None:
+                    row[module] = [high, low, nonfinite]
+                    continue
+                if high > slot[0]:
+                    slot[0] = high
+                if low < slot[1]:
+                    slot[1] = low
+                if nonfinite:
+                    slot[2] = True
+        return row
+
+    def _newest_rows(self, first: int) -> list[tuple[int, dict[int, list]]]:
+        """The rows not yet written (the one being accumulated too) from batch ``first`` on,
+        the newest first; it stops at batch numbers that started again."""
+        found = []
+        if self._current_batch is not None and first <= self._current_batch:
+            found.append((self._current_batch, self._current))
         newer = math.inf
-        for batch, current in reversed(closed):  # the newest first: stop before ``first``
-            if batch < first or batch > newer:  # (or at batch numbers that started again)
+        for batch, current in reversed(self._closed_rows):
+            if batch < first or batch > newer:
                 break
             newer = batch
-            if batch < end:
-                for module, (high, low, nonfinite) in current.items():
-                    fold(module, high, low, nonfinite)
-        return row
+            found.append((batch, current))
+        return found
 
     def batch_row(self, batch: int) -> dict[str, tuple[float, bool]] | None:
         """The modules whose outputs ``batch`` measured, by name: (abs max of their finite
