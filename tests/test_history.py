@@ -86,3 +86,24 @@ def test_the_table_does_not_depend_on_when_it_is_read():
         assert once.equals(fed(n_modules, 37))
         assert once.batch.min() == 0 and once.batch_end.max() == 1299
         assert once.abs_max.max() == 1000.0 + 1259
+
+
+def test_a_stretch_of_batches_folds_into_one_row_written_or_not():
+    # 300 batches: the older ones written to the arrays, the newest still held as rows.
+    history = History(["a", "b"], ["Linear", "ReLU"])
+    _feed(history, 300, 2)
+    assert history._closed_rows and history._full.size  # both places hold batches
+    for first, end in [(0, 5), (5, 10), (200, 270), (250, 300), (290, 300), (0, 300)]:
+        row = history.row_between(first, end)
+        assert row == {0: [float(end - 1), first / 10, first <= 7 < end],
+                       1: [float(end), first / 10, first <= 7 < end]}
+    assert history.row_between(400, 410) == {}
+    assert len(history.to_dataframe()) == 600  # reading changed nothing
+
+
+def test_a_stretch_stops_where_batch_numbers_started_again():
+    history = History(["a"], ["Linear"])
+    for batch in [*range(20, 30), *range(10, 15)]:  # set_batch(10) after batch 29
+        history.record(batch, 0, float(batch), 0.0, False)
+    history.commit()
+    assert history.row_between(10, 30)[0][0] == 14.0  # not batch 29 of the numbering before

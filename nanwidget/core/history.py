@@ -182,9 +182,13 @@ class History:
         row: dict[int, list] = {}
         closed = self._closed_rows
         full = self._full
-        # Batches come in order: the last rows hold them, and none when the rows not yet
-        # written begin at ``first`` or before.
-        looked = min(full.size, end - first) if not closed or first < closed[0][0] else 0
+        # Batches come in order: from ``first`` on, they are among the last rows written (as
+        # many as the batch numbers from there to the newest written), and none when the rows
+        # not yet written begin at ``first`` or before.
+        looked = 0
+        if full.size and (not closed or first < closed[0][0]):
+            newest = int(full.batch[full.physical(range(full.size - 1, full.size))[0]])
+            looked = min(full.size, newest - first + 1)
         if looked > 0:
             rows = full.physical(range(full.size - looked, full.size))
             batches = full.batch[rows]
