@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import nanwidget as nw
-from nanwidget.core.early_warning import MIN_GROWTH, EarlyWarnings, growth_rate
+from nanwidget.core.early_warning import FOLD_BATCHES, MIN_GROWTH, EarlyWarnings, growth_rate
 from nanwidget.core.persist import RunLoadError, load_run
 
 
@@ -1291,6 +1291,27 @@ def test_a_step_per_batch_is_counted_by_batch_as_before():
     assert w.warnings and all(warning.per == "batch" for warning in w.warnings)
 
 
+@pytest.mark.parametrize("apart", [FOLD_BATCHES - 1, FOLD_BATCHES])
+def test_steps_a_few_forwards_apart_are_not_folded(apart):
+    # A loop with a few forwards per step (gradient accumulation, a GAN's passes) pays no fold
+    # at its steps: only steps FOLD_BATCHES forwards apart or more are counted by step.
+    torch.manual_seed(0)
+    policy = _GaussianPolicy()
+    obs = torch.randn(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.EarlyWarningIssued)
+        with nw.watch(policy) as w:
+            optimizer = torch.optim.SGD([policy.log_std], lr=2.0)
+            for _ in range(8):
+                for _ in range(apart):
+                    policy(obs)
+                optimizer.zero_grad()
+                (-policy.entropy()).backward()
+                optimizer.step()
+    by_step = [warning for warning in w.warnings if warning.per == "optimizer step"]
+    assert bool(by_step) == (apart >= FOLD_BATCHES)
+
+
 def test_a_recording_keeps_the_count_by_optimizer_step_and_older_ones_read_by_batch(tmp_path):
     torch.manual_seed(0)
     policy = _GaussianPolicy()
@@ -1300,7 +1321,7 @@ def test_a_recording_keeps_the_count_by_optimizer_step_and_older_ones_read_by_ba
         with nw.watch(policy, log_dir=tmp_path) as w:
             optimizer = torch.optim.SGD([policy.log_std], lr=2.0)
             for _ in range(8):
-                for _ in range(4):
+                for _ in range(8):  # steps 8 forwards apart (FOLD_BATCHES)
                     policy(obs)
                 optimizer.zero_grad()
                 (-policy.entropy()).backward()

@@ -82,11 +82,16 @@ from .stats import dtype_max, growth_rate
 from .writes import step_in_progress
 
 __all__ = ["EarlyWarning", "EarlyWarningIssued", "EarlyWarnings", "REASONS", "NEAR_FACTOR",
-           "HORIZON", "WINDOW", "MIN_RISES", "MIN_GROWTH", "GROWTH_FLOOR", "RECENT", "growth_rate",
+           "HORIZON", "WINDOW", "MIN_RISES", "FOLD_BATCHES", "MIN_GROWTH", "GROWTH_FLOOR", "RECENT", "growth_rate",
            "WARNING_FIELDS", "WARNING_DEFAULTS", "PERS", "warning_fields",
            "warning_from_fields"]
 
 REASONS = ("near-limit", "growth")
+# Growth is also counted by optimizer step where the steps are this many batches apart or more
+# (an RL loop's rollout forwards between its updates): below that the dilution is small, and
+# a fold (about 5 us in sentinel mode for two batches) would cost every step of a loop with
+# two forwards per step.
+FOLD_BATCHES = 8
 NEAR_FACTOR = 4.0  # "near-limit": within this factor of the dtype's largest value
 HORIZON = 50  # "growth": would pass the dtype's largest within this many batches
 WINDOW = 8  # the most batches the growth rate is fitted over
@@ -464,12 +469,14 @@ class EarlyWarnings(Feature):
         """An optimizer step ended since the last batch looked at, ``batch`` the first after
         it: of each mode, the batches since the last fold become one point of its series by
         optimizer step (their largest abs max per module, read from the history), numbered by
-        the steps taken when they ended, when there are two of them or more (a step per batch:
-        the series by batch tells it) and none ran inside a step (a closure called again)."""
+        the steps taken when they ended, when there are :data:`FOLD_BATCHES` of them or more
+        (a step every batch or every few, gradient accumulation or a GAN's two passes: the
+        series by batch tells it, and no step pays for a fold) and none ran inside a step (a
+        closure called again)."""
         count, self._fold_count = self._fold_count, self._steps.count
         stretches, self._group = self._group, [(bool(self._model.training), batch)]
         in_step, self._group_in_step = self._group_in_step, False
-        if in_step or not stretches or batch - stretches[0][1] < 2:
+        if in_step or not stretches or batch - stretches[0][1] < FOLD_BATCHES:
             return  # (a step per batch: the series by batch tells it)
         try:
             spans: dict[bool, list[tuple[int, int]]] = {}
@@ -478,7 +485,7 @@ class EarlyWarnings(Feature):
                 if first < end:
                     spans.setdefault(training, []).append((first, end))
             for training, ranges in spans.items():
-                if sum(end - first for first, end in ranges) < 2:
+                if sum(end - first for first, end in ranges) < FOLD_BATCHES:
                     continue
                 row: dict[int, list] = {}
                 for first, end in ranges:
