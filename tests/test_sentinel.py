@@ -1222,3 +1222,55 @@ def test_a_nan_input_made_by_a_part_run_outside_the_forward_from_bad_data_stays_
         with torch.no_grad():
             model(model.encoder(x))
     assert w.event.origin == "input" and w.event.diagnosis.kind == "bad-data"
+
+
+class _GaussianPolicy(nn.Module):
+    """An RL policy as Stable-Baselines3 makes one: ``forward`` for the rollouts, and a
+    training pass (``evaluate``) that calls its parts without its forward and hands their mean
+    to a ``Normal`` that validates its arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+    def evaluate(self, x: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        mean = self.head(torch.tanh(self.body(x)))
+        return torch.distributions.Normal(mean, 1.0, validate_args=True).log_prob(actions)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_step_that_writes_nan_before_a_pass_outside_the_forward_raises_is_named(mode, backward):
+    # The step of update 2 writes NaN (its loss is NaN); the next training pass, which calls
+    # the policy's parts without its forward, raises in Normal(loc=NaN) before any rollout
+    # forward: sentinel mode, which checks the root's calls, recorded nothing.
+    torch.manual_seed(0)
+    policy = _GaussianPolicy()
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nw.NanWarning)
+        with pytest.raises(ValueError, match="loc"):  # torch's own error, unchanged
+            with nw.watch(policy, mode=mode, backward=backward, on_nan="record") as w:
+                for update in range(4):
+                    with torch.no_grad():
+                        obs = torch.randn(8, 4)
+                        actions = policy(obs) + torch.randn(8, 1)  # a rollout forward
+                    for _ in range(2):  # two training passes per update
+                        loss = -policy.evaluate(obs, actions).mean()
+                        if update == 2:
+                            loss = loss * float("nan")
+                        optimizer.zero_grad()
+                        loss.backward()
+                        optimizer.step()
+    assert w.events, "no event for the NaN weights the step wrote"
+    event = w.events[0] if mode == "full" else w.event
+    if backward and mode == "full":  # the NaN gradient is seen before the step
+        assert event.is_backward
+    else:
+        assert (event.module, event.role, event.origin) == ("body", "weight", "weight")
+        assert event.diagnosis.kind == "corrupted-weight"
+        assert "optimizer step" in event.diagnosis.summary

@@ -187,3 +187,29 @@ def test_a_nan_observation_into_dqns_q_net_is_bad_data() -> None:
     assert (event.role, diagnosis.kind) == ("input[0]", "bad-data")
     assert diagnosis.summary.startswith("The input[0] that module 'q_net' was called with")
     assert any("VecCheckNan(env, raise_exception=True)" in fix for fix in diagnosis.suggestion)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+@pytest.mark.parametrize("backward", [False, True], ids=["", "backward"])
+def test_ppo_learning_in_chunks_names_the_weight_a_step_made_nan_before_evaluate_actions_raised(
+        mode, backward) -> None:
+    # PPO at lr=3 run as learn(64) calls: the 31st step wrote NaN weights (a NaN gradient), and
+    # the next minibatch's evaluate_actions, which calls the policy's parts without its
+    # forward, raised in Normal(loc=NaN). Sentinel mode, which checks the policy's forward
+    # calls, never saw a forward after that step: SB3's ValueError, and no event.
+    model = sb3.PPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, n_epochs=2,
+                    learning_rate=3.0, policy_kwargs=dict(NET), seed=4, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the watch's NanWarning at close
+        with pytest.raises(ValueError, match="loc"):  # SB3's own error, unchanged
+            with nw.watch(model.policy, mode=mode, backward=backward, on_nan="record") as w:
+                for _ in range(20):
+                    model.learn(64, reset_num_timesteps=False)
+    assert w.events, "no event for the NaN weights the step wrote"
+    event = w.event if mode == "sentinel" or not backward else w.events[1]
+    assert event.origin == "weight" and event.kind == "nan"
+    assert event.diagnosis.kind in ("corrupted-weight", "divergence")
+    if mode == "sentinel":
+        assert (event.module, event.role) == ("", "log_std")
+        assert "optimizer step" in event.diagnosis.summary
+    assert hook_count(model.policy) == 0

@@ -362,7 +362,8 @@ class Feature:
     def review_event(self, batch: int, event: NanEvent | None, reason: str) -> NanEvent | None:
         """Outside the lock, before an event is recorded: return the event to record (the one
         given, the same with more detail, another one, or None). ``reason`` says what ended:
-        "forward", "backward", "set_batch", "flush", "interrupted" or "close"."""
+        "forward", "backward", "set_batch", "flush", "interrupted" or "close" (at close,
+        only with an event: what a feature found then)."""
         return event
 
     def on_event(self, event: NanEvent) -> None:
@@ -1887,9 +1888,11 @@ class Recorder:
                 if event is None:
                     event = finding.event
         # Without an event, the reviews before the first that runs without one are skipped
-        # (the loop below would skip them): on a clean batch only those that always run.
-        for review_event, without_event in (self._review_event if event is not None
-                                            else self._review_without_event):
+        # (the loop below would skip them): on a clean batch only those that always run; at
+        # close, none (no batch ended).
+        for review_event, without_event in (
+                self._review_event if event is not None
+                else () if reason == "close" else self._review_without_event):
             if event is None and not without_event:
                 continue
             try:
@@ -2110,7 +2113,15 @@ class Recorder:
                 threads.pop(thread, None)
 
     def close(self) -> None:
-        """Remove exactly the hooks this recorder added, close the features; idempotent."""
+        """Remove exactly the hooks this recorder added, close the features; idempotent.
+        Features that check on their own (the sentinel) look once more first (reason
+        "close"): what they find is recorded, and warned about, never raised."""
+        if self._find_event and not self._closed:
+            try:
+                self._conclude(self._batch, None, reason="close", raising=False,
+                               finished=False)
+            except Exception as error:  # closing must always succeed
+                self.internal_error(error)
         with self._lock:
             if self._closed:
                 return

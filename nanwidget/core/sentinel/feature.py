@@ -469,7 +469,10 @@ class Sentinel(Feature):
     # ------------------------------------------------------------------ verdicts
     def find_event(self, batch: int, event: NanEvent | None, reason: str) -> Finding | None:
         """At the end of a forward: read this batch's output check (and any earlier one whose
-        backward never came); a NaN/Inf is replayed into its event and frames."""
+        backward never came); a NaN/Inf is replayed into its event and frames. When the
+        watch closes, a weight an optimizer step made NaN/Inf that no forward met since."""
+        if reason == "close":
+            return self._written_after_last_forward(batch) if event is None else None
         if reason != "forward":
             return None
         if self._raised is not None:  # the root forward raised: no output was checked
@@ -826,6 +829,46 @@ class Sentinel(Feature):
         if context.missing:
             found.frames_note = context.missing
         return self._found(found, replayed, found, context.replayed + [frames], started)
+
+    def _written_after_last_forward(self, batch: int) -> Finding | None:
+        """At close, with no event recorded: a parameter an optimizer step wrote NaN/Inf after
+        the last forward this watch checked. A model trained through other methods than its
+        forward (Stable-Baselines3's PPO trains through ``policy.evaluate_actions``) met it
+        there, outside the root's calls, and raised on it (a ``Normal`` refusing a NaN mean) or
+        stopped, so no forward's output ever showed it. Its event is the next batch's, the
+        first that would use it, as a weight event (the diagnosis tells the step that wrote
+        it). At close only: one finiteness read of each parameter a step wrote."""
+        if self.recorder.events or not self.checks:  # not called at all: unchecked_note
+            return None
+        slots, steps = self.capture.slots, self._start_steps
+        tensors = slots.read()
+        if not any(tensors[i] is not None and written_since(tensors[i], steps)
+                   for i in self._params):
+            return None
+        bad = None
+        for i in self._params:
+            tensor = tensors[i]
+            if tensor is None or not written_since(tensor, steps):
+                continue
+            values = checkable(tensor)
+            if values is not None and storage_holds(values) \
+                    and not bool(torch.isfinite(values).all()):
+                bad = slots.names[i]
+                break
+        if bad is None:
+            return None
+        weight = self._first_nonfinite_weight(set())
+        if weight is None:
+            return None
+        info, entry = weight
+        return self._found(NanEvent(
+            batch=batch, module=info.name, module_type=info.type_name, call=0, role=entry.role,
+            kind=event_kind(entry.stats.nan, entry.stats.inf), origin="weight",
+            rank=self.recorder.rank,
+            note=f"found when the watch closed: an optimizer step wrote it after the last "
+                 f"forward of the model (batch {batch - 1}), and no forward ran since; a pass "
+                 "through other methods than the model's forward (Stable-Baselines3's "
+                 "evaluate_actions) may have met it, and raised or stopped there"), None, None)
 
     def _made_outside_forward(self, batch: int, forward: int, found: NanEvent,
                               frames: list[Frame]) -> NanEvent | None:
