@@ -323,3 +323,25 @@ def test_an_inf_targets_fixes_fit_an_mse_and_name_the_callbacks_loss_fn():
     said = " ".join(fixes)
     assert "watch with loss_fn" not in said and "w.replay(" not in said
     assert not any(fix in said for fix in ("BCEWithLogits", "log_softmax", "Clamp probabilities"))
+
+
+class _PoisonAfterBatch(pl.Callback):
+    """Writes a NaN into a weight after batch 1's step, as a bad in-place write would."""
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == 1:
+            with torch.no_grad():
+                module.net[0].weight[0, 0] = float("nan")
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "sentinel"}], ids=["full", "sentinel"])
+def test_a_weight_written_under_the_callback_is_not_told_to_add_the_callback(options):
+    # The first fix said "Catch the bad step ... train with Trainer(callbacks=[NanWatchCallback()])"
+    # to a fit that used it already, and whose gradient check before each step had passed.
+    callback = NanWatchCallback(log_dir=False, **options)
+    torch.manual_seed(0)
+    fit(Regressor(), [_PoisonAfterBatch(), callback], max_steps=4)
+    diagnosis = callback.event.diagnosis
+    assert diagnosis.kind == "corrupted-weight"
+    assert not any("NanWatchCallback()" in fix for fix in diagnosis.suggestion)
+    assert any("in-place write" in fix for fix in diagnosis.suggestion)

@@ -192,6 +192,19 @@ def _is_dp_optimizer(value: Any) -> bool:
         return False
 
 
+def _trains_with_watch_callback(holder: Any) -> bool:
+    """Whether the wrapper object ``holder`` (Lightning's Trainer: ``callbacks``; transformers'
+    Trainer: ``callback_handler.callbacks``) holds nanwidget's ``NanWatchCallback``; told by
+    class and module name, nothing imported."""
+    callbacks = getattr(holder, "callbacks", None)
+    if not isinstance(callbacks, (list, tuple)):
+        callbacks = getattr(getattr(holder, "callback_handler", None), "callbacks", None)
+    if not isinstance(callbacks, (list, tuple)):
+        return False
+    return any(type(callback).__name__ == "NanWatchCallback"
+               and type(callback).__module__.startswith("nanwidget.") for callback in callbacks)
+
+
 def _running_wrapper() -> tuple[str, Any]:
     """The training wrapper that runs the model in this forward or backward pass, found on
     the stack (see :func:`_wrapper_of`): the innermost one, and the object; ("", None) for
@@ -409,6 +422,8 @@ class Diagnoser(Feature):
                 # (gradient_clip_val=): its fixes say so.
                 wrapper, clip = _wrapper_clipping(wrapper, holder)
                 diagnosis.suggestion = fixes.in_wrapper_terms(diagnosis.suggestion, wrapper, clip)
+                if _trains_with_watch_callback(holder):
+                    diagnosis.suggestion = fixes.without_watch_callback(diagnosis.suggestion)
             elif diagnosis.kind == "divergence":
                 cycle = self._one_cycle()
                 if cycle is not None:

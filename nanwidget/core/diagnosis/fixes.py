@@ -18,7 +18,7 @@ __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "mask
            "LIGHTNING_TERMS", "LIGHTNING_MANUAL_TERMS",
            "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS", "TRAINER_WHOLE_FIXES",
            "LIGHTNING_WHOLE_FIXES", "NAME_THE_LOSS_OP", "in_full_precision",
-           "in_dp_terms", "with_one_cycle"]
+           "in_dp_terms", "with_one_cycle", "without_watch_callback"]
 
 _LOW_PRECISION = ("float16", "bfloat16")
 
@@ -1313,6 +1313,19 @@ _TERMS = {"fabric": (FABRIC_TERMS, _FABRIC_CLIP), "skorch": (SKORCH_TERMS, _SKOR
           "lightning-manual": (LIGHTNING_MANUAL_TERMS, _LIGHTNING_MANUAL_CLIP)}
 _WHOLE = {"sb3": SB3_WHOLE_FIXES, "trainer": TRAINER_WHOLE_FIXES,
           "lightning": LIGHTNING_WHOLE_FIXES, "lightning-manual": LIGHTNING_WHOLE_FIXES}
+
+
+# The wrappers' words for catching the bad step (TRAINER_TERMS, LIGHTNING_TERMS) suggest
+# nanwidget's own callback: pointless where that callback trains the model already (it checked
+# the gradients before each step).
+_ADD_THE_CALLBACK = "Catch the bad step before it writes the weights: train with "
+
+
+def without_watch_callback(suggestion: list[str]) -> list[str]:
+    """``suggestion`` for a model a wrapper trains with nanwidget's ``NanWatchCallback``
+    already: without the fix that says to add it."""
+    return [text for text in suggestion
+            if not (text.startswith(_ADD_THE_CALLBACK) and "NanWatchCallback()" in text)]
 
 
 def in_wrapper_terms(suggestion: list[str], wrapper: str,
