@@ -15,7 +15,9 @@ from torch import nn
 
 import nanwidget as nw
 
-dcp = pytest.importorskip("torch.distributed.checkpoint")
+dcp = pytest.importorskip(
+    "torch.distributed.checkpoint",
+    reason="this torch build has no torch.distributed (a build without distributed support)")
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     get_state_dict, set_model_state_dict, set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402

@@ -95,7 +95,8 @@ def _private(mode, *, watch=None, order="after", steps=10, batch_size=4, plant=N
     """DP-SGD on a small seeded model with Opacus (Poisson sampling); returns what it made
     and the watch."""
     opacus = pytest.importorskip(
-        "opacus", reason="the DP-SGD tests need Opacus (CI's extras job installs it): pip install opacus")
+        "opacus",
+        reason="the DP-SGD tests need Opacus (CI's extras job installs it): pip install opacus")
     from torch.utils.data import DataLoader, TensorDataset
     logging.getLogger("opacus").setLevel(logging.ERROR)  # its 'first batch is empty' notice
     model = _mlp()
@@ -195,7 +196,8 @@ def test_dp_sgd_an_overflow_in_the_wrapped_model_names_no_line_of_opacus():
 def _private_diverging(*, lr=0.1, noise_multiplier=1.0, watch=None):
     """DP-SGD (Opacus, hooks mode) on a ReLU MLP until the watch stops it; returns the watch."""
     opacus = pytest.importorskip(
-        "opacus", reason="the DP-SGD tests need Opacus (CI's extras job installs it): pip install opacus")
+        "opacus",
+        reason="the DP-SGD tests need Opacus (CI's extras job installs it): pip install opacus")
     from torch.utils.data import DataLoader, TensorDataset
     logging.getLogger("opacus").setLevel(logging.ERROR)
     torch.manual_seed(0)

@@ -706,7 +706,8 @@ def test_each_step_of_static_cache_generation_replays_as_it_ran_and_leaves_the_c
     # and each later step wrote it again. The replay refused ("modified in place by the
     # model's own forward while the batch ran, and again after it"); it now runs each step
     # on the cache as that step found it, on copies of its own.
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip(
+        "transformers", reason="the static cache is transformers': pip install -e .[transformers]")
     model = _tiny_gpt2(tied=False)
     cache = transformers.StaticCache(config=model.config, max_cache_len=8)
     with warnings.catch_warnings():
