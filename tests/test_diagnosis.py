@@ -1378,23 +1378,7 @@ def test_sentinel_tells_a_step_that_made_every_weight_inf_after_a_climb_diverged
 def _lbfgs_steps_of_one_iteration(mode: str) -> nw.NanWatch:
     """torch.optim.LBFGS with max_iter=1 at lr=10 (no line search): one closure call per
     step, the weights climbing step after step until NaN."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
-    x, y = torch.randn(64, 8), torch.randn(64, 1) * 1e3
-    optimizer = torch.optim.LBFGS(model.parameters(), lr=10.0, max_iter=1)
-
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        return loss
-
-    with watch(model, mode) as w:
-        for _ in range(40):
-            optimizer.step(closure)
-            if w.events:
-                break
-    return w
+    return _lbfgs_fit(mode, 10.0, steps=40, max_iter=1)
 
 
 def test_sentinel_tells_lbfgs_diverging_over_its_steps_into_nan_weights_as_full_does():
