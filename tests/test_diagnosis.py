@@ -12,6 +12,7 @@ import html
 import json
 import functools
 import math
+import re
 import warnings
 
 import pytest
@@ -1258,7 +1259,11 @@ def test_sentinel_without_samples_tells_a_warmed_up_learning_rate_diverged_into_
     assert diagnosis.summary.startswith("Training diverged: the weights grew ")
     evidence = "\n".join(diagnosis.evidence)
     assert f"over the {event.batch} optimizer steps between" in evidence
-    assert _SINCE_START in evidence and "Grown most since first measured: '2'" in evidence
+    assert _SINCE_START in evidence
+    # Which Linear grew most depends on the CPU's matrix kernels (the climb is chaotic: '2' with
+    # AVX2 paths, '4' with AVX-512 ones); that a Linear is named, with its growth, does not.
+    grown = re.search(r"Grown most since first measured: '([024])' ([0-9.e+]+)x", evidence)
+    assert grown is not None and float(grown.group(2)) > 1e3, evidence
 
 
 class ReluRNN(nn.Module):
@@ -1516,7 +1521,7 @@ def _lora_llama_blown_up_by_its_learning_rate(left_pad: bool) -> nw.NanWatch:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     generator = torch.Generator().manual_seed(1)
     with watch(model, "full", backward=True) as w:
-        for step in range(8):
+        for step in range(24):
             ids = torch.randint(3, 500, (4, 12), generator=generator)
             attention_mask = torch.ones(4, 12, dtype=torch.long)
             if left_pad:
@@ -1535,11 +1540,15 @@ def _lora_llama_blown_up_by_its_learning_rate(left_pad: bool) -> nw.NanWatch:
 def test_a_lora_llama_blown_up_by_its_learning_rate_diverges_with_or_without_padding(left_pad):
     # With one left-padded prompt (fully masked rows in every batch) the blow-up read
     # "masked-row (high)", with finfo.min masks as the fix: the attention's backward got the
-    # -inf mask beside queries of 3e13 and made Inf, which a masked row never makes.
+    # -inf mask beside queries of 3e13 and made Inf, which a masked row never makes. Where the
+    # climb overflows first depends on the CPU's matrix kernels (that backward on AVX2 paths,
+    # LoRA's lora_B matmul a few batches later on AVX-512 ones): either way, a divergence.
     diagnosis = _lora_llama_blown_up_by_its_learning_rate(left_pad).event.diagnosis
     assert (diagnosis.kind, diagnosis.confidence) == ("divergence", "high")
     assert "Training diverged: the weights grew" in diagnosis.summary
-    assert "scaled_dot_product" in diagnosis.summary and "all -inf" not in diagnosis.summary
+    assert re.search(r"until (_scaled_dot_product\w*|mm) in module 'model\.layers\.",
+                     diagnosis.summary), diagnosis.summary
+    assert "all -inf" not in diagnosis.summary
     assert "Lower the learning rate" in diagnosis.suggestion[0]
     assert not any("finfo" in fix for fix in diagnosis.suggestion)
 
