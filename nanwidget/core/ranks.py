@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import weakref
+from typing import Any
 
 import torch
 
@@ -18,9 +20,31 @@ def distributed_ready() -> bool:
     return _AVAILABLE and _dist.is_initialized()
 
 
+# The default process group as torch keeps it (``_World._default_pg``, what is_initialized()
+# reads through two properties), and the rank last read from it: the recorder asks every batch.
+_WORLD = getattr(_dist.distributed_c10d, "_world", None) if _AVAILABLE else None
+_last_rank: tuple[Any, int] = (None, 0)  # (a weak reference to the group, its rank)
+
+
 def current_rank() -> int:
     """torch.distributed rank, 0 without an initialised process group (read every batch)."""
-    return _dist.get_rank() if _AVAILABLE and _dist.is_initialized() else 0
+    global _last_rank
+    if not _AVAILABLE:
+        return 0
+    try:
+        group = _WORLD._default_pg  # type: ignore[union-attr]
+    except AttributeError:  # a torch without that attribute: its public functions
+        return _dist.get_rank() if _dist.is_initialized() else 0
+    if group is None:
+        return 0
+    known, rank = _last_rank
+    if known is None or known() is not group:  # a group's rank never changes; a new one is read
+        rank = _dist.get_rank()
+        try:  # weakly: a destroyed group is not kept alive
+            _last_rank = (weakref.ref(group), rank)
+        except TypeError:
+            pass
+    return rank
 
 
 def world_size() -> int:
