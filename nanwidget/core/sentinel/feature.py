@@ -1330,6 +1330,16 @@ class Sentinel(Feature):
                      "make that call in the forward of a module that holds this Sequential (def "
                      "forward(self, x): return checkpoint_sequential(self.layers, segments, x)) "
                      "and watch that module.")
+        elif callable(getattr(self.capture.slots.root, "forward_features", None)):
+            # timm's models: users call model.forward_features(x) (and forward_head,
+            # forward_intermediates) for the features; watching each module those call is no
+            # way to watch that pass.
+            said += (f" model.forward_features(x) is such a loop (as are forward_head and "
+                     f"forward_intermediates: they call this {kind}'s modules, never its "
+                     "forward): make that call in the forward of a module that holds the model "
+                     "(def forward(self, x): return self.model.forward_features(x)) and watch "
+                     "that module in sentinel mode; for pooled features, model(x) of a model "
+                     "made with num_classes=0 (or after model.reset_classifier(0)) returns them.")
         return said
 
     def close(self) -> None:
