@@ -154,6 +154,30 @@ def test_a_learning_rate_blown_up_is_divergence(watch_kwargs):
     assert "grew" in w.event.diagnosis.summary
 
 
+@pytest.mark.parametrize("watch_kwargs", [{}, {"backward": True}], ids=["full", "full-backward"])
+def test_a_blow_up_under_native_scaler_gets_its_fixes_in_timms_words(watch_kwargs):
+    # loss_scaler(loss, optimizer) runs the backward, the clipping and the step in one call:
+    # no place for a clip_grad_norm_ of one's own, and its GradScaler manages the loss scale.
+    torch.manual_seed(0)
+    model = MODELS["vit"]()
+    optimizer = create_optimizer_v2(model, "sgd", lr=100.0)
+    loss_scaler = NativeScaler(device="cpu")
+    with nw.watch(model, on_nan="record", grad_scaler=loss_scaler, **watch_kwargs) as w:
+        for x, y in _batches(12):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss_scaler(loss, optimizer)
+            if w.event:
+                break
+    diagnosis = w.event.diagnosis
+    assert diagnosis.kind == "divergence"
+    fixes = "\n".join(diagnosis.suggestion)
+    assert "create_optimizer_v2(model, lr=...)" in fixes and "warmup_t=" in fixes
+    assert "loss_scaler(loss, optimizer, clip_grad=1.0, parameters=model.parameters())" in fixes
+    assert "clip_grad_norm_" not in fixes and "let torch.amp.GradScaler manage" not in fixes
+
+
 @pytest.mark.parametrize("watch_kwargs", WATCHES[:3], ids=WATCH_IDS[:3])
 @pytest.mark.parametrize("name", list(STEMS))
 def test_a_nan_pixel_is_bad_data_at_the_stem(name, watch_kwargs):

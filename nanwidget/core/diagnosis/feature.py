@@ -138,14 +138,19 @@ def _wrapper_of(value: Any) -> str:
     ``fabric.setup`` made, "skorch" for a skorch net (it holds its ``module_``), "sb3" for a
     Stable-Baselines3 algorithm (PPO, SAC, ...: it holds its ``policy`` and ``env``), "trainer"
     for transformers' ``Trainer`` (or a subclass: TRL's, Seq2SeqTrainer) that holds its
-    ``args``, "lightning" for Lightning's ``Trainer`` (it holds its ``fit_loop``), else "";
-    told by class and module name, nothing imported or called."""
+    ``args``, "lightning" for Lightning's ``Trainer`` (it holds its ``fit_loop``), "timm" for
+    timm's ``NativeScaler`` (it holds its GradScaler as ``_scaler``: the loop calls it for the
+    backward, the clipping and the step), else ""; told by class and module name, nothing
+    imported or called."""
     kind = type(value)
     if kind.__name__ in ("Fabric", "_FabricModule"):
         return "fabric" if "_strategy" in vars(value) else ""
     module = str(kind.__module__)
     if module.startswith("skorch.") and "module_" in vars(value):
         return "skorch"
+    if module.startswith("timm.") and kind.__name__ == "NativeScaler" \
+            and "_scaler" in vars(value):
+        return "timm"
     if module.startswith("stable_baselines3.") and "policy" in vars(value) \
             and "env" in vars(value):
         return "sb3"

@@ -16,7 +16,7 @@ from ..stats import dtype_max
 __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "masked_row", "corrupted_weight", "bad_data",
            "loss", "loss_input", "unknown", "in_wrapper_terms", "FABRIC_TERMS",
            "LIGHTNING_TERMS", "LIGHTNING_MANUAL_TERMS",
-           "SKORCH_TERMS", "SB3_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS", "TRAINER_WHOLE_FIXES",
+           "SKORCH_TERMS", "SB3_TERMS", "TIMM_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS", "TRAINER_WHOLE_FIXES",
            "LIGHTNING_WHOLE_FIXES", "NAME_THE_LOSS_OP", "in_full_precision",
            "in_dp_terms", "with_one_cycle", "without_watch_callback"]
 
@@ -1160,6 +1160,26 @@ SB3_WHOLE_FIXES = (
      "1, divides by the std() of one value: NaN), and the target network's values (SAC's and "
      "TD3's critic_target, DQN's q_net_target)."),
 )
+# timm: a loop (train.py's, or one like it) whose NativeScaler runs the backward, the clipping
+# and the step in one call, loss_scaler(loss, optimizer, clip_grad=..., parameters=...): there is
+# no place between them for a clip_grad_norm_ of one's own, and the GradScaler it holds manages
+# the loss scale already. The learning rate and its warmup are create_optimizer_v2's and
+# timm.scheduler's (train.py's --lr, --warmup-epochs, --clip-grad).
+_TIMM_CLIP = ("loss_scaler(loss, optimizer, clip_grad=1.0, parameters=model.parameters()) "
+              "(train.py's --clip-grad 1.0; it unscales them first)")
+TIMM_TERMS = (
+    ("Lower the learning rate (try 10x lower) or warm it up over the first steps "
+     "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).",
+     "Lower the learning rate (try 10x lower: create_optimizer_v2(model, lr=...), train.py's "
+     "--lr) or warm it up over the first steps (a timm.scheduler scheduler's warmup_t= and "
+     "warmup_lr_init=, train.py's --warmup-epochs)."),
+    ("Under AMP, let torch.amp.GradScaler manage the loss scale (it lowers the scale when "
+     "gradients overflow); a fixed large scale diverges.", ""),
+    ("Under AMP, let torch.amp.GradScaler manage the loss scale (it skips a step whose "
+     "gradients overflowed and lowers the scale), or train in bfloat16.", ""),
+    (f"clip them before the step (scaler.unscale_(optimizer), then {_CLIP})",
+     f"clip them before the step: {_TIMM_CLIP}"),
+)
 # transformers' Trainer: its TrainingArguments set the learning rate, the warmup, the clipping
 # (max_grad_norm, on by default at 1.0, which unscales first under fp16) and the precision; the
 # NanWatchCallback is its way to check the gradients before each optimizer step.
@@ -1310,7 +1330,8 @@ _CLIPPING = {"trainer": _TRAINER_CLIPPING, "lightning": _LIGHTNING_CLIPPING}
 _TERMS = {"fabric": (FABRIC_TERMS, _FABRIC_CLIP), "skorch": (SKORCH_TERMS, _SKORCH_CLIP),
           "sb3": (SB3_TERMS, _SB3_CLIP), "trainer": (TRAINER_TERMS, _TRAINER_CLIP),
           "lightning": (LIGHTNING_TERMS, _LIGHTNING_CLIP),
-          "lightning-manual": (LIGHTNING_MANUAL_TERMS, _LIGHTNING_MANUAL_CLIP)}
+          "lightning-manual": (LIGHTNING_MANUAL_TERMS, _LIGHTNING_MANUAL_CLIP),
+          "timm": (TIMM_TERMS, _TIMM_CLIP)}
 _WHOLE = {"sb3": SB3_WHOLE_FIXES, "trainer": TRAINER_WHOLE_FIXES,
           "lightning": LIGHTNING_WHOLE_FIXES, "lightning-manual": LIGHTNING_WHOLE_FIXES}
 
@@ -1333,7 +1354,8 @@ def in_wrapper_terms(suggestion: list[str], wrapper: str,
     """``suggestion`` for a model that a training wrapper runs (``"fabric"``: Lightning
     Fabric, ``"skorch"``, ``"sb3"``: Stable-Baselines3, ``"trainer"``: transformers' Trainer,
     ``"lightning"``: Lightning's Trainer, ``"lightning-manual"``: the same for a
-    LightningModule with ``automatic_optimization = False``), in its words
+    LightningModule with ``automatic_optimization = False``; ``"timm"``: a loop whose timm
+    ``NativeScaler`` runs the backward and the step, :data:`TIMM_TERMS`), in its words
     (:data:`FABRIC_TERMS`, :data:`SKORCH_TERMS`, :data:`SB3_TERMS` and
     :data:`SB3_WHOLE_FIXES`, :data:`TRAINER_TERMS` and :data:`TRAINER_WHOLE_FIXES`,
     :data:`LIGHTNING_TERMS`, :data:`LIGHTNING_MANUAL_TERMS` and
