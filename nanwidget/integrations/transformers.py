@@ -201,7 +201,7 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
         def training_step(*args: Any, **kwargs: Any) -> Any:
             try:
                 inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-                labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
+                labels = _labels_of(inputs)
                 loss = original(*args, **kwargs)
                 # Checked before the optimizer step (one host sync per step, not per micro-batch):
                 # a loss made outside the model (label_smoothing_factor's LabelSmoother, a
@@ -408,6 +408,11 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
         trainer = self._calling_trainer()
         where = ("no watched module output was non-finite, so the Trainer's compute_loss made "
                  "it outside the model")
+        loss_module = _loss_module(trainer)
+        if loss_module is not None:
+            return ("no watched module output was non-finite, so the Trainer's loss "
+                    f"({type(loss_module).__name__}) made it outside the model, from the "
+                    "model's outputs and the batch's labels")
         if trainer is None or getattr(trainer, "label_smoother", None) is None:
             return where + (" (a compute_loss_func, or a compute_loss of your own)"
                             if trainer is not None else "")
@@ -496,6 +501,26 @@ class NanWatchCallback(GuardedCallback, TrainerCallback):
                       "losses out of the logged loss, so the logs still show a finite number. Set "
                       "TrainingArguments(logging_nan_inf_filter=False) to see them there too.",
                       RuntimeWarning, stacklevel=3)
+
+
+def _labels_of(inputs: Any) -> Any:
+    """The targets in a micro-batch as the Trainer's ``training_step`` gets it: ``labels``
+    (transformers' collators), else ``label`` (sentence-transformers' collator puts a
+    ``label``, ``score`` or ``scores`` column there); None when it holds neither."""
+    if not isinstance(inputs, Mapping):
+        return None
+    labels = inputs.get("labels")
+    return inputs.get("label") if labels is None else labels
+
+
+def _loss_module(trainer: Any) -> torch.nn.Module | None:
+    """The loss module a Trainer computes the loss with, when it holds one as ``loss``:
+    sentence-transformers' ``SentenceTransformerTrainer`` (``loss=MultipleNegativesRankingLoss(
+    model)``, which runs the model inside its forward; a dict of them per dataset: the first)."""
+    loss = getattr(trainer, "loss", None)
+    if isinstance(loss, Mapping):
+        loss = next(iter(loss.values()), None)
+    return loss if isinstance(loss, torch.nn.Module) else None
 
 
 def _non_finite_metric(metrics: Any, step: int) -> str | None:
