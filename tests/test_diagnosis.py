@@ -5445,12 +5445,19 @@ def test_every_text_a_training_wrappers_words_replace_is_one_that_a_fix_says():
         + fixes.corrupted_weight(["m.weight"], "float16", 3, False)
         + fixes.corrupted_weight(["m.weight"], "float32", None, False, before_watch=True))
     for plain, theirs in (fixes.FABRIC_TERMS + fixes.SKORCH_TERMS + fixes.LIGHTNING_TERMS
-                          + fixes.LIGHTNING_MANUAL_TERMS + fixes.TIMM_TERMS):
+                          + fixes.LIGHTNING_MANUAL_TERMS + fixes.TIMM_TERMS
+                          + fixes.ST_FIT_TERMS):
         assert plain in said, plain
     # timm's NativeScaler clips inside loss_scaler(...) and manages the loss scale already.
     worded = fixes.in_wrapper_terms(fixes.divergence("float16"), "timm")
     assert not any("clip_grad_norm_" in fix or "torch.amp.GradScaler" in fix for fix in worded)
     assert any("clip_grad=1.0" in fix for fix in worded), worded
+    # sentence-transformers' model.fit takes its own keywords, not TrainingArguments.
+    worded = fixes.in_wrapper_terms(fixes.divergence("float16")
+                                    + fixes.corrupted_weight(["m.weight"], "float16", 3, False),
+                                    "st-fit")
+    assert not any("clip_grad_norm_" in fix or "TrainingArguments" in fix
+                   or "torch.amp.GradScaler" in fix for fix in worded), worded
     worded = fixes.in_wrapper_terms(fixes.divergence("float16")
                                    + fixes.overflow("m", "float16", "", "addmm"), "fabric")
     assert not any("clip_grad_norm_" in fix or "dtype=torch.bfloat16" in fix for fix in worded)

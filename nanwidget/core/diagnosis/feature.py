@@ -138,8 +138,9 @@ def _wrapper_of(value: Any) -> str:
     ``fabric.setup`` made, "skorch" for a skorch net (it holds its ``module_``), "sb3" for a
     Stable-Baselines3 algorithm (PPO, SAC, ...: it holds its ``policy`` and ``env``), "trainer"
     for transformers' ``Trainer`` (or a subclass: TRL's, Seq2SeqTrainer) that holds its
-    ``args``, "lightning" for Lightning's ``Trainer`` (it holds its ``fit_loop``), "timm" for
-    timm's ``NativeScaler`` (it holds its GradScaler as ``_scaler``: the loop calls it for the
+    ``args`` ("st-trainer" for sentence-transformers' ``SentenceTransformerTrainer``),
+    "lightning" for Lightning's ``Trainer`` (it holds its ``fit_loop``), "timm" for timm's
+    ``NativeScaler`` (it holds its GradScaler as ``_scaler``: the loop calls it for the
     backward, the clipping and the step), else ""; told by class and module name, nothing
     imported or called."""
     kind = type(value)
@@ -156,7 +157,10 @@ def _wrapper_of(value: Any) -> str:
         return "sb3"
     if any(base.__name__ == "Trainer" and base.__module__ == "transformers.trainer"
            for base in kind.__mro__) and "args" in vars(value):
-        return "trainer"
+        # sentence-transformers' SentenceTransformerTrainer (or a subclass of it): its loss is
+        # a module given as loss=, which runs the model inside its forward.
+        return "st-trainer" if any(str(base.__module__).startswith("sentence_transformers.")
+                                   for base in kind.__mro__) else "trainer"
     if any(base.__name__ == "Trainer" and base.__module__ in _LIGHTNING_TRAINERS
            for base in kind.__mro__) and "fit_loop" in vars(value):
         return "lightning"
@@ -174,7 +178,7 @@ def _wrapper_clipping(wrapper: str, holder: Any) -> tuple[str, float | None]:
     default), and not at all under manual optimization, where the wrapper is told
     "lightning-manual"."""
     state = vars(holder)
-    if wrapper == "trainer":
+    if wrapper in ("trainer", "st-trainer", "st-fit"):
         clip = getattr(state.get("args"), "max_grad_norm", None)
     elif wrapper == "lightning":
         module = getattr(getattr(holder, "strategy", None), "lightning_module", None)
@@ -215,7 +219,7 @@ def _running_wrapper() -> tuple[str, Any]:
     the stack (see :func:`_wrapper_of`): the innermost one, and the object; ("", None) for
     none."""
     frame = sys._getframe(1)
-    for _ in range(_STACK_DEPTH):
+    for depth in range(_STACK_DEPTH):
         if frame is None:
             return "", None
         for value in list(frame.f_locals.values()):
@@ -223,10 +227,29 @@ def _running_wrapper() -> tuple[str, Any]:
                 wrapper = _wrapper_of(value)
             except Exception:  # no __dict__, an odd object: no wrapper's
                 continue
+            if wrapper == "st-trainer" and _made_by_fit(frame, value, _STACK_DEPTH - depth):
+                return "st-fit", value
             if wrapper:
                 return wrapper, value
         frame = frame.f_back
     return "", None
+
+
+def _made_by_fit(frame: Any, trainer: Any, depth: int) -> bool:
+    """Whether ``trainer`` (a ``SentenceTransformerTrainer``) is the one sentence-transformers'
+    legacy ``model.fit(train_objectives=...)`` made and runs: a ``fit`` of that package on the
+    stack above ``frame`` holds it as ``trainer``. Its user sets ``fit``'s keywords
+    (``optimizer_params``, ``warmup_steps``, ``max_grad_norm``, ``use_amp``), not
+    ``TrainingArguments``."""
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "fit" \
+                and str(frame.f_globals.get("__name__", "")).startswith("sentence_transformers.") \
+                and frame.f_locals.get("trainer") is trainer:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _abs_max_per_module(recorder: Recorder) -> list[tuple[str, list[torch.Tensor]]]:

@@ -17,6 +17,7 @@ __all__ = ["overflow", "scaled_gradient_overflow", "divergence", "domain", "mask
            "loss", "loss_input", "unknown", "in_wrapper_terms", "FABRIC_TERMS",
            "LIGHTNING_TERMS", "LIGHTNING_MANUAL_TERMS",
            "SKORCH_TERMS", "SB3_TERMS", "TIMM_TERMS", "SB3_WHOLE_FIXES", "TRAINER_TERMS", "TRAINER_WHOLE_FIXES",
+           "ST_TRAINER_WHOLE_FIXES", "ST_FIT_TERMS", "ST_FIT_WHOLE_FIXES",
            "LIGHTNING_WHOLE_FIXES", "NAME_THE_LOSS_OP", "in_full_precision",
            "in_dp_terms", "with_one_cycle", "without_watch_callback"]
 
@@ -1232,6 +1233,68 @@ _TRAINER_CLIPPING = (
     (f"Clip the gradients before the step: {_CLIP}; with float16, torch.amp.GradScaler skips "
      "steps whose gradients hold Inf/NaN.", ""),
 )
+# sentence-transformers' SentenceTransformerTrainer is transformers' Trainer (its
+# TrainingArguments hold), but the loss is the module given as loss=, which runs the model inside
+# its forward: watching that module puts the labels and the loss's ops in the watch.
+_ST_WATCH_THE_LOSS = (
+    "Name the loss's op and line: watch the loss module rather than the model, nw.watch(loss) "
+    "around {call} (the loss{given} runs the model inside its forward, so its labels, its "
+    "ops and the model's modules are all watched, one batch per micro-batch).")
+ST_TRAINER_WHOLE_FIXES = (
+    (NAME_THE_LOSS_OP, _ST_WATCH_THE_LOSS.format(
+        call="trainer.train() in place of the callback",
+        given=" given as SentenceTransformerTrainer(loss=...)")),)
+# sentence-transformers' legacy model.fit(train_objectives=[(loader, loss)]) makes a
+# SentenceTransformerTrainer itself: its user sets fit's keywords, not TrainingArguments, and
+# cannot pass it a callback.
+_ST_FIT_CLIP = "model.fit(max_grad_norm=1) (its default)"
+ST_FIT_TERMS = (
+    ("Lower the learning rate (try 10x lower) or warm it up over the first steps "
+     "(torch.optim.lr_scheduler.LinearLR, or OneCycleLR).",
+     "Lower the learning rate (try 10x lower: model.fit(optimizer_params={\"lr\": ...})) or "
+     "warm it up over the first steps (model.fit(warmup_steps=...), in steps)."),
+    ("Under AMP, let torch.amp.GradScaler manage the loss scale (it lowers the scale when "
+     "gradients overflow); a fixed large scale diverges.",
+     "In float16, train with model.fit(use_amp=True): its GradScaler manages the loss scale "
+     "(it lowers the scale when gradients overflow)."),
+    ("Under AMP, let torch.amp.GradScaler manage the loss scale (it skips a step whose "
+     "gradients overflowed and lowers the scale), or train in bfloat16.",
+     "In float16, train with model.fit(use_amp=True): its GradScaler skips a step whose "
+     "gradients overflowed and lowers the scale; or train in bfloat16 with "
+     "SentenceTransformerTrainer and SentenceTransformerTrainingArguments(bf16=True)."),
+    ("Keep the weights and optimizer state in float32 (autocast the forward instead of "
+     "model.half()).",
+     "Keep the weights and optimizer state in float32: load the model in float32 and train "
+     "with model.fit(use_amp=True) (mixed precision), not a model cast to float16."),
+    (f"clip them before the step (scaler.unscale_(optimizer), then {_CLIP})",
+     f"clip them before the step: {_ST_FIT_CLIP}, which unscales them first"),
+    ("so a step divides by ~0. Use eps=1e-4 or larger, or keep the weights in float32 "
+     "(torch.autocast for float16 compute, with torch.amp.GradScaler).",
+     "so a step divides by ~0. Use eps=1e-4 or larger (model.fit(optimizer_params={\"lr\": "
+     "..., \"eps\": 1e-4})), or keep the weights in float32 (model.fit(use_amp=True) for "
+     "float16 compute, with its GradScaler)."),
+    ("atch the bad step before it writes the weights: watch with backward=True (a non-finite "
+     "gradient stops there), or call w.check_grad_norms() before optimizer.step() and skip the "
+     "step when it returns True.",
+     "atch the bad step before it writes the weights: train with SentenceTransformerTrainer("
+     "..., loss=loss, callbacks=[NanWatchCallback()]) (from nanwidget.integrations."
+     "transformers) instead of model.fit, which checks the gradients before each optimizer "
+     "step and stops training there."),
+    (f"{_CLIP}; with float16, torch.amp.GradScaler skips steps whose gradients hold Inf/NaN.",
+     f"{_ST_FIT_CLIP}; with use_amp=True, its GradScaler skips steps whose gradients hold "
+     "Inf/NaN."),
+)
+ST_FIT_WHOLE_FIXES = (
+    (NAME_THE_LOSS_OP, _ST_WATCH_THE_LOSS.format(
+        call="model.fit(...)", given=" in train_objectives=[(loader, loss)]")),)
+_ST_FIT_CLIPPING = (
+    (f"Clip the gradients before the step: {_CLIP}.",
+     "model.fit clips the gradients' total norm already (max_grad_norm={max_grad_norm:g}), "
+     "and the weights grew anyway: clipping bounds the gradient, not the step, so lower the "
+     "learning rate (optimizer_params={{\"lr\": ...}}) rather than max_grad_norm."),
+    (f"Clip the gradients before the step: {_CLIP}; with float16, torch.amp.GradScaler skips "
+     "steps whose gradients hold Inf/NaN.", ""),
+)
 # Lightning's Trainer: the optimizer and its schedule come from the LightningModule's
 # configure_optimizers(), the precision and the clipping from the Trainer's flags
 # (gradient_clip_val clips the total norm by default, after the 16-mixed GradScaler unscaled the
@@ -1326,13 +1389,16 @@ TRAINER_WHOLE_FIXES = _callback_loss_fn(
     "transformers", "your compute_loss_func (or compute_loss, or the Trainer's label smoothing)",
     "outputs")
 LIGHTNING_WHOLE_FIXES = _callback_loss_fn("lightning", "training_step", "out")
-_CLIPPING = {"trainer": _TRAINER_CLIPPING, "lightning": _LIGHTNING_CLIPPING}
+_CLIPPING = {"trainer": _TRAINER_CLIPPING, "st-trainer": _TRAINER_CLIPPING,
+             "st-fit": _ST_FIT_CLIPPING, "lightning": _LIGHTNING_CLIPPING}
 _TERMS = {"fabric": (FABRIC_TERMS, _FABRIC_CLIP), "skorch": (SKORCH_TERMS, _SKORCH_CLIP),
           "sb3": (SB3_TERMS, _SB3_CLIP), "trainer": (TRAINER_TERMS, _TRAINER_CLIP),
+          "st-trainer": (TRAINER_TERMS, _TRAINER_CLIP), "st-fit": (ST_FIT_TERMS, _ST_FIT_CLIP),
           "lightning": (LIGHTNING_TERMS, _LIGHTNING_CLIP),
           "lightning-manual": (LIGHTNING_MANUAL_TERMS, _LIGHTNING_MANUAL_CLIP),
           "timm": (TIMM_TERMS, _TIMM_CLIP)}
 _WHOLE = {"sb3": SB3_WHOLE_FIXES, "trainer": TRAINER_WHOLE_FIXES,
+          "st-trainer": ST_TRAINER_WHOLE_FIXES, "st-fit": ST_FIT_WHOLE_FIXES,
           "lightning": LIGHTNING_WHOLE_FIXES, "lightning-manual": LIGHTNING_WHOLE_FIXES}
 
 
@@ -1352,7 +1418,9 @@ def without_watch_callback(suggestion: list[str]) -> list[str]:
 def in_wrapper_terms(suggestion: list[str], wrapper: str,
                      max_grad_norm: float | None = None) -> list[str]:
     """``suggestion`` for a model that a training wrapper runs (``"fabric"``: Lightning
-    Fabric, ``"skorch"``, ``"sb3"``: Stable-Baselines3, ``"trainer"``: transformers' Trainer,
+    Fabric, ``"skorch"``, ``"sb3"``: Stable-Baselines3, ``"trainer"``: transformers' Trainer
+    (``"st-trainer"``: sentence-transformers' ``SentenceTransformerTrainer``, ``"st-fit"``: the
+    one its legacy ``model.fit`` makes, :data:`ST_FIT_TERMS`),
     ``"lightning"``: Lightning's Trainer, ``"lightning-manual"``: the same for a
     LightningModule with ``automatic_optimization = False``; ``"timm"``: a loop whose timm
     ``NativeScaler`` runs the backward and the step, :data:`TIMM_TERMS`), in its words
@@ -1384,7 +1452,7 @@ def in_wrapper_terms(suggestion: list[str], wrapper: str,
 # and the wrappers' words for them), and the clauses of a clipping fix that speak of float16.
 _AMP_LINES = ("Under AMP, let torch.amp.GradScaler manage the loss scale",
               "In float16, train with ")
-_AMP_CLAUSE = re.compile(r"; with (?:float16|fp16=True|precision=\"16-mixed\"), "
+_AMP_CLAUSE = re.compile(r"; with (?:float16|fp16=True|use_amp=True|precision=\"16-mixed\"), "
                          r"(?:torch\.amp\.GradScaler|its GradScaler) skips steps whose gradients "
                          r"hold Inf/NaN\.$")
 
