@@ -173,7 +173,11 @@ class BatchLog:
         for batch in range(self.noted_until, end):
             self.note(batch, phase, step, index)
 
-    def describe(self, batch: int) -> str:
+    def describe(self, batch: int, *, loss: bool = False) -> str:
+        """``batch`` in the framework's words: "training step 3, micro-batch 1" (", forward 2
+        of 2" when the micro-batch ran the model twice). ``loss``: for the loss of that
+        micro-batch, which reads all its forwards: "..., the loss of its 2 forwards (batches 2
+        to 3)"."""
         rows = list(self._rows)
         for position in range(len(rows) - 1, -1, -1):
             if rows[position][0] == batch:
@@ -181,7 +185,10 @@ class BatchLog:
                 text = (f"training step {step}, micro-batch {index}" if phase == "train"
                         else f"evaluation after step {step}, batch {index}")
                 first, count = self._forwards_of(rows, position)
-                if count > 1:
+                if count > 1 and loss:
+                    text += (f", the loss of its {count} forwards (batches {rows[first][0]} "
+                             f"to {rows[first + count - 1][0]})")
+                elif count > 1:
                     text += f", forward {position - first + 1} of {count}"
                 return text
         return f"batch {batch}"
@@ -329,7 +336,8 @@ class StepGuard:
         value = loss.detach()
         if value.numel() and not bool(torch.isfinite(value).all()):
             kind = "nan" if bool(torch.isnan(value).any()) else "inf"
-            self._losses.append(f"{kind} loss in batch {batch} ({self.batches.describe(batch)}); "
+            self._losses.append(f"{kind} loss in batch {batch} "
+                                f"({self.batches.describe(batch, loss=True)}); "
                                 + (made_by or self._where_loss_was_made(batch)))
             if not self._loss_values:
                 # The loss itself: its grad_fn tells the loss function (torch's mse_loss ...).
