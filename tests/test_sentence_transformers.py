@@ -270,6 +270,8 @@ def test_encode_is_unchanged_and_names_a_nan(bert_dir):
         event = raised.value.event
         assert event.module == "0.model.encoder.layer.1.intermediate.dense"
         assert event.origin == "weight" and event.diagnosis.kind == "corrupted-weight"
+        # At batch 0 no batch ran before it: nothing the sentinel left unmeasured.
+        assert not any("could not be checked" in line for line in event.diagnosis.evidence)
 
 
 def test_bf16_autocast_on_cpu_is_silent_and_bit_identical(bert_dir, tmp_path):

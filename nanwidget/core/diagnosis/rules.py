@@ -236,8 +236,8 @@ def _dated_by_outputs(growth: Growth) -> str:
 
 def _no_history(facts: Facts) -> list[str]:
     """What sentinel mode could not check for lack of recorded batches."""
-    if not _recorded_too_few(facts):
-        return []  # as much as full mode would have had
+    if not _recorded_too_few(facts) or facts.event.batch == 0:
+        return []  # as much as full mode would have had (at batch 0: no batch before it)
     recorded = len([b for b, _ in facts.weights.series if b <= facts.event.batch])
     if facts.sample_every:
         return [f"Sentinel mode (sample_every={facts.sample_every}) had measured the weights of "
