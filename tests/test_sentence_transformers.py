@@ -188,6 +188,24 @@ def test_the_callback_stops_a_divergence_before_the_nan_step(bert_dir, tmp_path)
                if value.is_floating_point())
 
 
+def test_sentinel_mode_tells_a_one_step_blow_up_as_a_divergence(bert_dir, tmp_path):
+    # Adam at lr=1e6 moves every weight by about 1e6 in its first step; the next forward
+    # overflows in a LayerNorm, and the embeddings (mean pooled after it) never climbed, so the
+    # sentinel's outputs alone tell nothing: its weights at the watch's start against now do.
+    model = _model(bert_dir)
+    callback = NanWatchCallback(log_dir=False, mode="sentinel")
+    trainer = _trainer(model, losses.MultipleNegativesRankingLoss(model), _pairs(32), tmp_path,
+                       [callback], learning_rate=1e6, max_grad_norm=0.0,
+                       lr_scheduler_type="constant")
+    trainer.train()
+    assert callback.stop is not None and callback.watch.mode == "sentinel"
+    diagnosis = callback.event.diagnosis
+    assert diagnosis.kind == "divergence", diagnosis.headline()
+    assert any("when the watch began" in line for line in diagnosis.evidence)
+    assert any("TrainingArguments(learning_rate=" in fix for fix in diagnosis.suggestion)
+    assert not any("clamp" in fix for fix in diagnosis.suggestion)
+
+
 def test_a_nan_score_is_named_as_the_labels_of_the_loss_module(bert_dir, tmp_path):
     model = _model(bert_dir)
     callback = NanWatchCallback(log_dir=False)

@@ -672,7 +672,8 @@ class Diagnoser(Feature):
             # iteration, more with a line search) are the updates counted.
             calls = event.batch - facts.lbfgs["first_batch"] \
                 if facts.lbfgs is not None and steps == self.steps_at_start else 0
-            if steps is not None and (steps - self.steps_at_start >= 2 or calls >= 2):
+            # One step is enough for a jump by rules._JUMP (the rules want two for a climb).
+            if steps is not None and (steps - self.steps_at_start >= 1 or calls >= 2):
                 facts.weights_at_start = _read_abs_max(self._at_start)
                 facts.steps_since_start = steps - self.steps_at_start or calls
                 facts.calls_since_start = steps == self.steps_at_start

@@ -211,9 +211,11 @@ def _compounded_calls(facts: Facts, module: str) -> tuple[str, int, Growth] | No
 def _growth_line(what: str, growth: Growth) -> str:
     if growth.since_start:
         unit = "calls of LBFGS's closure" if growth.in_lbfgs_step else "optimizer steps"
+        over = (f"over the {growth.steps} {unit} between: {_g(growth.ratio)}x in all, "
+                f"{growth.per_batch:.3g}x {growth.per}" if growth.steps != 1 else
+                f"across the one optimizer step between: {_g(growth.ratio)}x")
         return (f"{what} grew from {_g(growth.start[1])} when the watch began to "
-                f"{_g(growth.end[1])} at batch {growth.end[0]} over the {growth.steps} {unit} "
-                f"between: {_g(growth.ratio)}x in all, {growth.per_batch:.3g}x {growth.per} "
+                f"{_g(growth.end[1])} at batch {growth.end[0]} {over} "
                 "(sentinel mode measured the weights at those two times only: the watch's start "
                 "and this event)" + _dated_by_outputs(growth))
     return (f"{what} grew {growth.per_batch:.3g}x {growth.per} from batch {growth.start[0]} "
@@ -350,7 +352,7 @@ def _growth_since_start(facts: Facts) -> Growth | None:
     average over all the steps is dated by a steep climb of the outputs (a long warmup before
     it). None otherwise."""
     start, event = facts.weights_at_start, facts.event
-    if not start or facts.steps_since_start < 2 or not _recorded_too_few(facts):
+    if not start or facts.steps_since_start < 1 or not _recorded_too_few(facts):
         return None
     modules = [module for module in start if module in facts.weights_now]
     before = sum(start[module] for module in modules)
@@ -359,6 +361,13 @@ def _growth_since_start(facts: Facts) -> Growth | None:
         return None
     grew = Growth(start=(0, before), end=(event.batch, now), steps=facts.steps_since_start,
                   since_start=True, in_lbfgs_step=facts.calls_since_start)
+    if math.isfinite(now) and now >= _JUMP ** facts.steps_since_start * before:
+        # Each step multiplied them by _JUMP or more (Adam at a learning rate of 1e6 moves
+        # every weight by about that much at once): full mode's jump across a step, whatever
+        # the outputs did (a LayerNorm before them keeps them bounded).
+        return grew
+    if facts.steps_since_start < 2:
+        return None
     climb = None if grew.in_lbfgs_step else _outputs_climb(facts, least_steps=2, least=2.0)
     if grew.per_batch < _DIVERGING_PER_BATCH:
         # Too slow on average over every step since the watch began: a long healthy stretch
