@@ -242,8 +242,19 @@ def scaled_gradient_overflow(*, batch: int, scale: float, module: str, at_output
     return fixes
 
 
-def compounded(module: str) -> list[str]:
-    """An overflow built up over repeated calls of one module within a forward."""
+def compounded(module: str, gradual: bool = False) -> list[str]:
+    """An overflow built up over repeated calls of one module within a forward; ``gradual``:
+    over many calls, each little above the last (an adaptive solver's small steps through a
+    solution that itself grows out of range)."""
+    if gradual:
+        return [f"'{module}' climbed a little at each of many calls: the solution itself grew "
+                "out of range, which smaller steps or tighter tolerances cannot change (an "
+                "adaptive solver such as torchdiffeq's dopri5 already shrinks its steps). Keep "
+                "the learned vector field bounded (a tanh on its output, "
+                "torch.nn.utils.parametrizations.spectral_norm on its layers, weight decay), "
+                "integrate over a shorter time span, or rescale the state.",
+                "A recurrent cell or an unrolled loop: clip or normalise the state between steps "
+                "(a LayerNorm, or h.clamp(-c, c)), use a gated cell (nn.LSTMCell, nn.GRUCell)."]
     return [f"If '{module}' runs in a loop on its own results, bound the step rather than one "
             "op: the values compounded over its calls. An ODE solver: a smaller step, or an "
             "adaptive solver with tolerances (torchdiffeq's odeint(func, y0, t, "

@@ -176,6 +176,10 @@ def growth_of(points: list[tuple[int, float]], least: float = 2.0,
 # call to call to the overflow: values compounded within the forward (an ODE solver's steps).
 _COMPOUNDING_CALLS = 4
 _COMPOUNDED_GROWTH = 1e3
+# A climb this steep in all is compounding however slowly it went per call: an adaptive
+# solver (torchdiffeq's dopri5) takes thousands of small steps through a solution that grows
+# past the dtype's largest, each step's calls ~1.03x above the last.
+_LONG_CLIMB = 1e6
 
 
 def _compounded_calls(facts: Facts, module: str) -> tuple[str, int, Growth] | None:
@@ -202,8 +206,10 @@ def _compounded_calls(facts: Facts, module: str) -> tuple[str, int, Growth] | No
     if len(before) < _COMPOUNDING_CALLS:
         return None
     points = [(int(call), float(value)) for call, value in before.items()]
-    growth = growth_of(points, least=_COMPOUNDED_GROWTH, per_batch=1.05)
+    growth = growth_of(points, least=_COMPOUNDED_GROWTH)
     if growth is None or growth.end[0] - growth.start[0] + 1 < _COMPOUNDING_CALLS:
+        return None
+    if growth.per_batch < 1.05 and growth.ratio < _LONG_CLIMB:
         return None
     return module, int(bad[0]), growth
 
@@ -2737,7 +2743,7 @@ def _from_op(facts: Facts) -> Diagnosis | None:
                             "per batch from batch", "per call from call").replace(
                             "to batch", "to call")
                         + "; the values compounded over its calls within the forward.")
-        suggestion = fixes.compounded(module) + suggestion
+        suggestion = fixes.compounded(module, gradual=growth.per_batch < 1.05) + suggestion
     weight = _weight_gradient(facts) if op.phase == "backward" else None
     if weight is not None:  # a weight's gradient: what its frames tell comes too
         evidence.extend(weight.evidence)
