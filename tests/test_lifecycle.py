@@ -538,6 +538,43 @@ def test_a_watch_whose_model_is_never_called_while_another_model_trains_says_so_
         watch.close()
 
 
+class OwnCall(nn.Module):
+    """A module whose class runs forward in its own __call__, never nn.Module's (GPyTorch's
+    modules do): no hook of it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc.weight @ x.T + self.fc.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
+class SuperCall(OwnCall):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.Module.__call__(self, x)
+
+
+@pytest.mark.parametrize("mode", ["full", "sentinel"])
+def test_a_model_whose_own_call_runs_no_hooks_is_said_unseen_at_close(mode, recwarn):
+    torch.manual_seed(0)
+    for kind in (OwnCall, SuperCall):
+        model = kind()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        watch = nw.watch(model, mode=mode)
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+        watch.close()
+    said = [str(w.message) for w in recwarn if str(w.message).startswith("nanwidget")]
+    # The one whose __call__ runs forward itself only: the other's hooks ran.
+    assert len(said) == 1 and "checked nothing" in said[0]
+    assert f"({__name__}.OwnCall.__call__)" in said[0] and "was never called" not in said[0]
+
+
 def test_a_watch_that_saw_its_model_or_no_training_stays_quiet_at_close(recwarn):
     torch.manual_seed(0)
     model = TinyMLP()

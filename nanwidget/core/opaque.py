@@ -23,7 +23,7 @@ from torch import nn
 
 __all__ = ["is_torchscript", "inside_torchscript", "weights_of", "GatheredWeights",
            "add_forward_hook", "add_forward_pre_hook", "hookable_modules",
-           "holds_packed_weights", "packed_weights"]
+           "holds_packed_weights", "packed_weights", "own_call", "own_call_note"]
 
 _SCRIPT = torch.jit.ScriptModule
 
@@ -39,6 +39,35 @@ def inside_torchscript(named: list[tuple[str, nn.Module]]) -> set[str]:
     return {name for name, _ in named
             if any(name != outer and (outer == "" or name.startswith(outer + "."))
                    for outer in scripted)}
+
+
+def own_call(module: nn.Module) -> str | None:
+    """The ``__call__`` that ``module``'s class defines in place of ``nn.Module``'s, named
+    (``pkg.mod.Class.__call__``), when it comes from outside torch: one that runs ``forward``
+    itself (GPyTorch's modules do) never runs the module's hooks. None for a class that keeps
+    ``nn.Module.__call__`` (torch's own classes, TorchScript's included, do run the hooks)."""
+    for klass in type(module).__mro__:
+        if klass is nn.Module:
+            return None
+        if "__call__" in vars(klass):
+            where = getattr(klass, "__module__", "") or ""
+            if where == "torch" or where.startswith("torch."):
+                return None
+            return f"{where}.{klass.__qualname__}.__call__"
+    return None
+
+
+def own_call_note(module: nn.Module) -> str:
+    """What a note that a watch checked nothing says of a model whose class defines its own
+    ``__call__`` ("" for one that does not)."""
+    call = own_call(module)
+    if call is None:
+        return ""
+    return (f"Its class defines its own __call__ ({call}), which may run forward without "
+            "nn.Module's hooks: then no watch sees its calls, in any mode, nor those of its "
+            "modules whose classes do the same. Check what you compute from it yourself "
+            "(nw.detect_overflow(loss, 'loss'); torch.autograd.set_detect_anomaly(True) for "
+            "the backward).")
 
 
 def hookable_modules(root: nn.Module) -> list[nn.Module]:

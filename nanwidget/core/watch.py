@@ -42,6 +42,7 @@ from .recorder import Feature, Recorder
 from .replay import BatchCapture, Replayer, ReplayError
 from .replay.run import unreplayable_reason
 from .report import format_event_report
+from .opaque import own_call_note
 from .options import (MAX_EVENTS, MODES, OPTIONS, SkipTypesWarning, WatchOptions, batch_number,
                       is_loss_scale_optimizer, loss_function, options_help,
                       signature_of_options, split_classes)
@@ -578,13 +579,26 @@ class NanWatch:
         """What to tell a user whose watched model was never called while optimizers stepped:
         the model that trained is another one (a wrapper built a new model for its fit)."""
         recorder = self._recorder
-        if recorder.batch or recorder.manual_batches or recorder.events \
+        own = own_call_note(self.model)
+        if own:
+            # Batches counted and frames held while the model's own forward never returned
+            # through its hooks are those of modules called outside it (a GPyTorch model's
+            # Softplus constraints): what tells is whether the model itself has a frame.
+            table = recorder.history_table()
+            if recorder.manual_batches or recorder.events \
+                    or (len(table) and bool((table["module"] == "").any())):
+                return None
+        elif recorder.batch or recorder.manual_batches or recorder.events \
                 or recorder.held_frames():
             return None
         steps = steps_taken() - self._steps_at_start
         if steps <= 0:
             return None
         kind = type(self.model).__name__
+        if own:
+            return (f"This watch checked nothing of its {kind}: no call of it reached the "
+                    f"watch while {steps} optimizer step{'s' if steps > 1 else ''} ran. "
+                    + own)
         return (f"This watch checked nothing: its {kind} was never called while {steps} "
                 f"optimizer step{'s' if steps > 1 else ''} ran, so the model that trained is "
                 "another object. A training wrapper may have built a new model for its fit: "

@@ -66,6 +66,7 @@ from ..entries import Entry
 from ..events import NOT_REPLAYED, REPEATED_NOTES, NanEvent
 from ..frames import Frame, frames_to_dataframe
 from ..graph_capture import run_eagerly_under_dynamo
+from ..opaque import own_call_note
 from ..recorder import Feature, Finding, Recorder
 from ..replay.capture import BatchCapture, ReplayError
 from ..replay.run import Replayed, automatic_loss, replay_frames
@@ -1310,6 +1311,11 @@ class Sentinel(Feature):
         if not moved:
             return None
         kind = type(self.capture.slots.root).__name__
+        own = own_call_note(self.capture.slots.root)
+        if own:  # the model was called, perhaps, but its calls never ran the hooks
+            return (f"Sentinel mode checked nothing: no call of this {kind} reached the watch "
+                    "while its weights were updated. " + own + " If your loop calls its "
+                    "modules directly, watch each one it calls.")
         children = list(dict.fromkeys(name.split(".")[0] for name in moved if "." in name))
         which = (f"the weights of its modules {', '.join(children[:4])}"
                  + (" ..." if len(children) > 4 else "")) if children else "its weights"
