@@ -367,7 +367,9 @@ def _growth_since_start(facts: Facts) -> Growth | None:
         return None
     grew = Growth(start=(0, before), end=(event.batch, now), steps=facts.steps_since_start,
                   since_start=True, in_lbfgs_step=facts.calls_since_start)
-    if math.isfinite(now) and now >= _JUMP ** facts.steps_since_start * before:
+    # In logs: _JUMP to the power of hundreds of steps is past a float's range.
+    if math.isfinite(now) \
+            and math.log(now / before) >= facts.steps_since_start * math.log(_JUMP):
         # Each step multiplied them by _JUMP or more (Adam at a learning rate of 1e6 moves
         # every weight by about that much at once): full mode's jump across a step, whatever
         # the outputs did (a LayerNorm before them keeps them bounded).
