@@ -133,13 +133,10 @@ def test_native_scaler_in_float16_skips_steps_quietly(watch_kwargs):
     _assert_same(unwatched, watched)
 
 
-@pytest.mark.parametrize("watch_kwargs", WATCHES[:3], ids=WATCH_IDS[:3])
-def test_a_learning_rate_blown_up_is_divergence(watch_kwargs):
-    torch.manual_seed(0)
-    model = MODELS["vit"]()
-    optimizer = create_optimizer_v2(model, "sgd", lr=100.0, weight_decay=0.05)
+def _train_until_event(model, optimizer, batches, watch_kwargs) -> nw.NanWatch:
+    """A bf16-autocast training loop under a watch that records, stopped at its first event."""
     with nw.watch(model, on_nan="record", **watch_kwargs) as w:
-        for x, y in _batches(12):
+        for x, y in batches:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
@@ -147,6 +144,15 @@ def test_a_learning_rate_blown_up_is_divergence(watch_kwargs):
             optimizer.step()
             if w.event:
                 break
+    return w
+
+
+@pytest.mark.parametrize("watch_kwargs", WATCHES[:3], ids=WATCH_IDS[:3])
+def test_a_learning_rate_blown_up_is_divergence(watch_kwargs):
+    torch.manual_seed(0)
+    model = MODELS["vit"]()
+    optimizer = create_optimizer_v2(model, "sgd", lr=100.0, weight_decay=0.05)
+    w = _train_until_event(model, optimizer, _batches(12), watch_kwargs)
     assert w.event is not None, "the blow-up went unseen"
     # Which layer overflows first in a chaotic climb depends on the CPU's kernels: the kind is
     # what holds.
@@ -186,15 +192,7 @@ def test_a_nan_pixel_is_bad_data_at_the_stem(name, watch_kwargs):
     optimizer = create_optimizer_v2(model, "adamw", lr=1e-3)
     batches = _batches(3)
     batches[2][0][1, 0, 3, 3] = float("nan")
-    with nw.watch(model, on_nan="record", **watch_kwargs) as w:
-        for x, y in batches:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if w.event:
-                break
+    w = _train_until_event(model, optimizer, batches, watch_kwargs)
     event = w.event
     assert (event.batch, event.module, event.origin) == (2, STEMS[name], "input")
     assert (event.diagnosis.kind, event.diagnosis.rows) == ("bad-data", [1])
