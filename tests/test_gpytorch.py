@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 
-gpytorch = pytest.importorskip("gpytorch")
+gpytorch = pytest.importorskip(
+    "gpytorch", reason="gpytorch is optional (CI's extras job installs it): pip install gpytorch")
 
 import nanwidget as nw  # noqa: E402
 

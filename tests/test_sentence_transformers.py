@@ -9,8 +9,10 @@ import warnings
 
 import pytest
 
-sentence_transformers = pytest.importorskip("sentence_transformers")
-datasets = pytest.importorskip("datasets")
+sentence_transformers = pytest.importorskip(
+    "sentence_transformers", reason="sentence-transformers is optional (CI's extras job installs it): pip install sentence-transformers")
+datasets = pytest.importorskip(
+    "datasets", reason="datasets is optional (CI's extras job installs it): pip install datasets")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-torchdiffeq = pytest.importorskip("torchdiffeq")
+torchdiffeq = pytest.importorskip(
+    "torchdiffeq", reason="torchdiffeq is optional (CI's extras job installs it): pip install torchdiffeq")
 
 import nanwidget as nw  # noqa: E402
 
